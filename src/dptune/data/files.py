@@ -1,0 +1,310 @@
+"""Locating, verifying and downloading dataset files.
+
+Search order for a dataset's files (``<name>`` is the dataset's folder):
+
+1. ``<data_dir>/<name>/`` where ``data_dir`` is the argument, else ``$DPTUNE_DATA_DIR``;
+2. the cache ``<cache_dir>/<name>/`` (argument, else ``$DPTUNE_CACHE``, else
+   ``$XDG_CACHE_HOME/dptune`` or ``~/.cache/dptune``);
+3. a download of the canonical URLs into the cache (``urllib``, 10 s timeout, set
+   ``$DPTUNE_DOWNLOAD_TIMEOUT`` to change it; ``$DPTUNE_OFFLINE=1`` disables downloads).
+
+Every file read is checked against the registry's SHA-256 (or MD5 where only that is
+published). A successful check is remembered in ``<cache_dir>/verified.json`` keyed by
+absolute path, size and mtime, so repeated loads do not re-hash large files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from dptune.data.registry import DatasetSpec, FileSpec
+from dptune.errors import DataError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+_CHUNK = 1 << 20
+
+
+def data_root(data_dir: str | os.PathLike[str] | None) -> Path | None:
+    """``data_dir`` argument, else ``$DPTUNE_DATA_DIR``, else ``None``."""
+    value = data_dir if data_dir is not None else os.environ.get("DPTUNE_DATA_DIR") or None
+    return Path(value).expanduser() if value is not None else None
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """``cache_dir`` argument, else ``$DPTUNE_CACHE``, else the user cache folder."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("DPTUNE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "dptune"
+
+
+# ----------------------------------------------------------------------------- hashing
+
+
+def file_digests(path: Path) -> tuple[str, str]:
+    """SHA-256 and MD5 of a file, in one pass."""
+    sha, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            sha.update(chunk)
+            md5.update(chunk)
+    return sha.hexdigest(), md5.hexdigest()
+
+
+class _VerifiedCache:
+    """``verified.json``: path -> (size, mtime_ns, sha256) of files that passed a check."""
+
+    def __init__(self, cache: Path):
+        self.path = cache / "verified.json"
+
+    def _read(self) -> dict[str, dict[str, object]]:
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                data = json.load(fh)
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    @staticmethod
+    def _key(path: Path) -> tuple[str, dict[str, object]]:
+        st = path.stat()
+        return str(path.resolve()), {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+    def hit(self, path: Path, expected: str) -> bool:
+        key, stamp = self._key(path)
+        entry = self._read().get(key)
+        return (
+            isinstance(entry, dict)
+            and entry.get("size") == stamp["size"]
+            and entry.get("mtime_ns") == stamp["mtime_ns"]
+            and entry.get("digest") == expected
+        )
+
+    def store(self, path: Path, digest: str) -> None:
+        key, stamp = self._key(path)
+        data = self._read()
+        data[key] = {**stamp, "digest": digest}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(data, fh, indent=0, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError as exc:  # a read-only cache only costs re-hashing next time
+            log.debug("could not record verification in %s: %s", self.path, exc)
+
+
+def _expected(spec: FileSpec) -> tuple[str, tuple[str, ...]]:
+    """(algorithm, accepted hex digests) for a file; ('', ()) when nothing is known."""
+    if spec.sha256 or spec.alt_sha256:
+        return "sha256", tuple(h for h in (spec.sha256, *spec.alt_sha256) if h)
+    if spec.md5:
+        return "md5", (spec.md5,)
+    return "", ()
+
+
+def verify_file(
+    path: Path, spec: FileSpec, cache: Path, dataset: str, *, fix: str | None = None
+) -> None:
+    """Raise ``DataError`` unless ``path`` matches the registry checksum of ``spec``."""
+    algo, accepted = _expected(spec)
+    if not accepted:
+        log.warning(
+            "dptune.data: no published checksum for %s (dataset %r); it was read unverified.",
+            path,
+            dataset,
+        )
+        return
+    vcache = _VerifiedCache(cache)
+    if any(vcache.hit(path, h) for h in accepted):
+        return
+    try:
+        sha, md5 = file_digests(path)
+    except OSError as exc:
+        raise DataError(f"dataset {dataset!r}: cannot read {path}: {exc}") from exc
+    actual = sha if algo == "sha256" else md5
+    if actual not in accepted:
+        fix = fix or (
+            f"delete it and load again to re-download it, or replace it with an intact copy "
+            f"from {spec.urls[0] if spec.urls else 'the original source'}"
+        )
+        raise DataError(
+            f"dataset {dataset!r}: checksum mismatch for {path}\n"
+            f"  expected {algo} {accepted[0]}\n"
+            f"  actual   {algo} {actual}\n"
+            f"The file is corrupted, truncated or a different version. Fix: {fix}. "
+            "(Pass verify=False to load() to skip the check at your own risk.)"
+        )
+    vcache.store(path, actual)
+
+
+# ---------------------------------------------------------------------------- download
+
+
+def _timeout() -> float:
+    try:
+        return float(os.environ.get("DPTUNE_DOWNLOAD_TIMEOUT", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+
+
+def _offline() -> bool:
+    return os.environ.get("DPTUNE_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _fetch(url: str, dest: Path, timeout: float) -> None:
+    """Download ``url`` to ``dest`` atomically (``dest.part`` then rename)."""
+    part = dest.with_name(dest.name + ".part")
+    req = urllib.request.Request(url, headers={"User-Agent": "dptune (python urllib)"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp, open(part, "wb") as out:
+            shutil.copyfileobj(resp, out, _CHUNK)
+        os.replace(part, dest)
+    finally:
+        with contextlib.suppress(OSError):
+            part.unlink()
+
+
+def download_file(spec: FileSpec, dest: Path, cache: Path, dataset: str) -> list[str]:
+    """Try each URL of ``spec``; return the failure messages (empty list on success)."""
+    failures: list[str] = []
+    if _offline():
+        return ["downloads disabled by DPTUNE_OFFLINE"]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for url in spec.urls:
+        log.info("dptune.data: downloading %s -> %s", url, dest)
+        try:
+            _fetch(url, dest, _timeout())
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            failures.append(f"{url}: {type(exc).__name__}: {exc}")
+            continue
+        try:
+            verify_file(dest, spec, cache, dataset)
+        except DataError as exc:
+            with contextlib.suppress(OSError):
+                dest.unlink()
+            failures.append(f"{url}: downloaded file failed verification ({exc})")
+            continue
+        return []
+    return failures
+
+
+# ----------------------------------------------------------------------------- resolve
+
+
+def _present(folder: Path, files: tuple[FileSpec, ...]) -> bool:
+    return all((folder / f.name).is_file() for f in files)
+
+
+def resolve(
+    spec: DatasetSpec,
+    variants: tuple[str, ...],
+    *,
+    data_dir: str | os.PathLike[str] | None,
+    cache_dir: str | os.PathLike[str] | None,
+    verify: bool = True,
+) -> tuple[str, dict[str, Path]]:
+    """Find (or download) one complete, verified variant; return (variant, name -> path)."""
+    root = data_root(data_dir)
+    cache = cache_root(cache_dir)
+    folders: list[tuple[Path, str]] = []
+    if root is not None:
+        folders.append((root / spec.name, "data_dir"))
+    folders.append((cache / spec.name, "cache"))
+
+    for folder, _where in folders:
+        for v in variants:
+            files = spec.variants[v]
+            if _present(folder, files):
+                paths = {f.name: folder / f.name for f in files}
+                if verify:
+                    for f in files:
+                        verify_file(paths[f.name], f, cache, spec.name, fix=_local_fix(f, folder))
+                return v, paths
+
+    # Nothing complete locally: download the first variant that has URLs.
+    target = cache / spec.name
+    failures: list[str] = []
+    for v in variants:
+        files = spec.variants[v]
+        if not all(f.downloadable for f in files):
+            continue
+        paths = {f.name: target / f.name for f in files}
+        for f in files:
+            if paths[f.name].is_file():
+                if verify:
+                    verify_file(paths[f.name], f, cache, spec.name)
+                continue
+            failures += download_file(f, paths[f.name], cache, spec.name)
+            if not paths[f.name].is_file():
+                break
+        else:
+            return v, paths
+        break
+    raise DataError(_missing_message(spec, variants, root, cache, failures))
+
+
+def _local_fix(f: FileSpec, folder: Path) -> str:
+    src = f.urls[0] if f.urls else "the original source (see docs/data_and_models.md)"
+    return (
+        f"replace {folder / f.name} with an intact copy from {src} "
+        "(if it is in the download cache, simply delete it and load again)"
+    )
+
+
+def _missing_message(
+    spec: DatasetSpec,
+    variants: tuple[str, ...],
+    root: Path | None,
+    cache: Path,
+    failures: list[str],
+) -> str:
+    lines = [f"dataset {spec.name!r} is not available locally and could not be downloaded."]
+    if root is not None:
+        lines.append(f"Looked in data_dir {root / spec.name} and in the cache {cache / spec.name}.")
+    else:
+        lines.append(f"Looked in the cache {cache / spec.name} (no data_dir / DPTUNE_DATA_DIR set).")
+    if failures:
+        lines.append("Download attempts:")
+        lines += [f"  - {m}" for m in failures]
+    lines.append("Fix: put the files there yourself, e.g. one of these sets:")
+    for v in variants:
+        for f in spec.variants[v]:
+            digest = f.sha256 or (f"md5 {f.md5}" if f.md5 else "checksum unknown")
+            src = ", ".join(f.urls) if f.urls else "no public URL (shared-data format)"
+            lines.append(f"  [{v}] {cache / spec.name / f.name}  <- {src}  ({digest})")
+    lines.append(
+        f"or place them under <DIR>/{spec.name}/ and set DPTUNE_DATA_DIR=<DIR> "
+        "(or pass data_dir=<DIR> to dptune.data.load)."
+    )
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def reading(path: Path, dataset: str) -> Iterator[None]:
+    """Turn any parse failure while reading ``path`` into a ``DataError`` naming the fix."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any parse failure means a bad file
+        raise DataError(
+            f"dataset {dataset!r}: could not read {path}: the file is corrupted or truncated "
+            f"({type(exc).__name__}: {exc}). Fix: delete it and load again to re-download it "
+            "(or replace your local copy with an intact one)."
+        ) from exc

@@ -1,0 +1,321 @@
+"""``dptune.train``: one DP training run, from a model and tensors to a result with its ledger.
+
+The loop is deliberately small: sample a Poisson batch, let the strategy step
+(it releases through the run's gateway), evaluate every ``eval_every`` steps, keep
+the best checkpoint. The ledger is created with the run's *plan* before the first
+step, so the run cannot release more than it declared.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from dp_accounting import dp_event
+from torch import nn
+
+from dptune import accounting
+from dptune.errors import ConfigError
+from dptune.grads import GradientOracle
+from dptune.ledger import Ledger
+from dptune.mechanisms import NoiseSource, NoisyRelease
+from dptune.sampling import PoissonSampler, sampling_rate_for, stream_seed, steps_for_epochs
+from dptune.strategies import Strategy, make_strategy
+from dptune.strategies.base import RunInfo, StepContext
+from dptune.tree import Tensors, clone, is_finite
+
+HIGHER_IS_BETTER = {"accuracy": True, "mse": False, "loss": False}
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything the accountant needs to know about a run, fixed before it starts."""
+
+    strategy: Strategy
+    n: int
+    sampling_rate: float
+    steps: int
+    noise_multiplier: float
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sampling_rate * self.n
+
+    def event(self) -> dp_event.DpEvent:
+        return self.strategy.planned_event(self.noise_multiplier, self.sampling_rate, self.steps)
+
+
+def plan_run(
+    strategy: Strategy,
+    n: int,
+    *,
+    expected_batch_size: float | None = None,
+    full_batch: bool = False,
+    epochs: float | None = None,
+    steps: int | None = None,
+    noise_multiplier: float | None = None,
+    target_epsilon: float | None = None,
+    delta: float | None = None,
+    accountant: str = "rdp",
+) -> RunPlan:
+    """Resolve q, T and ν for one run; calibrate ν to (ε, δ) when a target is given."""
+    if full_batch is False and expected_batch_size is None:
+        raise ConfigError("give expected_batch_size (Poisson sampling rate q = L/n) or full_batch=True.")
+    q = sampling_rate_for(n, expected_batch_size, full_batch)
+    if (epochs is None) == (steps is None):
+        raise ConfigError("give exactly one of epochs or steps.")
+    T = steps_for_epochs(epochs, q) if epochs is not None else int(steps)  # type: ignore[arg-type]
+    if T < 1:
+        raise ConfigError(f"steps must be ≥ 1, got {steps}.")
+    if not strategy.private:
+        nu = math.inf
+    elif noise_multiplier is not None:
+        nu = accounting_check_nu(noise_multiplier)
+    elif target_epsilon is not None:
+        if delta is None:
+            raise ConfigError("target_epsilon needs delta too, e.g. delta=1e-5.")
+        accounting.check_epsilon(target_epsilon)
+        accounting.check_delta(delta)
+        releases = strategy.releases_per_run(T)
+        nu = accounting.calibrate(target_epsilon, delta, q, releases, accountant=accountant)
+    else:
+        raise ConfigError(f"strategy {strategy.name!r} is private: give noise_multiplier or target_epsilon (+ delta).")
+    return RunPlan(strategy, n, q, T, nu)
+
+
+def accounting_check_nu(nu: float) -> float:
+    if not isinstance(nu, int | float) or not (nu > 0) or math.isnan(nu):
+        raise ConfigError(f"noise_multiplier must be > 0, got {nu!r}.")
+    return float(nu)
+
+
+@dataclass
+class TrainResult:
+    history: list[dict[str, Any]]  # one row per step: step, train_loss*, batch_size, lr, clip, ...
+    evals: list[dict[str, float]]  # rows: step, metric value
+    metric: str
+    best_metric: float | None
+    best_step: int | None
+    best_params: Tensors | None
+    final_params: Tensors
+    ledger: Ledger
+    plan: RunPlan
+    delta: float | None
+    diverged: bool = False
+    seconds: float = 0.0
+    model: nn.Module | None = field(default=None, repr=False)
+
+    # * train_loss is the mean loss on the private batch: a diagnostic for the user's own
+    #   eyes, NOT differentially private. dptune never selects on it.
+
+    def epsilon(self, delta: float | None = None, accountant: str = "rdp") -> float:
+        d = delta if delta is not None else self.delta
+        if d is None:
+            raise ConfigError("epsilon() needs a delta.")
+        return self.ledger.epsilon(d, accountant)
+
+    def model_with(self, which: str = "best") -> nn.Module:
+        """A copy of the model loaded with the best (default) or final parameters."""
+        if self.model is None:
+            raise ConfigError("this result carries no model")
+        params = self.best_params if which == "best" and self.best_params is not None else self.final_params
+        m = copy.deepcopy(self.model)
+        m.load_state_dict({**m.state_dict(), **params})
+        return m
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "strategy": self.plan.strategy.config(),
+            "n": self.plan.n,
+            "sampling_rate": self.plan.sampling_rate,
+            "expected_batch_size": self.plan.expected_batch_size,
+            "steps": self.plan.steps,
+            "noise_multiplier": self.plan.noise_multiplier,
+            "delta": self.delta,
+            "epsilon_rdp": self.epsilon(accountant="rdp") if self.delta else None,
+            "metric": self.metric,
+            "best_metric": self.best_metric,
+            "best_step": self.best_step,
+            "diverged": self.diverged,
+            "seconds": self.seconds,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.summary(), "history": self.history, "evals": self.evals, "ledger": self.ledger.to_dict()}
+
+
+def evaluate(oracle: GradientOracle, params: Tensors, x: torch.Tensor, y: torch.Tensor, metric: str, batch: int = 4096) -> float:
+    """Accuracy (classification) or mean squared error (reconstruction) on (x, y)."""
+    total, n = 0.0, int(x.shape[0])
+    if n == 0:
+        return math.nan
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            out = oracle.forward(params, x[i : i + batch])
+            yy = y[i : i + batch]
+            if metric == "accuracy":
+                pred = out.argmax(1) if out.ndim > 1 and out.shape[1] > 1 else (out.reshape(-1) > 0).long()
+                total += float((pred == yy).sum())
+            elif metric == "mse":
+                total += float(((out - yy) ** 2).reshape(out.shape[0], -1).mean(1).sum())
+            else:
+                raise ConfigError(f"unknown metric {metric!r}; choose accuracy or mse.")
+    return total / n
+
+
+def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(data, Sequence) and len(data) == 2:
+        x, y = data
+    elif hasattr(data, "x_train"):
+        x, y = data.x_train, data.y_train
+    else:
+        raise ConfigError("data must be a pair (x, y) of tensors or a dptune.data.Dataset.")
+    x, y = torch.as_tensor(x), torch.as_tensor(y)
+    if x.shape[0] != y.shape[0]:
+        raise ConfigError(f"x and y have different lengths ({x.shape[0]} vs {y.shape[0]}).")
+    return x.to(device), y.to(device)
+
+
+def train(
+    model: nn.Module,
+    data: Any,
+    strategy: Strategy | str = "dpsgd",
+    *,
+    epochs: float | None = None,
+    steps: int | None = None,
+    expected_batch_size: float | None = None,
+    full_batch: bool = False,
+    noise_multiplier: float | None = None,
+    target_epsilon: float | None = None,
+    delta: float | None = None,
+    accountant: str = "rdp",
+    eval_data: Any = None,
+    eval_every: int = 50,
+    metric: str | None = None,
+    loss: str | None = None,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    secure_mode: bool = False,
+    run_id: str = "",
+    plan: RunPlan | None = None,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    progress: bool = False,
+    chunk_size: int | None = None,
+    **hyperparameters: Any,
+) -> TrainResult:
+    """Train ``model`` privately with ``strategy`` and return a ``TrainResult``.
+
+    Exactly one of ``noise_multiplier`` and ``target_epsilon`` (+ ``delta``) is needed for a
+    private strategy. Sampling is Poisson at q = expected_batch_size / n (or full batch).
+    The same ``seed`` reproduces the run bit for bit on CPU.
+    """
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(strategy, str):
+        strategy = make_strategy(strategy, **hyperparameters)
+    elif hyperparameters:
+        raise ConfigError(f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy).")
+    x, y = _as_tensors(data, dev)
+    n = int(x.shape[0])
+    task_is_recon = x.shape == y.shape and x.dtype == y.dtype and x.dtype.is_floating_point
+    metric = metric or ("mse" if task_is_recon else "accuracy")
+    loss = loss or ("mse" if task_is_recon else "cross_entropy")
+    if metric not in HIGHER_IS_BETTER:
+        raise ConfigError(f"unknown metric {metric!r}; choose accuracy or mse.")
+    if eval_every < 1:
+        raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}.")
+    if plan is None:
+        plan = plan_run(
+            strategy, n, expected_batch_size=expected_batch_size, full_batch=full_batch, epochs=epochs, steps=steps,
+            noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta, accountant=accountant,
+        )
+    elif plan.n != n:
+        raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {n}.")
+    model = model.to(dev)
+    oracle = GradientOracle(model, loss, chunk_size=chunk_size)
+    params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+    params = strategy.prepare(params)
+    run = RunInfo(plan.noise_multiplier, plan.sampling_rate, plan.expected_batch_size, plan.steps,
+                  sum(p.numel() for p in params.values()))
+    strategy.validate_run(run)
+    state = strategy.init(params, run)
+
+    ledger = Ledger.with_plan(plan.event())
+    gateway = NoisyRelease(ledger, plan.sampling_rate, NoiseSource(stream_seed(seed, "noise"), dev, secure_mode), run_id)
+    sampler = PoissonSampler(n, plan.sampling_rate, seed)
+    if eval_data is not None:
+        ex, ey = _as_tensors(eval_data, dev)
+    else:
+        ex = ey = None
+
+    higher = HIGHER_IS_BETTER[metric]
+    history: list[dict[str, Any]] = []
+    evals: list[dict[str, float]] = []
+    best_metric: float | None = None
+    best_step: int | None = None
+    best_params: Tensors | None = None
+    diverged = False
+    t0 = time.perf_counter()
+    bar = _progress(plan.steps, f"{strategy.name}", progress)
+    try:
+        for t in range(1, plan.steps + 1):
+            idx = sampler.sample().to(dev)
+            ctx = StepContext(t=t, x=x[idx], y=y[idx], oracle=oracle, release=gateway, run=run)
+            params, state, info = strategy.step(params, state, ctx)
+            row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
+            if ctx._grads is not None and ctx.batch_size:
+                row["train_loss"] = float(ctx._grads.losses.mean())
+            if not is_finite(params) or not math.isfinite(row.get("train_loss", 0.0)):
+                diverged = True
+                history.append(row)
+                break
+            if ex is not None and (t % eval_every == 0 or t == plan.steps):
+                value = evaluate(oracle, params, ex, ey, metric)
+                row["eval_" + metric] = value
+                evals.append({"step": t, metric: value})
+                if math.isfinite(value) and (best_metric is None or (value > best_metric if higher else value < best_metric)):
+                    best_metric, best_step, best_params = value, t, clone(params)
+            history.append(row)
+            if on_step is not None:
+                on_step(t, row)
+            if bar is not None:
+                bar.update(1, row)
+    finally:
+        if bar is not None:
+            bar.close()
+    if not diverged:
+        params = strategy.finalize(params, state)
+        if ex is not None and type(strategy).finalize is not Strategy.finalize:
+            value = evaluate(oracle, params, ex, ey, metric)
+            evals.append({"step": plan.steps, metric: value, "finalized": 1.0})
+            if math.isfinite(value) and (best_metric is None or (value > best_metric if higher else value < best_metric)):
+                best_metric, best_step, best_params = value, plan.steps, clone(params)
+    model.load_state_dict({**model.state_dict(), **params})
+    return TrainResult(
+        history=history, evals=evals, metric=metric, best_metric=best_metric, best_step=best_step,
+        best_params=best_params, final_params=clone(params), ledger=ledger, plan=plan, delta=delta,
+        diverged=diverged, seconds=time.perf_counter() - t0, model=model,
+    )
+
+
+class _Bar:
+    def __init__(self, total: int, desc: str):
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, desc=desc, unit="step", leave=False)
+
+    def update(self, n: int, row: dict[str, Any]) -> None:
+        post = {k: f"{row[k]:.3g}" for k in ("train_loss", "clip", "lr") if k in row and isinstance(row[k], float)}
+        self._bar.set_postfix(post, refresh=False)
+        self._bar.update(n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _progress(total: int, desc: str, enabled: bool) -> _Bar | None:
+    return _Bar(total, desc) if enabled else None
