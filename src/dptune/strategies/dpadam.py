@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dptune.strategies.base import RunInfo, StepContext, Strategy, check_positive, check_unit_interval, release_gradient
+from dptune.strategies.base import (
+    RunInfo,
+    StepContext,
+    Strategy,
+    check_positive,
+    check_unit_interval,
+    release_gradient,
+)
 from dptune.tree import Tensors, zeros_like
 
 

@@ -6,7 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from dptune.mechanisms import record_nonprivate
-from dptune.strategies.base import RunInfo, StepContext, Strategy, check_positive, check_unit_interval, heavy_ball
+from dptune.strategies.base import (
+    RunInfo,
+    StepContext,
+    Strategy,
+    check_positive,
+    check_unit_interval,
+    heavy_ball,
+)
 from dptune.tree import Tensors
 
 

@@ -1,0 +1,197 @@
+"""Model constructors of the reproduced papers (no BatchNorm anywhere: DP-SGD needs
+per-example gradients, which batch statistics would make undefined).
+
+| name                | paper                       | params                         |
+|---------------------|-----------------------------|--------------------------------|
+| galli_cnn           | Galli et al. 2024, Table 5  | 551,322                        |
+| galli_autoencoder   | Galli et al. 2024, Table 6  | 48,705                         |
+| galli_bow_fc        | Galli et al. 2024, Table 7  | 113,156 (input_dim=750)        |
+| logistic_regression | Mohapatra et al. 2022 (LR)  | (d+1)·k                        |
+| two_layer_nn        | Mohapatra et al. 2022 (TLNN)| (d+1)·h + (h+1)·k              |
+| linear_probe        | Panda et al. 2024           | d·k (no bias, zero init)       |
+| mlp                 | benchmarks                  | 784-128-128-10: 118,282        |
+
+See ``docs/data_and_models.md`` for the choices the papers leave open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+from dptune.errors import ConfigError
+
+GALLI_CNN_PARAMS = 551_322
+GALLI_AUTOENCODER_PARAMS = 48_705
+GALLI_BOW_FC_PARAMS = 113_156  # with input_dim=750
+
+
+def count_params(model: nn.Module, trainable_only: bool = True) -> int:
+    """Number of (trainable) scalar parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def _positive(**values: int) -> None:
+    for k, v in values.items():
+        if int(v) < 1:
+            raise ConfigError(f"{k}={v!r} must be a positive integer.")
+
+
+def galli_cnn(final_relu: bool = False) -> nn.Sequential:
+    """Galli et al. (2024) MNIST CNN, appendix Table 5: 551,322 parameters.
+
+    Conv(1→16, 8×8, stride 1, padding 3) + ReLU → MaxPool(2×2, stride 1) →
+    Conv(16→32, 4×4, stride 1) + ReLU → Flatten (32·23·23 = 16,928) →
+    Linear(16,928→32) + ReLU → Linear(32→10).
+
+    Padding 3 is inferred: it is the only padding that reproduces the published count.
+    Table 5 lists a ReLU after the last layer too; it is off by default (``final_relu``)
+    because the model outputs logits for cross-entropy, and clamping logits at 0 only
+    hurts. Input: [B, 1, 28, 28] in [0, 1].
+    """
+    layers: list[nn.Module] = [
+        nn.Conv2d(1, 16, kernel_size=8, stride=1, padding=3),
+        nn.ReLU(),
+        nn.MaxPool2d(kernel_size=2, stride=1),
+        nn.Conv2d(16, 32, kernel_size=4, stride=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 23 * 23, 32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
+    ]
+    if final_relu:
+        layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class GalliAutoencoder(nn.Module):
+    """Galli et al. (2024) Fashion-MNIST convolutional autoencoder, Table 6: 48,705 params.
+
+    Encoder: four 3×3 convolutions, stride 1, no padding, 1→8→16→32→64 channels, each
+    followed by LeakyReLU (28→26→24→22→20 pixels). Decoder: four 3×3 transposed
+    convolutions, stride 1, no padding, 64→32→16→8→1 (20→22→24→26→28), LeakyReLU after
+    each but the last, which is followed by a Sigmoid (outputs in [0, 1] like the input).
+    Table 6 gives only output channels, kernel and stride; input channels follow from
+    chaining, and padding 0 is inferred (padding does not change the parameter count;
+    with stride 1, padding 0 is what brings the decoder back to 28×28 without cropping).
+    LeakyReLU slope: PyTorch's default 0.01. Train with MSE against the input.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        enc: list[nn.Module] = []
+        dec: list[nn.Module] = []
+        chans = (1, 8, 16, 32, 64)
+        for cin, cout in zip(chans[:-1], chans[1:], strict=True):
+            enc += [nn.Conv2d(cin, cout, kernel_size=3, stride=1), nn.LeakyReLU()]
+        rev = chans[::-1]
+        for i, (cin, cout) in enumerate(zip(rev[:-1], rev[1:], strict=True)):
+            dec.append(nn.ConvTranspose2d(cin, cout, kernel_size=3, stride=1))
+            dec.append(nn.Sigmoid() if i == len(rev) - 2 else nn.LeakyReLU())
+        self.encoder = nn.Sequential(*enc)
+        self.decoder = nn.Sequential(*dec)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.decoder(self.encoder(x))
+
+
+def galli_autoencoder() -> GalliAutoencoder:
+    """See :class:`GalliAutoencoder` (48,705 parameters)."""
+    return GalliAutoencoder()
+
+
+def galli_bow_fc(
+    input_dim: int = 750, hidden: int = 128, classes: int = 4, final_activation: bool = False
+) -> nn.Sequential:
+    """Galli et al. (2024) AG News bag-of-words FC network, Table 7.
+
+    Linear(input_dim→128) + LeakyReLU → Linear(128→128) + LeakyReLU → Linear(128→4).
+    ``input_dim=750`` reproduces the published 113,156 parameters; the text's
+    "25 words × 50-d embeddings" would give 1,250 inputs (177,156 parameters). Pass
+    ``input_dim=ds.input_shape[0]`` for data from ``dptune.data.load('ag_news')``.
+    Table 7 lists a LeakyReLU after the output layer too; off by default (logits).
+    """
+    _positive(input_dim=input_dim, hidden=hidden, classes=classes)
+    layers: list[nn.Module] = [
+        nn.Flatten(),
+        nn.Linear(input_dim, hidden),
+        nn.LeakyReLU(),
+        nn.Linear(hidden, hidden),
+        nn.LeakyReLU(),
+        nn.Linear(hidden, classes),
+    ]
+    if final_activation:
+        layers.append(nn.LeakyReLU())
+    return nn.Sequential(*layers)
+
+
+def logistic_regression(input_dim: int, classes: int = 2) -> nn.Sequential:
+    """Mohapatra et al. (2022) LR: one affine layer on flattened inputs (softmax in the loss)."""
+    _positive(input_dim=input_dim, classes=classes)
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_dim, classes))
+
+
+def two_layer_nn(input_dim: int, hidden: int = 100, classes: int = 2) -> nn.Sequential:
+    """Mohapatra et al. (2022) TLNN: Linear(d→hidden) + ReLU → Linear(hidden→classes).
+
+    The paper does not state the hidden width; 100 is our documented default.
+    """
+    _positive(input_dim=input_dim, hidden=hidden, classes=classes)
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(input_dim, hidden), nn.ReLU(), nn.Linear(hidden, classes)
+    )
+
+
+def linear_probe(
+    input_dim: int, classes: int, zero_init: bool = True, bias: bool = False
+) -> nn.Sequential:
+    """Panda et al. (2024) linear classifier on fixed features: no bias, zero-initialised."""
+    _positive(input_dim=input_dim, classes=classes)
+    lin = nn.Linear(input_dim, classes, bias=bias)
+    if zero_init:
+        nn.init.zeros_(lin.weight)
+        if lin.bias is not None:
+            nn.init.zeros_(lin.bias)
+    return nn.Sequential(nn.Flatten(), lin)
+
+
+def mlp(
+    input_dim: int = 784, hidden: Sequence[int] = (128, 128), classes: int = 10
+) -> nn.Sequential:
+    """Flatten → [Linear + ReLU] per hidden width → Linear(→classes). For benchmarks."""
+    _positive(input_dim=input_dim, classes=classes)
+    layers: list[nn.Module] = [nn.Flatten()]
+    d = input_dim
+    for h in hidden:
+        _positive(hidden=h)
+        layers += [nn.Linear(d, h), nn.ReLU()]
+        d = h
+    layers.append(nn.Linear(d, classes))
+    return nn.Sequential(*layers)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "galli_cnn": galli_cnn,
+    "galli_autoencoder": galli_autoencoder,
+    "galli_bow_fc": galli_bow_fc,
+    "logistic_regression": logistic_regression,
+    "two_layer_nn": two_layer_nn,
+    "linear_probe": linear_probe,
+    "mlp": mlp,
+}
+
+
+def build(name: str, **kwargs: object) -> nn.Module:
+    """Build a registered model by name, e.g. ``build('two_layer_nn', input_dim=784, classes=10)``."""
+    try:
+        ctor = MODELS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}."
+        ) from None
+    try:
+        return ctor(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"build({name!r}, ...): {exc}") from exc
