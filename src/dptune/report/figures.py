@@ -1,0 +1,442 @@
+"""Figures of a study, one function per figure; each saves a PNG and returns its Path.
+
+Matplotlib is used through ``matplotlib.figure.Figure`` with the Agg canvas, never
+through ``pyplot``: no global state, no GUI backend, safe in threads and on headless
+machines. Strategies keep the same colour in every figure (``strategy_colors``).
+
+Figures (paper references):
+
+* ``metric_vs_epsilon`` — metric vs ε per strategy, mean ± std over seeds (Galli Figs 3–5);
+* ``trajectories`` — C_t and ρ_t over iterations, log y-axis (OSO's adaptation, Galli Alg. 1);
+* ``cosine_similarity`` — cos(sanitized, true mean gradient) vs C (Galli Fig. 1);
+* ``noise_pareto`` — the ν_g–ν_q Pareto front of Proposition 1 with the 1 % rule (Galli Fig. 2);
+* ``lt_vs_ma`` — Liu–Talwar vs moments-accountant cost vs #candidates (Mohapatra Fig. 6);
+* ``linear_scaling`` — r = η·T vs ε with the fitted line (Panda Fig. 3);
+* ``ledger`` — ε spent per run and releases per query label.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
+from dptune import accounting
+from dptune.errors import ConfigError
+from dptune.report.data import (
+    LedgerRow,
+    LinearScalingFit,
+    RunHistory,
+    SummaryRow,
+    coerce_histories,
+    coerce_ledger_rows,
+    coerce_lt_ma,
+    metric_label,
+)
+
+DPI = 110
+_PALETTE = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+    "#bcbd22", "#7f7f7f",
+]
+
+
+# Built-in strategies get fixed colours so that a strategy looks the same in every figure
+# and every report, whatever subset of strategies a study ran.
+_KNOWN = ("oso", "dpsgd", "quantile", "adamwosm", "dpadam", "adadp", "dpgd", "nodp")
+
+
+def strategy_colors(names: Iterable[str]) -> dict[str, str]:
+    """A stable colour per strategy name: fixed for built-in strategies, by CRC32 otherwise."""
+    out = {}
+    for n in sorted(set(names)):
+        base = n.split("/")[0].split(" ")[0]
+        i = _KNOWN.index(base) if base in _KNOWN else len(_KNOWN) + zlib.crc32(n.encode()) % 2
+        out[n] = _PALETTE[i % len(_PALETTE)]
+    return out
+
+
+def _figure(width: float = 7.0, height: float = 4.2, nrows: int = 1, ncols: int = 1) -> tuple[Figure, Any]:
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    return fig, axes
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ConfigError(f"figures are PNG files: give a path ending in .png, got {str(path)!r}.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=DPI)
+    return path
+
+
+def _plain_log_ticks(ax: Any, which: str = "y") -> None:
+    """Log-axis tick labels as plain numbers (0.3, 1, 20) instead of mathtext powers: easier
+    to read and several times faster to lay out."""
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    lo, hi = ax.get_ylim() if which == "y" else ax.get_xlim()
+    # Enough significant digits to tell neighbouring ticks apart on a narrow range.
+    digits = 3 if not (lo > 0 and hi > lo) else max(3, math.ceil(-math.log10((hi - lo) / hi)) + 2)
+    fmt = FuncFormatter(lambda v, _pos: f"{v:.{digits}g}")
+    axis.set_major_formatter(fmt)
+    # Less than a decade shown: at most one major tick, so label the minor ones too.
+    narrow = lo > 0 and hi / lo < 10
+    axis.set_minor_formatter(fmt if narrow else NullFormatter())
+
+
+def _eps_text(eps: float) -> str:
+    return "∞" if math.isinf(eps) else f"{eps:g}"
+
+
+# ----------------------------------------------------------------------------- metric vs ε
+def metric_vs_epsilon(
+    rows: Sequence[SummaryRow],
+    path: str | Path,
+    *,
+    metric: str = "accuracy",
+    higher: bool = True,
+    title: str | None = None,
+) -> Path:
+    """Metric of the best (or selected) configuration per strategy vs ε, with error bars.
+
+    One line per strategy; each point is the mean over seeds, the bar ± one sample std
+    (Galli et al. 2024, Figs 3–5). Non-private rows (ε = ∞, e.g. the NoDP baseline) are a
+    dashed horizontal line with a ±std band. Configurations whose seeds all diverged have
+    no point (Galli: "not included").
+    """
+    fig, axes = _figure()
+    ax = axes[0, 0]
+    colors = strategy_colors(r.strategy for r in rows)
+    finite_eps = sorted({r.epsilon for r in rows if math.isfinite(r.epsilon)})
+    for strat in sorted(colors):
+        pts = sorted((r for r in rows if r.strategy == strat and r.mean is not None), key=lambda r: r.epsilon)
+        fin = [r for r in pts if math.isfinite(r.epsilon)]
+        if fin:
+            ax.errorbar(
+                [r.epsilon for r in fin], [r.mean for r in fin], yerr=[r.std or 0.0 for r in fin],
+                marker="o", capsize=4, lw=1.6, color=colors[strat], label=strat,
+            )
+        for r in pts:
+            if math.isinf(r.epsilon):
+                ax.axhline(r.mean, ls="--", color=colors[strat], lw=1.2, label=f"{strat} (non-private)")
+                if r.std:
+                    ax.axhspan(r.mean - r.std, r.mean + r.std, color=colors[strat], alpha=0.12)
+    if finite_eps:
+        ax.set_xticks(finite_eps, [_eps_text(e) for e in finite_eps])
+    ax.set_xlabel("privacy budget ε")
+    ax.set_ylabel(metric_label(metric, higher))
+    ax.set_title(title or f"{metric_label(metric, higher)} vs ε (mean ± std over seeds)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="best")
+    else:
+        ax.text(0.5, 0.5, "no finished configuration to show", ha="center", va="center", transform=ax.transAxes)
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------- C_t, ρ_t
+def _series(rows: Sequence[Mapping[str, Any]], key: str, max_points: int = 2000) -> tuple[np.ndarray, np.ndarray]:
+    steps, vals = [], []
+    for i, row in enumerate(rows):
+        v = row.get(key)
+        if v is None:
+            continue
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            continue
+        # log axis: only finite positive values can be drawn.
+        if math.isfinite(v) and v > 0:
+            steps.append(float(row.get("step", i + 1)))
+            vals.append(v)
+    if len(steps) > max_points:
+        # Long runs: every k-th point (and the last) — a line plot cannot show more anyway.
+        idx = np.unique(np.r_[np.arange(0, len(steps), math.ceil(len(steps) / max_points)), len(steps) - 1])
+        return np.asarray(steps)[idx], np.asarray(vals)[idx]
+    return np.asarray(steps), np.asarray(vals)
+
+
+def trajectories(histories: Sequence[RunHistory | Mapping[str, Any]], path: str | Path, *, title: str | None = None) -> Path:
+    """C_t (clipping threshold) and ρ_t (learning rate) against the iteration t, log y-axis.
+
+    One line per run, coloured by strategy. Fixed-threshold strategies are flat lines; OSO
+    (Galli Alg. 1), the quantile rule (Andrew et al.) and ADADP move them. Rows lacking a
+    key (e.g. ``nodp`` has no clip) or with non-positive values are skipped.
+    """
+    hs = coerce_histories(histories)
+    fig, axes = _figure(7.0, 6.0, nrows=2)
+    colors = strategy_colors(h.strategy for h in hs)
+    seen: set[tuple[str, str]] = set()
+    for key, ax, name in (("clip", axes[0, 0], "clipping threshold $C_t$"), ("lr", axes[1, 0], "learning rate $ρ_t$")):
+        drawn = 0
+        for h in hs:
+            x, y = _series(h.rows, key)
+            if len(x) == 0:
+                continue
+            label = h.strategy if (key, h.strategy) not in seen else None
+            seen.add((key, h.strategy))
+            ax.plot(x, y, lw=1.1, alpha=0.85, color=colors[h.strategy], label=label)
+            drawn += 1
+        if drawn:
+            ax.set_yscale("log")
+            _plain_log_ticks(ax)
+            ax.legend(fontsize=8, loc="best")
+        else:
+            ax.text(0.5, 0.5, f"no run recorded '{key}'", ha="center", va="center", transform=ax.transAxes)
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3, which="both")
+    axes[1, 0].set_xlabel("iteration t")
+    axes[0, 0].set_title(title or "Trajectories of $C_t$ and $ρ_t$ (one line per run)")
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------- cosine (Galli Fig. 1)
+def cosine_similarity(result: Any, path: str | Path, *, title: str | None = None) -> Path:
+    """cos(sanitized mean gradient, true mean gradient) vs C, one line per iteration t.
+
+    ``result`` is a ``dptune.report.diagnostics.CosineResult``. The band is ± one std
+    over the realizations. Small C: clipping bias; large C: noise ν·C dominates (Galli
+    et al. 2024, Fig. 1). Negative values mean the sanitized gradient points away from
+    the true one.
+    """
+    fig, axes = _figure()
+    ax = axes[0, 0]
+    clips = np.asarray(result.clips, dtype=float)
+    cmap = _sequential(len(result.iterations))
+    for color, t in zip(cmap, result.iterations, strict=True):
+        m = np.asarray(result.mean[t], dtype=float)
+        s = np.asarray(result.std[t], dtype=float)
+        ax.plot(clips, m, marker="o", ms=3, lw=1.5, color=color, label=f"t = {t}")
+        ax.fill_between(clips, m - s, m + s, color=color, alpha=0.15)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xscale("log")
+    _plain_log_ticks(ax, "x")
+    ax.set_xlabel("clipping threshold C")
+    ax.set_ylabel("cosine similarity to the true mean gradient")
+    ax.set_title(title or (f"Sanitized vs true gradient (ν = {result.noise_multiplier:.3g}, "
+                           f"L = {result.expected_batch_size:g}, {result.repeats} draws)"))
+    ax.set_ylim(min(-0.1, float(np.nanmin([np.nanmin(result.mean[t]) for t in result.iterations])) - 0.05), 1.02)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="best")
+    return _save(fig, path)
+
+
+def _sequential(n: int) -> list[Any]:
+    from matplotlib import colormaps
+
+    cm = colormaps["viridis"]
+    return [cm(x) for x in np.linspace(0.0, 0.85, max(n, 1))][:n]
+
+
+# ----------------------------------------------------------------------------- Pareto (Galli Fig. 2)
+def pareto_front(nu: float, nu_q: np.ndarray) -> np.ndarray:
+    """ν_g = (ν⁻² − ν_q⁻²)^(−½) (Galli Proposition 1) for each ν_q > ν."""
+    nu_q = np.asarray(nu_q, dtype=float)
+    if np.any(nu_q <= nu):
+        raise ConfigError(f"ν_q must exceed the total ν = {nu:.4g} on the Pareto front.")
+    return (nu**-2 - nu_q**-2) ** -0.5
+
+
+def pareto_choice(nu: float, relative_increase: float = 0.01) -> tuple[float, float]:
+    """(ν_q, ν_g) chosen by the rule 'ν_g is ν raised by ``relative_increase``' (1 %: ν_q ≈ 7.124ν)."""
+    nu_q = accounting.oso_q_noise_multiplier(nu, relative_increase)
+    return nu_q, accounting.split_noise_multiplier(nu, nu_q)
+
+
+def _noise_pairs(noise_multipliers: Mapping[float, float] | Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    items = list(noise_multipliers.items()) if isinstance(noise_multipliers, Mapping) else list(noise_multipliers)
+    if not items:
+        raise ConfigError("noise_pareto needs at least one (epsilon, noise multiplier ν) pair.")
+    out = []
+    for item in items:
+        try:
+            eps, nu = (float(v) for v in item)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"noise_pareto takes (epsilon, ν) pairs, got {item!r}.") from e
+        if not (math.isfinite(nu) and nu > 0):
+            raise ConfigError(f"ν must be a finite number > 0 (ε = {eps:g} has ν = {nu!r}).")
+        out.append((eps, nu))
+    return sorted(out)
+
+
+def noise_pareto(
+    noise_multipliers: Mapping[float, float] | Sequence[tuple[float, float]],
+    path: str | Path,
+    *,
+    relative_increase: float = 0.01,
+    title: str | None = None,
+) -> Path:
+    """The ν_g–ν_q Pareto front of OSO's joint release, one curve per ε (Galli Fig. 2).
+
+    ``noise_multipliers`` maps ε → the joint per-step ν calibrated for it. Every point on a
+    curve is a split (ν_q, ν_g) with the same privacy as one Gaussian of multiplier ν:
+    ν_g = (ν⁻² − ν_q⁻²)^(−½). The marker is the chosen split, ν_g = (1 + r)ν with
+    r = ``relative_increase`` (r = 1 %: ν_q ≈ 7.124ν); the dotted line is the asymptote ν_g → ν.
+    """
+    pairs = _noise_pairs(noise_multipliers)
+    fig, axes = _figure()
+    ax = axes[0, 0]
+    colors = _sequential(len(pairs))
+    for color, (eps, nu) in zip(colors, pairs, strict=True):
+        nu_q = nu * np.geomspace(1.005, 60.0, 300)
+        ax.plot(nu_q, pareto_front(nu, nu_q), color=color, lw=1.6, label=f"ε = {_eps_text(eps)} (ν = {nu:.3g})")
+        ax.axhline(nu, color=color, ls=":", lw=0.9)
+        q_star, g_star = pareto_choice(nu, relative_increase)
+        ax.plot([q_star], [g_star], marker="*", ms=13, color=color, mec="k", mew=0.6)
+    ax.plot([], [], ls="none", marker="*", ms=11, color="w", mec="k",
+            label=rf"chosen: $\nu_g$ = {1 + relative_increase:g}$\nu$")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    _plain_log_ticks(ax, "x")
+    _plain_log_ticks(ax, "y")
+    ax.set_xlabel(r"$\nu_q$ (noise multiplier of OSO's q-query)")
+    ax.set_ylabel(r"$\nu_g$ (noise multiplier of the gradient)")
+    ax.set_title(title or r"Pareto front of the ($\nu_q$, $\nu_g$) split (Galli Prop. 1)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper right")
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------- LT vs MA (Mohapatra Fig. 6)
+def ma_break_even(rows: Sequence[Any]) -> int | None:
+    """Largest k with ε_MA(k) ≤ ε_LT(k): the most candidates that composing every run (MA)
+    affords for the price of Liu–Talwar (Mohapatra App. F: 14 at n = 5k, 26 at n = 60k).
+    Same definition as ``dptune.tune.theory.lt_vs_ma(...).k_max``; None if MA never wins."""
+    ks = [r.k for r in coerce_lt_ma(rows) if r.eps_ma <= r.eps_lt]
+    return max(ks) if ks else None
+
+
+def lt_vs_ma(rows: Sequence[Any], path: str | Path, *, title: str | None = None) -> Path:
+    """ε of the whole tuning vs the number of candidates k: Liu–Talwar vs moments accountant.
+
+    Rows are (k, eps_LT, eps_MA) (Mohapatra et al. 2022, App. F, Fig. 6). MA composes all k
+    runs, so it grows with k; LT (γ = 1/k, random stopping) is almost flat. The dashed line
+    marks the largest k up to which MA is no more expensive.
+    """
+    rs = coerce_lt_ma(rows)
+    if not rs:
+        raise ConfigError("lt_vs_ma needs at least one (k, eps_LT, eps_MA) row.")
+    fig, axes = _figure()
+    ax = axes[0, 0]
+    ks = [r.k for r in rs]
+    ax.plot(ks, [r.eps_lt for r in rs], marker="o", ms=3, color="#1f77b4", label="Liu–Talwar (LT)")
+    ax.plot(ks, [r.eps_ma for r in rs], marker="o", ms=3, color="#ff7f0e", label="moments accountant (MA)")
+    k_star = ma_break_even(rs)
+    if k_star is not None:
+        ax.axvline(k_star, color="k", ls="--", lw=0.9, label=f"MA no costlier up to k = {k_star}")
+    ax.set_xlabel("number of candidates k")
+    ax.set_ylabel("ε of the whole search (lower is better)")
+    ax.set_title(title or "Cost of tuning: LT vs MA")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------- linear scaling (Panda Fig. 3)
+def linear_scaling(fit: LinearScalingFit | Mapping[str, Any], path: str | Path, *, title: str | None = None) -> Path:
+    """r = η·T against ε: the searched points, the fitted line r = m·ε + b and its extrapolation.
+
+    Panda et al. (2024), Alg. 2 / Fig. 3: r is found at small ε_1, ε_2, a line is fitted, and
+    r_f = m·ε_f + b is used at the target ε_f (star). With ``fit.coefficients`` the curve is
+    that polynomial (e.g. the quadratic fit of Panda's Table 15); with ``fit.axis == "mu"`` the
+    x-axis is the μ of μ-GDP instead of ε.
+    """
+    if isinstance(fit, Mapping):
+        try:
+            fit = LinearScalingFit(**fit)
+        except TypeError as e:
+            raise ConfigError(f"linear_scaling needs points, slope, intercept[, target_epsilon]: {e}.") from e
+    pts = [(float(e), float(r)) for e, r in fit.points]
+    if not pts:
+        raise ConfigError("linear_scaling needs at least one (epsilon, r) point.")
+    fig, axes = _figure()
+    ax = axes[0, 0]
+    xs = [e for e, _ in pts] + ([fit.target_epsilon] if fit.target_epsilon is not None else [])
+    grid = np.linspace(0.0, max(xs) * 1.08, 100)
+    sym = "μ" if fit.axis == "mu" else "ε"
+    if fit.coefficients is not None:
+        label = f"degree-{len(fit.coefficients) - 1} fit of r against {sym}"
+    else:
+        label = f"fit r = {fit.slope:.4g}·{sym} + {fit.intercept:.4g}"
+    ax.plot(grid, [fit.r_at(g) for g in grid], color="#1f77b4", lw=1.4, label=label)
+    ax.scatter([e for e, _ in pts], [r for _, r in pts], color="#d62728", zorder=3, label="searched points")
+    if fit.target_epsilon is not None:
+        ax.plot([fit.target_epsilon], [fit.r_at(fit.target_epsilon)], marker="*", ms=14, color="#2ca02c",
+                mec="k", ls="none", label=f"extrapolated r at {sym} = {fit.target_epsilon:.4g}")
+    ax.set_xlabel("μ of μ-GDP" if fit.axis == "mu" else "privacy budget ε")
+    ax.set_ylabel("r = η·T (learning rate × steps)")
+    ax.set_title(title or "Linear scaling rule (Panda et al. 2024)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------- ledger
+def ledger(
+    rows: Sequence[LedgerRow | Mapping[str, Any]],
+    path: str | Path,
+    *,
+    planned_epsilon: float | None = None,
+    max_bars: int = 40,
+    title: str | None = None,
+) -> Path:
+    """Left: ε spent by each run alone (bars; a histogram beyond ``max_bars`` runs) with the
+    run's planned ε if known. Right: releases per query label, summed over runs.
+
+    Per-run ε values do not add up to the study's total: composition is sub-additive. The
+    study's planned total, when given, is the red line.
+    """
+    rs = coerce_ledger_rows(rows)
+    fig, axes = _figure(10.0, 4.4, ncols=2)
+    ax_eps, ax_rel = axes[0, 0], axes[0, 1]
+    eps_by_run: dict[str, float] = {}
+    plan_by_run: dict[str, float] = {}
+    for r in rs:
+        if r.epsilon is not None:
+            eps_by_run[r.run] = max(eps_by_run.get(r.run, 0.0), float(r.epsilon))
+        if r.planned_epsilon is not None:
+            plan_by_run[r.run] = max(plan_by_run.get(r.run, 0.0), float(r.planned_epsilon))
+    runs = list(eps_by_run)
+    if not runs:
+        ax_eps.text(0.5, 0.5, "no per-run ε recorded", ha="center", va="center", transform=ax_eps.transAxes)
+    elif len(runs) <= max_bars:
+        y = np.arange(len(runs))
+        ax_eps.barh(y, [eps_by_run[r] for r in runs], color="#1f77b4", label="spent")
+        planned = [plan_by_run.get(r, np.nan) for r in runs]
+        if any(np.isfinite(planned)):
+            ax_eps.scatter(planned, y, marker="|", s=160, color="k", zorder=3, label="planned")
+        ax_eps.set_yticks(y, [str(r) or "(run)" for r in runs], fontsize=7)
+        ax_eps.invert_yaxis()
+        ax_eps.set_xlabel("ε of the run alone")
+    else:
+        ax_eps.hist(list(eps_by_run.values()), bins=20, color="#1f77b4")
+        ax_eps.set_xlabel(f"ε of the run alone ({len(runs)} runs)")
+        ax_eps.set_ylabel("runs")
+    if planned_epsilon is not None and math.isfinite(planned_epsilon) and runs:
+        ax_eps.axvline(planned_epsilon, color="#d62728", lw=1.2, label=f"study plan ε = {planned_epsilon:.3g}")
+    if runs:
+        ax_eps.legend(fontsize=7, loc="best")
+    ax_eps.set_title("privacy spent per run")
+    by_label: dict[str, int] = {}
+    for r in rs:
+        by_label[r.label] = by_label.get(r.label, 0) + int(r.releases)
+    if by_label:
+        labels = sorted(by_label)
+        ax_rel.barh(np.arange(len(labels)), [by_label[k] for k in labels], color="#2ca02c")
+        ax_rel.set_yticks(np.arange(len(labels)), labels, fontsize=7)
+        ax_rel.invert_yaxis()
+    else:
+        ax_rel.text(0.5, 0.5, "no releases recorded", ha="center", va="center", transform=ax_rel.transAxes)
+    ax_rel.set_xlabel("noisy releases (all runs)")
+    ax_rel.set_title("releases per query label")
+    fig.suptitle(title or "Privacy ledger")
+    return _save(fig, path)

@@ -1,0 +1,251 @@
+"""One self-contained HTML page per study: figures as base64 data URIs, inline CSS, no scripts.
+
+The page references nothing outside itself (no external ``src``/``href``), so it can be
+mailed, archived or opened offline. CSV files are attached as ``data:`` download links.
+All text is HTML-escaped; callers pass plain strings, never markup.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dptune.errors import ConfigError
+
+# Attachments above this size stay beside the page instead of bloating it (figures are
+# always embedded: they are what the page is for, and a PNG is small).
+MAX_EMBED_BYTES = 2_000_000
+
+SELECTION_SPLITS: dict[str, str] = {
+    "test": ("Selection used the test split (as in the papers), so the reported metrics of the "
+             "selected configurations are optimistically biased."),
+    "holdout": "Selection used a holdout carved from the training data; metrics are reported on the test split.",
+}
+SELECTION_MODES: dict[str, str] = {
+    "public": (
+        "Hyperparameters were selected on PUBLIC validation data: the selection reads no private "
+        "data, so only the training runs spend privacy."
+    ),
+    "private": (
+        "Hyperparameters were selected on PRIVATE validation data: the privacy cost of every run of "
+        "the search and of the selection itself is included in the spent budget."
+    ),
+}
+
+
+@dataclass(frozen=True)
+class FigureRef:
+    """A PNG to embed, with a caption saying what it shows."""
+
+    path: Path
+    caption: str = ""
+
+
+@dataclass(frozen=True)
+class Table:
+    """A plain table: column names and rows of already formatted cells."""
+
+    columns: Sequence[str]
+    rows: Sequence[Sequence[Any]]
+    caption: str = ""
+
+
+@dataclass(frozen=True)
+class Section:
+    """A titled block of paragraphs, figures, tables and attached files (e.g. CSVs)."""
+
+    title: str
+    paragraphs: Sequence[str] = ()
+    figures: Sequence[FigureRef] = ()
+    tables: Sequence[Table] = ()
+    attachments: Sequence[Path] = field(default_factory=tuple)
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,'DejaVu Sans',sans-serif;margin:0;
+background:#f6f7f9;color:#1d2330;line-height:1.45}
+main{max-width:1100px;margin:0 auto;padding:24px 28px 48px;background:#fff;min-height:100vh}
+h1{font-size:1.7em;margin:0 0 4px} h2{font-size:1.25em;border-bottom:2px solid #dde3ea;
+padding-bottom:4px;margin-top:34px} .meta{color:#5b6575;font-size:.9em;margin-bottom:14px}
+.banner{border-left:6px solid #1f77b4;background:#eef5fb;padding:10px 14px;margin:12px 0}
+.banner.private{border-color:#d62728;background:#fdf0f0}
+.warn{border-left:6px solid #d62728;background:#ffe9e9;padding:10px 14px;margin:12px 0;font-weight:600}
+table{border-collapse:collapse;margin:10px 0 18px;font-size:.9em}
+th,td{border:1px solid #d5dbe3;padding:4px 9px;text-align:left;vertical-align:top}
+th{background:#eef1f5} tr:nth-child(even) td{background:#fafbfc}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+figure{margin:14px 0 22px} figure img{max-width:100%;height:auto;border:1px solid #e3e7ec}
+figcaption{color:#4a5363;font-size:.9em;margin-top:4px} caption{caption-side:bottom;color:#5b6575;
+font-size:.85em;text-align:left;padding-top:4px} .files a{margin-right:14px}
+"""
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _data_uri(path: Path, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        text = "∞" if math.isinf(v) else ("—" if math.isnan(v) else f"{v:.4g}")
+    else:
+        text = "—" if v is None else str(v)
+    cls = ' class="num"' if _is_num(v) else ""
+    return f"<td{cls}>{_esc(text)}</td>"
+
+
+def render_table(t: Table) -> str:
+    head = "".join(f"<th>{_esc(c)}</th>" for c in t.columns)
+    body = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in t.rows)
+    cap = f"<caption>{_esc(t.caption)}</caption>" if t.caption else ""
+    return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _budget_text(pair: tuple[float, float] | None) -> tuple[str, str]:
+    if pair is None:
+        return "—", "—"
+    eps, delta = pair
+    return ("∞ (non-private)" if math.isinf(eps) else f"{eps:.4g}"), f"{delta:.3g}"
+
+
+def render_header(
+    *,
+    selection_mode: str | None,
+    planned: tuple[float, float] | None,
+    spent: tuple[float, float] | None,
+    accountant: str | None = None,
+    selection_split: str | None = None,
+    budgets: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    """Selection-mode banner and the planned vs spent (ε, δ) table; a red warning if
+    the spent budget exceeds the plan (which the ledger should have made impossible)."""
+    parts = []
+    if selection_mode is not None:
+        if selection_mode not in SELECTION_MODES:
+            raise ConfigError(
+                f"selection_mode must be 'public' or 'private' (where the validation data that "
+                f"picks hyperparameters comes from), got {selection_mode!r}."
+            )
+        parts.append(
+            f'<div class="banner {selection_mode}"><b>Selection mode: {_esc(selection_mode)} validation data.</b> '
+            f"{_esc(SELECTION_MODES[selection_mode])} {_esc(SELECTION_SPLITS.get(selection_split or '', ''))}</div>"
+        )
+    if selection_split is not None and selection_split not in SELECTION_SPLITS:
+        raise ConfigError(f"selection_split must be 'test' or 'holdout' (or None), got {selection_split!r}.")
+    if planned is not None or spent is not None:
+        pe, pd = _budget_text(planned)
+        se, sd = _budget_text(spent)
+        acct = f" (accountant: {accountant})" if accountant else ""
+        parts.append(render_table(Table(["privacy budget", "ε", "δ"], [["planned", pe, pd], ["spent", se, sd]])))
+        parts.append(f'<p class="meta">Budget of the whole study, search included{_esc(acct)}.</p>')
+        if _exceeds(planned, spent):
+            parts.append(
+                '<div class="warn">The spent budget EXCEEDS the plan. The study is not '
+                "covered by its planned (ε, δ) guarantee; do not release its results.</div>"
+            )
+    if budgets:
+        rows, over = [], []
+        for b in budgets:
+            pe, pd = _budget_text(b.get("planned"))
+            se, sd = _budget_text(b.get("spent"))
+            rows.append([str(b.get("label", "")), pe, pd, se, sd, str(b.get("note", ""))])
+            if _exceeds(b.get("planned"), b.get("spent")):
+                over.append(str(b.get("label", "")))
+        parts.append(render_table(Table(["tuning procedure", "planned ε", "planned δ", "spent ε", "spent δ", "scope"],
+                                        rows)))
+        parts.append('<p class="meta">Each row is one tuning procedure with its own budget (search and '
+                     "selection included).</p>")
+        if over:
+            parts.append(f'<div class="warn">The spent budget EXCEEDS the plan for: {_esc(", ".join(over))}. '
+                         "Those results are not covered by their planned (ε, δ) guarantee.</div>")
+    return "\n".join(parts)
+
+
+def _exceeds(planned: tuple[float, float] | None, spent: tuple[float, float] | None) -> bool:
+    if planned is None or spent is None:
+        return False
+    return spent[0] > planned[0] * (1 + 1e-9) or spent[1] > planned[1] * (1 + 1e-9)
+
+
+def render_section(s: Section) -> str:
+    out = [f"<section><h2>{_esc(s.title)}</h2>"]
+    out += [f"<p>{_esc(p)}</p>" for p in s.paragraphs]
+    for f in s.figures:
+        p = Path(f.path)
+        if not p.is_file():
+            raise ConfigError(f"figure {str(p)!r} does not exist; create it before writing the report.")
+        alt = _esc(f.caption or p.stem)
+        cap = f"<figcaption>{_esc(f.caption)}</figcaption>" if f.caption else ""
+        out.append(f'<figure><img alt="{alt}" src="{_data_uri(p, "image/png")}">{cap}</figure>')
+    out += [render_table(t) for t in s.tables]
+    if s.attachments:
+        links, big = [], []
+        for a in s.attachments:
+            a = Path(a)
+            if a.stat().st_size > MAX_EMBED_BYTES:
+                big.append(a.name)
+                continue
+            mime = "text/csv" if a.suffix == ".csv" else "application/octet-stream"
+            links.append(f'<a download="{_esc(a.name)}" href="{_data_uri(a, mime)}">{_esc(a.name)}</a>')
+        if links:
+            out.append('<p class="files">Download: ' + " ".join(links) + "</p>")
+        if big:
+            out.append(f'<p class="meta">Too large to embed; next to this page: {_esc(", ".join(big))}.</p>')
+    out.append("</section>")
+    return "\n".join(out)
+
+
+def write_report(
+    out_dir: str | Path,
+    title: str,
+    sections: Sequence[Section],
+    *,
+    selection_mode: str | None = None,
+    planned: tuple[float, float] | None = None,
+    spent: tuple[float, float] | None = None,
+    accountant: str | None = None,
+    selection_split: str | None = None,
+    budgets: Sequence[Mapping[str, Any]] = (),
+    subtitle: str = "",
+    filename: str = "report.html",
+) -> Path:
+    """Write ``out_dir/filename``: one self-contained page (header, then the sections).
+
+    The header states the selection mode, the study's planned vs spent (ε, δ) and, for
+    studies of several tuning procedures, ``budgets``: dicts with label, planned=(ε, δ),
+    spent=(ε, δ) and a note (e.g. the guarantee's scope), one table row each.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    meta = _esc(f"{subtitle} · generated {stamp} by dptune" if subtitle else f"generated {stamp} by dptune")
+    body = [
+        f"<h1>{_esc(title)}</h1>",
+        f'<div class="meta">{meta}</div>',
+        render_header(selection_mode=selection_mode, planned=planned, spent=spent, accountant=accountant,
+                      selection_split=selection_split, budgets=budgets),
+        *(render_section(s) for s in sections),
+    ]
+    page = (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_esc(title)}</title><style>{_CSS}</style></head>\n<body><main>\n"
+        + "\n".join(body)
+        + "\n</main></body></html>\n"
+    )
+    path = out / filename
+    path.write_text(page, encoding="utf-8")
+    return path

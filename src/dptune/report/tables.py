@@ -1,0 +1,207 @@
+"""Results tables (Galli et al. 2024, Tables 2–4) for HTML, CSV and the terminal.
+
+A row is the best (or tuner-selected) configuration of one strategy at one ε: its
+hyperparameters and the metric as mean ± std over seeds.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table as RichTable
+
+from dptune.errors import ConfigError
+from dptune.report.data import (
+    LedgerRow,
+    RunHistory,
+    SummaryRow,
+    _flag,
+    best_per_strategy,
+    coerce_histories,
+    coerce_ledger_rows,
+    metric_label,
+    summarize,
+)
+from dptune.report.data import higher_is_better as resolve_direction
+from dptune.report.html import Table
+
+TERMINAL_WIDTH = 100
+# Column caps for the terminal table: 6 borders + 5×2 padding + these = 100.
+_W_STRATEGY, _W_EPS, _W_HP, _W_METRIC, _W_SEEDS = 14, 6, 40, 19, 5
+
+
+def fmt_value(v: Any) -> str:
+    """Compact cell text: 4 significant digits for floats, ∞ for inf, — for missing."""
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "—"
+        if math.isinf(v):
+            return "∞"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def fmt_epsilon(eps: float) -> str:
+    return "∞ (non-private)" if math.isinf(eps) else f"{eps:g}"
+
+
+def fmt_hyperparameters(hp: Mapping[str, Any] | str) -> str:
+    if isinstance(hp, str):
+        return hp or "—"
+    return ", ".join(f"{k}={fmt_value(v)}" for k, v in sorted(hp.items())) or "—"
+
+
+def fmt_metric(r: SummaryRow) -> str:
+    if r.mean is None:
+        return "diverged"
+    return f"{r.mean:.4g} ± {r.std:.2g}" if r.std is not None else f"{r.mean:.4g}"
+
+
+def fmt_seeds(r: SummaryRow) -> str:
+    ok = r.n_seeds - r.n_diverged
+    return f"{ok}/{r.n_seeds}" + (f" ({r.n_diverged} diverged)" if r.n_diverged else "")
+
+
+def as_summary_rows(rows: Iterable[Any], *, higher: bool = True, best_only: bool = True) -> list[SummaryRow]:
+    """SummaryRows from SummaryRows, summary dicts (with 'mean') or per-seed trial rows;
+    ``best_only``: only the best (or selected) row per (strategy, ε)."""
+    rows = list(rows)
+    if all(isinstance(r, SummaryRow) or (isinstance(r, Mapping) and "mean" in r) for r in rows):
+        srows = [r if isinstance(r, SummaryRow) else _summary_from_dict(r) for r in rows]
+    else:
+        srows = summarize(rows, higher)
+    return best_per_strategy(srows, higher) if best_only else srows
+
+
+def _summary_from_dict(r: Mapping[str, Any]) -> SummaryRow:
+    missing = [k for k in ("strategy", "epsilon") if k not in r]
+    if missing:
+        raise ConfigError(f"summary row {dict(r)!r} lacks {missing}; give strategy, epsilon, mean, std.")
+    hp = r.get("hyperparameters", {})
+    return SummaryRow(
+        str(r["strategy"]), float(r["epsilon"]), hp if isinstance(hp, str) else dict(hp),
+        None if r["mean"] is None else float(r["mean"]),
+        None if r.get("std") is None else float(r["std"]),
+        int(r.get("n_seeds", 1)), int(r.get("n_diverged", 0)), _flag(r.get("selected", False)),
+    )
+
+
+def results_table(rows: Sequence[SummaryRow], metric: str, higher: bool, caption: str = "") -> Table:
+    """HTML table: strategy, ε, best hyperparameters, metric mean ± std, seeds."""
+    mark = not all(r.selected for r in rows)  # when every row is the tuner's choice, say it once
+    return Table(
+        ["strategy", "ε", "selected configuration" if not mark and rows else "best hyperparameters",
+         metric_label(metric, higher) + ", mean ± std", "seeds"],
+        [[r.strategy + (" (selected)" if r.selected and mark else ""), fmt_epsilon(r.epsilon),
+          fmt_hyperparameters(r.hyperparameters), fmt_metric(r), fmt_seeds(r)] for r in rows],
+        caption=caption,
+    )
+
+
+def render_terminal_table(
+    rows: Iterable[Any],
+    *,
+    metric: str = "accuracy",
+    higher_is_better: bool | None = None,
+    title: str | None = None,
+) -> RichTable:
+    """A ``rich`` table of the best configuration per strategy and ε that fits 100 columns.
+
+    ``rows``: SummaryRows, summary dicts (keys strategy, epsilon, hyperparameters, mean,
+    std[, n_seeds, n_diverged, selected]) or per-seed trial rows (aggregated here). Long
+    hyperparameter lists wrap inside their column instead of widening the table.
+    """
+    higher = resolve_direction(metric, higher_is_better)
+    srows = as_summary_rows(rows, higher=higher)
+    arrow = "↑" if higher else "↓"
+    name = {"accuracy": "Accuracy", "mse": "MSE", "loss": "Loss"}.get(metric, metric)
+    # Column caps add up to ≤ 100 with borders (6) and padding (2 per column): the table
+    # fits 100 columns whatever the console width; long cells fold onto more lines.
+    t = RichTable(
+        title=title or f"Best hyperparameters per strategy and ε ({name}: {'higher' if higher else 'lower'} is better)",
+        header_style="bold", title_justify="left", caption_justify="left",
+    )
+    t.add_column("Strategy", style="cyan", overflow="fold", max_width=_W_STRATEGY)
+    t.add_column("ε", justify="right", overflow="fold", max_width=_W_EPS)
+    t.add_column("Best hyperparameters", overflow="fold", max_width=_W_HP)
+    t.add_column(f"{name} {arrow}", justify="right", overflow="fold", min_width=_W_METRIC, max_width=_W_METRIC)
+    t.add_column("Seeds", justify="right", overflow="fold", max_width=_W_SEEDS)
+    for r in srows:
+        eps = "∞" if math.isinf(r.epsilon) else f"{r.epsilon:g}"
+        t.add_row(r.strategy + (" *" if r.selected else ""), eps, fmt_hyperparameters(r.hyperparameters),
+                  fmt_metric(r), f"{r.n_seeds - r.n_diverged}/{r.n_seeds}")
+    notes = ["mean ± std over seeds; Seeds = finished/run (the rest diverged)."]
+    if any(r.selected for r in srows):
+        notes.append("* configuration selected by the tuner.")
+    t.caption = " ".join(notes)
+    return t
+
+
+# ----------------------------------------------------------------------------- CSV
+def write_csv(path: str | Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> Path:
+    """Write dict rows as CSV (columns: given, else the union of keys in first-seen order)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if columns is None:
+        cols: dict[str, None] = {}
+        for r in rows:
+            cols.update(dict.fromkeys(r))
+        columns = list(cols)
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in columns})
+    return path
+
+
+def summary_csv_rows(rows: Sequence[SummaryRow]) -> list[dict[str, Any]]:
+    """Flat rows: strategy, epsilon, mean, std, seeds, then one column per hyperparameter."""
+    out = []
+    for r in rows:
+        d: dict[str, Any] = {
+            "strategy": r.strategy, "epsilon": r.epsilon, "mean": r.mean, "std": r.std,
+            "n_seeds": r.n_seeds, "n_diverged": r.n_diverged, "selected": r.selected,
+        }
+        if isinstance(r.hyperparameters, str):
+            d["configuration"] = r.hyperparameters
+        else:
+            d.update({f"hp_{k}": v for k, v in sorted(r.hyperparameters.items())})
+        out.append(d)
+    return out
+
+
+def ledger_csv_rows(rows: Iterable[LedgerRow | Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"run": r.run, "label": r.label, "releases": r.releases, "epsilon": r.epsilon,
+         "planned_epsilon": r.planned_epsilon, "noise_multiplier": r.noise_multiplier,
+         "sampling_rate": r.sampling_rate}
+        for r in coerce_ledger_rows(rows)
+    ]
+
+
+def history_csv_rows(histories: Iterable[RunHistory | Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Long format: run, strategy, then the history row (step, clip, lr, ...)."""
+    return [{"run": h.run, "strategy": h.strategy, **row} for h in coerce_histories(histories) for row in h.rows]
+
+
+def ledger_table(rows: Sequence[LedgerRow], max_rows: int = 200) -> Table:
+    """HTML ledger table; long ledgers are truncated (the CSV has every row)."""
+    shown = rows[:max_rows]
+    cap = "ε of a run alone at the study's δ; per-run values do not add up (composition is sub-additive)."
+    if len(rows) > max_rows:
+        cap += f" First {max_rows} of {len(rows)} rows; ledger.csv has all."
+    return Table(
+        ["run", "query label", "releases", "ε spent", "ε planned", "ν", "q"],
+        [[r.run, r.label, int(r.releases), r.epsilon, r.planned_epsilon, r.noise_multiplier, r.sampling_rate]
+         for r in shown],
+        caption=cap,
+    )
