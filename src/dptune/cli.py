@@ -158,6 +158,137 @@ def calibrate(
     console.print(f"ν = [bold]{nu:.6g}[/]  (ε achieved {achieved:.6g} ≤ {epsilon:g} at δ = {delta:g}, {accountant})")
 
 
+@app.command()
+@_guard
+def tune(
+    config: Path = typer.Argument(..., help="study file (.toml or .yaml); see docs/tuning.md"),
+    out: Path = typer.Option(None, "--out", "-o", help="study directory (default: studies/<study name>)"),
+    executor: str = typer.Option("local", help="local, process or ray"),
+    workers: int | None = typer.Option(None, help="parallel workers (process/ray)"),
+    address: str | None = typer.Option(None, "--address", help="Ray cluster address (default: a local Ray)"),
+    progress: bool = typer.Option(True, help="show progress bars"),
+) -> None:
+    """Plan a whole study inside its budget, run it, print the results table and budget."""
+    from dptune.tune import load_study_config, run_study
+    from dptune.tune.results import render
+
+    study = load_study_config(config)
+    study_dir = out or Path("studies") / study.name
+    run_study(study, study_dir, executor=executor, address=address, progress=progress, workers=workers)
+    render(study_dir, console)
+    console.print(f"study directory: {study_dir}  (dptune report {study_dir} for the HTML report)")
+
+
+@app.command()
+@_guard
+def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> None:
+    """Progress and budget of a (possibly running or interrupted) study."""
+    from dptune.tune import study_status
+
+    st = study_status(study_dir)
+    t = Table(title=f"study {study_dir}")
+    t.add_column("key")
+    t.add_column("value", overflow="fold")
+    for k, v in st.items():
+        t.add_row(str(k), json.dumps(v, default=str) if isinstance(v, dict | list) else str(v))
+    console.print(t)
+
+
+@app.command()
+@_guard
+def resume(
+    study_dir: Path = typer.Argument(..., help="a study directory"),
+    executor: str = typer.Option("local", help="local, process or ray"),
+    workers: int | None = typer.Option(None),
+    address: str | None = typer.Option(None, "--address"),
+    progress: bool = typer.Option(True),
+) -> None:
+    """Continue an interrupted study: finished runs are kept, interrupted runs re-execute
+    with the same seeds and noise streams (nothing is released or spent twice)."""
+    from dptune.tune import resume_study
+    from dptune.tune.results import render
+
+    resume_study(study_dir, executor=executor, address=address, progress=progress, workers=workers)
+    render(study_dir, console)
+
+
+@app.command()
+@_guard
+def report(
+    study_dir: Path = typer.Argument(..., help="a study directory"),
+    out: Path | None = typer.Option(None, help="output folder (default: <study_dir>/report)"),
+) -> None:
+    """Write CSVs, figures and a self-contained HTML report of a study."""
+    from dptune.report import report_study
+    from dptune.tune.results import render, write_csvs
+
+    render(study_dir, console)
+    write_csvs(study_dir)
+    html = report_study(study_dir, out)
+    console.print(f"report: {html}")
+
+
+@app.command()
+@_guard
+def reproduce(
+    name: str = typer.Argument(..., help="preset name (dptune reproduce --list)"),
+    scale: str = typer.Option("smoke", help="smoke, small or paper"),
+    out: Path | None = typer.Option(None, help="output directory (default: runs/<name>-<scale>)"),
+    data_dir: str | None = typer.Option(None, help="datasets folder (else $DPTUNE_DATA_DIR, else download)"),
+    executor: str = typer.Option("local", help="local, process or ray"),
+    workers: int | None = typer.Option(None),
+    device: str | None = typer.Option(None),
+    k: int | None = typer.Option(None, help="grid granularity for the Galli presets (5, 7 or 9)"),
+    progress: bool = typer.Option(True),
+) -> None:
+    """Reproduce a paper experiment (Galli, Mohapatra, Panda) at a given scale."""
+    from dptune import presets
+
+    if name in ("list", "--list"):
+        for p in presets.list_presets():
+            console.print(p)
+        return
+    opts = {"k": k} if k is not None else {}
+    out_dir = out or Path("runs") / f"{name}-{scale}"
+    presets.reproduce(name, scale, out_dir, data_dir=data_dir, executor=executor, progress=progress,
+                      workers=workers, device=device, console=console, **opts)
+
+
+@app.command()
+@_guard
+def demo(
+    out: Path = typer.Option(Path("dptune-demo"), help="study directory of the demo"),
+    progress: bool = typer.Option(True),
+) -> None:
+    """The main job: an honest study on embedded MNIST (5k) comparing online / dpsgd /
+    quantile / adamwosm at two ε values; prints the table and writes the HTML report."""
+    from dptune import presets
+
+    presets.demo(out, progress=progress, console=console)
+
+
+@app.command()
+@_guard
+def audit(
+    strategy: str = typer.Option(..., help="dpsgd, quantile, oso, adamwosm, adadp, dpgd or grid"),
+    eps: float = typer.Option(4.0, help="the claimed ε to audit"),
+    delta: float = typer.Option(1e-5),
+    method: str = typer.Option("one-run", help="one-run (Steinke et al. 2023) or two-world (Jagielski et al. 2020)"),
+    seed: int = typer.Option(0),
+    out: Path | None = typer.Option(None, help="write the result as JSON here"),
+) -> None:
+    """Empirical privacy audit: an ε lower bound at 95% confidence for the claimed ε."""
+    from dptune.audit import run_audit
+
+    res = run_audit(strategy, eps, delta, method=method, seed=seed,
+                    on_progress=lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False))
+    console.print(res.summary())
+    if out is not None:
+        out.write_text(json.dumps(res.to_dict(), default=str, indent=2))
+    if res.flagged:
+        raise typer.Exit(1)
+
+
 def main() -> None:  # pragma: no cover
     try:
         app()

@@ -50,7 +50,7 @@ def event_from_dict(d: Mapping[str, Any]) -> dp_event.DpEvent:
         if isinstance(v, Mapping) and "type" in v:
             v = event_from_dict(v)
         elif isinstance(v, list) and v and isinstance(v[0], Mapping):
-            v = [event_from_dict(e) for e in v]
+            v = tuple(event_from_dict(e) for e in v)
         kwargs[k] = v
     return cls(**kwargs)
 
@@ -74,7 +74,8 @@ def compose(groups: Iterable[tuple[dp_event.DpEvent, int]]) -> dp_event.DpEvent:
     evs = [e if n == 1 else dp_event.SelfComposedDpEvent(e, n) for e, n in groups if n > 0]
     if not evs:
         return dp_event.NoOpDpEvent()
-    return evs[0] if len(evs) == 1 else dp_event.ComposedDpEvent(evs)
+    # A tuple (not a list) keeps the event hashable, so accountant results can be cached.
+    return evs[0] if len(evs) == 1 else dp_event.ComposedDpEvent(tuple(evs))
 
 
 # ----------------------------------------------------------------------------- ledger

@@ -76,11 +76,24 @@ class NoiseSource:
 class NoisyRelease:
     """The privacy gateway of one run: every noisy statistic passes through ``release``."""
 
-    def __init__(self, ledger: Ledger, sampling_rate: float, noise: NoiseSource, run: str = ""):
+    def __init__(
+        self,
+        ledger: Ledger,
+        sampling_rate: float,
+        noise: NoiseSource,
+        run: str = "",
+        planned_multiplier: float | None = None,
+    ):
         self.ledger = ledger
         self.sampling_rate = accounting.check_sampling_rate(sampling_rate)
         self.noise = noise
         self.run = run
+        # Split queries recombine (Σν_i⁻²)^-½ in floating point; the result can differ from
+        # the planned ν in the last bits. Within this relative tolerance it IS the planned
+        # mechanism, so it is recorded as such (the plan compares events exactly).
+        self.planned_multiplier = planned_multiplier
+
+    SNAP_RTOL = 1e-9
 
     def event_for(self, *noise_multipliers: float):
         nu = accounting.joint_noise_multiplier(noise_multipliers)
@@ -91,6 +104,9 @@ class NoisyRelease:
         if not queries:
             raise ValueError("release() needs at least one query")
         nu = accounting.joint_noise_multiplier(q.noise_multiplier for q in queries)
+        planned = self.planned_multiplier
+        if planned is not None and abs(nu - planned) <= self.SNAP_RTOL * planned:
+            nu = planned
         if not math.isfinite(nu):
             raise ValueError("a private release needs finite noise; use the 'nodp' strategy for no noise")
         event = accounting.gaussian_step_event(nu, self.sampling_rate)

@@ -245,7 +245,10 @@ def train(
     state = strategy.init(params, run)
 
     ledger = Ledger.with_plan(plan.event())
-    gateway = NoisyRelease(ledger, plan.sampling_rate, NoiseSource(stream_seed(seed, "noise"), dev, secure_mode), run_id)
+    gateway = NoisyRelease(
+        ledger, plan.sampling_rate, NoiseSource(stream_seed(seed, "noise"), dev, secure_mode), run_id,
+        planned_multiplier=plan.noise_multiplier if strategy.private else None,
+    )
     sampler = PoissonSampler(n, plan.sampling_rate, seed)
     if eval_data is not None:
         ex, ey = _as_tensors(eval_data, dev)
@@ -269,7 +272,9 @@ def train(
             row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
             if ctx._grads is not None and ctx.batch_size:
                 row["train_loss"] = float(ctx._grads.losses.mean())
-            if not is_finite(params) or not math.isfinite(row.get("train_loss", 0.0)):
+            # Divergence is judged on the parameters only: they are post-processing of noisy
+            # releases, so stopping on them leaks nothing (a stop on the private batch loss would).
+            if not is_finite(params):
                 diverged = True
                 history.append(row)
                 break

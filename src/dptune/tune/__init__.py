@@ -1,0 +1,63 @@
+"""``dptune.tune``: honest hyperparameter tuning — the privacy of the search is planned and counted.
+
+>>> from dptune.tune import run_study, study_table
+>>> run_study("study.toml", "runs/my-study", executor="local")     # doctest: +SKIP
+>>> study_table("runs/my-study")                                    # doctest: +SKIP
+
+A study (``Study`` / a TOML or YAML file) is planned in full before any training
+(``planners``): per-run noise multipliers and one planned ``DpEvent`` for the whole
+study. Runs execute on an executor (local, process pool, Ray); each returned run is
+checked against the plan and merged into the study ledger, which must end equal to
+the plan. Everything is stored in ``<dir>/study.sqlite`` and can be resumed after a
+crash (``resume_study``). See ``docs/tuning.md``.
+"""
+
+from dptune.tune.planners import ArmPlan, RunSpec, StudyPlan, plan_study
+from dptune.tune.results import (
+    budget_rows,
+    html_report,
+    render,
+    report_inputs,
+    report_text,
+    rerr_rows,
+    study_status,
+    study_table,
+    write_csvs,
+)
+from dptune.tune.spec import (
+    BudgetSpec,
+    DataSpec,
+    MethodSpec,
+    ModelSpec,
+    SelectionSpec,
+    StrategyArm,
+    Study,
+    TrainingSpec,
+    load_study_config,
+    study_from_dict,
+)
+from dptune.tune.study import (
+    Coordinator,
+    StudyOutcome,
+    load_stored_study,
+    plan_only,
+    resume_study,
+    run_study,
+)
+from dptune.tune.theory import (
+    LtVsMa,
+    lt_max_runs,
+    lt_solve,
+    lt_total,
+    lt_vs_ma,
+    panda_total_epsilon,
+    rerr,
+)
+
+__all__ = [
+    "Study", "DataSpec", "ModelSpec", "TrainingSpec", "BudgetSpec", "MethodSpec", "SelectionSpec", "StrategyArm",
+    "load_study_config", "study_from_dict", "run_study", "resume_study", "study_status", "study_table",
+    "budget_rows", "write_csvs", "html_report", "report_inputs", "render", "report_text", "rerr_rows", "plan_only", "plan_study", "StudyPlan",
+    "ArmPlan", "RunSpec", "Coordinator", "StudyOutcome", "load_stored_study", "lt_vs_ma", "LtVsMa", "lt_solve",
+    "lt_total", "lt_max_runs", "panda_total_epsilon", "rerr",
+]

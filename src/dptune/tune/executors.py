@@ -1,0 +1,143 @@
+"""Executors: where runs execute. The budget is planned centrally; executors only run tasks.
+
+* ``local``: sequentially, in this process.
+* ``process``: a ``concurrent.futures.ProcessPoolExecutor`` with the *spawn* context
+  (fresh interpreters: no forked torch state, same behaviour on every OS).
+* ``ray``: Ray tasks, on a local Ray started here (``ray.init(num_cpus=workers)``) or on
+  an existing cluster (``address``).
+
+Every executor calls the same pure function ``worker.execute_run`` with the same
+arguments, with torch pinned to ``study.threads_per_run`` threads, so the same seeds
+give bit-identical results whichever executor runs them. Results come back in
+completion order; the coordinator makes the outcome independent of that order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dptune.errors import ConfigError
+
+Task = tuple[str, tuple[Any, ...]]  # (run_id, args of execute_run)
+Outcome = tuple[str, dict[str, Any] | None, str | None]  # (run_id, result, error text)
+
+EXECUTORS = ("local", "process", "ray")
+
+
+def _call(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        return fn(*args), None
+    except Exception as exc:  # a failed run is recorded, the study goes on
+        import traceback
+
+        return None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
+
+
+def _remote_call(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> tuple[dict[str, Any] | None, str | None]:
+    return _call(fn, args)
+
+
+class Executor:
+    name = "base"
+
+    def run(self, fn: Callable[..., dict[str, Any]], tasks: list[Task],
+            on_start: Callable[[list[str]], None] = lambda ids: None) -> Iterator[Outcome]:
+        """Execute ``fn(*args)`` for every task; call ``on_start(run_ids)`` just before runs are
+        dispatched (one at a time locally, all at once for pools); yield outcomes as they finish."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class LocalExecutor(Executor):
+    name = "local"
+
+    def run(self, fn, tasks, on_start=lambda ids: None):
+        for rid, args in tasks:
+            on_start([rid])
+            res, err = _call(fn, args)
+            yield rid, res, err
+
+
+class ProcessExecutor(Executor):
+    name = "process"
+
+    def __init__(self, workers: int | None = None):
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.workers = workers or max(1, min(4, os.cpu_count() or 1))
+        self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=mp.get_context("spawn"))
+
+    def run(self, fn, tasks, on_start=lambda ids: None):
+        from concurrent.futures import as_completed
+
+        on_start([rid for rid, _ in tasks])
+        futs = {self.pool.submit(_remote_call, fn, args): rid for rid, args in tasks}
+        for fut in as_completed(futs):
+            rid = futs[fut]
+            try:
+                res, err = fut.result()
+            except Exception as exc:  # the worker process died
+                res, err = None, f"worker process failed: {type(exc).__name__}: {exc}"
+            yield rid, res, err
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class RayExecutor(Executor):
+    """Ray tasks. Starts a small local Ray unless ``address`` names an existing cluster;
+    shuts down only the Ray it started."""
+
+    name = "ray"
+
+    def __init__(self, workers: int | None = None, address: str | None = None):
+        try:
+            import ray
+        except ImportError as exc:  # pragma: no cover - ray is a declared dependency
+            raise ConfigError("executor 'ray' needs Ray: pip install 'ray[default]'") from exc
+        self.ray = ray
+        self.started = False
+        if not ray.is_initialized():
+            if address:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(num_cpus=workers or max(1, min(4, os.cpu_count() or 1)), include_dashboard=False,
+                         log_to_driver=False, configure_logging=False)
+            self.started = True
+        self.remote = ray.remote(num_cpus=1, max_retries=0)(_remote_call)
+
+    def run(self, fn, tasks, on_start=lambda ids: None):
+        ray = self.ray
+        on_start([rid for rid, _ in tasks])
+        fn_ref = ray.put(fn)
+        pending = {self.remote.remote(fn_ref, args): rid for rid, args in tasks}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            ref = done[0]
+            rid = pending.pop(ref)
+            try:
+                res, err = ray.get(ref)
+            except Exception as exc:  # the task or its worker died
+                res, err = None, f"ray task failed: {type(exc).__name__}: {exc}"
+            yield rid, res, err
+
+    def close(self) -> None:
+        if self.started:
+            self.ray.shutdown()
+
+
+def make_executor(name: str | Executor, workers: int | None = None, address: str | None = None) -> Executor:
+    if isinstance(name, Executor):
+        return name
+    if name == "local":
+        return LocalExecutor()
+    if name == "process":
+        return ProcessExecutor(workers)
+    if name == "ray":
+        return RayExecutor(workers, address)
+    raise ConfigError(f"unknown executor {name!r}; choose one of {', '.join(EXECUTORS)}.")

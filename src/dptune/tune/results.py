@@ -1,0 +1,416 @@
+"""Results of a stored study: the selection table, the budget (planned vs spent, and where it
+went), the status, CSV files and a terminal rendering (rich, 100 columns).
+
+Everything here reads the study directory only (no Study object, no training).
+
+Selection per tuning procedure (``selection.across_seeds``):
+
+* ``per-seed``: every seed replicate is its own procedure; each picks its best run by the
+  selection score (best checkpoint); the table shows mean ± std over replicates of the
+  selected runs' scores and the configuration selected most often (``[k/P]``).
+* ``mean``: a configuration's score is its mean over seeds; the best mean is selected and
+  shown with the std over its seeds (Galli et al., Tables 2–4).
+* ``linear-scaling``: each replicate's result is its final run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from dp_accounting import dp_event
+
+from dptune import accounting
+from dptune.ledger import LedgerEntry, compose, event_from_dict
+from dptune.tune import theory
+from dptune.tune.planners import ArmPlan, StudyPlan, canonical
+from dptune.tune.space import config_key
+from dptune.tune.store import Store
+
+TERMINAL_WIDTH = 100
+
+
+def _load(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[dict[str, Any]], list[LedgerEntry]]:
+    with Store(study_dir, readonly=True) as store:
+        cfg = store.get_meta("config")
+        plan = StudyPlan.from_dict(store.get_meta("plan"))
+        rows = [dict(r) for r in store.runs()]
+        entries = store.ledger_entries()
+    for r in rows:
+        r["config"] = json.loads(r["config"]) if r["config"] else None
+        r["fit"] = json.loads(r["fit"]) if r.get("fit") else None
+    return cfg, plan, rows, entries
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
+    xs = [x for x in xs if _finite(x)]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def _better(a: float, b: float, higher: bool) -> bool:
+    return a > b if higher else a < b
+
+
+def _public_config(c: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (c or {}).items()}
+
+
+# ----------------------------------------------------------------------------- budget
+def _arm_entries(arm: ArmPlan, entries: list[LedgerEntry]) -> list[LedgerEntry]:
+    ids = set(arm.runs)
+    return [e for e in entries if e.run in ids]
+
+
+_EPS_CACHE: dict[tuple[Any, float, str], float] = {}
+
+
+def _epsilon(event: dp_event.DpEvent, delta: float, acc: str) -> float:
+    """ε of a canonical (hashable) event, cached: identical runs are accounted once."""
+    key = (event, delta, acc)
+    if key not in _EPS_CACHE:
+        _EPS_CACHE[key] = accounting.epsilon(event, delta, acc)
+    return _EPS_CACHE[key]
+
+
+def _eps(entries: Iterable[LedgerEntry], delta: float, acc: str) -> float:
+    entries = list(entries)
+    if any(isinstance(e.event, dp_event.NonPrivateDpEvent) for e in entries):
+        return math.inf
+    ev = canonical(compose((e.event, e.count) for e in entries))
+    if isinstance(ev, dp_event.NoOpDpEvent):
+        return 0.0
+    return _epsilon(ev, delta, acc)
+
+
+def spent(arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[float, float]:
+    """(ε, δ) spent so far by the arm under its own guarantee (see ``planners``)."""
+    g = arm.guarantee
+    mine = _arm_entries(arm, entries)
+    if not mine:
+        return 0.0, 0.0
+    if g["kind"] == "nonprivate":
+        return math.inf, arm.delta
+    by_proc: dict[int, list[LedgerEntry]] = defaultdict(list)
+    for e in mine:
+        by_proc[plan.runs[e.run].procedure].append(e)
+    acc = arm.accountant
+    per_study = g.get("per") == "study"
+    if g["kind"] == "liu-talwar":
+        eps1_total = theory.lt_total(g["eps1"], g["delta1"], g["gamma"], g["delta2"])
+        k = len(by_proc) if per_study else 1
+        return eps1_total[0] * k, eps1_total[1] * k
+    if g["kind"] == "repeat-and-select":
+        k = len(by_proc) if per_study else 1
+        rs = theory.repeat_and_select_event(canonical(event_from_dict(g["unit_event"])), g["mean"], g["shape"])
+        ev = rs if k == 1 else dp_event.SelfComposedDpEvent(rs, k)
+        return _epsilon(ev, arm.delta, "rdp"), arm.delta
+    # composition: per seed replicate (or all, when seeds are accounted)
+    if per_study:
+        return _eps(mine, arm.delta, acc), arm.delta
+    by_rep: dict[int, list[LedgerEntry]] = defaultdict(list)
+    for e in mine:
+        by_rep[plan.runs[e.run].replicate].append(e)
+    return max(_eps(v, arm.delta, acc) for v in by_rep.values()), arm.delta
+
+
+def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(per-run rows, per-(arm, query label) rows): where the budget went.
+
+    Per run: its releases and its ε *alone* at δ (runs compose sub-additively: these do
+    not add up to the study's ε). Per label: releases of that query type in the arm's
+    accounted scope and their composed ε alone."""
+    _, plan, rows, entries = _load(study_dir)
+    status = {r["run_id"]: r["status"] for r in rows}
+    by_run: dict[str, list[LedgerEntry]] = defaultdict(list)
+    for e in entries:
+        by_run[e.run].append(e)
+    per_run, per_label = [], []
+    for arm in plan.arms:
+        acc = arm.accountant if arm.accountant != "none" else "rdp"
+        for rid in arm.runs:
+            run = plan.runs[rid]
+            es = by_run.get(rid, [])
+            per_run.append({
+                "arm": arm.arm, "run_id": rid, "stage": run.stage, "status": status.get(rid),
+                "releases": sum(e.count for e in es),
+                "epsilon_alone": _eps(es, arm.delta, acc) if es else 0.0,
+                "noise_multiplier": run.noise_multiplier, "sampling_rate": run.sampling_rate, "steps": run.steps,
+            })
+        scope = [e for e in _arm_entries(arm, entries)
+                 if arm.guarantee.get("per") == "study" or plan.runs[e.run].replicate == 0]
+        labels: dict[str, list[LedgerEntry]] = defaultdict(list)
+        for e in scope:
+            labels[e.label].append(e)
+        for label, es in sorted(labels.items()):
+            per_label.append({
+                "arm": arm.arm, "label": label, "releases": sum(e.count for e in es),
+                "epsilon_alone": _eps(es, arm.delta, acc),
+                "scope": "all seeds" if arm.guarantee.get("per") == "study" else "seed replicate 0",
+            })
+        if arm.guarantee["kind"] in ("liu-talwar", "repeat-and-select") and scope:
+            per_label.append({
+                "arm": arm.arm, "label": "(every run, if all were published)",
+                "releases": sum(e.count for e in scope), "epsilon_alone": _eps(scope, arm.delta, "rdp"),
+                "scope": "composition, NOT the guarantee",
+            })
+    return per_run, per_label
+
+
+# ----------------------------------------------------------------------------- selection table
+def _selected(arm: ArmPlan, plan: StudyPlan, runs: dict[str, dict[str, Any]], across: str) -> dict[str, Any]:
+    higher = plan.higher_is_better
+    mine = [runs[r] for r in arm.runs]
+    usable = [r for r in mine if r["status"] in ("done", "diverged") and _finite(r["score"])]
+    picks: list[dict[str, Any]] = []
+    fits = []
+    if arm.method == "linear-scaling":
+        for r in mine:
+            if r["stage"] == "final" and r["status"] in ("done", "diverged"):
+                picks.append(r)
+                fits.append(r["fit"])
+    elif across == "mean":
+        by_cand: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for r in usable:
+            by_cand[_cand(plan, r)].append(r)
+        best, best_mean = None, None
+        for cand, rs in sorted(by_cand.items()):
+            m = statistics.fmean(x["score"] for x in rs)
+            if best_mean is None or _better(m, best_mean, higher):
+                best, best_mean = cand, m
+        if best is not None:
+            picks = sorted(by_cand[best], key=lambda x: x["replicate"])
+    else:
+        by_proc: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for r in usable:
+            by_proc[r["procedure"]].append(r)
+        for _, rs in sorted(by_proc.items()):
+            best = rs[0]
+            for x in rs[1:]:
+                if _better(x["score"], best["score"], higher):
+                    best = x
+            picks.append(best)
+    keys = Counter(config_key(_public_config(p["config"])) for p in picks if p["config"])
+    config = ""
+    if keys:
+        k, c = keys.most_common(1)[0]
+        config = k if (len(picks) <= 1 or across == "mean") else f"{k} [{c}/{len(picks)}]"
+    val_m, val_s = _mean_std([p["score"] for p in picks])
+    test_m, test_s = _mean_std([p["test_metric"] for p in picks if p["test_metric"] is not None])
+    return {"config": config, "val_mean": val_m, "val_std": val_s, "test_mean": test_m, "test_std": test_s,
+            "n": len(picks), "selected_runs": [p["run_id"] for p in picks], "fits": fits}
+
+
+def _cand(plan: StudyPlan, r: dict[str, Any]) -> int:
+    return plan.runs[r["run_id"]].index
+
+
+def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
+    """One row per (strategy, ε): selected configuration, metric mean ± std, planned and spent (ε, δ)."""
+    cfg, plan, rows, entries = _load(study_dir)
+    runs = {r["run_id"]: r for r in rows}
+    sel = cfg.get("selection", {})
+    across = sel.get("across_seeds", "per-seed")
+    out = []
+    for arm in plan.arms:
+        s = _selected(arm, plan, runs, across)
+        st = Counter(runs[r]["status"] for r in arm.runs)
+        sp = spent(arm, plan, entries)
+        out.append({
+            "strategy": arm.label, "optimizer": arm.strategy, "epsilon": arm.epsilon, "method": arm.method,
+            "selection": sel.get("mode", "public"), "split": sel.get("split", "test"),
+            "metric": plan.metric, "selected": s["config"],
+            "value_mean": s["val_mean"], "value_std": s["val_std"],
+            "test_mean": s["test_mean"], "test_std": s["test_std"], "replicates": s["n"],
+            "runs_done": st.get("done", 0) + st.get("diverged", 0), "runs_total": len(arm.runs),
+            "diverged": st.get("diverged", 0), "failed": st.get("failed", 0),
+            "planned_epsilon": arm.guarantee["epsilon"], "planned_delta": arm.guarantee["delta"],
+            "spent_epsilon": sp[0], "spent_delta": sp[1], "guarantee_per": arm.guarantee.get("per", "study"),
+            "accountant": arm.accountant, "arm": arm.arm, "selected_runs": s["selected_runs"],
+            **({"fits": s["fits"]} if s["fits"] else {}),
+        })
+    return out
+
+
+def rerr_rows(rows: list[dict[str, Any]], higher: bool = True) -> list[dict[str, Any]]:
+    """Panda's RERR of every linear-scaling row against a ``random`` row (Panda's random search:
+    n = 1 at the full budget) and an ``oracle``/``grid`` row of the same optimizer and ε in the
+    same study (arms with distinct labels), when both exist."""
+    out = []
+    for r in rows:
+        if r["method"] != "linear-scaling" or r["value_mean"] is None:
+            continue
+        same = [x for x in rows if x is not r and x.get("optimizer") == r.get("optimizer")
+                and x["epsilon"] == r["epsilon"] and x["value_mean"] is not None]
+        rnd = [x for x in same if x["method"] == "random"]
+        orc = [x for x in same if x["method"] in ("oracle", "grid")]
+        if rnd and orc:
+            out.append({"strategy": r["strategy"], "epsilon": r["epsilon"],
+                        "rerr": theory.rerr(r["value_mean"], rnd[0]["value_mean"], orc[0]["value_mean"], higher),
+                        "random": rnd[0]["strategy"], "oracle": orc[0]["strategy"]})
+    return out
+
+
+def study_status(study_dir: str | Path) -> dict[str, Any]:
+    """Progress and budget of a (possibly running) study: counts per status, per arm."""
+    cfg, plan, rows, entries = _load(study_dir)
+    counts = Counter(r["status"] for r in rows)
+    arms = []
+    by_id = {r["run_id"]: r for r in rows}
+    for arm in plan.arms:
+        st = Counter(by_id[r]["status"] for r in arm.runs)
+        sp = spent(arm, plan, entries)
+        arms.append({"arm": arm.arm, "method": arm.method, "runs": len(arm.runs), **dict(st),
+                     "planned_epsilon": arm.guarantee["epsilon"], "planned_delta": arm.guarantee["delta"],
+                     "spent_epsilon": sp[0], "spent_delta": sp[1], "per": arm.guarantee.get("per")})
+    return {"name": cfg.get("study", {}).get("name", "study"), "total": len(rows), "counts": dict(counts),
+            "complete": set(counts) <= {"done", "diverged"}, "arms": arms,
+            "selection_mode": cfg.get("selection", {}).get("mode", "public")}
+
+
+# ----------------------------------------------------------------------------- files and terminal
+def _csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    keys: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in r.items()})
+    return path
+
+
+def write_csvs(study_dir: str | Path) -> list[Path]:
+    """results.csv, budget_runs.csv, budget_labels.csv in the study directory."""
+    d = Path(study_dir)
+    per_run, per_label = budget_rows(d)
+    return [_csv(d / "results.csv", study_table(d)), _csv(d / "budget_runs.csv", per_run),
+            _csv(d / "budget_labels.csv", per_label)]
+
+
+def _pm(m: float | None, s: float | None, metric: str) -> str:
+    if m is None:
+        return "—"
+    scale, fmt = (100.0, "{:.2f}") if metric == "accuracy" else (1.0, "{:.4g}")
+    out = fmt.format(m * scale)
+    return out + (f" ± {fmt.format(s * scale)}" if s is not None else "")
+
+
+def _e(x: float) -> str:
+    return "∞" if not math.isfinite(x) else f"{x:.3g}"
+
+
+def render(study_dir: str | Path, console: Any = None) -> None:
+    """Print the results table, the budget and the notes (fits 100 columns)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=TERMINAL_WIDTH)
+    cfg, plan, _, _ = _load(study_dir)
+    rows = study_table(study_dir)
+    sel = cfg.get("selection", {})
+    mode = sel.get("mode", "public")
+    metric = plan.metric
+    unit = " (%)" if metric == "accuracy" else ""
+    mode_txt = ("PUBLIC validation data (assumed public, as in the papers)" if mode == "public" else
+                f"PRIVATE validation data (Gaussian noise σ = {sel.get('noise_multiplier')} on each score, in the ledger)")
+    console.print(f"[bold]{cfg.get('study', {}).get('name', 'study')}[/bold] — selection on the "
+                  f"{sel.get('split', 'test')} split, {mode_txt}; across seeds: {sel.get('across_seeds', 'per-seed')}")
+    t = Table(title=None, show_lines=False)
+    for col in ("strategy", "ε", "method", "selected configuration", f"{metric}{unit}", "test", "planned (ε, δ)",
+                "spent ε"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        test = _pm(r["test_mean"], r["test_std"], metric) if r["test_mean"] is not None else ""
+        flags = "".join(f" ({r[k]} {k})" for k in ("failed", "diverged") if r[k])
+        t.add_row(r["strategy"], _e(r["epsilon"]), r["method"], (r["selected"] or "—") + flags,
+                  _pm(r["value_mean"], r["value_std"], metric), test,
+                  f"({_e(r['planned_epsilon'])}, {r['planned_delta']:.0e})"
+                  + (" per seed" if r["guarantee_per"] == "seed replicate" else ""),
+                  _e(r["spent_epsilon"]))
+    console.print(t)
+    _, per_label = budget_rows(study_dir)
+    b = Table(title="where the budget went (ε of each query type alone, at δ)")
+    for col in ("arm", "query", "releases", "ε alone", "scope"):
+        b.add_column(col, overflow="fold")
+    for r in per_label:
+        b.add_row(r["arm"], r["label"], str(r["releases"]), _e(r["epsilon_alone"]), r["scope"])
+    console.print(b)
+    rr = rerr_rows(rows, plan.higher_is_better)
+    for r in rr:
+        console.print(f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
+                      f"({r['random']}) and grid/oracle ({r['oracle']}): {100 * r['rerr']:.1f} %")
+    for arm in plan.arms:
+        for note in arm.notes:
+            console.print(f"[dim]• {arm.arm}: {note}[/dim]")
+
+
+def report_text(study_dir: str | Path) -> str:
+    """The terminal rendering as plain text (100 columns)."""
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    render(study_dir, Console(file=buf, width=TERMINAL_WIDTH, force_terminal=False, color_system=None))
+    return buf.getvalue()
+
+
+def report_inputs(study_dir: str | Path) -> dict[str, Any]:
+    """Keyword arguments of ``dptune.report.build_report`` for this study (trial rows with the
+    tuner's selections marked, histories of the selected runs, per-run ledger rows, budget,
+    selection mode, linear-scaling fit)."""
+    cfg, plan, rows, _ = _load(study_dir)
+    table = study_table(study_dir)
+    selected = {rid for r in table for rid in r["selected_runs"]}
+    arm_of = {rid: a for a in plan.arms for rid in a.runs}
+    trials, histories = [], []
+    for r in rows:
+        arm = arm_of[r["run_id"]]
+        if r["status"] not in ("done", "diverged") or r["config"] is None:
+            continue
+        trials.append({"strategy": arm.label, "epsilon": arm.epsilon, "value": r["score"], "seed": r["seed"],
+                       "hyperparameters": _public_config(r["config"]), "selected": r["run_id"] in selected})
+        if r["run_id"] in selected and r["history"]:
+            histories.append({"run": r["run_id"], "strategy": arm.label, "rows": json.loads(r["history"])})
+    per_run, _ = budget_rows(study_dir)
+    ledger_rows = [{"run": x["run_id"], "label": x["arm"], "releases": x["releases"],
+                    "epsilon": x["epsilon_alone"] if math.isfinite(x["epsilon_alone"]) else None,
+                    "noise_multiplier": x["noise_multiplier"] if math.isfinite(x["noise_multiplier"]) else None,
+                    "sampling_rate": x["sampling_rate"]} for x in per_run if x["releases"]]
+    private = [r for r in table if math.isfinite(r["planned_epsilon"])]
+    planned = (max(r["planned_epsilon"] for r in private), private[0]["planned_delta"]) if private else None
+    spent_ = (max(r["spent_epsilon"] for r in private), private[0]["spent_delta"]) if private else None
+    fit = None
+    for r in table:
+        for f in r.get("fits") or []:
+            if f and f.get("coef") and len(f["coef"]) == 2 and fit is None:
+                fit = {"points": [tuple(p) for p in f["points"]], "slope": f["coef"][0],
+                       "intercept": f["coef"][1], "target_epsilon": f["x_final"]}
+    notes = [f"{a.arm}: {n}" for a in plan.arms for n in a.notes]
+    return {"results_rows": trials, "histories": histories, "ledger_rows": ledger_rows,
+            "selection_mode": cfg.get("selection", {}).get("mode", "public"), "planned": planned, "spent": spent_,
+            "metric": plan.metric, "title": f"dptune study: {cfg.get('study', {}).get('name', 'study')}",
+            "notes": notes, "linear_scaling": fit}
+
+
+def html_report(study_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Figures, CSVs and a self-contained ``report.html`` (``dptune.report``) for a stored study."""
+    from dptune.report import build_report
+
+    out = Path(out_dir) if out_dir is not None else Path(study_dir) / "report"
+    return build_report(out, **report_inputs(study_dir))

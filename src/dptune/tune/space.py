@@ -1,0 +1,93 @@
+"""Search spaces: grids (cartesian products of lists) and seeded random draws.
+
+Every random draw of the tuner comes from a ``numpy`` generator seeded by
+``rng_for(study_seed, name)``, so planning is a pure function of the study: the
+same study plans the same runs on every machine, and a resumed study re-plans
+exactly what it had planned (nothing about the data influences these draws).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dptune.sampling import stream_seed
+
+
+def rng_for(study_seed: int, name: str) -> np.random.Generator:
+    """An independent generator per named stream of the study (e.g. 'random/dpsgd@1')."""
+    return np.random.default_rng(stream_seed(study_seed, name))
+
+
+def _plain(v: Any) -> Any:
+    """numpy scalars → Python scalars (JSON and hashing)."""
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def is_finite(space: Mapping[str, Any]) -> bool:
+    return all(not isinstance(v, Mapping) for v in space.values())
+
+
+def grid(space: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """All combinations of the listed values, in a fixed order (keys sorted, values as given)."""
+    keys = sorted(space)
+    if not keys:
+        return [{}]
+    values = [list(space[k]) for k in keys]
+    return [{k: _plain(v) for k, v in zip(keys, combo, strict=True)} for combo in itertools.product(*values)]
+
+
+def size(space: Mapping[str, Any]) -> int:
+    return math.prod(len(v) for v in space.values()) if space else 1
+
+
+def draw_value(spec: Any, rng: np.random.Generator) -> Any:
+    if isinstance(spec, Mapping):
+        dist, (lo, hi) = next(iter(spec.items()))
+        if dist == "uniform":
+            return float(rng.uniform(lo, hi))
+        if dist == "log_uniform":
+            return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+        if dist == "int_uniform":
+            return int(rng.integers(int(lo), int(hi) + 1))
+        if dist == "int_log_uniform":
+            return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+        raise ValueError(dist)
+    seq = list(spec)
+    return _plain(seq[int(rng.integers(len(seq)))])
+
+
+def draw(space: Mapping[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    """One configuration drawn uniformly: each axis independently (a uniform draw from the
+    grid when every axis is a list)."""
+    return {k: draw_value(space[k], rng) for k in sorted(space)}
+
+
+def bounds(spec: Any) -> tuple[float, float]:
+    """(min, max) of an axis (list or distribution)."""
+    if isinstance(spec, Mapping):
+        lo, hi = next(iter(spec.values()))
+        return float(lo), float(hi)
+    vals = [float(v) for v in spec]
+    return min(vals), max(vals)
+
+
+def config_key(config: Mapping[str, Any]) -> str:
+    """A stable text key of a configuration (sorted 'k=v' pairs)."""
+    return ", ".join(f"{k}={_fmt(config[k])}" for k in sorted(config))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def sequence_of(x: Any) -> Sequence[Any]:
+    return x if isinstance(x, Sequence) and not isinstance(x, str) else [x]

@@ -1,0 +1,225 @@
+"""The study store: one SQLite database (``study.sqlite``) per study directory.
+
+Layout (stdlib ``sqlite3``, WAL journal, ``synchronous=FULL``, one writer: the coordinator)::
+
+    meta(key PRIMARY KEY, value)          study config (JSON), fingerprint, plan (JSON), created, version
+    runs(run_id PRIMARY KEY, arm, stage, procedure, replicate, seed, run_seed,
+         status,                          planned | running | done | diverged | failed
+         config, noise_multiplier, steps, sampling_rate, planned_event,  (JSON where structured)
+         score, best_step, test_metric, evals, history, fit, error, seconds, attempts, started, finished)
+    ledger(id AUTOINCREMENT, run_id, label, event, count, components)   one row per ledger entry
+
+Crash safety: a run's ledger rows are inserted in the SAME transaction that marks it
+``done``/``diverged`` — after a SIGKILL either both are there or neither. A run left
+``running`` was interrupted: ``resume`` re-executes it with the same seeds, hence the
+same noise, so nothing new is released and nothing is paid twice.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from dptune.errors import ConfigError
+from dptune.ledger import Ledger, LedgerEntry, event_to_dict
+
+DB_NAME = "study.sqlite"
+SCHEMA_VERSION = "1"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    arm TEXT NOT NULL,
+    stage TEXT NOT NULL,
+    procedure INTEGER NOT NULL,
+    replicate INTEGER NOT NULL,
+    seed INTEGER NOT NULL,
+    run_seed INTEGER NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('planned', 'running', 'done', 'diverged', 'failed')),
+    config TEXT,
+    noise_multiplier REAL,
+    steps INTEGER NOT NULL,
+    sampling_rate REAL NOT NULL,
+    planned_event TEXT NOT NULL,
+    score REAL,
+    best_step INTEGER,
+    test_metric REAL,
+    evals TEXT,
+    history TEXT,
+    fit TEXT,
+    error TEXT,
+    seconds REAL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    started REAL,
+    finished REAL,
+    position INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS ledger (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    label TEXT NOT NULL,
+    event TEXT NOT NULL,
+    count INTEGER NOT NULL,
+    components TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS ledger_run ON ledger(run_id);
+"""
+
+
+class Store:
+    """Thin wrapper over the study database. Only the coordinator writes."""
+
+    def __init__(self, study_dir: str | Path, create: bool = False, readonly: bool = False):
+        self.dir = Path(study_dir)
+        self.path = self.dir / DB_NAME
+        if not create and not self.path.exists():
+            raise ConfigError(
+                f"{str(self.dir)!r} holds no study ({DB_NAME} is missing). Fix: pass the directory given to "
+                "`dptune tune CONFIG --dir DIR` (or run the study first)."
+            )
+        if readonly:  # readers (status, tables) never take the write lock of a running coordinator
+            self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30.0, isolation_level=None)
+            self.conn.row_factory = sqlite3.Row
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.execute("PRAGMA foreign_keys=ON")
+        self.conn.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- transactions
+    def _tx(self):
+        return _Tx(self.conn)
+
+    # -- meta
+    def get_meta(self, key: str) -> Any:
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row["value"])
+
+    def has_plan(self) -> bool:
+        return self.get_meta("plan") is not None
+
+    def initialize(self, config: Mapping[str, Any], fingerprint: str, plan: Mapping[str, Any],
+                   runs: Iterable[Mapping[str, Any]]) -> None:
+        """Write the config, the plan and every planned run in one transaction."""
+        with self._tx() as c:
+            for k, v in (("version", SCHEMA_VERSION), ("config", config), ("fingerprint", fingerprint),
+                         ("plan", plan), ("created", time.time())):
+                c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (k, json.dumps(v)))
+            for pos, r in enumerate(runs):
+                c.execute(
+                    "INSERT INTO runs(run_id, arm, stage, procedure, replicate, seed, run_seed, status, config, "
+                    "noise_multiplier, steps, sampling_rate, planned_event, position) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, 'planned', ?, ?, ?, ?, ?, ?)",
+                    (r["run_id"], r["arm"], r["stage"], r["procedure"], r["replicate"], r["seed"], r["run_seed"],
+                     json.dumps(r["config"]) if r["config"] is not None else None,
+                     _finite_or_none(r["noise_multiplier"]), r["steps"], r["sampling_rate"],
+                     json.dumps(event_to_dict(r["planned_event"]) if not isinstance(r["planned_event"], dict)
+                                else r["planned_event"]), pos),
+                )
+
+    # -- runs
+    def runs(self, status: str | None = None) -> list[sqlite3.Row]:
+        if status is None:
+            return list(self.conn.execute("SELECT * FROM runs ORDER BY position"))
+        return list(self.conn.execute("SELECT * FROM runs WHERE status = ? ORDER BY position", (status,)))
+
+    def run(self, run_id: str) -> sqlite3.Row | None:
+        return self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+
+    def counts(self) -> dict[str, int]:
+        return {r["status"]: r["n"] for r in self.conn.execute("SELECT status, COUNT(*) AS n FROM runs GROUP BY status")}
+
+    def mark_running(self, run_ids: Iterable[str]) -> None:
+        now = time.time()
+        with self._tx() as c:
+            for rid in run_ids:
+                c.execute("UPDATE runs SET status = 'running', started = ?, attempts = attempts + 1 "
+                          "WHERE run_id = ? AND status IN ('planned', 'failed')", (now, rid))
+
+    def reset_interrupted(self) -> list[str]:
+        """Runs left 'running' by a killed process go back to 'planned' (re-executed, same seeds)."""
+        with self._tx() as c:
+            ids = [r["run_id"] for r in c.execute("SELECT run_id FROM runs WHERE status = 'running'")]
+            c.execute("UPDATE runs SET status = 'planned' WHERE status = 'running'")
+        return ids
+
+    def reset_failed(self) -> list[str]:
+        with self._tx() as c:
+            ids = [r["run_id"] for r in c.execute("SELECT run_id FROM runs WHERE status = 'failed'")]
+            c.execute("UPDATE runs SET status = 'planned', error = NULL WHERE status = 'failed'")
+        return ids
+
+    def set_config(self, run_id: str, config: Mapping[str, Any], fit: Mapping[str, Any] | None) -> None:
+        with self._tx() as c:
+            c.execute("UPDATE runs SET config = ?, fit = ? WHERE run_id = ? AND config IS NULL",
+                      (json.dumps(config), json.dumps(fit) if fit is not None else None, run_id))
+
+    def finish(self, run_id: str, result: Mapping[str, Any], ledger: Ledger) -> None:
+        """Status + metrics + ledger entries, atomically."""
+        with self._tx() as c:
+            cur = c.execute(
+                "UPDATE runs SET status = ?, score = ?, best_step = ?, test_metric = ?, evals = ?, history = ?, "
+                "seconds = ?, finished = ?, error = NULL WHERE run_id = ? AND status = 'running'",
+                (result["status"], result["score"], result["best_step"], result["test_metric"],
+                 json.dumps(result["evals"]), json.dumps(result["history"]), result["seconds"], time.time(), run_id),
+            )
+            if cur.rowcount != 1:
+                raise ConfigError(f"run {run_id} was not running; its result is not merged twice.")
+            for e in ledger.entries:
+                c.execute("INSERT INTO ledger(run_id, label, event, count, components) VALUES (?, ?, ?, ?, ?)",
+                          (run_id, e.label, json.dumps(event_to_dict(e.event)), e.count,
+                           json.dumps([list(x) for x in e.components])))
+
+    def fail(self, run_id: str, error: str) -> None:
+        with self._tx() as c:
+            c.execute("UPDATE runs SET status = 'failed', error = ?, finished = ? WHERE run_id = ?",
+                      (error[-4000:], time.time(), run_id))
+
+    # -- ledger
+    def ledger_entries(self) -> list[LedgerEntry]:
+        out = []
+        for r in self.conn.execute("SELECT * FROM ledger ORDER BY id"):
+            out.append(LedgerEntry.from_dict({"label": r["label"], "event": json.loads(r["event"]),
+                                              "count": r["count"], "components": json.loads(r["components"]),
+                                              "run": r["run_id"]}))
+        return out
+
+
+def _finite_or_none(x: float) -> float | None:
+    import math
+
+    return x if math.isfinite(x) else None
+
+
+class _Tx:
+    """BEGIN IMMEDIATE … COMMIT (ROLLBACK on error): all-or-nothing writes."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+        if exc_type is None:
+            self.conn.execute("COMMIT")
+        else:
+            self.conn.execute("ROLLBACK")

@@ -1,0 +1,270 @@
+"""The coordinator: plan, persist, dispatch runs to an executor, check and merge their ledgers.
+
+``run_study(config, dir)`` plans the whole study before any training, writes config +
+plan + every planned run to ``dir/study.sqlite``, then executes the runs. Each
+returned run is checked against its planned event, merged into the study ledger
+(``Ledger.with_plan(study release event)``, which refuses anything outside the plan)
+and committed together with its status. ``resume_study(dir)`` re-opens the store,
+re-executes interrupted runs with the same seeds and continues. Adaptive stages
+(linear scaling's final run) are resolved from stored results only, so a resumed
+study resolves them identically.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dptune.errors import BudgetExceededError, ConfigError
+from dptune.ledger import Ledger
+from dptune.tune.data import study_data
+from dptune.tune.executors import Executor, make_executor
+from dptune.tune.planners import RunSpec, StudyPlan, plan_study, resolve_final_config
+from dptune.tune.spec import Study, load_study_config, study_from_dict
+from dptune.tune.store import Store
+from dptune.tune.worker import check_run_ledger, execute_run
+
+
+def study_metric(study: Study, task: str) -> str:
+    return study.selection.metric or ("mse" if task == "reconstruction" else "accuracy")
+
+
+@contextmanager
+def _lock(study_dir: Path) -> Iterator[None]:
+    """One coordinator per study directory (an flock: released by the OS even on SIGKILL)."""
+    study_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(study_dir / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"another process is running the study in {str(study_dir)!r}. "
+                              "Fix: wait for it, or check `dptune status DIR`.") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+class Coordinator:
+    """Owns the study ledger; the only place where run results enter the study."""
+
+    def __init__(self, study: Study, store: Store, plan: StudyPlan):
+        self.study, self.store, self.plan = study, store, plan
+        self.ledger = Ledger.with_plan(plan.release_event)
+        for e in store.ledger_entries():
+            self.ledger.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
+        self.strategy_of = {rid: plan.arm(r.arm).strategy for rid, r in plan.runs.items()}
+
+    # -- the runner's gate
+    def task_for(self, run: RunSpec) -> tuple[str, tuple[Any, ...]]:
+        """Arguments for a worker. Refuses any run that is not exactly a planned one."""
+        planned = self.plan.runs.get(run.run_id)
+        if planned is None:
+            raise BudgetExceededError(
+                f"run {run.run_id!r} is not in the study's plan: a study cannot add runs, seeds or "
+                "configurations after planning. Fix: plan a new study with the larger search (and budget)."
+            )
+        a, b = planned.to_dict(), run.to_dict()
+        if a["config"] is None:  # adaptive: config resolved later, everything else fixed
+            a["config"] = b["config"]
+        if a != b:
+            diff = sorted(k for k in a if a[k] != b[k])
+            raise BudgetExceededError(
+                f"run {run.run_id!r} differs from its plan in {diff}: ν, steps, sampling rate, seeds and "
+                "releases are fixed before any training. Fix: re-plan the study instead."
+            )
+        return run.run_id, (self.study, self.strategy_of[run.run_id], run.to_dict(), self.plan.metric)
+
+    def merge(self, run_id: str, result: dict[str, Any]) -> None:
+        """Check a returned run against the plan, add its ledger to the study ledger and commit
+        status + metrics + ledger entries in one transaction."""
+        run = self.plan.runs.get(run_id)
+        if run is None:
+            raise BudgetExceededError(f"result for unplanned run {run_id!r} refused.")
+        run_ledger = Ledger.from_dict(result["ledger"])
+        check_run_ledger(run, run_ledger, result["status"])
+        for event, count in run_ledger.atoms().items():  # all-or-nothing: check before recording
+            self.ledger.check(event, count)
+        tagged = Ledger()
+        for e in run_ledger.entries:
+            tagged.record(e.event, e.label, count=e.count, components=e.components, run=run_id)
+        self.store.finish(run_id, result, tagged)
+        self.ledger.extend(tagged, run=run_id)
+
+    # -- adaptive stages
+    def resolve(self) -> None:
+        rows = {r["run_id"]: r for r in self.store.runs()}
+        scores = {rid: r["score"] for rid, r in rows.items()}
+        for arm in self.plan.arms:
+            if arm.method != "linear-scaling":
+                continue
+            for rid in arm.runs:
+                run = self.plan.runs[rid]
+                if run.stage != "final" or rows[rid]["config"] is not None:
+                    continue
+                sweep_ids = [s for s in arm.runs if self.plan.runs[s].procedure == run.procedure
+                             and self.plan.runs[s].stage.startswith("sweep")]
+                if all(rows[s]["status"] in ("done", "diverged") for s in sweep_ids):
+                    config, fit = resolve_final_config(self.plan, arm, run.procedure, scores)
+                    self.store.set_config(rid, config, fit)
+                    run.config = config
+
+    def ready(self) -> list[RunSpec]:
+        out = []
+        for r in self.store.runs("planned"):
+            spec = self.plan.runs[r["run_id"]]
+            if r["config"] is None:
+                continue
+            if spec.config is None:
+                spec.config = json.loads(r["config"])
+            out.append(spec)
+        return out
+
+    def execute(self, executor: Executor, progress: bool = True) -> None:
+        total = len(self.plan.runs)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            done = sum(n for s, n in self.store.counts().items() if s in ("done", "diverged"))
+            bar = tqdm(total=total, initial=done, desc=self.study.name, unit="run")
+        try:
+            while True:
+                self.resolve()
+                ready = self.ready()
+                if not ready:
+                    break
+                tasks = [self.task_for(r) for r in ready]
+                for rid, result, err in executor.run(execute_run, tasks, on_start=self.store.mark_running):
+                    if err is not None:
+                        self.store.fail(rid, err)
+                    else:
+                        try:
+                            self.merge(rid, result)
+                        except BudgetExceededError as exc:
+                            self.store.fail(rid, f"refused by the coordinator: {exc}")
+                            raise
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(rid.split("/")[0], refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+@dataclass
+class StudyOutcome:
+    study_dir: Path
+    complete: bool
+    ledger_matches_plan: bool | None
+    counts: dict[str, int]
+    rows: list[dict[str, Any]]
+
+
+def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
+    store = Store(study_dir, create=True)
+    if store.has_plan():
+        if store.get_meta("fingerprint") != study.fingerprint():
+            store.close()
+            raise ConfigError(
+                f"{str(study_dir)!r} already holds a different study (its config differs: e.g. seeds, budget "
+                "or search space). A planned study cannot grow. Fix: use a new directory, or `dptune resume DIR` "
+                "to continue the stored study unchanged."
+            )
+        return store, StudyPlan.from_dict(store.get_meta("plan"))
+    data = study_data(study.data, study.selection, study.seed)
+    metric = study_metric(study, data.task)
+    if metric == "accuracy" and data.task == "reconstruction":
+        raise ConfigError("selection.metric = 'accuracy' on a reconstruction task. Fix: metric = 'mse'.")
+    plan = plan_study(study, data.n_train, data.n_val, metric)
+    extra = {"python_study": study.from_python}
+    store.initialize({**study.to_dict(), "_meta": extra}, study.fingerprint(), plan.to_dict(),
+                     [r.to_dict() for r in plan.runs.values()])
+    return store, plan
+
+
+def plan_only(config: str | os.PathLike[str] | Study) -> StudyPlan:
+    """The plan of a study without running it (for inspection and tests)."""
+    study = load_study_config(config)
+    data = study_data(study.data, study.selection, study.seed)
+    return plan_study(study, data.n_train, data.n_val, study_metric(study, data.task))
+
+
+def run_study(
+    config: str | os.PathLike[str] | Study,
+    study_dir: str | os.PathLike[str],
+    executor: str | Executor = "local",
+    address: str | None = None,
+    progress: bool = True,
+    workers: int | None = None,
+    retry_failed: bool = False,
+) -> StudyOutcome:
+    """Plan (or re-open) the study in ``study_dir`` and execute every planned run.
+
+    ``executor``: 'local' (sequential), 'process' (spawned process pool, ``workers``),
+    'ray' (local Ray with ``workers`` CPUs, or the cluster at ``address``). Writes the
+    results CSVs into ``study_dir`` and returns the results table rows."""
+    from dptune.tune import results
+
+    study = load_study_config(config)
+    path = Path(study_dir)
+    with _lock(path):
+        store, plan = _open(study, path)
+        try:
+            store.reset_interrupted()
+            if retry_failed:
+                store.reset_failed()
+            coord = Coordinator(study, store, plan)
+            ex = make_executor(executor, workers, address)
+            try:
+                coord.execute(ex, progress)
+            finally:
+                ex.close()
+            counts = store.counts()
+            complete = set(counts) <= {"done", "diverged"}
+            matches = coord.ledger.matches(plan.release_event) if complete else None
+            if complete and "diverged" not in counts and not matches:  # pragma: no cover - guarded by merge()
+                raise BudgetExceededError("the study's ledger does not equal its plan")
+        finally:
+            store.close()
+    rows = results.study_table(path)
+    results.write_csvs(path)
+    return StudyOutcome(path, complete, matches, counts, rows)
+
+
+def load_stored_study(study_dir: str | os.PathLike[str], study: Study | None = None) -> Study:
+    """The Study of a stored directory (pass ``study`` for Python-built studies with tensors/callables)."""
+    with Store(study_dir, readonly=True) as store:
+        cfg = store.get_meta("config")
+        fp = store.get_meta("fingerprint")
+    if study is not None:
+        if study.fingerprint() != fp:
+            raise ConfigError("the given study differs from the stored one. Fix: pass the same Study object.")
+        return study
+    if cfg.get("_meta", {}).get("python_study"):
+        raise ConfigError("this study was built in Python (tensors or a model callable): resume it with "
+                          "resume_study(dir, study=the_same_study).")
+    d = {k: v for k, v in cfg.items() if k != "_meta"}
+    return study_from_dict(d)
+
+
+def resume_study(
+    study_dir: str | os.PathLike[str],
+    executor: str | Executor = "local",
+    address: str | None = None,
+    progress: bool = True,
+    workers: int | None = None,
+    study: Study | None = None,
+    retry_failed: bool = True,
+) -> StudyOutcome:
+    """Continue a stored study: keep every finished run, re-execute interrupted (and, by
+    default, failed) runs with the same seeds and noise streams, run what is left."""
+    st = load_stored_study(study_dir, study)
+    return run_study(st, study_dir, executor=executor, address=address, progress=progress, workers=workers,
+                     retry_failed=retry_failed)

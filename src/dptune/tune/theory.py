@@ -1,0 +1,263 @@
+"""Closed forms of the tuning methods' privacy: Liu–Talwar, repeat-and-select, Panda's GDP sum.
+
+Liu & Talwar (STOC 2019), Theorem 3.4 (random stopping with a hard cap) — the version
+Mohapatra et al. (2022) use and print in their appendix E:
+
+    Fix γ ∈ (0, 1] and δ₂ > 0, and let T_max = ⌈(1/γ)·ln(1/δ₂)⌉. Run the (ε₁, δ₁)-DP
+    candidate mechanism Q repeatedly; after each run stop with probability γ (a coin
+    independent of the data), and stop anyway after T_max runs; output the best
+    candidate. The result is (3ε₁ + 3√(2δ₁), √(2δ₁)·T_max + δ₂)-DP.
+
+Mohapatra et al.'s slides write δ_f = √(2δ₁)·γ + δ₂: that is an extraction/typesetting
+slip for the cap Υ = T_max of their Algorithm 1 (δ₁ can be paid on each of up to T_max
+runs, so δ must grow with T_max, not shrink with γ). ``lt_vs_ma`` below reproduces
+their Figure 6 (14 candidates at n = 5k) only with T_max; with γ the LT cost would
+*decrease* in the number of candidates, contradicting their "almost constant".
+See docs/tuning.md for the derivation and numbers.
+
+Papernot & Steinke (ICLR 2022): a random number K of runs (Poisson, or a truncated
+negative binomial D_{η,γ}; η = 1 geometric, η = 0 logarithmic) and only the best
+output released. Accounted by ``dp_accounting``'s ``RepeatAndSelectDpEvent(event,
+mean, shape)`` under RDP (shape = ∞ means Poisson).
+
+Panda et al. (ICML 2024), Theorem 4.1 as corrected in appendix A.7: n runs at μ₁,
+n at μ₂ and one at μ_f compose to μ = √(n·μ₁² + n·μ₂² + μ_f²) (μ-GDP, full batch).
+The main text prints √(n·μ₁² + n·μ₂²) + μ_f² — a typo.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from dptune import accounting
+from dptune.errors import ConfigError
+
+
+# ----------------------------------------------------------------------------- Liu–Talwar
+def lt_max_runs(gamma: float, delta2: float) -> int:
+    """T_max = ⌈(1/γ)·ln(1/δ₂)⌉ (Liu & Talwar Thm 3.4; Mohapatra Alg. 1's Υ)."""
+    if not 0 < gamma <= 1:
+        raise ConfigError(f"γ must lie in (0, 1], got {gamma}.")
+    if not 0 < delta2 < 1:
+        raise ConfigError(f"δ₂ must lie in (0, 1), got {delta2}.")
+    return max(1, math.ceil(math.log(1.0 / delta2) / gamma - 1e-12))
+
+
+def lt_total(eps1: float, delta1: float, gamma: float, delta2: float) -> tuple[float, float]:
+    """(ε, δ) of LT random stopping over (ε₁, δ₁)-DP runs: (3ε₁ + 3√(2δ₁), √(2δ₁)·T_max + δ₂)."""
+    s = math.sqrt(2.0 * delta1)
+    return 3.0 * eps1 + 3.0 * s, s * lt_max_runs(gamma, delta2) + delta2
+
+
+@dataclass(frozen=True)
+class LTParams:
+    """The per-run budget (ε₁, δ₁) that makes LT random stopping meet a total (ε, δ)."""
+
+    eps1: float
+    delta1: float
+    gamma: float
+    delta2: float
+    t_max: int
+    total: tuple[float, float]  # (ε, δ) by the theorem, ≤ the target
+
+
+def lt_solve(eps: float, delta: float, gamma: float, delta2_fraction: float = 0.5) -> LTParams:
+    """Solve Theorem 3.4 for (ε₁, δ₁): δ₂ = fraction·δ, √(2δ₁) = (δ − δ₂)/T_max,
+    ε₁ = ε/3 − √(2δ₁). Raises ``ConfigError`` if nothing is left for ε₁."""
+    accounting.check_epsilon(eps)
+    accounting.check_delta(delta)
+    delta2 = delta2_fraction * delta
+    t_max = lt_max_runs(gamma, delta2)
+    s = (delta - delta2) / t_max
+    delta1 = s * s / 2.0
+    eps1 = eps / 3.0 - s
+    if eps1 <= 0:
+        raise ConfigError(
+            f"Liu–Talwar: with ε = {eps} there is no budget left per run (ε₁ = ε/3 − √(2δ₁) = {eps1:.3g}). "
+            "Raise ε or lower δ₂'s share (method.delta2_fraction)."
+        )
+    # Rounding: shave ε₁/δ₁ by one ulp-ish so that the theorem's total never exceeds the target.
+    eps1 = math.nextafter(eps1, 0.0)
+    while True:
+        tot = lt_total(eps1, delta1, gamma, delta2)
+        if tot[0] <= eps and tot[1] <= delta:
+            break
+        delta1 *= 1 - 1e-12
+        eps1 = math.nextafter(eps1, 0.0)
+    return LTParams(eps1, delta1, gamma, delta2, t_max, tot)
+
+
+def lt_stops(gamma: float, t_max: int, rng: np.random.Generator) -> int:
+    """Number of runs LT makes: flip a γ-coin after each run, at most T_max runs.
+
+    The coins do not depend on the data, so drawing them all up front (from the study
+    seed) is the same algorithm, and makes the study resumable deterministically."""
+    k = 1
+    while k < t_max and rng.random() >= gamma:
+        k += 1
+    return k
+
+
+# ----------------------------------------------------------------------------- repeat-and-select
+def tnb_mean(gamma: float, shape: float) -> float:
+    """E[K] of the truncated negative binomial D_{η,γ} (Papernot & Steinke, Def. 1)."""
+    if shape == 1:
+        return 1.0 / gamma
+    if shape == 0:
+        return (1.0 - gamma) / (gamma * math.log(1.0 / gamma)) if gamma < 1 else 1.0
+    return shape * (1.0 - gamma) / (gamma * (1.0 - gamma**shape)) if gamma < 1 else 1.0
+
+
+def tnb_gamma(shape: float, mean: float) -> float:
+    """γ of D_{η,γ} with the given mean — the same conservative γ dp_accounting uses."""
+    try:  # same numbers as the accountant's own inversion (private helper; fall back below)
+        return float(rdp_privacy_accountant._gamma_truncated_negative_binomial(shape, mean))
+    except AttributeError:  # pragma: no cover - dp_accounting renamed it
+        lo, hi = 0.0, min(1.0, 2 * (shape + 1) / mean)
+        while hi > lo * (1 + 1e-9):
+            mid = (lo + hi) / 2
+            if tnb_mean(mid, shape) < mean:
+                hi = mid
+            else:
+                lo = mid
+        return lo
+
+
+def sample_repetitions(mean: float, shape: float, rng: np.random.Generator) -> int:
+    """K ~ Poisson(mean) (shape = ∞) or the truncated negative binomial with that mean.
+
+    P[K = k] ∝ (1−γ)^k · Π_{l<k} (l+η)/(l+1) for k ≥ 1 (η > 0); ∝ (1−γ)^k / k (η = 0)."""
+    if math.isinf(shape):
+        return int(rng.poisson(mean))
+    gamma = tnb_gamma(shape, mean)
+    if gamma >= 1:
+        return 1
+    u = rng.random()
+    log1m = math.log1p(-gamma)
+    # log of the normaliser: ln(1/γ) for η = 0 (logarithmic), γ^(−η) − 1 otherwise.
+    log_norm = math.log(math.log(1.0 / gamma)) if shape == 0 else math.log(gamma**-shape - 1.0)
+    cdf, k, log_prod = 0.0, 0, 0.0  # log_prod = log Π_{l<k} (l+η)/(l+1)
+    while k < 10_000_000:
+        k += 1
+        if shape == 0:
+            log_p = k * log1m - math.log(k) - log_norm
+        else:
+            log_prod += math.log((k - 1 + shape) / k)
+            log_p = k * log1m + log_prod - log_norm
+        cdf += math.exp(log_p)
+        if u < cdf:
+            break
+    return k
+
+
+def repeat_and_select_event(event, mean: float, shape: float):
+    from dp_accounting import dp_event
+
+    return dp_event.RepeatAndSelectDpEvent(event, float(mean), float(shape))
+
+
+# ----------------------------------------------------------------------------- Panda (GDP)
+def gdp_compose(mus: Iterable[float]) -> float:
+    """μ of the composition of μ_i-GDP mechanisms: √(Σ μ_i²) (Dong, Roth & Su, Cor. 3.3)."""
+    return math.sqrt(sum(m * m for m in mus))
+
+
+def panda_total_epsilon(runs: Sequence[tuple[int, float]], delta: float) -> float:
+    """Total ε at δ of Panda's HPO: ``runs`` = [(count, per-run ε at δ), ...], each run
+    converted to μ-GDP, composed by μ = √(Σ count·μ_i²) (appendix A.7, not the main text's
+    typo), and converted back (Dong et al. Cor. 2.13).
+
+    ``panda_total_epsilon([(3, 0.1), (3, 0.2), (1, 0.88)], 1e-5)`` ≈ 0.996 (ImageNet example).
+    """
+    mus = [accounting.gdp_mu_for_epsilon(e, delta) for _, e in runs]
+    mu = math.sqrt(sum(c * m * m for (c, _), m in zip(runs, mus, strict=True)))
+    return accounting.gdp_epsilon(mu, delta)
+
+
+def panda_final_mu(total_eps: float, delta: float, sweeps: Sequence[tuple[int, float]]) -> float:
+    """μ_f left for the final run: √(μ_total² − Σ count·μ_i²), μ_total from (ε, δ)."""
+    mu_t = accounting.gdp_mu_for_epsilon(total_eps, delta)
+    rest = mu_t**2 - sum(c * accounting.gdp_mu_for_epsilon(e, delta) ** 2 for c, e in sweeps)
+    if rest <= 0:
+        raise ConfigError(
+            f"linear-scaling: the sweeps alone exceed ε = {total_eps}; lower sweep_epsilons or runs_per_sweep."
+        )
+    return math.sqrt(rest)
+
+
+def rerr(ours: float, random_search: float, oracle: float, higher_is_better: bool = True) -> float:
+    """Relative error-rate reduction (Panda et al. §5.2.3, Table 3), as a fraction.
+
+    The error of a method is its gap to the oracle (grid search whose HPO cost is not
+    counted); RERR = 1 − err_ours / err_random = (ours − random) / (oracle − random).
+    Checks against Table 3: CIFAR10 (62.63 − 44)/(68 − 44) = 77.6 %, ImageNet 83.3 %,
+    SQuAD 86.9 % (the CIFAR100 row, 84.85, does not follow from its own numbers: 90.0 %).
+    """
+    gap = (oracle - random_search) if higher_is_better else (random_search - oracle)
+    gain = (ours - random_search) if higher_is_better else (random_search - ours)
+    if gap == 0:
+        return math.nan
+    return gain / gap
+
+
+# ----------------------------------------------------------------------------- Mohapatra App. F
+@dataclass(frozen=True)
+class LtVsMa:
+    n: int
+    delta: float
+    k_max: int  # the most candidates MA composition affords for LT's price
+    rows: tuple[tuple[int, float, float], ...]  # (k, ε_LT(k), ε_MA(k))
+
+
+def delta_for_n(n: int) -> float:
+    """Mohapatra et al.: δ_f = 1/n rounded down to the nearest power of ten."""
+    return 10.0 ** math.floor(math.log10(1.0 / n))
+
+
+def lt_vs_ma(
+    n: int,
+    sigma: float = 4.0,
+    L: float = 250,
+    T: int = 10000,
+    *,
+    ks: Iterable[int] = range(1, 61),
+    delta: float | None = None,
+    delta2_fraction: float = 0.5,
+    conversion: str = "tight",
+) -> LtVsMa:
+    """Mohapatra et al. (2022), appendix F / Figure 6: candidates k vs privacy cost.
+
+    * LT with γ = 1/k: each run is DP-SGD (σ, q = L/n, T steps) at (ε₁, δ₁) with
+      √(2δ₁) = (δ − δ₂)/T_max, δ₂ = fraction·δ; total ε_LT = 3ε₁ + 3√(2δ₁).
+    * MA: k runs composed by the moments (RDP) accountant at δ.
+    ``k_max`` = the largest k with ε_MA(k) ≤ ε_LT(k). RDP→(ε, δ) conversion: ``tight``
+    (dp_accounting's, Canonne–Kamath–Steinke/Balle et al.) or ``classic``
+    (ε = min_α RDP(α) + ln(1/δ)/(α − 1), the bound of the 2019-era Opacus/TF-Privacy).
+    """
+    if conversion not in ("tight", "classic"):
+        raise ConfigError(f"conversion must be 'tight' or 'classic', got {conversion!r}.")
+    delta = delta_for_n(n) if delta is None else float(delta)
+    acc = rdp_privacy_accountant.RdpAccountant()
+    acc.compose(accounting.dpsgd_event(sigma, L / n, T))
+    orders, rdp1 = np.asarray(acc.orders, dtype=float), np.asarray(acc.rdp, dtype=float)
+
+    def eps_of(rdp: np.ndarray, d: float) -> float:
+        if conversion == "classic":
+            return float(np.min(rdp + math.log(1.0 / d) / (orders - 1.0)))
+        return float(rdp_privacy_accountant.compute_epsilon(orders, rdp, d)[0])
+
+    rows = []
+    for k in ks:
+        gamma = 1.0 / k
+        delta2 = delta2_fraction * delta
+        s = (delta - delta2) / lt_max_runs(gamma, delta2)
+        eps_lt = 3.0 * eps_of(rdp1, s * s / 2.0) + 3.0 * s
+        eps_ma = eps_of(k * rdp1, delta)
+        rows.append((k, eps_lt, eps_ma))
+    affordable = [k for k, a, b in rows if b <= a]
+    return LtVsMa(n, delta, max(affordable) if affordable else 0, tuple(rows))

@@ -1,0 +1,193 @@
+"""The worker side: execute one planned run and return its result with its own ledger.
+
+A worker receives the study (dataset/model specs to rebuild them) and ONE planned
+``RunSpec`` — configuration, ν, seeds. It cannot change the budget: the run's ledger
+is created from the run's planned event, and the coordinator checks the returned
+ledger against the plan again before merging it.
+
+Checkpoint selection (Galli et al. evaluate every 50 iterations and keep the best):
+the scores are computed here, on the selection split, at the planned steps.
+
+* public mode: the exact metric (the split is assumed public, as in the papers);
+* private mode: each score is released through ``NoisyRelease.release`` — the sum
+  of per-example scores (count of correct predictions: sensitivity 1 under
+  add/remove; per-example MSE clipped to [0, c]: sensitivity c) plus Gaussian noise
+  of std ν_sel·sensitivity, divided by the split size m (treated as public, like n in
+  q = L/n). The best checkpoint is chosen on the noisy scores (post-processing);
+  exact validation scores never leave the worker.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from dptune.errors import BudgetExceededError, DPTuneError
+from dptune.ledger import Ledger, atoms, compose
+from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
+from dptune.sampling import stream_seed
+from dptune.strategies import Strategy, make_strategy
+from dptune.train import HIGHER_IS_BETTER, RunPlan, train
+from dptune.tree import Tensors, clone, is_finite
+from dptune.tune.data import StudyData, build_model, study_data
+from dptune.tune.planners import EVAL_LABEL, RunSpec
+from dptune.tune.spec import TRAINING_KEYS, Study
+
+
+def _with_checkpoints(strategy: Strategy, steps: set[int], hook: Callable[[int, Tensors], None]) -> Strategy:
+    """The same strategy (same class behaviour, same hyperparameters) with a callback
+    after the steps in ``steps``: it sees the parameters there, without touching the loop."""
+    base = type(strategy)
+
+    def step(self, params, state, ctx):  # noqa: ANN001
+        params, state, info = base.step(self, params, state, ctx)
+        if ctx.t in steps:
+            hook(ctx.t, params)
+        return params, state, info
+
+    cls = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
+    return cls(**{f.name: getattr(strategy, f.name) for f in fields(strategy)})  # type: ignore[arg-type]
+
+
+class Scorer:
+    """Scores parameters on the selection split: exactly (public) or through the gateway (private)."""
+
+    def __init__(self, model: torch.nn.Module, data: StudyData, metric: str, run: RunSpec, study: Study, device):
+        self.model, self.metric, self.device = model, metric, device
+        self.x, self.y = data.x_val.to(device), data.y_val.to(device)
+        self.m = int(self.x.shape[0])
+        self.private = run.eval_noise_multiplier is not None
+        self.sensitivity = 1.0 if metric == "accuracy" else float(study.selection.mse_clip)
+        self.ledger = Ledger.with_plan(_eval_event(run))
+        self.gateway = NoisyRelease(self.ledger, 1.0, NoiseSource(stream_seed(run.run_seed, "selection"), device))
+        self.nu = run.eval_noise_multiplier
+
+    def total(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, clip: float | None) -> float:
+        """Σ over examples of the per-example score (correct predictions, or squared error)."""
+        if not is_finite(params):
+            return math.nan
+        total = 0.0
+        with torch.no_grad():
+            for i in range(0, int(x.shape[0]), 4096):
+                out = functional_call(self.model, params, (x[i : i + 4096],))
+                yy = y[i : i + 4096]
+                if self.metric == "accuracy":
+                    pred = out.argmax(1) if out.ndim > 1 and out.shape[1] > 1 else (out.reshape(-1) > 0).long()
+                    total += float((pred == yy).sum())
+                else:
+                    err = ((out - yy) ** 2).reshape(out.shape[0], -1).mean(1)
+                    if clip is not None:
+                        err = err.clamp(0.0, clip)
+                    total += float(err.sum())
+        return total
+
+    def score(self, params: Tensors) -> float:
+        if not self.private:
+            return self.total(params, self.x, self.y, None) / self.m
+        s = self.total(params, self.x, self.y, self.sensitivity if self.metric == "mse" else None)
+        if not math.isfinite(s):
+            # Diverged parameters: the released statistic is then that of a constant predictor
+            # (0 correct / maximal error) — still released, so the ledger matches the plan.
+            s = 0.0 if self.metric == "accuracy" else self.sensitivity * self.m
+        (noisy,) = self.gateway.release(
+            SumQuery(f"validation_{self.metric}_sum", torch.tensor(s, dtype=torch.float64), self.sensitivity, self.nu),
+            label=EVAL_LABEL,
+        )
+        return float(noisy) / self.m
+
+    def exact(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> float:
+        return self.total(params, x.to(self.device), y.to(self.device), None) / int(x.shape[0])
+
+
+def _eval_event(run: RunSpec):
+    from dp_accounting import dp_event
+
+    n = len(run.eval_steps) + int(run.eval_final)
+    if run.eval_noise_multiplier is None or n == 0:
+        return dp_event.NoOpDpEvent()
+    return compose([(dp_event.GaussianDpEvent(run.eval_noise_multiplier), n)])
+
+
+def execute_run(study: Study, strategy_name: str, run_dict: dict[str, Any], metric: str) -> dict[str, Any]:
+    """Train one planned run; return its metrics, history and ledger (as a dict).
+
+    Pure function of its arguments: the same run gives the same result on any executor
+    (torch threads are pinned to ``study.threads_per_run``)."""
+    run = RunSpec.from_dict(run_dict)
+    if run.config is None:
+        raise DPTuneError(f"run {run.run_id} has no configuration yet (adaptive stage not resolved)")
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(study.threads_per_run)
+    try:
+        return _execute(study, strategy_name, run, metric)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _execute(study: Study, strategy_name: str, run: RunSpec, metric: str) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    device = torch.device(study.training.device)
+    data = study_data(study.data, study.selection, study.seed)
+    model = build_model(study.model, data, run.seed)
+    hp = {k: v for k, v in run.config.items() if k not in TRAINING_KEYS}
+    base = make_strategy(strategy_name, **hp)
+    scorer = Scorer(model, data, metric, run, study, device)
+    higher = HIGHER_IS_BETTER[metric]
+    evals: list[dict[str, Any]] = []
+    best: dict[str, Any] = {"score": None, "step": None, "params": None}
+
+    def consider(t: int, params: Tensors, finalized: bool = False) -> None:
+        s = scorer.score(params)
+        evals.append({"step": t, "score": s, **({"finalized": True} if finalized else {})})
+        if math.isfinite(s) and (best["score"] is None or (s > best["score"] if higher else s < best["score"])):
+            best.update(score=s, step=t, params=clone(params))
+
+    strategy = _with_checkpoints(base, set(run.eval_steps), consider)
+    plan = RunPlan(strategy, data.n_train, run.sampling_rate, run.steps, run.noise_multiplier)
+    if plan.event() != base.planned_event(run.noise_multiplier, run.sampling_rate, run.steps):
+        raise BudgetExceededError(f"run {run.run_id}: the strategy's planned event differs from the study plan")
+    result = train(
+        model, (data.x_train, data.y_train), strategy, plan=plan, seed=run.run_seed, device=device,
+        loss=study.training.loss, eval_data=None, progress=False, run_id="",
+    )
+    if run.eval_final and not result.diverged:
+        consider(run.steps, result.final_params, finalized=True)
+    ledger = Ledger()
+    ledger.extend(result.ledger)
+    ledger.extend(scorer.ledger)
+    test = None
+    if data.x_test is not None and best["params"] is not None:
+        test = scorer.exact(best["params"], data.x_test, data.y_test)
+    return {
+        "run_id": run.run_id,
+        "status": "diverged" if result.diverged else "done",
+        "score": best["score"],
+        "best_step": best["step"],
+        "test_metric": test,
+        "evals": evals,
+        "history": result.history,
+        "ledger": ledger.to_dict(),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def check_run_ledger(run: RunSpec, ledger: Ledger, status: str) -> None:
+    """The coordinator's check of a returned ledger: exactly the run's plan (a diverged run,
+    which stops early, may have released less — never more, never anything else)."""
+    spent, planned = ledger.atoms(), atoms(run.planned_event)
+    extra = spent - planned
+    if extra:
+        ev, n = next(iter(extra.items()))
+        raise BudgetExceededError(
+            f"run {run.run_id} returned releases that are not in its plan ({n} × {ev}); refusing to merge it."
+        )
+    if status == "done" and spent != planned:
+        raise BudgetExceededError(
+            f"run {run.run_id} is marked done but released less than planned; refusing to merge an inconsistent run."
+        )
