@@ -5,11 +5,21 @@ the per-sample norms ‖g_i‖ and for weighted sums Σ_i w_i g_i (clipping, OSO
 q-query and plain sums are all weighted sums). That is the seam where a
 ghost-norm / book-keeping implementation (no materialised per-sample gradients)
 replaces the vmap one without touching any strategy.
+
+``GradientOracle(..., method=)`` picks the implementation: ``'vmap'`` (materialised
+per-sample gradients, any model), ``'ghost'`` (``dptune.ghost``: ghost norms and
+book-keeping from one backward pass; Linear, Conv1d/2d, ConvTranspose2d, Embedding,
+LayerNorm, GroupNorm) or ``'auto'`` (ghost when the model allows it, else vmap). The
+default comes from ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_METHOD``; ``set_default_method``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -20,6 +30,33 @@ from dptune.errors import ConfigError
 
 Tensors = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+GRAD_METHODS = ("auto", "vmap", "ghost")
+DEFAULT_METHOD: str = os.environ.get("DPTUNE_GRAD_METHOD", "auto")
+
+
+def _check_method(method: str) -> str:
+    if method not in GRAD_METHODS:
+        raise ConfigError(f"unknown gradient method {method!r}; choose one of {', '.join(GRAD_METHODS)}.")
+    return method
+
+
+def set_default_method(method: str) -> None:
+    """Set the method every ``GradientOracle`` built without ``method=`` uses."""
+    global DEFAULT_METHOD
+    DEFAULT_METHOD = _check_method(method)
+
+
+@contextmanager
+def default_method(method: str) -> Iterator[None]:
+    """Temporarily change ``DEFAULT_METHOD`` (e.g. to run ``train`` on the vmap path)."""
+    global DEFAULT_METHOD
+    old, DEFAULT_METHOD = DEFAULT_METHOD, _check_method(method)
+    try:
+        yield
+    finally:
+        DEFAULT_METHOD = old
+
 
 # Layers that mix examples of a batch: per-example gradients are undefined for them.
 _CROSS_SAMPLE = (nn.modules.batchnorm._BatchNorm,)
@@ -49,6 +86,20 @@ def per_example_loss(name: str) -> LossFn:
     raise ConfigError(f"unknown loss {name!r}; choose cross_entropy, mse or bce")
 
 
+def batched_loss(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The [B] vector of ``per_example_loss(name)`` over a batch, without vmap (faster)."""
+    F = nn.functional
+    if name == "cross_entropy":
+        return lambda out, y: F.cross_entropy(out, y, reduction="none")
+    if name == "mse":
+        return lambda out, y: F.mse_loss(out, y, reduction="none").reshape(out.shape[0], -1).mean(1)
+    if name == "bce":
+        return lambda out, y: F.binary_cross_entropy_with_logits(
+            out.reshape(out.shape[0]), y.float().reshape(out.shape[0]), reduction="none"
+        )
+    raise ConfigError(f"unknown loss {name!r}; choose cross_entropy, mse or bce")
+
+
 class PerSampleGrads(Protocol):
     """What strategies may read from one batch's per-example gradients."""
 
@@ -58,6 +109,11 @@ class PerSampleGrads(Protocol):
     def weighted_sum(self, weights: torch.Tensor) -> Tensors:
         """Σ_i weights[i] · g_i, per parameter."""
         ...
+
+
+def _rows(g: torch.Tensor) -> torch.Tensor:
+    """[B, *shape] → [B, prod(shape)] (also for B = 0, where reshape(0, -1) is ambiguous)."""
+    return g.reshape(g.shape[0], math.prod(g.shape[1:]))
 
 
 class MaterializedGrads:
@@ -77,7 +133,7 @@ class MaterializedGrads:
         if self._norms is None:
             sq = None
             for g in self.grads.values():
-                s = g.reshape(g.shape[0], -1).pow(2).sum(1)
+                s = _rows(g).pow(2).sum(1)
                 sq = s if sq is None else sq + s
             self._norms = sq.sqrt()
         return self._norms
@@ -85,7 +141,7 @@ class MaterializedGrads:
     def weighted_sum(self, weights: torch.Tensor) -> Tensors:
         out = {}
         for k, g in self.grads.items():
-            flat = g.reshape(g.shape[0], -1)
+            flat = _rows(g)
             out[k] = (weights.to(flat.dtype) @ flat).reshape(g.shape[1:])
         return out
 
@@ -93,16 +149,45 @@ class MaterializedGrads:
 class GradientOracle:
     """Computes per-example losses and gradients of ``model`` at given parameters.
 
-    ``chunk_size`` bounds memory: per-sample gradients take B × (#params) floats.
+    ``chunk_size`` bounds memory of the vmap path: per-sample gradients take B × (#params)
+    floats. ``method``: 'auto' | 'vmap' | 'ghost' (None: ``DEFAULT_METHOD``). With 'auto',
+    the first batch is also computed on the vmap path for a few examples and compared;
+    a disagreement (e.g. a parameter used outside its layer) switches to vmap for good.
     """
 
-    def __init__(self, model: nn.Module, loss: str | LossFn = "cross_entropy", chunk_size: int | None = None):
+    SELF_CHECK_EXAMPLES = 3
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: str | LossFn = "cross_entropy",
+        chunk_size: int | None = None,
+        method: str | None = None,
+    ):
         check_model(model)
         self.model = model
         self.loss_fn = per_example_loss(loss) if isinstance(loss, str) else loss
         self.buffers = {k: v for k, v in model.named_buffers()}
         self.chunk_size = chunk_size
         self.param_names = [k for k, p in model.named_parameters() if p.requires_grad]
+        self.requested_method = _check_method(method if method is not None else DEFAULT_METHOD)
+        self._ghost = None
+        self._checked = self.requested_method != "auto"
+        self.fallback_reason: str | None = None
+        if self.requested_method != "vmap":
+            from dptune import ghost
+
+            reason = ghost.unsupported_reason(model)
+            if reason is None:
+                batched = batched_loss(loss) if isinstance(loss, str) else torch.vmap(self.loss_fn)
+                self._ghost = ghost.GhostEngine(model, batched, self.buffers)
+            elif self.requested_method == "ghost":
+                raise ConfigError(
+                    f"method='ghost' cannot handle this model: {reason}. Use method='auto' (falls "
+                    "back to vmap) or method='vmap'."
+                )
+            else:
+                self.fallback_reason = reason
 
         def one(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             out = functional_call(self.model, (params, self.buffers), (x.unsqueeze(0),))
@@ -110,14 +195,54 @@ class GradientOracle:
 
         self._per_sample = vmap(grad_and_value(one), in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size)
 
+    @property
+    def method(self) -> str:
+        """The implementation in use: 'ghost' or 'vmap'."""
+        return "ghost" if self._ghost is not None else "vmap"
+
+    def _fall_back(self, reason: str) -> None:
+        if self.requested_method == "ghost":
+            raise ConfigError(f"method='ghost' cannot handle this model: {reason}. Use method='auto' or 'vmap'.")
+        warnings.warn(f"dptune: per-sample gradients fall back to vmap ({reason}).", RuntimeWarning, stacklevel=3)
+        self.fallback_reason = reason
+        self._ghost = None
+
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
         if x.shape[0] == 0:  # an empty Poisson batch: no contribution, but the step (and its noise) still happen
             return MaterializedGrads(
                 {k: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()},
                 torch.zeros(0, device=x.device),
             )
+        if self._ghost is not None:
+            from dptune.ghost import _Fallback
+
+            try:
+                got = self._ghost(params, x, y)
+            except _Fallback as exc:
+                self._fall_back(str(exc))
+            else:
+                if self._checked or self._self_check(got, params, x, y):
+                    return got
         grads, losses = self._per_sample(params, x, y)
         return MaterializedGrads(grads, losses.detach())
+
+    def _self_check(self, got: MaterializedGrads, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Compare the ghost path with vmap on the first few examples (once per oracle)."""
+        self._checked = True
+        k = min(self.SELF_CHECK_EXAMPLES, x.shape[0])
+        ref_g, ref_l = self._per_sample(params, x[:k], y[:k])
+        ref = MaterializedGrads(ref_g, ref_l.detach())
+        w = torch.zeros_like(got.norms)
+        w[:k] = torch.linspace(0.5, 1.5, k, dtype=w.dtype, device=w.device)
+        mine, theirs = got.weighted_sum(w), ref.weighted_sum(w[:k])
+        got._last = None  # this probe must not seed the reuse of weighted sums
+        ok = torch.allclose(got.norms[:k], ref.norms, rtol=1e-3, atol=1e-6) and all(
+            torch.allclose(mine[n], theirs[n], rtol=1e-3, atol=1e-6 * (1 + float(theirs[n].abs().max())))
+            for n in theirs
+        )
+        if not ok:
+            self._fall_back("the ghost path disagreed with vmap on a probe (is a parameter used outside its layer?)")
+        return ok
 
     def loss_and_grad(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Tensors]:
         """Mean loss and its (non-private) gradient: one ordinary backward pass."""

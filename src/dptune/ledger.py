@@ -50,7 +50,7 @@ def event_from_dict(d: Mapping[str, Any]) -> dp_event.DpEvent:
         if isinstance(v, Mapping) and "type" in v:
             v = event_from_dict(v)
         elif isinstance(v, list) and v and isinstance(v[0], Mapping):
-            v = tuple(event_from_dict(e) for e in v)
+            v = [event_from_dict(e) for e in v]
         kwargs[k] = v
     return cls(**kwargs)
 

@@ -70,7 +70,7 @@ class OSO(Strategy):
     adapt_lr: bool = True
     name = "oso"
     hyperparameters = (
-        "lr", "initial_clip", "clip_lr", "lr_lr", "q_noise_multiplier", "relative_increase", "rule", "momentum",
+        "lr", "initial_clip", "clip_lr", "lr_lr", "q_noise_multiplier", "relative_increase", "rule", "momentum", "adapt_lr",
     )
 
     def __post_init__(self) -> None:
