@@ -1,0 +1,272 @@
+"""Shared fixtures and helpers for the engine's acceptance tests.
+
+Helpers that several test files use live here as plain functions (imported with
+``from conftest import ...``) next to the fixtures:
+
+* small models (CNN, MLP, conv autoencoder) without cross-sample layers;
+* stub privacy gateways: ``CaptureRelease`` (records the queries, adds NO noise: the
+  deterministic update logic of a strategy can then be checked exactly) and
+  ``RecordingRelease`` (a real ``NoisyRelease`` that also keeps every query and every
+  noisy output, so the noise actually added is ``output − query.value``);
+* ``run_strategy_steps``: drive a strategy's ``step`` directly, without ``train``;
+* ``assert_gaussian_std``: a χ² test on the variance that must accept the configured σ
+  AND reject 0.8σ and 1.25σ on the same samples (a power check built into every use).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+
+from dptune.grads import GradientOracle, MaterializedGrads
+from dptune.ledger import Ledger
+from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
+from dptune.strategies.base import RunInfo, StepContext, Strategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from conftest import ...` in test files
+
+Tensors = dict[str, torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- data
+@pytest.fixture(scope="session")
+def shared_data_dir() -> Path:
+    """X/shared/data for a repository checked out at X/main; skip the test when absent."""
+    path = Path(__file__).resolve().parents[2] / "shared" / "data"
+    if not path.is_dir():
+        pytest.skip(f"shared data directory not found at {path}")
+    return path
+
+
+def load_mnist(shared_data_dir: Path, n_train: int = 5000, n_test: int = 2000):
+    """First ``n_train`` MNIST training images and first ``n_test`` test images, in [0, 1]."""
+    train = np.load(shared_data_dir / "mnist" / "train.npz")
+    test = np.load(shared_data_dir / "mnist" / "test.npz")
+    x = torch.tensor(train["x"][:n_train], dtype=torch.float32).unsqueeze(1) / 255.0
+    y = torch.tensor(train["y"][:n_train], dtype=torch.long)
+    xt = torch.tensor(test["x"][:n_test], dtype=torch.float32).unsqueeze(1) / 255.0
+    yt = torch.tensor(test["y"][:n_test], dtype=torch.long)
+    return (x, y), (xt, yt)
+
+
+@pytest.fixture(scope="session")
+def mnist5k(shared_data_dir: Path):
+    return load_mnist(shared_data_dir)
+
+
+# ----------------------------------------------------------------------------- models
+class SmallCNN(nn.Module):
+    """conv(1→4, 3×3, stride 2) → GroupNorm → tanh → conv(4→8, 3×3, stride 2) → linear(→10)."""
+
+    def __init__(self, side: int = 12, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, stride=2, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.conv2 = nn.Conv2d(4, 8, 3, stride=2, padding=1)
+        s = (side + 1) // 2
+        s = (s + 1) // 2
+        self.fc = nn.Linear(8 * s * s, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.conv1(x)))
+        h = torch.relu(self.conv2(h))
+        return self.fc(h.flatten(1))
+
+
+class ConvAutoencoder(nn.Module):
+    """conv(1→4, stride 2) → relu → conv-transpose(4→1, stride 2): a reconstruction model."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Conv2d(1, 4, 3, stride=2, padding=1)
+        self.dec = nn.ConvTranspose2d(4, 1, 3, stride=2, padding=1, output_padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.dec(torch.relu(self.enc(x))))
+
+
+def mlp(inputs: int = 20, hidden: int = 16, classes: int = 5) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, classes))
+
+
+def pooled_mnist_mlp(hidden: int = 64) -> nn.Module:
+    """The sanity-check model: 2×2 average pooling (28² → 14² inputs, no parameters) then an
+    MLP 196 → hidden → 10. The Galli CNN is too slow for a CPU test; this one trains 5 epochs
+    of 5,000 examples in seconds."""
+    return nn.Sequential(nn.AvgPool2d(2), nn.Flatten(), nn.Linear(196, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def zero_grad_problem(inputs: int = 50, classes: int = 40, n: int = 64) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A bias-free linear classifier on all-zero inputs: every per-example gradient is exactly 0
+    (∂ℓ/∂W = (∂ℓ/∂out)·xᵀ = 0), so whatever a strategy releases is pure noise, except the
+    quantile count Σ(1[‖g‖ ≤ C] − ½) = B/2, which is known."""
+    torch.manual_seed(0)
+    model = nn.Linear(inputs, classes, bias=False)
+    x = torch.zeros(n, inputs)
+    y = torch.arange(n) % classes
+    return model, x, y
+
+
+def params_of(model: nn.Module) -> Tensors:
+    return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------- gateways
+@dataclass
+class Captured:
+    label: str
+    queries: tuple[SumQuery, ...]
+    outputs: list[Any]
+
+
+class CaptureRelease:
+    """A noise-FREE stand-in for ``NoisyRelease``: records each joint release in a ledger and
+    in ``calls`` and returns the exact sums (or scripted values). Only for testing update
+    logic; it is not private."""
+
+    def __init__(self, sampling_rate: float = 1.0, script: Sequence[Sequence[Any]] | None = None):
+        self.ledger = Ledger()
+        self.sampling_rate = sampling_rate
+        self.run = ""
+        self.calls: list[Captured] = []
+        self.script = list(script) if script is not None else None
+
+    def release(self, *queries: SumQuery, label: str) -> list[Any]:
+        from dptune import accounting
+
+        nu = accounting.joint_noise_multiplier(q.noise_multiplier for q in queries)
+        self.ledger.record(accounting.gaussian_step_event(nu, self.sampling_rate), label)
+        if self.script is not None:
+            outs = [_clone_value(v) for v in self.script[len(self.calls)]]
+        else:
+            outs = [_clone_value(q.value) for q in queries]
+        self.calls.append(Captured(label, queries, outs))
+        return outs
+
+
+def _clone_value(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: t.detach().clone() for k, t in v.items()}
+    return v.detach().clone() if isinstance(v, torch.Tensor) else torch.as_tensor(v)
+
+
+class RecordingRelease(NoisyRelease):
+    """The real gateway (ledger record, then Gaussian noise), keeping every call's queries and
+    noisy outputs so that tests can read the noise actually added."""
+
+    def __init__(self, ledger: Ledger, sampling_rate: float, noise: NoiseSource, run: str = "", **kwargs: Any):
+        super().__init__(ledger, sampling_rate, noise, run, **kwargs)
+        self.calls: list[Captured] = []
+
+    def release(self, *queries: SumQuery, label: str) -> list[Any]:
+        outs = super().release(*queries, label=label)
+        self.calls.append(Captured(label, queries, outs))
+        return outs
+
+    def noise_of(self, call: int, query: int) -> torch.Tensor:
+        """Flattened (output − exact value) of one query of one call."""
+        c = self.calls[call]
+        return flat(c.outputs[query]) - flat(c.queries[query].value)
+
+
+def flat(v: Any) -> torch.Tensor:
+    if isinstance(v, dict):
+        return torch.cat([t.reshape(-1).double() for t in v.values()])
+    return torch.as_tensor(v).reshape(-1).double()
+
+
+@dataclass
+class StepRun:
+    params: Tensors
+    state: Any
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    params_history: list[Tensors] = field(default_factory=list)
+
+
+def run_strategy_steps(
+    strategy: Strategy,
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    steps: int,
+    release: Any,
+    noise_multiplier: float = 1.0,
+    expected_batch_size: float | None = None,
+    total_steps: int | None = None,
+    loss: str = "cross_entropy",
+    batches: Callable[[int], torch.Tensor] | None = None,
+    grads: Callable[[int, Tensors], MaterializedGrads] | None = None,
+    params: Tensors | None = None,
+) -> StepRun:
+    """Call ``strategy.step`` ``steps`` times with ``release`` as the gateway.
+
+    ``batches(t)`` gives the batch indices of step t (default: the whole data);
+    ``grads(t, params)`` may inject per-sample gradients directly (bypassing the model).
+    """
+    oracle = GradientOracle(model, loss)
+    p = params if params is not None else params_of(model)
+    p = strategy.prepare(p)
+    n = int(x.shape[0])
+    L = float(expected_batch_size if expected_batch_size is not None else n)
+    run = RunInfo(noise_multiplier, release.sampling_rate, L, total_steps or steps, sum(v.numel() for v in p.values()))
+    strategy.validate_run(run)
+    state = strategy.init(p, run)
+    out = StepRun(p, state)
+    for t in range(1, steps + 1):
+        idx = batches(t) if batches is not None else torch.arange(n)
+        ctx = StepContext(t=t, x=x[idx], y=y[idx], oracle=oracle, release=release, run=run)
+        if grads is not None:
+            ctx._grads = grads(t, p)
+        p, state, m = strategy.step(p, state, ctx)
+        out.metrics.append(m)
+        out.params_history.append({k: v.detach().clone() for k, v in p.items()})
+    out.params, out.state = p, state
+    return out
+
+
+def gateway(sampling_rate: float, seed: int = 1234, plan: Any = None) -> RecordingRelease:
+    ledger = Ledger.with_plan(plan) if plan is not None else Ledger()
+    return RecordingRelease(ledger, sampling_rate, NoiseSource(seed))
+
+
+# ----------------------------------------------------------------------------- statistics
+ALPHA = 1e-4  # two-sided level of every variance test (seeded, so a fixed outcome; kept strict)
+
+
+def variance_pvalue(samples: torch.Tensor | np.ndarray, sigma: float) -> float:
+    """Two-sided p-value of H0: samples iid N(0, σ²), from S = Σ z²/σ² ~ χ²_n."""
+    z = np.asarray(torch.as_tensor(samples).double().reshape(-1))
+    n = z.size
+    s = float((z**2).sum() / sigma**2)
+    lower = stats.chi2.cdf(s, n)
+    upper = stats.chi2.sf(s, n)
+    return float(min(1.0, 2 * min(lower, upper)))
+
+
+def gaussian_std_accepts(samples: torch.Tensor | np.ndarray, sigma: float, alpha: float = ALPHA) -> bool:
+    """True when N(0, σ²) is not rejected: the χ² variance test AND a z-test of mean 0."""
+    z = np.asarray(torch.as_tensor(samples).double().reshape(-1))
+    mean_ok = abs(z.mean()) <= stats.norm.isf(alpha / 2) * sigma / math.sqrt(z.size)
+    return bool(mean_ok and variance_pvalue(z, sigma) >= alpha)
+
+
+def assert_gaussian_std(samples: torch.Tensor | np.ndarray, sigma: float, what: str = "noise") -> None:
+    """The configured σ is accepted and the same test rejects 0.8σ and 1.25σ (power check)."""
+    n = int(np.asarray(torch.as_tensor(samples)).size)
+    emp = float(np.sqrt((np.asarray(torch.as_tensor(samples).double()) ** 2).mean()))
+    assert gaussian_std_accepts(samples, sigma), f"{what}: empirical std {emp:.6g} ≠ configured σ = {sigma:.6g} (n = {n})"
+    for wrong in (0.8 * sigma, 1.25 * sigma):
+        assert not gaussian_std_accepts(samples, wrong), (
+            f"{what}: test has no power: it accepts the wrong σ {wrong:.6g} with n = {n} samples; use more samples"
+        )
