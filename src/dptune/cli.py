@@ -275,12 +275,17 @@ def audit(
     delta: float = typer.Option(1e-5),
     method: str = typer.Option("one-run", help="one-run (Steinke et al. 2023) or two-world (Jagielski et al. 2020)"),
     seed: int = typer.Option(0),
+    canaries: int | None = typer.Option(None, help="m canaries (one-run) or trials per world (two-world)"),
+    threat_model: str = typer.Option("white-box", help="white-box (released sums) or black-box (final model)"),
+    confidence: float = typer.Option(0.95, help="confidence of the lower bound"),
     out: Path | None = typer.Option(None, help="write the result as JSON here"),
 ) -> None:
-    """Empirical privacy audit: an ε lower bound at 95% confidence for the claimed ε."""
+    """Empirical privacy audit: an ε lower bound (95% confidence) for the claimed ε.
+    Exit code 1 when the audit refutes the claim."""
     from dptune.audit import run_audit
 
-    res = run_audit(strategy, eps, delta, method=method, seed=seed,
+    res = run_audit(strategy, eps, delta, method=method, seed=seed, canaries=canaries,
+                    threat_model=threat_model, confidence=confidence,
                     on_progress=lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False))
     console.print(res.summary())
     if out is not None:

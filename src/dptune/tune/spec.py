@@ -163,6 +163,8 @@ class ModelSpec:
             raise _err("model", "give exactly one of model.name or a builder callable",
                        'set model.name = "logistic_regression"')
         if self.name is not None:
+            if not isinstance(self.name, str):
+                raise _err("model.name", f"must be a string, got {self.name!r}", 'e.g. name = "logistic_regression"')
             try:
                 from dptune.models import MODELS
             except ImportError:  # pragma: no cover
@@ -208,6 +210,9 @@ class TrainingSpec:
                        "set expected_batch_size (Poisson sampling, q = L/n) or full_batch = true")
         if self.expected_batch_size is not None:
             _positive_number("training.expected_batch_size", self.expected_batch_size)
+        if self.loss is not None and self.loss not in ("cross_entropy", "mse", "bce"):
+            raise _err("training.loss", f"unknown loss {self.loss!r}",
+                       "choose cross_entropy, mse or bce (or omit it: chosen from the task)")
 
 
 @dataclass(frozen=True)
@@ -420,7 +425,9 @@ class Study:
         seeds = self.seeds
         if isinstance(seeds, int):
             seeds = (seeds,)
-        if not seeds or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds):
+        if not isinstance(seeds, Sequence) or isinstance(seeds, str) or not seeds or any(
+            not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds
+        ):
             raise _err("study.seeds", f"must be a non-empty list of integers ≥ 0, got {self.seeds!r}", "e.g. seeds = [0, 1, 2]")
         if len(set(seeds)) != len(seeds):
             raise _err("study.seeds", "seeds repeat", "list each seed once")
@@ -557,6 +564,18 @@ def _finite(space: Mapping[str, Any]) -> bool:
 # ----------------------------------------------------------------------------- loading
 def study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | None = None) -> Study:
     """Build a ``Study`` from the nested mapping of a TOML/YAML file (see module docstring)."""
+    try:
+        return _study_from_dict(d, base_dir)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        # Validation names the field wherever it can; a value of a wholly unexpected type
+        # that slipped past it still ends as one clear line, never a traceback.
+        raise ConfigError(f"invalid study file: {type(exc).__name__}: {exc}. Fix: compare it with "
+                          "the reference in docs/tuning.md (types of each key).") from None
+
+
+def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | None = None) -> Study:
     if not isinstance(d, Mapping):
         raise ConfigError("a study file must hold a table/mapping at the top level")
     top = {"study", "data", "model", "training", "budget", "method", "selection", "strategies"}
@@ -593,12 +612,19 @@ def study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | Non
         if "name" not in s:
             raise _err(f"strategies[{i}].name", "missing", 'e.g. name = "dpsgd"')
         m = _method(s["method"], f"strategies[{i}].method") if "method" in s else None
+        for part in ("space", "fixed"):
+            if not isinstance(s.get(part, {}), Mapping):
+                raise _err(f"strategies[{i}].{part}", f"must be a table, got {s[part]!r}",
+                           f"e.g. {part} = {{ lr = [0.1, 1.0] }}")
         arms.append(StrategyArm(name=s["name"], space=dict(s.get("space", {})), fixed=dict(s.get("fixed", {})),
                                 method=m, label=s.get("label")))
     if "name" not in data_t:
         raise _err("data.name", "missing", 'e.g. name = "digits"')
     if "name" not in model_t:
         raise _err("model.name", "missing", 'e.g. name = "logistic_regression"')
+    for part, t in (("data", data_t), ("model", model_t)):
+        if not isinstance(t.get("options", {}), Mapping):
+            raise _err(f"{part}.options", f"must be a table, got {t['options']!r}", "e.g. options = { flatten = true }")
     return Study(
         data=DataSpec(name=data_t["name"], options=dict(data_t.get("options", {}))),
         model=ModelSpec(name=model_t["name"], options=dict(model_t.get("options", {}))),

@@ -1,0 +1,209 @@
+"""Gradient canaries, a spy on the noise gateway, and membership scores.
+
+**Canaries with crafted gradients.** The audit model is a linear "loss-is-the-gradient" model:
+one weight vector θ ∈ R^d (``nn.Linear(d, 1, bias=False)``) and the per-example loss
+ℓ(θ; x) = θᵀx, so the per-example gradient is exactly ∇ℓ = x, whatever θ. A canary is the
+input x = M·e_j (a *Dirac canary*: all its gradient on one coordinate j reserved for it) with
+M far above any clipping threshold, so that
+
+* its clipped gradient is C_t·e_j: it saturates the gradient query's sensitivity C_t;
+* its normalised direction x/‖x‖ = e_j enters OSO's q-query (‖x‖ > C_t), saturating that
+  query's sensitivity 1 as well (the canary "leaks through the q-query").
+
+Everything else, the sampling, the clipping, the strategy's state, the noise, is the real
+code path: ``dptune.train.train`` with a real ``Strategy``. Background examples (gradients
+on their own coordinates) give the adaptive strategies a realistic clipping dynamic.
+
+**White-box observation.** ``ReleaseRecorder`` wraps ``NoisyRelease.release`` (the one place
+noise is added) and keeps, for each release, each query's claimed noise multiplier ν_Q,
+sensitivity s_Q and the *noisy output* at the canary coordinates. Observing the released
+noisy sums is the threat model of DP-SGD's analysis (the adversary sees every iterate).
+
+**Scores.** For canary j and release t, the log-likelihood ratio of "canary in the batch"
+against "not in the batch", from the claimed noise, is
+    Λ_t = Σ_Q (y_Q,t[j]/s_Q − ½) / ν_Q²                (y: the noisy sum; each Q saturated)
+and with Poisson sampling at rate q the canary is in the batch with probability q, so the
+per-step likelihood ratio is the mixture 1 − q + q·e^{Λ_t}; the score is
+    score_j = Σ_t log(1 − q + q·e^{Λ_t})              (= Σ_t Λ_t at q = 1),
+the Neyman–Pearson statistic for independent steps. The black-box score is −ℓ(θ_final; canary)
+(lower loss = member), from the final model alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from dptune.mechanisms import NoisyRelease, SumQuery
+
+CANARY_NORM_FACTOR = 1e4  # M = factor × (largest clipping threshold the run may use)
+
+
+# ----------------------------------------------------------------------------- model and data
+def linear_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """ℓ(θ; x) = θᵀx for the audit model: the per-example gradient is the input itself."""
+    return out.sum()
+
+
+def audit_model(dim: int) -> nn.Module:
+    model = nn.Linear(dim, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    return model
+
+
+class LinearLossUnderMSE(nn.Module):
+    """The audit model for code paths that only take a named loss (a tuner study: loss='mse').
+
+    out = sqrt(θᵀx + K) against target 0 gives the squared error θᵀx + K: the same linear
+    per-example loss (gradient x) up to the constant K, which keeps the root's argument
+    positive (|θᵀx| stays ≪ K at the audited settings).
+    """
+
+    OFFSET = 1e9  # K
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x @ self.weight.T + self.OFFSET)
+
+
+@dataclass(frozen=True)
+class CanaryData:
+    """Training inputs: canaries (x = M·e_j on coordinate ``offset + j``) and background rows."""
+
+    x: torch.Tensor  # [n, d]
+    y: torch.Tensor  # [n] (unused by the linear loss)
+    dim: int
+    canary_coords: np.ndarray  # coordinates observed by the auditor (one per canary / trial)
+    canary_norm: float
+
+
+def make_data(
+    present: np.ndarray,
+    background: int,
+    background_dim: int,
+    canary_norm: float,
+    seed: int,
+) -> CanaryData:
+    """Rows for the canaries with ``present[j]`` true, plus ``background`` rows.
+
+    Coordinates 0..background_dim−1 hold the background gradients: Gaussian directions with
+    log-normal norms around 1 (so adaptive clipping has something to adapt to); coordinate
+    ``background_dim + j`` is canary j's, whether or not it is present.
+    """
+    rng = np.random.default_rng(seed)
+    m = int(present.shape[0])
+    dim = background_dim + m
+    present_idx = np.flatnonzero(present)
+    n = background + present_idx.size
+    x = np.zeros((n, dim), dtype=np.float32)
+    if background:
+        g = rng.normal(size=(background, background_dim))
+        g /= np.linalg.norm(g, axis=1, keepdims=True)
+        g *= rng.lognormal(mean=0.0, sigma=0.5, size=(background, 1))
+        x[:background, :background_dim] = g
+    x[background + np.arange(present_idx.size), background_dim + present_idx] = canary_norm
+    # Shuffle rows so canaries are not a contiguous block (Poisson sampling ignores order anyway).
+    perm = rng.permutation(n)
+    coords = background_dim + np.arange(m)
+    return CanaryData(torch.from_numpy(x[perm]), torch.zeros(n, dtype=torch.long), dim, coords, float(canary_norm))
+
+
+# ----------------------------------------------------------------------------- the spy
+@dataclass
+class QueryRecord:
+    name: str
+    noise_multiplier: float
+    sensitivity: float
+    values: np.ndarray | None  # noisy output at the watched coordinates (None for scalar queries)
+
+
+@dataclass
+class ReleaseRecord:
+    label: str
+    sampling_rate: float
+    run: str
+    queries: list[QueryRecord]
+
+
+@dataclass
+class ReleaseRecorder:
+    """Keeps the noisy outputs of every release at the watched coordinates (white-box view)."""
+
+    coords: np.ndarray
+    records: list[ReleaseRecord] = field(default_factory=list)
+
+    def observe(self, gateway: NoisyRelease, queries: tuple[SumQuery, ...], outputs: list, label: str) -> None:
+        idx = torch.as_tensor(self.coords, dtype=torch.long)
+        qs = []
+        for q, out in zip(queries, outputs, strict=True):
+            if isinstance(out, dict):
+                flat = torch.cat([v.detach().reshape(-1).double().cpu() for v in out.values()])
+                vals = flat[idx].numpy().copy()
+            else:
+                vals = None  # a scalar statistic (e.g. the quantile count) is shared by all canaries
+            qs.append(QueryRecord(q.name, float(q.noise_multiplier), float(q.sensitivity), vals))
+        self.records.append(ReleaseRecord(label, float(gateway.sampling_rate), gateway.run, qs))
+
+    def query_names(self) -> list[str]:
+        names: list[str] = []
+        for r in self.records:
+            for q in r.queries:
+                if q.values is not None and q.name not in names:
+                    names.append(q.name)
+        return names
+
+    def llr_score(self, names: set[str] | None = None) -> np.ndarray:
+        """Σ_t log(1 − q + q·exp(Λ_t)) per watched coordinate, over queries in ``names`` (all: None)."""
+        total = np.zeros(self.coords.shape[0])
+        for r in self.records:
+            lam = np.zeros_like(total)
+            used = False
+            for q in r.queries:
+                if q.values is None or (names is not None and q.name not in names):
+                    continue
+                used = True
+                lam += (q.values / q.sensitivity - 0.5) / q.noise_multiplier**2
+            if not used:
+                continue
+            if r.sampling_rate >= 1.0:
+                total += lam
+            else:
+                total += np.logaddexp(math.log1p(-r.sampling_rate), math.log(r.sampling_rate) + lam)
+        return total
+
+
+@contextlib.contextmanager
+def spy_on_releases(recorder: ReleaseRecorder) -> Iterator[ReleaseRecorder]:
+    """Wrap ``NoisyRelease.release`` (whatever version is installed) to feed ``recorder``.
+
+    Patching the class attribute (not a module name) catches every gateway however the
+    training loop imports it; the previous attribute is restored on exit.
+    """
+    previous = NoisyRelease.__dict__["release"]
+
+    def release(self: NoisyRelease, *queries: SumQuery, label: str):
+        outputs = previous(self, *queries, label=label)
+        recorder.observe(self, queries, outputs, label)
+        return outputs
+
+    NoisyRelease.release = release  # type: ignore[method-assign]
+    try:
+        yield recorder
+    finally:
+        NoisyRelease.release = previous  # type: ignore[method-assign]
+
+
+def loss_scores(final_params: dict[str, torch.Tensor], data: CanaryData) -> np.ndarray:
+    """Black-box score −ℓ(θ_final; canary_j) = −M·θ_final[coord_j] for every canary j."""
+    w = torch.cat([v.detach().reshape(-1).double().cpu() for v in final_params.values()]).numpy()
+    return -data.canary_norm * w[data.canary_coords]

@@ -1,0 +1,411 @@
+"""``run_audit``: an empirical ε lower bound for one of dptune's strategies at a claimed (ε, δ).
+
+Each audit trains the audit model (see ``harness``) with the REAL strategy through
+``dptune.train.train``, calibrated by dptune's own accountant to the claimed (ε, δ), and turns
+the auditor's membership scores into a lower bound with ``bounds``:
+
+* ``method="one-run"`` (Steinke, Nasr & Jagielski 2023): m canaries, each present with
+  probability ½, ONE training (K trainings for ``grid``: the claim covers all of them);
+* ``method="two-world"`` (Jagielski et al. 2020): N trials with and N without the canary.
+  The trials are vectorised: in one training, coordinate j either holds a canary ("in") or
+  nothing ("out"). This is exact, not an approximation: a Dirac canary's coordinate of the
+  released sum, divided by its sensitivity C_t, is 1[sampled] + N(0, ν_Q²) whatever the other
+  coordinates do (C_t and ν_Q are public, functions of earlier releases, and the noise and the
+  Poisson draws are independent per coordinate/example). So each coordinate's white-box
+  statistic is an independent draw from the one-canary mechanism, and Clopper–Pearson applies.
+  Several independent trainings give more trials.
+
+Threat models (``threat_model``):
+* ``"white-box"`` (default): the auditor crafts the canaries' per-example gradients (Dirac
+  canaries) and sees every released noisy sum, the adversary of DP-SGD's own analysis. The
+  score is the likelihood-ratio statistic of ``ReleaseRecorder.llr_score``. Candidate scores
+  (all queries jointly, and each query alone, e.g. OSO's gradient vs its q-query) are
+  Bonferroni-corrected (one run) or selected on a held-out split (two worlds).
+* ``"black-box"`` (one run only): the auditor sees only the final model and scores a canary
+  by minus its loss. (A vectorised two-world test is not exact here: the final parameters of
+  different coordinates share the adaptive step sizes.)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from dptune import accounting
+from dptune.audit import bounds
+from dptune.audit.harness import (
+    CANARY_NORM_FACTOR,
+    CanaryData,
+    LinearLossUnderMSE,
+    ReleaseRecorder,
+    audit_model,
+    linear_loss,
+    loss_scores,
+    make_data,
+    spy_on_releases,
+)
+from dptune.errors import ConfigError
+from dptune.ledger import Ledger, compose
+from dptune.sampling import stream_seed
+
+Method = Literal["one-run", "two-world"]
+ThreatModel = Literal["white-box", "black-box"]
+METHODS = ("one-run", "two-world")
+THREAT_MODELS = ("white-box", "black-box")
+
+THREAT_TEXT = {
+    "white-box": (
+        "white-box: the auditor crafts canary gradients (Dirac canaries, norm ≫ C, so each saturates "
+        "every query's sensitivity) and observes every noisy sum released by NoisyRelease.release"
+    ),
+    "black-box": "black-box: the auditor sees only the final model and scores a canary by minus its loss",
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What is trained in an audit: one strategy (or a grid of its settings), q, T."""
+
+    strategy: str
+    hyperparameters: dict[str, Any]
+    sampling_rate: float  # q (1 = full batch)
+    steps: int  # T per run
+    grid: tuple[dict[str, Any], ...] = ()  # several runs composed (the 'grid' audit)
+    note: str = ""
+
+    @property
+    def runs(self) -> int:
+        return max(1, len(self.grid))
+
+    def max_clip(self) -> float:
+        """A clip threshold every run of the scenario stays below (canaries must exceed it)."""
+        vals = [1.0]
+        for hp in (self.hyperparameters, *self.grid):
+            vals += [float(v) for k, v in hp.items() if k in ("clip", "initial_clip")]
+        # Adaptive rules move C by at most a factor e^{0.25} per step at the audited settings.
+        return max(vals) * math.exp(0.25 * self.steps)
+
+
+# OSO is audited with relative_increase = 3 (ν_g = 4ν): the q-query then carries 15/16 of each
+# step's signal, so an error in its noise or its accounting is visible. At the paper's default
+# (1%) the q-query carries 2% of the signal and an accounting error on it changes ε by ~1%,
+# below any audit's resolution.
+SCENARIOS: dict[str, Scenario] = {
+    "dpsgd": Scenario("dpsgd", {"lr": 0.1, "clip": 1.0, "momentum": 0.5}, 0.5, 4),
+    "quantile": Scenario("quantile", {"lr": 0.1, "initial_clip": 0.5, "target_quantile": 0.5}, 0.5, 4),
+    "oso": Scenario(
+        "oso", {"lr": 0.1, "initial_clip": 0.5, "relative_increase": 3.0, "clip_lr": 0.05, "lr_lr": 0.05}, 0.5, 4,
+        note="OSO at relative_increase=3 (ν_g = 4ν, ν_q ≈ 1.03ν) so that the q-query matters",
+    ),
+    "adamwosm": Scenario("adamwosm", {"clip": 1.0}, 0.5, 4),
+    "adadp": Scenario("adadp", {"lr": 0.1, "clip": 1.0}, 0.5, 4),
+    "dpgd": Scenario("dpgd", {"lr": 0.1, "clip": 1.0, "momentum": 0.9}, 1.0, 4),
+    "grid": Scenario(
+        "dpsgd", {}, 0.5, 4,
+        grid=tuple({"lr": lr, "clip": c} for lr in (0.05, 0.2) for c in (0.5, 1.0)),
+        note="a whole 2×2 grid study of dpsgd (lr × clip) through dptune.tune.run_study; its budget is the claim",
+    ),
+}
+AUDITABLE = tuple(SCENARIOS)
+
+DEFAULT_CANARIES = {"one-run": 5000, "two-world": 20000}  # m, or trials per world
+TWO_WORLD_CHUNK = 2000  # trials per world per training (bounds memory: rows × coordinates)
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """An empirical ε lower bound, valid with probability ≥ ``confidence``."""
+
+    lower_bound: float
+    claimed_eps: float
+    confidence: float
+    method: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def flagged(self) -> bool:
+        """True when the audit refutes the claim: the lower bound exceeds the claimed ε."""
+        return self.lower_bound > self.claimed_eps
+
+    def summary(self) -> str:
+        d = self.details
+        verdict = "VIOLATION: the claim is refuted" if self.flagged else "consistent with the claim"
+        return (
+            f"{d.get('strategy', '?')}: ε ≥ {self.lower_bound:.3f} with {self.confidence:.0%} confidence "
+            f"({self.method}, {d.get('threat_model', '?')}); claimed ε = {self.claimed_eps:g} at "
+            f"δ = {d.get('delta', float('nan')):g}: {verdict}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"lower_bound": self.lower_bound, "claimed_eps": self.claimed_eps, "confidence": self.confidence,
+                "method": self.method, "flagged": self.flagged, "details": self.details}
+
+
+def _check_args(strategy: str, eps: float, delta: float, method: str, confidence: float,
+                threat_model: str, canaries: int | None) -> tuple[Scenario, int]:
+    if not isinstance(strategy, str) or strategy.lower() not in SCENARIOS:
+        raise ConfigError(f"cannot audit strategy {strategy!r}; choose one of: {', '.join(AUDITABLE)}.")
+    accounting.check_epsilon(eps, "eps")
+    accounting.check_delta(delta)
+    if method not in METHODS:
+        raise ConfigError(f"unknown audit method {method!r}; choose 'one-run' or 'two-world'.")
+    bounds.check_confidence(confidence)
+    if threat_model not in THREAT_MODELS:
+        raise ConfigError(f"unknown threat model {threat_model!r}; choose 'white-box' or 'black-box'.")
+    if method == "two-world" and threat_model == "black-box":
+        raise ConfigError(
+            "the vectorised two-world audit is exact only for the white-box score; use "
+            "method='one-run' for the black-box (loss) score."
+        )
+    n = DEFAULT_CANARIES[method] if canaries is None else canaries
+    if not isinstance(n, int) or isinstance(n, bool) or n < 20:
+        raise ConfigError(f"canaries must be an integer ≥ 20, got {canaries!r} (more canaries, more power).")
+    scenario = SCENARIOS[strategy.lower()]
+    return scenario, n
+
+
+def _train_once(
+    scenario: Scenario, data: CanaryData, eps: float, delta: float, accountant: str, seed: int,
+    recorder: ReleaseRecorder, via_study: bool = True,
+) -> tuple[list[np.ndarray], Ledger, list[float], float]:
+    """Train every run of the scenario on ``data``; return black-box scores, the ledger, clips, ν.
+
+    A grid scenario runs as one study of ``dptune.tune`` when ``via_study`` (white-box
+    audits); black-box audits need the final weights of every run, which a study does not
+    keep, so they train the same grid run by run, calibrated jointly with calibrate(runs=K).
+    """
+    if scenario.grid and via_study and _tuner_available():
+        return _train_grid_study(scenario, data, eps, delta, accountant, seed, recorder)
+    from dptune.train import train  # late import: the audit package stays importable on its own
+
+    n = int(data.x.shape[0])
+    q = scenario.sampling_rate
+    batch = dict(full_batch=True) if q >= 1.0 else dict(expected_batch_size=q * n)
+    ledger = Ledger()
+    losses, clips = [], []
+    runs = scenario.grid or (scenario.hyperparameters,)
+    if scenario.grid:  # without the tuner: the same grid, calibrated jointly by hand
+        noise = dict(noise_multiplier=accounting.calibrate(eps, delta, min(q, 1.0), scenario.steps, runs=len(runs),
+                                                           accountant=accountant))
+    else:
+        noise = dict(target_epsilon=eps, delta=delta, accountant=accountant)
+    nu = math.nan
+    with spy_on_releases(recorder):
+        for k, hp in enumerate(runs):
+            res = train(
+                audit_model(data.dim), (data.x, data.y), scenario.strategy, steps=scenario.steps, loss=linear_loss,
+                seed=stream_seed(seed, f"audit-run-{k}"), device="cpu", run_id=f"audit-{k}", **batch, **noise, **hp,
+            )
+            if res.diverged:
+                raise RuntimeError(f"audit training of {scenario.strategy} diverged; the audit is void")
+            ledger.extend(res.ledger, run=f"audit-{k}")
+            losses.append(loss_scores(res.final_params, data))
+            clips += [float(r["clip"]) for r in res.history if "clip" in r]
+            nu = res.plan.noise_multiplier
+    return losses, ledger, clips, nu
+
+
+def _tuner_available() -> bool:
+    try:
+        from dptune.tune import run_study  # noqa: F401
+    except ImportError:  # pragma: no cover - the tuner ships with dptune
+        return False
+    return True
+
+
+def _train_grid_study(
+    scenario: Scenario, data: CanaryData, eps: float, delta: float, accountant: str, seed: int,
+    recorder: ReleaseRecorder,
+) -> tuple[list[np.ndarray], Ledger, list[float], float]:
+    """The whole grid study through ``dptune.tune.run_study`` (planner, executor, store, ledger).
+
+    The study's budget is the claim; the planner calibrates the K runs jointly. Selection is
+    'public' on a tiny test split (free, as in the papers), so every private release of the
+    study is a training release, all observed by the spy.
+    """
+    import tempfile
+
+    import torch
+
+    from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec, run_study
+    from dptune.tune.data import _CACHE as study_data_cache
+    from dptune.tune.spec import ModelSpec, SelectionSpec
+    from dptune.tune.store import Store
+
+    n = int(data.x.shape[0])
+    q = scenario.sampling_rate
+    space: dict[str, list[Any]] = {}
+    for hp in scenario.grid:
+        for k, v in hp.items():
+            if v not in space.setdefault(k, []):
+                space[k].append(v)
+    # A study takes a *named* loss: the MSE form of the same linear loss (see LinearLossUnderMSE).
+    y = torch.zeros((n, 1), dtype=data.x.dtype)
+    study = Study(
+        data=(data.x, y, torch.zeros((4, data.dim), dtype=data.x.dtype), torch.zeros((4, 1), dtype=data.x.dtype)),
+        model=ModelSpec(builder=LinearLossUnderMSE, options={"dim": data.dim}),
+        strategies=(StrategyArm(scenario.strategy, space=space, fixed=dict(scenario.hyperparameters)),),
+        training=TrainingSpec(steps=scenario.steps, loss="mse",
+                              **(dict(full_batch=True) if q >= 1.0 else dict(expected_batch_size=q * n))),
+        budget=BudgetSpec(epsilon=(eps,), delta=delta, accountant=accountant),
+        method=MethodSpec("grid"),
+        selection=SelectionSpec(mode="public", split="test", metric="mse", eval_every=scenario.steps),
+        seeds=(0,), seed=int(seed % (2**31)), name="audit-grid",
+    )
+    with tempfile.TemporaryDirectory(prefix="dptune-audit-") as tmp, spy_on_releases(recorder):
+        try:
+            outcome = run_study(study, tmp, executor="local", progress=False)
+            with Store(tmp, readonly=True) as store:
+                ledger = Ledger()
+                for e in store.ledger_entries():
+                    ledger.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
+                nu = float(store.runs()[0]["noise_multiplier"])
+        finally:
+            # The study cache keeps the tensors of every study data spec; ours are single-use.
+            for key in [k for k, v in study_data_cache.items() if v.y_train is y]:
+                study_data_cache.pop(key, None)
+    if not outcome.complete or not outcome.ledger_matches_plan or outcome.counts.get("done", 0) != scenario.runs:
+        raise RuntimeError(f"the audited grid study did not complete as planned: {outcome.counts}")
+    return [], ledger, [], nu
+
+
+def ledger_epsilon(ledger: Ledger, delta: float, accountant: str) -> float:
+    """ε of everything the ledger recorded, grouped into identical releases first.
+
+    (Entries differ in their labels/components, e.g. an adaptive C_t, but not in their events;
+    grouping the atoms gives one self-composed event per distinct release: fast PLD.)
+    """
+    return _event_epsilon(compose(ledger.atoms().items()), delta, accountant)
+
+
+@functools.lru_cache(maxsize=256)
+def _event_epsilon(event: Any, delta: float, accountant: str) -> float:
+    return accounting.epsilon(event, delta, accountant)
+
+
+def _candidates(recorder: ReleaseRecorder) -> tuple[list[str], list[np.ndarray]]:
+    """White-box candidate scores: all queries jointly, then each query alone (if several)."""
+    names = recorder.query_names()
+    labels, scores = ["llr:" + "+".join(names)], [recorder.llr_score(None)]
+    if len(names) > 1:
+        for nm in names:
+            labels.append(f"llr:{nm}")
+            scores.append(recorder.llr_score({nm}))
+    return labels, scores
+
+
+def run_audit(
+    strategy: str,
+    eps: float,
+    delta: float = 1e-5,
+    method: Method = "one-run",
+    seed: int = 0,
+    *,
+    canaries: int | None = None,
+    confidence: float = 0.95,
+    threat_model: ThreatModel = "white-box",
+    accountant: str = "pld",
+    steps: int | None = None,
+    sampling_rate: float | None = None,
+    hyperparameters: dict[str, Any] | None = None,
+    background: int = 500,
+    on_progress: Callable[[str], None] | None = None,
+) -> AuditResult:
+    """Audit ``strategy`` at the claimed (``eps``, ``delta``); return an ε lower bound.
+
+    ``strategy``: one of ``AUDITABLE`` (``grid`` = 4 dpsgd runs composed by the accountant).
+    ``canaries``: m for one run (default 5,000), or trials per world for two worlds (20,000).
+    ``accountant``: the accountant that calibrates ν to the claim ('pld' is the tightest, so
+    the claim audited is the strongest dptune makes). ``steps``/``sampling_rate``/
+    ``hyperparameters`` override the scenario (see ``SCENARIOS``).
+
+    The result's lower bound holds with probability ≥ ``confidence``; a bound above ``eps``
+    refutes the claim (``AuditResult.flagged``).
+    """
+    scenario, n_canaries = _check_args(strategy, eps, delta, method, confidence, threat_model, canaries)
+    if steps is not None or sampling_rate is not None or hyperparameters:
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise ConfigError(f"steps must be an integer ≥ 1, got {steps!r}.")
+        if sampling_rate is not None:
+            accounting.check_sampling_rate(sampling_rate)
+        scenario = Scenario(
+            scenario.strategy, {**scenario.hyperparameters, **(hyperparameters or {})},
+            scenario.sampling_rate if sampling_rate is None else float(sampling_rate),
+            scenario.steps if steps is None else steps, scenario.grid, scenario.note,
+        )
+    say = on_progress or (lambda s: None)
+    t0 = time.perf_counter()
+    canary_norm = CANARY_NORM_FACTOR * scenario.max_clip()
+    background_dim = 16
+    details: dict[str, Any] = {
+        "strategy": strategy.lower(), "trained_strategy": scenario.strategy, "delta": delta,
+        "threat_model": threat_model, "threat_model_text": THREAT_TEXT[threat_model],
+        "hyperparameters": scenario.grid or scenario.hyperparameters, "sampling_rate": scenario.sampling_rate,
+        "steps": scenario.steps, "runs": scenario.runs, "accountant": accountant, "seed": seed,
+        "canary_norm": canary_norm, "note": scenario.note,
+    }
+    all_clips: list[float] = []
+    ledger_eps: list[float] = []
+
+    if method == "one-run":
+        rng = np.random.default_rng(stream_seed(seed, "audit-membership"))
+        present = rng.random(n_canaries) < 0.5
+        data = make_data(present, background, background_dim, canary_norm, stream_seed(seed, "audit-data"))
+        rec = ReleaseRecorder(data.canary_coords)
+        say(f"training {scenario.runs} run(s) with {n_canaries} canaries")
+        losses, ledger, clips, nu = _train_once(scenario, data, eps, delta, accountant, seed, rec,
+                                                via_study=threat_model == "white-box")
+        all_clips += clips
+        ledger_eps.append(ledger_epsilon(ledger, delta, accountant))
+        if threat_model == "white-box":
+            labels, scores = _candidates(rec)
+        else:
+            labels, scores = ["loss"], [np.sum(losses, axis=0)]
+        b = bounds.one_run_bound(scores, present, delta, confidence, seed=stream_seed(seed, "audit-split"))
+        lower = b.epsilon
+        details.update(canaries=n_canaries, included=int(present.sum()), canaries_evaluated=b.canaries,
+                       guesses=b.guesses, correct=b.correct, guesses_in=b.k_in, guesses_out=b.k_out,
+                       score=labels[b.score], scores=labels)
+    else:
+        outs: list[list[np.ndarray]] = []
+        ins: list[list[np.ndarray]] = []
+        chunks = math.ceil(n_canaries / TWO_WORLD_CHUNK)
+        labels = []
+        nu = math.nan
+        for c in range(chunks):
+            size = min(TWO_WORLD_CHUNK, n_canaries - c * TWO_WORLD_CHUNK)
+            present = np.r_[np.ones(size, bool), np.zeros(size, bool)]
+            data = make_data(present, background, background_dim, canary_norm, stream_seed(seed, f"audit-data-{c}"))
+            rec = ReleaseRecorder(data.canary_coords)
+            say(f"training chunk {c + 1}/{chunks} ({size} trials per world)")
+            _, ledger, clips, nu = _train_once(scenario, data, eps, delta, accountant, stream_seed(seed, f"chunk-{c}"), rec)
+            all_clips += clips
+            ledger_eps.append(ledger_epsilon(ledger, delta, accountant))
+            labels, scores = _candidates(rec)
+            ins.append([s[present] for s in scores])
+            outs.append([s[~present] for s in scores])
+        out_scores = [np.concatenate([o[j] for o in outs]) for j in range(len(labels))]
+        in_scores = [np.concatenate([i[j] for i in ins]) for j in range(len(labels))]
+        b2 = bounds.two_world_bound(out_scores, in_scores, delta, confidence, seed=stream_seed(seed, "audit-split"))
+        lower = b2.epsilon
+        details.update(trials_per_world=n_canaries, trials_evaluated=(b2.trials_out, b2.trials_in),
+                       threshold=b2.threshold, false_positives=b2.false_positives,
+                       false_negatives=b2.false_negatives, fpr_upper=b2.fpr_upper, fnr_upper=b2.fnr_upper,
+                       score=labels[b2.score], scores=labels)
+    max_clip = max(all_clips) if all_clips else 0.0
+    details.update(
+        noise_multiplier=nu, ledger_epsilon=max(ledger_eps), max_clip_seen=max_clip,
+        canaries_saturated=bool(max_clip < canary_norm), seconds=time.perf_counter() - t0,
+    )
+    if not details["canaries_saturated"]:
+        raise RuntimeError(
+            f"the clipping threshold reached {max_clip:.3g} ≥ canary norm {canary_norm:.3g}: the canaries "
+            "no longer saturate the sensitivity, so the white-box statistic is mis-specified"
+        )
+    return AuditResult(float(lower), float(eps), float(confidence), method, details)
