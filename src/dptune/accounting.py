@@ -242,6 +242,7 @@ class _LogEps:
 
     def __init__(self, eps_of: Callable[[float], float], target: float):
         self.eps_of = eps_of
+        self.target = target
         self.log_target = math.log(target)
         self.values: dict[float, float] = {}
         self.eps: dict[float, float] = {}
@@ -255,7 +256,12 @@ class _LogEps:
             elif e <= 0:
                 v = -math.inf
             else:
+                # Feasibility is decided on ε itself (log space can round a 1-ulp excess to 0).
                 v = math.log(e) - self.log_target
+                if e <= self.target:
+                    v = min(v, 0.0)
+                elif v <= 0:
+                    v = math.ulp(0.0)
             self.values[x] = v
         return self.values[x]
 
@@ -463,9 +469,27 @@ def _search_pld(event: dp_event.DpEvent, d: float, count: int = 1):
     return None
 
 
-@functools.lru_cache(maxsize=4096)
+def _hashable(event: dp_event.DpEvent) -> bool:
+    try:
+        hash(event)
+    except TypeError:  # e.g. ComposedDpEvent built with a list of events
+        return False
+    return True
+
+
+def _epsilon_maybe_cached(event: dp_event.DpEvent, delta: float, accountant: str) -> float:
+    return _epsilon_cached(event, delta, accountant) if _hashable(event) else epsilon(event, delta, accountant)
+
+
 def _pld_epsilon_at(event: dp_event.DpEvent, delta: float, discretization: float) -> float:
-    """ε(δ) at a given PLD discretisation, for the search (fast path when supported)."""
+    """ε(δ) at a given PLD discretisation, for the search (fast path when supported); cached."""
+    if _hashable(event):
+        return _pld_epsilon_at_cached(event, delta, discretization)
+    return _pld_epsilon_at_cached.__wrapped__(event, delta, discretization)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pld_epsilon_at_cached(event: dp_event.DpEvent, delta: float, discretization: float) -> float:
     try:
         pld = _search_pld(event, discretization)
     except (AttributeError, TypeError):  # dp_accounting internals changed: use the public path
@@ -504,7 +528,7 @@ def calibrate_event_info(
         guess = _guess(make_event, target_epsilon, delta)
         guess = guess if guess is not None else 1.0
 
-    fine = _LogEps(lambda nu: _epsilon_cached(make_event(nu), delta, accountant), target_epsilon)
+    fine = _LogEps(lambda nu: _epsilon_maybe_cached(make_event(nu), delta, accountant), target_epsilon)
     search_evals = 0
     if accountant == "pld":
         # The discretisation error is absolute in ε, so small targets search on a finer grid.
