@@ -186,12 +186,22 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
     from dptune.tune import study_status
 
     st = study_status(study_dir)
-    t = Table(title=f"study {study_dir}")
-    t.add_column("key")
-    t.add_column("value", overflow="fold")
-    for k, v in st.items():
-        t.add_row(str(k), json.dumps(v, default=str) if isinstance(v, dict | list) else str(v))
+    counts = ", ".join(f"{k} {v}" for k, v in st.get("counts", {}).items())
+    console.print(f"[bold]{st.get('name', study_dir)}[/]: {st.get('total', '?')} planned runs ({counts}); "
+                  f"complete: {st.get('complete')}")
+    t = Table(title="per tuning procedure: runs and budget (planned vs spent so far)")
+    for col in ("arm", "method", "done/runs", "planned (ε, δ)", "spent (ε, δ)"):
+        t.add_column(col, justify="left" if col in ("arm", "method") else "right")
+    for a in st.get("arms", []):
+        t.add_row(
+            str(a.get("arm")), str(a.get("method")), f"{a.get('done', 0)}/{a.get('runs', '?')}",
+            f"({a.get('planned_epsilon', float('nan')):.3f}, {a.get('planned_delta', float('nan')):.0e})",
+            f"({a.get('spent_epsilon', 0.0):.3f}, {a.get('spent_delta', 0.0):.0e})",
+        )
     console.print(t)
+    rest = {k: v for k, v in st.items() if k not in ("arms", "counts", "name", "total", "complete")}
+    for k, v in rest.items():
+        console.print(f"{k}: {json.dumps(v, default=str) if isinstance(v, dict | list) else v}")
 
 
 @app.command()
