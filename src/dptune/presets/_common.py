@@ -1,0 +1,142 @@
+"""Shared pieces of the presets: scales, log-spaced grids, the ``Preset``/``Part`` records.
+
+A *preset* reproduces one experiment of a paper. It is built for a *scale*:
+
+* ``paper`` — the paper's settings (a GPU job; tests only plan it);
+* ``small`` — real data with reduced grids, epochs and seeds, ≤ 60 min on a 2-core CPU;
+* ``smoke`` — tiny subsets and a few steps, a CI check that the whole pipeline runs.
+
+A preset has one or more *parts*, each one tuner study (``dptune.tune`` dict form:
+sections study/data/model/training/budget/method/selection/[[strategies]]). Presets that
+compare models or datasets (Mohapatra's LR and TLNN, Panda's AG News and Enron) have one
+part per model or dataset, because a study has one dataset and one model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dptune.errors import ConfigError
+
+SCALES: tuple[str, ...] = ("smoke", "small", "paper")
+
+
+def check_scale(scale: Any) -> str:
+    """The scale name, or a ``ConfigError`` naming the choices."""
+    if not isinstance(scale, str) or scale.strip().lower() not in SCALES:
+        raise ConfigError(f"unknown scale {scale!r}. Fix: choose one of {', '.join(SCALES)} "
+                          "(smoke: CI check in seconds; small: ≤ 60 min on a 2-core CPU; paper: the papers' settings).")
+    return scale.strip().lower()
+
+
+def log_grid(lo_exp: float, hi_exp: float, k: int) -> list[float]:
+    """k values 10^x with x uniformly spaced in [lo_exp, hi_exp] (Galli et al.: "k values
+    uniformly separated in a logarithmic scale"), rounded to 4 significant digits so that
+    configurations print like the paper's tables (0.003162, 0.01468, ..., 31.62).
+
+    ``log_grid(-2.5, 1.5, 7)`` = [0.003162, 0.01468, 0.06813, 0.3162, 1.468, 6.813, 31.62].
+    """
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"grid size k must be an integer ≥ 1, got {k!r}. Fix: e.g. k = 7.")
+    if k == 1:
+        xs = [(lo_exp + hi_exp) / 2.0]
+    else:
+        xs = [lo_exp + (hi_exp - lo_exp) * i / (k - 1) for i in range(k)]
+    return [_round_sig(10.0**x, 4) for x in xs]
+
+
+def _round_sig(x: float, digits: int) -> float:
+    if x == 0:
+        return 0.0
+    return float(round(x, digits - 1 - int(math.floor(math.log10(abs(x))))))
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tuner study of a preset: ``name`` (its sub-directory), a title and the study dict."""
+
+    name: str
+    title: str
+    study: Mapping[str, Any]
+    notes: tuple[str, ...] = ()
+
+    def study_dict(self) -> dict[str, Any]:
+        """A deep copy (callers may edit it freely)."""
+        return copy.deepcopy(dict(self.study))
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A paper experiment: how to build its parts at each scale, plus optional extra outputs.
+
+    ``build(scale, options) -> [Part]``; ``extra(out_dir, scale, options, parts, console)``
+    writes what is not a study (theory tables, figures) and returns rows to print, or None.
+    ``options`` lists the keyword options the preset accepts (e.g. ``k`` for Galli's grids).
+    """
+
+    name: str
+    paper: str
+    summary: str
+    build: Callable[[str, Mapping[str, Any]], list[Part]]
+    options: Mapping[str, Any] = field(default_factory=dict)
+    extra: Callable[..., Any] | None = None
+    estimates: Mapping[str, str] = field(default_factory=dict)
+
+    def parts(self, scale: str, **options: Any) -> list[Part]:
+        scale = check_scale(scale)
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            allowed = ", ".join(self.options) or "(none)"
+            raise ConfigError(f"preset {self.name!r} has no option {unknown[0]!r}. Fix: its options are: {allowed}.")
+        merged = {k: v for k, v in {**dict(self.options), **options}.items() if v is not None}
+        return self.build(scale, merged)
+
+
+def study_dict(
+    *,
+    name: str,
+    data: Mapping[str, Any],
+    model: Mapping[str, Any],
+    training: Mapping[str, Any],
+    budget: Mapping[str, Any],
+    selection: Mapping[str, Any],
+    strategies: Sequence[Mapping[str, Any]],
+    seeds: Sequence[int],
+    method: Mapping[str, Any] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """A study in the ``study_from_dict`` form (see ``dptune.tune.spec``)."""
+    d: dict[str, Any] = {
+        "study": {"name": name, "seed": int(seed), "seeds": [int(s) for s in seeds]},
+        "data": dict(data),
+        "model": dict(model),
+        "training": dict(training),
+        "budget": dict(budget),
+        "selection": dict(selection),
+        "strategies": [dict(s) for s in strategies],
+    }
+    if method is not None:
+        d["method"] = dict(method)
+    return d
+
+
+def check_int_option(name: str, value: Any, allowed: Sequence[int] | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"option {name} must be an integer ≥ 1, got {value!r}. Fix: e.g. {name} = 7.")
+    if allowed is not None and value not in allowed:
+        raise ConfigError(f"option {name} = {value} is not one of the paper's values {list(allowed)}. "
+                          f"Fix: use one of them.")
+    return value
+
+
+def ensure_dir(path: str | Path) -> Path:
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"output path {str(p)!r} exists and is not a directory. Fix: pass a directory.")
+    p.mkdir(parents=True, exist_ok=True)
+    return p

@@ -1,0 +1,126 @@
+"""A stored study directory → ``dptune.report.build_report`` (figures, CSVs, one HTML page).
+
+``dptune.report`` takes plain rows and never reads the tuner's store; ``dptune.tune.results``
+reads the store and prints tables. This module joins the two for the presets:
+
+* results: the tuner's selection table (``study_table``), one row per (strategy, ε), shown
+  as the *selected* configuration (what the honest procedure chose, not hindsight's best);
+* trajectories: C_t and ρ_t of the selected runs only (every run would be unreadable);
+* ledger: one row per (run, query label) from the study ledger, with the run's own ε;
+* header: one budget row per tuning procedure (planned vs spent (ε, δ), scope);
+* OSO studies: the ν_g–ν_q Pareto figure at each ε's joint ν (Galli Fig. 2);
+* linear-scaling studies: the r = η·T fit of the last procedure (Panda Fig. 3).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dptune.report import LedgerRow, LinearScalingFit, RunHistory, build_report
+from dptune.report.html import FigureRef, Section
+from dptune.tune import results as R
+from dptune.tune.planners import StudyPlan
+from dptune.tune.store import Store
+
+MAX_HISTORIES = 40
+
+
+def _nu_q(event: Any) -> tuple[float | None, float | None]:
+    from dp_accounting import dp_event
+
+    if isinstance(event, dp_event.PoissonSampledDpEvent) and isinstance(event.event, dp_event.GaussianDpEvent):
+        return float(event.event.noise_multiplier), float(event.sampling_probability)
+    if isinstance(event, dp_event.GaussianDpEvent):
+        return float(event.noise_multiplier), 1.0
+    return None, None
+
+
+def _fmt_eps(x: float) -> str:
+    return "∞" if not math.isfinite(x) else f"{x:g}"
+
+
+def study_report(
+    study_dir: str | Path,
+    out_dir: str | Path | None = None,
+    *,
+    title: str | None = None,
+    subtitle: str = "",
+    notes: Sequence[str] = (),
+    extra_figures: Sequence[FigureRef] = (),
+    extra_sections: Sequence[Section] = (),
+) -> Path:
+    """Write ``<out_dir or study_dir/report>/report.html`` (+ figures/ and CSVs) for a stored
+    study; return the HTML path."""
+    d = Path(study_dir)
+    out = Path(out_dir) if out_dir is not None else d / "report"
+    with Store(d) as store:
+        cfg = store.get_meta("config")
+        plan = StudyPlan.from_dict(store.get_meta("plan"))
+        runs = {r["run_id"]: dict(r) for r in store.runs()}
+        entries = store.ledger_entries()
+    table = R.study_table(d)
+    per_run, _ = R.budget_rows(d)
+    label_of = {a.arm: a.label for a in plan.arms}
+
+    results = [{
+        "strategy": r["strategy"], "epsilon": r["epsilon"], "hyperparameters": r["selected"] or "—",
+        "mean": r["value_mean"], "std": r["value_std"], "n_seeds": max(1, r["replicates"]),
+        "n_diverged": r["diverged"], "selected": True,
+    } for r in table if r["value_mean"] is not None or r["runs_done"]]
+
+    histories: list[RunHistory] = []
+    for r in table:
+        for rid in r["selected_runs"][:2]:
+            h = runs.get(rid, {}).get("history")
+            if h and len(histories) < MAX_HISTORIES:
+                histories.append(RunHistory(rid, r["strategy"], json.loads(h)))
+
+    eps_alone = {row["run_id"]: row["epsilon_alone"] for row in per_run}
+    grouped: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    for e in entries:
+        grouped[(e.run, e.label)].append(e)
+    ledger_rows = []
+    for (run, label), es in grouped.items():
+        nu, q = _nu_q(es[0].event)
+        eps = eps_alone.get(run)
+        ledger_rows.append(LedgerRow(run, label, sum(e.count for e in es),
+                                     eps if eps is not None and math.isfinite(eps) else None, None, nu, q))
+
+    budgets = [{
+        "label": f"{r['strategy']} @ ε = {_fmt_eps(r['epsilon'])} ({r['method']})",
+        "planned": (r["planned_epsilon"], r["planned_delta"]),
+        "spent": (r["spent_epsilon"], r["spent_delta"]),
+        "note": ("per seed replicate" if r["guarantee_per"] == "seed replicate" else "whole procedure")
+        + f", {r['accountant']}",
+    } for r in table]
+
+    pareto = {}
+    for a in plan.arms:
+        if a.strategy == "oso" and math.isfinite(a.epsilon) and a.extra.get("noise_multipliers"):
+            pareto[a.epsilon] = float(a.extra["noise_multipliers"][0])
+
+    linear = None
+    for r in table:
+        for fit in r.get("fits") or []:
+            if fit and fit.get("coef") and len(fit["coef"]) == 2:
+                slope, intercept = (float(c) for c in fit["coef"])
+                linear = LinearScalingFit([tuple(p) for p in fit["points"]], slope, intercept,
+                                          float(fit["x_final"]), None, fit.get("axis", "epsilon"))
+
+    sel = cfg.get("selection", {})
+    arm_notes = [f"{label_of.get(a.arm, a.arm)} @ {a.arm.split('@')[-1]}: {n}" for a in plan.arms for n in a.notes]
+    accountants = sorted({a.accountant for a in plan.arms if a.accountant != "none"})
+    return build_report(
+        out, results, histories, ledger_rows,
+        selection_mode=sel.get("mode", "public"), selection_split=sel.get("split"),
+        planned=None, spent=None, metric=plan.metric, higher_is_better=plan.higher_is_better,
+        title=title or cfg.get("study", {}).get("name", "study"), subtitle=subtitle,
+        accountant=", ".join(accountants) or None, budgets=budgets,
+        notes=[*notes, *dict.fromkeys(arm_notes)], pareto=pareto or None, linear_scaling=linear,
+        extra_figures=extra_figures, extra_sections=extra_sections,
+    )
