@@ -523,7 +523,10 @@ def calibrate_event_info(
         b_lo, b_hi = sorted(float(b) for b in bracket)
         if not (b_lo > 0):
             raise ConfigError(f"bracket must hold two positive noise multipliers, got {bracket!r}")
-        guess: float | None = math.sqrt(b_lo * b_hi)
+        # A bracket is a hint (it need not contain the root): the CLT guess wins when it
+        # lies inside it (e.g. planners that pass (ν_rdp/2, ν_rdp) for PLD).
+        clt = _guess(make_event, target_epsilon, delta)
+        guess: float | None = clt if clt is not None and b_lo <= clt <= b_hi else math.sqrt(b_lo * b_hi)
     else:
         guess = _guess(make_event, target_epsilon, delta)
         guess = guess if guess is not None else 1.0

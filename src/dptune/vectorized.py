@@ -1,0 +1,549 @@
+"""Vectorised trials: K runs of the same architecture trained at once, each exactly the run
+``dptune.train`` would make with its own hyperparameters, seed, Poisson batches, noise
+stream, gateway and ledger.
+
+Design (docs/performance.md, "Vectorised trials"):
+
+* **What is batched.** The expensive, identical-shape work of a step: the forward pass,
+  the backward pass to every Linear output (one autograd call for all K trials), the
+  per-sample norms (ghost norms ‖a_i‖²‖b_i‖² + ‖b_i‖²), and evaluation. Parameters are
+  stacked per step into [K, p, d] tensors and each Linear is one ``baddbmm``; the K Poisson
+  batches are padded to the largest one (padded rows carry zero loss weight, hence zero
+  output gradient, and are never read).
+* **What stays per trial.** Everything with privacy meaning or with its own random stream:
+  each trial's ``PoissonSampler`` draws its own batch, each trial's strategy runs its own
+  ``step`` (the very same code as in ``train``) on a per-trial view of the batched
+  statistics (``GhostGrads`` of its rows; its weighted sums are its own matrix products),
+  and releases through its own ``NoisyRelease`` (own ``NoiseSource``, own ledger created
+  with its plan). So the privacy invariant — all noise via ``mechanisms.NoisyRelease``,
+  every release recorded in the run's ledger first — holds trial by trial.
+* **Equivalence.** With the same seeds the results equal K sequential ``train`` calls up
+  to float rounding (batched vs single matrix products); ``tests/test_vectorized.py``
+  checks it for every supported strategy. The per-trial loop mirrors ``train``'s (gateway
+  with the planned multiplier, divergence on parameters, evaluation and best checkpoint,
+  ``finalize``); a change there must be mirrored here (the tests would catch it).
+* **Scope.** Models that are (nested) ``nn.Sequential`` of ``nn.Linear``, element-wise
+  activations, ``Flatten`` and inactive ``Dropout`` (LR, TLNN, MLPs, Galli's BoW FC).
+  Anything else runs sequentially through ``train`` (``fallback='sequential'``, the
+  default) or raises (``fallback='error'``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptune.errors import ConfigError
+from dptune.ghost import GhostGrads, _Linear
+from dptune.grads import GradientOracle, MaterializedGrads, batched_loss, check_model
+from dptune.ledger import Ledger
+from dptune.mechanisms import NoiseSource, NoisyRelease
+from dptune.sampling import PoissonSampler, stream_seed
+from dptune.strategies import Strategy, make_strategy
+from dptune.strategies.base import RunInfo, StepContext
+from dptune.train import HIGHER_IS_BETTER, RunPlan, TrainResult, _as_tensors, plan_run, train
+from dptune.tree import Tensors, clone, is_finite
+
+ELEMENTWISE: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.SiLU, nn.Softplus, nn.Identity,
+    nn.Hardtanh, nn.ReLU6, nn.Mish, nn.CELU, nn.SELU, nn.Softsign, nn.Tanhshrink,
+)
+EVAL_BATCH = 4096  # as dptune.train.evaluate
+
+
+class Unsupported(ConfigError):
+    """The model cannot be stacked; the message says why."""
+
+
+@dataclass(frozen=True)
+class _Op:
+    kind: str  # 'linear' | 'fn' | 'flatten'
+    module: nn.Module
+    prefix: str  # parameter-name prefix of a Linear ('' at top level)
+
+
+def stack_plan(model: nn.Module) -> list[_Op]:
+    """The model as a flat list of stackable operations; raises ``Unsupported`` otherwise."""
+    ops: list[_Op] = []
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        if type(mod) is nn.Sequential:
+            for name, child in mod.named_children():
+                visit(child, f"{prefix}{name}.")
+            return
+        where = f"'{prefix[:-1] or type(mod).__name__}' ({type(mod).__name__})"
+        if isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward:
+            if not mod.weight.requires_grad or (mod.bias is not None and not mod.bias.requires_grad):
+                raise Unsupported(f"layer {where} has frozen parameters")
+            ops.append(_Op("linear", mod, prefix))
+        elif type(mod) in ELEMENTWISE:
+            if getattr(mod, "inplace", False):
+                raise Unsupported(f"layer {where} is in-place")
+            ops.append(_Op("fn", mod, prefix))
+        elif type(mod) is nn.Flatten:
+            if mod.start_dim != 1 or mod.end_dim != -1:
+                raise Unsupported(f"layer {where} flattens other dimensions than all but the batch")
+            ops.append(_Op("flatten", mod, prefix))
+        elif isinstance(mod, nn.Dropout) and (mod.p == 0 or not mod.training):
+            return
+        else:
+            raise Unsupported(
+                f"layer {where} cannot be stacked: vectorised trials support nn.Sequential models of "
+                "Linear layers, element-wise activations, Flatten and inactive Dropout"
+            )
+
+    visit(model, "")
+    if not any(op.kind == "linear" for op in ops):
+        raise Unsupported("the model has no Linear layer")
+    return ops
+
+
+def _signature(ops: list[_Op]) -> list[Any]:
+    out: list[Any] = []
+    for op in ops:
+        if op.kind == "linear":
+            out.append(("linear", op.prefix, tuple(op.module.weight.shape), op.module.bias is not None))
+        else:
+            out.append((op.kind, type(op.module).__name__, repr(op.module)))
+    return out
+
+
+class _Stacked:
+    """Forward/backward of K copies of one architecture with stacked parameters."""
+
+    def __init__(self, ops: list[_Op]):
+        self.ops = ops
+        self.linears = [op for op in ops if op.kind == "linear"]
+
+    def names(self, op: _Op) -> dict[str, str]:
+        names = {"weight": f"{op.prefix}weight"}
+        if op.module.bias is not None:
+            names["bias"] = f"{op.prefix}bias"
+        return names
+
+    def stack(self, params: Sequence[Tensors]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        out = []
+        for op in self.linears:
+            nm = self.names(op)
+            W = torch.stack([p[nm["weight"]] for p in params])
+            b = torch.stack([p[nm["bias"]] for p in params]) if "bias" in nm else None
+            out.append((W, b))
+        return out
+
+    def forward(
+        self, weights: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, record: bool
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """x: [K, B, *in] → out [K, B, *]; with ``record``, the (input, output) of each Linear."""
+        h = x
+        recs = []
+        li = 0
+        for op in self.ops:
+            if op.kind == "flatten":
+                h = h.reshape(h.shape[0], h.shape[1], -1)
+            elif op.kind == "fn":
+                h = op.module(h)
+            else:
+                W, b = weights[li]
+                li += 1
+                if h.dim() != 3:
+                    raise Unsupported("a Linear layer receives per-example inputs of more than one dimension")
+                z = torch.baddbmm(b.unsqueeze(1), h, W.transpose(1, 2)) if b is not None else torch.bmm(h, W.transpose(1, 2))
+                if record:
+                    recs.append((h, z))
+                h = z
+        return h, recs
+
+
+class _TrialOracle:
+    """What a trial's strategy sees as ``ctx.oracle``: the batched statistics of its own rows,
+    served when asked at the trial's current parameters and batch; anything else (another
+    point, another batch) goes to a real ``GradientOracle`` of the trial's model."""
+
+    def __init__(self, base: Callable[[], GradientOracle]):
+        self._base_factory = base
+        self._base: GradientOracle | None = None
+        self.params: Tensors | None = None
+        self.x: torch.Tensor | None = None
+        self.grads: MaterializedGrads | None = None
+
+    @property
+    def base(self) -> GradientOracle:
+        if self._base is None:
+            self._base = self._base_factory()
+        return self._base
+
+    def serve(self, params: Tensors, x: torch.Tensor, grads: MaterializedGrads) -> None:
+        self.params, self.x, self.grads = params, x, grads
+
+    def _mine(self, params: Tensors, x: torch.Tensor) -> bool:
+        return self.grads is not None and params is self.params and x is self.x
+
+    def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
+        if self._mine(params, x):
+            return self.grads  # type: ignore[return-value]
+        return self.base(params, x, y)
+
+    def loss_and_grad(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Tensors]:
+        """Mean loss and Σ_i g_i / B (the gradient of the mean loss, as ``GradientOracle``)."""
+        if self._mine(params, x) and x.shape[0]:
+            g = self.grads
+            assert g is not None
+            B = int(x.shape[0])
+            return g.losses.mean(), g.weighted_sum(torch.full((B,), 1.0 / B, dtype=g.losses.dtype))
+        return self.base.loss_and_grad(params, x, y)
+
+    def forward(self, params: Tensors, x: torch.Tensor) -> torch.Tensor:
+        return self.base.forward(params, x)
+
+
+@dataclass
+class _Trial:
+    index: int
+    model: nn.Module
+    strategy: Strategy
+    plan: RunPlan
+    run: RunInfo
+    params: Tensors
+    state: Any
+    ledger: Ledger
+    gateway: NoisyRelease
+    sampler: PoissonSampler
+    oracle: _TrialOracle
+    history: list[dict[str, Any]]
+    evals: list[dict[str, float]]
+    best_metric: float | None = None
+    best_step: int | None = None
+    best_params: Tensors | None = None
+    diverged: bool = False
+    done: bool = False
+
+
+def _per_trial(value: Any, K: int, name: str) -> list[Any]:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        return [value] * K
+    if len(value) != K:
+        raise ConfigError(f"{name} has {len(value)} entries for {K} trials; give one per trial or a single value.")
+    return list(value)
+
+
+def train_many(
+    models: Callable[[int], nn.Module] | nn.Module | Sequence[nn.Module],
+    data: Any,
+    strategy: str | Strategy | Sequence[Strategy] = "dpsgd",
+    configs: Sequence[Mapping[str, Any]] | None = None,
+    seeds: int | Sequence[int] = 0,
+    *,
+    noise_multiplier: float | Sequence[float] | None = None,
+    target_epsilon: float | Sequence[float] | None = None,
+    delta: float | None = None,
+    accountant: str = "rdp",
+    epochs: float | None = None,
+    steps: int | None = None,
+    expected_batch_size: float | None = None,
+    full_batch: bool = False,
+    plans: Sequence[RunPlan] | None = None,
+    eval_data: Any = None,
+    eval_every: int = 50,
+    metric: str | None = None,
+    loss: str | None = None,
+    device: str | torch.device | None = None,
+    secure_mode: bool = False,
+    run_ids: Sequence[str] | None = None,
+    on_step: Callable[[int, int, dict[str, Any]], None] | None = None,
+    block_size: int | None = None,
+    fallback: str = "sequential",
+) -> list[TrainResult]:
+    """Train K trials at once; result k equals ``train(model_k, data, strategy_k, seed=seeds[k],
+    noise_multiplier=ν_k, ..., **configs[k])`` up to float rounding.
+
+    ``models``: a callable ``model_fn(seed) -> nn.Module`` (called with each trial's seed),
+    one module (each trial starts from a copy) or one module per trial. ``strategy``: a
+    name with ``configs`` (one dict of hyperparameters per trial), or one ``Strategy``
+    instance per trial. ``noise_multiplier`` / ``target_epsilon``: one value or one per
+    trial. ``plans``: precomputed ``RunPlan``s (one per trial) instead of the run settings.
+    ``on_step(k, t, row)`` is called after every step of trial k. ``block_size`` bounds the
+    number of trials stacked at once (memory). Models that cannot be stacked run
+    sequentially (``fallback='sequential'``) or raise ``ConfigError`` (``'error'``).
+    """
+    if fallback not in ("sequential", "error"):
+        raise ConfigError(f"fallback must be 'sequential' or 'error', got {fallback!r}.")
+    if eval_every < 1:
+        raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}.")
+    # ---- how many trials: every per-trial argument that is a list must agree
+    lengths = {
+        name: len(v) for name, v in (
+            ("configs", configs), ("seeds", seeds), ("noise_multiplier", noise_multiplier),
+            ("target_epsilon", target_epsilon), ("plans", plans), ("run_ids", run_ids),
+            ("strategy", None if isinstance(strategy, str | Strategy) else strategy),
+            ("models", models if isinstance(models, Sequence) and not isinstance(models, nn.Module) else None),
+        ) if v is not None and isinstance(v, Sequence) and not isinstance(v, str)
+    }
+    if len(set(lengths.values())) > 1:
+        raise ConfigError(f"per-trial arguments disagree on the number of trials: {lengths}.")
+    K = next(iter(lengths.values()), 1)
+    if K == 0:
+        return []
+    # ---- the trials' strategies
+    if plans is not None:
+        strategies = [p.strategy for p in plans]
+    elif isinstance(strategy, str):
+        strategies = [make_strategy(strategy, **dict(c)) for c in (configs if configs is not None else [{}] * K)]
+    elif configs is not None:
+        raise ConfigError("configs go with a strategy name; otherwise give one Strategy instance per trial.")
+    elif isinstance(strategy, Strategy):
+        strategies = [strategy] * K
+    else:
+        strategies = list(strategy)
+    seed_list = [int(s) for s in _per_trial(seeds, K, "seeds")]
+    nus = _per_trial(noise_multiplier, K, "noise_multiplier")
+    epss = _per_trial(target_epsilon, K, "target_epsilon")
+    ids = list(run_ids) if run_ids is not None else [""] * K
+    if isinstance(models, nn.Module):
+        model_list = [copy.deepcopy(models) for _ in range(K)]
+    elif callable(models):
+        model_list = [models(s) for s in seed_list]
+    else:
+        model_list = list(models)
+
+    def sequential(k: int) -> TrainResult:
+        kw: dict[str, Any] = {}
+        if plans is not None:
+            kw["plan"] = plans[k]
+        else:
+            kw.update(epochs=epochs, steps=steps, expected_batch_size=expected_batch_size, full_batch=full_batch,
+                      noise_multiplier=nus[k], target_epsilon=epss[k], accountant=accountant)
+        return train(model_list[k], data, strategies[k], delta=delta, eval_data=eval_data, eval_every=eval_every,
+                     metric=metric, loss=loss, seed=seed_list[k], device=device, secure_mode=secure_mode,
+                     run_id=ids[k], on_step=(lambda t, row, k=k: on_step(k, t, row)) if on_step else None, **kw)
+
+    try:
+        ops = stack_plan(model_list[0])
+        sig = _signature(ops)
+        for m in model_list[1:]:
+            if _signature(stack_plan(m)) != sig:
+                raise Unsupported("the trials' models differ in architecture")
+        for m in model_list:
+            check_model(m)
+    except Unsupported as exc:
+        if fallback == "error":
+            raise
+        warnings.warn(f"dptune.train_many: running the trials sequentially ({exc}).", RuntimeWarning, stacklevel=2)
+        return [sequential(k) for k in range(K)]
+
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, y = _as_tensors(data, dev)
+    n = int(x.shape[0])
+    task_is_recon = x.shape == y.shape and x.dtype == y.dtype and x.dtype.is_floating_point
+    metric = metric or ("mse" if task_is_recon else "accuracy")
+    loss = loss or ("mse" if task_is_recon else "cross_entropy")
+    if metric not in HIGHER_IS_BETTER:
+        raise ConfigError(f"unknown metric {metric!r}; choose accuracy or mse.")
+    ex = ey = None
+    if eval_data is not None:
+        ex, ey = _as_tensors(eval_data, dev)
+
+    trials: list[_Trial] = []
+    for k in range(K):
+        plan = plans[k] if plans is not None else plan_run(
+            strategies[k], n, expected_batch_size=expected_batch_size, full_batch=full_batch, epochs=epochs,
+            steps=steps, noise_multiplier=nus[k], target_epsilon=epss[k], delta=delta, accountant=accountant,
+        )
+        if plan.n != n:
+            raise ConfigError(f"trial {k}: the plan is for n = {plan.n} examples but the data has {n}.")
+        strat = strategies[k]
+        model = model_list[k].to(dev)
+        params = {kk: p.detach().clone() for kk, p in model.named_parameters() if p.requires_grad}
+        params = strat.prepare(params)
+        run = RunInfo(plan.noise_multiplier, plan.sampling_rate, plan.expected_batch_size, plan.steps,
+                      sum(p.numel() for p in params.values()))
+        strat.validate_run(run)
+        state = strat.init(params, run)
+        ledger = Ledger.with_plan(plan.event())
+        gateway = NoisyRelease(
+            ledger, plan.sampling_rate, NoiseSource(stream_seed(seed_list[k], "noise"), dev, secure_mode), ids[k],
+            planned_multiplier=plan.noise_multiplier if strat.private else None,
+        )
+        sampler = PoissonSampler(n, plan.sampling_rate, seed_list[k])
+        oracle = _TrialOracle(lambda m=model: GradientOracle(m, loss))
+        trials.append(_Trial(k, model, strat, plan, run, params, state, ledger, gateway, sampler, oracle, [], []))
+
+    stacked = _Stacked(ops)
+    lossfn = batched_loss(loss)
+    size = block_size or K
+    t0 = time.perf_counter()
+    for start in range(0, K, size):
+        _run_block(trials[start : start + size], stacked, lossfn, x, y, ex, ey, metric, eval_every, on_step)
+    seconds = (time.perf_counter() - t0) / K
+
+    results = []
+    higher = HIGHER_IS_BETTER[metric]
+    for tr in trials:
+        params = tr.params
+        if not tr.diverged:
+            params = tr.strategy.finalize(params, tr.state)
+            if ex is not None and type(tr.strategy).finalize is not Strategy.finalize:
+                value = _evaluate(stacked, [params], ex, ey, metric)[0]  # type: ignore[arg-type]
+                tr.evals.append({"step": tr.plan.steps, metric: value, "finalized": 1.0})
+                if math.isfinite(value) and (tr.best_metric is None or (value > tr.best_metric if higher else value < tr.best_metric)):
+                    tr.best_metric, tr.best_step, tr.best_params = value, tr.plan.steps, clone(params)
+        tr.model.load_state_dict({**tr.model.state_dict(), **params})
+        results.append(TrainResult(
+            history=tr.history, evals=tr.evals, metric=metric, best_metric=tr.best_metric, best_step=tr.best_step,
+            best_params=tr.best_params, final_params=clone(params), ledger=tr.ledger, plan=tr.plan, delta=delta,
+            diverged=tr.diverged, seconds=seconds, model=tr.model,
+        ))
+    return results
+
+
+def _run_block(
+    trials: list[_Trial], stacked: _Stacked, lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor, y: torch.Tensor, ex: torch.Tensor | None, ey: torch.Tensor | None, metric: str,
+    eval_every: int, on_step: Callable[[int, int, dict[str, Any]], None] | None,
+) -> None:
+    higher = HIGHER_IS_BETTER[metric]
+    buffers = _Buffers()
+    T = max(tr.plan.steps for tr in trials)
+    for t in range(1, T + 1):
+        active = [tr for tr in trials if not tr.done and t <= tr.plan.steps]
+        if not active:
+            break
+        idxs = [tr.sampler.sample().to(x.device) for tr in active]
+        _batched_grads(active, idxs, stacked, lossfn, x, y, buffers)
+        to_eval: list[tuple[_Trial, dict[str, Any]]] = []
+        for tr, idx in zip(active, idxs, strict=True):
+            ctx = StepContext(t=t, x=tr.oracle.x, y=y[idx], oracle=tr.oracle, release=tr.gateway, run=tr.run)  # type: ignore[arg-type]
+            tr.params, tr.state, info = tr.strategy.step(tr.params, tr.state, ctx)
+            row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
+            if ctx._grads is not None and ctx.batch_size:
+                row["train_loss"] = float(ctx._grads.losses.mean())
+            tr.oracle.serve({}, x[:0], None)  # type: ignore[arg-type]  # release the batch's tensors
+            # As in train: divergence is judged on the parameters only (post-processing).
+            if not is_finite(tr.params):
+                tr.diverged = tr.done = True
+                tr.history.append(row)
+                continue
+            if ex is not None and (t % eval_every == 0 or t == tr.plan.steps):
+                to_eval.append((tr, row))
+                continue
+            tr.history.append(row)
+            if on_step is not None:
+                on_step(tr.index, t, row)
+        if to_eval:
+            values = _evaluate(stacked, [tr.params for tr, _ in to_eval], ex, ey, metric)  # type: ignore[arg-type]
+            for (tr, row), value in zip(to_eval, values, strict=True):
+                row["eval_" + metric] = value
+                tr.evals.append({"step": t, metric: value})
+                if math.isfinite(value) and (tr.best_metric is None or (value > tr.best_metric if higher else value < tr.best_metric)):
+                    tr.best_metric, tr.best_step, tr.best_params = value, t, clone(tr.params)
+                tr.history.append(row)
+                if on_step is not None:
+                    on_step(tr.index, t, row)
+
+
+class _Buffers:
+    """Padded batch buffers per source tensor, reused across steps (grown when needed)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[int, torch.Tensor] = {}
+
+    def get(self, src: torch.Tensor, K: int, B: int) -> torch.Tensor:
+        buf = self._bufs.get(id(src))
+        if buf is None or buf.shape[0] < K or buf.shape[1] < B:
+            cap_k = max(K, buf.shape[0] if buf is not None else 0)
+            cap_b = max(int(B * 1.1) + 1, buf.shape[1] if buf is not None else 0)
+            buf = src.new_zeros((cap_k, cap_b, *src.shape[1:]))
+            self._bufs[id(src)] = buf
+        return buf[:K, :B]
+
+
+def _batched_grads(
+    active: list[_Trial], idxs: list[torch.Tensor], stacked: _Stacked,
+    lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+    buffers: _Buffers,
+) -> None:
+    """One forward/backward for all active trials; hand each trial's oracle its view."""
+    K = len(active)
+    sizes = [int(i.numel()) for i in idxs]
+    B = max(sizes)
+    if B == 0:
+        for tr in active:
+            xi = x[:0]
+            tr.oracle.serve(tr.params, xi, tr.oracle.base(tr.params, xi, y[:0]))
+        return
+    # Gather each trial's batch straight into a padded [K, B, ...] buffer kept across steps
+    # (allocating and zeroing ~K·B·d floats per step cost more than the forward pass). Rows
+    # past a trial's batch hold stale real examples: finite, masked out of the loss, unread.
+    X, Y = buffers.get(x, K, B), buffers.get(y, K, B)
+    mask = torch.zeros(K, B, dtype=torch.bool, device=x.device)
+    xs = []
+    for k, i in enumerate(idxs):
+        torch.index_select(x, 0, i, out=X[k, : sizes[k]])
+        torch.index_select(y, 0, i, out=Y[k, : sizes[k]])
+        mask[k, : sizes[k]] = True
+        xs.append(X[k, : sizes[k]])
+    weights = stacked.stack([tr.params for tr in active])
+    leaves = [(W.requires_grad_(True), b.requires_grad_(True) if b is not None else None) for W, b in weights]
+    out, recs = stacked.forward(leaves, X, record=True)
+    losses = lossfn(out.reshape(K * B, *out.shape[2:]), Y.reshape(K * B, *Y.shape[2:])).reshape(K, B)
+    losses = torch.where(mask, losses, torch.zeros_like(losses))
+    zs = [z for _, z in recs]
+    bs = torch.autograd.grad(losses.sum(), zs)
+    losses = losses.detach()
+    # Per-sample squared norms of all trials at once: Σ_layers ‖a‖²‖b‖² (+ ‖b‖² for the bias).
+    sq = torch.zeros(K, B, dtype=losses.dtype, device=losses.device)
+    acts = []
+    for op, (h, _), b in zip(stacked.linears, recs, bs, strict=True):
+        a = h.detach()
+        acts.append(a)
+        nb = torch.linalg.vector_norm(b, dim=2)
+        sq = sq + (torch.linalg.vector_norm(a, dim=2) * nb).square()
+        if op.module.bias is not None:
+            sq = sq + nb.square()
+    norms = sq.sqrt()
+    for k, tr in enumerate(active):
+        Bk = sizes[k]
+        layers = [
+            _Linear(stacked.names(op), a[k, :Bk], b[k, :Bk], tr.params[f"{op.prefix}weight"])
+            for op, a, b in zip(stacked.linears, acts, bs, strict=True)
+        ]
+        if Bk == 0:
+            g: MaterializedGrads = MaterializedGrads(
+                {kk: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for kk, p in tr.params.items()},
+                torch.zeros(0, device=x.device),
+            )
+        else:
+            g = GhostGrads(layers, losses[k, :Bk], tr.params)
+            g._norms = norms[k, :Bk]
+        tr.oracle.serve(tr.params, xs[k], g)
+
+
+def _evaluate(stacked: _Stacked, params: list[Tensors], x: torch.Tensor, y: torch.Tensor, metric: str) -> list[float]:
+    """``dptune.train.evaluate`` for several parameter sets at once (stacked forward)."""
+    n, K = int(x.shape[0]), len(params)
+    if n == 0:
+        return [math.nan] * K
+    totals = [0.0] * K
+    with torch.no_grad():
+        weights = stacked.stack(params)
+        for i in range(0, n, EVAL_BATCH):
+            xb = x[i : i + EVAL_BATCH]
+            out, _ = stacked.forward(weights, xb.unsqueeze(0).expand(K, *xb.shape), record=False)
+            yy = y[i : i + EVAL_BATCH]
+            if metric == "accuracy":
+                pred = out.argmax(2) if out.ndim > 2 and out.shape[2] > 1 else (out.reshape(K, -1) > 0).long()
+                counts = (pred == yy.unsqueeze(0)).sum(1)
+                for k in range(K):
+                    totals[k] += float(counts[k])
+            else:
+                err = ((out - yy.unsqueeze(0)) ** 2).reshape(K, out.shape[1], -1).mean(2).sum(1)
+                for k in range(K):
+                    totals[k] += float(err[k])
+    return [t / n for t in totals]

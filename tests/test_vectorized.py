@@ -1,0 +1,180 @@
+"""``dptune.vectorized.train_many`` equals K sequential ``dptune.train`` runs (same seeds)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from dptune.errors import ConfigError
+from dptune.train import train
+from dptune.vectorized import stack_plan, train_many
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Many tiny matrix products: with two OpenMP threads on a busy 2-core machine each one
+    waits for the other thread (measured 10x slower); results do not depend on it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+G = torch.Generator().manual_seed(0)
+X = torch.randn(300, 10, generator=G)
+Y = (X[:, 0] - X[:, 1] + 0.3 * torch.randn(300, generator=G) > 0).long()
+XE = torch.randn(200, 10, generator=G)
+YE = (XE[:, 0] - XE[:, 1] > 0).long()
+
+
+def mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(10, 12), nn.LeakyReLU(), nn.Sequential(nn.Linear(12, 8), nn.Tanh()), nn.Linear(8, 2))
+
+
+GRIDS = {
+    "dpsgd": [{"lr": 0.2, "clip": 0.05}, {"lr": 0.5, "clip": 1.0, "momentum": 0.5}, {"lr": 0.1, "clip": 10.0}],
+    "nodp": [{"lr": 0.05}, {"lr": 0.5, "momentum": 0.9}, {"lr": 1.0}],
+    "adamwosm": [{"clip": 0.05}, {"clip": 1.0}, {"clip": 5.0}],
+    "oso": [{"lr": 0.2, "initial_clip": 0.05}, {"lr": 0.5, "initial_clip": 1.0, "clip_lr": 0.1, "lr_lr": 0.1},
+            {"lr": 0.1, "initial_clip": 5.0, "rule": "normalized", "clip_lr": 0.2}],
+    "quantile": [{"lr": 0.2, "target_quantile": 0.2}, {"lr": 0.5, "target_quantile": 0.5}, {"lr": 0.3, "target_quantile": 0.9}],
+    "dpadam": [{"lr": 0.01}, {"lr": 0.05, "clip": 0.2}, {"lr": 0.001}],
+}
+
+
+def assert_same_run(got, ref, atol: float = 1e-6) -> None:
+    assert got.ledger.to_dict() == ref.ledger.to_dict()
+    assert got.plan == ref.plan and got.diverged == ref.diverged
+    for k in ref.final_params:
+        torch.testing.assert_close(got.final_params[k], ref.final_params[k], rtol=1e-5, atol=atol, msg=k)
+    assert len(got.history) == len(ref.history)
+    for a, b in zip(got.history, ref.history, strict=True):
+        assert set(a) == set(b)
+        assert a["batch_size"] == b["batch_size"]  # the same Poisson batches
+        for key in a:
+            if isinstance(b[key], float):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert [e["step"] for e in got.evals] == [e["step"] for e in ref.evals]
+    for a, b in zip(got.evals, ref.evals, strict=True):
+        assert a[got.metric] == pytest.approx(b[ref.metric], abs=1.5 / XE.shape[0])
+    assert got.best_step == ref.best_step
+
+
+@pytest.mark.parametrize("strategy", sorted(GRIDS))
+def test_train_many_equals_sequential_train(strategy: str) -> None:
+    cfgs = GRIDS[strategy]
+    seeds = [11, 12, 13]
+    nu = None if strategy == "nodp" else 0.8
+    kw = dict(steps=12, expected_batch_size=40, eval_data=(XE, YE), eval_every=5)
+    got = train_many(mlp, (X, Y), strategy, cfgs, seeds, noise_multiplier=nu, fallback="error", **kw)
+    for k, (cfg, seed) in enumerate(zip(cfgs, seeds, strict=True)):
+        ref = train(mlp(seed), (X, Y), strategy, seed=seed, noise_multiplier=nu, **kw, **cfg)
+        assert_same_run(got[k], ref)
+    # The trials really differ (own hyperparameters, own noise and batches).
+    assert not torch.allclose(got[0].final_params["1.weight"], got[1].final_params["1.weight"])
+
+
+def test_seeds_alone_drive_sampling_and_noise() -> None:
+    """Same configuration: same seed → identical runs; another seed → other batches and noise."""
+    cfg = {"lr": 0.3, "clip": 0.5}
+    runs = train_many(mlp(0), (X, Y), "dpsgd", [cfg] * 3, [5, 5, 6], noise_multiplier=1.0, steps=6,
+                      expected_batch_size=30, fallback="error")
+    for k in runs[0].final_params:
+        assert torch.equal(runs[0].final_params[k], runs[1].final_params[k])
+    assert not torch.allclose(runs[0].final_params["1.weight"], runs[2].final_params["1.weight"])
+    assert [r["batch_size"] for r in runs[0].history] != [r["batch_size"] for r in runs[2].history]
+
+
+def test_per_trial_noise_multipliers_targets_and_full_batch() -> None:
+    cfgs = [{"lr": 0.1}, {"lr": 0.2}]
+    got = train_many(mlp, (X, Y), "dpgd", cfgs, [1, 2], noise_multiplier=[0.7, 3.0], steps=5, full_batch=True,
+                     fallback="error")
+    for k, nu in enumerate([0.7, 3.0]):
+        ref = train(mlp([1, 2][k]), (X, Y), "dpgd", seed=[1, 2][k], noise_multiplier=nu, steps=5, full_batch=True, **cfgs[k])
+        assert got[k].plan.noise_multiplier == nu
+        assert_same_run(got[k], ref)
+    got = train_many(mlp, (X, Y), "dpsgd", [{"lr": 0.1}] * 2, [3, 4], target_epsilon=[1.0, 8.0], delta=1e-5,
+                     steps=4, expected_batch_size=30, fallback="error")
+    assert got[0].plan.noise_multiplier > got[1].plan.noise_multiplier
+    for r, target in zip(got, [1.0, 8.0], strict=True):  # each run spends what its own plan says
+        assert r.ledger.matches(r.plan.event())
+        assert r.epsilon(accountant="rdp") <= target
+
+
+def test_a_diverging_trial_stops_alone() -> None:
+    cfgs = [{"lr": 0.1}, {"lr": 1e30}, {"lr": 0.2}]
+    kw = dict(steps=8, expected_batch_size=40, eval_data=(XE, YE), eval_every=4)
+    got = train_many(mlp, (X, Y), "nodp", cfgs, [1, 2, 3], fallback="error", **kw)
+    assert [r.diverged for r in got] == [False, True, False]
+    for k in range(3):
+        ref = train(mlp(k + 1), (X, Y), "nodp", seed=k + 1, **kw, **cfgs[k])
+        assert ref.diverged == got[k].diverged
+        assert len(got[k].history) == len(ref.history)
+        if not ref.diverged:
+            assert_same_run(got[k], ref)
+
+
+def test_reconstruction_task_mse() -> None:
+    def ae(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(10, 4), nn.Sigmoid(), nn.Linear(4, 10))
+
+    kw = dict(steps=6, expected_batch_size=40, eval_data=(XE, XE), eval_every=3)
+    got = train_many(ae, (X, X), "dpsgd", [{"lr": 0.1, "clip": 0.5}] * 2, [7, 8], noise_multiplier=1.0, fallback="error", **kw)
+    assert got[0].metric == "mse"
+    for k, seed in enumerate([7, 8]):
+        ref = train(ae(seed), (X, X), "dpsgd", seed=seed, noise_multiplier=1.0, lr=0.1, clip=0.5, **kw)
+        assert_same_run(got[k], ref)
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(10, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 2
+
+
+def test_unstackable_models_run_sequentially_or_refuse() -> None:
+    with pytest.raises(ConfigError, match="cannot be stacked"):
+        stack_plan(Custom())
+    with pytest.raises(ConfigError, match="in-place"):
+        stack_plan(nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True)))
+    with pytest.raises(ConfigError, match="cannot be stacked"):
+        train_many(lambda s: Custom(), (X, Y), "dpsgd", [{}], [0], noise_multiplier=1.0, steps=2,
+                   expected_batch_size=30, fallback="error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = train_many(lambda s: Custom(), (X, Y), "dpsgd", [{}, {"lr": 0.3}], [0, 1], noise_multiplier=1.0,
+                         steps=3, expected_batch_size=30)
+    assert any("sequentially" in str(w.message) for w in caught)
+    torch.manual_seed(0)
+    ref = train(Custom(), (X, Y), "dpsgd", seed=1, noise_multiplier=1.0, steps=3, expected_batch_size=30, lr=0.3)
+    assert len(got) == 2 and got[1].ledger.to_dict() == ref.ledger.to_dict()
+
+
+def test_argument_forms_and_errors() -> None:
+    base = mlp(3)
+    a = train_many(base, (X, Y), "dpsgd", [{"lr": 0.2}] * 2, [1, 2], noise_multiplier=1.0, steps=3,
+                   expected_batch_size=30, fallback="error")
+    b = train_many([mlp(3), mlp(3)], (X, Y), "dpsgd", [{"lr": 0.2}] * 2, [1, 2], noise_multiplier=1.0, steps=3,
+                   expected_batch_size=30, fallback="error")
+    for r1, r2 in zip(a, b, strict=True):
+        for k in r1.final_params:
+            assert torch.equal(r1.final_params[k], r2.final_params[k])
+    assert next(base.parameters()).data_ptr() != next(a[0].model.parameters()).data_ptr()  # copied, not shared
+    seen: list[tuple[int, int]] = []
+    train_many(mlp, (X, Y), "nodp", [{}] * 2, [1, 2], steps=3, expected_batch_size=30,
+               on_step=lambda k, t, row: seen.append((k, t)), fallback="error")
+    assert sorted(seen) == [(k, t) for k in range(2) for t in range(1, 4)]
+    with pytest.raises(ConfigError, match="disagree"):
+        train_many(mlp, (X, Y), "dpsgd", [{}] * 2, [1, 2, 3], noise_multiplier=1.0, steps=2, expected_batch_size=30)
+    with pytest.raises(ConfigError, match="differ in architecture"):
+        train_many([mlp(0), nn.Sequential(nn.Linear(10, 2))], (X, Y), "dpsgd", [{}] * 2, [1, 2], noise_multiplier=1.0,
+                   steps=2, expected_batch_size=30, fallback="error")
+    assert train_many(mlp, (X, Y), "dpsgd", [], [], noise_multiplier=1.0, steps=2, expected_batch_size=30) == []
