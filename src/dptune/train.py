@@ -206,13 +206,15 @@ def train(
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
     progress: bool = False,
     chunk_size: int | None = None,
+    grad_method: str | None = None,
     **hyperparameters: Any,
 ) -> TrainResult:
     """Train ``model`` privately with ``strategy`` and return a ``TrainResult``.
 
     Exactly one of ``noise_multiplier`` and ``target_epsilon`` (+ ``delta``) is needed for a
     private strategy. Sampling is Poisson at q = expected_batch_size / n (or full batch).
-    The same ``seed`` reproduces the run bit for bit on CPU.
+    The same ``seed`` reproduces the run bit for bit on CPU. ``grad_method``: 'auto' (ghost
+    norms where every layer is supported, else vmap), 'ghost' or 'vmap'.
     """
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(strategy, str):
@@ -236,7 +238,7 @@ def train(
     elif plan.n != n:
         raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {n}.")
     model = model.to(dev)
-    oracle = GradientOracle(model, loss, chunk_size=chunk_size)
+    oracle = GradientOracle(model, loss, chunk_size=chunk_size, method=grad_method)
     params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
     params = strategy.prepare(params)
     run = RunInfo(plan.noise_multiplier, plan.sampling_rate, plan.expected_batch_size, plan.steps,
@@ -267,7 +269,8 @@ def train(
     try:
         for t in range(1, plan.steps + 1):
             idx = sampler.sample().to(dev)
-            ctx = StepContext(t=t, x=x[idx], y=y[idx], oracle=oracle, release=gateway, run=run)
+            ctx = StepContext(t=t, x=x.index_select(0, idx), y=y.index_select(0, idx), oracle=oracle,
+                              release=gateway, run=run)
             params, state, info = strategy.step(params, state, ctx)
             row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
             if ctx._grads is not None and ctx.batch_size:

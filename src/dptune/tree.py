@@ -18,7 +18,8 @@ def zeros_like(tree: Tensors) -> Tensors:
 
 
 def dot(a: Tensors, b: Tensors) -> float:
-    return float(sum((a[k].double() * b[k].double()).sum() for k in a))
+    # Native-precision dot products per tensor (no float64 copies: this sits on OSO's hot path).
+    return float(sum(torch.dot(a[k].reshape(-1), b[k].reshape(-1)) for k in a))
 
 
 def norm(a: Tensors) -> float:

@@ -131,11 +131,11 @@ class OSO(Strategy):
         gq = gg = 0.0
         if prev_q is not None:
             gq = dot(g, prev_q)
-            cos_q = gq / max(norm(g) * norm(prev_q), 1e-30)
+            cos_q = gq / max(norm(g) * norm(prev_q), 1e-30) if self.rule == "normalized" else 0.0
             new_clip = self._update(clip, self.clip_lr, gq, cos_q, lr, MIN_CLIP)
         if self.adapt_lr and prev_g is not None:
             gg = dot(g, prev_g)
-            cos_g = gg / max(norm(g) * norm(prev_g), 1e-30)
+            cos_g = gg / max(norm(g) * norm(prev_g), 1e-30) if self.rule == "normalized" else 0.0
             new_lr = self._update(lr, self.lr_lr, gg, cos_g, lr, 1e-12)
         # With momentum, ∂θ_t/∂ρ_{t-1} = −m_{t−1}: keep the applied direction for the next ρ rule.
         direction = buf if buf is not None else g
