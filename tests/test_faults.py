@@ -125,8 +125,23 @@ numbers = st.one_of(
 
 
 def _cli_args(draw: st.DrawFn) -> list[str]:
-    cmd = draw(st.sampled_from(["account", "calibrate", "train", "bogus", "--help-me", ""]))
+    cmd = draw(st.sampled_from(["account", "calibrate", "train", "bogus", "--help-me", "", "status", "resume",
+                                "report", "tune", "reproduce", "audit"]))
     args = [cmd] if cmd else []
+    if cmd in ("status", "resume", "report", "tune"):
+        # never a real study: missing paths, a file, an empty or a non-study folder
+        args.append(draw(st.sampled_from(["/no/such/dir", "/etc/hostname", "/tmp", "", "x.toml", "/etc"])))
+        if cmd in ("resume", "tune"):
+            args += draw(st.sampled_from([[], ["--executor", "bogus"], ["--workers", "-1"], ["--executor", "local"]]))
+        return args
+    if cmd == "reproduce":
+        args.append(draw(st.sampled_from(["no-such-preset", "galli", "", "galli-mnist"])))
+        args += ["--scale", draw(st.sampled_from(["huge", "", "SMOKE", "tiny"]))]  # never a valid scale
+        return args
+    if cmd == "audit":
+        args += ["--strategy", draw(st.sampled_from(["nonsense", "", "nodp", "dp sgd"]))]  # never auditable
+        args += ["--eps", draw(numbers)]
+        return args
     if cmd == "account":
         opts = ["--noise-multiplier", "--sampling-rate", "--steps", "--delta", "--runs", "--accountant", "--bad"]
     elif cmd == "calibrate":
