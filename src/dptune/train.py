@@ -168,6 +168,38 @@ def evaluate(oracle: GradientOracle, params: Tensors, x: torch.Tensor, y: torch.
     return total / n
 
 
+def is_better(value: float, best: float | None, higher: bool) -> bool:
+    """Is ``value`` a finite improvement on ``best`` (None: nothing yet)?"""
+    return math.isfinite(value) and (best is None or (value > best if higher else value < best))
+
+
+@dataclass(frozen=True)
+class TaskTensors:
+    """Training/evaluation tensors on the device, with the metric and loss they imply."""
+
+    device: torch.device
+    x: torch.Tensor
+    y: torch.Tensor
+    ex: torch.Tensor | None
+    ey: torch.Tensor | None
+    metric: str
+    loss: str
+
+
+def resolve_task(data: Any, eval_data: Any, device: str | torch.device | None, metric: str | None,
+                 loss: str | None) -> TaskTensors:
+    """Move the data to the device; a float target shaped like the input means reconstruction (MSE)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, y = _as_tensors(data, dev)
+    recon = x.shape == y.shape and x.dtype == y.dtype and x.dtype.is_floating_point
+    metric = metric or ("mse" if recon else "accuracy")
+    loss = loss or ("mse" if recon else "cross_entropy")
+    if metric not in HIGHER_IS_BETTER:
+        raise ConfigError(f"unknown metric {metric!r}; choose accuracy or mse.")
+    ex, ey = _as_tensors(eval_data, dev) if eval_data is not None else (None, None)
+    return TaskTensors(dev, x, y, ex, ey, metric, loss)
+
+
 def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(data, Sequence) and len(data) == 2:
         x, y = data
@@ -216,18 +248,13 @@ def train(
     The same ``seed`` reproduces the run bit for bit on CPU. ``grad_method``: 'auto' (ghost
     norms where every layer is supported, else vmap), 'ghost' or 'vmap'.
     """
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(strategy, str):
         strategy = make_strategy(strategy, **hyperparameters)
     elif hyperparameters:
         raise ConfigError(f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy).")
-    x, y = _as_tensors(data, dev)
+    task = resolve_task(data, eval_data, device, metric, loss)
+    dev, x, y, ex, ey, metric, loss = task.device, task.x, task.y, task.ex, task.ey, task.metric, task.loss
     n = int(x.shape[0])
-    task_is_recon = x.shape == y.shape and x.dtype == y.dtype and x.dtype.is_floating_point
-    metric = metric or ("mse" if task_is_recon else "accuracy")
-    loss = loss or ("mse" if task_is_recon else "cross_entropy")
-    if metric not in HIGHER_IS_BETTER:
-        raise ConfigError(f"unknown metric {metric!r}; choose accuracy or mse.")
     if eval_every < 1:
         raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}.")
     if plan is None:
@@ -252,10 +279,6 @@ def train(
         planned_multiplier=plan.noise_multiplier if strategy.private else None,
     )
     sampler = PoissonSampler(n, plan.sampling_rate, seed)
-    if eval_data is not None:
-        ex, ey = _as_tensors(eval_data, dev)
-    else:
-        ex = ey = None
 
     higher = HIGHER_IS_BETTER[metric]
     history: list[dict[str, Any]] = []
@@ -285,7 +308,7 @@ def train(
                 value = evaluate(oracle, params, ex, ey, metric)
                 row["eval_" + metric] = value
                 evals.append({"step": t, metric: value})
-                if math.isfinite(value) and (best_metric is None or (value > best_metric if higher else value < best_metric)):
+                if is_better(value, best_metric, higher):
                     best_metric, best_step, best_params = value, t, clone(params)
             history.append(row)
             if on_step is not None:
@@ -300,7 +323,7 @@ def train(
         if ex is not None and type(strategy).finalize is not Strategy.finalize:
             value = evaluate(oracle, params, ex, ey, metric)
             evals.append({"step": plan.steps, metric: value, "finalized": 1.0})
-            if math.isfinite(value) and (best_metric is None or (value > best_metric if higher else value < best_metric)):
+            if is_better(value, best_metric, higher):
                 best_metric, best_step, best_params = value, plan.steps, clone(params)
     model.load_state_dict({**model.state_dict(), **params})
     return TrainResult(

@@ -49,7 +49,15 @@ from dptune.mechanisms import NoiseSource, NoisyRelease
 from dptune.sampling import PoissonSampler, stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.strategies.base import RunInfo, StepContext
-from dptune.train import HIGHER_IS_BETTER, RunPlan, TrainResult, _as_tensors, plan_run, train
+from dptune.train import (
+    HIGHER_IS_BETTER,
+    RunPlan,
+    TrainResult,
+    is_better,
+    plan_run,
+    resolve_task,
+    train,
+)
 from dptune.tree import Tensors, clone, is_finite
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
@@ -338,17 +346,9 @@ def train_many(
         warnings.warn(f"dptune.train_many: running the trials sequentially ({exc}).", RuntimeWarning, stacklevel=2)
         return [sequential(k) for k in range(K)]
 
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    x, y = _as_tensors(data, dev)
+    task = resolve_task(data, eval_data, device, metric, loss)
+    dev, x, y, ex, ey, metric, loss = task.device, task.x, task.y, task.ex, task.ey, task.metric, task.loss
     n = int(x.shape[0])
-    task_is_recon = x.shape == y.shape and x.dtype == y.dtype and x.dtype.is_floating_point
-    metric = metric or ("mse" if task_is_recon else "accuracy")
-    loss = loss or ("mse" if task_is_recon else "cross_entropy")
-    if metric not in HIGHER_IS_BETTER:
-        raise ConfigError(f"unknown metric {metric!r}; choose accuracy or mse.")
-    ex = ey = None
-    if eval_data is not None:
-        ex, ey = _as_tensors(eval_data, dev)
 
     trials: list[_Trial] = []
     for k in range(K):
@@ -392,7 +392,7 @@ def train_many(
             if ex is not None and type(tr.strategy).finalize is not Strategy.finalize:
                 value = _evaluate(stacked, [params], ex, ey, metric)[0]  # type: ignore[arg-type]
                 tr.evals.append({"step": tr.plan.steps, metric: value, "finalized": 1.0})
-                if math.isfinite(value) and (tr.best_metric is None or (value > tr.best_metric if higher else value < tr.best_metric)):
+                if is_better(value, tr.best_metric, higher):
                     tr.best_metric, tr.best_step, tr.best_params = value, tr.plan.steps, clone(params)
         tr.model.load_state_dict({**tr.model.state_dict(), **params})
         results.append(TrainResult(
@@ -441,7 +441,7 @@ def _run_block(
             for (tr, row), value in zip(to_eval, values, strict=True):
                 row["eval_" + metric] = value
                 tr.evals.append({"step": t, metric: value})
-                if math.isfinite(value) and (tr.best_metric is None or (value > tr.best_metric if higher else value < tr.best_metric)):
+                if is_better(value, tr.best_metric, higher):
                     tr.best_metric, tr.best_step, tr.best_params = value, t, clone(tr.params)
                 tr.history.append(row)
                 if on_step is not None:
