@@ -22,7 +22,9 @@ app = typer.Typer(
     help="Differentially private training and honest hyperparameter tuning.",
     pretty_exceptions_enable=False,
 )
-console = Console()
+# Tables are laid out for 100 columns; when piped (no terminal to ask), use that width
+# instead of rich's 80-column fallback, which would fold every cell.
+console = Console() if sys.stdout.isatty() else Console(width=100)
 err_console = Console(stderr=True)
 
 
