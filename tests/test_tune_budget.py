@@ -6,18 +6,14 @@ import copy
 import dataclasses
 
 import pytest
-import torch
+from tune_helpers import tiny_dpsgd_study
 
 from dptune.errors import BudgetExceededError, ConfigError
 from dptune.ledger import Ledger
 from dptune.tune import (
-    BudgetSpec,
     Coordinator,
-    MethodSpec,
     SelectionSpec,
-    StrategyArm,
     Study,
-    TrainingSpec,
     run_study,
 )
 from dptune.tune.planners import StudyPlan
@@ -26,15 +22,9 @@ from dptune.tune.worker import execute_run
 
 
 def _study(seeds=(0, 1), account_seeds=True) -> Study:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(300, 6, generator=g)
-    y = (x @ torch.randn(6, 3, generator=g)).argmax(1)
-    return Study(
-        data=(x[:240], y[:240], x[240:], y[240:]), model="logistic_regression",
-        strategies=(StrategyArm("dpsgd", space={"lr": [0.5, 1.0]}, fixed={"clip": 1.0}),),
-        training=TrainingSpec(steps=12, expected_batch_size=30),
-        budget=BudgetSpec(epsilon=(1.5,), delta=1e-5, accountant="rdp", account_seeds=account_seeds),
-        method=MethodSpec("grid"), selection=SelectionSpec(eval_every=6), seeds=seeds, name="budget",
+    return tiny_dpsgd_study(
+        data_seed=0, n=300, dim=6, n_train=240, lrs=[0.5, 1.0], steps=12, batch=30, eps=1.5,
+        selection=SelectionSpec(eval_every=6), seeds=seeds, name="budget", account_seeds=account_seeds,
     )
 
 

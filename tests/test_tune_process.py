@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from tune_helpers import tiny_dpsgd_study
 
 from dptune.tune import (
-    BudgetSpec,
-    MethodSpec,
     SelectionSpec,
-    StrategyArm,
     Study,
-    TrainingSpec,
     run_study,
     study_table,
 )
@@ -19,14 +15,8 @@ from dptune.tune.store import Store
 
 
 def _study() -> Study:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(360, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(1)
-    return Study(
-        data=(x[:270], y[:270], x[270:], y[270:]), model="logistic_regression",
-        strategies=(StrategyArm("dpsgd", space={"lr": [0.2, 1.0]}, fixed={"clip": 1.0}),),
-        training=TrainingSpec(steps=20, expected_batch_size=40),
-        budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant="rdp"), method=MethodSpec("grid"),
+    return tiny_dpsgd_study(
+        data_seed=0, n=360, dim=8, n_train=270, lrs=[0.2, 1.0], steps=20, batch=40, eps=2.0,
         selection=SelectionSpec(mode="private", eval_every=10, noise_multiplier=30.0), seeds=(0,), name="pool",
     )
 

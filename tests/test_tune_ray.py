@@ -5,15 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
+from tune_helpers import tiny_dpsgd_study
 
 from dptune.tune import (
-    BudgetSpec,
-    MethodSpec,
     SelectionSpec,
-    StrategyArm,
     Study,
-    TrainingSpec,
     budget_rows,
     run_study,
     study_table,
@@ -24,14 +20,8 @@ ray = pytest.importorskip("ray")
 
 
 def _study() -> Study:
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(400, 8, generator=g)
-    y = (x @ torch.randn(8, 3, generator=g)).argmax(1)
-    return Study(
-        data=(x[:300], y[:300], x[300:], y[300:]), model="logistic_regression",
-        strategies=(StrategyArm("dpsgd", space={"lr": [0.3, 1.0]}, fixed={"clip": 1.0}),),
-        training=TrainingSpec(steps=25, expected_batch_size=40),
-        budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant="rdp"), method=MethodSpec("grid"),
+    return tiny_dpsgd_study(
+        data_seed=3, n=400, dim=8, n_train=300, lrs=[0.3, 1.0], steps=25, batch=40, eps=2.0,
         selection=SelectionSpec(mode="private", split="holdout", eval_every=10, noise_multiplier=30.0),
         seeds=(0, 1), name="ray-vs-local",
     )
