@@ -4,6 +4,7 @@ reproducibility, and the MNIST sanity runs."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -144,6 +145,46 @@ def test_poisson_batch_sizes_are_binomial() -> None:
     # Every example is included with probability q.
     assert abs(hits.mean().item() / draws - q) < 1e-3
     assert stats.chisquare(hits.numpy()).pvalue > 1e-4
+
+
+def _subset_law_pvalue(draw, n: int, q: float, draws: int) -> float:
+    """χ² p-value of the observed subsets of range(n) against the Poisson-sampling law q^|S|(1−q)^(n−|S|)."""
+    counts = Counter(tuple(draw().tolist()) for _ in range(draws))
+    subsets = [tuple(i for i in range(n) if mask >> i & 1) for mask in range(2**n)]
+    assert set(counts) <= set(subsets), f"not a sorted subset of range({n}): {set(counts) - set(subsets)}"
+    expected = np.array([draws * q ** len(S) * (1 - q) ** (n - len(S)) for S in subsets])
+    return float(stats.chisquare([counts.get(S, 0) for S in subsets], expected).pvalue)
+
+
+@pytest.mark.parametrize("q", [0.05, 0.3, 0.9])
+def test_poisson_sampler_has_the_exact_subset_law(q: float) -> None:
+    """Every one of the 2^n index sets has probability q^|S|(1−q)^(n−|S|) (geometric skips are exact)."""
+    n, draws = 5, 20_000
+    sampler = PoissonSampler(n, q, seed=11)
+    assert _subset_law_pvalue(sampler.sample, n, q, draws) > 1e-4
+    # Power: the same test rejects a sampler at a 10% higher rate, and one whose gaps are off by one.
+    wrong_rate = PoissonSampler(n, min(q * 1.1, 0.99), seed=11)
+    assert _subset_law_pvalue(wrong_rate.sample, n, q, draws) < 1e-4
+    gen = torch.Generator().manual_seed(5)
+
+    def gaps_off_by_one() -> torch.Tensor:  # gaps ≥ 2: never two neighbours in one batch
+        u = torch.rand(n, generator=gen, dtype=torch.float64)
+        idx = torch.cumsum(torch.floor(torch.log1p(-u) / math.log1p(-q)).long() + 2, 0) - 2
+        return idx[idx < n]
+
+    assert _subset_law_pvalue(gaps_off_by_one, n, q, draws) < 1e-4
+
+
+def test_poisson_sampler_over_many_chunks(monkeypatch) -> None:
+    """Batches that need several draws of skips keep the exact law (forced: 2 skips per draw)."""
+    import dptune.sampling
+
+    monkeypatch.setattr(dptune.sampling, "_chunk_size", lambda left: 2)
+    assert _subset_law_pvalue(PoissonSampler(5, 0.6, seed=4).sample, 5, 0.6, 20_000) > 1e-4
+    n, q = 200_000, 0.4
+    idx = PoissonSampler(n, q, seed=2).sample()
+    assert bool((idx[1:] > idx[:-1]).all()) and int(idx[0]) >= 0 and int(idx[-1]) < n
+    assert abs(idx.numel() - n * q) < 5 * math.sqrt(n * q * (1 - q))
 
 
 def test_empty_batches_are_handled_and_still_recorded() -> None:

@@ -75,9 +75,10 @@ def _runs(d):
     return {k: {f: v[f] for f in keep} for k, v in rows.items()}, ledger
 
 
-def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("group", [1, 2], ids=["one-run-per-task", "vectorised-groups-of-2"])
+def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path, group):
     cfg = tmp_path / "crash.toml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(CONFIG.replace('seeds = [0, 1]', f'seeds = [0, 1]\ntrials_per_group = {group}'))
     crashed = tmp_path / "crashed"
     code = f"from dptune.tune import run_study; run_study({str(cfg)!r}, {str(crashed)!r}, progress=False)"
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": "0"})
@@ -87,8 +88,8 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
     try:
         while time.time() < deadline and proc.poll() is None:
             st = _status(db) if db.exists() else Counter()
-            if st["done"] >= 1 and st["running"] == 1:
-                time.sleep(0.15)  # well inside the next run (each takes about a second)
+            if st["done"] >= 1 and st["running"] == group:
+                time.sleep(0.15)  # well inside the next task (each takes about a second)
                 os.kill(proc.pid, signal.SIGKILL)
                 killed_at = st
                 break
@@ -100,11 +101,11 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
     assert killed_at is not None, "the study finished or stalled before it could be killed mid-run"
     assert proc.returncode == -signal.SIGKILL
     after = _status(db)
-    assert after["running"] == 1 and after["done"] >= 1 and after["done"] < 4
+    assert after["running"] == group and after["done"] >= 1 and after["done"] <= 4 - group
     interrupted = [r["run_id"] for r in Store(crashed).runs("running")]
 
     status = study_status(crashed)
-    assert not status["complete"] and status["counts"]["running"] == 1
+    assert not status["complete"] and status["counts"]["running"] == group
 
     resumed = resume_study(crashed, progress=False)
     assert resumed.complete and resumed.ledger_matches_plan
@@ -119,8 +120,39 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
     assert runs_a == runs_b
     assert ledger_a == ledger_b
     with Store(crashed) as s:
-        assert s.run(interrupted[0])["attempts"] == 2
-        assert all(r["attempts"] == 1 for r in s.runs() if r["run_id"] != interrupted[0])
+        assert all(s.run(r)["attempts"] == 2 for r in interrupted)
+        assert all(r["attempts"] == 1 for r in s.runs() if r["run_id"] not in interrupted)
+
+
+def test_group_interrupted_between_merges_resumes_to_the_same_study(tmp_path, monkeypatch):
+    """A crash after some members of a vectorised group were merged: the resumed session trains
+    the whole group again (same composition, same numbers) and merges only the missing runs."""
+    from dptune.tune.study import Coordinator
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.replace("steps = 160", "steps = 40").replace('seeds = [0, 1]', 'seeds = [0, 1]\ntrials_per_group = 4'))
+    original = Coordinator.merge
+    merged: list[str] = []
+
+    def merge_then_crash(self, run_id, result):
+        if len(merged) == 2:
+            raise KeyboardInterrupt("simulated crash between two merges of one group")
+        original(self, run_id, result)
+        merged.append(run_id)
+
+    monkeypatch.setattr(Coordinator, "merge", merge_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        run_study(cfg, tmp_path / "crashed", progress=False)
+    monkeypatch.setattr(Coordinator, "merge", original)
+    with Store(tmp_path / "crashed") as s:
+        assert Counter(r["status"] for r in s.runs()) == Counter({"done": 2, "running": 2})
+    resumed = resume_study(tmp_path / "crashed", progress=False)
+    reference = run_study(cfg, tmp_path / "reference", progress=False)
+    assert resumed.complete and resumed.ledger_matches_plan and reference.complete
+    runs_a, ledger_a = _runs(tmp_path / "crashed")
+    runs_b, ledger_b = _runs(tmp_path / "reference")
+    assert runs_a == runs_b  # bit for bit, the two already-merged runs included
+    assert ledger_a == ledger_b  # the retrained members' releases were not merged twice
 
 
 def test_resume_of_a_finished_study_is_a_no_op(tmp_path):

@@ -178,3 +178,50 @@ def test_argument_forms_and_errors() -> None:
         train_many([mlp(0), nn.Sequential(nn.Linear(10, 2))], (X, Y), "dpsgd", [{}] * 2, [1, 2], noise_multiplier=1.0,
                    steps=2, expected_batch_size=30, fallback="error")
     assert train_many(mlp, (X, Y), "dpsgd", [], [], noise_multiplier=1.0, steps=2, expected_batch_size=30) == []
+
+
+def test_plans_and_per_trial_strategy_subclasses_as_the_tuner_passes_them() -> None:
+    """The tuner's call: precomputed plans (here of different lengths), one Strategy instance
+    per trial whose class overrides ``step`` with a hook, run ids. Each trial equals ``train``
+    with the same plan: history, on_step rows, evaluation schedule (each trial's own last step)
+    and the evaluation after an overridden ``finalize`` (dpgd's free final step)."""
+    from dataclasses import fields
+
+    from dptune.strategies import make_strategy
+    from dptune.train import plan_run
+    from dptune.tree import clone
+
+    def hooked(lr: float, seen: list) -> object:
+        base = type(make_strategy("dpgd"))
+
+        def step(self, params, state, ctx):  # noqa: ANN001
+            params, state, info = base.step(self, params, state, ctx)
+            seen.append((ctx.t, clone(params)))
+            return params, state, info
+
+        cls = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
+        proto = make_strategy("dpgd", lr=lr)
+        return cls(**{f.name: getattr(proto, f.name) for f in fields(proto)})
+
+    lrs, lengths, seeds = [0.2, 0.5], [3, 5], [21, 22]
+    seen: list[list] = [[], []]
+    plans = [plan_run(hooked(lr, seen[k]), X.shape[0], full_batch=True, steps=T, noise_multiplier=2.0)
+             for k, (lr, T) in enumerate(zip(lrs, lengths, strict=True))]
+    rows: list[list] = [[], []]
+    got = train_many(mlp, (X, Y), plans=plans, seeds=seeds, run_ids=["a", "b"], device="cpu", loss="cross_entropy",
+                     eval_data=(XE, YE), eval_every=2, fallback="error", on_step=lambda k, t, row: rows[k].append(row))
+    for k in range(2):
+        seen_many = list(seen[k])
+        seen[k].clear()  # the same strategy instance (and hook) runs the reference next
+        ref_rows: list = []
+        ref = train(mlp(seeds[k]), (X, Y), plans[k].strategy, plan=plans[k], seed=seeds[k], run_id="ab"[k],
+                    device="cpu", eval_data=(XE, YE), eval_every=2, on_step=lambda t, row, out=ref_rows: out.append(row))
+        assert_same_run(got[k], ref)
+        assert rows[k] == got[k].history and ref_rows == ref.history and len(ref.history) == lengths[k]
+        due = sorted({*range(2, lengths[k] + 1, 2), lengths[k]})
+        assert [e["step"] for e in got[k].evals] == [*due, lengths[k]]
+        assert got[k].evals[-1].get("finalized") == 1.0 and "finalized" not in got[k].evals[-2]
+        assert [t for t, _ in seen_many] == [t for t, _ in seen[k]] == list(range(1, lengths[k] + 1))
+        for (_, a), (_, b) in zip(seen_many, seen[k], strict=True):
+            for name in a:
+                torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)

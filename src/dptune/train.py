@@ -4,6 +4,11 @@ The loop is deliberately small: sample a Poisson batch, let the strategy step
 (it releases through the run's gateway), evaluate every ``eval_every`` steps, keep
 the best checkpoint. The ledger is created with the run's *plan* before the first
 step, so the run cannot release more than it declared.
+
+What one step means lives in ``RunLoop`` (the run's gateway, ledger and sampler, the
+history row, divergence, evaluation schedule, best checkpoint, ``finalize``); ``train``
+drives one ``RunLoop`` and ``dptune.vectorized.train_many`` drives K of them in lockstep,
+so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -213,6 +218,113 @@ def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Te
     return x.to(device), y.to(device)
 
 
+class RunLoop:
+    """One run's plan-bound pieces and per-step bookkeeping: the body of the training loop.
+
+    Built from the run's model, strategy and plan, it holds the strategy's parameters and
+    state, the ledger created with the plan, the run's ``NoisyRelease`` gateway (own noise
+    stream) and its ``PoissonSampler``. The caller owns the ``for t`` loop, the batch and how
+    gradients and evaluations are computed (one ``GradientOracle`` and ``evaluate`` in
+    ``train``; stacked ones for K trials in ``dptune.vectorized``), and per step calls
+    ``step`` → (``diverged``? stop) → ``eval_due`` → ``record``; at the end ``finish``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        strategy: Strategy,
+        plan: RunPlan,
+        *,
+        seed: int,
+        device: torch.device,
+        secure_mode: bool,
+        run_id: str,
+        metric: str,
+        eval_every: int,
+        score: Callable[[Tensors], float] | None,
+        on_step: Callable[[int, dict[str, Any]], None] | None,
+    ):
+        """``score(params)``: the evaluation metric of one parameter set (None: no evaluation
+        data); ``finish`` uses it after an overridden ``finalize``. The model must already be
+        on ``device``."""
+        self.model, self.strategy, self.plan = model, strategy, plan
+        self.metric, self.higher, self.eval_every = metric, HIGHER_IS_BETTER[metric], eval_every
+        self.score, self.on_step = score, on_step
+        params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+        self.params = strategy.prepare(params)
+        self.run = RunInfo(plan.noise_multiplier, plan.sampling_rate, plan.expected_batch_size, plan.steps,
+                           sum(p.numel() for p in self.params.values()))
+        strategy.validate_run(self.run)
+        self.state = strategy.init(self.params, self.run)
+        self.ledger = Ledger.with_plan(plan.event())
+        self.gateway = NoisyRelease(
+            self.ledger, plan.sampling_rate, NoiseSource(stream_seed(seed, "noise"), device, secure_mode), run_id,
+            planned_multiplier=plan.noise_multiplier if strategy.private else None,
+        )
+        self.sampler = PoissonSampler(plan.n, plan.sampling_rate, seed)
+        self.history: list[dict[str, Any]] = []
+        self.evals: list[dict[str, float]] = []
+        self.best_metric: float | None = None
+        self.best_step: int | None = None
+        self.best_params: Tensors | None = None
+        self.diverged = False
+        self.started = time.perf_counter()
+
+    def step(self, t: int, x: torch.Tensor, y: torch.Tensor, oracle: GradientOracle) -> dict[str, Any]:
+        """The strategy's step ``t`` on the batch (x, y); returns the step's history row.
+
+        A row that made the parameters non-finite is recorded here and sets ``diverged``: the
+        caller stops the run. Otherwise the caller evaluates if ``eval_due`` and ``record``s it.
+        """
+        ctx = StepContext(t=t, x=x, y=y, oracle=oracle, release=self.gateway, run=self.run)
+        self.params, self.state, info = self.strategy.step(self.params, self.state, ctx)
+        row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
+        if ctx._grads is not None and ctx.batch_size:
+            row["train_loss"] = float(ctx._grads.losses.mean())
+        # Divergence is judged on the parameters only: they are post-processing of noisy
+        # releases, so stopping on them leaks nothing (a stop on the private batch loss would).
+        if not is_finite(self.params):
+            self.diverged = True
+            self.history.append(row)
+        return row
+
+    def eval_due(self, t: int) -> bool:
+        """Is an evaluation due after step ``t`` (every ``eval_every`` steps and at the last)?"""
+        return self.score is not None and (t % self.eval_every == 0 or t == self.plan.steps)
+
+    def record(self, t: int, row: dict[str, Any], value: float | None = None) -> None:
+        """Record step ``t``'s row, with the evaluation ``value`` of the current parameters
+        when one was due (and keep them if they are the best so far), then call ``on_step``."""
+        if value is not None:
+            row["eval_" + self.metric] = value
+            self.evals.append({"step": t, self.metric: value})
+            self._consider(value, t, self.params)
+        self.history.append(row)
+        if self.on_step is not None:
+            self.on_step(t, row)
+
+    def _consider(self, value: float, t: int, params: Tensors) -> None:
+        if is_better(value, self.best_metric, self.higher):
+            self.best_metric, self.best_step, self.best_params = value, t, clone(params)
+
+    def finish(self, delta: float | None, seconds: float | None = None) -> TrainResult:
+        """``finalize`` (unless diverged) and its evaluation when the strategy overrides it;
+        load the final parameters into the model. ``seconds``: default, since construction."""
+        if not self.diverged:
+            self.params = self.strategy.finalize(self.params, self.state)
+            if self.score is not None and type(self.strategy).finalize is not Strategy.finalize:
+                value = self.score(self.params)
+                self.evals.append({"step": self.plan.steps, self.metric: value, "finalized": 1.0})
+                self._consider(value, self.plan.steps, self.params)
+        self.model.load_state_dict({**self.model.state_dict(), **self.params})
+        return TrainResult(
+            history=self.history, evals=self.evals, metric=self.metric, best_metric=self.best_metric,
+            best_step=self.best_step, best_params=self.best_params, final_params=clone(self.params),
+            ledger=self.ledger, plan=self.plan, delta=delta, diverged=self.diverged,
+            seconds=time.perf_counter() - self.started if seconds is None else seconds, model=self.model,
+        )
+
+
 def train(
     model: nn.Module,
     data: Any,
@@ -266,71 +378,27 @@ def train(
         raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {n}.")
     model = model.to(dev)
     oracle = GradientOracle(model, loss, chunk_size=chunk_size, method=grad_method)
-    params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
-    params = strategy.prepare(params)
-    run = RunInfo(plan.noise_multiplier, plan.sampling_rate, plan.expected_batch_size, plan.steps,
-                  sum(p.numel() for p in params.values()))
-    strategy.validate_run(run)
-    state = strategy.init(params, run)
 
-    ledger = Ledger.with_plan(plan.event())
-    gateway = NoisyRelease(
-        ledger, plan.sampling_rate, NoiseSource(stream_seed(seed, "noise"), dev, secure_mode), run_id,
-        planned_multiplier=plan.noise_multiplier if strategy.private else None,
-    )
-    sampler = PoissonSampler(n, plan.sampling_rate, seed)
+    def score(params: Tensors) -> float:
+        assert ex is not None and ey is not None
+        return evaluate(oracle, params, ex, ey, metric)
 
-    higher = HIGHER_IS_BETTER[metric]
-    history: list[dict[str, Any]] = []
-    evals: list[dict[str, float]] = []
-    best_metric: float | None = None
-    best_step: int | None = None
-    best_params: Tensors | None = None
-    diverged = False
-    t0 = time.perf_counter()
+    loop = RunLoop(model, strategy, plan, seed=seed, device=dev, secure_mode=secure_mode, run_id=run_id,
+                   metric=metric, eval_every=eval_every, score=score if ex is not None else None, on_step=on_step)
     bar = _progress(plan.steps, f"{strategy.name}", progress)
     try:
         for t in range(1, plan.steps + 1):
-            idx = sampler.sample().to(dev)
-            ctx = StepContext(t=t, x=x.index_select(0, idx), y=y.index_select(0, idx), oracle=oracle,
-                              release=gateway, run=run)
-            params, state, info = strategy.step(params, state, ctx)
-            row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
-            if ctx._grads is not None and ctx.batch_size:
-                row["train_loss"] = float(ctx._grads.losses.mean())
-            # Divergence is judged on the parameters only: they are post-processing of noisy
-            # releases, so stopping on them leaks nothing (a stop on the private batch loss would).
-            if not is_finite(params):
-                diverged = True
-                history.append(row)
+            idx = loop.sampler.sample().to(dev)
+            row = loop.step(t, x.index_select(0, idx), y.index_select(0, idx), oracle)
+            if loop.diverged:
                 break
-            if ex is not None and (t % eval_every == 0 or t == plan.steps):
-                value = evaluate(oracle, params, ex, ey, metric)
-                row["eval_" + metric] = value
-                evals.append({"step": t, metric: value})
-                if is_better(value, best_metric, higher):
-                    best_metric, best_step, best_params = value, t, clone(params)
-            history.append(row)
-            if on_step is not None:
-                on_step(t, row)
+            loop.record(t, row, score(loop.params) if loop.eval_due(t) else None)
             if bar is not None:
                 bar.update(1, row)
     finally:
         if bar is not None:
             bar.close()
-    if not diverged:
-        params = strategy.finalize(params, state)
-        if ex is not None and type(strategy).finalize is not Strategy.finalize:
-            value = evaluate(oracle, params, ex, ey, metric)
-            evals.append({"step": plan.steps, metric: value, "finalized": 1.0})
-            if is_better(value, best_metric, higher):
-                best_metric, best_step, best_params = value, plan.steps, clone(params)
-    model.load_state_dict({**model.state_dict(), **params})
-    return TrainResult(
-        history=history, evals=evals, metric=metric, best_metric=best_metric, best_step=best_step,
-        best_params=best_params, final_params=clone(params), ledger=ledger, plan=plan, delta=delta,
-        diverged=diverged, seconds=time.perf_counter() - t0, model=model,
-    )
+    return loop.finish(delta)
 
 
 class _Bar:

@@ -19,9 +19,11 @@ Design (docs/performance.md, "Vectorised trials"):
   every release recorded in the run's ledger first — holds trial by trial.
 * **Equivalence.** With the same seeds the results equal K sequential ``train`` calls up
   to float rounding (batched vs single matrix products); ``tests/test_vectorized.py``
-  checks it for every supported strategy. The per-trial loop mirrors ``train``'s (gateway
-  with the planned multiplier, divergence on parameters, evaluation and best checkpoint,
-  ``finalize``); a change there must be mirrored here (the tests would catch it).
+  checks it for every supported strategy. Each trial is stepped by its own
+  ``dptune.train.RunLoop``, the very object ``train`` steps with (plan-bound gateway,
+  ledger and sampler, history row, divergence on parameters, evaluation schedule, best
+  checkpoint, ``finalize``): only the gradients (``_batched_grads``) and the evaluation
+  (``_evaluate``, several trials in one stacked forward) are computed here.
 * **Scope.** Models that are (nested) ``nn.Sequential`` of ``nn.Linear``, element-wise
   activations, ``Flatten`` and inactive ``Dropout`` (LR, TLNN, MLPs, Galli's BoW FC).
   Anything else runs sequentially through ``train`` (``fallback='sequential'``, the
@@ -44,21 +46,9 @@ from torch import nn
 from dptune.errors import ConfigError
 from dptune.ghost import GhostGrads, _Linear
 from dptune.grads import GradientOracle, MaterializedGrads, batched_loss, check_model
-from dptune.ledger import Ledger
-from dptune.mechanisms import NoiseSource, NoisyRelease
-from dptune.sampling import PoissonSampler, stream_seed
 from dptune.strategies import Strategy, make_strategy
-from dptune.strategies.base import RunInfo, StepContext
-from dptune.train import (
-    HIGHER_IS_BETTER,
-    RunPlan,
-    TrainResult,
-    is_better,
-    plan_run,
-    resolve_task,
-    train,
-)
-from dptune.tree import Tensors, clone, is_finite
+from dptune.train import RunLoop, RunPlan, TrainResult, plan_run, resolve_task, train
+from dptune.tree import Tensors
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.SiLU, nn.Softplus, nn.Identity,
@@ -214,24 +204,8 @@ class _TrialOracle:
 
 @dataclass
 class _Trial:
-    index: int
-    model: nn.Module
-    strategy: Strategy
-    plan: RunPlan
-    run: RunInfo
-    params: Tensors
-    state: Any
-    ledger: Ledger
-    gateway: NoisyRelease
-    sampler: PoissonSampler
-    oracle: _TrialOracle
-    history: list[dict[str, Any]]
-    evals: list[dict[str, float]]
-    best_metric: float | None = None
-    best_step: int | None = None
-    best_params: Tensors | None = None
-    diverged: bool = False
-    done: bool = False
+    loop: RunLoop  # the trial's run: params, state, gateway, ledger, sampler, history, best
+    oracle: _TrialOracle  # serves the batched statistics of the trial's rows
 
 
 def _per_trial(value: Any, K: int, name: str) -> list[Any]:
@@ -350,6 +324,12 @@ def train_many(
     dev, x, y, ex, ey, metric, loss = task.device, task.x, task.y, task.ex, task.ey, task.metric, task.loss
     n = int(x.shape[0])
 
+    stacked = _Stacked(ops)
+
+    def score(params: Tensors) -> float:
+        assert ex is not None and ey is not None
+        return _evaluate(stacked, [params], ex, ey, metric)[0]
+
     trials: list[_Trial] = []
     for k in range(K):
         plan = plans[k] if plans is not None else plan_run(
@@ -358,94 +338,51 @@ def train_many(
         )
         if plan.n != n:
             raise ConfigError(f"trial {k}: the plan is for n = {plan.n} examples but the data has {n}.")
-        strat = strategies[k]
         model = model_list[k].to(dev)
-        params = {kk: p.detach().clone() for kk, p in model.named_parameters() if p.requires_grad}
-        params = strat.prepare(params)
-        run = RunInfo(plan.noise_multiplier, plan.sampling_rate, plan.expected_batch_size, plan.steps,
-                      sum(p.numel() for p in params.values()))
-        strat.validate_run(run)
-        state = strat.init(params, run)
-        ledger = Ledger.with_plan(plan.event())
-        gateway = NoisyRelease(
-            ledger, plan.sampling_rate, NoiseSource(stream_seed(seed_list[k], "noise"), dev, secure_mode), ids[k],
-            planned_multiplier=plan.noise_multiplier if strat.private else None,
+        loop = RunLoop(
+            model, strategies[k], plan, seed=seed_list[k], device=dev, secure_mode=secure_mode, run_id=ids[k],
+            metric=metric, eval_every=eval_every, score=score if ex is not None else None,
+            on_step=(lambda t, row, k=k: on_step(k, t, row)) if on_step is not None else None,
         )
-        sampler = PoissonSampler(n, plan.sampling_rate, seed_list[k])
-        oracle = _TrialOracle(lambda m=model: GradientOracle(m, loss))
-        trials.append(_Trial(k, model, strat, plan, run, params, state, ledger, gateway, sampler, oracle, [], []))
+        trials.append(_Trial(loop, _TrialOracle(lambda m=model: GradientOracle(m, loss))))
 
-    stacked = _Stacked(ops)
     lossfn = batched_loss(loss)
     size = block_size or K
     t0 = time.perf_counter()
     for start in range(0, K, size):
-        _run_block(trials[start : start + size], stacked, lossfn, x, y, ex, ey, metric, eval_every, on_step)
+        _run_block(trials[start : start + size], stacked, lossfn, x, y, ex, ey, metric)
     seconds = (time.perf_counter() - t0) / K
-
-    results = []
-    higher = HIGHER_IS_BETTER[metric]
-    for tr in trials:
-        params = tr.params
-        if not tr.diverged:
-            params = tr.strategy.finalize(params, tr.state)
-            if ex is not None and type(tr.strategy).finalize is not Strategy.finalize:
-                value = _evaluate(stacked, [params], ex, ey, metric)[0]  # type: ignore[arg-type]
-                tr.evals.append({"step": tr.plan.steps, metric: value, "finalized": 1.0})
-                if is_better(value, tr.best_metric, higher):
-                    tr.best_metric, tr.best_step, tr.best_params = value, tr.plan.steps, clone(params)
-        tr.model.load_state_dict({**tr.model.state_dict(), **params})
-        results.append(TrainResult(
-            history=tr.history, evals=tr.evals, metric=metric, best_metric=tr.best_metric, best_step=tr.best_step,
-            best_params=tr.best_params, final_params=clone(params), ledger=tr.ledger, plan=tr.plan, delta=delta,
-            diverged=tr.diverged, seconds=seconds, model=tr.model,
-        ))
-    return results
+    return [tr.loop.finish(delta, seconds) for tr in trials]
 
 
 def _run_block(
     trials: list[_Trial], stacked: _Stacked, lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     x: torch.Tensor, y: torch.Tensor, ex: torch.Tensor | None, ey: torch.Tensor | None, metric: str,
-    eval_every: int, on_step: Callable[[int, int, dict[str, Any]], None] | None,
 ) -> None:
-    higher = HIGHER_IS_BETTER[metric]
+    """Step the trials in lockstep: one batched forward/backward per step, then each trial's
+    ``RunLoop`` step; the evaluations due at a step run as one stacked forward."""
     buffers = _Buffers()
-    T = max(tr.plan.steps for tr in trials)
+    T = max(tr.loop.plan.steps for tr in trials)
     for t in range(1, T + 1):
-        active = [tr for tr in trials if not tr.done and t <= tr.plan.steps]
+        active = [tr for tr in trials if not tr.loop.diverged and t <= tr.loop.plan.steps]
         if not active:
             break
-        idxs = [tr.sampler.sample().to(x.device) for tr in active]
+        idxs = [tr.loop.sampler.sample().to(x.device) for tr in active]
         _batched_grads(active, idxs, stacked, lossfn, x, y, buffers)
         to_eval: list[tuple[_Trial, dict[str, Any]]] = []
         for tr, idx in zip(active, idxs, strict=True):
-            ctx = StepContext(t=t, x=tr.oracle.x, y=y[idx], oracle=tr.oracle, release=tr.gateway, run=tr.run)  # type: ignore[arg-type]
-            tr.params, tr.state, info = tr.strategy.step(tr.params, tr.state, ctx)
-            row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
-            if ctx._grads is not None and ctx.batch_size:
-                row["train_loss"] = float(ctx._grads.losses.mean())
+            row = tr.loop.step(t, tr.oracle.x, y[idx], tr.oracle)  # type: ignore[arg-type]
             tr.oracle.serve({}, x[:0], None)  # type: ignore[arg-type]  # release the batch's tensors
-            # As in train: divergence is judged on the parameters only (post-processing).
-            if not is_finite(tr.params):
-                tr.diverged = tr.done = True
-                tr.history.append(row)
+            if tr.loop.diverged:
                 continue
-            if ex is not None and (t % eval_every == 0 or t == tr.plan.steps):
-                to_eval.append((tr, row))
-                continue
-            tr.history.append(row)
-            if on_step is not None:
-                on_step(tr.index, t, row)
+            if tr.loop.eval_due(t):
+                to_eval.append((tr, row))  # evaluated below, all together
+            else:
+                tr.loop.record(t, row)
         if to_eval:
-            values = _evaluate(stacked, [tr.params for tr, _ in to_eval], ex, ey, metric)  # type: ignore[arg-type]
+            values = _evaluate(stacked, [tr.loop.params for tr, _ in to_eval], ex, ey, metric)  # type: ignore[arg-type]
             for (tr, row), value in zip(to_eval, values, strict=True):
-                row["eval_" + metric] = value
-                tr.evals.append({"step": t, metric: value})
-                if is_better(value, tr.best_metric, higher):
-                    tr.best_metric, tr.best_step, tr.best_params = value, t, clone(tr.params)
-                tr.history.append(row)
-                if on_step is not None:
-                    on_step(tr.index, t, row)
+                tr.loop.record(t, row, value)
 
 
 class _Buffers:
@@ -476,7 +413,7 @@ def _batched_grads(
     if B == 0:
         for tr in active:
             xi = x[:0]
-            tr.oracle.serve(tr.params, xi, tr.oracle.base(tr.params, xi, y[:0]))
+            tr.oracle.serve(tr.loop.params, xi, tr.oracle.base(tr.loop.params, xi, y[:0]))
         return
     # Gather each trial's batch straight into a padded [K, B, ...] buffer kept across steps
     # (allocating and zeroing ~K·B·d floats per step cost more than the forward pass). Rows
@@ -489,7 +426,7 @@ def _batched_grads(
         torch.index_select(y, 0, i, out=Y[k, : sizes[k]])
         mask[k, : sizes[k]] = True
         xs.append(X[k, : sizes[k]])
-    weights = stacked.stack([tr.params for tr in active])
+    weights = stacked.stack([tr.loop.params for tr in active])
     leaves = [(W.requires_grad_(True), b.requires_grad_(True) if b is not None else None) for W, b in weights]
     out, recs = stacked.forward(leaves, X, record=True)
     losses = lossfn(out.reshape(K * B, *out.shape[2:]), Y.reshape(K * B, *Y.shape[2:])).reshape(K, B)
@@ -511,18 +448,18 @@ def _batched_grads(
     for k, tr in enumerate(active):
         Bk = sizes[k]
         layers = [
-            _Linear(stacked.names(op), a[k, :Bk], b[k, :Bk], tr.params[f"{op.prefix}weight"])
+            _Linear(stacked.names(op), a[k, :Bk], b[k, :Bk], tr.loop.params[f"{op.prefix}weight"])
             for op, a, b in zip(stacked.linears, acts, bs, strict=True)
         ]
         if Bk == 0:
             g: MaterializedGrads = MaterializedGrads(
-                {kk: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for kk, p in tr.params.items()},
+                {kk: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for kk, p in tr.loop.params.items()},
                 torch.zeros(0, device=x.device),
             )
         else:
-            g = GhostGrads(layers, losses[k, :Bk], tr.params)
+            g = GhostGrads(layers, losses[k, :Bk], tr.loop.params)
             g._norms = norms[k, :Bk]
-        tr.oracle.serve(tr.params, xs[k], g)
+        tr.oracle.serve(tr.loop.params, xs[k], g)
 
 
 def _evaluate(stacked: _Stacked, params: list[Tensors], x: torch.Tensor, y: torch.Tensor, metric: str) -> list[float]:

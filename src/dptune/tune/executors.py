@@ -6,8 +6,8 @@
 * ``ray``: Ray tasks, on a local Ray started here (``ray.init(num_cpus=workers)``) or on
   an existing cluster (``address``).
 
-Every executor calls the same pure function ``worker.execute_run`` with the same
-arguments, with torch pinned to ``study.threads_per_run`` threads, so the same seeds
+Every executor calls the same pure function ``worker.execute_task`` (one run, or a group
+of runs trained together as vectorised trials) with the same arguments, with torch pinned to ``study.threads_per_run`` threads, so the same seeds
 give bit-identical results whichever executor runs them. Results come back in
 completion order; the coordinator makes the outcome independent of that order.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 from dptune.errors import ConfigError
 
-Task = tuple[str, tuple[Any, ...]]  # (run_id, args of execute_run)
+Task = tuple[str, tuple[Any, ...]]  # (task id, args of execute_task)
 Outcome = tuple[str, dict[str, Any] | None, str | None]  # (run_id, result, error text)
 
 EXECUTORS = ("local", "process", "ray")

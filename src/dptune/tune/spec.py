@@ -398,6 +398,9 @@ class Study:
     seed: int = 0  # the study seed: random configurations, LT/RS stopping coins, holdout split
     name: str = "study"
     threads_per_run: int = 1  # torch threads per run, equal on every executor (bitwise-equal results)
+    # Runs of one stage trained together by dptune.train_many (stackable models only; 1 = off).
+    # Part of the fingerprint: the grouping is fixed by the plan, so results do not depend on the executor.
+    trials_per_group: int = 16
 
     def __post_init__(self) -> None:
         data = self.data
@@ -436,6 +439,10 @@ class Study:
             raise _err("study.seed", f"must be an integer ≥ 0, got {self.seed!r}", "e.g. seed = 0")
         if not isinstance(self.threads_per_run, int) or self.threads_per_run < 1:
             raise _err("study.threads_per_run", f"must be an integer ≥ 1, got {self.threads_per_run!r}", "e.g. 1")
+        if (not isinstance(self.trials_per_group, int) or isinstance(self.trials_per_group, bool)
+                or self.trials_per_group < 1):
+            raise _err("study.trials_per_group", f"must be an integer ≥ 1, got {self.trials_per_group!r}",
+                       "e.g. 16 (vectorised trials), or 1 to train every run on its own")
         keys = [a.key for a in strategies]
         dup = sorted({k for k in keys if keys.count(k) > 1})
         if dup:
@@ -452,7 +459,7 @@ class Study:
         """A JSON-able description (tensors and callables are described, not embedded)."""
         return {
             "study": {"name": self.name, "seed": self.seed, "seeds": list(self.seeds),
-                      "threads_per_run": self.threads_per_run},
+                      "threads_per_run": self.threads_per_run, "trials_per_group": self.trials_per_group},
             "data": self.data.describe(),
             "model": self.model.describe(),
             "training": {f.name: getattr(self.training, f.name) for f in fields(self.training)},
@@ -586,7 +593,7 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
         if req not in d:
             raise _err(req, "section missing", f"add a [{req}] section (see docs/tuning.md)")
     st = _table(d, "study")
-    _only(st, "study", {"name", "seed", "seeds", "threads_per_run"})
+    _only(st, "study", {"name", "seed", "seeds", "threads_per_run", "trials_per_group"})
     data_t = _table(d, "data")
     _only(data_t, "data", {"name", "options"})
     model_t = _table(d, "model")
@@ -631,6 +638,7 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
         strategies=tuple(arms), training=training, budget=budget, method=method, selection=selection,
         seeds=tuple(st.get("seeds", (0,))) if isinstance(st.get("seeds", (0,)), list | tuple) else st.get("seeds"),
         seed=st.get("seed", 0), name=st.get("name", "study"), threads_per_run=st.get("threads_per_run", 1),
+        trials_per_group=st.get("trials_per_group", 16),
     )
 
 

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dptune.errors import BudgetExceededError, ConfigError
+from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
 from dptune.ledger import Ledger
 from dptune.tune.data import study_data
 from dptune.tune.executors import Executor, make_executor
 from dptune.tune.planners import RunSpec, StudyPlan, plan_study, resolve_final_config
 from dptune.tune.spec import Study, load_study_config, study_from_dict
 from dptune.tune.store import Store
-from dptune.tune.worker import check_run_ledger, execute_run
+from dptune.tune.worker import check_run_ledger, execute_task
 
 
 def study_metric(study: Study, task: str) -> str:
@@ -60,6 +60,7 @@ class Coordinator:
         for e in store.ledger_entries():
             self.ledger.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
         self.strategy_of = {rid: plan.arm(r.arm).strategy for rid, r in plan.runs.items()}
+        self._groups: dict[str, tuple[str, ...]] | None = None
 
     # -- the runner's gate
     def task_for(self, run: RunSpec) -> tuple[str, tuple[Any, ...]]:
@@ -126,6 +127,81 @@ class Coordinator:
             out.append(spec)
         return out
 
+    # -- vectorised groups
+    def groups(self) -> dict[str, tuple[str, ...]]:
+        """run_id → the runs trained together with it (``dptune.train_many``).
+
+        A pure function of the plan and ``study.trials_per_group``: the runs of one arm and stage
+        (of one procedure, for adaptive stages, whose configurations are resolved together) in
+        plan order, cut into chunks. Fixed before execution, so a run's result never depends on
+        the executor, on the number of workers or on what a resumed session still had to do."""
+        if self._groups is None:
+            self._groups = {}
+            size = self.study.trials_per_group
+            if size > 1 and self._stackable():
+                keyed: dict[tuple[Any, ...], list[str]] = {}
+                for rid, r in self.plan.runs.items():
+                    key = (r.arm, r.stage, r.procedure if r.config is None else None)
+                    keyed.setdefault(key, []).append(rid)
+                for ids in keyed.values():
+                    for i in range(0, len(ids), size):
+                        chunk = tuple(ids[i : i + size])
+                        if len(chunk) > 1:
+                            for rid in chunk:
+                                self._groups[rid] = chunk
+        return self._groups
+
+    def _stackable(self) -> bool:
+        from dptune.grads import check_model
+        from dptune.tune.data import build_model
+        from dptune.vectorized import Unsupported, stack_plan
+
+        try:
+            data = study_data(self.study.data, self.study.selection, self.study.seed)
+            model = build_model(self.study.model, data, self.study.seeds[0])
+            stack_plan(model)
+            check_model(model)
+        except (Unsupported, ConfigError):
+            return False
+        except Exception:  # a failing model builder fails the runs in the workers, where it is recorded
+            return False
+        return True
+
+    def tasks(self, ready: list[RunSpec]) -> tuple[list[tuple[str, tuple[Any, ...]]], dict[str, list[str]]]:
+        """Executor tasks for the ready runs, and task id → the ready runs it finishes.
+
+        A group whose other members finished in an earlier session is trained whole again (same
+        seeds, same composition, so the same numbers) and only the missing runs are merged: no
+        release is recorded twice, and the result equals that of an uninterrupted study."""
+        groups = self.groups()
+        tasks: list[tuple[str, tuple[Any, ...]]] = []
+        members: dict[str, list[str]] = {}
+        seen: set[tuple[str, ...]] = set()
+        ready_ids = {r.run_id for r in ready}
+        for run in ready:
+            group = groups.get(run.run_id)
+            if group is None:
+                tid, args = self.task_for(run)
+                tasks.append((tid, ("run", *args)))
+                members[tid] = [tid]
+                continue
+            if group in seen:
+                continue
+            seen.add(group)
+            specs = [self.plan.runs[rid] for rid in group]
+            for spec in specs:  # members finished in an earlier session: their resolved config is stored
+                if spec.config is None:
+                    row = self.store.run(spec.run_id)
+                    if row is None or row["config"] is None:  # pragma: no cover - a group resolves together
+                        raise DPTuneError(f"group {group[0]!r} is only partly resolved")
+                    spec.config = json.loads(row["config"])
+            checked = [self.task_for(s)[1] for s in specs]
+            tid = f"group[{group[0]}..{group[-1]}]"
+            tasks.append((tid, ("group", self.study, [a[1] for a in checked], [a[2] for a in checked],
+                                self.plan.metric)))
+            members[tid] = [rid for rid in group if rid in ready_ids]
+        return tasks, members
+
     def execute(self, executor: Executor, progress: bool = True) -> None:
         total = len(self.plan.runs)
         bar = None
@@ -140,19 +216,28 @@ class Coordinator:
                 ready = self.ready()
                 if not ready:
                     break
-                tasks = [self.task_for(r) for r in ready]
-                for rid, result, err in executor.run(execute_run, tasks, on_start=self.store.mark_running):
-                    if err is not None:
-                        self.store.fail(rid, err)
+                tasks, members = self.tasks(ready)
+
+                def on_start(task_ids: list[str], members: dict[str, list[str]] = members) -> None:
+                    self.store.mark_running([rid for tid in task_ids for rid in members[tid]])
+
+                for tid, result, err in executor.run(execute_task, tasks, on_start=on_start):
+                    if err is None and result is not None and "results" in result:
+                        outcomes = [(r["run_id"], r, None) for r in result["results"] if r["run_id"] in members[tid]]
                     else:
-                        try:
-                            self.merge(rid, result)
-                        except BudgetExceededError as exc:
-                            self.store.fail(rid, f"refused by the coordinator: {exc}")
-                            raise
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix_str(rid.split("/")[0], refresh=False)
+                        outcomes = [(rid, result, err) for rid in members[tid]]
+                    for rid, res, e in outcomes:
+                        if e is not None:
+                            self.store.fail(rid, e)
+                        else:
+                            try:
+                                self.merge(rid, res)
+                            except BudgetExceededError as exc:
+                                self.store.fail(rid, f"refused by the coordinator: {exc}")
+                                raise
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix_str(rid.split("/")[0], refresh=False)
         finally:
             if bar is not None:
                 bar.close()

@@ -33,11 +33,12 @@ from dptune.ledger import Ledger, atoms, compose
 from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
 from dptune.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
-from dptune.train import HIGHER_IS_BETTER, RunPlan, train
+from dptune.train import HIGHER_IS_BETTER, RunPlan, TrainResult, train
 from dptune.tree import Tensors, clone, is_finite
 from dptune.tune.data import StudyData, build_model, study_data
 from dptune.tune.planners import EVAL_LABEL, RunSpec
 from dptune.tune.spec import TRAINING_KEYS, Study
+from dptune.vectorized import train_many
 
 
 def _with_checkpoints(strategy: Strategy, steps: set[int], hook: Callable[[int, Tensors], None]) -> Strategy:
@@ -130,51 +131,105 @@ def execute_run(study: Study, strategy_name: str, run_dict: dict[str, Any], metr
         torch.set_num_threads(old_threads)
 
 
-def _execute(study: Study, strategy_name: str, run: RunSpec, metric: str) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    device = torch.device(study.training.device)
-    data = study_data(study.data, study.selection, study.seed)
-    model = build_model(study.model, data, run.seed)
-    hp = {k: v for k, v in run.config.items() if k not in TRAINING_KEYS}
-    base = make_strategy(strategy_name, **hp)
-    scorer = Scorer(model, data, metric, run, study, device)
-    higher = HIGHER_IS_BETTER[metric]
-    evals: list[dict[str, Any]] = []
-    best: dict[str, Any] = {"score": None, "step": None, "params": None}
+class _RunJob:
+    """One planned run on the worker side: its checkpoint-hooked strategy, its plan and its
+    scorer before training; its result dict after."""
 
-    def consider(t: int, params: Tensors, finalized: bool = False) -> None:
-        s = scorer.score(params)
-        evals.append({"step": t, "score": s, **({"finalized": True} if finalized else {})})
-        if math.isfinite(s) and (best["score"] is None or (s > best["score"] if higher else s < best["score"])):
+    def __init__(self, study: Study, strategy_name: str, run: RunSpec, metric: str, data: StudyData, device):
+        self.t0 = time.perf_counter()
+        self.run, self.data = run, data
+        self.model = build_model(study.model, data, run.seed)
+        hp = {k: v for k, v in run.config.items() if k not in TRAINING_KEYS}
+        base = make_strategy(strategy_name, **hp)
+        self.scorer = Scorer(self.model, data, metric, run, study, device)
+        self.higher = HIGHER_IS_BETTER[metric]
+        self.evals: list[dict[str, Any]] = []
+        self.best: dict[str, Any] = {"score": None, "step": None, "params": None}
+        self.strategy = _with_checkpoints(base, set(run.eval_steps), self.consider)
+        self.plan = RunPlan(self.strategy, data.n_train, run.sampling_rate, run.steps, run.noise_multiplier)
+        if self.plan.event() != base.planned_event(run.noise_multiplier, run.sampling_rate, run.steps):
+            raise BudgetExceededError(f"run {run.run_id}: the strategy's planned event differs from the study plan")
+
+    def consider(self, t: int, params: Tensors, finalized: bool = False) -> None:
+        s = self.scorer.score(params)
+        self.evals.append({"step": t, "score": s, **({"finalized": True} if finalized else {})})
+        best = self.best
+        if math.isfinite(s) and (best["score"] is None or (s > best["score"] if self.higher else s < best["score"])):
             best.update(score=s, step=t, params=clone(params))
 
-    strategy = _with_checkpoints(base, set(run.eval_steps), consider)
-    plan = RunPlan(strategy, data.n_train, run.sampling_rate, run.steps, run.noise_multiplier)
-    if plan.event() != base.planned_event(run.noise_multiplier, run.sampling_rate, run.steps):
-        raise BudgetExceededError(f"run {run.run_id}: the strategy's planned event differs from the study plan")
+    def finish(self, result: TrainResult, seconds: float | None = None) -> dict[str, Any]:
+        run, data = self.run, self.data
+        if run.eval_final and not result.diverged:
+            self.consider(run.steps, result.final_params, finalized=True)
+        ledger = Ledger()
+        ledger.extend(result.ledger)
+        ledger.extend(self.scorer.ledger)
+        test = None
+        if data.x_test is not None and self.best["params"] is not None:
+            test = self.scorer.exact(self.best["params"], data.x_test, data.y_test)
+        return {
+            "run_id": run.run_id,
+            "status": "diverged" if result.diverged else "done",
+            "score": self.best["score"],
+            "best_step": self.best["step"],
+            "test_metric": test,
+            "evals": self.evals,
+            "history": result.history,
+            "ledger": ledger.to_dict(),
+            "seconds": time.perf_counter() - self.t0 if seconds is None else seconds,
+        }
+
+
+def _execute(study: Study, strategy_name: str, run: RunSpec, metric: str) -> dict[str, Any]:
+    device = torch.device(study.training.device)
+    data = study_data(study.data, study.selection, study.seed)
+    job = _RunJob(study, strategy_name, run, metric, data, device)
     result = train(
-        model, (data.x_train, data.y_train), strategy, plan=plan, seed=run.run_seed, device=device,
+        job.model, (data.x_train, data.y_train), job.strategy, plan=job.plan, seed=run.run_seed, device=device,
         loss=study.training.loss, eval_data=None, progress=False, run_id="",
     )
-    if run.eval_final and not result.diverged:
-        consider(run.steps, result.final_params, finalized=True)
-    ledger = Ledger()
-    ledger.extend(result.ledger)
-    ledger.extend(scorer.ledger)
-    test = None
-    if data.x_test is not None and best["params"] is not None:
-        test = scorer.exact(best["params"], data.x_test, data.y_test)
-    return {
-        "run_id": run.run_id,
-        "status": "diverged" if result.diverged else "done",
-        "score": best["score"],
-        "best_step": best["step"],
-        "test_metric": test,
-        "evals": evals,
-        "history": result.history,
-        "ledger": ledger.to_dict(),
-        "seconds": time.perf_counter() - t0,
-    }
+    return job.finish(result)
+
+
+def execute_group(study: Study, strategy_names: list[str], run_dicts: list[dict[str, Any]],
+                  metric: str) -> dict[str, Any]:
+    """Train a group of planned runs together with ``dptune.train_many`` (vectorised trials).
+
+    Each run keeps everything that is its own — configuration, seeds, sampling and noise
+    streams, gateway, ledger, checkpoint scorer — so each result is the one ``execute_run``
+    would return, up to float rounding of the batched matrix products (tested). Returns
+    ``{"results": [one execute_run-style dict per run, in order]}``."""
+    runs = [RunSpec.from_dict(d) for d in run_dicts]
+    for run in runs:
+        if run.config is None:
+            raise DPTuneError(f"run {run.run_id} has no configuration yet (adaptive stage not resolved)")
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(study.threads_per_run)
+    try:
+        t0 = time.perf_counter()
+        device = torch.device(study.training.device)
+        data = study_data(study.data, study.selection, study.seed)
+        jobs = [_RunJob(study, name, run, metric, data, device)
+                for name, run in zip(strategy_names, runs, strict=True)]
+        results = train_many(
+            [j.model for j in jobs], (data.x_train, data.y_train), [j.strategy for j in jobs],
+            plans=[j.plan for j in jobs], seeds=[r.run_seed for r in runs], device=device,
+            loss=study.training.loss, run_ids=[""] * len(jobs), fallback="sequential",
+        )
+        seconds = (time.perf_counter() - t0) / len(jobs)  # the group's time, shared equally
+        return {"results": [j.finish(r, seconds) for j, r in zip(jobs, results, strict=True)]}
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def execute_task(kind: str, *args: Any) -> dict[str, Any]:
+    """The executors' entry point: ``("run", study, strategy, run, metric)`` → ``execute_run``;
+    ``("group", study, strategies, runs, metric)`` → ``execute_group``."""
+    if kind == "run":
+        return execute_run(*args)
+    if kind == "group":
+        return execute_group(*args)
+    raise DPTuneError(f"unknown task kind {kind!r}")
 
 
 def check_run_ledger(run: RunSpec, ledger: Ledger, status: str) -> None:
