@@ -30,7 +30,7 @@ from torch import nn
 
 from dptune.grads import GradientOracle, MaterializedGrads
 from dptune.ledger import Ledger
-from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
+from dptune.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
 from dptune.strategies.base import RunInfo, StepContext, Strategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from conftest import ...` in test files
@@ -174,9 +174,13 @@ class RecordingRelease(NoisyRelease):
         return outs
 
     def noise_of(self, call: int, query: int) -> torch.Tensor:
-        """Flattened (output − exact value) of one query of one call."""
+        """Flattened (output − exact value) of one query of one call. A deferred query's full
+        noise vector is drawn here (``materialize``; refused once the strategy projected it)."""
         c = self.calls[call]
-        return flat(c.outputs[query]) - flat(c.queries[query].value)
+        out = c.outputs[query]
+        if isinstance(out, DeferredSum):
+            out = self.materialize(out)
+        return flat(out) - flat(c.queries[query].value)
 
 
 def flat(v: Any) -> torch.Tensor:

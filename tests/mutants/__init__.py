@@ -6,9 +6,11 @@ attributes) and restores it on exit. They live ONLY in the test tree: nothing in
 lower bound above the ε that dptune claims for the broken run.
 
 * ``noise_scaled(0.25)``: every noise draw has std 0.25·σ while the ledger still claims σ
-  (true ε at the audited settings: ≫ 10 for a claim of 2–4).
+  (true ε at the audited settings: ≫ 10 for a claim of 2–4). Deferred draws (OSO's q̃
+  projection, ``NoiseSource.scalar``) go through ``NoiseSource.normal`` too.
 * ``clipping_disabled()``: clip weights min(1, C/‖g‖) replaced by 1 (unbounded sensitivity).
-* ``q_noise_removed()``: OSO's q-query q̃_t is released without noise.
+* ``q_noise_removed()``: OSO's q-query q̃_t is released without noise (eagerly: the exact
+  sum; deferred: a handle of std 0, so its projection and its materialization are exact).
 * ``split_accounted_at_nu_g()``: OSO's split accounted at ν_g instead of ν (Opacus-AdaClip
   style): the calibrated ν is used as the *gradient's* multiplier ν_g and the q-query is
   added on top with the same ν_q/ν_g ratio, while the ledger only sees ν_g. The true joint
@@ -18,13 +20,14 @@ lower bound above the ε that dptune claims for the broken run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator
 
 import torch
 
 from dptune import accounting
-from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
+from dptune.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
 from dptune.strategies import base as strategies_base
 from dptune.strategies.oso import OSO
 
@@ -74,10 +77,17 @@ def q_noise_removed() -> Iterator[None]:
 
     def release(self: NoisyRelease, *queries: SumQuery, label: str):
         out = original(self, *queries, label=label)
-        return [q.value if q.name == "clip_hypergradient" else o for q, o in zip(queries, out, strict=True)]
+        return [_noiseless(o, q) if q.name == "clip_hypergradient" else o for q, o in zip(queries, out, strict=True)]
 
     with _patched(NoisyRelease, "release", release):
         yield
+
+
+def _noiseless(out: object, query: SumQuery) -> object:
+    """The exact value, or for a deferred query the same handle with std 0 (nothing drawn yet)."""
+    if isinstance(out, DeferredSum):
+        return dataclasses.replace(out, std=0.0)
+    return query.value
 
 
 def _release_accounting_first_query_only(self: NoisyRelease, *queries: SumQuery, label: str):
@@ -86,13 +96,7 @@ def _release_accounting_first_query_only(self: NoisyRelease, *queries: SumQuery,
     event = accounting.gaussian_step_event(nu, self.sampling_rate)
     comps = tuple((q.name, float(q.noise_multiplier), float(q.sensitivity)) for q in queries)
     self.ledger.record(event, label, components=comps, run=self.run)
-    out: list = []
-    for q in queries:
-        if isinstance(q.value, dict):
-            out.append({k: v + self.noise.normal(v, q.std) for k, v in q.value.items()})
-        else:
-            out.append(q.value + self.noise.normal(q.value, q.std))
-    return out
+    return self._noisy_outputs(queries)  # the real noise (and deferred handles) of every query
 
 
 @contextlib.contextmanager

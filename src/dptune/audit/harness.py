@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dptune.mechanisms import NoisyRelease, SumQuery
+from dptune.mechanisms import DeferredSum, NoisyRelease, SumQuery
 
 CANARY_NORM_FACTOR = 1e4  # M = factor × (largest clipping threshold the run may use)
 
@@ -193,7 +193,10 @@ def spy_on_releases(recorder: ReleaseRecorder) -> Iterator[ReleaseRecorder]:
 
     def release(self: NoisyRelease, *queries: SumQuery, label: str):
         outputs = previous(self, *queries, label=label)
-        recorder.observe(self, queries, outputs, label)
+        # A deferred query (OSO's q̃) is observed as the full noisy vector that the ledger
+        # accounts for; the handle keeps that draw, so the strategy's projection uses it.
+        seen = [self.materialize(o) if isinstance(o, DeferredSum) else o for o in outputs]
+        recorder.observe(self, queries, seen, label)
         return outputs
 
     NoisyRelease.release = release  # type: ignore[method-assign]

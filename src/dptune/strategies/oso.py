@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from dptune import accounting
 from dptune.errors import ConfigError
-from dptune.mechanisms import SumQuery
+from dptune.mechanisms import DeferredSum, SumQuery
 from dptune.strategies.base import (
     RunInfo,
     StepContext,
@@ -57,6 +57,18 @@ class OSO(Strategy):
     ∂ℓ(θ_t)/∂C_{t−1} = −ρ ∇ℓ(θ_t)ᵀ q_{t−1}: the factor is 1 for this convention
     (1 − μ for the EMA convention m_t = μ m_{t−1} + (1−μ) g̃_t), and the C rule is unchanged.
     For ρ, ∂θ_t/∂ρ_{t−1} = −m_{t−1}, so the ρ rule uses g̃_tᵀ m_{t−1} (= g̃_tᵀ g̃_{t−1} at μ = 0).
+
+    q̃'s noise as one scalar (rules ``exp`` and ``additive``; class switch ``defer_q_noise``).
+    These rules read q̃_t = (Q_t + Z_t)/L only through s_t = g̃_{t+1}ᵀq̃_t (the C rule at step
+    t+1, metric ``g_dot_q``), and g̃_{t+1} is independent of Z_t. It is a function of θ_{t+1}
+    (of g̃_1..g̃_t and ρ_1..ρ_t; with momentum through m_t, still g̃'s only), of ρ_t (g̃ᵀm
+    products), of C_{t+1} (of s_1..s_{t−1}, never q̃_t), of the batch B_{t+1} and of its own
+    fresh noise. So, given everything else, s_t ~ N(g̃_{t+1}ᵀQ_t/L, (ν_q‖g̃_{t+1}‖/L)²), which
+    ``NoisyRelease.project`` draws: every output of the run has the same joint law as with the
+    full vector Z_t, the ledger records the same joint (g̃_t, q̃_t) event at step t, and the
+    guarantee is unchanged (post-processing). It saves one d-dimensional Gaussian draw per
+    step. ``normalized`` also needs ‖q̃_t‖, not a function of s_t: it draws the full vector.
+    Q_t lives in the state (a ``DeferredSum``) from step t to step t+1 only.
     """
 
     lr: float = 0.1  # ρ₀
@@ -69,6 +81,9 @@ class OSO(Strategy):
     momentum: float = 0.0
     adapt_lr: bool = True
     name = "oso"
+    # Same algorithm either way (same law of every output, class docstring); not a
+    # hyperparameter. False restores the full q̃ draw (equivalence tests, benchmarks).
+    defer_q_noise: ClassVar[bool] = True
     hyperparameters = (
         "lr", "initial_clip", "clip_lr", "lr_lr", "q_noise_multiplier", "relative_increase", "rule", "momentum", "adapt_lr",
     )
@@ -115,14 +130,16 @@ class OSO(Strategy):
         # Both queries are weighted sums of the same per-sample gradients: clip weights and
         # q weights 1[‖g‖ > C]/‖g‖ (unit-norm rows, so sensitivity 1).
         q_w = torch.where(norms > clip, 1.0 / norms.clamp_min(1e-12), torch.zeros_like(norms))
-        g_sum, q_sum = ctx.release.release(
+        deferred = self.defer_q_noise and self.rule != "normalized"
+        g_sum, q_out = ctx.release.release(
             SumQuery("gradient", grads.weighted_sum(clip_weights(norms, clip)), clip, state["nu_g"]),
-            SumQuery("clip_hypergradient", grads.weighted_sum(q_w), 1.0, state["nu_q"]),
+            SumQuery("clip_hypergradient", grads.weighted_sum(q_w), 1.0, state["nu_q"], deferred=deferred),
             label="oso/gradient+q",
         )
         L = ctx.run.expected_batch_size
         g = {k: v / L for k, v in g_sum.items()}
-        q = {k: v / L for k, v in q_sum.items()}
+        # A deferred q̃_t stays a handle; a gateway that returns tensors (test stubs) is also fine.
+        q = q_out.scaled(1.0 / L) if isinstance(q_out, DeferredSum) else {k: v / L for k, v in q_out.items()}
 
         params, buf = heavy_ball(params, state["momentum"], g, lr, self.momentum)
 
@@ -130,7 +147,8 @@ class OSO(Strategy):
         new_clip, new_lr = clip, lr
         gq = gg = 0.0
         if prev_q is not None:
-            gq = dot(g, prev_q)
+            # g̃_t is independent of q̃_{t−1}'s noise: the one projection is exact (class docstring).
+            gq = ctx.release.project(prev_q, g) if isinstance(prev_q, DeferredSum) else dot(g, prev_q)
             cos_q = gq / max(norm(g) * norm(prev_q), 1e-30) if self.rule == "normalized" else 0.0
             new_clip = self._update(clip, self.clip_lr, gq, cos_q, lr, MIN_CLIP)
         if self.adapt_lr and prev_g is not None:
