@@ -26,7 +26,7 @@ from dp_accounting.pld import (
     privacy_loss_mechanism,
 )
 from dp_accounting.rdp import rdp_privacy_accountant
-from scipy import optimize, stats
+from scipy import optimize, special
 
 from dptune.errors import ConfigError
 
@@ -138,7 +138,9 @@ def gdp_delta(mu: float, eps: float) -> float:
     """δ(ε) of μ-GDP (Dong et al. 2019, Corollary 2.13)."""
     if mu <= 0:
         return 0.0
-    return float(stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2))
+    # special.ndtr is the standard normal CDF that stats.norm.cdf wraps, ~100× cheaper per scalar
+    # call (planning a Mohapatra paper-scale study makes ~25k of these calls).
+    return float(special.ndtr(-eps / mu + mu / 2) - math.exp(eps) * special.ndtr(-eps / mu - mu / 2))
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:

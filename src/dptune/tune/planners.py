@@ -208,7 +208,9 @@ def eval_schedule(steps: int, every: int, checkpoint: str, strategy: Strategy) -
     finalizes = type(strategy).finalize is not Strategy.finalize
     if checkpoint == "final":
         return ((), True) if finalizes else ((steps,), False)
-    ts = tuple(t for t in range(1, steps + 1) if t % every == 0 or t == steps)
+    ts = tuple(range(every, steps + 1, every))
+    if not ts or ts[-1] != steps:
+        ts += (steps,)
     return ts, finalizes
 
 
