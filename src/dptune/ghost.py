@@ -41,9 +41,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
-from dptune.grads import MaterializedGrads
+from dptune.grads import MaterializedGrads, ParamSwap
 
 Tensors = dict[str, torch.Tensor]
 
@@ -131,13 +130,20 @@ class _Dense(_Layer):
 
 
 class _Linear(_Layer):
+    """a, b are kept as [B, d], [B, p] when T = 1 (no position axis: fewer view ops on the
+    hot path of small dense models), as [B, T, d], [B, T, p] otherwise."""
+
     def __init__(self, names: dict[str, str], a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor):
         super().__init__(names)
         B = a.shape[0]
         d, p = a.shape[-1], b.shape[-1]
-        self.a = a.reshape(B, -1, d)
-        self.b = b.reshape(B, -1, p)
-        self.T = self.a.shape[1]
+        self.T = math.prod(a.shape[1:-1])
+        if self.T == 1:  # the same strides as a.reshape(B, -1, d)[:, 0]
+            self.a = a if a.dim() == 2 else a.reshape(B, d)
+            self.b = b if b.dim() == 2 else b.reshape(B, p)
+        else:
+            self.a = a.reshape(B, -1, d)
+            self.b = b.reshape(B, -1, p)
         self.shape = weight.shape
         self.G: torch.Tensor | None = None
         if "weight" in names and self.T > 1:
@@ -145,25 +151,27 @@ class _Linear(_Layer):
             ghost = self.T * self.T * (p + d)
             if direct <= ghost and B * p * d * a.element_size() <= MATERIALIZE_LIMIT_BYTES:
                 self.G = torch.bmm(self.b.transpose(1, 2), self.a)
-        self.gb = (self.b[:, 0] if self.T == 1 else self.b.sum(1)) if "bias" in names else None
+        self.gb = (self.b if self.T == 1 else self.b.sum(1)) if "bias" in names else None
 
     def sq_norms(self) -> torch.Tensor:
         a, b = self.a, self.b
-        sq = torch.zeros(a.shape[0], dtype=a.dtype, device=a.device)
+        sq: torch.Tensor | None = None
         if "weight" in self.names:
             if self.T == 1:
-                sq = (torch.linalg.vector_norm(a[:, 0], dim=1) * torch.linalg.vector_norm(b[:, 0], dim=1)).square()
+                sq = (torch.linalg.vector_norm(a, dim=1) * torch.linalg.vector_norm(b, dim=1)).square_()
             elif self.G is not None:
                 sq = self.G.pow(2).sum((1, 2))
             else:
                 sq = _gram_dot(a, b)
         if self.gb is not None:
-            sq = sq + self.gb.pow(2).sum(1)
-        return sq
+            sb = self.gb.pow(2).sum(1)
+            sq = sb if sq is None else sq.add_(sb)  # sq is a fresh tensor of ours
+        return sq if sq is not None else torch.zeros(a.shape[0], dtype=a.dtype, device=a.device)
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
         a, b = (self.a, self.b) if rows is None else (self.a[rows], self.b[rows])
-        w = w.to(a.dtype)
+        if w.dtype != a.dtype:
+            w = w.to(a.dtype)
         out: Tensors = {}
         if "weight" in self.names:
             if self.G is not None:
@@ -171,13 +179,18 @@ class _Linear(_Layer):
                 out[self.names["weight"]] = (w @ G.reshape(G.shape[0], -1)).reshape(self.shape)
             else:
                 p, d = b.shape[-1], a.shape[-1]
-                # Scale the narrower operand: (diag(w) b)ᵀ a.
+                wcol = w.view(-1, 1) if self.T == 1 else w.view(-1, 1, 1)
+                # Scale the narrower operand: (diag(w) b)ᵀ a, over all B·T rows.
                 if p <= d:
-                    bw = (b * w[:, None, None]).reshape(-1, p)
-                    out[self.names["weight"]] = bw.t().mm(a.reshape(-1, d))
+                    bw = b * wcol
+                    if self.T > 1:
+                        bw, a = bw.reshape(-1, p), a.reshape(-1, d)
+                    out[self.names["weight"]] = bw.t().mm(a)
                 else:
-                    aw = (a * w[:, None, None]).reshape(-1, d)
-                    out[self.names["weight"]] = b.reshape(-1, p).t().mm(aw)
+                    aw = a * wcol
+                    if self.T > 1:
+                        aw, b = aw.reshape(-1, d), b.reshape(-1, p)
+                    out[self.names["weight"]] = b.t().mm(aw)
         if self.gb is not None:
             gb = self.gb if rows is None else self.gb[rows]
             out[self.names["bias"]] = w @ gb
@@ -186,7 +199,13 @@ class _Linear(_Layer):
     def per_sample(self) -> Tensors:
         out: Tensors = {}
         if "weight" in self.names:
-            out[self.names["weight"]] = self.G if self.G is not None else torch.bmm(self.b.transpose(1, 2), self.a)
+            if self.G is not None:
+                G = self.G
+            elif self.T == 1:
+                G = torch.bmm(self.b.unsqueeze(2), self.a.unsqueeze(1))
+            else:
+                G = torch.bmm(self.b.transpose(1, 2), self.a)
+            out[self.names["weight"]] = G
         if self.gb is not None:
             out[self.names["bias"]] = self.gb
         return out
@@ -379,10 +398,16 @@ class GhostGrads(MaterializedGrads):
     @property
     def norms(self) -> torch.Tensor:  # type: ignore[override]
         if self._norms is None:
-            sq = torch.zeros_like(self.losses)
+            # Σ over layers, starting from the first layer's squares rather than from zeros:
+            # the same floats (0 + s = s for s ≥ 0), one addition less.
+            sq: torch.Tensor | None = None
+            dt = self.losses.dtype
             for layer in self._layers:
-                sq = sq + layer.sq_norms().to(sq.dtype)
-            self._norms = sq.sqrt()
+                s = layer.sq_norms()
+                if s.dtype != dt:
+                    s = s.to(dt)
+                sq = s if sq is None else sq + s
+            self._norms = (sq if sq is not None else torch.zeros_like(self.losses)).sqrt()
         return self._norms
 
     @property
@@ -404,7 +429,7 @@ class GhostGrads(MaterializedGrads):
         return {k: got[k] if k in got else torch.zeros_like(p) for k, p in self._params.items()}
 
     def weighted_sum(self, weights: torch.Tensor) -> Tensors:
-        w = weights.to(self.losses.dtype)
+        w = weights if weights.dtype == self.losses.dtype else weights.to(self.losses.dtype)
         out = self._residual(w)
         if out is None:
             out = self._sum(w)
@@ -439,8 +464,35 @@ class GhostGrads(MaterializedGrads):
 
 
 # ----------------------------------------------------------------------------- the engine
+def _capture(mod: nn.Module, records: dict[nn.Module, tuple | None]) -> tuple[nn.Module, bool, object]:
+    """Record ``mod``'s input and output on its next calls (an instance-level ``forward``
+    wrapper); returns what restoring needs.
+
+    A wrapper rather than a forward hook: a module with hooks runs ``Module._call_impl``'s
+    slow path (~25 µs per call, and registering/removing hooks costs as much again), a
+    wrapper keeps the fast path. It also sees the layer's own output, before any output hook
+    of the user's. A second call, or a call whose input is not a positional tensor, is
+    recorded as None (the ghost rule does not apply: fall back).
+    """
+    had = "forward" in mod.__dict__
+    old = mod.__dict__.get("forward")
+    inner = mod.forward
+
+    def forward(*args: object, **kwargs: object) -> torch.Tensor:
+        out = inner(*args, **kwargs)
+        a = args[0] if args else None
+        if mod in records or not isinstance(a, torch.Tensor) or not isinstance(out, torch.Tensor):
+            records[mod] = None
+        else:
+            records[mod] = (a, out, a._version, out._version)
+        return out
+
+    mod.__dict__["forward"] = forward
+    return mod, had, old
+
+
 class GhostEngine:
-    """One forward pass with hooks (inputs of supported layers), one backward pass of
+    """One forward pass recording the inputs and outputs of supported layers, one backward pass of
     Σ_i ℓ_i to their outputs (no parameter gradients are computed), then the layer rules."""
 
     def __init__(self, model: nn.Module, batched_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], buffers: Tensors):
@@ -454,35 +506,35 @@ class GhostEngine:
                 assert cls is not None, "call unsupported_reason first"
                 self.layers.append((mod, cls, names))
         self._loss = batched_loss
+        self._call = ParamSwap(model)
 
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> GhostGrads:
-        records: dict[nn.Module, list] = {}
-
-        def hook(mod: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-            if mod in records:
-                records[mod].append(None)  # called twice: rule does not hold
-                return
-            a = inputs[0]
-            records[mod] = [a, output, a._version, output._version]
-
-        handles = [mod.register_forward_hook(hook) for mod, _, _ in self.layers]
+        records: dict[nn.Module, tuple | None] = {}
+        ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        patched: list[tuple[nn.Module, bool, object]] = []
         try:
-            ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-            out = functional_call(self.model, (ps, self.buffers), (x,))
+            for mod, _, _ in self.layers:
+                patched.append(_capture(mod, records))
+            out = self._call(ps, self.buffers, x)
             losses = self._loss(out, y)
         finally:
-            for h in handles:
-                h.remove()
+            for mod, had, old in patched:
+                if had:
+                    mod.__dict__["forward"] = old
+                else:
+                    del mod.__dict__["forward"]
         used = [(m, c, n) for m, c, n in self.layers if m in records]
         for m, _, _ in used:
             rec = records[m]
-            if len(rec) != 4 or rec[0]._version != rec[2] or rec[1]._version != rec[3]:
+            if rec is None or rec[0]._version != rec[2] or rec[1]._version != rec[3]:
                 raise _Fallback("a layer was called twice or its input/output was modified in place")
         zs = [records[m][1] for m, _, _ in used]
         bs = list(torch.autograd.grad(losses.sum(), zs, allow_unused=True)) if zs else []
         layers: list[_Layer] = []
         for i, (m, cls, names) in enumerate(used):
-            a, z = records[m][0].detach(), zs[i]
+            a, z = records[m][0], zs[i]
+            if a.requires_grad:
+                a = a.detach()
             b = bs[i] if bs[i] is not None else torch.zeros_like(z)
             bs[i] = None  # free as we go
             weight = ps.get(names.get("weight", ""), getattr(m, "weight", None))

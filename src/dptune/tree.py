@@ -1,4 +1,14 @@
-"""Tiny helpers over dicts of tensors (a model's parameters, gradients, optimiser buffers)."""
+"""Tiny helpers over dicts of tensors (a model's parameters, gradients, optimiser buffers).
+
+The arithmetic helpers run one ``torch._foreach_*`` call per operation over all the dict's
+tensors instead of one Python-level op per tensor, and return NEW tensors (never touching
+their inputs, which strategies may keep in their state). ``scale``, ``axpy`` and
+``lincomb`` round exactly like the per-tensor expressions they replace (each documents its
+expression): the same kernels, in the same order. ``add_scaled`` and ``ema`` are fused
+(y + α·x in one pass with one rounding, torch's ``add(..., alpha=)``): they read and write
+each tensor once instead of two or three times, and differ from the unfused expressions in
+the last bits only.
+"""
 
 from __future__ import annotations
 
@@ -27,12 +37,46 @@ def norm(a: Tensors) -> float:
 
 
 def scale(a: Tensors, s: float) -> Tensors:
-    return {k: v * s for k, v in a.items()}
+    """{k: a[k] * s}."""
+    if not a:
+        return {}
+    return dict(zip(a, torch._foreach_mul(list(a.values()), s), strict=True))
 
 
 def axpy(alpha: float, x: Tensors, y: Tensors) -> Tensors:
-    """alpha·x + y."""
-    return {k: y[k] + alpha * x[k] for k in y}
+    """alpha·x + y: {k: y[k] + alpha * x[k]} (keys in y's order).
+
+    With alpha = −lr this is the update θ − lr·g exactly: fl(−lr·g) = −fl(lr·g) and
+    θ + (−z) = θ − z in IEEE arithmetic.
+    """
+    if not y:
+        return {}
+    ys = list(y.values())
+    return dict(zip(y, torch._foreach_add(ys, torch._foreach_mul([x[k] for k in y], alpha)), strict=True))
+
+
+def lincomb(alpha: float, x: Tensors, beta: float, y: Tensors) -> Tensors:
+    """{k: alpha * x[k] + beta * y[k]} (keys in x's order), e.g. an EMA β·m + (1−β)·g."""
+    if not x:
+        return {}
+    xs = torch._foreach_mul(list(x.values()), alpha)
+    ys = torch._foreach_mul([y[k] for k in x], beta)
+    return dict(zip(x, torch._foreach_add(xs, ys), strict=True))
+
+
+def add_scaled(y: Tensors, alpha: float, x: Tensors) -> Tensors:
+    """y + alpha·x, fused (keys in y's order): e.g. θ − (lr/L)·S in one pass over θ and S."""
+    if not y:
+        return {}
+    return dict(zip(y, torch._foreach_add(list(y.values()), [x[k] for k in y], alpha=alpha), strict=True))
+
+
+def ema(beta: float, m: Tensors, alpha: float, x: Tensors) -> Tensors:
+    """beta·m + alpha·x (keys in m's order), the addition fused: two passes instead of three."""
+    if not m:
+        return {}
+    scaled = torch._foreach_mul(list(m.values()), beta)
+    return dict(zip(m, torch._foreach_add(scaled, [x[k] for k in m], alpha=alpha), strict=True))
 
 
 def is_finite(a: Tensors) -> bool:

@@ -11,9 +11,9 @@ from dptune.strategies.base import (
     Strategy,
     check_positive,
     check_unit_interval,
-    release_gradient,
+    release_sum,
 )
-from dptune.tree import Tensors, zeros_like
+from dptune.tree import Tensors, add_scaled, ema, zeros_like
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,12 @@ class AdamWOSM(Strategy):
         return {"m": zeros_like(params), "t": 0, "lr": self.effective_step_size(run)}
 
     def step(self, params: Tensors, state: dict[str, Any], ctx: StepContext):
-        g = release_gradient(ctx, params, self.clip, ctx.run.noise_multiplier, "adamwosm/gradient")
+        noisy = release_sum(ctx, params, self.clip, ctx.run.noise_multiplier, "adamwosm/gradient")
         t = state["t"] + 1
-        m = {k: self.beta1 * state["m"][k] + (1 - self.beta1) * g[k] for k in g}
+        # m ← β₁m + (1−β₁)·g̃ with g̃ = noisy/L, and θ ← θ − (lr/c1)·m: 1/L and 1/c1 are folded
+        # into fused multiply-adds (two passes for m, one for θ; the same up to the last bits).
+        m = ema(self.beta1, state["m"], (1 - self.beta1) / ctx.run.expected_batch_size, noisy)
         c1 = 1 - self.beta1**t
         lr = state["lr"]
-        params = {k: params[k] - lr * m[k] / c1 for k in params}
+        params = add_scaled(params, -lr / c1, m)
         return params, {**state, "m": m, "t": t}, {"lr": lr, "clip": self.clip}

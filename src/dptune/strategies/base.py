@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 from dp_accounting import dp_event
 
-from dptune import accounting
+from dptune import accounting, tree
 from dptune.errors import ConfigError
 from dptune.grads import GradientOracle, PerSampleGrads
 from dptune.mechanisms import NoisyRelease, SumQuery
@@ -70,7 +70,9 @@ class StepContext:
 
 def clip_weights(norms: torch.Tensor, clip: float) -> torch.Tensor:
     """min(1, C/‖g_i‖): the per-sample weights of the clipped sum (Galli eq. 4)."""
-    return torch.clamp(clip / norms.clamp_min(1e-12), max=1.0)
+    # In place on the fresh clamp_min result. ``C / t`` is ``t.reciprocal() * C`` in torch
+    # (Tensor.__rdiv__): the same two roundings here.
+    return norms.clamp_min(1e-12).reciprocal_().mul_(clip).clamp_(max=1.0)
 
 
 def clipped_sum(grads: PerSampleGrads, clip: float) -> Tensors:
@@ -131,19 +133,36 @@ class Strategy(ABC):
         return {"strategy": self.name, **asdict(self)}  # type: ignore[call-overload]
 
 
-def release_gradient(ctx: StepContext, params: Tensors, clip: float, nu: float, label: str) -> Tensors:
-    """The standard DP-SGD query: (Σ clip_C(g_i) + N(0, ν²C²)) / L."""
+def release_sum(ctx: StepContext, params: Tensors, clip: float, nu: float, label: str) -> Tensors:
+    """The standard DP-SGD query, undivided: Σ clip_C(g_i) + N(0, ν²C²)."""
     assert ctx.release is not None
     (noisy,) = ctx.release.release(
         SumQuery("gradient", clipped_sum(ctx.grads(params), clip), clip, nu), label=label
     )
-    inv_l = 1.0 / ctx.run.expected_batch_size
-    return {k: v * inv_l for k, v in noisy.items()}
+    return noisy
 
 
-def heavy_ball(params: Tensors, buf: Tensors | None, g: Tensors, lr: float, momentum: float) -> tuple[Tensors, Tensors | None]:
-    """θ ← θ − lr·m with m ← μ·m + g (PyTorch SGD convention, no dampening). μ = 0: plain SGD."""
+def release_gradient(ctx: StepContext, params: Tensors, clip: float, nu: float, label: str) -> Tensors:
+    """The standard DP-SGD query: (Σ clip_C(g_i) + N(0, ν²C²I)) / L."""
+    return tree.scale(release_sum(ctx, params, clip, nu, label), 1.0 / ctx.run.expected_batch_size)
+
+
+def heavy_ball(
+    params: Tensors, buf: Tensors | None, g: Tensors, lr: float, momentum: float, scale: float | None = None
+) -> tuple[Tensors, Tensors | None]:
+    """θ ← θ − lr·m with m ← μ·m + s·g (PyTorch SGD convention, no dampening). μ = 0: plain SGD.
+
+    ``scale=None`` (s = 1): rounded exactly as the per-tensor expressions θ − lr·g and
+    μ·m + g. ``scale=s``: g is an unscaled sum (the noisy clipped sum, s = 1/L) and s is
+    folded into fused multiply-adds: θ + (−lr·s)·g is ONE pass over θ and g instead of
+    three (g·s, lr·(g·s), θ − ·), the same up to the last bits.
+    """
+    if scale is None:
+        if momentum == 0.0:
+            return tree.axpy(-lr, g, params), None
+        buf = g if buf is None else tree.axpy(momentum, buf, g)
+        return tree.axpy(-lr, buf, params), buf
     if momentum == 0.0:
-        return {k: params[k] - lr * g[k] for k in params}, None
-    buf = g if buf is None else {k: momentum * buf[k] + g[k] for k in g}
-    return {k: params[k] - lr * buf[k] for k in params}, buf
+        return tree.add_scaled(params, -lr * scale, g), None
+    buf = tree.scale(g, scale) if buf is None else tree.ema(momentum, buf, scale, g)
+    return tree.add_scaled(params, -lr, buf), buf

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dptune.strategies.base import (
     RunInfo,
     StepContext,
@@ -13,7 +15,7 @@ from dptune.strategies.base import (
     check_unit_interval,
     release_gradient,
 )
-from dptune.tree import Tensors, zeros_like
+from dptune.tree import Tensors, lincomb, zeros_like
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,21 @@ class DPAdam(Strategy):
         g = release_gradient(ctx, params, self.clip, ctx.run.noise_multiplier, "dpadam/gradient")
         t = state["t"] + 1
         b1, b2 = self.beta1, self.beta2
-        m = {k: b1 * state["m"][k] + (1 - b1) * g[k] for k in g}
-        v = {k: b2 * state["v"][k] + (1 - b2) * g[k] * g[k] for k in g}
+        keys = list(g)
+        gs = list(g.values())
+        m = lincomb(b1, state["m"], 1 - b1, g)
+        # v ← β₂ v + ((1−β₂)·g)·g, rounded in that order as before.
+        g2 = torch._foreach_mul(gs, 1 - b2)
+        torch._foreach_mul_(g2, gs)
+        v = dict(zip(keys, torch._foreach_add(torch._foreach_mul([state["v"][k] for k in keys], b2), g2), strict=True))
         c1, c2 = 1 - b1**t, 1 - b2**t
-        params = {k: params[k] - self.lr * (m[k] / c1) / ((v[k] / c2).sqrt() + self.eps) for k in params}
+        # θ − lr·(m/c1) / (sqrt(v/c2) + ε), with the same roundings; −lr folds the subtraction
+        # into an addition exactly (negation commutes with every rounding here).
+        num = torch._foreach_div([m[k] for k in params], c1)
+        torch._foreach_mul_(num, -self.lr)
+        den = torch._foreach_div([v[k] for k in params], c2)
+        torch._foreach_sqrt_(den)
+        torch._foreach_add_(den, self.eps)
+        torch._foreach_div_(num, den)
+        params = dict(zip(params, torch._foreach_add(list(params.values()), num), strict=True))
         return params, {"m": m, "v": v, "t": t}, {"lr": self.lr, "clip": self.clip}

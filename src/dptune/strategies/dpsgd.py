@@ -13,7 +13,7 @@ from dptune.strategies.base import (
     check_positive,
     check_unit_interval,
     heavy_ball,
-    release_gradient,
+    release_sum,
 )
 from dptune.tree import Tensors
 
@@ -41,6 +41,8 @@ class DPSGD(Strategy):
         return {"momentum": None}
 
     def step(self, params: Tensors, state: dict[str, Any], ctx: StepContext):
-        g = release_gradient(ctx, params, self.clip, ctx.run.noise_multiplier, "dpsgd/gradient")
-        params, buf = heavy_ball(params, state["momentum"], g, self.lr, self.momentum)
+        noisy = release_sum(ctx, params, self.clip, ctx.run.noise_multiplier, "dpsgd/gradient")
+        # g̃ = noisy / L, folded into the update (fused multiply-adds, see heavy_ball).
+        params, buf = heavy_ball(params, state["momentum"], noisy, self.lr, self.momentum,
+                                 scale=1.0 / ctx.run.expected_batch_size)
         return params, {"momentum": buf}, {"lr": self.lr, "clip": self.clip}

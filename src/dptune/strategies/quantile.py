@@ -89,9 +89,9 @@ class FixedQuantile(Strategy):
             label="quantile/gradient+count",
         )
         L = ctx.run.expected_batch_size
-        g = {k: v / L for k, v in g_sum.items()}
         b_frac = float(b_sum) / L + 0.5
-        params, buf = heavy_ball(params, state["momentum"], g, self.lr, self.momentum)
+        # g̃ = g_sum / L, folded into the update (fused multiply-adds, see heavy_ball).
+        params, buf = heavy_ball(params, state["momentum"], g_sum, self.lr, self.momentum, scale=1.0 / L)
         new_clip = clip * math.exp(-self.clip_lr * (b_frac - self.target_quantile))
         state = {**state, "clip": new_clip, "momentum": buf}
         return params, state, {"lr": self.lr, "clip": clip, "unclipped_fraction": b_frac}
