@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptune.grads import MaterializedGrads, ParamSwap
+from dptune.grads import MaterializedGrads, ParamSwap, nonfinite_rows
 
 Tensors = dict[str, torch.Tensor]
 
@@ -428,11 +428,16 @@ class GhostGrads(MaterializedGrads):
             got.update(layer.weighted(w, rows))
         return {k: got[k] if k in got else torch.zeros_like(p) for k, p in self._params.items()}
 
-    def weighted_sum(self, weights: torch.Tensor) -> Tensors:
+    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Tensors:
         w = weights if weights.dtype == self.losses.dtype else weights.to(self.losses.dtype)
         out = self._residual(w)
         if out is None:
             out = self._sum(w)
+        bad = nonfinite_rows(self, out) if drop_nonfinite else None
+        if bad is not None:  # leave non-finite rows out (grads.nonfinite_rows says why)
+            w = torch.where(bad, torch.zeros_like(w), w)
+            keep = (~bad).nonzero().squeeze(1)
+            out = self._sum(w[keep], keep)
         self._last = (w, out)
         return out
 

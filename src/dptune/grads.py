@@ -106,8 +106,8 @@ class PerSampleGrads(Protocol):
     losses: torch.Tensor  # [B]
     norms: torch.Tensor  # [B], L2 norm over all trainable parameters
 
-    def weighted_sum(self, weights: torch.Tensor) -> Tensors:
-        """Σ_i weights[i] · g_i, per parameter."""
+    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Tensors:
+        """Σ_i weights[i] · g_i, per parameter; rows with a non-finite g_i contribute 0."""
         ...
 
 
@@ -217,12 +217,45 @@ class MaterializedGrads:
             self._norms = sq.sqrt()
         return self._norms
 
-    def weighted_sum(self, weights: torch.Tensor) -> Tensors:
+    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Tensors:
+        """Σ_i w_i g_i. Rows with a non-finite gradient are left out (``nonfinite_rows``) unless
+        ``drop_nonfinite=False`` (the plain gradient of a non-private loss, NaN and all)."""
+        out = self._sum(weights, None)
+        bad = nonfinite_rows(self, out) if drop_nonfinite else None
+        if bad is not None:
+            keep = (~bad).nonzero().squeeze(1)
+            out = self._sum(weights[keep], keep)
+        return out
+
+    def _sum(self, weights: torch.Tensor, rows: torch.Tensor | None) -> Tensors:
+        """Σ_j weights_j g_{rows_j} (all rows when ``rows`` is None), as in ``GhostGrads._sum``."""
         out = {}
         for k, g in self.grads.items():
-            flat = _rows(g)
+            flat = _rows(g) if rows is None else _rows(g)[rows]
             out[k] = (weights.to(flat.dtype) @ flat).reshape(g.shape[1:])
         return out
+
+
+def nonfinite_rows(grads: MaterializedGrads, out: Tensors) -> torch.Tensor | None:
+    """The rows to leave out of a weighted sum: those whose gradient is not finite, or None.
+
+    One example with an inf/NaN gradient (an overflow, a NaN feature) would otherwise turn
+    the whole sum into NaN — a release that depends on one example far beyond its clipped
+    contribution. Leaving such rows out is a per-example rule (example i contributes
+    w_i g_i if ‖g_i‖ is finite, else 0), so every contribution stays within the clipping
+    bound and the sensitivity is unchanged. Cheap when all is well: one check of the norms
+    (when computed) or of the sum; the norms are only computed when something is wrong.
+    """
+    norms = grads._norms
+    if norms is not None:
+        ok = bool(torch.isfinite(norms).all())
+    else:
+        total = sum((v.sum() for v in out.values()), torch.zeros((), dtype=grads.losses.dtype))
+        ok = bool(torch.isfinite(total))
+    if ok:
+        return None
+    bad = ~torch.isfinite(grads.norms)
+    return bad if bool(bad.any()) else None
 
 
 class GradientOracle:
@@ -320,7 +353,7 @@ class GradientOracle:
         w[:k] = torch.linspace(0.5, 1.5, k, dtype=w.dtype, device=w.device)
         mine, theirs = got.weighted_sum(w), ref.weighted_sum(w[:k])
         got._last = None  # this probe must not seed the reuse of weighted sums
-        ok = torch.allclose(got.norms[:k], ref.norms, rtol=1e-3, atol=1e-6) and all(
+        ok = torch.allclose(got.norms[:k], ref.norms, rtol=1e-3, atol=1e-6, equal_nan=True) and all(
             torch.allclose(mine[n], theirs[n], rtol=1e-3, atol=1e-6 * (1 + float(theirs[n].abs().max())))
             for n in theirs
         )

@@ -195,7 +195,7 @@ class _TrialOracle:
             g = self.grads
             assert g is not None
             B = int(x.shape[0])
-            return g.losses.mean(), g.weighted_sum(torch.full((B,), 1.0 / B, dtype=g.losses.dtype))
+            return g.losses.mean(), g.weighted_sum(torch.full((B,), 1.0 / B, dtype=g.losses.dtype), drop_nonfinite=False)
         return self.base.loss_and_grad(params, x, y)
 
     def forward(self, params: Tensors, x: torch.Tensor) -> torch.Tensor:
