@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -284,3 +286,15 @@ def test_adamwosm_update_matches_its_equations() -> None:
         p = {k: p[k] - lr * m[k] / (1 - b1**t) for k in p}
         for k in p:
             torch.testing.assert_close(got[t - 1][k].double(), p[k], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_updates_overflow_like_unfused_ones():
+    """A coefficient beyond float32's range (lr = 1e300) gives ±inf, as θ − lr·g would, not an error."""
+    from dptune import tree
+
+    y = {"w": torch.zeros(3)}
+    x = {"w": torch.tensor([1.0, -1.0, 0.0])}
+    out = tree.add_scaled(y, -1e300, x)["w"]
+    assert out[0] == -math.inf and out[1] == math.inf and bool(out[2].isnan() or out[2] == 0)
+    e = tree.ema(0.9, y, 1e300, x)["w"]
+    assert e[0] == math.inf and e[1] == -math.inf

@@ -64,11 +64,20 @@ def lincomb(alpha: float, x: Tensors, beta: float, y: Tensors) -> Tensors:
     return dict(zip(x, torch._foreach_add(xs, ys), strict=True))
 
 
+def _fits(alpha: float, t: torch.Tensor) -> bool:
+    """Can ``alpha`` be a fused ``alpha=`` argument for tensors like ``t``? torch refuses a
+    scalar beyond the dtype's range (RuntimeError) where ``t * alpha`` just gives ±inf."""
+    return not t.is_floating_point() or abs(alpha) <= torch.finfo(t.dtype).max
+
+
 def add_scaled(y: Tensors, alpha: float, x: Tensors) -> Tensors:
     """y + alpha·x, fused (keys in y's order): e.g. θ − (lr/L)·S in one pass over θ and S."""
     if not y:
         return {}
-    return dict(zip(y, torch._foreach_add(list(y.values()), [x[k] for k in y], alpha=alpha), strict=True))
+    ys = list(y.values())
+    if not _fits(alpha, ys[0]):  # e.g. lr = 1e300: overflow to inf, as the unfused update would
+        return axpy(alpha, x, y)
+    return dict(zip(y, torch._foreach_add(ys, [x[k] for k in y], alpha=alpha), strict=True))
 
 
 def ema(beta: float, m: Tensors, alpha: float, x: Tensors) -> Tensors:
@@ -76,6 +85,8 @@ def ema(beta: float, m: Tensors, alpha: float, x: Tensors) -> Tensors:
     if not m:
         return {}
     scaled = torch._foreach_mul(list(m.values()), beta)
+    if not _fits(alpha, scaled[0]):
+        return dict(zip(m, torch._foreach_add(scaled, torch._foreach_mul([x[k] for k in m], alpha)), strict=True))
     return dict(zip(m, torch._foreach_add(scaled, [x[k] for k in m], alpha=alpha), strict=True))
 
 
