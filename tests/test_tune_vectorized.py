@@ -107,5 +107,6 @@ def test_trials_per_group_is_validated_and_round_trips():
     d = s.to_dict()
     assert d["study"]["trials_per_group"] == 5
     assert _study(5).fingerprint() != _study(6).fingerprint()
+    assert "trials_per_group" not in _study(16).to_dict()["study"]  # the default: fingerprints of older studies hold
     named = d | {"data": {"name": "digits", "options": {}}, "model": {"name": "logistic_regression", "options": {}}}
     assert study_from_dict(named).trials_per_group == 5

@@ -459,7 +459,10 @@ class Study:
         """A JSON-able description (tensors and callables are described, not embedded)."""
         return {
             "study": {"name": self.name, "seed": self.seed, "seeds": list(self.seeds),
-                      "threads_per_run": self.threads_per_run, "trials_per_group": self.trials_per_group},
+                      "threads_per_run": self.threads_per_run,
+                      # written only when not the default: studies stored before the field
+                      # existed keep their fingerprint and can still be resumed
+                      **({"trials_per_group": self.trials_per_group} if self.trials_per_group != 16 else {})},
             "data": self.data.describe(),
             "model": self.model.describe(),
             "training": {f.name: getattr(self.training, f.name) for f in fields(self.training)},
