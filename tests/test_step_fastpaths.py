@@ -290,8 +290,6 @@ def test_adamwosm_update_matches_its_equations() -> None:
 
 def test_fused_updates_overflow_like_unfused_ones():
     """A coefficient beyond float32's range (lr = 1e300) gives ±inf, as θ − lr·g would, not an error."""
-    from dptune import tree
-
     y = {"w": torch.zeros(3)}
     x = {"w": torch.tensor([1.0, -1.0, 0.0])}
     out = tree.add_scaled(y, -1e300, x)["w"]

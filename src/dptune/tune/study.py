@@ -154,17 +154,15 @@ class Coordinator:
     def _stackable(self) -> bool:
         from dptune.grads import check_model
         from dptune.tune.data import build_model
-        from dptune.vectorized import Unsupported, stack_plan
+        from dptune.vectorized import stack_plan
 
         try:
             data = study_data(self.study.data, self.study.selection, self.study.seed)
             model = build_model(self.study.model, data, self.study.seeds[0])
             stack_plan(model)
             check_model(model)
-        except (Unsupported, ConfigError):
-            return False
-        except Exception:  # a failing model builder fails the runs in the workers, where it is recorded
-            return False
+        except Exception:  # Unsupported/ConfigError: not stackable; a failing model builder fails
+            return False  # the runs in the workers instead, where the error is recorded
         return True
 
     def tasks(self, ready: list[RunSpec]) -> tuple[list[tuple[str, tuple[Any, ...]]], dict[str, list[str]]]:
