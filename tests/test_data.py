@@ -191,7 +191,7 @@ def test_adult() -> None:
     assert float(ds.x_test.min()) >= 0.0 and float(ds.x_test.max()) <= 1.0
     # 8 categorical columns, one-hot: each row has exactly 8 ones after the 6 numeric ones
     assert torch.all(ds.x_train[:, 6:].sum(1) == 8)
-    assert "not privatized" in ds.notes.lower() or "not privatized" in ds.notes
+    assert "a-priori ranges" in ds.notes and "no privacy cost" in ds.notes
     full = data.load("adult", missing="category", official_split=True)
     assert (full.n_train, full.n_test) == (32561, 16281)
     assert _counts(full.y_train, 2) == [24720, 7841]

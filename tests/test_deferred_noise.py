@@ -98,21 +98,29 @@ def test_scalar_draw_is_float64_and_exact_in_std() -> None:
 
 
 def test_secure_mode_draws_the_scalar_from_the_secure_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[int, torch.dtype]] = []
-    real = mechanisms._secure_normal
-
-    def spy(like: torch.Tensor, std: float) -> torch.Tensor:
-        calls.append((like.numel(), like.dtype))
-        return real(like, std)
-
-    monkeypatch.setattr(mechanisms, "_secure_normal", spy)
     src = NoiseSource(0, secure=True)
-    state = src.state().clone()
     z = np.array([src.scalar(0.6) for _ in range(8_000)])
-    assert calls == [(1, torch.float64)] * 8_000
-    assert torch.equal(src.state(), state)  # the seeded generator is not used
     assert_gaussian_std(z, 0.6, "secure scalar")  # accepts 0.6, rejects 0.48 and 0.75
     assert NoiseSource(0, secure=True).scalar(1.0) != NoiseSource(0, secure=True).scalar(1.0)
+    with pytest.raises(RuntimeError, match="no state"):
+        src.state()  # no seeded generator behind it
+    # The secure scalar is a function of the OS CSPRNG's bytes only, never of the seed: with
+    # os.urandom replaced by a fixed byte stream, two sources with different seeds agree.
+    import os
+
+    reads: list[int] = []
+
+    def fixed_bytes(n: int) -> bytes:
+        reads.append(n)
+        return np.random.default_rng(len(reads)).bytes(n)
+
+    monkeypatch.setattr(os, "urandom", fixed_bytes)
+    a = NoiseSource(0, secure=True).scalar(1.0)
+    assert reads
+    reads.clear()
+    assert NoiseSource(12345, secure=True).scalar(1.0) == a
+    reads.clear()
+    assert mechanisms.NoiseSource(0).scalar(1.0) != a and not reads  # control: seeded mode reads no OS bytes
 
 
 # ----------------------------------------------------------------------------- handle life cycle
@@ -132,9 +140,9 @@ def test_a_materialized_handle_projects_its_own_vector_without_drawing() -> None
     gate = _gate(2)
     h = _release(gate).scaled(SCALE)
     full = gate.materialize(h)
-    state = gate.noise.state().clone()
+    state = gate.noise.drawn
     p1, p2 = gate.project(h, V), gate.project(h, V)  # post-processing of the drawn vector: repeatable
-    assert torch.equal(gate.noise.state(), state)
+    assert gate.noise.drawn == state
     assert p1 == p2 == pytest.approx(_dot(full, V), rel=1e-6)
     again = gate.materialize(h)
     assert all(torch.equal(full[k], again[k]) for k in full)
@@ -154,27 +162,27 @@ def test_projection_records_nothing_and_draws_one_scalar() -> None:
     assert ledger.to_dict() == before and ledger.releases == 1
     ref = NoiseSource(3)
     ref.scalar(1.0)
-    assert torch.equal(gate.noise.state(), ref.state())  # one scalar, not a vector
+    assert gate.noise.drawn == ref.drawn == {torch.float64: 1}  # one scalar, not a vector
 
 
 def test_a_refused_deferred_release_records_and_draws_nothing() -> None:
     ledger = Ledger.with_plan(accounting.gaussian_step_event(2.0 * STD, 0.25))
     gate = _gate(4, ledger)
-    state = gate.noise.state().clone()
+    state = gate.noise.drawn
     with pytest.raises(BudgetExceededError, match="not in the privacy plan"):
         gate.release(SumQuery("g", Q, 1.0, STD), SumQuery("q", Q, 1.0, STD, deferred=True), label="x")
-    assert ledger.releases == 0 and torch.equal(gate.noise.state(), state)
+    assert ledger.releases == 0 and gate.noise.drawn == state
 
 
 def test_only_the_issuing_gateway_projects_a_handle() -> None:
     a, b = _gate(5), _gate(6)
     h = _release(a)
-    state = b.noise.state().clone()
+    state = b.noise.drawn
     with pytest.raises(ValueError, match="another gateway"):
         b.project(h, V)
     with pytest.raises(ValueError, match="another gateway"):
         b.materialize(h)
-    assert torch.equal(b.noise.state(), state)
+    assert b.noise.drawn == state
     a.project(h, V)  # still unconsumed: the refused attempts drew nothing
 
 

@@ -49,8 +49,11 @@ def test_per_sample_gradients_equal_naive_loop(case: str) -> None:
         torch.testing.assert_close(got.grads[k], ref_grads[k], rtol=1e-5, atol=1e-7, msg=f"{case}: {k}")
     torch.testing.assert_close(got.losses, ref_losses, rtol=1e-5, atol=1e-7)
     # The norms and weighted sums the strategies read are the obvious functions of them.
-    flat = torch.cat([g.reshape(x.shape[0], -1) for g in ref_grads.values()], 1)
-    torch.testing.assert_close(got.norms, flat.norm(dim=1), rtol=1e-5, atol=1e-7)
+    # Norms are upper bounds (issue 10, item 1): ≥ the float64 norm, ≤ it·(1 + 1e-4) (the
+    # worst-case float32 rounding slack, 6.1e-5, see grads.upper_norms).
+    flat = torch.cat([g.reshape(x.shape[0], -1) for g in ref_grads.values()], 1).double()
+    exact = flat.norm(dim=1)
+    assert bool((got.norms.double() >= exact).all()) and bool((got.norms.double() <= exact * (1 + 1e-4) + 1e-7).all())
     w = torch.linspace(-1, 2, x.shape[0])
     ws = got.weighted_sum(w)
     for k in ref_grads:

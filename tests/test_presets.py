@@ -174,7 +174,8 @@ def test_mohapatra_paper_scale_budgets_recover_sigma(name, data_env):
     assert [p.study["model"]["name"] for p in parts] == ["logistic_regression", "two_layer_nn"]
     st = parts[0].study
     assert st["training"] == {"steps": 10_000, "expected_batch_size": 250.0}
-    assert st["study"]["seeds"] == [0, 1, 2] and st["selection"]["across_seeds"] == "mean"
+    # one tuning procedure per seed (issue 10, item 4: "mean" would make an LT candidate 3 runs)
+    assert st["study"]["seeds"] == [0, 1, 2] and st["selection"]["across_seeds"] == "per-seed"
     assert parts[1].study["budget"] == st["budget"] and parts[1].study["strategies"] == st["strategies"]
     sizes = {a.get("label", a["name"]): math.prod(len(v) for v in a["space"].values()) for a in st["strategies"]}
     assert sizes == {"dpsgd": 40, "dpmomentum": 280, "dpadam": 4, "adadp": 4, "dpadamwosm": 4}  # Table 3
@@ -301,7 +302,7 @@ def _check_study_dir(d: Path) -> None:
 
     again = run_study(load_stored_study(d), d, progress=False)
     assert again.complete and again.ledger_matches_plan
-    assert (d / "report" / "report.html").is_file()
+    assert (d / "release" / "report.html").is_file()
 
 
 def _minilm_available() -> bool:
@@ -331,7 +332,7 @@ def test_smoke_scale_runs_end_to_end(name, data_env, tmp_path):
     if name.startswith("mohapatra"):
         assert (out / "sigma_costs.csv").is_file()
     if name.startswith("panda"):
-        assert (out / parts[0].name / "report" / "figures" / "r_vs_epsilon.png").is_file()
+        assert (out / parts[0].name / "release" / "figures" / "r_vs_epsilon.png").is_file()
     if name == "mohapatra-adult":  # re-running into the same directory resumes: nothing changes
         before = {p.name: study_table(out / p.name) for p in parts}
         reproduce(name, "smoke", out, progress=False, console=_console())
@@ -373,7 +374,7 @@ def test_demo_writes_report_and_prints_table(monkeypatch, tmp_path):
     monkeypatch.setattr("dptune.presets.demo_study", tiny)
     console = _console()
     out = demo(tmp_path / "demo", progress=False, console=console)
-    assert out == tmp_path / "demo" and (out / "report" / "report.html").is_file()
+    assert out == tmp_path / "demo" and (out / "release" / "report.html").is_file()
     rows = study_table(out)
     assert {(r["strategy"], r["epsilon"]) for r in rows} == {("dpsgd", 3.0), ("dpsgd", 8.0), ("nodp", math.inf)}
     assert all(r["value_mean"] is not None and 0.0 <= r["value_mean"] <= 1.0 for r in rows)

@@ -44,6 +44,7 @@ from dptune.report import (
     write_report,
 )
 from dptune.report.data import metric_label
+from dptune.report.privacy import read_csv_rows
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dptune"
 
@@ -117,11 +118,12 @@ def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pareto={1.0: 1.16, 3.0: 0.74, 8.0: 0.55},
         lt_ma=[(k, 1.8 + 0.01 * k, 0.5 * math.sqrt(k)) for k in range(1, 31)],
         linear_scaling={"points": [(0.1, 2.0), (0.2, 3.5)], "slope": 15.0, "intercept": 0.5, "target_epsilon": 1.0},
-        extra_figures=[(extra, "an extra figure passed by the caller")],
+        extra_figures=[(extra, "an extra figure passed by the caller")], include_diagnostics=True,
     )
 
 
-EXPECTED_PNGS = ["metric_vs_epsilon", "trajectories", "ledger", "noise_pareto", "lt_vs_ma", "linear_scaling"]
+# the publishable page's figures (release/); the per-run ledger is a diagnostic (diagnostics/)
+EXPECTED_PNGS = ["metric_vs_epsilon", "trajectories", "noise_pareto", "lt_vs_ma", "linear_scaling"]
 
 
 # ----------------------------------------------------------------------------- files and HTML
@@ -134,8 +136,11 @@ def test_report_writes_figures_and_csvs(study: Path) -> None:
         with Image.open(png) as im:
             assert im.format == "PNG" and im.width >= 600 and im.height >= 400
             assert len(im.convert("RGB").getcolors(1 << 20) or []) > 50, f"{png.name} looks blank"
-    for name in ("results_all.csv", "results_best.csv", "ledger.csv", "trajectories.csv", "lt_vs_ma.csv"):
+    for name in ("results_best.csv", "trajectories.csv", "lt_vs_ma.csv", "budget.csv"):
         assert (out / name).is_file(), name
+    diag = out.parent / "diagnostics"
+    for name in ("results_all.csv", "ledger.csv", "trajectories.csv", "figures/ledger.png", "report.html"):
+        assert (diag / name).is_file(), name
 
 
 def test_results_csv_holds_mean_and_std_over_seeds(study: Path) -> None:
@@ -526,8 +531,8 @@ def test_report_study_reads_a_stored_study(tmp_path: Path) -> None:
     sdir = tmp_path / "study"
     run_study(study, sdir, executor="local", progress=False)
     (row,) = tuner_table(sdir)
-    page = report_study(sdir)
-    assert page == sdir / "report" / "report.html"
+    page = report_study(sdir, include_diagnostics=True)
+    assert page == sdir / "release" / "report.html"
     text = page.read_text()
     p = _Refs()
     p.feed(text)
@@ -536,14 +541,14 @@ def test_report_study_reads_a_stored_study(tmp_path: Path) -> None:
     assert "optimistically" not in text  # holdout split
     assert f"{row['planned_epsilon']:.4g}" in text and "dpsgd @ ε = 2 (grid)" in text
     assert row["selected"] in text
-    for name in ("metric_vs_epsilon", "trajectories", "ledger"):
+    for name in ("metric_vs_epsilon", "trajectories"):
         assert (page.parent / "figures" / f"{name}.png").stat().st_size > 10_000, name
+    assert (sdir / "diagnostics" / "figures" / "ledger.png").stat().st_size > 10_000
     with (page.parent / "results_best.csv").open() as fh:
         (best,) = list(csv.DictReader(fh))
     assert row["runs_done"] == 2 and best["configuration"] == row["selected"]
     assert float(best["mean"]) == pytest.approx(row["test_mean"])
-    with (page.parent / "ledger.csv").open() as fh:
-        led = list(csv.DictReader(fh))
+    led = read_csv_rows(sdir / "diagnostics" / "ledger.csv")  # labelled: a comment line first
     assert len({r["run"] for r in led}) == 2  # both grid runs released
     assert all(r["label"] for r in led) and sum(int(r["releases"]) for r in led) >= 2 * 12
     with pytest.raises(ConfigError, match="holds no study"):

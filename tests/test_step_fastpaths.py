@@ -201,7 +201,13 @@ def test_fused_tree_helpers_are_torch_fused_adds_close_to_the_unfused(seed: int,
         got, got_buf = heavy_ball(p, buf, g, lr, momentum, scale=s)
         want, want_buf = heavy_ball(p, buf, tree.scale(g, s), lr, momentum)
         for k in p:
-            torch.testing.assert_close(got[k], want[k], rtol=2e-6, atol=1e-6 * float(want[k].abs().max() + 1))
+            # p − lr·(s·g) rounds differently from the fused form: a few ulps of the *terms*
+            # (not of the result, which can cancel: seed=1211, lr=0.84375, s=7.5 failed that way).
+            terms = p[k].double().abs() + lr * s * g[k].double().abs()
+            if buf is not None:
+                terms = terms + lr * momentum * buf[k].double().abs()
+            tol = 2e-6 * terms + 1e-6
+            assert bool(((got[k].double() - want[k].double()).abs() <= tol).all()), k
         assert (got_buf is None) == (want_buf is None)
 
 

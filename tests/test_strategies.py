@@ -91,8 +91,11 @@ def test_oso_queries_move_by_at_most_their_sensitivities(data, clip: float) -> N
     assert float((ga.value["w"] - gb.value["w"]).norm()) <= clip * (1 + 1e-9) + 1e-12
     dq = float((qa.value["w"] - qb.value["w"]).norm())
     assert dq <= 1 + 1e-9
-    # q(z) = g/‖g‖ when ‖g‖ > C, else 0: the q-sum moves by exactly 1 or 0.
-    assert dq == pytest.approx(1.0 if float(d2[-1].norm()) > clip else 0.0, abs=1e-9)
+    # q(z) = g/‖g‖ when ‖g‖ > C, else 0: the q-sum moves by exactly 1 or 0. ‖g‖ is the norm the
+    # strategy reads: an upper bound within 1e-12 here (issue 10, item 1), so a norm exactly at
+    # C counts as above it.
+    n = float(MaterializedGrads({"w": d2}, torch.zeros(d2.shape[0])).norms[-1])
+    assert dq == pytest.approx(1.0 if n > clip else 0.0, abs=1e-9)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -106,7 +109,8 @@ def test_recentred_quantile_count_moves_by_exactly_half(data, clip: float) -> No
     assert float((ga.value["w"] - gb.value["w"]).norm()) <= clip * (1 + 1e-9) + 1e-12
     # Σ(1[‖g‖ ≤ C] − ½): one example changes it by ±½ — never more.
     assert abs(float(cb.value) - float(ca.value)) == pytest.approx(0.5, abs=1e-12)
-    expected = float(((d.norm(dim=1) <= clip).double() - 0.5).sum()) if d.shape[0] else 0.0
+    norms = MaterializedGrads({"w": d}, torch.zeros(d.shape[0])).norms  # what the strategy reads (upper bounds)
+    expected = float(((norms <= clip).double() - 0.5).sum()) if d.shape[0] else 0.0
     assert float(ca.value) == pytest.approx(expected, abs=1e-12)
 
 
@@ -304,9 +308,10 @@ def test_adadp_second_half_uses_the_gradient_at_the_half_step_on_a_fresh_batch()
     g0 = clipped_mean(theta0, batch1)
     half = {k: theta0[k] - lr / 2 * g0[k] for k in theta0}
     g_half = clipped_mean(half, batch2)
+    # rtol 1e-4: float32 clip norms are upper bounds, up to 6.1e-5 above ‖g‖ (issue 10, item 1).
     for k in theta0:
-        torch.testing.assert_close(out.params_history[0][k], half[k], rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(out.params[k], half[k] - lr / 2 * g_half[k], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(out.params_history[0][k], half[k], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(out.params[k], half[k] - lr / 2 * g_half[k], rtol=1e-4, atol=1e-7)
 
 
 def test_adadp_learning_rate_adapts_in_both_directions() -> None:

@@ -82,11 +82,11 @@ def test_grid_per_seed_selection_and_outputs(tmp_path):
         assert row["value_std"] == pytest.approx(abs(scores[0] - scores[1]) / math.sqrt(2))
         assert row["planned_epsilon"] <= row["epsilon"] and row["spent_epsilon"] == pytest.approx(row["epsilon"], rel=2e-3)
     # CSV files, status, terminal rendering within 100 columns
-    with open(tmp_path / "g" / "results.csv") as f:
+    with open(tmp_path / "g" / "release" / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == 2
     per_run, per_label = budget_rows(tmp_path / "g")
     assert len(per_run) == 8 and {r["label"] for r in per_label} == {"dpsgd/gradient"}
-    assert (tmp_path / "g" / "budget_labels.csv").exists()
+    assert (tmp_path / "g" / "diagnostics" / "budget_labels.csv").exists()
     st = study_status(tmp_path / "g")
     assert st["complete"] and st["counts"] == {"done": 8}
     text = report_text(tmp_path / "g")

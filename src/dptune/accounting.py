@@ -152,7 +152,13 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     hi = 1.0
     while gdp_delta(mu, hi) > delta:
         hi *= 2
-    return float(optimize.brentq(lambda e: gdp_delta(mu, e) - delta, 0.0, hi, xtol=1e-12))
+    e = float(optimize.brentq(lambda e: gdp_delta(mu, e) - delta, 0.0, hi, xtol=1e-12))
+    # brentq lands within xtol of the root, on either side: step up to a checked δ(ε) ≤ δ so
+    # the reported ε is never below the root (and calibration against it never overshoots).
+    step = 1e-15
+    while gdp_delta(mu, e) > delta and e < hi:
+        e, step = min(e + max(step, math.ulp(e)), hi), step * 2
+    return e
 
 
 def gdp_mu_for_epsilon(eps: float, delta: float) -> float:
@@ -653,15 +659,30 @@ def _calibrate_info_cached(
         if q < 1:
             raise ConfigError("accountant='gdp' needs full batch (q = 1); use 'pld' or 'rdp'.")
         # Closed form: μ_total = sqrt(runs·steps)/ν; pick the largest admissible μ, then
-        # nudge ν up until the exact conversion confirms the target.
+        # nudge ν up until the reporting paths themselves confirm the target: epsilon() of
+        # dpsgd_event(ν) and of the ledger's grouped form (runs·steps releases of one
+        # Gaussian). Checking sqrt(runs·steps)/ν, as before, differs in rounding from
+        # gdp_mu_of_event's sqrt(runs)·sqrt(steps)·(1/ν): ε overshot by 1 ulp.
         mu = gdp_mu_for_epsilon(eps, delta)
+
+        def eps_of(v: float) -> float:
+            grouped = dp_event.SelfComposedDpEvent(gaussian_step_event(v, 1.0), runs * steps)
+            return max(epsilon(dpsgd_event(v, 1.0, steps, runs), delta, "gdp"), epsilon(grouped, delta, "gdp"))
+
         nu = math.sqrt(runs * steps) / mu
-        evals = 1
-        while gdp_epsilon(math.sqrt(runs * steps) / nu, delta) > eps:
-            nu *= 1 + 1e-9
+        e_nu, evals, step = eps_of(nu), 1, 1e-15
+        while e_nu > eps:  # a few ulps to go: steps that double reach any gap quickly
+            nu *= 1 + step
+            e_nu, evals, step = eps_of(nu), evals + 1, step * 2
+        # The certificate's lower end: a multiplier checked to miss the target.
+        lower, step = 0.0, 1e-12
+        while step < 1:
             evals += 1
-        return Calibration(nu, nu / (1 + 1e-9), gdp_epsilon(math.sqrt(runs * steps) / nu, delta), evals, 0,
-                           time.perf_counter() - t0)
+            if eps_of(nu / (1 + step)) > eps:
+                lower = nu / (1 + step)
+                break
+            step *= 10
+        return Calibration(nu, lower, e_nu, evals, 0, time.perf_counter() - t0)
     return calibrate_event_info(
         lambda nu: dpsgd_event(nu, q, steps, runs), eps, delta, accountant, rel_tol=rel_tol
     )
@@ -685,3 +706,40 @@ def calibrate(
     to meet the target. Results are cached per argument tuple.
     """
     return calibrate_info(eps, delta, q, steps, runs, accountant, rel_tol=rel_tol).noise_multiplier
+
+
+# ----------------------------------------------------------------------------- printing ν
+def round_up(nu: float, digits: int = 6) -> float:
+    """The smallest float ≥ ``nu`` that prints with ``digits`` significant digits.
+
+    Rounding ν to nearest for display can round it *down*, and a smaller ν spends more
+    than the target: calibrate(1, 1e-5, q=0.01, T=1000) = 1.513123018 printed as 1.51312
+    has ε = 1.0000021. The ceiling is exact (Decimal holds the float's exact value) and
+    float() of it is ≥ ν because float rounding is monotone and ν is itself a float.
+    """
+    from decimal import ROUND_CEILING, Decimal
+
+    if not math.isfinite(nu) or nu <= 0:
+        return nu
+    d = Decimal(nu)
+    return float(d.quantize(Decimal(1).scaleb(d.adjusted() - digits + 1), rounding=ROUND_CEILING))
+
+
+def noise_multiplier_text(
+    nu: float, eps_of: Callable[[float], float] | None = None, target: float | None = None, digits: int = 6
+) -> tuple[str, float]:
+    """(text, value) to print for a noise multiplier: never below ``nu``.
+
+    ``nu`` rounded up to ``digits`` significant digits; with ``eps_of`` and ``target``, the
+    rounded value is re-checked (ε(value) ≤ target), and when an accountant's numerical
+    noise makes it fail, the full ``repr`` of ``nu`` (the calibrated, verified value) is
+    printed instead. Copying the text back (``--noise-multiplier``) thus never overshoots.
+    """
+    up = round_up(nu, digits)
+    if not math.isfinite(up):
+        return repr(up), up
+    if eps_of is not None and target is not None and up != nu and not eps_of(up) <= target:
+        return repr(nu), nu
+    text = f"{up:.{digits}g}"
+    assert float(text) == up >= nu
+    return text, up

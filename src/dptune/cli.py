@@ -79,14 +79,21 @@ def train(
     seed: int = typer.Option(0),
     data_dir: str | None = typer.Option(None, help="local dataset copies (else $DPTUNE_DATA_DIR / download cache)"),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda if available)"),
-    out: Path = typer.Option(Path("dptune-train.json"), help="where to write the JSON result"),
-    progress: bool = typer.Option(True, help="show a progress bar"),
+    out: Path = typer.Option(Path("dptune-train.json"), help="where to write the JSON result (the release)"),
+    diagnostics_out: Path | None = typer.Option(
+        None, help="where to write the diagnostics JSON, not differentially private: for the data owner only "
+                   "(default: diagnostics/<out name> beside --out)"),
+    progress: bool = typer.Option(True, help="show a progress bar (no loss on the private batch)"),
+    secure: bool = typer.Option(False, "--secure", help="secure mode: noise and Poisson batches from the OS CSPRNG, "
+                                "not from --seed (not reproducible; use it for a model you will publish)"),
 ) -> None:
-    """Train one model with differential privacy and write a JSON result with its ledger."""
+    """Train one model with differential privacy; write the release JSON (guarantee, configuration,
+    evaluations on the public test split, ledger totals) and, apart, the diagnostics JSON (history
+    with the training loss and realised batch sizes: not differentially private)."""
     import torch
 
+    from dptune import accounting, models
     from dptune import data as dpdata
-    from dptune import models
     from dptune.train import train as run_train
 
     ds = dpdata.load(dataset, data_dir=data_dir, seed=seed)
@@ -98,24 +105,47 @@ def train(
         expected_batch_size=None if full_batch else batch_size, full_batch=full_batch,
         noise_multiplier=noise_multiplier, target_epsilon=None if noise_multiplier else epsilon,
         delta=delta, accountant=accountant, eval_data=(ds.x_test, ds.y_test), eval_every=eval_every,
-        seed=seed, device=device, progress=progress, **hparams,
+        seed=seed, device=device, progress=progress, secure_mode=secure, **hparams,
     )
+    from dptune.report.privacy import NOT_DP_LABEL, diagnostics_dir, train_outputs
+
     summary = result.summary()
-    out.write_text(json.dumps({**result.to_dict(), "dataset": dataset, "model": model}, default=str))
+    release, diag = train_outputs(result, dataset=dataset, model=model)
+    diag_path = diagnostics_out or diagnostics_dir(out.parent) / out.name
+    if diag_path.resolve() == out.resolve():
+        raise DPTuneError("--diagnostics-out must differ from --out: the diagnostics are not differentially private.")
+    out.write_text(json.dumps(release, default=str))
+    diag_path.parent.mkdir(parents=True, exist_ok=True)
+    diag_path.write_text(json.dumps(diag, default=str))
     t = Table(title=f"dptune train: {strategy} on {dataset}")
     t.add_column("quantity")
     t.add_column("value", justify="right")
+    plan = result.plan
+
+    def eps_of(v: float) -> float:
+        return accounting.epsilon(plan.strategy.planned_event(v, plan.sampling_rate, plan.steps), delta, plan.accountant)
+
+    # ν rounded up (copied back with --noise-multiplier it cannot overshoot); ε by the
+    # accountant ν was calibrated with, named and rounded up (it is a privacy claim).
+    nu_text = accounting.noise_multiplier_text(plan.noise_multiplier, eps_of,
+                                               epsilon if noise_multiplier is None else None)[0]
     rows = [
         ("steps T", summary["steps"]), ("sampling rate q", f"{summary['sampling_rate']:.4g}"),
-        ("noise multiplier ν", f"{summary['noise_multiplier']:.4g}"),
+        ("noise multiplier ν", nu_text),
         (f"best {result.metric}", f"{result.best_metric:.4f}" if result.best_metric is not None else "-"),
         ("best step", result.best_step), ("diverged", result.diverged),
-        ("ε spent (RDP)", "∞" if not result.plan.strategy.private else f"{result.epsilon(delta):.4f}"),
-        ("δ", delta), ("seconds", f"{summary['seconds']:.1f}"), ("result", str(out)),
+        (f"ε spent ({plan.accountant.upper()})",
+         "∞" if not plan.strategy.private else f"{accounting.round_up(summary['epsilon'], 6):.6g}"),
+        ("δ", delta), ("randomness", summary["randomness"]), ("result", str(out)),
     ]
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
+    if not secure:  # a known seed voids the guarantee: say so on every seeded run
+        console.print(f"[yellow]warning[/]: {summary['randomness_note']}", highlight=False)
+    # The run time grows with the realised batch sizes: a diagnostic, like the loss.
+    console.print(f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag_path} (training loss on the private batch, "
+                  f"realised batch sizes; {summary['seconds']:.1f} s)", highlight=False)
 
 
 @app.command()
@@ -134,11 +164,12 @@ def account(
     accounting.check_sampling_rate(sampling_rate)
     event = accounting.dpsgd_event(noise_multiplier, sampling_rate, steps, runs)
     names = ["rdp", "pld"] + (["gdp"] if sampling_rate >= 1 else []) if accountant == "all" else [accountant]
-    t = Table(title=f"ν={noise_multiplier:g}, q={sampling_rate:g}, T={steps}, runs={runs}, δ={delta:g}")
+    # ν and q exactly as used (not rounded); ε rounded up: it is a privacy claim.
+    t = Table(title=f"ν={noise_multiplier!r}, q={sampling_rate!r}, T={steps}, runs={runs}, δ={delta:g}")
     t.add_column("accountant")
     t.add_column("ε", justify="right")
     for name in names:
-        t.add_row(name, f"{accounting.epsilon(event, delta, name):.4f}")
+        t.add_row(name, f"{accounting.round_up(accounting.epsilon(event, delta, name), 6):.6g}")
     console.print(t)
 
 
@@ -156,8 +187,14 @@ def calibrate(
     from dptune import accounting
 
     nu = accounting.calibrate(epsilon, delta, sampling_rate, steps, runs, accountant)
-    achieved = accounting.epsilon(accounting.dpsgd_event(nu, sampling_rate, steps, runs), delta, accountant)
-    console.print(f"ν = [bold]{nu:.6g}[/]  (ε achieved {achieved:.6g} ≤ {epsilon:g} at δ = {delta:g}, {accountant})")
+
+    def eps_of(v: float) -> float:
+        return accounting.epsilon(accounting.dpsgd_event(v, sampling_rate, steps, runs), delta, accountant)
+
+    # The printed ν is rounded up (never to nearest) and ε is that of the printed value.
+    text, shown = accounting.noise_multiplier_text(nu, eps_of, epsilon)
+    achieved = accounting.round_up(eps_of(shown), 6)
+    console.print(f"ν = [bold]{text}[/]  (ε achieved {achieved:.6g} ≤ {epsilon:g} at δ = {delta:g}, {accountant})")
 
 
 @app.command()
@@ -178,16 +215,25 @@ def tune(
     study_dir = out or Path("studies") / study.name
     run_study(study, study_dir, executor=executor, address=address, progress=progress, workers=workers)
     render(study_dir, console)
-    console.print(f"study directory: {study_dir}  (dptune report {study_dir} for the HTML report)")
+    from dptune.train import randomness_statement
+
+    note = randomness_statement(study.secure)["randomness_note"]
+    console.print(f"randomness: {note}" if study.secure else f"[yellow]warning[/]: {note}", highlight=False)
+    console.print(f"study directory: {study_dir}  (publishable: {study_dir / 'release'}; "
+                  f"dptune report {study_dir} for the HTML report)")
 
 
 @app.command()
 @_guard
 def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> None:
-    """Progress and budget of a (possibly running or interrupted) study."""
+    """Progress and budget of a (possibly running or interrupted) study (for the data owner:
+    run counts are not differentially private)."""
+    from dptune.report.privacy import NOT_DP_LABEL
     from dptune.tune import study_status
 
     st = study_status(study_dir)
+    # Run counts reveal K under Liu–Talwar / repeat-and-select: the owner's view, labelled.
+    console.print(f"[bold red]{NOT_DP_LABEL}[/]", highlight=False)
     counts = ", ".join(f"{k} {v}" for k, v in st.get("counts", {}).items())
     console.print(f"[bold]{st.get('name', study_dir)}[/]: {st.get('total', '?')} planned runs ({counts}); "
                   f"complete: {st.get('complete')}")
@@ -228,16 +274,25 @@ def resume(
 @_guard
 def report(
     study_dir: Path = typer.Argument(..., help="a study directory"),
-    out: Path | None = typer.Option(None, help="output folder (default: <study_dir>/report)"),
+    out: Path | None = typer.Option(None, help="output folder, gets release/ and diagnostics/ (default: study_dir)"),
+    include_diagnostics: bool = typer.Option(
+        False, "--include-diagnostics",
+        help="also write diagnostics/report.html: every run, per-run ledger, training loss and batch sizes, "
+             "under a banner (not differentially private: for the data owner only)"),
 ) -> None:
-    """Write CSVs, figures and a self-contained HTML report of a study."""
+    """Write CSVs, figures and a self-contained HTML report of a study: release/ (publishable:
+    covered by the guarantee) and diagnostics/ (not differentially private)."""
     from dptune.report import report_study
+    from dptune.report.privacy import DIAGNOSTICS_DIR, NOT_DP_LABEL
     from dptune.tune.results import render, write_csvs
 
-    render(study_dir, console)
+    render(study_dir, console, diagnostics=include_diagnostics)
     write_csvs(study_dir)
-    html = report_study(study_dir, out)
+    html = report_study(study_dir, out, include_diagnostics=include_diagnostics)
     console.print(f"report: {html}")
+    diag = html.parent.parent / DIAGNOSTICS_DIR
+    console.print(f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag}"
+                  + (f" (page: {diag / 'report.html'})" if include_diagnostics else ""), highlight=False)
 
 
 @app.command()

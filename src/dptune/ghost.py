@@ -31,18 +31,71 @@ OSO's q-query is a second weighted sum over the same stored tensors. Its weights
 affine function of the clipping weights (w_q = (w_clip − 1[‖g‖ ≤ C])/C), so
 ``GhostGrads.weighted_sum`` reuses the previous sum and only adds the residual over the rows
 where the two weight vectors are not proportional (row-sparse), see ``_residual``.
+
+**Norms are upper bounds.** ``GhostGrads.norms`` returns N_i such that what ``weighted_sum``
+releases for example i with weight w (all other weights 0) has norm ≤ |w|·N_i, whatever the
+float rounding: the clipping weight w_i = fl(C/N_i) ≤ (C/N_i)(1+u)² then bounds example i's
+released contribution by C·(1 + 1.2e-7) in float32. Model: fl(x op y) = (x op y)(1 + δ),
+|δ| ≤ u = eps/2; a sum of n products evaluated in any order (blocked, FMA, threads) is within
+γ_n·Σ|products| of its exact value, γ_n = n·u/(1 − n·u) (Higham 2002, §2.2, Lemma 3.1, §3.1);
+float32 products are exact in float64; 0·x = 0 and x + 0 = x exactly, so the other rows of a
+batch (weight 0) change nothing in the example-alone release. Let G_i = Σ_t b_t a_tᵀ, in
+exact arithmetic from the stored operands, and M_i = Σ_t ‖a_t‖‖b_t‖ (≥ ‖G_i‖). Per layer:
+
+(a) Stored per-sample tensors Ĝ_i (LayerNorm/GroupNorm, biases, Linear over tokens and
+    convolutions when kept): the release w @ Ĝ gives fl(w·Ĝ_i) for example i, norm
+    ≤ |w|(1+u)‖Ĝ_i‖; ‖Ĝ_i‖² ≤ s(1+ρ) by ``grads.sq_rows_upper`` (no cancellation: a sum of
+    squares). The released object is Ĝ_i itself, so its own float32 error never matters.
+(b) Linear, T = 1: released entries fl(fl(w·b_j)·a_k), norm ≤ |w|(1+γ_2)‖a‖‖b‖, and
+    ‖a‖‖b‖ from two ``vector_norm``s is bounded as in (a).
+(c) Gram forms (Linear T > 1 ghost norm, small-T convolutions): S = ‖G_i‖² =
+    Σ_{t,s}(a_t·a_s)(b_t·b_s) is a difference of large terms when the b_t cancel; in float32 it
+    can come out ~0 or negative for ‖G_i‖ ≫ 0 (issue 10: 2e-4 for a true 17). It is computed
+    in float64: each expanded term a_tk a_sk b_tj b_sj undergoes ≤ d + p + T² roundings and
+    Σ|terms| ≤ M², so S ≤ max(Ŝ, 0) + γ⁶⁴_{d+p+T²}·M̂² (M̂ ≥ M, float64 too). The release
+    ((diag(w) b)ᵀ a over all rows; for convolutions the same product over unfolded chunks)
+    is, for example i, T products of operands after one rounding of w·b:
+    ‖R_i − w·G_i‖ ≤ γ_{T+1}|w|·‖Σ_t |b_t||a_t|ᵀ‖_F ≤ γ_{T+1}|w|·M. So
+    N_l = √(S bound) + γ_{T+1}·M̂ (``_gram_bound``). Ordinary inputs have M ≈ √T‖G‖: the
+    second term adds ≈ T^1.5·u (1e-4 at T = 128); under cancellation it dominates, and the
+    norm says honestly how inexact the released float32 sum of that example is.
+(d) Embedding with repeated tokens: per example the positions are grouped by token, S =
+    Σ_v ‖Σ_{t∈v} b_t‖² in float64 with |Ŝ − S| ≤ γ⁶⁴_{(p+2)T}·Σ_v m_v², m_v = Σ_{t∈v}‖b_t‖;
+    index_add releases each token's row as a float sum of its n_v ≤ T scaled rows: error
+    ≤ γ_T|w|·m_v, so N_l = √(S bound) + γ_T·Σ_{v: n_v ≥ 2} m_v.
+(e) Convolutions whose per-sample gradients are too big to keep: the norm is ‖Ĝ_i‖ of the
+    grouped-convolution gradient of i's chunk, and the release recomputes the very same
+    chunks (same kernel, same shapes, deterministic) and takes w @ Ĝ: case (a).
+
+Layers and parameters combine as N = (Σ_l N_l²)^½ (per layer the triangle inequality,
+across parameters Pythagoras), rounded up by ``grads.upper_norms``. Matrix products of a
+release run in IEEE float32 (``grads.ieee_matmul``: no TF32/bf16 operand rounding). Not
+covered, and documented (docs/privacy.md): the rounding of the sum ACROSS examples (a float
+sum is not exactly additive, so adding example i also perturbs the rounding of the others'
+terms, by ≤ γ_{BT}·Σ_j |w_j|M_j in all).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptune.grads import MaterializedGrads, ParamSwap, nonfinite_rows
+from dptune.grads import (
+    NORM_BLOCK,
+    MaterializedGrads,
+    ParamSwap,
+    gamma,
+    ieee_matmul,
+    nonfinite_rows,
+    sq_rows_upper,
+    unit_roundoff,
+    upper_norms,
+)
 
 Tensors = dict[str, torch.Tensor]
 
@@ -90,6 +143,22 @@ class _Fallback(Exception):
     """Raised while computing when this batch/model needs the vmap path."""
 
 
+@contextmanager
+def _same_kernel(device: torch.device) -> Iterator[None]:
+    """Deterministic cuDNN kernels for the duration: case (e) recomputes per-sample gradients
+    that must equal, bit for bit, those whose norms were taken (CPU kernels are deterministic)."""
+    if device.type != "cuda":
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    old = (cudnn.deterministic, cudnn.benchmark)
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = old
+
+
 # ----------------------------------------------------------------------------- layer rules
 class _Layer:
     """Per-layer statistics from (a, b). ``names`` maps 'weight'/'bias' → parameter name."""
@@ -97,8 +166,15 @@ class _Layer:
     def __init__(self, names: dict[str, str]):
         self.names = names
 
-    def sq_norms(self) -> torch.Tensor:
+    def sq_norms(self) -> list[tuple[torch.Tensor, float]]:
+        """(s, ρ) parts: the layer's released part of w·g_i has norm ≤ |w|(1+γ_2)·(Σ s_i(1+ρ))^½
+        (module docstring, "Norms are upper bounds"); ``grads.upper_norms`` combines them."""
         raise NotImplementedError
+
+    def release_err(self) -> torch.Tensor | None:
+        """e_i ≥ 0 (float64, per unit weight): how far the released w·g_i may be from the exact
+        w·G_i beyond the relative (1+γ_2); already inside ``sq_norms``. None when 0."""
+        return None
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
         """Σ_i w_i g_i over ``rows`` (all when None); w is indexed like rows."""
@@ -115,8 +191,8 @@ class _Dense(_Layer):
         super().__init__(names)
         self.grads = grads  # param name → [B, *shape]
 
-    def sq_norms(self) -> torch.Tensor:
-        return sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in self.grads.values())  # type: ignore[return-value]
+    def sq_norms(self) -> list[tuple[torch.Tensor, float]]:
+        return [sq_rows_upper(g) for g in self.grads.values()]
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
         out = {}
@@ -152,21 +228,32 @@ class _Linear(_Layer):
             if direct <= ghost and B * p * d * a.element_size() <= MATERIALIZE_LIMIT_BYTES:
                 self.G = torch.bmm(self.b.transpose(1, 2), self.a)
         self.gb = (self.b if self.T == 1 else self.b.sum(1)) if "bias" in names else None
+        self._gram: tuple[tuple[torch.Tensor, float], torch.Tensor] | None = None
 
-    def sq_norms(self) -> torch.Tensor:
-        a, b = self.a, self.b
-        sq: torch.Tensor | None = None
-        if "weight" in self.names:
-            if self.T == 1:
-                sq = (torch.linalg.vector_norm(a, dim=1) * torch.linalg.vector_norm(b, dim=1)).square_()
-            elif self.G is not None:
-                sq = self.G.pow(2).sum((1, 2))
-            else:
-                sq = _gram_dot(a, b)
+    def sq_norms(self) -> list[tuple[torch.Tensor, float]]:
+        if "weight" not in self.names:
+            return [sq_rows_upper(self.gb)] if self.gb is not None else []
+        if self.T == 1:  # case (b); the bias part reuses ‖b‖
+            return rank_one_parts(self.a, self.b, self.gb is not None)
+        parts = [sq_rows_upper(self.G) if self.G is not None else self._ghost()[0]]
         if self.gb is not None:
-            sb = self.gb.pow(2).sum(1)
-            sq = sb if sq is None else sq.add_(sb)  # sq is a fresh tensor of ours
-        return sq if sq is not None else torch.zeros(a.shape[0], dtype=a.dtype, device=a.device)
+            parts.append(sq_rows_upper(self.gb))
+        return parts
+
+    def _ghost(self) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
+        """Case (c): the float64 Gram bound and the book-keeping release's error, once."""
+        if self._gram is None:
+            a, b = self.a, self.b
+            B, T, d, p = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
+            chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, 8 * (T * (d + p) + 2 * T * T)))
+            chunks = ((a[i : i + chunk].double(), b[i : i + chunk].double()) for i in range(0, B, chunk))
+            self._gram = _gram_bound(chunks, d, p, T, unit_roundoff(a.dtype))
+        return self._gram
+
+    def release_err(self) -> torch.Tensor | None:
+        if self.T == 1 or self.G is not None or "weight" not in self.names:
+            return None
+        return self._ghost()[1]
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
         a, b = (self.a, self.b) if rows is None else (self.a[rows], self.b[rows])
@@ -211,16 +298,56 @@ class _Linear(_Layer):
         return out
 
 
-def _gram_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Σ_{t,s} (a aᵀ)_{ts} (b bᵀ)_{ts} per example: the ghost norm ‖bᵀa‖_F², in chunks."""
-    B, T = a.shape[0], a.shape[1]
-    chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, 2 * T * T * a.element_size()))
-    out = []
-    for i in range(0, B, chunk):
-        aa = torch.bmm(a[i : i + chunk], a[i : i + chunk].transpose(1, 2))
-        bb = torch.bmm(b[i : i + chunk], b[i : i + chunk].transpose(1, 2))
-        out.append((aa * bb).sum((1, 2)))
-    return torch.cat(out)
+def rank_one_parts(a: torch.Tensor, b: torch.Tensor, bias: bool) -> list[tuple[torch.Tensor, float]]:
+    """Case (b), Linear with T = 1: ‖b aᵀ‖² = ‖a‖²‖b‖² (and ‖b‖² for the bias) over the last
+    dimension of a [..., d], b [..., p], as (s, ρ) parts (also [K, B, ·] for ``vectorized``).
+
+    s = fl(fl(‖a‖·‖b‖)²) with each norm from ``vector_norm`` (≥ ‖·‖·(1−γ_n)^½(1−u)) is
+    ≥ ‖a‖²‖b‖²·(1 − γ_{d+4})(1 − γ_{p+4}); rows longer than NORM_BLOCK go through
+    ``grads.sq_rows_upper`` (blocked sums).
+    """
+    d, p = a.shape[-1], b.shape[-1]
+    if a.dtype in (torch.float16, torch.bfloat16):  # half precision: sum in float32
+        a, b = a.float(), b.float()
+    if d > NORM_BLOCK or p > NORM_BLOCK:
+        (sa, ra), (sb, rb) = sq_rows_upper(a.reshape(-1, d)), sq_rows_upper(b.reshape(-1, p))
+        u64 = unit_roundoff(torch.float64)
+        s = (sa.double() * sb.double()).reshape(a.shape[:-1])
+        parts = [(s, (1.0 + ra) * (1.0 + rb) / (1.0 - u64) - 1.0)]
+        return parts + [(sb.reshape(b.shape[:-1]), rb)] if bias else parts
+    u = unit_roundoff(a.dtype)
+    nb = torch.linalg.vector_norm(b, dim=-1)
+    s = (torch.linalg.vector_norm(a, dim=-1) * nb).square_()
+    parts = [(s, 1.0 / ((1.0 - gamma(d + 4, u)) * (1.0 - gamma(p + 4, u))) - 1.0)]
+    return parts + [(nb.square_(), 1.0 / (1.0 - gamma(p + 4, u)) - 1.0)] if bias else parts
+
+
+def _gram_bound(
+    chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], d: int, p: int, T: int, u_release: float
+) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
+    """Case (c) of the module docstring, from float64 chunks A [c, T, d], Bm [c, T, p] of the
+    operands (G_i = Bm_iᵀ A_i): ((s, ρ), e) with e = γ_{T+1}·M̂ (γ of the release's dtype,
+    unit roundoff ``u_release``) and s = (√(max(Ŝ, 0) + γ⁶⁴_{d+p+T²}·M̂²) + e)².
+
+    Ŝ = Σ_{t,s}(A Aᵀ)_{ts}(Bm Bmᵀ)_{ts} and M̂ = Σ_t ‖A_t‖‖B_t‖ in float64; M̂ is scaled by
+    1/(1 − γ⁶⁴_{d+p+T+8}) (its own roundings: two norms, a product, T − 1 additions) so that
+    M̂ ≥ M; ρ (``_assemble``) covers the few float64 operations that assemble s.
+    """
+    S, M = [], []
+    for A, Bm in chunks:
+        S.append((torch.bmm(A, A.transpose(1, 2)) * torch.bmm(Bm, Bm.transpose(1, 2))).sum((1, 2)))
+        M.append((torch.linalg.vector_norm(A, dim=2) * torch.linalg.vector_norm(Bm, dim=2)).sum(1))
+    u = unit_roundoff(torch.float64)
+    m = torch.cat(M).mul_(1.0 / (1.0 - gamma(d + p + T + 8, u)))
+    e = m * gamma(T + 1, u_release)
+    return _assemble(torch.cat(S), m.square_().mul_(gamma(d + p + T * T, u)), e, T), e
+
+
+def _assemble(S: torch.Tensor, slack2: torch.Tensor, e: torch.Tensor, T: int) -> tuple[torch.Tensor, float]:
+    """(s, ρ) with s = (√(max(Ŝ, 0) + slack²) + e)², all float64 [B]. ρ = γ⁶⁴_{T+32} covers the
+    float64 roundings of this assembly and of the ≤ T-term sums inside slack² and e.
+    NaN stays NaN (``clamp_min`` propagates it): a non-finite example keeps a non-finite norm."""
+    return S.clamp_min_(0.0).add_(slack2).sqrt_().add_(e).square_(), gamma(T + 32, unit_roundoff(torch.float64))
 
 
 class _Conv(_Layer):
@@ -242,7 +369,9 @@ class _Conv(_Layer):
         B = a.shape[0]
         self.gb = b.sum((2, 3)) if "bias" in names else None
         self.G: torch.Tensor | None = None
-        self._sq: torch.Tensor | None = None
+        self._wpart: tuple[torch.Tensor, float] | None = None  # the weight's (s, ρ)
+        self._err: torch.Tensor | None = None
+        self._gram_rule = False
         if "weight" not in names:
             return
         big, small = (b, a) if self.transposed else (a, b)  # big is unfolded
@@ -251,28 +380,36 @@ class _Conv(_Layer):
         p = small.shape[1]
         keep = B * p * d * a.element_size() <= MATERIALIZE_LIMIT_BYTES
         if T * T * (p + d) < T * p * d and not keep:
-            # Ghost norm: Gram matrices of the unfolded operands, T x T per example.
-            chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, (d * T + T * T) * a.element_size()))
-            sqs = []
-            for i in range(0, B, chunk):
-                U = F.unfold(big[i : i + chunk], **self.geom)  # [c, d, T]
-                if U.shape[2] != T:
-                    raise _Fallback("unfold geometry does not match the layer's output")
-                V = small[i : i + chunk].reshape(U.shape[0], p, T)
-                sqs.append((torch.bmm(U.transpose(1, 2), U) * torch.bmm(V.transpose(1, 2), V)).sum((1, 2)))
-            self._sq = torch.cat(sqs)
+            # Ghost norm (case (c)): float64 Gram matrices of the unfolded operands, T x T per
+            # example; the weighted sums are the same product over unfolded chunks.
+            self._gram_rule = True
+            self._chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, 8 * (d * T + p * T + 2 * T * T)))
+
+            def chunks() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+                for i in range(0, B, self._chunk):
+                    U = F.unfold(big[i : i + self._chunk], **self.geom)  # [c, d, T]
+                    if U.shape[2] != T:
+                        raise _Fallback("unfold geometry does not match the layer's output")
+                    V = small[i : i + self._chunk].reshape(U.shape[0], p, T)
+                    yield U.transpose(1, 2).double(), V.transpose(1, 2).double()
+
+            self._wpart, self._err = _gram_bound(chunks(), d, p, T, unit_roundoff(a.dtype))
             return
         # Direct: per-sample weight gradients from the native convolution backward with the
         # batch folded into channel groups (Rochette et al. 2019): input [1, B·C_in, H, W],
         # output gradient [1, B·C_out, H', W'], groups = B → weight gradient [B·C_in|out, ...].
-        chunk = B if keep else max(1, MATERIALIZE_LIMIT_BYTES // max(1, p * d * a.element_size()))
-        sqs, Gs = [], []
-        for i in range(0, B, chunk):
-            G = self._per_sample_weight(a[i : i + chunk], b[i : i + chunk])
-            sqs.append(G.pow(2).sum((1, 2)))
-            if keep:
-                Gs.append(G)
-        self._sq = torch.cat(sqs)
+        # Not kept: weighted sums recompute the same chunks (case (e)), so they release exactly
+        # the Ĝ_i whose norms were taken.
+        self._chunk = B if keep else max(1, MATERIALIZE_LIMIT_BYTES // max(1, p * d * a.element_size()))
+        sqs, Gs, rho = [], [], 0.0
+        with _same_kernel(a.device):
+            for i in range(0, B, self._chunk):
+                G = self._per_sample_weight(a[i : i + self._chunk], b[i : i + self._chunk])
+                sq, rho = sq_rows_upper(G)
+                sqs.append(sq)
+                if keep:
+                    Gs.append(G)
+        self._wpart = (torch.cat(sqs), rho)
         if keep:
             self.G = torch.cat(Gs)  # [B, *, *] in the layout of weight
             self.a = self.b = None  # type: ignore[assignment]  # not needed any more
@@ -290,12 +427,12 @@ class _Conv(_Layer):
         )[1]
         return g.reshape(c, w.shape[0], -1)
 
-    def sq_norms(self) -> torch.Tensor:
-        B = self.gb.shape[0] if self.gb is not None else self._sq.shape[0]  # type: ignore[union-attr]
-        sq = self._sq if self._sq is not None else torch.zeros(B, dtype=self.weight.dtype, device=self.weight.device)
-        if self.gb is not None:
-            sq = sq + self.gb.pow(2).sum(1)
-        return sq
+    def sq_norms(self) -> list[tuple[torch.Tensor, float]]:
+        parts = [self._wpart] if self._wpart is not None else []
+        return parts + [sq_rows_upper(self.gb)] if self.gb is not None else parts
+
+    def release_err(self) -> torch.Tensor | None:
+        return self._err
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
         w = w.to(self.weight.dtype)
@@ -303,27 +440,61 @@ class _Conv(_Layer):
         if "weight" in self.names:
             if self.G is not None:
                 G = self.G if rows is None else self.G[rows]
-                out[self.names["weight"]] = (w @ G.reshape(G.shape[0], -1)).reshape(self.weight.shape)
+                gw = w @ G.reshape(G.shape[0], -1)
+            elif self._gram_rule:
+                gw = self._unfolded_sum(w, rows)
             else:
-                a, b = (self.a, self.b) if rows is None else (self.a[rows], self.b[rows])
-                m = self.mod
-                opad = [0, 0] if not self.transposed else list(m.output_padding)
-                wt = self.weight.unsqueeze(2) if isinstance(m, nn.Conv1d) else self.weight
-                gw = torch.ops.aten.convolution_backward(
-                    b * w.reshape(-1, 1, 1, 1), a, wt, None,
-                    list(self.geom["stride"]), list(self.geom["padding"]), list(self.geom["dilation"]),
-                    self.transposed, opad, 1, [False, True, False],
-                )[1]
-                out[self.names["weight"]] = gw.reshape(self.weight.shape)
+                gw = self._chunked_sum(w, rows)
+            out[self.names["weight"]] = gw.reshape(self.weight.shape)
         if self.gb is not None:
             gb = self.gb if rows is None else self.gb[rows]
             out[self.names["bias"]] = w @ gb
         return out
 
+    def _unfolded_sum(self, w: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """Σ_i w_i V_i U_iᵀ over unfolded chunks: one float sum of products per entry, so the
+        release error of case (c) holds whatever convolution kernel the backend would pick."""
+        a, b = (self.a, self.b) if rows is None else (self.a[rows], self.b[rows])
+        big, small = (b, a) if self.transposed else (a, b)
+        total: torch.Tensor | None = None
+        for i in range(0, big.shape[0], self._chunk):
+            U = F.unfold(big[i : i + self._chunk], **self.geom)  # [c, d, T]
+            V = small[i : i + self._chunk].reshape(U.shape[0], small.shape[1], -1) * w[i : i + self._chunk].view(-1, 1, 1)
+            part = torch.einsum("cpt,cdt->pd", V, U)
+            total = part if total is None else total + part
+        return total if total is not None else self.weight.new_zeros(self.weight.shape)
+
+    def _chunked_sum(self, w: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """Σ_i w_i Ĝ_i with Ĝ recomputed chunk by chunk exactly as for the norms (case (e));
+        ``rows`` ascending (``nonzero``)."""
+        B, c = self.a.shape[0], self._chunk
+        total: torch.Tensor | None = None
+        with _same_kernel(self.a.device):
+            for i in range(0, B, c):
+                j = min(i + c, B)
+                if rows is None:
+                    wi, sel = w[i:j], None
+                else:
+                    lo, hi = torch.searchsorted(rows, torch.tensor([i, j], device=rows.device)).tolist()
+                    if lo == hi:
+                        continue
+                    wi, sel = w[lo:hi], rows[lo:hi] - i
+                G = self._per_sample_weight(self.a[i:j], self.b[i:j]).reshape(j - i, -1)
+                part = wi @ (G if sel is None else G[sel])
+                total = part if total is None else total + part
+        return total if total is not None else self.weight.new_zeros(self.weight.shape)
+
     def per_sample(self) -> Tensors:
         out: Tensors = {}
         if "weight" in self.names:
-            G = self.G if self.G is not None else self._per_sample_weight(self.a, self.b)
+            if self.G is not None:
+                G = self.G
+            elif self._gram_rule:
+                G = self._per_sample_weight(self.a, self.b)
+            else:  # the chunks of the norms and sums (case (e))
+                with _same_kernel(self.a.device):
+                    G = torch.cat([self._per_sample_weight(self.a[i : i + self._chunk], self.b[i : i + self._chunk])
+                                   for i in range(0, self.a.shape[0], self._chunk)])
             out[self.names["weight"]] = G.reshape(G.shape[0], *self.weight.shape)
         if self.gb is not None:
             out[self.names["bias"]] = self.gb
@@ -340,12 +511,45 @@ class _Embedding(_Layer):
             b = b * (self.idx != mod.padding_idx).unsqueeze(-1).to(b.dtype)
         self.b = b
         self.shape = weight.shape
+        self._cache: tuple[tuple[torch.Tensor, float], torch.Tensor] | None = None
 
-    def sq_norms(self) -> torch.Tensor:
-        if self.idx.shape[1] == 1:
-            return self.b[:, 0].pow(2).sum(1)
-        same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(self.b.dtype)
-        return (torch.bmm(self.b, self.b.transpose(1, 2)) * same).sum((1, 2))
+    def sq_norms(self) -> list[tuple[torch.Tensor, float]]:
+        if self.idx.shape[1] == 1:  # one row per example: case (a)
+            return [sq_rows_upper(self.b[:, 0])]
+        return [self._grouped()[0]]
+
+    def release_err(self) -> torch.Tensor | None:
+        return None if self.idx.shape[1] == 1 else self._grouped()[1]
+
+    def _grouped(self) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
+        """Case (d): per example, float64 sums of b over the positions of each distinct token
+        (tokens sorted, one segment per token): O(T·p), where the Gram form costs O(T²·p)."""
+        if self._cache is None:
+            B, T = self.idx.shape
+            p = self.b.shape[2]
+            chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, 16 * T * p))
+            S, mm, rep = [], [], []
+            for i in range(0, B, chunk):
+                idx, b = self.idx[i : i + chunk], self.b[i : i + chunk]
+                c = idx.shape[0]
+                tok, order = idx.sort(dim=1)
+                new = torch.ones_like(tok, dtype=torch.bool)
+                new[:, 1:] = tok[:, 1:] != tok[:, :-1]
+                first = torch.arange(c, device=idx.device).unsqueeze(1) * T
+                seg = torch.empty_like(order).scatter_(1, order, new.cumsum(1) - 1 + first).reshape(-1)
+                b64 = b.reshape(c * T, p).double()
+                sums = b64.new_zeros(c * T, p).index_add_(0, seg, b64)
+                m = b64.new_zeros(c * T).index_add_(0, seg, torch.linalg.vector_norm(b64, dim=1))  # m_v
+                n = torch.bincount(seg, minlength=c * T)
+                S.append(sums.square_().sum(1).reshape(c, T).sum(1))
+                mm.append(m.square().reshape(c, T).sum(1))
+                rep.append(torch.where(n >= 2, m, 0.0).reshape(c, T).sum(1))
+            u = unit_roundoff(torch.float64)
+            cm = 1.0 / (1.0 - gamma(p + T + 4, u))  # m̂_v·cm ≥ m_v (a norm, then n_v additions)
+            slack2 = torch.cat(mm).mul_(cm * cm * gamma((p + 2) * T, u))
+            e = torch.cat(rep).mul_(cm * gamma(T, unit_roundoff(self.b.dtype)))
+            self._cache = (_assemble(torch.cat(S), slack2, e, T), e)
+        return self._cache
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
         idx, b = (self.idx, self.b) if rows is None else (self.idx[rows], self.b[rows])
@@ -397,18 +601,18 @@ class GhostGrads(MaterializedGrads):
 
     @property
     def norms(self) -> torch.Tensor:  # type: ignore[override]
+        """Upper bounds: the released w·g_i has norm ≤ |w|·N_i (module docstring)."""
         if self._norms is None:
-            # Σ over layers, starting from the first layer's squares rather than from zeros:
-            # the same floats (0 + s = s for s ≥ 0), one addition less.
-            sq: torch.Tensor | None = None
-            dt = self.losses.dtype
-            for layer in self._layers:
-                s = layer.sq_norms()
-                if s.dtype != dt:
-                    s = s.to(dt)
-                sq = s if sq is None else sq + s
-            self._norms = (sq if sq is not None else torch.zeros_like(self.losses)).sqrt()
+            self._norms = upper_norms([part for layer in self._layers for part in layer.sq_norms()], self.losses)
         return self._norms
+
+    def _release_err(self) -> torch.Tensor | None:
+        """E_i (float64): ‖released w·g_i − w·G_i‖ ≤ |w|·E_i beyond the relative (1 + γ_2) part,
+        as (Σ_l e_l²)^½ over the layers that have such an error; None when none has."""
+        errs = [e for e in (layer.release_err() for layer in self._layers) if e is not None]
+        if not errs:
+            return None
+        return torch.stack(errs).square_().sum(0).sqrt_() if len(errs) > 1 else errs[0]
 
     @property
     def grads(self) -> Tensors:  # type: ignore[override]
@@ -430,14 +634,15 @@ class GhostGrads(MaterializedGrads):
 
     def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Tensors:
         w = weights if weights.dtype == self.losses.dtype else weights.to(self.losses.dtype)
-        out = self._residual(w)
-        if out is None:
-            out = self._sum(w)
-        bad = nonfinite_rows(self, out) if drop_nonfinite else None
-        if bad is not None:  # leave non-finite rows out (grads.nonfinite_rows says why)
-            w = torch.where(bad, torch.zeros_like(w), w)
-            keep = (~bad).nonzero().squeeze(1)
-            out = self._sum(w[keep], keep)
+        with ieee_matmul(w.device):
+            out = self._residual(w)
+            if out is None:
+                out = self._sum(w)
+            bad = nonfinite_rows(self, out) if drop_nonfinite else None
+            if bad is not None:  # leave non-finite rows out (grads.nonfinite_rows says why)
+                w = torch.where(bad, torch.zeros_like(w), w)
+                keep = (~bad).nonzero().squeeze(1)
+                out = self._sum(w[keep], keep)
         self._last = (w, out)
         return out
 
@@ -447,6 +652,13 @@ class GhostGrads(MaterializedGrads):
         α is the median ratio w_i / w_prev_i; rows where w_i agrees with α w_prev_i to
         REUSE_RTOL are taken from S_prev (their difference is float rounding), the others
         (R, at most half the batch) are summed exactly with r_i = w_i − α w_prev_i.
+
+        A row of R is released as two float sums that cancel in exact arithmetic (e.g. OSO's
+        q-weight 0 = α·1 − α), each with its own rounding error ≤ |weight|·E_i: its released
+        contribution is ≤ |w_i|·N_i + (|α w_prev_i| + |r_i|)·E_i, not |w_i|·N_i. Where a layer
+        has such errors (E, ``_release_err``) and that could exceed max_j |w_j|·N_j (the
+        largest contribution the weights allow, hence within the caller's sensitivity) the
+        direct sum is used instead: only for ill-conditioned examples (E_i ~ N_i).
         """
         if self._last is None:
             return None
@@ -460,6 +672,14 @@ class GhostGrads(MaterializedGrads):
         rows = (r.abs() > REUSE_RTOL * scale).nonzero().squeeze(1)
         if rows.numel() * 2 > w.shape[0]:
             return None
+        err = self._release_err() if rows.numel() else None
+        if err is not None:
+            n = self.norms.double()
+            u = unit_roundoff(self.losses.dtype)
+            ea = err[rows] + 4 * u * n[rows]  # + the relative part (1+γ_2), the α scaling, the addition
+            need = w.double()[rows].abs() * n[rows] + ((alpha * prev_w.double()[rows]).abs() + r[rows].abs()) * ea
+            if bool((need > (1 + REUSE_RTOL) * (w.double().abs() * n).max()).any()):
+                return None
         a = float(alpha)
         out = {k: v * a for k, v in prev_sum.items()}
         if rows.numel():

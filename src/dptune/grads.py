@@ -15,6 +15,7 @@ default comes from ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_METHOD``; ``set_default
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -195,6 +196,158 @@ def _rows(g: torch.Tensor) -> torch.Tensor:
     return g.reshape(g.shape[0], math.prod(g.shape[1:]))
 
 
+# ----------------------------------------------------------------------------- norms as upper bounds
+# The clipping weight min(1, C/N_i) bounds example i's released contribution by C only if N_i
+# is at least the norm of what is released for it. Float rounding of ‖g_i‖ must therefore
+# never round *down*. Every norm below is an upper bound, proved with the standard model of
+# floating-point arithmetic (Higham 2002, §2.2 and Lemma 3.1): fl(x op y) = (x op y)(1 + δ),
+# |δ| ≤ u (round to nearest, u = eps/2), so a sum of n products evaluated in ANY order (blocked,
+# vectorised, FMA, multi-threaded) is within γ_n·Σ|terms| of the exact value, with
+# γ_n = n·u/(1 − n·u). For sums of squares every term is ≥ 0: the relative error is ≤ γ_n.
+# Underflow adds an absolute error ≤ 2⁻¹⁴⁹ per product (float32), covered by NORM_FLOOR.
+# Derivations and numbers: docs/privacy.md, "Per-sample norms are upper bounds".
+#
+# Rows longer than NORM_BLOCK are summed in blocks of NORM_BLOCK in the tensor's dtype (torch's
+# fast fused vector_norm), the block sums in float64: relative slack ≤ γ_{1028} ≈ 6e-5 in the
+# square for float32, instead of γ_n for a whole row of n (6e-3 for n = 1e5). ``upper_norms``
+# applies one slack to all: γ_{2056} (a product of two such sums), 1.2e-4 in the square, so
+# every float32 norm is inflated by ≈ 6.1e-5 relative (float64: 1.1e-13).
+NORM_BLOCK = 1024
+# Added (squared) to every squared norm: covers the absolute underflow error of float32
+# products (≤ n·2⁻¹⁴⁹ ≈ 1e-36 for n ≤ 2³¹ terms) and changes no norm above ~1e-12.
+NORM_FLOOR = 1e-16
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = eps/2 of a floating dtype (2⁻²⁴ for float32, 2⁻⁵³ for float64)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: float, u: float) -> float:
+    """γ_n = n·u/(1 − n·u) (inf when n·u ≥ 1: no bound)."""
+    nu = n * u
+    return nu / (1.0 - nu) if nu < 1.0 else math.inf
+
+
+def sq_rows_upper(g: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(s, ρ) with Σ_j g_ij² ≤ s_i·(1 + ρ) for every row i of g ([B, *shape]), exactly.
+
+    Assumes only that ``vector_norm`` returns the square root of a float sum of the products
+    x·x (any order): then s ≥ Σx²·(1 − γ_n)(1 − u)³ ≥ Σx²·(1 − γ_{n+3}) for a row of
+    n ≤ NORM_BLOCK (the root, and s = root² rounded: three more roundings; ρ uses n + 4). For
+    longer rows each block of m obeys that, and the float64 sum of the k + 1 block squares
+    costs (1 − γ⁶⁴_{k+3}) more.
+    """
+    flat = _rows(g)
+    if flat.dtype in _HALF:  # bf16/fp16 sums would need a slack of ~n·2⁻⁸: sum in float32
+        flat = flat.float()
+    B, n = flat.shape
+    u = unit_roundoff(flat.dtype)
+    if n <= NORM_BLOCK:
+        return torch.linalg.vector_norm(flat, dim=1).square_(), 1.0 / (1.0 - gamma(n + 4, u)) - 1.0
+    m = NORM_BLOCK
+    k = n // m
+    s = torch.linalg.vector_norm(flat[:, : k * m].reshape(B, k, m), dim=2).double().square_().sum(1)
+    if k * m < n:
+        s += torch.linalg.vector_norm(flat[:, k * m :], dim=1).double().square_()
+    u64 = unit_roundoff(torch.float64)
+    return s, 1.0 / ((1.0 - gamma(m + 4, u)) * (1.0 - gamma(k + 4, u64))) - 1.0
+
+
+_K_CACHE: dict[tuple[float, int, torch.dtype, torch.dtype], float] = {}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _norm_factor(rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.dtype) -> float:
+    """The smallest float K of ``dtype`` with K ≥ (1+γ'_2)·√((1+ρ)/(1−γ_{terms+1}))/(1−u)².
+
+    (1 − γ_{terms+1}): the conversions and terms additions (τ² included) of ``upper_norms``'s
+    sum of non-negative terms; (1 − u)²: its square root and the multiplication by K;
+    (1 + γ'_2): the two roundings (w·b, then ·a) of the weighted sum's own scaling of a
+    single example's terms, in the model's dtype (a released w_i·g_i has norm
+    ≤ |w_i|·(1+γ'_2)·‖g_i‖).
+    """
+    key = (rho, terms, dtype, model_dtype)
+    got = _K_CACHE.get(key)
+    if got is None:
+        u = unit_roundoff(dtype)
+        g = gamma(terms + 1, u)
+        k = (1.0 + gamma(2, unit_roundoff(model_dtype))) * math.sqrt((1.0 + rho) / (1.0 - g)) / (1.0 - u) ** 2 if g < 1 else math.inf
+        if math.isfinite(k):
+            k *= 1.0 + 4 * unit_roundoff(torch.float64)  # this Python arithmetic's own roundings
+            t = torch.tensor(k, dtype=torch.float64).to(dtype)
+            if float(t) < k:
+                t = torch.nextafter(t, torch.tensor(math.inf, dtype=dtype))
+            k = float(t)
+        got = _K_CACHE[key] = k
+    return got
+
+
+def upper_norms(
+    parts: list[tuple[torch.Tensor, float]], like: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Per-sample norms N_i ≥ (1+γ_2)·(Σ_l s_li·(1+ρ_l) + NORM_FLOOR²)^½, shaped like ``like``,
+    in ``dtype`` (default: ``like``'s).
+
+    ``parts``: (s_l, ρ_l) pairs, one per parameter (or per layer part), with ‖part_l of g_i‖²
+    ≤ s_li·(1+ρ_l) and ‖released part_l of w·g_i‖ ≤ |w|·(1+γ_2)·(s_li(1+ρ_l))^½ (see
+    ``sq_rows_upper`` and the layer rules of ``dptune.ghost``). Cost: the sum, a root and one
+    multiplication per batch, as for the plain Euclidean norm.
+    """
+    out_dt = dtype if dtype is not None else like.dtype
+    dt = torch.float32 if out_dt in _HALF else out_dt  # half-precision models: computed in float32
+    sq: torch.Tensor | None = None
+    # One slack for every path: the largest a float sum of squares in this module can need
+    # (rows of ≤ NORM_BLOCK, or two of them multiplied: ‖a‖²‖b‖²), so that the ghost, vmap
+    # and vectorised paths give the same norms up to their own float differences (~1e-7).
+    rho = 1.0 / (1.0 - gamma(2 * NORM_BLOCK + 8, unit_roundoff(dt))) - 1.0
+    for s, r in parts:
+        if s.dtype != dt:
+            s = s.to(dt)
+        sq = s if sq is None else sq + s
+        rho = max(rho, r)
+    if sq is None:
+        sq = torch.zeros(like.shape, dtype=dt, device=like.device)
+    k = _norm_factor(rho, len(parts), dt, out_dt)
+    n = sq.add(NORM_FLOOR**2).sqrt_().mul_(k)
+    if out_dt == dt:
+        return n
+    low = n.to(out_dt)  # rounded to nearest: step up where that went down
+    return torch.where(low.to(dt) < n, torch.nextafter(low, torch.full_like(low, math.inf)), low)
+
+
+@contextmanager
+def ieee_matmul(device: torch.device) -> Iterator[None]:
+    """Full-precision float32 matrix products for the duration (no TF32 / bf16 inputs).
+
+    The bounds on a released sum (``ghost``'s layer rules, ``MaterializedGrads``) assume
+    correctly rounded float32 products; ``torch.set_float32_matmul_precision('high'|'medium')``
+    (or ``torch.backends.*.matmul.fp32_precision``) would round the operands to 10 or 7 bits.
+    Costs one attribute read when the precision is already full (the default).
+    """
+    be = torch.backends.cuda.matmul if device.type == "cuda" else getattr(torch.backends.mkldnn, "matmul", None)
+    old = getattr(be, "fp32_precision", None)
+    if old is None:  # torch before the per-backend API (2.9): the legacy global switch
+        legacy = torch.get_float32_matmul_precision()
+        if legacy == "highest":
+            yield
+            return
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(legacy)
+        return
+    if old in ("none", "ieee"):
+        yield
+        return
+    be.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        be.fp32_precision = old
+
+
 class MaterializedGrads:
     """Per-sample gradients held in memory as [B, *param.shape] tensors."""
 
@@ -209,22 +362,24 @@ class MaterializedGrads:
 
     @property
     def norms(self) -> torch.Tensor:
+        """Upper bounds N_i ≥ ‖g_i‖ of the stored g_i (``upper_norms``): w_i·g_i as released by
+        ``weighted_sum`` has norm ≤ |w_i|·N_i, whatever the rounding."""
         if self._norms is None:
-            sq = None
-            for g in self.grads.values():
-                s = _rows(g).pow(2).sum(1)
-                sq = s if sq is None else sq + s
-            self._norms = sq.sqrt()
+            # In the gradients' dtype (float64 gradients keep float64 norms, as before).
+            dts = [g.dtype for g in self.grads.values()]
+            dt = functools.reduce(torch.promote_types, dts) if dts else self.losses.dtype
+            self._norms = upper_norms([sq_rows_upper(g) for g in self.grads.values()], self.losses, dt)
         return self._norms
 
     def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Tensors:
         """Σ_i w_i g_i. Rows with a non-finite gradient are left out (``nonfinite_rows``) unless
         ``drop_nonfinite=False`` (the plain gradient of a non-private loss, NaN and all)."""
-        out = self._sum(weights, None)
-        bad = nonfinite_rows(self, out) if drop_nonfinite else None
-        if bad is not None:
-            keep = (~bad).nonzero().squeeze(1)
-            out = self._sum(weights[keep], keep)
+        with ieee_matmul(weights.device):
+            out = self._sum(weights, None)
+            bad = nonfinite_rows(self, out) if drop_nonfinite else None
+            if bad is not None:
+                keep = (~bad).nonzero().squeeze(1)
+                out = self._sum(weights[keep], keep)
         return out
 
     def _sum(self, weights: torch.Tensor, rows: torch.Tensor | None) -> Tensors:
@@ -265,6 +420,8 @@ class GradientOracle:
     floats. ``method``: 'auto' | 'vmap' | 'ghost' (None: ``DEFAULT_METHOD``). With 'auto',
     the first batch is also computed on the vmap path for a few examples and compared;
     a disagreement (e.g. a parameter used outside its layer) switches to vmap for good.
+    That probe guards utility, not privacy: on either path the norms bound what is released
+    for each example, batch after batch (``upper_norms``; ``dptune.ghost``'s proof).
     """
 
     SELF_CHECK_EXAMPLES = 3
@@ -353,8 +510,16 @@ class GradientOracle:
         w[:k] = torch.linspace(0.5, 1.5, k, dtype=w.dtype, device=w.device)
         mine, theirs = got.weighted_sum(w), ref.weighted_sum(w[:k])
         got._last = None  # this probe must not seed the reuse of weighted sums
-        ok = torch.allclose(got.norms[:k], ref.norms, rtol=1e-3, atol=1e-6, equal_nan=True) and all(
-            torch.allclose(mine[n], theirs[n], rtol=1e-3, atol=1e-6 * (1 + float(theirs[n].abs().max())))
+        # Both norms are upper bounds (never a privacy check: each path bounds what it releases
+        # on its own, docs/privacy.md); ghost norms and sums may differ from vmap's by the release
+        # term E_i (``GhostGrads._release_err``: large only for ill-conditioned examples).
+        err = got._release_err() if hasattr(got, "_release_err") else None
+        e = err[:k].to(ref.norms.dtype) if err is not None else torch.zeros_like(ref.norms)
+        diff = (got.norms[:k] - ref.norms).abs()
+        ok = bool(((diff <= 1e-3 * ref.norms + 1e-6 + 2 * e) | (got.norms[:k].isnan() & ref.norms.isnan())).all())
+        e_sum = 2 * float((w[:k].abs() * e).sum())
+        ok = ok and all(
+            torch.allclose(mine[n], theirs[n], rtol=1e-3, atol=1e-6 * (1 + float(theirs[n].abs().max())) + e_sum)
             for n in theirs
         )
         if not ok:

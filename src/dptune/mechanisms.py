@@ -24,12 +24,24 @@ jointly with the first. ``NoisyRelease.materialize`` draws the full vector inste
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+import numpy as np
 import torch
 
 from dptune import accounting
 from dptune.ledger import Ledger
+from dptune.sampling import (
+    LN2,
+    MAX_REFINEMENTS,
+    WORD_BITS,
+    RandomBits,
+    degenerate_bits,
+    exponentials,
+    stream_seed,
+)
 
 Tensors = dict[str, torch.Tensor]
 
@@ -56,29 +68,44 @@ class SumQuery:
 
 
 class NoiseSource:
-    """Gaussian noise from a seeded torch generator, or from the OS CSPRNG in secure mode.
+    """Gaussian noise N(0, std²) without a tail cut-off: seeded (reproducible) or secure.
 
-    Secure mode draws every sample from ``os.urandom`` (``_secure_normal``: float64
-    Box–Muller) and so gives up run-to-run reproducibility. It does *not* fix the
-    floating-point weaknesses of sampling N(0, σ²) in floats (see docs/privacy.md).
+    The randomness is explicit integer bits: ``RandomBits`` (a PCG64DXSM generator seeded from
+    ``seed``; with ``secure=True`` the OS CSPRNG, ``os.urandom``) on the host, or, for a CUDA
+    source in seeded mode, a seeded ``torch.Generator`` on the device. The Gaussians are
+    Box–Muller on those bits: radius √(2E) with E an exact exponential
+    (``sampling.exponentials``, no cut-off: |z| is unbounded, where float32 ``torch.randn``
+    stops at 5.77σ), angle from 24 bits (float32 values; 53 bits for float64), computed on the
+    host (numpy) or on the CUDA device (torch), then scaled by std and cast to the value's dtype.
+    Derivation and residual risk: docs/privacy.md ("Noise tails").
+
+    Draws are served in order from one stream of standard normals per dtype (float32 for every
+    dtype but float64), generated in chunks: a small tensor costs a slice, and the same seed
+    gives the same standard normals whatever the split of the requests (scaled by σ, equal up to the
+    last bit: σ may be applied before or after the product with cos θ). Secure mode gives up run-to-run
+    reproducibility. Neither mode fixes the floating-point weaknesses of sampling in floats.
     """
 
     def __init__(self, seed: int, device: torch.device | str = "cpu", secure: bool = False):
         self.device = torch.device(device)
-        self.secure = secure
-        self.generator = torch.Generator(device=self.device)
-        if secure:
-            import secrets
+        self.secure = bool(secure)
+        self.seed = int(seed)
+        self._streams: dict[torch.dtype, _NormalStream] = {}
 
-            self.generator.manual_seed(secrets.randbits(63))
-        else:
-            self.generator.manual_seed(int(seed))
+    def _stream(self, dtype: torch.dtype) -> _NormalStream:
+        key = torch.float64 if dtype == torch.float64 else torch.float32
+        stream = self._streams.get(key)
+        if stream is None:
+            sub = None if self.secure else stream_seed(self.seed, f"normal-{str(key).removeprefix('torch.')}")
+            stream = self._streams[key] = _NormalStream(key, self.device, sub)
+        return stream
 
     def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
-        if self.secure:
-            return _secure_normal(like, std)
-        noise = torch.randn(like.shape, generator=self.generator, device=like.device, dtype=like.dtype)
-        return noise.mul_(std)
+        """N(0, std²) noise shaped like ``like``, in its dtype and on its device."""
+        z = self._stream(like.dtype).take(like.numel(), std).view_as(like)  # view_as: 2 µs cheaper than view(shape)
+        if z.dtype != like.dtype:
+            z = z.to(like.dtype)
+        return z if z.device == like.device else z.to(like.device)
 
     def scalar(self, std: float) -> float:
         """One N(0, std²) draw as a Python float, sampled in float64 (float32 on MPS, which
@@ -87,32 +114,167 @@ class NoiseSource:
         dtype = torch.float32 if self.device.type == "mps" else torch.float64
         return float(self.normal(torch.zeros((), dtype=dtype, device=self.device), std))
 
-    def state(self) -> torch.Tensor:
-        return self.generator.get_state()
+    @property
+    def drawn(self) -> dict[torch.dtype, int]:
+        """How many standard normals each dtype's stream has served so far."""
+        return {k: s.served for k, s in self._streams.items()}
 
-    def set_state(self, state: torch.Tensor) -> None:
-        self.generator.set_state(state)
+    def state(self) -> dict[torch.dtype, dict[str, Any]]:
+        """A snapshot of every stream (seeded mode only: secure mode has no state to restore)."""
+        if self.secure:
+            raise RuntimeError("secure mode reads the OS CSPRNG: it has no state to save or restore")
+        return {k: s.state() for k, s in self._streams.items()}
+
+    def set_state(self, state: dict[torch.dtype, dict[str, Any]]) -> None:
+        if self.secure:
+            raise RuntimeError("secure mode reads the OS CSPRNG: it has no state to save or restore")
+        self._streams = {}
+        for k, st in state.items():
+            self._stream(k).set_state(st)
 
 
-def _secure_normal(like: torch.Tensor, std: float) -> torch.Tensor:
-    """N(0, std²) from the OS CSPRNG: float64 Box–Muller on 53-bit uniforms, then cast.
+Words = Callable[[int], Any]  # n → n NEW random words of WORD_BITS bits (numpy or torch int64; modified in place)
 
-    torch's float32 CPU sampler uses 24-bit uniforms, which truncates the tails near 5.8σ
-    (an extra δ of about T·q·1e-6 at ν = 1); 53-bit uniforms push the cut-off past 38σ.
-    Floating-point rounding of the *sum* is still not hardened (see docs/privacy.md).
+
+class _NormalStream:
+    """Standard normals of one dtype, in a fixed order, generated ``chunk`` pairs at a time."""
+
+    # (on a CUDA device?, dtype) → pairs per chunk. On the GPU a chunk costs ~0.75 ms of launches and
+    # host syncs whether it holds 2^20 or 2^22 pairs (H200), so chunks are large there (~130 MB of
+    # temporaries for float32); on the host 2^15 pairs keep the temporaries in cache.
+    CHUNK_PAIRS = {(True, torch.float32): 1 << 22, (True, torch.float64): 1 << 18,
+                   (False, torch.float32): 1 << 15, (False, torch.float64): 1 << 9}
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, seed: int | None):
+        self.dtype, self.device = dtype, device
+        self.on_device = device.type == "cuda"  # else numpy on the host (also MPS: no float64 there)
+        self.host = RandomBits(seed) if seed is None or not self.on_device else None
+        self.generator = None
+        if self.host is None:
+            self.generator = torch.Generator(device=device).manual_seed(int(seed))  # type: ignore[arg-type]
+        self.chunk = self.CHUNK_PAIRS[(self.on_device, dtype)]
+        self.buf = torch.empty(0, dtype=dtype, device=device if self.on_device else "cpu")
+        self.pos = 0
+        self.served = 0
+
+    def words(self, n: int) -> Any:
+        if not self.on_device:
+            return self.host.words(n)  # type: ignore[union-attr]
+        if self.generator is None:  # secure: the OS CSPRNG's words, copied to the device
+            return torch.from_numpy(self.host.words(n)).to(self.device)  # type: ignore[union-attr]
+        return torch.randint(0, 1 << WORD_BITS, (n,), generator=self.generator, device=self.device)
+
+    def _chunk(self, out: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+        """The next chunk (2·chunk standard normals, times ``scale``), written into ``out`` when given."""
+        if self.on_device:
+            return _normal_pairs_torch(self.words, self.chunk, self.dtype, out, scale)
+        z = _normal_pairs_np(self.words, self.chunk, _NP_DTYPE[self.dtype], None if out is None else out.numpy(), scale)
+        return torch.from_numpy(z) if out is None else out
+
+    def take(self, n: int, std: float) -> torch.Tensor:
+        """std times the next n standard normals, as a new tensor."""
+        self.served += n
+        if self.pos + n <= self.buf.numel():
+            self.pos += n
+            return self.buf[self.pos - n : self.pos].mul(std)
+        out = torch.empty(n, dtype=self.dtype, device=self.buf.device)
+        o, size = 0, 2 * self.chunk
+        while o < n:
+            if self.pos == self.buf.numel():
+                if n - o >= size:  # a whole chunk straight into the output; the stream is unchanged
+                    self._chunk(out[o : o + size], std)
+                    o += size
+                    continue
+                self.buf, self.pos = self._chunk(), 0
+            m = min(n - o, self.buf.numel() - self.pos)
+            torch.mul(self.buf[self.pos : self.pos + m], std, out=out[o : o + m])
+            o, self.pos = o + m, self.pos + m
+        return out
+
+    def state(self) -> dict[str, Any]:
+        bits = self.host.state() if self.generator is None else self.generator.get_state()  # type: ignore[union-attr]
+        return {"bits": bits, "buf": self.buf.clone(), "pos": self.pos, "served": self.served}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if self.generator is None:
+            self.host.set_state(state["bits"])  # type: ignore[union-attr]
+        else:
+            self.generator.set_state(state["bits"])
+        self.buf, self.pos, self.served = state["buf"].clone(), int(state["pos"]), int(state["served"])
+
+
+_NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}
+# Bit layouts (derivation in docs/privacy.md, "Noise tails"). float32: one 62-bit word per pair,
+# ANGLE32 bits for the angle and the other 38 for the radius, refined from fresh words where they
+# are < 2^PRECISION32: above that, rounding U up to its grid moves r by less than 4e-8·r (below
+# float32's half-ulp), and the refinement (probability 2^-18 per pair) costs ~nothing per chunk.
+# float64: one 62-bit word for the radius (refined below 2^53) and 53 bits of another for the angle.
+ANGLE32, PRECISION32, PRECISION64, ANGLE64 = 24, 20, 53, 53
+
+
+def _normal_pairs_np(words: Words, k: int, dtype: type, out: np.ndarray | None = None,
+                     scale: float = 1.0) -> np.ndarray:
+    """2k standard normals (times ``scale``) from integer bits (Box–Muller): [r·cos θ (k), r·sin θ (k)].
+
+    The radius r = √(2E), E from ``exponentials`` (no cut-off: where the radius bits run out
+    it refines from fresh words); the layouts are above. The angle's resolution bounds no tail
+    (|z| ≤ r whatever θ); it only rounds the direction (docs/privacy.md).
+    ``_normal_pairs_torch`` is the same on a torch device.
     """
-    import os
+    # In-place numpy (float32: about the cost of torch.randn per draw on one CPU core).
+    if dtype == np.float32:
+        w = words(k)
+        theta = (w & ((1 << ANGLE32) - 1)).astype(np.float32)
+        theta *= np.float32(2 * math.pi * 2.0**-ANGLE32)
+        w >>= ANGLE32
+        r2 = exponentials(words, w, WORD_BITS - ANGLE32, PRECISION32, scale=2.0)  # r² = 2E
+    else:
+        a = words(k)
+        theta = (words(k) >> (WORD_BITS - ANGLE64)).astype(np.float64)
+        theta *= 2 * math.pi * 2.0**-ANGLE64
+        r2 = exponentials(words, a, WORD_BITS, PRECISION64, scale=2.0)
+    r = np.empty(k, dtype=dtype)
+    np.sqrt(r2, out=r, casting="same_kind")
+    if scale != 1.0:
+        r *= dtype(scale)
+    out = np.empty(2 * k, dtype=dtype) if out is None else out
+    np.cos(theta, out=out[:k])
+    out[:k] *= r
+    np.sin(theta, out=theta)
+    np.multiply(r, theta, out=out[k:])
+    return out
 
-    import numpy as np
 
-    n = like.numel()
-    k = (n + 1) // 2
-    raw = np.frombuffer(os.urandom(16 * k), dtype=np.uint64).reshape(2, k)
-    u1 = ((raw[0] >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]: log is finite
-    u2 = (raw[1] >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    r = np.sqrt(-2.0 * np.log(u1))
-    z = np.concatenate([r * np.cos(2 * math.pi * u2), r * np.sin(2 * math.pi * u2)])[:n]
-    return torch.from_numpy(z).reshape(like.shape).to(device=like.device, dtype=like.dtype).mul_(std)
+def _exponentials_torch(words: Words, a: torch.Tensor, width: int, precision: int, depth: int = 0) -> torch.Tensor:
+    """``sampling.exponentials`` on a torch device (float64; the same law, the same recursion)."""
+    e = torch.log((a + 1).to(torch.float64).mul_(2.0**-width)).neg_()
+    low = (a < (1 << precision)).nonzero().squeeze(1)  # one host sync per chunk
+    if low.numel():
+        if depth >= MAX_REFINEMENTS:
+            raise degenerate_bits()
+        e[low] = (width - precision) * LN2 + _exponentials_torch(words, words(low.numel()), WORD_BITS, precision,
+                                                                 depth + 1)
+    return e
+
+
+def _normal_pairs_torch(words: Words, k: int, dtype: torch.dtype, out: torch.Tensor | None = None,
+                        scale: float = 1.0) -> torch.Tensor:
+    """``_normal_pairs_np`` in torch, for words on a CUDA device."""
+    if dtype == torch.float32:
+        w = words(k)
+        theta = (w & ((1 << ANGLE32) - 1)).to(torch.float32).mul_(2 * math.pi * 2.0**-ANGLE32)
+        e = _exponentials_torch(words, w >> ANGLE32, WORD_BITS - ANGLE32, PRECISION32)
+    else:
+        a = words(k)
+        theta = (words(k) >> (WORD_BITS - ANGLE64)).to(torch.float64).mul_(2 * math.pi * 2.0**-ANGLE64)
+        e = _exponentials_torch(words, a, WORD_BITS, PRECISION64)
+    r = e.mul_(2.0).to(dtype).sqrt_()
+    if scale != 1.0:
+        r.mul_(scale)
+    out = torch.empty(2 * k, dtype=dtype, device=r.device) if out is None else out
+    torch.mul(r, torch.cos(theta), out=out[:k])
+    torch.mul(r, torch.sin(theta), out=out[k:])
+    return out
 
 
 class _Draw:

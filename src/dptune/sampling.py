@@ -9,23 +9,123 @@ itself private. Full batch is q = 1.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from dptune.errors import ConfigError
 
+WORD_BITS = 62  # every random word: 62 uniform bits in a non-negative int64 (numpy and torch alike)
+LN2 = math.log(2.0)
+
 
 def stream_seed(seed: int, stream: str) -> int:
-    """Independent 63-bit seeds for the named random streams of one run (sampling, noise, ...)."""
+    """Independent 63-bit seeds for the named random streams of one run (sampling, noise, ...).
+
+    Every bit of ``seed`` counts (any Python int, negative too): distinct seeds give distinct
+    entropy for the same stream name, so their streams differ but with probability ~2⁻⁶³
+    (a hash collision). Seeds in [0, 2³²) keep the entropy they always had, hence the same
+    streams as before; other seeds append their remaining 32-bit words and a marker (sign,
+    word count), which no seed below 2³² produces. (Before, the seed was masked to 32 bits:
+    seeds differing only above bit 31 shared every stream.)
+    """
+    s = int(seed)
     tag = [ord(c) for c in stream]
-    return int(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, *tag]).generate_state(2, dtype=np.uint64)[0] >> 1)
+    if 0 <= s < 1 << 32:
+        entropy = [s, *tag]
+    else:
+        words, mag = [], abs(s)
+        while mag:
+            words.append(mag & 0xFFFFFFFF)
+            mag >>= 32
+        marker = 0x80000000 | (0x40000000 if s < 0 else 0) | len(words)
+        entropy = [words[0], *tag, *words[1:], marker]
+    return int(np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint64)[0] >> 1)
+
+
+class RandomBits:
+    """Uniform random words of ``WORD_BITS`` bits (int64 ≥ 0): the raw randomness of a stream.
+
+    ``seed`` given: a PCG64DXSM generator seeded with it (reproducible: the same seed gives
+    the same words). ``seed=None`` (secure mode): every word is read from the operating
+    system's CSPRNG (``os.urandom``), so nothing in the configuration determines it.
+    Transforms (``exponentials``, ``mechanisms`` for Gaussians) read explicit integer bits, so
+    what they produce does not depend on a library's float-sampling internals.
+    """
+
+    def __init__(self, seed: int | None):
+        self.secure = seed is None
+        self._bg = None if seed is None else np.random.PCG64DXSM(int(seed))
+
+    def words(self, n: int) -> np.ndarray:
+        if self._bg is None:
+            raw = np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(64 - WORD_BITS)
+        else:
+            raw = self._bg.random_raw(n)
+            raw >>= np.uint64(64 - WORD_BITS)
+        return raw.view(np.int64)
+
+    def state(self) -> dict[str, Any]:
+        if self._bg is None:
+            raise RuntimeError("secure mode reads the OS CSPRNG: it has no state to save or restore")
+        return self._bg.state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if self._bg is None:
+            raise RuntimeError("secure mode reads the OS CSPRNG: it has no state to save or restore")
+        self._bg.state = state
+
+
+MAX_REFINEMENTS = 32  # levels of exponentials' tail recursion before the bits are judged degenerate
+
+
+def degenerate_bits() -> RuntimeError:
+    return RuntimeError(
+        f"the random source returned {MAX_REFINEMENTS} levels of all-zero bits in a row (probability "
+        "< 2^-1000 for real randomness): it is broken. Nothing was released with these draws."
+    )
+
+
+def exponentials(words: Callable[[int], np.ndarray], a: np.ndarray, width: int, precision: int,
+                 scale: float = 1.0, depth: int = 0) -> np.ndarray:
+    """``scale`` times Exp(1) draws (float64) with no cut-off, from integers ``a`` uniform on [0, 2^width).
+
+    E = −ln U with U = (a + 1)·2^−width: the uniform on (0, 1] rounded up to a grid whose
+    relative step is ≤ 2^−precision wherever a ≥ 2^precision. Where a < 2^precision, i.e.
+    U ≤ 2^(precision − width), i.e. E ≥ c = (width − precision)·ln 2, the grid would be coarse
+    and would cap E at width·ln 2 (a cut-off: the bug of 24-bit Box–Muller); there E is c plus
+    a fresh draw from new words instead. Given E ≥ c, E − c ~ Exp(1) (the exponential is
+    memoryless), so the law has no cut-off at any depth. The recursion is reached with
+    probability 2^(precision − width) per draw (then 2^(precision − WORD_BITS) per level).
+    A source that keeps returning zeros (broken) raises after ``MAX_REFINEMENTS`` levels.
+    The same function in torch is ``mechanisms._exponentials_torch``.
+    """
+    step = 2.0**-width
+    e = a * step  # float64; exact for width ≤ 53 (a < 2^53), rounded to nearest above
+    e += step  # U = (a + 1)·2^-width
+    np.log(e, out=e)
+    e *= -scale  # four passes over the array (it is the noise's hot path)
+    low = np.flatnonzero(a < (1 << precision))
+    if low.size:
+        if depth >= MAX_REFINEMENTS:
+            raise degenerate_bits()
+        e[low] = scale * (width - precision) * LN2 + exponentials(words, words(low.size), WORD_BITS, precision,
+                                                                  scale, depth + 1)
+    return e
 
 
 class PoissonSampler:
-    """Draws index sets with Poisson sampling at rate q from ``n`` examples."""
+    """Draws index sets with Poisson sampling at rate q from ``n`` examples.
 
-    def __init__(self, n: int, sampling_rate: float, seed: int):
+    Its randomness is ``RandomBits``: seeded from ``stream_seed(seed, "sampling")``, or, with
+    ``secure=True``, the OS CSPRNG. In seeded mode anyone who knows the seed can regenerate
+    every batch (and the privacy amplification by subsampling is lost); docs/privacy.md.
+    """
+
+    def __init__(self, n: int, sampling_rate: float, seed: int, secure: bool = False):
         if n <= 0:
             raise ConfigError(f"the training set is empty (n = {n}); provide at least one example.")
         if not (0 < sampling_rate <= 1):
@@ -35,7 +135,8 @@ class PoissonSampler:
             )
         self.n = n
         self.q = float(sampling_rate)
-        self.generator = torch.Generator().manual_seed(stream_seed(seed, "sampling"))
+        self.secure = bool(secure)
+        self.bits = RandomBits(None if secure else stream_seed(seed, "sampling"))
 
     @property
     def expected_batch_size(self) -> float:
@@ -50,22 +151,25 @@ class PoissonSampler:
 
         Drawn by geometric skips rather than n coin flips: the gaps between consecutive included
         indices of an i.i.d. Bernoulli(q) sequence are i.i.d. Geometric(q) on {1, 2, ...}, and
-        G = ⌊log V / log(1 − q)⌋ + 1 with V uniform on (0, 1] has exactly that law. Same
-        distribution of index sets, ~qn float64 uniforms instead of n float32 ones (60,000
-        coin flips cost 0.5 ms per step on a CPU core, more than a small model's whole step),
-        and q is used at float64 precision rather than on the 2⁻²⁴ grid of a float32 coin.
+        G = ⌊E / λ⌋ + 1 with E ~ Exp(1) and λ = −log(1 − q) has exactly that law
+        (P(G > k) = P(E ≥ kλ) = (1 − q)^k). Same distribution of index sets, ~qn 62-bit words
+        instead of n float32 coins (60,000 coin flips cost 0.5 ms per step on a CPU core, more
+        than a small model's whole step), and q is used at float64 precision rather than on the
+        2⁻²⁴ grid of a float32 coin. E comes from ``exponentials`` (no cut-off: a gap is never
+        capped, where −log V of a 53-bit uniform V would cap it at 36.7/λ).
         """
         if self.full_batch:
             return torch.arange(self.n)
         n, q = self.n, self.q
-        log1mq = math.log1p(-q)
+        lam = -math.log1p(-q)
+        words = self.bits.words
         parts: list[np.ndarray] = []
         last = -1  # the last included index so far
         while True:
             m = _chunk_size((n - 1 - last) * q)
-            u = torch.rand(m, generator=self.generator, dtype=torch.float64).numpy()
             # numpy for the arithmetic: ~1 µs per call on these short vectors, 5–15 µs in torch.
-            idx = last + np.cumsum(np.floor(np.log1p(-u) / log1mq).astype(np.int64) + 1)  # 1 − u ∈ (0, 1]
+            e = exponentials(words, words(m), WORD_BITS, 53)
+            idx = last + np.cumsum(np.floor(e / lam).astype(np.int64) + 1)
             k = int(np.searchsorted(idx, n))  # idx is increasing: the first k are < n
             parts.append(idx[:k])
             if k < m:
@@ -73,11 +177,12 @@ class PoissonSampler:
             last = int(idx[-1])
         return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
-    def state(self) -> torch.Tensor:
-        return self.generator.get_state()
+    def state(self) -> dict[str, Any]:
+        """The seeded stream's state (secure mode has none: ``RuntimeError``)."""
+        return self.bits.state()
 
-    def set_state(self, state: torch.Tensor) -> None:
-        self.generator.set_state(state)
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.bits.set_state(state)
 
 
 def _chunk_size(left: float) -> int:

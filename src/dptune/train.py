@@ -46,6 +46,9 @@ class RunPlan:
     sampling_rate: float
     steps: int
     noise_multiplier: float
+    # The accountant ν was calibrated with (or that reports a given ν): the run's ε is its ε.
+    # Another accountant's ε of the same run can exceed the target (RDP vs a PLD calibration).
+    accountant: str = "rdp"
 
     @property
     def expected_batch_size(self) -> float:
@@ -77,6 +80,9 @@ def plan_run(
     T = steps_for_epochs(epochs, q) if epochs is not None else int(steps)  # type: ignore[arg-type]
     if T < 1:
         raise ConfigError(f"steps must be ≥ 1, got {steps}.")
+    accounting.check_accountant(accountant)
+    if accountant == "gdp" and q < 1 and strategy.private:
+        raise ConfigError("accountant='gdp' is exact only for full batch (q = 1); use 'pld' (tight) or 'rdp'.")
     if not strategy.private:
         nu = math.inf
     elif noise_multiplier is not None:
@@ -90,7 +96,7 @@ def plan_run(
         nu = accounting.calibrate(target_epsilon, delta, q, releases, accountant=accountant)
     else:
         raise ConfigError(f"strategy {strategy.name!r} is private: give noise_multiplier or target_epsilon (+ delta).")
-    return RunPlan(strategy, n, q, T, nu)
+    return RunPlan(strategy, n, q, T, nu, accountant)
 
 
 def accounting_check_nu(nu: float) -> float:
@@ -114,15 +120,17 @@ class TrainResult:
     diverged: bool = False
     seconds: float = 0.0
     model: nn.Module | None = field(default=None, repr=False)
+    secure_mode: bool = False  # noise and Poisson batches from the OS CSPRNG (else from the seed)
 
     # * train_loss is the mean loss on the private batch: a diagnostic for the user's own
     #   eyes, NOT differentially private. dptune never selects on it.
 
-    def epsilon(self, delta: float | None = None, accountant: str = "rdp") -> float:
+    def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
+        """ε spent at δ, by ``accountant`` (default: the plan's, the one ν was calibrated with)."""
         d = delta if delta is not None else self.delta
         if d is None:
             raise ConfigError("epsilon() needs a delta.")
-        return self.ledger.epsilon(d, accountant)
+        return self.ledger.epsilon(d, accountant or self.plan.accountant)
 
     def model_with(self, which: str = "best") -> nn.Module:
         """A copy of the model loaded with the best (default) or final parameters."""
@@ -142,16 +150,33 @@ class TrainResult:
             "steps": self.plan.steps,
             "noise_multiplier": self.plan.noise_multiplier,
             "delta": self.delta,
-            "epsilon_rdp": self.epsilon(accountant="rdp") if self.delta else None,
+            # ε by the accountant of the plan, named: RDP's ε of a PLD-calibrated run exceeds the target.
+            "epsilon": self.epsilon() if self.delta else None,
+            "accountant": self.plan.accountant,
             "metric": self.metric,
             "best_metric": self.best_metric,
             "best_step": self.best_step,
             "diverged": self.diverged,
             "seconds": self.seconds,
+            **randomness_statement(self.secure_mode),
         }
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.summary(), "history": self.history, "evals": self.evals, "ledger": self.ledger.to_dict()}
+
+
+SEEDED_WARNING = (
+    "seeded (reproducible) randomness: the seed is a secret key. Anyone who knows it can regenerate "
+    "every noise draw and every Poisson batch and subtract them: the privacy guarantee then does not "
+    "hold. Keep the seed secret, or train with secure mode (the OS CSPRNG) before publishing."
+)
+SECURE_STATEMENT = ("secure mode: the noise and the Poisson batches were drawn from the operating system's "
+                    "CSPRNG, not from the seed (not reproducible).")
+
+
+def randomness_statement(secure: bool) -> dict[str, str]:
+    """The ``randomness`` mode and its note, for every report of a run or study."""
+    return {"randomness": "secure" if secure else "seeded", "randomness_note": SECURE_STATEMENT if secure else SEEDED_WARNING}
 
 
 def evaluate(oracle: GradientOracle, params: Tensors, x: torch.Tensor, y: torch.Tensor, metric: str, batch: int = 4096) -> float:
@@ -261,7 +286,10 @@ class RunLoop:
             self.ledger, plan.sampling_rate, NoiseSource(stream_seed(seed, "noise"), device, secure_mode), run_id,
             planned_multiplier=plan.noise_multiplier if strategy.private else None,
         )
-        self.sampler = PoissonSampler(plan.n, plan.sampling_rate, seed)
+        # Secure mode covers the batches too: a seeded sampler lets anyone holding the seed
+        # regenerate every batch, which voids the amplification by subsampling.
+        self.secure_mode = secure_mode
+        self.sampler = PoissonSampler(plan.n, plan.sampling_rate, seed, secure=secure_mode)
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, float]] = []
         self.best_metric: float | None = None
@@ -320,7 +348,7 @@ class RunLoop:
         return TrainResult(
             history=self.history, evals=self.evals, metric=self.metric, best_metric=self.best_metric,
             best_step=self.best_step, best_params=self.best_params, final_params=clone(self.params),
-            ledger=self.ledger, plan=self.plan, delta=delta, diverged=self.diverged,
+            ledger=self.ledger, plan=self.plan, delta=delta, diverged=self.diverged, secure_mode=self.secure_mode,
             seconds=time.perf_counter() - self.started if seconds is None else seconds, model=self.model,
         )
 
@@ -357,7 +385,9 @@ def train(
 
     Exactly one of ``noise_multiplier`` and ``target_epsilon`` (+ ``delta``) is needed for a
     private strategy. Sampling is Poisson at q = expected_batch_size / n (or full batch).
-    The same ``seed`` reproduces the run bit for bit on CPU. ``grad_method``: 'auto' (ghost
+    The same ``seed`` reproduces the run bit for bit on CPU; the seed is then a secret key
+    (whoever knows it can regenerate the noise and the batches). ``secure_mode=True`` draws the
+    noise and the Poisson batches from the OS CSPRNG instead (not reproducible). ``grad_method``: 'auto' (ghost
     norms where every layer is supported, else vmap), 'ghost' or 'vmap'.
     """
     if isinstance(strategy, str):
@@ -408,7 +438,8 @@ class _Bar:
         self._bar = tqdm(total=total, desc=desc, unit="step", leave=False)
 
     def update(self, n: int, row: dict[str, Any]) -> None:
-        post = {k: f"{row[k]:.3g}" for k in ("train_loss", "clip", "lr") if k in row and isinstance(row[k], float)}
+        # C_t and ρ_t only: train_loss (the private batch's loss) and batch_size are not DP.
+        post = {k: f"{row[k]:.3g}" for k in ("clip", "lr") if k in row and isinstance(row[k], float)}
         self._bar.set_postfix(post, refresh=False)
         self._bar.update(n)
 

@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from dptune.errors import ConfigError
-from dptune.ghost import GhostGrads, _Linear
-from dptune.grads import GradientOracle, MaterializedGrads, batched_loss, check_model
+from dptune.ghost import GhostGrads, _Linear, rank_one_parts
+from dptune.grads import GradientOracle, MaterializedGrads, batched_loss, check_model, upper_norms
 from dptune.strategies import Strategy, make_strategy
 from dptune.train import RunLoop, RunPlan, TrainResult, plan_run, resolve_task, train
 from dptune.tree import Tensors
@@ -208,6 +208,38 @@ class _Trial:
     oracle: _TrialOracle  # serves the batched statistics of the trial's rows
 
 
+def trial_seeds(seed: int, K: int) -> list[int]:
+    """The seeds ``train_many(..., seeds=seed)`` gives its K trials: ``stream_seed(seed, f"trial{k}")``.
+
+    One base seed must not mean one seed for every trial: trials with the same seed share
+    their Poisson batches and their noise, and two such releases combine into a noiseless
+    one (e.g. with clips 1 and 3, A/1 − B/3 = S₁ − S₃/3). Derived 63-bit seeds differ for
+    every k (and from any other base seed's) but with probability ~K²/2⁶⁴; checked below.
+    Result k equals ``train(..., seed=trial_seeds(seed, K)[k])``.
+    """
+    from dptune.sampling import stream_seed
+
+    return [stream_seed(int(seed), f"trial{k}") for k in range(K)]
+
+
+def _seed_list(seeds: int | Sequence[int], K: int, allow_shared_seeds: bool) -> list[int]:
+    """Per-trial seeds: derived from one base seed, or the given list (duplicates refused)."""
+    if isinstance(seeds, str | bytes) or not isinstance(seeds, Sequence):
+        out = trial_seeds(int(seeds), K)  # type: ignore[arg-type]
+    else:
+        out = [int(s) for s in _per_trial(seeds, K, "seeds")]
+    if not allow_shared_seeds and len(set(out)) < len(out):
+        dup = sorted({s for s in out if out.count(s) > 1})
+        raise ConfigError(
+            f"seeds {dup} are given to several trials: those trials would share their Poisson batches "
+            "and their noise, so combining their releases cancels the noise (with clips 1 and 3, "
+            "A/1 − B/3 is the noiseless S₁ − S₃/3) and the accounted ε does not hold. Give every "
+            "trial its own seed (or one base seed: seeds=0 derives distinct per-trial seeds), or "
+            "pass allow_shared_seeds=True for deliberate replicas whose releases stay private."
+        )
+    return out
+
+
 def _per_trial(value: Any, K: int, name: str) -> list[Any]:
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
         return [value] * K
@@ -242,9 +274,15 @@ def train_many(
     on_step: Callable[[int, int, dict[str, Any]], None] | None = None,
     block_size: int | None = None,
     fallback: str = "sequential",
+    allow_shared_seeds: bool = False,
 ) -> list[TrainResult]:
     """Train K trials at once; result k equals ``train(model_k, data, strategy_k, seed=seeds[k],
     noise_multiplier=ν_k, ..., **configs[k])`` up to float rounding.
+
+    ``seeds``: one seed per trial (all distinct: trials sharing a seed share their Poisson
+    batches and noise, which cancels in combinations of their releases; refused unless
+    ``allow_shared_seeds=True``), or one base seed (default 0) from which trial k gets
+    ``trial_seeds(seed, K)[k]`` = ``stream_seed(seed, f"trial{k}")``.
 
     ``models``: a callable ``model_fn(seed) -> nn.Module`` (called with each trial's seed),
     one module (each trial starts from a copy) or one module per trial. ``strategy``: a
@@ -284,7 +322,7 @@ def train_many(
         strategies = [strategy] * K
     else:
         strategies = list(strategy)
-    seed_list = [int(s) for s in _per_trial(seeds, K, "seeds")]
+    seed_list = _seed_list(seeds, K, allow_shared_seeds)
     nus = _per_trial(noise_multiplier, K, "noise_multiplier")
     epss = _per_trial(target_epsilon, K, "target_epsilon")
     ids = list(run_ids) if run_ids is not None else [""] * K
@@ -434,17 +472,15 @@ def _batched_grads(
     zs = [z for _, z in recs]
     bs = torch.autograd.grad(losses.sum(), zs)
     losses = losses.detach()
-    # Per-sample squared norms of all trials at once: Σ_layers ‖a‖²‖b‖² (+ ‖b‖² for the bias).
-    sq = torch.zeros(K, B, dtype=losses.dtype, device=losses.device)
+    # Per-sample norms of all trials at once: Σ_layers ‖a‖²‖b‖² (+ ‖b‖² for the bias), as the
+    # upper bounds of the ghost path (ghost.rank_one_parts, grads.upper_norms).
+    parts: list[tuple[torch.Tensor, float]] = []
     acts = []
     for op, (h, _), b in zip(stacked.linears, recs, bs, strict=True):
         a = h.detach()
         acts.append(a)
-        nb = torch.linalg.vector_norm(b, dim=2)
-        sq = sq + (torch.linalg.vector_norm(a, dim=2) * nb).square()
-        if op.module.bias is not None:
-            sq = sq + nb.square()
-    norms = sq.sqrt()
+        parts += rank_one_parts(a, b, op.module.bias is not None)
+    norms = upper_norms(parts, losses)
     for k, tr in enumerate(active):
         Bk = sizes[k]
         layers = [

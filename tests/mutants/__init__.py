@@ -138,3 +138,297 @@ APPLICABLE: dict[str, tuple[str, ...]] = {
     "dpgd": ("noise×0.25", "no clipping"),
     "grid": ("noise×0.25", "no clipping"),
 }
+
+
+# ----------------------------------------------------------------------------- tuner mutants (issue 10)
+# Selection-level bugs that no one-run audit can see; ``tests/test_edge_selection.py`` checks that
+# its independent checks flag each of them. Not in ``MUTANTS`` (those are audited per strategy).
+@contextlib.contextmanager
+def mean_mode_seeds_unaccounted() -> Iterator[None]:
+    """Liu–Talwar / repeat-and-select with ``across_seeds = "mean"`` and unaccounted seeds:
+    a candidate (S seed runs) calibrated as ONE run (the planner before issue 10, item 4)."""
+    from dptune.tune import planners
+
+    def procedures(study, composite: bool = False):  # noqa: ANN001, ARG001 - the bug ignores it
+        s = len(study.seeds)
+        if study.selection.across_seeds == "mean":
+            return 1, 1, (s if study.budget.account_seeds else 1)
+        return s, (s if study.budget.account_seeds else 1), 1
+
+    with _patched(planners, "_procedures", procedures):
+        yield
+
+
+@contextlib.contextmanager
+def mse_nonfinite_rule_removed() -> Iterator[None]:
+    """Private MSE selection without the per-example rule: a NaN error makes the whole clipped
+    sum NaN, which the scorer then releases as the constant c·m (issue 10, item 5)."""
+    import math
+
+    from torch.func import functional_call
+
+    from dptune.tree import is_finite
+    from dptune.tune.worker import Scorer
+
+    def total(self, params, x, y, clip):  # noqa: ANN001
+        if not is_finite(params):
+            return math.nan
+        with torch.no_grad():
+            out = functional_call(self.model, params, (x,))
+            if self.metric == "accuracy":
+                pred = out.argmax(1) if out.ndim > 1 and out.shape[1] > 1 else (out.reshape(-1) > 0).long()
+                return float((pred == y).sum())
+            err = ((out - y) ** 2).reshape(out.shape[0], -1).mean(1)
+            return float((err.clamp(0.0, clip) if clip is not None else err).sum())
+
+    with _patched(Scorer, "total", total):
+        yield
+
+
+@contextlib.contextmanager
+def coins_from_study_seed() -> Iterator[None]:
+    """Liu–Talwar / repeat-and-select draws (K, configurations) from the PUBLIC study seed
+    (the planner before issue 10, item 7): anyone with the config can recompute K."""
+    import numpy as np
+
+    from dptune.sampling import stream_seed
+    from dptune.tune import planners
+
+    original = planners._Builder.__dict__["__init__"]
+
+    def init(self, ctx, coins=None):  # noqa: ANN001, ARG001
+        original(self, ctx, np.random.default_rng(stream_seed(ctx.study.seed, "liu-talwar")))
+
+    with _patched(planners._Builder, "__init__", init):
+        yield
+
+
+TUNER_MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "LT/RS mean-mode seeds unaccounted": mean_mode_seeds_unaccounted,
+    "MSE non-finite rule removed": mse_nonfinite_rule_removed,
+    "LT/RS coins from the study seed": coins_from_study_seed,
+}
+
+
+# ----------------------------------------------------------------------------- norm mutants (issue 10)
+# Per-sample norms that under-estimate what is released for an example (item 1). No audit
+# canary exercises these layers; ``tests/test_edge_ghost_norms.py`` checks that its independent
+# checks flag each of them. Not in ``MUTANTS`` (those are audited per strategy).
+@contextlib.contextmanager
+def ghost_gram_float32() -> Iterator[None]:
+    """The Gram forms of the ghost path (Linear over tokens, small-output convolutions, repeated
+    Embedding tokens) evaluated in float32 with no rounding bound: the code before issue 10."""
+    from dptune import ghost
+
+    def gram_bound(chunks, d, p, T, u_release):  # noqa: ANN001, ARG001 - the bug ignores them
+        S = []
+        for A, Bm in chunks:
+            A, Bm = A.float(), Bm.float()
+            S.append((torch.bmm(A, A.transpose(1, 2)) * torch.bmm(Bm, Bm.transpose(1, 2))).sum((1, 2)))
+        s = torch.cat(S)
+        return (s, 0.0), torch.zeros_like(s, dtype=torch.float64)
+
+    def grouped(self):  # noqa: ANN001, ANN202
+        same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(self.b.dtype)
+        s = (torch.bmm(self.b, self.b.transpose(1, 2)) * same).sum((1, 2))
+        return (s, 0.0), torch.zeros_like(s, dtype=torch.float64)
+
+    with _patched(ghost, "_gram_bound", gram_bound), _patched(ghost._Embedding, "_grouped", grouped):
+        yield
+
+
+@contextlib.contextmanager
+def norms_rounded_to_nearest() -> Iterator[None]:
+    """Per-sample norms as the plain float √(Σ s) (rounded to nearest, no slack): about half of
+    them fall below the exact norm, so fl(C/N)·g can exceed C."""
+    from dptune import ghost, grads, vectorized
+
+    def plain(parts, like, dtype=None):  # noqa: ANN001, ANN202
+        sq = None
+        for s, _ in parts:
+            s = s.to(dtype or like.dtype)
+            sq = s if sq is None else sq + s
+        return (sq if sq is not None else torch.zeros_like(like, dtype=dtype)).sqrt()
+
+    with contextlib.ExitStack() as stack:
+        for owner in (grads, ghost, vectorized):
+            stack.enter_context(_patched(owner, "upper_norms", plain))
+        yield
+
+
+NORM_MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "ghost Gram norms in float32": ghost_gram_float32,
+    "norms rounded to nearest": norms_rounded_to_nearest,
+}
+
+
+# ----------------------------------------------------------------------------- edge mutants (issue 10)
+# Items 2, 3, 6, 8 and 9 (a, b, d) of docs/privacy.md ("At the edges") put back into their old
+# state. No one-run audit can see them (a tail event of probability ~2⁻⁵³, batches an adversary
+# regenerates from a known seed, noise shared between two runs, a split that moves with n, a ν
+# printed a few 1e-6 too small, an ε one ulp over its target, seeds sharing their low 32 bits);
+# ``tests/test_edge_mutants.py`` checks that each item's regression test flags its mutant and
+# passes without it. Not in ``MUTANTS`` (those are audited per strategy).
+@contextlib.contextmanager
+def noise_tail_cut_off(bits: int = 53) -> Iterator[None]:
+    """Box–Muller radius from a uniform of at most ``bits`` bits, never refined (item 2): E = −ln U
+    ≤ bits·ln 2, so |z| ≤ √(2·bits·ln 2) (8.57σ at 53 bits, the old secure sampler; 7.26σ for the
+    float32 layout's 38 radius bits). Host (numpy) and CUDA (torch) transforms alike."""
+    import numpy as np
+
+    from dptune import mechanisms
+
+    def capped(words, a, width, precision, scale=1.0, depth=0):  # noqa: ANN001, ANN202, ARG001
+        if width > bits:
+            a, width = a >> (width - bits), bits
+        return -scale * np.log((a + 1) * 2.0**-width)
+
+    def capped_torch(words, a, width, precision, depth=0):  # noqa: ANN001, ANN202, ARG001
+        if width > bits:
+            a, width = a >> (width - bits), bits
+        return torch.log((a + 1).to(torch.float64) * 2.0**-width).neg()
+
+    with _patched(mechanisms, "exponentials", capped), _patched(mechanisms, "_exponentials_torch", capped_torch):
+        yield
+
+
+@contextlib.contextmanager
+def secure_sampler_seeded() -> Iterator[None]:
+    """``PoissonSampler(..., secure=True)`` draws its batches from the public seed (item 3, the code
+    before issue 10); it still says ``secure`` and the noise stays secure."""
+    from dptune.sampling import PoissonSampler
+
+    original = PoissonSampler.__dict__["__init__"]
+
+    def init(self, n, sampling_rate, seed, secure=False):  # noqa: ANN001, ANN202
+        original(self, n, sampling_rate, seed, secure=False)
+        self.secure = bool(secure)
+
+    with _patched(PoissonSampler, "__init__", init):
+        yield
+
+
+@contextlib.contextmanager
+def one_seed_for_all_trials() -> Iterator[None]:
+    """``train_many(..., seeds=s)`` gives every trial the seed s itself (item 6, the code before
+    issue 10): the trials share their Poisson batches and their noise. Seed lists are unchanged."""
+    from dptune import vectorized
+
+    original = vectorized._seed_list
+
+    def seed_list(seeds, K, allow_shared_seeds):  # noqa: ANN001, ANN202, N803
+        if isinstance(seeds, int):
+            return [seeds] * K
+        return original(seeds, K, allow_shared_seeds)
+
+    with _patched(vectorized, "_seed_list", seed_list):
+        yield
+
+
+@contextlib.contextmanager
+def holdout_by_permutation() -> Iterator[None]:
+    """The holdout is the first round(f·n) of a permutation seeded by the study seed (item 8, the
+    code before issue 10): removing one example changes n and reshuffles both sets."""
+    from dptune.sampling import stream_seed
+    from dptune.tune import data
+
+    def holdout_mask(x, y, fraction, study_seed):  # noqa: ANN001, ANN202, ARG001
+        n = int(x.shape[0])
+        g = torch.Generator().manual_seed(stream_seed(study_seed, "holdout"))
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[torch.randperm(n, generator=g)[: int(round(fraction * n))]] = True
+        return mask
+
+    data._CACHE.clear()  # study_data caches its splits: none made by the mutant may outlive it
+    try:
+        with _patched(data, "holdout_mask", holdout_mask):
+            yield
+    finally:
+        data._CACHE.clear()
+
+
+@contextlib.contextmanager
+def nu_printed_to_nearest() -> Iterator[None]:
+    """ν and ε printed with 6 significant digits rounded to nearest, with no re-check (item 9a,
+    the code before issue 10): about half the printed ν are below the calibrated one."""
+    from dptune import accounting
+
+    def nearest(x: float, digits: int = 6) -> float:
+        return float(f"{x:.{digits}g}")
+
+    def text(nu, eps_of=None, target=None, digits=6):  # noqa: ANN001, ANN202, ARG001
+        return f"{nu:.{digits}g}", nearest(nu, digits)
+
+    with _patched(accounting, "round_up", nearest), _patched(accounting, "noise_multiplier_text", text):
+        yield
+
+
+@contextlib.contextmanager
+def gdp_calibration_unverified() -> Iterator[None]:
+    """μ-GDP calibration and ε as before issue 10 (item 9b): ν nudged until √(runs·steps)/ν, not
+    the reporting paths' √runs·(√steps·(1/ν)), meets the target, and ``gdp_epsilon`` returns
+    brentq's root estimate, which can lie below the root. ε(ν) overshoots by an ulp or two."""
+    import math
+
+    from scipy import optimize
+
+    original = accounting._calibrate_info_cached
+
+    def gdp_epsilon(mu: float, delta: float) -> float:
+        if math.isinf(mu):
+            return math.inf
+        if accounting.gdp_delta(mu, 0.0) <= delta:
+            return 0.0
+        hi = 1.0
+        while accounting.gdp_delta(mu, hi) > delta:
+            hi *= 2
+        return float(optimize.brentq(lambda e: accounting.gdp_delta(mu, e) - delta, 0.0, hi, xtol=1e-12))
+
+    def cached(eps, delta, q, steps, runs, accountant, rel_tol):  # noqa: ANN001, ANN202
+        if accountant != "gdp" or q < 1:
+            return original(eps, delta, q, steps, runs, accountant, rel_tol)
+        nu = math.sqrt(runs * steps) / accounting.gdp_mu_for_epsilon(eps, delta)
+        evals = 1
+        while accounting.gdp_epsilon(math.sqrt(runs * steps) / nu, delta) > eps:
+            nu *= 1 + 1e-9
+            evals += 1
+        return accounting.Calibration(nu, nu / (1 + 1e-9), accounting.gdp_epsilon(math.sqrt(runs * steps) / nu, delta),
+                                      evals, 0, 0.0)
+
+    accounting._epsilon_cached.cache_clear()  # cached ε values must come from the code under test
+    try:
+        with _patched(accounting, "gdp_epsilon", gdp_epsilon), _patched(accounting, "_calibrate_info_cached", cached):
+            yield
+    finally:
+        accounting._epsilon_cached.cache_clear()
+
+
+@contextlib.contextmanager
+def seeds_masked_to_32_bits() -> Iterator[None]:
+    """Every stream seed derived from the low 32 bits of the seed (item 9d, the code before issue
+    10): seeds that differ only above bit 31 share their Poisson batches and their noise. Patched
+    in every dptune module that imported ``stream_seed``."""
+    from dptune import sampling
+
+    original = sampling.stream_seed
+
+    def masked(seed: int, stream: str) -> int:
+        return original(int(seed) & 0xFFFFFFFF, stream)
+
+    owners = [m for name, m in list(sys.modules.items())
+              if name.split(".")[0] == "dptune" and getattr(m, "stream_seed", None) is original]
+    with contextlib.ExitStack() as stack:
+        for m in owners:
+            stack.enter_context(_patched(m, "stream_seed", masked))
+        yield
+
+
+EDGE_MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "noise tail cut off at 53 bits": noise_tail_cut_off,
+    "secure sampler seeded": secure_sampler_seeded,
+    "train_many: one seed for all trials": one_seed_for_all_trials,
+    "holdout by seeded permutation": holdout_by_permutation,
+    "ν printed rounded to nearest": nu_printed_to_nearest,
+    "GDP calibration unverified": gdp_calibration_unverified,
+    "seeds masked to 32 bits": seeds_masked_to_32_bits,
+}

@@ -18,8 +18,8 @@ class Dataset:
     """A loaded, preprocessed dataset: float32 features, int64 labels (or ``y is x``).
 
     For ``task == 'reconstruction'`` the targets are the inputs (``y_train is x_train``)
-    and ``num_classes`` is ``None``. ``notes`` lists preprocessing caveats (e.g. feature
-    scaling that was computed on the training data without privacy).
+    and ``num_classes`` is ``None``. ``notes`` lists the preprocessing and its caveats (every
+    built-in loader maps each example alone, with public constants: no statistic of the data).
     """
 
     name: str

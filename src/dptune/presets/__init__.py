@@ -14,10 +14,13 @@ Each preset is one or more tuner studies (``dptune.tune``: every run's privacy i
 before training and counted in the study ledger) plus, where the paper has them, theory
 tables and figures. ``reproduce`` writes into ``out_dir``:
 
-* ``<part>/`` — each study's directory (``study.sqlite``, ``results.csv``, budget CSVs; it can
-  be resumed with ``dptune resume``) and ``<part>/report/report.html``, the full HTML report;
+* ``<part>/`` — each study's directory (``study.sqlite``; it can be resumed with ``dptune
+  resume``): ``<part>/release/`` (``report.html``, the study's publishable report, figures,
+  ``results.csv``) and ``<part>/diagnostics/`` (not differentially private: every run, per-run
+  budgets, histories with training loss and batch sizes; for the data owner only);
 * ``report.html`` — one page for the preset: every part's results table and figures, the
-  theory sections; ``results.csv`` — every part's results table in one file.
+  theory sections; ``results.csv`` — every part's release table in one file (the full tables,
+  labelled not DP, in ``diagnostics/results.csv``).
 
 See ``docs/reproduce.md`` for each preset's exact settings, deviations and time estimates.
 """
@@ -156,13 +159,14 @@ def preset_study(name: str, scale: str, part: str | None = None, **options: Any)
 
 
 def _sizes(data: Mapping[str, Any], seed: int, selection: Any) -> tuple[int, int, str]:
-    """(n_train, n_val, task) of a data section without computing text embeddings: the splits
-    do not depend on the representation, so MiniLM sections are sized with 'counts'."""
+    """(n_train, n_val, task) of a data section without computing text embeddings: the loader's
+    splits do not depend on the representation, so MiniLM sections are sized with 'counts'
+    (not with a holdout: it is assigned by a hash of each example's features)."""
     from dptune.tune.data import study_data
     from dptune.tune.spec import DataSpec
 
     opts = dict(data.get("options", {}))
-    if opts.get("representation") == "minilm":
+    if opts.get("representation") == "minilm" and selection.split != "holdout":
         opts["representation"] = "counts"
     d = study_data(DataSpec(name=data["name"], options=opts), selection, seed)
     return d.n_train, d.n_val, d.task
@@ -258,7 +262,7 @@ def _run_part(part: Part, study_dir: Path, *, executor: str, workers: int | None
     render(study_dir, console)
     extra = []
     if figures is not None:
-        ref = figures(study_dir, study_dir / "report" / "figures" / "r_vs_epsilon.png")
+        ref = figures(study_dir, study_dir / "release" / "figures" / "r_vs_epsilon.png")
         if ref is not None:
             extra.append(ref)
     html = study_report(study_dir, title=f"{study.name}: {part.title}", notes=list(part.notes), extra_figures=extra)
@@ -315,7 +319,14 @@ def reproduce(
             extra_sections = list(preset.extra(out, scale, dict(options), parts, console))
             sections.extend(extra_sections)
     if all_rows:
-        _write_rows(out / "results.csv", all_rows)
+        from dptune.report.privacy import diagnostics_dir, write_labelled_csv
+        from dptune.tune.results import release_rows
+
+        # release: the selected configurations and guarantees; the rest is not DP (run counts,
+        # run ids, diverged counts over every candidate).
+        _write_rows(out / "results.csv", [{"part": r["part"], **rr} for r, rr in zip(all_rows, release_rows(all_rows),
+                                                                                  strict=True)])
+        write_labelled_csv(diagnostics_dir(out) / "results.csv", all_rows)
     mode = None
     if parts:
         mode = parts[0].study.get("selection", {}).get("mode", "public")
@@ -369,7 +380,7 @@ def _part_section(part: Part, rows: list[dict[str, Any]], html: Path, out: Path)
         if (fig_dir / fname).is_file():
             figs.append(FigureRef(fig_dir / fname, cap))
     rel = os.path.relpath(html, out)
-    return Section(part.title, paragraphs=[*part.notes, f"Full report (trajectories, ledger, budgets): {rel}"],
+    return Section(part.title, paragraphs=[*part.notes, f"Full report (trajectories, budgets): {rel}"],
                    figures=figs, tables=[table])
 
 
@@ -383,7 +394,7 @@ def demo(
 ) -> Path:
     """The README's main job: an honest study on embedded MNIST (5k) comparing Online,
     FixedThreshold, FixedQuantile and AdamWOSM at ε ∈ {3, 8} with per-grid budgets (plus a
-    NoDP ceiling). Prints the table, writes ``out_dir/report/report.html``; returns ``out_dir``
+    NoDP ceiling). Prints the table, writes ``out_dir/release/report.html``; returns ``out_dir``
     (the study directory: ``dptune status``/``resume``/``report`` work on it)."""
     from dptune.presets._report import study_report
     from dptune.tune import run_study, study_from_dict

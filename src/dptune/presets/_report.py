@@ -10,6 +10,10 @@ reads the store and prints tables. This module joins the two for the presets:
 * header: one budget row per tuning procedure (planned vs spent (ε, δ), scope);
 * OSO studies: the ν_g–ν_q Pareto figure at each ε's joint ν (Galli Fig. 2);
 * linear-scaling studies: the r = η·T fit of the last procedure (Panda Fig. 3).
+
+The page, its figures and the release CSVs go to ``<out>/release/``; the per-run ledger, the
+full histories (train loss, batch sizes) and the notes of Liu–Talwar / repeat-and-select arms
+(they state K) go to ``<out>/diagnostics/`` (``dptune.report.privacy``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any
 
 from dptune.report import LedgerRow, LinearScalingFit, RunHistory, build_report
 from dptune.report.html import FigureRef, Section
+from dptune.report.privacy import hides_run_count
+from dptune.report.study import _HIDDEN_K_NOTE, _public_name
 from dptune.tune import results as R
 from dptune.tune.planners import StudyPlan
 from dptune.tune.store import Store
@@ -53,11 +59,12 @@ def study_report(
     notes: Sequence[str] = (),
     extra_figures: Sequence[FigureRef] = (),
     extra_sections: Sequence[Section] = (),
+    include_diagnostics: bool = False,
 ) -> Path:
-    """Write ``<out_dir or study_dir/report>/report.html`` (+ figures/ and CSVs) for a stored
-    study; return the HTML path."""
+    """Write ``<out_dir or study_dir>/release/report.html`` (+ figures/ and CSVs) and the
+    diagnostics folder beside it for a stored study; return the HTML path."""
     d = Path(study_dir)
-    out = Path(out_dir) if out_dir is not None else d / "report"
+    out = Path(out_dir) if out_dir is not None else d
     with Store(d) as store:
         cfg = store.get_meta("config")
         plan = StudyPlan.from_dict(store.get_meta("plan"))
@@ -66,11 +73,14 @@ def study_report(
     table = R.study_table(d)
     per_run, _ = R.budget_rows(d)
     label_of = {a.arm: a.label for a in plan.arms}
+    arm_of = {a.arm: a for a in plan.arms}
 
+    # n_diverged counts the selected runs only: the arm's count covers the losing candidates.
     results = [{
         "strategy": r["strategy"], "epsilon": r["epsilon"], "hyperparameters": r["selected"] or "—",
         "mean": r["value_mean"], "std": r["value_std"], "n_seeds": max(1, r["replicates"]),
-        "n_diverged": r["diverged"], "selected": True,
+        "n_diverged": sum(1 for rid in r["selected_runs"] if runs.get(rid, {}).get("status") == "diverged"),
+        "selected": True,
     } for r in table if r["value_mean"] is not None or r["runs_done"]]
 
     histories: list[RunHistory] = []
@@ -78,7 +88,7 @@ def study_report(
         for rid in r["selected_runs"][:2]:
             h = runs.get(rid, {}).get("history")
             if h and len(histories) < MAX_HISTORIES:
-                histories.append(RunHistory(rid, r["strategy"], json.loads(h)))
+                histories.append(RunHistory(_public_name(arm_of[r["arm"]], runs[rid]), r["strategy"], json.loads(h)))
 
     eps_alone = {row["run_id"]: row["epsilon_alone"] for row in per_run}
     grouped: dict[tuple[str, str], list[Any]] = defaultdict(list)
@@ -113,7 +123,13 @@ def study_report(
                                           float(fit["x_final"]), None, fit.get("axis", "epsilon"))
 
     sel = cfg.get("selection", {})
-    arm_notes = [f"{label_of.get(a.arm, a.arm)} @ {a.arm.split('@')[-1]}: {n}" for a in plan.arms for n in a.notes]
+    def _name(a: Any) -> str:
+        return f"{label_of.get(a.arm, a.arm)} @ {a.arm.split('@')[-1]}"
+
+    # Notes of LT/RS arms state K (runs drawn): diagnostics; the release says K is secret.
+    arm_notes = [f"{_name(a)}: {n}" for a in plan.arms for n in a.notes if not hides_run_count(a.guarantee.get("kind"))]
+    arm_notes += [f"{_name(a)}: {_HIDDEN_K_NOTE}" for a in plan.arms if hides_run_count(a.guarantee.get("kind"))]
+    secret_notes = [f"{_name(a)}: {n}" for a in plan.arms for n in a.notes if hides_run_count(a.guarantee.get("kind"))]
     accountants = sorted({a.accountant for a in plan.arms if a.accountant != "none"})
     return build_report(
         out, results, histories, ledger_rows,
@@ -123,4 +139,5 @@ def study_report(
         accountant=", ".join(accountants) or None, budgets=budgets,
         notes=[*notes, *dict.fromkeys(arm_notes)], pareto=pareto or None, linear_scaling=linear,
         extra_figures=extra_figures, extra_sections=extra_sections,
+        diagnostic_notes=list(dict.fromkeys(secret_notes)), include_diagnostics=include_diagnostics,
     )

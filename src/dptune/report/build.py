@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from dptune.report import figures as F
 from dptune.report.data import (
     LedgerRow,
     LinearScalingFit,
+    RunHistory,
     SummaryRow,
     best_per_strategy,
     check_budget,
@@ -29,6 +31,13 @@ from dptune.report.data import (
 )
 from dptune.report.diagnostics import CosineResult
 from dptune.report.html import SELECTION_MODES, FigureRef, Section, Table, write_report
+from dptune.report.privacy import (
+    NOT_DP_LABEL,
+    diagnostics_dir,
+    release_dir,
+    release_history_rows,
+    write_labelled_csv,
+)
 from dptune.report.tables import (
     as_summary_rows,
     history_csv_rows,
@@ -64,8 +73,23 @@ def build_report(
     cosine: CosineResult | None = None,
     extra_figures: Sequence[FigureRef | tuple[str | Path, str]] = (),
     extra_sections: Sequence[Section] = (),
+    diagnostic_notes: Sequence[str] = (),
+    diagnostic_sections: Sequence[Section] = (),
+    include_diagnostics: bool = False,
 ) -> Path:
-    """Write figures (PNG), CSVs and ``report.html`` into ``out_dir``; return the HTML path.
+    """Write the publishable report into ``out_dir/release/`` and the diagnostics into
+    ``out_dir/diagnostics/``; return the path of ``release/report.html``.
+
+    ``release/`` (report.html, figures/, results_best.csv, trajectories.csv, budget.csv, ...)
+    holds only what the guarantee covers: the best (or selected) configuration per strategy
+    and ε with its metric, the C_t/ρ_t trajectories of the ``selected`` histories (step, clip
+    and lr only), the budget, the noise split, LT-vs-MA and linear-scaling figures and the
+    caller's ``notes``, ``extra_figures`` and ``extra_sections``. ``diagnostics/`` (labelled
+    "not differentially private: for the data owner only", see ``dptune.report.privacy``)
+    holds every configuration (results_all.csv), every history with every column (train
+    loss, batch sizes), the per-run ledger, the cosine diagnostic, ``diagnostic_notes`` and
+    ``diagnostic_sections``; ``include_diagnostics=True`` also writes them as a page,
+    ``diagnostics/report.html``, under a red banner.
 
     * ``results_rows``: per-seed trial rows (``TrialResult`` or dicts with strategy,
       epsilon, value, seed, hyperparameters[, selected]); aggregated to mean ± std over
@@ -80,7 +104,7 @@ def build_report(
       ('test'/'holdout') adds what the selection was scored on.
     * Optional figures: ``pareto`` (ε → ν, Galli Fig. 2), ``lt_ma`` rows (k, eps_LT,
       eps_MA; Mohapatra Fig. 6), ``linear_scaling`` (Panda Fig. 3), ``cosine`` (a
-      ``CosineResult`` from ``cosine_vs_clip``; Galli Fig. 1), ``extra_figures``.
+      ``CosineResult`` from ``cosine_vs_clip``; Galli Fig. 1; a diagnostic), ``extra_figures``.
     """
     if selection_mode not in SELECTION_MODES:
         raise ConfigError(
@@ -90,13 +114,16 @@ def build_report(
     planned_b = check_budget("planned", planned)
     spent_b = check_budget("spent", spent)
     higher = resolve_direction(metric, higher_is_better)
-    out = Path(out_dir)
-    fig_dir = out / "figures"
-    out.mkdir(parents=True, exist_ok=True)
+    out = release_dir(out_dir)  # everything written here is publishable
+    diag = diagnostics_dir(out_dir)
+    fig_dir, diag_figs = out / "figures", diag / "figures"
 
     sections: list[Section] = []
+    dsections: list[Section] = []  # not DP: only on diagnostics/report.html
     if notes:
         sections.append(Section("Notes", paragraphs=list(notes)))
+    if diagnostic_notes:
+        dsections.append(Section("Notes (diagnostics)", paragraphs=list(diagnostic_notes), diagnostic=True))
 
     # -- results: per-seed trial rows are aggregated; summary rows (e.g. the tuner's own
     # selection table, hyperparameters as text) are shown as given.
@@ -107,8 +134,16 @@ def build_report(
     else:
         summary = summarize(results_rows, higher)
     best = best_per_strategy(summary, higher)
-    all_csv = write_csv(out / "results_all.csv", summary_csv_rows(summary))
+    # Every configuration (the losing candidates too) is a diagnostic: Liu–Talwar and
+    # repeat-and-select cover only the selected one.
+    all_csv = write_labelled_csv(diag / "results_all.csv", summary_csv_rows(summary))
     best_csv = write_csv(out / "results_best.csv", summary_csv_rows(best))
+    if include_diagnostics and summary:
+        dsections.append(Section(
+            "Every configuration tried", diagnostic=True,
+            paragraphs=["Every candidate of the search with its metric, selected or not."],
+            tables=[results_table(summary, metric, higher, "All configurations (diagnostics).")],
+            attachments=[all_csv]))
     direction = "higher" if higher else "lower"
     if best:
         fig = F.metric_vs_epsilon(best, fig_dir / "metric_vs_epsilon.png", metric=metric, higher=higher)
@@ -125,50 +160,82 @@ def build_report(
             tables=[results_table(best, metric, higher,
                                   "One configuration per strategy and ε. Diverged seeds are excluded from the "
                                   "mean; 'seeds' counts the finished ones.")],
-            attachments=[best_csv, all_csv],
+            attachments=[best_csv],
         ))
     else:
         sections.append(Section("Results", paragraphs=["No results were recorded."]))
 
-    # -- trajectories
+    # -- trajectories: the selected runs' C_t and ρ_t are post-processing of their noisy
+    # releases (release); train_loss and batch_size are computed in the clear, and losing
+    # candidates are not covered by LT/RS (diagnostics).
     hs = coerce_histories(histories)
     if hs:
-        traj_csv = write_csv(out / "trajectories.csv", history_csv_rows(hs))
-        fig = F.trajectories(hs, fig_dir / "trajectories.png")
-        sections.append(Section(
-            "Clipping threshold and learning rate over training",
-            paragraphs=["C_t and ρ_t per iteration (log scale), one line per run. Flat lines are fixed "
-                        "hyperparameters; OSO, the quantile rule and ADADP adapt them during training."],
-            figures=[FigureRef(fig, "C_t (top) and ρ_t (bottom) against the iteration t.")],
-            attachments=[traj_csv],
-        ))
+        full_rows = [{"selected": h.selected, **row} for h in hs for row in history_csv_rows([h])]
+        diag_traj = write_labelled_csv(diag / "trajectories.csv", full_rows)
+        public = [RunHistory(h.run, h.strategy, release_history_rows(h.rows)) for h in hs if h.selected]
+        if public:
+            traj_csv = write_csv(out / "trajectories.csv", history_csv_rows(public))
+            fig = F.trajectories(public, fig_dir / "trajectories.png")
+            sections.append(Section(
+                "Clipping threshold and learning rate over training",
+                paragraphs=["C_t and ρ_t per iteration (log scale) of the selected runs, one line per run. Flat "
+                            "lines are fixed hyperparameters; OSO, the quantile rule and ADADP adapt them during "
+                            "training, from noisy releases only."],
+                figures=[FigureRef(fig, "C_t (top) and ρ_t (bottom) against the iteration t.")],
+                attachments=[traj_csv],
+            ))
+        if include_diagnostics:
+            fig = F.trajectories(hs, diag_figs / "trajectories_all.png", title="C_t and ρ_t of every run")
+            dsections.append(Section(
+                "Every run's history", diagnostic=True,
+                paragraphs=["C_t and ρ_t of every run, selected or not; the CSV also has the loss on the "
+                            "private batch (train_loss) and the realised Poisson batch sizes (batch_size), "
+                            "computed in the clear."],
+                figures=[FigureRef(fig, "C_t (top) and ρ_t (bottom) of every run.")],
+                attachments=[diag_traj],
+            ))
 
-    # -- ledger
+    # -- the ledger's totals are the budget (release); its rows per run are diagnostics:
+    # they list the losing candidates and, for LT/RS, the number of runs drawn.
+    budget_rows = _budget_rows(planned_b, spent_b, accountant, budgets)
+    if budget_rows:
+        budget_csv = write_csv(out / "budget.csv", budget_rows)
+        sections.append(Section(
+            "Privacy guarantee",
+            paragraphs=["The (ε, δ) each tuning procedure planned and spent (search and selection included), "
+                        "for adding or removing one training example. Everything on this page is covered by "
+                        "it; the diagnostics (every candidate, per-run ledger, training loss, batch sizes) "
+                        "are not and are kept apart."],
+            attachments=[budget_csv],
+        ))
     lrows = coerce_ledger_rows(ledger_rows)
     if lrows:
-        led_csv = write_csv(out / "ledger.csv", ledger_csv_rows(lrows))
-        fig = F.ledger(lrows, fig_dir / "ledger.png", planned_epsilon=planned_b[0] if planned_b else None)
-        sections.append(Section(
-            "Privacy ledger",
-            paragraphs=[f"{len({r.run for r in lrows})} runs, {sum(int(r.releases) for r in lrows)} noisy "
-                        "releases in total. Every release is recorded before its noise is drawn."],
-            figures=[FigureRef(fig, "Left: ε of each run alone. Right: noisy releases per query label.")],
-            tables=[ledger_table(lrows)],
-            attachments=[led_csv],
-        ))
+        led_csv = write_labelled_csv(diag / "ledger.csv", ledger_csv_rows(lrows))
+        if include_diagnostics:
+            fig = F.ledger(lrows, diag_figs / "ledger.png", planned_epsilon=planned_b[0] if planned_b else None)
+            dsections.append(Section(
+                "Privacy ledger per run", diagnostic=True,
+                paragraphs=[f"{len({r.run for r in lrows})} runs, {sum(int(r.releases) for r in lrows)} noisy "
+                            "releases in total. Every release is recorded before its noise is drawn."],
+                figures=[FigureRef(fig, "Left: ε of each run alone. Right: noisy releases per query label.")],
+                tables=[ledger_table(lrows)],
+                attachments=[led_csv],
+            ))
 
     # -- method figures: one section each, so a figure sits next to its table and files
     if cosine is not None:
-        p = F.cosine_similarity(cosine, fig_dir / "cosine_vs_clip.png")
-        sections.append(Section(
-            "Clipping trade-off (non-private diagnostic)",
+        cos_csv = write_labelled_csv(diag / "cosine_vs_clip.csv", cosine.to_rows())
+    if cosine is not None and include_diagnostics:
+        p = F.cosine_similarity(cosine, diag_figs / "cosine_vs_clip.png")
+        dsections.append(Section(
+            "Clipping trade-off (non-private diagnostic)", diagnostic=True,
             paragraphs=["NON-PRIVATE diagnostic computed on raw data on this machine; it is not a DP "
                         "release and must not be published as one. Small C biases the clipped gradient, "
                         "large C drowns it in noise ν·C."],
             figures=[FigureRef(p, "Cosine similarity between the clipped, noised mean gradient and the true "
                                   "mean gradient vs C, at several iterations (Galli et al. 2024, Fig. 1); "
                                   "band: ± one std over the realizations.")],
-            attachments=[write_csv(out / "cosine_vs_clip.csv", cosine.to_rows())],
+            attachments=[cos_csv],
         ))
     if pareto is not None:
         p = F.noise_pareto(pareto, fig_dir / "noise_pareto.png", relative_increase=relative_increase)
@@ -207,11 +274,33 @@ def build_report(
     if extra_figures:
         sections.append(Section("Additional figures", figures=[
             f if isinstance(f, FigureRef) else FigureRef(Path(f[0]), str(f[1])) for f in extra_figures]))
-    sections.extend(extra_sections)
+    sections.extend(s for s in extra_sections if not s.diagnostic)
+    dsections.extend(replace(s, diagnostic=True) for s in (*[s for s in extra_sections if s.diagnostic],
+                                                           *diagnostic_sections))
 
-    return write_report(out, title, sections, selection_mode=selection_mode, planned=planned_b, spent=spent_b,
-                        accountant=accountant, selection_split=selection_split, budgets=budgets,
-                        subtitle=subtitle)
+    head = dict(selection_mode=selection_mode, planned=planned_b, spent=spent_b, accountant=accountant,
+                selection_split=selection_split, budgets=budgets)
+    page = write_report(out, title, sections, subtitle=subtitle, **head)
+    if include_diagnostics:
+        write_report(diag, f"{title}: diagnostics", [*sections, *dsections], diagnostics=True,
+                     subtitle=f"{NOT_DP_LABEL}" + (f" · {subtitle}" if subtitle else ""), **head)
+    return page
+
+
+def _budget_rows(planned: tuple[float, float] | None, spent: tuple[float, float] | None, accountant: str | None,
+                 budgets: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The guarantee and the ledger's totals: one row for the study and/or one per procedure."""
+    rows = []
+    if planned is not None or spent is not None:
+        rows.append({"procedure": "whole study", "planned_epsilon": planned[0] if planned else None,
+                     "planned_delta": planned[1] if planned else None, "spent_epsilon": spent[0] if spent else None,
+                     "spent_delta": spent[1] if spent else None, "accountant": accountant, "scope": "study"})
+    for b in budgets:
+        pl, sp = b.get("planned"), b.get("spent")
+        rows.append({"procedure": b.get("label", ""), "planned_epsilon": pl[0] if pl else None,
+                     "planned_delta": pl[1] if pl else None, "spent_epsilon": sp[0] if sp else None,
+                     "spent_delta": sp[1] if sp else None, "accountant": accountant, "scope": b.get("note", "")})
+    return rows
 
 
 # ----------------------------------------------------------------------------- from a Ledger

@@ -81,11 +81,16 @@ class SummaryRow:
 
 @dataclass(frozen=True)
 class RunHistory:
-    """Per-step rows of one run (``TrainResult.history``): dicts with step, clip, lr, ..."""
+    """Per-step rows of one run (``TrainResult.history``): dicts with step, clip, lr, ...
+
+    ``selected``: the run is one the tuner selected (its step/C_t/ρ_t go into the release);
+    False: a losing candidate, shown only in the diagnostics. Name selected runs without the
+    tuner's run id (it numbers the candidates, which Liu–Talwar keeps secret)."""
 
     run: str
     strategy: str
     rows: Sequence[Mapping[str, Any]]
+    selected: bool = True
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dptune.errors import ConfigError
+from dptune.report.privacy import NOT_DP_LABEL, NOT_DP_NOTICE
 
 # Attachments above this size stay beside the page instead of bloating it (figures are
 # always embedded: they are what the page is for, and a PNG is small).
@@ -25,12 +26,17 @@ MAX_EMBED_BYTES = 2_000_000
 SELECTION_SPLITS: dict[str, str] = {
     "test": ("Selection used the test split (as in the papers), so the reported metrics of the "
              "selected configurations are optimistically biased."),
-    "holdout": "Selection used a holdout carved from the training data; metrics are reported on the test split.",
+    "holdout": ("Selection used a holdout carved from the private training data (each example assigned by a "
+                "keyed hash of its own content), so every score on it was released with Gaussian noise and "
+                "charged (private mode only); metrics are reported on the test split."),
 }
 SELECTION_MODES: dict[str, str] = {
+    # Worded as an assumption: the selection split is only public if the data owner says so
+    # (a holdout carved from the private training data is refused in this mode).
     "public": (
-        "Hyperparameters were selected on PUBLIC validation data: the selection reads no private "
-        "data, so only the training runs spend privacy."
+        "Hyperparameters were selected on validation data ASSUMED PUBLIC (never a holdout of the private "
+        "training data): the selection is not charged, so only the training runs spend privacy. If that "
+        "split is in fact private, the selection is NOT covered by the guarantee."
     ),
     "private": (
         "Hyperparameters were selected on PRIVATE validation data: the privacy cost of every run of "
@@ -65,6 +71,9 @@ class Section:
     figures: Sequence[FigureRef] = ()
     tables: Sequence[Table] = ()
     attachments: Sequence[Path] = field(default_factory=tuple)
+    # True: not covered by the guarantee (dptune.report.privacy); rendered under a red
+    # banner, and only on a page written with write_report(..., diagnostics=True).
+    diagnostic: bool = False
 
 
 _CSS = """
@@ -182,6 +191,8 @@ def _exceeds(planned: tuple[float, float] | None, spent: tuple[float, float] | N
 
 def render_section(s: Section) -> str:
     out = [f"<section><h2>{_esc(s.title)}</h2>"]
+    if s.diagnostic:
+        out.append(f'<div class="warn diagnostics">Diagnostics: {_esc(NOT_DP_LABEL)}.</div>')
     out += [f"<p>{_esc(p)}</p>" for p in s.paragraphs]
     for f in s.figures:
         p = Path(f.path)
@@ -221,13 +232,22 @@ def write_report(
     budgets: Sequence[Mapping[str, Any]] = (),
     subtitle: str = "",
     filename: str = "report.html",
+    diagnostics: bool = False,
 ) -> Path:
     """Write ``out_dir/filename``: one self-contained page (header, then the sections).
 
     The header states the selection mode, the study's planned vs spent (ε, δ) and, for
     studies of several tuning procedures, ``budgets``: dicts with label, planned=(ε, δ),
     spent=(ε, δ) and a note (e.g. the guarantee's scope), one table row each.
+
+    ``diagnostics=True``: a page for the data owner, with a red banner "not differentially
+    private: for the data owner only" at the top; only such a page may hold sections marked
+    ``diagnostic`` (a publishable page refuses them).
     """
+    leaked = [s.title for s in sections if s.diagnostic]
+    if leaked and not diagnostics:
+        raise ConfigError(f"sections {leaked} are diagnostics (not differentially private): write them on a "
+                          "page with write_report(..., diagnostics=True), never on the publishable page.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -235,6 +255,9 @@ def write_report(
     body = [
         f"<h1>{_esc(title)}</h1>",
         f'<div class="meta">{meta}</div>',
+        *([f'<div class="warn diagnostics">{_esc(NOT_DP_NOTICE[:1].upper() + NOT_DP_NOTICE[1:])} The sections '
+           "marked as diagnostics are not covered by the guarantee; publish only the page in the release/ "
+           "folder.</div>"] if diagnostics else []),
         render_header(selection_mode=selection_mode, planned=planned, spent=spent, accountant=accountant,
                       selection_split=selection_split, budgets=budgets),
         *(render_section(s) for s in sections),

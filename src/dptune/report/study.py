@@ -15,6 +15,13 @@ What is shown:
 * the ledger: each run's ε alone and the releases per query label;
 * OSO arms: the ν_g–ν_q Pareto front at the arms' ν; Liu–Talwar arms: LT vs MA cost for
   that run geometry; linear-scaling arms: the fit of r = η·T of the first procedure.
+
+Release vs diagnostics (``dptune.report.privacy``): ``<out>/release/`` shows the selected
+configurations, their metrics, the budgets, the selected runs' C_t/ρ_t (named by procedure
+and replicate, never by run id: the id numbers the candidates) and the plan-derived figures.
+Every run, the per-run ledger, run counts, diverged counts over all candidates and the notes
+of Liu–Talwar / repeat-and-select arms (they state K, the number of runs drawn) go to
+``<out>/diagnostics/``.
 """
 
 from __future__ import annotations
@@ -28,16 +35,20 @@ from typing import Any
 from dptune.report.build import build_report
 from dptune.report.data import LedgerRow, LinearScalingFit, RunHistory, SummaryRow
 from dptune.report.html import FigureRef, Section, Table
-from dptune.report.tables import write_csv
+from dptune.report.privacy import RELEASE_DIR, diagnostics_dir, hides_run_count, write_labelled_csv
 
 MAX_ALL_HISTORIES = 24
 
 
-def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, title: str | None = None) -> Path:
-    """Write the HTML report (plus PNGs and CSVs) of a stored study; return the HTML path.
+def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, title: str | None = None,
+                 include_diagnostics: bool = False) -> Path:
+    """Write the report of a stored study; return the path of ``<out>/release/report.html``.
 
-    ``out_dir`` defaults to ``<study_dir>/report``. Works on an unfinished study too
-    (it reports what has finished and says how much is left).
+    ``out_dir`` defaults to ``study_dir``: the publishable page, figures and CSVs go to
+    ``<out>/release/``, the diagnostics (labelled "not differentially private: for the data
+    owner only") to ``<out>/diagnostics/``; ``include_diagnostics=True`` also writes the page
+    ``<out>/diagnostics/report.html`` with the diagnostics under a red banner. Works on an
+    unfinished study too.
     """
     from dptune.report import figures as F
     from dptune.tune import theory
@@ -46,7 +57,7 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
     from dptune.tune.store import Store
 
     study_dir = Path(study_dir)
-    out = Path(out_dir) if out_dir is not None else study_dir / "report"
+    out = Path(out_dir) if out_dir is not None else study_dir
     with Store(study_dir) as store:  # raises ConfigError naming the fix if there is no study
         cfg = store.get_meta("config") or {}
         plan = StudyPlan.from_dict(store.get_meta("plan"))
@@ -68,12 +79,17 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
             float(r["epsilon"]), r["selected"] or "—", mean, std, int(r["replicates"]), 0, True,
         ))
 
-    # -- histories of the selected runs (all runs for small studies)
-    wanted = {rid for r in table for rid in r["selected_runs"]}
+    hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
+
+    # -- histories: the selected runs (release, named without their run id); every run of a
+    # small study for the diagnostics
+    selected = {rid for r in table for rid in r["selected_runs"]}
+    wanted = set(selected)
     if len(runs) <= MAX_ALL_HISTORIES:
         wanted = {r["run_id"] for r in runs}
     histories = [
-        RunHistory(r["run_id"], arm_of[r["arm"]].label, json.loads(r["history"]))
+        RunHistory(_public_name(arm_of[r["arm"]], r) if r["run_id"] in selected else r["run_id"],
+                   arm_of[r["arm"]].label, json.loads(r["history"]), selected=r["run_id"] in selected)
         for r in runs if r["run_id"] in wanted and r["history"]
     ]
 
@@ -123,14 +139,14 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
                     axis="mu" if fit.get("axis") == "mu" else "epsilon",
                 )
                 safe = arm.arm.replace("/", "_").replace("@", "_at_").replace("=", "")
-                p = F.linear_scaling(lsf, out / "figures" / f"linear_scaling_{safe}.png",
+                p = F.linear_scaling(lsf, out / RELEASE_DIR / "figures" / f"linear_scaling_{safe}.png",
                                      title=f"Linear scaling rule: {arm.label} @ ε = {arm.epsilon:g}")
                 extra.append(FigureRef(p, f"{arm.label} @ ε = {arm.epsilon:g}: r = η·T of the best sweep runs, "
                                           f"the fit ({fit.get('how', 'fit')}) and r* = {fit.get('r_star', math.nan):.4g} "
                                           "used by the final run (Panda et al. 2024, Fig. 3)."))
 
-    # -- the tuner's own table and every run, as a section
-    runs_csv = write_csv(out / "runs.csv", [
+    # -- the tuner's own table and every run: diagnostics (counts of runs reveal K under LT/RS)
+    runs_csv = write_labelled_csv(diagnostics_dir(out) / "runs.csv", [
         {"run_id": r["run_id"], "arm": r["arm"], "strategy": arm_of[r["arm"]].label, "epsilon": arm_of[r["arm"]].epsilon,
          "stage": r["stage"], "procedure": r["procedure"], "replicate": r["replicate"], "seed": r["seed"],
          "status": r["status"], "config": r["config"], "noise_multiplier": r["noise_multiplier"], "steps": r["steps"],
@@ -139,13 +155,23 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
         for r in runs
     ])
     tuner_table = Table(
-        ["strategy", "ε", "method", "selected configuration", "selection score", "test", "runs", "diverged"],
+        ["strategy", "ε", "method", "selected configuration", "selection score", "test"],
         [[r["strategy"], r["epsilon"], r["method"], r["selected"] or "—", _pm(r["value_mean"], r["value_std"]),
-          _pm(r["test_mean"], r["test_std"]), f"{r['runs_done']}/{r['runs_total']}", r["diverged"]] for r in table],
+          _pm(r["test_mean"], r["test_std"])] for r in table],
         caption="[k/P]: the configuration was selected by k of the P seed replicates (per-seed selection).",
     )
+    runs_table = Table(
+        ["strategy", "ε", "method", "runs", "diverged", "failed"],
+        [[r["strategy"], r["epsilon"], r["method"], f"{r['runs_done']}/{r['runs_total']}", r["diverged"],
+          r["failed"]] for r in table],
+        caption="Runs per tuning procedure (under Liu–Talwar / repeat-and-select their number is secret).",
+    )
     done = sum(1 for r in runs if r["status"] in ("done", "diverged"))
-    notes = [f"{arm.arm}: {n}" for arm in plan.arms for n in arm.notes]
+    notes = [f"{arm.arm}: {n}" for arm in plan.arms for n in arm.notes
+             if not hides_run_count(arm.guarantee.get("kind"))]
+    notes += [f"{arm.arm}: {_HIDDEN_K_NOTE}" for arm in plan.arms if hides_run_count(arm.guarantee.get("kind"))]
+    secret_notes = [f"{arm.arm}: {n}" for arm in plan.arms for n in arm.notes
+                    if hides_run_count(arm.guarantee.get("kind"))]
     paragraphs = [
         f"Selection on the {sel.get('split', 'test')} split, across seeds: {sel.get('across_seeds', 'per-seed')}. "
         + ("The results above show the metric on the test split of the selected configurations."
@@ -155,9 +181,17 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
         paragraphs.append(f"Private selection: every selection score was released with Gaussian noise "
                           f"(σ = {sel.get('noise_multiplier')} on its sum), so selection scores are noisy and "
                           "may fall outside the metric's range.")
-    sections = [Section("Tuner's selection table", paragraphs=paragraphs + notes, tables=[tuner_table],
-                        attachments=[runs_csv])]
-    status = [] if done == len(runs) else [f"The study is not finished: {done} of {len(runs)} runs are done."]
+    # The randomness mode (issue 10, item 3): secure (OS CSPRNG) or seeded (the seeds are a secret key).
+    from dptune.train import randomness_statement
+
+    paragraphs.append("Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"])
+    sections = [Section("Tuner's selection table", paragraphs=paragraphs + notes, tables=[tuner_table])]
+    dsections = [Section("Every run", paragraphs=secret_notes, tables=[runs_table], attachments=[runs_csv],
+                         diagnostic=True)]
+    status = [] if done == len(runs) else (
+        ["The study is not finished: the results cover the runs done so far."] if hidden_k
+        else [f"The study is not finished: {done} of {len(runs)} runs are done."])
+    subtitle = f"{len(plan.arms)} tuning procedures, " + ("" if hidden_k else f"{len(runs)} runs, ")
 
     return build_report(
         out, summary, histories, ledger_rows,
@@ -165,9 +199,22 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
         planned=None, spent=None, budgets=budgets,
         metric=metric, higher_is_better=plan.higher_is_better,
         title=title or f"Study report: {cfg.get('study', {}).get('name') or study_dir.name}",
-        subtitle=f"{len(plan.arms)} tuning procedures, {len(runs)} runs, n_train = {plan.n_train}",
+        subtitle=f"{subtitle}n_train = {plan.n_train}",
         notes=status, pareto=pareto or None, lt_ma=lt_rows, extra_figures=extra, extra_sections=sections,
+        diagnostic_sections=dsections, include_diagnostics=include_diagnostics,
     )
+
+
+# Stated instead of the planner's note for arms whose guarantee needs K secret.
+_HIDDEN_K_NOTE = ("only the selected candidate is released; the number of runs drawn and the other candidates "
+                  "are kept private (they are not covered by the guarantee).")
+
+
+def _public_name(arm: Any, run: dict[str, Any]) -> str:
+    """A selected run's name in the release: procedure and seed replicate, not the run id
+    (whose candidate index bounds K from below)."""
+    eps = "∞" if not math.isfinite(arm.epsilon) else f"{arm.epsilon:g}"
+    return f"{arm.label} @ ε = {eps}, procedure {run['procedure']}, replicate {run['replicate']}"
 
 
 def _finite(x: float | None) -> float | None:

@@ -3,16 +3,24 @@
 The coordinator only needs sizes (to plan q and T); a worker needs the tensors. Both
 call ``study_data``, which is a pure function of the ``DataSpec`` and the study seed
 (the holdout split is seeded), cached per process so a pool worker loads it once.
+
+The holdout (private selection only) is carved by ``holdout_mask``: each example goes to
+the holdout iff a hash of its own content, keyed by the study seed, falls below
+``holdout_fraction``. Adding or removing one example therefore changes exactly one of the
+two sets by that example (a seeded permutation of all n would reshuffle everyone), which is
+what the composed guarantee of training + selection assumes (docs/privacy.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dptune.errors import ConfigError
@@ -44,6 +52,31 @@ class StudyData:
 _CACHE: dict[str, StudyData] = {}
 
 
+def _rows(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    a = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()  # numpy has no bfloat16
+    return a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(-1, 1)
+
+
+def holdout_mask(x: torch.Tensor, y: torch.Tensor | None, fraction: float, study_seed: int) -> torch.Tensor:
+    """Bool [n]: example i is in the holdout iff BLAKE2b(key, bytes of x_i and y_i) / 2⁶⁴ < fraction.
+
+    A function of the example alone (and the seed): removing or adding one example leaves every
+    other example on its side, so neighbouring datasets give neighbouring training sets OR
+    neighbouring holdouts, never two reshuffled ones. Identical examples land on the same side.
+    """
+    key = stream_seed(study_seed, "holdout").to_bytes(8, "little")
+    xs, ys = _rows(x), (None if y is None else _rows(y))
+    limit = int(fraction * 2.0**64)
+    out = np.empty(xs.shape[0], dtype=bool)
+    for i in range(xs.shape[0]):
+        h = hashlib.blake2b(xs[i].tobytes(), digest_size=8, key=key)
+        if ys is not None:
+            h.update(ys[i].tobytes())
+        out[i] = int.from_bytes(h.digest(), "little") < limit
+    return torch.from_numpy(out)
+
+
 def _key(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> str:
     return json.dumps([spec.describe(), selection.split, selection.holdout_fraction, study_seed],
                       sort_keys=True, default=str)
@@ -67,16 +100,15 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
         task, num_classes, input_shape = ds.task, ds.num_classes, tuple(ds.input_shape)
     if selection.split == "holdout":
         n = int(x_tr.shape[0])
-        m = int(round(selection.holdout_fraction * n))
+        same = x_tr is y_tr
+        mask = holdout_mask(x_tr, None if same else y_tr, selection.holdout_fraction, study_seed)
+        m = int(mask.sum())
         if m < 1 or m >= n:
             raise ConfigError(
                 f"selection.holdout_fraction = {selection.holdout_fraction} leaves {n - m} training and {m} "
                 f"holdout examples out of {n}. Fix: pick a fraction that keeps both non-empty."
             )
-        g = torch.Generator().manual_seed(stream_seed(study_seed, "holdout"))
-        perm = torch.randperm(n, generator=g)
-        val_idx, tr_idx = perm[:m].sort().values, perm[m:].sort().values
-        same = x_tr is y_tr
+        val_idx, tr_idx = torch.nonzero(mask).reshape(-1), torch.nonzero(~mask).reshape(-1)
         out = StudyData(x_tr[tr_idx], (x_tr[tr_idx] if same else y_tr[tr_idx]), x_tr[val_idx],
                         (x_tr[val_idx] if same else y_tr[val_idx]), x_te, y_te, task, num_classes, input_shape)
     else:

@@ -8,7 +8,8 @@
 
 Every executor calls the same pure function ``worker.execute_task`` (one run, or a group
 of runs trained together as vectorised trials) with the same arguments, with torch pinned to ``study.threads_per_run`` threads, so the same seeds
-give bit-identical results whichever executor runs them. Results come back in
+give bit-identical results whichever executor runs them (seeded mode: a ``study.secure`` study
+reaches every worker inside its ``Study``, and its OS-CSPRNG draws are not reproducible). Results come back in
 completion order; the coordinator makes the outcome independent of that order.
 """
 

@@ -29,7 +29,10 @@ repeat-and-select is only supported by RDP. The choice is recorded in the plan.
 
 Seeds: by default seed repetitions are NOT accounted (as in the papers: they are
 an evaluation device); the guarantee then holds per seed replicate.
-``account_seeds = true`` composes them. All runs get distinct noise streams: runs
+``account_seeds = true`` composes them. Liu–Talwar and repeat-and-select with
+``across_seeds = "mean"`` always account a candidate as the composite of its S seed
+runs (their bound covers the selected candidate, which is S runs). Their K and
+candidate configurations are secret draws (``theory.SecretCoins``), not study-seeded. All runs get distinct noise streams: runs
 that shared noise would not compose as independent mechanisms.
 """
 
@@ -378,9 +381,11 @@ def calibrate_nu(make_event: Callable[[float], dp_event.DpEvent], eps: float, de
 
 # ----------------------------------------------------------------------------- the planner
 class _Builder:
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, coins: theory.SecretCoins | None = None):
         self.ctx = ctx
+        self.coins = coins if coins is not None else theory.SecretCoins()  # LT / RS draws: secret
         self.runs: dict[str, RunSpec] = {}
+        self.run_seeds: dict[int, str] = {}  # run_seed → run_id: every run needs its own streams
 
     def add(self, arm_id: str, stage: str, index: int, procedure: int, replicate: int,
             config: dict[str, Any] | None, shape: Shape, nu: float) -> RunSpec:
@@ -390,12 +395,17 @@ class _Builder:
                                            self.ctx.study.selection.checkpoint, shape.strategy)
         spec = RunSpec(
             run_id=run_id, arm=arm_id, stage=stage, index=index, procedure=procedure, replicate=replicate,
-            seed=seed, run_seed=stream_seed(seed, run_id) & 0xFFFFFFFF, config=config, steps=shape.steps,
+            # 63 bits (SQLite's INTEGER is signed 64-bit), all of which reach the streams.
+            seed=seed, run_seed=stream_seed(seed, run_id), config=config, steps=shape.steps,
             sampling_rate=shape.sampling_rate, noise_multiplier=nu, eval_steps=ev_steps, eval_final=ev_final,
             eval_noise_multiplier=shape.eval_nu, planned_event=shape.event(nu),
         )
         if run_id in self.runs:  # pragma: no cover - ids are unique by construction
             raise RuntimeError(f"duplicate run id {run_id}")
+        if spec.run_seed in self.run_seeds:  # ~N²/2⁶⁴: never seen, but shared noise would void ε
+            raise RuntimeError(f"runs {self.run_seeds[spec.run_seed]} and {run_id} got the same run_seed "
+                               f"{spec.run_seed}; they would share their sampling and noise streams.")
+        self.run_seeds[spec.run_seed] = run_id
         self.runs[run_id] = spec
         return spec
 
@@ -404,10 +414,14 @@ def _arm_id(label: str, eps: float) -> str:
     return f"{label}@eps={eps:g}" if math.isfinite(eps) else f"{label}@nodp"
 
 
-def plan_study(study: Study, n_train: int, n_val: int, metric: str) -> StudyPlan:
-    """Plan every run of ``study`` (pure function of the study and the data sizes)."""
+def plan_study(study: Study, n_train: int, n_val: int, metric: str,
+               coins: theory.SecretCoins | None = None) -> StudyPlan:
+    """Plan every run of ``study``: a pure function of the study and the data sizes, except
+    Liu–Talwar's and repeat-and-select's secret draws (K and the candidates' configurations),
+    which come from ``coins`` (default: the OS CSPRNG; ``theory.SecretCoins(seed)`` for a
+    reproducible search with a secret seed). The store keeps the plan, so resume reuses them."""
     ctx = Context(study, n_train, n_val)
-    b = _Builder(ctx)
+    b = _Builder(ctx, coins)
     arms: list[ArmPlan] = []
     for i, arm in enumerate(study.strategies):
         method = study.method_for(arm)
@@ -424,17 +438,26 @@ def plan_study(study: Study, n_train: int, n_val: int, metric: str) -> StudyPlan
     return StudyPlan(arms, b.runs, release, n_train, n_val, metric, HIGHER_IS_BETTER[metric])
 
 
-def _procedures(study: Study) -> tuple[int, int, int]:
-    """(procedures P, accounted procedures P_acc, runs per candidate that are accounted)."""
+def _procedures(study: Study, composite: bool = False) -> tuple[int, int, int]:
+    """(procedures P, accounted procedures P_acc, runs per candidate that are accounted).
+
+    ``composite`` (Liu–Talwar, repeat-and-select): with ``across_seeds = "mean"`` a candidate
+    IS its S seed runs (the selection reads their mean), so it is accounted as their composite
+    whatever ``account_seeds`` says. These theorems bound the selected candidate only; there is
+    no per-seed reading of them (one run per candidate would understate ε: 2 → 3.3 for S = 3)."""
     S_ = len(study.seeds)
     if study.selection.across_seeds == "mean":
-        return 1, 1, (S_ if study.budget.account_seeds else 1)
+        return 1, 1, (S_ if study.budget.account_seeds or composite else 1)
     return S_, (S_ if study.budget.account_seeds else 1), 1
 
 
-def _seed_note(study: Study) -> list[str]:
+def _seed_note(study: Study, composite: bool = False) -> list[str]:
     if len(study.seeds) == 1:
         return []
+    if composite and study.selection.across_seeds == "mean":
+        return [f"across_seeds = 'mean': a candidate is the composite of its {len(study.seeds)} seed runs (the "
+                "selection reads their mean), calibrated as one mechanism; the guarantee is per study "
+                "(account_seeds has no effect here)."]
     if study.budget.account_seeds:
         return [f"all {len(study.seeds)} seed repetitions are accounted (account_seeds = true)."]
     if study.selection.across_seeds == "mean":
@@ -531,7 +554,7 @@ def _plan_lt(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
     arm_id = _arm_id(arm.key, eps)
     opts = method.options
     gamma = float(opts["gamma"]) if opts["gamma"] is not None else 1.0 / S.size(arm.space)
-    P, P_acc, unit = _procedures(study)
+    P, P_acc, unit = _procedures(study, composite=True)
     delta = study.budget.delta
     lt = theory.lt_solve(eps / P_acc, delta / P_acc, gamma, float(opts["delta2_fraction"]))
     cache: dict[Shape, float] = {}
@@ -546,7 +569,7 @@ def _plan_lt(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
 
     run_ids, ks = [], []
     for p in range(P):
-        rng = S.rng_for(study.seed, f"liu-talwar/{arm_id}/{p}")
+        rng = b.coins  # secret: K and the configurations (theory.SecretCoins)
         k = theory.lt_stops(gamma, lt.t_max, rng)
         ks.append(k)
         for j in range(k):
@@ -565,7 +588,7 @@ def _plan_lt(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
         "t_max": lt.t_max, "procedures_accounted": P_acc,
         "formula": "(3ε₁ + 3√(2δ₁), √(2δ₁)·T_max + δ₂) per procedure (Liu & Talwar 2019, Thm 3.4)",
     }
-    notes = _seed_note(study) + [
+    notes = _seed_note(study, composite=True) + [
         f"Liu–Talwar random stopping: γ = {gamma:.4g}, T_max = {lt.t_max}, each run ({lt.eps1:.4g}, {lt.delta1:.3g})-DP; "
         f"runs drawn per procedure: {ks}. The guarantee covers releasing ONLY the selected candidate: the study "
         "directory (all runs, their number, their scores) is internal and must not be published.",
@@ -589,7 +612,7 @@ def _plan_rs(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
     if any(k in TRAINING_KEYS for k in arm.space):
         raise ConfigError(f"{path}.space: repeat-and-select needs one privacy bound for every candidate; searching "
                           f"{[k for k in arm.space if k in TRAINING_KEYS]} changes it. Fix: fix the run length/batch.")
-    P, P_acc, unit = _procedures(study)
+    P, P_acc, unit = _procedures(study, composite=True)
     delta = study.budget.delta
     first = S.draw(arm.space, S.rng_for(study.seed, "probe"))
     shape0 = make_shape(ctx, arm, first, f"{path}.space")
@@ -602,7 +625,7 @@ def _plan_rs(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
     drawn = []
     ks = []
     for p in range(P):
-        rng = S.rng_for(study.seed, f"repeat-and-select/{arm_id}/{p}")
+        rng = b.coins  # secret: K and the configurations (theory.SecretCoins)
         k = theory.sample_repetitions(mean, shape_param, rng)
         ks.append(k)
         for j in range(k):
@@ -622,7 +645,7 @@ def _plan_rs(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
         "unit_event": event_to_dict(group_events([shape0.event(nu)] * unit)),
         "event": "RepeatAndSelectDpEvent(run, mean, shape) (Papernot & Steinke 2022), RDP",
     }
-    notes = _seed_note(study) + [
+    notes = _seed_note(study, composite=True) + [
         f"repeat-and-select: K ~ {dist} with mean {mean:g}; runs drawn per procedure: {ks}. Only the best run may be "
         "released: the study directory is internal and must not be published.",
     ]

@@ -11,6 +11,13 @@ Selection per tuning procedure (``selection.across_seeds``):
 * ``mean``: a configuration's score is its mean over seeds; the best mean is selected and
   shown with the std over its seeds (Galli et al., Tables 2–4).
 * ``linear-scaling``: each replicate's result is its final run.
+
+Release vs diagnostics (``dptune.report.privacy``, docs/privacy.md): ``write_csvs`` writes
+``release/results.csv`` (``RELEASE_COLUMNS``: the selected configuration, its metrics, the
+guarantee and the spent totals) and, labelled "not differentially private: for the data owner
+only", ``diagnostics/`` (the full table with run counts and selected run ids, the per-run and
+per-label budget). ``render`` prints the release; ``diagnostics=True`` adds the rest under
+that label.
 """
 
 from __future__ import annotations
@@ -34,6 +41,22 @@ from dptune.tune.space import config_key
 from dptune.tune.store import Store
 
 TERMINAL_WIDTH = 100
+
+# The columns of study_table that the guarantee covers: per tuning procedure, the selected
+# configuration and its metrics (selection score: exact on the public split or noisy in private
+# mode; test metric on the public test split), the guarantee and the ledger's totals. Left
+# out: run counts, diverged/failed counts over every candidate, selected run ids (they number
+# the candidates: under Liu–Talwar / repeat-and-select K is secret) and fits' raw data.
+RELEASE_COLUMNS: tuple[str, ...] = (
+    "strategy", "optimizer", "epsilon", "method", "selection", "split", "metric", "selected",
+    "value_mean", "value_std", "test_mean", "test_std", "replicates", "planned_epsilon", "planned_delta",
+    "spent_epsilon", "spent_delta", "guarantee_per", "accountant", "arm",
+)
+
+
+def release_rows(table: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``study_table`` rows reduced to ``RELEASE_COLUMNS`` (what may be published)."""
+    return [{k: r.get(k) for k in RELEASE_COLUMNS} for r in table]
 
 
 def _load(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[dict[str, Any]], list[LedgerEntry]]:
@@ -295,11 +318,17 @@ def _csv(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def write_csvs(study_dir: str | Path) -> list[Path]:
-    """results.csv, budget_runs.csv, budget_labels.csv in the study directory."""
+    """``release/results.csv`` (publishable) and, labelled not DP, ``diagnostics/results.csv``
+    (every column), ``diagnostics/budget_runs.csv``, ``diagnostics/budget_labels.csv``."""
+    from dptune.report.privacy import diagnostics_dir, release_dir, write_labelled_csv
+
     d = Path(study_dir)
     per_run, per_label = budget_rows(d)
-    return [_csv(d / "results.csv", study_table(d)), _csv(d / "budget_runs.csv", per_run),
-            _csv(d / "budget_labels.csv", per_label)]
+    table = study_table(d)
+    rel, diag = release_dir(d), diagnostics_dir(d)
+    return [_csv(rel / "results.csv", release_rows(table)), write_labelled_csv(diag / "results.csv", table),
+            write_labelled_csv(diag / "budget_runs.csv", per_run),
+            write_labelled_csv(diag / "budget_labels.csv", per_label)]
 
 
 def _pm(m: float | None, s: float | None, metric: str) -> str:
@@ -314,10 +343,16 @@ def _e(x: float) -> str:
     return "∞" if not math.isfinite(x) else f"{x:.3g}"
 
 
-def render(study_dir: str | Path, console: Any = None) -> None:
-    """Print the results table, the budget and the notes (fits 100 columns)."""
+def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = False) -> None:
+    """Print the results table (release: selected configuration, metrics, planned and spent
+    budget) and the notes that the guarantee covers (fits 100 columns). ``diagnostics``:
+    also the failed/diverged counts, where the budget went per query label and the notes of
+    Liu–Talwar / repeat-and-select arms (they state K), under the label "not differentially
+    private: for the data owner only"; else one line saying where they are."""
     from rich.console import Console
     from rich.table import Table
+
+    from dptune.report.privacy import DIAGNOSTICS_DIR, NOT_DP_LABEL, hides_run_count
 
     console = console or Console(width=TERMINAL_WIDTH)
     cfg, plan, _, _ = _load(study_dir)
@@ -336,44 +371,68 @@ def render(study_dir: str | Path, console: Any = None) -> None:
         t.add_column(col, overflow="fold")
     for r in rows:
         test = _pm(r["test_mean"], r["test_std"], metric) if r["test_mean"] is not None else ""
-        flags = "".join(f" ({r[k]} {k})" for k in ("failed", "diverged") if r[k])
-        t.add_row(r["strategy"], _e(r["epsilon"]), r["method"], (r["selected"] or "—") + flags,
+        t.add_row(r["strategy"], _e(r["epsilon"]), r["method"], r["selected"] or "—",
                   _pm(r["value_mean"], r["value_std"], metric), test,
                   f"({_e(r['planned_epsilon'])}, {r['planned_delta']:.0e})"
                   + (" per seed" if r["guarantee_per"] == "seed replicate" else ""),
                   _e(r["spent_epsilon"]))
     console.print(t)
+    rr = rerr_rows(rows, plan.higher_is_better)
+    for r in rr:
+        console.print(f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
+                      f"({r['random']}) and grid/oracle ({r['oracle']}): {100 * r['rerr']:.1f} %")
+    secret = [a for a in plan.arms if hides_run_count(a.guarantee.get("kind"))]
+    secret_ids = {a.arm for a in secret}
+    for arm in plan.arms:
+        if arm.arm in secret_ids:
+            console.print(f"[dim]• {arm.arm}: only the selected candidate is released; the number of runs drawn "
+                          "is kept private.[/dim]")
+            continue
+        for note in arm.notes:
+            console.print(f"[dim]• {arm.arm}: {note}[/dim]")
+    if not diagnostics:
+        console.print(f"[dim]Diagnostics ({NOT_DP_LABEL}): {Path(study_dir) / DIAGNOSTICS_DIR}/, "
+                      "`dptune status`, `dptune report --include-diagnostics`.[/dim]")
+        return
+    console.print(f"[bold red]Diagnostics: {NOT_DP_LABEL}[/bold red]")
+    for r in rows:
+        flags = ", ".join(f"{r[k]} {k}" for k in ("failed", "diverged") if r[k])
+        console.print(f"• {r['arm']}: {r['runs_done']}/{r['runs_total']} runs" + (f" ({flags})" if flags else ""))
     _, per_label = budget_rows(study_dir)
-    b = Table(title="where the budget went (ε of each query type alone, at δ)")
+    b = Table(title=f"where the budget went (ε of each query type alone, at δ) — {NOT_DP_LABEL}")
     for col in ("arm", "query", "releases", "ε alone", "scope"):
         b.add_column(col, overflow="fold")
     for r in per_label:
         b.add_row(r["arm"], r["label"], str(r["releases"]), _e(r["epsilon_alone"]), r["scope"])
     console.print(b)
-    rr = rerr_rows(rows, plan.higher_is_better)
-    for r in rr:
-        console.print(f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
-                      f"({r['random']}) and grid/oracle ({r['oracle']}): {100 * r['rerr']:.1f} %")
-    for arm in plan.arms:
+    for arm in secret:
         for note in arm.notes:
             console.print(f"[dim]• {arm.arm}: {note}[/dim]")
 
 
-def report_text(study_dir: str | Path) -> str:
+def report_text(study_dir: str | Path, *, diagnostics: bool = False) -> str:
     """The terminal rendering as plain text (100 columns)."""
     import io
 
     from rich.console import Console
 
     buf = io.StringIO()
-    render(study_dir, Console(file=buf, width=TERMINAL_WIDTH, force_terminal=False, color_system=None))
+    render(study_dir, Console(file=buf, width=TERMINAL_WIDTH, force_terminal=False, color_system=None),
+           diagnostics=diagnostics)
     return buf.getvalue()
 
 
 def report_inputs(study_dir: str | Path) -> dict[str, Any]:
-    """Keyword arguments of ``dptune.report.build_report`` for this study (trial rows with the
-    tuner's selections marked, histories of the selected runs, per-run ledger rows, budget,
-    selection mode, linear-scaling fit)."""
+    """Keyword arguments of ``dptune.report.build_report`` for this study (trial rows of the
+    selected runs, their histories, per-run ledger rows, budget, selection mode, linear-scaling
+    fit; the notes of Liu–Talwar / repeat-and-select arms, which state K, as diagnostic notes).
+
+    Only the selected runs become trial rows: a configuration's mean over every seed would mix
+    in candidates that lost (not covered by Liu–Talwar / repeat-and-select). Every run is in
+    ``diagnostics/results.csv`` and ``budget_runs.csv`` (``write_csvs``)."""
+    from dptune.report.privacy import hides_run_count
+    from dptune.report.study import _HIDDEN_K_NOTE, _public_name
+
     cfg, plan, rows, _ = _load(study_dir)
     table = study_table(study_dir)
     selected = {rid for r in table for rid in r["selected_runs"]}
@@ -381,12 +440,12 @@ def report_inputs(study_dir: str | Path) -> dict[str, Any]:
     trials, histories = [], []
     for r in rows:
         arm = arm_of[r["run_id"]]
-        if r["status"] not in ("done", "diverged") or r["config"] is None:
+        if r["status"] not in ("done", "diverged") or r["config"] is None or r["run_id"] not in selected:
             continue
         trials.append({"strategy": arm.label, "epsilon": arm.epsilon, "value": r["score"], "seed": r["seed"],
-                       "hyperparameters": _public_config(r["config"]), "selected": r["run_id"] in selected})
-        if r["run_id"] in selected and r["history"]:
-            histories.append({"run": r["run_id"], "strategy": arm.label, "rows": json.loads(r["history"])})
+                       "hyperparameters": _public_config(r["config"]), "selected": True})
+        if r["history"]:
+            histories.append({"run": _public_name(arm, r), "strategy": arm.label, "rows": json.loads(r["history"])})
     per_run, _ = budget_rows(study_dir)
     ledger_rows = [{"run": x["run_id"], "label": x["arm"], "releases": x["releases"],
                     "epsilon": x["epsilon_alone"] if math.isfinite(x["epsilon_alone"]) else None,
@@ -401,16 +460,20 @@ def report_inputs(study_dir: str | Path) -> dict[str, Any]:
             if f and f.get("coef") and len(f["coef"]) == 2 and fit is None:
                 fit = {"points": [tuple(p) for p in f["points"]], "slope": f["coef"][0],
                        "intercept": f["coef"][1], "target_epsilon": f["x_final"]}
-    notes = [f"{a.arm}: {n}" for a in plan.arms for n in a.notes]
+    secret = {a.arm for a in plan.arms if hides_run_count(a.guarantee.get("kind"))}
+    notes = [f"{a.arm}: {n}" for a in plan.arms for n in a.notes if a.arm not in secret]
+    notes += [f"{a}: {_HIDDEN_K_NOTE}" for a in sorted(secret)]
     return {"results_rows": trials, "histories": histories, "ledger_rows": ledger_rows,
             "selection_mode": cfg.get("selection", {}).get("mode", "public"), "planned": planned, "spent": spent_,
             "metric": plan.metric, "title": f"dptune study: {cfg.get('study', {}).get('name', 'study')}",
-            "notes": notes, "linear_scaling": fit}
+            "notes": notes, "linear_scaling": fit,
+            "diagnostic_notes": [f"{a.arm}: {n}" for a in plan.arms for n in a.notes if a.arm in secret]}
 
 
-def html_report(study_dir: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Figures, CSVs and a self-contained ``report.html`` (``dptune.report``) for a stored study."""
+def html_report(study_dir: str | Path, out_dir: str | Path | None = None, *, include_diagnostics: bool = False) -> Path:
+    """Figures, CSVs and a self-contained ``release/report.html`` (``dptune.report``) for a stored
+    study, with ``diagnostics/`` beside it; ``out_dir`` defaults to the study directory."""
     from dptune.report import build_report
 
-    out = Path(out_dir) if out_dir is not None else Path(study_dir) / "report"
-    return build_report(out, **report_inputs(study_dir))
+    out = Path(out_dir) if out_dir is not None else Path(study_dir)
+    return build_report(out, **report_inputs(study_dir), include_diagnostics=include_diagnostics)

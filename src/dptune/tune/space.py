@@ -4,6 +4,9 @@ Every random draw of the tuner comes from a ``numpy`` generator seeded by
 ``rng_for(study_seed, name)``, so planning is a pure function of the study: the
 same study plans the same runs on every machine, and a resumed study re-plans
 exactly what it had planned (nothing about the data influences these draws).
+Exception: Liu–Talwar's and repeat-and-select's draws (K and the candidates'
+configurations) must be secret and come from ``theory.SecretCoins`` (the OS CSPRNG);
+the study store keeps the plan, so a resumed study reuses them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ field (``budget.delta``, ``strategies[1].space.lr``, ...) and says how to fix it
 
 File form (TOML; YAML has the same keys)::
 
-    [study]     name, seed (the study seed), seeds (training replicate seeds)
+    [study]     name, seed (the study seed), seeds (training replicate seeds), secure (OS CSPRNG)
     [data]      name + options   (dptune.data.load(name, **options))
     [model]     name + options   (dptune.models.build(name, **options))
     [training]  epochs | steps, expected_batch_size | full_batch, device
@@ -324,10 +324,13 @@ def _check_method_options(name: str, o: dict[str, Any]) -> None:
 class SelectionSpec:
     """How the best configuration (and checkpoint) is chosen, and at what privacy cost.
 
-    * ``mode='public'``: the validation split is treated as public (what the papers do).
+    * ``mode='public'``: the validation split is treated as public (what the papers do);
+      only ``split='test'`` (a holdout is carved from the private training data: refused).
     * ``mode='private'``: every validation score is released by the Gaussian mechanism
       (count of correct predictions, sensitivity 1, noise std ``noise_multiplier``) through
-      ``NoisyRelease``; its events are in the plan and the ledger.
+      ``NoisyRelease``; its events are in the plan and the ledger. ``split='holdout'`` assigns
+      each training example to the holdout by a keyed hash of its own content
+      (``tune.data.holdout_mask``), so adding or removing one example moves no other one.
     """
 
     mode: str = "public"
@@ -346,6 +349,13 @@ class SelectionSpec:
                        "choose 'public' (validation data assumed public, as in the papers) or 'private'")
         if self.split not in ("test", "holdout"):
             raise _err("selection.split", f"unknown split {self.split!r}", "choose 'test' or 'holdout'")
+        if self.split == "holdout" and self.mode == "public":
+            # The holdout is carved from the private training data: scoring on it in public
+            # mode would be an unaccounted read of private data (docs/privacy.md).
+            raise _err("selection.split", "a holdout carved from the private training data cannot be "
+                       "treated as public (mode = 'public' charges nothing for the selection)",
+                       "use selection.mode = 'private' (each score is released through the gateway and "
+                       "charged), or split = 'test' with a split that really is public")
         if not (isinstance(self.holdout_fraction, int | float) and 0 < self.holdout_fraction < 1):
             raise _err("selection.holdout_fraction", f"must lie in (0, 1), got {self.holdout_fraction!r}",
                        "e.g. holdout_fraction = 0.2")
@@ -395,12 +405,15 @@ class Study:
     method: MethodSpec = field(default_factory=MethodSpec)
     selection: SelectionSpec = field(default_factory=SelectionSpec)
     seeds: tuple[int, ...] = (0,)
-    seed: int = 0  # the study seed: random configurations, LT/RS stopping coins, holdout split
+    seed: int = 0  # the study seed: random configurations, holdout split (NOT LT/RS coins: secret)
     name: str = "study"
     threads_per_run: int = 1  # torch threads per run, equal on every executor (bitwise-equal results)
     # Runs of one stage trained together by dptune.train_many (stackable models only; 1 = off).
     # Part of the fingerprint: the grouping is fixed by the plan, so results do not depend on the executor.
     trials_per_group: int = 16
+    # Secure mode: every run's noise, Poisson batches and private-selection noise come from the
+    # OS CSPRNG, not from the seeds (which are then not a secret key; results not reproducible).
+    secure: bool = False
 
     def __post_init__(self) -> None:
         data = self.data
@@ -443,6 +456,9 @@ class Study:
                 or self.trials_per_group < 1):
             raise _err("study.trials_per_group", f"must be an integer ≥ 1, got {self.trials_per_group!r}",
                        "e.g. 16 (vectorised trials), or 1 to train every run on its own")
+        if not isinstance(self.secure, bool):
+            raise _err("study.secure", f"must be true or false, got {self.secure!r}",
+                       "secure = true (OS CSPRNG randomness, for results you will publish) or false (seeded)")
         keys = [a.key for a in strategies]
         dup = sorted({k for k in keys if keys.count(k) > 1})
         if dup:
@@ -462,7 +478,8 @@ class Study:
                       "threads_per_run": self.threads_per_run,
                       # written only when not the default: studies stored before the field
                       # existed keep their fingerprint and can still be resumed
-                      **({"trials_per_group": self.trials_per_group} if self.trials_per_group != 16 else {})},
+                      **({"trials_per_group": self.trials_per_group} if self.trials_per_group != 16 else {}),
+                      **({"secure": True} if self.secure else {})},  # likewise
             "data": self.data.describe(),
             "model": self.model.describe(),
             "training": {f.name: getattr(self.training, f.name) for f in fields(self.training)},
@@ -596,7 +613,7 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
         if req not in d:
             raise _err(req, "section missing", f"add a [{req}] section (see docs/tuning.md)")
     st = _table(d, "study")
-    _only(st, "study", {"name", "seed", "seeds", "threads_per_run", "trials_per_group"})
+    _only(st, "study", {"name", "seed", "seeds", "threads_per_run", "trials_per_group", "secure"})
     data_t = _table(d, "data")
     _only(data_t, "data", {"name", "options"})
     model_t = _table(d, "model")
@@ -641,7 +658,7 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
         strategies=tuple(arms), training=training, budget=budget, method=method, selection=selection,
         seeds=tuple(st.get("seeds", (0,))) if isinstance(st.get("seeds", (0,)), list | tuple) else st.get("seeds"),
         seed=st.get("seed", 0), name=st.get("name", "study"), threads_per_run=st.get("threads_per_run", 1),
-        trials_per_group=st.get("trials_per_group", 16),
+        trials_per_group=st.get("trials_per_group", 16), secure=st.get("secure", False),
     )
 
 

@@ -92,11 +92,59 @@ def lt_solve(eps: float, delta: float, gamma: float, delta2_fraction: float = 0.
     return LTParams(eps1, delta1, gamma, delta2, t_max, tot)
 
 
-def lt_stops(gamma: float, t_max: int, rng: np.random.Generator) -> int:
+class SecretCoins:
+    """The random draws of Liu–Talwar and repeat-and-select: the number of runs K (the stopping
+    coins) and each candidate's configuration, from the OS CSPRNG (``secrets.SystemRandom``).
+
+    Both theorems bound the release of the selected candidate ONLY, with K hidden and each
+    candidate an independent draw of the same randomized mechanism. Drawn from the public study
+    seed, K would be known (the losers' existence is part of what the bound hides), and the
+    known sequence of configurations would tell, from the released configuration, the index J
+    of the winner — and revealing J voids the bound (docs/privacy.md: a toy ε₁-DP candidate at
+    γ = 1/6 gives δ ≈ 10⁻² at ε = 2 instead of ≤ 10⁻⁵). The draws are stored with the plan in the
+    study store (the data owner's), so ``resume`` continues the same search.
+
+    ``seed``: a SECRET seed (``random.Random``, Mersenne Twister) for a reproducible search; it is
+    never stored or printed by dptune, and anyone who learns it learns K. Implements the subset
+    of ``numpy.random.Generator`` that ``space.draw``, ``lt_stops`` and ``sample_repetitions`` use."""
+
+    def __init__(self, seed: int | None = None):
+        import random
+        import secrets
+
+        self._r = secrets.SystemRandom() if seed is None else random.Random(seed)
+        self.secure = seed is None
+
+    def random(self) -> float:
+        return self._r.random()
+
+    def uniform(self, low: float, high: float) -> float:
+        return low + (high - low) * self._r.random()
+
+    def integers(self, low: int, high: int | None = None) -> int:
+        if high is None:
+            low, high = 0, low
+        return low + self._r.randrange(high - low)
+
+    def poisson(self, lam: float) -> int:
+        """Inversion in log space (exact up to float rounding; O(λ) steps, fine for a planner)."""
+        u, k, log_p = self._r.random(), 0, -lam
+        cdf = math.exp(log_p)
+        while u >= cdf:
+            k += 1
+            log_p += math.log(lam) - math.log(k)
+            cdf += math.exp(log_p)
+            if k > lam and log_p < -60.0:  # float rounding kept cdf below u: the rest is < e⁻⁶⁰
+                break
+        return k
+
+
+def lt_stops(gamma: float, t_max: int, rng: np.random.Generator | SecretCoins) -> int:
     """Number of runs LT makes: flip a γ-coin after each run, at most T_max runs.
 
-    The coins do not depend on the data, so drawing them all up front (from the study
-    seed) is the same algorithm, and makes the study resumable deterministically."""
+    The coins do not depend on the data, so drawing them all up front is the same algorithm;
+    they must be secret (``SecretCoins``), and are stored with the plan so that a resumed
+    study continues the same search."""
     k = 1
     while k < t_max and rng.random() >= gamma:
         k += 1
@@ -128,7 +176,7 @@ def tnb_gamma(shape: float, mean: float) -> float:
         return lo
 
 
-def sample_repetitions(mean: float, shape: float, rng: np.random.Generator) -> int:
+def sample_repetitions(mean: float, shape: float, rng: np.random.Generator | SecretCoins) -> int:
     """K ~ Poisson(mean) (shape = ∞) or the truncated negative binomial with that mean.
 
     P[K = k] ∝ (1−γ)^k · Π_{l<k} (l+η)/(l+1) for k ≥ 1 (η > 0); ∝ (1−γ)^k / k (η = 0)."""

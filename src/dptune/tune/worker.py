@@ -11,7 +11,8 @@ the scores are computed here, on the selection split, at the planned steps.
 * public mode: the exact metric (the split is assumed public, as in the papers);
 * private mode: each score is released through ``NoisyRelease.release`` — the sum
   of per-example scores (count of correct predictions: sensitivity 1 under
-  add/remove; per-example MSE clipped to [0, c]: sensitivity c) plus Gaussian noise
+  add/remove; per-example MSE clipped to [0, c], a non-finite error counting as c and a
+  non-finite prediction as wrong: sensitivity c) plus Gaussian noise
   of std ν_sel·sensitivity, divided by the split size m (treated as public, like n in
   q = L/n). The best checkpoint is chosen on the noisy scores (post-processing);
   exact validation scores never leave the worker.
@@ -66,7 +67,9 @@ class Scorer:
         self.private = run.eval_noise_multiplier is not None
         self.sensitivity = 1.0 if metric == "accuracy" else float(study.selection.mse_clip)
         self.ledger = Ledger.with_plan(_eval_event(run))
-        self.gateway = NoisyRelease(self.ledger, 1.0, NoiseSource(stream_seed(run.run_seed, "selection"), device))
+        # Private selection scores are releases too: secure mode covers their noise.
+        self.gateway = NoisyRelease(self.ledger, 1.0, NoiseSource(stream_seed(run.run_seed, "selection"), device,
+                                                                  secure=study.secure))
         self.nu = run.eval_noise_multiplier
 
     def total(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, clip: float | None) -> float:
@@ -80,11 +83,16 @@ class Scorer:
                 yy = y[i : i + 4096]
                 if self.metric == "accuracy":
                     pred = out.argmax(1) if out.ndim > 1 and out.shape[1] > 1 else (out.reshape(-1) > 0).long()
-                    total += float((pred == yy).sum())
+                    # A non-finite prediction is wrong (argmax of a NaN row is arbitrary).
+                    finite = torch.isfinite(out.reshape(out.shape[0], -1)).all(1)
+                    total += float(((pred == yy) & finite).sum())
                 else:
                     err = ((out - yy) ** 2).reshape(out.shape[0], -1).mean(1)
                     if clip is not None:
-                        err = err.clamp(0.0, clip)
+                        # Per-example rule, BEFORE the clamp (clamp keeps NaN): a non-finite error
+                        # counts as the maximal error c, so one example moves the sum by ≤ c. Without
+                        # it one NaN made the whole sum NaN, released as the constant c·m.
+                        err = torch.nan_to_num(err, nan=clip, posinf=clip, neginf=clip).clamp(0.0, clip)
                     total += float(err.sum())
         return total
 
@@ -93,7 +101,8 @@ class Scorer:
             return self.total(params, self.x, self.y, None) / self.m
         s = self.total(params, self.x, self.y, self.sensitivity if self.metric == "mse" else None)
         if not math.isfinite(s):
-            # Diverged parameters: the released statistic is then that of a constant predictor
+            # Diverged parameters (only they: the per-example rules in ``total`` keep every
+            # term finite): the released statistic is then that of a constant predictor
             # (0 correct / maximal error) — still released, so the ledger matches the plan.
             s = 0.0 if self.metric == "accuracy" else self.sensitivity * self.m
         (noisy,) = self.gateway.release(
@@ -119,7 +128,8 @@ def execute_run(study: Study, strategy_name: str, run_dict: dict[str, Any], metr
     """Train one planned run; return its metrics, history and ledger (as a dict).
 
     Pure function of its arguments: the same run gives the same result on any executor
-    (torch threads are pinned to ``study.threads_per_run``)."""
+    (torch threads are pinned to ``study.threads_per_run``), except in secure mode
+    (``study.secure``), where noise and batches come from the OS CSPRNG."""
     run = RunSpec.from_dict(run_dict)
     if run.config is None:
         raise DPTuneError(f"run {run.run_id} has no configuration yet (adaptive stage not resolved)")
@@ -186,7 +196,7 @@ def _execute(study: Study, strategy_name: str, run: RunSpec, metric: str) -> dic
     job = _RunJob(study, strategy_name, run, metric, data, device)
     result = train(
         job.model, (data.x_train, data.y_train), job.strategy, plan=job.plan, seed=run.run_seed, device=device,
-        loss=study.training.loss, eval_data=None, progress=False, run_id="",
+        loss=study.training.loss, eval_data=None, progress=False, run_id="", secure_mode=study.secure,
     )
     return job.finish(result)
 
@@ -214,7 +224,7 @@ def execute_group(study: Study, strategy_names: list[str], run_dicts: list[dict[
         results = train_many(
             [j.model for j in jobs], (data.x_train, data.y_train), [j.strategy for j in jobs],
             plans=[j.plan for j in jobs], seeds=[r.run_seed for r in runs], device=device,
-            loss=study.training.loss, run_ids=[""] * len(jobs), fallback="sequential",
+            loss=study.training.loss, run_ids=[""] * len(jobs), fallback="sequential", secure_mode=study.secure,
         )
         seconds = (time.perf_counter() - t0) / len(jobs)  # the group's time, shared equally
         return {"results": [j.finish(r, seconds) for j, r in zip(jobs, results, strict=True)]}

@@ -1,0 +1,146 @@
+"""What dptune publishes: **release** (covered by the guarantee) vs **diagnostics** (not DP).
+
+Every output folder of dptune has two parts (derivation and the per-output table in
+docs/privacy.md, "What the published outputs contain"):
+
+* ``release/``: what the (ε, δ) guarantee covers and may be published: the selected
+  configuration of each tuning procedure, its metrics (selection score on the public split,
+  or noisy through the gateway in private mode; the metric on the public test split), the
+  guarantee (ε, δ, accountant, selection mode, scope), the ledger's totals (spent ε, δ), the
+  C_t/ρ_t trajectories of the *selected* runs (post-processing of their noisy releases), and
+  data-independent theory (noise split, LT-vs-MA cost);
+* ``diagnostics/``: everything else, each file labelled ``NOT_DP_LABEL``: every candidate's
+  result (the losers of a Liu–Talwar / repeat-and-select search are not covered), per-run
+  ledgers and run counts (they reveal K, the number of runs drawn), the realised Poisson batch
+  sizes and the loss on the private batch (computed in the clear), run times.
+
+Labels: a diagnostics CSV starts with the comment line ``# NOT_DP_LABEL ...``; a diagnostics
+JSON has a top-level ``"privacy"`` field; a diagnostics HTML page and section carry a red
+banner; the folder has a ``README.txt``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+NOT_DP_LABEL = "not differentially private: for the data owner only"
+NOT_DP_NOTICE = (
+    f"{NOT_DP_LABEL}. Computed from the raw private data outside the privacy guarantee, "
+    "or revealing what the guarantee hides (losing candidates, the number of runs); do not publish."
+)
+RELEASE_DIR = "release"
+DIAGNOSTICS_DIR = "diagnostics"
+
+# History columns a release may show: the step and the hyperparameters C_t, ρ_t the strategy
+# set from noisy releases (post-processing). Everything else a history row holds stays in the
+# diagnostics — a whitelist, so a new non-private column never leaks by default. Known
+# non-private columns: train_loss (mean loss on the private batch, in the clear) and
+# batch_size (the realised Poisson batch size |B_t|, a noiseless count of the private data).
+RELEASE_HISTORY_KEYS: tuple[str, ...] = ("step", "clip", "lr")
+NONPRIVATE_HISTORY_KEYS: tuple[str, ...] = ("train_loss", "batch_size")
+
+# Guarantees that cover only the selected candidate with the number of runs K hidden.
+HIDDEN_RUN_COUNT_KINDS: tuple[str, ...] = ("liu-talwar", "repeat-and-select")
+
+_README = """NOT DIFFERENTIALLY PRIVATE: FOR THE DATA OWNER ONLY.
+
+Every file in this folder was computed from the raw private data outside the privacy
+guarantee (training loss on the private batch, realised batch sizes, run times) or shows what
+the guarantee does not cover (every candidate of the search, per-run ledgers, the number of
+runs drawn by Liu-Talwar / repeat-and-select). Do not publish any of it.
+
+What may be published is in the sibling folder ../release/ (see docs/privacy.md,
+"What the published outputs contain").
+"""
+
+
+def release_dir(out: str | Path) -> Path:
+    """``out/release`` (created)."""
+    d = Path(out) / RELEASE_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def diagnostics_dir(out: str | Path) -> Path:
+    """``out/diagnostics`` (created), with its README.txt stating the label."""
+    d = Path(out) / DIAGNOSTICS_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    readme = d / "README.txt"
+    if not readme.is_file():
+        readme.write_text(_README, encoding="utf-8")
+    return d
+
+
+def release_history_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """History rows reduced to ``RELEASE_HISTORY_KEYS`` (no train_loss, no batch_size)."""
+    return [{k: r[k] for k in RELEASE_HISTORY_KEYS if k in r} for r in rows]
+
+
+def hides_run_count(guarantee_kind: str | None) -> bool:
+    """Does this guarantee hold only with the number of runs (K) kept secret?"""
+    return guarantee_kind in HIDDEN_RUN_COUNT_KINDS
+
+
+def write_labelled_csv(path: str | Path, rows: Sequence[Mapping[str, Any]],
+                       columns: Sequence[str] | None = None) -> Path:
+    """A diagnostics CSV: first line ``# <NOT_DP_LABEL> ...``, then header and rows.
+
+    Read it back with ``read_csv_rows`` (or ``pandas.read_csv(path, comment='#')``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if columns is None:
+        cols: dict[str, None] = {}
+        for r in rows:
+            cols.update(dict.fromkeys(r))
+        columns = list(cols)
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        fh.write(f"# {NOT_DP_NOTICE}\n")
+        w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in
+                        ((k, r.get(k)) for k in columns)})
+    return path
+
+
+def read_csv_rows(path: str | Path) -> list[dict[str, str]]:
+    """Rows of a dptune CSV, release or diagnostics (leading ``#`` comment lines skipped)."""
+    with Path(path).open(newline="", encoding="utf-8") as fh:
+        lines = [line for line in fh if not line.startswith("#")]
+    return list(csv.DictReader(lines))
+
+
+def labelled_json(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """A diagnostics JSON object: ``{"privacy": NOT_DP_NOTICE, ...payload}``."""
+    return {"privacy": NOT_DP_NOTICE, **payload}
+
+
+# ----------------------------------------------------------------------------- one run (dptune train)
+def train_outputs(result: Any, **context: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(release, diagnostics) dicts of one ``TrainResult`` (``dptune train``'s JSON files).
+
+    Release: ``TrainResult.summary()`` (the guarantee: ε at δ by the plan's accountant, ν, q,
+    T; the configuration; the best evaluation on the evaluation data, assumed public; whether
+    it diverged, judged on the parameters) without the run time, the evaluations, the ledger's
+    totals and the C_t/ρ_t trajectory. Diagnostics: the full per-step history (train_loss on
+    the private batch, the realised batch sizes), the run time (it grows with the realised
+    batch sizes) and the full ledger.
+    """
+    summary = dict(result.summary())
+    seconds = summary.pop("seconds", None)  # timing: a side channel on the realised batch sizes
+    private = bool(result.plan.strategy.private)
+    eps = (result.epsilon(result.delta) if result.delta else None) if private else math.inf
+    release = {
+        **context, **summary, "evals": result.evals,
+        "ledger_totals": {"releases": sum(e.count for e in result.ledger.entries), "epsilon": eps,
+                          "delta": result.delta, "accountant": getattr(result.plan, "accountant", "rdp")},
+        "trajectory": release_history_rows(result.history),
+    }
+    diagnostics = labelled_json({**context, "seconds": seconds, "history": result.history,
+                                 "ledger": result.ledger.to_dict()})
+    return release, diagnostics
