@@ -213,3 +213,15 @@ def test_secure_study_reaches_the_workers_and_its_report_states_the_mode(tmp_pat
     assert seen["train_many"][-1] is False
     page = report_study(seeded).read_text()
     assert "secret key" in page
+    # The presets' page (dptune demo / reproduce) and the terminal table state the mode too.
+    from rich.console import Console
+
+    from dptune.presets._report import study_report
+    from dptune.tune.results import render
+
+    assert "secret key" in study_report(seeded, tmp_path / "preset-page").read_text()
+    assert "CSPRNG" in study_report(dirs[0], tmp_path / "preset-page-secure").read_text()
+    for d, word in ((seeded, "secret key"), (dirs[0], "CSPRNG")):
+        con = Console(width=100, record=True)
+        render(d, con)
+        assert word in " ".join(con.export_text().split())

@@ -215,10 +215,6 @@ def tune(
     study_dir = out or Path("studies") / study.name
     run_study(study, study_dir, executor=executor, address=address, progress=progress, workers=workers)
     render(study_dir, console)
-    from dptune.train import randomness_statement
-
-    note = randomness_statement(study.secure)["randomness_note"]
-    console.print(f"randomness: {note}" if study.secure else f"[yellow]warning[/]: {note}", highlight=False)
     console.print(f"study directory: {study_dir}  (publishable: {study_dir / 'release'}; "
                   f"dptune report {study_dir} for the HTML report)")
 

@@ -131,13 +131,17 @@ def study_report(
     arm_notes += [f"{_name(a)}: {_HIDDEN_K_NOTE}" for a in plan.arms if hides_run_count(a.guarantee.get("kind"))]
     secret_notes = [f"{_name(a)}: {n}" for a in plan.arms for n in a.notes if hides_run_count(a.guarantee.get("kind"))]
     accountants = sorted({a.accountant for a in plan.arms if a.accountant != "none"})
+    # The randomness mode (docs/privacy.md, item 3): secure, or seeded (the seed is a secret key).
+    from dptune.train import randomness_statement
+
+    mode_note = "Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"]
     return build_report(
         out, results, histories, ledger_rows,
         selection_mode=sel.get("mode", "public"), selection_split=sel.get("split"),
         planned=None, spent=None, metric=plan.metric, higher_is_better=plan.higher_is_better,
         title=title or cfg.get("study", {}).get("name", "study"), subtitle=subtitle,
         accountant=", ".join(accountants) or None, budgets=budgets,
-        notes=[*notes, *dict.fromkeys(arm_notes)], pareto=pareto or None, linear_scaling=linear,
+        notes=[*notes, *dict.fromkeys(arm_notes), mode_note], pareto=pareto or None, linear_scaling=linear,
         extra_figures=extra_figures, extra_sections=extra_sections,
         diagnostic_notes=list(dict.fromkeys(secret_notes)), include_diagnostics=include_diagnostics,
     )

@@ -390,6 +390,12 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
             continue
         for note in arm.notes:
             console.print(f"[dim]• {arm.arm}: {note}[/dim]")
+    # The randomness mode (docs/privacy.md, item 3): every study's terminal report states it.
+    from dptune.train import randomness_statement
+
+    secure = bool(cfg.get("study", {}).get("secure"))
+    note = randomness_statement(secure)["randomness_note"]
+    console.print(f"randomness: {note}" if secure else f"[yellow]warning[/]: {note}", highlight=False)
     if not diagnostics:
         console.print(f"[dim]Diagnostics ({NOT_DP_LABEL}): {Path(study_dir) / DIAGNOSTICS_DIR}/, "
                       "`dptune status`, `dptune report --include-diagnostics`.[/dim]")
