@@ -121,6 +121,17 @@ def params_of(model: nn.Module) -> Tensors:
     return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.fixture
+def one_thread():
+    """Many tiny matrix products: with two OpenMP threads on a busy 2-core machine each one
+    waits for the other thread (measured 10x slower); results do not depend on it. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 # ----------------------------------------------------------------------------- gateways
 @dataclass
 class Captured:

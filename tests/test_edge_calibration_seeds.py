@@ -38,12 +38,7 @@ X = torch.randn(300, 10, generator=G)
 Y = (X[:, 0] - X[:, 1] > 0).long()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _mlp() -> nn.Module:

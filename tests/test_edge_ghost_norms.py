@@ -35,12 +35,7 @@ TOL = 1e-6  # the issue's bound: released single-example contribution ≤ C·(1 
 DEVICE = torch.device(os.environ.get("DPTUNE_TEST_DEVICE", "cpu"))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:

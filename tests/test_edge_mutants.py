@@ -45,7 +45,7 @@ from dptune.tune import data as tune_data
 
 # item 6's fixtures: ``spy`` records every release per gateway; one thread (as in its own file).
 spy = seeds_checks.spy
-_one_thread = seeds_checks._one_thread
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------- item 2

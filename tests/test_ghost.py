@@ -22,15 +22,7 @@ from dptune.strategies import STRATEGIES
 from dptune.strategies.base import clip_weights
 from dptune.train import train
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Many tiny matrix products: with two OpenMP threads on a busy 2-core machine each one
-    waits for the other thread (measured 10x slower); results do not depend on it."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -12,15 +12,7 @@ from dptune.errors import ConfigError
 from dptune.train import train
 from dptune.vectorized import stack_plan, train_many
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Many tiny matrix products: with two OpenMP threads on a busy 2-core machine each one
-    waits for the other thread (measured 10x slower); results do not depend on it."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 G = torch.Generator().manual_seed(0)

@@ -86,11 +86,10 @@ def hides_run_count(guarantee_kind: str | None) -> bool:
     return guarantee_kind in HIDDEN_RUN_COUNT_KINDS
 
 
-def write_labelled_csv(path: str | Path, rows: Sequence[Mapping[str, Any]],
-                       columns: Sequence[str] | None = None) -> Path:
-    """A diagnostics CSV: first line ``# <NOT_DP_LABEL> ...``, then header and rows.
-
-    Read it back with ``read_csv_rows`` (or ``pandas.read_csv(path, comment='#')``)."""
+def write_csv_rows(path: str | Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None,
+                   *, comment: str | None = None) -> Path:
+    """The one CSV writer of the reports: optional first line ``# <comment>``, then header and rows
+    (columns: given, else the union of keys in first-seen order; list/dict cells as JSON)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if columns is None:
@@ -99,13 +98,22 @@ def write_labelled_csv(path: str | Path, rows: Sequence[Mapping[str, Any]],
             cols.update(dict.fromkeys(r))
         columns = list(cols)
     with path.open("w", newline="", encoding="utf-8") as fh:
-        fh.write(f"# {NOT_DP_NOTICE}\n")
+        if comment is not None:
+            fh.write(f"# {comment}\n")
         w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow({k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in
                         ((k, r.get(k)) for k in columns)})
     return path
+
+
+def write_labelled_csv(path: str | Path, rows: Sequence[Mapping[str, Any]],
+                       columns: Sequence[str] | None = None) -> Path:
+    """A diagnostics CSV: first line ``# <NOT_DP_LABEL> ...``, then header and rows.
+
+    Read it back with ``read_csv_rows`` (or ``pandas.read_csv(path, comment='#')``)."""
+    return write_csv_rows(path, rows, columns, comment=NOT_DP_NOTICE)
 
 
 def read_csv_rows(path: str | Path) -> list[dict[str, str]]:

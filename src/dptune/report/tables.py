@@ -6,7 +6,6 @@ hyperparameters and the metric as mean ± std over seeds.
 
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from dptune.report.data import (
 )
 from dptune.report.data import higher_is_better as resolve_direction
 from dptune.report.html import Table
+from dptune.report.privacy import write_csv_rows
 
 TERMINAL_WIDTH = 100
 # Column caps for the terminal table: 6 borders + 5×2 padding + these = 100.
@@ -148,19 +148,7 @@ def render_terminal_table(
 # ----------------------------------------------------------------------------- CSV
 def write_csv(path: str | Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> Path:
     """Write dict rows as CSV (columns: given, else the union of keys in first-seen order)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if columns is None:
-        cols: dict[str, None] = {}
-        for r in rows:
-            cols.update(dict.fromkeys(r))
-        columns = list(cols)
-    with path.open("w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k) for k in columns})
-    return path
+    return write_csv_rows(path, rows, columns)
 
 
 def summary_csv_rows(rows: Sequence[SummaryRow]) -> list[dict[str, Any]]:
