@@ -65,7 +65,10 @@ def parse_hyperparameters(pairs: list[str]) -> dict[str, Any]:
 @_guard
 def train(
     dataset: str = typer.Option("mnist5k", help="dataset name (dptune.data), e.g. mnist5k, digits, mnist"),
-    model: str = typer.Option("auto", help="model name (dptune.models) or 'auto' for the dataset's default"),
+    data: str | None = typer.Option(None, "--data", help="your own data instead of --dataset: pkg.module:loader, "
+                                    "loader() -> (train, test) (docs/your_data.md); the module must be importable"),
+    model: str = typer.Option("auto", help="model name (dptune.models), 'auto' for the dataset's default, or your "
+                              "own pkg.module:factory (factory() -> nn.Module; input_dim/classes passed if taken)"),
     strategy: str = typer.Option("oso", help="nodp, dpsgd, quantile, oso, dpadam, adamwosm, adadp, dpgd"),
     epsilon: float | None = typer.Option(3.0, help="target ε of this run (ignored with --noise-multiplier)"),
     delta: float = typer.Option(1e-5, help="target δ"),
@@ -78,7 +81,8 @@ def train(
     eval_every: int = typer.Option(50, help="evaluate on the test split every N steps"),
     seed: int = typer.Option(0),
     data_dir: str | None = typer.Option(None, help="local dataset copies (else $DPTUNE_DATA_DIR / download cache)"),
-    device: str | None = typer.Option(None, help="cpu or cuda (default: cuda if available)"),
+    device: str | None = typer.Option(None, help="cpu, cuda, cuda:N or mps (default: cuda if available); "
+                                      "a device that is not available here is an error"),
     out: Path = typer.Option(Path("dptune-train.json"), help="where to write the JSON result (the release)"),
     diagnostics_out: Path | None = typer.Option(
         None, help="where to write the diagnostics JSON, not differentially private: for the data owner only "
@@ -86,6 +90,9 @@ def train(
     progress: bool = typer.Option(True, help="show a progress bar (no loss on the private batch)"),
     secure: bool = typer.Option(False, "--secure", help="secure mode: noise and Poisson batches from the OS CSPRNG, "
                                 "not from --seed (not reproducible; use it for a model you will publish)"),
+    save: Path | None = typer.Option(
+        None, "--save", help="folder for the selected model (best on the public test split): model.pt + "
+                             "model_card.json/.md; reload with dptune.load_model(DIR)"),
 ) -> None:
     """Train one model with differential privacy; write the release JSON (guarantee, configuration,
     evaluations on the public test split, ledger totals) and, apart, the diagnostics JSON (history
@@ -94,17 +101,39 @@ def train(
 
     from dptune import accounting, models
     from dptune import data as dpdata
+    from dptune.devices import resolve_device
     from dptune.train import train as run_train
 
-    ds = dpdata.load(dataset, data_dir=data_dir, seed=seed)
-    torch.manual_seed(seed)
-    net = models.for_dataset(ds) if model == "auto" else models.build(model, **models.kwargs_for(model, ds))
+    device = str(resolve_device(device, "--device"))  # before any data is read: one clear error
+    from dptune import own
+
+    # The user's code is imported first: a wrong path is one clear error before any data or file.
+    if own.is_factory_path(model):
+        own.import_factory(model, "--model")
+    if data is not None:
+        own.import_factory(data, "--data")
+        if not own.is_factory_path(model):
+            raise DPTuneError("--data needs your own model too: --model pkg.module:factory.")
+        train_part, test_part = own.load_data(data)
+        dataset = data
+        torch.manual_seed(seed)
+        net = own.build_model(model, *own.data_shape(train_part))
+    else:
+        ds = dpdata.load(dataset, data_dir=data_dir, seed=seed)
+        train_part, test_part = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test)
+        torch.manual_seed(seed)
+        if own.is_factory_path(model):
+            import math
+
+            net = own.build_model(model, math.prod(ds.input_shape), ds.num_classes)
+        else:
+            net = models.for_dataset(ds) if model == "auto" else models.build(model, **models.kwargs_for(model, ds))
     hparams = parse_hyperparameters(hp)
     result = run_train(
-        net, (ds.x_train, ds.y_train), strategy, epochs=epochs,
+        net, train_part, strategy, epochs=epochs,
         expected_batch_size=None if full_batch else batch_size, full_batch=full_batch,
         noise_multiplier=noise_multiplier, target_epsilon=None if noise_multiplier else epsilon,
-        delta=delta, accountant=accountant, eval_data=(ds.x_test, ds.y_test), eval_every=eval_every,
+        delta=delta, accountant=accountant, eval_data=test_part, eval_every=eval_every,
         seed=seed, device=device, progress=progress, secure_mode=secure, **hparams,
     )
     from dptune.report.privacy import NOT_DP_LABEL, diagnostics_dir, train_outputs
@@ -117,6 +146,18 @@ def train(
     out.write_text(json.dumps(release, default=str))
     diag_path.parent.mkdir(parents=True, exist_ok=True)
     diag_path.write_text(json.dumps(diag, default=str))
+    if save is not None:  # the deliverable: post-processing of the run, no release
+        import math as _math
+
+        from dptune.deliverable import factory_identity, save_trained
+
+        if own.is_factory_path(model):  # the arguments the factory was given, for load_model
+            dims = own.data_shape(train_part) if data is not None else (_math.prod(ds.input_shape), ds.num_classes)
+            model_id = factory_identity(model, *dims)
+        else:
+            name = models.default_model_name(ds) if model == "auto" else model
+            model_id = {"name": name, "kwargs": models.kwargs_for(name, ds)}
+        save_trained(result, save, model_id=model_id, data_id={"name": dataset})  # not the seed: a secret key
     t = Table(title=f"dptune train: {strategy} on {dataset}")
     t.add_column("quantity")
     t.add_column("value", justify="right")
@@ -137,6 +178,7 @@ def train(
         (f"ε spent ({plan.accountant.upper()})",
          "∞" if not plan.strategy.private else f"{accounting.round_up(summary['epsilon'], 6):.6g}"),
         ("δ", delta), ("randomness", summary["randomness"]), ("result", str(out)),
+        *([("model", str(save))] if save is not None else []),
     ]
     for k, v in rows:
         t.add_row(k, str(v))
@@ -206,6 +248,8 @@ def tune(
     workers: int | None = typer.Option(None, help="parallel workers (process/ray)"),
     address: str | None = typer.Option(None, "--address", help="Ray cluster address (default: a local Ray)"),
     progress: bool = typer.Option(True, help="show progress bars"),
+    gpus_per_run: float | None = typer.Option(
+        None, help="Ray only, runs on CUDA: GPUs each run requests (default 1; e.g. 0.25 packs four runs per GPU)"),
 ) -> None:
     """Plan a whole study inside its budget, run it, print the results table and budget."""
     from dptune.tune import load_study_config, run_study
@@ -213,7 +257,8 @@ def tune(
 
     study = load_study_config(config)
     study_dir = out or Path("studies") / study.name
-    run_study(study, study_dir, executor=executor, address=address, progress=progress, workers=workers)
+    run_study(study, study_dir, executor=executor, address=address, progress=progress, workers=workers,
+              gpus_per_run=gpus_per_run)
     render(study_dir, console)
     console.print(f"study directory: {study_dir}  (publishable: {study_dir / 'release'}; "
                   f"dptune report {study_dir} for the HTML report)")
@@ -256,13 +301,15 @@ def resume(
     workers: int | None = typer.Option(None),
     address: str | None = typer.Option(None, "--address"),
     progress: bool = typer.Option(True),
+    gpus_per_run: float | None = typer.Option(None, help="Ray only, runs on CUDA: GPUs each run requests"),
 ) -> None:
     """Continue an interrupted study: finished runs are kept, interrupted runs re-execute
     with the same seeds and noise streams (nothing is released or spent twice)."""
     from dptune.tune import resume_study
     from dptune.tune.results import render
 
-    resume_study(study_dir, executor=executor, address=address, progress=progress, workers=workers)
+    resume_study(study_dir, executor=executor, address=address, progress=progress, workers=workers,
+                 gpus_per_run=gpus_per_run)
     render(study_dir, console)
 
 
@@ -286,9 +333,31 @@ def report(
     write_csvs(study_dir)
     html = report_study(study_dir, out, include_diagnostics=include_diagnostics)
     console.print(f"report: {html}")
+    from dptune.deliverable import export_study
+    from dptune.tune.results import study_status
+
+    if study_status(study_dir)["complete"]:  # the selected models + cards (no retraining, no release)
+        for d in export_study(study_dir, out=out, skip_missing=True):
+            console.print(f"model: {d}")
     diag = html.parent.parent / DIAGNOSTICS_DIR
     console.print(f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag}"
                   + (f" (page: {diag / 'report.html'})" if include_diagnostics else ""), highlight=False)
+
+
+@app.command()
+@_guard
+def export(
+    study_dir: Path = typer.Argument(..., help="a finished study directory"),
+    arm: str | None = typer.Option(None, "--arm", help="the arm to export (default: every arm), e.g. 'dpsgd@eps=1'"),
+    out: Path | None = typer.Option(None, help="output folder, gets release/models/<arm>/ (default: study_dir)"),
+) -> None:
+    """Write the selected model of a finished study with its model card (model.pt, model_card.json,
+    model_card.md) into release/models/<arm>/, from the stored checkpoint: no retraining, so no new
+    release. Reload it with dptune.load_model(DIR)."""
+    from dptune.deliverable import export_study
+
+    for d in export_study(study_dir, arm, out):
+        console.print(f"model: {d}  (dptune.load_model({str(d)!r}))", highlight=False)
 
 
 @app.command()

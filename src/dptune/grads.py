@@ -438,7 +438,9 @@ class GradientOracle:
         self.loss_fn = per_example_loss(loss) if isinstance(loss, str) else loss
         # The [B] losses without vmap for the built-in losses (vmap of the per-example loss
         # costs ~0.5 ms more per call: 10 % of a small model's non-private step).
-        self._batched_loss = batched_loss(loss) if isinstance(loss, str) else torch.vmap(self.loss_fn)
+        # A user loss from ``dptune.own.user_loss`` carries its own batched form (``.batched``).
+        self._batched_loss = (batched_loss(loss) if isinstance(loss, str)
+                              else getattr(loss, "batched", None) or torch.vmap(self.loss_fn))
         self.buffers = {k: v for k, v in model.named_buffers()}
         self._call = ParamSwap(model)
         self.chunk_size = chunk_size

@@ -194,6 +194,16 @@ class Ledger:
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
+    def digest(self) -> str:
+        """SHA-256 (hex) of the canonical JSON of the entries, as a multiset: each entry's
+        JSON with sorted keys, the list sorted. Composition is commutative and a study merges
+        runs in completion order, so the order of entries must not change the digest; the
+        plan is left out (it is the configuration's, stated separately in a model card)."""
+        import hashlib
+
+        rows = sorted(json.dumps(e.to_dict(), sort_keys=True, separators=(",", ":")) for e in self.entries)
+        return hashlib.sha256(("[" + ",".join(rows) + "]").encode()).hexdigest()
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Ledger:
         planned = event_from_dict(d["planned_event"]) if d.get("planned_event") else None

@@ -25,6 +25,7 @@ from dp_accounting import dp_event
 from torch import nn
 
 from dptune import accounting
+from dptune.devices import resolve_device
 from dptune.errors import ConfigError
 from dptune.grads import GradientOracle
 from dptune.ledger import Ledger
@@ -219,7 +220,7 @@ class TaskTensors:
 def resolve_task(data: Any, eval_data: Any, device: str | torch.device | None, metric: str | None,
                  loss: str | None) -> TaskTensors:
     """Move the data to the device; a float target shaped like the input means reconstruction (MSE)."""
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = resolve_device(device)  # a named device must exist: never a silent run on the CPU
     x, y = _as_tensors(data, dev)
     recon = x.shape == y.shape and x.dtype == y.dtype and x.dtype.is_floating_point
     metric = metric or ("mse" if recon else "accuracy")
@@ -231,16 +232,129 @@ def resolve_task(data: Any, eval_data: Any, device: str | torch.device | None, m
 
 
 def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    from dptune.own import tensors_of
+
     if isinstance(data, Sequence) and len(data) == 2:
         x, y = data
     elif hasattr(data, "x_train"):
         x, y = data.x_train, data.y_train
+    elif tensors_of(data) is not None:
+        x, y = tensors_of(data)  # type: ignore[misc]
     else:
-        raise ConfigError("data must be a pair (x, y) of tensors or a dptune.data.Dataset.")
+        # train_many stacks K trials on in-memory tensors; dptune.train reads any map-style dataset.
+        raise ConfigError("data must be a pair (x, y) of tensors, a TensorDataset or a dptune.data.Dataset here "
+                          "(a map-style dataset works with dptune.train; for train_many, read it into "
+                          "memory with dptune.own.materialize).")
     x, y = torch.as_tensor(x), torch.as_tensor(y)
     if x.shape[0] != y.shape[0]:
         raise ConfigError(f"x and y have different lengths ({x.shape[0]} vs {y.shape[0]}).")
     return x.to(device), y.to(device)
+
+
+class _OwnTask:
+    """The run's data and evaluation, whatever the user passed (docs/your_data.md).
+
+    In-memory pairs, ``dptune.data.Dataset`` and ``TensorDataset``s of two tensors take the
+    tensor path (``index_select``: today's speed); any other map-style dataset is read by
+    index through ``dptune.own.MapSource``. Both collate the same rows for the same sorted
+    Poisson indices, so a seed gives the same run either way.
+    """
+
+    def __init__(self, device: torch.device, train: Any, evald: Any, metric: str | Any, loss: str | Callable,
+                 user_loss_fn: Callable | None):
+        self.device, self.train, self.evald = device, train, evald
+        self.metric = metric  # a built-in name or a dptune.own.Metric
+        self.loss, self.user_loss_fn = loss, user_loss_fn
+
+    @staticmethod
+    def _source(data: Any, device: torch.device) -> Any:
+        from torch.utils.data import DataLoader
+
+        from dptune import own
+
+        if isinstance(data, DataLoader):
+            import warnings
+
+            warnings.warn("dptune uses the DataLoader's dataset only: its sampler, shuffle and batch_size are "
+                          "replaced by Poisson sampling at q = expected_batch_size / n, which the privacy "
+                          "accountant assumes (docs/your_data.md).", stacklevel=4)
+            data = own.from_dataloader(data)
+        if (isinstance(data, Sequence) and len(data) == 2) or hasattr(data, "x_train"):
+            return _as_tensors(data, device)
+        if own.is_map_style(data):
+            fast = own.tensors_of(data)
+            if fast is not None:
+                return _as_tensors(fast, device)
+            return own.MapSource(data, device, getattr(data, "collate_fn", None))
+        raise ConfigError("data must be a pair (x, y) of tensors, a map-style dataset (__len__ and __getitem__, "
+                          "e.g. a torch Dataset), a DataLoader or a dptune.data.Dataset.")
+
+    @classmethod
+    def resolve(cls, data: Any, eval_data: Any, device: str | torch.device | None, metric: Any,
+                loss: Any) -> _OwnTask:
+        from dptune import own
+
+        dev = resolve_device(device)  # a named device must exist: never a silent run on the CPU
+        tr = cls._source(data, dev)
+        ev = cls._source(eval_data, dev) if eval_data is not None else None
+        x, y = tr if isinstance(tr, tuple) else tr._empty
+        recon = x.shape[1:] == y.shape[1:] and x.dtype == y.dtype and x.dtype.is_floating_point
+        m = own.as_metric(metric) or ("mse" if recon else "accuracy")
+        if isinstance(m, str) and m not in HIGHER_IS_BETTER:
+            raise ConfigError(f"unknown metric {m!r}; choose accuracy or mse, or pass a dptune.Metric.")
+        user_fn = None
+        if callable(loss):
+            user_fn, loss = loss, own.user_loss(loss)
+        elif loss is None:
+            loss = "mse" if recon else "cross_entropy"
+        return cls(dev, tr, ev, m, loss, user_fn)
+
+    @property
+    def n(self) -> int:
+        return int(self.train[0].shape[0]) if isinstance(self.train, tuple) else self.train.n
+
+    @property
+    def metric_name(self) -> str:
+        return self.metric if isinstance(self.metric, str) else self.metric.name
+
+    @property
+    def higher(self) -> bool:
+        return HIGHER_IS_BETTER[self.metric] if isinstance(self.metric, str) else self.metric.higher_is_better
+
+    @property
+    def has_eval(self) -> bool:
+        return self.evald is not None
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(self.train, tuple):
+            x, y = self.train
+            idx = idx.to(self.device)
+            return x.index_select(0, idx), y.index_select(0, idx)
+        return self.train.batch(idx)
+
+    def check_loss(self, model: nn.Module) -> None:
+        if self.user_loss_fn is not None:
+            from dptune import own
+
+            own.check_loss(self.user_loss_fn, model, *self.batch(torch.arange(min(2, self.n))))
+
+    def evaluate(self, oracle: GradientOracle, params: Tensors) -> float:
+        ev = self.evald
+        if isinstance(self.metric, str) and isinstance(ev, tuple):
+            return evaluate(oracle, params, ev[0], ev[1], self.metric)  # the unchanged fast path
+        chunks = [ev] if isinstance(ev, tuple) else ev.chunks()
+        total, n = 0.0, 0
+        for x, y in chunks:
+            b = int(x.shape[0])
+            if isinstance(self.metric, str):
+                total += evaluate(oracle, params, x, y, self.metric) * b if b else 0.0
+            else:
+                for i in range(0, b, 4096):
+                    with torch.no_grad():
+                        out = oracle.forward(params, x[i : i + 4096])
+                    total += float(self.metric.scores(out, y[i : i + 4096]).sum())
+            n += b
+        return total / n if n else math.nan
 
 
 class RunLoop:
@@ -268,12 +382,15 @@ class RunLoop:
         eval_every: int,
         score: Callable[[Tensors], float] | None,
         on_step: Callable[[int, dict[str, Any]], None] | None,
+        higher: bool | None = None,
     ):
         """``score(params)``: the evaluation metric of one parameter set (None: no evaluation
         data); ``finish`` uses it after an overridden ``finalize``. The model must already be
         on ``device``."""
         self.model, self.strategy, self.plan = model, strategy, plan
-        self.metric, self.higher, self.eval_every = metric, HIGHER_IS_BETTER[metric], eval_every
+        # ``higher``: the direction of a user metric (dptune.own.Metric); built-in names know theirs.
+        self.higher = HIGHER_IS_BETTER[metric] if higher is None else higher
+        self.metric, self.eval_every = metric, eval_every
         self.score, self.on_step = score, on_step
         params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
         self.params = strategy.prepare(params)
@@ -394,9 +511,8 @@ def train(
         strategy = make_strategy(strategy, **hyperparameters)
     elif hyperparameters:
         raise ConfigError(f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy).")
-    task = resolve_task(data, eval_data, device, metric, loss)
-    dev, x, y, ex, ey, metric, loss = task.device, task.x, task.y, task.ex, task.ey, task.metric, task.loss
-    n = int(x.shape[0])
+    own = _OwnTask.resolve(data, eval_data, device, metric, loss)
+    dev, metric, loss, n = own.device, own.metric_name, own.loss, own.n
     if eval_every < 1:
         raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}.")
     if plan is None:
@@ -407,19 +523,19 @@ def train(
     elif plan.n != n:
         raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {n}.")
     model = model.to(dev)
+    own.check_loss(model)
     oracle = GradientOracle(model, loss, chunk_size=chunk_size, method=grad_method)
 
     def score(params: Tensors) -> float:
-        assert ex is not None and ey is not None
-        return evaluate(oracle, params, ex, ey, metric)
+        return own.evaluate(oracle, params)
 
     loop = RunLoop(model, strategy, plan, seed=seed, device=dev, secure_mode=secure_mode, run_id=run_id,
-                   metric=metric, eval_every=eval_every, score=score if ex is not None else None, on_step=on_step)
+                   metric=metric, eval_every=eval_every, score=score if own.has_eval else None, on_step=on_step,
+                   higher=own.higher)
     bar = _progress(plan.steps, f"{strategy.name}", progress)
     try:
         for t in range(1, plan.steps + 1):
-            idx = loop.sampler.sample().to(dev)
-            row = loop.step(t, x.index_select(0, idx), y.index_select(0, idx), oracle)
+            row = loop.step(t, *own.batch(loop.sampler.sample()), oracle)
             if loop.diverged:
                 break
             loop.record(t, row, score(loop.params) if loop.eval_due(t) else None)

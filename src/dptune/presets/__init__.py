@@ -299,9 +299,12 @@ def reproduce(
     scale = check_scale(scale)
     if executor not in ("local", "process", "ray"):
         raise ConfigError(f"unknown executor {executor!r}. Fix: choose local, process or ray.")
+    device = device or _default_device(scale)
+    from dptune.tune.study import check_study_device
+
+    check_study_device(device, executor, None)  # before any folder is made
     out = ensure_dir(out_dir)
     console = _console(console)
-    device = device or _default_device(scale)
     t0 = time.perf_counter()
     with data_dir_env(data_dir):
         parts = preset.parts(scale, **options)

@@ -86,8 +86,16 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
     key = _key(spec, selection, study_seed)
     if key in _CACHE:
         return _CACHE[key]
+    if spec.factory is not None:
+        # The user's loader, read into memory: the holdout split hashes each example.
+        from dptune.own import as_pair, load_data
+
+        train, test = load_data(spec.factory, dict(spec.options))
+        (x_tr, y_tr) = as_pair(train)
+        x_te, y_te = as_pair(test) if test is not None else (x_tr[:0], y_tr[:0])
     if spec.tensors is not None:
         x_tr, y_tr, x_te, y_te = spec.tensors
+    if spec.tensors is not None or spec.factory is not None:
         recon = x_tr.shape == y_tr.shape and x_tr.dtype.is_floating_point and y_tr.dtype.is_floating_point
         task = "reconstruction" if recon else "classification"
         num_classes = None if recon else int(torch.max(torch.cat([y_tr.reshape(-1), y_te.reshape(-1)])).item()) + 1
@@ -124,6 +132,16 @@ def build_model(spec: ModelSpec, data: StudyData, seed: int) -> torch.nn.Module:
     opts: dict[str, Any] = dict(spec.options)
     if spec.builder is not None:
         ctor = spec.builder
+    elif spec.factory is not None:
+        from dptune.own import import_factory
+
+        # Imported in this process (every executor's worker): the user's module must be on its path.
+        ctor = import_factory(spec.factory, "model.factory")
+        params = inspect.signature(ctor).parameters
+        if "input_dim" in params and "input_dim" not in opts:
+            opts["input_dim"] = math.prod(data.input_shape)
+        if "classes" in params and "classes" not in opts and data.num_classes is not None:
+            opts["classes"] = data.num_classes
     else:
         from dptune.models import MODELS
 

@@ -433,9 +433,9 @@ def plan_study(study: Study, n_train: int, n_val: int, metric: str,
             planner = PLANNERS[method.name]
             arms.append(planner(b, arm, eps, path))
     release = group_events(r.planned_event for r in b.runs.values())
-    from dptune.train import HIGHER_IS_BETTER
+    from dptune.own import metric_higher
 
-    return StudyPlan(arms, b.runs, release, n_train, n_val, metric, HIGHER_IS_BETTER[metric])
+    return StudyPlan(arms, b.runs, release, n_train, n_val, metric, metric_higher(metric))
 
 
 def _procedures(study: Study, composite: bool = False) -> tuple[int, int, int]:

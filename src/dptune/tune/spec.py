@@ -98,12 +98,21 @@ class DataSpec:
     name: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # "pkg.module:loader": the user's data, loader(**options) (contract: docs/your_data.md).
+    factory: str | None = None
 
     def __post_init__(self) -> None:
-        if (self.name is None) == (self.tensors is None):
-            raise _err("data", "give exactly one of data.name (a registered dataset) or tensors",
-                       'set data.name = "digits" (or pass Study(data=(x_train, y_train, x_test, y_test)))')
-        if self.name is not None:
+        if sum(v is not None for v in (self.name, self.tensors, self.factory)) != 1:
+            raise _err("data", "give exactly one of data.name (a registered dataset), data.factory or tensors",
+                       'set data.name = "digits" or data.factory = "mypkg.data:load" '
+                       "(or pass Study(data=(x_train, y_train, x_test, y_test)))")
+        if self.factory is not None:
+            from dptune.own import import_factory
+
+            import_factory(self.factory, "data.factory")  # importable here: fail before any run starts
+            if not isinstance(self.options, Mapping):
+                raise _err("data.options", "must be a table of options", "e.g. options = { n = 1000 }")
+        elif self.name is not None:
             if not isinstance(self.name, str):
                 raise _err("data.name", f"must be a string, got {self.name!r}", 'e.g. name = "digits"')
             try:
@@ -141,6 +150,8 @@ class DataSpec:
         return self.__dict__["_fingerprint"]
 
     def describe(self) -> dict[str, Any]:
+        if self.factory is not None:  # the factory string is part of the study fingerprint
+            return {"factory": self.factory, "options": dict(self.options)}
         if self.name is not None:
             return {"name": self.name, "options": dict(self.options)}
         return {"python_tensors": self.fingerprint()}
@@ -157,12 +168,18 @@ class ModelSpec:
     name: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     builder: Callable[..., torch.nn.Module] | None = None
+    # "pkg.module:factory": the user's model, factory(**options) -> nn.Module, imported by every worker.
+    factory: str | None = None
 
     def __post_init__(self) -> None:
-        if (self.name is None) == (self.builder is None):
-            raise _err("model", "give exactly one of model.name or a builder callable",
-                       'set model.name = "logistic_regression"')
-        if self.name is not None:
+        if sum(v is not None for v in (self.name, self.builder, self.factory)) != 1:
+            raise _err("model", "give exactly one of model.name, model.factory or a builder callable",
+                       'set model.name = "logistic_regression" or model.factory = "mypkg.models:build"')
+        if self.factory is not None:
+            from dptune.own import import_factory
+
+            import_factory(self.factory, "model.factory")  # importable here: fail before any run starts
+        elif self.name is not None:
             if not isinstance(self.name, str):
                 raise _err("model.name", f"must be a string, got {self.name!r}", 'e.g. name = "logistic_regression"')
             try:
@@ -177,6 +194,8 @@ class ModelSpec:
             raise _err("model.options", "must be a table", "e.g. options = { hidden = 100 }")
 
     def describe(self) -> dict[str, Any]:
+        if self.factory is not None:  # the factory string is part of the study fingerprint
+            return {"factory": self.factory, "options": dict(self.options)}
         if self.name is not None:
             return {"name": self.name, "options": dict(self.options)}
         b = self.builder
@@ -213,6 +232,11 @@ class TrainingSpec:
         if self.loss is not None and self.loss not in ("cross_entropy", "mse", "bce"):
             raise _err("training.loss", f"unknown loss {self.loss!r}",
                        "choose cross_entropy, mse or bce (or omit it: chosen from the task)")
+        from dptune.devices import check_device_name
+
+        # Syntax only: a study may be planned on a driver without the GPUs of its Ray cluster;
+        # availability is checked where the runs execute (run_study, worker).
+        object.__setattr__(self, "device", check_device_name(self.device, "training.device"))
 
 
 @dataclass(frozen=True)
@@ -359,8 +383,16 @@ class SelectionSpec:
         if not (isinstance(self.holdout_fraction, int | float) and 0 < self.holdout_fraction < 1):
             raise _err("selection.holdout_fraction", f"must lie in (0, 1), got {self.holdout_fraction!r}",
                        "e.g. holdout_fraction = 0.2")
-        if self.metric is not None and self.metric not in METRICS:
-            raise _err("selection.metric", f"unknown metric {self.metric!r}", f"choose one of {', '.join(METRICS)}")
+        if self.metric is not None and ":" in str(self.metric):
+            from dptune.own import named_metric
+
+            # Your own dptune.Metric: importable now, and private selection needs its sensitivity.
+            m = named_metric(self.metric)
+            if self.mode == "private":
+                m.require_sensitivity()  # type: ignore[union-attr]
+        elif self.metric is not None and self.metric not in METRICS:
+            raise _err("selection.metric", f"unknown metric {self.metric!r}",
+                       f"choose one of {', '.join(METRICS)}, or 'pkg.module:NAME' for your own dptune.Metric")
         if self.checkpoint not in ("best", "final"):
             raise _err("selection.checkpoint", f"unknown checkpoint rule {self.checkpoint!r}", "choose best or final")
         if not isinstance(self.eval_every, int) or isinstance(self.eval_every, bool) or self.eval_every < 1:
@@ -615,9 +647,9 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
     st = _table(d, "study")
     _only(st, "study", {"name", "seed", "seeds", "threads_per_run", "trials_per_group", "secure"})
     data_t = _table(d, "data")
-    _only(data_t, "data", {"name", "options"})
+    _only(data_t, "data", {"name", "options", "factory"})
     model_t = _table(d, "model")
-    _only(model_t, "model", {"name", "options"})
+    _only(model_t, "model", {"name", "options", "factory"})
     training = _build(TrainingSpec, _table(d, "training"), "training")
     budget_t = dict(_table(d, "budget"))
     _only(budget_t, "budget", {"epsilon", "delta", "accountant", "account_seeds"})
@@ -645,16 +677,17 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
                            f"e.g. {part} = {{ lr = [0.1, 1.0] }}")
         arms.append(StrategyArm(name=s["name"], space=dict(s.get("space", {})), fixed=dict(s.get("fixed", {})),
                                 method=m, label=s.get("label")))
-    if "name" not in data_t:
-        raise _err("data.name", "missing", 'e.g. name = "digits"')
-    if "name" not in model_t:
-        raise _err("model.name", "missing", 'e.g. name = "logistic_regression"')
+    if "name" not in data_t and "factory" not in data_t:
+        raise _err("data.name", "missing", 'e.g. name = "digits" (or factory = "mypkg.data:load")')
+    if "name" not in model_t and "factory" not in model_t:
+        raise _err("model.name", "missing", 'e.g. name = "logistic_regression" (or factory = "mypkg.models:build")')
     for part, t in (("data", data_t), ("model", model_t)):
         if not isinstance(t.get("options", {}), Mapping):
             raise _err(f"{part}.options", f"must be a table, got {t['options']!r}", "e.g. options = { flatten = true }")
     return Study(
-        data=DataSpec(name=data_t["name"], options=dict(data_t.get("options", {}))),
-        model=ModelSpec(name=model_t["name"], options=dict(model_t.get("options", {}))),
+        data=DataSpec(name=data_t.get("name"), options=dict(data_t.get("options", {})), factory=data_t.get("factory")),
+        model=ModelSpec(name=model_t.get("name"), options=dict(model_t.get("options", {})),
+                        factory=model_t.get("factory")),
         strategies=tuple(arms), training=training, budget=budget, method=method, selection=selection,
         seeds=tuple(st.get("seeds", (0,))) if isinstance(st.get("seeds", (0,)), list | tuple) else st.get("seeds"),
         seed=st.get("seed", 0), name=st.get("name", "study"), threads_per_run=st.get("threads_per_run", 1),

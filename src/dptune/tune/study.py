@@ -95,6 +95,13 @@ class Coordinator:
         tagged = Ledger()
         for e in run_ledger.entries:
             tagged.record(e.event, e.label, count=e.count, components=e.components, run=run_id)
+        # The run's selected checkpoint, written (atomically) BEFORE the run is committed: a
+        # committed run always has its weights; a crash in between re-executes the run on
+        # resume with the same seeds, rewriting the same weights.
+        if result.get("checkpoint"):
+            from dptune.deliverable import save_checkpoint
+
+            save_checkpoint(self.store.dir, run_id, result["checkpoint"])
         self.store.finish(run_id, result, tagged)
         self.ledger.extend(tagged, run=run_id)
 
@@ -279,6 +286,21 @@ def plan_only(config: str | os.PathLike[str] | Study) -> StudyPlan:
     return plan_study(study, data.n_train, data.n_val, study_metric(study, data.task))
 
 
+def check_study_device(device: str, executor: str | Executor, address: str | None) -> None:
+    """Refuse, before any directory is made, a device the runs cannot use. Runs on this machine
+    (local, process, a Ray started here) need the device here; a remote Ray cluster's workers
+    check it themselves (``worker``), since the driver may have no GPU."""
+    from dptune.devices import check_device_name, resolve_device
+
+    device = check_device_name(device, "training.device")
+    name = getattr(executor, "name", executor)
+    if name == "ray" and device.startswith("cuda:"):
+        raise ConfigError(f"training.device = {device!r} with executor 'ray': Ray gives each task its own "
+                          "GPU(s) through CUDA_VISIBLE_DEVICES. Fix: use device = 'cuda'.")
+    if not (name == "ray" and address):
+        resolve_device(device, "training.device")
+
+
 def run_study(
     config: str | os.PathLike[str] | Study,
     study_dir: str | os.PathLike[str],
@@ -287,15 +309,20 @@ def run_study(
     progress: bool = True,
     workers: int | None = None,
     retry_failed: bool = False,
+    gpus_per_run: float | None = None,
 ) -> StudyOutcome:
     """Plan (or re-open) the study in ``study_dir`` and execute every planned run.
 
     ``executor``: 'local' (sequential), 'process' (spawned process pool, ``workers``),
-    'ray' (local Ray with ``workers`` CPUs, or the cluster at ``address``). Writes the
-    results CSVs into ``study_dir`` and returns the results table rows."""
+    'ray' (local Ray with ``workers`` CPUs, or the cluster at ``address``). With
+    ``training.device`` on CUDA, Ray tasks request ``gpus_per_run`` GPUs (default 1) and the
+    process pool pins one worker per GPU (docs/tuning.md). Writes the results CSVs into
+    ``study_dir`` and returns the results table rows."""
     from dptune.tune import results
 
     study = load_study_config(config)
+    device = study.training.device
+    check_study_device(device, executor, address)
     path = Path(study_dir)
     with _lock(path):
         store, plan = _open(study, path)
@@ -304,7 +331,7 @@ def run_study(
             if retry_failed:
                 store.reset_failed()
             coord = Coordinator(study, store, plan)
-            ex = make_executor(executor, workers, address)
+            ex = make_executor(executor, workers, address, device=device, gpus_per_run=gpus_per_run)
             try:
                 coord.execute(ex, progress)
             finally:
@@ -318,6 +345,13 @@ def run_study(
             store.close()
     rows = results.study_table(path)
     results.write_csvs(path)
+    if complete:
+        # The deliverable: each arm's selected model + card in release/models/, from the stored
+        # checkpoints (no retraining, no release); the other runs' weights are then deleted.
+        from dptune.deliverable import export_study, prune_checkpoints
+
+        export_study(path, skip_missing=True)
+        prune_checkpoints(path)
     return StudyOutcome(path, complete, matches, counts, rows)
 
 
@@ -345,9 +379,10 @@ def resume_study(
     workers: int | None = None,
     study: Study | None = None,
     retry_failed: bool = True,
+    gpus_per_run: float | None = None,
 ) -> StudyOutcome:
     """Continue a stored study: keep every finished run, re-execute interrupted (and, by
     default, failed) runs with the same seeds and noise streams, run what is left."""
     st = load_stored_study(study_dir, study)
     return run_study(st, study_dir, executor=executor, address=address, progress=progress, workers=workers,
-                     retry_failed=retry_failed)
+                     retry_failed=retry_failed, gpus_per_run=gpus_per_run)

@@ -29,9 +29,12 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from dptune.deliverable import full_state, model_identity
+from dptune.devices import resolve_device
 from dptune.errors import BudgetExceededError, DPTuneError
 from dptune.ledger import Ledger, atoms, compose
 from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
+from dptune.own import metric_higher
 from dptune.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.train import HIGHER_IS_BETTER, RunPlan, TrainResult, train
@@ -65,7 +68,14 @@ class Scorer:
         self.x, self.y = data.x_val.to(device), data.y_val.to(device)
         self.m = int(self.x.shape[0])
         self.private = run.eval_noise_multiplier is not None
-        self.sensitivity = 1.0 if metric == "accuracy" else float(study.selection.mse_clip)
+        from dptune.own import named_metric
+
+        # Your own dptune.Metric ("pkg.module:NAME"): per-example scores clamped to [0, s], s declared.
+        self.user = named_metric(metric)
+        if self.user is not None:
+            self.sensitivity = self.user.require_sensitivity() if self.private else 1.0
+        else:
+            self.sensitivity = 1.0 if metric == "accuracy" else float(study.selection.mse_clip)
         self.ledger = Ledger.with_plan(_eval_event(run))
         # Private selection scores are releases too: secure mode covers their noise.
         self.gateway = NoisyRelease(self.ledger, 1.0, NoiseSource(stream_seed(run.run_seed, "selection"), device,
@@ -81,7 +91,9 @@ class Scorer:
             for i in range(0, int(x.shape[0]), 4096):
                 out = functional_call(self.model, params, (x[i : i + 4096],))
                 yy = y[i : i + 4096]
-                if self.metric == "accuracy":
+                if self.user is not None:
+                    total += float(self.user.scores(out, yy, clip=clip is not None).sum())
+                elif self.metric == "accuracy":
                     pred = out.argmax(1) if out.ndim > 1 and out.shape[1] > 1 else (out.reshape(-1) > 0).long()
                     # A non-finite prediction is wrong (argmax of a NaN row is arbitrary).
                     finite = torch.isfinite(out.reshape(out.shape[0], -1)).all(1)
@@ -99,12 +111,14 @@ class Scorer:
     def score(self, params: Tensors) -> float:
         if not self.private:
             return self.total(params, self.x, self.y, None) / self.m
-        s = self.total(params, self.x, self.y, self.sensitivity if self.metric == "mse" else None)
+        clip = self.sensitivity if self.metric == "mse" or self.user is not None else None
+        s = self.total(params, self.x, self.y, clip)
         if not math.isfinite(s):
             # Diverged parameters (only they: the per-example rules in ``total`` keep every
             # term finite): the released statistic is then that of a constant predictor
             # (0 correct / maximal error) — still released, so the ledger matches the plan.
-            s = 0.0 if self.metric == "accuracy" else self.sensitivity * self.m
+            higher = self.metric == "accuracy" or (self.user is not None and self.user.higher_is_better)
+            s = 0.0 if higher else self.sensitivity * self.m
         (noisy,) = self.gateway.release(
             SumQuery(f"validation_{self.metric}_sum", torch.tensor(s, dtype=torch.float64), self.sensitivity, self.nu),
             label=EVAL_LABEL,
@@ -149,10 +163,11 @@ class _RunJob:
         self.t0 = time.perf_counter()
         self.run, self.data = run, data
         self.model = build_model(study.model, data, run.seed)
+        self.model_spec = study.model
         hp = {k: v for k, v in run.config.items() if k not in TRAINING_KEYS}
         base = make_strategy(strategy_name, **hp)
         self.scorer = Scorer(self.model, data, metric, run, study, device)
-        self.higher = HIGHER_IS_BETTER[metric]
+        self.higher = HIGHER_IS_BETTER[metric] if metric in HIGHER_IS_BETTER else metric_higher(metric)
         self.evals: list[dict[str, Any]] = []
         self.best: dict[str, Any] = {"score": None, "step": None, "params": None}
         self.strategy = _with_checkpoints(base, set(run.eval_steps), self.consider)
@@ -177,9 +192,16 @@ class _RunJob:
         test = None
         if data.x_test is not None and self.best["params"] is not None:
             test = self.scorer.exact(self.best["params"], data.x_test, data.y_test)
+        # The selected checkpoint's weights (CPU), for the coordinator to keep owner-only under
+        # checkpoints/: the study's model is exported from them, never retrained (no new release).
+        checkpoint = None
+        if self.best["params"] is not None:
+            checkpoint = {"state_dict": full_state(self.model, self.best["params"]),
+                          "model": model_identity(self.model_spec, data)}
         return {
             "run_id": run.run_id,
             "status": "diverged" if result.diverged else "done",
+            "checkpoint": checkpoint,
             "score": self.best["score"],
             "best_step": self.best["step"],
             "test_metric": test,
@@ -191,7 +213,7 @@ class _RunJob:
 
 
 def _execute(study: Study, strategy_name: str, run: RunSpec, metric: str) -> dict[str, Any]:
-    device = torch.device(study.training.device)
+    device = resolve_device(study.training.device, "training.device")
     data = study_data(study.data, study.selection, study.seed)
     job = _RunJob(study, strategy_name, run, metric, data, device)
     result = train(
@@ -217,7 +239,7 @@ def execute_group(study: Study, strategy_names: list[str], run_dicts: list[dict[
     torch.set_num_threads(study.threads_per_run)
     try:
         t0 = time.perf_counter()
-        device = torch.device(study.training.device)
+        device = resolve_device(study.training.device, "training.device")
         data = study_data(study.data, study.selection, study.seed)
         jobs = [_RunJob(study, name, run, metric, data, device)
                 for name, run in zip(strategy_names, runs, strict=True)]

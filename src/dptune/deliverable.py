@@ -1,0 +1,444 @@
+"""The deliverable: the selected model's weights and its model card, and loading them back.
+
+* ``dptune.train`` → ``save_trained(result, DIR)`` (``dptune train --save DIR``): the run's
+  selected checkpoint (best on the evaluation data, assumed public, when given; else final).
+* A study: every worker returns its run's selected checkpoint (the best-by-selection one the
+  scorer kept, or the final one under ``selection.checkpoint = "final"``) with its result; the
+  coordinator writes it to ``<study>/checkpoints/`` (owner only, atomic) before committing the
+  run. When the study is complete, ``export_study`` copies the selected run's weights of every
+  arm to ``release/models/<arm>/`` with the card, and the other runs' checkpoints are pruned:
+  no retraining, hence no new release (the ledger is unchanged).
+* ``load_model(DIR)``: the ``nn.Module`` with the weights loaded, and the card — one call.
+
+What the files reveal about one example: docs/privacy.md, "Your model and data (issue 11)".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptune.errors import ConfigError
+
+CHECKPOINTS_DIR = "checkpoints"
+MODELS_DIR = "models"
+WEIGHTS_FILE = "model.pt"
+CARD_JSON = "model_card.json"
+CARD_MD = "model_card.md"
+CARD_FORMAT = "dptune-model-card/1"
+PRIVACY_DOC = "docs/privacy.md, section 'Your model and data (issue 11)'"
+
+COVERED = (
+    "the weights in model.pt: post-processing of the noisy releases recorded in the ledger",
+    "the selected configuration and checkpoint step, and this card",
+)
+NOT_COVERED = (
+    "the seed in seeded mode: it is a secret key (whoever knows it can regenerate the noise and the batches)",
+    "the evaluation / selection data in public selection mode: assumed public, not protected",
+    "the other candidates' weights and the owner-only files (checkpoints/, diagnostics/): never publish them",
+    "anything outside dptune: data preprocessing fitted on the private data, side channels such as run time",
+)
+
+
+# ----------------------------------------------------------------------------- files
+def _atomic(path: Path, write: Any) -> Path:
+    """Write through a temporary file in the same folder, then ``os.replace``: a crash leaves
+    the old file or the new one, never half a file under the final name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def save_state_dict(state: Mapping[str, torch.Tensor], path: str | Path) -> Path:
+    """``torch.save`` of a CPU state dict, atomically."""
+    cpu = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    return _atomic(Path(path), lambda fh: torch.save(cpu, fh))
+
+
+def _write_text(path: Path, text: str) -> Path:
+    return _atomic(path, lambda fh: fh.write(text.encode("utf-8")))
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def full_state(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's state dict (buffers included) with ``params`` in place, on the CPU."""
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    state.update({k: v.detach().cpu().clone() for k, v in params.items()})
+    return state
+
+
+# ----------------------------------------------------------------------------- the card
+def write_model(directory: str | Path, state: Mapping[str, torch.Tensor], card: Mapping[str, Any]) -> Path:
+    """Write ``model.pt`` (state dict), ``model_card.json`` and ``model_card.md`` into
+    ``directory``; the card records the weights' SHA-256. Returns the directory."""
+    d = Path(directory)
+    weights = save_state_dict(state, d / WEIGHTS_FILE)
+    full = {"format": CARD_FORMAT, **card,
+            "weights": {"file": WEIGHTS_FILE, "format": "torch.save(state_dict)", "sha256": file_sha256(weights)}}
+    # The folder's own name only: an absolute path would publish the owner's file system layout.
+    full["load"] = (f"import dptune; model, card = dptune.load_model({d.name!r})"
+                    + ("" if {"name", "factory"} & set(full.get("model", {})) else "  # model=YourModule(...): user code"))
+    _write_text(d / CARD_JSON, json.dumps(full, indent=2, default=_json_default) + "\n")
+    _write_text(d / CARD_MD, card_markdown(full))
+    return d
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return str(x)
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        return "∞" if math.isinf(x) else f"{x:.6g}"
+    return "—" if x is None else str(x)
+
+
+def card_markdown(card: Mapping[str, Any]) -> str:
+    g = card.get("guarantee", {})
+    lines = [f"# Model card: {card.get('title', 'dptune model')}", "",
+             f"dptune {card.get('dptune_version')} · randomness: {card.get('randomness')}", "",
+             "## Guarantee", "",
+             f"({_fmt(g.get('epsilon'))}, {_fmt(g.get('delta'))})-differential privacy "
+             f"(accountant: {g.get('accountant')}, per {g.get('per', 'run')}, add/remove one example).", "",
+             f"- selection: {g.get('selection')}", ""]
+    lines += ["Covered by the guarantee:", ""] + [f"- {c}" for c in g.get("covered", [])] + [""]
+    lines += ["Not covered:", ""] + [f"- {c}" for c in g.get("not_covered", [])] + [""]
+    lines += [f"Details: {PRIVACY_DOC}.", "", "## Randomness", "", str(card.get("randomness_note", "")), ""]
+    lines += ["## Configuration", "", "```json", json.dumps(card.get("configuration", {}), indent=2,
+                                                          default=_json_default), "```", ""]
+    lines += ["## Model and data", "", f"- model: `{json.dumps(card.get('model'), default=_json_default)}`",
+              f"- data: `{json.dumps(card.get('data'), default=_json_default)}`", ""]
+    if card.get("evaluation"):
+        lines += ["## Evaluation", "", "```json", json.dumps(card["evaluation"], indent=2, default=_json_default),
+                  "```", ""]
+    led = card.get("ledger", {})
+    lines += ["## Ledger", "", f"- digest (SHA-256): `{led.get('digest')}`"]
+    if led.get("note"):
+        lines.append(f"- {led['note']}")
+    w = card.get("weights", {})
+    lines += ["", "## Weights", "", f"- `{w.get('file')}` ({w.get('format')}), SHA-256 `{w.get('sha256')}`", "",
+              "```python", str(card.get("load", "")), "```", ""]
+    return "\n".join(lines)
+
+
+def _version() -> str:
+    import dptune
+
+    return getattr(dptune, "__version__", "unknown")
+
+
+# ----------------------------------------------------------------------------- dptune.train
+def save_trained(result: Any, directory: str | Path, *, model_id: Mapping[str, Any] | None = None,
+                 data_id: Mapping[str, Any] | None = None) -> Path:
+    """Write the selected checkpoint of a ``TrainResult`` (best on the evaluation data when
+    ``train`` had ``eval_data``, else the final parameters) with its card into ``directory``.
+
+    ``model_id``: how to rebuild the model, e.g. ``{"name": "mlp", "kwargs": {...}}`` (a built-in:
+    ``load_model`` rebuilds it) or ``{"class": "pkg.Net"}`` (user code: pass ``model=``).
+    Saving reads the result only: nothing is released and the ledger is unchanged."""
+    if result.model is None:
+        raise ConfigError("this result carries no model to save")
+    best = result.best_params is not None
+    params = result.best_params if best else result.final_params
+    state = full_state(result.model, params)
+    plan = result.plan
+    private = bool(plan.strategy.private)
+    eps = (result.epsilon() if result.delta else None) if private else math.inf
+    from dptune.train import randomness_statement
+
+    rnd = randomness_statement(result.secure_mode)
+    card = {
+        "title": f"{plan.strategy.name} (dptune.train)",
+        "dptune_version": _version(),
+        "guarantee": {
+            "epsilon": eps, "delta": result.delta, "accountant": plan.accountant, "per": "run",
+            "selection": ("checkpoint with the best evaluation metric on the evaluation data (assumed public; "
+                          "not protected by the guarantee)" if best else "final parameters (no selection)"),
+            "covered": list(COVERED) if private else [],
+            "not_covered": list(NOT_COVERED) if private else ["everything: a non-private strategy (ε = ∞)"],
+        },
+        "configuration": {"strategy": plan.strategy.config(), "noise_multiplier": plan.noise_multiplier,
+                          "sampling_rate": plan.sampling_rate, "expected_batch_size": plan.expected_batch_size,
+                          "steps": plan.steps, "n": plan.n},
+        "checkpoint": {"rule": "best" if best else "final", "step": result.best_step if best else plan.steps},
+        "evaluation": {"metric": result.metric, "best": result.best_metric} if best else {},
+        "model": dict(model_id) if model_id else {"class": _class_path(result.model)},
+        "data": dict(data_id) if data_id else {"name": "in-memory (not identified)"},
+        **rnd,
+        "ledger": {"digest": result.ledger.digest(), "releases": result.ledger.releases},
+    }
+    return write_model(directory, state, card)
+
+
+def _class_path(model: nn.Module) -> str:
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
+# ----------------------------------------------------------------------------- studies
+def checkpoint_path(study_dir: str | Path, run_id: str) -> Path:
+    """``<study>/checkpoints/<run id made file-safe>-<hash>.pt`` (owner only)."""
+    safe = re.sub(r"[^A-Za-z0-9_.=-]+", "_", run_id)[:80]
+    tag = hashlib.sha256(run_id.encode()).hexdigest()[:10]
+    return Path(study_dir) / CHECKPOINTS_DIR / f"{safe}-{tag}.pt"
+
+
+_CKPT_README = """NOT DIFFERENTIALLY PRIVATE: FOR THE DATA OWNER ONLY.
+
+The selected checkpoint of each run of the study, kept so that the selected model can be
+exported without retraining. A candidate that was not selected is not covered by the
+guarantee of Liu-Talwar / repeat-and-select arms, and publishing several candidates composes
+their privacy costs. Publish only release/models/ (see docs/privacy.md).
+"""
+
+
+def save_checkpoint(study_dir: str | Path, run_id: str, payload: Mapping[str, Any]) -> Path:
+    """The coordinator's write of one run's selected checkpoint (``{"state_dict", "model"}``)."""
+    path = checkpoint_path(study_dir, run_id)
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)  # owner only
+        (path.parent / "README.txt").write_text(_CKPT_README, encoding="utf-8")
+    obj = {"run_id": run_id, "model": dict(payload.get("model") or {}),
+           "state_dict": {k: v.detach().cpu().contiguous() for k, v in payload["state_dict"].items()}}
+    return _atomic(path, lambda fh: torch.save(obj, fh))
+
+
+def load_checkpoint(study_dir: str | Path, run_id: str) -> dict[str, Any] | None:
+    path = checkpoint_path(study_dir, run_id)
+    if not path.is_file():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def model_identity(spec: Any, data: Any) -> dict[str, Any]:
+    """How ``tune.data.build_model`` built the study's model: a built-in with its resolved
+    keyword arguments (``load_model`` rebuilds it), or the user's builder (pass ``model=``)."""
+    import inspect
+
+    opts: dict[str, Any] = dict(spec.options)
+    if getattr(spec, "name", None) is not None:
+        from dptune.models import MODELS
+
+        params = inspect.signature(MODELS[spec.name]).parameters
+        if "input_dim" in params and "input_dim" not in opts:
+            opts["input_dim"] = math.prod(data.input_shape)
+        if "classes" in params and "classes" not in opts and data.num_classes is not None:
+            opts["classes"] = int(data.num_classes)
+        return {"name": spec.name, "kwargs": opts}
+    if getattr(spec, "factory", None) is not None:
+        return factory_identity(spec.factory, math.prod(data.input_shape), data.num_classes, opts)
+    return {**spec.describe(), "options": opts}
+
+
+def factory_identity(path: str, input_dim: int | None, classes: int | None,
+                     options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``{"factory": "pkg.module:fn", "kwargs": ...}`` with ``input_dim``/``classes`` filled in as
+    ``dptune.own.build_model`` fills them (when the factory takes them): ``load_model`` calls it."""
+    import inspect
+
+    from dptune.own import import_factory
+
+    kwargs = dict(options or {})
+    try:
+        params = inspect.signature(import_factory(path, "model factory")).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    for k, v in (("input_dim", input_dim), ("classes", classes)):
+        if k in params and k not in kwargs and v is not None:
+            kwargs[k] = int(v)
+    return {"factory": path, "kwargs": kwargs}
+
+
+def study_ledger_digest(study_dir: str | Path) -> str:
+    """``Ledger.digest()`` of the study's ledger (every run's entries, run-tagged)."""
+    from dptune.ledger import Ledger
+    from dptune.tune.store import Store
+
+    led = Ledger()
+    with Store(study_dir, readonly=True) as store:
+        for e in store.ledger_entries():
+            led.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
+    return led.digest()
+
+
+def _saved_run(row: Mapping[str, Any], plan: Any) -> str | None:
+    """The run whose weights an arm publishes: the first selected run (procedure / seed
+    replicate 0's pick; one model per arm — publishing one per replicate would compose)."""
+    ids = list(row.get("selected_runs") or [])
+    if not ids:
+        return None
+    return min(ids, key=lambda rid: (plan.runs[rid].replicate, plan.runs[rid].procedure))
+
+
+def export_study(study_dir: str | Path, arm: str | None = None, out: str | Path | None = None, *,
+                 skip_missing: bool = False) -> list[Path]:
+    """Write ``release/models/<arm>/`` (model.pt + model_card.json + model_card.md) for ``arm``
+    (default: every arm) of a finished study, from the stored checkpoints: no training, no
+    release. ``out``: another folder for the release (default: the study directory)."""
+    from dptune.report.privacy import DIAGNOSTICS_DIR, hides_run_count, labelled_json, release_dir
+    from dptune.train import randomness_statement
+    from dptune.tune import results
+
+    d = Path(study_dir)
+    cfg, plan, rows, _ = results._load(d)
+    status = results.study_status(d)
+    if not status["complete"]:
+        c = status["counts"]
+        done = c.get("done", 0) + c.get("diverged", 0)
+        raise ConfigError(f"the study in {str(d)!r} is not finished ({done} of {status['total']} runs done): its "
+                          "selection is not final. Fix: `dptune resume DIR`, then export.")
+    names = [a.arm for a in plan.arms]
+    if arm is not None and arm not in names:
+        raise ConfigError(f"no arm {arm!r} in this study. Fix: --arm one of {', '.join(names)}.")
+    table = {r["arm"]: r for r in results.study_table(d)}
+    by_id = {r["run_id"]: r for r in rows}
+    hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
+    digest = study_ledger_digest(d)
+    sel = cfg.get("selection", {})
+    secure = bool(cfg.get("study", {}).get("secure"))
+    written = []
+    for a in plan.arms:
+        if arm is not None and a.arm != arm:
+            continue
+        row = table[a.arm]
+        rid = _saved_run(row, plan)
+        ckpt = load_checkpoint(d, rid) if rid is not None else None
+        if ckpt is None:
+            msg = (f"arm {a.arm!r}: " + ("no run was selected (every run diverged or failed)" if rid is None else
+                   "the selected run's weights are not stored (a study run before dptune saved checkpoints, "
+                   "or checkpoints/ was deleted)") + "; retraining would be a new release.")
+            if skip_missing or (arm is None and rid is None):  # every arm: skip one with no selection
+                continue
+            raise ConfigError(msg + " Fix: run a new study.")
+        run, stored = plan.runs[rid], by_id[rid]
+        ledger = {"digest": digest, "scope": "the whole study (every arm, every run)"}
+        if hidden_k:
+            # The ledger is a function of the plan and of the number of runs drawn: its digest
+            # would let anyone test guesses of K, which Liu-Talwar / repeat-and-select keep secret.
+            ledger = {"digest": None, "note": "withheld: the study has an arm that keeps the number of runs "
+                      "secret and the ledger's digest would reveal it; it is in diagnostics/models/."}
+            diag = (Path(out) if out is not None else d) / DIAGNOSTICS_DIR / MODELS_DIR / a.arm
+            diag.mkdir(parents=True, exist_ok=True)
+            _write_text(diag / "ledger_digest.json", json.dumps(labelled_json({"digest": digest}), indent=2))
+        guarantee = {
+            "epsilon": row["planned_epsilon"], "delta": row["planned_delta"], "accountant": row["accountant"],
+            "per": row["guarantee_per"], "kind": a.guarantee.get("kind"), "method": row["method"],
+            "selection": f"{sel.get('mode', 'public')} selection on the {sel.get('split', 'test')} split "
+                         f"({row['metric']}, checkpoint rule: {sel.get('checkpoint', 'best')}, across seeds: "
+                         f"{sel.get('across_seeds', 'per-seed')})",
+            "covered": list(COVERED) if math.isfinite(row["planned_epsilon"]) else [],
+            "not_covered": list(NOT_COVERED),
+        }
+        card = {
+            "title": f"{a.label} at ε = {a.epsilon} ({cfg.get('study', {}).get('name', 'study')})",
+            "dptune_version": _version(), "arm": a.arm, "guarantee": guarantee,
+            "configuration": {"strategy": a.strategy, "hyperparameters": json.loads(stored["config"])
+                              if isinstance(stored["config"], str) else stored["config"],
+                              "noise_multiplier": run.noise_multiplier, "sampling_rate": run.sampling_rate,
+                              "steps": run.steps, "seed_replicate": run.replicate},
+            "checkpoint": {"rule": sel.get("checkpoint", "best"), "step": stored["best_step"]},
+            "evaluation": {"metric": row["metric"], "selection_score": stored["score"],
+                           "test_metric": stored["test_metric"]},
+            "model": ckpt.get("model") or {}, "data": _public_data_id(cfg.get("data")),
+            **randomness_statement(secure), "ledger": ledger,
+        }
+        base = Path(out) if out is not None else d
+        written.append(write_model(release_dir(base) / MODELS_DIR / a.arm, ckpt["state_dict"], card))
+    return written
+
+
+def _public_data_id(desc: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The study's data description without the fingerprint of in-memory tensors: a hash of
+    the private training set would let anyone who knows every other example test whether one
+    example is in it (that voids differential privacy); it stays in the owner-only store."""
+    out = dict(desc or {})
+    if "python_tensors" in out:
+        out["python_tensors"] = "in-memory tensors (not identified: their hash would reveal the data)"
+    return out
+
+
+def prune_checkpoints(study_dir: str | Path) -> int:
+    """Delete the checkpoints of runs that no arm selected (a finished study; thousands of runs
+    would otherwise keep thousands of weight files). Returns how many were deleted."""
+    from dptune.tune import results
+
+    d = Path(study_dir)
+    keep = {checkpoint_path(d, rid).name for r in results.study_table(d) for rid in r["selected_runs"]}
+    n = 0
+    folder = d / CHECKPOINTS_DIR
+    if folder.is_dir():
+        for f in folder.glob("*.pt"):
+            if f.name not in keep:
+                f.unlink()
+                n += 1
+        for f in folder.glob(".*.tmp-*"):  # left by a process killed mid-write (never under a final name)
+            f.unlink()
+    return n
+
+
+# ----------------------------------------------------------------------------- loading
+def load_model(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """``(module, card)`` from a folder written by ``dptune train --save``, a study's
+    ``release/models/<arm>/`` or ``dptune export`` (or its ``model.pt``).
+
+    Built-in models are rebuilt from the card; for your own module pass ``model=`` (an instance
+    of the same architecture), which is loaded in place. The weights' SHA-256 is checked
+    against the card."""
+    p = Path(path)
+    d = p.parent if p.is_file() else p
+    weights, card_path = (p if p.is_file() else d / WEIGHTS_FILE), d / CARD_JSON
+    if not weights.is_file():
+        raise ConfigError(f"no {WEIGHTS_FILE} in {str(d)!r}. Fix: pass the folder written by "
+                          "`dptune train --save DIR` or `dptune export`.")
+    card: dict[str, Any] = json.loads(card_path.read_text(encoding="utf-8")) if card_path.is_file() else {}
+    expected = card.get("weights", {}).get("sha256")
+    if expected and file_sha256(weights) != expected:
+        raise ConfigError(f"{str(weights)!r} does not match the SHA-256 in its model card: the weights were "
+                          "changed after export. Fix: export them again.")
+    if model is None:
+        ident = card.get("model", {})
+        if "factory" in ident:  # your module:factory, importable here (the card names it)
+            from dptune.own import import_factory
+
+            model = import_factory(ident["factory"], "model factory")(**ident.get("kwargs", {}))
+        elif "name" in ident:
+            from dptune import models
+
+            model = models.build(ident["name"], **ident.get("kwargs", {}))
+        else:
+            raise ConfigError(f"this model was built by user code ({ident or 'unknown'}): pass model=an instance "
+                              "of the same architecture, e.g. dptune.load_model(DIR, model=MyNet()).")
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ConfigError(f"the weights do not fit the given model ({str(exc).splitlines()[0]}). Fix: pass an "
+                          "instance of the architecture that was trained.") from None
+    return model, card
