@@ -175,3 +175,20 @@ def test_several_inputs_are_refused_with_a_clear_error():
 def test_unsupported_data_is_a_clear_error():
     with pytest.raises(ConfigError, match="map-style dataset"):
         _run(object())
+
+
+def test_a_dict_is_not_a_dataset_and_train_many_needs_a_loss_name() -> None:
+    """A dict has __len__ and __getitem__ but is keyed, not indexed: one clear error, no KeyError.
+    ``train_many`` stacks built-in losses only: a callable is refused with the fix."""
+    import dptune
+    from dptune.errors import ConfigError
+    from dptune.vectorized import train_many
+
+    x = torch.randn(40, 4)
+    y = (x[:, 0] > 0).long()
+    with pytest.raises(ConfigError, match="map-style dataset"):
+        dptune.train(torch.nn.Linear(4, 2), {"x": x, "y": y}, "dpsgd", epochs=1, expected_batch_size=8,
+                     noise_multiplier=1.0, lr=0.1)
+    with pytest.raises(ConfigError, match="built-in loss name"):
+        train_many(lambda s: torch.nn.Linear(4, 2), (x, y), "dpsgd", configs=[{"lr": 0.1}] * 2,
+                   noise_multiplier=1.0, epochs=1, expected_batch_size=8, loss=lambda o, t: (o - t).sum(1))

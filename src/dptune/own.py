@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,9 @@ def is_factory_path(s: Any) -> bool:
 
 # ----------------------------------------------------------------------------- data
 def is_map_style(data: Any) -> bool:
-    return hasattr(data, "__len__") and hasattr(data, "__getitem__") and not isinstance(data, str | bytes)
+    # A dict has __len__/__getitem__ but is indexed by keys, not positions: not a dataset.
+    return (hasattr(data, "__len__") and hasattr(data, "__getitem__")
+            and not isinstance(data, str | bytes | Mapping))
 
 
 class MapSource:

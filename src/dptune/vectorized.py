@@ -297,6 +297,9 @@ def train_many(
         raise ConfigError(f"fallback must be 'sequential' or 'error', got {fallback!r}.")
     if eval_every < 1:
         raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}.")
+    if loss is not None and not isinstance(loss, str):
+        raise ConfigError("train_many takes a built-in loss name (cross_entropy, mse or bce); a loss callable "
+                          "works with dptune.train (docs/your_data.md).")
     # ---- how many trials: every per-trial argument that is a list must agree
     lengths = {
         name: len(v) for name, v in (

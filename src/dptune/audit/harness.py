@@ -47,8 +47,11 @@ CANARY_NORM_FACTOR = 1e4  # M = factor × (largest clipping threshold the run ma
 
 # ----------------------------------------------------------------------------- model and data
 def linear_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """ℓ(θ; x) = θᵀx for the audit model: the per-example gradient is the input itself."""
-    return out.sum()
+    """ℓ(θ; x) = θᵀx for the audit model: the per-example gradient is the input itself.
+
+    Per example over the last axis: [B, 1] → [B] (the batched contract of ``dptune.train``'s
+    loss callables), and [1] → a scalar for one example (``GradientOracle``'s vmap path)."""
+    return out.sum(-1)
 
 
 def audit_model(dim: int) -> nn.Module:
