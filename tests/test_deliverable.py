@@ -389,3 +389,30 @@ def test_report_writes_the_models_into_its_output_folder(finished, tmp_path: Pat
     assert res.exit_code == 0, res.output
     m = tmp_path / "release" / "models" / "dpsgd@eps=1"
     assert (m / "model.pt").read_bytes() == (_only_model_dir(d) / "model.pt").read_bytes()
+
+
+def test_a_non_private_arm_is_never_published(tmp_path: Path) -> None:
+    """The nodp baseline's weights are covered by no guarantee: they go to diagnostics/models/
+    with the label, never to release/ (the demo has such an arm)."""
+    from dptune.report.privacy import NOT_DP_LABEL
+    from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(140, 5, generator=g)
+    y = (x @ torch.randn(5, 3, generator=g)).argmax(1)
+    study = Study(
+        data=(x[:100], y[:100], x[100:], y[100:]), model="logistic_regression",
+        strategies=(StrategyArm("dpsgd", space={"lr": [0.5]}, fixed={"clip": 1.0}),
+                    StrategyArm("nodp", space={"lr": [0.5]})),
+        training=TrainingSpec(steps=4, expected_batch_size=20),
+        budget=BudgetSpec(epsilon=(4.0,), delta=1e-5, accountant="rdp"), method=MethodSpec("grid"),
+        selection=SelectionSpec(eval_every=2), seeds=(0,), name="with-nodp",
+    )
+    run_study(study, tmp_path, progress=False)
+    published = sorted(p.name for p in (tmp_path / "release" / "models").iterdir())
+    assert published and not any("nodp" in name for name in published)
+    owner = [p for p in (tmp_path / "diagnostics" / "models").iterdir() if "nodp" in p.name]
+    assert len(owner) == 1
+    card = json.loads((owner[0] / deliverable.CARD_JSON).read_text())
+    assert NOT_DP_LABEL in card["privacy"].lower()
+    assert NOT_DP_LABEL in (owner[0] / deliverable.CARD_MD).read_text().lower()

@@ -89,7 +89,8 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path, group):
         while time.time() < deadline and proc.poll() is None:
             st = _status(db) if db.exists() else Counter()
             if st["done"] >= 1 and st["running"] == group:
-                time.sleep(0.15)  # well inside the next task (each takes about a second)
+                # At once: a task can take less than 0.1 s on a quiet machine, so any wait could
+                # let it finish (then nothing would be mid-run).
                 os.kill(proc.pid, signal.SIGKILL)
                 killed_at = st
                 break
@@ -101,11 +102,13 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path, group):
     assert killed_at is not None, "the study finished or stalled before it could be killed mid-run"
     assert proc.returncode == -signal.SIGKILL
     after = _status(db)
-    assert after["running"] == group and after["done"] >= 1 and after["done"] <= 4 - group
+    # Killed inside a task (running == group) or, for a group, between the merges of its runs
+    # (the checkpoint writes make merges take a while): both are crash points resume must handle.
+    assert 1 <= after["running"] <= group and after["done"] >= 1 and after["done"] <= 4 - after["running"]
     interrupted = [r["run_id"] for r in Store(crashed).runs("running")]
 
     status = study_status(crashed)
-    assert not status["complete"] and status["counts"]["running"] == group
+    assert not status["complete"] and status["counts"]["running"] == after["running"]
 
     resumed = resume_study(crashed, progress=False)
     assert resumed.complete and resumed.ledger_matches_plan

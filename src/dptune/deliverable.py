@@ -124,6 +124,7 @@ def card_markdown(card: Mapping[str, Any]) -> str:
     g = card.get("guarantee", {})
     lines = [f"# Model card: {card.get('title', 'dptune model')}", "",
              f"dptune {card.get('dptune_version')} · randomness: {card.get('randomness')}", "",
+             *([f"**{card['privacy']}**", ""] if card.get("privacy") else []),
              "## Guarantee", "",
              f"({_fmt(g.get('epsilon'))}, {_fmt(g.get('delta'))})-differential privacy "
              f"(accountant: {g.get('accountant')}, per {g.get('per', 'run')}, add/remove one example).", "",
@@ -370,7 +371,13 @@ def export_study(study_dir: str | Path, arm: str | None = None, out: str | Path 
             **randomness_statement(secure), "ledger": ledger,
         }
         base = Path(out) if out is not None else d
-        written.append(write_model(release_dir(base) / MODELS_DIR / a.arm, ckpt["state_dict"], card))
+        if math.isfinite(row["planned_epsilon"]):
+            written.append(write_model(release_dir(base) / MODELS_DIR / a.arm, ckpt["state_dict"], card))
+        else:
+            # A non-private arm (the nodp baseline): its weights are covered by no guarantee, so
+            # they never go to release/; the owner's copy is labelled in diagnostics/models/.
+            card = labelled_json(card)
+            written.append(write_model(base / DIAGNOSTICS_DIR / MODELS_DIR / a.arm, ckpt["state_dict"], card))
     return written
 
 
