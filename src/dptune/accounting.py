@@ -485,7 +485,9 @@ def _hashable(event: dp_event.DpEvent) -> bool:
     return True
 
 
-def _epsilon_maybe_cached(event: dp_event.DpEvent, delta: float, accountant: str) -> float:
+def epsilon_cached(event: dp_event.DpEvent, delta: float, accountant: str) -> float:
+    """``epsilon`` memoised on the (immutable) event when it is hashable: the same ledger's ε
+    is asked for by the summary, the release JSON and the model card."""
     return _epsilon_cached(event, delta, accountant) if _hashable(event) else epsilon(event, delta, accountant)
 
 
@@ -539,7 +541,7 @@ def calibrate_event_info(
         guess = _guess(make_event, target_epsilon, delta)
         guess = guess if guess is not None else 1.0
 
-    fine = _LogEps(lambda nu: _epsilon_maybe_cached(make_event(nu), delta, accountant), target_epsilon)
+    fine = _LogEps(lambda nu: epsilon_cached(make_event(nu), delta, accountant), target_epsilon)
     search_evals = 0
     if accountant == "pld":
         # The discretisation error is absolute in ε, so small targets search on a finer grid.

@@ -105,6 +105,12 @@ def train(
     from dptune.train import train as run_train
 
     device = str(resolve_device(device, "--device"))  # before any data is read: one clear error
+    from dptune.report.privacy import DIAGNOSTICS_DIR, NOT_DP_LABEL, diagnostics_dir, train_outputs
+
+    # Checked before training (nothing is spent on a doomed run); created only after it.
+    diag_path = diagnostics_out or out.parent / DIAGNOSTICS_DIR / out.name
+    if diag_path.resolve() == out.resolve():
+        raise DPTuneError("--diagnostics-out must differ from --out: the diagnostics are not differentially private.")
     from dptune import own
 
     # The user's code is imported first: a wrong path is one clear error before any data or file.
@@ -136,14 +142,11 @@ def train(
         delta=delta, accountant=accountant, eval_data=test_part, eval_every=eval_every,
         seed=seed, device=device, progress=progress, secure_mode=secure, **hparams,
     )
-    from dptune.report.privacy import NOT_DP_LABEL, diagnostics_dir, train_outputs
-
     summary = result.summary()
     release, diag = train_outputs(result, dataset=dataset, model=model)
-    diag_path = diagnostics_out or diagnostics_dir(out.parent) / out.name
-    if diag_path.resolve() == out.resolve():
-        raise DPTuneError("--diagnostics-out must differ from --out: the diagnostics are not differentially private.")
     out.write_text(json.dumps(release, default=str))
+    if diagnostics_out is None:
+        diagnostics_dir(out.parent)  # the folder with its README (the label)
     diag_path.parent.mkdir(parents=True, exist_ok=True)
     diag_path.write_text(json.dumps(diag, default=str))
     if save is not None:  # the deliverable: post-processing of the run, no release

@@ -166,7 +166,7 @@ class Ledger:
     def epsilon(self, delta: float, accountant: str = "rdp") -> float:
         if not self.entries:
             return 0.0
-        return accounting.epsilon(self.event(), delta, accountant)
+        return accounting.epsilon_cached(self.event(), delta, accountant)  # the event is immutable
 
     def by_label(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -24,6 +24,9 @@ import torch
 
 from dptune.errors import ConfigError
 
+# The direction of the built-in metrics (``dptune.train`` and the tuner read it from here).
+HIGHER_IS_BETTER = {"accuracy": True, "mse": False, "loss": False}
+
 
 # ----------------------------------------------------------------------------- factories
 def import_factory(path: str, what: str = "factory", require_callable: bool = True) -> Any:
@@ -221,7 +224,7 @@ class Metric:
         if clip:
             c = self.require_sensitivity()
             worst = 0.0 if self.higher_is_better else c  # a non-finite score counts as the worst one
-            s = torch.nan_to_num(s, nan=worst, posinf=c, neginf=0.0).clamp(0.0, c)
+            s = torch.nan_to_num(s, nan=worst, posinf=worst, neginf=worst).clamp(0.0, c)
         return s
 
 
@@ -322,4 +325,4 @@ def metric_higher(name: str) -> bool:
     m = named_metric(name)
     if m is not None:
         return m.higher_is_better
-    return {"accuracy": True, "mse": False, "loss": False}[name]
+    return HIGHER_IS_BETTER[name]

@@ -30,12 +30,11 @@ from dptune.errors import ConfigError
 from dptune.grads import GradientOracle
 from dptune.ledger import Ledger
 from dptune.mechanisms import NoiseSource, NoisyRelease
+from dptune.own import HIGHER_IS_BETTER
 from dptune.sampling import PoissonSampler, sampling_rate_for, steps_for_epochs, stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.strategies.base import RunInfo, StepContext
 from dptune.tree import Tensors, clone, is_finite
-
-HIGHER_IS_BETTER = {"accuracy": True, "mse": False, "loss": False}
 
 
 @dataclass(frozen=True)

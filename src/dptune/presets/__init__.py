@@ -27,8 +27,6 @@ See ``docs/reproduce.md`` for each preset's exact settings, deviations and time 
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 import time
@@ -223,26 +221,6 @@ def _default_device(scale: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _flat(v: Any) -> Any:
-    if isinstance(v, list | dict):
-        return json.dumps(v)
-    if isinstance(v, float) and not math.isfinite(v):
-        return "inf" if v > 0 else "nan"
-    return v
-
-
-def _write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
-    keys: list[str] = []
-    for r in rows:
-        keys.extend(k for k in r if k not in keys)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys or ["part"])
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: _flat(v) for k, v in r.items()})
-    return path
-
-
 def _run_part(part: Part, study_dir: Path, *, executor: str, workers: int | None, progress: bool,
               device: str, console: Any, figures: Any = None) -> tuple[list[dict[str, Any]], Path]:
     from dptune.presets._report import study_report
@@ -322,12 +300,12 @@ def reproduce(
             extra_sections = list(preset.extra(out, scale, dict(options), parts, console))
             sections.extend(extra_sections)
     if all_rows:
-        from dptune.report.privacy import diagnostics_dir, write_labelled_csv
+        from dptune.report.privacy import diagnostics_dir, write_csv_rows, write_labelled_csv
         from dptune.tune.results import release_rows
 
         # release: the selected configurations and guarantees; the rest is not DP (run counts,
         # run ids, diverged counts over every candidate).
-        _write_rows(out / "results.csv", [{"part": r["part"], **rr} for r, rr in zip(all_rows, release_rows(all_rows),
+        write_csv_rows(out / "results.csv", [{"part": r["part"], **rr} for r, rr in zip(all_rows, release_rows(all_rows),
                                                                                   strict=True)])
         write_labelled_csv(diagnostics_dir(out) / "results.csv", all_rows)
     mode = None

@@ -27,8 +27,7 @@ from typing import Any
 
 from dptune.report import LedgerRow, LinearScalingFit, RunHistory, build_report
 from dptune.report.html import FigureRef, Section
-from dptune.report.privacy import hides_run_count
-from dptune.report.study import _HIDDEN_K_NOTE, _public_name
+from dptune.report.privacy import public_run_name, split_arm_notes
 from dptune.tune import results as R
 from dptune.tune.planners import StudyPlan
 from dptune.tune.store import Store
@@ -88,7 +87,7 @@ def study_report(
         for rid in r["selected_runs"][:2]:
             h = runs.get(rid, {}).get("history")
             if h and len(histories) < MAX_HISTORIES:
-                histories.append(RunHistory(_public_name(arm_of[r["arm"]], runs[rid]), r["strategy"], json.loads(h)))
+                histories.append(RunHistory(public_run_name(arm_of[r["arm"]], runs[rid]), r["strategy"], json.loads(h)))
 
     eps_alone = {row["run_id"]: row["epsilon_alone"] for row in per_run}
     grouped: dict[tuple[str, str], list[Any]] = defaultdict(list)
@@ -127,9 +126,7 @@ def study_report(
         return f"{label_of.get(a.arm, a.arm)} @ {a.arm.split('@')[-1]}"
 
     # Notes of LT/RS arms state K (runs drawn): diagnostics; the release says K is secret.
-    arm_notes = [f"{_name(a)}: {n}" for a in plan.arms for n in a.notes if not hides_run_count(a.guarantee.get("kind"))]
-    arm_notes += [f"{_name(a)}: {_HIDDEN_K_NOTE}" for a in plan.arms if hides_run_count(a.guarantee.get("kind"))]
-    secret_notes = [f"{_name(a)}: {n}" for a in plan.arms for n in a.notes if hides_run_count(a.guarantee.get("kind"))]
+    arm_notes, secret_notes = split_arm_notes(plan.arms, _name)
     accountants = sorted({a.accountant for a in plan.arms if a.accountant != "none"})
     # The randomness mode (docs/privacy.md, item 3): secure, or seeded (the seed is a secret key).
     from dptune.train import randomness_statement

@@ -86,6 +86,28 @@ def hides_run_count(guarantee_kind: str | None) -> bool:
     return guarantee_kind in HIDDEN_RUN_COUNT_KINDS
 
 
+# Stated instead of the planner's note for arms whose guarantee needs K secret.
+HIDDEN_K_NOTE = ("only the selected candidate is released; the number of runs drawn and the other candidates "
+                 "are kept private (they are not covered by the guarantee).")
+
+
+def split_arm_notes(arms: Iterable[Any], name: Any = None) -> tuple[list[str], list[str]]:
+    """(release, diagnostics) notes of a study's arms: an arm whose guarantee keeps K secret
+    publishes ``HIDDEN_K_NOTE`` only (its planner notes state K); ``name(arm)`` labels them."""
+    label = name or (lambda a: a.arm)
+    hidden = [a for a in arms if hides_run_count(a.guarantee.get("kind"))]
+    release = [f"{label(a)}: {n}" for a in arms if a not in hidden for n in a.notes]
+    release += [f"{label(a)}: {HIDDEN_K_NOTE}" for a in hidden]
+    return release, [f"{label(a)}: {n}" for a in hidden for n in a.notes]
+
+
+def public_run_name(arm: Any, run: Mapping[str, Any]) -> str:
+    """A selected run's name in the release: procedure and seed replicate, not the run id
+    (whose candidate index bounds K from below)."""
+    eps = "∞" if not math.isfinite(arm.epsilon) else f"{arm.epsilon:g}"
+    return f"{arm.label} @ ε = {eps}, procedure {run['procedure']}, replicate {run['replicate']}"
+
+
 def write_csv_rows(path: str | Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None,
                    *, comment: str | None = None) -> Path:
     """The one CSV writer of the reports: optional first line ``# <comment>``, then header and rows

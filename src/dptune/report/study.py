@@ -35,7 +35,14 @@ from typing import Any
 from dptune.report.build import build_report
 from dptune.report.data import LedgerRow, LinearScalingFit, RunHistory, SummaryRow
 from dptune.report.html import FigureRef, Section, Table
-from dptune.report.privacy import RELEASE_DIR, diagnostics_dir, hides_run_count, write_labelled_csv
+from dptune.report.privacy import (
+    RELEASE_DIR,
+    diagnostics_dir,
+    hides_run_count,
+    public_run_name,
+    split_arm_notes,
+    write_labelled_csv,
+)
 
 MAX_ALL_HISTORIES = 24
 
@@ -88,7 +95,7 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
     if len(runs) <= MAX_ALL_HISTORIES:
         wanted = {r["run_id"] for r in runs}
     histories = [
-        RunHistory(_public_name(arm_of[r["arm"]], r) if r["run_id"] in selected else r["run_id"],
+        RunHistory(public_run_name(arm_of[r["arm"]], r) if r["run_id"] in selected else r["run_id"],
                    arm_of[r["arm"]].label, json.loads(r["history"]), selected=r["run_id"] in selected)
         for r in runs if r["run_id"] in wanted and r["history"]
     ]
@@ -167,11 +174,7 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
         caption="Runs per tuning procedure (under Liu–Talwar / repeat-and-select their number is secret).",
     )
     done = sum(1 for r in runs if r["status"] in ("done", "diverged"))
-    notes = [f"{arm.arm}: {n}" for arm in plan.arms for n in arm.notes
-             if not hides_run_count(arm.guarantee.get("kind"))]
-    notes += [f"{arm.arm}: {_HIDDEN_K_NOTE}" for arm in plan.arms if hides_run_count(arm.guarantee.get("kind"))]
-    secret_notes = [f"{arm.arm}: {n}" for arm in plan.arms for n in arm.notes
-                    if hides_run_count(arm.guarantee.get("kind"))]
+    notes, secret_notes = split_arm_notes(plan.arms)
     paragraphs = [
         f"Selection on the {sel.get('split', 'test')} split, across seeds: {sel.get('across_seeds', 'per-seed')}. "
         + ("The results above show the metric on the test split of the selected configurations."
@@ -203,18 +206,6 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
         notes=status, pareto=pareto or None, lt_ma=lt_rows, extra_figures=extra, extra_sections=sections,
         diagnostic_sections=dsections, include_diagnostics=include_diagnostics,
     )
-
-
-# Stated instead of the planner's note for arms whose guarantee needs K secret.
-_HIDDEN_K_NOTE = ("only the selected candidate is released; the number of runs drawn and the other candidates "
-                  "are kept private (they are not covered by the guarantee).")
-
-
-def _public_name(arm: Any, run: dict[str, Any]) -> str:
-    """A selected run's name in the release: procedure and seed replicate, not the run id
-    (whose candidate index bounds K from below)."""
-    eps = "∞" if not math.isfinite(arm.epsilon) else f"{arm.epsilon:g}"
-    return f"{arm.label} @ ε = {eps}, procedure {run['procedure']}, replicate {run['replicate']}"
 
 
 def _finite(x: float | None) -> float | None:

@@ -22,7 +22,6 @@ that label.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import statistics
@@ -303,30 +302,21 @@ def study_status(study_dir: str | Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- files and terminal
-def _csv(path: Path, rows: list[dict[str, Any]]) -> Path:
-    keys: list[str] = []
-    for r in rows:
-        for k in r:
-            if k not in keys:
-                keys.append(k)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in r.items()})
-    return path
-
-
 def write_csvs(study_dir: str | Path) -> list[Path]:
     """``release/results.csv`` (publishable) and, labelled not DP, ``diagnostics/results.csv``
     (every column), ``diagnostics/budget_runs.csv``, ``diagnostics/budget_labels.csv``."""
-    from dptune.report.privacy import diagnostics_dir, release_dir, write_labelled_csv
+    from dptune.report.privacy import (
+        diagnostics_dir,
+        release_dir,
+        write_csv_rows,
+        write_labelled_csv,
+    )
 
     d = Path(study_dir)
     per_run, per_label = budget_rows(d)
     table = study_table(d)
     rel, diag = release_dir(d), diagnostics_dir(d)
-    return [_csv(rel / "results.csv", release_rows(table)), write_labelled_csv(diag / "results.csv", table),
+    return [write_csv_rows(rel / "results.csv", release_rows(table)), write_labelled_csv(diag / "results.csv", table),
             write_labelled_csv(diag / "budget_runs.csv", per_run),
             write_labelled_csv(diag / "budget_labels.csv", per_label)]
 
@@ -352,7 +342,7 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
     from rich.console import Console
     from rich.table import Table
 
-    from dptune.report.privacy import DIAGNOSTICS_DIR, NOT_DP_LABEL, hides_run_count
+    from dptune.report.privacy import DIAGNOSTICS_DIR, NOT_DP_LABEL, split_arm_notes
 
     console = console or Console(width=TERMINAL_WIDTH)
     cfg, plan, _, _ = _load(study_dir)
@@ -381,15 +371,8 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
     for r in rr:
         console.print(f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
                       f"({r['random']}) and grid/oracle ({r['oracle']}): {100 * r['rerr']:.1f} %")
-    secret = [a for a in plan.arms if hides_run_count(a.guarantee.get("kind"))]
-    secret_ids = {a.arm for a in secret}
-    for arm in plan.arms:
-        if arm.arm in secret_ids:
-            console.print(f"[dim]• {arm.arm}: only the selected candidate is released; the number of runs drawn "
-                          "is kept private.[/dim]")
-            continue
-        for note in arm.notes:
-            console.print(f"[dim]• {arm.arm}: {note}[/dim]")
+    for note in split_arm_notes(plan.arms)[0]:
+        console.print(f"[dim]• {note}[/dim]")
     # The randomness mode (docs/privacy.md, item 3): every study's terminal report states it.
     from dptune.train import randomness_statement
 
@@ -411,9 +394,8 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
     for r in per_label:
         b.add_row(r["arm"], r["label"], str(r["releases"]), _e(r["epsilon_alone"]), r["scope"])
     console.print(b)
-    for arm in secret:
-        for note in arm.notes:
-            console.print(f"[dim]• {arm.arm}: {note}[/dim]")
+    for note in split_arm_notes(plan.arms)[1]:
+        console.print(f"[dim]• {note}[/dim]")
 
 
 def report_text(study_dir: str | Path, *, diagnostics: bool = False) -> str:
@@ -436,8 +418,7 @@ def report_inputs(study_dir: str | Path) -> dict[str, Any]:
     Only the selected runs become trial rows: a configuration's mean over every seed would mix
     in candidates that lost (not covered by Liu–Talwar / repeat-and-select). Every run is in
     ``diagnostics/results.csv`` and ``budget_runs.csv`` (``write_csvs``)."""
-    from dptune.report.privacy import hides_run_count
-    from dptune.report.study import _HIDDEN_K_NOTE, _public_name
+    from dptune.report.privacy import public_run_name, split_arm_notes
 
     cfg, plan, rows, _ = _load(study_dir)
     table = study_table(study_dir)
@@ -451,7 +432,7 @@ def report_inputs(study_dir: str | Path) -> dict[str, Any]:
         trials.append({"strategy": arm.label, "epsilon": arm.epsilon, "value": r["score"], "seed": r["seed"],
                        "hyperparameters": _public_config(r["config"]), "selected": True})
         if r["history"]:
-            histories.append({"run": _public_name(arm, r), "strategy": arm.label, "rows": json.loads(r["history"])})
+            histories.append({"run": public_run_name(arm, r), "strategy": arm.label, "rows": json.loads(r["history"])})
     per_run, _ = budget_rows(study_dir)
     ledger_rows = [{"run": x["run_id"], "label": x["arm"], "releases": x["releases"],
                     "epsilon": x["epsilon_alone"] if math.isfinite(x["epsilon_alone"]) else None,
@@ -466,14 +447,12 @@ def report_inputs(study_dir: str | Path) -> dict[str, Any]:
             if f and f.get("coef") and len(f["coef"]) == 2 and fit is None:
                 fit = {"points": [tuple(p) for p in f["points"]], "slope": f["coef"][0],
                        "intercept": f["coef"][1], "target_epsilon": f["x_final"]}
-    secret = {a.arm for a in plan.arms if hides_run_count(a.guarantee.get("kind"))}
-    notes = [f"{a.arm}: {n}" for a in plan.arms for n in a.notes if a.arm not in secret]
-    notes += [f"{a}: {_HIDDEN_K_NOTE}" for a in sorted(secret)]
+    notes, secret_notes = split_arm_notes(plan.arms)
     return {"results_rows": trials, "histories": histories, "ledger_rows": ledger_rows,
             "selection_mode": cfg.get("selection", {}).get("mode", "public"), "planned": planned, "spent": spent_,
             "metric": plan.metric, "title": f"dptune study: {cfg.get('study', {}).get('name', 'study')}",
             "notes": notes, "linear_scaling": fit,
-            "diagnostic_notes": [f"{a.arm}: {n}" for a in plan.arms for n in a.notes if a.arm in secret]}
+            "diagnostic_notes": secret_notes}
 
 
 def html_report(study_dir: str | Path, out_dir: str | Path | None = None, *, include_diagnostics: bool = False) -> Path:

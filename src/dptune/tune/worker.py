@@ -34,10 +34,10 @@ from dptune.devices import resolve_device
 from dptune.errors import BudgetExceededError, DPTuneError
 from dptune.ledger import Ledger, atoms, compose
 from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
-from dptune.own import metric_higher
+from dptune.own import metric_higher, named_metric
 from dptune.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
-from dptune.train import HIGHER_IS_BETTER, RunPlan, TrainResult, train
+from dptune.train import RunPlan, TrainResult, train
 from dptune.tree import Tensors, clone, is_finite
 from dptune.tune.data import StudyData, build_model, study_data
 from dptune.tune.planners import EVAL_LABEL, RunSpec
@@ -68,8 +68,6 @@ class Scorer:
         self.x, self.y = data.x_val.to(device), data.y_val.to(device)
         self.m = int(self.x.shape[0])
         self.private = run.eval_noise_multiplier is not None
-        from dptune.own import named_metric
-
         # Your own dptune.Metric ("pkg.module:NAME"): per-example scores clamped to [0, s], s declared.
         self.user = named_metric(metric)
         if self.user is not None:
@@ -117,8 +115,7 @@ class Scorer:
             # Diverged parameters (only they: the per-example rules in ``total`` keep every
             # term finite): the released statistic is then that of a constant predictor
             # (0 correct / maximal error) — still released, so the ledger matches the plan.
-            higher = self.metric == "accuracy" or (self.user is not None and self.user.higher_is_better)
-            s = 0.0 if higher else self.sensitivity * self.m
+            s = 0.0 if metric_higher(self.metric) else self.sensitivity * self.m
         (noisy,) = self.gateway.release(
             SumQuery(f"validation_{self.metric}_sum", torch.tensor(s, dtype=torch.float64), self.sensitivity, self.nu),
             label=EVAL_LABEL,
@@ -167,7 +164,7 @@ class _RunJob:
         hp = {k: v for k, v in run.config.items() if k not in TRAINING_KEYS}
         base = make_strategy(strategy_name, **hp)
         self.scorer = Scorer(self.model, data, metric, run, study, device)
-        self.higher = HIGHER_IS_BETTER[metric] if metric in HIGHER_IS_BETTER else metric_higher(metric)
+        self.higher = metric_higher(metric)
         self.evals: list[dict[str, Any]] = []
         self.best: dict[str, Any] = {"score": None, "step": None, "params": None}
         self.strategy = _with_checkpoints(base, set(run.eval_steps), self.consider)
