@@ -352,7 +352,9 @@ def test_train_cli_save_with_your_own_factory_reloads_without_model_argument(tmp
                                    "--batch-size", "40", "--eval-every", "2", "--hp", "lr=0.5", "--no-progress",
                                    "--out", str(out), "--save", str(save)])
     assert res.exit_code == 0, res.output
-    model, card = dptune.load_model(save)
+    with pytest.raises(ConfigError, match="trust_factory"):  # the card names code: never run unasked
+        dptune.load_model(save)
+    model, card = dptune.load_model(save, trust_factory=True)
     # what the CLI gave the factory (a map-style dataset's classes are not known: the default)
     assert card["model"] == {"factory": "own_factories:make_model", "kwargs": {"input_dim": 6}}
     _, test = load_data()

@@ -481,3 +481,30 @@ def test_norm_mutants_restore_the_real_code() -> None:
         with make():
             pass
     assert (ghost._gram_bound, ghost._Embedding._grouped, grads.upper_norms, ghost.upper_norms, vectorized.upper_norms) == before
+
+
+def test_mixed_precision_release_is_bounded_by_the_model_dtype() -> None:
+    """A bf16 model whose logits are cast to float32 before the loss releases its sums in bf16:
+    the norms' rounding allowance is the parameters' dtype's, not the loss's (before: 1.005·C)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 10).bfloat16()
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).float()
+
+    net = Mixed()
+    oracle = GradientOracle(net, "cross_entropy", method="ghost")
+    params = params_of(net)
+    worst = 0.0
+    for c in (1e-3, 1e-2, 0.1):
+        for _ in range(100):
+            x, y = (torch.randn(1, 512) * 3).bfloat16(), torch.randint(0, 10, (1,))
+            g = oracle(params, x, y)
+            s = g.weighted_sum(torch.clamp(c / g.norms, max=1.0))
+            worst = max(worst, math.sqrt(sum(float(v.double().pow(2).sum()) for v in s.values())) / c)
+    assert worst <= 1.0 + 1e-6

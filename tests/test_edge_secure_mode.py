@@ -225,3 +225,11 @@ def test_secure_study_reaches_the_workers_and_its_report_states_the_mode(tmp_pat
         con = Console(width=100, record=True)
         render(d, con)
         assert word in " ".join(con.export_text().split())
+
+
+def test_tiny_sampling_rate_never_gives_out_of_range_indices() -> None:
+    """Gaps E/λ beyond int64 (q ≈ 1e-19) are capped at n before the cast: no wrapped indices."""
+    s = PoissonSampler(10, 1e-19, 0)
+    for _ in range(200):
+        idx = s.sample()
+        assert bool(((idx >= 0) & (idx < 10)).all())

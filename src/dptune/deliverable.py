@@ -103,15 +103,21 @@ def write_model(directory: str | Path, state: Mapping[str, torch.Tensor], card: 
     # The folder's own name only: an absolute path would publish the owner's file system layout.
     full["load"] = (f"import dptune; model, card = dptune.load_model({d.name!r})"
                     + ("" if {"name", "factory"} & set(full.get("model", {})) else "  # model=YourModule(...): user code"))
-    _write_text(d / CARD_JSON, json.dumps(full, indent=2, default=_json_default) + "\n")
+    _write_text(d / CARD_JSON, json.dumps(_finite_json(full), indent=2, default=str) + "\n")
     _write_text(d / CARD_MD, card_markdown(full))
     return d
 
 
-def _json_default(x: Any) -> Any:
+def _finite_json(x: Any) -> Any:
+    """Strict JSON: a non-finite float (ε = ∞ of a non-private run) as the string "inf"/"nan"
+    (``json.dumps`` would write the non-standard ``Infinity`` and never call ``default``)."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
-    return str(x)
+    if isinstance(x, Mapping):
+        return {k: _finite_json(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite_json(v) for v in x]
+    return x
 
 
 def _fmt(x: Any) -> str:
@@ -133,11 +139,11 @@ def card_markdown(card: Mapping[str, Any]) -> str:
     lines += ["Not covered:", ""] + [f"- {c}" for c in g.get("not_covered", [])] + [""]
     lines += [f"Details: {PRIVACY_DOC}.", "", "## Randomness", "", str(card.get("randomness_note", "")), ""]
     lines += ["## Configuration", "", "```json", json.dumps(card.get("configuration", {}), indent=2,
-                                                          default=_json_default), "```", ""]
-    lines += ["## Model and data", "", f"- model: `{json.dumps(card.get('model'), default=_json_default)}`",
-              f"- data: `{json.dumps(card.get('data'), default=_json_default)}`", ""]
+                                                          default=str), "```", ""]
+    lines += ["## Model and data", "", f"- model: `{json.dumps(card.get('model'), default=str)}`",
+              f"- data: `{json.dumps(card.get('data'), default=str)}`", ""]
     if card.get("evaluation"):
-        lines += ["## Evaluation", "", "```json", json.dumps(card["evaluation"], indent=2, default=_json_default),
+        lines += ["## Evaluation", "", "```json", json.dumps(card["evaluation"], indent=2, default=str),
                   "```", ""]
     led = card.get("ledger", {})
     lines += ["## Ledger", "", f"- digest (SHA-256): `{led.get('digest')}`"]
@@ -411,12 +417,15 @@ def prune_checkpoints(study_dir: str | Path) -> int:
 
 
 # ----------------------------------------------------------------------------- loading
-def load_model(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, dict[str, Any]]:
+def load_model(path: str | Path, model: nn.Module | None = None, *,
+               trust_factory: bool = False) -> tuple[nn.Module, dict[str, Any]]:
     """``(module, card)`` from a folder written by ``dptune train --save``, a study's
     ``release/models/<arm>/`` or ``dptune export`` (or its ``model.pt``).
 
     Built-in models are rebuilt from the card; for your own module pass ``model=`` (an instance
-    of the same architecture), which is loaded in place. The weights' SHA-256 is checked
+    of the same architecture), which is loaded in place. A card that names a ``module:factory``
+    is rebuilt from it only with ``trust_factory=True``: the card is a file anyone can edit, and
+    the factory it names (with its arguments) is arbitrary code. The weights' SHA-256 is checked
     against the card."""
     p = Path(path)
     d = p.parent if p.is_file() else p
@@ -433,6 +442,11 @@ def load_model(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Mod
         ident = card.get("model", {})
         if "factory" in ident:  # your module:factory, importable here (the card names it)
             from dptune.own import import_factory
+
+            if not trust_factory:
+                raise ConfigError(f"this card names user code ({ident['factory']!r}), which loading would run. "
+                                  "Fix: pass model=an instance of the same architecture, or trust_factory=True "
+                                  "if you trust where the card comes from.")
 
             model = import_factory(ident["factory"], "model factory")(**ident.get("kwargs", {}))
         elif "name" in ident:

@@ -19,7 +19,7 @@ import functools
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -258,21 +258,22 @@ _K_CACHE: dict[tuple[float, int, torch.dtype, torch.dtype], float] = {}
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _norm_factor(rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.dtype) -> float:
+def _norm_factor(rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.dtype,
+                 extra_rounding: bool = False) -> float:
     """The smallest float K of ``dtype`` with K ≥ (1+γ'_2)·√((1+ρ)/(1−γ_{terms+1}))/(1−u)².
 
     (1 − γ_{terms+1}): the conversions and terms additions (τ² included) of ``upper_norms``'s
     sum of non-negative terms; (1 − u)²: its square root and the multiplication by K;
     (1 + γ'_2): the two roundings (w·b, then ·a) of the weighted sum's own scaling of a
     single example's terms, in the model's dtype (a released w_i·g_i has norm
-    ≤ |w_i|·(1+γ'_2)·‖g_i‖).
+    ≤ |w_i|·(1+γ'_2)·‖g_i‖); γ'_3 with ``extra_rounding`` (w cast to the model's dtype first).
     """
-    key = (rho, terms, dtype, model_dtype)
+    key = (rho, terms, dtype, model_dtype, extra_rounding)
     got = _K_CACHE.get(key)
     if got is None:
         u = unit_roundoff(dtype)
         g = gamma(terms + 1, u)
-        k = (1.0 + gamma(2, unit_roundoff(model_dtype))) * math.sqrt((1.0 + rho) / (1.0 - g)) / (1.0 - u) ** 2 if g < 1 else math.inf
+        k = (1.0 + gamma(3 if extra_rounding else 2, unit_roundoff(model_dtype))) * math.sqrt((1.0 + rho) / (1.0 - g)) / (1.0 - u) ** 2 if g < 1 else math.inf
         if math.isfinite(k):
             k *= 1.0 + 4 * unit_roundoff(torch.float64)  # this Python arithmetic's own roundings
             t = torch.tensor(k, dtype=torch.float64).to(dtype)
@@ -284,10 +285,16 @@ def _norm_factor(rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.
 
 
 def upper_norms(
-    parts: list[tuple[torch.Tensor, float]], like: torch.Tensor, dtype: torch.dtype | None = None
+    parts: list[tuple[torch.Tensor, float]], like: torch.Tensor, dtype: torch.dtype | None = None,
+    release_dtypes: Iterable[torch.dtype] = (),
 ) -> torch.Tensor:
     """Per-sample norms N_i ≥ (1+γ_2)·(Σ_l s_li·(1+ρ_l) + NORM_FLOOR²)^½, shaped like ``like``,
     in ``dtype`` (default: ``like``'s).
+
+    ``release_dtypes``: the dtypes the weighted sums are computed in (the parameters'). The
+    release's rounding allowance is that of the least precise one, with one more rounding (w
+    cast to it) when it is less precise than the norms: a bf16 model whose loss is float32
+    releases in bf16.
 
     ``parts``: (s_l, ρ_l) pairs, one per parameter (or per layer part), with ‖part_l of g_i‖²
     ≤ s_li·(1+ρ_l) and ‖released part_l of w·g_i‖ ≤ |w|·(1+γ_2)·(s_li(1+ρ_l))^½ (see
@@ -308,7 +315,10 @@ def upper_norms(
         rho = max(rho, r)
     if sq is None:
         sq = torch.zeros(like.shape, dtype=dt, device=like.device)
-    k = _norm_factor(rho, len(parts), dt, out_dt)
+    rel_dt = max(release_dtypes, key=unit_roundoff, default=out_dt)
+    if unit_roundoff(rel_dt) <= unit_roundoff(out_dt):
+        rel_dt = out_dt
+    k = _norm_factor(rho, len(parts), dt, rel_dt, extra_rounding=rel_dt != out_dt)
     n = sq.add(NORM_FLOOR**2).sqrt_().mul_(k)
     if out_dt == dt:
         return n
@@ -368,7 +378,7 @@ class MaterializedGrads:
             # In the gradients' dtype (float64 gradients keep float64 norms, as before).
             dts = [g.dtype for g in self.grads.values()]
             dt = functools.reduce(torch.promote_types, dts) if dts else self.losses.dtype
-            self._norms = upper_norms([sq_rows_upper(g) for g in self.grads.values()], self.losses, dt)
+            self._norms = upper_norms([sq_rows_upper(g) for g in self.grads.values()], self.losses, dt, dts)
         return self._norms
 
     def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Tensors:

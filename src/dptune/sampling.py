@@ -169,7 +169,8 @@ class PoissonSampler:
             m = _chunk_size((n - 1 - last) * q)
             # numpy for the arithmetic: ~1 µs per call on these short vectors, 5–15 µs in torch.
             e = exponentials(words, words(m), WORD_BITS, 53)
-            idx = last + np.cumsum(np.floor(e / lam).astype(np.int64) + 1)
+            # A gap of n or more ends the batch: capped there, the int64 cast cannot overflow (tiny q).
+            idx = last + np.cumsum(np.minimum(np.floor(e / lam), n).astype(np.int64) + 1)
             k = int(np.searchsorted(idx, n))  # idx is increasing: the first k are < n
             parts.append(idx[:k])
             if k < m:

@@ -483,7 +483,7 @@ def _batched_grads(
         a = h.detach()
         acts.append(a)
         parts += rank_one_parts(a, b, op.module.bias is not None)
-    norms = upper_norms(parts, losses)
+    norms = upper_norms(parts, losses, release_dtypes=[W.dtype for W, _ in weights])
     for k, tr in enumerate(active):
         Bk = sizes[k]
         layers = [
