@@ -144,6 +144,7 @@ def train(
     )
     summary = result.summary()
     release, diag = train_outputs(result, dataset=dataset, model=model)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(release, default=str))
     if diagnostics_out is None:
         diagnostics_dir(out.parent)  # the folder with its README (the label)

@@ -243,7 +243,7 @@ def norms_rounded_to_nearest() -> Iterator[None]:
     them fall below the exact norm, so fl(C/N)·g can exceed C."""
     from dptune import ghost, grads, vectorized
 
-    def plain(parts, like, dtype=None):  # noqa: ANN001, ANN202
+    def plain(parts, like, dtype=None, release_dtypes=()):  # noqa: ANN001, ANN202
         sq = None
         for s, _ in parts:
             s = s.to(dtype or like.dtype)
