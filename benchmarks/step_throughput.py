@@ -88,8 +88,8 @@ def dptune_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, s
     from dptune.grads import GradientOracle
     from dptune.ledger import Ledger
     from dptune.mechanisms import NoiseSource, NoisyRelease
+    from dptune.steps import RunInfo, StepContext
     from dptune.strategies import make_strategy
-    from dptune.strategies.base import RunInfo, StepContext
 
     m = copy.deepcopy(model)
     strat = make_strategy(strategy, **STRATEGY_HP.get(strategy, {}))

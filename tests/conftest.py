@@ -246,8 +246,15 @@ def run_strategy_steps(
         p, state, m = strategy.step(p, state, ctx)
         out.metrics.append(m)
         out.params_history.append({k: v.detach().clone() for k, v in p.items()})
-    out.params, out.state = p, state
+    out.params, out.state = p, flat_state(state)
     return out
+
+
+def flat_state(state: Any) -> Any:
+    """A composed strategy's state ({'privatizer': ..., 'update': ...}) as one dict, for assertions."""
+    if isinstance(state, dict) and set(state) == {"privatizer", "update"}:
+        return {**state["privatizer"], **state["update"]}
+    return state
 
 
 def gateway(sampling_rate: float, seed: int = 1234, plan: Any = None) -> RecordingRelease:

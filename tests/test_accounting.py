@@ -22,8 +22,8 @@ from dptune import accounting, train
 from dptune.errors import ConfigError
 from dptune.ledger import Ledger
 from dptune.mechanisms import SumQuery
+from dptune.steps import RunInfo
 from dptune.strategies import make_strategy
-from dptune.strategies.base import RunInfo
 
 DELTA = 1e-5
 

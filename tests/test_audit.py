@@ -252,14 +252,14 @@ def test_split_bug_alone_is_stopped_by_the_ledger_plan() -> None:
 
 
 def test_mutants_restore_the_real_code() -> None:
+    from dptune import privatizers
     from dptune.mechanisms import NoiseSource, NoisyRelease
-    from dptune.strategies import base, oso
 
-    before = (NoiseSource.normal, NoisyRelease.release, base.clip_weights, oso.clip_weights, oso.OSO.split)
+    before = (NoiseSource.normal, NoisyRelease.release, privatizers.clip_weights, privatizers.OSOClip.split)
     for make in MUTANTS.values():
         with make():
             pass
-    assert (NoiseSource.normal, NoisyRelease.release, base.clip_weights, oso.clip_weights, oso.OSO.split) == before
+    assert (NoiseSource.normal, NoisyRelease.release, privatizers.clip_weights, privatizers.OSOClip.split) == before
 
 
 @pytest.mark.parametrize(

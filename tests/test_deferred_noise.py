@@ -33,6 +33,7 @@ from dptune import accounting, mechanisms
 from dptune.errors import BudgetExceededError
 from dptune.ledger import Ledger
 from dptune.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
+from dptune.privatizers import OSOClip
 from dptune.strategies.oso import OSO
 from dptune.train import train
 
@@ -213,7 +214,7 @@ def test_oso_ledger_is_the_same_with_deferred_and_eager_q_noise(clip_lr: float, 
                      device="cpu", initial_clip=0.5, clip_lr=clip_lr, lr=0.2)
 
     deferred = run()
-    monkeypatch.setattr(OSO, "defer_q_noise", False)
+    monkeypatch.setattr(OSOClip, "defer_q_noise", False)
     eager = run()
     for res in (deferred, eager):
         assert res.ledger.matches(res.plan.event()) and res.ledger.releases == 8
@@ -238,7 +239,7 @@ def test_oso_step_draws_one_full_vector_per_parameter_tensor(
         return real(self, like, std)
 
     monkeypatch.setattr(NoiseSource, "normal", counting)
-    monkeypatch.setattr(OSO, "defer_q_noise", defer)
+    monkeypatch.setattr(OSOClip, "defer_q_noise", defer)
     model = _model()
     x, y = _toy(64)
     shapes = sorted(tuple(p.shape) for p in model.parameters())
@@ -274,7 +275,7 @@ def _batches(n: int):
 
 def _oso_with_negligible_noise(rule: str, defer: bool, monkeypatch: pytest.MonkeyPatch):
     """ν = 1e-6: q̃_t's noise (σ_q‖g̃‖/L) is ~1e-6 of g̃ᵀQ_t/L, so the C rule is deterministic."""
-    monkeypatch.setattr(OSO, "defer_q_noise", defer)
+    monkeypatch.setattr(OSOClip, "defer_q_noise", defer)
     x, y = _regression()
     torch.manual_seed(0)
     gate = gateway(0.5, seed=3)

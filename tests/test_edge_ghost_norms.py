@@ -28,7 +28,7 @@ from torch import nn
 
 from dptune import ghost, grads
 from dptune.grads import GradientOracle, MaterializedGrads
-from dptune.strategies.base import clip_weights
+from dptune.privatizers import clip_weights
 
 TOL = 1e-6  # the bound: released single-example contribution ≤ C·(1 + 1e-6)
 # DPTUNE_TEST_DEVICE=cuda runs the same checks on a GPU (data drawn on the CPU, then moved).

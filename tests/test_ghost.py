@@ -18,8 +18,8 @@ from torch import nn
 from dptune import ghost, models
 from dptune.errors import ConfigError
 from dptune.grads import GradientOracle, MaterializedGrads, default_method, set_default_method
+from dptune.privatizers import clip_weights
 from dptune.strategies import STRATEGIES
-from dptune.strategies.base import clip_weights
 from dptune.train import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")

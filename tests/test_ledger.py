@@ -14,7 +14,8 @@ from dptune import train
 from dptune.errors import BudgetExceededError
 from dptune.ledger import Ledger, atoms, event_from_dict, event_to_dict
 from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
-from dptune.strategies.base import StepContext, release_gradient
+from dptune.privatizers import FixedClip
+from dptune.steps import StepContext
 from dptune.strategies.dpsgd import DPSGD
 
 
@@ -74,7 +75,7 @@ def test_a_strategy_releasing_more_than_it_planned_is_stopped_inside_train() -> 
         name = "greedy"
 
         def step(self, params, state, ctx: StepContext):
-            release_gradient(ctx, params, self.clip, ctx.run.noise_multiplier, "greedy/extra")
+            FixedClip(self.clip).privatize(params, {}, ctx, lr=self.lr, label="greedy/extra")
             return super().step(params, state, ctx)
 
     model, x, y = zero_grad_problem(4, 3, 20)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dptune.grads import GradientOracle
-from dptune.strategies.base import clip_weights
+from dptune.privatizers import clip_weights
 from dptune.train import train
 
 

@@ -158,18 +158,19 @@ def test_private_release_of_a_metric_needs_its_sensitivity():
     assert bounded.scores(out, torch.zeros(3, 1), clip=True).tolist() == [0.5, 2.0, 2.0]
 
 
-def test_several_inputs_are_refused_with_a_clear_error():
+def test_inputs_that_are_not_tensors_are_refused_with_a_clear_error():
+    """Several tensor inputs are supported (tests/test_multi_input.py); raw strings are not."""
     x, y = _data()
 
-    class TwoInputs(Dataset):
+    class RawText(Dataset):
         def __len__(self):
             return N
 
         def __getitem__(self, i):
-            return (x[i, :2], x[i, 2:]), y[i]
+            return f"example {i}", y[i]
 
-    with pytest.raises(ConfigError, match="one tensor input"):
-        _run(TwoInputs())
+    with pytest.raises(ConfigError, match="tuple of tensors"):
+        _run(RawText())
 
 
 def test_unsupported_data_is_a_clear_error():

@@ -28,8 +28,10 @@ from dptune import tree
 from dptune.grads import GradientOracle, ParamSwap
 from dptune.ledger import Ledger
 from dptune.mechanisms import NoiseSource, NoisyRelease
+from dptune.privatizers import clip_weights
+from dptune.steps import RunInfo, StepContext
 from dptune.strategies import make_strategy
-from dptune.strategies.base import RunInfo, StepContext, clip_weights, heavy_ball
+from dptune.updates import heavy_ball
 
 
 # ----------------------------------------------------------------------------- ParamSwap

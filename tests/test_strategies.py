@@ -12,7 +12,14 @@ from dataclasses import fields
 
 import pytest
 import torch
-from conftest import CaptureRelease, flat, params_of, run_strategy_steps, zero_grad_problem
+from conftest import (
+    CaptureRelease,
+    flat,
+    flat_state,
+    params_of,
+    run_strategy_steps,
+    zero_grad_problem,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -20,9 +27,10 @@ from torch import nn
 from dptune import accounting, train
 from dptune.errors import ConfigError
 from dptune.grads import MaterializedGrads
+from dptune.privatizers import clip_weights
+from dptune.steps import RunInfo, StepContext
 from dptune.strategies import STRATEGIES, make_strategy
 from dptune.strategies.adadp import ADADP, extrapolation_error
-from dptune.strategies.base import RunInfo, StepContext, clip_weights
 from dptune.strategies.oso import OSO
 
 
@@ -42,7 +50,7 @@ def inject(strategy, per_sample: torch.Tensor, *, L: float = 10.0, nu: float = 1
         ctx._grads = MaterializedGrads({"w": per_sample}, torch.zeros(per_sample.shape[0]))
         p, state, m = strategy.step(p, state, ctx)
         metrics.append(m)
-    return gate, p, state, metrics
+    return gate, p, flat_state(state), metrics
 
 
 def vec(*xs: float) -> dict[str, torch.Tensor]:

@@ -69,7 +69,7 @@ def train(
                                     "loader() -> (train, test) (docs/your_data.md); the module must be importable"),
     model: str = typer.Option("auto", help="model name (dptune.models), 'auto' for the dataset's default, or your "
                               "own pkg.module:factory (factory() -> nn.Module; input_dim/classes passed if taken)"),
-    strategy: str = typer.Option("oso", help="nodp, dpsgd, quantile, oso, dpadam, adamwosm, adadp, dpgd"),
+    strategy: str = typer.Option("oso", help="nodp, dpsgd, quantile, oso, dpadam, adamwosm, adadp, dpgd, or a composition <privatizer>+<update> (privatizer: fixed, quantile, oso; update: sgd, adam, adamwosm, oso_rate, adadp), e.g. oso+adam"),
     epsilon: float | None = typer.Option(3.0, help="target ε of this run (ignored with --noise-multiplier)"),
     delta: float = typer.Option(1e-5, help="target δ"),
     noise_multiplier: float | None = typer.Option(None, help="use this ν instead of calibrating to ε"),

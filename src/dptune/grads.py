@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from dptune import inputs
 from dptune.errors import ConfigError
 
 Tensors = dict[str, torch.Tensor]
@@ -171,13 +172,14 @@ class ParamSwap:
         for store, k, t in swapped:
             store[k] = t
 
-    def __call__(self, tensors: Tensors, buffers: Tensors, *args: object) -> torch.Tensor:
-        """``functional_call(model, (tensors, buffers), args)``."""
+    def __call__(self, tensors: Tensors, buffers: Tensors, x: Any) -> torch.Tensor:
+        """``functional_call(model, (tensors, buffers), x)``, x a tensor, tuple or dict (``dptune.inputs``)."""
+        args, kwargs = inputs.args_kwargs(x)
         swapped = self.swap_in(tensors, buffers)
         if swapped is None:
-            return functional_call(self.model, (tensors, buffers), args)
+            return functional_call(self.model, (tensors, buffers), args, kwargs)
         try:
-            return self.model(*args)
+            return self.model(*args, **kwargs)
         finally:
             self.restore(swapped)
 
@@ -473,8 +475,9 @@ class GradientOracle:
             else:
                 self.fallback_reason = reason
 
-        def one(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            out = functional_call(self.model, (params, self.buffers), (x.unsqueeze(0),))
+        def one(params: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
+            args, kwargs = inputs.args_kwargs(inputs.tmap(lambda t: t.unsqueeze(0), x))
+            out = functional_call(self.model, (params, self.buffers), args, kwargs)
             return self.loss_fn(out.squeeze(0), y)
 
         self._per_sample = vmap(grad_and_value(one), in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size)
@@ -492,10 +495,10 @@ class GradientOracle:
         self._ghost = None
 
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
-        if x.shape[0] == 0:  # an empty Poisson batch: no contribution, but the step (and its noise) still happen
+        if inputs.batch_len(x) == 0:  # an empty Poisson batch: no contribution, but the step (and its noise) still happen
             return MaterializedGrads(
                 {k: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()},
-                torch.zeros(0, device=x.device),
+                torch.zeros(0, device=inputs.device_of(x)),
             )
         if self._ghost is not None:
             from dptune.ghost import _Fallback
@@ -515,8 +518,8 @@ class GradientOracle:
         self._checked = True
         if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in self.model.modules()):
             return True  # random masks differ between the two paths: nothing to compare
-        k = min(self.SELF_CHECK_EXAMPLES, x.shape[0])
-        ref_g, ref_l = self._per_sample(params, x[:k], y[:k])
+        k = min(self.SELF_CHECK_EXAMPLES, inputs.batch_len(x))
+        ref_g, ref_l = self._per_sample(params, inputs.rows(x, 0, k), y[:k])
         ref = MaterializedGrads(ref_g, ref_l.detach())
         w = torch.zeros_like(got.norms)
         w[:k] = torch.linspace(0.5, 1.5, k, dtype=w.dtype, device=w.device)

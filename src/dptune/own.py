@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dptune import inputs
 from dptune.errors import ConfigError
 
 # The direction of the built-in metrics (``dptune.train`` and the tuner read it from here).
@@ -67,7 +68,8 @@ def is_map_style(data: Any) -> bool:
 class MapSource:
     """Examples of a map-style dataset, gathered by index into collated (x, y) batches.
 
-    Each item must be an ``(x, y)`` pair; x is a tensor (several inputs: see docs/your_data.md).
+    Each item must be an ``(x, y)`` pair; x is a tensor, or a tuple/dict of tensors for a model
+    with several inputs (``dptune.inputs``: a tuple is passed positionally, a dict as keywords).
     """
 
     def __init__(self, dataset: Any, device: torch.device, collate_fn: Callable[[list], Any] | None = None):
@@ -83,18 +85,18 @@ class MapSource:
             raise ConfigError(f"each item of the dataset must be an (x, y) pair, got {type(first).__name__}. "
                               "Fix: make __getitem__ return (input, target).")
         x0, y0 = self.collate([first])
-        if not isinstance(x0, torch.Tensor) or not isinstance(y0, torch.Tensor):
-            raise ConfigError("dptune trains models with one tensor input: the collated x and y must be tensors "
-                              f"(got {type(x0).__name__}, {type(y0).__name__}). Fix: concatenate several inputs "
-                              "into one tensor and split them in forward() (docs/your_data.md).")
+        if not isinstance(y0, torch.Tensor):
+            raise ConfigError(f"the collated targets y must be a tensor, got {type(y0).__name__}. Fix: make "
+                              "__getitem__ return (input, target) with a tensor (or number) target.")
+        x0 = inputs.check(x0, "the collated input x")
         # An empty Poisson batch (possible at small q) keeps the shapes and dtypes of a real one.
-        self._empty = (x0[:0].to(device), y0[:0].to(device))
+        self._empty = (inputs.to(inputs.rows(x0, 0, 0), device), y0[:0].to(device))
 
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if idx.numel() == 0:
             return self._empty
         x, y = self.collate([self.dataset[int(i)] for i in idx.tolist()])
-        return x.to(self.device), y.to(self.device)
+        return inputs.to(inputs.check(x), self.device), y.to(self.device)
 
     def chunks(self, size: int = 4096):
         for i in range(0, self.n, size):
@@ -117,7 +119,7 @@ def materialize(dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return fast
     src = MapSource(dataset, torch.device("cpu"))
     xs, ys = zip(*src.chunks(), strict=True)
-    return torch.cat(xs), torch.cat(ys)
+    return inputs.cat(list(xs)), torch.cat(ys)
 
 
 def from_dataloader(loader: Any) -> Any:
@@ -172,9 +174,9 @@ def user_loss(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Calla
 
 def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     """The per-example contract on a tiny batch: ``fn(model(x), y)`` has shape [B]."""
-    b = min(2, int(x.shape[0]))
+    b = min(2, int(y.shape[0]))
     with torch.no_grad():
-        out = fn(model(x[:b]), y[:b])
+        out = fn(inputs.call(model, inputs.rows(x, 0, b)), y[:b])
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (b,):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(f"the loss must return one value per example (shape [{b}] for a batch of {b}), got "

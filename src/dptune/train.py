@@ -24,7 +24,7 @@ import torch
 from dp_accounting import dp_event
 from torch import nn
 
-from dptune import accounting
+from dptune import accounting, inputs
 from dptune.devices import resolve_device
 from dptune.errors import ConfigError
 from dptune.grads import GradientOracle
@@ -32,8 +32,8 @@ from dptune.ledger import Ledger
 from dptune.mechanisms import NoiseSource, NoisyRelease
 from dptune.own import HIGHER_IS_BETTER
 from dptune.sampling import PoissonSampler, sampling_rate_for, steps_for_epochs, stream_seed
+from dptune.steps import RunInfo, StepContext
 from dptune.strategies import Strategy, make_strategy
-from dptune.strategies.base import RunInfo, StepContext
 from dptune.tree import Tensors, clone, is_finite
 
 
@@ -181,12 +181,12 @@ def randomness_statement(secure: bool) -> dict[str, str]:
 
 def evaluate(oracle: GradientOracle, params: Tensors, x: torch.Tensor, y: torch.Tensor, metric: str, batch: int = 4096) -> float:
     """Accuracy (classification) or mean squared error (reconstruction) on (x, y)."""
-    total, n = 0.0, int(x.shape[0])
+    total, n = 0.0, inputs.batch_len(x)
     if n == 0:
         return math.nan
     with torch.no_grad():
         for i in range(0, n, batch):
-            out = oracle.forward(params, x[i : i + batch])
+            out = oracle.forward(params, inputs.rows(x, i, i + batch))
             yy = y[i : i + batch]
             if metric == "accuracy":
                 pred = out.argmax(1) if out.ndim > 1 and out.shape[1] > 1 else (out.reshape(-1) > 0).long()
@@ -221,7 +221,7 @@ def resolve_task(data: Any, eval_data: Any, device: str | torch.device | None, m
     """Move the data to the device; a float target shaped like the input means reconstruction (MSE)."""
     dev = resolve_device(device)  # a named device must exist: never a silent run on the CPU
     x, y = _as_tensors(data, dev)
-    recon = x.shape == y.shape and x.dtype == y.dtype and x.dtype.is_floating_point
+    recon = isinstance(x, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype and x.dtype.is_floating_point
     metric = metric or ("mse" if recon else "accuracy")
     loss = loss or ("mse" if recon else "cross_entropy")
     if metric not in HIGHER_IS_BETTER:
@@ -244,13 +244,15 @@ def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Te
         raise ConfigError("data must be a pair (x, y) of tensors, a TensorDataset or a dptune.data.Dataset here "
                           "(a map-style dataset works with dptune.train; for train_many, read it into "
                           "memory with dptune.own.materialize).")
-    x, y = torch.as_tensor(x), torch.as_tensor(y)
-    if x.shape[0] != y.shape[0]:
-        raise ConfigError(f"x and y have different lengths ({x.shape[0]} vs {y.shape[0]}).")
-    return x.to(device), y.to(device)
+    # x: one tensor, or a tuple/dict of tensors for a model with several inputs (dptune.inputs).
+    x = inputs.check(x) if inputs.is_structured(x) else torch.as_tensor(x)
+    y = torch.as_tensor(y)
+    if inputs.batch_len(x) != y.shape[0]:
+        raise ConfigError(f"x and y have different lengths ({inputs.batch_len(x)} vs {y.shape[0]}).")
+    return inputs.to(x, device), y.to(device)
 
 
-class _OwnTask:
+class OwnTask:
     """The run's data and evaluation, whatever the user passed (docs/your_data.md).
 
     In-memory pairs, ``dptune.data.Dataset`` and ``TensorDataset``s of two tensors take the
@@ -290,14 +292,15 @@ class _OwnTask:
 
     @classmethod
     def resolve(cls, data: Any, eval_data: Any, device: str | torch.device | None, metric: Any,
-                loss: Any) -> _OwnTask:
+                loss: Any) -> OwnTask:
         from dptune import own
 
         dev = resolve_device(device)  # a named device must exist: never a silent run on the CPU
         tr = cls._source(data, dev)
         ev = cls._source(eval_data, dev) if eval_data is not None else None
         x, y = tr if isinstance(tr, tuple) else tr._empty
-        recon = x.shape[1:] == y.shape[1:] and x.dtype == y.dtype and x.dtype.is_floating_point
+        recon = (isinstance(x, torch.Tensor) and x.shape[1:] == y.shape[1:] and x.dtype == y.dtype
+                 and x.dtype.is_floating_point)
         m = own.as_metric(metric) or ("mse" if recon else "accuracy")
         if isinstance(m, str) and m not in HIGHER_IS_BETTER:
             raise ConfigError(f"unknown metric {m!r}; choose accuracy or mse, or pass a dptune.Metric.")
@@ -310,7 +313,7 @@ class _OwnTask:
 
     @property
     def n(self) -> int:
-        return int(self.train[0].shape[0]) if isinstance(self.train, tuple) else self.train.n
+        return int(self.train[1].shape[0]) if isinstance(self.train, tuple) else self.train.n
 
     @property
     def metric_name(self) -> str:
@@ -328,7 +331,7 @@ class _OwnTask:
         if isinstance(self.train, tuple):
             x, y = self.train
             idx = idx.to(self.device)
-            return x.index_select(0, idx), y.index_select(0, idx)
+            return inputs.take(x, idx), y.index_select(0, idx)
         return self.train.batch(idx)
 
     def check_loss(self, model: nn.Module) -> None:
@@ -344,16 +347,31 @@ class _OwnTask:
         chunks = [ev] if isinstance(ev, tuple) else ev.chunks()
         total, n = 0.0, 0
         for x, y in chunks:
-            b = int(x.shape[0])
+            b = int(y.shape[0])
             if isinstance(self.metric, str):
                 total += evaluate(oracle, params, x, y, self.metric) * b if b else 0.0
             else:
                 for i in range(0, b, 4096):
                     with torch.no_grad():
-                        out = oracle.forward(params, x[i : i + 4096])
+                        out = oracle.forward(params, inputs.rows(x, i, i + 4096))
                     total += float(self.metric.scores(out, y[i : i + 4096]).sum())
             n += b
         return total / n if n else math.nan
+
+
+def open_run(plan: RunPlan, *, seed: int, device: torch.device, secure_mode: bool,
+             run_id: str) -> tuple[Ledger, NoisyRelease, PoissonSampler]:
+    """A run's ledger (created with the plan: no release beyond it), its privacy gateway (own
+    noise stream) and its Poisson sampler at the plan's q."""
+    ledger = Ledger.with_plan(plan.event())
+    gateway = NoisyRelease(
+        ledger, plan.sampling_rate, NoiseSource(stream_seed(seed, "noise"), device, secure_mode), run_id,
+        planned_multiplier=plan.noise_multiplier if plan.strategy.private else None,
+    )
+    # Secure mode covers the batches too: a seeded sampler lets anyone holding the seed
+    # regenerate every batch, which voids the amplification by subsampling.
+    sampler = PoissonSampler(plan.n, plan.sampling_rate, seed, secure=secure_mode)
+    return ledger, gateway, sampler
 
 
 class RunLoop:
@@ -397,15 +415,9 @@ class RunLoop:
                            sum(p.numel() for p in self.params.values()))
         strategy.validate_run(self.run)
         self.state = strategy.init(self.params, self.run)
-        self.ledger = Ledger.with_plan(plan.event())
-        self.gateway = NoisyRelease(
-            self.ledger, plan.sampling_rate, NoiseSource(stream_seed(seed, "noise"), device, secure_mode), run_id,
-            planned_multiplier=plan.noise_multiplier if strategy.private else None,
-        )
-        # Secure mode covers the batches too: a seeded sampler lets anyone holding the seed
-        # regenerate every batch, which voids the amplification by subsampling.
+        self.ledger, self.gateway, self.sampler = open_run(plan, seed=seed, device=device, secure_mode=secure_mode,
+                                                           run_id=run_id)
         self.secure_mode = secure_mode
-        self.sampler = PoissonSampler(plan.n, plan.sampling_rate, seed, secure=secure_mode)
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, float]] = []
         self.best_metric: float | None = None
@@ -456,7 +468,7 @@ class RunLoop:
         load the final parameters into the model. ``seconds``: default, since construction."""
         if not self.diverged:
             self.params = self.strategy.finalize(self.params, self.state)
-            if self.score is not None and type(self.strategy).finalize is not Strategy.finalize:
+            if self.score is not None and self.strategy.finalizes:
                 value = self.score(self.params)
                 self.evals.append({"step": self.plan.steps, self.metric: value, "finalized": 1.0})
                 self._consider(value, self.plan.steps, self.params)
@@ -510,7 +522,7 @@ def train(
         strategy = make_strategy(strategy, **hyperparameters)
     elif hyperparameters:
         raise ConfigError(f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy).")
-    own = _OwnTask.resolve(data, eval_data, device, metric, loss)
+    own = OwnTask.resolve(data, eval_data, device, metric, loss)
     dev, metric, loss, n = own.device, own.metric_name, own.loss, own.n
     if eval_every < 1:
         raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}.")

@@ -26,10 +26,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from dptune import accounting
+from dptune import accounting, privatizers
 from dptune.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
-from dptune.strategies import base as strategies_base
-from dptune.strategies.oso import OSO
+from dptune.privatizers import OSOClip
 
 
 @contextlib.contextmanager
@@ -56,14 +55,14 @@ def noise_scaled(factor: float = 0.25) -> Iterator[None]:
 
 @contextlib.contextmanager
 def clipping_disabled() -> Iterator[None]:
-    """min(1, C/‖g‖) → 1 in every strategy module that imported ``clip_weights``."""
-    original = strategies_base.clip_weights
+    """min(1, C/‖g‖) → 1 in every dptune module that imported ``clip_weights`` (the privatizers)."""
+    original = privatizers.clip_weights
 
     def no_clip(norms: torch.Tensor, clip: float) -> torch.Tensor:
         return torch.ones_like(norms)
 
     owners = [m for name, m in list(sys.modules.items())
-              if name.startswith("dptune.strategies") and getattr(m, "clip_weights", None) is original]
+              if name.startswith("dptune") and getattr(m, "clip_weights", None) is original]
     with contextlib.ExitStack() as stack:
         for m in owners:
             stack.enter_context(_patched(m, "clip_weights", no_clip))
@@ -108,14 +107,14 @@ def split_accounted_at_nu_g(fool_ledger: bool = True) -> Iterator[None]:
     first release (BudgetExceededError). That guard is why the bug needs a second one (the
     accountant ignoring the extra query) to go unnoticed.
     """
-    original: Callable[[OSO, float], tuple[float, float]] = OSO.__dict__["split"]
+    original: Callable[[OSOClip, float], tuple[float, float]] = OSOClip.__dict__["split"]
 
-    def split(self: OSO, nu: float) -> tuple[float, float]:
+    def split(self: OSOClip, nu: float) -> tuple[float, float]:
         # ν_g = ν exactly (so the fooled ledger matches the plan), ν_q with the usual ν_q/ν_g ratio.
         return nu, original(self, nu / (1.0 + self.relative_increase))[1]
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(OSO, "split", split))
+        stack.enter_context(_patched(OSOClip, "split", split))
         if fool_ledger:
             stack.enter_context(_patched(NoisyRelease, "release", _release_accounting_first_query_only))
         yield

@@ -20,8 +20,8 @@ from torch import nn
 from dptune.errors import ConfigError
 from dptune.grads import GradientOracle
 from dptune.mechanisms import NoiseSource
+from dptune.privatizers import clip_weights
 from dptune.sampling import PoissonSampler, stream_seed
-from dptune.strategies.base import clip_weights
 
 Tensors = dict[str, torch.Tensor]
 

@@ -1,4 +1,8 @@
-"""Training strategies (optimiser × clipping rule), one small module each."""
+"""Training strategies (privatizer × update rule), one small module each.
+
+Each named strategy is a composition of a privatizer (``dptune.privatizers``) and an update
+rule (``dptune.updates``); any other pair is available by name as ``"<privatizer>+<update>"``
+(``make_strategy("oso+adam", lr=1e-3)``) or as ``chain(OSOClip(), Adam(lr=1e-3))``."""
 
 from __future__ import annotations
 
@@ -6,7 +10,16 @@ from typing import Any
 
 from dptune.errors import ConfigError
 from dptune.strategies.adamwosm import AdamWOSM
-from dptune.strategies.base import RunInfo, StepContext, Strategy
+from dptune.strategies.base import (
+    Chain,
+    Composed,
+    RunInfo,
+    StepContext,
+    Strategy,
+    chain,
+    chain_parts,
+    make_chain,
+)
 from dptune.strategies.dpadam import DPAdam
 from dptune.strategies.dpgd import DPGD
 from dptune.strategies.dpsgd import DPSGD
@@ -25,24 +38,64 @@ try:  # ADADP lives in its own module (Koskela & Honkela 2020)
 except ImportError:  # pragma: no cover - only while the module is being written
     pass
 
-ALIASES = {"online": "oso", "fixed_threshold": "dpsgd", "fixedquantile": "quantile", "fixed_quantile": "quantile",
-           "dpmomentum": "dpsgd", "dpadamwosm": "adamwosm", "sgd": "nodp"}
+ALIASES = {
+    "online": "oso",
+    "fixed_threshold": "dpsgd",
+    "fixedquantile": "quantile",
+    "fixed_quantile": "quantile",
+    "dpmomentum": "dpsgd",
+    "dpadamwosm": "adamwosm",
+    "sgd": "nodp",
+}
+
+
+def strategy_signature(name: str) -> tuple[str, tuple[str, ...], bool]:
+    """(canonical name, hyperparameters, private) of a strategy name, a named one or a
+    ``"<privatizer>+<update>"`` composition; an unknown name is one clear ConfigError."""
+    if not isinstance(name, str):
+        raise ConfigError(f"a strategy name must be a string, got {name!r}.")
+    key = ALIASES.get(name.strip().lower(), name.strip().lower())
+    if key in STRATEGIES:
+        cls = STRATEGIES[key]
+        return key, cls.hyperparameters, cls.private
+    parts = chain_parts(key)
+    if parts is None:
+        raise ConfigError(
+            f"unknown strategy {name!r}; choose one of: {', '.join(sorted(STRATEGIES))}, or compose "
+            "'<privatizer>+<update>' (e.g. 'oso+adam')."
+        )
+    p_cls, u_cls = parts
+    return key, tuple(dict.fromkeys(p_cls.hyperparameters + u_cls.hyperparameters)), p_cls.private
 
 
 def make_strategy(name: str, **hyperparameters: Any) -> Strategy:
     """Build a strategy by name; unknown names or hyperparameters give one clear error."""
-    key = ALIASES.get(name.lower(), name.lower()) if isinstance(name, str) else name
-    if key not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(sorted(STRATEGIES))}.")
-    cls = STRATEGIES[key]
-    allowed = set(cls.hyperparameters)
-    unknown = set(hyperparameters) - allowed
+    key, allowed, _ = strategy_signature(name)
+    unknown = set(hyperparameters) - set(allowed)
     if unknown:
         raise ConfigError(
             f"strategy {key!r} has no hyperparameter(s) {sorted(unknown)}; it takes {sorted(allowed)}."
         )
-    return cls(**hyperparameters)
+    if key in STRATEGIES:
+        return STRATEGIES[key](**hyperparameters)
+    return make_chain(key, **hyperparameters)
 
 
-__all__ = ["STRATEGIES", "Strategy", "RunInfo", "StepContext", "make_strategy", "NoDP", "DPSGD",
-           "FixedQuantile", "OSO", "DPAdam", "AdamWOSM", "DPGD"]
+__all__ = [
+    "STRATEGIES",
+    "Strategy",
+    "Composed",
+    "Chain",
+    "chain",
+    "RunInfo",
+    "StepContext",
+    "make_strategy",
+    "strategy_signature",
+    "NoDP",
+    "DPSGD",
+    "FixedQuantile",
+    "OSO",
+    "DPAdam",
+    "AdamWOSM",
+    "DPGD",
+]

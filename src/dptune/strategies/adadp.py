@@ -7,29 +7,19 @@ AISTATS 2020, PMLR 108:2465-2475 (arXiv:1809.03832). Used as a baseline by Mohap
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
-import torch
+from dptune.privatizers import FixedClip
+from dptune.steps import RunInfo
+from dptune.strategies.base import Composed
+from dptune.updates import ADADP as ADADPRule
+from dptune.updates import extrapolation_error
 
-from dptune.errors import ConfigError
-from dptune.strategies.base import RunInfo, StepContext, Strategy, check_positive, release_gradient
-from dptune.tree import Tensors
-
-
-def extrapolation_error(full: Tensors, halves: Tensors) -> float:
-    """err = ‖(θ₁ − θ₂) / max(1, |θ₁|)‖₂, elementwise division (Koskela & Honkela's mixed
-    absolute/relative error: absolute for |θ₁| ≤ 1, relative above)."""
-    sq = 0.0
-    for k, a in full.items():
-        a64, b64 = a.double(), halves[k].double()
-        sq += float((((a64 - b64) / a64.abs().clamp_min(1.0)) ** 2).sum())
-    return math.sqrt(sq)
+__all__ = ["ADADP", "extrapolation_error"]
 
 
 @dataclass(frozen=True)
-class ADADP(Strategy):
+class ADADP(Composed):
     """DP-SGD whose step size η is adapted by comparing one full step with two half steps.
 
     Every noisy gradient is the DP-SGD query on its own Poisson batch,
@@ -81,59 +71,18 @@ class ADADP(Strategy):
     hyperparameters = ("lr", "clip", "tolerance", "min_factor", "max_factor", "safety", "reject")
 
     def __post_init__(self) -> None:
-        check_positive("lr (η₀)", self.lr)
-        check_positive("clip (C)", self.clip)
-        if self.tolerance is not None:
-            check_positive("tolerance (τ)", self.tolerance)
-        check_positive("min_factor (α_min)", self.min_factor)
-        check_positive("max_factor (α_max)", self.max_factor)
-        check_positive("safety", self.safety)
-        if not self.min_factor <= 1.0 <= self.max_factor:
-            raise ConfigError(
-                f"ADADP needs min_factor ≤ 1 ≤ max_factor, got {self.min_factor} and {self.max_factor}; "
-                "the defaults are 0.9 and 1.1."
-            )
+        self.parts()
+
+    def parts(self):
+        return FixedClip(self.clip), self.rule()
+
+    def rule(self) -> ADADPRule:
+        return ADADPRule(
+            self.lr, self.tolerance, self.min_factor, self.max_factor, self.safety, self.reject
+        )
 
     def tau(self, run: RunInfo) -> float:
-        """τ: the given tolerance, or sqrt(d / (2T)) (Mohapatra et al. A.1)."""
-        if self.tolerance is not None:
-            return float(self.tolerance)
-        return math.sqrt(run.num_params / (2.0 * run.steps))
+        return self.rule().tau(run)
 
     def lr_factor(self, err: float, tau: float) -> float:
-        """min(max(s·sqrt(τ/err), α_min), α_max); err = 0 → α_max."""
-        if err <= 0.0:
-            return self.max_factor
-        if not math.isfinite(err):
-            return self.min_factor
-        return min(max(self.safety * math.sqrt(tau / err), self.min_factor), self.max_factor)
-
-    def init(self, params: Tensors, run: RunInfo) -> dict[str, Any]:
-        return {
-            "lr": float(self.lr), "tau": self.tau(run), "theta0": None, "theta_full": None,
-            "accepted": 0, "rejected": 0,
-        }
-
-    def step(self, params: Tensors, state: dict[str, Any], ctx: StepContext):
-        lr = state["lr"]
-        g = release_gradient(ctx, params, self.clip, ctx.run.noise_multiplier, "adadp/gradient")
-        if state["theta0"] is None:
-            # First half of a cycle: remember θ₀ and the full-step point θ₁, move to θ_½.
-            with torch.no_grad():
-                full = {k: params[k] - lr * g[k] for k in params}
-                half = {k: params[k] - (0.5 * lr) * g[k] for k in params}
-            state = {**state, "theta0": params, "theta_full": full}
-            return half, state, {"lr": lr, "clip": self.clip}
-        # Second half: finish the two half steps, estimate the error, adapt η, accept/reject.
-        with torch.no_grad():
-            two_halves = {k: params[k] - (0.5 * lr) * g[k] for k in params}
-        err = extrapolation_error(state["theta_full"], two_halves)
-        tau = state["tau"]
-        new_lr = lr * self.lr_factor(err, tau)
-        accept = err <= tau or not self.reject
-        out = two_halves if accept else state["theta0"]
-        state = {
-            **state, "lr": new_lr, "theta0": None, "theta_full": None,
-            "accepted": state["accepted"] + int(accept), "rejected": state["rejected"] + int(not accept),
-        }
-        return out, state, {"lr": lr, "clip": self.clip, "adadp_error": err, "accepted": float(accept)}
+        return self.rule().lr_factor(err, tau)

@@ -5,92 +5,48 @@ A strategy is an immutable bundle of hyperparameters with two pure-ish methods:
 * ``init(params, run) -> state`` builds the explicit state (momentum buffers, an
   adaptive clipping threshold C_t, a learning rate ρ_t, ...);
 * ``step(params, state, ctx) -> (params, state, metrics)`` performs one iteration.
-  It reads per-sample *norms* and *weighted sums* from ``ctx.grads`` and releases
-  private statistics only through ``ctx.release`` (the run's privacy gateway).
 
 ``planned_event(nu, q, steps)`` says, before training, exactly which releases the
 run will make; the run's ledger is created with that plan, so a strategy that
 tried to release more would be stopped by ``BudgetExceededError``.
 
+Every built-in strategy is a ``Composed`` one: a privatizer (``dptune.privatizers``, the
+only code that reads per-sample gradients and the only caller of the gateway) followed by
+an update rule (``dptune.updates``, which sees released values only). ``chain(privatizer,
+update)`` composes any pair, e.g. OSO's online C with Adam.
+
 Noise multiplier convention: ``run.noise_multiplier`` (ν) is the *joint* per-step
-multiplier that the accountant sees. Strategies that release several queries per
+multiplier that the accountant sees. Privatizers that release several queries per
 step (OSO, quantile) split ν internally so that the joint release is exactly one
 Gaussian of multiplier ν.
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
-import torch
 from dp_accounting import dp_event
 
-from dptune import accounting, tree
+from dptune import accounting
 from dptune.errors import ConfigError
-from dptune.grads import GradientOracle, PerSampleGrads
-from dptune.mechanisms import NoisyRelease, SumQuery
+from dptune.privatizers import PRIVATIZERS, Privatizer
+from dptune.steps import RunInfo, StepContext, check_positive, check_unit_interval
 from dptune.tree import Tensors
+from dptune.updates import UPDATES, UpdateRule
 
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What a strategy may know about its run (all public)."""
-
-    noise_multiplier: float  # joint per-release ν (inf for non-private)
-    sampling_rate: float  # q
-    expected_batch_size: float  # L = q·n
-    steps: int  # T
-    num_params: int  # d
-
-
-@dataclass
-class StepContext:
-    """One iteration's inputs. ``grads`` is computed lazily at the current parameters."""
-
-    t: int  # 1-based iteration
-    x: torch.Tensor
-    y: torch.Tensor
-    oracle: GradientOracle
-    release: NoisyRelease | None
-    run: RunInfo
-    _grads: PerSampleGrads | None = None
-
-    def grads(self, params: Tensors) -> PerSampleGrads:
-        if self._grads is None:
-            self._grads = self.oracle(params, self.x, self.y)
-        return self._grads
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.x.shape[0])
-
-
-def clip_weights(norms: torch.Tensor, clip: float) -> torch.Tensor:
-    """min(1, C/‖g_i‖): the per-sample weights of the clipped sum (Galli eq. 4)."""
-    # In place on the fresh clamp_min result. ``C / t`` is ``t.reciprocal() * C`` in torch
-    # (Tensor.__rdiv__): the same two roundings here.
-    return norms.clamp_min(1e-12).reciprocal_().mul_(clip).clamp_(max=1.0)
-
-
-def clipped_sum(grads: PerSampleGrads, clip: float) -> Tensors:
-    """Σ_i clip_C(g_i). Sensitivity C under add/remove."""
-    return grads.weighted_sum(clip_weights(grads.norms, clip))
-
-
-def check_positive(name: str, value: float) -> float:
-    if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}.")
-    return float(value)
-
-
-def check_unit_interval(name: str, value: float, closed_left: bool = True) -> float:
-    ok = (0 <= value < 1) if closed_left else (0 < value < 1)
-    if not ok:
-        raise ConfigError(f"{name} must lie in {'[' if closed_left else '('}0, 1), got {value!r}.")
-    return float(value)
+__all__ = [
+    "Strategy",
+    "Composed",
+    "Chain",
+    "chain",
+    "RunInfo",
+    "StepContext",
+    "check_positive",
+    "check_unit_interval",
+]
 
 
 class Strategy(ABC):
@@ -104,7 +60,9 @@ class Strategy(ABC):
         """Number of Gaussian releases (each at joint multiplier ν) that ``steps`` iterations make."""
         return steps
 
-    def planned_event(self, noise_multiplier: float, sampling_rate: float, steps: int) -> dp_event.DpEvent:
+    def planned_event(
+        self, noise_multiplier: float, sampling_rate: float, steps: int
+    ) -> dp_event.DpEvent:
         if not self.private:
             return dp_event.SelfComposedDpEvent(dp_event.NonPrivateDpEvent(), steps)
         ev = accounting.gaussian_step_event(noise_multiplier, sampling_rate)
@@ -117,7 +75,9 @@ class Strategy(ABC):
     def init(self, params: Tensors, run: RunInfo) -> Any: ...
 
     @abstractmethod
-    def step(self, params: Tensors, state: Any, ctx: StepContext) -> tuple[Tensors, Any, dict[str, float]]: ...
+    def step(
+        self, params: Tensors, state: Any, ctx: StepContext
+    ) -> tuple[Tensors, Any, dict[str, float]]: ...
 
     def prepare(self, params: Tensors) -> Tensors:
         """Transform the initial parameters before training (e.g. zero init). Default: none."""
@@ -127,42 +87,133 @@ class Strategy(ABC):
         """Post-processing after the last step (free of privacy cost). Default: none."""
         return params
 
+    @property
+    def finalizes(self) -> bool:
+        """Does ``finalize`` change the parameters (so the finalised ones deserve an evaluation)?"""
+        return type(self).finalize is not Strategy.finalize
+
     def config(self) -> dict[str, Any]:
         from dataclasses import asdict
 
         return {"strategy": self.name, **asdict(self)}  # type: ignore[call-overload]
 
 
-def release_sum(ctx: StepContext, params: Tensors, clip: float, nu: float, label: str) -> Tensors:
-    """The standard DP-SGD query, undivided: Σ clip_C(g_i) + N(0, ν²C²)."""
-    assert ctx.release is not None
-    (noisy,) = ctx.release.release(
-        SumQuery("gradient", clipped_sum(ctx.grads(params), clip), clip, nu), label=label
-    )
-    return noisy
+class Composed(Strategy):
+    """A strategy made of one privatizer and one update rule (``parts``).
 
-
-def release_gradient(ctx: StepContext, params: Tensors, clip: float, nu: float, label: str) -> Tensors:
-    """The standard DP-SGD query: (Σ clip_C(g_i) + N(0, ν²C²I)) / L."""
-    return tree.scale(release_sum(ctx, params, clip, nu, label), 1.0 / ctx.run.expected_batch_size)
-
-
-def heavy_ball(
-    params: Tensors, buf: Tensors | None, g: Tensors, lr: float, momentum: float, scale: float | None = None
-) -> tuple[Tensors, Tensors | None]:
-    """θ ← θ − lr·m with m ← μ·m + s·g (PyTorch SGD convention, no dampening). μ = 0: plain SGD.
-
-    ``scale=None`` (s = 1): rounded exactly as the per-tensor expressions θ − lr·g and
-    μ·m + g. ``scale=s``: g is an unscaled sum (the noisy clipped sum, s = 1/L) and s is
-    folded into fused multiply-adds: θ + (−lr·s)·g is ONE pass over θ and g instead of
-    three (g·s, lr·(g·s), θ − ·), the same up to the last bits.
+    Per step: the privatizer releases this step's gradient through the gateway (its own
+    state: C_t, q̃_{t−1}); the update rule moves the parameters from the released value (its
+    own state: momentum, moments, ρ_t). The update rule's current learning rate is passed to
+    the privatizer (public), for rules that scale by it (OSO's additive C rule).
     """
-    if scale is None:
-        if momentum == 0.0:
-            return tree.axpy(-lr, g, params), None
-        buf = g if buf is None else tree.axpy(momentum, buf, g)
-        return tree.axpy(-lr, buf, params), buf
-    if momentum == 0.0:
-        return tree.add_scaled(params, -lr * scale, g), None
-    buf = tree.scale(g, scale) if buf is None else tree.ema(momentum, buf, scale, g)
-    return tree.add_scaled(params, -lr, buf), buf
+
+    @abstractmethod
+    def parts(self) -> tuple[Privatizer, UpdateRule]: ...
+
+    @cached_property
+    def _parts(self) -> tuple[Privatizer, UpdateRule]:
+        return self.parts()
+
+    @property
+    def privatizer(self) -> Privatizer:
+        return self._parts[0]
+
+    @property
+    def update_rule(self) -> UpdateRule:
+        return self._parts[1]
+
+    def validate_run(self, run: RunInfo) -> None:
+        self._parts[0].validate_run(run)
+        self._parts[1].validate_run(run)
+
+    def init(self, params: Tensors, run: RunInfo) -> dict[str, Any]:
+        privatizer, update = self._parts
+        return {"privatizer": privatizer.init(run), "update": update.init(params, run)}
+
+    def step(self, params: Tensors, state: dict[str, Any], ctx: StepContext):
+        privatizer, update = self._parts
+        released, p_state, p_info = privatizer.privatize(
+            params, state["privatizer"], ctx, lr=update.rate(state["update"]), label=self.name
+        )
+        if released is None:  # nothing to apply (an empty non-private batch)
+            return params, {**state, "privatizer": p_state}, {"lr": update.rate(state["update"])}
+        params, u_state, u_info = update.update(params, state["update"], released)
+        # Column order of the history: lr, the privatizer's (clip, ...), the update's others.
+        info = {"lr": u_info["lr"], **p_info, **u_info}
+        return params, {"privatizer": p_state, "update": u_state}, info
+
+    def finalize(self, params: Tensors, state: dict[str, Any]) -> Tensors:
+        return self._parts[1].finalize(params, state["update"])
+
+    @property
+    def finalizes(self) -> bool:
+        return bool(self._parts[1].finalizes)
+
+
+@dataclass(frozen=True)
+class Chain(Composed):
+    """Any privatizer followed by any update rule: ``chain(OSOClip(), Adam(lr=1e-3))``.
+
+    Its name is ``"<privatizer>+<update>"`` (e.g. ``oso+adam``); ``make_strategy`` accepts
+    such names with the parts' hyperparameters given flat."""
+
+    privatizer_part: Privatizer
+    update_part: UpdateRule
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.privatizer_part, Privatizer):
+            raise ConfigError(
+                f"chain() takes a privatizer first (dptune.privatizers), got {self.privatizer_part!r}."
+            )
+        if not isinstance(self.update_part, UpdateRule):
+            raise ConfigError(
+                f"chain() takes an update rule second (dptune.updates), got {self.update_part!r}."
+            )
+        # Instance-level name and privacy: a chain is whatever its parts are.
+        object.__setattr__(self, "name", f"{self.privatizer_part.name}+{self.update_part.name}")
+        object.__setattr__(self, "private", self.privatizer_part.private)
+        object.__setattr__(
+            self,
+            "hyperparameters",
+            chain_hyperparameters(type(self.privatizer_part), type(self.update_part)),
+        )
+
+    def parts(self) -> tuple[Privatizer, UpdateRule]:
+        return self.privatizer_part, self.update_part
+
+    def config(self) -> dict[str, Any]:
+        # Flat, like every strategy's config: make_strategy(config["strategy"], **rest) rebuilds it.
+        return {"strategy": self.name, **self.privatizer_part.config(), **self.update_part.config()}
+
+
+def chain(privatizer: Privatizer, update: UpdateRule) -> Chain:
+    """Compose a privatizer with an update rule into a strategy (privacy by post-processing)."""
+    return Chain(privatizer, update)
+
+
+def chain_hyperparameters(p: type[Privatizer], u: type[UpdateRule]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(p.hyperparameters + u.hyperparameters))
+
+
+def chain_parts(name: str) -> tuple[type[Privatizer], type[UpdateRule]] | None:
+    """The part classes of a ``"<privatizer>+<update>"`` name, or None if it is not one."""
+    if "+" not in name:
+        return None
+    p_name, _, u_name = name.partition("+")
+    if p_name not in PRIVATIZERS or u_name not in UPDATES:
+        raise ConfigError(
+            f"unknown composition {name!r}: write '<privatizer>+<update>' with a privatizer in "
+            f"{', '.join(PRIVATIZERS)} and an update rule in {', '.join(UPDATES)} (e.g. 'oso+adam')."
+        )
+    return PRIVATIZERS[p_name], UPDATES[u_name]
+
+
+def make_chain(name: str, **hyperparameters: Any) -> Chain:
+    """``make_chain("oso+adam", initial_clip=0.5, lr=1e-3)``: each hyperparameter goes to every
+    part that has it (OSO's ``rule`` is shared by OSOClip and OSORate)."""
+    parts = chain_parts(name)
+    assert parts is not None
+    p_cls, u_cls = parts
+    p_kw = {k: v for k, v in hyperparameters.items() if k in p_cls.hyperparameters}
+    u_kw = {k: v for k, v in hyperparameters.items() if k in u_cls.hyperparameters}
+    return Chain(p_cls(**p_kw), u_cls(**u_kw))

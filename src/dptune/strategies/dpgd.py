@@ -3,28 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from dptune.errors import ConfigError
-from dptune.strategies.base import (
-    RunInfo,
-    StepContext,
-    Strategy,
-    check_positive,
-    check_unit_interval,
-    heavy_ball,
-    release_gradient,
-)
+from dptune.privatizers import FixedClip
+from dptune.steps import RunInfo
+from dptune.strategies.base import Composed
 from dptune.tree import Tensors
+from dptune.updates import SGD
 
 
 @dataclass(frozen=True)
-class DPGD(Strategy):
+class DPGD(Composed):
     """Panda et al. Algorithm 1, on the full batch (q = 1, so each step is a plain Gaussian):
       ∇_t = (Σ_{i∈D} clip_1(g_i) + N(0, ν²I)) / n        (unit clipping, C = 1)
       v_t = μ v_{t−1} + ∇_t;  w_t = w_{t−1} − η v_t          (μ = 0.9)
+    = chain(FixedClip(C), SGD(η, μ, final_step)) at q = 1.
     Panda's ∇ is not divided by n; dptune divides by n so that η is comparable across
     strategies (η_dptune = n · η_Panda). Options: ``zero_init`` sets every parameter to 0
     before training (Panda Table 1; for linear probes — hidden layers need symmetry
@@ -41,9 +36,10 @@ class DPGD(Strategy):
     hyperparameters = ("lr", "clip", "momentum", "zero_init", "final_step")
 
     def __post_init__(self) -> None:
-        check_positive("lr", self.lr)
-        check_positive("clip", self.clip)
-        check_unit_interval("momentum", self.momentum)
+        self.parts()
+
+    def parts(self):
+        return FixedClip(self.clip), SGD(self.lr, self.momentum, final_step=self.final_step)
 
     def validate_run(self, run: RunInfo) -> None:
         if run.sampling_rate < 1.0:
@@ -52,19 +48,9 @@ class DPGD(Strategy):
                 "Set full_batch=True (or expected_batch_size = n), or use 'dpsgd' with momentum."
             )
 
-    def init(self, params: Tensors, run: RunInfo) -> dict[str, Any]:
+    def init(self, params: Tensors, run: RunInfo):
         self.validate_run(run)
-        return {"momentum": None}
+        return super().init(params, run)
 
     def prepare(self, params: Tensors) -> Tensors:
         return {k: torch.zeros_like(v) for k, v in params.items()} if self.zero_init else params
-
-    def step(self, params: Tensors, state: dict[str, Any], ctx: StepContext):
-        g = release_gradient(ctx, params, self.clip, ctx.run.noise_multiplier, "dpgd/gradient")
-        params, buf = heavy_ball(params, state["momentum"], g, self.lr, self.momentum)
-        return params, {"momentum": buf}, {"lr": self.lr, "clip": self.clip}
-
-    def finalize(self, params: Tensors, state: dict[str, Any]) -> Tensors:
-        if self.final_step and state.get("momentum") is not None:
-            return {k: params[k] - self.lr * state["momentum"][k] for k in params}
-        return params

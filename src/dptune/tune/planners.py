@@ -49,8 +49,8 @@ from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.ledger import atoms, compose, event_from_dict, event_to_dict
 from dptune.sampling import sampling_rate_for, steps_for_epochs, stream_seed
+from dptune.steps import RunInfo
 from dptune.strategies import Strategy, make_strategy
-from dptune.strategies.base import RunInfo
 from dptune.tune import space as S
 from dptune.tune import theory
 from dptune.tune.spec import RS_DISTRIBUTIONS, TRAINING_KEYS, StrategyArm, Study
@@ -208,7 +208,7 @@ def eval_schedule(steps: int, every: int, checkpoint: str, strategy: Strategy) -
     ``best``: every ``every`` steps and at the last step (Galli: every 50), plus the
     finalised parameters when the strategy post-processes them (e.g. DP-GD's free step).
     ``final``: only the parameters the run ends with."""
-    finalizes = type(strategy).finalize is not Strategy.finalize
+    finalizes = strategy.finalizes
     if checkpoint == "final":
         return ((), True) if finalizes else ((steps,), False)
     ts = tuple(range(every, steps + 1, every))

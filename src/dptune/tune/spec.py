@@ -539,22 +539,24 @@ def _jsonable(x: Any) -> Any:
 
 
 def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
-    from dptune.strategies import ALIASES, STRATEGIES, make_strategy
+    from dptune.strategies import STRATEGIES, make_strategy, strategy_signature
 
     path = f"strategies[{i}]"
     if not isinstance(arm, StrategyArm):
         raise _err(path, "must be a StrategyArm", "StrategyArm(name='dpsgd', space={'lr': [0.1, 1.0]})")
-    key = ALIASES.get(str(arm.name).lower(), str(arm.name).lower())
-    if key not in STRATEGIES:
-        raise _err(f"{path}.name", f"unknown strategy {arm.name!r}", f"choose one of {', '.join(sorted(STRATEGIES))}")
+    try:
+        key, hyperparameters, private = strategy_signature(str(arm.name))
+    except ConfigError:
+        raise _err(f"{path}.name", f"unknown strategy {arm.name!r}",
+                   f"choose one of {', '.join(sorted(STRATEGIES))}, or '<privatizer>+<update>' "
+                   "(e.g. 'oso+adam')") from None
     object.__setattr__(arm, "name", key)
     if not isinstance(arm.space, Mapping) or not isinstance(arm.fixed, Mapping):
         raise _err(f"{path}.space", "space and fixed must be tables", "e.g. space = { lr = [0.1, 1.0] }")
     method = study.method_for(arm)
     if arm.method is not None and not isinstance(arm.method, MethodSpec):
         raise _err(f"{path}.method", "must be a MethodSpec", "e.g. method = { name = 'grid' }")
-    cls = STRATEGIES[key]
-    allowed = set(cls.hyperparameters) | set(TRAINING_KEYS)
+    allowed = set(hyperparameters) | set(TRAINING_KEYS)
     for k in list(arm.space) + list(arm.fixed):
         if k not in allowed:
             where = "space" if k in arm.space else "fixed"
@@ -563,7 +565,7 @@ def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
     both = sorted(set(arm.space) & set(arm.fixed))
     if both:
         raise _err(f"{path}.fixed.{both[0]}", "is both searched and fixed", "keep it in one of space/fixed")
-    if not arm.space and cls.private and method.name != "linear-scaling":
+    if not arm.space and private and method.name != "linear-scaling":
         raise _err(f"{path}.space", "the search space is empty",
                    "add at least one hyperparameter with values, e.g. space = { lr = [0.01, 0.1, 1.0] }")
     grid_like = method.name in ("grid", "online", "oracle")
@@ -594,7 +596,7 @@ def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
         if set(arm.space) != {"lr"}:
             raise _err(f"{path}.space", f"method 'online' searches the learning rate only, got {sorted(arm.space)}",
                        "use space = { lr = [...] } (C is learned online: Galli's 'one hyperparameter fewer')")
-    if method.name == "linear-scaling" and cls.private:
+    if method.name == "linear-scaling" and private:
         if set(arm.space) != {"lr", "steps"}:
             raise _err(f"{path}.space", f"linear-scaling searches r = η·T: it needs exactly lr and steps, got {sorted(arm.space)}",
                        "use space = { lr = { log_uniform = [1e-3, 1.0] }, steps = { int_uniform = [10, 200] } }")

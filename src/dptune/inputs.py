@@ -1,0 +1,100 @@
+"""A model's input batch: one tensor, a tuple or a dict of tensors sharing the batch dimension.
+
+A tuple is passed to the model as positional arguments, ``model(*x)``; a dict as keyword
+arguments, ``model(**x)`` (the Hugging Face convention: ``input_ids=..., attention_mask=...``);
+a tensor as the single argument. Every tensor's first dimension is the example index, so a
+Poisson batch, an evaluation chunk or one example (``vmap``) is the same slice of each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils import _pytree
+
+from dptune.errors import ConfigError
+
+Inputs = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
+
+
+def is_structured(x: Any) -> bool:
+    return isinstance(x, tuple | list | Mapping) and not isinstance(x, torch.Tensor)
+
+
+def check(x: Any, what: str = "x") -> Inputs:
+    """``x`` as a tensor, a tuple or a dict of tensors with one batch size; else one clear error."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, list):
+        x = tuple(x)
+    if isinstance(x, tuple | Mapping) and len(x) > 0:
+        leaves = list(x.values()) if isinstance(x, Mapping) else list(x)
+        if all(isinstance(t, torch.Tensor) for t in leaves):
+            sizes = {int(t.shape[0]) if t.ndim else -1 for t in leaves}
+            if len(sizes) == 1 and -1 not in sizes:
+                return dict(x) if isinstance(x, Mapping) else x
+            raise ConfigError(
+                f"every tensor of {what} needs the same first (batch) dimension, got "
+                f"{sorted(sizes)}. Fix: stack each input along dimension 0, one row per example."
+            )
+    raise ConfigError(
+        f"{what} must be a tensor, a tuple of tensors (positional inputs) or a dict of tensors "
+        f"(keyword inputs), got {type(x).__name__}."
+    )
+
+
+def _leaves(x: Inputs) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return list(x.values()) if isinstance(x, Mapping) else list(x)
+
+
+def batch_len(x: Inputs) -> int:
+    return int(_leaves(x)[0].shape[0])
+
+
+def device_of(x: Inputs) -> torch.device:
+    return _leaves(x)[0].device
+
+
+def tmap(fn: Callable[[torch.Tensor], torch.Tensor], x: Inputs) -> Inputs:
+    return fn(x) if isinstance(x, torch.Tensor) else _pytree.tree_map(fn, x)
+
+
+def take(x: Inputs, idx: torch.Tensor) -> Inputs:
+    """The examples ``idx`` (a 1-d index tensor on x's device)."""
+    return tmap(lambda t: t.index_select(0, idx), x)
+
+
+def rows(x: Inputs, start: int, stop: int) -> Inputs:
+    return tmap(lambda t: t[start:stop], x)
+
+
+def to(x: Inputs, device: torch.device) -> Inputs:
+    return tmap(lambda t: t.to(device), x)
+
+
+def cat(parts: list[Inputs]) -> Inputs:
+    """Concatenate batches along the example dimension."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)  # type: ignore[arg-type]
+    if isinstance(first, Mapping):
+        return {k: torch.cat([p[k] for p in parts]) for k in first}  # type: ignore[index]
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(len(first)))  # type: ignore[index]
+
+
+def args_kwargs(x: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The model's call arguments for the batch ``x`` (module docstring)."""
+    if isinstance(x, torch.Tensor):
+        return (x,), {}
+    if isinstance(x, Mapping):
+        return (), dict(x)
+    return tuple(x), {}
+
+
+def call(fn: Callable[..., Any], x: Inputs) -> Any:
+    args, kwargs = args_kwargs(x)
+    return fn(*args, **kwargs)

@@ -1,0 +1,302 @@
+"""A private step inside your own training loop (Opacus's ``make_private``, rebuilt on privatizers).
+
+    private = dptune.make_private(model, data, optimizer, target_epsilon=3.0, delta=1e-5, epochs=3)
+    for x, y in private.batches():          # Poisson batches at q = L/n, exactly as planned
+        optimizer.zero_grad()
+        private.backward(x, y)              # p.grad ← the released (clipped, noisy) mean gradient
+        optimizer.step()                    # any torch optimizer or scheduler: post-processing
+    private.epsilon()                       # what the executed ledger spent
+
+What is replaced and why (docs/your_data.md): the batches come from dptune's Poisson
+sampler (the accountant assumes Poisson sampling at q and normalisation by the expected L),
+the per-sample gradients and their clipping come from the privatizer (the only code that
+reads them), and the number of steps is fixed up front (the ledger refuses a step beyond
+the plan). Everything else is yours: the optimizer, its schedule, logging, evaluation on
+public data, early stopping, checkpoints. ``step(x, y)`` is ``backward`` + the optimizer's
+step; with a dptune update rule (``dptune.updates``) instead of a torch optimizer, it
+applies that rule to the model's parameters in place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptune.errors import BudgetExceededError, ConfigError
+from dptune.grads import GradientOracle
+from dptune.privatizers import FixedClip, Privatizer, Released
+from dptune.steps import RunInfo, StepContext
+from dptune.strategies.base import Chain
+from dptune.train import OwnTask, RunPlan, TrainResult, open_run, plan_run
+from dptune.tree import Tensors, clone
+from dptune.updates import UpdateRule
+
+
+@dataclass(frozen=True)
+class YourOptimizer(UpdateRule):
+    """Stands for the user's torch optimizer in the plan and the model card: the update is
+    applied outside dptune (post-processing of the released gradient)."""
+
+    description: str = "torch.optim"
+    name = "external"
+    hyperparameters = ("description",)
+
+    def init(self, params: Tensors, run: RunInfo) -> dict[str, Any]:
+        return {}
+
+    def update(self, params, state, released):
+        raise ConfigError(
+            "the update is your optimizer's: call optimizer.step() after PrivateTraining.backward()."
+        )
+
+    def rate(self, state: dict[str, Any]) -> float:
+        return float("nan")
+
+
+def _describe(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+class PrivateTraining:
+    """One private run driven by your loop. Build it with ``make_private``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: Any,
+        optimizer: torch.optim.Optimizer | UpdateRule,
+        *,
+        privatizer: Privatizer | None,
+        loss: str | Callable | None,
+        plan_kwargs: dict[str, Any],
+        delta: float | None,
+        seed: int,
+        secure_mode: bool,
+        device: str | torch.device | None,
+        grad_method: str | None,
+        chunk_size: int | None,
+        run_id: str,
+    ):
+        privatizer = FixedClip(1.0) if privatizer is None else privatizer
+        if not isinstance(privatizer, Privatizer):
+            raise ConfigError(
+                f"privatizer must be a dptune.privatizers.Privatizer (e.g. FixedClip(1.0)), got {privatizer!r}."
+            )
+        if isinstance(optimizer, UpdateRule):
+            self.optimizer, self.update = None, optimizer
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            self.optimizer, self.update = optimizer, YourOptimizer(_describe(optimizer))
+        else:
+            raise ConfigError(
+                "optimizer must be a torch.optim.Optimizer over the model's parameters or a "
+                f"dptune update rule (dptune.updates.SGD(...)), got {type(optimizer).__name__}."
+            )
+        self.task = OwnTask.resolve(data, None, device, None, loss)
+        self.model = model.to(self.task.device)
+        self._named = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
+        if self.optimizer is not None:
+            self._check_optimizer_params()
+        self.task.check_loss(self.model)
+        self.strategy = Chain(privatizer, self.update)
+        self.plan: RunPlan = plan_run(self.strategy, self.task.n, delta=delta, **plan_kwargs)
+        self.delta = delta
+        params = self._params()
+        self.run = RunInfo(
+            self.plan.noise_multiplier,
+            self.plan.sampling_rate,
+            self.plan.expected_batch_size,
+            self.plan.steps,
+            sum(p.numel() for p in params.values()),
+        )
+        self.strategy.validate_run(self.run)
+        self.privatizer = privatizer
+        self._p_state = privatizer.init(self.run)
+        self._u_state = self.update.init(params, self.run) if self.optimizer is None else {}
+        self.ledger, self.gateway, self.sampler = open_run(
+            self.plan, seed=seed, device=self.task.device, secure_mode=secure_mode, run_id=run_id
+        )
+        self.oracle = GradientOracle(
+            self.model, self.task.loss, chunk_size=chunk_size, method=grad_method
+        )
+        self.secure_mode = secure_mode
+        self.t = 0
+        self._drawn, self._drawn_size = 0, -1
+        self.history: list[dict[str, Any]] = []
+        self._started = time.perf_counter()
+
+    def _check_optimizer_params(self) -> None:
+        assert self.optimizer is not None
+        mine = {id(p) for p in self._named.values()}
+        theirs = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        if not theirs <= mine:
+            raise ConfigError(
+                "the optimizer holds tensors that are not trainable parameters of the model; build it "
+                "from model.parameters() after moving the model to its device."
+            )
+
+    def _params(self) -> Tensors:
+        return {k: p.detach() for k, p in self._named.items()}
+
+    # ------------------------------------------------------------------ the loop
+    @property
+    def steps(self) -> int:
+        """T, fixed by the plan: ``batches()`` yields exactly this many."""
+        return self.plan.steps
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The remaining planned Poisson batches (x, y), on the run's device. Pass each to
+        ``backward``/``step`` (a per-example transform such as augmentation is fine; a batch
+        of your own choosing is not: the accountant assumes these Poisson batches).
+
+        Their realised sizes are private (not differentially private: for the data owner only)."""
+        while self._drawn < self.plan.steps:
+            self._drawn += 1
+            x, y = self.task.batch(self.sampler.sample())
+            self._drawn_size = int(y.shape[0])
+            yield x, y
+
+    def _lr(self) -> float:
+        if self.optimizer is not None:
+            return float(self.optimizer.param_groups[0].get("lr", float("nan")))
+        return self.update.rate(self._u_state)
+
+    def _release(self, x: torch.Tensor, y: torch.Tensor) -> tuple[Released | None, dict[str, Any]]:
+        if self.t >= self.plan.steps:
+            raise BudgetExceededError(
+                f"the plan has {self.plan.steps} steps and all were taken; make_private(..., steps=...) plans more."
+            )
+        if self._drawn != self.t + 1 or int(y.shape[0]) != self._drawn_size:
+            raise ConfigError(
+                "backward()/step() takes the batch that private.batches() just yielded, once: the accountant "
+                "assumes dptune's Poisson batches (write `for x, y in private.batches(): private.step(x, y)`)."
+            )
+        self.t += 1
+        ctx = StepContext(
+            t=self.t, x=x, y=y, oracle=self.oracle, release=self.gateway, run=self.run
+        )
+        released, self._p_state, info = self.privatizer.privatize(
+            self._params(), self._p_state, ctx, lr=self._lr(), label=self.strategy.name
+        )
+        row = {"step": self.t, **info}
+        self.history.append(row)
+        return released, row
+
+    def backward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        """Release this batch's private gradient and store it in each parameter's ``.grad``
+        (the mean over the expected batch size L). Returns the step's public row (step, C_t, ...)."""
+        released, row = self._release(x, y)
+        g = (
+            released.gradient()
+            if released is not None
+            else {k: torch.zeros_like(p) for k, p in self._named.items()}
+        )
+        for k, p in self._named.items():
+            p.grad = g[k].detach().to(p.dtype)
+        return row
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        """``backward`` then the optimizer's step; or, with a dptune update rule, the rule
+        applied to the model's parameters in place."""
+        if self.optimizer is not None:
+            row = self.backward(x, y)
+            self.optimizer.step()
+            return row
+        released, row = self._release(x, y)
+        if released is not None:
+            new, self._u_state, info = self.update.update(self._params(), self._u_state, released)
+            with torch.no_grad():
+                for k, p in self._named.items():
+                    p.copy_(new[k])
+            row.update({"lr": info.get("lr")})
+        return row
+
+    # ------------------------------------------------------------------ what it spent
+    def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
+        """ε spent so far (the executed ledger: fewer steps than planned spend less)."""
+        d = delta if delta is not None else self.delta
+        if d is None:
+            raise ConfigError("epsilon() needs a delta (make_private(..., delta=...)).")
+        return self.ledger.epsilon(d, accountant or self.plan.accountant)
+
+    def result(self) -> TrainResult:
+        """A ``TrainResult`` of the run so far (final parameters), for ``dptune.save_model``."""
+        if self.optimizer is None:
+            final = self.update.finalize(self._params(), self._u_state)
+        else:
+            final = self._params()
+        return TrainResult(
+            history=list(self.history),
+            evals=[],
+            metric=self.task.metric_name,
+            best_metric=None,
+            best_step=None,
+            best_params=None,
+            final_params=clone(final),
+            ledger=self.ledger,
+            plan=self.plan,
+            delta=self.delta,
+            seconds=time.perf_counter() - self._started,
+            model=self.model,
+            secure_mode=self.secure_mode,
+        )
+
+
+def make_private(
+    model: nn.Module,
+    data: Any,
+    optimizer: torch.optim.Optimizer | UpdateRule,
+    *,
+    privatizer: Privatizer | None = None,
+    epochs: float | None = None,
+    steps: int | None = None,
+    expected_batch_size: float | None = None,
+    noise_multiplier: float | None = None,
+    target_epsilon: float | None = None,
+    delta: float | None = None,
+    accountant: str = "rdp",
+    loss: str | Callable | None = None,
+    seed: int = 0,
+    secure_mode: bool = False,
+    device: str | torch.device | None = None,
+    grad_method: str | None = None,
+    chunk_size: int | None = None,
+    run_id: str = "",
+) -> PrivateTraining:
+    """Plan a private run of ``model`` on ``data`` and return the object your loop drives.
+
+    ``optimizer``: a torch optimizer over ``model.parameters()`` (call ``optimizer.step()``
+    after ``backward``; ``step`` does both) or a dptune update rule. ``privatizer``: the
+    clipping/noise rule (default ``FixedClip(1.0)``; ``QuantileClip()``, ``OSOClip()``).
+    Exactly one of ``noise_multiplier`` and ``target_epsilon`` (+ ``delta``); the plan (T,
+    q, ν) is fixed here and the ledger refuses anything beyond it. ``data``: tensors (x, y),
+    a map-style dataset or a DataLoader (its dataset only: docs/your_data.md). The seed is a
+    secret key in seeded mode; ``secure_mode=True`` draws noise and batches from the OS CSPRNG.
+    """
+    plan_kwargs = {
+        "epochs": epochs,
+        "steps": steps,
+        "expected_batch_size": expected_batch_size,
+        "noise_multiplier": noise_multiplier,
+        "target_epsilon": target_epsilon,
+        "accountant": accountant,
+    }
+    return PrivateTraining(
+        model,
+        data,
+        optimizer,
+        privatizer=privatizer,
+        loss=loss,
+        plan_kwargs=plan_kwargs,
+        delta=delta,
+        seed=seed,
+        secure_mode=secure_mode,
+        device=device,
+        grad_method=grad_method,
+        chunk_size=chunk_size,
+        run_id=run_id,
+    )

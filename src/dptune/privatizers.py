@@ -1,0 +1,350 @@
+"""Privatizers: the only code that reads per-sample gradients.
+
+A privatizer turns one step's per-sample gradients into a *released* value: it clips, builds
+the sum queries and passes them through the run's gateway (``NoisyRelease``), which records
+the event in the ledger before drawing noise. What it returns (``Released``) is noisy, so
+everything downstream — an update rule (``dptune.updates``), a torch optimizer, the user's
+code — is post-processing and costs no privacy (jax_privacy's ``chain(privatizer,
+optimizer)``). A privatizer may adapt its own clipping threshold, but only from values it
+has released.
+
+* ``FixedClip(C)``: Σ clip_C(g_i) + N(0, ν²C²I)                                  (Abadi et al. 2016)
+* ``QuantileClip``: C_t tracks the γ-quantile of the norms (Andrew et al. 2021), a second
+  query (the unclipped count) sharing ν;
+* ``OSOClip``: C_t learned online by the hypergradient sign rule (Galli et al. 2024), a
+  second query q̃ sharing ν (Proposition 1);
+* ``NonPrivate``: the plain batch-mean gradient, recorded as a non-private event (ε = ∞).
+
+Every private privatizer makes ONE joint Gaussian release of multiplier ν per step; the
+strategy's ``planned_event`` relies on that.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from dptune import accounting, tree
+from dptune.errors import ConfigError
+from dptune.grads import PerSampleGrads
+from dptune.mechanisms import DeferredSum, SumQuery, record_nonprivate
+from dptune.steps import (
+    RULES,
+    Rule,
+    RunInfo,
+    StepContext,
+    check_positive,
+    check_rule,
+    hypergradient_step,
+)
+from dptune.tree import Tensors, dot, norm
+
+MIN_CLIP = 1e-8  # the additive rule can cross zero; C must stay a valid (positive) sensitivity
+
+
+def clip_weights(norms: torch.Tensor, clip: float) -> torch.Tensor:
+    """min(1, C/‖g_i‖): the per-sample weights of the clipped sum (Galli eq. 4)."""
+    # In place on the fresh clamp_min result. ``C / t`` is ``t.reciprocal() * C`` in torch
+    # (Tensor.__rdiv__): the same two roundings here.
+    return norms.clamp_min(1e-12).reciprocal_().mul_(clip).clamp_(max=1.0)
+
+
+def clipped_sum(grads: PerSampleGrads, clip: float) -> Tensors:
+    """Σ_i clip_C(g_i). Sensitivity C under add/remove."""
+    return grads.weighted_sum(clip_weights(grads.norms, clip))
+
+
+@dataclass
+class Released:
+    """One step's released gradient, all an update rule may see.
+
+    ``total``: the noisy clipped sum Σ clip_C(g_i) + N(0, ν²C²I), undivided; ``divisor``: the
+    expected batch size L it is normalised by (the accountant's L, never the realised batch
+    size, which is private); ``gradient()`` = total / L, computed once. For ``NonPrivate``,
+    ``divisor`` is None and ``total`` already is the gradient. ``clip``: the C used (public: a
+    function of earlier releases).
+    """
+
+    total: Tensors
+    divisor: float | None
+    clip: float | None
+    _gradient: Tensors | None = field(default=None, repr=False)
+
+    @property
+    def scale(self) -> float | None:
+        """1/L, the factor an update may fold into a fused multiply-add; None: ``total`` is the gradient."""
+        return None if self.divisor is None else 1.0 / self.divisor
+
+    def gradient(self) -> Tensors:
+        if self._gradient is None:
+            self._gradient = (
+                self.total if self.divisor is None else tree.scale(self.total, 1.0 / self.divisor)
+            )
+        return self._gradient
+
+
+class Privatizer(ABC):
+    """Base class. Subclasses are frozen dataclasses of hyperparameters."""
+
+    name: ClassVar[str]
+    private: ClassVar[bool] = True
+    hyperparameters: ClassVar[tuple[str, ...]] = ()
+
+    def validate_run(self, run: RunInfo) -> None:
+        """Raise ConfigError if this privatizer cannot run with these run settings."""
+
+    def init(self, run: RunInfo) -> dict[str, Any]:
+        return {}
+
+    @abstractmethod
+    def privatize(
+        self, params: Tensors, state: dict[str, Any], ctx: StepContext, *, lr: float, label: str
+    ) -> tuple[Released | None, dict[str, Any], dict[str, float]]:
+        """Release this step's gradient through ``ctx.release`` → (released, state, metrics).
+
+        ``lr``: the update rule's current learning rate (public), for rules that scale by it
+        (OSO's additive rule). ``label`` prefixes the ledger labels. None: nothing to apply
+        (an empty non-private batch)."""
+
+    def config(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return dict(asdict(self))  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True)
+class FixedClip(Privatizer):
+    """Σ_{i∈B_t} clip_C(g_i) + N(0, ν²C²I): one Gaussian release of multiplier ν per step."""
+
+    clip: float = 1.0
+    name = "fixed"
+    hyperparameters = ("clip",)
+
+    def __post_init__(self) -> None:
+        check_positive("clip (C)", self.clip)
+
+    def privatize(self, params, state, ctx, *, lr, label):
+        assert ctx.release is not None
+        (noisy,) = ctx.release.release(
+            SumQuery(
+                "gradient",
+                clipped_sum(ctx.grads(params), self.clip),
+                self.clip,
+                ctx.run.noise_multiplier,
+            ),
+            label=f"{label}/gradient",
+        )
+        return Released(noisy, ctx.run.expected_batch_size, self.clip), state, {"clip": self.clip}
+
+
+@dataclass(frozen=True)
+class QuantileClip(Privatizer):
+    """Clip at C_t and move C_t geometrically towards the γ-quantile of the gradient norms
+    (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021). Per step, on the same batch:
+      Σ clip_{C_t}(g_i) + N(0, ν_g² C_t² I)                          (sensitivity C_t)
+      b̃_t = (Σ (1[‖g_i‖ ≤ C_t] − ½) + N(0, σ_b²)) / L + ½            (recentred count, sensitivity ½)
+      C_{t+1} = C_t · exp(−η_C (b̃_t − γ))
+    with ν_g = (ν⁻² − (2σ_b)⁻²)^(−½): the pair is ONE Gaussian mechanism of multiplier ν
+    (Andrew et al., Theorem 1). σ_b defaults to L/20 (Andrew et al.'s default).
+    """
+
+    target_quantile: float = 0.5  # γ
+    clip_lr: float = 0.2  # η_C
+    initial_clip: float = 0.1  # C₀
+    count_noise_std: float | None = None  # σ_b; None → L/20
+    name = "quantile"
+    hyperparameters = ("target_quantile", "clip_lr", "initial_clip", "count_noise_std")
+
+    def __post_init__(self) -> None:
+        if not (0 < self.target_quantile < 1):
+            raise ConfigError(
+                f"target_quantile (γ) must lie in (0, 1), got {self.target_quantile!r}."
+            )
+        check_positive("clip_lr (η_C)", self.clip_lr)
+        check_positive("initial_clip (C₀)", self.initial_clip)
+        if self.count_noise_std is not None:
+            check_positive("count_noise_std (σ_b)", self.count_noise_std)
+
+    def sigma_b(self, run: RunInfo) -> float:
+        return (
+            self.count_noise_std
+            if self.count_noise_std is not None
+            else run.expected_batch_size / 20.0
+        )
+
+    def split(self, run: RunInfo) -> tuple[float, float]:
+        """(ν_g, ν_b) for the gradient and the count, with ν_b = 2σ_b (sensitivity ½)."""
+        nu_b = 2.0 * self.sigma_b(run)
+        if run.noise_multiplier >= nu_b:
+            raise ConfigError(
+                f"quantile clipping needs ν < 2σ_b, got ν = {run.noise_multiplier:.4g} and σ_b = "
+                f"{self.sigma_b(run):.4g}: the count query would use the whole budget. Raise "
+                "count_noise_std (σ_b), use a larger expected batch size, or spend more ε."
+            )
+        return accounting.split_noise_multiplier(run.noise_multiplier, nu_b), nu_b
+
+    def validate_run(self, run: RunInfo) -> None:
+        self.split(run)
+
+    def init(self, run: RunInfo) -> dict[str, Any]:
+        nu_g, nu_b = self.split(run)
+        return {"clip": self.initial_clip, "nu_g": nu_g, "nu_b": nu_b}
+
+    def privatize(self, params, state, ctx, *, lr, label):
+        assert ctx.release is not None
+        clip = state["clip"]
+        grads = ctx.grads(params)
+        unclipped = (grads.norms <= clip).to(torch.float64)
+        count = (unclipped - 0.5).sum().reshape(())
+        g_sum, b_sum = ctx.release.release(
+            SumQuery(
+                "gradient", grads.weighted_sum(clip_weights(grads.norms, clip)), clip, state["nu_g"]
+            ),
+            SumQuery("unclipped_count", count, 0.5, state["nu_b"]),
+            label=f"{label}/gradient+count",
+        )
+        L = ctx.run.expected_batch_size
+        b_frac = float(b_sum) / L + 0.5
+        new_clip = clip * math.exp(-self.clip_lr * (b_frac - self.target_quantile))
+        return (
+            Released(g_sum, L, clip),
+            {**state, "clip": new_clip},
+            {"clip": clip, "unclipped_fraction": b_frac},
+        )
+
+
+@dataclass(frozen=True)
+class OSOClip(Privatizer):
+    """OSO-DPSGD's online clipping threshold (Galli et al. 2024, Algorithm 1), typos corrected.
+
+    Per step t, on the Poisson batch B_t (L = expected batch size):
+      q_t(z_i) = g_i/‖g_i‖ if ‖g_i‖ > C_t else 0                                   (eq. 11)
+      g̃_t = (Σ clip_{C_t}(g_i) + N(0, ν_g² C_t² I)) / L                            (eq. 18)
+      q̃_t = (Σ q_t(z_i) + N(0, ν_q² I)) / L          (eq. 17; line 13 of Alg. 1 writes ν_g: typo)
+      C_{t+1} = C_t · exp(ρ_c · sign(g̃_tᵀ q̃_{t−1}))                                (eq. 20)
+    with q̃_0 = 0 (the first step leaves C unchanged) and ν_g = (ν⁻² − ν_q⁻²)^(−½)
+    (Proposition 1): the pair is ONE Gaussian mechanism of multiplier ν. ν_q defaults to the
+    1% rule (ν_g = 1.01ν → ν_q ≈ 7.124ν). Rules ``additive`` (eq. 13, C + ρ_c ρ_t g̃ᵀq̃,
+    floored at 1e-8; ρ_t is the update rule's learning rate) and ``normalized`` (eq. 19,
+    C(1 + ρ_c cos(g̃_t, q̃_{t−1}))). The C rule holds for any update rule: θ_t depends on
+    C_{t−1} only through g̃_{t−1} (docs/strategies.md derives the momentum case).
+
+    q̃'s noise as one scalar (rules ``exp`` and ``additive``; class switch ``defer_q_noise``):
+    these rules read q̃_t only through s_t = g̃_{t+1}ᵀq̃_t, and g̃_{t+1} is independent of q̃_t's
+    noise, so ``NoisyRelease.project`` draws s_t's noise directly: same law of every output,
+    same ledger event, one d-dimensional draw saved per step (docs/privacy.md). ``normalized``
+    also needs ‖q̃_t‖: it draws the full vector.
+    """
+
+    initial_clip: float = 0.1  # C₀
+    clip_lr: float = 2.5e-3  # ρ_c
+    q_noise_multiplier: float | None = None  # ν_q; None → from relative_increase
+    relative_increase: float = 0.01  # allowed increase of ν_g over ν
+    rule: Rule = "exp"
+    name = "oso"
+    # Same algorithm either way (same law of every output); not a hyperparameter. False
+    # restores the full q̃ draw (equivalence tests, benchmarks).
+    defer_q_noise: ClassVar[bool] = True
+    hyperparameters = ("initial_clip", "clip_lr", "q_noise_multiplier", "relative_increase", "rule")
+
+    def __post_init__(self) -> None:
+        check_positive("initial_clip (C₀)", self.initial_clip)
+        if self.clip_lr < 0:
+            raise ConfigError(f"clip_lr must be ≥ 0, got {self.clip_lr}.")
+        check_rule(self.rule)
+        if self.q_noise_multiplier is not None:
+            check_positive("q_noise_multiplier (ν_q)", self.q_noise_multiplier)
+        check_positive("relative_increase", self.relative_increase)
+
+    def split(self, nu: float) -> tuple[float, float]:
+        """(ν_g, ν_q) for a joint per-step multiplier ν."""
+        nu_q = self.q_noise_multiplier or accounting.oso_q_noise_multiplier(
+            nu, self.relative_increase
+        )
+        return accounting.split_noise_multiplier(nu, nu_q), nu_q
+
+    def validate_run(self, run: RunInfo) -> None:
+        self.split(run.noise_multiplier)
+
+    def init(self, run: RunInfo) -> dict[str, Any]:
+        nu_g, nu_q = self.split(run.noise_multiplier)
+        return {"clip": self.initial_clip, "nu_g": nu_g, "nu_q": nu_q, "prev_q": None}
+
+    def privatize(self, params, state, ctx, *, lr, label):
+        assert ctx.release is not None
+        if state["prev_q"] is not None and self.rule == "additive" and not math.isfinite(lr):
+            # Checked before this step's release: the run stops without spending it.
+            raise ConfigError(
+                "OSO's additive C rule scales by the learning rate, and this update rule or optimizer "
+                f"has none (lr = {lr}); use rule='exp' (the default) or 'normalized'."
+            )
+        clip = state["clip"]
+        grads = ctx.grads(params)
+        norms = grads.norms
+        # Both queries are weighted sums of the same per-sample gradients: clip weights and
+        # q weights 1[‖g‖ > C]/‖g‖ (unit-norm rows, so sensitivity 1).
+        q_w = torch.where(norms > clip, 1.0 / norms.clamp_min(1e-12), torch.zeros_like(norms))
+        deferred = self.defer_q_noise and self.rule != "normalized"
+        g_sum, q_out = ctx.release.release(
+            SumQuery(
+                "gradient", grads.weighted_sum(clip_weights(norms, clip)), clip, state["nu_g"]
+            ),
+            SumQuery(
+                "clip_hypergradient", grads.weighted_sum(q_w), 1.0, state["nu_q"], deferred=deferred
+            ),
+            label=f"{label}/gradient+q",
+        )
+        L = ctx.run.expected_batch_size
+        released = Released(g_sum, L, clip)
+        g = released.gradient()
+        # A deferred q̃_t stays a handle; a gateway that returns tensors (test stubs) is also fine.
+        q = q_out.scaled(1.0 / L) if isinstance(q_out, DeferredSum) else tree.scale(q_out, 1.0 / L)
+        prev_q, new_clip, gq = state["prev_q"], clip, 0.0
+        if prev_q is not None:
+            # g̃_t is independent of q̃_{t−1}'s noise: the one projection is exact (class docstring).
+            gq = (
+                ctx.release.project(prev_q, g)
+                if isinstance(prev_q, DeferredSum)
+                else dot(g, prev_q)
+            )
+            cos_q = gq / max(norm(g) * norm(prev_q), 1e-30) if self.rule == "normalized" else 0.0
+            new_clip = hypergradient_step(self.rule, clip, self.clip_lr, gq, cos_q, lr, MIN_CLIP)
+        return released, {**state, "clip": new_clip, "prev_q": q}, {"clip": clip, "g_dot_q": gq}
+
+
+@dataclass(frozen=True)
+class NonPrivate(Privatizer):
+    """The batch-mean gradient, unclipped and without noise: ε = ∞ (Galli's NoDP baseline)."""
+
+    name = "none"
+    private = False
+
+    def privatize(self, params, state, ctx, *, lr, label):
+        assert ctx.release is not None
+        record_nonprivate(ctx.release.ledger, f"{label}/gradient", run=ctx.release.run)
+        if ctx.batch_size == 0:
+            return None, state, {}
+        _, g = ctx.oracle.loss_and_grad(params, ctx.x, ctx.y)
+        return Released(g, None, None), state, {}
+
+
+PRIVATIZERS: dict[str, type[Privatizer]] = {
+    c.name: c for c in (FixedClip, QuantileClip, OSOClip, NonPrivate)
+}
+
+__all__ = [
+    "Released",
+    "Privatizer",
+    "FixedClip",
+    "QuantileClip",
+    "OSOClip",
+    "NonPrivate",
+    "PRIVATIZERS",
+    "clip_weights",
+    "clipped_sum",
+    "RULES",
+]

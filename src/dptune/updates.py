@@ -1,0 +1,391 @@
+"""Update rules: how released gradients move the parameters (pure post-processing).
+
+An update rule sees ``Released`` values only (``dptune.privatizers``), never the batch or a
+per-sample gradient, so whatever it does costs no privacy. Each is an optax-style transform
+with explicit state: ``init(params, run) -> state``, ``update(params, state, released) ->
+(params, state, metrics)``, ``rate(state)`` (its current learning rate, public) and an
+optional ``finalize`` (a free step after training).
+
+* ``SGD(lr, momentum)``: heavy ball m ← μm + g̃, θ ← θ − lr·m (PyTorch convention);
+* ``Adam(lr, β₁, β₂, ε)``: Kingma & Ba with bias correction;
+* ``AdamWOSM(α, β₁)``: Adam without second moment at the effective step size
+  α/(νC/L + 1e-8) (Mohapatra et al. 2022, Algorithm 2);
+* ``OSORate(lr, lr_lr, rule)``: heavy ball whose ρ is learned online by the hypergradient
+  sign rule (Galli et al. 2024, Alg. 1 line 15);
+* ``ADADP``: step size adapted by one full step against two half steps (Koskela & Honkela 2020).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from dptune import tree
+from dptune.errors import ConfigError
+from dptune.privatizers import Released
+from dptune.steps import (
+    Rule,
+    RunInfo,
+    check_positive,
+    check_rule,
+    check_unit_interval,
+    hypergradient_step,
+)
+from dptune.tree import Tensors, add_scaled, dot, ema, lincomb, norm, zeros_like
+
+
+def heavy_ball(
+    params: Tensors,
+    buf: Tensors | None,
+    g: Tensors,
+    lr: float,
+    momentum: float,
+    scale: float | None = None,
+) -> tuple[Tensors, Tensors | None]:
+    """θ ← θ − lr·m with m ← μ·m + s·g (PyTorch SGD convention, no dampening). μ = 0: plain SGD.
+
+    ``scale=None`` (s = 1): rounded exactly as the per-tensor expressions θ − lr·g and
+    μ·m + g. ``scale=s``: g is an unscaled sum (the noisy clipped sum, s = 1/L) and s is
+    folded into fused multiply-adds: θ + (−lr·s)·g is ONE pass over θ and g instead of
+    three (g·s, lr·(g·s), θ − ·), the same up to the last bits.
+    """
+    if scale is None:
+        if momentum == 0.0:
+            return tree.axpy(-lr, g, params), None
+        buf = g if buf is None else tree.axpy(momentum, buf, g)
+        return tree.axpy(-lr, buf, params), buf
+    if momentum == 0.0:
+        return tree.add_scaled(params, -lr * scale, g), None
+    buf = tree.scale(g, scale) if buf is None else tree.ema(momentum, buf, scale, g)
+    return tree.add_scaled(params, -lr, buf), buf
+
+
+class UpdateRule(ABC):
+    """Base class. Subclasses are frozen dataclasses of hyperparameters."""
+
+    name: ClassVar[str]
+    hyperparameters: ClassVar[tuple[str, ...]] = ()
+    finalizes: ClassVar[bool] = False  # does ``finalize`` change the parameters?
+
+    def validate_run(self, run: RunInfo) -> None:
+        """Raise ConfigError if this rule cannot run with these run settings."""
+
+    @abstractmethod
+    def init(self, params: Tensors, run: RunInfo) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def update(
+        self, params: Tensors, state: dict[str, Any], released: Released
+    ) -> tuple[Tensors, dict[str, Any], dict[str, float]]: ...
+
+    def rate(self, state: dict[str, Any]) -> float:
+        """The learning rate the next update applies (public: a function of released values)."""
+        return float(self.lr)
+
+    def finalize(self, params: Tensors, state: dict[str, Any]) -> Tensors:
+        """Post-processing after the last step (free of privacy cost). Default: none."""
+        return params
+
+    def config(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return dict(asdict(self))  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True)
+class SGD(UpdateRule):
+    """m_t = μ·m_{t−1} + g̃_t;  θ_{t+1} = θ_t − lr·m_t  (μ = 0: SGD). ``final_step``: one more
+    step θ ← θ − lr·m_T after training (Panda et al. §A.3, "a step for free")."""
+
+    lr: float = 0.1
+    momentum: float = 0.0
+    final_step: bool = False
+    name = "sgd"
+    hyperparameters = ("lr", "momentum", "final_step")
+
+    def __post_init__(self) -> None:
+        check_positive("lr", self.lr)
+        check_unit_interval("momentum", self.momentum)
+
+    @property
+    def finalizes(self) -> bool:  # type: ignore[override]
+        return bool(self.final_step)
+
+    def init(self, params, run):
+        return {"momentum": None}
+
+    def update(self, params, state, released):
+        # g̃ = total / L, folded into the update (fused multiply-adds, see heavy_ball).
+        params, buf = heavy_ball(
+            params, state["momentum"], released.total, self.lr, self.momentum, scale=released.scale
+        )
+        return params, {"momentum": buf}, {"lr": self.lr}
+
+    def finalize(self, params, state):
+        if self.final_step and state.get("momentum") is not None:
+            return {k: params[k] - self.lr * state["momentum"][k] for k in params}
+        return params
+
+
+@dataclass(frozen=True)
+class Adam(UpdateRule):
+    """m_t = β₁ m_{t−1} + (1−β₁) g̃_t,  v_t = β₂ v_{t−1} + (1−β₂) g̃_t²
+    θ_{t+1} = θ_t − lr · m̂_t / (√v̂_t + ε),  m̂_t = m_t/(1−β₁ᵗ), v̂_t = v_t/(1−β₂ᵗ)."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    name = "adam"
+    hyperparameters = ("lr", "beta1", "beta2", "eps")
+
+    def __post_init__(self) -> None:
+        check_positive("lr", self.lr)
+        check_unit_interval("beta1", self.beta1)
+        check_unit_interval("beta2", self.beta2)
+        check_positive("eps", self.eps)
+
+    def init(self, params, run):
+        return {"m": zeros_like(params), "v": zeros_like(params), "t": 0}
+
+    def update(self, params, state, released):
+        g = released.gradient()
+        t = state["t"] + 1
+        b1, b2 = self.beta1, self.beta2
+        keys = list(g)
+        gs = list(g.values())
+        m = lincomb(b1, state["m"], 1 - b1, g)
+        # v ← β₂ v + ((1−β₂)·g)·g, rounded in that order.
+        g2 = torch._foreach_mul(gs, 1 - b2)
+        torch._foreach_mul_(g2, gs)
+        v = dict(
+            zip(
+                keys,
+                torch._foreach_add(torch._foreach_mul([state["v"][k] for k in keys], b2), g2),
+                strict=True,
+            )
+        )
+        c1, c2 = 1 - b1**t, 1 - b2**t
+        # θ − lr·(m/c1) / (sqrt(v/c2) + ε); −lr folds the subtraction into an addition exactly
+        # (negation commutes with every rounding here).
+        num = torch._foreach_div([m[k] for k in params], c1)
+        torch._foreach_mul_(num, -self.lr)
+        den = torch._foreach_div([v[k] for k in params], c2)
+        torch._foreach_sqrt_(den)
+        torch._foreach_add_(den, self.eps)
+        torch._foreach_div_(num, den)
+        params = dict(zip(params, torch._foreach_add(list(params.values()), num), strict=True))
+        return params, {"m": m, "v": v, "t": t}, {"lr": self.lr}
+
+
+@dataclass(frozen=True)
+class AdamWOSM(UpdateRule):
+    """First moment only, with bias correction, at the effective step size (ESS):
+      lr = α / (ν·C/L + 10⁻⁸)                     (Algorithm 2 line 3; C of the first step)
+      m_t = β₁ m_{t−1} + (1−β₁) g̃_t;  θ_t = θ_{t−1} − lr · m_t / (1−β₁ᵗ)
+    Algorithm 2 line 8 divides by the realised |L_t|; dptune divides by the expected L."""
+
+    alpha: float = 1e-3
+    beta1: float = 0.9
+    name = "adamwosm"
+    hyperparameters = ("alpha", "beta1")
+
+    def __post_init__(self) -> None:
+        check_positive("alpha", self.alpha)
+        check_unit_interval("beta1", self.beta1)
+
+    def effective_step_size(self, run: RunInfo, clip: float) -> float:
+        return self.alpha / (run.noise_multiplier * clip / run.expected_batch_size + 1e-8)
+
+    def init(self, params, run):
+        return {"m": zeros_like(params), "t": 0, "lr": None, "run": run}
+
+    def rate(self, state):
+        return state["lr"] if state["lr"] is not None else math.nan
+
+    def update(self, params, state, released):
+        if released.divisor is None or released.clip is None:
+            raise ConfigError(
+                "adamwosm's step size needs a clipped, noisy gradient; use 'adam' without privacy."
+            )
+        lr = (
+            state["lr"]
+            if state["lr"] is not None
+            else self.effective_step_size(state["run"], released.clip)
+        )
+        t = state["t"] + 1
+        # m ← β₁m + (1−β₁)·total/L and θ ← θ − (lr/c1)·m: 1/L and 1/c1 folded into fused
+        # multiply-adds (two passes for m, one for θ; the same up to the last bits).
+        m = ema(self.beta1, state["m"], (1 - self.beta1) / released.divisor, released.total)
+        c1 = 1 - self.beta1**t
+        params = add_scaled(params, -lr / c1, m)
+        return params, {**state, "m": m, "t": t, "lr": lr}, {"lr": lr}
+
+
+MIN_RATE = 1e-12  # ρ stays a valid (positive) learning rate under the additive rule
+
+
+@dataclass(frozen=True)
+class OSORate(UpdateRule):
+    """Heavy ball with ρ learned online (Galli et al. 2024, Alg. 1 line 15; eq. 21 writes q̃: typo):
+      θ_{t+1} = θ_t − ρ_t m_t,  m_t = μ m_{t−1} + g̃_t
+      ρ_{t+1} = ρ_t · exp(ρ_r · sign(g̃_tᵀ m_{t−1}))     (= g̃_tᵀ g̃_{t−1} at μ = 0)
+    ∂θ_t/∂ρ_{t−1} = −m_{t−1}, hence m in the rule. ``additive``: ρ + ρ_r ρ g̃ᵀm (floored at
+    1e-12); ``normalized``: ρ(1 + ρ_r cos(g̃_t, m_{t−1})). ``adapt_lr=False``: ρ stays ρ₀."""
+
+    lr: float = 0.1  # ρ₀
+    lr_lr: float = 2.5e-3  # ρ_r
+    rule: Rule = "exp"
+    momentum: float = 0.0
+    adapt_lr: bool = True
+    name = "oso_rate"
+    hyperparameters = ("lr", "lr_lr", "rule", "momentum", "adapt_lr")
+
+    def __post_init__(self) -> None:
+        check_positive("lr (ρ₀)", self.lr)
+        if self.lr_lr < 0:
+            raise ConfigError(f"lr_lr must be ≥ 0, got {self.lr_lr}.")
+        check_rule(self.rule)
+        check_unit_interval("momentum", self.momentum)
+
+    def init(self, params, run):
+        return {"lr": self.lr, "prev_g": None, "momentum": None}
+
+    def rate(self, state):
+        return state["lr"]
+
+    def update(self, params, state, released):
+        lr = state["lr"]
+        g = released.gradient()
+        params, buf = heavy_ball(params, state["momentum"], g, lr, self.momentum)
+        prev_g, new_lr, gg = state["prev_g"], lr, 0.0
+        if self.adapt_lr and prev_g is not None:
+            gg = dot(g, prev_g)
+            cos_g = gg / max(norm(g) * norm(prev_g), 1e-30) if self.rule == "normalized" else 0.0
+            new_lr = hypergradient_step(self.rule, lr, self.lr_lr, gg, cos_g, lr, MIN_RATE)
+        # With momentum, ∂θ_t/∂ρ_{t-1} = −m_{t−1}: keep the applied direction for the next ρ rule.
+        direction = buf if buf is not None else g
+        return (
+            params,
+            {"lr": new_lr, "prev_g": direction, "momentum": buf},
+            {"lr": lr, "g_dot_g": gg},
+        )
+
+
+def extrapolation_error(full: Tensors, halves: Tensors) -> float:
+    """err = ‖(θ₁ − θ₂) / max(1, |θ₁|)‖₂, elementwise division (Koskela & Honkela's mixed
+    absolute/relative error: absolute for |θ₁| ≤ 1, relative above)."""
+    sq = 0.0
+    for k, a in full.items():
+        a64, b64 = a.double(), halves[k].double()
+        sq += float((((a64 - b64) / a64.abs().clamp_min(1.0)) ** 2).sum())
+    return math.sqrt(sq)
+
+
+@dataclass(frozen=True)
+class ADADP(UpdateRule):
+    """Step size η adapted by comparing one full step with two half steps (Koskela & Honkela,
+    AISTATS 2020); each gradient is a fresh release, so a cycle takes two steps:
+
+    odd step, released g₀ at θ₀:   θ₁ = θ₀ − η g₀ (kept aside);  θ_{½} = θ₀ − (η/2) g₀ (applied)
+    even step, released g_{½} at θ_{½}:   θ₂ = θ_{½} − (η/2) g_{½}
+        err = ‖(θ₁ − θ₂) / max(1, |θ₁|)‖₂;   η ← η · min(max(s·sqrt(τ/err), α_min), α_max)
+        θ ← θ₂ if err ≤ τ (or ``reject=False``), else θ ← θ₀ (the pair of half steps is undone)
+
+    τ defaults to sqrt(d / (2T)) (Mohapatra et al. A.1). The choices where the sources are
+    loose follow the authors' code; ``dptune.strategies.adadp`` lists them.
+    """
+
+    lr: float = 1e-3  # η₀
+    tolerance: float | None = None  # τ; None → sqrt(d / (2T))
+    min_factor: float = 0.9  # α_min
+    max_factor: float = 1.1  # α_max
+    safety: float = 1.0  # s
+    reject: bool = True
+    name = "adadp"
+    hyperparameters = ("lr", "tolerance", "min_factor", "max_factor", "safety", "reject")
+
+    def __post_init__(self) -> None:
+        check_positive("lr (η₀)", self.lr)
+        if self.tolerance is not None:
+            check_positive("tolerance (τ)", self.tolerance)
+        check_positive("min_factor (α_min)", self.min_factor)
+        check_positive("max_factor (α_max)", self.max_factor)
+        check_positive("safety", self.safety)
+        if not self.min_factor <= 1.0 <= self.max_factor:
+            raise ConfigError(
+                f"ADADP needs min_factor ≤ 1 ≤ max_factor, got {self.min_factor} and {self.max_factor}; "
+                "the defaults are 0.9 and 1.1."
+            )
+
+    def tau(self, run: RunInfo) -> float:
+        """τ: the given tolerance, or sqrt(d / (2T)) (Mohapatra et al. A.1)."""
+        if self.tolerance is not None:
+            return float(self.tolerance)
+        return math.sqrt(run.num_params / (2.0 * run.steps))
+
+    def lr_factor(self, err: float, tau: float) -> float:
+        """min(max(s·sqrt(τ/err), α_min), α_max); err = 0 → α_max."""
+        if err <= 0.0:
+            return self.max_factor
+        if not math.isfinite(err):
+            return self.min_factor
+        return min(max(self.safety * math.sqrt(tau / err), self.min_factor), self.max_factor)
+
+    def init(self, params, run):
+        return {
+            "lr": float(self.lr),
+            "tau": self.tau(run),
+            "theta0": None,
+            "theta_full": None,
+            "accepted": 0,
+            "rejected": 0,
+        }
+
+    def rate(self, state):
+        return state["lr"]
+
+    def update(self, params, state, released):
+        lr = state["lr"]
+        g = released.gradient()
+        if state["theta0"] is None:
+            # First half of a cycle: remember θ₀ and the full-step point θ₁, move to θ_½.
+            with torch.no_grad():
+                full = {k: params[k] - lr * g[k] for k in params}
+                half = {k: params[k] - (0.5 * lr) * g[k] for k in params}
+            return half, {**state, "theta0": params, "theta_full": full}, {"lr": lr}
+        # Second half: finish the two half steps, estimate the error, adapt η, accept/reject.
+        with torch.no_grad():
+            two_halves = {k: params[k] - (0.5 * lr) * g[k] for k in params}
+        err = extrapolation_error(state["theta_full"], two_halves)
+        tau = state["tau"]
+        accept = err <= tau or not self.reject
+        out = two_halves if accept else state["theta0"]
+        state = {
+            **state,
+            "lr": lr * self.lr_factor(err, tau),
+            "theta0": None,
+            "theta_full": None,
+            "accepted": state["accepted"] + int(accept),
+            "rejected": state["rejected"] + int(not accept),
+        }
+        return out, state, {"lr": lr, "adadp_error": err, "accepted": float(accept)}
+
+
+UPDATES: dict[str, type[UpdateRule]] = {c.name: c for c in (SGD, Adam, AdamWOSM, OSORate, ADADP)}
+
+__all__ = [
+    "UpdateRule",
+    "SGD",
+    "Adam",
+    "AdamWOSM",
+    "OSORate",
+    "ADADP",
+    "UPDATES",
+    "heavy_ball",
+    "extrapolation_error",
+]

@@ -1,0 +1,396 @@
+"""The building block: privatizers × update rules, ``chain``, and a private step in your own loop.
+
+* every privatizer composes with every update rule, and the executed ledger is the planned one;
+* the named strategies are compositions (``parts``) and ``make_strategy('a+b')`` routes
+  hyperparameters to the right part;
+* the privacy boundary is structural: only ``dptune/privatizers.py`` reads per-sample
+  gradients or calls the gateway among the step code;
+* ``make_private``: the same run as ``dptune.train`` for the same seed (bit for bit with a
+  dptune update rule, to float tolerance with the equivalent torch optimizer), the noise of
+  the released ``.grad`` has std νC/L (and not 0.9× or 1.1× that), the plan is enforced.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import zero_grad_problem
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant as rdp
+from scipy import stats
+from torch import nn
+
+import dptune
+from dptune import accounting
+from dptune.errors import BudgetExceededError, ConfigError
+from dptune.privatizers import PRIVATIZERS, FixedClip, NonPrivate, OSOClip, QuantileClip
+from dptune.strategies import STRATEGIES, Composed, make_strategy, strategy_signature
+from dptune.updates import ADADP, SGD, UPDATES, Adam, AdamWOSM, OSORate
+
+SRC = Path(dptune.__file__).parent
+
+
+def _problem(n: int = 120, d: int = 6, k: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, 8), nn.Tanh(), nn.Linear(8, k)), x, y
+
+
+PRIVATE = [
+    FixedClip(0.5),
+    QuantileClip(initial_clip=0.5, count_noise_std=5.0),
+    OSOClip(initial_clip=0.5, clip_lr=0.05),
+]
+UPDATE_RULES = [SGD(0.2, 0.5), Adam(0.01), AdamWOSM(1e-3), OSORate(0.2, 0.05), ADADP(0.05)]
+
+
+@pytest.mark.parametrize("privatizer", PRIVATE, ids=lambda p: p.name)
+@pytest.mark.parametrize("update", UPDATE_RULES, ids=lambda u: u.name)
+def test_every_privatizer_composes_with_every_update_rule(privatizer, update) -> None:
+    model, x, y = _problem()
+    strategy = dptune.chain(privatizer, update)
+    assert strategy.name == f"{privatizer.name}+{update.name}" and strategy.private
+    r = dptune.train(
+        model,
+        (x, y),
+        strategy,
+        steps=6,
+        expected_batch_size=40,
+        noise_multiplier=1.5,
+        seed=1,
+        device="cpu",
+    )
+    assert r.ledger.releases == 6
+    assert r.ledger.matches(r.plan.event())
+    assert all(math.isfinite(float(v.abs().max())) for v in r.final_params.values())
+    clips = [row["clip"] for row in r.history]
+    if isinstance(privatizer, FixedClip):
+        assert set(clips) == {0.5}
+    else:  # adaptive C: it moves from released values
+        assert len(set(clips)) > 1
+    # Independent reference: dp_accounting's RDP accountant on the textbook DP-SGD event.
+    ref = rdp.RdpAccountant().compose(
+        dp_event.SelfComposedDpEvent(
+            dp_event.PoissonSampledDpEvent(40 / 120, dp_event.GaussianDpEvent(1.5)), 6
+        )
+    )
+    assert r.epsilon(1e-5) == pytest.approx(ref.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_oso_clip_with_adam_learns_c_and_trains() -> None:
+    """The issue's example composition: OSO's online C with Adam (not expressible before)."""
+    model, x, y = _problem(n=400)
+    r = dptune.train(
+        model,
+        (x, y),
+        "oso+adam",
+        steps=60,
+        expected_batch_size=80,
+        noise_multiplier=0.8,
+        seed=2,
+        device="cpu",
+        eval_data=(x, y),
+        eval_every=20,
+        lr=0.02,
+        initial_clip=0.05,
+        clip_lr=0.05,
+    )
+    clips = [row["clip"] for row in r.history]
+    assert clips[0] == 0.05 and clips[-1] > 0.2  # C grew from a far-too-small start
+    assert r.best_metric is not None and r.best_metric > 0.6
+    assert r.plan.strategy.config()["strategy"] == "oso+adam"
+
+
+def test_named_strategies_are_compositions_of_their_parts() -> None:
+    expected = {
+        "dpsgd": ("fixed", "sgd"),
+        "quantile": ("quantile", "sgd"),
+        "oso": ("oso", "oso_rate"),
+        "dpadam": ("fixed", "adam"),
+        "adamwosm": ("fixed", "adamwosm"),
+        "dpgd": ("fixed", "sgd"),
+        "adadp": ("fixed", "adadp"),
+        "nodp": ("none", "sgd"),
+    }
+    assert set(expected) == set(STRATEGIES)
+    for name, (p, u) in expected.items():
+        s = make_strategy(name)
+        assert isinstance(s, Composed)
+        assert (s.privatizer.name, s.update_rule.name) == (p, u)
+
+
+def test_composition_by_name_routes_each_hyperparameter_to_its_part() -> None:
+    s = make_strategy("oso+oso_rate", lr=0.3, initial_clip=0.7, rule="additive", lr_lr=0.01)
+    assert s.privatizer == OSOClip(initial_clip=0.7, rule="additive")
+    assert s.update_rule == OSORate(lr=0.3, lr_lr=0.01, rule="additive")
+    assert (
+        make_strategy("quantile+adam", target_quantile=0.7, lr=0.01).privatizer.target_quantile
+        == 0.7
+    )
+    rebuilt = make_strategy(
+        s.config()["strategy"], **{k: v for k, v in s.config().items() if k != "strategy"}
+    )
+    assert rebuilt == s  # config() is flat and rebuilds the same strategy
+    assert strategy_signature("none+adam")[2] is False and not make_strategy("none+adam").private
+    with pytest.raises(ConfigError, match="no hyperparameter"):
+        make_strategy("fixed+adam", momentum=0.9)
+    with pytest.raises(ConfigError, match="privatizer in"):
+        make_strategy("fixed+rmsprop")
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        make_strategy("dpsdg")
+    assert set(PRIVATIZERS) == {"fixed", "quantile", "oso", "none"} and "external" not in UPDATES
+
+
+def test_a_study_runs_a_composition_arm_end_to_end(tmp_path: Path) -> None:
+    """The tuner builds on the same block: an arm named 'OSO+Adam' is validated, trained and
+    accounted like any strategy, and a hyperparameter of neither part is one clear error."""
+    from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec, run_study
+
+    _, x, y = _problem(n=200)
+
+    def study(arm: StrategyArm) -> Study:
+        return Study(
+            data=(x[:150], y[:150], x[150:], y[150:]),
+            model="logistic_regression",
+            strategies=(arm,),
+            training=TrainingSpec(steps=8, expected_batch_size=30),
+            budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant="rdp"),
+            method=MethodSpec("grid"),
+            seeds=(0,),
+            name="composed",
+        )
+
+    out = run_study(
+        study(StrategyArm("OSO+Adam", space={"lr": [0.01, 0.1]})), tmp_path / "s", progress=False
+    )
+    assert out.complete and out.ledger_matches_plan and out.counts == {"done": 2}
+    with pytest.raises(ConfigError, match="no hyperparameter 'momentum'"):
+        run_study(
+            study(StrategyArm("oso+adam", space={"momentum": [0.5]})),
+            tmp_path / "bad",
+            progress=False,
+        )
+    assert not (tmp_path / "bad").exists()
+
+
+# ----------------------------------------------------------------------------- the boundary
+def _calls_and_imports(path: Path) -> tuple[set[str], set[str]]:
+    tree = ast.parse(path.read_text())
+    calls = {
+        n.func.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    }
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    return calls, names
+
+
+def test_only_privatizers_read_per_sample_gradients_or_release() -> None:
+    step_code = [SRC / "updates.py", SRC / "loop.py", *sorted((SRC / "strategies").glob("*.py"))]
+    for path in step_code:
+        calls, names = _calls_and_imports(path)
+        assert not calls & {
+            "grads",
+            "weighted_sum",
+            "release",
+            "project",
+            "materialize",
+            "loss_and_grad",
+        }, path
+        assert (
+            not names & {"PerSampleGrads", "GradientOracle", "SumQuery", "NoisyRelease"}
+            or path.name == "loop.py"
+        ), path
+    calls, names = _calls_and_imports(SRC / "updates.py")
+    assert "StepContext" not in names  # update rules never see the batch
+    calls, _ = _calls_and_imports(SRC / "privatizers.py")
+    assert {"grads", "release"} <= calls
+
+
+# ----------------------------------------------------------------------------- make_private
+def _run_loop(private) -> None:
+    for x, y in private.batches():
+        private.step(x, y)
+
+
+def test_make_private_with_an_update_rule_is_train_bit_for_bit() -> None:
+    model, x, y = _problem()
+    ref_model, _, _ = _problem()
+    kw = {
+        "steps": 12,
+        "expected_batch_size": 30,
+        "noise_multiplier": 1.2,
+        "seed": 7,
+        "device": "cpu",
+    }
+    ref = dptune.train(ref_model, (x, y), "dpsgd", lr=0.3, clip=0.8, momentum=0.5, **kw)
+    private = dptune.make_private(model, (x, y), SGD(0.3, 0.5), privatizer=FixedClip(0.8), **kw)
+    _run_loop(private)
+    for k, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref.final_params[k]), k
+    assert private.ledger.releases == ref.ledger.releases == 12
+    assert private.epsilon(1e-5) == ref.epsilon(1e-5)
+
+
+def test_make_private_with_a_torch_optimizer_is_the_same_algorithm() -> None:
+    model, x, y = _problem()
+    ref_model, _, _ = _problem()
+    kw = {
+        "steps": 12,
+        "expected_batch_size": 30,
+        "noise_multiplier": 1.2,
+        "seed": 7,
+        "device": "cpu",
+    }
+    ref = dptune.train(ref_model, (x, y), "dpsgd", lr=0.3, clip=0.8, momentum=0.5, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5)
+    private = dptune.make_private(model, (x, y), opt, privatizer=FixedClip(0.8), **kw)
+    for xb, yb in private.batches():
+        opt.zero_grad()
+        private.backward(xb, yb)
+        opt.step()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref.final_params[k], rtol=1e-5, atol=1e-6)
+    assert private.result().plan.strategy.config()["description"] == "torch.optim.sgd.SGD"
+
+
+@pytest.mark.parametrize(("factor", "accept"), [(1.0, True), (0.9, False), (1.1, False)])
+def test_released_grad_noise_has_std_nu_c_over_l(factor: float, accept: bool) -> None:
+    """Zero per-example gradients: .grad is pure noise N(0, (νC/L)²) per coordinate. A KS test
+    accepts the right σ and rejects σ off by 10% (the test can fail)."""
+    model, x, y = zero_grad_problem(inputs=300, classes=100, n=64)
+    nu, clip, L = 1.3, 0.7, 16.0
+    private = dptune.make_private(
+        model,
+        (x, y),
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        privatizer=FixedClip(clip),
+        steps=1,
+        expected_batch_size=L,
+        noise_multiplier=nu,
+        seed=3,
+        device="cpu",
+    )
+    for xb, yb in private.batches():
+        private.backward(xb, yb)
+    g = model.weight.grad.flatten().double().numpy()
+    p = stats.kstest(g, stats.norm(scale=factor * nu * clip / L).cdf).pvalue
+    assert (p > 1e-3) if accept else (p < 1e-6)
+
+
+def test_make_private_enforces_the_plan_and_the_batches() -> None:
+    model, x, y = _problem()
+    private = dptune.make_private(
+        model,
+        (x, y),
+        SGD(0.1),
+        steps=3,
+        expected_batch_size=30,
+        noise_multiplier=1.0,
+        seed=1,
+        device="cpu",
+    )
+    it = private.batches()
+    xb, yb = next(it)
+    with pytest.raises(ConfigError, match="batches\\(\\) just yielded"):
+        private.step(x[:50], y[:50])  # a batch of the user's own choosing
+    private.step(xb, yb)
+    with pytest.raises(ConfigError, match="batches\\(\\) just yielded"):
+        private.step(xb, yb)  # the same batch twice
+    for xb, yb in it:
+        private.step(xb, yb)
+    assert private.t == private.steps == 3 and list(private.batches()) == []
+    with pytest.raises(BudgetExceededError, match="all were taken"):
+        private.step(xb, yb)
+    assert private.ledger.releases == 3
+    other = nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="not trainable parameters of the model"):
+        dptune.make_private(
+            model,
+            (x, y),
+            torch.optim.SGD(other.parameters(), lr=0.1),
+            steps=3,
+            expected_batch_size=30,
+            noise_multiplier=1.0,
+        )
+    with pytest.raises(ConfigError, match="optimizer must be"):
+        dptune.make_private(
+            model, (x, y), "adam", steps=3, expected_batch_size=30, noise_multiplier=1.0
+        )
+
+
+def test_make_private_stopped_early_spends_what_it_executed_and_saves_a_card(
+    tmp_path: Path,
+) -> None:
+    model, x, y = _problem()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    private = dptune.make_private(
+        model,
+        (x, y),
+        opt,
+        privatizer=OSOClip(initial_clip=0.3),
+        target_epsilon=2.0,
+        delta=1e-5,
+        epochs=2,
+        expected_batch_size=30,
+        seed=4,
+        device="cpu",
+    )
+    for i, (xb, yb) in enumerate(private.batches()):
+        opt.zero_grad()
+        private.backward(xb, yb)
+        opt.step()
+        if i == 4:
+            break  # early stop (e.g. on public validation data)
+    assert private.ledger.releases == 5 < private.steps
+    assert private.epsilon() < 2.0
+    full = accounting.epsilon(private.plan.event(), 1e-5, "rdp")
+    assert full <= 2.0 + 1e-9
+    out = dptune.save_model(private.result(), tmp_path / "m")
+    back, card = dptune.load_model(out, model=_problem()[0])
+    for k, p in model.state_dict().items():
+        assert torch.equal(back.state_dict()[k], p)
+    assert card["guarantee"]["epsilon"] == pytest.approx(
+        private.epsilon()
+    )  # what was executed, not planned
+    assert card["configuration"]["strategy"]["strategy"] == "oso+external"
+
+
+def test_nonprivate_privatizer_has_infinite_epsilon() -> None:
+    model, x, y = _problem()
+    private = dptune.make_private(
+        model,
+        (x, y),
+        SGD(0.1),
+        privatizer=NonPrivate(),
+        steps=2,
+        expected_batch_size=30,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        device="cpu",
+    )
+    _run_loop(private)
+    assert private.epsilon() == math.inf
+
+
+def test_oso_additive_rule_needs_a_learning_rate() -> None:
+    """The additive C rule scales by the update's learning rate: an update without one (NaN)
+    is one clear error at the first C update, never a NaN sensitivity."""
+
+    class NoRate(SGD):
+        def rate(self, state):
+            return float("nan")
+
+    model, x, y = _problem()
+    strategy = dptune.chain(OSOClip(rule="additive"), NoRate(0.1))
+    with pytest.raises(ConfigError, match="additive C rule scales by the learning rate"):
+        dptune.train(model, (x, y), strategy, steps=3, expected_batch_size=40, noise_multiplier=1.0, device="cpu")
+    r = dptune.train(model, (x, y), dptune.chain(OSOClip(rule="exp"), NoRate(0.1)), steps=3,
+                     expected_batch_size=40, noise_multiplier=1.0, device="cpu")  # fmt: skip
+    assert all(math.isfinite(row["clip"]) for row in r.history)
