@@ -146,3 +146,12 @@ def test_bad_structured_inputs_are_one_clear_error() -> None:
         dptune.train(_model(), ((dense, ids), y[:10]), "dpsgd", **KW)
     with pytest.raises(ConfigError, match="tuple of tensors"):
         dptune.train(_model(), (("a", "b"), y), "dpsgd", **KW)
+
+
+def test_nested_python_lists_are_still_one_input() -> None:
+    """x given as nested lists of numbers is one tensor input (not a tuple of inputs)."""
+    dense, ids, y = _data(60)
+    model = nn.Linear(4, 3)
+    r = dptune.train(model, (dense.tolist(), y.tolist()), "dpsgd", steps=3, expected_batch_size=20,
+                     noise_multiplier=1.0, device="cpu")  # fmt: skip
+    assert r.ledger.releases == 3

@@ -286,20 +286,18 @@ def test_released_grad_noise_has_std_nu_c_over_l(factor: float, accept: bool) ->
 
 def test_make_private_enforces_the_plan_and_the_batches() -> None:
     model, x, y = _problem()
-    private = dptune.make_private(
-        model,
-        (x, y),
-        SGD(0.1),
-        steps=3,
-        expected_batch_size=30,
-        noise_multiplier=1.0,
-        seed=1,
-        device="cpu",
-    )
+
+    def fresh(steps: int = 3):
+        return dptune.make_private(model, (x, y), SGD(0.1), steps=steps, expected_batch_size=30,
+                                   noise_multiplier=1.0, seed=1, device="cpu")  # fmt: skip
+
+    private = fresh()
     it = private.batches()
     xb, yb = next(it)
+    b = len(yb)
+    other = 1 + (torch.arange(b) % (len(y) - 1))  # a batch of the same size, of the user's choosing
     with pytest.raises(ConfigError, match="batches\\(\\) just yielded"):
-        private.step(x[:50], y[:50])  # a batch of the user's own choosing
+        private.step(x[other], y[other] if not torch.equal(y[other], yb) else 1 - y[other])
     private.step(xb, yb)
     with pytest.raises(ConfigError, match="batches\\(\\) just yielded"):
         private.step(xb, yb)  # the same batch twice
@@ -309,20 +307,82 @@ def test_make_private_enforces_the_plan_and_the_batches() -> None:
     with pytest.raises(BudgetExceededError, match="all were taken"):
         private.step(xb, yb)
     assert private.ledger.releases == 3
-    other = nn.Linear(2, 2)
-    with pytest.raises(ConfigError, match="not trainable parameters of the model"):
-        dptune.make_private(
-            model,
-            (x, y),
-            torch.optim.SGD(other.parameters(), lr=0.1),
-            steps=3,
-            expected_batch_size=30,
-            noise_multiplier=1.0,
-        )
+
+    # break, then resume: the unused batch comes back (no draw is wasted, nothing skipped)
+    private = fresh()
+    first = next(iter(private.batches()))
+    again = next(iter(private.batches()))
+    assert again[1] is first[1]
+    private.step(*again)
+    # skipping a batch (continue, list(...)) is refused where it happens
+    with pytest.raises(ConfigError, match="was not passed to backward"):
+        for _ in private.batches():
+            continue
+    with pytest.raises(ConfigError, match="was not passed to backward"):
+        list(fresh().batches())
+
+    with pytest.raises(ConfigError, match="not parameters of the model"):
+        dptune.make_private(model, (x, y), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
+                            steps=3, expected_batch_size=30, noise_multiplier=1.0)  # fmt: skip
     with pytest.raises(ConfigError, match="optimizer must be"):
         dptune.make_private(
             model, (x, y), "adam", steps=3, expected_batch_size=30, noise_multiplier=1.0
         )
+
+
+def test_an_exact_gradient_mixed_into_the_released_one_is_refused() -> None:
+    """loss.backward() between private.backward() and optimizer.step() would add the exact,
+    non-private gradient to .grad: the optimizer's pre-step hook refuses it."""
+    model, x, y = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), opt, steps=2, expected_batch_size=30,
+                                  noise_multiplier=1.0, device="cpu")  # fmt: skip
+    for xb, yb in private.batches():
+        opt.zero_grad()
+        private.backward(xb, yb)
+        nn.functional.cross_entropy(model(xb), yb).backward()  # e.g. to log the loss: wrong
+        with pytest.raises(ConfigError, match="not the one private.backward\\(\\) released"):
+            opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            loss = nn.functional.cross_entropy(model(xb), yb)  # the right way to look at the loss
+        assert math.isfinite(float(loss))
+        break
+
+
+def test_frozen_layers_and_a_rejecting_adadp_in_your_loop() -> None:
+    """Fine-tuning: frozen parameters in the optimizer are fine (they get no .grad). ADADP's
+    rejected pair of half steps is undone in the user loop exactly as in dptune.train."""
+    model, x, y = _problem()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), opt, steps=2, expected_batch_size=30, noise_multiplier=1.0,
+                                  device="cpu")  # fmt: skip
+    for xb, yb in private.batches():
+        opt.zero_grad()
+        private.backward(xb, yb)
+        opt.step()
+    assert torch.equal(model[0].weight, frozen) and model[0].weight.grad is None
+
+    kw = {
+        "steps": 4,
+        "expected_batch_size": 30,
+        "noise_multiplier": 1.0,
+        "seed": 2,
+        "device": "cpu",
+    }
+    ref_model, mine = _problem()[0], _problem()[0]
+    ref = dptune.train(ref_model, (x, y), "adadp", lr=0.5, tolerance=1e-9, **kw)
+    assert ref.history[1]["accepted"] == 0.0  # the tiny tolerance rejects every pair
+    private = dptune.make_private(
+        mine, (x, y), ADADP(0.5, tolerance=1e-9), privatizer=FixedClip(1.0), **kw
+    )
+    rows = [private.step(xb, yb) for xb, yb in private.batches()]
+    assert rows[1]["accepted"] == 0.0 and "adadp_error" in rows[1]  # the update's metrics are kept
+    for k, p in mine.named_parameters():
+        assert torch.equal(p.detach(), ref.final_params[k]), k
 
 
 def test_make_private_stopped_early_spends_what_it_executed_and_saves_a_card(
@@ -360,23 +420,44 @@ def test_make_private_stopped_early_spends_what_it_executed_and_saves_a_card(
         private.epsilon()
     )  # what was executed, not planned
     assert card["configuration"]["strategy"]["strategy"] == "oso+external"
+    assert card["configuration"]["steps_taken"] == card["checkpoint"]["step"] == 5
 
 
 def test_nonprivate_privatizer_has_infinite_epsilon() -> None:
     model, x, y = _problem()
-    private = dptune.make_private(
-        model,
-        (x, y),
-        SGD(0.1),
-        privatizer=NonPrivate(),
-        steps=2,
-        expected_batch_size=30,
-        noise_multiplier=1.0,
-        delta=1e-5,
-        device="cpu",
-    )
+    kw = {"steps": 2, "expected_batch_size": 30, "delta": 1e-5, "device": "cpu"}
+    private = dptune.make_private(model, (x, y), SGD(0.1), privatizer=NonPrivate(), **kw)
     _run_loop(private)
     assert private.epsilon() == math.inf
+    with pytest.raises(ConfigError, match="adds no noise"):  # a target it would silently ignore
+        dptune.make_private(
+            model, (x, y), SGD(0.1), privatizer=NonPrivate(), target_epsilon=1.0, **kw
+        )
+
+
+def test_composition_edges_names_clashes_and_pairings() -> None:
+    assert make_strategy(" Online + Adam ").name == "oso+adam"
+    assert make_strategy("nodp+momentum").name == "none+sgd"
+    with pytest.raises(ConfigError, match="needs a private"):
+        make_strategy("none+adamwosm")
+    with pytest.raises(ConfigError, match="different values"):
+        dptune.chain(OSOClip(rule="normalized"), OSORate(rule="exp"))  # config() would lose one
+
+
+def test_adamwosm_step_size_uses_the_gradient_noise_of_the_privatizer() -> None:
+    """ESS = α/(σ/L + 1e-8) with σ the std of g̃'s noise: ν·C for FixedClip, ν_g·C₀ for OSO."""
+    model, x, y = _problem()
+    nu, L = 1.3, 30.0
+    r = dptune.train(model, (x, y), dptune.chain(OSOClip(initial_clip=0.4), AdamWOSM(1e-3)), steps=2,
+                     expected_batch_size=L, noise_multiplier=nu, device="cpu")  # fmt: skip
+    nu_g, _ = OSOClip().split(nu)
+    assert nu_g > nu
+    assert r.history[0]["lr"] == pytest.approx(1e-3 / (nu_g * 0.4 / L + 1e-8), rel=1e-12)
+    fixed = make_strategy("adamwosm", clip=0.4)
+    r = dptune.train(
+        model, (x, y), fixed, steps=2, expected_batch_size=L, noise_multiplier=nu, device="cpu"
+    )
+    assert r.history[0]["lr"] == pytest.approx(1e-3 / (nu * 0.4 / L + 1e-8), rel=1e-12)
 
 
 def test_oso_additive_rule_needs_a_learning_rate() -> None:
@@ -390,7 +471,15 @@ def test_oso_additive_rule_needs_a_learning_rate() -> None:
     model, x, y = _problem()
     strategy = dptune.chain(OSOClip(rule="additive"), NoRate(0.1))
     with pytest.raises(ConfigError, match="additive C rule scales by the learning rate"):
-        dptune.train(model, (x, y), strategy, steps=3, expected_batch_size=40, noise_multiplier=1.0, device="cpu")
+        dptune.train(
+            model,
+            (x, y),
+            strategy,
+            steps=3,
+            expected_batch_size=40,
+            noise_multiplier=1.0,
+            device="cpu",
+        )
     r = dptune.train(model, (x, y), dptune.chain(OSOClip(rule="exp"), NoRate(0.1)), steps=3,
                      expected_batch_size=40, noise_multiplier=1.0, device="cpu")  # fmt: skip
     assert all(math.isfinite(row["clip"]) for row in r.history)

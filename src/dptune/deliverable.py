@@ -181,6 +181,7 @@ def save_trained(result: Any, directory: str | Path, *, model_id: Mapping[str, A
     from dptune.train import randomness_statement
 
     rnd = randomness_statement(result.secure_mode)
+    taken = plan.steps if result.steps_taken is None else result.steps_taken  # a user loop may stop early
     card = {
         "title": f"{plan.strategy.name} (dptune.train)",
         "dptune_version": _version(),
@@ -193,8 +194,9 @@ def save_trained(result: Any, directory: str | Path, *, model_id: Mapping[str, A
         },
         "configuration": {"strategy": plan.strategy.config(), "noise_multiplier": plan.noise_multiplier,
                           "sampling_rate": plan.sampling_rate, "expected_batch_size": plan.expected_batch_size,
-                          "steps": plan.steps, "n": plan.n},
-        "checkpoint": {"rule": "best" if best else "final", "step": result.best_step if best else plan.steps},
+                          "steps": plan.steps, "steps_taken": taken, "n": plan.n},
+        "checkpoint": {"rule": "best" if best else "final",
+                       "step": result.best_step if best else taken},
         "evaluation": {"metric": result.metric, "best": result.best_metric} if best else {},
         "model": dict(model_id) if model_id else {"class": _class_path(result.model)},
         "data": dict(data_id) if data_id else {"name": "in-memory (not identified)"},

@@ -20,7 +20,27 @@ Inputs = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
 
 
 def is_structured(x: Any) -> bool:
-    return isinstance(x, tuple | list | Mapping) and not isinstance(x, torch.Tensor)
+    """A tuple, list or dict of tensors (several inputs); nested Python lists of numbers are not."""
+    if isinstance(x, Mapping):
+        return len(x) > 0 and all(isinstance(t, torch.Tensor) for t in x.values())
+    return (
+        isinstance(x, tuple | list) and len(x) > 0 and all(isinstance(t, torch.Tensor) for t in x)
+    )
+
+
+def as_inputs(x: Any, what: str = "x") -> Inputs:
+    """A tensor from array-like numbers, or a checked tuple/dict of tensors; else one clear error."""
+    if is_structured(x):
+        return check(x, what)
+    if isinstance(x, Mapping):
+        return check(x, what)  # a dict of non-tensors: the error names the fix
+    try:
+        return torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(
+            f"{what} must be a tensor (or array-like numbers), a tuple of tensors (positional "
+            f"inputs) or a dict of tensors (keyword inputs), got {type(x).__name__}."
+        ) from None
 
 
 def check(x: Any, what: str = "x") -> Inputs:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dptune import inputs
 from dptune.errors import BudgetExceededError, ConfigError
 from dptune.grads import GradientOracle
 from dptune.privatizers import FixedClip, Privatizer, Released
@@ -85,7 +86,16 @@ class PrivateTraining:
         privatizer = FixedClip(1.0) if privatizer is None else privatizer
         if not isinstance(privatizer, Privatizer):
             raise ConfigError(
-                f"privatizer must be a dptune.privatizers.Privatizer (e.g. FixedClip(1.0)), got {privatizer!r}."
+                "privatizer must be a dptune.privatizers.Privatizer (e.g. FixedClip(1.0)), "
+                f"got {privatizer!r}."
+            )
+        if not privatizer.private and (
+            plan_kwargs.get("target_epsilon") is not None
+            or plan_kwargs.get("noise_multiplier") is not None
+        ):
+            raise ConfigError(
+                "the NonPrivate privatizer adds no noise (ε = ∞): drop target_epsilon/noise_multiplier, "
+                "or choose a private privatizer (FixedClip, QuantileClip, OSOClip)."
             )
         if isinstance(optimizer, UpdateRule):
             self.optimizer, self.update = None, optimizer
@@ -96,6 +106,10 @@ class PrivateTraining:
                 "optimizer must be a torch.optim.Optimizer over the model's parameters or a "
                 f"dptune update rule (dptune.updates.SGD(...)), got {type(optimizer).__name__}."
             )
+        if (
+            device is None
+        ):  # keep the model where it is (e.g. cuda:1), rather than the default device
+            device = next((p.device for p in model.parameters()), None)
         self.task = OwnTask.resolve(data, None, device, None, loss)
         self.model = model.to(self.task.device)
         self._named = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
@@ -124,19 +138,22 @@ class PrivateTraining:
             self.model, self.task.loss, chunk_size=chunk_size, method=grad_method
         )
         self.secure_mode = secure_mode
-        self.t = 0
-        self._drawn, self._drawn_size = 0, -1
+        self.t = 0  # steps taken (releases made)
+        self._pending: tuple[Any, torch.Tensor] | None = None  # the drawn batch of step t + 1
+        self._released: dict[str, tuple[torch.Tensor, int]] = {}  # the .grad tensors backward set
+        if self.optimizer is not None:
+            self.optimizer.register_step_pre_hook(self._check_grads)
         self.history: list[dict[str, Any]] = []
         self._started = time.perf_counter()
 
     def _check_optimizer_params(self) -> None:
         assert self.optimizer is not None
-        mine = {id(p) for p in self._named.values()}
+        mine = {id(p) for p in self.model.parameters()}  # frozen ones included: they get no .grad
         theirs = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         if not theirs <= mine:
             raise ConfigError(
-                "the optimizer holds tensors that are not trainable parameters of the model; build it "
-                "from model.parameters() after moving the model to its device."
+                "the optimizer holds tensors that are not parameters of the model; build it from "
+                "model.parameters() after moving the model to its device."
             )
 
     def _params(self) -> Tensors:
@@ -148,33 +165,51 @@ class PrivateTraining:
         """T, fixed by the plan: ``batches()`` yields exactly this many."""
         return self.plan.steps
 
-    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self) -> Iterator[tuple[Any, torch.Tensor]]:
         """The remaining planned Poisson batches (x, y), on the run's device. Pass each to
-        ``backward``/``step`` (a per-example transform such as augmentation is fine; a batch
-        of your own choosing is not: the accountant assumes these Poisson batches).
+        ``backward``/``step`` before asking for the next (a per-example transform such as
+        augmentation is fine; skipping a batch or passing one of your own choosing is not: the
+        accountant assumes every one of these Poisson batches is used, and a skip decided on
+        a batch's content would depend on private data). Breaking out and calling ``batches()``
+        again resumes with the batch not yet used.
 
         Their realised sizes are private (not differentially private: for the data owner only)."""
-        while self._drawn < self.plan.steps:
-            self._drawn += 1
-            x, y = self.task.batch(self.sampler.sample())
-            self._drawn_size = int(y.shape[0])
-            yield x, y
+        while self.t < self.plan.steps:
+            if self._pending is None:
+                self._pending = self.task.batch(self.sampler.sample())
+            t = self.t
+            yield self._pending
+            if self.t == t:
+                raise ConfigError(
+                    f"the batch of step {t + 1} was not passed to backward()/step() before the next one was "
+                    "asked for; skipping a batch is not supported (the accountant assumes every planned "
+                    "Poisson batch is used)."
+                )
 
     def _lr(self) -> float:
         if self.optimizer is not None:
             return float(self.optimizer.param_groups[0].get("lr", float("nan")))
         return self.update.rate(self._u_state)
 
-    def _release(self, x: torch.Tensor, y: torch.Tensor) -> tuple[Released | None, dict[str, Any]]:
+    def _release(self, x: Any, y: torch.Tensor) -> tuple[Released | None, dict[str, Any]]:
         if self.t >= self.plan.steps:
             raise BudgetExceededError(
-                f"the plan has {self.plan.steps} steps and all were taken; make_private(..., steps=...) plans more."
+                f"the plan has {self.plan.steps} steps and all were taken; make_private(..., steps=...) "
+                "plans more."
             )
-        if self._drawn != self.t + 1 or int(y.shape[0]) != self._drawn_size:
+        pending = self._pending
+        if (
+            pending is None
+            or inputs.batch_len(x) != int(pending[1].shape[0])
+            or y.shape != pending[1].shape
+            or not torch.equal(y, pending[1])
+        ):
             raise ConfigError(
-                "backward()/step() takes the batch that private.batches() just yielded, once: the accountant "
-                "assumes dptune's Poisson batches (write `for x, y in private.batches(): private.step(x, y)`)."
+                "backward()/step() takes the batch that private.batches() just yielded, once: the "
+                "accountant assumes dptune's Poisson batches (write `for x, y in private.batches(): "
+                "private.step(x, y)`)."
             )
+        self._pending = None
         self.t += 1
         ctx = StepContext(
             t=self.t, x=x, y=y, oracle=self.oracle, release=self.gateway, run=self.run
@@ -182,24 +217,41 @@ class PrivateTraining:
         released, self._p_state, info = self.privatizer.privatize(
             self._params(), self._p_state, ctx, lr=self._lr(), label=self.strategy.name
         )
-        row = {"step": self.t, **info}
+        row = {"step": self.t, "lr": self._lr(), **info}
         self.history.append(row)
         return released, row
 
-    def backward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    def backward(self, x: Any, y: torch.Tensor) -> dict[str, Any]:
         """Release this batch's private gradient and store it in each parameter's ``.grad``
-        (the mean over the expected batch size L). Returns the step's public row (step, C_t, ...)."""
+        (the mean over the expected batch size L; it replaces, never adds to, ``.grad``).
+        Returns the step's public row (step, lr, C_t, ...)."""
         released, row = self._release(x, y)
-        g = (
-            released.gradient()
-            if released is not None
-            else {k: torch.zeros_like(p) for k, p in self._named.items()}
-        )
+        if released is None:
+            g = {k: torch.zeros_like(p) for k, p in self._named.items()}
+        else:
+            g = released.gradient()
+        self._released = {}
         for k, p in self._named.items():
-            p.grad = g[k].detach().to(p.dtype)
+            grad = g[k].detach().to(p.dtype)
+            p.grad = grad
+            self._released[k] = (grad, grad._version)
         return row
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    def _check_grads(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before the optimizer's step: every ``.grad`` is still the released one (a
+        ``loss.backward()`` in between would add the exact, non-private gradient)."""
+        for k, p in self._named.items():
+            if p.grad is None:
+                continue
+            grad, version = self._released.get(k, (None, -1))
+            if p.grad is not grad or grad._version != version:
+                raise ConfigError(
+                    f"the gradient of {k!r} is not the one private.backward() released (a loss.backward() "
+                    "or an in-place change since?): the optimizer would use non-private gradients. Call "
+                    "optimizer.zero_grad() and private.backward(x, y) right before optimizer.step()."
+                )
+
+    def step(self, x: Any, y: torch.Tensor) -> dict[str, Any]:
         """``backward`` then the optimizer's step; or, with a dptune update rule, the rule
         applied to the model's parameters in place."""
         if self.optimizer is not None:
@@ -208,11 +260,14 @@ class PrivateTraining:
             return row
         released, row = self._release(x, y)
         if released is not None:
-            new, self._u_state, info = self.update.update(self._params(), self._u_state, released)
+            # Copies: a rule may keep the parameters it was given in its state (ADADP's θ₀),
+            # and the model's tensors are overwritten in place below.
+            params = {k: p.detach().clone() for k, p in self._named.items()}
+            new, self._u_state, info = self.update.update(params, self._u_state, released)
             with torch.no_grad():
                 for k, p in self._named.items():
                     p.copy_(new[k])
-            row.update({"lr": info.get("lr")})
+            row.update(info)
         return row
 
     # ------------------------------------------------------------------ what it spent
@@ -243,6 +298,7 @@ class PrivateTraining:
             seconds=time.perf_counter() - self._started,
             model=self.model,
             secure_mode=self.secure_mode,
+            steps_taken=self.t,
         )
 
 

@@ -297,18 +297,20 @@ def build_model(path: str, input_dim: int | None, classes: int | None, **options
     return net
 
 
-def data_shape(train: Any) -> tuple[int, int | None]:
-    """(input_dim, classes) of a training part: classes only when the targets are in memory."""
-    if isinstance(train, tuple | list) and len(train) == 2 and isinstance(train[0], torch.Tensor):
-        x, y = torch.as_tensor(train[0]), torch.as_tensor(train[1])
+def data_shape(train: Any) -> tuple[int | None, int | None]:
+    """(input_dim, classes) of a training part: classes only when the targets are in memory;
+    input_dim None for a model with several inputs (a tuple/dict x: no single width)."""
+    if isinstance(train, tuple | list) and len(train) == 2 and (
+            isinstance(train[0], torch.Tensor) or inputs.is_structured(train[0])):
+        x, y = train[0], torch.as_tensor(train[1])
     else:
         fast = tensors_of(train)
         if fast is None:
             x0, _ = MapSource(train, torch.device("cpu"))._empty
-            return math.prod(x0.shape[1:]), None
+            return (None if not isinstance(x0, torch.Tensor) else math.prod(x0.shape[1:])), None
         x, y = fast
     classes = int(y.max()) + 1 if not y.dtype.is_floating_point and y.numel() else None
-    return math.prod(x.shape[1:]), classes
+    return (math.prod(x.shape[1:]) if isinstance(x, torch.Tensor) else None), classes
 
 
 def named_metric(name: str | None) -> Metric | None:

@@ -66,12 +66,14 @@ class Released:
     expected batch size L it is normalised by (the accountant's L, never the realised batch
     size, which is private); ``gradient()`` = total / L, computed once. For ``NonPrivate``,
     ``divisor`` is None and ``total`` already is the gradient. ``clip``: the C used (public: a
-    function of earlier releases).
+    function of earlier releases); ``noise_std``: the std of the gradient's noise, ν_g·C (ν_g
+    = ν for a single query; the split multiplier ν_g > ν for OSO and quantile).
     """
 
     total: Tensors
     divisor: float | None
     clip: float | None
+    noise_std: float | None = None  # the std of the noise in ``total`` (ν_g·C; None: no noise)
     _gradient: Tensors | None = field(default=None, repr=False)
 
     @property
@@ -138,7 +140,12 @@ class FixedClip(Privatizer):
             ),
             label=f"{label}/gradient",
         )
-        return Released(noisy, ctx.run.expected_batch_size, self.clip), state, {"clip": self.clip}
+        nu = ctx.run.noise_multiplier
+        return (
+            Released(noisy, ctx.run.expected_batch_size, self.clip, nu * self.clip),
+            state,
+            {"clip": self.clip},
+        )
 
 
 @dataclass(frozen=True)
@@ -211,7 +218,7 @@ class QuantileClip(Privatizer):
         b_frac = float(b_sum) / L + 0.5
         new_clip = clip * math.exp(-self.clip_lr * (b_frac - self.target_quantile))
         return (
-            Released(g_sum, L, clip),
+            Released(g_sum, L, clip, state["nu_g"] * clip),
             {**state, "clip": new_clip},
             {"clip": clip, "unclipped_fraction": b_frac},
         )
@@ -299,7 +306,7 @@ class OSOClip(Privatizer):
             label=f"{label}/gradient+q",
         )
         L = ctx.run.expected_batch_size
-        released = Released(g_sum, L, clip)
+        released = Released(g_sum, L, clip, state["nu_g"] * clip)
         g = released.gradient()
         # A deferred q̃_t stays a handle; a gateway that returns tensors (test stubs) is also fine.
         q = q_out.scaled(1.0 / L) if isinstance(q_out, DeferredSum) else tree.scale(q_out, 1.0 / L)

@@ -121,6 +121,7 @@ class TrainResult:
     seconds: float = 0.0
     model: nn.Module | None = field(default=None, repr=False)
     secure_mode: bool = False  # noise and Poisson batches from the OS CSPRNG (else from the seed)
+    steps_taken: int | None = None  # when fewer than planned (a user loop stopped early); None: plan.steps
 
     # * train_loss is the mean loss on the private batch: a diagnostic for the user's own
     #   eyes, NOT differentially private. dptune never selects on it.
@@ -245,7 +246,7 @@ def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Te
                           "(a map-style dataset works with dptune.train; for train_many, read it into "
                           "memory with dptune.own.materialize).")
     # x: one tensor, or a tuple/dict of tensors for a model with several inputs (dptune.inputs).
-    x = inputs.check(x) if inputs.is_structured(x) else torch.as_tensor(x)
+    x = inputs.as_inputs(x)
     y = torch.as_tensor(y)
     if inputs.batch_len(x) != y.shape[0]:
         raise ConfigError(f"x and y have different lengths ({inputs.batch_len(x)} vs {y.shape[0]}).")

@@ -70,6 +70,7 @@ class UpdateRule(ABC):
     name: ClassVar[str]
     hyperparameters: ClassVar[tuple[str, ...]] = ()
     finalizes: ClassVar[bool] = False  # does ``finalize`` change the parameters?
+    needs_noisy_release: ClassVar[bool] = False  # refuses the NonPrivate privatizer
 
     def validate_run(self, run: RunInfo) -> None:
         """Raise ConfigError if this rule cannot run with these run settings."""
@@ -185,38 +186,40 @@ class Adam(UpdateRule):
 @dataclass(frozen=True)
 class AdamWOSM(UpdateRule):
     """First moment only, with bias correction, at the effective step size (ESS):
-      lr = α / (ν·C/L + 10⁻⁸)                     (Algorithm 2 line 3; C of the first step)
+      lr = α / (σ/L + 10⁻⁸),  σ = ν_g·C        (Algorithm 2 line 3: the std of g̃'s noise, which
+                                               is ν·C for a fixed C; of the first step's release)
       m_t = β₁ m_{t−1} + (1−β₁) g̃_t;  θ_t = θ_{t−1} − lr · m_t / (1−β₁ᵗ)
-    Algorithm 2 line 8 divides by the realised |L_t|; dptune divides by the expected L."""
+    Algorithm 2 line 8 divides by the realised |L_t|; dptune divides by the expected L.
+    With an adaptive privatizer (quantile, oso) σ is that of the first step (ν_g·C₀): the ESS is
+    fixed for the run, as in the paper, where C is."""
 
     alpha: float = 1e-3
     beta1: float = 0.9
     name = "adamwosm"
     hyperparameters = ("alpha", "beta1")
+    needs_noisy_release: ClassVar[bool] = True  # the ESS is defined by the noise: no NonPrivate
 
     def __post_init__(self) -> None:
         check_positive("alpha", self.alpha)
         check_unit_interval("beta1", self.beta1)
 
-    def effective_step_size(self, run: RunInfo, clip: float) -> float:
-        return self.alpha / (run.noise_multiplier * clip / run.expected_batch_size + 1e-8)
+    def effective_step_size(self, noise_std: float, expected_batch_size: float) -> float:
+        return self.alpha / (noise_std / expected_batch_size + 1e-8)
 
     def init(self, params, run):
-        return {"m": zeros_like(params), "t": 0, "lr": None, "run": run}
+        return {"m": zeros_like(params), "t": 0, "lr": None}
 
     def rate(self, state):
         return state["lr"] if state["lr"] is not None else math.nan
 
     def update(self, params, state, released):
-        if released.divisor is None or released.clip is None:
+        if released.divisor is None or released.noise_std is None:
             raise ConfigError(
                 "adamwosm's step size needs a clipped, noisy gradient; use 'adam' without privacy."
             )
-        lr = (
-            state["lr"]
-            if state["lr"] is not None
-            else self.effective_step_size(state["run"], released.clip)
-        )
+        lr = state["lr"]
+        if lr is None:
+            lr = self.effective_step_size(released.noise_std, released.divisor)
         t = state["t"] + 1
         # m ← β₁m + (1−β₁)·total/L and θ ← θ − (lr/c1)·m: 1/L and 1/c1 folded into fused
         # multiply-adds (two passes for m, one for θ; the same up to the last bits).

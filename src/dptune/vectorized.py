@@ -363,6 +363,12 @@ def train_many(
 
     task = resolve_task(data, eval_data, device, metric, loss)
     dev, x, y, ex, ey, metric, loss = task.device, task.x, task.y, task.ex, task.ey, task.metric, task.loss
+    if not isinstance(x, torch.Tensor):  # several inputs: the stacked forward takes one tensor
+        if fallback == "error":
+            raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
+        warnings.warn("dptune.train_many: running the trials sequentially (several model inputs).",
+                      RuntimeWarning, stacklevel=2)
+        return [sequential(k) for k in range(K)]
     n = int(x.shape[0])
 
     stacked = _Stacked(ops)

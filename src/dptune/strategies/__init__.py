@@ -16,6 +16,7 @@ from dptune.strategies.base import (
     RunInfo,
     StepContext,
     Strategy,
+    canonical_chain_name,
     chain,
     chain_parts,
     make_chain,
@@ -65,6 +66,11 @@ def strategy_signature(name: str) -> tuple[str, tuple[str, ...], bool]:
             "'<privatizer>+<update>' (e.g. 'oso+adam')."
         )
     p_cls, u_cls = parts
+    if u_cls.needs_noisy_release and not p_cls.private:
+        raise ConfigError(
+            f"the update rule {u_cls.name!r} needs a private (noisy) release; use 'none+adam'."
+        )
+    key = canonical_chain_name(key)
     return key, tuple(dict.fromkeys(p_cls.hyperparameters + u_cls.hyperparameters)), p_cls.private
 
 

@@ -34,4 +34,5 @@ class AdamWOSM(Composed):
         return FixedClip(self.clip), AdamWOSMRule(self.alpha, self.beta1)
 
     def effective_step_size(self, run: RunInfo) -> float:
-        return AdamWOSMRule(self.alpha, self.beta1).effective_step_size(run, self.clip)
+        rule = AdamWOSMRule(self.alpha, self.beta1)
+        return rule.effective_step_size(run.noise_multiplier * self.clip, run.expected_batch_size)

@@ -169,6 +169,19 @@ class Chain(Composed):
             raise ConfigError(
                 f"chain() takes an update rule second (dptune.updates), got {self.update_part!r}."
             )
+        if self.update_part.needs_noisy_release and not self.privatizer_part.private:
+            raise ConfigError(
+                f"the update rule {self.update_part.name!r} is defined by the noise of a private release; "
+                f"it cannot follow the non-private privatizer {self.privatizer_part.name!r} (use 'adam')."
+            )
+        # A hyperparameter both parts have (OSO's rule) has one value: config() stays flat.
+        p_cfg, u_cfg = self.privatizer_part.config(), self.update_part.config()
+        clash = sorted(k for k in set(p_cfg) & set(u_cfg) if p_cfg[k] != u_cfg[k])
+        if clash:
+            raise ConfigError(
+                f"both parts of the chain take {clash[0]!r} and were given different values "
+                f"({p_cfg[clash[0]]!r} and {u_cfg[clash[0]]!r}); give them the same value."
+            )
         # Instance-level name and privacy: a chain is whatever its parts are.
         object.__setattr__(self, "name", f"{self.privatizer_part.name}+{self.update_part.name}")
         object.__setattr__(self, "private", self.privatizer_part.private)
@@ -195,11 +208,30 @@ def chain_hyperparameters(p: type[Privatizer], u: type[UpdateRule]) -> tuple[str
     return tuple(dict.fromkeys(p.hyperparameters + u.hyperparameters))
 
 
+PART_ALIASES = {
+    "fixed_threshold": "fixed",
+    "fixedthreshold": "fixed",
+    "fixed_quantile": "quantile",
+    "online": "oso",
+    "nodp": "none",
+    "nonprivate": "none",
+    "momentum": "sgd",
+    "oso_rho": "oso_rate",
+}
+
+
+def canonical_chain_name(name: str) -> str:
+    """``" Online + Adam "`` → ``"oso+adam"``: parts stripped, lower-cased, aliases resolved."""
+    p_name, _, u_name = name.partition("+")
+    p_name, u_name = p_name.strip().lower(), u_name.strip().lower()
+    return f"{PART_ALIASES.get(p_name, p_name)}+{PART_ALIASES.get(u_name, u_name)}"
+
+
 def chain_parts(name: str) -> tuple[type[Privatizer], type[UpdateRule]] | None:
     """The part classes of a ``"<privatizer>+<update>"`` name, or None if it is not one."""
     if "+" not in name:
         return None
-    p_name, _, u_name = name.partition("+")
+    p_name, _, u_name = canonical_chain_name(name).partition("+")
     if p_name not in PRIVATIZERS or u_name not in UPDATES:
         raise ConfigError(
             f"unknown composition {name!r}: write '<privatizer>+<update>' with a privatizer in "

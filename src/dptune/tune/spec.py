@@ -546,8 +546,8 @@ def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
         raise _err(path, "must be a StrategyArm", "StrategyArm(name='dpsgd', space={'lr': [0.1, 1.0]})")
     try:
         key, hyperparameters, private = strategy_signature(str(arm.name))
-    except ConfigError:
-        raise _err(f"{path}.name", f"unknown strategy {arm.name!r}",
+    except ConfigError as exc:
+        raise _err(f"{path}.name", str(exc).rstrip("."),
                    f"choose one of {', '.join(sorted(STRATEGIES))}, or '<privatizer>+<update>' "
                    "(e.g. 'oso+adam')") from None
     object.__setattr__(arm, "name", key)
