@@ -292,3 +292,17 @@ def assert_gaussian_std(samples: torch.Tensor | np.ndarray, sigma: float, what: 
         assert not gaussian_std_accepts(samples, wrong), (
             f"{what}: test has no power: it accepts the wrong σ {wrong:.6g} with n = {n} samples; use more samples"
         )
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(file: str, module: str | None = None) -> Any:
+    """Import ``examples/<file>`` as a module (the examples are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(module or Path(file).stem, EXAMPLES / file)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -3,21 +3,16 @@ map-style Dataset through ``dptune.train``, the selected model saved with its ca
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_model_and_data.py"
+from conftest import load_example
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("own_model_and_data", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("own_model_and_data.py")
 
 
 def test_example_trains_saves_and_reloads_the_selected_model(tmp_path: Path) -> None:

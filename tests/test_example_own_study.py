@@ -3,11 +3,11 @@ TOML file with ``module:factory`` — runs on small data, from Python and from `
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
+from conftest import load_example
 from typer.testing import CliRunner
 
 from dptune import ConfigError
@@ -19,10 +19,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("own_model_study_example", EXAMPLES / "own_model_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("own_model_study.py", "own_model_study_example")
 
 
 def test_example_study_runs_on_small_data(tmp_path, monkeypatch):

@@ -3,19 +3,14 @@ hand-written loop (torch Adam + cosine schedule, OSO's online C), on the embedde
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "private_step_in_your_loop.py"
+from conftest import load_example
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("private_step_in_your_loop", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("private_step_in_your_loop.py")
 
 
 def test_hand_written_loop_spends_the_budget_learns_c_and_saves(tmp_path: Path) -> None:

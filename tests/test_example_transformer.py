@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import gzip
-import importlib.util
 import math
 import os
 import random
@@ -16,18 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_example
 
 from dptune import ghost
 from dptune.grads import GradientOracle
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _example():
-    spec = importlib.util.spec_from_file_location("transformer_text", ROOT / "examples" / "transformer_text.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("transformer_text.py")
 
 
 def _fake_enron(root: Path, n: int = 120) -> Path:

@@ -155,3 +155,21 @@ def test_nested_python_lists_are_still_one_input() -> None:
     r = dptune.train(model, (dense.tolist(), y.tolist()), "dpsgd", steps=3, expected_batch_size=20,
                      noise_multiplier=1.0, device="cpu")  # fmt: skip
     assert r.ledger.releases == 3
+
+
+def test_a_study_with_several_inputs_is_one_clear_error(tmp_path, monkeypatch) -> None:
+    """Studies hash tensor rows for the holdout split: several inputs are refused with the fix
+    (they work with dptune.train and make_private)."""
+    from dptune.tune.data import study_data
+    from dptune.tune.spec import DataSpec, SelectionSpec
+
+    (tmp_path / "two_inputs_data.py").write_text(
+        "import torch\n"
+        "def load():\n"
+        "    a, b = torch.randn(30, 3), torch.randn(30, 2)\n"
+        "    y = (a[:, 0] > 0).long()\n"
+        "    return ((a, b), y), ((a[:10], b[:10]), y[:10])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="studies take one input tensor"):
+        study_data(DataSpec(factory="two_inputs_data:load"), SelectionSpec(), 0)

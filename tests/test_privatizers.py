@@ -219,17 +219,15 @@ def _run_loop(private) -> None:
         private.step(x, y)
 
 
+def _dpsgd_reference(x: torch.Tensor, y: torch.Tensor):
+    """dptune.train's DP-Momentum run that the user-loop tests reproduce, and its settings."""
+    kw = {"steps": 12, "expected_batch_size": 30, "noise_multiplier": 1.2, "seed": 7, "device": "cpu"}
+    return dptune.train(_problem()[0], (x, y), "dpsgd", lr=0.3, clip=0.8, momentum=0.5, **kw), kw
+
+
 def test_make_private_with_an_update_rule_is_train_bit_for_bit() -> None:
     model, x, y = _problem()
-    ref_model, _, _ = _problem()
-    kw = {
-        "steps": 12,
-        "expected_batch_size": 30,
-        "noise_multiplier": 1.2,
-        "seed": 7,
-        "device": "cpu",
-    }
-    ref = dptune.train(ref_model, (x, y), "dpsgd", lr=0.3, clip=0.8, momentum=0.5, **kw)
+    ref, kw = _dpsgd_reference(x, y)
     private = dptune.make_private(model, (x, y), SGD(0.3, 0.5), privatizer=FixedClip(0.8), **kw)
     _run_loop(private)
     for k, p in model.named_parameters():
@@ -240,15 +238,7 @@ def test_make_private_with_an_update_rule_is_train_bit_for_bit() -> None:
 
 def test_make_private_with_a_torch_optimizer_is_the_same_algorithm() -> None:
     model, x, y = _problem()
-    ref_model, _, _ = _problem()
-    kw = {
-        "steps": 12,
-        "expected_batch_size": 30,
-        "noise_multiplier": 1.2,
-        "seed": 7,
-        "device": "cpu",
-    }
-    ref = dptune.train(ref_model, (x, y), "dpsgd", lr=0.3, clip=0.8, momentum=0.5, **kw)
+    ref, kw = _dpsgd_reference(x, y)
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5)
     private = dptune.make_private(model, (x, y), opt, privatizer=FixedClip(0.8), **kw)
     for xb, yb in private.batches():

@@ -273,6 +273,8 @@ def as_pair(part: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """An (x, y) tensor pair from a pair or a map-style dataset (read fully into memory)."""
     if isinstance(part, tuple | list) and len(part) == 2 and all(isinstance(t, torch.Tensor) for t in part):
         return part[0], part[1]
+    if isinstance(part, tuple | list) and len(part) == 2 and inputs.is_structured(part[0]):
+        return part[0], torch.as_tensor(part[1])  # several inputs: the caller decides
     return materialize(part)
 
 

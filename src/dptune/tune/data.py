@@ -93,6 +93,13 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
         train, test = load_data(spec.factory, dict(spec.options))
         (x_tr, y_tr) = as_pair(train)
         x_te, y_te = as_pair(test) if test is not None else (x_tr[:0], y_tr[:0])
+        if not (isinstance(x_tr, torch.Tensor) and isinstance(x_te, torch.Tensor)):
+            raise ConfigError(
+                f"data.factory {spec.factory!r} gives a model several inputs (tuple/dict batches): studies take "
+                "one input tensor for now (the holdout split hashes tensor rows). Fix: concatenate the inputs "
+                "into one tensor and split them in forward(), or train with dptune.train / make_private, "
+                "which accept several inputs."
+            )
     if spec.tensors is not None:
         x_tr, y_tr, x_te, y_te = spec.tensors
     if spec.tensors is not None or spec.factory is not None:
