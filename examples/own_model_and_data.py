@@ -69,7 +69,7 @@ def main(n: int = 4000, steps: int = 300, epsilon: float = 3.0, out: str | Path 
     result = dptune.train(
         net, train_data, "dpsgd", steps=steps, expected_batch_size=max(n // 20, 8),
         target_epsilon=epsilon, delta=1e-5, eval_data=test_data, eval_every=max(steps // 10, 1),
-        lr=0.5, clip=1.0, seed=seed, device="cpu",
+        lr=0.5, clip=1.0, momentum=0.0, seed=seed, device="cpu",
     )
     folder = dptune.save_model(result, out, model_id={"class": "examples.own_model_and_data.SmallNet",
                                                       "kwargs": {"dim": 10, "hidden": 32, "classes": 3}},

@@ -281,9 +281,11 @@ def main(argv: list[str] | None = None) -> dict:
         out[key] = (sec, acc)
         if key == "ghost":
             out["epsilon"] = res.epsilon(args.delta)
+            out["accountant"] = res.plan.accountant
         label = f"DP, {cls.__name__}, grad_method={method}"
         print(f"  {label:<42} {sec * 1e3:8.1f} ms {sec / sec0:6.2f}x   acc {acc:.3f}")
-    print(f"\nprivate runs: (ε = {out['epsilon']:.2f}, δ = {args.delta:g}) each (RDP accountant)")
+    print(f"\nprivate runs: (ε = {out['epsilon']:.2f}, δ = {args.delta:g}) each "
+          f"({out.get('accountant', 'rdp').upper()} accountant)")
     core = out["core"] = core_times(data, args, args.reps)
     print(f"\nGradient part of one step, batch {int(args.batch)}, median of {args.reps} interleaved repetitions "
           "(steadier than whole runs on a busy machine):")

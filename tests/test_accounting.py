@@ -80,7 +80,8 @@ def test_real_train_records_exactly_the_expected_event() -> None:
 
 def test_train_with_target_epsilon_spends_at_most_the_target() -> None:
     model, x, y = zero_grad_problem(6, 3, 300)
-    res = train(model, (x, y), "dpsgd", epochs=1, expected_batch_size=30, target_epsilon=2.0, delta=DELTA, device="cpu")
+    res = train(model, (x, y), "dpsgd", epochs=1, expected_batch_size=30, target_epsilon=2.0, delta=DELTA, device="cpu",
+                accountant="rdp")
     eps = rdp_eps(res.ledger.event())
     assert eps <= 2.0 and eps > 2.0 * 0.99
 

@@ -215,7 +215,11 @@ def test_gdp_calibration_never_overshoots(eps: float, log_delta: float, steps: i
     mu = math.sqrt(steps * runs) / nu
     assert _gdp_delta(mu, eps) <= delta * (1 + 1e-9)
     assert 0 < cal.lower < nu <= cal.lower * (1 + 1e-8)
-    assert accounting.epsilon(accounting.dpsgd_event(cal.lower, 1.0, steps, runs), delta, "gdp") > eps
+    # the lower end misses the target on one of the two reporting paths (calibrate checks both:
+    # at ν ≈ 100 their roundings differ by an ulp of ε, and a ν feasible on both is feasible)
+    lower_forms = (accounting.dpsgd_event(cal.lower, 1.0, steps, runs),
+                   dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(cal.lower), steps * runs))
+    assert max(accounting.epsilon(ev, delta, "gdp") for ev in lower_forms) > eps
 
 
 def test_gdp_epsilon_is_never_below_its_root() -> None:

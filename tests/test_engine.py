@@ -259,7 +259,8 @@ def test_dpsgd_reaches_80_percent_on_mnist5k_at_epsilon_3(shared_data_dir) -> No
     (x, y), (xt, yt) = load_mnist(shared_data_dir, n_test=10000)
     torch.manual_seed(0)
     res = train(pooled_mnist_mlp(), (x, y), "dpsgd", epochs=5, expected_batch_size=500, target_epsilon=3.0,
-                delta=1e-5, eval_data=(xt, yt), eval_every=10**6, seed=0, device="cpu", lr=4.0, clip=1.0)
+                delta=1e-5, eval_data=(xt, yt), eval_every=10**6, seed=0, device="cpu", lr=4.0, clip=1.0,
+                momentum=0.0, accountant="rdp")
     assert res.plan.steps == 50
     assert res.epsilon(accountant="rdp") <= 3.0
     assert res.evals[-1]["accuracy"] >= 0.80, res.evals
@@ -272,6 +273,7 @@ def test_oso_from_small_clip_reaches_75_percent_on_mnist5k_at_epsilon_3(shared_d
     (x, y), (xt, yt) = load_mnist(shared_data_dir, n_test=10000)
     torch.manual_seed(0)
     res = train(pooled_mnist_mlp(), (x, y), "oso", epochs=5, expected_batch_size=500, target_epsilon=3.0,
-                delta=1e-5, eval_data=(xt, yt), eval_every=10**6, seed=0, device="cpu", lr=40.0, initial_clip=0.1)
+                delta=1e-5, eval_data=(xt, yt), eval_every=10**6, seed=0, device="cpu", lr=40.0, initial_clip=0.1,
+                accountant="rdp")
     assert res.epsilon(accountant="rdp") <= 3.0
     assert res.evals[-1]["accuracy"] >= 0.75, res.evals

@@ -184,7 +184,7 @@ def test_noise_through_train_matches_and_is_what_moves_the_parameters(monkeypatc
     model, x, y = zero_grad_problem(20, 10, 100)
     theta0 = flat(dict(model.named_parameters()))
     lr, clip, nu, steps = 0.3, 2.0, 0.9, 10
-    res = train(model, (x, y), "dpsgd", steps=steps, expected_batch_size=25, noise_multiplier=nu, lr=lr, clip=clip,
+    res = train(model, (x, y), "dpsgd", steps=steps, expected_batch_size=25, noise_multiplier=nu, lr=lr, clip=clip, momentum=0.0,
                 device="cpu", seed=5)
     (gate,) = gates
     assert len(gate.calls) == steps

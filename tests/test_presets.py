@@ -129,7 +129,8 @@ def test_galli_paper_study_has_the_papers_grids(k):
     oso = next(a for a in st.strategies if a.key == "oso")
     assert st.method_for(oso).name == "online" and oso.fixed["initial_clip"] == 0.1
     q = next(a for a in st.strategies if a.key == "quantile")
-    assert q.space["target_quantile"] == [0.1, 0.3, 0.5, 0.7, 0.9] and q.fixed == {"clip_lr": 0.2, "initial_clip": 0.1}
+    assert q.space["target_quantile"] == [0.1, 0.3, 0.5, 0.7, 0.9]
+    assert q.fixed == {"clip_lr": 0.2, "initial_clip": 0.1, "momentum": 0.0}
     ae = preset_study("galli-fmnist-ae", "paper")
     assert ae.budget.epsilon == (1.0, 2.0, 3.0, 4.0) and ae.data.options["task"] == "reconstruction"
 
@@ -352,7 +353,7 @@ def test_demo_study_is_an_honest_per_grid_comparison():
         if not math.isfinite(eps):
             continue
         k = arm.extra["candidates"]
-        ref = accounting.calibrate(eps, 1e-5, q, T, runs=k, accountant="rdp")
+        ref = accounting.calibrate(eps, 1e-5, q, T, runs=k, accountant="pld")  # the demo's tightest accountant
         assert _close(arm.extra["noise_multipliers"][0], ref, 1e-3), (label, eps)
     # Sensible grids: every DP strategy can take a step of learning rate 0.3–1 (or the ESS).
     st = demo_study()
@@ -380,3 +381,45 @@ def test_demo_writes_report_and_prints_table(monkeypatch, tmp_path):
     assert all(r["value_mean"] is not None and 0.0 <= r["value_mean"] <= 1.0 for r in rows)
     assert "dpsgd" in console.file.getvalue()
     assert EPSILONS == (3.0, 8.0)
+
+
+# The papers' settings, where dptune's own defaults (issue 12: horizon-aware OSO rates, linear
+# scaling learning rates, C₀ = 1, momentum 0.9) differ from them.
+PAPER_SETTINGS = {
+    ("galli", "oso"): {"initial_clip": 0.1, "clip_lr": 2.5e-3, "lr_lr": 2.5e-3, "momentum": 0.0},
+    ("galli", "dpsgd"): {"momentum": 0.0},
+    ("galli", "quantile"): {"initial_clip": 0.1, "clip_lr": 0.2, "momentum": 0.0},
+    ("galli", "adamwosm"): {"alpha": 1e-3},
+    ("mohapatra", "dpsgd"): {"momentum": 0.0},
+    ("mohapatra", "dpadam"): {"lr": 1e-3},
+    ("mohapatra", "adadp"): {"lr": 1e-3},
+    ("mohapatra", "dpadamwosm"): {"alpha": 1e-3},
+    ("panda", "linear-scaling"): {"momentum": 0.9},
+    ("panda", "random-search"): {"momentum": 0.9},
+    ("panda", "grid-oracle"): {"momentum": 0.9},
+}
+
+
+@pytest.mark.parametrize("name", ["galli-mnist", "galli-fmnist-ae", "galli-agnews", "mohapatra-mnist",
+                                  "mohapatra-adult", "mohapatra-enron", "panda-linear-scaling-mnist"])
+def test_paper_presets_keep_the_papers_settings_not_dptunes_defaults(name: str) -> None:
+    """Every arm of a paper preset pins the settings the paper states; none falls back on a
+    data-free default (lr, α or an OSO rate left as None)."""
+    from dptune.presets import preset_studies
+    from dptune.strategies import make_strategy
+
+    family = name.split("-")[0]
+    checked = 0
+    for study in preset_studies(name, "smoke").values():
+        for arm in study.strategies:
+            first = {k: (v[0] if isinstance(v, list | tuple) else next(iter(v.values()))[0])
+                     for k, v in arm.space.items() if k not in ("steps", "epochs", "expected_batch_size")}
+            fixed = {k: v for k, v in arm.fixed.items() if k not in ("steps", "epochs", "expected_batch_size")}
+            config = make_strategy(arm.name, **first, **fixed).config()
+            unset = [k for k in ("lr", "alpha", "clip_lr", "lr_lr") if k in config and config[k] is None]
+            assert not unset, (name, arm.display if hasattr(arm, "display") else arm.name, unset)
+            want = PAPER_SETTINGS.get((family, arm.label or arm.name), {})
+            for k, v in want.items():
+                assert config[k] == v, (name, arm.label or arm.name, k, config[k], v)
+                checked += 1
+    assert checked > 0

@@ -65,6 +65,7 @@ def test_every_privatizer_composes_with_every_update_rule(privatizer, update) ->
         noise_multiplier=1.5,
         seed=1,
         device="cpu",
+        accountant="rdp",
     )
     assert r.ledger.releases == 6
     assert r.ledger.matches(r.plan.event())
@@ -400,7 +401,7 @@ def test_make_private_stopped_early_spends_what_it_executed_and_saves_a_card(
             break  # early stop (e.g. on public validation data)
     assert private.ledger.releases == 5 < private.steps
     assert private.epsilon() < 2.0
-    full = accounting.epsilon(private.plan.event(), 1e-5, "rdp")
+    full = accounting.epsilon(private.plan.event(), 1e-5, private.plan.accountant)
     assert full <= 2.0 + 1e-9
     out = dptune.save_model(private.result(), tmp_path / "m")
     back, card = dptune.load_model(out, model=_problem()[0])
@@ -443,7 +444,7 @@ def test_adamwosm_step_size_uses_the_gradient_noise_of_the_privatizer() -> None:
     nu_g, _ = OSOClip().split(nu)
     assert nu_g > nu
     assert r.history[0]["lr"] == pytest.approx(1e-3 / (nu_g * 0.4 / L + 1e-8), rel=1e-12)
-    fixed = make_strategy("adamwosm", clip=0.4)
+    fixed = make_strategy("adamwosm", clip=0.4, alpha=1e-3)
     r = dptune.train(
         model, (x, y), fixed, steps=2, expected_batch_size=L, noise_multiplier=nu, device="cpu"
     )

@@ -553,3 +553,54 @@ def test_report_study_reads_a_stored_study(tmp_path: Path) -> None:
     assert all(r["label"] for r in led) and sum(int(r["releases"]) for r in led) >= 2 * 12
     with pytest.raises(ConfigError, match="holds no study"):
         report_study(tmp_path / "nothing-here")
+
+
+def test_study_conclusions_state_the_winner_the_margin_and_the_noise_cost() -> None:
+    """The report opens with conclusions computed from the tuner's table (issue 12)."""
+    from dptune.report.study import conclusions
+
+    table = [
+        {"strategy": "oso", "optimizer": "oso", "method": "online", "epsilon": 3.0, "test_mean": 0.852,
+         "value_mean": 0.85, "runs_total": 3, "arm": "oso@eps=3"},
+        {"strategy": "dpsgd", "optimizer": "dpsgd", "method": "grid", "epsilon": 3.0, "test_mean": 0.798,
+         "value_mean": 0.8, "runs_total": 9, "arm": "dpsgd@eps=3"},
+        {"strategy": "nodp", "optimizer": "nodp", "method": "grid", "epsilon": float("inf"), "test_mean": 0.91,
+         "value_mean": 0.91, "runs_total": 1, "arm": "nodp"},
+    ]
+    noise = {"oso@eps=3": {"runs": 3, "nu": 1.3}, "dpsgd@eps=3": {"runs": 9, "nu": 2.99}}
+    lines = conclusions(table, noise, True, "accuracy", hidden_k=False)
+    assert lines[0] == ("At ε = 3, oso (online, 3 runs) is best: accuracy 0.852, ahead of dpsgd (grid, 9 runs) at "
+                        "0.798 by 5.4 points. Splitting the budget over its runs cost dpsgd 2.3× the noise per run "
+                        "of oso (ν = 2.99 against 1.3).")
+    assert lines[1].startswith("At ε = ∞ (no privacy), nodp")
+    # Under Liu–Talwar / repeat-and-select the number of runs is secret: no counts, no noise ratio.
+    secret = conclusions(table, noise, True, "accuracy", hidden_k=True)[0]
+    assert "runs" not in secret and "noise" not in secret
+    # Lower is better (mse): the smallest wins.
+    mse = [dict(r, test_mean=1 - r["test_mean"]) for r in table[:2]]
+    assert conclusions(mse, noise, False, "mse", hidden_k=False)[0].startswith("At ε = 3, oso")
+    # A relative tie for small MSEs: 0.012 against 0.0124 is not a tie (3 % apart).
+    small = [dict(table[0], test_mean=0.012), dict(table[1], test_mean=0.0124)]
+    assert "tied" not in conclusions(small, noise, False, "mse", hidden_k=False)[0]
+    # One procedure alone "scores"; an oracle arm (search not accounted) is not ranked.
+    alone = conclusions(table[:1] + [dict(table[1], method="oracle")], noise, True, "accuracy", hidden_k=False)
+    assert alone == ["At ε = 3, oso (online, 3 runs) scores accuracy 0.852."]
+
+
+def test_grid_heatmap_of_a_two_axis_grid_goes_to_the_diagnostics(tmp_path) -> None:
+    """Every configuration of a lr × C grid (losing candidates included): diagnostics only."""
+    import json
+    from types import SimpleNamespace
+
+    from dptune.report.study import grid_heatmaps
+
+    runs = [{"arm": "dpsgd@eps=3", "score": 0.5 + 0.1 * i + 0.01 * j,
+             "config": json.dumps({"lr": lr, "clip": c, "momentum": 0.0})}
+            for i, lr in enumerate([0.1, 1.0, 10.0]) for j, c in enumerate([0.1, 1.0])]
+    runs.append({"arm": "oso@eps=3", "score": 0.8, "config": json.dumps({"lr": 1.0})})  # one axis: no map
+    arms = {"dpsgd@eps=3": SimpleNamespace(label="dpsgd", epsilon=3.0), "oso@eps=3": SimpleNamespace(label="oso", epsilon=3.0)}
+    figs = grid_heatmaps(runs, arms, tmp_path, "accuracy", True)
+    assert len(figs) == 1
+    path = figs[0].path
+    assert path.exists() and "diagnostics" in path.parts and "release" not in path.parts
+    assert "lr" in figs[0].caption and "clip" in figs[0].caption

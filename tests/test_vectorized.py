@@ -89,7 +89,7 @@ def test_per_trial_noise_multipliers_targets_and_full_batch() -> None:
         ref = train(mlp([1, 2][k]), (X, Y), "dpgd", seed=[1, 2][k], noise_multiplier=nu, steps=5, full_batch=True, **cfgs[k])
         assert got[k].plan.noise_multiplier == nu
         assert_same_run(got[k], ref)
-    got = train_many(mlp, (X, Y), "dpsgd", [{"lr": 0.1}] * 2, [3, 4], target_epsilon=[1.0, 8.0], delta=1e-5,
+    got = train_many(mlp, (X, Y), "dpsgd", [{"lr": 0.1}] * 2, [3, 4], target_epsilon=[1.0, 8.0], delta=1e-5, accountant="rdp",
                      steps=4, expected_batch_size=30, fallback="error")
     assert got[0].plan.noise_multiplier > got[1].plan.noise_multiplier
     for r, target in zip(got, [1.0, 8.0], strict=True):  # each run spends what its own plan says

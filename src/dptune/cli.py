@@ -77,7 +77,8 @@ def train(
     batch_size: float = typer.Option(256, help="expected batch size L (Poisson rate q = L/n)"),
     full_batch: bool = typer.Option(False, help="full-batch training (q = 1)"),
     hp: list[str] = typer.Option([], "--hp", help="strategy hyperparameter key=value (repeatable), e.g. --hp lr=0.5"),
-    accountant: str = typer.Option("rdp", help="rdp, pld or gdp (full batch only)"),
+    accountant: str = typer.Option(
+        "auto", help="auto (the tightest: PLD, or exact μ-GDP at full batch), rdp, pld or gdp (full batch only)"),
     eval_every: int = typer.Option(50, help="evaluate on the test split every N steps"),
     seed: int = typer.Option(0),
     data_dir: str | None = typer.Option(None, help="local dataset copies (else $DPTUNE_DATA_DIR / download cache)"),

@@ -314,7 +314,7 @@ def make_private(
     noise_multiplier: float | None = None,
     target_epsilon: float | None = None,
     delta: float | None = None,
-    accountant: str = "rdp",
+    accountant: str = "auto",
     loss: str | Callable | None = None,
     seed: int = 0,
     secure_mode: bool = False,

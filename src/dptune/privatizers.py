@@ -38,7 +38,9 @@ from dptune.steps import (
     RunInfo,
     StepContext,
     check_positive,
+    check_rate,
     check_rule,
+    horizon_rate,
     hypergradient_step,
 )
 from dptune.tree import Tensors, dot, norm
@@ -161,7 +163,7 @@ class QuantileClip(Privatizer):
 
     target_quantile: float = 0.5  # γ
     clip_lr: float = 0.2  # η_C
-    initial_clip: float = 0.1  # C₀
+    initial_clip: float = 1.0  # C₀
     count_noise_std: float | None = None  # σ_b; None → L/20
     name = "quantile"
     hyperparameters = ("target_quantile", "clip_lr", "initial_clip", "count_noise_std")
@@ -247,8 +249,8 @@ class OSOClip(Privatizer):
     also needs ‖q̃_t‖: it draws the full vector.
     """
 
-    initial_clip: float = 0.1  # C₀
-    clip_lr: float = 2.5e-3  # ρ_c
+    initial_clip: float = 1.0  # C₀
+    clip_lr: float | None = None  # ρ_c; None → OSO_LOG_RANGE / T (horizon-aware)
     q_noise_multiplier: float | None = None  # ν_q; None → from relative_increase
     relative_increase: float = 0.01  # allowed increase of ν_g over ν
     rule: Rule = "exp"
@@ -260,8 +262,7 @@ class OSOClip(Privatizer):
 
     def __post_init__(self) -> None:
         check_positive("initial_clip (C₀)", self.initial_clip)
-        if self.clip_lr < 0:
-            raise ConfigError(f"clip_lr must be ≥ 0, got {self.clip_lr}.")
+        check_rate("clip_lr (ρ_c)", self.clip_lr)
         check_rule(self.rule)
         if self.q_noise_multiplier is not None:
             check_positive("q_noise_multiplier (ν_q)", self.q_noise_multiplier)
@@ -279,7 +280,8 @@ class OSOClip(Privatizer):
 
     def init(self, run: RunInfo) -> dict[str, Any]:
         nu_g, nu_q = self.split(run.noise_multiplier)
-        return {"clip": self.initial_clip, "nu_g": nu_g, "nu_q": nu_q, "prev_q": None}
+        return {"clip": self.initial_clip, "nu_g": nu_g, "nu_q": nu_q, "prev_q": None,
+                "clip_lr": horizon_rate(self.clip_lr, run)}
 
     def privatize(self, params, state, ctx, *, lr, label):
         assert ctx.release is not None
@@ -319,7 +321,7 @@ class OSOClip(Privatizer):
                 else dot(g, prev_q)
             )
             cos_q = gq / max(norm(g) * norm(prev_q), 1e-30) if self.rule == "normalized" else 0.0
-            new_clip = hypergradient_step(self.rule, clip, self.clip_lr, gq, cos_q, lr, MIN_CLIP)
+            new_clip = hypergradient_step(self.rule, clip, state["clip_lr"], gq, cos_q, lr, MIN_CLIP)
         return released, {**state, "clip": new_clip, "prev_q": q}, {"clip": clip, "g_dot_q": gq}
 
 

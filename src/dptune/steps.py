@@ -66,6 +66,37 @@ def check_unit_interval(name: str, value: float, closed_left: bool = True) -> fl
     return float(value)
 
 
+# OSO's hyperparameter rates, horizon-aware (docs/strategies.md, "Horizon-aware rates"): under the
+# sign rule C and ρ move by a factor of at most exp(ρ_c·T); Galli et al.'s ρ_c = ρ_r = 2.5e-3 at
+# their T ≈ 1,172 steps (MNIST, 5 epochs at L = 256 of 60,000) allow exp(2.93) ≈ 19×. A rate
+# left unset gives every run that same range: ρ = OSO_LOG_RANGE / T.
+OSO_LOG_RANGE = 2.5e-3 * 1172
+
+
+def horizon_rate(rate: float | None, run: RunInfo) -> float:
+    """An OSO rate: the given one, or OSO_LOG_RANGE / T (public: T is planned)."""
+    return float(rate) if rate is not None else OSO_LOG_RANGE / max(run.steps, 1)
+
+
+def check_rate(name: str, rate: float | None) -> None:
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate)
+                             or rate < 0):
+        raise ConfigError(f"{name} must be a finite number ≥ 0 or None (horizon-aware), got {rate!r}.")
+
+
+# Default learning rates by Panda et al.'s linear scaling rule: what matters is r = η·T, the
+# step size times the number of steps (docs/strategies.md, "Defaults", with the measurements).
+# For SGD on clipped means, η is the effective step lr·C/(1 − μ) (the length of one update of
+# a fully clipped batch); for Adam, lr itself (Adam normalises the gradient's scale).
+SGD_STEP_BUDGET = 200.0  # r = lr·C/(1 − μ)·T
+ADAM_STEP_BUDGET = 0.8  # r = lr·T
+
+
+def scaled_lr(budget: float, run: RunInfo, clip: float = 1.0, momentum: float = 0.0) -> float:
+    """The linear-scaling default: lr = r·(1 − μ)/(C·T) (public: T, C and μ are planned)."""
+    return budget * (1.0 - momentum) / (clip * max(run.steps, 1))
+
+
 Rule = Literal["exp", "additive", "normalized"]
 RULES = ("exp", "additive", "normalized")
 

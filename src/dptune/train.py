@@ -69,9 +69,12 @@ def plan_run(
     noise_multiplier: float | None = None,
     target_epsilon: float | None = None,
     delta: float | None = None,
-    accountant: str = "rdp",
+    accountant: str = "auto",
 ) -> RunPlan:
-    """Resolve q, T and ν for one run; calibrate ν to (ε, δ) when a target is given."""
+    """Resolve q, T and ν for one run; calibrate ν to (ε, δ) when a target is given.
+
+    ``accountant='auto'``: the tightest valid one, exact μ-GDP at full batch, else PLD
+    (``accounting.tightest_accountant``)."""
     if full_batch is False and expected_batch_size is None:
         raise ConfigError("give expected_batch_size (Poisson sampling rate q = L/n) or full_batch=True.")
     q = sampling_rate_for(n, expected_batch_size, full_batch)
@@ -80,6 +83,7 @@ def plan_run(
     T = steps_for_epochs(epochs, q) if epochs is not None else int(steps)  # type: ignore[arg-type]
     if T < 1:
         raise ConfigError(f"steps must be ≥ 1, got {steps}.")
+    accountant = accounting.tightest_accountant(q) if accountant == "auto" else accountant
     accounting.check_accountant(accountant)
     if accountant == "gdp" and q < 1 and strategy.private:
         raise ConfigError("accountant='gdp' is exact only for full batch (q = 1); use 'pld' (tight) or 'rdp'.")
@@ -494,7 +498,7 @@ def train(
     noise_multiplier: float | None = None,
     target_epsilon: float | None = None,
     delta: float | None = None,
-    accountant: str = "rdp",
+    accountant: str = "auto",
     eval_data: Any = None,
     eval_every: int = 50,
     metric: str | None = None,

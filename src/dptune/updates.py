@@ -28,12 +28,17 @@ from dptune import tree
 from dptune.errors import ConfigError
 from dptune.privatizers import Released
 from dptune.steps import (
+    ADAM_STEP_BUDGET,
+    SGD_STEP_BUDGET,
     Rule,
     RunInfo,
     check_positive,
+    check_rate,
     check_rule,
     check_unit_interval,
+    horizon_rate,
     hypergradient_step,
+    scaled_lr,
 )
 from dptune.tree import Tensors, add_scaled, dot, ema, lincomb, norm, zeros_like
 
@@ -100,16 +105,21 @@ class UpdateRule(ABC):
 @dataclass(frozen=True)
 class SGD(UpdateRule):
     """m_t = μ·m_{t−1} + g̃_t;  θ_{t+1} = θ_t − lr·m_t  (μ = 0: SGD). ``final_step``: one more
-    step θ ← θ − lr·m_T after training (Panda et al. §A.3, "a step for free")."""
+    step θ ← θ − lr·m_T after training (Panda et al. §A.3, "a step for free").
 
-    lr: float = 0.1
+    ``lr=None``: the linear-scaling default lr_t = r·(1 − μ)/(C_t·T), r = ``SGD_STEP_BUDGET``,
+    with C_t the release's clipping threshold (1 without clipping) and T the planned steps: the
+    effective step lr_t·C_t/(1 − μ) = r/T stays fixed when an adaptive privatizer moves C_t."""
+
+    lr: float | None = 0.1
     momentum: float = 0.0
     final_step: bool = False
     name = "sgd"
     hyperparameters = ("lr", "momentum", "final_step")
 
     def __post_init__(self) -> None:
-        check_positive("lr", self.lr)
+        if self.lr is not None:
+            check_positive("lr", self.lr)
         check_unit_interval("momentum", self.momentum)
 
     @property
@@ -117,27 +127,34 @@ class SGD(UpdateRule):
         return bool(self.final_step)
 
     def init(self, params, run):
-        return {"momentum": None}
+        return {"momentum": None, "lr": self.lr, "run": run}
+
+    def rate(self, state):
+        return state["lr"] if state["lr"] is not None else math.nan
 
     def update(self, params, state, released):
+        lr = self.lr
+        if lr is None:
+            clip = released.clip if released.clip is not None else 1.0
+            lr = scaled_lr(SGD_STEP_BUDGET, state["run"], clip, self.momentum)
         # g̃ = total / L, folded into the update (fused multiply-adds, see heavy_ball).
-        params, buf = heavy_ball(
-            params, state["momentum"], released.total, self.lr, self.momentum, scale=released.scale
-        )
-        return params, {"momentum": buf}, {"lr": self.lr}
+        params, buf = heavy_ball(params, state["momentum"], released.total, lr, self.momentum,
+                                 scale=released.scale)  # fmt: skip
+        return params, {**state, "momentum": buf, "lr": lr}, {"lr": lr}
 
     def finalize(self, params, state):
         if self.final_step and state.get("momentum") is not None:
-            return {k: params[k] - self.lr * state["momentum"][k] for k in params}
+            return {k: params[k] - state["lr"] * state["momentum"][k] for k in params}
         return params
 
 
 @dataclass(frozen=True)
 class Adam(UpdateRule):
     """m_t = β₁ m_{t−1} + (1−β₁) g̃_t,  v_t = β₂ v_{t−1} + (1−β₂) g̃_t²
-    θ_{t+1} = θ_t − lr · m̂_t / (√v̂_t + ε),  m̂_t = m_t/(1−β₁ᵗ), v̂_t = v_t/(1−β₂ᵗ)."""
+    θ_{t+1} = θ_t − lr · m̂_t / (√v̂_t + ε),  m̂_t = m_t/(1−β₁ᵗ), v̂_t = v_t/(1−β₂ᵗ).
+    ``lr=None``: the linear-scaling default lr = r/T, r = ``ADAM_STEP_BUDGET``."""
 
-    lr: float = 1e-3
+    lr: float | None = 1e-3
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
@@ -145,13 +162,18 @@ class Adam(UpdateRule):
     hyperparameters = ("lr", "beta1", "beta2", "eps")
 
     def __post_init__(self) -> None:
-        check_positive("lr", self.lr)
+        if self.lr is not None:
+            check_positive("lr", self.lr)
         check_unit_interval("beta1", self.beta1)
         check_unit_interval("beta2", self.beta2)
         check_positive("eps", self.eps)
 
     def init(self, params, run):
-        return {"m": zeros_like(params), "v": zeros_like(params), "t": 0}
+        lr = self.lr if self.lr is not None else scaled_lr(ADAM_STEP_BUDGET, run)
+        return {"m": zeros_like(params), "v": zeros_like(params), "t": 0, "lr": lr}
+
+    def rate(self, state):
+        return state["lr"]
 
     def update(self, params, state, released):
         g = released.gradient()
@@ -174,13 +196,13 @@ class Adam(UpdateRule):
         # θ − lr·(m/c1) / (sqrt(v/c2) + ε); −lr folds the subtraction into an addition exactly
         # (negation commutes with every rounding here).
         num = torch._foreach_div([m[k] for k in params], c1)
-        torch._foreach_mul_(num, -self.lr)
+        torch._foreach_mul_(num, -state["lr"])
         den = torch._foreach_div([v[k] for k in params], c2)
         torch._foreach_sqrt_(den)
         torch._foreach_add_(den, self.eps)
         torch._foreach_div_(num, den)
         params = dict(zip(params, torch._foreach_add(list(params.values()), num), strict=True))
-        return params, {"m": m, "v": v, "t": t}, {"lr": self.lr}
+        return params, {**state, "m": m, "v": v, "t": t}, {"lr": state["lr"]}
 
 
 @dataclass(frozen=True)
@@ -193,21 +215,25 @@ class AdamWOSM(UpdateRule):
     With an adaptive privatizer (quantile, oso) σ is that of the first step (ν_g·C₀): the ESS is
     fixed for the run, as in the paper, where C is."""
 
-    alpha: float = 1e-3
+    alpha: float | None = 1e-3  # None: the linear-scaling default α = r/T, r = ADAM_STEP_BUDGET
     beta1: float = 0.9
     name = "adamwosm"
     hyperparameters = ("alpha", "beta1")
     needs_noisy_release: ClassVar[bool] = True  # the ESS is defined by the noise: no NonPrivate
 
     def __post_init__(self) -> None:
-        check_positive("alpha", self.alpha)
+        if self.alpha is not None:
+            check_positive("alpha", self.alpha)
         check_unit_interval("beta1", self.beta1)
 
-    def effective_step_size(self, noise_std: float, expected_batch_size: float) -> float:
-        return self.alpha / (noise_std / expected_batch_size + 1e-8)
+    def effective_step_size(self, noise_std: float, expected_batch_size: float, alpha: float | None = None) -> float:
+        a = self.alpha if alpha is None else alpha
+        assert a is not None
+        return a / (noise_std / expected_batch_size + 1e-8)
 
     def init(self, params, run):
-        return {"m": zeros_like(params), "t": 0, "lr": None}
+        alpha = self.alpha if self.alpha is not None else scaled_lr(ADAM_STEP_BUDGET, run)
+        return {"m": zeros_like(params), "t": 0, "lr": None, "alpha": alpha}
 
     def rate(self, state):
         return state["lr"] if state["lr"] is not None else math.nan
@@ -219,7 +245,7 @@ class AdamWOSM(UpdateRule):
             )
         lr = state["lr"]
         if lr is None:
-            lr = self.effective_step_size(released.noise_std, released.divisor)
+            lr = self.effective_step_size(released.noise_std, released.divisor, state["alpha"])
         t = state["t"] + 1
         # m ← β₁m + (1−β₁)·total/L and θ ← θ − (lr/c1)·m: 1/L and 1/c1 folded into fused
         # multiply-adds (two passes for m, one for θ; the same up to the last bits).
@@ -240,8 +266,8 @@ class OSORate(UpdateRule):
     ∂θ_t/∂ρ_{t−1} = −m_{t−1}, hence m in the rule. ``additive``: ρ + ρ_r ρ g̃ᵀm (floored at
     1e-12); ``normalized``: ρ(1 + ρ_r cos(g̃_t, m_{t−1})). ``adapt_lr=False``: ρ stays ρ₀."""
 
-    lr: float = 0.1  # ρ₀
-    lr_lr: float = 2.5e-3  # ρ_r
+    lr: float | None = None  # ρ₀; None → linear scaling, 200·(1 − μ)/(C₀·T) (C₀: the first release's C)
+    lr_lr: float | None = None  # ρ_r; None → OSO_LOG_RANGE / T (horizon-aware)
     rule: Rule = "exp"
     momentum: float = 0.0
     adapt_lr: bool = True
@@ -249,32 +275,36 @@ class OSORate(UpdateRule):
     hyperparameters = ("lr", "lr_lr", "rule", "momentum", "adapt_lr")
 
     def __post_init__(self) -> None:
-        check_positive("lr (ρ₀)", self.lr)
-        if self.lr_lr < 0:
-            raise ConfigError(f"lr_lr must be ≥ 0, got {self.lr_lr}.")
+        if self.lr is not None:
+            check_positive("lr (ρ₀)", self.lr)
+        check_rate("lr_lr (ρ_r)", self.lr_lr)
         check_rule(self.rule)
         check_unit_interval("momentum", self.momentum)
 
     def init(self, params, run):
-        return {"lr": self.lr, "prev_g": None, "momentum": None}
+        return {"lr": self.lr, "prev_g": None, "momentum": None, "lr_lr": horizon_rate(self.lr_lr, run),
+                "run": run}
 
     def rate(self, state):
-        return state["lr"]
+        return state["lr"] if state["lr"] is not None else math.nan
 
     def update(self, params, state, released):
         lr = state["lr"]
+        if lr is None:  # ρ₀ by linear scaling, from the first release's C₀
+            clip = released.clip if released.clip is not None else 1.0
+            lr = scaled_lr(SGD_STEP_BUDGET, state["run"], clip, self.momentum)
         g = released.gradient()
         params, buf = heavy_ball(params, state["momentum"], g, lr, self.momentum)
         prev_g, new_lr, gg = state["prev_g"], lr, 0.0
         if self.adapt_lr and prev_g is not None:
             gg = dot(g, prev_g)
             cos_g = gg / max(norm(g) * norm(prev_g), 1e-30) if self.rule == "normalized" else 0.0
-            new_lr = hypergradient_step(self.rule, lr, self.lr_lr, gg, cos_g, lr, MIN_RATE)
+            new_lr = hypergradient_step(self.rule, lr, state["lr_lr"], gg, cos_g, lr, MIN_RATE)
         # With momentum, ∂θ_t/∂ρ_{t-1} = −m_{t−1}: keep the applied direction for the next ρ rule.
         direction = buf if buf is not None else g
         return (
             params,
-            {"lr": new_lr, "prev_g": direction, "momentum": buf},
+            {**state, "lr": new_lr, "prev_g": direction, "momentum": buf},
             {"lr": lr, "g_dot_g": gg},
         )
 

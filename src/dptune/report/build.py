@@ -66,6 +66,7 @@ def build_report(
     selection_split: str | None = None,
     budgets: Sequence[Mapping[str, Any]] = (),
     notes: Sequence[str] = (),
+    conclusions: Sequence[str] = (),
     pareto: Mapping[float, float] | Sequence[tuple[float, float]] | None = None,
     relative_increase: float = 0.01,
     lt_ma: Sequence[Any] | None = None,
@@ -84,7 +85,7 @@ def build_report(
     holds only what the guarantee covers: the best (or selected) configuration per strategy
     and ε with its metric, the C_t/ρ_t trajectories of the ``selected`` histories (step, clip
     and lr only), the budget, the noise split, LT-vs-MA and linear-scaling figures and the
-    caller's ``notes``, ``extra_figures`` and ``extra_sections``. ``diagnostics/`` (labelled
+    caller's ``conclusions`` (first), ``notes``, ``extra_figures`` and ``extra_sections``. ``diagnostics/`` (labelled
     "not differentially private: for the data owner only", see ``dptune.report.privacy``)
     holds every configuration (results_all.csv), every history with every column (train
     loss, batch sizes), the per-run ledger, the cosine diagnostic, ``diagnostic_notes`` and
@@ -120,6 +121,8 @@ def build_report(
 
     sections: list[Section] = []
     dsections: list[Section] = []  # not DP: only on diagnostics/report.html
+    if conclusions:  # first: what the results say, computed from them (covered by the guarantee)
+        sections.append(Section("Conclusions", paragraphs=list(conclusions)))
     if notes:
         sections.append(Section("Notes", paragraphs=list(notes)))
     if diagnostic_notes:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from dptune import accounting
@@ -439,4 +440,35 @@ def ledger(
     ax_rel.set_xlabel("noisy releases (all runs)")
     ax_rel.set_title("releases per query label")
     fig.suptitle(title or "Privacy ledger")
+    return _save(fig, path)
+
+
+def grid_heatmap(scores: Mapping[tuple[Any, Any], float], x_name: str, y_name: str, path: str | Path, *,
+                 title: str, metric: str = "accuracy", higher: bool = True) -> Path:
+    """Every configuration's score on a two-axis grid (e.g. lr × C: Mohapatra's inverse relation;
+    η × T: Panda's heatmaps), the best cell outlined. Shows losing candidates: a diagnostic."""
+    xs = sorted({x for x, _ in scores}, key=float)
+    ys = sorted({y for _, y in scores}, key=float)
+    grid = np.full((len(ys), len(xs)), np.nan)
+    for (x, y), v in scores.items():
+        grid[ys.index(y), xs.index(x)] = v
+    fig, axes = _figure(1.1 * len(xs) + 2.4, 0.55 * len(ys) + 1.8)
+    ax = axes[0][0]
+    im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis" if higher else "viridis_r")
+    ax.set_xticks(range(len(xs)), [f"{float(x):g}" for x in xs])
+    ax.set_yticks(range(len(ys)), [f"{float(y):g}" for y in ys])
+    ax.set_xlabel(x_name)
+    ax.set_ylabel(y_name)
+    ax.set_title(title, fontsize=9)
+    lo, hi = (np.nanmin(grid), np.nanmax(grid)) if np.isfinite(grid).any() else (0.0, 1.0)
+    for i in range(len(ys)):
+        for j in range(len(xs)):
+            if np.isfinite(grid[i, j]):
+                light = (grid[i, j] - lo) / (hi - lo or 1.0) > 0.6 if higher else (grid[i, j] - lo) / (hi - lo or 1.0) < 0.4
+                ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7,
+                        color="black" if light else "white")
+    if np.isfinite(grid).any():
+        i, j = np.unravel_index(np.nanargmax(grid) if higher else np.nanargmin(grid), grid.shape)
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec="red"))
+    fig.colorbar(im, ax=ax, label=metric)
     return _save(fig, path)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,8 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
         for r in table
     ]
 
+    noise_of = arm_costs(plan)
+
     # -- method figures
     pareto = {}
     lt_rows = None
@@ -173,6 +176,7 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
           r["failed"]] for r in table],
         caption="Runs per tuning procedure (under Liu–Talwar / repeat-and-select their number is secret).",
     )
+    heatmaps = grid_heatmaps(runs, arm_of, out, metric, plan.higher_is_better) if include_diagnostics else []
     done = sum(1 for r in runs if r["status"] in ("done", "diverged"))
     notes, secret_notes = split_arm_notes(plan.arms)
     paragraphs = [
@@ -191,6 +195,14 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
     sections = [Section("Tuner's selection table", paragraphs=paragraphs + notes, tables=[tuner_table])]
     dsections = [Section("Every run", paragraphs=secret_notes, tables=[runs_table], attachments=[runs_csv],
                          diagnostic=True)]
+    if heatmaps:
+        dsections.append(Section(
+            "Every configuration of each two-axis grid", diagnostic=True,
+            paragraphs=["The score of every configuration (mean over seed replicates), the best outlined: "
+                        "the shape of the search space (Mohapatra et al.'s lr × C inverse relation, Panda et "
+                        "al.'s η × T). It shows the losing candidates, which the guarantee of a private "
+                        "selection does not cover."],
+            figures=heatmaps))
     status = [] if done == len(runs) else (
         ["The study is not finished: the results cover the runs done so far."] if hidden_k
         else [f"The study is not finished: {done} of {len(runs)} runs are done."])
@@ -203,9 +215,117 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
         metric=metric, higher_is_better=plan.higher_is_better,
         title=title or f"Study report: {cfg.get('study', {}).get('name') or study_dir.name}",
         subtitle=f"{subtitle}n_train = {plan.n_train}",
-        notes=status, pareto=pareto or None, lt_ma=lt_rows, extra_figures=extra, extra_sections=sections,
+        notes=status, conclusions=conclusions(table, noise_of, plan.higher_is_better, metric, hidden_k),
+        pareto=pareto or None, lt_ma=lt_rows, extra_figures=extra, extra_sections=sections,
         diagnostic_sections=dsections, include_diagnostics=include_diagnostics,
     )
+
+
+def conclusions(table: Sequence[Mapping[str, Any]], costs: Mapping[str, Mapping[str, Any]], higher: bool,
+                metric: str, hidden_k: bool) -> list[str]:
+    """One sentence per ε from the tuner's table: the best procedure, its margin over the next,
+    and, where the number of runs is public, what the runs cost each procedure in noise.
+
+    ``costs``: arm → {"runs": runs accounted, "nu": the one ν of its runs, or None when its runs
+    differ (linear scaling, T searched) or do not split a budget (oracle)} (``arm_costs``: the
+    public plan). Oracle arms, whose search is not accounted, are left out of the ranking.
+    Everything used is on the release page already (selected configurations' metrics, ν)."""
+    out = []
+    key = "test_mean" if any(r.get("test_mean") is not None for r in table) else "value_mean"
+    by_eps: dict[float, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in table:
+        if r.get("method") != "oracle":
+            by_eps[float(r["epsilon"])].append(r)
+
+    def fmt_gap(gap: float) -> str:
+        return f"{100 * gap:.1f} points" if metric == "accuracy" else f"{gap:.3g}"
+
+    def tied(a: float, b: float) -> bool:  # accuracy: half a tenth of a point; else relative
+        return abs(a - b) < (5e-4 if metric == "accuracy" else 5e-4 * max(abs(a), abs(b)))
+
+    for eps in sorted(by_eps):
+        eps_text = "ε = ∞ (no privacy)" if not math.isfinite(eps) else f"ε = {eps:g}"
+        rows = [r for r in by_eps[eps] if r.get(key) is not None and math.isfinite(float(r[key]))]
+        if not rows:
+            out.append(f"At {eps_text}, no procedure has a finite result yet.")
+            continue
+        rows.sort(key=lambda r: float(r[key]), reverse=higher)
+
+        def name(r: Mapping[str, Any]) -> str:
+            n = costs.get(r["arm"], {}).get("runs", r.get("runs_total"))
+            runs = "" if hidden_k or n is None else f", {n} run{'s' if n != 1 else ''}"
+            return f"{r['strategy']} ({r['method']}{runs})"
+
+        first = rows[0]
+        v1 = float(first[key])
+        if len(rows) == 1 or tied(v1, float(rows[1][key])):
+            text = f"At {eps_text}, {name(first)} scores {metric} {v1:.3g}"
+        else:
+            text = f"At {eps_text}, {name(first)} is best: {metric} {v1:.3g}"
+        if len(rows) > 1:
+            second = rows[1]
+            v2 = float(second[key])
+            if tied(v1, v2):
+                text += f", tied with {name(second)}"
+            else:
+                text += f", ahead of {name(second)} at {v2:.3g} by {fmt_gap(abs(v1 - v2))}"
+            n1 = costs.get(first["arm"], {}).get("nu")
+            n2 = costs.get(second["arm"], {}).get("nu")
+            if not hidden_k and n1 and n2 and math.isfinite(n1) and math.isfinite(n2) and n1 != n2:
+                more, less = (second, first) if n2 > n1 else (first, second)
+                text += (f". Splitting the budget over its runs cost {more['strategy']} {max(n1, n2) / min(n1, n2):.2g}× "
+                         f"the noise per run of {less['strategy']} (ν = {max(n1, n2):.3g} against {min(n1, n2):.3g})")
+        # Galli et al.'s comparison, when the study has both and they are not the pair above.
+        oso = next((r for r in rows if r.get("optimizer") == "oso"), None)
+        sgd = next((r for r in rows if r.get("optimizer") == "dpsgd"), None)
+        if oso is not None and sgd is not None and {id(oso), id(sgd)} != {id(r) for r in rows[:2]}:
+            diff = float(oso[key]) - float(sgd[key])
+            better = diff > 0 if higher else diff < 0
+            text += (f". Online vs DP-SGD: {name(oso)} {float(oso[key]):.3g} against {name(sgd)} "
+                     f"{float(sgd[key]):.3g} ({'better' if better else 'worse'} by {fmt_gap(abs(diff))})")
+        out.append(text + ".")
+    return out
+
+
+def arm_costs(plan: Any) -> dict[str, dict[str, Any]]:
+    """Arm → {"runs": runs its budget is split over, "nu": the one ν of its runs or None}
+    (part of the public plan; ν only where one ν is shared by a split budget)."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in plan.arms:
+        nus = {plan.runs[rid].noise_multiplier for rid in arm.runs}
+        nu = next(iter(nus)) if len(nus) == 1 and arm.method in ("grid", "online", "random") else None
+        out[arm.arm] = {"runs": arm.guarantee.get("runs_accounted", len(arm.runs)), "nu": float(nu) if nu else None}
+    return out
+
+
+def grid_heatmaps(runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any], out: Path, metric: str,
+                  higher: bool) -> list[FigureRef]:
+    """One heatmap per arm whose runs vary exactly two numeric hyperparameters (diagnostics)."""
+    from dptune.report import figures as F
+
+    figs = []
+    by_arm: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in runs:  # grid-like searches only: random/linear-scaling spaces are not grids
+        if r["score"] is not None and r["config"] and getattr(arm_of[r["arm"]], "method", "grid") in (
+                "grid", "online", "oracle"):
+            by_arm[r["arm"]].append(r)
+    for arm, rs in by_arm.items():
+        configs = [json.loads(r["config"]) for r in rs]
+        varying = [k for k in configs[0] if all(isinstance(c.get(k), int | float) and not isinstance(c.get(k), bool)
+                                                for c in configs) and len({c[k] for c in configs}) > 1]
+        if len(varying) != 2:
+            continue
+        x, y = varying
+        cells: dict[tuple[Any, Any], list[float]] = defaultdict(list)
+        for c, r in zip(configs, rs, strict=True):
+            cells[(c[x], c[y])].append(float(r["score"]))
+        scores = {k: sum(v) / len(v) for k, v in cells.items()}
+        safe = arm.replace("/", "_").replace("@", "_at_").replace("=", "")
+        label = f"{arm_of[arm].label} @ ε = {arm_of[arm].epsilon:g}"
+        p = F.grid_heatmap(scores, x, y, diagnostics_dir(out) / "figures" / f"grid_{safe}.png",
+                           title=label, metric=metric, higher=higher)
+        figs.append(FigureRef(p, f"{label}: selection score of every {x} × {y} configuration."))
+    return figs
 
 
 def _finite(x: float | None) -> float | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dptune.privatizers import FixedClip
-from dptune.steps import RunInfo
+from dptune.steps import ADAM_STEP_BUDGET, RunInfo, scaled_lr
 from dptune.strategies.base import Composed
 from dptune.updates import AdamWOSM as AdamWOSMRule
 
@@ -13,16 +13,18 @@ from dptune.updates import AdamWOSM as AdamWOSMRule
 @dataclass(frozen=True)
 class AdamWOSM(Composed):
     """First moment only, with bias correction, at the effective step size (ESS):
-      lr = ESS = α / (σ·C/L + 10⁻⁸),  α = 10⁻³   (Algorithm 2, line 3; σ = ν, L = expected batch)
+      lr = ESS = α / (σ·C/L + 10⁻⁸)          (Algorithm 2, line 3; σ = ν, L = expected batch)
       g̃_t = (Σ clip_C(g_i) + N(0, σ²C²I)) / L
       m_t = β₁ m_{t−1} + (1−β₁) g̃_t;  m̂_t = m_t / (1−β₁ᵗ);  θ_t = θ_{t−1} − lr · m̂_t
     = chain(FixedClip(C), updates.AdamWOSM(α, β₁)). Algorithm 2 line 8 divides by the
     realised |L_t|; dptune divides by the expected L (the realised size is private and the
     accountant assumes the expected one). Only C is tuned (Galli's grid for AdamWOSM is over C alone).
+    Default α = 0.8/T (linear scaling for Adam, measured: docs/strategies.md, "Defaults"); the
+    paper's α = 10⁻³ (= 0.8/T at T = 800) is pinned in the presets.
     """
 
     clip: float = 1.0
-    alpha: float = 1e-3
+    alpha: float | None = None  # None: linear scaling, α = 0.8/T (the paper's 1e-3 suits T ≈ 800)
     beta1: float = 0.9
     name = "adamwosm"
     hyperparameters = ("clip", "alpha", "beta1")
@@ -35,4 +37,5 @@ class AdamWOSM(Composed):
 
     def effective_step_size(self, run: RunInfo) -> float:
         rule = AdamWOSMRule(self.alpha, self.beta1)
-        return rule.effective_step_size(run.noise_multiplier * self.clip, run.expected_batch_size)
+        alpha = self.alpha if self.alpha is not None else scaled_lr(ADAM_STEP_BUDGET, run)
+        return rule.effective_step_size(run.noise_multiplier * self.clip, run.expected_batch_size, alpha)

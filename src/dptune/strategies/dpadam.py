@@ -15,9 +15,11 @@ class DPAdam(Composed):
       m_t = β₁ m_{t−1} + (1−β₁) g̃_t,   v_t = β₂ v_{t−1} + (1−β₂) g̃_t²
       θ_{t+1} = θ_t − lr · m̂_t / (√v̂_t + ε),  m̂_t = m_t/(1−β₁ᵗ), v̂_t = v_t/(1−β₂ᵗ)
     Adam is post-processing of g̃_t: one Gaussian release of multiplier ν per step.
+    Default lr = 0.8/T (linear scaling for Adam, measured: docs/strategies.md, "Defaults");
+    Mohapatra et al.'s 1e-3 is pinned in their presets.
     """
 
-    lr: float = 1e-3
+    lr: float | None = None  # None: linear scaling, lr = 0.8/T (docs/strategies.md, "Defaults")
     clip: float = 1.0
     beta1: float = 0.9
     beta2: float = 0.999

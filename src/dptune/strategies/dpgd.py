@@ -25,9 +25,11 @@ class DPGD(Composed):
     before training (Panda Table 1; for linear probes — hidden layers need symmetry
     breaking); ``final_step`` takes one extra step w ← w − η v_T along the momentum buffer
     after training (§A.3, "a step for free": post-processing, no privacy cost).
+    Default η: Panda's linear scaling, η = r·(1 − μ)/(C·T) with r = 200 (measured best r on
+    mnist5k at full batch: 250–500; docs/strategies.md, "Defaults").
     """
 
-    lr: float = 0.1
+    lr: float | None = None  # None: linear scaling, r = η·T (docs/strategies.md, "Defaults")
     clip: float = 1.0
     momentum: float = 0.9
     zero_init: bool = False

@@ -43,12 +43,17 @@ class OSO(Composed):
 
     q̃'s noise is drawn as one scalar for the exp and additive rules (``OSOClip``'s docstring:
     same law of every output, same ledger event).
+
+    Defaults (docs/strategies.md, "Defaults"): ρ_c = ρ_r = 2.93/T (horizon-aware: Galli's
+    2.5e-3 at their T ≈ 1,172 steps, the same ×19 range on any horizon); C₀ = 1 and ρ₀ by the
+    linear scaling rule of DP-SGD, ρ₀ = 200·(1 − μ)/(C₀·T) (measured; Galli's C₀ = 0.1 and
+    fixed rates are pinned in the galli presets, ρ₀ is searched there).
     """
 
-    lr: float = 0.1  # ρ₀
-    initial_clip: float = 0.1  # C₀
-    clip_lr: float = 2.5e-3  # ρ_c
-    lr_lr: float = 2.5e-3  # ρ_r
+    lr: float | None = None  # ρ₀; None → 200·(1 − μ)/(C₀·T) (docs/strategies.md, "Defaults")
+    initial_clip: float = 1.0  # C₀
+    clip_lr: float | None = None  # ρ_c; None → OSO_LOG_RANGE / T (horizon-aware; paper: 2.5e-3)
+    lr_lr: float | None = None  # ρ_r; likewise
     q_noise_multiplier: float | None = None  # ν_q; None → from relative_increase
     relative_increase: float = 0.01  # allowed increase of ν_g over ν
     rule: Rule = "exp"
