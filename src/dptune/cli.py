@@ -228,11 +228,13 @@ def calibrate(
     sampling_rate: float = typer.Option(..., help="q = L/n (1 = full batch)"),
     steps: int = typer.Option(..., help="steps per run"),
     runs: int = typer.Option(1, help="runs composed (e.g. grid size)"),
-    accountant: str = typer.Option("rdp", help="rdp, pld or gdp"),
+    accountant: str = typer.Option("auto", help="auto (PLD, or exact GDP at q = 1), rdp, pld or gdp"),
 ) -> None:
     """Smallest noise multiplier ν meeting (ε, δ): never overshoots the target."""
     from dptune import accounting
 
+    if accountant == "auto":
+        accountant = accounting.tightest_accountant(sampling_rate)
     nu = accounting.calibrate(epsilon, delta, sampling_rate, steps, runs, accountant)
 
     def eps_of(v: float) -> float:
