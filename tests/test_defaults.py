@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dptune.cli import app
-from dptune.steps import ADAM_STEP_BUDGET, OSO_LOG_RANGE, SGD_STEP_BUDGET, RunInfo
+from dptune.steps import ADAM_STEP_BUDGET, OSO_LOG_RANGE, SGD_STEP_BUDGET, RunInfo, noise_scaled_budget
 
 
 @pytest.mark.parametrize("strategy", ["oso", "dpsgd"])
@@ -56,8 +56,22 @@ def test_default_rates_and_learning_rates_follow_the_horizon() -> None:
     state = sgd.init({"w": torch.zeros(2)}, _run(50))
     assert math.isnan(sgd.rate(state))
     _, state, info = sgd.update({"w": torch.zeros(2)}, state, Released({"w": torch.ones(2)}, 10.0, 0.5, 0.5))
-    assert info["lr"] == pytest.approx(SGD_STEP_BUDGET * 0.1 / (0.5 * 50))
+    r = noise_scaled_budget(SGD_STEP_BUDGET, _run(50))
+    assert info["lr"] == pytest.approx(r * 0.1 / (0.5 * 50))
     assert sgd.rate(state) == info["lr"]
+
+
+def test_the_step_budget_grows_as_the_noise_shrinks() -> None:
+    """r = 200 at high noise (s = ν/L ≥ 0.005), × (0.005/s)^1.5 below, at most × 3; ν = ∞ (no
+    privacy) keeps 200. Monotone in s: more noise never gets a larger step."""
+    def r(nu: float, L: float = 256.0) -> float:
+        return noise_scaled_budget(SGD_STEP_BUDGET, RunInfo(nu, 0.06, L, 79, 10))
+
+    assert r(2.5) == SGD_STEP_BUDGET and r(float("inf")) == SGD_STEP_BUDGET
+    assert r(0.05) == 3 * SGD_STEP_BUDGET
+    assert r(0.78) == pytest.approx(SGD_STEP_BUDGET * (0.005 / (0.78 / 256)) ** 1.5)
+    values = [r(nu) for nu in (0.1, 0.5, 0.8, 1.0, 1.3, 2.0, 4.0)]
+    assert values == sorted(values, reverse=True)
 
 
 def test_named_strategies_default_to_the_learned_rules() -> None:

@@ -38,6 +38,7 @@ from dptune.steps import (
     check_unit_interval,
     horizon_rate,
     hypergradient_step,
+    noise_scaled_budget,
     scaled_lr,
 )
 from dptune.tree import Tensors, add_scaled, dot, ema, lincomb, norm, zeros_like
@@ -107,8 +108,9 @@ class SGD(UpdateRule):
     """m_t = μ·m_{t−1} + g̃_t;  θ_{t+1} = θ_t − lr·m_t  (μ = 0: SGD). ``final_step``: one more
     step θ ← θ − lr·m_T after training (Panda et al. §A.3, "a step for free").
 
-    ``lr=None``: the linear-scaling default lr_t = r·(1 − μ)/(C_t·T), r = ``SGD_STEP_BUDGET``,
-    with C_t the release's clipping threshold (1 without clipping) and T the planned steps: the
+    ``lr=None``: the linear-scaling default lr_t = r·(1 − μ)/(C_t·T), r = ``SGD_STEP_BUDGET``
+    grown at low noise (``noise_scaled_budget``), with C_t the release's clipping threshold (1
+    without clipping) and T the planned steps: the
     effective step lr_t·C_t/(1 − μ) = r/T stays fixed when an adaptive privatizer moves C_t."""
 
     lr: float | None = 0.1
@@ -136,7 +138,7 @@ class SGD(UpdateRule):
         lr = self.lr
         if lr is None:
             clip = released.clip if released.clip is not None else 1.0
-            lr = scaled_lr(SGD_STEP_BUDGET, state["run"], clip, self.momentum)
+            lr = scaled_lr(noise_scaled_budget(SGD_STEP_BUDGET, state["run"]), state["run"], clip, self.momentum)
         # g̃ = total / L, folded into the update (fused multiply-adds, see heavy_ball).
         params, buf = heavy_ball(params, state["momentum"], released.total, lr, self.momentum,
                                  scale=released.scale)  # fmt: skip
@@ -292,7 +294,7 @@ class OSORate(UpdateRule):
         lr = state["lr"]
         if lr is None:  # ρ₀ by linear scaling, from the first release's C₀
             clip = released.clip if released.clip is not None else 1.0
-            lr = scaled_lr(SGD_STEP_BUDGET, state["run"], clip, self.momentum)
+            lr = scaled_lr(noise_scaled_budget(SGD_STEP_BUDGET, state["run"]), state["run"], clip, self.momentum)
         g = released.gradient()
         params, buf = heavy_ball(params, state["momentum"], g, lr, self.momentum)
         prev_g, new_lr, gg = state["prev_g"], lr, 0.0

@@ -19,8 +19,8 @@ class DPSGD(Composed):
 
     Defaults (docs/strategies.md, "Defaults"): C = 1 and μ = 0.9 (the momentum of Panda et al.
     and De et al.); lr by Panda et al.'s linear scaling rule, lr = r·(1 − μ)/(C·T) with
-    r = 200, measured on mnist5k, digits and Adult. Galli's FixedThreshold is μ = 0 (pinned in
-    the presets).
+    r = 200, grown up to ×3 as the noise ν/L shrinks (r grows with ε), measured on mnist5k,
+    digits, Adult and Fashion-MNIST. Galli's FixedThreshold is μ = 0 (pinned in the presets).
     """
 
     lr: float | None = None  # None: linear scaling, lr = 200·(1 − μ)/(C·T) (docs/strategies.md, "Defaults")
