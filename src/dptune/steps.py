@@ -112,6 +112,12 @@ def scaled_lr(budget: float, run: RunInfo, clip: float = 1.0, momentum: float = 
     return budget * (1.0 - momentum) / (clip * max(run.steps, 1))
 
 
+def default_sgd_lr(run: RunInfo, clip: float | None, momentum: float) -> float:
+    """SGD-type default: lr = r·(1 − μ)/(C·T), r = SGD_STEP_BUDGET grown at low noise; C = 1
+    for an unclipped (non-private) release."""
+    return scaled_lr(noise_scaled_budget(SGD_STEP_BUDGET, run), run, 1.0 if clip is None else clip, momentum)
+
+
 Rule = Literal["exp", "additive", "normalized"]
 RULES = ("exp", "additive", "normalized")
 

@@ -29,16 +29,15 @@ from dptune.errors import ConfigError
 from dptune.privatizers import Released
 from dptune.steps import (
     ADAM_STEP_BUDGET,
-    SGD_STEP_BUDGET,
     Rule,
     RunInfo,
     check_positive,
     check_rate,
     check_rule,
     check_unit_interval,
+    default_sgd_lr,
     horizon_rate,
     hypergradient_step,
-    noise_scaled_budget,
     scaled_lr,
 )
 from dptune.tree import Tensors, add_scaled, dot, ema, lincomb, norm, zeros_like
@@ -137,8 +136,7 @@ class SGD(UpdateRule):
     def update(self, params, state, released):
         lr = self.lr
         if lr is None:
-            clip = released.clip if released.clip is not None else 1.0
-            lr = scaled_lr(noise_scaled_budget(SGD_STEP_BUDGET, state["run"]), state["run"], clip, self.momentum)
+            lr = default_sgd_lr(state["run"], released.clip, self.momentum)
         # g̃ = total / L, folded into the update (fused multiply-adds, see heavy_ball).
         params, buf = heavy_ball(params, state["momentum"], released.total, lr, self.momentum,
                                  scale=released.scale)  # fmt: skip
@@ -293,8 +291,7 @@ class OSORate(UpdateRule):
     def update(self, params, state, released):
         lr = state["lr"]
         if lr is None:  # ρ₀ by linear scaling, from the first release's C₀
-            clip = released.clip if released.clip is not None else 1.0
-            lr = scaled_lr(noise_scaled_budget(SGD_STEP_BUDGET, state["run"]), state["run"], clip, self.momentum)
+            lr = default_sgd_lr(state["run"], released.clip, self.momentum)
         g = released.gradient()
         params, buf = heavy_ball(params, state["momentum"], g, lr, self.momentum)
         prev_g, new_lr, gg = state["prev_g"], lr, 0.0

@@ -28,7 +28,7 @@ from typing import Any
 from dptune.report import LedgerRow, LinearScalingFit, RunHistory, build_report
 from dptune.report.html import FigureRef, Section
 from dptune.report.privacy import hides_run_count, public_run_name, split_arm_notes
-from dptune.report.study import arm_costs, conclusions, grid_heatmaps
+from dptune.report.study import arm_costs, conclusions, grid_heatmaps, heatmap_section
 from dptune.tune import results as R
 from dptune.tune.planners import StudyPlan
 from dptune.tune.store import Store
@@ -137,10 +137,7 @@ def study_report(
     heatmaps = grid_heatmaps(list(runs.values()), arm_of, out, plan.metric, plan.higher_is_better) \
         if include_diagnostics else []
     if heatmaps:
-        extra_sections = [*extra_sections, Section(
-            "Every configuration of each two-axis grid", diagnostic=True, figures=heatmaps,
-            paragraphs=["The score of every configuration (mean over seed replicates), the best outlined. "
-                        "It shows the losing candidates: a diagnostic."])]
+        extra_sections = [*extra_sections, heatmap_section(heatmaps)]
     return build_report(
         out, results, histories, ledger_rows,
         selection_mode=sel.get("mode", "public"), selection_split=sel.get("split"),

@@ -196,13 +196,7 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
     dsections = [Section("Every run", paragraphs=secret_notes, tables=[runs_table], attachments=[runs_csv],
                          diagnostic=True)]
     if heatmaps:
-        dsections.append(Section(
-            "Every configuration of each two-axis grid", diagnostic=True,
-            paragraphs=["The score of every configuration (mean over seed replicates), the best outlined: "
-                        "the shape of the search space (Mohapatra et al.'s lr × C inverse relation, Panda et "
-                        "al.'s η × T). It shows the losing candidates, which the guarantee of a private "
-                        "selection does not cover."],
-            figures=heatmaps))
+        dsections.append(heatmap_section(heatmaps))
     status = [] if done == len(runs) else (
         ["The study is not finished: the results cover the runs done so far."] if hidden_k
         else [f"The study is not finished: {done} of {len(runs)} runs are done."])
@@ -296,6 +290,16 @@ def arm_costs(plan: Any) -> dict[str, dict[str, Any]]:
         nu = next(iter(nus)) if len(nus) == 1 and arm.method in ("grid", "online", "random") else None
         out[arm.arm] = {"runs": arm.guarantee.get("runs_accounted", len(arm.runs)), "nu": float(nu) if nu else None}
     return out
+
+
+def heatmap_section(figures: list[FigureRef]) -> Section:
+    """The diagnostics section holding ``grid_heatmaps``' figures."""
+    return Section(
+        "Every configuration of each two-axis grid", diagnostic=True, figures=figures,
+        paragraphs=["The score of every configuration (mean over seed replicates), the best outlined: "
+                    "the shape of the search space (Mohapatra et al.'s lr × C inverse relation, Panda et "
+                    "al.'s η × T). It shows the losing candidates, which the guarantee of a private "
+                    "selection does not cover."])
 
 
 def grid_heatmaps(runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any], out: Path, metric: str,
