@@ -474,3 +474,20 @@ def test_oso_additive_rule_needs_a_learning_rate() -> None:
     r = dptune.train(model, (x, y), dptune.chain(OSOClip(rule="exp"), NoRate(0.1)), steps=3,
                      expected_batch_size=40, noise_multiplier=1.0, device="cpu")  # fmt: skip
     assert all(math.isfinite(row["clip"]) for row in r.history)
+
+
+def test_hyperparameters_are_typed_by_the_strategy() -> None:
+    """`--hp adapt_lr=maybe` or lr="0.1" is one clear error, not a string stored in the plan."""
+    import numpy as np
+
+    with pytest.raises(ConfigError, match="adapt_lr must be bool, got 'maybe'"):
+        make_strategy("oso", adapt_lr="maybe")
+    with pytest.raises(ConfigError, match="lr must be float or None, got '0.1'"):
+        make_strategy("dpsgd", lr="0.1")
+    with pytest.raises(ConfigError, match="clip must be float, got True"):
+        make_strategy("dpsgd", clip=True)
+    with pytest.raises(ConfigError, match="beta1 must be float"):
+        make_strategy("oso+adam", beta1="x")
+    # numbers of any kind (numpy from random search included), None where the field allows it
+    assert make_strategy("dpsgd", lr=np.float64(0.5), clip=1).lr == 0.5
+    assert make_strategy("oso", lr=None, q_noise_multiplier=None).lr is None

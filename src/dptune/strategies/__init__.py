@@ -6,6 +6,8 @@ rule (``dptune.updates``); any other pair is available by name as ``"<privatizer
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 from typing import Any
 
 from dptune.errors import ConfigError
@@ -74,14 +76,40 @@ def strategy_signature(name: str) -> tuple[str, tuple[str, ...], bool]:
     return key, tuple(dict.fromkeys(p_cls.hyperparameters + u_cls.hyperparameters)), p_cls.private
 
 
+_KINDS = {"bool": (bool,), "float": (numbers.Real,), "int": (numbers.Integral,), "str": (str,)}
+
+
+def check_types(key: str, classes: tuple[type, ...], hyperparameters: dict[str, Any]) -> None:
+    """Each value has its field's type (``--hp adapt_lr=maybe`` is an error, not a string):
+    bool fields take booleans, numeric fields numbers (not booleans), ``X | None`` also None."""
+    annotations: dict[str, str] = {}
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            annotations.setdefault(f.name, str(f.type))
+    for k, v in hyperparameters.items():
+        kinds = [t.strip() for t in annotations.get(k, "").split("|")]
+        if v is None and "None" in kinds:
+            continue
+        wanted = [w for t in kinds for w in _KINDS.get(t, ())]
+        if not wanted:
+            continue  # Literal aliases (OSO's rule) are checked by the strategy itself
+        ok = isinstance(v, tuple(wanted)) and not (isinstance(v, bool) and bool not in wanted)
+        if not ok:
+            raise ConfigError(
+                f"strategy {key!r}: {k} must be {' or '.join(kinds)}, got {v!r} ({type(v).__name__})."
+            )
+
+
 def make_strategy(name: str, **hyperparameters: Any) -> Strategy:
-    """Build a strategy by name; unknown names or hyperparameters give one clear error."""
+    """Build a strategy by name; unknown names, hyperparameters or types give one clear error."""
     key, allowed, _ = strategy_signature(name)
     unknown = set(hyperparameters) - set(allowed)
     if unknown:
         raise ConfigError(
             f"strategy {key!r} has no hyperparameter(s) {sorted(unknown)}; it takes {sorted(allowed)}."
         )
+    parts = chain_parts(key)
+    check_types(key, (STRATEGIES[key],) if key in STRATEGIES else parts or (), hyperparameters)
     if key in STRATEGIES:
         return STRATEGIES[key](**hyperparameters)
     return make_chain(key, **hyperparameters)
