@@ -16,7 +16,13 @@ import pytest
 from typer.testing import CliRunner
 
 from dptune.cli import app
-from dptune.steps import ADAM_STEP_BUDGET, OSO_LOG_RANGE, SGD_STEP_BUDGET, RunInfo, noise_scaled_budget
+from dptune.steps import (
+    ADAM_STEP_BUDGET,
+    OSO_LOG_RANGE,
+    SGD_STEP_BUDGET,
+    RunInfo,
+    noise_scaled_budget,
+)
 
 
 @pytest.mark.parametrize("strategy", ["oso", "dpsgd"])
