@@ -207,17 +207,30 @@ def account(
 ) -> None:
     """ε(δ) of T Poisson-sampled Gaussian steps (× runs)."""
     from dptune import accounting
+    from dptune.train import accounting_check_nu
 
     accounting.check_sampling_rate(sampling_rate)
+    accounting_check_nu(noise_multiplier)  # nan, 0, negative: one clear error
+    if steps < 1 or runs < 1:
+        raise DPTuneError(f"--steps and --runs must be ≥ 1, got {steps} and {runs}.")
+    accounting.check_delta(delta)
     event = accounting.dpsgd_event(noise_multiplier, sampling_rate, steps, runs)
     names = ["rdp", "pld"] + (["gdp"] if sampling_rate >= 1 else []) if accountant == "all" else [accountant]
     # ν and q exactly as used (not rounded); ε rounded up: it is a privacy claim.
     t = Table(title=f"ν={noise_multiplier!r}, q={sampling_rate!r}, T={steps}, runs={runs}, δ={delta:g}")
     t.add_column("accountant")
     t.add_column("ε", justify="right")
+    rdp_eps = accounting.epsilon(event, delta, "rdp")
     for name in names:
-        t.add_row(name, f"{accounting.round_up(accounting.epsilon(event, delta, name), 6):.6g}")
+        if name == "pld" and rdp_eps > PLD_EPSILON_CAP:
+            # PLD ≤ RDP, but its grid grows with ε (35 PiB at ν = 1e-6): no guarantee worth a table.
+            t.add_row(name, f"not computed (RDP gives {accounting.round_up(rdp_eps, 6):.6g}: no meaningful privacy)")
+            continue
+        t.add_row(name, f"{accounting.round_up(rdp_eps if name == 'rdp' else accounting.epsilon(event, delta, name), 6):.6g}")
     console.print(t)
+
+
+PLD_EPSILON_CAP = 1000.0  # above this RDP ε, PLD's discretised privacy-loss grid is not built
 
 
 @app.command()
