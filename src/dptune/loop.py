@@ -214,10 +214,11 @@ class PrivateTraining:
         ctx = StepContext(
             t=self.t, x=x, y=y, oracle=self.oracle, release=self.gateway, run=self.run
         )
+        lr = self._lr()
         released, self._p_state, info = self.privatizer.privatize(
-            self._params(), self._p_state, ctx, lr=self._lr(), label=self.strategy.name
+            self._params(), self._p_state, ctx, lr=lr, label=self.strategy.name
         )
-        row = {"step": self.t, "lr": self._lr(), **info}
+        row = {"step": self.t, "lr": lr, **info}
         self.history.append(row)
         return released, row
 

@@ -112,6 +112,11 @@ def scaled_lr(budget: float, run: RunInfo, clip: float = 1.0, momentum: float = 
     return budget * (1.0 - momentum) / (clip * max(run.steps, 1))
 
 
+def default_adam_lr(run: RunInfo) -> float:
+    """Adam-type default (lr, or AdamWOSM's α): r/T, r = ADAM_STEP_BUDGET."""
+    return scaled_lr(ADAM_STEP_BUDGET, run)
+
+
 def default_sgd_lr(run: RunInfo, clip: float | None, momentum: float) -> float:
     """SGD-type default: lr = r·(1 − μ)/(C·T), r = SGD_STEP_BUDGET grown at low noise; C = 1
     for an unclipped (non-private) release."""

@@ -28,17 +28,16 @@ from dptune import tree
 from dptune.errors import ConfigError
 from dptune.privatizers import Released
 from dptune.steps import (
-    ADAM_STEP_BUDGET,
     Rule,
     RunInfo,
     check_positive,
     check_rate,
     check_rule,
     check_unit_interval,
+    default_adam_lr,
     default_sgd_lr,
     horizon_rate,
     hypergradient_step,
-    scaled_lr,
 )
 from dptune.tree import Tensors, add_scaled, dot, ema, lincomb, norm, zeros_like
 
@@ -169,7 +168,7 @@ class Adam(UpdateRule):
         check_positive("eps", self.eps)
 
     def init(self, params, run):
-        lr = self.lr if self.lr is not None else scaled_lr(ADAM_STEP_BUDGET, run)
+        lr = self.lr if self.lr is not None else default_adam_lr(run)
         return {"m": zeros_like(params), "v": zeros_like(params), "t": 0, "lr": lr}
 
     def rate(self, state):
@@ -232,7 +231,7 @@ class AdamWOSM(UpdateRule):
         return a / (noise_std / expected_batch_size + 1e-8)
 
     def init(self, params, run):
-        alpha = self.alpha if self.alpha is not None else scaled_lr(ADAM_STEP_BUDGET, run)
+        alpha = self.alpha if self.alpha is not None else default_adam_lr(run)
         return {"m": zeros_like(params), "t": 0, "lr": None, "alpha": alpha}
 
     def rate(self, state):

@@ -74,8 +74,6 @@ class ADADP(Composed):
     name = "adadp"
     hyperparameters = ("lr", "clip", "tolerance", "min_factor", "max_factor", "safety", "reject")
 
-    def __post_init__(self) -> None:
-        self.parts()
 
     def parts(self):
         return FixedClip(self.clip), self.rule()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dptune.privatizers import FixedClip
-from dptune.steps import ADAM_STEP_BUDGET, RunInfo, scaled_lr
+from dptune.steps import RunInfo, default_adam_lr
 from dptune.strategies.base import Composed
 from dptune.updates import AdamWOSM as AdamWOSMRule
 
@@ -29,13 +29,11 @@ class AdamWOSM(Composed):
     name = "adamwosm"
     hyperparameters = ("clip", "alpha", "beta1")
 
-    def __post_init__(self) -> None:
-        self.parts()
 
     def parts(self):
         return FixedClip(self.clip), AdamWOSMRule(self.alpha, self.beta1)
 
     def effective_step_size(self, run: RunInfo) -> float:
         rule = AdamWOSMRule(self.alpha, self.beta1)
-        alpha = self.alpha if self.alpha is not None else scaled_lr(ADAM_STEP_BUDGET, run)
+        alpha = self.alpha if self.alpha is not None else default_adam_lr(run)
         return rule.effective_step_size(run.noise_multiplier * self.clip, run.expected_batch_size, alpha)

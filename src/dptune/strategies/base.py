@@ -110,6 +110,9 @@ class Composed(Strategy):
     @abstractmethod
     def parts(self) -> tuple[Privatizer, UpdateRule]: ...
 
+    def __post_init__(self) -> None:
+        _ = self._parts  # builds (validates) the parts once, when the strategy is made
+
     @cached_property
     def _parts(self) -> tuple[Privatizer, UpdateRule]:
         return self.parts()

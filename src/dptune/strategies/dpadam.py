@@ -27,8 +27,6 @@ class DPAdam(Composed):
     name = "dpadam"
     hyperparameters = ("lr", "clip", "beta1", "beta2", "eps")
 
-    def __post_init__(self) -> None:
-        self.parts()
 
     def parts(self):
         return FixedClip(self.clip), Adam(self.lr, self.beta1, self.beta2, self.eps)

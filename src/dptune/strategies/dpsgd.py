@@ -29,8 +29,6 @@ class DPSGD(Composed):
     name = "dpsgd"
     hyperparameters = ("lr", "clip", "momentum")
 
-    def __post_init__(self) -> None:
-        self.parts()  # validates the hyperparameters now
 
     def parts(self):
         return FixedClip(self.clip), SGD(self.lr, self.momentum)

@@ -24,8 +24,6 @@ class NoDP(Composed):
     private = False
     hyperparameters = ("lr", "momentum")
 
-    def __post_init__(self) -> None:
-        self.parts()
 
     def parts(self):
         return NonPrivate(), SGD(self.lr, self.momentum)

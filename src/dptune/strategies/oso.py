@@ -72,8 +72,6 @@ class OSO(Composed):
         "adapt_lr",
     )
 
-    def __post_init__(self) -> None:
-        self.parts()
 
     def parts(self):
         return (
@@ -89,4 +87,4 @@ class OSO(Composed):
 
     def split(self, nu: float) -> tuple[float, float]:
         """(ν_g, ν_q) for a joint per-step multiplier ν (``OSOClip.split``)."""
-        return self.parts()[0].split(nu)
+        return self.privatizer.split(nu)

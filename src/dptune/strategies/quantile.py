@@ -44,8 +44,6 @@ class FixedQuantile(Composed):
         "momentum",
     )
 
-    def __post_init__(self) -> None:
-        self.parts()
 
     def parts(self):
         return (
@@ -56,8 +54,8 @@ class FixedQuantile(Composed):
         )
 
     def sigma_b(self, run: RunInfo) -> float:
-        return self.parts()[0].sigma_b(run)
+        return self.privatizer.sigma_b(run)
 
     def split(self, run: RunInfo) -> tuple[float, float]:
         """(ν_g, ν_b) for the gradient and the count (``QuantileClip.split``)."""
-        return self.parts()[0].split(run)
+        return self.privatizer.split(run)
