@@ -75,7 +75,12 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def interleaved_medians(
-    fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1, min_seconds: float = 0.0, clock: str = "wall"
+    fns: dict[str, Callable[[], object]],
+    rounds: int,
+    warmup: int = 1,
+    min_seconds: float = 0.0,
+    clock: str = "wall",
+    sync: Callable[[], object] = lambda: None,
 ) -> dict[str, float]:
     """Median seconds per call of each function, timed round-robin ``rounds`` times.
 
@@ -83,16 +88,19 @@ def interleaved_medians(
     sub-millisecond steps are not dominated by timer and scheduler noise. ``clock='cpu'``
     times this process's CPU seconds (all its threads): on a machine shared with other
     jobs it is much less noisy than wall time (use it with one thread, where CPU time is
-    wall time minus preemption).
+    wall time minus preemption). ``sync`` waits for queued device work (``device_sync``): CUDA
+    kernels run asynchronously, so a slot ends only when its kernels have finished.
     """
     now = CLOCKS[clock]
     for f in fns.values():
         for _ in range(warmup):
             f()
+    sync()
     reps = {}
     for k, f in fns.items():
         t0 = now()
         f()
+        sync()
         dt = now() - t0
         reps[k] = max(1, int(min_seconds / max(dt, 1e-6)))
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -101,17 +109,37 @@ def interleaved_medians(
             t0 = now()
             for _ in range(reps[k]):
                 f()
+            sync()
             times[k].append((now() - t0) / reps[k])
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def machine() -> str:
+def device_sync(device: str) -> Callable[[], object]:
+    """A function that waits for ``device``'s queued kernels (a no-op on the CPU)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return lambda: torch.cuda.synchronize(dev)
+    return lambda: None
+
+
+def check_device(device: str) -> str:
+    """``device`` if torch can use it, else exit with one clear line (no traceback)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: this PyTorch build sees no CUDA GPU. Fix: run on a GPU machine or drop --device.")
+    return device
+
+
+def machine(device: str = "cpu") -> str:
     import os
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    where = ""
+    if torch.device(device).type == "cuda":
+        where = f", GPU {torch.cuda.get_device_name(torch.device(device))}"
     return (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, load avg {load:.1f}"
+        f"{torch.get_num_threads()} threads, load avg {load:.1f}{where}"
     )
 
 

@@ -36,7 +36,9 @@ from common import (  # noqa: E402
     MODEL_NAMES,
     batch_for,
     build_model,
+    check_device,
     count_params,
+    device_sync,
     interleaved_medians,
     machine,
     table,
@@ -100,7 +102,7 @@ def dptune_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, s
     nu = NOISE_MULTIPLIER if strat.private else float("inf")
     run = RunInfo(nu, q, float(B), 10_000, sum(p.numel() for p in params.values()))
     state = {"params": params, "state": strat.init(params, run), "t": 0}
-    gateway = NoisyRelease(Ledger(), q, NoiseSource(0))
+    gateway = NoisyRelease(Ledger(), q, NoiseSource(0, x.device))
 
     def step() -> None:
         state["t"] += 1
@@ -187,8 +189,9 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not args.no_opacus and not with_opacus:
         print("opacus is not installed: skipping the Opacus comparison (pip install opacus)")
     for name in args.models:
-        model = build_model(name)
+        model = build_model(name).to(args.device)
         x, y, loss = batch_for(name, args.batch)
+        x, y = x.to(args.device), y.to(args.device)
         cfgs = configs(name, args.strategies, args.methods, with_opacus)
         fns = {}
         for cfg in cfgs:
@@ -196,7 +199,8 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
                 fns[cfg] = make_step(cfg, model, x, y, loss)
             except Exception as exc:  # an Opacus version without a layer, say: report, go on
                 print(f"  {name}: {cfg} unavailable ({type(exc).__name__}: {exc})")
-        med = interleaved_medians(fns, rounds=args.rounds, warmup=1, min_seconds=args.min_seconds, clock=args.clock)
+        med = interleaved_medians(fns, rounds=args.rounds, warmup=1, min_seconds=args.min_seconds, clock=args.clock,
+                                  sync=device_sync(args.device))
         base = med["torch"]
         print(f"\n{name} ({count_params(model):,} params), batch {args.batch}: median {args.clock} s/step, {args.rounds} rounds")
         for cfg, t in med.items():
@@ -279,6 +283,7 @@ def main() -> None:
     ap.add_argument("--strategies", nargs="+", default=["dpsgd", "oso", "quantile", "adamwosm", "dpadam"])
     ap.add_argument("--methods", nargs="+", default=["ghost", "vmap"], choices=["ghost", "vmap", "auto"])
     ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--device", default="cpu", help="torch device of the models and batches, e.g. cuda")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--min-seconds", type=float, default=0.05, help="repeat short steps within a slot")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: PyTorch's default)")
@@ -289,8 +294,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.memory and torch.device(args.device).type != "cpu":
+        raise SystemExit("--memory measures peak RSS of CPU runs. Fix: drop --memory with --device cuda.")
     if args._child:
         print(json.dumps(child_memory(args._child[0], args._child[1], args.batch, steps=3)))
         return
@@ -298,7 +306,7 @@ def main() -> None:
         args.rounds = min(args.rounds, 3)
         args.strategies = [s for s in args.strategies if s in ("dpsgd", "oso")]
         args.methods = ["ghost"]
-    print(f"# step throughput: {machine()}")
+    print(f"# step throughput: {machine(args.device)}")
     rows = throughput(args)
     cols = ["model", "config", "ms/step", "samples/s", "vs non-private"]
     print("\n" + table(rows, cols))

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CLOCKS, machine, table  # noqa: E402
+from common import CLOCKS, check_device, device_sync, machine, table  # noqa: E402
 
 from dptune.grads import default_method  # noqa: E402
 from dptune.train import train  # noqa: E402
@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--seq-trials", type=int, default=49, help="sequential trials timed (throughput per example)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--device", default="cpu", help="torch device of every trial, e.g. cuda")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--n", type=int, default=None, help="training set size (default: the dataset's)")
     ap.add_argument("--vmap", action="store_true", help="also time sequential runs on the vmap path")
@@ -91,12 +92,14 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: process CPU time (busy machine)")
     ap.add_argument("--quick", action="store_true", help="K = 49, 10 steps, 7 sequential trials, BoW FC and LR")
     args = ap.parse_args()
+    check_device(args.device)
+    sync = device_sync(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.steps, args.seq_trials = 10, 7
         args.models = [m for m in args.models if m != "two_layer_nn"]
-    print(f"# vectorised trials: {machine()}")
+    print(f"# vectorised trials: {machine(args.device)}")
     rows = []
     for name in args.models:
         train_data, eval_data = data_for(name, args.n)
@@ -104,7 +107,8 @@ def main() -> None:
         cfgs = grid(args.strategy, K)
         seeds = list(range(K))
         nu = None if args.strategy == "nodp" else 1.0
-        common = dict(steps=args.steps, expected_batch_size=args.batch, eval_data=eval_data, eval_every=args.steps)
+        common = dict(steps=args.steps, expected_batch_size=args.batch, eval_data=eval_data, eval_every=args.steps,
+                      device=args.device)
         fn = model_fn(name)
         times: dict[str, list[float]] = {"vectorised": [], "sequential (ghost)": []}
         if args.vmap:
@@ -113,6 +117,7 @@ def main() -> None:
         for _ in range(args.rounds):
             t0 = now()
             train_many(fn, train_data, args.strategy, cfgs, seeds, noise_multiplier=nu, fallback="error", **common)
+            sync()
             times["vectorised"].append((now() - t0) / K)
             for label in [k for k in times if k.startswith("sequential")]:
                 method = "vmap" if "vmap" in label else "auto"
@@ -120,6 +125,7 @@ def main() -> None:
                 with default_method(method):
                     for k in range(S):
                         train(fn(seeds[k]), train_data, args.strategy, seed=seeds[k], noise_multiplier=nu, **common, **cfgs[k])
+                sync()
                 times[label].append((now() - t0) / S)
         per_trial = {k: statistics.median(v) for k, v in times.items()}
         base = per_trial["sequential (ghost)"]

@@ -1,20 +1,101 @@
-"""dptune: differentially private training and honest hyperparameter tuning."""
+"""dptune: differentially private training and honest hyperparameter tuning.
 
-from dptune.accounting import calibrate, epsilon, joint_noise_multiplier, oso_q_noise_multiplier
-from dptune.deliverable import load_model
-from dptune.deliverable import save_trained as save_model
-from dptune.errors import BudgetExceededError, ConfigError, DataError, DivergedError, DPTuneError
-from dptune.ledger import Ledger
-from dptune.loop import PrivateTraining, make_private
-from dptune.own import Metric, from_dataloader
-from dptune.strategies import STRATEGIES, chain, make_strategy
-from dptune.train import RunPlan, TrainResult, plan_run, train
+The public API is imported lazily (PEP 562): ``import dptune`` (and so the ``dptune`` command,
+``--help`` included) does not pay for torch, scipy or dp_accounting until a name that needs them
+is used. ``dptune.train``, ``from dptune import make_private`` etc. work as before.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# public name → (module, attribute in it)
+_LAZY: dict[str, tuple[str, str]] = {
+    "train": ("dptune.train", "train"),
+    "plan_run": ("dptune.train", "plan_run"),
+    "RunPlan": ("dptune.train", "RunPlan"),
+    "TrainResult": ("dptune.train", "TrainResult"),
+    "save_model": ("dptune.deliverable", "save_trained"),
+    "load_model": ("dptune.deliverable", "load_model"),
+    "calibrate": ("dptune.accounting", "calibrate"),
+    "epsilon": ("dptune.accounting", "epsilon"),
+    "joint_noise_multiplier": ("dptune.accounting", "joint_noise_multiplier"),
+    "oso_q_noise_multiplier": ("dptune.accounting", "oso_q_noise_multiplier"),
+    "Ledger": ("dptune.ledger", "Ledger"),
+    "make_strategy": ("dptune.strategies", "make_strategy"),
+    "STRATEGIES": ("dptune.strategies", "STRATEGIES"),
+    "chain": ("dptune.strategies", "chain"),
+    "ConfigError": ("dptune.errors", "ConfigError"),
+    "DataError": ("dptune.errors", "DataError"),
+    "BudgetExceededError": ("dptune.errors", "BudgetExceededError"),
+    "DivergedError": ("dptune.errors", "DivergedError"),
+    "DPTuneError": ("dptune.errors", "DPTuneError"),
+    "Metric": ("dptune.own", "Metric"),
+    "from_dataloader": ("dptune.own", "from_dataloader"),
+    "make_private": ("dptune.loop", "make_private"),
+    "PrivateTraining": ("dptune.loop", "PrivateTraining"),
+}
+
 __all__ = [
-    "train", "save_model", "load_model", "plan_run", "RunPlan", "TrainResult", "calibrate", "epsilon", "joint_noise_multiplier",
-    "oso_q_noise_multiplier", "Ledger", "make_strategy", "STRATEGIES", "ConfigError", "DataError",
-    "BudgetExceededError", "DivergedError", "DPTuneError", "Metric", "from_dataloader", "make_private",
-    "PrivateTraining", "chain",
+    "train", "save_model", "load_model", "plan_run", "RunPlan", "TrainResult", "calibrate", "epsilon",
+    "joint_noise_multiplier", "oso_q_noise_multiplier", "Ledger", "make_strategy", "STRATEGIES",
+    "ConfigError", "DataError", "BudgetExceededError", "DivergedError", "DPTuneError", "Metric",
+    "from_dataloader", "make_private", "PrivateTraining", "chain",
 ]
+
+if TYPE_CHECKING:  # static tools see the eager imports
+    from dptune.accounting import calibrate, epsilon, joint_noise_multiplier, oso_q_noise_multiplier
+    from dptune.deliverable import load_model
+    from dptune.deliverable import save_trained as save_model
+    from dptune.errors import (
+        BudgetExceededError,
+        ConfigError,
+        DataError,
+        DivergedError,
+        DPTuneError,
+    )
+    from dptune.ledger import Ledger
+    from dptune.loop import PrivateTraining, make_private
+    from dptune.own import Metric, from_dataloader
+    from dptune.strategies import STRATEGIES, chain, make_strategy
+    from dptune.train import RunPlan, TrainResult, plan_run, train
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        # ``dptune.accounting`` after a bare ``import dptune`` worked when the package imported
+        # its submodules eagerly: import the submodule now.
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module 'dptune' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # cached: __getattr__ runs once per name
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """``dptune.train`` is the function, not the submodule of the same name.
+
+    Importing a submodule sets it as an attribute of its package; ``import dptune.train`` (done
+    inside dptune) would then shadow the public function. The eager package won that race by
+    importing first; the lazy one drops that one assignment instead.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name in _LAZY and value.__name__ == f"{__name__}.{name}":
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -65,6 +65,12 @@ def check_sampling_rate(q: float) -> float:
     return float(q)
 
 
+def check_noise_multiplier(nu: float) -> float:
+    if not isinstance(nu, int | float) or not (nu > 0) or math.isnan(nu):
+        raise ConfigError(f"noise_multiplier must be > 0, got {nu!r}.")
+    return float(nu)
+
+
 def check_accountant(name: str) -> str:
     if name not in ACCOUNTANTS:
         raise ConfigError(f"unknown accountant {name!r}; choose one of {', '.join(ACCOUNTANTS)} "

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dptune.errors import DPTuneError
+from dptune.errors import ConfigError, DPTuneError
 
 app = typer.Typer(
     add_completion=False,
@@ -28,8 +30,40 @@ console = Console() if sys.stdout.isatty() else Console(width=100)
 err_console = Console(stderr=True)
 
 
+def package_version() -> str:
+    """The installed distribution's version (what pip sees), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dptune")
+    except PackageNotFoundError:  # run from a source tree that was not pip-installed
+        from dptune import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"dptune {package_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="print the version and exit"),
+) -> None:
+    # Commands import torch, scipy and dp_accounting in their bodies, never here: --help and
+    # --version start in well under a second (tests/test_cli_startup.py).
+    pass
+
+
 def _fail(msg: str) -> None:
-    err_console.print(f"[bold red]error:[/] {msg}", highlight=False)
+    from rich.markup import escape
+
+    # escape: a message's "[budget]" is text, not rich markup (it was swallowed); soft_wrap: one
+    # line however narrow the terminal (rich folds at 80 columns when it cannot ask).
+    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -112,6 +146,12 @@ def train(
     diag_path = diagnostics_out or out.parent / DIAGNOSTICS_DIR / out.name
     if diag_path.resolve() == out.resolve():
         raise DPTuneError("--diagnostics-out must differ from --out: the diagnostics are not differentially private.")
+    from dptune.paths import check_output_dir, check_output_file
+
+    check_output_file(out, "--out")  # a bad path once failed after training, losing the result
+    check_output_file(diag_path, "--diagnostics-out")
+    if save is not None:
+        check_output_dir(save, "--save")
     from dptune import own
 
     # The user's code is imported first: a wrong path is one clear error before any data or file.
@@ -135,7 +175,10 @@ def train(
             net = own.build_model(model, math.prod(ds.input_shape), ds.num_classes)
         else:
             net = models.for_dataset(ds) if model == "auto" else models.build(model, **models.kwargs_for(model, ds))
+    _check_model_fits(net, train_part, model, dataset, data is None)
     hparams = parse_hyperparameters(hp)
+    # The model actually built ("auto" resolved), named in the JSON and the table.
+    model_name = model if own.is_factory_path(model) else models.default_model_name(ds) if model == "auto" else model
     result = run_train(
         net, train_part, strategy, epochs=epochs,
         expected_batch_size=None if full_batch else batch_size, full_batch=full_batch,
@@ -144,7 +187,8 @@ def train(
         seed=seed, device=device, progress=progress, secure_mode=secure, **hparams,
     )
     summary = result.summary()
-    release, diag = train_outputs(result, dataset=dataset, model=model)
+    # The best checkpoint is picked on the test split (assumed public); the seed goes to the diagnostics only.
+    release, diag = train_outputs(result, dataset=dataset, model=model_name, seed=seed, selection_split="test")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(release, default=str))
     if diagnostics_out is None:
@@ -182,8 +226,12 @@ def train(
         ("best step", result.best_step), ("diverged", result.diverged),
         (f"ε spent ({plan.accountant.upper()})",
          "∞" if not plan.strategy.private else f"{accounting.round_up(summary['epsilon'], 6):.6g}"),
-        ("δ", delta), ("randomness", summary["randomness"]), ("result", str(out)),
-        *([("model", str(save))] if save is not None else []),
+        ("δ", delta), ("randomness", summary["randomness"]), ("model", model_name),
+        ("selection", f"best checkpoint on the {release['selection_split']} split (assumed public)"
+         if release["selection_split"] else "final parameters"),
+        ("seed", "in the diagnostics JSON only" + ("" if secure else " (a secret key)")),
+        ("dptune", release["dptune_version"]), ("result", str(out)),
+        *([("saved model", str(save))] if save is not None else []),
     ]
     for k, v in rows:
         t.add_row(k, str(v))
@@ -193,6 +241,22 @@ def train(
     # The run time grows with the realised batch sizes: a diagnostic, like the loss.
     console.print(f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag_path} (training loss on the private batch, "
                   f"realised batch sizes; {summary['seconds']:.1f} s)", highlight=False)
+
+
+def _check_model_fits(net: Any, train_part: Any, model: str, dataset: str, builtin: bool) -> None:
+    """One forward pass on one training example before training: a model that cannot take the
+    dataset's inputs is one clear line here, not a shape error inside the first step."""
+    from dptune import models, own
+
+    pair = train_part if isinstance(train_part, tuple | list) and len(train_part) == 2 else own.tensors_of(train_part)
+    if pair is None:  # a map-style dataset read by index: its loader decides the shape
+        return
+    if builtin:
+        fix = (f"choose a model for the inputs of {dataset!r}, e.g. --model auto (the dataset's default); "
+               f"built-in models: {', '.join(sorted(models.MODELS))}.")
+    else:
+        fix = "make your model factory build a model for these inputs (or pick the data it was written for)."
+    models.check_fits(net, pair[0], pair[1], f"--model {model}", fix)
 
 
 @app.command()
@@ -206,11 +270,10 @@ def account(
     accountant: str = typer.Option("all", help="rdp, pld, gdp or all"),
 ) -> None:
     """ε(δ) of T Poisson-sampled Gaussian steps (× runs)."""
-    from dptune import accounting
-    from dptune.train import accounting_check_nu
+    from dptune import accounting  # not dptune.train: that would import torch for a table of ε
 
     accounting.check_sampling_rate(sampling_rate)
-    accounting_check_nu(noise_multiplier)  # nan, 0, negative: one clear error
+    accounting.check_noise_multiplier(noise_multiplier)  # nan, 0, negative: one clear error
     if steps < 1 or runs < 1:
         raise DPTuneError(f"--steps and --runs must be ≥ 1, got {steps} and {runs}.")
     accounting.check_delta(delta)
@@ -220,14 +283,28 @@ def account(
     t = Table(title=f"ν={noise_multiplier!r}, q={sampling_rate!r}, T={steps}, runs={runs}, δ={delta:g}")
     t.add_column("accountant")
     t.add_column("ε", justify="right")
-    rdp_eps = accounting.epsilon(event, delta, "rdp")
-    for name in names:
-        if name == "pld" and rdp_eps > PLD_EPSILON_CAP:
-            # PLD ≤ RDP, but its grid grows with ε (35 PiB at ν = 1e-6): no guarantee worth a table.
-            t.add_row(name, f"not computed (RDP gives {accounting.round_up(rdp_eps, 6):.6g}: no meaningful privacy)")
-            continue
-        t.add_row(name, f"{accounting.round_up(rdp_eps if name == 'rdp' else accounting.epsilon(event, delta, name), 6):.6g}")
+    with _numeric_range(f"ν = {noise_multiplier!r}, q = {sampling_rate!r}"):
+        rdp_eps = accounting.epsilon(event, delta, "rdp")
+        for name in names:
+            if name == "pld" and rdp_eps > PLD_EPSILON_CAP:
+                # PLD ≤ RDP, but its grid grows with ε (35 PiB at ν = 1e-6): no guarantee worth a table.
+                t.add_row(name, f"not computed (RDP gives {accounting.round_up(rdp_eps, 6):.6g}: no meaningful privacy)")
+                continue
+            eps = rdp_eps if name == "rdp" else accounting.epsilon(event, delta, name)
+            t.add_row(name, f"{accounting.round_up(eps, 6):.6g}")
     console.print(t)
+
+
+@contextmanager
+def _numeric_range(what: str) -> Iterator[None]:
+    """dp_accounting's float arithmetic overflows or divides by zero at extreme ν and q (found by
+    the CLI fuzz test: ν = 1e154 with q = 1e-179): one clear line instead of a traceback."""
+    try:
+        yield
+    except ArithmeticError as exc:
+        raise ConfigError(f"the accountant cannot evaluate {what}: numerically out of range ({exc}). Fix: use a "
+                          "noise multiplier in [1e-3, 1e4] and a sampling rate ≥ 1e-12 (beyond them ε is ≈ 0 "
+                          "or unbounded).") from None
 
 
 PLD_EPSILON_CAP = 1000.0  # above this RDP ε, PLD's discretised privacy-loss grid is not built
@@ -248,7 +325,8 @@ def calibrate(
 
     if accountant == "auto":
         accountant = accounting.tightest_accountant(sampling_rate)
-    nu = accounting.calibrate(epsilon, delta, sampling_rate, steps, runs, accountant)
+    with _numeric_range(f"ε = {epsilon!r}, q = {sampling_rate!r}"):
+        nu = accounting.calibrate(epsilon, delta, sampling_rate, steps, runs, accountant)
 
     def eps_of(v: float) -> float:
         return accounting.epsilon(accounting.dpsgd_event(v, sampling_rate, steps, runs), delta, accountant)
@@ -264,7 +342,7 @@ def calibrate(
 def tune(
     config: Path = typer.Argument(..., help="study file (.toml or .yaml); see docs/tuning.md"),
     out: Path = typer.Option(None, "--out", "-o", help="study directory (default: studies/<study name>)"),
-    executor: str = typer.Option("local", help="local, process or ray"),
+    executor: str = typer.Option("local", help="local, process or ray (an extra: pip install 'dptune\\[ray]')"),
     workers: int | None = typer.Option(None, help="parallel workers (process/ray)"),
     address: str | None = typer.Option(None, "--address", help="Ray cluster address (default: a local Ray)"),
     progress: bool = typer.Option(True, help="show progress bars"),
@@ -298,6 +376,8 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
     counts = ", ".join(f"{k} {v}" for k, v in st.get("counts", {}).items())
     console.print(f"[bold]{st.get('name', study_dir)}[/]: {st.get('total', '?')} planned runs ({counts}); "
                   f"complete: {st.get('complete')}")
+    if not st.get("complete") and st.get("eta"):  # "running" counts only runs a worker has started
+        console.print(f"time left: {st['eta']}", highlight=False)
     t = Table(title="per tuning procedure: runs and budget (planned vs spent so far)")
     for col in ("arm", "method", "done/runs", "planned (ε, δ)", "spent (ε, δ)"):
         t.add_column(col, justify="left" if col in ("arm", "method") else "right")
@@ -308,7 +388,8 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
             f"({a.get('spent_epsilon', 0.0):.3f}, {a.get('spent_delta', 0.0):.0e})",
         )
     console.print(t)
-    rest = {k: v for k, v in st.items() if k not in ("arms", "counts", "name", "total", "complete")}
+    rest = {k: v for k, v in st.items() if k not in ("arms", "counts", "name", "total", "complete", "eta",
+                                                     "eta_seconds")}
     for k, v in rest.items():
         console.print(f"{k}: {json.dumps(v, default=str) if isinstance(v, dict | list) else v}")
 
@@ -317,7 +398,7 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
 @_guard
 def resume(
     study_dir: Path = typer.Argument(..., help="a study directory"),
-    executor: str = typer.Option("local", help="local, process or ray"),
+    executor: str = typer.Option("local", help="local, process or ray (an extra: pip install 'dptune\\[ray]')"),
     workers: int | None = typer.Option(None),
     address: str | None = typer.Option(None, "--address"),
     progress: bool = typer.Option(True),
@@ -325,9 +406,17 @@ def resume(
 ) -> None:
     """Continue an interrupted study: finished runs are kept, interrupted runs re-execute
     with the same seeds and noise streams (nothing is released or spent twice)."""
-    from dptune.tune import resume_study
+    from dptune.tune import resume_study, study_status
+    from dptune.tune.executors import check_workers
     from dptune.tune.results import render
 
+    check_workers(workers)
+    st = study_status(study_dir)
+    if st["complete"]:  # nothing to run: say so rather than print the table as if it had resumed
+        # No run count: under Liu–Talwar / repeat-and-select it is not covered by the guarantee.
+        console.print(f"study {st['name']!r} in {study_dir} is already complete: nothing to resume. "
+                      f"See its results with `dptune report {study_dir}`.", highlight=False, soft_wrap=True)
+        return
     resume_study(study_dir, executor=executor, address=address, progress=progress, workers=workers,
                  gpus_per_run=gpus_per_run)
     render(study_dir, console)
@@ -349,6 +438,10 @@ def report(
     from dptune.report.privacy import DIAGNOSTICS_DIR, NOT_DP_LABEL
     from dptune.tune.results import render, write_csvs
 
+    if out is not None:  # before anything is printed or written
+        from dptune.paths import check_output_dir
+
+        check_output_dir(out, "--out")
     render(study_dir, console, diagnostics=include_diagnostics)
     write_csvs(study_dir)
     html = report_study(study_dir, out, include_diagnostics=include_diagnostics)
@@ -383,24 +476,27 @@ def export(
 @app.command()
 @_guard
 def reproduce(
-    name: str = typer.Argument(..., help="preset name (dptune reproduce --list)"),
-    scale: str = typer.Option("smoke", help="smoke, small or paper"),
+    name: str = typer.Argument(..., help="preset name; `dptune reproduce list` lists them"),
+    scale: str = typer.Option("smoke", help="smoke, small or paper (galli-mnist also: gpu-slice)"),
     out: Path | None = typer.Option(None, help="output directory (default: runs/<name>-<scale>)"),
     data_dir: str | None = typer.Option(None, help="datasets folder (else $DPTUNE_DATA_DIR, else download)"),
-    executor: str = typer.Option("local", help="local, process or ray"),
+    executor: str = typer.Option("local", help="local, process or ray (an extra: pip install 'dptune\\[ray]')"),
     workers: int | None = typer.Option(None),
     device: str | None = typer.Option(None),
-    k: int | None = typer.Option(None, help="grid granularity for the Galli presets (5, 7 or 9)"),
+    k: int | None = typer.Option(None, help="grid granularity for the Galli presets: 5, 7 or 9 at --scale paper "
+                                 "(default 7) and gpu-slice (default 5); 1 to 9 at smoke and small (default 2, 3)"),
+    steps: int | None = typer.Option(None, help="Galli presets: train every run this many steps (a quick check; "
+                                     "not comparable with the paper)"),
+    limit: int | None = typer.Option(None, help="Galli presets: use this many training examples (a quick check)"),
     progress: bool = typer.Option(True),
 ) -> None:
     """Reproduce a paper experiment (Galli, Mohapatra, Panda) at a given scale."""
     from dptune import presets
 
     if name in ("list", "--list"):
-        for p in presets.list_presets():
-            console.print(p)
+        console.print(presets.presets_table())
         return
-    opts = {"k": k} if k is not None else {}
+    opts = {key: v for key, v in {"k": k, "steps": steps, "limit": limit}.items() if v is not None}
     out_dir = out or Path("runs") / f"{name}-{scale}"
     presets.reproduce(name, scale, out_dir, data_dir=data_dir, executor=executor, progress=progress,
                       workers=workers, device=device, console=console, **opts)

@@ -603,8 +603,9 @@ class GhostGrads(MaterializedGrads):
     def norms(self) -> torch.Tensor:  # type: ignore[override]
         """Upper bounds: the released w·g_i has norm ≤ |w|·N_i (module docstring)."""
         if self._norms is None:
-            self._norms = upper_norms([part for layer in self._layers for part in layer.sq_norms()], self.losses,
-                                      release_dtypes=[p.dtype for p in self._params.values()])
+            with ieee_matmul(self.losses.device):
+                self._norms = upper_norms([part for layer in self._layers for part in layer.sq_norms()], self.losses,
+                                          release_dtypes=[p.dtype for p in self._params.values()])
         return self._norms
 
     def _release_err(self) -> torch.Tensor | None:

@@ -330,13 +330,53 @@ def upper_norms(
 
 @contextmanager
 def ieee_matmul(device: torch.device) -> Iterator[None]:
-    """Full-precision float32 matrix products for the duration (no TF32 / bf16 inputs).
+    """Full-precision float32 products for the duration: matrix products without TF32 / bf16
+    inputs and, on CUDA, cuDNN convolutions without TF32 and with deterministic algorithms.
 
     The bounds on a released sum (``ghost``'s layer rules, ``MaterializedGrads``) assume
-    correctly rounded float32 products; ``torch.set_float32_matmul_precision('high'|'medium')``
-    (or ``torch.backends.*.matmul.fp32_precision``) would round the operands to 10 or 7 bits.
-    Costs one attribute read when the precision is already full (the default).
+    correctly rounded float32 products, and ghost case (e) assumes that a convolution recomputed
+    for the release gives the very values whose norm was taken. On a GPU, PyTorch's defaults break
+    both: ``torch.backends.cudnn`` runs float32 convolutions in TF32 (10-bit operands) and may pick
+    non-deterministic algorithms; ``torch.set_float32_matmul_precision('high'|'medium')`` does the
+    same to matrix products. Costs a few attribute reads when everything is already exact.
     """
+    with _ieee_matmul(device), _exact_cudnn(device):
+        yield
+
+
+@contextmanager
+def _exact_cudnn(device: torch.device) -> Iterator[None]:
+    if device.type != "cuda":
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    # The legacy switch, as long as nobody used torch ≥ 2.9's per-operator one: once the two APIs
+    # are mixed, PyTorch raises wherever the legacy flag is read (some of its own ops read it).
+    try:
+        old_tf32: bool | None = cudnn.allow_tf32
+    except RuntimeError:  # the user set per-operator precisions: keep to that API
+        old_tf32 = None
+    ops = [] if old_tf32 is not None else [getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)]
+    ops = [op for op in ops if hasattr(op, "fp32_precision")]
+    old_prec = [op.fp32_precision for op in ops]
+    old_det = cudnn.deterministic
+    if old_tf32 is not None:
+        cudnn.allow_tf32 = False
+    for op in ops:
+        op.fp32_precision = "ieee"
+    cudnn.deterministic = True
+    try:
+        yield
+    finally:
+        for op, prec in zip(ops, old_prec, strict=True):
+            op.fp32_precision = prec
+        if old_tf32 is not None:
+            cudnn.allow_tf32 = old_tf32
+        cudnn.deterministic = old_det
+
+
+@contextmanager
+def _ieee_matmul(device: torch.device) -> Iterator[None]:
     be = torch.backends.cuda.matmul if device.type == "cuda" else getattr(torch.backends.mkldnn, "matmul", None)
     old = getattr(be, "fp32_precision", None)
     if old is None:  # torch before the per-backend API (2.9): the legacy global switch
@@ -495,6 +535,12 @@ class GradientOracle:
         self._ghost = None
 
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
+        # Exact products for the whole private computation (ieee_matmul says why); the lazy
+        # ghost norms and sums enter it again when they are computed.
+        with ieee_matmul(inputs.device_of(x)):
+            return self._compute(params, x, y)
+
+    def _compute(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
         if inputs.batch_len(x) == 0:  # an empty Poisson batch: no contribution, but the step (and its noise) still happen
             return MaterializedGrads(
                 {k: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()},

@@ -256,3 +256,41 @@ def for_dataset(ds: Any, **overrides: Any) -> nn.Module:
     """Build the default model of a ``dptune.data.Dataset`` with matching input/output sizes."""
     name = default_model_name(ds)
     return build(name, **{**kwargs_for(name, ds), **overrides})
+
+
+def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
+    """One forward pass on one training example before training (nothing is released): a model
+    that cannot take the data's inputs, or gives fewer logits than there are classes, is one
+    ConfigError naming ``fix`` instead of a shape error mid-run after data was read and time spent.
+
+    ``x``: the training inputs (a tensor, or a tuple/dict of tensors); ``y``: the targets. The
+    global RNG and the model's train/eval mode are left as they were (same run, same seed)."""
+    import torch
+
+    from dptune import inputs
+
+    x1 = inputs.rows(x, 0, 1)
+    shape = tuple(x1.shape[1:]) if isinstance(x1, torch.Tensor) else "several inputs"
+    was_training = model.training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()  # dropout draws nothing
+            out = inputs.call(model, x1)
+    except Exception as exc:  # any layer's complaint: the model and the data do not fit
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ConfigError(f"{what} does not take these inputs (one example: shape {shape}): {first}. "
+                          f"Fix: {fix}") from None
+    finally:
+        model.train(was_training)
+    y = torch.as_tensor(y)
+    if not isinstance(out, torch.Tensor):
+        return  # a structured output: the loss decides
+    recon = isinstance(x1, torch.Tensor) and x1.shape[1:] == y.shape[1:] and y.dtype.is_floating_point
+    if recon and tuple(out.shape) != tuple(x1.shape):
+        raise ConfigError(f"{what} outputs shape {tuple(out.shape[1:])} for inputs of shape {shape} "
+                          f"(a reconstruction task needs the input's shape). Fix: {fix}")
+    if not recon and not y.dtype.is_floating_point and y.numel():
+        classes = int(y.max()) + 1
+        if out.ndim != 2 or out.shape[1] < classes:
+            raise ConfigError(f"{what} outputs shape {tuple(out.shape[1:])} per example, but the labels need "
+                              f"{classes} logits (classes 0..{classes - 1}). Fix: {fix}")

@@ -27,6 +27,7 @@ See ``docs/reproduce.md`` for each preset's exact settings, deviations and time 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -42,7 +43,7 @@ from dptune.presets._common import SCALES, Part, Preset, check_scale, ensure_dir
 from dptune.presets._demo import demo_study
 
 __all__ = [
-    "PRESETS", "SCALES", "Preset", "Part", "list_presets", "get_preset", "preset_parts", "preset_study",
+    "PRESETS", "SCALES", "Preset", "Part", "list_presets", "presets_table", "get_preset", "preset_parts", "preset_study",
     "preset_studies", "plan_preset", "reproduce", "demo", "demo_study", "log_grid", "study_report",
 ]
 
@@ -55,7 +56,9 @@ def _register(p: Preset) -> None:
 
 _GALLI_EST = {
     "mnist": {"smoke": "≈ 10 s", "small": "≈ 30 min (51 runs × 71 steps × 256 examples of the Galli CNN; measured 32–38 s/run)",
-              "paper": "GPU: 1,995 runs × 1,170 steps (k = 7)"},
+              "paper": "GPU: 1,995 runs × 1,170 steps (k = 7)",
+              "gpu-slice": "GPU: ≈ 12 min on one H200 with --executor process --workers 8 (65 runs × 1,172 "
+                           "steps, full MNIST, k = 5, ε = 3, one seed)"},
     "fmnist-ae": {"smoke": "≈ 10 s", "small": "≈ 35 min (51 runs × 59 steps × 128 examples of the autoencoder; 36–44 s/run)",
                   "paper": "GPU: 1,995 runs × 1,170 steps (k = 7)"},
     "agnews": {"smoke": "≈ 5 s", "small": "≈ 10 min (297 runs × 119 steps × 512 examples, small FC net; 1.4–1.9 s/run)",
@@ -65,7 +68,8 @@ for _ds, _paper_name in (("mnist", "MNIST"), ("fmnist-ae", "Fashion-MNIST autoen
     _register(Preset(
         name=f"galli-{_ds}", paper="Galli et al. 2024 (OSO-DPSGD)",
         summary=f"{_paper_name}: Online vs FixedThreshold vs FixedQuantile vs AdamWOSM vs NoDP, per-grid budgets",
-        build=partial(galli.build, _ds), options={"k": None}, estimates=_GALLI_EST[_ds],
+        build=partial(galli.build, _ds), options={"k": None, "steps": None, "limit": None},
+        estimates=_GALLI_EST[_ds], scales=(*SCALES, "gpu-slice") if _ds == "mnist" else SCALES,
     ))
 
 _MOH_EST = {
@@ -110,7 +114,28 @@ _register(Preset(
 def list_presets() -> list[dict[str, Any]]:
     """Name, paper, summary and per-scale time estimates of every preset."""
     return [{"name": p.name, "paper": p.paper, "summary": p.summary, "options": sorted(p.options),
-             "estimates": dict(p.estimates)} for p in PRESETS.values()]
+             "scales": list(p.scales), "estimates": dict(p.estimates)} for p in PRESETS.values()]
+
+
+def presets_table() -> Any:
+    """``dptune reproduce list``: a ``rich`` table of the presets (name, paper and summary, time
+    estimate per scale) that fits 100 columns whatever the console width (long cells fold)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    # 4 borders + 3×2 padding + these caps = 100 columns.
+    t = Table(title="dptune reproduce NAME --scale smoke|small|paper", title_justify="left", show_lines=True,
+              caption="Settings, deviations from the papers and measured times: docs/reproduce.md.",
+              caption_justify="left", header_style="bold")
+    t.add_column("preset", style="cyan", overflow="fold", max_width=26)
+    t.add_column("paper, what it runs", overflow="fold", max_width=34)
+    t.add_column("time per scale", overflow="fold", max_width=30)
+    for p in list_presets():
+        opts = f"\n[dim]options: {', '.join('--' + o for o in p['options'])}[/]" if p["options"] else ""
+        scales = [*SCALES, *(s for s in p["estimates"] if s not in SCALES)]  # extra scales too (gpu-slice)
+        est = "\n".join(f"[bold]{s}[/]: {escape(p['estimates'].get(s, '?'))}" for s in scales)
+        t.add_row(p["name"], escape(f"{p['paper']}: {p['summary']}") + opts, est)
+    return t
 
 
 def get_preset(name: Any) -> Preset:
@@ -131,7 +156,8 @@ def preset_parts(name: str, scale: str, **options: Any) -> list[Part]:
 
     Mohapatra presets read the dataset's size (their budgets depend on q = L/n): the data
     must be available (``DPTUNE_DATA_DIR``)."""
-    return get_preset(name).parts(check_scale(scale), **options)
+    preset = get_preset(name)
+    return preset.parts(check_scale(scale, preset.scales), **options)
 
 
 def preset_studies(name: str, scale: str, **options: Any) -> dict[str, Any]:
@@ -214,11 +240,17 @@ def _console(console: Any) -> Any:
 
 
 def _default_device(scale: str) -> str:
-    if scale != "paper":
+    if scale not in ("paper", "gpu-slice"):
         return "cpu"
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if scale == "gpu-slice":
+        raise ConfigError("the gpu-slice scale needs a CUDA GPU, and this PyTorch build sees none "
+                          f"(torch {torch.__version__}, cuda available: False). Fix: run it on a GPU machine, or "
+                          "check it here with --device cpu --steps 3 --limit 2000 (not comparable with the paper).")
+    return "cpu"
 
 
 def _run_part(part: Part, study_dir: Path, *, executor: str, workers: int | None, progress: bool,
@@ -274,12 +306,15 @@ def reproduce(
     from dptune.report.html import write_report
 
     preset = get_preset(name)
-    scale = check_scale(scale)
+    scale = check_scale(scale, preset.scales)
     if executor not in ("local", "process", "ray"):
         raise ConfigError(f"unknown executor {executor!r}. Fix: choose local, process or ray.")
     device = device or _default_device(scale)
+    preset.parts(scale, **options)  # options checked before any folder is made
+    from dptune.tune.executors import check_workers
     from dptune.tune.study import check_study_device
 
+    check_workers(workers)
     check_study_device(device, executor, None)  # before any folder is made
     out = ensure_dir(out_dir)
     console = _console(console)
@@ -296,6 +331,10 @@ def reproduce(
                                    device=device, console=console, figures=figures)
             all_rows.extend({"part": part.name, **r} for r in rows)
             sections.append(_part_section(part, rows, html, out))
+            comparison = paper_comparison(part, rows)
+            if comparison is not None:
+                sections[-1] = dataclasses.replace(sections[-1], tables=[*sections[-1].tables, comparison])
+                _print_table(console, f"{part.title}: ours beside the paper", comparison)
         if preset.extra is not None:
             extra_sections = list(preset.extra(out, scale, dict(options), parts, console))
             sections.extend(extra_sections)
@@ -332,13 +371,42 @@ def _print_table(console: Any, title: str, t: Any) -> None:
 
 
 def _fmt_metric(m: float | None, s: float | None, metric: str) -> str:
+    from dptune.report.data import clip_to_range
+
     if m is None:
         return "—"
+    m = clip_to_range(m, metric)  # a noisy private score can leave the metric's range: shown clipped
     scale = 100.0 if metric == "accuracy" else 1.0
     out = f"{m * scale:.2f}" if metric == "accuracy" else f"{m:.4g}"
     if s is not None:
         out += f" ± {s * scale:.2f}" if metric == "accuracy" else f" ± {s:.2g}"
     return out
+
+
+def paper_comparison(part: Part, rows: list[dict[str, Any]]) -> Any:
+    """Ours beside the paper's published number for every (strategy, ε) cell the paper reports
+    (``Part.paper_scores``), with the difference in the paper's unit; None if it reports none."""
+    from dptune.report.html import Table
+
+    if not part.paper_scores:
+        return None
+    unit = part.paper_unit
+    ours = {(r["optimizer"], float(r["epsilon"])): r for r in rows if r.get("method") != "random"}
+    body = []
+    for (arm, eps), (p_mean, p_std) in sorted(part.paper_scores.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        r = ours.get((arm, eps))
+        if r is None or r.get("value_mean") is None:
+            body.append([arm, f"{eps:g}", "not run", f"{p_mean:.2f} ± {p_std:.2f}", "—", "—"])
+            continue
+        m = float(r["value_mean"]) * unit
+        s = r.get("value_std")
+        ours_txt = f"{m:.2f}" + (f" ± {float(s) * unit:.2f}" if s is not None else "")
+        diff = m - p_mean
+        within = "yes" if abs(diff) <= 2 * p_std else "no"
+        body.append([r["strategy"], f"{eps:g}", ours_txt, f"{p_mean:.2f} ± {p_std:.2f}", f"{diff:+.2f}", within])
+    return Table(["strategy", "ε", "ours", "paper", "ours − paper", "within 2 paper std"], body,
+                 caption=f"Paper: {part.paper_source}. Both are the selected configuration's score "
+                         f"(×{unit:g}); ours from this run's seeds.")
 
 
 def _part_section(part: Part, rows: list[dict[str, Any]], html: Path, out: Path) -> Any:
@@ -379,8 +447,10 @@ def demo(
     (the study directory: ``dptune status``/``resume``/``report`` work on it)."""
     from dptune.presets._report import study_report
     from dptune.tune import run_study, study_from_dict
+    from dptune.tune.executors import check_workers
     from dptune.tune.results import render
 
+    check_workers(workers)  # before the folder is made
     out = ensure_dir(out_dir)
     console = _console(console)
     t0 = time.perf_counter()

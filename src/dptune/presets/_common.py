@@ -24,14 +24,21 @@ from typing import Any
 from dptune.errors import ConfigError
 
 SCALES: tuple[str, ...] = ("smoke", "small", "paper")
+# Scales only some presets have (``Preset.scales``): a slice of the paper scale that fits a GPU budget.
+EXTRA_SCALES: dict[str, str] = {"gpu-slice": "one cell of the paper's grid at full size, ≈ 10 GPU minutes"}
 
 
-def check_scale(scale: Any) -> str:
-    """The scale name, or a ``ConfigError`` naming the choices."""
-    if not isinstance(scale, str) or scale.strip().lower() not in SCALES:
-        raise ConfigError(f"unknown scale {scale!r}. Fix: choose one of {', '.join(SCALES)} "
-                          "(smoke: CI check in seconds; small: ≤ 60 min on a 2-core CPU; paper: the papers' settings).")
-    return scale.strip().lower()
+def check_scale(scale: Any, scales: Sequence[str] = SCALES) -> str:
+    """The scale name, or a ``ConfigError`` naming the choices (``scales``: those the preset has)."""
+    key = scale.strip().lower() if isinstance(scale, str) else scale
+    if key not in scales:
+        extra = [f"{s}: {EXTRA_SCALES[s]}" for s in scales if s in EXTRA_SCALES]
+        elsewhere = [s for s in EXTRA_SCALES if s not in scales]
+        hint = f" ({key!r} exists only for other presets: see `dptune reproduce list`)" if key in elsewhere else ""
+        raise ConfigError(f"unknown scale {scale!r}{hint}. Fix: choose one of {', '.join(scales)} "
+                          "(smoke: CI check in seconds; small: ≤ 60 min on a 2-core CPU; paper: the papers' settings"
+                          + "".join(f"; {e}" for e in extra) + ").")
+    return str(key)
 
 
 def log_grid(lo_exp: float, hi_exp: float, k: int) -> list[float]:
@@ -64,6 +71,11 @@ class Part:
     title: str
     study: Mapping[str, Any]
     notes: tuple[str, ...] = ()
+    # The paper's published scores for this study's cells: (strategy name, ε) → (mean, std), in the
+    # paper's unit (``paper_unit`` × ours: 100 for accuracy in %), and where they come from.
+    paper_scores: Mapping[tuple[str, float], tuple[float, float]] = field(default_factory=dict)
+    paper_source: str = ""
+    paper_unit: float = 100.0
 
     def study_dict(self) -> dict[str, Any]:
         """A deep copy (callers may edit it freely)."""
@@ -86,9 +98,10 @@ class Preset:
     options: Mapping[str, Any] = field(default_factory=dict)
     extra: Callable[..., Any] | None = None
     estimates: Mapping[str, str] = field(default_factory=dict)
+    scales: tuple[str, ...] = SCALES
 
     def parts(self, scale: str, **options: Any) -> list[Part]:
-        scale = check_scale(scale)
+        scale = check_scale(scale, self.scales)
         unknown = sorted(set(options) - set(self.options))
         if unknown:
             allowed = ", ".join(self.options) or "(none)"

@@ -20,30 +20,29 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dptune.report import LedgerRow, LinearScalingFit, RunHistory, build_report
+from dptune.report import LinearScalingFit, RunHistory, build_report
 from dptune.report.html import FigureRef, Section
 from dptune.report.privacy import hides_run_count, public_run_name, split_arm_notes
-from dptune.report.study import arm_costs, conclusions, grid_heatmaps, heatmap_section
+from dptune.report.study import (
+    arm_costs,
+    conclusions,
+    display_table,
+    every_configuration,
+    every_run_section,
+    grid_heatmaps,
+    heatmap_section,
+    study_ledger_rows,
+    write_runs_csv,
+)
 from dptune.tune import results as R
 from dptune.tune.planners import StudyPlan
 from dptune.tune.store import Store
 
 MAX_HISTORIES = 40
-
-
-def _nu_q(event: Any) -> tuple[float | None, float | None]:
-    from dp_accounting import dp_event
-
-    if isinstance(event, dp_event.PoissonSampledDpEvent) and isinstance(event.event, dp_event.GaussianDpEvent):
-        return float(event.event.noise_multiplier), float(event.sampling_probability)
-    if isinstance(event, dp_event.GaussianDpEvent):
-        return float(event.noise_multiplier), 1.0
-    return None, None
 
 
 def _fmt_eps(x: float) -> str:
@@ -88,18 +87,10 @@ def study_report(
         for rid in r["selected_runs"][:2]:
             h = runs.get(rid, {}).get("history")
             if h and len(histories) < MAX_HISTORIES:
-                histories.append(RunHistory(public_run_name(arm_of[r["arm"]], runs[rid]), r["strategy"], json.loads(h)))
+                histories.append(RunHistory(public_run_name(arm_of[r["arm"]], runs[rid]), r["strategy"], json.loads(h),
+                                            epsilon=float(r["epsilon"])))
 
-    eps_alone = {row["run_id"]: row["epsilon_alone"] for row in per_run}
-    grouped: dict[tuple[str, str], list[Any]] = defaultdict(list)
-    for e in entries:
-        grouped[(e.run, e.label)].append(e)
-    ledger_rows = []
-    for (run, label), es in grouped.items():
-        nu, q = _nu_q(es[0].event)
-        eps = eps_alone.get(run)
-        ledger_rows.append(LedgerRow(run, label, sum(e.count for e in es),
-                                     eps if eps is not None and math.isfinite(eps) else None, None, nu, q))
+    ledger_rows = study_ledger_rows(plan, entries, per_run)
 
     budgets = [{
         "label": f"{r['strategy']} @ ε = {_fmt_eps(r['epsilon'])} ({r['method']})",
@@ -138,6 +129,11 @@ def study_report(
         if include_diagnostics else []
     if heatmaps:
         extra_sections = [*extra_sections, heatmap_section(heatmaps)]
+    # Every run and every configuration: diagnostics, as in ``dptune report`` (report_study).
+    runs_section = every_run_section(table, write_runs_csv(out, list(runs.values()), arm_of))
+    # The selection score, as in this page's results table.
+    every = every_configuration(list(runs.values()), arm_of, {rid for r in table for rid in r["selected_runs"]},
+                                use_test=False, name=lambda a: a.label)
     return build_report(
         out, results, histories, ledger_rows,
         selection_mode=sel.get("mode", "public"), selection_split=sel.get("split"),
@@ -145,7 +141,9 @@ def study_report(
         title=title or cfg.get("study", {}).get("name", "study"), subtitle=subtitle,
         accountant=", ".join(accountants) or None, budgets=budgets,
         notes=[*notes, *dict.fromkeys(arm_notes), mode_note], pareto=pareto or None, linear_scaling=linear,
-        conclusions=conclusions(table, arm_costs(plan), plan.higher_is_better, plan.metric, hidden_k),
+        conclusions=conclusions(display_table(table, plan.metric), arm_costs(plan), plan.higher_is_better,
+                                plan.metric, hidden_k),
         extra_figures=extra_figures, extra_sections=extra_sections,
         diagnostic_notes=list(dict.fromkeys(secret_notes)), include_diagnostics=include_diagnostics,
+        diagnostic_sections=[runs_section], all_results=every,
     )

@@ -17,7 +17,6 @@ from dptune.report import figures as F
 from dptune.report.data import (
     LedgerRow,
     LinearScalingFit,
-    RunHistory,
     SummaryRow,
     best_per_strategy,
     check_budget,
@@ -77,6 +76,7 @@ def build_report(
     diagnostic_notes: Sequence[str] = (),
     diagnostic_sections: Sequence[Section] = (),
     include_diagnostics: bool = False,
+    all_results: Iterable[Any] | None = None,
 ) -> Path:
     """Write the publishable report into ``out_dir/release/`` and the diagnostics into
     ``out_dir/diagnostics/``; return the path of ``release/report.html``.
@@ -91,6 +91,10 @@ def build_report(
     loss, batch sizes), the per-run ledger, the cosine diagnostic, ``diagnostic_notes`` and
     ``diagnostic_sections``; ``include_diagnostics=True`` also writes them as a page,
     ``diagnostics/report.html``, under a red banner.
+
+    * ``all_results``: every configuration tried, for ``diagnostics/results_all.csv`` (same
+      forms as ``results_rows``; default: every configuration of ``results_rows``). A tuner's
+      report passes its selection table as ``results_rows`` and every candidate here.
 
     * ``results_rows``: per-seed trial rows (``TrialResult`` or dicts with strategy,
       epsilon, value, seed, hyperparameters[, selected]); aggregated to mean ± std over
@@ -139,13 +143,14 @@ def build_report(
     best = best_per_strategy(summary, higher)
     # Every configuration (the losing candidates too) is a diagnostic: Liu–Talwar and
     # repeat-and-select cover only the selected one.
-    all_csv = write_labelled_csv(diag / "results_all.csv", summary_csv_rows(summary))
+    every = summary if all_results is None else as_summary_rows(all_results, higher=higher, best_only=False)
+    all_csv = write_labelled_csv(diag / "results_all.csv", summary_csv_rows(every))
     best_csv = write_csv(out / "results_best.csv", summary_csv_rows(best))
-    if include_diagnostics and summary:
+    if include_diagnostics and every:
         dsections.append(Section(
             "Every configuration tried", diagnostic=True,
             paragraphs=["Every candidate of the search with its metric, selected or not."],
-            tables=[results_table(summary, metric, higher, "All configurations (diagnostics).")],
+            tables=[results_table(every, metric, higher, "All configurations (diagnostics).")],
             attachments=[all_csv]))
     direction = "higher" if higher else "lower"
     if best:
@@ -175,7 +180,7 @@ def build_report(
     if hs:
         full_rows = [{"selected": h.selected, **row} for h in hs for row in history_csv_rows([h])]
         diag_traj = write_labelled_csv(diag / "trajectories.csv", full_rows)
-        public = [RunHistory(h.run, h.strategy, release_history_rows(h.rows)) for h in hs if h.selected]
+        public = [replace(h, rows=release_history_rows(h.rows)) for h in hs if h.selected]
         if public:
             traj_csv = write_csv(out / "trajectories.csv", history_csv_rows(public))
             fig = F.trajectories(public, fig_dir / "trajectories.png")
@@ -215,7 +220,8 @@ def build_report(
     if lrows:
         led_csv = write_labelled_csv(diag / "ledger.csv", ledger_csv_rows(lrows))
         if include_diagnostics:
-            fig = F.ledger(lrows, diag_figs / "ledger.png", planned_epsilon=planned_b[0] if planned_b else None)
+            fig = F.ledger(lrows, diag_figs / "ledger.png",
+                           planned_epsilon=planned_b[0] if planned_b else _planned_lines(budgets))
             dsections.append(Section(
                 "Privacy ledger per run", diagnostic=True,
                 paragraphs=[f"{len({r.run for r in lrows})} runs, {sum(int(r.releases) for r in lrows)} noisy "
@@ -288,6 +294,18 @@ def build_report(
         write_report(diag, f"{title}: diagnostics", [*sections, *dsections], diagnostics=True,
                      subtitle=f"{NOT_DP_LABEL}" + (f" · {subtitle}" if subtitle else ""), **head)
     return page
+
+
+def _planned_lines(budgets: Sequence[Mapping[str, Any]]) -> list[tuple[float, str]]:
+    """The ledger figure's planned-ε lines of a study of several procedures: one per planned ε
+    (equal to 3 significant digits: calibrated plans differ in the last digits), at the largest,
+    naming how many procedures planned it."""
+    by_eps: dict[str, list[float]] = {}
+    for b in budgets:
+        pl = b.get("planned")
+        if pl and pl[0] is not None and math.isfinite(float(pl[0])):
+            by_eps.setdefault(f"{float(pl[0]):.3g}", []).append(float(pl[0]))
+    return sorted((max(v), f"planned, {len(v)} procedure{'s' if len(v) > 1 else ''}") for v in by_eps.values())
 
 
 def _budget_rows(planned: tuple[float, float] | None, spent: tuple[float, float] | None, accountant: str | None,

@@ -39,6 +39,22 @@ def higher_is_better(metric: str, override: bool | None = None) -> bool:
     return HIGHER_IS_BETTER[metric]
 
 
+# The range a metric's true value lies in. A privately released selection score (the exact
+# score plus Gaussian noise) can fall outside it (an accuracy of 108%): displays clip it to
+# this range, which is post-processing; stored data (CSV, the study) keep the raw value.
+METRIC_RANGES: dict[str, tuple[float, float]] = {"accuracy": (0.0, 1.0), "mse": (0.0, math.inf),
+                                                 "loss": (0.0, math.inf)}
+
+
+def clip_to_range(value: float | None, metric: str) -> float | None:
+    """``value`` clipped to ``METRIC_RANGES[metric]`` for display (unknown metrics, None and NaN
+    unchanged)."""
+    lo_hi = METRIC_RANGES.get(metric)
+    if value is None or lo_hi is None or math.isnan(value):
+        return value
+    return min(max(float(value), lo_hi[0]), lo_hi[1])
+
+
 def metric_label(metric: str, higher: bool) -> str:
     """Axis/column label that states the direction, e.g. 'MSE (lower is better)'."""
     name = {"accuracy": "Accuracy", "mse": "MSE", "loss": "Loss"}.get(metric, metric)
@@ -85,12 +101,14 @@ class RunHistory:
 
     ``selected``: the run is one the tuner selected (its step/C_t/ρ_t go into the release);
     False: a losing candidate, shown only in the diagnostics. Name selected runs without the
-    tuner's run id (it numbers the candidates, which Liu–Talwar keeps secret)."""
+    tuner's run id (it numbers the candidates, which Liu–Talwar keeps secret). ``epsilon``: the
+    ε of the run's tuning procedure (public, part of the plan), drawn as the line style."""
 
     run: str
     strategy: str
     rows: Sequence[Mapping[str, Any]]
     selected: bool = True
+    epsilon: float | None = None
 
 
 @dataclass(frozen=True)

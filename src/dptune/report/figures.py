@@ -36,6 +36,7 @@ from dptune.report.data import (
     LinearScalingFit,
     RunHistory,
     SummaryRow,
+    clip_to_range,
     coerce_histories,
     coerce_ledger_rows,
     coerce_lt_ma,
@@ -122,15 +123,16 @@ def metric_vs_epsilon(
         pts = sorted((r for r in rows if r.strategy == strat and r.mean is not None), key=lambda r: r.epsilon)
         fin = [r for r in pts if math.isfinite(r.epsilon)]
         if fin:
-            ax.errorbar(
-                [r.epsilon for r in fin], [r.mean for r in fin], yerr=[r.std or 0.0 for r in fin],
+            ax.errorbar(  # means clipped to the metric's range: a noisy private score can leave it
+                [r.epsilon for r in fin], [clip_to_range(r.mean, metric) for r in fin], yerr=[r.std or 0.0 for r in fin],
                 marker="o", capsize=4, lw=1.6, color=colors[strat], label=strat,
             )
         for r in pts:
             if math.isinf(r.epsilon):
-                ax.axhline(r.mean, ls="--", color=colors[strat], lw=1.2, label=f"{strat} (non-private)")
+                mean = clip_to_range(r.mean, metric)
+                ax.axhline(mean, ls="--", color=colors[strat], lw=1.2, label=f"{strat} (non-private)")
                 if r.std:
-                    ax.axhspan(r.mean - r.std, r.mean + r.std, color=colors[strat], alpha=0.12)
+                    ax.axhspan(mean - r.std, mean + r.std, color=colors[strat], alpha=0.12)
     if finite_eps:
         ax.set_xticks(finite_eps, [_eps_text(e) for e in finite_eps])
     ax.set_xlabel("privacy budget ε")
@@ -166,37 +168,52 @@ def _series(rows: Sequence[Mapping[str, Any]], key: str, max_points: int = 2000)
     return np.asarray(steps), np.asarray(vals)
 
 
+_LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
+
+
 def trajectories(histories: Sequence[RunHistory | Mapping[str, Any]], path: str | Path, *, title: str | None = None) -> Path:
     """C_t (clipping threshold) and ρ_t (learning rate) against the iteration t, log y-axis.
 
-    One line per run, coloured by strategy. Fixed-threshold strategies are flat lines; OSO
-    (Galli Alg. 1), the quantile rule (Andrew et al.) and ADADP move them. Rows lacking a
+    One line per run, coloured by strategy, with one line style per ε (``RunHistory.epsilon``)
+    when the runs have several, named in the legend. Fixed-threshold strategies are flat lines;
+    OSO (Galli Alg. 1), the quantile rule (Andrew et al.) and ADADP move them. Rows lacking a
     key (e.g. ``nodp`` has no clip) or with non-positive values are skipped.
     """
     hs = coerce_histories(histories)
     fig, axes = _figure(7.0, 6.0, nrows=2)
     colors = strategy_colors(h.strategy for h in hs)
+    # ε as the line style: runs of one strategy at two budgets would otherwise be the same line.
+    epsilons = sorted({float(h.epsilon) for h in hs if h.epsilon is not None})
+    style = {e: _LINE_STYLES[i % len(_LINE_STYLES)] for i, e in enumerate(epsilons)}
+
+    def name(h: RunHistory) -> str:
+        if len(epsilons) < 2:
+            return h.strategy
+        return f"{h.strategy}, ε = {_eps_text(float(h.epsilon))}" if h.epsilon is not None else h.strategy
+
     seen: set[tuple[str, str]] = set()
-    for key, ax, name in (("clip", axes[0, 0], "clipping threshold $C_t$"), ("lr", axes[1, 0], "learning rate $ρ_t$")):
+    for key, ax, label_y in (("clip", axes[0, 0], "clipping threshold $C_t$"), ("lr", axes[1, 0], "learning rate $ρ_t$")):
         drawn = 0
         for h in hs:
             x, y = _series(h.rows, key)
             if len(x) == 0:
                 continue
-            label = h.strategy if (key, h.strategy) not in seen else None
-            seen.add((key, h.strategy))
-            ax.plot(x, y, lw=1.1, alpha=0.85, color=colors[h.strategy], label=label)
+            label = name(h) if (key, name(h)) not in seen else None
+            seen.add((key, name(h)))
+            ls = style.get(float(h.epsilon), "-") if h.epsilon is not None else "-"
+            ax.plot(x, y, lw=1.3, alpha=0.85, color=colors[h.strategy], ls=ls, label=label)
             drawn += 1
         if drawn:
             ax.set_yscale("log")
             _plain_log_ticks(ax)
-            ax.legend(fontsize=8, loc="best")
+            ax.legend(fontsize=8, loc="best", ncol=2 if len({name(h) for h in hs}) > 6 else 1)
         else:
             ax.text(0.5, 0.5, f"no run recorded '{key}'", ha="center", va="center", transform=ax.transAxes)
-        ax.set_ylabel(name)
+        ax.set_ylabel(label_y)
         ax.grid(alpha=0.3, which="both")
     axes[1, 0].set_xlabel("iteration t")
-    axes[0, 0].set_title(title or "Trajectories of $C_t$ and $ρ_t$ (one line per run)")
+    axes[0, 0].set_title(title or "Trajectories of $C_t$ and $ρ_t$ (one line per run"
+                         + ("; line style: ε)" if len(epsilons) > 1 else ")"))
     return _save(fig, path)
 
 
@@ -386,15 +403,16 @@ def ledger(
     rows: Sequence[LedgerRow | Mapping[str, Any]],
     path: str | Path,
     *,
-    planned_epsilon: float | None = None,
+    planned_epsilon: float | Sequence[tuple[float, str]] | None = None,
     max_bars: int = 40,
     title: str | None = None,
 ) -> Path:
     """Left: ε spent by each run alone (bars; a histogram beyond ``max_bars`` runs) with the
-    run's planned ε if known. Right: releases per query label, summed over runs.
+    run's planned ε if known (a black tick). Right: releases per query label, summed over runs.
 
     Per-run ε values do not add up to the study's total: composition is sub-additive. The
-    study's planned total, when given, is the red line.
+    planned ε of the study (a number), or of each tuning procedure (``(ε, label)`` pairs), is a
+    red line across the bars. A non-private run (ε = ∞) has no bar: it is marked "ε = ∞".
     """
     rs = coerce_ledger_rows(rows)
     fig, axes = _figure(10.0, 4.4, ncols=2)
@@ -407,25 +425,39 @@ def ledger(
         if r.planned_epsilon is not None:
             plan_by_run[r.run] = max(plan_by_run.get(r.run, 0.0), float(r.planned_epsilon))
     runs = list(eps_by_run)
+    # ε = ∞ (a non-private run) cannot be drawn: an infinite bar or bin is NaN in matplotlib's
+    # transforms (its RuntimeWarning); such runs are named instead.
+    finite = {r: e for r, e in eps_by_run.items() if math.isfinite(e)}
     if not runs:
         ax_eps.text(0.5, 0.5, "no per-run ε recorded", ha="center", va="center", transform=ax_eps.transAxes)
     elif len(runs) <= max_bars:
         y = np.arange(len(runs))
-        ax_eps.barh(y, [eps_by_run[r] for r in runs], color="#1f77b4", label="spent")
-        planned = [plan_by_run.get(r, np.nan) for r in runs]
-        if any(np.isfinite(planned)):
-            ax_eps.scatter(planned, y, marker="|", s=160, color="k", zorder=3, label="planned")
+        ax_eps.barh(y, [finite.get(r, 0.0) for r in runs], color="#1f77b4", label="spent")
+        for i, r in enumerate(runs):
+            if r not in finite:
+                ax_eps.text(0.0, i, " ε = ∞ (non-private)", va="center", fontsize=7)
+        ticks = [(plan_by_run[r], i) for i, r in enumerate(runs) if math.isfinite(plan_by_run.get(r, math.nan))]
+        if ticks:
+            ax_eps.scatter([p for p, _ in ticks], [i for _, i in ticks], marker="|", s=160, color="k", zorder=3,
+                           label="planned (run alone)")
         ax_eps.set_yticks(y, [str(r) or "(run)" for r in runs], fontsize=7)
         ax_eps.invert_yaxis()
         ax_eps.set_xlabel("ε of the run alone")
     else:
-        ax_eps.hist(list(eps_by_run.values()), bins=20, color="#1f77b4")
-        ax_eps.set_xlabel(f"ε of the run alone ({len(runs)} runs)")
+        if finite:
+            ax_eps.hist(list(finite.values()), bins=20, color="#1f77b4")
+        n_inf = len(runs) - len(finite)
+        ax_eps.set_xlabel(f"ε of the run alone ({len(runs)} runs"
+                          + (f"; {n_inf} non-private, ε = ∞, not shown)" if n_inf else ")"))
         ax_eps.set_ylabel("runs")
-    if planned_epsilon is not None and math.isfinite(planned_epsilon) and runs:
-        ax_eps.axvline(planned_epsilon, color="#d62728", lw=1.2, label=f"study plan ε = {planned_epsilon:.3g}")
-    if runs:
-        ax_eps.legend(fontsize=7, loc="best")
+    lines = ([(float(planned_epsilon), "study plan")] if isinstance(planned_epsilon, int | float)
+             else [(float(e), str(lab)) for e, lab in planned_epsilon or ()])
+    lines = [(e, lab) for e, lab in lines if math.isfinite(e)]
+    for k, (e, lab) in enumerate(lines):
+        ax_eps.axvline(e, color="#d62728", lw=1.2, ls=("-", "--", ":", "-.")[k % 4], label=f"{lab}: ε = {e:.3g}")
+    if runs and ax_eps.get_legend_handles_labels()[0]:  # a histogram alone has nothing to name
+        # Below the axes: inside, it would hide the longest bars.
+        ax_eps.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     ax_eps.set_title("privacy spent per run")
     by_label: dict[str, int] = {}
     for r in rs:

@@ -151,26 +151,40 @@ def labelled_json(payload: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- one run (dptune train)
-def train_outputs(result: Any, **context: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+# The seed drives the noise and the Poisson batches in seeded mode: a secret key (docs/privacy.md,
+# "Secure mode"). Like the model card, a release never holds it, in either mode; the diagnostics do.
+SEED_NOTE = "withheld from the release (one rule for both modes: in seeded mode it is a secret key); recorded in " \
+            "the diagnostics JSON"
+
+
+def train_outputs(result: Any, *, seed: int | None = None, selection_split: str | None = None,
+                  **context: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(release, diagnostics) dicts of one ``TrainResult`` (``dptune train``'s JSON files).
 
     Release: ``TrainResult.summary()`` (the guarantee: ε at δ by the plan's accountant, ν, q,
     T; the configuration; the best evaluation on the evaluation data, assumed public; whether
-    it diverged, judged on the parameters) without the run time, the evaluations, the ledger's
-    totals and the C_t/ρ_t trajectory. Diagnostics: the full per-step history (train_loss on
+    it diverged, judged on the parameters; secure or seeded randomness) with the dptune version,
+    the split the best checkpoint was chosen on (``selection_split``, None without evaluation
+    data), the evaluations, the ledger's totals and the C_t/ρ_t trajectory, without the run time
+    and the seed (``SEED_NOTE``). Diagnostics: the seed, the full per-step history (train_loss on
     the private batch, the realised batch sizes), the run time (it grows with the realised
-    batch sizes) and the full ledger.
+    batch sizes) and the full ledger. ``context`` (e.g. dataset, model) goes to both.
     """
+    import dptune
+
     summary = dict(result.summary())
     seconds = summary.pop("seconds", None)  # timing: a side channel on the realised batch sizes
     private = bool(result.plan.strategy.private)
     eps = (result.epsilon(result.delta) if result.delta else None) if private else math.inf
     release = {
-        **context, **summary, "evals": result.evals,
+        **context, **summary, "dptune_version": dptune.__version__,
+        "selection_split": selection_split if result.evals else None, "seed_note": SEED_NOTE,
+        "evals": result.evals,
         "ledger_totals": {"releases": sum(e.count for e in result.ledger.entries), "epsilon": eps,
                           "delta": result.delta, "accountant": getattr(result.plan, "accountant", "rdp")},
         "trajectory": release_history_rows(result.history),
     }
-    diagnostics = labelled_json({**context, "seconds": seconds, "history": result.history,
-                                 "ledger": result.ledger.to_dict()})
+    diagnostics = labelled_json({**context, "seed": seed, "randomness": summary.get("randomness"),
+                                 "dptune_version": dptune.__version__, "seconds": seconds,
+                                 "history": result.history, "ledger": result.ledger.to_dict()})
     return release, diagnostics

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dptune.report.build import build_report
-from dptune.report.data import LedgerRow, LinearScalingFit, RunHistory, SummaryRow
+from dptune.report.data import LedgerRow, LinearScalingFit, RunHistory, SummaryRow, clip_to_range
 from dptune.report.html import FigureRef, Section, Table
 from dptune.report.privacy import (
     RELEASE_DIR,
@@ -97,20 +98,12 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
         wanted = {r["run_id"] for r in runs}
     histories = [
         RunHistory(public_run_name(arm_of[r["arm"]], r) if r["run_id"] in selected else r["run_id"],
-                   arm_of[r["arm"]].label, json.loads(r["history"]), selected=r["run_id"] in selected)
+                   arm_of[r["arm"]].label, json.loads(r["history"]), selected=r["run_id"] in selected,
+                   epsilon=float(arm_of[r["arm"]].epsilon))
         for r in runs if r["run_id"] in wanted and r["history"]
     ]
 
-    # -- ledger rows: releases per (run, label); each run's ε alone from the tuner
-    eps_alone = {r["run_id"]: r["epsilon_alone"] for r in per_run}
-    releases: dict[tuple[str, str], int] = defaultdict(int)
-    for e in entries:
-        releases[(e.run, e.label)] += e.count
-    ledger_rows = [
-        LedgerRow(rid, label, n, eps_alone.get(rid), None, _finite(plan.runs[rid].noise_multiplier),
-                  plan.runs[rid].sampling_rate)
-        for (rid, label), n in releases.items()
-    ]
+    ledger_rows = study_ledger_rows(plan, entries, per_run)
 
     # -- budgets: one row per tuning procedure family (arm)
     budgets = [
@@ -156,25 +149,13 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
                                           "used by the final run (Panda et al. 2024, Fig. 3)."))
 
     # -- the tuner's own table and every run: diagnostics (counts of runs reveal K under LT/RS)
-    runs_csv = write_labelled_csv(diagnostics_dir(out) / "runs.csv", [
-        {"run_id": r["run_id"], "arm": r["arm"], "strategy": arm_of[r["arm"]].label, "epsilon": arm_of[r["arm"]].epsilon,
-         "stage": r["stage"], "procedure": r["procedure"], "replicate": r["replicate"], "seed": r["seed"],
-         "status": r["status"], "config": r["config"], "noise_multiplier": r["noise_multiplier"], "steps": r["steps"],
-         "sampling_rate": r["sampling_rate"], "score": r["score"], "best_step": r["best_step"],
-         "test_metric": r["test_metric"], "seconds": r["seconds"]}
-        for r in runs
-    ])
+    runs_csv = write_runs_csv(out, runs, arm_of)
     tuner_table = Table(
         ["strategy", "ε", "method", "selected configuration", "selection score", "test"],
-        [[r["strategy"], r["epsilon"], r["method"], r["selected"] or "—", _pm(r["value_mean"], r["value_std"]),
-          _pm(r["test_mean"], r["test_std"])] for r in table],
+        [[r["strategy"], r["epsilon"], r["method"], r["selected"] or "—",
+          _pm(clip_to_range(r["value_mean"], metric), r["value_std"]), _pm(r["test_mean"], r["test_std"])]
+         for r in table],
         caption="[k/P]: the configuration was selected by k of the P seed replicates (per-seed selection).",
-    )
-    runs_table = Table(
-        ["strategy", "ε", "method", "runs", "diverged", "failed"],
-        [[r["strategy"], r["epsilon"], r["method"], f"{r['runs_done']}/{r['runs_total']}", r["diverged"],
-          r["failed"]] for r in table],
-        caption="Runs per tuning procedure (under Liu–Talwar / repeat-and-select their number is secret).",
     )
     heatmaps = grid_heatmaps(runs, arm_of, out, metric, plan.higher_is_better) if include_diagnostics else []
     done = sum(1 for r in runs if r["status"] in ("done", "diverged"))
@@ -187,14 +168,14 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
     if sel.get("mode") == "private":
         paragraphs.append(f"Private selection: every selection score was released with Gaussian noise "
                           f"(σ = {sel.get('noise_multiplier')} on its sum), so selection scores are noisy and "
-                          "may fall outside the metric's range.")
+                          "may fall outside the metric's range: this page shows them clipped to it (post-processing); "
+                          "the CSV files keep the raw values.")
     # The randomness mode (issue 10, item 3): secure (OS CSPRNG) or seeded (the seeds are a secret key).
     from dptune.train import randomness_statement
 
     paragraphs.append("Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"])
     sections = [Section("Tuner's selection table", paragraphs=paragraphs + notes, tables=[tuner_table])]
-    dsections = [Section("Every run", paragraphs=secret_notes, tables=[runs_table], attachments=[runs_csv],
-                         diagnostic=True)]
+    dsections = [every_run_section(table, runs_csv, secret_notes)]
     if heatmaps:
         dsections.append(heatmap_section(heatmaps))
     status = [] if done == len(runs) else (
@@ -209,10 +190,99 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
         metric=metric, higher_is_better=plan.higher_is_better,
         title=title or f"Study report: {cfg.get('study', {}).get('name') or study_dir.name}",
         subtitle=f"{subtitle}n_train = {plan.n_train}",
-        notes=status, conclusions=conclusions(table, noise_of, plan.higher_is_better, metric, hidden_k),
+        notes=status, conclusions=conclusions(display_table(table, metric), noise_of, plan.higher_is_better, metric,
+                                              hidden_k),
         pareto=pareto or None, lt_ma=lt_rows, extra_figures=extra, extra_sections=sections,
         diagnostic_sections=dsections, include_diagnostics=include_diagnostics,
+        all_results=every_configuration(runs, arm_of, selected, has_test),
     )
+
+
+def display_table(table: Sequence[Mapping[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """The tuner's table with selection scores clipped to the metric's range, for display (noisy
+    private scores can leave it; post-processing)."""
+    return [{**r, "value_mean": clip_to_range(r.get("value_mean"), metric)} for r in table]
+
+
+def arm_name(arm: Any) -> str:
+    """An arm's name in the results: its label, with the method unless grid/online."""
+    return arm.label if arm.method in ("grid", "online") else f"{arm.label} ({arm.method})"
+
+
+def every_configuration(runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any], selected: Iterable[str],
+                        use_test: bool, name: Callable[[Any], str] = arm_name) -> list[SummaryRow]:
+    """One row per configuration tried (arm, stage, configuration) over its finished runs: the
+    test metric (``use_test``) or the selection score, mean ± std over seed replicates, and
+    whether one of its runs is ``selected``. For ``diagnostics/results_all.csv`` only: the losing
+    candidates are not covered by Liu–Talwar / repeat-and-select."""
+    from dptune.tune.space import config_key
+
+    chosen = set(selected)
+    groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = defaultdict(list)
+    for r in runs:
+        if r["status"] in ("done", "diverged") and r["config"]:
+            cfg = r["config"] if isinstance(r["config"], Mapping) else json.loads(r["config"])
+            groups[(r["arm"], r["stage"], config_key(cfg))].append(r)
+    out = []
+    for (arm, _, key), rs in groups.items():
+        vals = [r["test_metric"] if use_test else r["score"] for r in rs]
+        ok = [float(v) for v in vals if v is not None and math.isfinite(float(v))]
+        out.append(SummaryRow(
+            name(arm_of[arm]), float(arm_of[arm].epsilon), key, statistics.fmean(ok) if ok else None,
+            statistics.stdev(ok) if len(ok) > 1 else None, len(rs), len(rs) - len(ok),
+            any(r["run_id"] in chosen for r in rs)))
+    return out
+
+
+def study_ledger_rows(plan: Any, entries: Iterable[Any], per_run: Sequence[Mapping[str, Any]]) -> list[LedgerRow]:
+    """Releases per (run, query label), with the run's ε alone and its planned ε alone
+    (``dptune.tune.results.budget_rows``; ε = ∞ for a non-private run), and the label's ν and q
+    (from its event; else the run's)."""
+    from dptune.report.build import _nu_q
+
+    eps_alone = {r["run_id"]: r["epsilon_alone"] for r in per_run}
+    planned = {r["run_id"]: r.get("planned_epsilon") for r in per_run}
+    releases: dict[tuple[str, str], int] = defaultdict(int)
+    event: dict[tuple[str, str], Any] = {}
+    for e in entries:
+        releases[(e.run, e.label)] += e.count
+        event.setdefault((e.run, e.label), e.event)
+    rows = []
+    for (rid, label), n in releases.items():
+        nu, q = _nu_q(event[(rid, label)])
+        rows.append(LedgerRow(rid, label, n, eps_alone.get(rid), planned.get(rid),
+                              nu if nu is not None else _finite(plan.runs[rid].noise_multiplier),
+                              q if q is not None else plan.runs[rid].sampling_rate))
+    return rows
+
+
+RUNS_CSV_COLUMNS = ("run_id", "arm", "strategy", "epsilon", "stage", "procedure", "replicate", "seed", "status",
+                    "config", "noise_multiplier", "steps", "sampling_rate", "score", "best_step", "test_metric",
+                    "seconds")
+
+
+def write_runs_csv(out: str | Path, runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any]) -> Path:
+    """``diagnostics/runs.csv``: every run of the study (labelled not DP: it lists the losing
+    candidates and, under Liu–Talwar / repeat-and-select, reveals K)."""
+    rows = []
+    for r in runs:
+        cfg = r["config"]
+        rows.append({**{k: r.get(k) for k in RUNS_CSV_COLUMNS}, "strategy": arm_of[r["arm"]].label,
+                     "epsilon": arm_of[r["arm"]].epsilon,
+                     "config": cfg if cfg is None or isinstance(cfg, str) else json.dumps(cfg)})
+    return write_labelled_csv(diagnostics_dir(out) / "runs.csv", rows, RUNS_CSV_COLUMNS)
+
+
+def every_run_section(table: Sequence[Mapping[str, Any]], runs_csv: Path, paragraphs: Sequence[str] = ()) -> Section:
+    """The diagnostics section with the run counts per tuning procedure and ``runs.csv``."""
+    runs_table = Table(
+        ["strategy", "ε", "method", "runs", "diverged", "failed"],
+        [[r["strategy"], r["epsilon"], r["method"], f"{r['runs_done']}/{r['runs_total']}", r["diverged"],
+          r["failed"]] for r in table],
+        caption="Runs per tuning procedure (under Liu–Talwar / repeat-and-select their number is secret).",
+    )
+    return Section("Every run", paragraphs=list(paragraphs), tables=[runs_table], attachments=[runs_csv],
+                   diagnostic=True)
 
 
 def conclusions(table: Sequence[Mapping[str, Any]], costs: Mapping[str, Mapping[str, Any]], higher: bool,
@@ -323,7 +393,7 @@ def grid_heatmaps(runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any], 
         cells: dict[tuple[Any, Any], list[float]] = defaultdict(list)
         for c, r in zip(configs, rs, strict=True):
             cells[(c[x], c[y])].append(float(r["score"]))
-        scores = {k: sum(v) / len(v) for k, v in cells.items()}
+        scores = {k: clip_to_range(sum(v) / len(v), metric) for k, v in cells.items()}  # displayed: clipped
         safe = arm.replace("/", "_").replace("@", "_at_").replace("=", "")
         label = f"{arm_of[arm].label} @ ε = {arm_of[arm].epsilon:g}"
         p = F.grid_heatmap(scores, x, y, diagnostics_dir(out) / "figures" / f"grid_{safe}.png",

@@ -20,6 +20,7 @@ from dptune.report.data import (
     SummaryRow,
     _flag,
     best_per_strategy,
+    clip_to_range,
     coerce_histories,
     coerce_ledger_rows,
     metric_label,
@@ -59,10 +60,13 @@ def fmt_hyperparameters(hp: Mapping[str, Any] | str) -> str:
     return ", ".join(f"{k}={fmt_value(v)}" for k, v in sorted(hp.items())) or "—"
 
 
-def fmt_metric(r: SummaryRow) -> str:
+def fmt_metric(r: SummaryRow, metric: str | None = None) -> str:
+    """mean ± std; with ``metric``, the mean clipped to the metric's range (a noisy private
+    selection score can leave it: ``clip_to_range``)."""
     if r.mean is None:
         return "diverged"
-    return f"{r.mean:.4g} ± {r.std:.2g}" if r.std is not None else f"{r.mean:.4g}"
+    mean = clip_to_range(r.mean, metric) if metric else r.mean
+    return f"{mean:.4g} ± {r.std:.2g}" if r.std is not None else f"{mean:.4g}"
 
 
 def fmt_seeds(r: SummaryRow) -> str:
@@ -101,7 +105,7 @@ def results_table(rows: Sequence[SummaryRow], metric: str, higher: bool, caption
         ["strategy", "ε", "selected configuration" if not mark and rows else "best hyperparameters",
          metric_label(metric, higher) + ", mean ± std", "seeds"],
         [[r.strategy + (" (selected)" if r.selected and mark else ""), fmt_epsilon(r.epsilon),
-          fmt_hyperparameters(r.hyperparameters), fmt_metric(r), fmt_seeds(r)] for r in rows],
+          fmt_hyperparameters(r.hyperparameters), fmt_metric(r, metric), fmt_seeds(r)] for r in rows],
         caption=caption,
     )
 
@@ -137,7 +141,7 @@ def render_terminal_table(
     for r in srows:
         eps = "∞" if math.isinf(r.epsilon) else f"{r.epsilon:g}"
         t.add_row(r.strategy + (" *" if r.selected else ""), eps, fmt_hyperparameters(r.hyperparameters),
-                  fmt_metric(r), f"{r.n_seeds - r.n_diverged}/{r.n_seeds}")
+                  fmt_metric(r, metric), f"{r.n_seeds - r.n_diverged}/{r.n_seeds}")
     notes = ["mean ± std over seeds; Seeds = finished/run (the rest diverged)."]
     if any(r.selected for r in srows):
         notes.append("* configuration selected by the tuner.")

@@ -17,7 +17,7 @@ completion order; the coordinator makes the outcome independent of that order.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from dptune.errors import ConfigError
@@ -26,6 +26,17 @@ Task = tuple[str, tuple[Any, ...]]  # (task id, args of execute_task)
 Outcome = tuple[str, dict[str, Any] | None, str | None]  # (run_id, result, error text)
 
 EXECUTORS = ("local", "process", "ray")
+
+
+def check_workers(workers: Any) -> int | None:
+    """``workers`` as given (None: the executor's default), or a ``ConfigError``: 0 or a negative
+    count would reach the pool or Ray as an error deep in a run (or as one silent worker)."""
+    if workers is None:
+        return None
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ConfigError(f"workers must be an integer ≥ 1, got {workers!r}. Fix: pass e.g. --workers 2, or leave it "
+                          "out (default: one per CPU core up to 4, or one per GPU on CUDA).")
+    return workers
 
 
 def _call(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> tuple[dict[str, Any] | None, str | None]:
@@ -37,8 +48,70 @@ def _call(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> tuple[dic
         return None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
 
 
-def _remote_call(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> tuple[dict[str, Any] | None, str | None]:
+# Pools report when a worker *starts* a task (not when it is queued), so the store marks runs
+# "running" only while a worker has them: the coordinator polls for these reports this often.
+START_POLL_S = 0.2
+_STARTED: Any = None  # in a pool worker: the queue its task starts are reported on
+
+
+def _pool_init(started: Any, counter: Any = None, masks: list[str] | None = None) -> None:
+    """Process-pool initializer: the start-report queue, and the GPU pinning (``_pin_gpu``)."""
+    global _STARTED
+    _STARTED = started
+    if masks:
+        _pin_gpu(counter, masks)
+
+
+def _pool_call(task_id: str, fn: Callable[..., dict[str, Any]],
+               args: tuple[Any, ...]) -> tuple[dict[str, Any] | None, str | None]:
+    if _STARTED is not None:
+        _STARTED.put(task_id)
     return _call(fn, args)
+
+
+def _ray_call(started: Any, task_id: str, fn: Callable[..., dict[str, Any]],
+              args: tuple[Any, ...]) -> tuple[dict[str, Any] | None, str | None]:
+    started.put(task_id)
+    return _call(fn, args)
+
+
+class _Starts:
+    """Turns the workers' start reports of one batch of tasks into ``on_start`` calls.
+
+    At most ``limit`` (the pool's size) tasks are reported as running: a worker takes its next
+    task only after finishing one, so a start reported while ``limit`` tasks still look running
+    means that a result is on its way; the start is reported once that result was handed over.
+    A result whose start report lags behind it is reported as started first. Reports of tasks of
+    an earlier batch are ignored."""
+
+    def __init__(self, task_ids: Iterable[str], on_start: Callable[[list[str]], None], limit: int | None):
+        self.ids, self.on_start, self.limit = set(task_ids), on_start, limit
+        self.started: set[str] = set()
+        self.running: set[str] = set()
+        self.waiting: list[str] = []
+
+    def reported(self, task_ids: Iterable[str]) -> None:
+        self.waiting += [t for t in task_ids if t in self.ids and t not in self.started and t not in self.waiting]
+        new = []
+        while self.waiting and (self.limit is None or len(self.running) + len(new) < self.limit):
+            new.append(self.waiting.pop(0))
+        self._start(new)
+
+    def finishing(self, task_id: str) -> None:
+        if task_id not in self.started:
+            if task_id in self.waiting:
+                self.waiting.remove(task_id)
+            self._start([task_id])
+
+    def finished(self, task_id: str) -> None:
+        self.running.discard(task_id)
+        self.reported([])
+
+    def _start(self, new: list[str]) -> None:
+        if new:
+            self.started.update(new)
+            self.running.update(new)
+            self.on_start(new)
 
 
 class Executor:
@@ -46,8 +119,9 @@ class Executor:
 
     def run(self, fn: Callable[..., dict[str, Any]], tasks: list[Task],
             on_start: Callable[[list[str]], None] = lambda ids: None) -> Iterator[Outcome]:
-        """Execute ``fn(*args)`` for every task; call ``on_start(run_ids)`` just before runs are
-        dispatched (one at a time locally, all at once for pools); yield outcomes as they finish."""
+        """Execute ``fn(*args)`` for every task; call ``on_start(task_ids)`` when tasks start (pools:
+        when a worker reports that it took them, not when they are queued; always before the task's
+        outcome); yield outcomes as they finish."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -88,26 +162,43 @@ class ProcessExecutor(Executor):
         ctx = mp.get_context("spawn")
         n, self.gpu_masks = process_gpu_plan(device, workers)
         self.workers = n or max(1, min(4, os.cpu_count() or 1))
-        init: dict[str, Any] = {}
-        if self.gpu_masks:
-            init = {"initializer": _pin_gpu, "initargs": (ctx.Value("i", 0), self.gpu_masks)}
-        self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx, **init)
+        self.started_queue = ctx.Queue()  # workers report the tasks they start (handed over at spawn)
+        init = (self.started_queue, ctx.Value("i", 0), self.gpu_masks) if self.gpu_masks else (self.started_queue,)
+        self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx, initializer=_pool_init,
+                                        initargs=init)
+
+    def _drain(self) -> list[str]:
+        import queue
+
+        out = []
+        while True:
+            try:
+                out.append(self.started_queue.get_nowait())
+            except queue.Empty:
+                return out
 
     def run(self, fn, tasks, on_start=lambda ids: None):
-        from concurrent.futures import as_completed
+        from concurrent.futures import FIRST_COMPLETED, wait
 
-        on_start([rid for rid, _ in tasks])
-        futs = {self.pool.submit(_remote_call, fn, args): rid for rid, args in tasks}
-        for fut in as_completed(futs):
-            rid = futs[fut]
-            try:
-                res, err = fut.result()
-            except Exception as exc:  # the worker process died
-                res, err = None, f"worker process failed: {type(exc).__name__}: {exc}"
-            yield rid, res, err
+        futs = {self.pool.submit(_pool_call, rid, fn, args): rid for rid, args in tasks}
+        starts, pending = _Starts(futs.values(), on_start, self.workers), set(futs)
+        while pending:
+            done, pending = wait(pending, timeout=START_POLL_S, return_when=FIRST_COMPLETED)
+            for fut in done:
+                rid = futs[fut]
+                starts.finishing(rid)
+                try:
+                    res, err = fut.result()
+                except Exception as exc:  # the worker process died
+                    res, err = None, f"worker process failed: {type(exc).__name__}: {exc}"
+                yield rid, res, err
+                starts.finished(rid)
+            starts.reported(self._drain())
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.started_queue.close()
+        self.started_queue.join_thread()
 
 
 def _local_pythonpath() -> dict[str, Any]:
@@ -120,6 +211,58 @@ def _local_pythonpath() -> dict[str, Any]:
     paths = [p for p in sys.path if p and os.path.isdir(p)]
     extra = os.environ.get("PYTHONPATH")
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths + ([extra] if extra else []))}}
+
+
+RAY_MISSING = ("executor 'ray' needs Ray, which is not installed here. Fix: pip install 'dptune[ray]' "
+               "(or use executor 'local' or 'process').")
+
+
+def require_ray() -> Any:
+    """The ``ray`` module, or one clear ``ConfigError``: Ray is an optional extra (``dptune[ray]``)."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(RAY_MISSING) from exc
+    return ray
+
+
+RAY_PORTS = {"ray": 10001, "": 6379}  # Ray Client (ray://host) and the GCS of `ray start --head`
+
+
+def check_ray_address(address: str, timeout: float = 3.0) -> None:
+    """Refuse, in at most ``timeout`` seconds, a Ray address where nothing listens: ``ray.init``
+    would retry it for minutes, printing connection warnings, before it fails."""
+    if address in ("auto", "local"):  # Ray finds (or starts) the cluster itself
+        return
+    scheme, _, hostport = address.rpartition("://")
+    host, colon, port = hostport.rpartition(":")
+    if not colon or "]" in port:  # no port (an IPv6 host alone ends in "]")
+        host, port = hostport, str(RAY_PORTS.get(scheme, 6379))
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise ConfigError(f"Ray address {address!r} is not host:port. Fix: e.g. --address 10.0.0.5:6379 (the "
+                          "address `ray start --head` prints), or leave it out to start a local Ray.")
+    import socket
+
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise ConfigError(f"no Ray cluster answers at {address!r} ({exc.strerror or exc}). Fix: start the cluster "
+                          "(`ray start --head` prints its address), check the host and port, or leave out "
+                          "--address to start a local Ray.") from None
+
+
+def check_executor(name: str | Executor, address: str | None = None) -> None:
+    """Refuse, before a study directory is made, an executor that cannot start here: an unknown
+    name, 'ray' without Ray installed, or a Ray address where nothing answers."""
+    if isinstance(name, Executor):
+        return
+    if name not in EXECUTORS:
+        raise ConfigError(f"unknown executor {name!r}. Fix: choose one of {', '.join(EXECUTORS)}.")
+    if name == "ray":
+        require_ray()
+        if address:
+            check_ray_address(address)
 
 
 class RayExecutor(Executor):
@@ -135,37 +278,52 @@ class RayExecutor(Executor):
         # On CUDA every task asks Ray for GPUs, so a cluster schedules it on a GPU node and Ray
         # sets the task's CUDA_VISIBLE_DEVICES (its "cuda" is then the GPU Ray assigned).
         self.num_gpus = gpus_per_task(device, gpus_per_run)
-        try:
-            import ray
-        except ImportError as exc:  # pragma: no cover - ray is a declared dependency
-            raise ConfigError("executor 'ray' needs Ray: pip install 'ray[default]'") from exc
+        ray = require_ray()
         self.ray = ray
         self.started = False
         if not ray.is_initialized():
             if address:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+                try:
+                    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+                except ConnectionError as exc:  # a port that answers but is no Ray cluster
+                    raise ConfigError(f"no Ray cluster at {address!r} ({exc}). Fix: check the address "
+                                      "(`ray start --head` prints it), or leave it out to start a local Ray.") from None
             else:
                 ray.init(num_cpus=workers or max(1, min(4, os.cpu_count() or 1)), include_dashboard=False,
                          log_to_driver=False, configure_logging=False, runtime_env=_local_pythonpath())
             self.started = True
-        self.remote = ray.remote(num_cpus=1, num_gpus=self.num_gpus, max_retries=0)(_remote_call)
+        self.remote = ray.remote(num_cpus=1, num_gpus=self.num_gpus, max_retries=0)(_ray_call)
+        self.started_queue: Any = None
+
+    def _drain(self) -> list[str]:
+        n = self.started_queue.qsize()
+        return list(self.started_queue.get_nowait_batch(n)) if n else []
 
     def run(self, fn, tasks, on_start=lambda ids: None):
         ray = self.ray
-        on_start([rid for rid, _ in tasks])
+        if self.started_queue is None:  # an actor: reachable from the tasks on every node
+            from ray.util.queue import Queue
+
+            self.started_queue = Queue()
         fn_ref = ray.put(fn)
-        pending = {self.remote.remote(fn_ref, args): rid for rid, args in tasks}
+        pending = {self.remote.remote(self.started_queue, rid, fn_ref, args): rid for rid, args in tasks}
+        starts = _Starts(pending.values(), on_start, None)  # a cluster's size varies: no limit
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            ref = done[0]
-            rid = pending.pop(ref)
-            try:
-                res, err = ray.get(ref)
-            except Exception as exc:  # the task or its worker died
-                res, err = None, f"ray task failed: {type(exc).__name__}: {exc}"
-            yield rid, res, err
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=START_POLL_S)
+            for ref in done:
+                rid = pending.pop(ref)
+                starts.finishing(rid)
+                try:
+                    res, err = ray.get(ref)
+                except Exception as exc:  # the task or its worker died
+                    res, err = None, f"ray task failed: {type(exc).__name__}: {exc}"
+                yield rid, res, err
+                starts.finished(rid)
+            starts.reported(self._drain())
 
     def close(self) -> None:
+        if self.started_queue is not None:  # its actor, on a cluster that outlives this study
+            self.started_queue.shutdown()
         if self.started:
             self.ray.shutdown()
 
@@ -176,6 +334,7 @@ def make_executor(name: str | Executor, workers: int | None = None, address: str
     GPU share of one task (default 1 on CUDA; only with executor 'ray')."""
     if isinstance(name, Executor):
         return name
+    check_workers(workers)
     if gpus_per_run is not None and name != "ray":
         raise ConfigError(f"gpus_per_run is a Ray option; executor {name!r} does not use it. Fix: drop it, "
                           "or use executor 'ray' (the process executor takes workers).")

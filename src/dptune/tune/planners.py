@@ -237,8 +237,10 @@ def run_geometry(ctx: Context, config: Mapping[str, Any], path: str) -> tuple[fl
     ebs = tr.get("expected_batch_size", t.expected_batch_size)
     full = t.full_batch and "expected_batch_size" not in tr
     if ebs is not None and not (0 < ebs <= ctx.n_train):
-        raise ConfigError(f"{path}: expected_batch_size = {ebs} is outside (0, n = {ctx.n_train}]. "
-                          "Fix: use a smaller batch or full_batch = true.")
+        # Name the field the value came from: the search space's, else [training]'s.
+        field = f"{path}: expected_batch_size" if "expected_batch_size" in tr else "training.expected_batch_size"
+        raise ConfigError(f"{field} = {ebs:g} is outside (0, n = {ctx.n_train}] (n: the training examples). "
+                          f"Fix: use a batch of at most {ctx.n_train}, or training.full_batch = true.")
     q = sampling_rate_for(ctx.n_train, ebs, full)
     if "steps" in tr:
         steps = int(tr["steps"])
@@ -368,6 +370,31 @@ def check_selection_budget(shapes: Iterable[Shape], eps: float, delta: float, ac
             "selection.noise_multiplier, evaluate less often (selection.eval_every, or checkpoint = 'final'), "
             "or raise budget.epsilon."
         )
+
+
+def check_lt_selection_budget(shape: Shape, unit: int, lt: theory.LTParams, acc: str, what: str) -> None:
+    """Liu–Talwar with private selection: each candidate gets only (ε₁, δ₁) (ε₁ ≈ ε/3), and its
+    noisy validation scores are part of it. Scores that alone spend ε₁ leave no ν that works; say
+    so, with a noise level for the scores that leaves half of ε₁ to training."""
+    if shape.eval_nu is None or shape.n_evals == 0:
+        return
+
+    def scores(sigma: float) -> dp_event.DpEvent:
+        return group_events([dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(sigma), shape.n_evals)] * unit)
+
+    acc = "rdp" if acc == "gdp" else acc
+    e = accounting.epsilon(scores(shape.eval_nu), lt.delta1, acc)
+    if e < lt.eps1:
+        return
+    need = accounting.calibrate_event(scores, lt.eps1 / 2, lt.delta1, acc)
+    raise ConfigError(
+        f"{what}: Liu–Talwar gives each candidate run ε₁ = {lt.eps1:.4g} at δ₁ = {lt.delta1:.3g} (ε/3 − √(2δ₁), "
+        f"Liu & Talwar 2019, Thm 3.4), and a run's {shape.n_evals} private validation scores "
+        f"(selection.mode = 'private', σ = {shape.eval_nu:g}) alone spend ε = {e:.3g} of it. Fix: raise "
+        f"selection.noise_multiplier to ≥ {accounting.round_up(need, 3):g} (half of ε₁ for the scores), evaluate "
+        "less often (selection.eval_every, or checkpoint = 'final'), raise budget.epsilon, or select on a public "
+        "split (selection.mode = 'public', split = 'test')."
+    )
 
 
 def calibrate_nu(make_event: Callable[[float], dp_event.DpEvent], eps: float, delta: float, acc: str, what: str) -> float:
@@ -562,6 +589,7 @@ def _plan_lt(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
     def nu_for(shape: Shape) -> float:
         if shape not in cache:
             acc_ = choose_accountant(study.budget.accountant, shape.event(1.0), "liu-talwar")
+            check_lt_selection_budget(shape, unit, lt, acc_, arm_id)
             cache[shape] = snap(calibrate_nu(
                 lambda v: group_events([shape.event(v)] * unit), lt.eps1, lt.delta1, acc_,
                 f"{arm_id} (Liu–Talwar run at ε₁ = {lt.eps1:.4g}, δ₁ = {lt.delta1:.3g})"), [shape], ctx.n_train)

@@ -33,7 +33,7 @@ from typing import Any
 from dp_accounting import dp_event
 
 from dptune import accounting
-from dptune.ledger import LedgerEntry, compose, event_from_dict
+from dptune.ledger import LedgerEntry, atoms, compose, event_from_dict
 from dptune.tune import theory
 from dptune.tune.planners import ArmPlan, StudyPlan, canonical
 from dptune.tune.space import config_key
@@ -147,11 +147,19 @@ def spent(arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[fl
     return max(_eps(v, arm.delta, acc) for v in by_rep.values()), arm.delta
 
 
+def _planned_eps(event: dp_event.DpEvent, delta: float, acc: str) -> float:
+    """ε of a run's planned event alone (∞ for a non-private run, 0 for no release)."""
+    found = atoms(event)
+    if any(isinstance(e, dp_event.NonPrivateDpEvent) for e in found):
+        return math.inf
+    return 0.0 if not found else _epsilon(canonical(event), delta, acc)
+
+
 def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(per-run rows, per-(arm, query label) rows): where the budget went.
 
-    Per run: its releases and its ε *alone* at δ (runs compose sub-additively: these do
-    not add up to the study's ε). Per label: releases of that query type in the arm's
+    Per run: its releases, its ε *alone* at δ and the ε its plan allows it alone
+    (``planned_epsilon``; runs compose sub-additively: these do not add up to the study's ε). Per label: releases of that query type in the arm's
     accounted scope and their composed ε alone."""
     _, plan, rows, entries = _load(study_dir)
     status = {r["run_id"]: r["status"] for r in rows}
@@ -168,6 +176,7 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
                 "arm": arm.arm, "run_id": rid, "stage": run.stage, "status": status.get(rid),
                 "releases": sum(e.count for e in es),
                 "epsilon_alone": _eps(es, arm.delta, acc) if es else 0.0,
+                "planned_epsilon": _planned_eps(run.planned_event, arm.delta, acc),
                 "noise_multiplier": run.noise_multiplier, "sampling_rate": run.sampling_rate, "steps": run.steps,
             })
         scope = [e for e in _arm_entries(arm, entries)
@@ -296,9 +305,35 @@ def study_status(study_dir: str | Path) -> dict[str, Any]:
         arms.append({"arm": arm.arm, "method": arm.method, "runs": len(arm.runs), **dict(st),
                      "planned_epsilon": arm.guarantee["epsilon"], "planned_delta": arm.guarantee["delta"],
                      "spent_epsilon": sp[0], "spent_delta": sp[1], "per": arm.guarantee.get("per")})
+    eta_s, eta_text = eta(rows)
     return {"name": cfg.get("study", {}).get("name", "study"), "total": len(rows), "counts": dict(counts),
             "complete": set(counts) <= {"done", "diverged"}, "arms": arms,
-            "selection_mode": cfg.get("selection", {}).get("mode", "public")}
+            "selection_mode": cfg.get("selection", {}).get("mode", "public"),
+            "eta_seconds": eta_s, "eta": eta_text}
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def eta(rows: Iterable[Mapping[str, Any]]) -> tuple[float | None, str]:
+    """(seconds, text): the time the study still needs, from its finished runs' durations: runs
+    left × mean seconds per finished run ÷ runs running now (the workers busy; at least 1). Run
+    times are a diagnostic (they grow with the realised batch sizes): for the data owner only."""
+    rows = list(rows)
+    left = sum(1 for r in rows if r["status"] in ("planned", "running"))
+    running = sum(1 for r in rows if r["status"] == "running")
+    took = [float(r["seconds"]) for r in rows if r["status"] in ("done", "diverged") and _finite(r.get("seconds"))]
+    if left == 0:
+        return 0.0, "no run left"
+    if not took:
+        return None, f"unknown until a run finishes ({left} runs left)"
+    per = statistics.fmean(took)
+    seconds = left * per / max(1, running)
+    return seconds, (f"≈ {_duration(seconds)} ({left} runs left × {per:.3g} s per finished run"
+                     + (f" ÷ {running} running)" if running > 1 else ")"))
 
 
 # ----------------------------------------------------------------------------- files and terminal
@@ -322,8 +357,11 @@ def write_csvs(study_dir: str | Path) -> list[Path]:
 
 
 def _pm(m: float | None, s: float | None, metric: str) -> str:
+    from dptune.report.data import clip_to_range
+
     if m is None:
         return "—"
+    m = clip_to_range(m, metric)  # a noisy private score can leave the metric's range: shown clipped
     scale, fmt = (100.0, "{:.2f}") if metric == "accuracy" else (1.0, "{:.4g}")
     out = fmt.format(m * scale)
     return out + (f" ± {fmt.format(s * scale)}" if s is not None else "")
@@ -367,6 +405,11 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
                   + (" per seed" if r["guarantee_per"] == "seed replicate" else ""),
                   _e(r["spent_epsilon"]))
     console.print(t)
+    from dptune.report.data import clip_to_range
+
+    if any(r["value_mean"] is not None and clip_to_range(r["value_mean"], metric) != r["value_mean"] for r in rows):
+        console.print(f"[dim]Noisy selection scores outside the range of {metric} are shown clipped to it; "
+                      "results.csv keeps the raw values.[/dim]")
     rr = rerr_rows(rows, plan.higher_is_better)
     for r in rr:
         console.print(f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
@@ -417,7 +460,8 @@ def report_inputs(study_dir: str | Path) -> dict[str, Any]:
 
     Only the selected runs become trial rows: a configuration's mean over every seed would mix
     in candidates that lost (not covered by Liu–Talwar / repeat-and-select). Every run is in
-    ``diagnostics/results.csv`` and ``budget_runs.csv`` (``write_csvs``)."""
+    ``diagnostics/results.csv`` and ``budget_runs.csv`` (``write_csvs``); every configuration is
+    ``all_results`` (``diagnostics/results_all.csv``)."""
     from dptune.report.privacy import public_run_name, split_arm_notes
 
     cfg, plan, rows, _ = _load(study_dir)
@@ -436,6 +480,7 @@ def report_inputs(study_dir: str | Path) -> dict[str, Any]:
     per_run, _ = budget_rows(study_dir)
     ledger_rows = [{"run": x["run_id"], "label": x["arm"], "releases": x["releases"],
                     "epsilon": x["epsilon_alone"] if math.isfinite(x["epsilon_alone"]) else None,
+                    "planned_epsilon": x["planned_epsilon"] if math.isfinite(x["planned_epsilon"]) else None,
                     "noise_multiplier": x["noise_multiplier"] if math.isfinite(x["noise_multiplier"]) else None,
                     "sampling_rate": x["sampling_rate"]} for x in per_run if x["releases"]]
     private = [r for r in table if math.isfinite(r["planned_epsilon"])]
@@ -448,7 +493,11 @@ def report_inputs(study_dir: str | Path) -> dict[str, Any]:
                 fit = {"points": [tuple(p) for p in f["points"]], "slope": f["coef"][0],
                        "intercept": f["coef"][1], "target_epsilon": f["x_final"]}
     notes, secret_notes = split_arm_notes(plan.arms)
-    return {"results_rows": trials, "histories": histories, "ledger_rows": ledger_rows,
+    from dptune.report.study import every_configuration
+
+    arms = {a.arm: a for a in plan.arms}  # every candidate, for diagnostics/results_all.csv only
+    every = every_configuration(rows, arms, selected, use_test=False, name=lambda a: a.label)
+    return {"results_rows": trials, "histories": histories, "ledger_rows": ledger_rows, "all_results": every,
             "selection_mode": cfg.get("selection", {}).get("mode", "public"), "planned": planned, "spent": spent_,
             "metric": plan.metric, "title": f"dptune study: {cfg.get('study', {}).get('name', 'study')}",
             "notes": notes, "linear_scaling": fit,

@@ -22,10 +22,12 @@ See ``docs/tuning.md`` for the full reference and an example.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -63,6 +65,8 @@ TRAINING_KEYS = ("steps", "epochs", "expected_batch_size")  # may appear in a se
 DISTRIBUTIONS = ("log_uniform", "uniform", "int_uniform", "int_log_uniform")
 SELECTION_MODES = ("public", "private")
 METRICS = ("accuracy", "mse")
+# A study name becomes a folder (studies/<name>): one path component, never "..".
+STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def _err(path: str, problem: str, fix: str) -> ConfigError:
@@ -252,6 +256,9 @@ class BudgetSpec:
         eps = self.epsilon
         if isinstance(eps, int | float) and not isinstance(eps, bool):
             eps = (eps,)
+        if isinstance(eps, str):  # a string is a Sequence: its characters would be read as the list
+            raise _err("budget.epsilon", f"must be a number or a list of numbers, got {eps!r}",
+                       "e.g. epsilon = 3.0 or epsilon = [1.0, 3.0] (no quotes)")
         if not isinstance(eps, Sequence) or not eps:
             raise _err("budget.epsilon", f"must be a number or a non-empty list, got {self.epsilon!r}",
                        "e.g. epsilon = 3.0 or epsilon = [1.0, 3.0]")
@@ -488,6 +495,10 @@ class Study:
                 or self.trials_per_group < 1):
             raise _err("study.trials_per_group", f"must be an integer ≥ 1, got {self.trials_per_group!r}",
                        "e.g. 16 (vectorised trials), or 1 to train every run on its own")
+        if not isinstance(self.name, str) or not STUDY_NAME.match(self.name) or ".." in self.name:
+            raise _err("study.name", f"must be letters, digits, '-', '_' or '.' (starting with a letter or digit, "
+                       f"no '..'), got {self.name!r}: it names the study's folder (studies/<name>)",
+                       'e.g. name = "mnist-dpsgd"; choose where the study goes with `dptune tune CONFIG -o DIR`')
         if not isinstance(self.secure, bool):
             raise _err("study.secure", f"must be true or false, got {self.secure!r}",
                        "secure = true (OS CSPRNG randomness, for results you will publish) or false (seeded)")
@@ -640,9 +651,9 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
     if not isinstance(d, Mapping):
         raise ConfigError("a study file must hold a table/mapping at the top level")
     top = {"study", "data", "model", "training", "budget", "method", "selection", "strategies"}
-    unknown = sorted(set(d) - top)
+    unknown = sorted(set(d) - top, key=str)
     if unknown:
-        raise _err(unknown[0], f"unknown section {unknown[0]!r}", f"sections are: {', '.join(sorted(top))}")
+        raise _unknown_name(str(unknown[0]), f"section [{unknown[0]}]", unknown[0], top, "the sections")
     for req in ("data", "model", "training", "strategies"):
         if req not in d:
             raise _err(req, "section missing", f"add a [{req}] section (see docs/tuning.md)")
@@ -704,10 +715,20 @@ def _table(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return v
 
 
+def _unknown_name(path: str, what: str, name: Any, allowed: set[str], listing: str) -> ConfigError:
+    """An unknown key or section, with the closest allowed name when it looks like a typo."""
+    close = difflib.get_close_matches(str(name), sorted(allowed), n=1, cutoff=0.6)
+    names = ", ".join(sorted(allowed))
+    if close:
+        return ConfigError(f"{path}: unknown {what}; did you mean {close[0]}? Fix: rename it to {close[0]!r} "
+                           f"({listing}: {names}).")
+    return ConfigError(f"{path}: unknown {what}. Fix: remove it, or use one of {listing}: {names}.")
+
+
 def _only(t: Mapping[str, Any], path: str, allowed: set[str]) -> None:
-    unknown = sorted(set(t) - allowed)
+    unknown = sorted(set(t) - allowed, key=str)
     if unknown:
-        raise _err(f"{path}.{unknown[0]}", f"unknown key {unknown[0]!r}", f"keys of [{path}] are: {', '.join(sorted(allowed))}")
+        raise _unknown_name(f"{path}.{unknown[0]}", f"key in [{path}]", unknown[0], allowed, f"the keys of [{path}]")
 
 
 def _build(cls: type, t: Mapping[str, Any], path: str) -> Any:
@@ -725,11 +746,29 @@ def _method(t: Any, path: str) -> MethodSpec:
     return MethodSpec(name=t["name"], options=opts)
 
 
+# YAML 1.1 (PyYAML) reads 1e-5 as a string: a float needs a dot there (1.0e-5). YAML 1.2 and TOML
+# read it as a number, and so do study files: exponent floats without a dot resolve to floats.
+_YAML_EXP_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
+def _yaml_loader() -> type:
+    import yaml
+
+    class StudyLoader(yaml.SafeLoader):
+        pass
+
+    StudyLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_EXP_FLOAT, list("-+0123456789"))
+    return StudyLoader
+
+
 def load_study_config(path: str | os.PathLike[str] | Study) -> Study:
     """Read a study from a ``.toml`` (tomllib) or ``.yaml``/``.yml`` (PyYAML) file."""
     if isinstance(path, Study):
         return path
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"study file {str(p)!r} is a directory, not a file. Fix: pass the path of a .toml or "
+                          "a .yaml file (to continue a study directory: dptune resume DIR).")
     if not p.is_file():
         raise ConfigError(f"study file {str(p)!r} does not exist. Fix: pass the path of a .toml or .yaml file.")
     text = p.read_text()
@@ -742,7 +781,7 @@ def load_study_config(path: str | os.PathLike[str] | Study) -> Study:
         import yaml
 
         try:
-            d = yaml.safe_load(text)
+            d = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader: no arbitrary objects
         except yaml.YAMLError as exc:
             raise ConfigError(f"{p}: not valid YAML ({exc}). Fix the syntax at that position.") from None
     else:

@@ -24,7 +24,7 @@ from typing import Any
 from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
 from dptune.ledger import Ledger
 from dptune.tune.data import study_data
-from dptune.tune.executors import Executor, make_executor
+from dptune.tune.executors import Executor, check_workers, make_executor, require_ray
 from dptune.tune.planners import RunSpec, StudyPlan, plan_study, resolve_final_config
 from dptune.tune.spec import Study, load_study_config, study_from_dict
 from dptune.tune.store import Store
@@ -49,6 +49,38 @@ def _lock(study_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+class _UndoUnlessStarted:
+    """What ``run_study`` creates in ``study_dir`` (the directory itself, or the store's files in
+    an existing one) is removed again if it fails before any run starts (a failed plan, an
+    executor that cannot start, Ctrl-C while planning): nothing is left that looks like a study.
+    Entered while the study's lock is held (another coordinator's files are never touched); a
+    study that existed before, or whose runs started, is kept as it is."""
+
+    FILES = ("study.sqlite", "study.sqlite-wal", "study.sqlite-shm", ".lock")
+
+    def __init__(self, study_dir: Path):
+        self.dir = study_dir
+        missing = [p for p in (study_dir, *study_dir.parents) if not p.exists()]
+        self.top = missing[-1] if missing else None  # the outermost folder mkdir will create
+        self.before = set() if self.top is not None else set(os.listdir(study_dir))
+        self.started = False
+
+    def __enter__(self) -> _UndoUnlessStarted:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None or self.started or "study.sqlite" in self.before:
+            return
+        if self.top is not None:
+            import shutil
+
+            shutil.rmtree(self.top, ignore_errors=True)
+            return
+        for name in self.FILES:
+            if name not in self.before:
+                (self.dir / name).unlink(missing_ok=True)
 
 
 class Coordinator:
@@ -268,14 +300,18 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
                 "to continue the stored study unchanged."
             )
         return store, StudyPlan.from_dict(store.get_meta("plan"))
-    data = study_data(study.data, study.selection, study.seed)
-    metric = study_metric(study, data.task)
-    if metric == "accuracy" and data.task == "reconstruction":
-        raise ConfigError("selection.metric = 'accuracy' on a reconstruction task. Fix: metric = 'mse'.")
-    plan = plan_study(study, data.n_train, data.n_val, metric)
-    extra = {"python_study": study.from_python}
-    store.initialize({**study.to_dict(), "_meta": extra}, study.fingerprint(), plan.to_dict(),
-                     [r.to_dict() for r in plan.runs.values()])
+    try:
+        data = study_data(study.data, study.selection, study.seed)
+        metric = study_metric(study, data.task)
+        if metric == "accuracy" and data.task == "reconstruction":
+            raise ConfigError("selection.metric = 'accuracy' on a reconstruction task. Fix: metric = 'mse'.")
+        plan = plan_study(study, data.n_train, data.n_val, metric)
+        extra = {"python_study": study.from_python}
+        store.initialize({**study.to_dict(), "_meta": extra}, study.fingerprint(), plan.to_dict(),
+                         [r.to_dict() for r in plan.runs.values()])
+    except BaseException:  # closed before run_study removes what it created
+        store.close()
+        raise
     return store, plan
 
 
@@ -287,9 +323,9 @@ def plan_only(config: str | os.PathLike[str] | Study) -> StudyPlan:
 
 
 def check_study_device(device: str, executor: str | Executor, address: str | None) -> None:
-    """Refuse, before any directory is made, a device the runs cannot use. Runs on this machine
-    (local, process, a Ray started here) need the device here; a remote Ray cluster's workers
-    check it themselves (``worker``), since the driver may have no GPU."""
+    """Refuse, before any directory is made, a device the runs cannot use (or executor 'ray' without
+    Ray installed). Runs on this machine (local, process, a Ray started here) need the device here;
+    a remote Ray cluster's workers check it themselves (``worker``), since the driver may have no GPU."""
     from dptune.devices import check_device_name, resolve_device
 
     device = check_device_name(device, "training.device")
@@ -299,6 +335,8 @@ def check_study_device(device: str, executor: str | Executor, address: str | Non
                           "GPU(s) through CUDA_VISIBLE_DEVICES. Fix: use device = 'cuda'.")
     if not (name == "ray" and address):
         resolve_device(device, "training.device")
+    if name == "ray" and not isinstance(executor, Executor):
+        require_ray()  # an optional extra: its absence is one clear line, not a half-made study
 
 
 def run_study(
@@ -318,13 +356,19 @@ def run_study(
     ``training.device`` on CUDA, Ray tasks request ``gpus_per_run`` GPUs (default 1) and the
     process pool pins one worker per GPU (docs/tuning.md). Writes the results CSVs into
     ``study_dir`` and returns the results table rows."""
+    from dptune.paths import check_output_dir
     from dptune.tune import results
+    from dptune.tune.executors import check_executor
 
     study = load_study_config(config)
     device = study.training.device
+    check_workers(workers)  # before any directory is made
     check_study_device(device, executor, address)
+    check_executor(executor, address)
     path = Path(study_dir)
-    with _lock(path):
+    check_output_dir(path, "study directory")
+    undo = _UndoUnlessStarted(path)
+    with _lock(path), undo:
         store, plan = _open(study, path)
         try:
             store.reset_interrupted()
@@ -332,6 +376,7 @@ def run_study(
                 store.reset_failed()
             coord = Coordinator(study, store, plan)
             ex = make_executor(executor, workers, address, device=device, gpus_per_run=gpus_per_run)
+            undo.started = True  # from here on, runs may be released: the study stays
             try:
                 coord.execute(ex, progress)
             finally:

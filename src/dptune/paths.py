@@ -1,0 +1,53 @@
+"""Output paths checked before any work: a bad ``--out`` is one clear error, not a result lost
+after training (nothing is created by these checks)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dptune.errors import ConfigError
+
+
+def _check_creatable(folder: Path, what: str, path: Path) -> None:
+    """``folder`` (existing or not) can hold ``path``: its nearest existing ancestor is a directory
+    we may write in."""
+    anc = folder
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ConfigError(
+            f"{what} {str(path)!r} cannot be created: {str(anc)!r} is a file, not a directory. "
+            "Fix: choose a path whose parent folders are directories (or remove that file)."
+        )
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{what} {str(path)!r} cannot be written: no write permission in {str(anc)!r}. "
+            "Fix: choose a folder you can write to."
+        )
+
+
+def check_output_file(path: str | os.PathLike[str], what: str) -> None:
+    """``path`` may be written as a file (an existing file is replaced)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(
+            f"{what} {str(p)!r} is a directory, but it names the file to write. "
+            f"Fix: give a file path, e.g. {what} {str(p / 'result.json')!r}."
+        )
+    _check_creatable(p.parent, what, p)
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ConfigError(
+            f"{what} {str(p)!r} cannot be written (no write permission). Fix: choose another path."
+        )
+
+
+def check_output_dir(path: str | os.PathLike[str], what: str) -> None:
+    """``path`` is, or can be made, a directory we may write in."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(
+            f"{what} {str(p)!r} is an existing file, not a directory. "
+            "Fix: give a directory (new or existing), or remove that file."
+        )
+    _check_creatable(p, what, p)

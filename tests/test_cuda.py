@@ -1,0 +1,147 @@
+"""The CUDA path end to end (skipped without a GPU; run on a GPU machine with ``pytest tests/test_cuda.py``).
+
+* every registered strategy trains on the GPU with ghost norms and with vmap, keeps its weights
+  there, and spends exactly its plan;
+* ghost and vmap give the same run on the GPU (same seed, same batches, same noise);
+* the released gradient's noise on the GPU has std νC/L, and not 0.9× or 1.1× that (KS);
+* vectorised trials (``train_many``) on the GPU equal the sequential runs;
+* a study with ``training.device = "cuda"`` trains on the GPU with the process executor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import zero_grad_problem
+from scipy import stats
+from torch import nn
+
+import dptune
+from dptune.privatizers import FixedClip
+from dptune.strategies import STRATEGIES
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _cnn(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 16), nn.Tanh(),
+                         nn.Linear(16, 3))
+
+
+def _images(n: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 8, 8, generator=g)
+    y = (x.mean((1, 2, 3)) > 0).long() + (x[:, 0, 0, 0] > 0.5).long()
+    return x, y
+
+
+@pytest.mark.parametrize("method", ["ghost", "vmap"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_trains_on_the_gpu_within_its_plan(name: str, method: str) -> None:
+    x, y = _images()
+    private = STRATEGIES[name]().private
+    batch = {"full_batch": True} if name == "dpgd" else {"expected_batch_size": 24}
+    res = dptune.train(_cnn(), (x, y), name, steps=6, **batch, device="cuda", seed=1,
+                       noise_multiplier=1.1 if private else None, eval_data=(x, y), eval_every=3,
+                       grad_method=method)
+    assert all(p.device.type == "cuda" for p in res.final_params.values())
+    assert all(torch.isfinite(p).all() for p in res.final_params.values())
+    assert res.ledger.matches(res.plan.event())
+
+
+def test_ghost_and_vmap_are_the_same_run_on_the_gpu() -> None:
+    x, y = _images()
+    kw = {"steps": 8, "expected_batch_size": 24, "device": "cuda", "seed": 4, "noise_multiplier": 1.0,
+          "lr": 0.2, "clip": 0.5}
+    a = dptune.train(_cnn(), (x, y), "dpsgd", grad_method="ghost", **kw)
+    b = dptune.train(_cnn(), (x, y), "dpsgd", grad_method="vmap", **kw)
+    for k in a.final_params:
+        torch.testing.assert_close(a.final_params[k], b.final_params[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("factor", "accept"), [(1.0, True), (0.9, False), (1.1, False)])
+def test_released_grad_noise_on_the_gpu_has_std_nu_c_over_l(factor: float, accept: bool) -> None:
+    model, x, y = zero_grad_problem(inputs=300, classes=100, n=64)
+    nu, clip, L = 1.3, 0.7, 16.0
+    model = model.cuda()
+    private = dptune.make_private(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.0),
+                                  privatizer=FixedClip(clip), steps=1, expected_batch_size=L, noise_multiplier=nu,
+                                  seed=3, device="cuda")
+    for xb, yb in private.batches():
+        private.backward(xb, yb)
+    g = model.weight.grad
+    assert g.device.type == "cuda"
+    p = stats.kstest(g.flatten().double().cpu().numpy(), stats.norm(scale=factor * nu * clip / L).cdf).pvalue
+    assert (p > 1e-3) if accept else (p < 1e-6)
+
+
+def test_vectorised_trials_equal_sequential_runs_on_the_gpu() -> None:
+    from dptune.vectorized import train_many
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 10, generator=g)
+    y = (x[:, 0] > 0).long()
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    cfgs = [{"lr": 0.1, "clip": 0.5}, {"lr": 0.3, "clip": 1.0}, {"lr": 0.05, "clip": 2.0}]
+    kw = {"steps": 7, "expected_batch_size": 32, "noise_multiplier": 1.0, "device": "cuda"}
+    many = train_many(build, (x, y), "dpsgd", cfgs, [0, 1, 2], fallback="error", **kw)
+    for k, (cfg, res) in enumerate(zip(cfgs, many, strict=True)):
+        one = dptune.train(build(k), (x, y), "dpsgd", seed=k, **kw, **cfg)
+        for name in one.final_params:
+            torch.testing.assert_close(res.final_params[name], one.final_params[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_study_trains_on_the_gpu_with_the_process_executor(tmp_path: Path) -> None:
+    from dptune.tune import run_study, study_from_dict
+
+    study = study_from_dict({
+        "study": {"name": "cuda-study", "seeds": [0]},
+        "data": {"name": "digits"},
+        "model": {"name": "mlp"},
+        "training": {"steps": 5, "expected_batch_size": 64, "device": "cuda"},
+        "budget": {"epsilon": 4.0, "delta": 1e-5},
+        "selection": {"mode": "public", "split": "test", "eval_every": 5},
+        "strategies": [{"name": "dpsgd", "space": {"lr": [0.1, 0.5]}}, {"name": "oso", "space": {"lr": [0.1]}}],
+    })
+    out = run_study(study, tmp_path / "s", executor="process", workers=2, progress=False)
+    assert out.complete
+    assert all(r["value_mean"] is not None for r in out.rows)
+
+
+def test_ghost_norms_of_the_galli_cnn_hold_on_the_gpu_in_exact_float32() -> None:
+    """cuDNN runs float32 convolutions in TF32 by default: the private computation must not
+    (ghost and vmap would disagree and the norm bounds assume exact products). The ghost path
+    stays on (no fall-back warning), its norms are never below vmap's, its sums match, and the
+    user's TF32 settings are restored afterwards."""
+    import warnings
+
+    from dptune import models
+    from dptune.grads import GradientOracle
+
+    torch.manual_seed(0)
+    model = models.build("galli_cnn").cuda()
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    x = torch.rand(64, 1, 28, 28, device="cuda")
+    y = torch.randint(0, 10, (64,), device="cuda")
+    before = (torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic)
+    ghost = GradientOracle(model, "cross_entropy", method="ghost")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = ghost(params, x, y)
+        got.norms  # noqa: B018 - computed lazily
+    assert ghost.method == "ghost"
+    ref = GradientOracle(model, "cross_entropy", method="vmap")(params, x, y)
+    assert bool((got.norms >= ref.norms * (1 - 1e-6)).all())
+    torch.testing.assert_close(got.norms, ref.norms, rtol=1e-4, atol=1e-7)
+    w = torch.linspace(0.5, 1.5, 64, device="cuda")
+    mine, theirs = got.weighted_sum(w), ref.weighted_sum(w)
+    for k in theirs:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-6)
+    assert (torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic) == before
