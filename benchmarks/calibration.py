@@ -86,11 +86,22 @@ def main() -> None:
             info = A.calibrate_info(eps, DELTA, Q, STEPS, RUNS, acc)
             dt = time.perf_counter() - t0
             total += dt
-            rows.append({"accountant": acc, "ε": eps, "seconds": dt, "ν": info.noise_multiplier,
-                         "ε(ν)": info.epsilon, "ν/lower": info.noise_multiplier / info.lower,
-                         "full-precision evals": info.evaluations, "search evals": info.search_evaluations})
-            print(f"{acc} ε = {eps:g}: {dt:6.2f} s  ν = {info.noise_multiplier:.6f}  ε(ν) = {info.epsilon:.6f}  "
-                  f"({info.evaluations} full-precision + {info.search_evaluations} search evaluations)")
+            rows.append(
+                {
+                    "accountant": acc,
+                    "ε": eps,
+                    "seconds": dt,
+                    "ν": info.noise_multiplier,
+                    "ε(ν)": info.epsilon,
+                    "ν/lower": info.noise_multiplier / info.lower,
+                    "full-precision evals": info.evaluations,
+                    "search evals": info.search_evaluations,
+                }
+            )
+            print(
+                f"{acc} ε = {eps:g}: {dt:6.2f} s  ν = {info.noise_multiplier:.6f}  ε(ν) = {info.epsilon:.6f}  "
+                f"({info.evaluations} full-precision + {info.search_evaluations} search evaluations)"
+            )
         print(f"{acc}: {len(args.eps)} calibrations in {total:.2f} s ({total / len(args.eps):.2f} s each)\n")
     if "pld" in args.accountants:
         for eps in args.baseline_eps:
@@ -104,12 +115,18 @@ def main() -> None:
             t0 = time.perf_counter()
             nu_old, evals = previous_algorithm(eps)
             old = time.perf_counter() - t0
-            print(f"baseline ε = {eps:g}: one dp_accounting PLD evaluation of the 49-run block: {one:.2f} s; "
-                  f"previous algorithm: {old:.1f} s ({evals} PLD evaluations), ν = {nu_old:.6f} vs {nu:.6f} now")
-            rows.append({"accountant": "pld (previous)", "ε": eps, "seconds": old, "ν": nu_old,
-                         "full-precision evals": evals})
+            print(
+                f"baseline ε = {eps:g}: one dp_accounting PLD evaluation of the 49-run block: {one:.2f} s; "
+                f"previous algorithm: {old:.1f} s ({evals} PLD evaluations), ν = {nu_old:.6f} vs {nu:.6f} now"
+            )
+            rows.append(
+                {"accountant": "pld (previous)", "ε": eps, "seconds": old, "ν": nu_old, "full-precision evals": evals}
+            )
             rows.append({"accountant": "one PLD evaluation", "ε": eps, "seconds": one})
-    print("\n" + table(rows, ["accountant", "ε", "seconds", "ν", "ε(ν)", "ν/lower", "full-precision evals", "search evals"]))
+    print(
+        "\n"
+        + table(rows, ["accountant", "ε", "seconds", "ν", "ε(ν)", "ν/lower", "full-precision evals", "search evals"])
+    )
 
 
 if __name__ == "__main__":

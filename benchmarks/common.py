@@ -36,8 +36,15 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
 def _fallback_model(name: str) -> nn.Module:
     if name == "galli_cnn":
         return nn.Sequential(
-            nn.Conv2d(1, 16, 8, padding=3), nn.ReLU(), nn.MaxPool2d(2, 1), nn.Conv2d(16, 32, 4), nn.ReLU(),
-            nn.Flatten(), nn.Linear(32 * 23 * 23, 32), nn.ReLU(), nn.Linear(32, 10),
+            nn.Conv2d(1, 16, 8, padding=3),
+            nn.ReLU(),
+            nn.MaxPool2d(2, 1),
+            nn.Conv2d(16, 32, 4),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 23 * 23, 32),
+            nn.ReLU(),
+            nn.Linear(32, 10),
         )
     if name == "galli_autoencoder":
         ch = (1, 8, 16, 32, 64)
@@ -46,9 +53,13 @@ def _fallback_model(name: str) -> nn.Module:
         dec[-1] = nn.Sigmoid()
         return nn.Sequential(*enc, *dec)
     if name == "galli_bow_fc":
-        return nn.Sequential(nn.Linear(750, 128), nn.LeakyReLU(), nn.Linear(128, 128), nn.LeakyReLU(), nn.Linear(128, 4))
+        return nn.Sequential(
+            nn.Linear(750, 128), nn.LeakyReLU(), nn.Linear(128, 128), nn.LeakyReLU(), nn.Linear(128, 4)
+        )
     if name == "mlp":
-        return nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+        return nn.Sequential(
+            nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
+        )
     raise ValueError(name)
 
 
@@ -126,7 +137,9 @@ def check_device(device: str) -> str:
     """``device`` if torch can use it, else exit with one clear line (no traceback)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {device}: this PyTorch build sees no CUDA GPU. Fix: run on a GPU machine or drop --device.")
+        raise SystemExit(
+            f"--device {device}: this PyTorch build sees no CUDA GPU. Fix: run on a GPU machine or drop --device."
+        )
     return device
 
 
@@ -145,6 +158,7 @@ def machine(device: str = "cpu") -> str:
 
 def table(rows: list[dict[str, object]], cols: list[str]) -> str:
     """A markdown table (pasted as is into docs/performance.md)."""
+
     def fmt(v: object) -> str:
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"

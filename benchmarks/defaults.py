@@ -91,7 +91,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows: list[dict[str, Any]] = []
-    print(f"{'dataset':13s} {'ε':>4s} {'strategy':9s} {'T':>5s} {'default':>8s} {'grid best':>9s} {'ratio':>6s}  best config")
+    print(
+        f"{'dataset':13s} {'ε':>4s} {'strategy':9s} {'T':>5s} {'default':>8s} {'grid best':>9s} {'ratio':>6s}  best config"
+    )
     for name in args.datasets:
         opts = dict(DATASETS[name])
         if name == "fashion_mnist":

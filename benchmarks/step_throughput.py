@@ -127,7 +127,9 @@ def opacus_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, g
 
         gsm = GradSampleModuleFastGradientClipping(m, max_grad_norm=1.0, use_ghost_clipping=True)
         opt = DPOptimizerFastGradientClipping(
-            torch.optim.SGD(gsm.parameters(), lr=0.05), noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=1.0,
+            torch.optim.SGD(gsm.parameters(), lr=0.05),
+            noise_multiplier=NOISE_MULTIPLIER,
+            max_grad_norm=1.0,
             expected_batch_size=B,
         )
         dploss = DPLossFastGradientClipping(gsm, opt, crit, "mean")
@@ -139,7 +141,9 @@ def opacus_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, g
     else:
         gsm = opacus.GradSampleModule(m)
         opt = DPOptimizer(
-            torch.optim.SGD(gsm.parameters(), lr=0.05), noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=1.0,
+            torch.optim.SGD(gsm.parameters(), lr=0.05),
+            noise_multiplier=NOISE_MULTIPLIER,
+            max_grad_norm=1.0,
             expected_batch_size=B,
         )
 
@@ -199,12 +203,26 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
                 fns[cfg] = make_step(cfg, model, x, y, loss)
             except Exception as exc:  # an Opacus version without a layer, say: report, go on
                 print(f"  {name}: {cfg} unavailable ({type(exc).__name__}: {exc})")
-        med = interleaved_medians(fns, rounds=args.rounds, warmup=1, min_seconds=args.min_seconds, clock=args.clock,
-                                  sync=device_sync(args.device))
+        med = interleaved_medians(
+            fns,
+            rounds=args.rounds,
+            warmup=1,
+            min_seconds=args.min_seconds,
+            clock=args.clock,
+            sync=device_sync(args.device),
+        )
         base = med["torch"]
-        print(f"\n{name} ({count_params(model):,} params), batch {args.batch}: median {args.clock} s/step, {args.rounds} rounds")
+        print(
+            f"\n{name} ({count_params(model):,} params), batch {args.batch}: median {args.clock} s/step, {args.rounds} rounds"
+        )
         for cfg, t in med.items():
-            row = {"model": name, "config": cfg, "ms/step": 1e3 * t, "samples/s": args.batch / t, "vs non-private": base / t}
+            row = {
+                "model": name,
+                "config": cfg,
+                "ms/step": 1e3 * t,
+                "samples/s": args.batch / t,
+                "vs non-private": base / t,
+            }
             rows.append(row)
             print(f"  {cfg:24s} {1e3 * t:10.1f} ms  {args.batch / t:10.0f} samples/s  {base / t:6.3f}x non-private")
         for m in args.methods:
@@ -262,18 +280,25 @@ def memory(args: argparse.Namespace) -> list[dict[str, Any]]:
             res[cfg] = json.loads(out.stdout.strip().splitlines()[-1])
         idle = res["idle"]["maxrss_mib"]
         base = res["torch"]["maxrss_mib"]
-        print(f"\n{name}: peak RSS (MiB) per config; 'above idle' subtracts the {idle:.0f} MiB of a child that ran no step")
+        print(
+            f"\n{name}: peak RSS (MiB) per config; 'above idle' subtracts the {idle:.0f} MiB of a child that ran no step"
+        )
         for cfg, r in res.items():
             if cfg == "idle":
                 continue
             row = {
-                "model": name, "config": cfg, "peak MiB": r["maxrss_mib"], "vs non-private": r["maxrss_mib"] / base,
+                "model": name,
+                "config": cfg,
+                "peak MiB": r["maxrss_mib"],
+                "vs non-private": r["maxrss_mib"] / base,
                 "above idle MiB": r["maxrss_mib"] - idle,
                 "above idle vs non-private": (r["maxrss_mib"] - idle) / max(base - idle, 1e-9),
             }
             rows.append(row)
-            print(f"  {cfg:24s} {r['maxrss_mib']:8.0f} MiB  {row['vs non-private']:5.2f}x   above idle: "
-                  f"{row['above idle MiB']:7.0f} MiB  {row['above idle vs non-private']:5.2f}x")
+            print(
+                f"  {cfg:24s} {r['maxrss_mib']:8.0f} MiB  {row['vs non-private']:5.2f}x   above idle: "
+                f"{row['above idle MiB']:7.0f} MiB  {row['above idle vs non-private']:5.2f}x"
+            )
     return rows
 
 
@@ -287,7 +312,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--min-seconds", type=float, default=0.05, help="repeat short steps within a slot")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: PyTorch's default)")
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: process CPU time (use on a busy machine)")
+    ap.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall", help="cpu: process CPU time (use on a busy machine)"
+    )
     ap.add_argument("--memory", action="store_true", help="also measure peak RSS in subprocesses")
     ap.add_argument("--no-opacus", action="store_true")
     ap.add_argument("--quick", action="store_true", help="3 rounds, DP-SGD and OSO on the ghost path only")
@@ -312,7 +339,12 @@ def main() -> None:
     print("\n" + table(rows, cols))
     if args.memory:
         mrows = memory(args)
-        print("\n" + table(mrows, ["model", "config", "peak MiB", "vs non-private", "above idle MiB", "above idle vs non-private"]))
+        print(
+            "\n"
+            + table(
+                mrows, ["model", "config", "peak MiB", "vs non-private", "above idle MiB", "above idle vs non-private"]
+            )
+        )
         rows += mrows
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -37,7 +37,11 @@ from dptune.tune import (  # noqa: E402
     run_study,
 )
 
-SHAPES = {"logistic_regression": (784, 10, 60_000), "two_layer_nn": (784, 10, 60_000), "galli_bow_fc": (750, 4, 120_000)}
+SHAPES = {
+    "logistic_regression": (784, 10, 60_000),
+    "two_layer_nn": (784, 10, 60_000),
+    "galli_bow_fc": (750, 4, 120_000),
+}
 
 
 def study_for(model: str, grid: int, steps: int, n: int | None) -> Study:
@@ -49,11 +53,15 @@ def study_for(model: str, grid: int, steps: int, n: int | None) -> Study:
     lrs = [0.05 * 2**i for i in range(grid)]
     clips = [0.1 * 2**i for i in range(grid)]
     return Study(  # the model's input_dim and classes come from the data
-        data=(x[:n], y[:n], x[n:], y[n:]), model=model,
+        data=(x[:n], y[:n], x[n:], y[n:]),
+        model=model,
         strategies=(StrategyArm("dpsgd", space={"lr": lrs, "clip": clips}),),
         training=TrainingSpec(steps=steps, expected_batch_size=512),
         budget=BudgetSpec(epsilon=(3.0,), delta=1e-5, accountant="rdp"),
-        method=MethodSpec("grid"), selection=SelectionSpec(eval_every=50), seeds=(0,), name=f"bench-{model}",
+        method=MethodSpec("grid"),
+        selection=SelectionSpec(eval_every=50),
+        seeds=(0,),
+        name=f"bench-{model}",
     )
 
 
@@ -87,10 +95,24 @@ def main() -> None:
         ref_c = statistics.median(c for _, c in times[1])
         for group, ts in times.items():
             w, c = statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)
-            rows.append({"model": model, "runs": args.grid**2, "trials_per_group": group, "wall s": w, "cpu s": c,
-                         "speed-up (wall)": ref_w / w, "speed-up (cpu)": ref_c / c})
-            print(f"  {model:20s} group {group:3d}: {w:7.1f} s wall  {c:7.1f} s cpu  {ref_w / w:5.2f}x / {ref_c / c:5.2f}x")
-    print("\n" + table(rows, ["model", "runs", "trials_per_group", "wall s", "cpu s", "speed-up (wall)", "speed-up (cpu)"]))
+            rows.append(
+                {
+                    "model": model,
+                    "runs": args.grid**2,
+                    "trials_per_group": group,
+                    "wall s": w,
+                    "cpu s": c,
+                    "speed-up (wall)": ref_w / w,
+                    "speed-up (cpu)": ref_c / c,
+                }
+            )
+            print(
+                f"  {model:20s} group {group:3d}: {w:7.1f} s wall  {c:7.1f} s cpu  {ref_w / w:5.2f}x / {ref_c / c:5.2f}x"
+            )
+    print(
+        "\n"
+        + table(rows, ["model", "runs", "trials_per_group", "wall s", "cpu s", "speed-up (wall)", "speed-up (cpu)"])
+    )
 
 
 if __name__ == "__main__":

@@ -107,8 +107,13 @@ def main() -> None:
         cfgs = grid(args.strategy, K)
         seeds = list(range(K))
         nu = None if args.strategy == "nodp" else 1.0
-        common = dict(steps=args.steps, expected_batch_size=args.batch, eval_data=eval_data, eval_every=args.steps,
-                      device=args.device)
+        common = dict(
+            steps=args.steps,
+            expected_batch_size=args.batch,
+            eval_data=eval_data,
+            eval_every=args.steps,
+            device=args.device,
+        )
         fn = model_fn(name)
         times: dict[str, list[float]] = {"vectorised": [], "sequential (ghost)": []}
         if args.vmap:
@@ -124,13 +129,23 @@ def main() -> None:
                 t0 = now()
                 with default_method(method):
                     for k in range(S):
-                        train(fn(seeds[k]), train_data, args.strategy, seed=seeds[k], noise_multiplier=nu, **common, **cfgs[k])
+                        train(
+                            fn(seeds[k]),
+                            train_data,
+                            args.strategy,
+                            seed=seeds[k],
+                            noise_multiplier=nu,
+                            **common,
+                            **cfgs[k],
+                        )
                 sync()
                 times[label].append((now() - t0) / S)
         per_trial = {k: statistics.median(v) for k, v in times.items()}
         base = per_trial["sequential (ghost)"]
-        print(f"\n{name}: {args.strategy}, K = {K}, {args.steps} steps, batch {args.batch} "
-              f"(sequential timed on {S} trials), {args.clock} time, median over {args.rounds} round(s)")
+        print(
+            f"\n{name}: {args.strategy}, K = {K}, {args.steps} steps, batch {args.batch} "
+            f"(sequential timed on {S} trials), {args.clock} time, median over {args.rounds} round(s)"
+        )
         for label, t in per_trial.items():
             sps = args.steps * args.batch / t
             row = {"model": name, "mode": label, "s/trial": t, "examples/s": sps, "vs sequential (ghost)": base / t}

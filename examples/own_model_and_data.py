@@ -61,26 +61,47 @@ def accuracy(model: nn.Module, data: Dataset) -> float:
         return float((model(x).argmax(1) == y).float().mean())
 
 
-def main(n: int = 4000, steps: int = 300, epsilon: float = 3.0, out: str | Path = "own-model",
-         seed: int = 0) -> dict[str, Any]:
+def main(
+    n: int = 4000, steps: int = 300, epsilon: float = 3.0, out: str | Path = "own-model", seed: int = 0
+) -> dict[str, Any]:
     train_data, test_data = Blobs(n, seed=1), Blobs(max(n // 4, 50), seed=2)
     torch.manual_seed(seed)
     net = SmallNet()
     result = dptune.train(
-        net, train_data, "dpsgd", steps=steps, expected_batch_size=max(n // 20, 8),
-        target_epsilon=epsilon, delta=1e-5, eval_data=test_data, eval_every=max(steps // 10, 1),
-        lr=0.5, clip=1.0, momentum=0.0, seed=seed, device="cpu",
+        net,
+        train_data,
+        "dpsgd",
+        steps=steps,
+        expected_batch_size=max(n // 20, 8),
+        target_epsilon=epsilon,
+        delta=1e-5,
+        eval_data=test_data,
+        eval_every=max(steps // 10, 1),
+        lr=0.5,
+        clip=1.0,
+        momentum=0.0,
+        seed=seed,
+        device="cpu",
     )
-    folder = dptune.save_model(result, out, model_id={"class": "examples.own_model_and_data.SmallNet",
-                                                      "kwargs": {"dim": 10, "hidden": 32, "classes": 3}},
-                               data_id={"name": "Blobs (synthetic, examples/own_model_and_data.py)"})
+    folder = dptune.save_model(
+        result,
+        out,
+        model_id={"class": "examples.own_model_and_data.SmallNet", "kwargs": {"dim": 10, "hidden": 32, "classes": 3}},
+        data_id={"name": "Blobs (synthetic, examples/own_model_and_data.py)"},
+    )
     # One call: your module's class is yours, so pass an instance of it (built-in models
     # are rebuilt from the card without it).
     model, card = dptune.load_model(folder, model=SmallNet())
     reloaded = accuracy(model, test_data)
-    summary = {"epsilon": result.epsilon(), "delta": 1e-5, "best_step": result.best_step,
-               "best_accuracy": result.best_metric, "reloaded_accuracy": reloaded, "folder": str(folder),
-               "ledger_digest": card["ledger"]["digest"]}
+    summary = {
+        "epsilon": result.epsilon(),
+        "delta": 1e-5,
+        "best_step": result.best_step,
+        "best_accuracy": result.best_metric,
+        "reloaded_accuracy": reloaded,
+        "folder": str(folder),
+        "ledger_digest": card["ledger"]["digest"],
+    }
     print(json.dumps(summary, indent=2))
     return summary
 

@@ -54,8 +54,9 @@ def load_data(n: int = 3000, n_test: int = 600) -> tuple[Dataset, Dataset]:
 class RingNet(nn.Module):
     def __init__(self, input_dim: int, classes: int, hidden: int = 32):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(input_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                                  nn.Linear(hidden, classes))
+        self.body = nn.Sequential(
+            nn.Linear(input_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -67,8 +68,13 @@ def make_model(input_dim: int, classes: int, hidden: int = 32) -> nn.Module:
     return RingNet(input_dim, classes, hidden)
 
 
-def main(out: str | Path = "studies/own-model-study", n: int | None = None, steps: int | None = None,
-         executor: str = "local", workers: int | None = None) -> dict[str, Any]:
+def main(
+    out: str | Path = "studies/own-model-study",
+    n: int | None = None,
+    steps: int | None = None,
+    executor: str = "local",
+    workers: int | None = None,
+) -> dict[str, Any]:
     if str(HERE) not in sys.path:  # the factories are imported by name: make this folder importable
         sys.path.insert(0, str(HERE))
     from dptune.tune import load_study_config, run_study
@@ -77,16 +83,23 @@ def main(out: str | Path = "studies/own-model-study", n: int | None = None, step
 
     study = load_study_config(TOML)
     if n is not None:  # a smaller run (the test): same code path, fewer examples
-        study = dataclasses.replace(study, data=DataSpec(factory=study.data.factory,
-                                                         options={"n": n, "n_test": max(n // 5, 50)}))
+        study = dataclasses.replace(
+            study, data=DataSpec(factory=study.data.factory, options={"n": n, "n_test": max(n // 5, 50)})
+        )
     if steps is not None:
-        study = dataclasses.replace(study, training=TrainingSpec(steps=steps, expected_batch_size=max((n or 3000) // 10, 8)))
-        study = dataclasses.replace(study, selection=dataclasses.replace(study.selection, eval_every=max(steps // 2, 1)))
+        study = dataclasses.replace(
+            study, training=TrainingSpec(steps=steps, expected_batch_size=max((n or 3000) // 10, 8))
+        )
+        study = dataclasses.replace(
+            study, selection=dataclasses.replace(study.selection, eval_every=max(steps // 2, 1))
+        )
     run_study(study, out, executor=executor, workers=workers, progress=False)
     table = study_table(out)
     for row in table:
-        print(f"{row['arm']}: selected {row['selected']}, {row['metric']} {row['value_mean']:.3f} (noisy, "
-              f"selection split), test {row['test_mean']}, ε spent {row['spent_epsilon']:.3f} at δ = {row['spent_delta']}")
+        print(
+            f"{row['arm']}: selected {row['selected']}, {row['metric']} {row['value_mean']:.3f} (noisy, "
+            f"selection split), test {row['test_mean']}, ε spent {row['spent_epsilon']:.3f} at δ = {row['spent_delta']}"
+        )
     return {"table": table, "out": str(out), "fingerprint": study.fingerprint()}
 
 

@@ -182,9 +182,21 @@ def _run(model_cls, data, args, strategy: str, grad_method: str | None, **hp) ->
         stamps.append(time.perf_counter())
 
     device = dptune.devices.resolve_device(args.device)
-    res = dptune.train(model, (x, y), strategy, steps=args.steps, expected_batch_size=args.batch,
-                       eval_data=(xt, yt), eval_every=args.steps, seed=args.seed, device=device,
-                       grad_method=grad_method, on_step=on_step, **kw, **hp)
+    res = dptune.train(
+        model,
+        (x, y),
+        strategy,
+        steps=args.steps,
+        expected_batch_size=args.batch,
+        eval_data=(xt, yt),
+        eval_every=args.steps,
+        seed=args.seed,
+        device=device,
+        grad_method=grad_method,
+        on_step=on_step,
+        **kw,
+        **hp,
+    )
     # steps 2..T-1: the first carries set-up, the last the test evaluation
     sec = (stamps[-2] - stamps[0]) / (len(stamps) - 2) if len(stamps) > 2 else float("nan")
     return sec, float(res.evals[-1][res.metric]), res
@@ -199,8 +211,12 @@ def core_times(data, args, reps: int) -> dict[str, float]:
     device = dptune.devices.resolve_device(args.device)
     x, y = data[0][: int(args.batch)].to(device), data[1][: int(args.batch)].to(device)
     cases = {}
-    for key, cls, method in (("nodp", GhostTransformer, None), ("ghost", GhostTransformer, "ghost"),
-                             ("ghost_as_vmap", GhostTransformer, "vmap"), ("torch", TorchTransformer, "auto")):
+    for key, cls, method in (
+        ("nodp", GhostTransformer, None),
+        ("ghost", GhostTransformer, "ghost"),
+        ("ghost_as_vmap", GhostTransformer, "vmap"),
+        ("torch", TorchTransformer, "auto"),
+    ):
         if key == "torch" and args.skip_torch:
             continue
         torch.manual_seed(args.seed)
@@ -260,15 +276,22 @@ def main(argv: list[str] | None = None) -> dict:
         reason = ghost.unsupported_reason(m)
         out[f"{key}_layers"] = layer_table(m)
         out[f"{key}_fallback"] = reason
-        print(f"\n{cls.__name__} ({sum(p.numel() for p in m.parameters()):,} parameters): "
-              + ("every layer has a ghost rule: ghost norms + book-keeping" if reason is None
-                 else f"falls back to vmap: {reason}"))
+        print(
+            f"\n{cls.__name__} ({sum(p.numel() for p in m.parameters()):,} parameters): "
+            + (
+                "every layer has a ghost rule: ghost norms + book-keeping"
+                if reason is None
+                else f"falls back to vmap: {reason}"
+            )
+        )
         for name, typ, rule in out[f"{key}_layers"]:
             print(f"  {name:<36} {typ:<20} {rule}")
 
-    print(f"\n{args.strategy}, ν = {args.noise_multiplier}, expected batch {args.batch:g}, {args.steps} steps "
-          "(time per step, relative to non-private; test accuracy).\n"
-          "Timings: not differentially private, for the data owner only (they grow with the batch sizes).")
+    print(
+        f"\n{args.strategy}, ν = {args.noise_multiplier}, expected batch {args.batch:g}, {args.steps} steps "
+        "(time per step, relative to non-private; test accuracy).\n"
+        "Timings: not differentially private, for the data owner only (they grow with the batch sizes)."
+    )
     hp_dp = {"lr": args.lr, "clip": args.clip} | ({"momentum": 0.9} if args.strategy == "dpsgd" else {})
     sec0, acc0, _ = _run(GhostTransformer, data, args, "nodp", None, lr=0.1, momentum=0.9)
     out["nodp"] = (sec0, acc0)
@@ -284,13 +307,21 @@ def main(argv: list[str] | None = None) -> dict:
             out["accountant"] = res.plan.accountant
         label = f"DP, {cls.__name__}, grad_method={method}"
         print(f"  {label:<42} {sec * 1e3:8.1f} ms {sec / sec0:6.2f}x   acc {acc:.3f}")
-    print(f"\nprivate runs: (ε = {out['epsilon']:.2f}, δ = {args.delta:g}) each "
-          f"({out.get('accountant', 'rdp').upper()} accountant)")
+    print(
+        f"\nprivate runs: (ε = {out['epsilon']:.2f}, δ = {args.delta:g}) each "
+        f"({out.get('accountant', 'rdp').upper()} accountant)"
+    )
     core = out["core"] = core_times(data, args, args.reps)
-    print(f"\nGradient part of one step, batch {int(args.batch)}, median of {args.reps} interleaved repetitions "
-          "(steadier than whole runs on a busy machine):")
-    names = {"nodp": "non-private backward", "ghost": "DP, GhostTransformer, ghost",
-             "ghost_as_vmap": "DP, GhostTransformer, vmap", "torch": "DP, TorchTransformer, vmap fallback"}
+    print(
+        f"\nGradient part of one step, batch {int(args.batch)}, median of {args.reps} interleaved repetitions "
+        "(steadier than whole runs on a busy machine):"
+    )
+    names = {
+        "nodp": "non-private backward",
+        "ghost": "DP, GhostTransformer, ghost",
+        "ghost_as_vmap": "DP, GhostTransformer, vmap",
+        "torch": "DP, TorchTransformer, vmap fallback",
+    }
     for k, v in core.items():
         print(f"  {names[k]:<42} {v * 1e3:8.1f} ms {v / core['nodp']:6.2f}x")
     return out

@@ -287,7 +287,9 @@ def assert_gaussian_std(samples: torch.Tensor | np.ndarray, sigma: float, what: 
     """The configured σ is accepted and the same test rejects 0.8σ and 1.25σ (power check)."""
     n = int(np.asarray(torch.as_tensor(samples)).size)
     emp = float(np.sqrt((np.asarray(torch.as_tensor(samples).double()) ** 2).mean()))
-    assert gaussian_std_accepts(samples, sigma), f"{what}: empirical std {emp:.6g} ≠ configured σ = {sigma:.6g} (n = {n})"
+    assert gaussian_std_accepts(samples, sigma), (
+        f"{what}: empirical std {emp:.6g} ≠ configured σ = {sigma:.6g} (n = {n})"
+    )
     for wrong in (0.8 * sigma, 1.25 * sigma):
         assert not gaussian_std_accepts(samples, wrong), (
             f"{what}: test has no power: it accepts the wrong σ {wrong:.6g} with n = {n} samples; use more samples"

@@ -80,8 +80,17 @@ def test_real_train_records_exactly_the_expected_event() -> None:
 
 def test_train_with_target_epsilon_spends_at_most_the_target() -> None:
     model, x, y = zero_grad_problem(6, 3, 300)
-    res = train(model, (x, y), "dpsgd", epochs=1, expected_batch_size=30, target_epsilon=2.0, delta=DELTA, device="cpu",
-                accountant="rdp")
+    res = train(
+        model,
+        (x, y),
+        "dpsgd",
+        epochs=1,
+        expected_batch_size=30,
+        target_epsilon=2.0,
+        delta=DELTA,
+        device="cpu",
+        accountant="rdp",
+    )
     eps = rdp_eps(res.ledger.event())
     assert eps <= 2.0 and eps > 2.0 * 0.99
 
@@ -194,7 +203,9 @@ def test_sampled_split_must_be_accounted_jointly(which: str, q: float) -> None:
     assert pld_eps(independent) < pld_eps(joint)
     # What a run records is the joint event, never the cheaper independent composition.
     gate = CaptureRelease(sampling_rate=q)
-    gate.release(SumQuery("gradient", torch.zeros(2), 1.0, nu_g), SumQuery("aux", torch.zeros(()), 1.0, nu_aux), label="x")
+    gate.release(
+        SumQuery("gradient", torch.zeros(2), 1.0, nu_g), SumQuery("aux", torch.zeros(()), 1.0, nu_aux), label="x"
+    )
     assert gate.ledger.atoms() == {sampled(nu, q): 1}
 
 

@@ -162,11 +162,20 @@ def test_spy_sees_the_real_noisy_releases() -> None:
     rec = ReleaseRecorder(data.canary_coords)
     nu, clip, q, steps = 1.7, 0.5, 0.5, 3
     with spy_on_releases(rec):
-        res = train(audit_model(data.dim), (data.x, data.y), "dpsgd", steps=steps, loss=linear_loss,
-                    expected_batch_size=q * data.x.shape[0], noise_multiplier=nu, clip=clip, seed=0)
+        res = train(
+            audit_model(data.dim),
+            (data.x, data.y),
+            "dpsgd",
+            steps=steps,
+            loss=linear_loss,
+            expected_batch_size=q * data.x.shape[0],
+            noise_multiplier=nu,
+            clip=clip,
+            seed=0,
+        )
     assert len(rec.records) == steps and res.ledger.releases == steps
     assert [qr.name for qr in rec.records[0].queries] == ["gradient"]
-    out = np.concatenate([r.queries[0].values[m // 2:] for r in rec.records])
+    out = np.concatenate([r.queries[0].values[m // 2 :] for r in rec.records])
     assert_gaussian_std(out, nu * clip, "released noise at canary-free coordinates")
     inn = np.concatenate([r.queries[0].values[: m // 2] for r in rec.records])
     se = nu * clip / math.sqrt(inn.size)
@@ -247,7 +256,10 @@ def test_black_box_audit_passes_and_catches_unclipped_dpsgd() -> None:
 def test_split_bug_alone_is_stopped_by_the_ledger_plan() -> None:
     """Without also fooling the accountant, the wrong split releases at a joint ν that is not in
     the run's plan: the ledger refuses the first release, before any noise is drawn."""
-    with split_accounted_at_nu_g(fool_ledger=False), pytest.raises(BudgetExceededError, match="not in the privacy plan"):
+    with (
+        split_accounted_at_nu_g(fool_ledger=False),
+        pytest.raises(BudgetExceededError, match="not in the privacy plan"),
+    ):
         run_audit("oso", ONE_RUN_EPS, DELTA, canaries=100)
 
 

@@ -26,9 +26,7 @@ SECTIONS: dict[str, dict[str, str]] = {
 STRATEGY = '[[strategies]]\nname = "dpsgd"\nspace = { lr = [0.1] }\n'
 
 
-def study_toml(
-    tmp_path: Path, edits: dict[str, dict[str, str | None]] | None = None, name: str = "s.toml"
-) -> Path:
+def study_toml(tmp_path: Path, edits: dict[str, dict[str, str | None]] | None = None, name: str = "s.toml") -> Path:
     """SECTIONS with ``edits`` applied (section → key → TOML value, None drops the key)."""
     sections = {k: dict(v) for k, v in SECTIONS.items()}
     for sec, kv in (edits or {}).items():
@@ -37,10 +35,7 @@ def study_toml(
                 sections.setdefault(sec, {}).pop(key, None)
             else:
                 sections.setdefault(sec, {})[key] = value
-    text = "".join(
-        f"[{sec}]\n" + "".join(f"{k} = {v}\n" for k, v in kv.items()) + "\n"
-        for sec, kv in sections.items()
-    )
+    text = "".join(f"[{sec}]\n" + "".join(f"{k} = {v}\n" for k, v in kv.items()) + "\n" for sec, kv in sections.items())
     path = tmp_path / name
     path.write_text(text + STRATEGY)
     return path
@@ -65,9 +60,7 @@ def assert_refused(rc: int, output: str, *fragments: str) -> None:
 def test_tune_refuses_an_unknown_device_before_making_the_study_folder(tmp_path: Path) -> None:
     cfg = study_toml(tmp_path, {"training": {"device": '"tpu"'}})
     rc, out = invoke("tune", cfg, "-o", tmp_path / "out", "--no-progress")
-    assert_refused(
-        rc, out, "training.device", "unknown device 'tpu'", "use cpu, cuda, cuda:N or mps"
-    )
+    assert_refused(rc, out, "training.device", "unknown device 'tpu'", "use cpu, cuda, cuda:N or mps")
     assert not (tmp_path / "out").exists()
 
 
@@ -80,23 +73,17 @@ def test_tune_refuses_cuda_on_a_machine_without_it(tmp_path: Path) -> None:
 
 
 def test_reproduce_refuses_an_unknown_device_before_making_the_folder(tmp_path: Path) -> None:
-    rc, out = invoke(
-        "reproduce", "galli-mnist", "--device", "tpu", "--out", tmp_path / "r", "--no-progress"
-    )
+    rc, out = invoke("reproduce", "galli-mnist", "--device", "tpu", "--out", tmp_path / "r", "--no-progress")
     assert_refused(rc, out, "unknown device 'tpu'")
     assert not (tmp_path / "r").exists()
 
 
 # ----------------------------------------------------------------------------- b. study name
-@pytest.mark.parametrize(
-    "bad", ["../escape", "a/b", "..", "a/../b", ".hidden", "a\\\\b", "with space", ""]
-)
+@pytest.mark.parametrize("bad", ["../escape", "a/b", "..", "a/../b", ".hidden", "a\\\\b", "with space", ""])
 def test_a_study_name_that_is_not_one_folder_name_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str
 ) -> None:
-    monkeypatch.chdir(
-        tmp_path
-    )  # the default study folder is studies/<name> under the working directory
+    monkeypatch.chdir(tmp_path)  # the default study folder is studies/<name> under the working directory
     cfg = study_toml(tmp_path, {"study": {"name": f'"{bad}"'}})
     rc, out = invoke("tune", cfg, "--no-progress")
     assert_refused(rc, out, "study.name", "letters, digits", "no '..'", 'name = "mnist-dpsgd"')
@@ -106,17 +93,12 @@ def test_a_study_name_that_is_not_one_folder_name_is_refused(
 def test_a_study_name_of_letters_digits_dashes_underscores_and_dots_is_accepted(
     tmp_path: Path,
 ) -> None:
-    assert (
-        load_study_config(study_toml(tmp_path, {"study": {"name": '"mnist-dpsgd_v1.2"'}})).name
-        == "mnist-dpsgd_v1.2"
-    )
+    assert load_study_config(study_toml(tmp_path, {"study": {"name": '"mnist-dpsgd_v1.2"'}})).name == "mnist-dpsgd_v1.2"
 
 
 # ----------------------------------------------------------------------------- c. --workers
 @pytest.mark.parametrize("workers", ["0", "-1"])
-def test_workers_below_one_are_refused_by_tune_resume_and_reproduce(
-    tmp_path: Path, workers: str
-) -> None:
+def test_workers_below_one_are_refused_by_tune_resume_and_reproduce(tmp_path: Path, workers: str) -> None:
     cfg = study_toml(tmp_path)
     out_dir = tmp_path / "out"
     for args in (
@@ -140,9 +122,7 @@ def test_workers_below_one_are_refused_by_tune_resume_and_reproduce(
         ("small", "0", "k = 0 is not allowed at the small scale: it takes 1 to 9"),
     ],
 )
-def test_reproduce_checks_k_against_the_values_of_its_scale(
-    tmp_path: Path, scale: str, k: str, fragment: str
-) -> None:
+def test_reproduce_checks_k_against_the_values_of_its_scale(tmp_path: Path, scale: str, k: str, fragment: str) -> None:
     rc, out = invoke(
         "reproduce",
         "galli-mnist",
@@ -186,9 +166,7 @@ def test_resume_of_a_complete_study_says_so_and_runs_nothing(tmp_path: Path) -> 
 def test_a_directory_given_as_the_study_file_is_called_a_directory(tmp_path: Path) -> None:
     (tmp_path / "study.toml").mkdir()
     rc, out = invoke("tune", tmp_path / "study.toml", "-o", tmp_path / "out")
-    assert_refused(
-        rc, out, "is a directory, not a file", "pass the path of a .toml or a .yaml file"
-    )
+    assert_refused(rc, out, "is a directory, not a file", "pass the path of a .toml or a .yaml file")
     assert "does not exist" not in out
     assert not (tmp_path / "out").exists()
 
@@ -234,8 +212,7 @@ def test_a_mistyped_section_suggests_the_close_match_and_an_unrelated_key_lists_
     assert_refused(
         rc,
         out,
-        "training.colour: unknown key in [training]. Fix: remove it, or use one of the keys "
-        "of [training]:",
+        "training.colour: unknown key in [training]. Fix: remove it, or use one of the keys of [training]:",
     )
     assert "did you mean" not in out
     assert not (tmp_path / "out").exists()
@@ -292,13 +269,9 @@ def test_liu_talwar_with_private_scores_that_exceed_a_runs_share_says_why_and_ho
         "selection.mode = 'public'",
     )
     assert "non-private" not in out
-    assert not (tmp_path / "out").exists(), (
-        "a planning error left a half-made study folder (run_study)"
-    )
+    assert not (tmp_path / "out").exists(), "a planning error left a half-made study folder (run_study)"
     # The suggested noise level is enough: the same study then plans.
     sigma = re.search(r"selection\.noise_multiplier to ≥ ([0-9.e+]+)", out).group(1)
-    cfg.write_text(
-        cfg.read_text().replace("eval_every = 1", f"eval_every = 1\nnoise_multiplier = {sigma}")
-    )
+    cfg.write_text(cfg.read_text().replace("eval_every = 1", f"eval_every = 1\nnoise_multiplier = {sigma}"))
     plan = plan_only(cfg)
     assert plan.arms[0].method == "liu-talwar" and plan.runs

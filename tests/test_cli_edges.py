@@ -76,9 +76,7 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any training (or, with the data check, data reading) fails the test: checks come first."""
     import importlib
 
-    train_module = importlib.import_module(
-        "dptune.train"
-    )  # the package's `dptune.train` is the function
+    train_module = importlib.import_module("dptune.train")  # the package's `dptune.train` is the function
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("training started before the input was checked")
@@ -120,9 +118,7 @@ def test_train_with_a_model_that_does_not_take_the_inputs_fails_before_training(
     tmp_path: Path, no_training: None, model: str
 ) -> None:
     out = tmp_path / "r.json"
-    line = _invoke(
-        ["train", "--dataset", "digits", "--model", model, "--no-progress", "--out", str(out)]
-    )
+    line = _invoke(["train", "--dataset", "digits", "--model", model, "--no-progress", "--out", str(out)])
     assert f"--model {model} does not take these inputs" in line and "(1, 8, 8)" in line
     assert "--model auto" in line
     assert list(tmp_path.iterdir()) == []
@@ -138,16 +134,12 @@ def test_model_check_leaves_the_rng_and_the_mode_as_they_were() -> None:
     state = torch.get_rng_state()
     check_fits(net, x, torch.tensor([0, 1, 2, 0, 1]), "m", "fix it")
     assert torch.equal(torch.get_rng_state(), state) and net.training
-    with pytest.raises(
-        ConfigError, match=r"outputs shape \(3,\) per example, but the labels need 5 logits"
-    ):
+    with pytest.raises(ConfigError, match=r"outputs shape \(3,\) per example, but the labels need 5 logits"):
         check_fits(net, x, torch.tensor([0, 1, 2, 3, 4]), "m", "fix it")
 
 
 # ----------------------------------------------------------------------------- 2. train --out
-def test_train_out_that_is_a_directory_is_refused_before_data_or_training(
-    tmp_path: Path, no_data: None
-) -> None:
+def test_train_out_that_is_a_directory_is_refused_before_data_or_training(tmp_path: Path, no_data: None) -> None:
     target = tmp_path / "results"
     (target / "old").mkdir(parents=True)
     before = _tree(tmp_path)
@@ -168,10 +160,7 @@ def test_train_output_below_a_file_is_refused_before_data_or_training(
         args[-1] = str(tmp_path / "a_file" / "r.json")
     line = _invoke(args)
     assert option in line and "'a_file' is a file" in line.replace(str(tmp_path) + "/", "")
-    assert (
-        sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
-        and (tmp_path / "a_file").read_text() == "keep"
-    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and (tmp_path / "a_file").read_text() == "keep"
 
 
 def test_train_out_in_a_folder_without_write_permission_is_refused(
@@ -181,30 +170,20 @@ def test_train_out_in_a_folder_without_write_permission_is_refused(
     locked.mkdir()
     real = os.access
     # os.access, not chmod: the tests may run as root, for whom every folder is writable.
-    monkeypatch.setattr(
-        os, "access", lambda p, mode, **kw: Path(p) != locked and real(p, mode, **kw)
-    )
-    line = _invoke(
-        ["train", "--dataset", "digits", "--no-progress", "--out", str(locked / "new" / "r.json")]
-    )
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != locked and real(p, mode, **kw))
+    line = _invoke(["train", "--dataset", "digits", "--no-progress", "--out", str(locked / "new" / "r.json")])
     assert "no write permission" in line and str(locked) in line
     assert list(locked.iterdir()) == []
 
 
 # ----------------------------------------------------------------------------- 3. train --device
-@pytest.mark.parametrize(
-    ("device", "message"), [("cuda", "CUDA is not available"), ("foo", "unknown device 'foo'")]
-)
+@pytest.mark.parametrize(("device", "message"), [("cuda", "CUDA is not available"), ("foo", "unknown device 'foo'")])
 def test_train_device_that_is_not_here_is_refused(
     tmp_path: Path, no_data: None, monkeypatch: pytest.MonkeyPatch, device: str, message: str
 ) -> None:
-    monkeypatch.setattr(
-        torch.cuda, "is_available", lambda: False
-    )  # a CPU-only build, whatever runs the test
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only build, whatever runs the test
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    line = _invoke(
-        ["train", "--dataset", "digits", "--device", device, "--out", str(tmp_path / "r.json")]
-    )
+    line = _invoke(["train", "--dataset", "digits", "--device", device, "--out", str(tmp_path / "r.json")])
     assert message in line and "--device" in line
     assert list(tmp_path.iterdir()) == []
 
@@ -215,19 +194,13 @@ def test_tune_out_that_is_or_is_below_a_file_is_refused(tmp_path: Path, target: 
     cfg = _config(tmp_path)
     (tmp_path / "a_file").write_text("keep")
     line = _invoke(["tune", str(cfg), "-o", str(tmp_path / target), "--no-progress"])
-    assert (
-        "study directory" in line
-        and "a_file" in line
-        and ("is an existing file" in line or "is a file" in line)
-    )
+    assert "study directory" in line and "a_file" in line and ("is an existing file" in line or "is a file" in line)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "study.toml"]
     assert (tmp_path / "a_file").read_text() == "keep"
 
 
 # ----------------------------------------------------------------------------- 5. report --out FILE
-def test_report_out_that_is_a_file_is_refused_before_anything_is_written(
-    study_dir: Path, tmp_path: Path
-) -> None:
+def test_report_out_that_is_a_file_is_refused_before_anything_is_written(study_dir: Path, tmp_path: Path) -> None:
     target = tmp_path / "a_file"
     target.write_text("keep")
     before = _tree(study_dir)
@@ -250,9 +223,7 @@ def _garbage(db: Path) -> None:
 
 @pytest.mark.parametrize("damage", [_truncate, _garbage], ids=["truncated", "garbage"])
 @pytest.mark.parametrize("command", ["status", "resume"])
-def test_status_and_resume_on_a_damaged_store_say_so(
-    study_dir: Path, tmp_path: Path, damage, command: str
-) -> None:
+def test_status_and_resume_on_a_damaged_store_say_so(study_dir: Path, tmp_path: Path, damage, command: str) -> None:
     d = tmp_path / "copy"
     shutil.copytree(study_dir, d)
     damage(d / "study.sqlite")
@@ -271,9 +242,7 @@ def test_a_damaged_store_is_refused_by_the_library_too(study_dir: Path, tmp_path
     _truncate(d / "study.sqlite")
     with pytest.raises(DamagedStoreError, match="is damaged"):
         study_status(d)
-    with pytest.raises(
-        DamagedStoreError, match="is damaged"
-    ):  # not planned afresh over the damaged file
+    with pytest.raises(DamagedStoreError, match="is damaged"):  # not planned afresh over the damaged file
         run_study(_config(tmp_path), d, progress=False)
     assert (d / "study.sqlite").stat().st_size == 100
 
@@ -289,9 +258,7 @@ def test_impossible_batch_names_its_field_and_leaves_no_directory(tmp_path: Path
 def test_a_batch_from_the_search_space_names_the_space(tmp_path: Path) -> None:
     cfg = _config(
         tmp_path,
-        STUDY.replace(
-            "space = { lr = [0.5] }", "space = { lr = [0.5], expected_batch_size = [1e12] }"
-        ),
+        STUDY.replace("space = { lr = [0.5] }", "space = { lr = [0.5], expected_batch_size = [1e12] }"),
     )
     line = _invoke(["tune", str(cfg), "-o", str(tmp_path / "s"), "--no-progress"])
     assert "strategies[0].space: expected_batch_size = 1e+12" in line
@@ -307,22 +274,16 @@ def test_failed_plan_in_an_existing_folder_removes_only_what_it_created(tmp_path
     assert sorted(p.name for p in d.iterdir()) == ["notes.txt"]
 
 
-@pytest.mark.parametrize(
-    "args", [["--executor", "foo"], ["--gpus-per-run", "0.5"]], ids=["unknown", "after-plan"]
-)
+@pytest.mark.parametrize("args", [["--executor", "foo"], ["--gpus-per-run", "0.5"]], ids=["unknown", "after-plan"])
 def test_executor_that_cannot_start_leaves_no_directory(tmp_path: Path, args: list[str]) -> None:
     """An unknown name is refused before anything; an executor refused after planning (the
     plan was stored) still leaves nothing: no run had started."""
-    line = _invoke(
-        ["tune", str(_config(tmp_path)), "-o", str(tmp_path / "s"), "--no-progress", *args]
-    )
+    line = _invoke(["tune", str(_config(tmp_path)), "-o", str(tmp_path / "s"), "--no-progress", *args])
     assert "executor" in line
     assert not (tmp_path / "s").exists()
 
 
-def test_executor_refused_on_an_existing_study_keeps_the_study(
-    study_dir: Path, tmp_path: Path
-) -> None:
+def test_executor_refused_on_an_existing_study_keeps_the_study(study_dir: Path, tmp_path: Path) -> None:
     from dptune.tune import run_study, study_status
 
     d = tmp_path / "copy"
@@ -340,11 +301,7 @@ def test_status_of_a_study_that_was_never_planned_says_so(tmp_path: Path) -> Non
     Store(d, create=True).close()  # what a failed plan used to leave: tables, no plan
     for command in ("status", "resume"):
         line = _invoke([command, str(d)])
-        assert (
-            "never planned" in line
-            and "no privacy budget was spent" in line
-            and "delete the directory" in line
-        )
+        assert "never planned" in line and "no privacy budget was spent" in line and "delete the directory" in line
 
 
 # ----------------------------------------------------------------------------- 8. Ray
@@ -388,9 +345,7 @@ def test_ray_address_check_accepts_a_listening_port_and_refuses_a_malformed_one(
         check_ray_address("127.0.0.1:port")
 
 
-def test_ray_executor_without_ray_names_the_extra(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_ray_executor_without_ray_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     line = _invoke(
         [

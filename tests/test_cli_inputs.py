@@ -8,11 +8,14 @@ from typer.testing import CliRunner
 from dptune.cli import app
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--noise-multiplier", "nan"], "noise_multiplier must be > 0"),
-    (["--noise-multiplier", "0"], "noise_multiplier must be > 0"),
-    (["--noise-multiplier", "1", "--steps", "0"], "--steps and --runs must be ≥ 1"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--noise-multiplier", "nan"], "noise_multiplier must be > 0"),
+        (["--noise-multiplier", "0"], "noise_multiplier must be > 0"),
+        (["--noise-multiplier", "1", "--steps", "0"], "--steps and --runs must be ≥ 1"),
+    ],
+)
 def test_account_refuses_bad_input_with_one_clear_line(args: list[str], message: str) -> None:
     base = {"--noise-multiplier": "1", "--sampling-rate": "0.1", "--steps": "10"}
     argv = dict(base, **dict(zip(args[::2], args[1::2], strict=True)))

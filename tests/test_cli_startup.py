@@ -145,3 +145,20 @@ def test_version_in_source_matches_pyproject():
     # The fallback of --version (a source tree that is not installed) and model cards use it.
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert dptune.__version__ == project["version"]
+
+
+def test_the_tree_is_ruff_formatted_and_lint_clean() -> None:
+    """ruff format (line length 120) and ruff check hold for the whole tree, as pre-commit keeps them."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is in the dev extra")
+    root = Path(__file__).resolve().parents[1]
+    dirs = ["src", "tests", "benchmarks", "examples"]
+    fmt = subprocess.run([ruff, "format", "--check", *dirs], cwd=root, capture_output=True, text=True)
+    assert fmt.returncode == 0, fmt.stdout[-3000:]
+    lint = subprocess.run([ruff, "check", *dirs], cwd=root, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout[-3000:]

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def _cnn(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 16), nn.Tanh(),
-                         nn.Linear(16, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
 
 
 def _images(n: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,9 +45,19 @@ def test_every_strategy_trains_on_the_gpu_within_its_plan(name: str, method: str
     x, y = _images()
     private = STRATEGIES[name]().private
     batch = {"full_batch": True} if name == "dpgd" else {"expected_batch_size": 24}
-    res = dptune.train(_cnn(), (x, y), name, steps=6, **batch, device="cuda", seed=1,
-                       noise_multiplier=1.1 if private else None, eval_data=(x, y), eval_every=3,
-                       grad_method=method)
+    res = dptune.train(
+        _cnn(),
+        (x, y),
+        name,
+        steps=6,
+        **batch,
+        device="cuda",
+        seed=1,
+        noise_multiplier=1.1 if private else None,
+        eval_data=(x, y),
+        eval_every=3,
+        grad_method=method,
+    )
     assert all(p.device.type == "cuda" for p in res.final_params.values())
     assert all(torch.isfinite(p).all() for p in res.final_params.values())
     assert res.ledger.matches(res.plan.event())
@@ -54,8 +65,15 @@ def test_every_strategy_trains_on_the_gpu_within_its_plan(name: str, method: str
 
 def test_ghost_and_vmap_are_the_same_run_on_the_gpu() -> None:
     x, y = _images()
-    kw = {"steps": 8, "expected_batch_size": 24, "device": "cuda", "seed": 4, "noise_multiplier": 1.0,
-          "lr": 0.2, "clip": 0.5}
+    kw = {
+        "steps": 8,
+        "expected_batch_size": 24,
+        "device": "cuda",
+        "seed": 4,
+        "noise_multiplier": 1.0,
+        "lr": 0.2,
+        "clip": 0.5,
+    }
     a = dptune.train(_cnn(), (x, y), "dpsgd", grad_method="ghost", **kw)
     b = dptune.train(_cnn(), (x, y), "dpsgd", grad_method="vmap", **kw)
     for k in a.final_params:
@@ -67,9 +85,17 @@ def test_released_grad_noise_on_the_gpu_has_std_nu_c_over_l(factor: float, accep
     model, x, y = zero_grad_problem(inputs=300, classes=100, n=64)
     nu, clip, L = 1.3, 0.7, 16.0
     model = model.cuda()
-    private = dptune.make_private(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.0),
-                                  privatizer=FixedClip(clip), steps=1, expected_batch_size=L, noise_multiplier=nu,
-                                  seed=3, device="cuda")
+    private = dptune.make_private(
+        model,
+        (x, y),
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        privatizer=FixedClip(clip),
+        steps=1,
+        expected_batch_size=L,
+        noise_multiplier=nu,
+        seed=3,
+        device="cuda",
+    )
     for xb, yb in private.batches():
         private.backward(xb, yb)
     g = model.weight.grad
@@ -101,15 +127,17 @@ def test_vectorised_trials_equal_sequential_runs_on_the_gpu() -> None:
 def test_a_study_trains_on_the_gpu_with_the_process_executor(tmp_path: Path) -> None:
     from dptune.tune import run_study, study_from_dict
 
-    study = study_from_dict({
-        "study": {"name": "cuda-study", "seeds": [0]},
-        "data": {"name": "digits"},
-        "model": {"name": "mlp"},
-        "training": {"steps": 5, "expected_batch_size": 64, "device": "cuda"},
-        "budget": {"epsilon": 4.0, "delta": 1e-5},
-        "selection": {"mode": "public", "split": "test", "eval_every": 5},
-        "strategies": [{"name": "dpsgd", "space": {"lr": [0.1, 0.5]}}, {"name": "oso", "space": {"lr": [0.1]}}],
-    })
+    study = study_from_dict(
+        {
+            "study": {"name": "cuda-study", "seeds": [0]},
+            "data": {"name": "digits"},
+            "model": {"name": "mlp"},
+            "training": {"steps": 5, "expected_batch_size": 64, "device": "cuda"},
+            "budget": {"epsilon": 4.0, "delta": 1e-5},
+            "selection": {"mode": "public", "split": "test", "eval_every": 5},
+            "strategies": [{"name": "dpsgd", "space": {"lr": [0.1, 0.5]}}, {"name": "oso", "space": {"lr": [0.1]}}],
+        }
+    )
     out = run_study(study, tmp_path / "s", executor="process", workers=2, progress=False)
     assert out.complete
     assert all(r["value_mean"] is not None for r in out.rows)

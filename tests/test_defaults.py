@@ -70,6 +70,7 @@ def test_default_rates_and_learning_rates_follow_the_horizon() -> None:
 def test_the_step_budget_grows_as_the_noise_shrinks() -> None:
     """r = 200 at high noise (s = ν/L ≥ 0.005), × (0.005/s)^1.5 below, at most × 3; ν = ∞ (no
     privacy) keeps 200. Monotone in s: more noise never gets a larger step."""
+
     def r(nu: float, L: float = 256.0) -> float:
         return noise_scaled_budget(SGD_STEP_BUDGET, RunInfo(nu, 0.06, L, 79, 10))
 

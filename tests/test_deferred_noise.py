@@ -206,12 +206,25 @@ def _model(seed: int = 0) -> nn.Module:
 
 
 @pytest.mark.parametrize("clip_lr", [0.0, 0.05])
-def test_oso_ledger_is_the_same_with_deferred_and_eager_q_noise(clip_lr: float, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_oso_ledger_is_the_same_with_deferred_and_eager_q_noise(
+    clip_lr: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     x, y = _toy()
 
     def run():
-        return train(_model(), (x, y), "oso", steps=8, expected_batch_size=40, noise_multiplier=0.9, seed=3,
-                     device="cpu", initial_clip=0.5, clip_lr=clip_lr, lr=0.2)
+        return train(
+            _model(),
+            (x, y),
+            "oso",
+            steps=8,
+            expected_batch_size=40,
+            noise_multiplier=0.9,
+            seed=3,
+            device="cpu",
+            initial_clip=0.5,
+            clip_lr=clip_lr,
+            lr=0.2,
+        )
 
     deferred = run()
     monkeypatch.setattr(OSOClip, "defer_q_noise", False)
@@ -226,8 +239,10 @@ def test_oso_ledger_is_the_same_with_deferred_and_eager_q_noise(clip_lr: float, 
         assert deferred.ledger.to_dict() == eager.ledger.to_dict()
 
 
-@pytest.mark.parametrize(("rule", "defer", "full_per_step", "scalars_per_step"),
-                         [("exp", True, 1, 1), ("additive", True, 1, 1), ("exp", False, 2, 0), ("normalized", True, 2, 0)])
+@pytest.mark.parametrize(
+    ("rule", "defer", "full_per_step", "scalars_per_step"),
+    [("exp", True, 1, 1), ("additive", True, 1, 1), ("exp", False, 2, 0), ("normalized", True, 2, 0)],
+)
 def test_oso_step_draws_one_full_vector_per_parameter_tensor(
     rule: str, defer: bool, full_per_step: int, scalars_per_step: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -246,8 +261,9 @@ def test_oso_step_draws_one_full_vector_per_parameter_tensor(
     assert len(shapes) == 4
     gate = gateway(0.5, seed=1)
     steps = 3
-    run_strategy_steps(OSO(rule=rule), model, x, y, steps=steps, release=gate, noise_multiplier=1.0,
-                       expected_batch_size=32.0)
+    run_strategy_steps(
+        OSO(rule=rule), model, x, y, steps=steps, release=gate, noise_multiplier=1.0, expected_batch_size=32.0
+    )
     full = sorted(s for s in draws if s != ())
     assert full == sorted(shapes * full_per_step * steps)
     # the scalar of q̃_{t−1} is drawn from step 2 on (q̃_0 = 0)
@@ -280,8 +296,18 @@ def _oso_with_negligible_noise(rule: str, defer: bool, monkeypatch: pytest.Monke
     torch.manual_seed(0)
     gate = gateway(0.5, seed=3)
     strat = OSO(lr=1.0, initial_clip=2.0, clip_lr=0.1, lr_lr=0.05, momentum=0.7, rule=rule)
-    out = run_strategy_steps(strat, nn.Linear(5, 1), x, y, steps=12, release=gate, loss="mse",
-                             noise_multiplier=1e-6, expected_batch_size=30.0, batches=_batches(60))
+    out = run_strategy_steps(
+        strat,
+        nn.Linear(5, 1),
+        x,
+        y,
+        steps=12,
+        release=gate,
+        loss="mse",
+        noise_multiplier=1e-6,
+        expected_batch_size=30.0,
+        batches=_batches(60),
+    )
     return gate, out
 
 
@@ -300,9 +326,11 @@ def test_oso_projection_uses_the_previous_q_sum_the_new_gradient_and_one_over_L(
         m = {k: mu * m[k] + g_next[k] for k in m}
         q_prev = {k: v / L for k, v in gate.calls[t - 1].queries[1].value.items()}
         expected = _dot(g_next, q_prev)
-        wrong = [_dot(g_next, {k: v / L for k, v in gate.calls[t].queries[1].value.items()}),  # Q_{t+1}
-                 _dot(m, q_prev),  # the momentum buffer instead of g̃_{t+1}
-                 expected * L]  # 1/L forgotten
+        wrong = [
+            _dot(g_next, {k: v / L for k, v in gate.calls[t].queries[1].value.items()}),  # Q_{t+1}
+            _dot(m, q_prev),  # the momentum buffer instead of g̃_{t+1}
+            expected * L,
+        ]  # 1/L forgotten
         assert out.metrics[t]["g_dot_q"] == pytest.approx(expected, rel=1e-4, abs=1e-9)
         assert all(abs(w - expected) > 1e-2 * abs(expected) for w in wrong)
     assert isinstance(out.state["prev_q"], DeferredSum)
@@ -325,8 +353,18 @@ def test_oso_still_trains() -> None:
     model = _model(1)
     with torch.no_grad():
         loss0 = float(nn.functional.cross_entropy(model(x), y))
-    res = train(model, (x, y), "oso", steps=60, expected_batch_size=80, noise_multiplier=1.0, seed=0, device="cpu",
-                lr=0.5, initial_clip=1.0)
+    res = train(
+        model,
+        (x, y),
+        "oso",
+        steps=60,
+        expected_batch_size=80,
+        noise_multiplier=1.0,
+        seed=0,
+        device="cpu",
+        lr=0.5,
+        initial_clip=1.0,
+    )
     model.load_state_dict({**model.state_dict(), **res.final_params})
     with torch.no_grad():
         assert float(nn.functional.cross_entropy(model(x), y)) < 0.7 * loss0
@@ -338,16 +376,19 @@ def test_q_noise_removed_mutant_makes_the_projection_exact() -> None:
     exact = _dot(Q, V) * SCALE
     with q_noise_removed():
         gate = _gate(7)
-        _, h = gate.release(SumQuery("gradient", Q, 1.0, 2.0), SumQuery("clip_hypergradient", Q, 1.0, STD, deferred=True),
-                            label="x")
+        _, h = gate.release(
+            SumQuery("gradient", Q, 1.0, 2.0), SumQuery("clip_hypergradient", Q, 1.0, STD, deferred=True), label="x"
+        )
         assert gate.project(h.scaled(SCALE), V) == pytest.approx(exact, rel=1e-6)
-        _, h = gate.release(SumQuery("gradient", Q, 1.0, 2.0), SumQuery("clip_hypergradient", Q, 1.0, STD, deferred=True),
-                            label="x")
+        _, h = gate.release(
+            SumQuery("gradient", Q, 1.0, 2.0), SumQuery("clip_hypergradient", Q, 1.0, STD, deferred=True), label="x"
+        )
         full = gate.materialize(h)
         assert all(torch.equal(full[k], Q[k]) for k in Q)
     gate = _gate(7)  # control: without the mutant the projection is noisy
-    _, h = gate.release(SumQuery("gradient", Q, 1.0, 2.0), SumQuery("clip_hypergradient", Q, 1.0, STD, deferred=True),
-                        label="x")
+    _, h = gate.release(
+        SumQuery("gradient", Q, 1.0, 2.0), SumQuery("clip_hypergradient", Q, 1.0, STD, deferred=True), label="x"
+    )
     assert abs(gate.project(h.scaled(SCALE), V) - exact) > 1e-3 * SD
 
 

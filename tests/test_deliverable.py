@@ -35,8 +35,19 @@ from dptune.tune.store import Store
 def _study(name: str = "deliver", trials_per_group: int = 1, seeds: tuple[int, ...] = (0,), **sel):
     # data seed and learning rates chosen so that the selected run's best checkpoint (step 8) is
     # not its final one (step 12): saving the final parameters would fail the bit-for-bit test
-    st = tiny_dpsgd_study(data_seed=4, n=260, dim=6, n_train=200, lrs=[0.05, 2.0], steps=12, batch=40, eps=1.0,
-                          selection=SelectionSpec(eval_every=4, **sel), seeds=seeds, name=name)
+    st = tiny_dpsgd_study(
+        data_seed=4,
+        n=260,
+        dim=6,
+        n_train=200,
+        lrs=[0.05, 2.0],
+        steps=12,
+        batch=40,
+        eps=1.0,
+        selection=SelectionSpec(eval_every=4, **sel),
+        seeds=seeds,
+        name=name,
+    )
     return dataclasses.replace(st, trials_per_group=trials_per_group)
 
 
@@ -76,8 +87,16 @@ def test_study_weights_equal_the_selected_run_retrained_with_its_seed(finished) 
     model = build_model(study.model, data, run.seed)
     strategy = make_strategy("dpsgd", **json.loads(stored["config"]))
     plan_ = RunPlan(strategy, data.n_train, run.sampling_rate, run.steps, run.noise_multiplier)
-    ref = dptune.train(model, (data.x_train, data.y_train), strategy, plan=plan_, seed=run.run_seed, device="cpu",
-                       eval_data=(data.x_val, data.y_val), eval_every=study.selection.eval_every)
+    ref = dptune.train(
+        model,
+        (data.x_train, data.y_train),
+        strategy,
+        plan=plan_,
+        seed=run.run_seed,
+        device="cpu",
+        eval_data=(data.x_val, data.y_val),
+        eval_every=study.selection.eval_every,
+    )
     assert ref.best_step == stored["best_step"] < run.steps  # a checkpoint before the end
     loaded, card = dptune.load_model(_only_model_dir(d))
     state = loaded.state_dict()
@@ -140,9 +159,14 @@ def test_card_states_the_guarantee_and_the_ledger_digest(finished) -> None:
     assert g["epsilon"] == row["planned_epsilon"] and g["delta"] == 1e-5 and g["accountant"] == "rdp"
     assert "public" in g["selection"] and g["covered"] and g["not_covered"]
     # the digest is the ledger's, recomputed here from the stored rows (canonical multiset)
-    rows = sorted(json.dumps({"label": lab, "event": json.loads(ev), "count": c, "components": json.loads(comp),
-                              "run": r}, sort_keys=True, separators=(",", ":"))
-                  for r, lab, ev, c, comp in _ledger_rows(d))
+    rows = sorted(
+        json.dumps(
+            {"label": lab, "event": json.loads(ev), "count": c, "components": json.loads(comp), "run": r},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        for r, lab, ev, c, comp in _ledger_rows(d)
+    )
     assert card["ledger"]["digest"] == hashlib.sha256(("[" + ",".join(rows) + "]").encode()).hexdigest()
     assert card["weights"]["sha256"] == deliverable.file_sha256(m / deliverable.WEIGHTS_FILE)
     assert card["randomness"] == "seeded" and card["model"]["name"] == "logistic_regression"
@@ -259,27 +283,42 @@ def test_save_trained_then_load_model_gives_identical_outputs(tmp_path: Path) ->
     train, test = _tiny()
     torch.manual_seed(1)
     net = models.build("logistic_regression", input_dim=5, classes=3)
-    res = dptune.train(net, train, "dpsgd", steps=12, expected_batch_size=40, target_epsilon=2.0, delta=1e-5,
-                       eval_data=test, eval_every=3, lr=0.5, clip=1.0, seed=4)
+    res = dptune.train(
+        net,
+        train,
+        "dpsgd",
+        steps=12,
+        expected_batch_size=40,
+        target_epsilon=2.0,
+        delta=1e-5,
+        eval_data=test,
+        eval_every=3,
+        lr=0.5,
+        clip=1.0,
+        seed=4,
+    )
     before = res.ledger.releases
-    deliverable.save_trained(res, tmp_path / "m", model_id={"name": "logistic_regression",
-                                                            "kwargs": {"input_dim": 5, "classes": 3}})
+    deliverable.save_trained(
+        res, tmp_path / "m", model_id={"name": "logistic_regression", "kwargs": {"input_dim": 5, "classes": 3}}
+    )
     assert res.ledger.releases == before
     loaded, card = dptune.load_model(tmp_path / "m")
     ref = res.model_with("best")
     with torch.no_grad():
         assert torch.equal(loaded(test[0]), ref(test[0]))
     assert card["checkpoint"] == {"rule": "best", "step": res.best_step}
-    assert card["guarantee"]["epsilon"] == pytest.approx(res.epsilon()) and card["ledger"]["digest"] == \
-        res.ledger.digest()
+    assert (
+        card["guarantee"]["epsilon"] == pytest.approx(res.epsilon()) and card["ledger"]["digest"] == res.ledger.digest()
+    )
     # a user module: pass model=; a wrong architecture is one clear error
     (tmp_path / "m" / deliverable.CARD_JSON).write_text(json.dumps({**card, "model": {"class": "x.Net"}}))
     with pytest.raises(ConfigError, match="model="):
         dptune.load_model(tmp_path / "m")
     with pytest.raises(ConfigError, match="do not fit"):
         dptune.load_model(tmp_path / "m", model=torch.nn.Linear(2, 2))
-    own, _ = dptune.load_model(tmp_path / "m" / "model.pt", model=models.build("logistic_regression", input_dim=5,
-                                                                                 classes=3))
+    own, _ = dptune.load_model(
+        tmp_path / "m" / "model.pt", model=models.build("logistic_regression", input_dim=5, classes=3)
+    )
     assert torch.equal(own[1].weight, ref[1].weight)
 
 
@@ -295,9 +334,31 @@ def test_load_model_refuses_tampered_weights(tmp_path: Path) -> None:
 
 def test_train_cli_save_writes_model_and_card_that_load_back(tmp_path: Path) -> None:
     out, save = tmp_path / "run.json", tmp_path / "model"
-    res = CliRunner().invoke(app, ["train", "--dataset", "digits", "--strategy", "dpsgd", "--epochs", "0.2",
-                                   "--batch-size", "64", "--hp", "lr=0.5", "--hp", "clip=1.0", "--eval-every", "2",
-                                   "--no-progress", "--out", str(out), "--save", str(save)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--dataset",
+            "digits",
+            "--strategy",
+            "dpsgd",
+            "--epochs",
+            "0.2",
+            "--batch-size",
+            "64",
+            "--hp",
+            "lr=0.5",
+            "--hp",
+            "clip=1.0",
+            "--eval-every",
+            "2",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--save",
+            str(save),
+        ],
+    )
     assert res.exit_code == 0, (res.output, res.exception)
     assert {p.name for p in save.iterdir()} == {"model.pt", "model_card.json", "model_card.md"}
     rel = json.loads(out.read_text())
@@ -323,12 +384,23 @@ def test_hidden_k_study_withholds_the_digest_from_published_cards(tmp_path: Path
     x = torch.randn(140, 5, generator=g)
     y = (x @ torch.randn(5, 3, generator=g)).argmax(1)
     study = Study(
-        data=(x[:100], y[:100], x[100:], y[100:]), model="logistic_regression",
-        strategies=(StrategyArm("dpsgd", space={"lr": [0.05, 1.0]}, fixed={"clip": 1.0}, label="lt",
-                                method=MethodSpec("liu-talwar", {"gamma": 0.5})),),
+        data=(x[:100], y[:100], x[100:], y[100:]),
+        model="logistic_regression",
+        strategies=(
+            StrategyArm(
+                "dpsgd",
+                space={"lr": [0.05, 1.0]},
+                fixed={"clip": 1.0},
+                label="lt",
+                method=MethodSpec("liu-talwar", {"gamma": 0.5}),
+            ),
+        ),
         training=TrainingSpec(steps=4, expected_batch_size=20),
-        budget=BudgetSpec(epsilon=(4.0,), delta=1e-5, accountant="rdp"), method=MethodSpec("grid"),
-        selection=SelectionSpec(eval_every=2), seeds=(0,), name="lt-card",
+        budget=BudgetSpec(epsilon=(4.0,), delta=1e-5, accountant="rdp"),
+        method=MethodSpec("grid"),
+        selection=SelectionSpec(eval_every=2),
+        seeds=(0,),
+        name="lt-card",
     )
     run_study(study, tmp_path, progress=False)
     m = _only_model_dir(tmp_path)
@@ -347,10 +419,31 @@ def test_train_cli_save_with_your_own_factory_reloads_without_model_argument(tmp
     from own_factories import load_data
 
     out, save = tmp_path / "run.json", tmp_path / "model"
-    res = CliRunner().invoke(app, ["train", "--data", "own_factories:load_data", "--model",
-                                   "own_factories:make_model", "--strategy", "dpsgd", "--epochs", "1",
-                                   "--batch-size", "40", "--eval-every", "2", "--hp", "lr=0.5", "--no-progress",
-                                   "--out", str(out), "--save", str(save)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--data",
+            "own_factories:load_data",
+            "--model",
+            "own_factories:make_model",
+            "--strategy",
+            "dpsgd",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "40",
+            "--eval-every",
+            "2",
+            "--hp",
+            "lr=0.5",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--save",
+            str(save),
+        ],
+    )
     assert res.exit_code == 0, res.output
     with pytest.raises(ConfigError, match="trust_factory"):  # the card names code: never run unasked
         dptune.load_model(save)
@@ -376,9 +469,14 @@ def test_final_checkpoint_rule_saves_the_final_parameters(tmp_path: Path) -> Non
     run = plan.runs[rid]
     data = study_data(study.data, study.selection, study.seed)
     strategy = make_strategy("dpsgd", **json.loads(stored["config"]))
-    ref = dptune.train(build_model(study.model, data, run.seed), (data.x_train, data.y_train), strategy,
-                       plan=RunPlan(strategy, data.n_train, run.sampling_rate, run.steps, run.noise_multiplier),
-                       seed=run.run_seed, device="cpu")
+    ref = dptune.train(
+        build_model(study.model, data, run.seed),
+        (data.x_train, data.y_train),
+        strategy,
+        plan=RunPlan(strategy, data.n_train, run.sampling_rate, run.steps, run.noise_multiplier),
+        seed=run.run_seed,
+        device="cpu",
+    )
     loaded, card = dptune.load_model(_only_model_dir(tmp_path))
     assert card["checkpoint"] == {"rule": "final", "step": run.steps}
     for k, v in ref.final_params.items():
@@ -403,12 +501,18 @@ def test_a_non_private_arm_is_never_published(tmp_path: Path) -> None:
     x = torch.randn(140, 5, generator=g)
     y = (x @ torch.randn(5, 3, generator=g)).argmax(1)
     study = Study(
-        data=(x[:100], y[:100], x[100:], y[100:]), model="logistic_regression",
-        strategies=(StrategyArm("dpsgd", space={"lr": [0.5]}, fixed={"clip": 1.0}),
-                    StrategyArm("nodp", space={"lr": [0.5]})),
+        data=(x[:100], y[:100], x[100:], y[100:]),
+        model="logistic_regression",
+        strategies=(
+            StrategyArm("dpsgd", space={"lr": [0.5]}, fixed={"clip": 1.0}),
+            StrategyArm("nodp", space={"lr": [0.5]}),
+        ),
         training=TrainingSpec(steps=4, expected_batch_size=20),
-        budget=BudgetSpec(epsilon=(4.0,), delta=1e-5, accountant="rdp"), method=MethodSpec("grid"),
-        selection=SelectionSpec(eval_every=2), seeds=(0,), name="with-nodp",
+        budget=BudgetSpec(epsilon=(4.0,), delta=1e-5, accountant="rdp"),
+        method=MethodSpec("grid"),
+        selection=SelectionSpec(eval_every=2),
+        seeds=(0,),
+        name="with-nodp",
     )
     run_study(study, tmp_path, progress=False)
     published = sorted(p.name for p in (tmp_path / "release" / "models").iterdir())

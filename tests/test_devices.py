@@ -23,8 +23,19 @@ from dptune.tune.executors import ProcessExecutor, make_executor
 def _study(device: str):
     from dataclasses import replace
 
-    st = tiny_dpsgd_study(data_seed=0, n=60, dim=3, n_train=40, lrs=[0.5], steps=3, batch=10, eps=2.0,
-                          selection=SelectionSpec(mode="public", split="test"), seeds=(0,), name="dev")
+    st = tiny_dpsgd_study(
+        data_seed=0,
+        n=60,
+        dim=3,
+        n_train=40,
+        lrs=[0.5],
+        steps=3,
+        batch=10,
+        eps=2.0,
+        selection=SelectionSpec(mode="public", split="test"),
+        seeds=(0,),
+        name="dev",
+    )
     return replace(st, training=TrainingSpec(steps=3, expected_batch_size=10, device=device))
 
 
@@ -41,8 +52,10 @@ def _cuda(monkeypatch, n: int):
 # -- validation ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, canon", [("cpu", "cpu"), (" CUDA ", "cuda"), ("cuda:1", "cuda:1"),
-                                         ("mps:0", "mps"), (torch.device("cpu"), "cpu")])
+@pytest.mark.parametrize(
+    "name, canon",
+    [("cpu", "cpu"), (" CUDA ", "cuda"), ("cuda:1", "cuda:1"), ("mps:0", "mps"), (torch.device("cpu"), "cpu")],
+)
 def test_device_names_are_canonicalised(name, canon):
     assert devices.check_device_name(name) == canon
 
@@ -75,11 +88,13 @@ def test_train_refuses_cuda_without_cuda(monkeypatch):
     _no_cuda(monkeypatch)
     x, y = torch.randn(20, 3), torch.randint(0, 2, (20,))
     with pytest.raises(ConfigError, match="CUDA is not available"):
-        dptune.train(torch.nn.Linear(3, 2), (x, y), "nodp", steps=1, expected_batch_size=5, lr=0.1,
-                     device="cuda", progress=False)
+        dptune.train(
+            torch.nn.Linear(3, 2), (x, y), "nodp", steps=1, expected_batch_size=5, lr=0.1, device="cuda", progress=False
+        )
     with pytest.raises(ConfigError, match="unknown device 'gpu'"):
-        dptune.train(torch.nn.Linear(3, 2), (x, y), "nodp", steps=1, expected_batch_size=5, lr=0.1,
-                     device="gpu", progress=False)
+        dptune.train(
+            torch.nn.Linear(3, 2), (x, y), "nodp", steps=1, expected_batch_size=5, lr=0.1, device="gpu", progress=False
+        )
 
 
 def test_cli_train_refuses_bad_device_before_reading_data(monkeypatch, tmp_path):
@@ -91,8 +106,9 @@ def test_cli_train_refuses_bad_device_before_reading_data(monkeypatch, tmp_path)
     monkeypatch.setattr(dpdata, "load", no_load)
     _no_cuda(monkeypatch)
     for dev, msg in (("cuda", "CUDA is not available"), ("gpu0", "unknown device")):
-        r = CliRunner().invoke(app, ["train", "--dataset", "digits", "--device", dev,
-                                     "--out", str(tmp_path / "r.json")])
+        r = CliRunner().invoke(
+            app, ["train", "--dataset", "digits", "--device", dev, "--out", str(tmp_path / "r.json")]
+        )
         assert r.exit_code != 0 and msg in r.output, r.output
         assert "Traceback" not in r.output
     assert not (tmp_path / "r.json").exists()
@@ -161,8 +177,11 @@ def test_ray_tasks_request_gpus_only_for_cuda_runs():
     def _probe() -> dict:  # nested: cloudpickle ships it by value (Ray workers cannot import tests/)
         import ray
 
-        return {"gpus": list(ray.get_gpu_ids()), "mask": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "resources": ray.get_runtime_context().get_assigned_resources()}
+        return {
+            "gpus": list(ray.get_gpu_ids()),
+            "mask": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "resources": ray.get_runtime_context().get_assigned_resources(),
+        }
 
     def results(ex):
         out = {rid: (res, err) for rid, res, err in ex.run(_probe, tasks)}

@@ -119,9 +119,7 @@ def check_command(argv: list[str], root: Any) -> list[str]:
     for name in rest[0].strip("[]").split("/"):
         sub = root.commands.get(name)
         if sub is None:
-            problems.append(
-                f"no subcommand {name!r} (dptune has: {', '.join(sorted(root.commands))})"
-            )
+            problems.append(f"no subcommand {name!r} (dptune has: {', '.join(sorted(root.commands))})")
         else:
             problems += _check_options(sub, f"dptune {name}", rest[1:])
     return problems
@@ -142,11 +140,7 @@ def _check_options(cmd: Any, where: str, tokens: list[str]) -> list[str]:
 
 
 ROOT_COMMAND = typer.main.get_command(app)
-ALL = [
-    c
-    for doc in DOCS
-    for c in extract_commands(doc.read_text(encoding="utf-8"), doc.relative_to(ROOT).as_posix())
-]
+ALL = [c for doc in DOCS for c in extract_commands(doc.read_text(encoding="utf-8"), doc.relative_to(ROOT).as_posix())]
 
 
 def test_commands_are_found():
@@ -154,10 +148,7 @@ def test_commands_are_found():
     texts = {c.text for c in ALL}
     assert len(ALL) >= 30
     assert "dptune demo" in texts  # README, code block (after &&)
-    assert any(
-        c.text.startswith("dptune tune CONFIG --out DIR") and c.file == "docs/tuning.md"
-        for c in ALL
-    )
+    assert any(c.text.startswith("dptune tune CONFIG --out DIR") and c.file == "docs/tuning.md" for c in ALL)
     assert "dptune reproduce list" in texts  # docs/reproduce.md, code block with a comment
     assert {c.file for c in ALL} >= {
         "README.md",
@@ -190,9 +181,7 @@ def test_messages_and_help_in_the_source_name_real_commands():
     ]
     assert len(found) >= 5  # the extraction works on source text too
     bad = [
-        f"{c.file}:{c.line}: `{c.text}`: {p}"
-        for c in found
-        for p in check_command(shlex.split(c.text), ROOT_COMMAND)
+        f"{c.file}:{c.line}: `{c.text}`: {p}" for c in found for p in check_command(shlex.split(c.text), ROOT_COMMAND)
     ]
     assert not bad, "commands quoted in the source that do not match the CLI:\n" + "\n".join(bad)
 

@@ -111,8 +111,16 @@ def test_default_seeds_give_each_trial_its_own_noise_and_batches(spy: _Spy) -> N
     The residual of that combination, (A − S_A)/1 − (B − S_B)/3 = ν(Z_A − Z_B), must have
     standard deviation ν√2 (independent noise); shared noise makes it exactly 0."""
     nu, steps = 1.0, 4
-    train_many(_mlp(), (X, Y), "dpsgd", [{"lr": 0.1, "clip": 1.0}, {"lr": 0.1, "clip": 3.0}],
-               noise_multiplier=nu, steps=steps, expected_batch_size=60, fallback="error")
+    train_many(
+        _mlp(),
+        (X, Y),
+        "dpsgd",
+        [{"lr": 0.1, "clip": 1.0}, {"lr": 0.1, "clip": 3.0}],
+        noise_multiplier=nu,
+        steps=steps,
+        expected_batch_size=60,
+        fallback="error",
+    )
     (ga, a), (gb, b) = sorted(spy.by_gateway.items(), key=lambda kv: kv[1][0][0])
     assert [r[0] for r in a] == [1.0] * steps and [r[0] for r in b] == [3.0] * steps
     resid = torch.cat([(oa - sa) / 1.0 - (ob - sb) / 3.0 for (_, sa, oa), (_, sb, ob) in zip(a, b, strict=True)])
@@ -128,8 +136,18 @@ def test_shared_seed_list_is_refused_unless_asked(spy: _Spy) -> None:
         train_many(_mlp(), (X, Y), "dpsgd", cfgs, [7, 7], noise_multiplier=1.0, steps=2, expected_batch_size=60)
     assert not spy.by_gateway  # refused before any release
     # Asked for: the replicas share their noise exactly (what the refusal protects against).
-    train_many(_mlp(), (X, Y), "dpsgd", cfgs, [7, 7], noise_multiplier=1.0, steps=1, expected_batch_size=60,
-               allow_shared_seeds=True, fallback="error")
+    train_many(
+        _mlp(),
+        (X, Y),
+        "dpsgd",
+        cfgs,
+        [7, 7],
+        noise_multiplier=1.0,
+        steps=1,
+        expected_batch_size=60,
+        allow_shared_seeds=True,
+        fallback="error",
+    )
     (_, sa, oa), (_, sb, ob) = (v[0] for v in sorted(spy.by_gateway.values(), key=lambda v: v[0][0]))
     torch.testing.assert_close(oa - sa, (ob - sb) / 3.0, rtol=1e-5, atol=1e-5)
 
@@ -139,8 +157,9 @@ def test_default_trial_seeds_are_distinct_and_reproduce_train() -> None:
     assert len(set(seeds)) == 50 and all(0 <= s < 2**63 for s in seeds)
     assert vectorized.trial_seeds(0, 3) == seeds[:3] and not set(vectorized.trial_seeds(1, 50)) & set(seeds)
     cfgs = [{"lr": 0.3, "clip": 0.5}, {"lr": 0.3, "clip": 1.0}]
-    got = train_many(_mlp(), (X, Y), "dpsgd", cfgs, seeds=4, noise_multiplier=1.0, steps=3, expected_batch_size=60,
-                     fallback="error")
+    got = train_many(
+        _mlp(), (X, Y), "dpsgd", cfgs, seeds=4, noise_multiplier=1.0, steps=3, expected_batch_size=60, fallback="error"
+    )
     for k, s in enumerate(vectorized.trial_seeds(4, 2)):
         ref = train(_mlp(), (X, Y), "dpsgd", seed=s, noise_multiplier=1.0, steps=3, expected_batch_size=60, **cfgs[k])
         assert [r["batch_size"] for r in got[k].history] == [r["batch_size"] for r in ref.history]
@@ -152,12 +171,16 @@ def test_default_trial_seeds_are_distinct_and_reproduce_train() -> None:
 _NU = re.compile(r"ν = ([0-9.e+-]+)")
 
 
-@pytest.mark.parametrize(("accountant", "q", "steps", "reference"),
-                         [("rdp", 0.01, 1000, _rdp), ("pld", 0.01, 1000, _pld), ("gdp", 1.0, 1000, None)])
+@pytest.mark.parametrize(
+    ("accountant", "q", "steps", "reference"),
+    [("rdp", 0.01, 1000, _rdp), ("pld", 0.01, 1000, _pld), ("gdp", 1.0, 1000, None)],
+)
 def test_cli_calibrate_prints_nu_rounded_up(accountant: str, q: float, steps: int, reference) -> None:
     """Issue: `calibrate --epsilon 1 --sampling-rate 0.01 --steps 1000` printed ν = 1.51312 (ε = 1.0000021)."""
-    res = CliRunner().invoke(app, ["calibrate", "--epsilon", "1", "--sampling-rate", str(q), "--steps", str(steps),
-                                   "--accountant", accountant])
+    res = CliRunner().invoke(
+        app,
+        ["calibrate", "--epsilon", "1", "--sampling-rate", str(q), "--steps", str(steps), "--accountant", accountant],
+    )
     assert res.exit_code == 0, res.output
     text = _NU.search(res.output).group(1)
     printed = float(text)
@@ -180,8 +203,10 @@ def test_the_issues_example_rounded_to_nearest_overshoots() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.floats(min_value=1e-300, max_value=1e300, allow_nan=False, allow_infinity=False),
-       st.integers(min_value=1, max_value=15))
+@given(
+    st.floats(min_value=1e-300, max_value=1e300, allow_nan=False, allow_infinity=False),
+    st.integers(min_value=1, max_value=15),
+)
 def test_round_up_is_the_smallest_printable_value_above(x: float, digits: int) -> None:
     from decimal import Decimal
 
@@ -196,8 +221,7 @@ def test_round_up_is_the_smallest_printable_value_above(x: float, digits: int) -
 
 # ============================================================================ item 9b
 @settings(max_examples=400, deadline=None)
-@given(eps=st.floats(0.05, 20.0), log_delta=st.floats(-12, -2), steps=st.integers(1, 10_000),
-       runs=st.integers(1, 100))
+@given(eps=st.floats(0.05, 20.0), log_delta=st.floats(-12, -2), steps=st.integers(1, 10_000), runs=st.integers(1, 100))
 @example(eps=8.004299759132392, log_delta=math.log10(2.001050798241283e-08), steps=4483, runs=38)
 @example(eps=9.813932417957194, log_delta=math.log10(3.5701132088046436e-10), steps=2131, runs=31)
 @example(eps=8.168335310509912, log_delta=math.log10(0.00069595467431465), steps=825, runs=10)
@@ -206,8 +230,10 @@ def test_gdp_calibration_never_overshoots(eps: float, log_delta: float, steps: i
     delta = 10.0**log_delta
     cal = accounting.calibrate_info(eps, delta, 1.0, steps, runs, "gdp")
     nu = cal.noise_multiplier
-    for ev in (accounting.dpsgd_event(nu, 1.0, steps, runs),  # calibrate's form
-               dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(nu), steps * runs)):  # the ledger's
+    for ev in (
+        accounting.dpsgd_event(nu, 1.0, steps, runs),  # calibrate's form
+        dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(nu), steps * runs),
+    ):  # the ledger's
         assert accounting.epsilon(ev, delta, "gdp") <= eps
     assert cal.epsilon <= eps
     # independent trade-off: δ(target) at this μ is within the budget; the certificate's
@@ -217,8 +243,10 @@ def test_gdp_calibration_never_overshoots(eps: float, log_delta: float, steps: i
     assert 0 < cal.lower < nu <= cal.lower * (1 + 1e-8)
     # the lower end misses the target on one of the two reporting paths (calibrate checks both:
     # at ν ≈ 100 their roundings differ by an ulp of ε, and a ν feasible on both is feasible)
-    lower_forms = (accounting.dpsgd_event(cal.lower, 1.0, steps, runs),
-                   dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(cal.lower), steps * runs))
+    lower_forms = (
+        accounting.dpsgd_event(cal.lower, 1.0, steps, runs),
+        dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(cal.lower), steps * runs),
+    )
     assert max(accounting.epsilon(ev, delta, "gdp") for ev in lower_forms) > eps
 
 
@@ -241,8 +269,18 @@ def test_train_reports_epsilon_of_its_calibrating_accountant(accountant: str) ->
     """Issue: train --accountant pld|gdp calibrated with it but reported ε by RDP (above target)."""
     full = accountant == "gdp"
     kw = {"full_batch": True} if full else {"expected_batch_size": 30}
-    res = train(_mlp(), (X, Y), "dpsgd", steps=40, target_epsilon=1.0, delta=DELTA, accountant=accountant, lr=0.1,
-                clip=1.0, **kw)
+    res = train(
+        _mlp(),
+        (X, Y),
+        "dpsgd",
+        steps=40,
+        target_epsilon=1.0,
+        delta=DELTA,
+        accountant=accountant,
+        lr=0.1,
+        clip=1.0,
+        **kw,
+    )
     s = res.summary()
     nu, q = res.plan.noise_multiplier, res.plan.sampling_rate
     ref = _gdp_eps(math.sqrt(40) / nu, DELTA) if full else _pld(q, 40, nu)
@@ -255,16 +293,49 @@ def test_train_reports_epsilon_of_its_calibrating_accountant(accountant: str) ->
 
 def test_gdp_with_poisson_sampling_is_refused_early() -> None:
     with pytest.raises(ConfigError, match="full batch"):
-        train(_mlp(), (X, Y), "dpsgd", steps=2, expected_batch_size=30, noise_multiplier=1.0, delta=DELTA,
-              accountant="gdp")
+        train(
+            _mlp(),
+            (X, Y),
+            "dpsgd",
+            steps=2,
+            expected_batch_size=30,
+            noise_multiplier=1.0,
+            delta=DELTA,
+            accountant="gdp",
+        )
 
 
 def test_cli_train_names_the_accountant_and_reports_its_epsilon(tmp_path) -> None:
     out = tmp_path / "r.json"
-    res = CliRunner().invoke(app, ["train", "--dataset", "digits", "--strategy", "dpsgd", "--accountant", "pld",
-                                   "--epsilon", "1", "--epochs", "1", "--batch-size", "256", "--no-progress",
-                                   "--eval-every", "1000", "--device", "cpu", "--out", str(out),
-                                   "--hp", "lr=0.5", "--hp", "clip=1.0"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--dataset",
+            "digits",
+            "--strategy",
+            "dpsgd",
+            "--accountant",
+            "pld",
+            "--epsilon",
+            "1",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "256",
+            "--no-progress",
+            "--eval-every",
+            "1000",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--hp",
+            "lr=0.5",
+            "--hp",
+            "clip=1.0",
+        ],
+    )
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
     ref = _pld(d["sampling_rate"], d["steps"], d["noise_multiplier"])
@@ -310,7 +381,7 @@ def test_planned_run_seeds_are_63_bit_and_distinct(monkeypatch: pytest.MonkeyPat
 
     from dptune.tune import plan_study, planners
 
-    space = {"lr": [10.0**(-k / 10) for k in range(40)], "clip": [0.1, 0.3, 1.0, 3.0, 10.0]}
+    space = {"lr": [10.0 ** (-k / 10) for k in range(40)], "clip": [0.1, 0.3, 1.0, 3.0, 10.0]}
     plan = plan_study(_study(method="grid", space=space, seeds=(0, 1, 2)), N, 10000, "accuracy")
     seeds = [r.run_seed for r in plan.runs.values()]
     assert len(seeds) == 600 and len(set(seeds)) == 600

@@ -82,8 +82,9 @@ def exact_sq(g: ghost.GhostGrads) -> torch.Tensor:
                         G = torch.bmm(small.double().reshape(B, p, T), U.transpose(1, 2))
                     else:  # chunked: the per-sample gradients of the same chunks are released
                         c = getattr(layer, "_chunk", B)
-                        G = torch.cat([layer._per_sample_weight(layer.a[i : i + c], layer.b[i : i + c])
-                                       for i in range(0, B, c)]).double()
+                        G = torch.cat(
+                            [layer._per_sample_weight(layer.a[i : i + c], layer.b[i : i + c]) for i in range(0, B, c)]
+                        ).double()
                 total += G.square().sum((1, 2))
             if layer.gb is not None:
                 total += layer.gb.double().square().sum(1)
@@ -348,8 +349,10 @@ def test_materialized_norms_are_upper_bounds() -> None:
     gen = torch.Generator().manual_seed(7)
     B = 64
     scale = 10.0 ** torch.randint(-8, 8, (B, 1), generator=gen)
-    grads = {k: (torch.randn(B, *shape, generator=gen) * scale.view(B, *([1] * len(shape)))).to(DEVICE)
-             for k, shape in {"a": (3,), "b": (37, 29), "c": (5000,)}.items()}
+    grads = {
+        k: (torch.randn(B, *shape, generator=gen) * scale.view(B, *([1] * len(shape)))).to(DEVICE)
+        for k, shape in {"a": (3,), "b": (37, 29), "c": (5000,)}.items()
+    }
     g = MaterializedGrads(grads, torch.zeros(B, device=DEVICE))
     exact = torch.cat([t.double().flatten(1) for t in grads.values()], 1).norm(dim=1)
     _check_upper(g, exact, 1e-4)
@@ -360,15 +363,19 @@ def test_half_precision_norms_are_finite_upper_bounds(dtype: torch.dtype) -> Non
     """Summed in float32 and rounded up into the half dtype (a half-precision slack of n·2⁻⁸
     would make every norm infinite, i.e. leave every example out)."""
     gen = torch.Generator().manual_seed(10)
-    gs = {"w": torch.randn(32, 40, 30, generator=gen).to(dtype).to(DEVICE),
-          "b": torch.randn(32, 40, generator=gen).to(dtype).to(DEVICE)}
+    gs = {
+        "w": torch.randn(32, 40, 30, generator=gen).to(dtype).to(DEVICE),
+        "b": torch.randn(32, 40, generator=gen).to(dtype).to(DEVICE),
+    }
     n = MaterializedGrads(gs, torch.zeros(32, dtype=dtype, device=DEVICE)).norms
     exact = torch.cat([t.double().flatten(1) for t in gs.values()], 1).norm(dim=1)
     assert n.dtype == dtype and bool(torch.isfinite(n).all())
     assert bool((n.double() >= exact).all()) and bool((n.double() <= exact * (1 + 2e-2)).all())
     a, b = gs["b"], torch.randn(32, 7, generator=gen).to(dtype).to(DEVICE)
     n1 = grads.upper_norms(ghost.rank_one_parts(a, b, bias=True), a[:, 0])
-    exact1 = (a.double().norm(dim=1).square() * b.double().norm(dim=1).square() + b.double().norm(dim=1).square()).sqrt()
+    exact1 = (
+        a.double().norm(dim=1).square() * b.double().norm(dim=1).square() + b.double().norm(dim=1).square()
+    ).sqrt()
     assert bool(torch.isfinite(n1).all()) and bool((n1.double() >= exact1).all())
 
 
@@ -476,11 +483,23 @@ def test_mutant_round_to_nearest_is_caught() -> None:
 def test_norm_mutants_restore_the_real_code() -> None:
     from dptune import vectorized
 
-    before = (ghost._gram_bound, ghost._Embedding._grouped, grads.upper_norms, ghost.upper_norms, vectorized.upper_norms)
+    before = (
+        ghost._gram_bound,
+        ghost._Embedding._grouped,
+        grads.upper_norms,
+        ghost.upper_norms,
+        vectorized.upper_norms,
+    )
     for make in NORM_MUTANTS.values():
         with make():
             pass
-    assert (ghost._gram_bound, ghost._Embedding._grouped, grads.upper_norms, ghost.upper_norms, vectorized.upper_norms) == before
+    assert (
+        ghost._gram_bound,
+        ghost._Embedding._grouped,
+        grads.upper_norms,
+        ghost.upper_norms,
+        vectorized.upper_norms,
+    ) == before
 
 
 def test_mixed_precision_release_is_bounded_by_the_model_dtype() -> None:

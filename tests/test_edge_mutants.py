@@ -124,7 +124,10 @@ GDP_OVERSHOOTS = [  # the three cases where the old calibration overshot (the ch
 def test_gdp_calibration_unverified_is_caught(case: tuple[float, float, int, int]) -> None:
     check = seeds_checks.test_gdp_calibration_never_overshoots.hypothesis.inner_test  # one case, no search
     check(*case)
-    with gdp_calibration_unverified(), pytest.raises(AssertionError, match=r"(?s)^assert \S+ <= \S+\n.*= accounting\.epsilon"):
+    with (
+        gdp_calibration_unverified(),
+        pytest.raises(AssertionError, match=r"(?s)^assert \S+ <= \S+\n.*= accounting\.epsilon"),
+    ):
         check(*case)
 
 
@@ -145,10 +148,19 @@ def test_seeds_masked_to_32_bits_is_caught() -> None:
 # ----------------------------------------------------------------------------- restore
 def test_edge_mutants_restore_the_real_code() -> None:
     def current() -> tuple[object, ...]:
-        return (mechanisms.exponentials, mechanisms._exponentials_torch, PoissonSampler.__dict__["__init__"],
-                vectorized._seed_list, tune_data.holdout_mask, accounting.round_up, accounting.noise_multiplier_text,
-                accounting.gdp_epsilon, accounting._calibrate_info_cached, sampling.stream_seed,
-                mechanisms.stream_seed)
+        return (
+            mechanisms.exponentials,
+            mechanisms._exponentials_torch,
+            PoissonSampler.__dict__["__init__"],
+            vectorized._seed_list,
+            tune_data.holdout_mask,
+            accounting.round_up,
+            accounting.noise_multiplier_text,
+            accounting.gdp_epsilon,
+            accounting._calibrate_info_cached,
+            sampling.stream_seed,
+            mechanisms.stream_seed,
+        )
 
     before = current()
     for make in EDGE_MUTANTS.values():

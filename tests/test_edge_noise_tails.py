@@ -98,6 +98,7 @@ def test_radius_grows_without_bound_with_the_depth_of_zero_bits() -> None:
 
 def test_exponentials_on_explicit_bits() -> None:
     """E = −ln((a + 1)·2^−width), refined below 2^precision; reference values by hand."""
+
     def no_words(n: int) -> np.ndarray:
         raise AssertionError("no refinement expected")
 
@@ -135,21 +136,27 @@ def test_degenerate_bits_raise_instead_of_recursing_forever() -> None:
     with pytest.raises(RuntimeError, match="broken"):
         exponentials(lambda n: np.zeros(n, np.int64), np.zeros(3, np.int64), 38, 24)
     with pytest.raises(RuntimeError, match="broken"):
-        mechanisms._exponentials_torch(lambda n: torch.zeros(n, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
-                                       38, 24)
+        mechanisms._exponentials_torch(
+            lambda n: torch.zeros(n, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 38, 24
+        )
 
 
 # ----------------------------------------------------------------------------- the law
-@pytest.mark.parametrize(("dtype", "secure", "n"), [(torch.float32, False, 200_000), (torch.float64, False, 100_000),
-                                                     (torch.float32, True, 100_000)])
-def test_noise_has_the_normal_law_and_the_test_rejects_a_wrong_sigma(dtype: torch.dtype, secure: bool, n: int,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "secure", "n"),
+    [(torch.float32, False, 200_000), (torch.float64, False, 100_000), (torch.float32, True, 100_000)],
+)
+def test_noise_has_the_normal_law_and_the_test_rejects_a_wrong_sigma(
+    dtype: torch.dtype, secure: bool, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rng = np.random.default_rng(99)
     monkeypatch.setattr(os, "urandom", lambda k: rng.bytes(k))  # the secure path on fixed bytes: reproducible
     sigma = 0.37
     gate = NoisyRelease(Ledger(), 0.1, NoiseSource(5, secure=secure))
-    (out,) = gate.release(SumQuery("g", {"w": torch.zeros(n // 2, dtype=dtype), "b": torch.zeros(n - n // 2, dtype=dtype)},
-                                   1.0, sigma), label="t")
+    (out,) = gate.release(
+        SumQuery("g", {"w": torch.zeros(n // 2, dtype=dtype), "b": torch.zeros(n - n // 2, dtype=dtype)}, 1.0, sigma),
+        label="t",
+    )
     assert out["w"].dtype == out["b"].dtype == dtype
     z = torch.cat([out["w"], out["b"]]).double().numpy()
     assert normal_ks_pvalue(z, sigma) > 1e-4
@@ -176,8 +183,9 @@ def test_numpy_and_torch_transforms_agree_on_the_same_bits(dtype: type) -> None:
     k = 20_000
     host = mechanisms._normal_pairs_np(replay(words), k, dtype)
     np_replay = replay(words)
-    dev = mechanisms._normal_pairs_torch(lambda n: torch.from_numpy(np_replay(n)), k,
-                                         torch.float32 if dtype == np.float32 else torch.float64)
+    dev = mechanisms._normal_pairs_torch(
+        lambda n: torch.from_numpy(np_replay(n)), k, torch.float32 if dtype == np.float32 else torch.float64
+    )
     tol = 2e-6 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(dev.numpy(), host, rtol=tol, atol=tol)
 

@@ -61,7 +61,7 @@ def read_csv_rows(path: Path) -> list[dict[str, str]]:
 def _page_text(page: Path) -> str:
     """The page and every CSV it embeds (attachments are base64 data: URIs)."""
     html = page.read_text(encoding="utf-8")
-    csvs = [base64.b64decode(m).decode("utf-8") for m in re.findall(r'data:text/csv;base64,([A-Za-z0-9+/=]+)', html)]
+    csvs = [base64.b64decode(m).decode("utf-8") for m in re.findall(r"data:text/csv;base64,([A-Za-z0-9+/=]+)", html)]
     return "\n".join([html, *csvs])
 
 
@@ -81,15 +81,24 @@ def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     x = torch.randn(140, 5, generator=g)
     y = (x @ torch.randn(5, 3, generator=g)).argmax(1)
     study = Study(
-        data=(x[:100], y[:100], x[100:], y[100:]), model="logistic_regression",
+        data=(x[:100], y[:100], x[100:], y[100:]),
+        model="logistic_regression",
         strategies=(
             StrategyArm("dpsgd", space={"lr": [0.05, 1.0]}, fixed={"clip": 1.0}, label="dpsgd-grid"),
-            StrategyArm("dpsgd", space={"lr": [0.05, 1.0]}, fixed={"clip": 1.0}, label="dpsgd-lt",
-                        method=MethodSpec("liu-talwar", {"gamma": 0.5})),
+            StrategyArm(
+                "dpsgd",
+                space={"lr": [0.05, 1.0]},
+                fixed={"clip": 1.0},
+                label="dpsgd-lt",
+                method=MethodSpec("liu-talwar", {"gamma": 0.5}),
+            ),
         ),
         training=TrainingSpec(steps=6, expected_batch_size=20),
-        budget=BudgetSpec(epsilon=(4.0,), delta=1e-5, accountant="rdp"), method=MethodSpec("grid"),
-        selection=SelectionSpec(eval_every=3), seeds=(0,), name="edge-outputs",
+        budget=BudgetSpec(epsilon=(4.0,), delta=1e-5, accountant="rdp"),
+        method=MethodSpec("grid"),
+        selection=SelectionSpec(eval_every=3),
+        seeds=(0,),
+        name="edge-outputs",
     )
     d = tmp_path_factory.mktemp("edge") / "study"
     run_study(study, d, executor="local", progress=False)
@@ -173,13 +182,23 @@ def test_study_csvs_and_terminal_split_release_and_diagnostics(study_dir: Path) 
 # ----------------------------------------------------------------------------- the generic builder
 def test_build_report_publishes_only_selected_histories_without_loss(tmp_path: Path) -> None:
     rows = [{"step": t, "clip": 1.0, "lr": 0.5, "train_loss": 2.0 - t / 10, "batch_size": 17 + t} for t in range(1, 6)]
-    trials = [{"strategy": "dpsgd", "epsilon": 1.0, "value": v, "seed": 0, "hyperparameters": {"lr": lr},
-               "selected": sel} for lr, v, sel in ((0.5, 0.9, True), (0.1, 0.7, False))]
-    histories = [{"run": "winner", "strategy": "dpsgd", "rows": rows},
-                 {"run": "loser-run", "strategy": "dpsgd", "rows": rows, "selected": False}]
-    page = build_report(tmp_path, trials, histories,
-                        [{"run": "loser-run", "label": "dpsgd/gradient", "releases": 5}],
-                        selection_mode="public", planned=(1.0, 1e-5), spent=(1.0, 1e-5))
+    trials = [
+        {"strategy": "dpsgd", "epsilon": 1.0, "value": v, "seed": 0, "hyperparameters": {"lr": lr}, "selected": sel}
+        for lr, v, sel in ((0.5, 0.9, True), (0.1, 0.7, False))
+    ]
+    histories = [
+        {"run": "winner", "strategy": "dpsgd", "rows": rows},
+        {"run": "loser-run", "strategy": "dpsgd", "rows": rows, "selected": False},
+    ]
+    page = build_report(
+        tmp_path,
+        trials,
+        histories,
+        [{"run": "loser-run", "label": "dpsgd/gradient", "releases": 5}],
+        selection_mode="public",
+        planned=(1.0, 1e-5),
+        spent=(1.0, 1e-5),
+    )
     text = _page_text(page)
     _assert_release_clean(text, ["loser-run"], "build_report's page")
     assert "0.7" not in read_csv_rows(page.parent / "results_best.csv")[0].values()
@@ -199,9 +218,29 @@ def test_publishable_page_refuses_diagnostic_sections(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- one run
 def test_train_cli_release_json_has_no_history_and_diagnostics_are_labelled(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
-    res = CliRunner().invoke(app, ["train", "--dataset", "digits", "--strategy", "dpsgd", "--epochs", "0.2",
-                                   "--batch-size", "64", "--hp", "lr=0.5", "--hp", "clip=1.0", "--eval-every", "2",
-                                   "--no-progress", "--out", str(out)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--dataset",
+            "digits",
+            "--strategy",
+            "dpsgd",
+            "--epochs",
+            "0.2",
+            "--batch-size",
+            "64",
+            "--hp",
+            "lr=0.5",
+            "--hp",
+            "clip=1.0",
+            "--eval-every",
+            "2",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, (res.output, res.exception)
     text = out.read_text()
     assert "train_loss" not in text and not BATCH.search(text) and '"seconds"' not in text

@@ -46,8 +46,17 @@ def _toy(n: int = 200) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _batch_sizes(secure: bool, seed: int = 11) -> list[int]:
     torch.manual_seed(0)
-    res = train(torch.nn.Linear(5, 3), _toy(), "dpsgd", steps=12, expected_batch_size=40, noise_multiplier=1.0,
-                seed=seed, device="cpu", secure_mode=secure)
+    res = train(
+        torch.nn.Linear(5, 3),
+        _toy(),
+        "dpsgd",
+        steps=12,
+        expected_batch_size=40,
+        noise_multiplier=1.0,
+        seed=seed,
+        device="cpu",
+        secure_mode=secure,
+    )
     assert res.secure_mode is secure
     return [row["batch_size"] for row in res.history]
 
@@ -115,9 +124,18 @@ def test_train_many_trials_in_secure_mode_draw_fresh_batches() -> None:
 
     def sizes(secure: bool) -> list[list[int]]:
         torch.manual_seed(0)
-        res = train_many(lambda s: torch.nn.Linear(5, 3), _toy(), "dpsgd", configs=[{"lr": 0.1}, {"lr": 0.2}],
-                         seeds=[1, 2], steps=8, expected_batch_size=40, noise_multiplier=1.0, device="cpu",
-                         secure_mode=secure)
+        res = train_many(
+            lambda s: torch.nn.Linear(5, 3),
+            _toy(),
+            "dpsgd",
+            configs=[{"lr": 0.1}, {"lr": 0.2}],
+            seeds=[1, 2],
+            steps=8,
+            expected_batch_size=40,
+            noise_multiplier=1.0,
+            device="cpu",
+            secure_mode=secure,
+        )
         assert all(r.secure_mode is secure for r in res)
         return [[row["batch_size"] for row in r.history] for r in res]
 
@@ -128,9 +146,32 @@ def test_train_many_trials_in_secure_mode_draw_fresh_batches() -> None:
 # ----------------------------------------------------------------------------- dptune train --secure
 def _cli_train(tmp_path: Path, *extra: str) -> tuple[dict, str]:
     out = tmp_path / "run.json"
-    res = CliRunner().invoke(app, ["train", "--dataset", "digits", "--strategy", "dpsgd", "--epochs", "0.1",
-                                   "--batch-size", "64", "--hp", "lr=0.5", "--hp", "clip=1.0", "--eval-every", "5",
-                                   "--no-progress", "--device", "cpu", "--out", str(out), *extra])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--dataset",
+            "digits",
+            "--strategy",
+            "dpsgd",
+            "--epochs",
+            "0.1",
+            "--batch-size",
+            "64",
+            "--hp",
+            "lr=0.5",
+            "--hp",
+            "clip=1.0",
+            "--eval-every",
+            "5",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            *extra,
+        ],
+    )
     assert res.exit_code == 0, (res.output, res.exception)
     return json.loads(out.read_text()), res.output
 
@@ -149,7 +190,8 @@ def test_cli_train_secure_states_the_mode_and_seeded_warns(tmp_path: Path) -> No
 def _study_dict(**study: object) -> dict:
     return {
         "study": {"name": "s", "seeds": [0], **study},
-        "data": {"name": "digits"}, "model": {"name": "logistic_regression"},
+        "data": {"name": "digits"},
+        "model": {"name": "logistic_regression"},
         "training": {"steps": 5, "expected_batch_size": 32},
         "budget": {"epsilon": 2.0, "delta": 1e-5},
         "strategies": [{"name": "dpsgd", "space": {"lr": [0.1]}}],
@@ -168,14 +210,25 @@ def test_study_secure_field_parses_validates_and_keeps_old_fingerprints() -> Non
 
 
 def _tiny(secure: bool, name: str):
-    s = tiny_dpsgd_study(data_seed=0, n=300, dim=5, n_train=220, lrs=[0.2, 1.0], steps=12, batch=30, eps=2.0,
-                         selection=SelectionSpec(mode="private", eval_every=6, noise_multiplier=30.0),
-                         seeds=(0,), name=name)
+    s = tiny_dpsgd_study(
+        data_seed=0,
+        n=300,
+        dim=5,
+        n_train=220,
+        lrs=[0.2, 1.0],
+        steps=12,
+        batch=30,
+        eps=2.0,
+        selection=SelectionSpec(mode="private", eval_every=6, noise_multiplier=30.0),
+        seeds=(0,),
+        name=name,
+    )
     return dataclasses.replace(s, secure=secure)
 
 
-def test_secure_study_reaches_the_workers_and_its_report_states_the_mode(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_secure_study_reaches_the_workers_and_its_report_states_the_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dptune.report import report_study
     from dptune.tune import worker
     from dptune.tune.store import Store

@@ -49,14 +49,27 @@ def _tiny():
     return (x, torch.randint(0, 2, (20,), generator=g), x, torch.randint(0, 2, (20,), generator=g))
 
 
-def _study(method: str, opts: dict | None = None, *, space=None, seeds=(0, 1, 2), across="mean",
-           account_seeds=False, eps=2.0, data=None, training=None, eval_every=100) -> Study:
+def _study(
+    method: str,
+    opts: dict | None = None,
+    *,
+    space=None,
+    seeds=(0, 1, 2),
+    across="mean",
+    account_seeds=False,
+    eps=2.0,
+    data=None,
+    training=None,
+    eval_every=100,
+) -> Study:
     return Study(
-        data=data if data is not None else _tiny(), model="logistic_regression",
+        data=data if data is not None else _tiny(),
+        model="logistic_regression",
         strategies=(StrategyArm("dpsgd", space=space if space is not None else {"lr": [0.01, 0.1, 1.0]}),),
         training=training or TrainingSpec(epochs=10, expected_batch_size=512),
         budget=BudgetSpec(epsilon=(eps,), delta=DELTA, accountant="rdp", account_seeds=account_seeds),
-        method=MethodSpec(method, opts or {}), selection=SelectionSpec(eval_every=eval_every, across_seeds=across),
+        method=MethodSpec(method, opts or {}),
+        selection=SelectionSpec(eval_every=eval_every, across_seeds=across),
         seeds=seeds,
     )
 
@@ -159,8 +172,14 @@ def test_lt_mean_mode_study_runs_and_its_ledger_equals_the_plan(tmp_path):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(120, 4, generator=g)
     y = (x @ torch.randn(4, 2, generator=g)).argmax(1)
-    s = _study("liu-talwar", {"gamma": 0.5}, seeds=(0, 1), data=(x[:100], y[:100], x[100:], y[100:]),
-               training=TrainingSpec(steps=4, expected_batch_size=20), eval_every=2)
+    s = _study(
+        "liu-talwar",
+        {"gamma": 0.5},
+        seeds=(0, 1),
+        data=(x[:100], y[:100], x[100:], y[100:]),
+        training=TrainingSpec(steps=4, expected_batch_size=20),
+        eval_every=2,
+    )
     out = run_study(s, tmp_path / "lt", progress=False)
     assert out.complete and out.ledger_matches_plan
     with Store(tmp_path / "lt", readonly=True) as st:
@@ -282,8 +301,7 @@ _CONT = {"lr": {"log_uniform": [1e-3, 1.0]}}
 
 def _draws(plan: StudyPlan) -> tuple:
     arm = plan.arms[0]
-    return (tuple(arm.extra["runs_per_procedure"]),
-            tuple(plan.runs[r].config["lr"] for r in arm.runs))
+    return (tuple(arm.extra["runs_per_procedure"]), tuple(plan.runs[r].config["lr"] for r in arm.runs))
 
 
 def check_draws_are_secret(method: str, opts: dict) -> None:
@@ -292,8 +310,10 @@ def check_draws_are_secret(method: str, opts: dict) -> None:
     assert len(draws) == 4  # the same study and seed: K and the configurations differ every time
 
 
-@pytest.mark.parametrize(("method", "opts"), [("liu-talwar", {"gamma": 0.3}),
-                                              ("repeat-and-select", {"mean": 3, "distribution": "geometric"})])
+@pytest.mark.parametrize(
+    ("method", "opts"),
+    [("liu-talwar", {"gamma": 0.3}), ("repeat-and-select", {"mean": 3, "distribution": "geometric"})],
+)
 def test_lt_rs_draws_do_not_come_from_the_study_seed(method, opts):
     check_draws_are_secret(method, opts)
     with coins_from_study_seed(), pytest.raises(AssertionError):
@@ -324,8 +344,14 @@ def test_lt_draws_come_from_the_os_csprng(monkeypatch):
 
 
 def test_secret_seed_gives_a_reproducible_search():
-    s = _study("repeat-and-select", {"mean": 4, "distribution": "poisson"}, space=_CONT, seeds=(0, 1),
-               across="per-seed", eps=4.0)
+    s = _study(
+        "repeat-and-select",
+        {"mean": 4, "distribution": "poisson"},
+        space=_CONT,
+        seeds=(0, 1),
+        across="per-seed",
+        eps=4.0,
+    )
     a = plan_study(s, N, 10000, "accuracy", coins=theory.SecretCoins(seed=12345))
     b = plan_study(s, N, 10000, "accuracy", coins=theory.SecretCoins(seed=12345))
     assert a.to_dict() == b.to_dict()
@@ -336,9 +362,16 @@ def test_resume_reuses_the_stored_draws(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(120, 4, generator=g)
     y = (x @ torch.randn(4, 2, generator=g)).argmax(1)
-    s = _study("liu-talwar", {"gamma": 0.4}, space={"lr": {"log_uniform": [0.01, 1.0]}}, seeds=(0,),
-               across="per-seed", data=(x[:100], y[:100], x[100:], y[100:]),
-               training=TrainingSpec(steps=3, expected_batch_size=20), eval_every=3)
+    s = _study(
+        "liu-talwar",
+        {"gamma": 0.4},
+        space={"lr": {"log_uniform": [0.01, 1.0]}},
+        seeds=(0,),
+        across="per-seed",
+        data=(x[:100], y[:100], x[100:], y[100:]),
+        training=TrainingSpec(steps=3, expected_batch_size=20),
+        eval_every=3,
+    )
     d = tmp_path / "lt"
     first = run_study(s, d, progress=False)
     with Store(d, readonly=True) as st:

@@ -40,9 +40,14 @@ def test_public_holdout_is_refused_with_the_fix():
     assert msg.startswith("selection.split:") and "private training data" in msg
     assert "Fix: use selection.mode = 'private'" in msg and "split = 'test'" in msg
     # the same error from a config file's dict (what `dptune tune` reads), and the default mode is public
-    cfg = {"data": {"name": "digits"}, "model": {"name": "logistic_regression"},
-           "training": {"steps": 5, "expected_batch_size": 16}, "budget": {"epsilon": 1.0, "delta": 1e-5},
-           "selection": {"split": "holdout"}, "strategies": [{"name": "dpsgd", "space": {"lr": [0.1]}}]}
+    cfg = {
+        "data": {"name": "digits"},
+        "model": {"name": "logistic_regression"},
+        "training": {"steps": 5, "expected_batch_size": 16},
+        "budget": {"epsilon": 1.0, "delta": 1e-5},
+        "selection": {"split": "holdout"},
+        "strategies": [{"name": "dpsgd", "space": {"lr": [0.1]}}],
+    }
     with pytest.raises(ConfigError, match="selection.mode = 'private'"):
         study_from_dict(cfg)
     # private + holdout and public + test are fine
@@ -52,8 +57,19 @@ def test_public_holdout_is_refused_with_the_fix():
 
 def test_private_holdout_is_planned_and_charged():
     sel = SelectionSpec(mode="private", split="holdout", eval_every=10, noise_multiplier=25.0)
-    st = tiny_dpsgd_study(data_seed=3, n=400, dim=5, n_train=300, lrs=[0.1, 1.0], steps=20, batch=32,
-                          eps=3.0, selection=sel, seeds=(0,), name="holdout-plan")
+    st = tiny_dpsgd_study(
+        data_seed=3,
+        n=400,
+        dim=5,
+        n_train=300,
+        lrs=[0.1, 1.0],
+        steps=20,
+        batch=32,
+        eps=3.0,
+        selection=sel,
+        seeds=(0,),
+        name="holdout-plan",
+    )
     plan = plan_only(st)
     assert plan.n_train + plan.n_val == 300 and 30 <= plan.n_val <= 90  # Binomial(300, 0.2) ≈ 60 ± 7
     for run in plan.runs.values():  # every score on the holdout is a planned Gaussian release
@@ -131,8 +147,15 @@ def test_adult_features_do_not_depend_on_other_examples(monkeypatch: pytest.Monk
 def test_adult_scaling_uses_the_published_ranges():
     from dptune.data.loaders import ADULT_NUMERIC, _scale_adult_numeric
 
-    raw = np.array([[17, 1, 1, 0, 0, 1], [90, 1e7, 16, 99999, 99999, 99], [200, 1e9, 40, 1e6, 1e6, 500],
-                    [53.5, 1e7, 8.5, 0, 0, 50]], dtype=np.float64)
+    raw = np.array(
+        [
+            [17, 1, 1, 0, 0, 1],
+            [90, 1e7, 16, 99999, 99999, 99],
+            [200, 1e9, 40, 1e6, 1e6, 500],
+            [53.5, 1e7, 8.5, 0, 0, 50],
+        ],
+        dtype=np.float64,
+    )
     out = _scale_adult_numeric(raw)
     assert out.shape == (4, len(ADULT_NUMERIC))
     assert np.array_equal(out[0], np.zeros(6)) and np.array_equal(out[1], np.ones(6))
@@ -140,7 +163,8 @@ def test_adult_scaling_uses_the_published_ranges():
     assert out[3, 0] == pytest.approx(0.5) and out[3, 2] == pytest.approx(0.5) and out[3, 5] == pytest.approx(0.5)
     # log1p columns: capital-gain 999 -> log1p(999)/log1p(99999)
     assert _scale_adult_numeric(np.array([[17, 1, 1, 999, 0, 1]], float))[0, 3] == pytest.approx(
-        np.log1p(999) / np.log1p(99999))
+        np.log1p(999) / np.log1p(99999)
+    )
 
 
 # ------------------------------------------------------------------------------- text

@@ -101,8 +101,9 @@ def test_non_finite_parameters_stop_the_run_and_keep_its_spend() -> None:
     stop leaks nothing; a stop on the private batch loss would). lr = 1e39 overflows float32 at
     the first step: the parameters, and with them every later loss, are non-finite."""
     x, y = toy(200)
-    res = train(model_for(), (x, y), "dpsgd", steps=50, expected_batch_size=20, noise_multiplier=1.0, device="cpu",
-                lr=1e39)
+    res = train(
+        model_for(), (x, y), "dpsgd", steps=50, expected_batch_size=20, noise_multiplier=1.0, device="cpu", lr=1e39
+    )
     assert res.diverged
     done = len(res.history)
     assert 1 <= done < 50
@@ -117,8 +118,17 @@ def test_an_overflowing_loss_with_finite_parameters_does_not_corrupt_the_update(
     clip weights C/‖g‖ = 0, so the clipped sum stays finite: only noise moves θ, and the run
     keeps its plan (no NaN leaks into the parameters)."""
     x, _ = toy(200)
-    res = train(model_for(5, 5), (x, x), "dpsgd", steps=10, expected_batch_size=20, noise_multiplier=1.0,
-                device="cpu", lr=1e30, clip=1e6)
+    res = train(
+        model_for(5, 5),
+        (x, x),
+        "dpsgd",
+        steps=10,
+        expected_batch_size=20,
+        noise_multiplier=1.0,
+        device="cpu",
+        lr=1e30,
+        clip=1e6,
+    )
     assert any(not math.isfinite(h.get("train_loss", 0.0)) for h in res.history)
     assert all(bool(torch.isfinite(v).all()) for v in res.final_params.values())
     assert res.ledger.matches(res.plan.event())
@@ -189,8 +199,9 @@ def test_poisson_sampler_over_many_chunks(monkeypatch) -> None:
 
 def test_empty_batches_are_handled_and_still_recorded() -> None:
     x, y = toy(100)
-    res = train(model_for(), (x, y), "dpsgd", steps=30, expected_batch_size=0.1, noise_multiplier=1.0, device="cpu",
-                seed=3)
+    res = train(
+        model_for(), (x, y), "dpsgd", steps=30, expected_batch_size=0.1, noise_multiplier=1.0, device="cpu", seed=3
+    )
     sizes = [h["batch_size"] for h in res.history]
     assert sizes.count(0) > 20  # q = 0.001 over 100 examples: most batches are empty
     assert len(sizes) == 30 and res.ledger.releases == 30
@@ -220,8 +231,18 @@ def test_same_seed_is_bit_identical_and_another_seed_differs(name: str) -> None:
     x, y = toy(80)
 
     def run(seed: int):
-        return train(model_for(seed=0), (x, y), name, steps=8, expected_batch_size=16, noise_multiplier=1.0,
-                     device="cpu", seed=seed, eval_data=(x, y), eval_every=4)
+        return train(
+            model_for(seed=0),
+            (x, y),
+            name,
+            steps=8,
+            expected_batch_size=16,
+            noise_multiplier=1.0,
+            device="cpu",
+            seed=seed,
+            eval_data=(x, y),
+            eval_every=4,
+        )
 
     a, b, c = run(11), run(11), run(12)
     for k in a.final_params:
@@ -241,8 +262,9 @@ def test_noise_and_sampling_streams_are_independent_of_each_other() -> None:
     theta0 = model.weight.detach().clone()
     moves = []
     for L in (10, 20):
-        res = train(model, (x, y), "dpsgd", steps=4, expected_batch_size=L, noise_multiplier=1.0, device="cpu",
-                    seed=1, lr=0.5)
+        res = train(
+            model, (x, y), "dpsgd", steps=4, expected_batch_size=L, noise_multiplier=1.0, device="cpu", seed=1, lr=0.5
+        )
         assert res.ledger.releases == 4
         moves.append((res.final_params["weight"] - theta0) * L)
         with torch.no_grad():
@@ -258,9 +280,23 @@ def test_dpsgd_reaches_80_percent_on_mnist5k_at_epsilon_3(shared_data_dir) -> No
     C = 1, lr = 4. Model: 2×2 average pooling + MLP 196-64-10 (the Galli CNN is too slow on CPU)."""
     (x, y), (xt, yt) = load_mnist(shared_data_dir, n_test=10000)
     torch.manual_seed(0)
-    res = train(pooled_mnist_mlp(), (x, y), "dpsgd", epochs=5, expected_batch_size=500, target_epsilon=3.0,
-                delta=1e-5, eval_data=(xt, yt), eval_every=10**6, seed=0, device="cpu", lr=4.0, clip=1.0,
-                momentum=0.0, accountant="rdp")
+    res = train(
+        pooled_mnist_mlp(),
+        (x, y),
+        "dpsgd",
+        epochs=5,
+        expected_batch_size=500,
+        target_epsilon=3.0,
+        delta=1e-5,
+        eval_data=(xt, yt),
+        eval_every=10**6,
+        seed=0,
+        device="cpu",
+        lr=4.0,
+        clip=1.0,
+        momentum=0.0,
+        accountant="rdp",
+    )
     assert res.plan.steps == 50
     assert res.epsilon(accountant="rdp") <= 3.0
     assert res.evals[-1]["accuracy"] >= 0.80, res.evals
@@ -272,8 +308,21 @@ def test_oso_from_small_clip_reaches_75_percent_on_mnist5k_at_epsilon_3(shared_d
     every example is clipped, so the effective step ρ·C₀ = 4 matches DP-SGD's lr·C."""
     (x, y), (xt, yt) = load_mnist(shared_data_dir, n_test=10000)
     torch.manual_seed(0)
-    res = train(pooled_mnist_mlp(), (x, y), "oso", epochs=5, expected_batch_size=500, target_epsilon=3.0,
-                delta=1e-5, eval_data=(xt, yt), eval_every=10**6, seed=0, device="cpu", lr=40.0, initial_clip=0.1,
-                accountant="rdp")
+    res = train(
+        pooled_mnist_mlp(),
+        (x, y),
+        "oso",
+        epochs=5,
+        expected_batch_size=500,
+        target_epsilon=3.0,
+        delta=1e-5,
+        eval_data=(xt, yt),
+        eval_every=10**6,
+        seed=0,
+        device="cpu",
+        lr=40.0,
+        initial_clip=0.1,
+        accountant="rdp",
+    )
     assert res.epsilon(accountant="rdp") <= 3.0
     assert res.evals[-1]["accuracy"] >= 0.75, res.evals

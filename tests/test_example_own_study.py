@@ -49,9 +49,12 @@ def test_example_toml_names_the_factories_and_needs_them_importable(tmp_path, mo
 def test_example_toml_from_the_cli(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     text = (EXAMPLES / "own_model_study.toml").read_text()
-    small = (text.replace("n = 3000, n_test = 600", "n = 240, n_test = 60")
-             .replace("epochs = 5\nexpected_batch_size = 150", "steps = 6\nexpected_batch_size = 24")
-             .replace("eval_every = 20", "eval_every = 3").replace("lr = [0.3, 1.0, 3.0]", "lr = [1.0]"))
+    small = (
+        text.replace("n = 3000, n_test = 600", "n = 240, n_test = 60")
+        .replace("epochs = 5\nexpected_batch_size = 150", "steps = 6\nexpected_batch_size = 24")
+        .replace("eval_every = 20", "eval_every = 3")
+        .replace("lr = [0.3, 1.0, 3.0]", "lr = [1.0]")
+    )
     assert small.count("steps = 6") == 1
     cfg = tmp_path / "small.toml"
     cfg.write_text(small)

@@ -35,8 +35,9 @@ def _fake_enron(root: Path, n: int = 120) -> Path:
         for i in range(n):
             s = i % 3 == 0
             words = [rng.choice(spam if s else ham) for _ in range(rng.randint(0, 15))]
-            w.writerow([f"{i:04d}.{'spam' if s else 'ham'}.txt", "spam" if s else "ham", int(s),
-                        "Subject: " + " ".join(words)])
+            w.writerow(
+                [f"{i:04d}.{'spam' if s else 'ham'}.txt", "spam" if s else "ham", int(s), "Subject: " + " ".join(words)]
+            )
     return root
 
 

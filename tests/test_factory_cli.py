@@ -63,9 +63,29 @@ def _runs(d: Path) -> dict[str, tuple]:
 
 def test_cli_train_with_own_model_and_data(tmp_path):
     out = tmp_path / "r.json"
-    res = runner.invoke(app, ["train", "--data", "own_factories:load_data", "--model", "own_factories:make_model",
-                              "--strategy", "dpsgd", "--epochs", "1", "--batch-size", "40", "--eval-every", "3",
-                              "--hp", "lr=0.5", "--no-progress", "--out", str(out)])
+    res = runner.invoke(
+        app,
+        [
+            "train",
+            "--data",
+            "own_factories:load_data",
+            "--model",
+            "own_factories:make_model",
+            "--strategy",
+            "dpsgd",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "40",
+            "--eval-every",
+            "3",
+            "--hp",
+            "lr=0.5",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     release = json.loads(out.read_text())
     text = json.dumps(release)
@@ -75,20 +95,39 @@ def test_cli_train_with_own_model_and_data(tmp_path):
 
 def test_cli_model_factory_with_a_builtin_dataset(tmp_path):
     out = tmp_path / "r.json"
-    res = runner.invoke(app, ["train", "--dataset", "digits", "--model", "own_factories:make_model",
-                              "--strategy", "dpsgd", "--epochs", "0.2", "--batch-size", "64",
-                              "--no-progress", "--out", str(out)])
+    res = runner.invoke(
+        app,
+        [
+            "train",
+            "--dataset",
+            "digits",
+            "--model",
+            "own_factories:make_model",
+            "--strategy",
+            "dpsgd",
+            "--epochs",
+            "0.2",
+            "--batch-size",
+            "64",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert out.exists()
 
 
-@pytest.mark.parametrize(("args", "needle"), [
-    (["--model", "no_such_module_xyz:make"], "cannot import module 'no_such_module_xyz'"),
-    (["--model", "own_factories:nope"], "has no attribute 'nope'"),
-    (["--model", "own_factories:NOT_CALLABLE"], "is not callable"),
-    (["--data", "own_factories:load_data"], "--data needs your own model too"),
-    (["--data", "own_factories", "--model", "own_factories:make_model"], "not of the form 'pkg.module:function'"),
-])
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--model", "no_such_module_xyz:make"], "cannot import module 'no_such_module_xyz'"),
+        (["--model", "own_factories:nope"], "has no attribute 'nope'"),
+        (["--model", "own_factories:NOT_CALLABLE"], "is not callable"),
+        (["--data", "own_factories:load_data"], "--data needs your own model too"),
+        (["--data", "own_factories", "--model", "own_factories:make_model"], "not of the form 'pkg.module:function'"),
+    ],
+)
 def test_cli_bad_factory_is_one_clear_error_before_any_file(tmp_path, args, needle):
     out = tmp_path / "sub" / "r.json"
     res = runner.invoke(app, ["train", *args, "--no-progress", "--out", str(out)])

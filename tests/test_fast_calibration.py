@@ -42,7 +42,9 @@ def test_pld_calibration_is_feasible_and_certified_tight(eps: float, q: float, s
     assert info.search_evaluations <= 16
 
 
-@pytest.mark.parametrize("eps, q, steps, runs", [(0.5, 0.005, 1000, 1), (3.0, 512 / 60000, 1172, 49), (9.0, 0.1, 100, 5)])
+@pytest.mark.parametrize(
+    "eps, q, steps, runs", [(0.5, 0.005, 1000, 1), (3.0, 512 / 60000, 1172, 49), (9.0, 0.1, 100, 5)]
+)
 def test_rdp_calibration_matches_a_plain_bisection(eps: float, q: float, steps: int, runs: int) -> None:
     info = A.calibrate_info(eps, DELTA, q, steps, runs, "rdp")
     assert A.epsilon(A.dpsgd_event(info.noise_multiplier, q, steps, runs), DELTA, "rdp") <= eps
@@ -105,18 +107,27 @@ def test_bad_inputs_name_the_fix() -> None:
     with pytest.raises(ConfigError, match="rel_tol"):
         A.calibrate_event(lambda nu: A.dpsgd_event(nu, 0.01, 10), 1.0, DELTA, rel_tol=0.0)
     with pytest.raises(ConfigError, match="could not reach"):
-        A.calibrate_event(lambda nu: dp_event.ComposedDpEvent([A.dpsgd_event(nu, 0.1, 5), dp_event.NonPrivateDpEvent()]),
-                          1.0, DELTA, "rdp")
+        A.calibrate_event(
+            lambda nu: dp_event.ComposedDpEvent([A.dpsgd_event(nu, 0.1, 5), dp_event.NonPrivateDpEvent()]),
+            1.0,
+            DELTA,
+            "rdp",
+        )
     assert A.calibrate(3.0, DELTA, 0.01, 10.0) == A.calibrate(3.0, DELTA, 0.01, 10)  # integral floats are counts
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    a=st.floats(0.5, 3.0), c=st.floats(0.5, 50.0), target=st.floats(0.1, 20.0),
-    step=st.floats(0.0, 0.2), guess=st.floats(-5.0, 5.0), rel_tol=st.sampled_from([1e-2, 1e-4, 1e-6]),
+    a=st.floats(0.5, 3.0),
+    c=st.floats(0.5, 50.0),
+    target=st.floats(0.1, 20.0),
+    step=st.floats(0.0, 0.2),
+    guess=st.floats(-5.0, 5.0),
+    rel_tol=st.sampled_from([1e-2, 1e-4, 1e-6]),
 )
-def test_solver_invariant_on_arbitrary_monotone_curves(a: float, c: float, target: float, step: float, guess: float,
-                                                       rel_tol: float) -> None:
+def test_solver_invariant_on_arbitrary_monotone_curves(
+    a: float, c: float, target: float, step: float, guess: float, rel_tol: float
+) -> None:
     """ε(ν) = c·ν^(−a), plus a staircase (discretisation-like, not smooth): the returned hi is
     feasible, lo infeasible, hi/lo ≤ 1 + rel_tol, whatever the guess."""
 

@@ -33,20 +33,65 @@ BASE: dict[str, Any] = {
     "selection": {"mode": "public", "eval_every": 5},
     "strategies": [{"name": "dpsgd", "space": {"lr": [0.1, 1.0]}, "fixed": {"clip": 1.0}}],
 }
-KEYS = sorted({k for sec in BASE.values() if isinstance(sec, dict) for k in sec}
-              | {"epochs", "full_batch", "n", "gamma", "mode", "split", "label", "space", "fixed", "threads_per_run",
-                 "holdout_fraction", "checkpoint", "across_seeds", "noise_multiplier", "metric", "bogus"})
-TOKENS = ["dpsgd", "oso", "grid", "random", "online", "liu-talwar", "public", "private", "holdout", "test",
-          "rdp", "pld", "gdp", "auto", "digits", "mnist", "logistic_regression", "accuracy", "mse", "best"]
+KEYS = sorted(
+    {k for sec in BASE.values() if isinstance(sec, dict) for k in sec}
+    | {
+        "epochs",
+        "full_batch",
+        "n",
+        "gamma",
+        "mode",
+        "split",
+        "label",
+        "space",
+        "fixed",
+        "threads_per_run",
+        "holdout_fraction",
+        "checkpoint",
+        "across_seeds",
+        "noise_multiplier",
+        "metric",
+        "bogus",
+    }
+)
+TOKENS = [
+    "dpsgd",
+    "oso",
+    "grid",
+    "random",
+    "online",
+    "liu-talwar",
+    "public",
+    "private",
+    "holdout",
+    "test",
+    "rdp",
+    "pld",
+    "gdp",
+    "auto",
+    "digits",
+    "mnist",
+    "logistic_regression",
+    "accuracy",
+    "mse",
+    "best",
+]
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(10**6), 10**6), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=8), st.sampled_from(TOKENS), st.sampled_from([0, 1, -1, 1e-5, 0.5, 2.0, 1e300, -0.0]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.sampled_from(TOKENS),
+    st.sampled_from([0, 1, -1, 1e-5, 0.5, 2.0, 1e300, -0.0]),
 )
 values = st.recursive(
     scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=3),
-                            st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=6)), inner, max_size=3)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=6)), inner, max_size=3),
+    ),
     max_leaves=6,
 )
 
@@ -99,9 +144,24 @@ def test_fuzzed_study_configs_give_config_errors_only(data: st.DataObject) -> No
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(text=st.one_of(st.text(max_size=200), st.builds(lambda a, b: a + b, st.sampled_from(
-    ["[study]\nname = 'x'\n", "[data]\nname = 'digits'\n", "[[strategies]]\nname = 'dpsgd'\n", "[budget]\nepsilon = "]),
-    st.text(max_size=60))), suffix=st.sampled_from([".toml", ".yaml", ".json"]))
+@given(
+    text=st.one_of(
+        st.text(max_size=200),
+        st.builds(
+            lambda a, b: a + b,
+            st.sampled_from(
+                [
+                    "[study]\nname = 'x'\n",
+                    "[data]\nname = 'digits'\n",
+                    "[[strategies]]\nname = 'dpsgd'\n",
+                    "[budget]\nepsilon = ",
+                ]
+            ),
+            st.text(max_size=60),
+        ),
+    ),
+    suffix=st.sampled_from([".toml", ".yaml", ".json"]),
+)
 def test_fuzzed_study_files_give_config_errors_only(text: str, suffix: str) -> None:
     from dptune.tune import load_study_config
 
@@ -125,8 +185,24 @@ numbers = st.one_of(
 
 
 def _cli_args(draw: st.DrawFn) -> list[str]:
-    cmd = draw(st.sampled_from(["account", "calibrate", "train", "bogus", "--help-me", "", "status", "resume",
-                                "report", "tune", "reproduce", "audit"]))
+    cmd = draw(
+        st.sampled_from(
+            [
+                "account",
+                "calibrate",
+                "train",
+                "bogus",
+                "--help-me",
+                "",
+                "status",
+                "resume",
+                "report",
+                "tune",
+                "reproduce",
+                "audit",
+            ]
+        )
+    )
     args = [cmd] if cmd else []
     if cmd in ("status", "resume", "report", "tune"):
         # never a real study: missing paths, a file, an empty or a non-study folder
@@ -176,7 +252,8 @@ def test_fuzzed_cli_arguments_never_raise_tracebacks(args: list[str]) -> None:
     result = CliRunner().invoke(app, args, catch_exceptions=True)
     # an uncaught exception would have been a traceback for the user
     assert result.exception is None or isinstance(result.exception, SystemExit), (
-        f"dptune {' '.join(args)!s} raised {type(result.exception).__name__}: {result.exception}")
+        f"dptune {' '.join(args)!s} raised {type(result.exception).__name__}: {result.exception}"
+    )
     assert "Traceback" not in result.output
     assert result.exit_code in (0, 1, 2), (args, result.exit_code, result.output[-500:])
 
@@ -185,8 +262,11 @@ def test_fuzzed_cli_arguments_never_raise_tracebacks(args: list[str]) -> None:
 @pytest.mark.slow
 def test_study_survives_sigkill_at_random_points() -> None:
     """Reduced CI version of scripts/kill_test.py (20 points there, 2 here)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "kill_test.py"), "--points", "2", "--seed", "1"],
-                          capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "kill_test.py"), "--points", "2", "--seed", "1"],
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("identical to the reference") == 2
-

@@ -71,12 +71,22 @@ def _frozen_mlp() -> nn.Module:
 def case(name: str, g: torch.Generator) -> tuple[nn.Module, torch.Tensor, torch.Tensor, str]:
     B = 6
     if name == "galli_cnn":
-        return models.galli_cnn(), torch.rand(B, 1, 28, 28, generator=g), torch.randint(0, 10, (B,), generator=g), "cross_entropy"
+        return (
+            models.galli_cnn(),
+            torch.rand(B, 1, 28, 28, generator=g),
+            torch.randint(0, 10, (B,), generator=g),
+            "cross_entropy",
+        )
     if name == "galli_autoencoder":
         x = torch.rand(B, 1, 28, 28, generator=g)
         return models.galli_autoencoder(), x, x, "mse"
     if name == "galli_bow_fc":
-        return models.galli_bow_fc(input_dim=40), torch.randn(B, 40, generator=g), torch.randint(0, 4, (B,), generator=g), "cross_entropy"
+        return (
+            models.galli_bow_fc(input_dim=40),
+            torch.randn(B, 40, generator=g),
+            torch.randint(0, 4, (B,), generator=g),
+            "cross_entropy",
+        )
     if name == "mlp":
         return models.mlp(), torch.rand(B, 784, generator=g), torch.randint(0, 10, (B,), generator=g), "cross_entropy"
     if name == "seq":
@@ -85,11 +95,21 @@ def case(name: str, g: torch.Generator) -> tuple[nn.Module, torch.Tensor, torch.
         x[:, 1] = x[:, 2]
         return SeqModel(), x, torch.randint(0, 3, (B,), generator=g), "cross_entropy"
     if name == "geometry":
-        return GeometryCNN(), torch.randn(B, 2, 10, 10, generator=g), torch.randint(0, 4, (B,), generator=g), "cross_entropy"
+        return (
+            GeometryCNN(),
+            torch.randn(B, 2, 10, 10, generator=g),
+            torch.randint(0, 4, (B,), generator=g),
+            "cross_entropy",
+        )
     if name == "frozen":
         return _frozen_mlp(), torch.randn(B, 7, generator=g), torch.randint(0, 3, (B,), generator=g), "cross_entropy"
     if name == "bce":
-        return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1)), torch.randn(B, 5, generator=g), torch.randint(0, 2, (B,), generator=g), "bce"
+        return (
+            nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1)),
+            torch.randn(B, 5, generator=g),
+            torch.randint(0, 2, (B,), generator=g),
+            "bce",
+        )
     raise ValueError(name)
 
 
@@ -137,8 +157,14 @@ def test_unstored_and_gram_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ghost, "UNFOLD_CHUNK_BYTES", 1)  # one example per chunk
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 16, 3), nn.ReLU(), nn.ConvTranspose2d(16, 8, 3, stride=2), nn.Flatten(2),
-        nn.Linear(81, 20), nn.Tanh(), nn.Flatten(), nn.Linear(8 * 20, 3),
+        nn.Conv2d(3, 16, 3),
+        nn.ReLU(),
+        nn.ConvTranspose2d(16, 8, 3, stride=2),
+        nn.Flatten(2),
+        nn.Linear(81, 20),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(8 * 20, 3),
     )
     x, y = torch.randn(5, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
     model = model.double()
@@ -221,8 +247,9 @@ def test_paper_cnn_trains_identically_on_both_paths() -> None:
     x = torch.rand(24, 1, 28, 28, generator=g)
     y = torch.randint(0, 10, (24,), generator=g)
     for strategy, kw in (("dpsgd", {"lr": 0.1, "clip": 0.5}), ("oso", {"lr": 0.1, "initial_clip": 0.3})):
-        a, b = _train_both(strategy, models.galli_cnn, (x, y), steps=2, expected_batch_size=8,
-                           noise_multiplier=1.0, **kw)
+        a, b = _train_both(
+            strategy, models.galli_cnn, (x, y), steps=2, expected_batch_size=8, noise_multiplier=1.0, **kw
+        )
         for k in a.final_params:
             torch.testing.assert_close(b.final_params[k], a.final_params[k], rtol=1e-5, atol=1e-6)
 

@@ -115,7 +115,13 @@ def test_ledger_epsilon_is_that_of_its_composed_event() -> None:
 def test_round_trip_through_json_keeps_entries_and_plan() -> None:
     planned = dp_event.SelfComposedDpEvent(step_event(1.1, 0.01), 10)
     led = Ledger.with_plan(planned)
-    led.record(step_event(1.1, 0.01), "oso/gradient+q", count=4, components=(("gradient", 1.11, 0.5), ("q", 7.8, 1.0)), run="r1")
+    led.record(
+        step_event(1.1, 0.01),
+        "oso/gradient+q",
+        count=4,
+        components=(("gradient", 1.11, 0.5), ("q", 7.8, 1.0)),
+        run="r1",
+    )
     back = Ledger.from_dict(json.loads(led.to_json()))
     assert [e.to_dict() for e in back.entries] == [e.to_dict() for e in led.entries]
     assert back.planned_event == planned
@@ -128,7 +134,9 @@ def test_round_trip_through_json_keeps_entries_and_plan() -> None:
     "event",
     [
         dp_event.GaussianDpEvent(1.5),
-        dp_event.ComposedDpEvent([step_event(1.0, 0.1), dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(2.0), 3)]),
+        dp_event.ComposedDpEvent(
+            [step_event(1.0, 0.1), dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(2.0), 3)]
+        ),
         dp_event.NonPrivateDpEvent(),
     ],
 )

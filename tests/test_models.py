@@ -82,9 +82,7 @@ def test_mlp_and_registry() -> None:
         "mlp",
     }
     assert models.count_params(models.build("galli_cnn")) == 551_322
-    assert (
-        models.count_params(models.build("mlp", hidden=(32,), input_dim=64)) == 64 * 32 + 32 + 330
-    )
+    assert models.count_params(models.build("mlp", hidden=(32,), input_dim=64)) == 64 * 32 + 32 + 330
     with pytest.raises(ConfigError, match="available"):
         models.build("resnet18")
     with pytest.raises(ConfigError):
@@ -105,9 +103,7 @@ def test_mlp_and_registry() -> None:
         ("mlp", {}, (1, 28, 28)),
     ],
 )
-def test_no_batchnorm_and_per_sample_grads(
-    name: str, kwargs: dict[str, object], shape: tuple[int, ...]
-) -> None:
+def test_no_batchnorm_and_per_sample_grads(name: str, kwargs: dict[str, object], shape: tuple[int, ...]) -> None:
     """Every model works with vmap(grad) per-example gradients (what DP-SGD needs)."""
     torch.manual_seed(0)
     m = models.build(name, **kwargs)

@@ -36,11 +36,7 @@ class Pairs(Dataset):
         return len(self.y)
 
     def __getitem__(self, i: int):
-        x = (
-            {"dense": self.dense[i], "ids": self.ids[i]}
-            if self.as_dict
-            else (self.dense[i], self.ids[i])
-        )
+        x = {"dense": self.dense[i], "ids": self.ids[i]} if self.as_dict else (self.dense[i], self.ids[i])
         return x, self.y[i]
 
 
@@ -70,24 +66,16 @@ def test_tuple_dict_and_dataset_inputs_give_the_same_run(method: str) -> None:
     dense, ids, y = _data()
     runs = {
         "tuple": dptune.train(_model(), ((dense, ids), y), "dpsgd", grad_method=method, **KW),
-        "dict": dptune.train(
-            _model(), ({"dense": dense, "ids": ids}, y), "dpsgd", grad_method=method, **KW
-        ),
-        "dataset-tuple": dptune.train(
-            _model(), Pairs(dense, ids, y, False), "dpsgd", grad_method=method, **KW
-        ),
-        "dataset-dict": dptune.train(
-            _model(), Pairs(dense, ids, y, True), "dpsgd", grad_method=method, **KW
-        ),
+        "dict": dptune.train(_model(), ({"dense": dense, "ids": ids}, y), "dpsgd", grad_method=method, **KW),
+        "dataset-tuple": dptune.train(_model(), Pairs(dense, ids, y, False), "dpsgd", grad_method=method, **KW),
+        "dataset-dict": dptune.train(_model(), Pairs(dense, ids, y, True), "dpsgd", grad_method=method, **KW),
     }
     ref = runs.pop("tuple")
     assert ref.ledger.releases == 15
     for name, r in runs.items():
         for k, v in ref.final_params.items():
             assert torch.equal(r.final_params[k], v), (name, k)
-    moved = any(
-        not torch.equal(ref.final_params[k], p.detach()) for k, p in _model().named_parameters()
-    )
+    moved = any(not torch.equal(ref.final_params[k], p.detach()) for k, p in _model().named_parameters())
     assert moved
 
 
@@ -107,9 +95,7 @@ def test_several_inputs_with_evaluation_train_many_and_make_private() -> None:
     x = {"dense": dense, "ids": ids}
     r = dptune.train(_model(), (x, y), "dpsgd", eval_data=(x, y), eval_every=5, **KW)
     assert r.best_metric is not None and 0.0 <= r.best_metric <= 1.0
-    with pytest.warns(
-        RuntimeWarning, match="sequentially"
-    ):  # a two-input module is not a stackable Sequential
+    with pytest.warns(RuntimeWarning, match="sequentially"):  # a two-input module is not a stackable Sequential
         many = train_many(
             lambda s: _model(),
             (x, y),

@@ -89,8 +89,16 @@ def test_dpadam_noise_and_first_update() -> None:
     clip, lr, eps = 0.5, 1e-3, 1e-8
     model, x, y = zero_grad_problem()
     gate = gateway(Q)
-    out = run_strategy_steps(make_strategy("dpadam", lr=lr, clip=clip), model, x, y, steps=1, release=gate,
-                             noise_multiplier=NU, expected_batch_size=L)
+    out = run_strategy_steps(
+        make_strategy("dpadam", lr=lr, clip=clip),
+        model,
+        x,
+        y,
+        steps=1,
+        release=gate,
+        noise_multiplier=NU,
+        expected_batch_size=L,
+    )
     assert_gaussian_std(first_gradient_noise(gate), NU * clip, "dpadam gradient")
     g = flat(gate.calls[0].outputs[0]) / L
     # First Adam step with bias correction: m̂ = g̃, v̂ = g̃² ⇒ Δθ = −lr·g̃/(|g̃| + ε).
@@ -102,8 +110,16 @@ def test_adamwosm_noise_and_effective_step_size() -> None:
     clip, alpha = 0.5, 1e-3
     model, x, y = zero_grad_problem()
     gate = gateway(Q)
-    out = run_strategy_steps(make_strategy("adamwosm", clip=clip, alpha=alpha), model, x, y, steps=1, release=gate,
-                             noise_multiplier=NU, expected_batch_size=L)
+    out = run_strategy_steps(
+        make_strategy("adamwosm", clip=clip, alpha=alpha),
+        model,
+        x,
+        y,
+        steps=1,
+        release=gate,
+        noise_multiplier=NU,
+        expected_batch_size=L,
+    )
     assert_gaussian_std(first_gradient_noise(gate), NU * clip, "adamwosm gradient")
     ess = alpha / (NU * clip / L + 1e-8)
     g = flat(gate.calls[0].outputs[0]) / L
@@ -114,8 +130,16 @@ def test_adadp_noise_on_both_half_steps() -> None:
     clip, lr = 0.8, 0.05
     model, x, y = zero_grad_problem()
     gate = gateway(Q)
-    out = run_strategy_steps(make_strategy("adadp", lr=lr, clip=clip, reject=False), model, x, y, steps=2,
-                             release=gate, noise_multiplier=NU, expected_batch_size=L)
+    out = run_strategy_steps(
+        make_strategy("adadp", lr=lr, clip=clip, reject=False),
+        model,
+        x,
+        y,
+        steps=2,
+        release=gate,
+        noise_multiplier=NU,
+        expected_batch_size=L,
+    )
     assert len(gate.calls) == 2  # one release per half step
     assert_gaussian_std(torch.cat([first_gradient_noise(gate, t) for t in range(2)]), NU * clip, "adadp gradient")
     theta0 = flat(dict(model.named_parameters()))
@@ -151,8 +175,16 @@ def test_oso_gradient_and_q_noise() -> None:
     c0 = 0.1
     model, x, y = zero_grad_problem()
     gate = gateway(Q)
-    run_strategy_steps(make_strategy("oso", initial_clip=c0), model, x, y, steps=1, release=gate,
-                       noise_multiplier=NU, expected_batch_size=L)
+    run_strategy_steps(
+        make_strategy("oso", initial_clip=c0),
+        model,
+        x,
+        y,
+        steps=1,
+        release=gate,
+        noise_multiplier=NU,
+        expected_batch_size=L,
+    )
     nu_q = NU / math.sqrt(1 - 1.01**-2)  # the 1% rule, ≈ 7.124ν
     nu_g = joint_split(NU, nu_q)
     assert nu_g == pytest.approx(1.01 * NU)
@@ -165,8 +197,16 @@ def test_oso_gradient_and_q_noise() -> None:
 def test_oso_explicit_q_noise_multiplier() -> None:
     model, x, y = zero_grad_problem()
     gate = gateway(Q)
-    run_strategy_steps(make_strategy("oso", q_noise_multiplier=20.0, initial_clip=0.3), model, x, y, steps=1,
-                       release=gate, noise_multiplier=NU, expected_batch_size=L)
+    run_strategy_steps(
+        make_strategy("oso", q_noise_multiplier=20.0, initial_clip=0.3),
+        model,
+        x,
+        y,
+        steps=1,
+        release=gate,
+        noise_multiplier=NU,
+        expected_batch_size=L,
+    )
     assert_gaussian_std(gate.noise_of(0, 1), 20.0, "oso q-query")
     assert_gaussian_std(gate.noise_of(0, 0), joint_split(NU, 20.0) * 0.3, "oso gradient")
 
@@ -184,8 +224,19 @@ def test_noise_through_train_matches_and_is_what_moves_the_parameters(monkeypatc
     model, x, y = zero_grad_problem(20, 10, 100)
     theta0 = flat(dict(model.named_parameters()))
     lr, clip, nu, steps = 0.3, 2.0, 0.9, 10
-    res = train(model, (x, y), "dpsgd", steps=steps, expected_batch_size=25, noise_multiplier=nu, lr=lr, clip=clip, momentum=0.0,
-                device="cpu", seed=5)
+    res = train(
+        model,
+        (x, y),
+        "dpsgd",
+        steps=steps,
+        expected_batch_size=25,
+        noise_multiplier=nu,
+        lr=lr,
+        clip=clip,
+        momentum=0.0,
+        device="cpu",
+        seed=5,
+    )
     (gate,) = gates
     assert len(gate.calls) == steps
     noise = torch.cat([gate.noise_of(t, 0) for t in range(steps)])
@@ -228,4 +279,3 @@ def test_privacy_noise_is_only_drawn_in_mechanisms() -> None:
     assert not offenders, "Gaussian noise drawn outside mechanisms.py:\n" + "\n".join(offenders)
     # And the gateway really is where it happens.
     assert "def _normal_pairs_np" in (root / "mechanisms.py").read_text()  # Box–Muller on integer bits
-

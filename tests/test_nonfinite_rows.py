@@ -72,8 +72,9 @@ def test_training_with_a_nan_example_stays_finite(strategy):
     y = (x[:, 0] > 0).long()
     x[17, 3] = math.nan  # one corrupt record in the private data
     hp = {"count_noise_std": 1.0} if strategy == "quantile" else {}
-    res = train(_model(), (x, y), strategy, steps=30, expected_batch_size=50, noise_multiplier=0.8, seed=0,
-                device="cpu", **hp)
+    res = train(
+        _model(), (x, y), strategy, steps=30, expected_batch_size=50, noise_multiplier=0.8, seed=0, device="cpu", **hp
+    )
     assert not res.diverged
     assert all(bool(torch.isfinite(v).all()) for v in res.final_params.values())
     assert res.ledger.matches(res.plan.event())
@@ -86,8 +87,17 @@ def test_vectorised_trials_leave_the_row_out_too():
     x = torch.randn(120, 6, generator=g)
     y = (x[:, 1] > 0).long()
     x[5, 0] = math.inf
-    res = train_many(lambda s: _model(), (x, y), "dpsgd", [{"lr": 0.5, "clip": 1.0}] * 2, seeds=[0, 1],
-                     noise_multiplier=1.0, steps=20, expected_batch_size=40, fallback="error")
+    res = train_many(
+        lambda s: _model(),
+        (x, y),
+        "dpsgd",
+        [{"lr": 0.5, "clip": 1.0}] * 2,
+        seeds=[0, 1],
+        noise_multiplier=1.0,
+        steps=20,
+        expected_batch_size=40,
+        fallback="error",
+    )
     for r in res:
         assert not r.diverged and all(bool(torch.isfinite(v).all()) for v in r.final_params.values())
 

@@ -62,11 +62,7 @@ def test_reproduce_list_is_a_table_that_fits_100_columns() -> None:
 
     res = CliRunner().invoke(app, ["reproduce", "list"])
     assert res.exit_code == 0, res.output
-    assert (
-        "Traceback" not in res.output
-        and "{'name'" not in res.output
-        and "'estimates'" not in res.output
-    )
+    assert "Traceback" not in res.output and "{'name'" not in res.output and "'estimates'" not in res.output
     assert max(cell_len(ln) for ln in _lines(res.output)) <= 100
     flat = " ".join(res.output.split())
     for p in list_presets():
@@ -119,10 +115,7 @@ def test_train_json_and_table_record_model_accountant_version_split_and_mode(
     rel = json.loads(text)
     expected_model = models.default_model_name(dpdata.load("digits", seed=987654))
     assert rel["model"] == expected_model != "auto"
-    assert (
-        rel["accountant"] in ("pld", "rdp", "gdp")
-        and rel["ledger_totals"]["accountant"] == rel["accountant"]
-    )
+    assert rel["accountant"] in ("pld", "rdp", "gdp") and rel["ledger_totals"]["accountant"] == rel["accountant"]
     assert rel["dptune_version"] == dptune.__version__
     assert rel["selection_split"] == "test" and rel["randomness"] == "seeded"
     # The seed is a secret key in seeded mode: not in the release, recorded in the diagnostics.
@@ -159,9 +152,7 @@ def _study() -> Study:
         budget=BudgetSpec(epsilon=(2.0, 4.0), delta=1e-5, accountant="rdp"),
         method=MethodSpec("grid"),
         # Much noise on the scores of a 36-example holdout: noisy accuracies leave [0, 1].
-        selection=SelectionSpec(
-            mode="private", split="holdout", eval_every=6, noise_multiplier=20.0
-        ),
+        selection=SelectionSpec(mode="private", split="holdout", eval_every=6, noise_multiplier=20.0),
         seeds=(0,),
         name="outputs",
     )
@@ -212,9 +203,7 @@ def test_results_all_holds_every_configuration_in_the_diagnostics(study: dict[st
             "clip=1, lr=0.3",
             "clip=1, lr=1",
         }
-    assert (
-        len(read_csv_rows(sdir / "release" / "results_best.csv")) == 5
-    )  # the release: selected only
+    assert len(read_csv_rows(sdir / "release" / "results_best.csv")) == 5  # the release: selected only
     assert "results_all" not in {p.stem for p in (sdir / "release").rglob("*.csv")}
 
 
@@ -232,9 +221,7 @@ def test_ledger_csv_has_each_runs_planned_epsilon(study: dict[str, Any]) -> None
 
 def test_ledger_figure_marks_the_planned_epsilon_of_each_procedure(study: dict[str, Any]) -> None:
     table = study_table(study["dir"])
-    planned = sorted(
-        {round(r["planned_epsilon"], 3) for r in table if math.isfinite(r["planned_epsilon"])}
-    )
+    planned = sorted({round(r["planned_epsilon"], 3) for r in table if math.isfinite(r["planned_epsilon"])})
     assert planned == [2.0, 4.0]
     drawn = [x for x, label in study["vlines"] if "planned" in label]
     for e in planned:
@@ -246,19 +233,14 @@ def test_ledger_figure_draws_non_private_runs_and_many_runs_without_warnings(
     tmp_path: Path,
 ) -> None:
     rows = [
-        {"run": f"r{i}", "label": "dpsgd/gradient", "releases": 10, "epsilon": 0.5 + 0.01 * i}
-        for i in range(45)
+        {"run": f"r{i}", "label": "dpsgd/gradient", "releases": 10, "epsilon": 0.5 + 0.01 * i} for i in range(45)
     ] + [{"run": "nodp", "label": "nodp/gradient", "releases": 10, "epsilon": math.inf}]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        F.ledger(
-            rows[-5:], tmp_path / "bars.png"
-        )  # ε = ∞ as a bar was NaN in matplotlib's transforms
+        F.ledger(rows[-5:], tmp_path / "bars.png")  # ε = ∞ as a bar was NaN in matplotlib's transforms
         F.ledger(rows, tmp_path / "hist.png")  # a histogram and no planned ε: no legend to draw
         F.ledger(rows, tmp_path / "hist_planned.png", planned_epsilon=[(1.0, "a"), (2.0, "b")])
-    assert all(
-        (tmp_path / f).stat().st_size > 5_000 for f in ("bars.png", "hist.png", "hist_planned.png")
-    )
+    assert all((tmp_path / f).stat().st_size > 5_000 for f in ("bars.png", "hist.png", "hist_planned.png"))
 
 
 def test_demo_report_writes_runs_csv(study: dict[str, Any]) -> None:
@@ -282,9 +264,7 @@ def test_noisy_selection_scores_are_shown_clipped_and_stored_raw(study: dict[str
     for v in raw:
         if v > 1:
             assert f"{v:.4g}" not in page
-            stored = [
-                float(r["value_mean"]) for r in read_csv_rows(sdir / "release" / "results.csv")
-            ]
+            stored = [float(r["value_mean"]) for r in read_csv_rows(sdir / "release" / "results.csv")]
             assert any(s == pytest.approx(v) for s in stored)  # raw in the stored data
     assert "clipped" in page
 
@@ -292,11 +272,7 @@ def test_noisy_selection_scores_are_shown_clipped_and_stored_raw(study: dict[str
 def test_clip_to_range() -> None:
     assert clip_to_range(1.08, "accuracy") == 1.0 and clip_to_range(-0.1, "accuracy") == 0.0
     assert clip_to_range(0.7, "accuracy") == 0.7
-    assert (
-        clip_to_range(-0.2, "mse") == 0.0
-        and clip_to_range(5.0, "mse") == 5.0
-        and clip_to_range(-1, "loss") == 0
-    )
+    assert clip_to_range(-0.2, "mse") == 0.0 and clip_to_range(5.0, "mse") == 5.0 and clip_to_range(-1, "loss") == 0
     assert clip_to_range(1.5, "my_metric") == 1.5 and clip_to_range(None, "accuracy") is None
 
 
@@ -328,14 +304,10 @@ def test_trajectory_figure_tells_epsilons_apart(study: dict[str, Any], tmp_path:
 
 
 # ----------------------------------------------------------------------------- dptune status
-def test_status_shows_the_time_left_from_finished_runs(
-    study: dict[str, Any], tmp_path: Path
-) -> None:
+def test_status_shows_the_time_left_from_finished_runs(study: dict[str, Any], tmp_path: Path) -> None:
     assert study_status(study["dir"])["eta"] == "no run left"
     sdir = tmp_path / "unfinished"
-    shutil.copytree(
-        study["dir"], sdir, ignore=shutil.ignore_patterns("release", "diagnostics", "checkpoints")
-    )
+    shutil.copytree(study["dir"], sdir, ignore=shutil.ignore_patterns("release", "diagnostics", "checkpoints"))
     with sqlite3.connect(sdir / "study.sqlite") as con:
         ids = [r for (r,) in con.execute("SELECT run_id FROM runs ORDER BY position")]
         con.executemany(
@@ -369,9 +341,7 @@ def _collect(ex: E.Executor, n: int, seconds: float) -> tuple[list[list[str]], i
         running.update(ids)
         peak = max(peak, len(running))
 
-    for rid, _, err in ex.run(
-        time.sleep, [(f"r{i}", (seconds,)) for i in range(n)], on_start=on_start
-    ):
+    for rid, _, err in ex.run(time.sleep, [(f"r{i}", (seconds,)) for i in range(n)], on_start=on_start):
         assert err is None and rid in running  # started (store: 'running') before its outcome
         running.discard(rid)
         done.append(rid)

@@ -46,8 +46,21 @@ def _model() -> nn.Module:
 
 
 def _run(data, eval_data=None, batch: float = 20.0, steps: int = 25, **kw) -> dptune.TrainResult:
-    return dptune.train(_model(), data, "dpsgd", steps=steps, expected_batch_size=batch, noise_multiplier=1.0,
-                        lr=0.5, clip=1.0, seed=3, device="cpu", eval_data=eval_data, eval_every=5, **kw)
+    return dptune.train(
+        _model(),
+        data,
+        "dpsgd",
+        steps=steps,
+        expected_batch_size=batch,
+        noise_multiplier=1.0,
+        lr=0.5,
+        clip=1.0,
+        seed=3,
+        device="cpu",
+        eval_data=eval_data,
+        eval_every=5,
+        **kw,
+    )
 
 
 def _same(a: dptune.TrainResult, b: dptune.TrainResult) -> None:
@@ -130,12 +143,16 @@ def test_user_loss_with_a_reduced_output_is_a_clear_error():
 def test_user_metric_public_evaluation_and_direction():
     x, y = _data()
     acc = _run((x, y), eval_data=(x, y))
-    mine = _run((x, y), eval_data=ByIndex(x, y),
-                metric=Metric(lambda out, t: (out.argmax(1) == t).double(), name="my_accuracy"))
+    mine = _run(
+        (x, y), eval_data=ByIndex(x, y), metric=Metric(lambda out, t: (out.argmax(1) == t).double(), name="my_accuracy")
+    )
     assert mine.metric == "my_accuracy"
     assert [e["my_accuracy"] for e in mine.evals] == pytest.approx([e["accuracy"] for e in acc.evals])
-    err = _run((x, y), eval_data=(x, y),
-               metric=Metric(lambda out, t: (out.argmax(1) != t).double(), higher_is_better=False, name="error"))
+    err = _run(
+        (x, y),
+        eval_data=(x, y),
+        metric=Metric(lambda out, t: (out.argmax(1) != t).double(), higher_is_better=False, name="error"),
+    )
     assert err.best_metric == pytest.approx(1 - acc.best_metric)  # lower is better: the best is the minimum
     assert err.best_step == acc.best_step
 
@@ -188,8 +205,23 @@ def test_a_dict_is_not_a_dataset_and_train_many_needs_a_loss_name() -> None:
     x = torch.randn(40, 4)
     y = (x[:, 0] > 0).long()
     with pytest.raises(ConfigError, match="map-style dataset"):
-        dptune.train(torch.nn.Linear(4, 2), {"x": x, "y": y}, "dpsgd", epochs=1, expected_batch_size=8,
-                     noise_multiplier=1.0, lr=0.1)
+        dptune.train(
+            torch.nn.Linear(4, 2),
+            {"x": x, "y": y},
+            "dpsgd",
+            epochs=1,
+            expected_batch_size=8,
+            noise_multiplier=1.0,
+            lr=0.1,
+        )
     with pytest.raises(ConfigError, match="built-in loss name"):
-        train_many(lambda s: torch.nn.Linear(4, 2), (x, y), "dpsgd", configs=[{"lr": 0.1}] * 2,
-                   noise_multiplier=1.0, epochs=1, expected_batch_size=8, loss=lambda o, t: (o - t).sum(1))
+        train_many(
+            lambda s: torch.nn.Linear(4, 2),
+            (x, y),
+            "dpsgd",
+            configs=[{"lr": 0.1}] * 2,
+            noise_multiplier=1.0,
+            epochs=1,
+            expected_batch_size=8,
+            loss=lambda o, t: (o - t).sum(1),
+        )

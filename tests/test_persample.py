@@ -30,8 +30,16 @@ def naive_per_sample(model: nn.Module, loss: str, x: torch.Tensor, y: torch.Tens
 
 
 CASES = {
-    "cnn": (lambda: SmallCNN(side=12), lambda g: (torch.randn(9, 1, 12, 12, generator=g), torch.randint(0, 10, (9,), generator=g)), "cross_entropy"),
-    "mlp": (lambda: mlp(20, 16, 5), lambda g: (torch.randn(9, 20, generator=g), torch.randint(0, 5, (9,), generator=g)), "cross_entropy"),
+    "cnn": (
+        lambda: SmallCNN(side=12),
+        lambda g: (torch.randn(9, 1, 12, 12, generator=g), torch.randint(0, 10, (9,), generator=g)),
+        "cross_entropy",
+    ),
+    "mlp": (
+        lambda: mlp(20, 16, 5),
+        lambda g: (torch.randn(9, 20, generator=g), torch.randint(0, 5, (9,), generator=g)),
+        "cross_entropy",
+    ),
     "conv_autoencoder": (ConvAutoencoder, lambda g: (torch.rand(9, 1, 8, 8, generator=g),) * 2, "mse"),
 }
 

@@ -92,9 +92,17 @@ def test_unknown_preset_scale_and_options_fail_early(tmp_path):
 
 def test_registry_lists_every_paper_experiment():
     names = [p["name"] for p in list_presets()]
-    assert names == ["galli-mnist", "galli-fmnist-ae", "galli-agnews", "mohapatra-mnist", "mohapatra-adult",
-                     "mohapatra-enron", "mohapatra-lt-vs-ma", "panda-linear-scaling-mnist",
-                     "panda-linear-scaling-text"]
+    assert names == [
+        "galli-mnist",
+        "galli-fmnist-ae",
+        "galli-agnews",
+        "mohapatra-mnist",
+        "mohapatra-adult",
+        "mohapatra-enron",
+        "mohapatra-lt-vs-ma",
+        "panda-linear-scaling-mnist",
+        "panda-linear-scaling-text",
+    ]
     for p in list_presets():
         assert set(p["estimates"]) == set(p["scales"]) >= {"smoke", "small", "paper"}, p["name"]
 
@@ -262,12 +270,17 @@ def test_panda_paper_scale_leaves_the_final_run_its_epsilon(name, data_env):
 # CPU seconds per example-gradient (one torch thread), measured by executing one planned run of
 # each small study (docs/reproduce.md, "Time estimates"); evaluation and overheads included.
 SECONDS_PER_EXAMPLE = {
-    ("galli_cnn", "mnist"): 2.1e-3, ("galli_autoencoder", "fashion_mnist"): 5.8e-3,
+    ("galli_cnn", "mnist"): 2.1e-3,
+    ("galli_autoencoder", "fashion_mnist"): 5.8e-3,
     ("galli_bow_fc", "ag_news"): 3.0e-5,
-    ("logistic_regression", "mnist"): 9e-6, ("logistic_regression", "adult"): 6.5e-6,
-    ("logistic_regression", "enron_spam"): 1.5e-5, ("two_layer_nn", "mnist"): 1.9e-5,
-    ("two_layer_nn", "adult"): 1.3e-5, ("two_layer_nn", "enron_spam"): 7.4e-5,
-    ("linear_probe", "ag_news"): 2.1e-6, ("linear_probe", "enron_spam"): 2.1e-6,
+    ("logistic_regression", "mnist"): 9e-6,
+    ("logistic_regression", "adult"): 6.5e-6,
+    ("logistic_regression", "enron_spam"): 1.5e-5,
+    ("two_layer_nn", "mnist"): 1.9e-5,
+    ("two_layer_nn", "adult"): 1.3e-5,
+    ("two_layer_nn", "enron_spam"): 7.4e-5,
+    ("linear_probe", "ag_news"): 2.1e-6,
+    ("linear_probe", "enron_spam"): 2.1e-6,
 }
 
 
@@ -400,8 +413,18 @@ PAPER_SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("name", ["galli-mnist", "galli-fmnist-ae", "galli-agnews", "mohapatra-mnist",
-                                  "mohapatra-adult", "mohapatra-enron", "panda-linear-scaling-mnist"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "galli-mnist",
+        "galli-fmnist-ae",
+        "galli-agnews",
+        "mohapatra-mnist",
+        "mohapatra-adult",
+        "mohapatra-enron",
+        "panda-linear-scaling-mnist",
+    ],
+)
 def test_paper_presets_keep_the_papers_settings_not_dptunes_defaults(name: str) -> None:
     """Every arm of a paper preset pins the settings the paper states; none falls back on a
     data-free default (lr, α or an OSO rate left as None)."""
@@ -412,8 +435,11 @@ def test_paper_presets_keep_the_papers_settings_not_dptunes_defaults(name: str) 
     checked = 0
     for study in preset_studies(name, "smoke").values():
         for arm in study.strategies:
-            first = {k: (v[0] if isinstance(v, list | tuple) else next(iter(v.values()))[0])
-                     for k, v in arm.space.items() if k not in ("steps", "epochs", "expected_batch_size")}
+            first = {
+                k: (v[0] if isinstance(v, list | tuple) else next(iter(v.values()))[0])
+                for k, v in arm.space.items()
+                if k not in ("steps", "epochs", "expected_batch_size")
+            }
             fixed = {k: v for k, v in arm.fixed.items() if k not in ("steps", "epochs", "expected_batch_size")}
             config = make_strategy(arm.name, **first, **fixed).config()
             unset = [k for k in ("lr", "alpha", "clip_lr", "lr_lr") if k in config and config[k] is None]
@@ -457,8 +483,9 @@ def test_gpu_slice_cpu_smoke_prints_ours_beside_the_paper(data_env, tmp_path):
     """The whole slice (65 runs) on the CPU, shortened to 1 step on 600 images: the pipeline and
     the comparison with appendix Table 11 work; the numbers are labelled not comparable."""
     console = _console()
-    out = reproduce("galli-mnist", "gpu-slice", tmp_path / "s", device="cpu", steps=1, limit=600, progress=False,
-                    console=console)
+    out = reproduce(
+        "galli-mnist", "gpu-slice", tmp_path / "s", device="cpu", steps=1, limit=600, progress=False, console=console
+    )
     status = study_status(out / "study")
     assert status["total"] == 65 and status["complete"]
     printed = console.file.getvalue()

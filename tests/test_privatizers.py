@@ -77,9 +77,7 @@ def test_every_privatizer_composes_with_every_update_rule(privatizer, update) ->
         assert len(set(clips)) > 1
     # Independent reference: dp_accounting's RDP accountant on the textbook DP-SGD event.
     ref = rdp.RdpAccountant().compose(
-        dp_event.SelfComposedDpEvent(
-            dp_event.PoissonSampledDpEvent(40 / 120, dp_event.GaussianDpEvent(1.5)), 6
-        )
+        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(40 / 120, dp_event.GaussianDpEvent(1.5)), 6)
     )
     assert r.epsilon(1e-5) == pytest.approx(ref.get_epsilon(1e-5), rel=1e-9)
 
@@ -130,13 +128,8 @@ def test_composition_by_name_routes_each_hyperparameter_to_its_part() -> None:
     s = make_strategy("oso+oso_rate", lr=0.3, initial_clip=0.7, rule="additive", lr_lr=0.01)
     assert s.privatizer == OSOClip(initial_clip=0.7, rule="additive")
     assert s.update_rule == OSORate(lr=0.3, lr_lr=0.01, rule="additive")
-    assert (
-        make_strategy("quantile+adam", target_quantile=0.7, lr=0.01).privatizer.target_quantile
-        == 0.7
-    )
-    rebuilt = make_strategy(
-        s.config()["strategy"], **{k: v for k, v in s.config().items() if k != "strategy"}
-    )
+    assert make_strategy("quantile+adam", target_quantile=0.7, lr=0.01).privatizer.target_quantile == 0.7
+    rebuilt = make_strategy(s.config()["strategy"], **{k: v for k, v in s.config().items() if k != "strategy"})
     assert rebuilt == s  # config() is flat and rebuilds the same strategy
     assert strategy_signature("none+adam")[2] is False and not make_strategy("none+adam").private
     with pytest.raises(ConfigError, match="no hyperparameter"):
@@ -167,9 +160,7 @@ def test_a_study_runs_a_composition_arm_end_to_end(tmp_path: Path) -> None:
             name="composed",
         )
 
-    out = run_study(
-        study(StrategyArm("OSO+Adam", space={"lr": [0.01, 0.1]})), tmp_path / "s", progress=False
-    )
+    out = run_study(study(StrategyArm("OSO+Adam", space={"lr": [0.01, 0.1]})), tmp_path / "s", progress=False)
     assert out.complete and out.ledger_matches_plan and out.counts == {"done": 2}
     with pytest.raises(ConfigError, match="no hyperparameter 'momentum'"):
         run_study(
@@ -183,11 +174,7 @@ def test_a_study_runs_a_composition_arm_end_to_end(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- the boundary
 def _calls_and_imports(path: Path) -> tuple[set[str], set[str]]:
     tree = ast.parse(path.read_text())
-    calls = {
-        n.func.attr
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-    }
+    calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     return calls, names
 
@@ -204,10 +191,9 @@ def test_only_privatizers_read_per_sample_gradients_or_release() -> None:
             "materialize",
             "loss_and_grad",
         }, path
-        assert (
-            not names & {"PerSampleGrads", "GradientOracle", "SumQuery", "NoisyRelease"}
-            or path.name == "loop.py"
-        ), path
+        assert not names & {"PerSampleGrads", "GradientOracle", "SumQuery", "NoisyRelease"} or path.name == "loop.py", (
+            path
+        )
     calls, names = _calls_and_imports(SRC / "updates.py")
     assert "StepContext" not in names  # update rules never see the batch
     calls, _ = _calls_and_imports(SRC / "privatizers.py")
@@ -316,9 +302,7 @@ def test_make_private_enforces_the_plan_and_the_batches() -> None:
         dptune.make_private(model, (x, y), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
                             steps=3, expected_batch_size=30, noise_multiplier=1.0)  # fmt: skip
     with pytest.raises(ConfigError, match="optimizer must be"):
-        dptune.make_private(
-            model, (x, y), "adam", steps=3, expected_batch_size=30, noise_multiplier=1.0
-        )
+        dptune.make_private(model, (x, y), "adam", steps=3, expected_batch_size=30, noise_multiplier=1.0)
 
 
 def test_an_exact_gradient_mixed_into_the_released_one_is_refused() -> None:
@@ -367,9 +351,7 @@ def test_frozen_layers_and_a_rejecting_adadp_in_your_loop() -> None:
     ref_model, mine = _problem()[0], _problem()[0]
     ref = dptune.train(ref_model, (x, y), "adadp", lr=0.5, tolerance=1e-9, **kw)
     assert ref.history[1]["accepted"] == 0.0  # the tiny tolerance rejects every pair
-    private = dptune.make_private(
-        mine, (x, y), ADADP(0.5, tolerance=1e-9), privatizer=FixedClip(1.0), **kw
-    )
+    private = dptune.make_private(mine, (x, y), ADADP(0.5, tolerance=1e-9), privatizer=FixedClip(1.0), **kw)
     rows = [private.step(xb, yb) for xb, yb in private.batches()]
     assert rows[1]["accepted"] == 0.0 and "adadp_error" in rows[1]  # the update's metrics are kept
     for k, p in mine.named_parameters():
@@ -407,9 +389,7 @@ def test_make_private_stopped_early_spends_what_it_executed_and_saves_a_card(
     back, card = dptune.load_model(out, model=_problem()[0])
     for k, p in model.state_dict().items():
         assert torch.equal(back.state_dict()[k], p)
-    assert card["guarantee"]["epsilon"] == pytest.approx(
-        private.epsilon()
-    )  # what was executed, not planned
+    assert card["guarantee"]["epsilon"] == pytest.approx(private.epsilon())  # what was executed, not planned
     assert card["configuration"]["strategy"]["strategy"] == "oso+external"
     assert card["configuration"]["steps_taken"] == card["checkpoint"]["step"] == 5
 
@@ -421,9 +401,7 @@ def test_nonprivate_privatizer_has_infinite_epsilon() -> None:
     _run_loop(private)
     assert private.epsilon() == math.inf
     with pytest.raises(ConfigError, match="adds no noise"):  # a target it would silently ignore
-        dptune.make_private(
-            model, (x, y), SGD(0.1), privatizer=NonPrivate(), target_epsilon=1.0, **kw
-        )
+        dptune.make_private(model, (x, y), SGD(0.1), privatizer=NonPrivate(), target_epsilon=1.0, **kw)
 
 
 def test_composition_edges_names_clashes_and_pairings() -> None:
@@ -445,9 +423,7 @@ def test_adamwosm_step_size_uses_the_gradient_noise_of_the_privatizer() -> None:
     assert nu_g > nu
     assert r.history[0]["lr"] == pytest.approx(1e-3 / (nu_g * 0.4 / L + 1e-8), rel=1e-12)
     fixed = make_strategy("adamwosm", clip=0.4, alpha=1e-3)
-    r = dptune.train(
-        model, (x, y), fixed, steps=2, expected_batch_size=L, noise_multiplier=nu, device="cpu"
-    )
+    r = dptune.train(model, (x, y), fixed, steps=2, expected_batch_size=L, noise_multiplier=nu, device="cpu")
     assert r.history[0]["lr"] == pytest.approx(1e-3 / (nu * 0.4 / L + 1e-8), rel=1e-12)
 
 

@@ -65,9 +65,7 @@ def test_cli_tune_executor_ray_without_ray_is_one_line_and_no_directory(no_ray, 
     cfg = tmp_path / "study.toml"
     cfg.write_text(STUDY)
     out = tmp_path / "study"
-    res = CliRunner().invoke(
-        app, ["tune", str(cfg), "--out", str(out), "--executor", "ray", "--no-progress"]
-    )
+    res = CliRunner().invoke(app, ["tune", str(cfg), "--out", str(out), "--executor", "ray", "--no-progress"])
     assert res.exit_code == 2, res.output
     assert "pip install 'dptune[ray]'" in res.output
     assert "Traceback" not in res.output
@@ -76,14 +74,10 @@ def test_cli_tune_executor_ray_without_ray_is_one_line_and_no_directory(no_ray, 
 
 def test_ray_is_an_extra_and_ci_installs_it():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert not any(
-        dep.split(">")[0].split("[")[0].strip() == "ray" for dep in project["dependencies"]
-    )
+    assert not any(dep.split(">")[0].split("[")[0].strip() == "ray" for dep in project["dependencies"])
     assert any(dep.startswith("ray") for dep in project["optional-dependencies"]["ray"])
     # CI installs the extra, so the Ray tests (skipped without Ray) run there.
-    assert "ray" in (ROOT / ".ci" / "run").read_text().split("-e '.[", 1)[1].split("]'", 1)[
-        0
-    ].split(",")
+    assert "ray" in (ROOT / ".ci" / "run").read_text().split("-e '.[", 1)[1].split("]'", 1)[0].split(",")
 
 
 @pytest.mark.parametrize("command", ["tune", "resume", "reproduce"])

@@ -60,14 +60,29 @@ def synthetic_trials() -> list[dict]:
             for lr in (0.1, 1.0):
                 for seed in range(3):
                     v = b - 0.3 / eps - (0.02 if lr == 0.1 else 0.0) + rng.normal(0, 0.004)
-                    rows.append({"strategy": s, "epsilon": eps, "value": float(v), "seed": seed,
-                                 "hyperparameters": {"lr": lr, "clip": 0.1}})
+                    rows.append(
+                        {
+                            "strategy": s,
+                            "epsilon": eps,
+                            "value": float(v),
+                            "seed": seed,
+                            "hyperparameters": {"lr": lr, "clip": 0.1},
+                        }
+                    )
     for seed in range(3):
-        rows.append({"strategy": "nodp", "epsilon": math.inf, "value": 0.985 + 0.001 * seed, "seed": seed,
-                     "hyperparameters": {"lr": 0.003162}})
+        rows.append(
+            {
+                "strategy": "nodp",
+                "epsilon": math.inf,
+                "value": 0.985 + 0.001 * seed,
+                "seed": seed,
+                "hyperparameters": {"lr": 0.003162},
+            }
+        )
     # the better lr of quantile at ε=1 loses a seed to divergence: the robust config must win
-    rows.append({"strategy": "quantile", "epsilon": 1.0, "value": None, "seed": 3,
-                 "hyperparameters": {"lr": 1.0, "clip": 0.1}})
+    rows.append(
+        {"strategy": "quantile", "epsilon": 1.0, "value": None, "seed": 3, "hyperparameters": {"lr": 1.0, "clip": 0.1}}
+    )
     return rows
 
 
@@ -87,8 +102,16 @@ def synthetic_histories() -> list[RunHistory]:
 
 
 def synthetic_ledger() -> list[dict]:
-    return [{"run": f"run{i}", "label": "oso/gradient+q" if i % 2 else "dpsgd/gradient", "releases": 500,
-             "epsilon": 0.5 + 0.05 * i, "planned_epsilon": 1.0} for i in range(8)]
+    return [
+        {
+            "run": f"run{i}",
+            "label": "oso/gradient+q" if i % 2 else "dpsgd/gradient",
+            "releases": 500,
+            "epsilon": 0.5 + 0.05 * i,
+            "planned_epsilon": 1.0,
+        }
+        for i in range(8)
+    ]
 
 
 class _Refs(HTMLParser):
@@ -109,16 +132,27 @@ class _Refs(HTMLParser):
 @pytest.fixture(scope="module")
 def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("report")
-    extra = figures.linear_scaling(LinearScalingFit([(0.1, 2.0), (0.2, 3.5)], 15.0, 0.5, 1.0),
-                                   out / "extra" / "my_extra.png", title="an extra figure")
+    extra = figures.linear_scaling(
+        LinearScalingFit([(0.1, 2.0), (0.2, 3.5)], 15.0, 0.5, 1.0),
+        out / "extra" / "my_extra.png",
+        title="an extra figure",
+    )
     return build_report(
-        out, synthetic_trials(), synthetic_histories(), synthetic_ledger(),
-        selection_mode="private", planned=(8.0, 1e-5), spent=(7.93, 1e-5), accountant="rdp",
-        title="Synthetic <study> & co", notes=["A synthetic study for the test suite."],
+        out,
+        synthetic_trials(),
+        synthetic_histories(),
+        synthetic_ledger(),
+        selection_mode="private",
+        planned=(8.0, 1e-5),
+        spent=(7.93, 1e-5),
+        accountant="rdp",
+        title="Synthetic <study> & co",
+        notes=["A synthetic study for the test suite."],
         pareto={1.0: 1.16, 3.0: 0.74, 8.0: 0.55},
         lt_ma=[(k, 1.8 + 0.01 * k, 0.5 * math.sqrt(k)) for k in range(1, 31)],
         linear_scaling={"points": [(0.1, 2.0), (0.2, 3.5)], "slope": 15.0, "intercept": 0.5, "target_epsilon": 1.0},
-        extra_figures=[(extra, "an extra figure passed by the caller")], include_diagnostics=True,
+        extra_figures=[(extra, "an extra figure passed by the caller")],
+        include_diagnostics=True,
     )
 
 
@@ -149,8 +183,11 @@ def test_results_csv_holds_mean_and_std_over_seeds(study: Path) -> None:
     # 4 strategies × 3 ε + the NoDP baseline, one row each
     assert len(rows) == 13
     trials = synthetic_trials()
-    oso3 = [r["value"] for r in trials if r["strategy"] == "oso" and r["epsilon"] == 3.0
-            and r["hyperparameters"]["lr"] == 1.0]
+    oso3 = [
+        r["value"]
+        for r in trials
+        if r["strategy"] == "oso" and r["epsilon"] == 3.0 and r["hyperparameters"]["lr"] == 1.0
+    ]
     row = next(r for r in rows if r["strategy"] == "oso" and float(r["epsilon"]) == 3.0)
     assert float(row["mean"]) == pytest.approx(float(np.mean(oso3)), rel=1e-12)
     assert float(row["std"]) == pytest.approx(float(np.std(oso3, ddof=1)), rel=1e-12)
@@ -204,14 +241,25 @@ def test_blank_check_rejects_blank_and_accepts_a_figure(tmp_path: Path, study: P
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed "
-                    "(Debian: apt-get update && apt-get install -y chromium)")
+@pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="headless Chromium is not installed (Debian: apt-get update && apt-get install -y chromium)",
+)
 def test_report_renders_in_headless_chromium(study: Path, tmp_path: Path) -> None:
     shot = tmp_path / "shot.png"
     cmd = [
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,2000",
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        f"--screenshot={shot}",
+        "--window-size=1200,2000",
         study.resolve().as_uri(),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
@@ -226,8 +274,9 @@ def test_header_warns_when_spent_exceeds_plan(tmp_path: Path) -> None:
     page = write_report(tmp_path, "t", [], selection_mode="public", planned=(1.0, 1e-5), spent=(1.2, 1e-5))
     text = page.read_text()
     assert "EXCEEDS" in text and "Selection mode: public validation data." in text
-    ok = write_report(tmp_path, "t", [], selection_mode="public", planned=(1.0, 1e-5), spent=(1.0, 1e-5),
-                      filename="ok.html")
+    ok = write_report(
+        tmp_path, "t", [], selection_mode="public", planned=(1.0, 1e-5), spent=(1.0, 1e-5), filename="ok.html"
+    )
     assert "EXCEEDS" not in ok.read_text()
     split = write_report(tmp_path, "t", [], selection_mode="public", selection_split="test", filename="s.html")
     assert "optimistically biased" in split.read_text()
@@ -255,8 +304,7 @@ def test_bad_inputs_raise_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="higher_is_better"):
         build_report(tmp_path, [], selection_mode="public", planned=None, spent=None, metric="auc")
     with pytest.raises(ConfigError, match="lacks"):
-        build_report(tmp_path, [{"strategy": "oso", "value": 0.9}], selection_mode="public", planned=None,
-                     spent=None)
+        build_report(tmp_path, [{"strategy": "oso", "value": 0.9}], selection_mode="public", planned=None, spent=None)
     with pytest.raises(ConfigError, match="does not exist"):
         write_report(tmp_path, "t", [Section("s", figures=[FigureRef(tmp_path / "nope.png")])])
     with pytest.raises(ConfigError, match=".png"):
@@ -264,10 +312,14 @@ def test_bad_inputs_raise_config_errors(tmp_path: Path) -> None:
 
 
 def test_mse_report_says_lower_is_better(tmp_path: Path) -> None:
-    trials = [{"strategy": "oso", "epsilon": e, "value": 0.02 / e + 0.001 * s, "seed": s,
-               "hyperparameters": {"lr": 0.1}} for e in (1.0, 2.0) for s in range(2)]
-    page = build_report(tmp_path, trials, selection_mode="public", planned=(2.0, 1e-5), spent=(2.0, 1e-5),
-                        metric="mse").read_text()
+    trials = [
+        {"strategy": "oso", "epsilon": e, "value": 0.02 / e + 0.001 * s, "seed": s, "hyperparameters": {"lr": 0.1}}
+        for e in (1.0, 2.0)
+        for s in range(2)
+    ]
+    page = build_report(
+        tmp_path, trials, selection_mode="public", planned=(2.0, 1e-5), spent=(2.0, 1e-5), metric="mse"
+    ).read_text()
     assert "MSE (lower is better)" in page and "higher is better" not in page
     assert metric_label("mse", False) == "MSE (lower is better)"
 
@@ -296,15 +348,18 @@ def test_selected_configuration_overrides_the_best() -> None:
     trials = [TrialResult("s", 1.0, 0.9, 0, {"lr": 1}), TrialResult("s", 1.0, 0.5, 0, {"lr": 2}, selected=True)]
     (row,) = best_per_strategy(summarize(trials), True)
     assert row.hyperparameters == {"lr": 2} and row.selected
-    (row,) = best_per_strategy(summarize([TrialResult("s", 1.0, 0.9, 0, {"lr": 1}),
-                                          TrialResult("s", 1.0, 0.5, 0, {"lr": 2})]), True)
+    (row,) = best_per_strategy(
+        summarize([TrialResult("s", 1.0, 0.9, 0, {"lr": 1}), TrialResult("s", 1.0, 0.5, 0, {"lr": 2})]), True
+    )
     assert row.hyperparameters == {"lr": 1}
 
 
 def test_flat_csv_rows_are_understood() -> None:
-    rows = [{"strategy": "oso", "epsilon": "inf", "value": "0.5", "seed": "0", "lr": "0.1", "selected": "False"},
-            {"strategy": "oso", "epsilon": "inf", "value": "", "seed": "1", "lr": "0.1", "selected": "False"},
-            {"strategy": "oso", "epsilon": "inf", "value": "0.7", "seed": "0", "lr": "1", "selected": "True"}]
+    rows = [
+        {"strategy": "oso", "epsilon": "inf", "value": "0.5", "seed": "0", "lr": "0.1", "selected": "False"},
+        {"strategy": "oso", "epsilon": "inf", "value": "", "seed": "1", "lr": "0.1", "selected": "False"},
+        {"strategy": "oso", "epsilon": "inf", "value": "0.7", "seed": "0", "lr": "1", "selected": "True"},
+    ]
     summary = summarize(rows)
     cfg01 = next(r for r in summary if r.hyperparameters == {"lr": "0.1"})
     assert (cfg01.mean, cfg01.n_seeds, cfg01.n_diverged, cfg01.selected) == (0.5, 2, 1, False)
@@ -332,17 +387,30 @@ def _render(table, width: int) -> str:
 @pytest.mark.parametrize("width", [100, 200])
 def test_terminal_table_fits_100_columns(width: int) -> None:
     trials = synthetic_trials() + [
-        {"strategy": "a-very-long-custom-strategy-name", "epsilon": 0.25, "value": 0.8765, "seed": 0,
-         "hyperparameters": {f"hyperparameter_{i}": 10.0**-i for i in range(8)}},
-        {"strategy": "a-very-long-custom-strategy-name", "epsilon": 0.25, "value": 0.8811, "seed": 1,
-         "hyperparameters": {f"hyperparameter_{i}": 10.0**-i for i in range(8)}},
+        {
+            "strategy": "a-very-long-custom-strategy-name",
+            "epsilon": 0.25,
+            "value": 0.8765,
+            "seed": 0,
+            "hyperparameters": {f"hyperparameter_{i}": 10.0**-i for i in range(8)},
+        },
+        {
+            "strategy": "a-very-long-custom-strategy-name",
+            "epsilon": 0.25,
+            "value": 0.8811,
+            "seed": 1,
+            "hyperparameters": {f"hyperparameter_{i}": 10.0**-i for i in range(8)},
+        },
     ]
     text = _render(render_terminal_table(trials), width)
     lines = text.splitlines()
     assert max(cell_len(line.rstrip()) for line in lines) <= 100
     assert "0.8788 ± 0.0033" in text  # mean ± std of (0.8765, 0.8811), never cut
-    oso8 = [r["value"] for r in synthetic_trials() if r["strategy"] == "oso" and r["epsilon"] == 8.0
-            and r["hyperparameters"]["lr"] == 1.0]
+    oso8 = [
+        r["value"]
+        for r in synthetic_trials()
+        if r["strategy"] == "oso" and r["epsilon"] == 8.0 and r["hyperparameters"]["lr"] == 1.0
+    ]
     assert f"{np.mean(oso8):.4g} ± {np.std(oso8, ddof=1):.2g}" in text
     assert "Accuracy ↑" in text and "∞" in text
 
@@ -443,15 +511,17 @@ def test_cosine_with_noise_matches_the_high_dimensional_prediction() -> None:
     d = G.shape[1]
     clip = float(G.norm(dim=1).max()) * 1.01
     nu = math.sqrt(3.0) * float(true.norm()) * n / (clip * math.sqrt(d))  # predicts cos = 0.5
-    res = cosine_vs_clip(model, (x, y), {5: params}, [clip], noise_multiplier=nu, expected_batch_size=n,
-                         repeats=20, seed=3)
+    res = cosine_vs_clip(
+        model, (x, y), {5: params}, [clip], noise_multiplier=nu, expected_batch_size=n, repeats=20, seed=3
+    )
     pred = float(true.norm()) / math.sqrt(float(true.norm()) ** 2 + d * (nu * clip / n) ** 2)
     assert pred == pytest.approx(0.5, abs=1e-9)
     assert res.mean[5][0] == pytest.approx(pred, abs=0.03)
     assert 0.0 < res.std[5][0] < 0.05
     # a twice larger ν gives the correspondingly smaller cosine, so the test can tell them apart
-    res2 = cosine_vs_clip(model, (x, y), {5: params}, [clip], noise_multiplier=2 * nu, expected_batch_size=n,
-                          repeats=20, seed=3)
+    res2 = cosine_vs_clip(
+        model, (x, y), {5: params}, [clip], noise_multiplier=2 * nu, expected_batch_size=n, repeats=20, seed=3
+    )
     pred2 = float(true.norm()) / math.sqrt(float(true.norm()) ** 2 + d * (2 * nu * clip / n) ** 2)
     assert res2.mean[5][0] == pytest.approx(pred2, abs=0.03) and abs(pred2 - pred) > 0.2
 
@@ -491,8 +561,13 @@ def test_report_package_draws_noise_only_through_the_sanctioned_source() -> None
 
 
 def test_trajectories_skip_missing_and_nonpositive_values(tmp_path: Path) -> None:
-    hist = [RunHistory("r", "oso", [{"step": 1, "clip": 0.0, "lr": 1.0}, {"step": 2, "clip": -1, "lr": "x"},
-                                    {"step": 3, "clip": 0.5}])]
+    hist = [
+        RunHistory(
+            "r",
+            "oso",
+            [{"step": 1, "clip": 0.0, "lr": 1.0}, {"step": 2, "clip": -1, "lr": "x"}, {"step": 3, "clip": 0.5}],
+        )
+    ]
     x, y = figures._series(hist[0].rows, "clip")
     assert list(x) == [3.0] and list(y) == [0.5]
     assert figures.trajectories(hist, tmp_path / "t.png").is_file()
@@ -521,12 +596,15 @@ def test_report_study_reads_a_stored_study(tmp_path: Path) -> None:
     x = torch.rand(240, 6, generator=g) * 2 - 1
     y = (x @ torch.rand(6, 3, generator=g)).argmax(1)
     study = Study(
-        data=(x[:180], y[:180], x[180:], y[180:]), model="logistic_regression",
+        data=(x[:180], y[:180], x[180:], y[180:]),
+        model="logistic_regression",
         strategies=(StrategyArm("dpsgd", space={"lr": [0.3, 1.0]}, fixed={"clip": 1.0}),),
         training=TrainingSpec(steps=12, expected_batch_size=30),
-        budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant="rdp"), method=MethodSpec("grid"),
+        budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant="rdp"),
+        method=MethodSpec("grid"),
         selection=SelectionSpec(mode="private", split="holdout", eval_every=6, noise_multiplier=20.0),
-        seeds=(0,), name="tiny-dpsgd",
+        seeds=(0,),
+        name="tiny-dpsgd",
     )
     sdir = tmp_path / "study"
     run_study(study, sdir, executor="local", progress=False)
@@ -560,18 +638,44 @@ def test_study_conclusions_state_the_winner_the_margin_and_the_noise_cost() -> N
     from dptune.report.study import conclusions
 
     table = [
-        {"strategy": "oso", "optimizer": "oso", "method": "online", "epsilon": 3.0, "test_mean": 0.852,
-         "value_mean": 0.85, "runs_total": 3, "arm": "oso@eps=3"},
-        {"strategy": "dpsgd", "optimizer": "dpsgd", "method": "grid", "epsilon": 3.0, "test_mean": 0.798,
-         "value_mean": 0.8, "runs_total": 9, "arm": "dpsgd@eps=3"},
-        {"strategy": "nodp", "optimizer": "nodp", "method": "grid", "epsilon": float("inf"), "test_mean": 0.91,
-         "value_mean": 0.91, "runs_total": 1, "arm": "nodp"},
+        {
+            "strategy": "oso",
+            "optimizer": "oso",
+            "method": "online",
+            "epsilon": 3.0,
+            "test_mean": 0.852,
+            "value_mean": 0.85,
+            "runs_total": 3,
+            "arm": "oso@eps=3",
+        },
+        {
+            "strategy": "dpsgd",
+            "optimizer": "dpsgd",
+            "method": "grid",
+            "epsilon": 3.0,
+            "test_mean": 0.798,
+            "value_mean": 0.8,
+            "runs_total": 9,
+            "arm": "dpsgd@eps=3",
+        },
+        {
+            "strategy": "nodp",
+            "optimizer": "nodp",
+            "method": "grid",
+            "epsilon": float("inf"),
+            "test_mean": 0.91,
+            "value_mean": 0.91,
+            "runs_total": 1,
+            "arm": "nodp",
+        },
     ]
     noise = {"oso@eps=3": {"runs": 3, "nu": 1.3}, "dpsgd@eps=3": {"runs": 9, "nu": 2.99}}
     lines = conclusions(table, noise, True, "accuracy", hidden_k=False)
-    assert lines[0] == ("At ε = 3, oso (online, 3 runs) is best: accuracy 0.852, ahead of dpsgd (grid, 9 runs) at "
-                        "0.798 by 5.4 points. Splitting the budget over its runs cost dpsgd 2.3× the noise per run "
-                        "of oso (ν = 2.99 against 1.3).")
+    assert lines[0] == (
+        "At ε = 3, oso (online, 3 runs) is best: accuracy 0.852, ahead of dpsgd (grid, 9 runs) at "
+        "0.798 by 5.4 points. Splitting the budget over its runs cost dpsgd 2.3× the noise per run "
+        "of oso (ν = 2.99 against 1.3)."
+    )
     assert lines[1].startswith("At ε = ∞ (no privacy), nodp")
     # Under Liu–Talwar / repeat-and-select the number of runs is secret: no counts, no noise ratio.
     secret = conclusions(table, noise, True, "accuracy", hidden_k=True)[0]
@@ -594,11 +698,20 @@ def test_grid_heatmap_of_a_two_axis_grid_goes_to_the_diagnostics(tmp_path) -> No
 
     from dptune.report.study import grid_heatmaps
 
-    runs = [{"arm": "dpsgd@eps=3", "score": 0.5 + 0.1 * i + 0.01 * j,
-             "config": json.dumps({"lr": lr, "clip": c, "momentum": 0.0})}
-            for i, lr in enumerate([0.1, 1.0, 10.0]) for j, c in enumerate([0.1, 1.0])]
+    runs = [
+        {
+            "arm": "dpsgd@eps=3",
+            "score": 0.5 + 0.1 * i + 0.01 * j,
+            "config": json.dumps({"lr": lr, "clip": c, "momentum": 0.0}),
+        }
+        for i, lr in enumerate([0.1, 1.0, 10.0])
+        for j, c in enumerate([0.1, 1.0])
+    ]
     runs.append({"arm": "oso@eps=3", "score": 0.8, "config": json.dumps({"lr": 1.0})})  # one axis: no map
-    arms = {"dpsgd@eps=3": SimpleNamespace(label="dpsgd", epsilon=3.0), "oso@eps=3": SimpleNamespace(label="oso", epsilon=3.0)}
+    arms = {
+        "dpsgd@eps=3": SimpleNamespace(label="dpsgd", epsilon=3.0),
+        "oso@eps=3": SimpleNamespace(label="oso", epsilon=3.0),
+    }
     figs = grid_heatmaps(runs, arms, tmp_path, "accuracy", True)
     assert len(figs) == 1
     path = figs[0].path

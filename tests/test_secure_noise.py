@@ -59,8 +59,17 @@ def _tiny_run(secure: bool) -> torch.Tensor:
     x, y = torch.randn(64, 5, generator=g), torch.randint(0, 3, (64,), generator=g)
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)
-    res = train(model, (x, y), "dpsgd", steps=3, expected_batch_size=16, noise_multiplier=1.0, seed=11,
-                device="cpu", secure_mode=secure)
+    res = train(
+        model,
+        (x, y),
+        "dpsgd",
+        steps=3,
+        expected_batch_size=16,
+        noise_multiplier=1.0,
+        seed=11,
+        device="cpu",
+        secure_mode=secure,
+    )
     return torch.cat([v.reshape(-1) for v in res.final_params.values()])
 
 

@@ -175,7 +175,9 @@ scalars = st.floats(1e-6, 10.0, allow_subnormal=False)
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**16), lr=scalars, mu=st.floats(0.0, 0.99), s=scalars)
-def test_exact_tree_helpers_are_bit_identical_to_the_per_tensor_expressions(seed: int, lr: float, mu: float, s: float) -> None:
+def test_exact_tree_helpers_are_bit_identical_to_the_per_tensor_expressions(
+    seed: int, lr: float, mu: float, s: float
+) -> None:
     p, g, m = _tree(seed), _tree(seed + 1), _tree(seed + 2)
     assert _equal(tree.scale(g, s), {k: v * s for k, v in g.items()})
     assert _equal(tree.axpy(-lr, g, p), {k: p[k] - lr * g[k] for k in p})  # the SGD update
@@ -187,7 +189,9 @@ def test_exact_tree_helpers_are_bit_identical_to_the_per_tensor_expressions(seed
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**16), lr=scalars, mu=st.floats(0.0, 0.99), s=scalars)
-def test_fused_tree_helpers_are_torch_fused_adds_close_to_the_unfused(seed: int, lr: float, mu: float, s: float) -> None:
+def test_fused_tree_helpers_are_torch_fused_adds_close_to_the_unfused(
+    seed: int, lr: float, mu: float, s: float
+) -> None:
     p, g, m = _tree(seed), _tree(seed + 1), _tree(seed + 2)
     fused = tree.add_scaled(p, -lr * s, g)
     assert _equal(fused, {k: torch.add(p[k], g[k], alpha=-lr * s) for k in p})
@@ -216,17 +220,32 @@ def test_fused_tree_helpers_are_torch_fused_adds_close_to_the_unfused(seed: int,
 def test_tree_helpers_keep_their_inputs_and_accept_empty_dicts() -> None:
     p, g = _tree(0), _tree(1)
     copies = tree.clone(p), tree.clone(g)
-    for out in (tree.scale(g, 2.0), tree.axpy(-0.1, g, p), tree.lincomb(0.9, p, 0.1, g), tree.add_scaled(p, -0.1, g),
-                tree.ema(0.9, p, 0.1, g)):
+    for out in (
+        tree.scale(g, 2.0),
+        tree.axpy(-0.1, g, p),
+        tree.lincomb(0.9, p, 0.1, g),
+        tree.add_scaled(p, -0.1, g),
+        tree.ema(0.9, p, 0.1, g),
+    ):
         assert all(out[k] is not p[k] and out[k] is not g[k] for k in out)
     assert _equal(p, copies[0]) and _equal(g, copies[1])
-    assert tree.scale({}, 2.0) == tree.axpy(1.0, {}, {}) == tree.add_scaled({}, 1.0, {}) == tree.ema(0.5, {}, 1.0, {}) == {}
+    assert (
+        tree.scale({}, 2.0)
+        == tree.axpy(1.0, {}, {})
+        == tree.add_scaled({}, 1.0, {})
+        == tree.ema(0.5, {}, 1.0, {})
+        == {}
+    )
 
 
 def test_clip_weights_is_bit_identical_to_the_clamped_quotient() -> None:
     g = torch.Generator().manual_seed(0)
-    norms = torch.cat([torch.rand(1000, generator=g) * 10 ** torch.randint(-6, 6, (1000,), generator=g),
-                       torch.tensor([0.0, 1e-13, 1.0, float("inf")])])
+    norms = torch.cat(
+        [
+            torch.rand(1000, generator=g) * 10 ** torch.randint(-6, 6, (1000,), generator=g),
+            torch.tensor([0.0, 1e-13, 1.0, float("inf")]),
+        ]
+    )
     for c in (1e-3, 0.1, 1.0, 3.7, 1e4):
         assert torch.equal(clip_weights(norms, c), torch.clamp(c / norms.clamp_min(1e-12), max=1.0))
         assert torch.equal(clip_weights(norms.double(), c), torch.clamp(c / norms.double().clamp_min(1e-12), max=1.0))

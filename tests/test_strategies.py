@@ -45,8 +45,14 @@ def inject(strategy, per_sample: torch.Tensor, *, L: float = 10.0, nu: float = 1
     state = strategy.init(p, run)
     metrics = []
     for t in range(1, steps + 1):
-        ctx = StepContext(t=t, x=torch.zeros(per_sample.shape[0], 1), y=torch.zeros(per_sample.shape[0]),
-                          oracle=None, release=gate, run=run)  # type: ignore[arg-type]
+        ctx = StepContext(
+            t=t,
+            x=torch.zeros(per_sample.shape[0], 1),
+            y=torch.zeros(per_sample.shape[0]),
+            oracle=None,
+            release=gate,
+            run=run,
+        )  # type: ignore[arg-type]
         ctx._grads = MaterializedGrads({"w": per_sample}, torch.zeros(per_sample.shape[0]))
         p, state, m = strategy.step(p, state, ctx)
         metrics.append(m)
@@ -132,8 +138,16 @@ def test_oso_clip_grows_by_exactly_exp_rho_c_when_every_norm_exceeds_C() -> None
     y = 20.0 + x @ torch.randn(5, 1)  # far from the optimum: gradients are large
     rho_c, c0 = 0.1, 1e-3
     gate = CaptureRelease(1.0)
-    out = run_strategy_steps(OSO(lr=1e-3, initial_clip=c0, clip_lr=rho_c), model, x, y, steps=15, release=gate,
-                             loss="mse", noise_multiplier=1.0)
+    out = run_strategy_steps(
+        OSO(lr=1e-3, initial_clip=c0, clip_lr=rho_c),
+        model,
+        x,
+        y,
+        steps=15,
+        release=gate,
+        loss="mse",
+        noise_multiplier=1.0,
+    )
     clips = [m["clip"] for m in out.metrics] + [out.state["clip"]]
     assert clips[1] == c0
     for t in range(1, len(clips) - 1):
@@ -152,8 +166,9 @@ def test_oso_lr_rule_uses_gradient_product_and_clip_rule_uses_q() -> None:
     g2, q2 = vec(-1.0, 2.0), vec(0.0, 0.0)  # g2·g1 = −1 < 0, g2·q1 = 2 > 0
     script = [[g1, q1], [g2, q2], [g1, q1]]
     zeros = torch.zeros(3, 2, dtype=torch.float64)
-    _, p, state, metrics = inject(OSO(lr=lr0, initial_clip=c0, clip_lr=rho_c, lr_lr=rho_r), zeros, L=1.0,
-                                  script=script, steps=2)
+    _, p, state, metrics = inject(
+        OSO(lr=lr0, initial_clip=c0, clip_lr=rho_c, lr_lr=rho_r), zeros, L=1.0, script=script, steps=2
+    )
     assert metrics[1]["clip"] == c0 and metrics[1]["lr"] == lr0  # the first step changes nothing
     assert state["clip"] == pytest.approx(c0 * math.exp(rho_c), rel=1e-12)
     assert state["lr"] == pytest.approx(lr0 * math.exp(-rho_r), rel=1e-12)
@@ -161,7 +176,9 @@ def test_oso_lr_rule_uses_gradient_product_and_clip_rule_uses_q() -> None:
     torch.testing.assert_close(p["w"], -lr0 * (g1["w"] + g2["w"]))
     # Swapped signs: ρ rises, C falls.
     script = [[g1, q1], [vec(1.0, -2.0), q2]]
-    _, _, state, _ = inject(OSO(lr=lr0, initial_clip=c0, clip_lr=rho_c, lr_lr=rho_r), zeros, L=1.0, script=script, steps=2)
+    _, _, state, _ = inject(
+        OSO(lr=lr0, initial_clip=c0, clip_lr=rho_c, lr_lr=rho_r), zeros, L=1.0, script=script, steps=2
+    )
     assert state["clip"] == pytest.approx(c0 * math.exp(-rho_c), rel=1e-12)
     assert state["lr"] == pytest.approx(lr0 * math.exp(rho_r), rel=1e-12)
 
@@ -171,14 +188,24 @@ def test_oso_additive_rule() -> None:
     rho_c, rho_r, lr0, c0, L = 0.5, 0.25, 0.4, 0.3, 2.0
     g1, q1, g2, q2 = vec(2.0, 1.0), vec(1.0, -1.0), vec(4.0, -2.0), vec(0.0, 2.0)
     zeros = torch.zeros(2, 2, dtype=torch.float64)
-    _, _, state, _ = inject(OSO(lr=lr0, initial_clip=c0, clip_lr=rho_c, lr_lr=rho_r, rule="additive"), zeros, L=L,
-                            script=[[g1, q1], [g2, q2]], steps=2)
+    _, _, state, _ = inject(
+        OSO(lr=lr0, initial_clip=c0, clip_lr=rho_c, lr_lr=rho_r, rule="additive"),
+        zeros,
+        L=L,
+        script=[[g1, q1], [g2, q2]],
+        steps=2,
+    )
     gt, qp, gp = g2["w"] / L, q1["w"] / L, g1["w"] / L
     assert state["clip"] == pytest.approx(c0 + rho_c * lr0 * float(gt @ qp), rel=1e-12)
     assert state["lr"] == pytest.approx(lr0 + rho_r * lr0 * float(gt @ gp), rel=1e-12)
     # A step that would make C negative is floored at a positive value (C must stay a sensitivity).
-    _, _, state, _ = inject(OSO(lr=lr0, initial_clip=c0, clip_lr=100.0, rule="additive"), zeros, L=L,
-                            script=[[g1, q1], [vec(-4.0, 4.0), q2]], steps=2)
+    _, _, state, _ = inject(
+        OSO(lr=lr0, initial_clip=c0, clip_lr=100.0, rule="additive"),
+        zeros,
+        L=L,
+        script=[[g1, q1], [vec(-4.0, 4.0), q2]],
+        steps=2,
+    )
     assert 0 < state["clip"] <= 1e-8
 
 
@@ -187,8 +214,13 @@ def test_oso_normalized_rule() -> None:
     rho_c, rho_r, lr0, c0 = 0.2, 0.1, 0.5, 0.3
     g1, q1, g2 = vec(3.0, 4.0), vec(1.0, 0.0), vec(0.0, -2.0)
     zeros = torch.zeros(2, 2, dtype=torch.float64)
-    _, _, state, _ = inject(OSO(lr=lr0, initial_clip=c0, clip_lr=rho_c, lr_lr=rho_r, rule="normalized"), zeros,
-                            L=7.0, script=[[g1, q1], [g2, q1]], steps=2)
+    _, _, state, _ = inject(
+        OSO(lr=lr0, initial_clip=c0, clip_lr=rho_c, lr_lr=rho_r, rule="normalized"),
+        zeros,
+        L=7.0,
+        script=[[g1, q1], [g2, q1]],
+        steps=2,
+    )
     cos_q = 0.0  # (0,−2)·(1,0) = 0
     cos_g = (0 * 3 + -2 * 4) / (2 * 5)  # −0.8
     assert state["clip"] == pytest.approx(c0 * (1 + rho_c * cos_q), rel=1e-12)
@@ -223,8 +255,12 @@ def test_oso_one_percent_rule_and_disabled_lr_adaptation() -> None:
         assert nu_g == pytest.approx(1.01 * nu, rel=1e-12)
         assert accounting.joint_noise_multiplier([nu_g, nu_q]) == pytest.approx(nu, rel=1e-12)
     g1, g2, q = vec(1.0, 0.0), vec(-1.0, 0.0), vec(1.0, 0.0)
-    _, _, state, _ = inject(make_strategy("oso", lr=0.2, adapt_lr=False), torch.zeros(1, 2, dtype=torch.float64),
-                            script=[[g1, q], [g2, q]], steps=2)
+    _, _, state, _ = inject(
+        make_strategy("oso", lr=0.2, adapt_lr=False),
+        torch.zeros(1, 2, dtype=torch.float64),
+        script=[[g1, q], [g2, q]],
+        steps=2,
+    )
     assert state["lr"] == 0.2
 
 
@@ -235,7 +271,9 @@ def test_adamwosm_learning_rate_is_the_effective_step_size(nu: float, clip: floa
     ess = alpha / (nu * clip / L + 1e-8)
     g1, g2 = vec(1.0, -2.0), vec(0.5, 0.5)
     strat = make_strategy("adamwosm", clip=clip, alpha=alpha, beta1=beta)
-    _, p, state, metrics = inject(strat, torch.zeros(1, 2, dtype=torch.float64), L=L, nu=nu, script=[[g1], [g2]], steps=2)
+    _, p, state, metrics = inject(
+        strat, torch.zeros(1, 2, dtype=torch.float64), L=L, nu=nu, script=[[g1], [g2]], steps=2
+    )
     assert state["lr"] == pytest.approx(ess, rel=1e-12)
     assert all(m["lr"] == pytest.approx(ess, rel=1e-12) for m in metrics)
     m1 = (1 - beta) * g1["w"] / L
@@ -296,8 +334,17 @@ def test_adadp_second_half_uses_the_gradient_at_the_half_step_on_a_fresh_batch()
     batch1, batch2 = torch.arange(0, 12), torch.arange(12, 30)
     lr, clip, L = 0.2, 0.5, 15.0
     gate = CaptureRelease(0.5)
-    out = run_strategy_steps(ADADP(lr=lr, clip=clip, reject=False), model, x, y, steps=2, release=gate, loss="mse",
-                             expected_batch_size=L, batches=lambda t: batch1 if t == 1 else batch2)
+    out = run_strategy_steps(
+        ADADP(lr=lr, clip=clip, reject=False),
+        model,
+        x,
+        y,
+        steps=2,
+        release=gate,
+        loss="mse",
+        expected_batch_size=L,
+        batches=lambda t: batch1 if t == 1 else batch2,
+    )
 
     def clipped_mean(params, idx):
         total = {k: torch.zeros_like(v) for k, v in params.items()}
@@ -326,10 +373,14 @@ def test_adadp_learning_rate_adapts_in_both_directions() -> None:
     torch.manual_seed(1)
     model = nn.Linear(4, 1)
     x, y = torch.randn(50, 4), torch.randn(50, 1)
-    grow = run_strategy_steps(ADADP(lr=1e-3, tolerance=10.0), model, x, y, steps=20, release=CaptureRelease(1.0), loss="mse")
+    grow = run_strategy_steps(
+        ADADP(lr=1e-3, tolerance=10.0), model, x, y, steps=20, release=CaptureRelease(1.0), loss="mse"
+    )
     assert grow.state["lr"] == pytest.approx(1e-3 * 1.1**10, rel=1e-9)  # err ≪ τ: ×1.1 per cycle
     assert grow.state["accepted"] == 10
-    shrink = run_strategy_steps(ADADP(lr=1.0, tolerance=1e-12), model, x, y, steps=20, release=CaptureRelease(1.0), loss="mse")
+    shrink = run_strategy_steps(
+        ADADP(lr=1.0, tolerance=1e-12), model, x, y, steps=20, release=CaptureRelease(1.0), loss="mse"
+    )
     assert shrink.state["lr"] == pytest.approx(0.9**10, rel=1e-9)
     assert shrink.state["rejected"] == 10
     for k, v in params_of(model).items():  # every cycle undone
@@ -340,8 +391,16 @@ def test_adadp_learning_rate_adapts_in_both_directions() -> None:
 def test_adadp_run_spends_exactly_its_plan(steps: int) -> None:
     torch.manual_seed(0)
     x, y = torch.randn(60, 5), torch.randint(0, 3, (60,))
-    res = train(nn.Linear(5, 3), (x, y), "adadp", steps=steps, expected_batch_size=12, noise_multiplier=1.1,
-                device="cpu", lr=0.05)
+    res = train(
+        nn.Linear(5, 3),
+        (x, y),
+        "adadp",
+        steps=steps,
+        expected_batch_size=12,
+        noise_multiplier=1.1,
+        device="cpu",
+        lr=0.05,
+    )
     assert res.ledger.releases == steps
     assert res.ledger.matches(res.plan.event())
     assert not res.diverged and len(res.history) == steps
@@ -357,8 +416,16 @@ def test_split_releases_are_exactly_the_planned_event(nu: float) -> None:
     rounds to a neighbour of ν."""
     model, x, y = zero_grad_problem(3, 2, 40)
     for name in ("oso", "quantile"):
-        res = train(model, (x, y), name, steps=2, expected_batch_size=20, noise_multiplier=nu, device="cpu",
-                    **({"count_noise_std": 100.0} if name == "quantile" else {}))
+        res = train(
+            model,
+            (x, y),
+            name,
+            steps=2,
+            expected_batch_size=20,
+            noise_multiplier=nu,
+            device="cpu",
+            **({"count_noise_std": 100.0} if name == "quantile" else {}),
+        )
         assert res.ledger.releases == 2 and res.ledger.matches(res.plan.event())
 
 

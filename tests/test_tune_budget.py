@@ -23,8 +23,18 @@ from dptune.tune.worker import execute_run
 
 def _study(seeds=(0, 1), account_seeds=True) -> Study:
     return tiny_dpsgd_study(
-        data_seed=0, n=300, dim=6, n_train=240, lrs=[0.5, 1.0], steps=12, batch=30, eps=1.5,
-        selection=SelectionSpec(eval_every=6), seeds=seeds, name="budget", account_seeds=account_seeds,
+        data_seed=0,
+        n=300,
+        dim=6,
+        n_train=240,
+        lrs=[0.5, 1.0],
+        steps=12,
+        batch=30,
+        eps=1.5,
+        selection=SelectionSpec(eval_every=6),
+        seeds=seeds,
+        name="budget",
+        account_seeds=account_seeds,
     )
 
 

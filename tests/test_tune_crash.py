@@ -69,8 +69,9 @@ def _status(db) -> Counter:
 def _runs(d):
     with Store(d) as s:
         rows = {r["run_id"]: dict(r) for r in s.runs()}
-        ledger = Counter((e.run, e.label, json.dumps(event_to_dict(e.event), sort_keys=True), e.count)
-                         for e in s.ledger_entries())
+        ledger = Counter(
+            (e.run, e.label, json.dumps(event_to_dict(e.event), sort_keys=True), e.count) for e in s.ledger_entries()
+        )
     keep = ("status", "score", "best_step", "test_metric", "evals", "history", "config", "noise_multiplier")
     return {k: {f: v[f] for f in keep} for k, v in rows.items()}, ledger
 
@@ -78,7 +79,7 @@ def _runs(d):
 @pytest.mark.parametrize("group", [1, 2], ids=["one-run-per-task", "vectorised-groups-of-2"])
 def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path, group):
     cfg = tmp_path / "crash.toml"
-    cfg.write_text(CONFIG.replace('seeds = [0, 1]', f'seeds = [0, 1]\ntrials_per_group = {group}'))
+    cfg.write_text(CONFIG.replace("seeds = [0, 1]", f"seeds = [0, 1]\ntrials_per_group = {group}"))
     crashed = tmp_path / "crashed"
     code = f"from dptune.tune import run_study; run_study({str(cfg)!r}, {str(crashed)!r}, progress=False)"
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": "0"})
@@ -133,7 +134,9 @@ def test_group_interrupted_between_merges_resumes_to_the_same_study(tmp_path, mo
     from dptune.tune.study import Coordinator
 
     cfg = tmp_path / "c.toml"
-    cfg.write_text(CONFIG.replace("steps = 160", "steps = 40").replace('seeds = [0, 1]', 'seeds = [0, 1]\ntrials_per_group = 4'))
+    cfg.write_text(
+        CONFIG.replace("steps = 160", "steps = 40").replace("seeds = [0, 1]", "seeds = [0, 1]\ntrials_per_group = 4")
+    )
     original = Coordinator.merge
     merged: list[str] = []
 

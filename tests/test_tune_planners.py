@@ -36,15 +36,29 @@ def _tiny():
     return (x, torch.randint(0, 2, (20,)), x, torch.randint(0, 2, (20,)))
 
 
-def _study(method="grid", opts=None, space=None, strategy="dpsgd", eps=3.0, accountant="rdp", seeds=(0,),
-           account_seeds=False, training=None, selection=None, across="per-seed"):
+def _study(
+    method="grid",
+    opts=None,
+    space=None,
+    strategy="dpsgd",
+    eps=3.0,
+    accountant="rdp",
+    seeds=(0,),
+    account_seeds=False,
+    training=None,
+    selection=None,
+    across="per-seed",
+):
     sel = selection or SelectionSpec(eval_every=100, across_seeds=across)
     return Study(
-        data=_tiny(), model="logistic_regression",
+        data=_tiny(),
+        model="logistic_regression",
         strategies=(StrategyArm(strategy, space=space if space is not None else GRID),),
         training=training or TrainingSpec(epochs=10, expected_batch_size=512),
         budget=BudgetSpec(epsilon=(eps,), delta=DELTA, accountant=accountant, account_seeds=account_seeds),
-        method=MethodSpec(method, opts or {}), selection=sel, seeds=seeds,
+        method=MethodSpec(method, opts or {}),
+        selection=sel,
+        seeds=seeds,
     )
 
 
@@ -109,8 +123,9 @@ def test_accounted_seeds_are_composed():
 
 
 def test_plans_are_deterministic_and_noise_streams_distinct():
-    s = _study(method="random", opts={"n": 5}, space={"lr": {"log_uniform": [1e-3, 1.0]}, "clip": [0.5, 1.0]},
-               seeds=(0, 1))
+    s = _study(
+        method="random", opts={"n": 5}, space={"lr": {"log_uniform": [1e-3, 1.0]}, "clip": [0.5, 1.0]}, seeds=(0, 1)
+    )
     a, b = plan_study(s, N, 10000, "accuracy"), plan_study(s, N, 10000, "accuracy")
     assert a.to_dict() == b.to_dict()
     assert StudyPlan.from_dict(a.to_dict()).to_dict() == a.to_dict()
@@ -140,8 +155,12 @@ def test_liu_talwar_plan_follows_the_theorem():
 
 
 def test_repeat_and_select_plan_equals_dp_accounting():
-    plan = plan_study(_study(method="repeat-and-select", opts={"mean": 5, "distribution": "poisson"},
-                             space={"lr": [0.1, 1.0]}), N, 10000, "accuracy")
+    plan = plan_study(
+        _study(method="repeat-and-select", opts={"mean": 5, "distribution": "poisson"}, space={"lr": [0.1, 1.0]}),
+        N,
+        10000,
+        "accuracy",
+    )
     arm = plan.arms[0]
     nu = plan.runs[arm.runs[0]].noise_multiplier if arm.runs else arm.extra["noise_multipliers"][0]
     acc = rdp_privacy_accountant.RdpAccountant()
@@ -150,9 +169,16 @@ def test_repeat_and_select_plan_equals_dp_accounting():
     assert arm.guarantee["epsilon"] == pytest.approx(eps, rel=1e-9)
     assert 3.0 * (1 - 2e-3) < eps <= 3.0
     # truncated negative binomial with η = 0.5
-    plan2 = plan_study(_study(method="repeat-and-select", opts={"mean": 5, "distribution": "negative-binomial",
-                                                                "shape": 0.5}, space={"lr": [0.1, 1.0]}),
-                       N, 10000, "accuracy")
+    plan2 = plan_study(
+        _study(
+            method="repeat-and-select",
+            opts={"mean": 5, "distribution": "negative-binomial", "shape": 0.5},
+            space={"lr": [0.1, 1.0]},
+        ),
+        N,
+        10000,
+        "accuracy",
+    )
     nu2 = plan2.arms[0].extra["noise_multipliers"][0]
     acc2 = rdp_privacy_accountant.RdpAccountant()
     acc2.compose(dp_event.RepeatAndSelectDpEvent(accounting.dpsgd_event(nu2, Q, T), 5.0, 0.5))
@@ -160,9 +186,14 @@ def test_repeat_and_select_plan_equals_dp_accounting():
 
 
 def test_linear_scaling_plan_reproduces_panda_budget_split():
-    s = _study(method="linear-scaling", strategy="dpgd", eps=1.0, accountant="auto",
-               space={"lr": {"log_uniform": [0.01, 1.0]}, "steps": {"int_uniform": [5, 50]}},
-               training=TrainingSpec(steps=10, full_batch=True))
+    s = _study(
+        method="linear-scaling",
+        strategy="dpgd",
+        eps=1.0,
+        accountant="auto",
+        space={"lr": {"log_uniform": [0.01, 1.0]}, "steps": {"int_uniform": [5, 50]}},
+        training=TrainingSpec(steps=10, full_batch=True),
+    )
     plan = plan_study(s, 5000, 1000, "accuracy")
     arm = plan.arms[0]
     assert arm.accountant == "gdp"
@@ -195,8 +226,12 @@ def test_private_selection_events_are_planned():
     assert a[dp_event.GaussianDpEvent(40.0)] == 3
     assert a[dp_event.PoissonSampledDpEvent(Q, dp_event.GaussianDpEvent(run.noise_multiplier))] == 120
     # The training ν is calibrated for what the selection leaves: more noise than without it.
-    public = plan_study(_study(space={"lr": [0.1, 1.0]}, training=TrainingSpec(steps=120, expected_batch_size=512)),
-                        N, 10000, "accuracy")
+    public = plan_study(
+        _study(space={"lr": [0.1, 1.0]}, training=TrainingSpec(steps=120, expected_batch_size=512)),
+        N,
+        10000,
+        "accuracy",
+    )
     assert run.noise_multiplier > public.runs[public.arms[0].runs[0]].noise_multiplier
     assert plan.arms[0].guarantee["epsilon"] <= 3.0
 
@@ -209,10 +244,14 @@ def test_split_strategies_get_a_noise_multiplier_they_release_exactly(strategy):
     from dptune.tune.planners import Shape, release_multiplier
 
     space = {"lr": [0.1, 1.0]}
-    s = Study(data=_tiny(), model="logistic_regression", strategies=(StrategyArm(strategy, space=space),),
-              training=TrainingSpec(steps=50, expected_batch_size=512),
-              budget=BudgetSpec(epsilon=(0.7, 1.0, 1.3, 2.0, 3.0, 5.0), delta=DELTA, accountant="rdp"),
-              selection=SelectionSpec(eval_every=50))
+    s = Study(
+        data=_tiny(),
+        model="logistic_regression",
+        strategies=(StrategyArm(strategy, space=space),),
+        training=TrainingSpec(steps=50, expected_batch_size=512),
+        budget=BudgetSpec(epsilon=(0.7, 1.0, 1.3, 2.0, 3.0, 5.0), delta=DELTA, accountant="rdp"),
+        selection=SelectionSpec(eval_every=50),
+    )
     plan = plan_study(s, N, 10000, "accuracy")
     for run in plan.runs.values():
         shape = Shape(__import__("dptune").make_strategy(strategy, **run.config), run.sampling_rate, run.steps, 0, None)

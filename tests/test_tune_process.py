@@ -16,8 +16,17 @@ from dptune.tune.store import Store
 
 def _study() -> Study:
     return tiny_dpsgd_study(
-        data_seed=0, n=360, dim=8, n_train=270, lrs=[0.2, 1.0], steps=20, batch=40, eps=2.0,
-        selection=SelectionSpec(mode="private", eval_every=10, noise_multiplier=30.0), seeds=(0,), name="pool",
+        data_seed=0,
+        n=360,
+        dim=8,
+        n_train=270,
+        lrs=[0.2, 1.0],
+        steps=20,
+        batch=40,
+        eps=2.0,
+        selection=SelectionSpec(mode="private", eval_every=10, noise_multiplier=30.0),
+        seeds=(0,),
+        name="pool",
     )
 
 

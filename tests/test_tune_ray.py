@@ -21,9 +21,17 @@ ray = pytest.importorskip("ray")
 
 def _study() -> Study:
     return tiny_dpsgd_study(
-        data_seed=3, n=400, dim=8, n_train=300, lrs=[0.3, 1.0], steps=25, batch=40, eps=2.0,
+        data_seed=3,
+        n=400,
+        dim=8,
+        n_train=300,
+        lrs=[0.3, 1.0],
+        steps=25,
+        batch=40,
+        eps=2.0,
         selection=SelectionSpec(mode="private", split="holdout", eval_every=10, noise_multiplier=30.0),
-        seeds=(0, 1), name="ray-vs-local",
+        seeds=(0, 1),
+        name="ray-vs-local",
     )
 
 

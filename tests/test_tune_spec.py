@@ -98,10 +98,16 @@ def _bad(tmp_path, old, new):
         ("delta = 1e-5", "delta = 1e-5\nepsilom = 2", "budget.epsilom"),
         ('mode = "public"', 'mode = "secret"', "selection.mode"),
         ("fixed = { momentum = 0.0 }", "fixed = { warp = 9 }", "strategies[0].fixed.warp"),
-        ("space = { lr = [0.1, 1.0], clip = [0.5, 1.0] }", "space = { lr = { log_uniform = [0.1, 1.0] } }",
-         "strategies[0].space.lr"),
-        ('space = { lr = [0.1, 1.0] }\nmethod = { name = "online" }',
-         'space = { lr = [0.1, 1.0], initial_clip = [1.0] }\nmethod = { name = "online" }', "strategies[1].space"),
+        (
+            "space = { lr = [0.1, 1.0], clip = [0.5, 1.0] }",
+            "space = { lr = { log_uniform = [0.1, 1.0] } }",
+            "strategies[0].space.lr",
+        ),
+        (
+            'space = { lr = [0.1, 1.0] }\nmethod = { name = "online" }',
+            'space = { lr = [0.1, 1.0], initial_clip = [1.0] }\nmethod = { name = "online" }',
+            "strategies[1].space",
+        ),
         ('[method]\nname = "grid"', '[method]\nname = "liu-talwar"\ngamma = 2', "method.gamma"),
         ("seeds = [0, 1]", "seeds = [0, 0]", "study.seeds"),
         ("epochs = 2", "epochs = 2\nsteps = 10", "training"),
@@ -115,8 +121,9 @@ def test_bad_files_give_one_clear_error(tmp_path, old, new, field):
 
 def test_missing_sections_and_file_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"^strategies: section missing"):
-        study_from_dict({"data": {"name": "digits"}, "model": {"name": "mlp"}, "training": {"steps": 1,
-                                                                                            "full_batch": True}})
+        study_from_dict(
+            {"data": {"name": "digits"}, "model": {"name": "mlp"}, "training": {"steps": 1, "full_batch": True}}
+        )
     with pytest.raises(ConfigError, match="does not exist"):
         load_study_config(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):

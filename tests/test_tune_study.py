@@ -42,15 +42,20 @@ def _data(n=360, d=8, k=3, seed=0):
 DATA = _data()
 
 
-def _study(method="grid", opts=None, strategies=None, selection=None, training=None, eps=(2.0,), seeds=(0, 1),
-           **kw) -> Study:
+def _study(
+    method="grid", opts=None, strategies=None, selection=None, training=None, eps=(2.0,), seeds=(0, 1), **kw
+) -> Study:
     return Study(
-        data=DATA, model="logistic_regression",
+        data=DATA,
+        model="logistic_regression",
         strategies=strategies or (StrategyArm("dpsgd", space={"lr": [0.2, 1.0]}, fixed={"clip": 1.0}),),
         training=training or TrainingSpec(steps=20, expected_batch_size=40),
         budget=BudgetSpec(epsilon=eps, delta=1e-5, accountant=kw.pop("accountant", "rdp")),
-        method=MethodSpec(method, opts or {}), selection=selection or SelectionSpec(eval_every=10),
-        seeds=seeds, name=kw.pop("name", method), **kw,
+        method=MethodSpec(method, opts or {}),
+        selection=selection or SelectionSpec(eval_every=10),
+        seeds=seeds,
+        name=kw.pop("name", method),
+        **kw,
     )
 
 
@@ -80,7 +85,9 @@ def test_grid_per_seed_selection_and_outputs(tmp_path):
         scores = [p["score"] for p in picks]
         assert row["value_mean"] == pytest.approx(sum(scores) / 2)
         assert row["value_std"] == pytest.approx(abs(scores[0] - scores[1]) / math.sqrt(2))
-        assert row["planned_epsilon"] <= row["epsilon"] and row["spent_epsilon"] == pytest.approx(row["epsilon"], rel=2e-3)
+        assert row["planned_epsilon"] <= row["epsilon"] and row["spent_epsilon"] == pytest.approx(
+            row["epsilon"], rel=2e-3
+        )
     # CSV files, status, terminal rendering within 100 columns
     with open(tmp_path / "g" / "release" / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == 2
@@ -97,10 +104,12 @@ def test_grid_per_seed_selection_and_outputs(tmp_path):
 
 def test_rerr_rows_pair_linear_scaling_with_random_and_oracle():
     base = {"optimizer": "dpgd", "epsilon": 1.0}
-    rows = [{**base, "strategy": "ls", "method": "linear-scaling", "value_mean": 0.8763},
-            {**base, "strategy": "rand", "method": "random", "value_mean": 0.832},
-            {**base, "strategy": "grid", "method": "oracle", "value_mean": 0.886},
-            {**base, "strategy": "other", "optimizer": "dpsgd", "method": "random", "value_mean": 0.1}]
+    rows = [
+        {**base, "strategy": "ls", "method": "linear-scaling", "value_mean": 0.8763},
+        {**base, "strategy": "rand", "method": "random", "value_mean": 0.832},
+        {**base, "strategy": "grid", "method": "oracle", "value_mean": 0.886},
+        {**base, "strategy": "other", "optimizer": "dpsgd", "method": "random", "value_mean": 0.1},
+    ]
     (r,) = rerr_rows(rows)
     assert r["rerr"] == pytest.approx((0.8763 - 0.832) / (0.886 - 0.832)) and r["random"] == "rand"
     assert rerr_rows(rows[:2]) == []  # no oracle: no RERR
@@ -137,8 +146,9 @@ def test_private_selection_releases_are_in_the_ledger(tmp_path):
 
 def test_liu_talwar_and_repeat_and_select_run_their_planned_runs(tmp_path):
     lt = run_study(_study("liu-talwar", {"gamma": 0.5}), tmp_path / "lt", progress=False)
-    rs = run_study(_study("repeat-and-select", {"mean": 2, "distribution": "geometric"}), tmp_path / "rs",
-                   progress=False)
+    rs = run_study(
+        _study("repeat-and-select", {"mean": 2, "distribution": "geometric"}), tmp_path / "rs", progress=False
+    )
     for d, out in ((tmp_path / "lt", lt), (tmp_path / "rs", rs)):
         plan = _plan(d)
         arm = plan.arms[0]
@@ -150,11 +160,17 @@ def test_liu_talwar_and_repeat_and_select_run_their_planned_runs(tmp_path):
 
 
 def test_linear_scaling_resolves_the_final_run_from_the_sweeps(tmp_path):
-    s = _study("linear-scaling", {"runs_per_sweep": 2},
-               strategies=(StrategyArm("dpgd", space={"lr": {"log_uniform": [0.05, 2.0]},
-                                                      "steps": {"int_uniform": [4, 16]}}),),
-               training=TrainingSpec(steps=8, full_batch=True), eps=(1.0,), accountant="auto",
-               selection=SelectionSpec(eval_every=4))
+    s = _study(
+        "linear-scaling",
+        {"runs_per_sweep": 2},
+        strategies=(
+            StrategyArm("dpgd", space={"lr": {"log_uniform": [0.05, 2.0]}, "steps": {"int_uniform": [4, 16]}}),
+        ),
+        training=TrainingSpec(steps=8, full_batch=True),
+        eps=(1.0,),
+        accountant="auto",
+        selection=SelectionSpec(eval_every=4),
+    )
     out = run_study(s, tmp_path / "ls", progress=False)
     assert out.complete and out.ledger_matches_plan
     plan = _plan(tmp_path / "ls")
@@ -180,11 +196,14 @@ def test_linear_scaling_resolves_the_final_run_from_the_sweeps(tmp_path):
 
 
 def test_online_oracle_and_nodp_baseline(tmp_path):
-    s = _study(strategies=(
-        StrategyArm("online", space={"lr": [0.2, 1.0]}, method=MethodSpec("online")),
-        StrategyArm("dpsgd", space={"lr": [0.2, 1.0]}, fixed={"clip": 1.0}, method=MethodSpec("oracle")),
-        StrategyArm("nodp", space={"lr": [0.5]}),
-    ), seeds=(0,))
+    s = _study(
+        strategies=(
+            StrategyArm("online", space={"lr": [0.2, 1.0]}, method=MethodSpec("online")),
+            StrategyArm("dpsgd", space={"lr": [0.2, 1.0]}, fixed={"clip": 1.0}, method=MethodSpec("oracle")),
+            StrategyArm("nodp", space={"lr": [0.5]}),
+        ),
+        seeds=(0,),
+    )
     out = run_study(s, tmp_path / "o", progress=False)
     by = {r["strategy"]: r for r in out.rows}
     assert by["oso"]["method"] == "online" and by["oso"]["spent_epsilon"] == pytest.approx(2.0, rel=2e-3)
@@ -227,11 +246,15 @@ def make_autoencoder() -> nn.Module:
 def test_reconstruction_metric_private(tmp_path):
     x = DATA[0].clamp(-1, 1)
     xt = DATA[2].clamp(-1, 1)
-    s = Study(data=(x, x, xt, xt), model=make_autoencoder,
-              strategies=(StrategyArm("dpsgd", space={"lr": [0.1, 0.5]}, fixed={"clip": 1.0}),),
-              training=TrainingSpec(steps=10, expected_batch_size=40),
-              budget=BudgetSpec(epsilon=(3.0,), delta=1e-5, accountant="rdp"),
-              selection=SelectionSpec(mode="private", eval_every=5, noise_multiplier=40.0), seeds=(0,))
+    s = Study(
+        data=(x, x, xt, xt),
+        model=make_autoencoder,
+        strategies=(StrategyArm("dpsgd", space={"lr": [0.1, 0.5]}, fixed={"clip": 1.0}),),
+        training=TrainingSpec(steps=10, expected_batch_size=40),
+        budget=BudgetSpec(epsilon=(3.0,), delta=1e-5, accountant="rdp"),
+        selection=SelectionSpec(mode="private", eval_every=5, noise_multiplier=40.0),
+        seeds=(0,),
+    )
     out = run_study(s, tmp_path / "ae", progress=False)
     assert out.ledger_matches_plan and out.rows[0]["metric"] == "mse"
     rows = _rows(tmp_path / "ae")
@@ -252,10 +275,14 @@ def test_failed_runs_are_recorded_and_retried_on_resume(tmp_path):
     from dptune.errors import ConfigError
     from dptune.tune import resume_study
 
-    s = Study(data=DATA, model=flaky_model, strategies=(StrategyArm("dpsgd", space={"lr": [0.5]},
-                                                                    fixed={"clip": 1.0}),),
-              training=TrainingSpec(steps=10, expected_batch_size=40),
-              budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant="rdp"), seeds=(0,))
+    s = Study(
+        data=DATA,
+        model=flaky_model,
+        strategies=(StrategyArm("dpsgd", space={"lr": [0.5]}, fixed={"clip": 1.0}),),
+        training=TrainingSpec(steps=10, expected_batch_size=40),
+        budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant="rdp"),
+        seeds=(0,),
+    )
     FAIL["on"] = True
     out = run_study(s, tmp_path / "f", progress=False)
     assert not out.complete and out.counts == {"failed": 1} and out.ledger_matches_plan is None

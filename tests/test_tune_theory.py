@@ -72,9 +72,7 @@ def test_lt_solve_inverts_the_theorem():
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    eps=st.floats(0.05, 20), log_delta=st.floats(-12, -2), gamma=st.floats(0.01, 1.0), frac=st.floats(0.05, 0.95)
-)
+@given(eps=st.floats(0.05, 20), log_delta=st.floats(-12, -2), gamma=st.floats(0.01, 1.0), frac=st.floats(0.05, 0.95))
 def test_lt_solve_never_exceeds_the_target(eps, log_delta, gamma, frac):
     delta = 10**log_delta
     p = theory.lt_solve(eps, delta, gamma, frac)
@@ -112,8 +110,11 @@ def test_lt_vs_ma_mohapatra_figure6():
     # ε_MA(k) equals an independent dp_accounting computation.
     k, _, eps_ma = r60.rows[9]
     acc = rdp_privacy_accountant.RdpAccountant()
-    acc.compose(dp_event.SelfComposedDpEvent(
-        dp_event.PoissonSampledDpEvent(250 / 60000, dp_event.GaussianDpEvent(4.0)), 10000 * k))
+    acc.compose(
+        dp_event.SelfComposedDpEvent(
+            dp_event.PoissonSampledDpEvent(250 / 60000, dp_event.GaussianDpEvent(4.0)), 10000 * k
+        )
+    )
     assert eps_ma == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
 
 

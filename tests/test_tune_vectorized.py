@@ -22,8 +22,17 @@ from dptune.tune.study import Coordinator
 
 def _study(group: int, **kw) -> Study:
     s = tiny_dpsgd_study(
-        data_seed=3, n=400, dim=10, n_train=300, lrs=[0.1, 0.3, 1.0], steps=30, batch=40, eps=2.0,
-        selection=SelectionSpec(mode="private", eval_every=10, noise_multiplier=20.0), seeds=(0, 1), name="vec",
+        data_seed=3,
+        n=400,
+        dim=10,
+        n_train=300,
+        lrs=[0.1, 0.3, 1.0],
+        steps=30,
+        batch=40,
+        eps=2.0,
+        selection=SelectionSpec(mode="private", eval_every=10, noise_multiplier=20.0),
+        seeds=(0, 1),
+        name="vec",
     )
     return dataclasses.replace(s, trials_per_group=group, **kw)
 

@@ -23,8 +23,12 @@ LINE = re.compile(r"^(?P<path>[^:]+):\d+:(?:\d+:)? error: (?P<msg>.*?)\s+\[(?P<c
 
 
 def mypy_errors() -> Counter[str]:
-    out = subprocess.run([sys.executable, "-m", "mypy", "src/dptune", "--no-error-summary", "--no-pretty"],
-                         cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "src/dptune", "--no-error-summary", "--no-pretty"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if out.returncode not in (0, 1) or "error: " not in out.stdout and out.returncode == 1:
         raise RuntimeError(f"mypy did not run: {out.stdout[-2000:]}{out.stderr[-2000:]}")
     errors: Counter[str] = Counter()

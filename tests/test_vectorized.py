@@ -24,16 +24,25 @@ YE = (XE[:, 0] - XE[:, 1] > 0).long()
 
 def mlp(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Flatten(), nn.Linear(10, 12), nn.LeakyReLU(), nn.Sequential(nn.Linear(12, 8), nn.Tanh()), nn.Linear(8, 2))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(10, 12), nn.LeakyReLU(), nn.Sequential(nn.Linear(12, 8), nn.Tanh()), nn.Linear(8, 2)
+    )
 
 
 GRIDS = {
     "dpsgd": [{"lr": 0.2, "clip": 0.05}, {"lr": 0.5, "clip": 1.0, "momentum": 0.5}, {"lr": 0.1, "clip": 10.0}],
     "nodp": [{"lr": 0.05}, {"lr": 0.5, "momentum": 0.9}, {"lr": 1.0}],
     "adamwosm": [{"clip": 0.05}, {"clip": 1.0}, {"clip": 5.0}],
-    "oso": [{"lr": 0.2, "initial_clip": 0.05}, {"lr": 0.5, "initial_clip": 1.0, "clip_lr": 0.1, "lr_lr": 0.1},
-            {"lr": 0.1, "initial_clip": 5.0, "rule": "normalized", "clip_lr": 0.2}],
-    "quantile": [{"lr": 0.2, "target_quantile": 0.2}, {"lr": 0.5, "target_quantile": 0.5}, {"lr": 0.3, "target_quantile": 0.9}],
+    "oso": [
+        {"lr": 0.2, "initial_clip": 0.05},
+        {"lr": 0.5, "initial_clip": 1.0, "clip_lr": 0.1, "lr_lr": 0.1},
+        {"lr": 0.1, "initial_clip": 5.0, "rule": "normalized", "clip_lr": 0.2},
+    ],
+    "quantile": [
+        {"lr": 0.2, "target_quantile": 0.2},
+        {"lr": 0.5, "target_quantile": 0.5},
+        {"lr": 0.3, "target_quantile": 0.9},
+    ],
     "dpadam": [{"lr": 0.01}, {"lr": 0.05, "clip": 0.2}, {"lr": 0.001}],
 }
 
@@ -73,8 +82,18 @@ def test_train_many_equals_sequential_train(strategy: str) -> None:
 def test_seeds_alone_drive_sampling_and_noise() -> None:
     """Same configuration: same seed → identical runs; another seed → other batches and noise."""
     cfg = {"lr": 0.3, "clip": 0.5}
-    runs = train_many(mlp(0), (X, Y), "dpsgd", [cfg] * 3, [5, 5, 6], noise_multiplier=1.0, steps=6,
-                      expected_batch_size=30, fallback="error", allow_shared_seeds=True)
+    runs = train_many(
+        mlp(0),
+        (X, Y),
+        "dpsgd",
+        [cfg] * 3,
+        [5, 5, 6],
+        noise_multiplier=1.0,
+        steps=6,
+        expected_batch_size=30,
+        fallback="error",
+        allow_shared_seeds=True,
+    )
     for k in runs[0].final_params:
         assert torch.equal(runs[0].final_params[k], runs[1].final_params[k])
     assert not torch.allclose(runs[0].final_params["1.weight"], runs[2].final_params["1.weight"])
@@ -83,14 +102,28 @@ def test_seeds_alone_drive_sampling_and_noise() -> None:
 
 def test_per_trial_noise_multipliers_targets_and_full_batch() -> None:
     cfgs = [{"lr": 0.1}, {"lr": 0.2}]
-    got = train_many(mlp, (X, Y), "dpgd", cfgs, [1, 2], noise_multiplier=[0.7, 3.0], steps=5, full_batch=True,
-                     fallback="error")
+    got = train_many(
+        mlp, (X, Y), "dpgd", cfgs, [1, 2], noise_multiplier=[0.7, 3.0], steps=5, full_batch=True, fallback="error"
+    )
     for k, nu in enumerate([0.7, 3.0]):
-        ref = train(mlp([1, 2][k]), (X, Y), "dpgd", seed=[1, 2][k], noise_multiplier=nu, steps=5, full_batch=True, **cfgs[k])
+        ref = train(
+            mlp([1, 2][k]), (X, Y), "dpgd", seed=[1, 2][k], noise_multiplier=nu, steps=5, full_batch=True, **cfgs[k]
+        )
         assert got[k].plan.noise_multiplier == nu
         assert_same_run(got[k], ref)
-    got = train_many(mlp, (X, Y), "dpsgd", [{"lr": 0.1}] * 2, [3, 4], target_epsilon=[1.0, 8.0], delta=1e-5, accountant="rdp",
-                     steps=4, expected_batch_size=30, fallback="error")
+    got = train_many(
+        mlp,
+        (X, Y),
+        "dpsgd",
+        [{"lr": 0.1}] * 2,
+        [3, 4],
+        target_epsilon=[1.0, 8.0],
+        delta=1e-5,
+        accountant="rdp",
+        steps=4,
+        expected_batch_size=30,
+        fallback="error",
+    )
     assert got[0].plan.noise_multiplier > got[1].plan.noise_multiplier
     for r, target in zip(got, [1.0, 8.0], strict=True):  # each run spends what its own plan says
         assert r.ledger.matches(r.plan.event())
@@ -116,7 +149,9 @@ def test_reconstruction_task_mse() -> None:
         return nn.Sequential(nn.Linear(10, 4), nn.Sigmoid(), nn.Linear(4, 10))
 
     kw = dict(steps=6, expected_batch_size=40, eval_data=(XE, XE), eval_every=3)
-    got = train_many(ae, (X, X), "dpsgd", [{"lr": 0.1, "clip": 0.5}] * 2, [7, 8], noise_multiplier=1.0, fallback="error", **kw)
+    got = train_many(
+        ae, (X, X), "dpsgd", [{"lr": 0.1, "clip": 0.5}] * 2, [7, 8], noise_multiplier=1.0, fallback="error", **kw
+    )
     assert got[0].metric == "mse"
     for k, seed in enumerate([7, 8]):
         ref = train(ae(seed), (X, X), "dpsgd", seed=seed, noise_multiplier=1.0, lr=0.1, clip=0.5, **kw)
@@ -138,12 +173,29 @@ def test_unstackable_models_run_sequentially_or_refuse() -> None:
     with pytest.raises(ConfigError, match="in-place"):
         stack_plan(nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True)))
     with pytest.raises(ConfigError, match="cannot be stacked"):
-        train_many(lambda s: Custom(), (X, Y), "dpsgd", [{}], [0], noise_multiplier=1.0, steps=2,
-                   expected_batch_size=30, fallback="error")
+        train_many(
+            lambda s: Custom(),
+            (X, Y),
+            "dpsgd",
+            [{}],
+            [0],
+            noise_multiplier=1.0,
+            steps=2,
+            expected_batch_size=30,
+            fallback="error",
+        )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = train_many(lambda s: Custom(), (X, Y), "dpsgd", [{}, {"lr": 0.3}], [0, 1], noise_multiplier=1.0,
-                         steps=3, expected_batch_size=30)
+        got = train_many(
+            lambda s: Custom(),
+            (X, Y),
+            "dpsgd",
+            [{}, {"lr": 0.3}],
+            [0, 1],
+            noise_multiplier=1.0,
+            steps=3,
+            expected_batch_size=30,
+        )
     assert any("sequentially" in str(w.message) for w in caught)
     torch.manual_seed(0)
     ref = train(Custom(), (X, Y), "dpsgd", seed=1, noise_multiplier=1.0, steps=3, expected_batch_size=30, lr=0.3)
@@ -152,23 +204,59 @@ def test_unstackable_models_run_sequentially_or_refuse() -> None:
 
 def test_argument_forms_and_errors() -> None:
     base = mlp(3)
-    a = train_many(base, (X, Y), "dpsgd", [{"lr": 0.2}] * 2, [1, 2], noise_multiplier=1.0, steps=3,
-                   expected_batch_size=30, fallback="error")
-    b = train_many([mlp(3), mlp(3)], (X, Y), "dpsgd", [{"lr": 0.2}] * 2, [1, 2], noise_multiplier=1.0, steps=3,
-                   expected_batch_size=30, fallback="error")
+    a = train_many(
+        base,
+        (X, Y),
+        "dpsgd",
+        [{"lr": 0.2}] * 2,
+        [1, 2],
+        noise_multiplier=1.0,
+        steps=3,
+        expected_batch_size=30,
+        fallback="error",
+    )
+    b = train_many(
+        [mlp(3), mlp(3)],
+        (X, Y),
+        "dpsgd",
+        [{"lr": 0.2}] * 2,
+        [1, 2],
+        noise_multiplier=1.0,
+        steps=3,
+        expected_batch_size=30,
+        fallback="error",
+    )
     for r1, r2 in zip(a, b, strict=True):
         for k in r1.final_params:
             assert torch.equal(r1.final_params[k], r2.final_params[k])
     assert next(base.parameters()).data_ptr() != next(a[0].model.parameters()).data_ptr()  # copied, not shared
     seen: list[tuple[int, int]] = []
-    train_many(mlp, (X, Y), "nodp", [{}] * 2, [1, 2], steps=3, expected_batch_size=30,
-               on_step=lambda k, t, row: seen.append((k, t)), fallback="error")
+    train_many(
+        mlp,
+        (X, Y),
+        "nodp",
+        [{}] * 2,
+        [1, 2],
+        steps=3,
+        expected_batch_size=30,
+        on_step=lambda k, t, row: seen.append((k, t)),
+        fallback="error",
+    )
     assert sorted(seen) == [(k, t) for k in range(2) for t in range(1, 4)]
     with pytest.raises(ConfigError, match="disagree"):
         train_many(mlp, (X, Y), "dpsgd", [{}] * 2, [1, 2, 3], noise_multiplier=1.0, steps=2, expected_batch_size=30)
     with pytest.raises(ConfigError, match="differ in architecture"):
-        train_many([mlp(0), nn.Sequential(nn.Linear(10, 2))], (X, Y), "dpsgd", [{}] * 2, [1, 2], noise_multiplier=1.0,
-                   steps=2, expected_batch_size=30, fallback="error")
+        train_many(
+            [mlp(0), nn.Sequential(nn.Linear(10, 2))],
+            (X, Y),
+            "dpsgd",
+            [{}] * 2,
+            [1, 2],
+            noise_multiplier=1.0,
+            steps=2,
+            expected_batch_size=30,
+            fallback="error",
+        )
     assert train_many(mlp, (X, Y), "dpsgd", [], [], noise_multiplier=1.0, steps=2, expected_batch_size=30) == []
 
 
@@ -197,17 +285,40 @@ def test_plans_and_per_trial_strategy_subclasses_as_the_tuner_passes_them() -> N
 
     lrs, lengths, seeds = [0.2, 0.5], [3, 5], [21, 22]
     seen: list[list] = [[], []]
-    plans = [plan_run(hooked(lr, seen[k]), X.shape[0], full_batch=True, steps=T, noise_multiplier=2.0)
-             for k, (lr, T) in enumerate(zip(lrs, lengths, strict=True))]
+    plans = [
+        plan_run(hooked(lr, seen[k]), X.shape[0], full_batch=True, steps=T, noise_multiplier=2.0)
+        for k, (lr, T) in enumerate(zip(lrs, lengths, strict=True))
+    ]
     rows: list[list] = [[], []]
-    got = train_many(mlp, (X, Y), plans=plans, seeds=seeds, run_ids=["a", "b"], device="cpu", loss="cross_entropy",
-                     eval_data=(XE, YE), eval_every=2, fallback="error", on_step=lambda k, t, row: rows[k].append(row))
+    got = train_many(
+        mlp,
+        (X, Y),
+        plans=plans,
+        seeds=seeds,
+        run_ids=["a", "b"],
+        device="cpu",
+        loss="cross_entropy",
+        eval_data=(XE, YE),
+        eval_every=2,
+        fallback="error",
+        on_step=lambda k, t, row: rows[k].append(row),
+    )
     for k in range(2):
         seen_many = list(seen[k])
         seen[k].clear()  # the same strategy instance (and hook) runs the reference next
         ref_rows: list = []
-        ref = train(mlp(seeds[k]), (X, Y), plans[k].strategy, plan=plans[k], seed=seeds[k], run_id="ab"[k],
-                    device="cpu", eval_data=(XE, YE), eval_every=2, on_step=lambda t, row, out=ref_rows: out.append(row))
+        ref = train(
+            mlp(seeds[k]),
+            (X, Y),
+            plans[k].strategy,
+            plan=plans[k],
+            seed=seeds[k],
+            run_id="ab"[k],
+            device="cpu",
+            eval_data=(XE, YE),
+            eval_every=2,
+            on_step=lambda t, row, out=ref_rows: out.append(row),
+        )
         assert_same_run(got[k], ref)
         assert rows[k] == got[k].history and ref_rows == ref.history and len(ref.history) == lengths[k]
         due = sorted({*range(2, lengths[k] + 1, 2), lengths[k]})

@@ -8,16 +8,31 @@ from dptune.tune import BudgetSpec, MethodSpec, SelectionSpec, StrategyArm, Stud
 
 
 def tiny_dpsgd_study(
-    *, data_seed: int, n: int, dim: int, n_train: int, lrs: list[float], steps: int, batch: int, eps: float,
-    selection: SelectionSpec, seeds: tuple[int, ...], name: str, account_seeds: bool = False,
+    *,
+    data_seed: int,
+    n: int,
+    dim: int,
+    n_train: int,
+    lrs: list[float],
+    steps: int,
+    batch: int,
+    eps: float,
+    selection: SelectionSpec,
+    seeds: tuple[int, ...],
+    name: str,
+    account_seeds: bool = False,
 ) -> Study:
     g = torch.Generator().manual_seed(data_seed)
     x = torch.randn(n, dim, generator=g)
     y = (x @ torch.randn(dim, 3, generator=g)).argmax(1)
     return Study(
-        data=(x[:n_train], y[:n_train], x[n_train:], y[n_train:]), model="logistic_regression",
+        data=(x[:n_train], y[:n_train], x[n_train:], y[n_train:]),
+        model="logistic_regression",
         strategies=(StrategyArm("dpsgd", space={"lr": list(lrs)}, fixed={"clip": 1.0}),),
         training=TrainingSpec(steps=steps, expected_batch_size=batch),
         budget=BudgetSpec(epsilon=(eps,), delta=1e-5, accountant="rdp", account_seeds=account_seeds),
-        method=MethodSpec("grid"), selection=selection, seeds=seeds, name=name,
+        method=MethodSpec("grid"),
+        selection=selection,
+        seeds=seeds,
+        name=name,
     )

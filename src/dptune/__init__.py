@@ -43,10 +43,29 @@ _LAZY: dict[str, tuple[str, str]] = {
 }
 
 __all__ = [
-    "train", "save_model", "load_model", "plan_run", "RunPlan", "TrainResult", "calibrate", "epsilon",
-    "joint_noise_multiplier", "oso_q_noise_multiplier", "Ledger", "make_strategy", "STRATEGIES",
-    "ConfigError", "DataError", "BudgetExceededError", "DivergedError", "DPTuneError", "Metric",
-    "from_dataloader", "make_private", "PrivateTraining", "chain",
+    "train",
+    "save_model",
+    "load_model",
+    "plan_run",
+    "RunPlan",
+    "TrainResult",
+    "calibrate",
+    "epsilon",
+    "joint_noise_multiplier",
+    "oso_q_noise_multiplier",
+    "Ledger",
+    "make_strategy",
+    "STRATEGIES",
+    "ConfigError",
+    "DataError",
+    "BudgetExceededError",
+    "DivergedError",
+    "DPTuneError",
+    "Metric",
+    "from_dataloader",
+    "make_private",
+    "PrivateTraining",
+    "chain",
 ]
 
 if TYPE_CHECKING:  # static tools see the eager imports

@@ -59,8 +59,7 @@ def check_delta(delta: float, name: str = "delta") -> float:
 def check_sampling_rate(q: float) -> float:
     if not isinstance(q, int | float) or not (0 < q <= 1):
         raise ConfigError(
-            f"sampling rate q must lie in (0, 1], got {q!r}. q = expected_batch_size / n; "
-            "q = 1 means full batch."
+            f"sampling rate q must lie in (0, 1], got {q!r}. q = expected_batch_size / n; q = 1 means full batch."
         )
     return float(q)
 
@@ -73,8 +72,10 @@ def check_noise_multiplier(nu: float) -> float:
 
 def check_accountant(name: str) -> str:
     if name not in ACCOUNTANTS:
-        raise ConfigError(f"unknown accountant {name!r}; choose one of {', '.join(ACCOUNTANTS)} "
-                          "('auto' picks the tightest when a run is planned).")
+        raise ConfigError(
+            f"unknown accountant {name!r}; choose one of {', '.join(ACCOUNTANTS)} "
+            "('auto' picks the tightest when a run is planned)."
+        )
     return name
 
 
@@ -295,9 +296,7 @@ class _LogEps:
         return (max(below) if below else None), hi
 
 
-def _solve(
-    f: _LogEps, guess: float, tol: float, target: float, slope: float = -1.0
-) -> tuple[float | None, float]:
+def _solve(f: _LogEps, guess: float, tol: float, target: float, slope: float = -1.0) -> tuple[float | None, float]:
     """Bracket and shrink the root of f to hi − lo ≤ tol (log space). Returns (lo, hi).
 
     Bracketing: Newton jumps with the current slope estimate d log ε / d log ν (secant of
@@ -699,9 +698,7 @@ def _calibrate_info_cached(
                 break
             step *= 10
         return Calibration(nu, lower, e_nu, evals, 0, time.perf_counter() - t0)
-    return calibrate_event_info(
-        lambda nu: dpsgd_event(nu, q, steps, runs), eps, delta, accountant, rel_tol=rel_tol
-    )
+    return calibrate_event_info(lambda nu: dpsgd_event(nu, q, steps, runs), eps, delta, accountant, rel_tol=rel_tol)
 
 
 def calibrate(

@@ -50,8 +50,9 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
-                                 help="print the version and exit"),
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="print the version and exit"
+    ),
 ) -> None:
     # Commands import torch, scipy and dp_accounting in their bodies, never here: --help and
     # --version start in well under a second (tests/test_cli_startup.py).
@@ -99,11 +100,21 @@ def parse_hyperparameters(pairs: list[str]) -> dict[str, Any]:
 @_guard
 def train(
     dataset: str = typer.Option("mnist5k", help="dataset name (dptune.data), e.g. mnist5k, digits, mnist"),
-    data: str | None = typer.Option(None, "--data", help="your own data instead of --dataset: pkg.module:loader, "
-                                    "loader() -> (train, test) (docs/your_data.md); the module must be importable"),
-    model: str = typer.Option("auto", help="model name (dptune.models), 'auto' for the dataset's default, or your "
-                              "own pkg.module:factory (factory() -> nn.Module; input_dim/classes passed if taken)"),
-    strategy: str = typer.Option("oso", help="nodp, dpsgd, quantile, oso, dpadam, adamwosm, adadp, dpgd, or a composition <privatizer>+<update> (privatizer: fixed, quantile, oso; update: sgd, adam, adamwosm, oso_rate, adadp), e.g. oso+adam"),
+    data: str | None = typer.Option(
+        None,
+        "--data",
+        help="your own data instead of --dataset: pkg.module:loader, "
+        "loader() -> (train, test) (docs/your_data.md); the module must be importable",
+    ),
+    model: str = typer.Option(
+        "auto",
+        help="model name (dptune.models), 'auto' for the dataset's default, or your "
+        "own pkg.module:factory (factory() -> nn.Module; input_dim/classes passed if taken)",
+    ),
+    strategy: str = typer.Option(
+        "oso",
+        help="nodp, dpsgd, quantile, oso, dpadam, adamwosm, adadp, dpgd, or a composition <privatizer>+<update> (privatizer: fixed, quantile, oso; update: sgd, adam, adamwosm, oso_rate, adadp), e.g. oso+adam",
+    ),
     epsilon: float | None = typer.Option(3.0, help="target ε of this run (ignored with --noise-multiplier)"),
     delta: float = typer.Option(1e-5, help="target δ"),
     noise_multiplier: float | None = typer.Option(None, help="use this ν instead of calibrating to ε"),
@@ -112,22 +123,34 @@ def train(
     full_batch: bool = typer.Option(False, help="full-batch training (q = 1)"),
     hp: list[str] = typer.Option([], "--hp", help="strategy hyperparameter key=value (repeatable), e.g. --hp lr=0.5"),
     accountant: str = typer.Option(
-        "auto", help="auto (the tightest: PLD, or exact μ-GDP at full batch), rdp, pld or gdp (full batch only)"),
+        "auto", help="auto (the tightest: PLD, or exact μ-GDP at full batch), rdp, pld or gdp (full batch only)"
+    ),
     eval_every: int = typer.Option(50, help="evaluate on the test split every N steps"),
     seed: int = typer.Option(0),
     data_dir: str | None = typer.Option(None, help="local dataset copies (else $DPTUNE_DATA_DIR / download cache)"),
-    device: str | None = typer.Option(None, help="cpu, cuda, cuda:N or mps (default: cuda if available); "
-                                      "a device that is not available here is an error"),
+    device: str | None = typer.Option(
+        None,
+        help="cpu, cuda, cuda:N or mps (default: cuda if available); a device that is not available here is an error",
+    ),
     out: Path = typer.Option(Path("dptune-train.json"), help="where to write the JSON result (the release)"),
     diagnostics_out: Path | None = typer.Option(
-        None, help="where to write the diagnostics JSON, not differentially private: for the data owner only "
-                   "(default: diagnostics/<out name> beside --out)"),
+        None,
+        help="where to write the diagnostics JSON, not differentially private: for the data owner only "
+        "(default: diagnostics/<out name> beside --out)",
+    ),
     progress: bool = typer.Option(True, help="show a progress bar (no loss on the private batch)"),
-    secure: bool = typer.Option(False, "--secure", help="secure mode: noise and Poisson batches from the OS CSPRNG, "
-                                "not from --seed (not reproducible; use it for a model you will publish)"),
+    secure: bool = typer.Option(
+        False,
+        "--secure",
+        help="secure mode: noise and Poisson batches from the OS CSPRNG, "
+        "not from --seed (not reproducible; use it for a model you will publish)",
+    ),
     save: Path | None = typer.Option(
-        None, "--save", help="folder for the selected model (best on the public test split): model.pt + "
-                             "model_card.json/.md; reload with dptune.load_model(DIR)"),
+        None,
+        "--save",
+        help="folder for the selected model (best on the public test split): model.pt + "
+        "model_card.json/.md; reload with dptune.load_model(DIR)",
+    ),
 ) -> None:
     """Train one model with differential privacy; write the release JSON (guarantee, configuration,
     evaluations on the public test split, ledger totals) and, apart, the diagnostics JSON (history
@@ -180,11 +203,23 @@ def train(
     # The model actually built ("auto" resolved), named in the JSON and the table.
     model_name = model if own.is_factory_path(model) else models.default_model_name(ds) if model == "auto" else model
     result = run_train(
-        net, train_part, strategy, epochs=epochs,
-        expected_batch_size=None if full_batch else batch_size, full_batch=full_batch,
-        noise_multiplier=noise_multiplier, target_epsilon=None if noise_multiplier else epsilon,
-        delta=delta, accountant=accountant, eval_data=test_part, eval_every=eval_every,
-        seed=seed, device=device, progress=progress, secure_mode=secure, **hparams,
+        net,
+        train_part,
+        strategy,
+        epochs=epochs,
+        expected_batch_size=None if full_batch else batch_size,
+        full_batch=full_batch,
+        noise_multiplier=noise_multiplier,
+        target_epsilon=None if noise_multiplier else epsilon,
+        delta=delta,
+        accountant=accountant,
+        eval_data=test_part,
+        eval_every=eval_every,
+        seed=seed,
+        device=device,
+        progress=progress,
+        secure_mode=secure,
+        **hparams,
     )
     summary = result.summary()
     # The best checkpoint is picked on the test split (assumed public); the seed goes to the diagnostics only.
@@ -213,24 +248,38 @@ def train(
     plan = result.plan
 
     def eps_of(v: float) -> float:
-        return accounting.epsilon(plan.strategy.planned_event(v, plan.sampling_rate, plan.steps), delta, plan.accountant)
+        return accounting.epsilon(
+            plan.strategy.planned_event(v, plan.sampling_rate, plan.steps), delta, plan.accountant
+        )
 
     # ν rounded up (copied back with --noise-multiplier it cannot overshoot); ε by the
     # accountant ν was calibrated with, named and rounded up (it is a privacy claim).
-    nu_text = accounting.noise_multiplier_text(plan.noise_multiplier, eps_of,
-                                               epsilon if noise_multiplier is None else None)[0]
+    nu_text = accounting.noise_multiplier_text(
+        plan.noise_multiplier, eps_of, epsilon if noise_multiplier is None else None
+    )[0]
     rows = [
-        ("steps T", summary["steps"]), ("sampling rate q", f"{summary['sampling_rate']:.4g}"),
+        ("steps T", summary["steps"]),
+        ("sampling rate q", f"{summary['sampling_rate']:.4g}"),
         ("noise multiplier ν", nu_text),
         (f"best {result.metric}", f"{result.best_metric:.4f}" if result.best_metric is not None else "-"),
-        ("best step", result.best_step), ("diverged", result.diverged),
-        (f"ε spent ({plan.accountant.upper()})",
-         "∞" if not plan.strategy.private else f"{accounting.round_up(summary['epsilon'], 6):.6g}"),
-        ("δ", delta), ("randomness", summary["randomness"]), ("model", model_name),
-        ("selection", f"best checkpoint on the {release['selection_split']} split (assumed public)"
-         if release["selection_split"] else "final parameters"),
+        ("best step", result.best_step),
+        ("diverged", result.diverged),
+        (
+            f"ε spent ({plan.accountant.upper()})",
+            "∞" if not plan.strategy.private else f"{accounting.round_up(summary['epsilon'], 6):.6g}",
+        ),
+        ("δ", delta),
+        ("randomness", summary["randomness"]),
+        ("model", model_name),
+        (
+            "selection",
+            f"best checkpoint on the {release['selection_split']} split (assumed public)"
+            if release["selection_split"]
+            else "final parameters",
+        ),
         ("seed", "in the diagnostics JSON only" + ("" if secure else " (a secret key)")),
-        ("dptune", release["dptune_version"]), ("result", str(out)),
+        ("dptune", release["dptune_version"]),
+        ("result", str(out)),
         *([("saved model", str(save))] if save is not None else []),
     ]
     for k, v in rows:
@@ -239,8 +288,11 @@ def train(
     if not secure:  # a known seed voids the guarantee: say so on every seeded run
         console.print(f"[yellow]warning[/]: {summary['randomness_note']}", highlight=False)
     # The run time grows with the realised batch sizes: a diagnostic, like the loss.
-    console.print(f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag_path} (training loss on the private batch, "
-                  f"realised batch sizes; {summary['seconds']:.1f} s)", highlight=False)
+    console.print(
+        f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag_path} (training loss on the private batch, "
+        f"realised batch sizes; {summary['seconds']:.1f} s)",
+        highlight=False,
+    )
 
 
 def _check_model_fits(net: Any, train_part: Any, model: str, dataset: str, builtin: bool) -> None:
@@ -252,8 +304,10 @@ def _check_model_fits(net: Any, train_part: Any, model: str, dataset: str, built
     if pair is None:  # a map-style dataset read by index: its loader decides the shape
         return
     if builtin:
-        fix = (f"choose a model for the inputs of {dataset!r}, e.g. --model auto (the dataset's default); "
-               f"built-in models: {', '.join(sorted(models.MODELS))}.")
+        fix = (
+            f"choose a model for the inputs of {dataset!r}, e.g. --model auto (the dataset's default); "
+            f"built-in models: {', '.join(sorted(models.MODELS))}."
+        )
     else:
         fix = "make your model factory build a model for these inputs (or pick the data it was written for)."
     models.check_fits(net, pair[0], pair[1], f"--model {model}", fix)
@@ -288,7 +342,9 @@ def account(
         for name in names:
             if name == "pld" and rdp_eps > PLD_EPSILON_CAP:
                 # PLD ≤ RDP, but its grid grows with ε (35 PiB at ν = 1e-6): no guarantee worth a table.
-                t.add_row(name, f"not computed (RDP gives {accounting.round_up(rdp_eps, 6):.6g}: no meaningful privacy)")
+                t.add_row(
+                    name, f"not computed (RDP gives {accounting.round_up(rdp_eps, 6):.6g}: no meaningful privacy)"
+                )
                 continue
             eps = rdp_eps if name == "rdp" else accounting.epsilon(event, delta, name)
             t.add_row(name, f"{accounting.round_up(eps, 6):.6g}")
@@ -302,9 +358,11 @@ def _numeric_range(what: str) -> Iterator[None]:
     try:
         yield
     except ArithmeticError as exc:
-        raise ConfigError(f"the accountant cannot evaluate {what}: numerically out of range ({exc}). Fix: use a "
-                          "noise multiplier in [1e-3, 1e4] and a sampling rate ≥ 1e-12 (beyond them ε is ≈ 0 "
-                          "or unbounded).") from None
+        raise ConfigError(
+            f"the accountant cannot evaluate {what}: numerically out of range ({exc}). Fix: use a "
+            "noise multiplier in [1e-3, 1e4] and a sampling rate ≥ 1e-12 (beyond them ε is ≈ 0 "
+            "or unbounded)."
+        ) from None
 
 
 PLD_EPSILON_CAP = 1000.0  # above this RDP ε, PLD's discretised privacy-loss grid is not built
@@ -347,7 +405,8 @@ def tune(
     address: str | None = typer.Option(None, "--address", help="Ray cluster address (default: a local Ray)"),
     progress: bool = typer.Option(True, help="show progress bars"),
     gpus_per_run: float | None = typer.Option(
-        None, help="Ray only, runs on CUDA: GPUs each run requests (default 1; e.g. 0.25 packs four runs per GPU)"),
+        None, help="Ray only, runs on CUDA: GPUs each run requests (default 1; e.g. 0.25 packs four runs per GPU)"
+    ),
 ) -> None:
     """Plan a whole study inside its budget, run it, print the results table and budget."""
     from dptune.tune import load_study_config, run_study
@@ -355,11 +414,20 @@ def tune(
 
     study = load_study_config(config)
     study_dir = out or Path("studies") / study.name
-    run_study(study, study_dir, executor=executor, address=address, progress=progress, workers=workers,
-              gpus_per_run=gpus_per_run)
+    run_study(
+        study,
+        study_dir,
+        executor=executor,
+        address=address,
+        progress=progress,
+        workers=workers,
+        gpus_per_run=gpus_per_run,
+    )
     render(study_dir, console)
-    console.print(f"study directory: {study_dir}  (publishable: {study_dir / 'release'}; "
-                  f"dptune report {study_dir} for the HTML report)")
+    console.print(
+        f"study directory: {study_dir}  (publishable: {study_dir / 'release'}; "
+        f"dptune report {study_dir} for the HTML report)"
+    )
 
 
 @app.command()
@@ -374,8 +442,10 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
     # Run counts reveal K under Liu–Talwar / repeat-and-select: the owner's view, labelled.
     console.print(f"[bold red]{NOT_DP_LABEL}[/]", highlight=False)
     counts = ", ".join(f"{k} {v}" for k, v in st.get("counts", {}).items())
-    console.print(f"[bold]{st.get('name', study_dir)}[/]: {st.get('total', '?')} planned runs ({counts}); "
-                  f"complete: {st.get('complete')}")
+    console.print(
+        f"[bold]{st.get('name', study_dir)}[/]: {st.get('total', '?')} planned runs ({counts}); "
+        f"complete: {st.get('complete')}"
+    )
     if not st.get("complete") and st.get("eta"):  # "running" counts only runs a worker has started
         console.print(f"time left: {st['eta']}", highlight=False)
     t = Table(title="per tuning procedure: runs and budget (planned vs spent so far)")
@@ -383,13 +453,16 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
         t.add_column(col, justify="left" if col in ("arm", "method") else "right")
     for a in st.get("arms", []):
         t.add_row(
-            str(a.get("arm")), str(a.get("method")), f"{a.get('done', 0)}/{a.get('runs', '?')}",
+            str(a.get("arm")),
+            str(a.get("method")),
+            f"{a.get('done', 0)}/{a.get('runs', '?')}",
             f"({a.get('planned_epsilon', float('nan')):.3f}, {a.get('planned_delta', float('nan')):.0e})",
             f"({a.get('spent_epsilon', 0.0):.3f}, {a.get('spent_delta', 0.0):.0e})",
         )
     console.print(t)
-    rest = {k: v for k, v in st.items() if k not in ("arms", "counts", "name", "total", "complete", "eta",
-                                                     "eta_seconds")}
+    rest = {
+        k: v for k, v in st.items() if k not in ("arms", "counts", "name", "total", "complete", "eta", "eta_seconds")
+    }
     for k, v in rest.items():
         console.print(f"{k}: {json.dumps(v, default=str) if isinstance(v, dict | list) else v}")
 
@@ -414,11 +487,16 @@ def resume(
     st = study_status(study_dir)
     if st["complete"]:  # nothing to run: say so rather than print the table as if it had resumed
         # No run count: under Liu–Talwar / repeat-and-select it is not covered by the guarantee.
-        console.print(f"study {st['name']!r} in {study_dir} is already complete: nothing to resume. "
-                      f"See its results with `dptune report {study_dir}`.", highlight=False, soft_wrap=True)
+        console.print(
+            f"study {st['name']!r} in {study_dir} is already complete: nothing to resume. "
+            f"See its results with `dptune report {study_dir}`.",
+            highlight=False,
+            soft_wrap=True,
+        )
         return
-    resume_study(study_dir, executor=executor, address=address, progress=progress, workers=workers,
-                 gpus_per_run=gpus_per_run)
+    resume_study(
+        study_dir, executor=executor, address=address, progress=progress, workers=workers, gpus_per_run=gpus_per_run
+    )
     render(study_dir, console)
 
 
@@ -428,9 +506,11 @@ def report(
     study_dir: Path = typer.Argument(..., help="a study directory"),
     out: Path | None = typer.Option(None, help="output folder, gets release/ and diagnostics/ (default: study_dir)"),
     include_diagnostics: bool = typer.Option(
-        False, "--include-diagnostics",
+        False,
+        "--include-diagnostics",
         help="also write diagnostics/report.html: every run, per-run ledger, training loss and batch sizes, "
-             "under a banner (not differentially private: for the data owner only)"),
+        "under a banner (not differentially private: for the data owner only)",
+    ),
 ) -> None:
     """Write CSVs, figures and a self-contained HTML report of a study: release/ (publishable:
     covered by the guarantee) and diagnostics/ (not differentially private)."""
@@ -453,8 +533,11 @@ def report(
         for d in export_study(study_dir, out=out, skip_missing=True):
             console.print(f"model: {d}")
     diag = html.parent.parent / DIAGNOSTICS_DIR
-    console.print(f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag}"
-                  + (f" (page: {diag / 'report.html'})" if include_diagnostics else ""), highlight=False)
+    console.print(
+        f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag}"
+        + (f" (page: {diag / 'report.html'})" if include_diagnostics else ""),
+        highlight=False,
+    )
 
 
 @app.command()
@@ -483,10 +566,14 @@ def reproduce(
     executor: str = typer.Option("local", help="local, process or ray (an extra: pip install 'dptune\\[ray]')"),
     workers: int | None = typer.Option(None),
     device: str | None = typer.Option(None),
-    k: int | None = typer.Option(None, help="grid granularity for the Galli presets: 5, 7 or 9 at --scale paper "
-                                 "(default 7) and gpu-slice (default 5); 1 to 9 at smoke and small (default 2, 3)"),
-    steps: int | None = typer.Option(None, help="Galli presets: train every run this many steps (a quick check; "
-                                     "not comparable with the paper)"),
+    k: int | None = typer.Option(
+        None,
+        help="grid granularity for the Galli presets: 5, 7 or 9 at --scale paper "
+        "(default 7) and gpu-slice (default 5); 1 to 9 at smoke and small (default 2, 3)",
+    ),
+    steps: int | None = typer.Option(
+        None, help="Galli presets: train every run this many steps (a quick check; not comparable with the paper)"
+    ),
     limit: int | None = typer.Option(None, help="Galli presets: use this many training examples (a quick check)"),
     progress: bool = typer.Option(True),
 ) -> None:
@@ -498,8 +585,18 @@ def reproduce(
         return
     opts = {key: v for key, v in {"k": k, "steps": steps, "limit": limit}.items() if v is not None}
     out_dir = out or Path("runs") / f"{name}-{scale}"
-    presets.reproduce(name, scale, out_dir, data_dir=data_dir, executor=executor, progress=progress,
-                      workers=workers, device=device, console=console, **opts)
+    presets.reproduce(
+        name,
+        scale,
+        out_dir,
+        data_dir=data_dir,
+        executor=executor,
+        progress=progress,
+        workers=workers,
+        device=device,
+        console=console,
+        **opts,
+    )
 
 
 @app.command()
@@ -532,9 +629,17 @@ def audit(
     Exit code 1 when the audit refutes the claim."""
     from dptune.audit import run_audit
 
-    res = run_audit(strategy, eps, delta, method=method, seed=seed, canaries=canaries,
-                    threat_model=threat_model, confidence=confidence,
-                    on_progress=lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False))
+    res = run_audit(
+        strategy,
+        eps,
+        delta,
+        method=method,
+        seed=seed,
+        canaries=canaries,
+        threat_model=threat_model,
+        confidence=confidence,
+        on_progress=lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False),
+    )
     console.print(res.summary())
     if out is not None:
         out.write_text(json.dumps(res.to_dict(), default=str, indent=2))
@@ -547,4 +652,3 @@ def main() -> None:  # pragma: no cover
         app()
     except KeyboardInterrupt:
         sys.exit(130)
-

@@ -98,11 +98,15 @@ def write_model(directory: str | Path, state: Mapping[str, torch.Tensor], card: 
     ``directory``; the card records the weights' SHA-256. Returns the directory."""
     d = Path(directory)
     weights = save_state_dict(state, d / WEIGHTS_FILE)
-    full = {"format": CARD_FORMAT, **card,
-            "weights": {"file": WEIGHTS_FILE, "format": "torch.save(state_dict)", "sha256": file_sha256(weights)}}
+    full = {
+        "format": CARD_FORMAT,
+        **card,
+        "weights": {"file": WEIGHTS_FILE, "format": "torch.save(state_dict)", "sha256": file_sha256(weights)},
+    }
     # The folder's own name only: an absolute path would publish the owner's file system layout.
-    full["load"] = (f"import dptune; model, card = dptune.load_model({d.name!r})"
-                    + ("" if {"name", "factory"} & set(full.get("model", {})) else "  # model=YourModule(...): user code"))
+    full["load"] = f"import dptune; model, card = dptune.load_model({d.name!r})" + (
+        "" if {"name", "factory"} & set(full.get("model", {})) else "  # model=YourModule(...): user code"
+    )
     _write_text(d / CARD_JSON, json.dumps(_finite_json(full), indent=2, default=str) + "\n")
     _write_text(d / CARD_MD, card_markdown(full))
     return d
@@ -128,30 +132,56 @@ def _fmt(x: Any) -> str:
 
 def card_markdown(card: Mapping[str, Any]) -> str:
     g = card.get("guarantee", {})
-    lines = [f"# Model card: {card.get('title', 'dptune model')}", "",
-             f"dptune {card.get('dptune_version')} · randomness: {card.get('randomness')}", "",
-             *([f"**{card['privacy']}**", ""] if card.get("privacy") else []),
-             "## Guarantee", "",
-             f"({_fmt(g.get('epsilon'))}, {_fmt(g.get('delta'))})-differential privacy "
-             f"(accountant: {g.get('accountant')}, per {g.get('per', 'run')}, add/remove one example).", "",
-             f"- selection: {g.get('selection')}", ""]
+    lines = [
+        f"# Model card: {card.get('title', 'dptune model')}",
+        "",
+        f"dptune {card.get('dptune_version')} · randomness: {card.get('randomness')}",
+        "",
+        *([f"**{card['privacy']}**", ""] if card.get("privacy") else []),
+        "## Guarantee",
+        "",
+        f"({_fmt(g.get('epsilon'))}, {_fmt(g.get('delta'))})-differential privacy "
+        f"(accountant: {g.get('accountant')}, per {g.get('per', 'run')}, add/remove one example).",
+        "",
+        f"- selection: {g.get('selection')}",
+        "",
+    ]
     lines += ["Covered by the guarantee:", ""] + [f"- {c}" for c in g.get("covered", [])] + [""]
     lines += ["Not covered:", ""] + [f"- {c}" for c in g.get("not_covered", [])] + [""]
     lines += [f"Details: {PRIVACY_DOC}.", "", "## Randomness", "", str(card.get("randomness_note", "")), ""]
-    lines += ["## Configuration", "", "```json", json.dumps(card.get("configuration", {}), indent=2,
-                                                          default=str), "```", ""]
-    lines += ["## Model and data", "", f"- model: `{json.dumps(card.get('model'), default=str)}`",
-              f"- data: `{json.dumps(card.get('data'), default=str)}`", ""]
+    lines += [
+        "## Configuration",
+        "",
+        "```json",
+        json.dumps(card.get("configuration", {}), indent=2, default=str),
+        "```",
+        "",
+    ]
+    lines += [
+        "## Model and data",
+        "",
+        f"- model: `{json.dumps(card.get('model'), default=str)}`",
+        f"- data: `{json.dumps(card.get('data'), default=str)}`",
+        "",
+    ]
     if card.get("evaluation"):
-        lines += ["## Evaluation", "", "```json", json.dumps(card["evaluation"], indent=2, default=str),
-                  "```", ""]
+        lines += ["## Evaluation", "", "```json", json.dumps(card["evaluation"], indent=2, default=str), "```", ""]
     led = card.get("ledger", {})
     lines += ["## Ledger", "", f"- digest (SHA-256): `{led.get('digest')}`"]
     if led.get("note"):
         lines.append(f"- {led['note']}")
     w = card.get("weights", {})
-    lines += ["", "## Weights", "", f"- `{w.get('file')}` ({w.get('format')}), SHA-256 `{w.get('sha256')}`", "",
-              "```python", str(card.get("load", "")), "```", ""]
+    lines += [
+        "",
+        "## Weights",
+        "",
+        f"- `{w.get('file')}` ({w.get('format')}), SHA-256 `{w.get('sha256')}`",
+        "",
+        "```python",
+        str(card.get("load", "")),
+        "```",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -162,8 +192,13 @@ def _version() -> str:
 
 
 # ----------------------------------------------------------------------------- dptune.train
-def save_trained(result: Any, directory: str | Path, *, model_id: Mapping[str, Any] | None = None,
-                 data_id: Mapping[str, Any] | None = None) -> Path:
+def save_trained(
+    result: Any,
+    directory: str | Path,
+    *,
+    model_id: Mapping[str, Any] | None = None,
+    data_id: Mapping[str, Any] | None = None,
+) -> Path:
     """Write the selected checkpoint of a ``TrainResult`` (best on the evaluation data when
     ``train`` had ``eval_data``, else the final parameters) with its card into ``directory``.
 
@@ -186,17 +221,29 @@ def save_trained(result: Any, directory: str | Path, *, model_id: Mapping[str, A
         "title": f"{plan.strategy.name} (dptune.train)",
         "dptune_version": _version(),
         "guarantee": {
-            "epsilon": eps, "delta": result.delta, "accountant": plan.accountant, "per": "run",
-            "selection": ("checkpoint with the best evaluation metric on the evaluation data (assumed public; "
-                          "not protected by the guarantee)" if best else "final parameters (no selection)"),
+            "epsilon": eps,
+            "delta": result.delta,
+            "accountant": plan.accountant,
+            "per": "run",
+            "selection": (
+                "checkpoint with the best evaluation metric on the evaluation data (assumed public; "
+                "not protected by the guarantee)"
+                if best
+                else "final parameters (no selection)"
+            ),
             "covered": list(COVERED) if private else [],
             "not_covered": list(NOT_COVERED) if private else ["everything: a non-private strategy (ε = ∞)"],
         },
-        "configuration": {"strategy": plan.strategy.config(), "noise_multiplier": plan.noise_multiplier,
-                          "sampling_rate": plan.sampling_rate, "expected_batch_size": plan.expected_batch_size,
-                          "steps": plan.steps, "steps_taken": taken, "n": plan.n},
-        "checkpoint": {"rule": "best" if best else "final",
-                       "step": result.best_step if best else taken},
+        "configuration": {
+            "strategy": plan.strategy.config(),
+            "noise_multiplier": plan.noise_multiplier,
+            "sampling_rate": plan.sampling_rate,
+            "expected_batch_size": plan.expected_batch_size,
+            "steps": plan.steps,
+            "steps_taken": taken,
+            "n": plan.n,
+        },
+        "checkpoint": {"rule": "best" if best else "final", "step": result.best_step if best else taken},
         "evaluation": {"metric": result.metric, "best": result.best_metric} if best else {},
         "model": dict(model_id) if model_id else {"class": _class_path(result.model)},
         "data": dict(data_id) if data_id else {"name": "in-memory (not identified)"},
@@ -234,8 +281,11 @@ def save_checkpoint(study_dir: str | Path, run_id: str, payload: Mapping[str, An
         path.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(path.parent, 0o700)  # owner only
         (path.parent / "README.txt").write_text(_CKPT_README, encoding="utf-8")
-    obj = {"run_id": run_id, "model": dict(payload.get("model") or {}),
-           "state_dict": {k: v.detach().cpu().contiguous() for k, v in payload["state_dict"].items()}}
+    obj = {
+        "run_id": run_id,
+        "model": dict(payload.get("model") or {}),
+        "state_dict": {k: v.detach().cpu().contiguous() for k, v in payload["state_dict"].items()},
+    }
     return _atomic(path, lambda fh: torch.save(obj, fh))
 
 
@@ -266,8 +316,9 @@ def model_identity(spec: Any, data: Any) -> dict[str, Any]:
     return {**spec.describe(), "options": opts}
 
 
-def factory_identity(path: str, input_dim: int | None, classes: int | None,
-                     options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def factory_identity(
+    path: str, input_dim: int | None, classes: int | None, options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """``{"factory": "pkg.module:fn", "kwargs": ...}`` with ``input_dim``/``classes`` filled in as
     ``dptune.own.build_model`` fills them (when the factory takes them): ``load_model`` calls it."""
     import inspect
@@ -306,8 +357,9 @@ def _saved_run(row: Mapping[str, Any], plan: Any) -> str | None:
     return min(ids, key=lambda rid: (plan.runs[rid].replicate, plan.runs[rid].procedure))
 
 
-def export_study(study_dir: str | Path, arm: str | None = None, out: str | Path | None = None, *,
-                 skip_missing: bool = False) -> list[Path]:
+def export_study(
+    study_dir: str | Path, arm: str | None = None, out: str | Path | None = None, *, skip_missing: bool = False
+) -> list[Path]:
     """Write ``release/models/<arm>/`` (model.pt + model_card.json + model_card.md) for ``arm``
     (default: every arm) of a finished study, from the stored checkpoints: no training, no
     release. ``out``: another folder for the release (default: the study directory)."""
@@ -321,8 +373,10 @@ def export_study(study_dir: str | Path, arm: str | None = None, out: str | Path 
     if not status["complete"]:
         c = status["counts"]
         done = c.get("done", 0) + c.get("diverged", 0)
-        raise ConfigError(f"the study in {str(d)!r} is not finished ({done} of {status['total']} runs done): its "
-                          "selection is not final. Fix: `dptune resume DIR`, then export.")
+        raise ConfigError(
+            f"the study in {str(d)!r} is not finished ({done} of {status['total']} runs done): its "
+            "selection is not final. Fix: `dptune resume DIR`, then export."
+        )
     names = [a.arm for a in plan.arms]
     if arm is not None and arm not in names:
         raise ConfigError(f"no arm {arm!r} in this study. Fix: --arm one of {', '.join(names)}.")
@@ -340,9 +394,16 @@ def export_study(study_dir: str | Path, arm: str | None = None, out: str | Path 
         rid = _saved_run(row, plan)
         ckpt = load_checkpoint(d, rid) if rid is not None else None
         if ckpt is None:
-            msg = (f"arm {a.arm!r}: " + ("no run was selected (every run diverged or failed)" if rid is None else
-                   "the selected run's weights are not stored (a study run before dptune saved checkpoints, "
-                   "or checkpoints/ was deleted)") + "; retraining would be a new release.")
+            msg = (
+                f"arm {a.arm!r}: "
+                + (
+                    "no run was selected (every run diverged or failed)"
+                    if rid is None
+                    else "the selected run's weights are not stored (a study run before dptune saved checkpoints, "
+                    "or checkpoints/ was deleted)"
+                )
+                + "; retraining would be a new release."
+            )
             if skip_missing or (arm is None and rid is None):  # every arm: skip one with no selection
                 continue
             raise ConfigError(msg + " Fix: run a new study.")
@@ -351,32 +412,52 @@ def export_study(study_dir: str | Path, arm: str | None = None, out: str | Path 
         if hidden_k:
             # The ledger is a function of the plan and of the number of runs drawn: its digest
             # would let anyone test guesses of K, which Liu-Talwar / repeat-and-select keep secret.
-            ledger = {"digest": None, "note": "withheld: the study has an arm that keeps the number of runs "
-                      "secret and the ledger's digest would reveal it; it is in diagnostics/models/."}
+            ledger = {
+                "digest": None,
+                "note": "withheld: the study has an arm that keeps the number of runs "
+                "secret and the ledger's digest would reveal it; it is in diagnostics/models/.",
+            }
             diag = (Path(out) if out is not None else d) / DIAGNOSTICS_DIR / MODELS_DIR / a.arm
             diag.mkdir(parents=True, exist_ok=True)
             _write_text(diag / "ledger_digest.json", json.dumps(labelled_json({"digest": digest}), indent=2))
         guarantee = {
-            "epsilon": row["planned_epsilon"], "delta": row["planned_delta"], "accountant": row["accountant"],
-            "per": row["guarantee_per"], "kind": a.guarantee.get("kind"), "method": row["method"],
+            "epsilon": row["planned_epsilon"],
+            "delta": row["planned_delta"],
+            "accountant": row["accountant"],
+            "per": row["guarantee_per"],
+            "kind": a.guarantee.get("kind"),
+            "method": row["method"],
             "selection": f"{sel.get('mode', 'public')} selection on the {sel.get('split', 'test')} split "
-                         f"({row['metric']}, checkpoint rule: {sel.get('checkpoint', 'best')}, across seeds: "
-                         f"{sel.get('across_seeds', 'per-seed')})",
+            f"({row['metric']}, checkpoint rule: {sel.get('checkpoint', 'best')}, across seeds: "
+            f"{sel.get('across_seeds', 'per-seed')})",
             "covered": list(COVERED) if math.isfinite(row["planned_epsilon"]) else [],
             "not_covered": list(NOT_COVERED),
         }
         card = {
             "title": f"{a.label} at ε = {a.epsilon} ({cfg.get('study', {}).get('name', 'study')})",
-            "dptune_version": _version(), "arm": a.arm, "guarantee": guarantee,
-            "configuration": {"strategy": a.strategy, "hyperparameters": json.loads(stored["config"])
-                              if isinstance(stored["config"], str) else stored["config"],
-                              "noise_multiplier": run.noise_multiplier, "sampling_rate": run.sampling_rate,
-                              "steps": run.steps, "seed_replicate": run.replicate},
+            "dptune_version": _version(),
+            "arm": a.arm,
+            "guarantee": guarantee,
+            "configuration": {
+                "strategy": a.strategy,
+                "hyperparameters": json.loads(stored["config"])
+                if isinstance(stored["config"], str)
+                else stored["config"],
+                "noise_multiplier": run.noise_multiplier,
+                "sampling_rate": run.sampling_rate,
+                "steps": run.steps,
+                "seed_replicate": run.replicate,
+            },
             "checkpoint": {"rule": sel.get("checkpoint", "best"), "step": stored["best_step"]},
-            "evaluation": {"metric": row["metric"], "selection_score": stored["score"],
-                           "test_metric": stored["test_metric"]},
-            "model": ckpt.get("model") or {}, "data": _public_data_id(cfg.get("data")),
-            **randomness_statement(secure), "ledger": ledger,
+            "evaluation": {
+                "metric": row["metric"],
+                "selection_score": stored["score"],
+                "test_metric": stored["test_metric"],
+            },
+            "model": ckpt.get("model") or {},
+            "data": _public_data_id(cfg.get("data")),
+            **randomness_statement(secure),
+            "ledger": ledger,
         }
         base = Path(out) if out is not None else d
         if math.isfinite(row["planned_epsilon"]):
@@ -419,8 +500,9 @@ def prune_checkpoints(study_dir: str | Path) -> int:
 
 
 # ----------------------------------------------------------------------------- loading
-def load_model(path: str | Path, model: nn.Module | None = None, *,
-               trust_factory: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+def load_model(
+    path: str | Path, model: nn.Module | None = None, *, trust_factory: bool = False
+) -> tuple[nn.Module, dict[str, Any]]:
     """``(module, card)`` from a folder written by ``dptune train --save``, a study's
     ``release/models/<arm>/`` or ``dptune export`` (or its ``model.pt``).
 
@@ -433,22 +515,28 @@ def load_model(path: str | Path, model: nn.Module | None = None, *,
     d = p.parent if p.is_file() else p
     weights, card_path = (p if p.is_file() else d / WEIGHTS_FILE), d / CARD_JSON
     if not weights.is_file():
-        raise ConfigError(f"no {WEIGHTS_FILE} in {str(d)!r}. Fix: pass the folder written by "
-                          "`dptune train --save DIR` or `dptune export`.")
+        raise ConfigError(
+            f"no {WEIGHTS_FILE} in {str(d)!r}. Fix: pass the folder written by "
+            "`dptune train --save DIR` or `dptune export`."
+        )
     card: dict[str, Any] = json.loads(card_path.read_text(encoding="utf-8")) if card_path.is_file() else {}
     expected = card.get("weights", {}).get("sha256")
     if expected and file_sha256(weights) != expected:
-        raise ConfigError(f"{str(weights)!r} does not match the SHA-256 in its model card: the weights were "
-                          "changed after export. Fix: export them again.")
+        raise ConfigError(
+            f"{str(weights)!r} does not match the SHA-256 in its model card: the weights were "
+            "changed after export. Fix: export them again."
+        )
     if model is None:
         ident = card.get("model", {})
         if "factory" in ident:  # your module:factory, importable here (the card names it)
             from dptune.own import import_factory
 
             if not trust_factory:
-                raise ConfigError(f"this card names user code ({ident['factory']!r}), which loading would run. "
-                                  "Fix: pass model=an instance of the same architecture, or trust_factory=True "
-                                  "if you trust where the card comes from.")
+                raise ConfigError(
+                    f"this card names user code ({ident['factory']!r}), which loading would run. "
+                    "Fix: pass model=an instance of the same architecture, or trust_factory=True "
+                    "if you trust where the card comes from."
+                )
 
             model = import_factory(ident["factory"], "model factory")(**ident.get("kwargs", {}))
         elif "name" in ident:
@@ -456,12 +544,16 @@ def load_model(path: str | Path, model: nn.Module | None = None, *,
 
             model = models.build(ident["name"], **ident.get("kwargs", {}))
         else:
-            raise ConfigError(f"this model was built by user code ({ident or 'unknown'}): pass model=an instance "
-                              "of the same architecture, e.g. dptune.load_model(DIR, model=MyNet()).")
+            raise ConfigError(
+                f"this model was built by user code ({ident or 'unknown'}): pass model=an instance "
+                "of the same architecture, e.g. dptune.load_model(DIR, model=MyNet())."
+            )
     state = torch.load(weights, map_location="cpu", weights_only=True)
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        raise ConfigError(f"the weights do not fit the given model ({str(exc).splitlines()[0]}). Fix: pass an "
-                          "instance of the architecture that was trained.") from None
+        raise ConfigError(
+            f"the weights do not fit the given model ({str(exc).splitlines()[0]}). Fix: pass an "
+            "instance of the architecture that was trained."
+        ) from None
     return model, card

@@ -48,34 +48,47 @@ def resolve_device(device: Any = None, where: str = "device") -> torch.device:
     name = check_device_name(device, where)
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ConfigError(f"{where}: {name!r} asked for, but CUDA is not available here "
-                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}). "
-                              "Fix: use device 'cpu', or install a CUDA build of torch on a machine with an "
-                              "NVIDIA GPU.")
+            raise ConfigError(
+                f"{where}: {name!r} asked for, but CUDA is not available here "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}). "
+                "Fix: use device 'cpu', or install a CUDA build of torch on a machine with an "
+                "NVIDIA GPU."
+            )
         n = torch.cuda.device_count()
         if ":" in name and int(name.split(":")[1]) >= n:
-            raise ConfigError(f"{where}: {name!r} asked for, but only {n} CUDA device(s) are visible "
-                              f"(cuda:0..cuda:{n - 1}). Fix: pick one of them, or 'cuda'.")
+            raise ConfigError(
+                f"{where}: {name!r} asked for, but only {n} CUDA device(s) are visible "
+                f"(cuda:0..cuda:{n - 1}). Fix: pick one of them, or 'cuda'."
+            )
     elif name == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
-            raise ConfigError(f"{where}: 'mps' asked for, but Apple's MPS backend is not available here. "
-                              "Fix: use device 'cpu'.")
+            raise ConfigError(
+                f"{where}: 'mps' asked for, but Apple's MPS backend is not available here. Fix: use device 'cpu'."
+            )
     return torch.device(name)
 
 
 def gpus_per_task(device: Any, gpus_per_run: float | None) -> float:
     """Ray's ``num_gpus`` of one task (a run or a vectorised group): 0 on CPU/MPS; on CUDA
     ``gpus_per_run`` (default 1: one run per GPU; e.g. 0.25 packs four small runs on a GPU)."""
-    ok = (gpus_per_run is None or (isinstance(gpus_per_run, int | float) and not isinstance(gpus_per_run, bool)
-                                   and gpus_per_run > 0 and (gpus_per_run <= 1 or float(gpus_per_run).is_integer())))
+    ok = gpus_per_run is None or (
+        isinstance(gpus_per_run, int | float)
+        and not isinstance(gpus_per_run, bool)
+        and gpus_per_run > 0
+        and (gpus_per_run <= 1 or float(gpus_per_run).is_integer())
+    )
     if not ok:
-        raise ConfigError(f"gpus_per_run must be a fraction in (0, 1] or a whole number of GPUs, got "
-                          f"{gpus_per_run!r}. Fix: e.g. gpus_per_run = 0.25 to share a GPU among four runs.")
+        raise ConfigError(
+            f"gpus_per_run must be a fraction in (0, 1] or a whole number of GPUs, got "
+            f"{gpus_per_run!r}. Fix: e.g. gpus_per_run = 0.25 to share a GPU among four runs."
+        )
     if not uses_cuda(device):
         if gpus_per_run is not None:
-            raise ConfigError(f"gpus_per_run = {gpus_per_run} needs runs on CUDA, but the device is "
-                              f"{device!r}. Fix: set device = 'cuda', or drop gpus_per_run.")
+            raise ConfigError(
+                f"gpus_per_run = {gpus_per_run} needs runs on CUDA, but the device is "
+                f"{device!r}. Fix: set device = 'cuda', or drop gpus_per_run."
+            )
         return 0.0
     return 1.0 if gpus_per_run is None else float(gpus_per_run)
 
@@ -102,8 +115,10 @@ def process_gpu_plan(device: Any, workers: int | None) -> tuple[int | None, list
     name = check_device_name(device)
     gpus = visible_gpus()
     if not gpus:
-        raise ConfigError(f"device {name!r}: no CUDA device is visible (CUDA_VISIBLE_DEVICES="
-                          f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Fix: use device 'cpu', or expose a GPU.")
+        raise ConfigError(
+            f"device {name!r}: no CUDA device is visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Fix: use device 'cpu', or expose a GPU."
+        )
     if ":" in name:  # an explicit index refers to this process's numbering: keep the mask as is
         return workers or 1, None
     n_workers = workers or len(gpus)

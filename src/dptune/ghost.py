@@ -360,11 +360,14 @@ class _Conv(_Layer):
         self.transposed = isinstance(mod, nn.ConvTranspose2d)
         if isinstance(mod, nn.Conv1d):  # as a 2-d convolution of height 1
             a, b = a.unsqueeze(2), b.unsqueeze(2)
-            self.geom = dict(kernel_size=(1, *mod.kernel_size), dilation=(1, *mod.dilation),
-                             padding=(0, *mod.padding), stride=(1, *mod.stride))
+            self.geom = dict(
+                kernel_size=(1, *mod.kernel_size),
+                dilation=(1, *mod.dilation),
+                padding=(0, *mod.padding),
+                stride=(1, *mod.stride),
+            )
         else:
-            self.geom = dict(kernel_size=mod.kernel_size, dilation=mod.dilation, padding=mod.padding,
-                             stride=mod.stride)
+            self.geom = dict(kernel_size=mod.kernel_size, dilation=mod.dilation, padding=mod.padding, stride=mod.stride)
         self.a, self.b = a, b
         B = a.shape[0]
         self.gb = b.sum((2, 3)) if "bias" in names else None
@@ -421,9 +424,17 @@ class _Conv(_Layer):
         wb = w.expand(c, *w.shape).reshape(c * w.shape[0], *w.shape[1:])
         opad = list(self.mod.output_padding) if self.transposed else [0, 0]
         g = torch.ops.aten.convolution_backward(
-            b.reshape(1, c * b.shape[1], *b.shape[2:]), a.reshape(1, c * a.shape[1], *a.shape[2:]), wb, None,
-            list(self.geom["stride"]), list(self.geom["padding"]), list(self.geom["dilation"]),
-            self.transposed, opad, c, [False, True, False],
+            b.reshape(1, c * b.shape[1], *b.shape[2:]),
+            a.reshape(1, c * a.shape[1], *a.shape[2:]),
+            wb,
+            None,
+            list(self.geom["stride"]),
+            list(self.geom["padding"]),
+            list(self.geom["dilation"]),
+            self.transposed,
+            opad,
+            c,
+            [False, True, False],
         )[1]
         return g.reshape(c, w.shape[0], -1)
 
@@ -459,7 +470,9 @@ class _Conv(_Layer):
         total: torch.Tensor | None = None
         for i in range(0, big.shape[0], self._chunk):
             U = F.unfold(big[i : i + self._chunk], **self.geom)  # [c, d, T]
-            V = small[i : i + self._chunk].reshape(U.shape[0], small.shape[1], -1) * w[i : i + self._chunk].view(-1, 1, 1)
+            V = small[i : i + self._chunk].reshape(U.shape[0], small.shape[1], -1) * w[i : i + self._chunk].view(
+                -1, 1, 1
+            )
             part = torch.einsum("cpt,cdt->pd", V, U)
             total = part if total is None else total + part
         return total if total is not None else self.weight.new_zeros(self.weight.shape)
@@ -493,8 +506,12 @@ class _Conv(_Layer):
                 G = self._per_sample_weight(self.a, self.b)
             else:  # the chunks of the norms and sums (case (e))
                 with _same_kernel(self.a.device):
-                    G = torch.cat([self._per_sample_weight(self.a[i : i + self._chunk], self.b[i : i + self._chunk])
-                                   for i in range(0, self.a.shape[0], self._chunk)])
+                    G = torch.cat(
+                        [
+                            self._per_sample_weight(self.a[i : i + self._chunk], self.b[i : i + self._chunk])
+                            for i in range(0, self.a.shape[0], self._chunk)
+                        ]
+                    )
             out[self.names["weight"]] = G.reshape(G.shape[0], *self.weight.shape)
         if self.gb is not None:
             out[self.names["bias"]] = self.gb
@@ -502,7 +519,9 @@ class _Conv(_Layer):
 
 
 class _Embedding(_Layer):
-    def __init__(self, names: dict[str, str], mod: nn.Embedding, idx: torch.Tensor, b: torch.Tensor, weight: torch.Tensor):
+    def __init__(
+        self, names: dict[str, str], mod: nn.Embedding, idx: torch.Tensor, b: torch.Tensor, weight: torch.Tensor
+    ):
         super().__init__(names)
         B = idx.shape[0]
         self.idx = idx.reshape(B, -1)
@@ -604,8 +623,11 @@ class GhostGrads(MaterializedGrads):
         """Upper bounds: the released w·g_i has norm ≤ |w|·N_i (module docstring)."""
         if self._norms is None:
             with ieee_matmul(self.losses.device):
-                self._norms = upper_norms([part for layer in self._layers for part in layer.sq_norms()], self.losses,
-                                          release_dtypes=[p.dtype for p in self._params.values()])
+                self._norms = upper_norms(
+                    [part for layer in self._layers for part in layer.sq_norms()],
+                    self.losses,
+                    release_dtypes=[p.dtype for p in self._params.values()],
+                )
         return self._norms
 
     def _release_err(self) -> torch.Tensor | None:
@@ -624,7 +646,8 @@ class GhostGrads(MaterializedGrads):
                 got.update(layer.per_sample())
             B = self.batch_size
             self._grads = {
-                k: got.get(k, torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device)) for k, p in self._params.items()
+                k: got.get(k, torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device))
+                for k, p in self._params.items()
             }
         return self._grads
 
@@ -722,7 +745,9 @@ class GhostEngine:
     """One forward pass recording the inputs and outputs of supported layers, one backward pass of
     Σ_i ℓ_i to their outputs (no parameter gradients are computed), then the layer rules."""
 
-    def __init__(self, model: nn.Module, batched_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], buffers: Tensors):
+    def __init__(
+        self, model: nn.Module, batched_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], buffers: Tensors
+    ):
         """``batched_loss(out, y)`` returns the [B] per-example losses."""
         self.model, self.buffers = model, buffers
         self.layers: list[tuple[nn.Module, type[nn.Module], dict[str, str]]] = []

@@ -132,7 +132,10 @@ class ParamSwap:
         self._slots, self._known = self._build()
 
     def _build(self) -> tuple[list[tuple[dict, str, Any, tuple[str, ...]]], set[str]]:
-        named = [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers(remove_duplicate=False)]
+        named = [
+            *self.model.named_parameters(remove_duplicate=False),
+            *self.model.named_buffers(remove_duplicate=False),
+        ]
         names: dict[int, list[str]] = {}
         for n, t in named:
             names.setdefault(id(t), []).append(n)
@@ -260,8 +263,9 @@ _K_CACHE: dict[tuple[float, int, torch.dtype, torch.dtype], float] = {}
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _norm_factor(rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.dtype,
-                 extra_rounding: bool = False) -> float:
+def _norm_factor(
+    rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.dtype, extra_rounding: bool = False
+) -> float:
     """The smallest float K of ``dtype`` with K ≥ (1+γ'_2)·√((1+ρ)/(1−γ_{terms+1}))/(1−u)².
 
     (1 − γ_{terms+1}): the conversions and terms additions (τ² included) of ``upper_norms``'s
@@ -275,7 +279,13 @@ def _norm_factor(rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.
     if got is None:
         u = unit_roundoff(dtype)
         g = gamma(terms + 1, u)
-        k = (1.0 + gamma(3 if extra_rounding else 2, unit_roundoff(model_dtype))) * math.sqrt((1.0 + rho) / (1.0 - g)) / (1.0 - u) ** 2 if g < 1 else math.inf
+        k = (
+            (1.0 + gamma(3 if extra_rounding else 2, unit_roundoff(model_dtype)))
+            * math.sqrt((1.0 + rho) / (1.0 - g))
+            / (1.0 - u) ** 2
+            if g < 1
+            else math.inf
+        )
         if math.isfinite(k):
             k *= 1.0 + 4 * unit_roundoff(torch.float64)  # this Python arithmetic's own roundings
             t = torch.tensor(k, dtype=torch.float64).to(dtype)
@@ -287,7 +297,9 @@ def _norm_factor(rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.
 
 
 def upper_norms(
-    parts: list[tuple[torch.Tensor, float]], like: torch.Tensor, dtype: torch.dtype | None = None,
+    parts: list[tuple[torch.Tensor, float]],
+    like: torch.Tensor,
+    dtype: torch.dtype | None = None,
     release_dtypes: Iterable[torch.dtype] = (),
 ) -> torch.Tensor:
     """Per-sample norms N_i ≥ (1+γ_2)·(Σ_l s_li·(1+ρ_l) + NORM_FLOOR²)^½, shaped like ``like``,
@@ -491,8 +503,9 @@ class GradientOracle:
         # The [B] losses without vmap for the built-in losses (vmap of the per-example loss
         # costs ~0.5 ms more per call: 10 % of a small model's non-private step).
         # A user loss from ``dptune.own.user_loss`` carries its own batched form (``.batched``).
-        self._batched_loss = (batched_loss(loss) if isinstance(loss, str)
-                              else getattr(loss, "batched", None) or torch.vmap(self.loss_fn))
+        self._batched_loss = (
+            batched_loss(loss) if isinstance(loss, str) else getattr(loss, "batched", None) or torch.vmap(self.loss_fn)
+        )
         self.buffers = {k: v for k, v in model.named_buffers()}
         self._call = ParamSwap(model)
         self.chunk_size = chunk_size
@@ -520,7 +533,9 @@ class GradientOracle:
             out = functional_call(self.model, (params, self.buffers), args, kwargs)
             return self.loss_fn(out.squeeze(0), y)
 
-        self._per_sample = vmap(grad_and_value(one), in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size)
+        self._per_sample = vmap(
+            grad_and_value(one), in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size
+        )
 
     @property
     def method(self) -> str:
@@ -541,7 +556,9 @@ class GradientOracle:
             return self._compute(params, x, y)
 
     def _compute(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
-        if inputs.batch_len(x) == 0:  # an empty Poisson batch: no contribution, but the step (and its noise) still happen
+        if (
+            inputs.batch_len(x) == 0
+        ):  # an empty Poisson batch: no contribution, but the step (and its noise) still happen
             return MaterializedGrads(
                 {k: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()},
                 torch.zeros(0, device=inputs.device_of(x)),
@@ -594,7 +611,9 @@ class GradientOracle:
         losses = self._batched_loss(out, y) if out.shape[0] else out.sum() * 0
         loss = losses.mean() if out.shape[0] else losses
         g = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
-        return loss.detach(), {k: (gi if gi is not None else torch.zeros_like(ps[k])) for k, gi in zip(ps, g, strict=True)}
+        return loss.detach(), {
+            k: (gi if gi is not None else torch.zeros_like(ps[k])) for k, gi in zip(ps, g, strict=True)
+        }
 
     def forward(self, params: Tensors, x: torch.Tensor) -> torch.Tensor:
         return self._call(params, self.buffers, x)

@@ -23,9 +23,7 @@ def is_structured(x: Any) -> bool:
     """A tuple, list or dict of tensors (several inputs); nested Python lists of numbers are not."""
     if isinstance(x, Mapping):
         return len(x) > 0 and all(isinstance(t, torch.Tensor) for t in x.values())
-    return (
-        isinstance(x, tuple | list) and len(x) > 0 and all(isinstance(t, torch.Tensor) for t in x)
-    )
+    return isinstance(x, tuple | list) and len(x) > 0 and all(isinstance(t, torch.Tensor) for t in x)
 
 
 def as_inputs(x: Any, what: str = "x") -> Inputs:

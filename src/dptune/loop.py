@@ -51,9 +51,7 @@ class YourOptimizer(UpdateRule):
         return {}
 
     def update(self, params, state, released):
-        raise ConfigError(
-            "the update is your optimizer's: call optimizer.step() after PrivateTraining.backward()."
-        )
+        raise ConfigError("the update is your optimizer's: call optimizer.step() after PrivateTraining.backward().")
 
     def rate(self, state: dict[str, Any]) -> float:
         return float("nan")
@@ -86,12 +84,10 @@ class PrivateTraining:
         privatizer = FixedClip(1.0) if privatizer is None else privatizer
         if not isinstance(privatizer, Privatizer):
             raise ConfigError(
-                "privatizer must be a dptune.privatizers.Privatizer (e.g. FixedClip(1.0)), "
-                f"got {privatizer!r}."
+                f"privatizer must be a dptune.privatizers.Privatizer (e.g. FixedClip(1.0)), got {privatizer!r}."
             )
         if not privatizer.private and (
-            plan_kwargs.get("target_epsilon") is not None
-            or plan_kwargs.get("noise_multiplier") is not None
+            plan_kwargs.get("target_epsilon") is not None or plan_kwargs.get("noise_multiplier") is not None
         ):
             raise ConfigError(
                 "the NonPrivate privatizer adds no noise (ε = ∞): drop target_epsilon/noise_multiplier, "
@@ -106,9 +102,7 @@ class PrivateTraining:
                 "optimizer must be a torch.optim.Optimizer over the model's parameters or a "
                 f"dptune update rule (dptune.updates.SGD(...)), got {type(optimizer).__name__}."
             )
-        if (
-            device is None
-        ):  # keep the model where it is (e.g. cuda:1), rather than the default device
+        if device is None:  # keep the model where it is (e.g. cuda:1), rather than the default device
             device = next((p.device for p in model.parameters()), None)
         self.task = OwnTask.resolve(data, None, device, None, loss)
         self.model = model.to(self.task.device)
@@ -134,9 +128,7 @@ class PrivateTraining:
         self.ledger, self.gateway, self.sampler = open_run(
             self.plan, seed=seed, device=self.task.device, secure_mode=secure_mode, run_id=run_id
         )
-        self.oracle = GradientOracle(
-            self.model, self.task.loss, chunk_size=chunk_size, method=grad_method
-        )
+        self.oracle = GradientOracle(self.model, self.task.loss, chunk_size=chunk_size, method=grad_method)
         self.secure_mode = secure_mode
         self.t = 0  # steps taken (releases made)
         self._pending: tuple[Any, torch.Tensor] | None = None  # the drawn batch of step t + 1
@@ -194,8 +186,7 @@ class PrivateTraining:
     def _release(self, x: Any, y: torch.Tensor) -> tuple[Released | None, dict[str, Any]]:
         if self.t >= self.plan.steps:
             raise BudgetExceededError(
-                f"the plan has {self.plan.steps} steps and all were taken; make_private(..., steps=...) "
-                "plans more."
+                f"the plan has {self.plan.steps} steps and all were taken; make_private(..., steps=...) plans more."
             )
         pending = self._pending
         if (
@@ -211,9 +202,7 @@ class PrivateTraining:
             )
         self._pending = None
         self.t += 1
-        ctx = StepContext(
-            t=self.t, x=x, y=y, oracle=self.oracle, release=self.gateway, run=self.run
-        )
+        ctx = StepContext(t=self.t, x=x, y=y, oracle=self.oracle, release=self.gateway, run=self.run)
         lr = self._lr()
         released, self._p_state, info = self.privatizer.privatize(
             self._params(), self._p_state, ctx, lr=lr, label=self.strategy.name

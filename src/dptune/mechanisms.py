@@ -142,8 +142,12 @@ class _NormalStream:
     # (on a CUDA device?, dtype) → pairs per chunk. On the GPU a chunk costs ~0.75 ms of launches and
     # host syncs whether it holds 2^20 or 2^22 pairs (H200), so chunks are large there (~130 MB of
     # temporaries for float32); on the host 2^15 pairs keep the temporaries in cache.
-    CHUNK_PAIRS = {(True, torch.float32): 1 << 22, (True, torch.float64): 1 << 18,
-                   (False, torch.float32): 1 << 15, (False, torch.float64): 1 << 9}
+    CHUNK_PAIRS = {
+        (True, torch.float32): 1 << 22,
+        (True, torch.float64): 1 << 18,
+        (False, torch.float32): 1 << 15,
+        (False, torch.float64): 1 << 9,
+    }
 
     def __init__(self, dtype: torch.dtype, device: torch.device, seed: int | None):
         self.dtype, self.device = dtype, device
@@ -212,8 +216,9 @@ _NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}
 ANGLE32, PRECISION32, PRECISION64, ANGLE64 = 24, 20, 53, 53
 
 
-def _normal_pairs_np(words: Words, k: int, dtype: type, out: np.ndarray | None = None,
-                     scale: float = 1.0) -> np.ndarray:
+def _normal_pairs_np(
+    words: Words, k: int, dtype: type, out: np.ndarray | None = None, scale: float = 1.0
+) -> np.ndarray:
     """2k standard normals (times ``scale``) from integer bits (Box–Muller): [r·cos θ (k), r·sin θ (k)].
 
     The radius r = √(2E), E from ``exponentials`` (no cut-off: where the radius bits run out
@@ -252,13 +257,15 @@ def _exponentials_torch(words: Words, a: torch.Tensor, width: int, precision: in
     if low.numel():
         if depth >= MAX_REFINEMENTS:
             raise degenerate_bits()
-        e[low] = (width - precision) * LN2 + _exponentials_torch(words, words(low.numel()), WORD_BITS, precision,
-                                                                 depth + 1)
+        e[low] = (width - precision) * LN2 + _exponentials_torch(
+            words, words(low.numel()), WORD_BITS, precision, depth + 1
+        )
     return e
 
 
-def _normal_pairs_torch(words: Words, k: int, dtype: torch.dtype, out: torch.Tensor | None = None,
-                        scale: float = 1.0) -> torch.Tensor:
+def _normal_pairs_torch(
+    words: Words, k: int, dtype: torch.dtype, out: torch.Tensor | None = None, scale: float = 1.0
+) -> torch.Tensor:
     """``_normal_pairs_np`` in torch, for words on a CUDA device."""
     if dtype == torch.float32:
         w = words(k)
@@ -391,8 +398,10 @@ class NoisyRelease:
 
     def _draw_of(self, handle: DeferredSum) -> _Draw:
         if handle._draw.gateway is not self:
-            raise ValueError(f"deferred release {handle.name!r} was issued by another gateway; "
-                             "its noise must come from the gateway (and noise stream) that recorded it")
+            raise ValueError(
+                f"deferred release {handle.name!r} was issued by another gateway; "
+                "its noise must come from the gateway (and noise stream) that recorded it"
+            )
         return handle._draw
 
     def project(self, handle: DeferredSum, direction: torch.Tensor | Tensors) -> float:
@@ -424,8 +433,10 @@ class NoisyRelease:
         draw = self._draw_of(handle)
         if draw.noisy is None:
             if draw.projected:
-                raise RuntimeError(f"deferred release {handle.name!r} was already projected; it cannot be "
-                                   "materialized afterwards (materialize before projecting)")
+                raise RuntimeError(
+                    f"deferred release {handle.name!r} was already projected; it cannot be "
+                    "materialized afterwards (materialize before projecting)"
+                )
             draw.noisy = self._add_noise(handle._value, handle.std)
         noisy = draw.noisy
         if isinstance(noisy, dict):

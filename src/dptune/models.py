@@ -144,14 +144,10 @@ def two_layer_nn(input_dim: int, hidden: int = 100, classes: int = 2) -> nn.Sequ
     The paper does not state the hidden width; 100 is our documented default.
     """
     _positive(input_dim=input_dim, hidden=hidden, classes=classes)
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(input_dim, hidden), nn.ReLU(), nn.Linear(hidden, classes)
-    )
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_dim, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
 
-def linear_probe(
-    input_dim: int, classes: int, zero_init: bool = True, bias: bool = False
-) -> nn.Sequential:
+def linear_probe(input_dim: int, classes: int, zero_init: bool = True, bias: bool = False) -> nn.Sequential:
     """Panda et al. (2024) linear classifier on fixed features: no bias, zero-initialised."""
     _positive(input_dim=input_dim, classes=classes)
     lin = nn.Linear(input_dim, classes, bias=bias)
@@ -162,9 +158,7 @@ def linear_probe(
     return nn.Sequential(nn.Flatten(), lin)
 
 
-def mlp(
-    input_dim: int = 784, hidden: Sequence[int] = (128, 128), classes: int = 10
-) -> nn.Sequential:
+def mlp(input_dim: int = 784, hidden: Sequence[int] = (128, 128), classes: int = 10) -> nn.Sequential:
     """Flatten → [Linear + ReLU] per hidden width → Linear(→classes). For benchmarks."""
     _positive(input_dim=input_dim, classes=classes)
     layers: list[nn.Module] = [nn.Flatten()]
@@ -193,9 +187,7 @@ def build(name: str, **kwargs: object) -> nn.Module:
     try:
         ctor = MODELS[name]
     except KeyError:
-        raise ConfigError(
-            f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}."
-        ) from None
+        raise ConfigError(f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}.") from None
     try:
         return ctor(**kwargs)
     except TypeError as exc:
@@ -225,9 +217,7 @@ def kwargs_for(name: str, ds: Any) -> dict[str, Any]:
     try:
         params = inspect.signature(MODELS[name]).parameters
     except KeyError:
-        raise ConfigError(
-            f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}."
-        ) from None
+        raise ConfigError(f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}.") from None
     out: dict[str, Any] = {}
     if "input_dim" in params:
         out["input_dim"] = math.prod(tuple(ds.input_shape))
@@ -278,8 +268,9 @@ def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
             out = inputs.call(model, x1)
     except Exception as exc:  # any layer's complaint: the model and the data do not fit
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise ConfigError(f"{what} does not take these inputs (one example: shape {shape}): {first}. "
-                          f"Fix: {fix}") from None
+        raise ConfigError(
+            f"{what} does not take these inputs (one example: shape {shape}): {first}. Fix: {fix}"
+        ) from None
     finally:
         model.train(was_training)
     y = torch.as_tensor(y)
@@ -287,10 +278,14 @@ def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
         return  # a structured output: the loss decides
     recon = isinstance(x1, torch.Tensor) and x1.shape[1:] == y.shape[1:] and y.dtype.is_floating_point
     if recon and tuple(out.shape) != tuple(x1.shape):
-        raise ConfigError(f"{what} outputs shape {tuple(out.shape[1:])} for inputs of shape {shape} "
-                          f"(a reconstruction task needs the input's shape). Fix: {fix}")
+        raise ConfigError(
+            f"{what} outputs shape {tuple(out.shape[1:])} for inputs of shape {shape} "
+            f"(a reconstruction task needs the input's shape). Fix: {fix}"
+        )
     if not recon and not y.dtype.is_floating_point and y.numel():
         classes = int(y.max()) + 1
         if out.ndim != 2 or out.shape[1] < classes:
-            raise ConfigError(f"{what} outputs shape {tuple(out.shape[1:])} per example, but the labels need "
-                              f"{classes} logits (classes 0..{classes - 1}). Fix: {fix}")
+            raise ConfigError(
+                f"{what} outputs shape {tuple(out.shape[1:])} per example, but the labels need "
+                f"{classes} logits (classes 0..{classes - 1}). Fix: {fix}"
+            )

@@ -33,21 +33,27 @@ HIGHER_IS_BETTER = {"accuracy": True, "mse": False, "loss": False}
 def import_factory(path: str, what: str = "factory", require_callable: bool = True) -> Any:
     """``"pkg.module:name"`` → the callable ``pkg.module.name`` (dots after ':' walk attributes)."""
     if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        raise ConfigError(f"{what} {path!r} is not of the form 'pkg.module:function'. Fix: write e.g. "
-                          "'mypkg.models:build' (the module must be importable: on sys.path or PYTHONPATH).")
+        raise ConfigError(
+            f"{what} {path!r} is not of the form 'pkg.module:function'. Fix: write e.g. "
+            "'mypkg.models:build' (the module must be importable: on sys.path or PYTHONPATH)."
+        )
     mod_name, attr = path.split(":")
     try:
         obj: Any = importlib.import_module(mod_name)
     except ImportError as exc:
-        raise ConfigError(f"{what} {path!r}: cannot import module {mod_name!r} ({exc}). Fix: install the "
-                          "package or put its folder on PYTHONPATH (every worker needs it too).") from None
+        raise ConfigError(
+            f"{what} {path!r}: cannot import module {mod_name!r} ({exc}). Fix: install the "
+            "package or put its folder on PYTHONPATH (every worker needs it too)."
+        ) from None
     except Exception as exc:  # the user's module raised while importing
-        raise ConfigError(f"{what} {path!r}: importing {mod_name!r} failed ({type(exc).__name__}: {exc}). "
-                          "Fix the module.") from None
+        raise ConfigError(
+            f"{what} {path!r}: importing {mod_name!r} failed ({type(exc).__name__}: {exc}). Fix the module."
+        ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"{what} {path!r}: module {mod_name!r} has no attribute {attr!r}. "
-                              "Fix: check the name after ':'.")
+            raise ConfigError(
+                f"{what} {path!r}: module {mod_name!r} has no attribute {attr!r}. Fix: check the name after ':'."
+            )
         obj = getattr(obj, part)
     if require_callable and not callable(obj):
         raise ConfigError(f"{what} {path!r} is not callable. Fix: point at a function or class.")
@@ -61,8 +67,7 @@ def is_factory_path(s: Any) -> bool:
 # ----------------------------------------------------------------------------- data
 def is_map_style(data: Any) -> bool:
     # A dict has __len__/__getitem__ but is indexed by keys, not positions: not a dataset.
-    return (hasattr(data, "__len__") and hasattr(data, "__getitem__")
-            and not isinstance(data, str | bytes | Mapping))
+    return hasattr(data, "__len__") and hasattr(data, "__getitem__") and not isinstance(data, str | bytes | Mapping)
 
 
 class MapSource:
@@ -82,12 +87,16 @@ class MapSource:
             raise ConfigError("the dataset is empty. Fix: pass at least one example.")
         first = dataset[0]
         if not isinstance(first, tuple | list) or len(first) != 2:
-            raise ConfigError(f"each item of the dataset must be an (x, y) pair, got {type(first).__name__}. "
-                              "Fix: make __getitem__ return (input, target).")
+            raise ConfigError(
+                f"each item of the dataset must be an (x, y) pair, got {type(first).__name__}. "
+                "Fix: make __getitem__ return (input, target)."
+            )
         x0, y0 = self.collate([first])
         if not isinstance(y0, torch.Tensor):
-            raise ConfigError(f"the collated targets y must be a tensor, got {type(y0).__name__}. Fix: make "
-                              "__getitem__ return (input, target) with a tensor (or number) target.")
+            raise ConfigError(
+                f"the collated targets y must be a tensor, got {type(y0).__name__}. Fix: make "
+                "__getitem__ return (input, target) with a tensor (or number) target."
+            )
         x0 = inputs.check(x0, "the collated input x")
         # An empty Poisson batch (possible at small q) keeps the shapes and dtypes of a real one.
         self._empty = (inputs.to(inputs.rows(x0, 0, 0), device), y0[:0].to(device))
@@ -136,8 +145,10 @@ def from_dataloader(loader: Any) -> Any:
     if not isinstance(loader, DataLoader):
         raise ConfigError(f"from_dataloader needs a torch DataLoader, got {type(loader).__name__}.")
     if not is_map_style(loader.dataset):
-        raise ConfigError("the DataLoader's dataset is iterable-style: Poisson sampling needs random access. "
-                          "Fix: use a map-style dataset (__len__ and __getitem__).")
+        raise ConfigError(
+            "the DataLoader's dataset is iterable-style: Poisson sampling needs random access. "
+            "Fix: use a map-style dataset (__len__ and __getitem__)."
+        )
     from torch.utils.data import default_collate
 
     collate = getattr(loader, "collate_fn", None)
@@ -161,7 +172,9 @@ class CollatedDataset:
 
 
 # ----------------------------------------------------------------------------- loss and metric
-def user_loss(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def user_loss(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """A batched user loss ``fn(output [B, ...], target [B, ...]) -> [B]`` as the per-example
     (unbatched) loss the gradient oracles differentiate."""
 
@@ -179,9 +192,11 @@ def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.T
         out = fn(inputs.call(model, inputs.rows(x, 0, b)), y[:b])
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (b,):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ConfigError(f"the loss must return one value per example (shape [{b}] for a batch of {b}), got "
-                          f"{got}. Fix: use reduction='none' and average over the other dimensions, e.g. "
-                          "F.cross_entropy(out, y, reduction='none').")
+        raise ConfigError(
+            f"the loss must return one value per example (shape [{b}] for a batch of {b}), got "
+            f"{got}. Fix: use reduction='none' and average over the other dimensions, e.g. "
+            "F.cross_entropy(out, y, reduction='none')."
+        )
 
 
 @dataclass(frozen=True)
@@ -202,8 +217,9 @@ class Metric:
     def __post_init__(self) -> None:
         if not callable(self.fn):
             raise ConfigError("Metric.fn must be callable(output, target) -> per-example scores [B].")
-        if self.sensitivity is not None and not (isinstance(self.sensitivity, int | float)
-                                                 and math.isfinite(self.sensitivity) and self.sensitivity > 0):
+        if self.sensitivity is not None and not (
+            isinstance(self.sensitivity, int | float) and math.isfinite(self.sensitivity) and self.sensitivity > 0
+        ):
             raise ConfigError(f"Metric.sensitivity must be a finite number > 0, got {self.sensitivity!r}.")
         if self.name in ("accuracy", "mse", "loss"):
             raise ConfigError(f"Metric name {self.name!r} is reserved for the built-in metric. Fix: rename it.")
@@ -211,17 +227,21 @@ class Metric:
     def require_sensitivity(self) -> float:
         """Private selection releases Σ scores + noise: the metric must state its sensitivity."""
         if self.sensitivity is None:
-            raise ConfigError(f"metric {self.name!r} states no sensitivity, so it cannot be released privately. "
-                              "Fix: Metric(fn, sensitivity=s) with s bounding one example's score, or select "
-                              "in public mode.")
+            raise ConfigError(
+                f"metric {self.name!r} states no sensitivity, so it cannot be released privately. "
+                "Fix: Metric(fn, sensitivity=s) with s bounding one example's score, or select "
+                "in public mode."
+            )
         return float(self.sensitivity)
 
     def scores(self, out: torch.Tensor, y: torch.Tensor, clip: bool = False) -> torch.Tensor:
         s = self.fn(out, y)
         if not isinstance(s, torch.Tensor) or tuple(s.shape) != (int(out.shape[0]),):
             got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
-            raise ConfigError(f"metric {self.name!r} must return one score per example (shape "
-                              f"[{int(out.shape[0])}]), got {got}. Fix: do not reduce over the batch.")
+            raise ConfigError(
+                f"metric {self.name!r} must return one score per example (shape "
+                f"[{int(out.shape[0])}]), got {got}. Fix: do not reduce over the batch."
+            )
         s = s.detach().double()
         if clip:
             c = self.require_sensitivity()
@@ -262,11 +282,15 @@ def load_data(path: str, options: dict[str, Any] | None = None) -> tuple[Any, An
         train, test = out
         for part, v in (("train", train), ("test", test)):
             if v is not None and not is_map_style(v):
-                raise ConfigError(f"data factory {path!r}: its {part} part is a {type(v).__name__}. Fix: return "
-                                  "map-style datasets or (x, y) tensor pairs.")
+                raise ConfigError(
+                    f"data factory {path!r}: its {part} part is a {type(v).__name__}. Fix: return "
+                    "map-style datasets or (x, y) tensor pairs."
+                )
         return train, test
-    raise ConfigError(f"data factory {path!r} returned a {type(out).__name__}. Fix: return (train, test) "
-                      "datasets, (x_train, y_train, x_test, y_test) tensors or a dptune.data.Dataset.")
+    raise ConfigError(
+        f"data factory {path!r} returned a {type(out).__name__}. Fix: return (train, test) "
+        "datasets, (x_train, y_train, x_test, y_test) tensors or a dptune.data.Dataset."
+    )
 
 
 def as_pair(part: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +326,11 @@ def build_model(path: str, input_dim: int | None, classes: int | None, **options
 def data_shape(train: Any) -> tuple[int | None, int | None]:
     """(input_dim, classes) of a training part: classes only when the targets are in memory;
     input_dim None for a model with several inputs (a tuple/dict x: no single width)."""
-    if isinstance(train, tuple | list) and len(train) == 2 and (
-            isinstance(train[0], torch.Tensor) or inputs.is_structured(train[0])):
+    if (
+        isinstance(train, tuple | list)
+        and len(train) == 2
+        and (isinstance(train[0], torch.Tensor) or inputs.is_structured(train[0]))
+    ):
         x, y = train[0], torch.as_tensor(train[1])
     else:
         fast = tensors_of(train)
@@ -321,8 +348,10 @@ def named_metric(name: str | None) -> Metric | None:
         return None
     obj = import_factory(name, "selection.metric", require_callable=False)  # type: ignore[arg-type]
     if not isinstance(obj, Metric):
-        raise ConfigError(f"selection.metric {name!r} is a {type(obj).__name__}, not a dptune.Metric. Fix: define "
-                          "NAME = dptune.Metric(fn, higher_is_better=..., sensitivity=...) in that module.")
+        raise ConfigError(
+            f"selection.metric {name!r} is a {type(obj).__name__}, not a dptune.Metric. Fix: define "
+            "NAME = dptune.Metric(fn, higher_is_better=..., sensitivity=...) in that module."
+        )
     return obj
 
 

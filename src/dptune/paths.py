@@ -37,9 +37,7 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> None:
         )
     _check_creatable(p.parent, what, p)
     if p.exists() and not os.access(p, os.W_OK):
-        raise ConfigError(
-            f"{what} {str(p)!r} cannot be written (no write permission). Fix: choose another path."
-        )
+        raise ConfigError(f"{what} {str(p)!r} cannot be written (no write permission). Fix: choose another path.")
 
 
 def check_output_dir(path: str | os.PathLike[str], what: str) -> None:

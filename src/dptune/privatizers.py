@@ -85,9 +85,7 @@ class Released:
 
     def gradient(self) -> Tensors:
         if self._gradient is None:
-            self._gradient = (
-                self.total if self.divisor is None else tree.scale(self.total, 1.0 / self.divisor)
-            )
+            self._gradient = self.total if self.divisor is None else tree.scale(self.total, 1.0 / self.divisor)
         return self._gradient
 
 
@@ -170,20 +168,14 @@ class QuantileClip(Privatizer):
 
     def __post_init__(self) -> None:
         if not (0 < self.target_quantile < 1):
-            raise ConfigError(
-                f"target_quantile (γ) must lie in (0, 1), got {self.target_quantile!r}."
-            )
+            raise ConfigError(f"target_quantile (γ) must lie in (0, 1), got {self.target_quantile!r}.")
         check_positive("clip_lr (η_C)", self.clip_lr)
         check_positive("initial_clip (C₀)", self.initial_clip)
         if self.count_noise_std is not None:
             check_positive("count_noise_std (σ_b)", self.count_noise_std)
 
     def sigma_b(self, run: RunInfo) -> float:
-        return (
-            self.count_noise_std
-            if self.count_noise_std is not None
-            else run.expected_batch_size / 20.0
-        )
+        return self.count_noise_std if self.count_noise_std is not None else run.expected_batch_size / 20.0
 
     def split(self, run: RunInfo) -> tuple[float, float]:
         """(ν_g, ν_b) for the gradient and the count, with ν_b = 2σ_b (sensitivity ½)."""
@@ -210,9 +202,7 @@ class QuantileClip(Privatizer):
         unclipped = (grads.norms <= clip).to(torch.float64)
         count = (unclipped - 0.5).sum().reshape(())
         g_sum, b_sum = ctx.release.release(
-            SumQuery(
-                "gradient", grads.weighted_sum(clip_weights(grads.norms, clip)), clip, state["nu_g"]
-            ),
+            SumQuery("gradient", grads.weighted_sum(clip_weights(grads.norms, clip)), clip, state["nu_g"]),
             SumQuery("unclipped_count", count, 0.5, state["nu_b"]),
             label=f"{label}/gradient+count",
         )
@@ -270,9 +260,7 @@ class OSOClip(Privatizer):
 
     def split(self, nu: float) -> tuple[float, float]:
         """(ν_g, ν_q) for a joint per-step multiplier ν."""
-        nu_q = self.q_noise_multiplier or accounting.oso_q_noise_multiplier(
-            nu, self.relative_increase
-        )
+        nu_q = self.q_noise_multiplier or accounting.oso_q_noise_multiplier(nu, self.relative_increase)
         return accounting.split_noise_multiplier(nu, nu_q), nu_q
 
     def validate_run(self, run: RunInfo) -> None:
@@ -280,8 +268,13 @@ class OSOClip(Privatizer):
 
     def init(self, run: RunInfo) -> dict[str, Any]:
         nu_g, nu_q = self.split(run.noise_multiplier)
-        return {"clip": self.initial_clip, "nu_g": nu_g, "nu_q": nu_q, "prev_q": None,
-                "clip_lr": horizon_rate(self.clip_lr, run)}
+        return {
+            "clip": self.initial_clip,
+            "nu_g": nu_g,
+            "nu_q": nu_q,
+            "prev_q": None,
+            "clip_lr": horizon_rate(self.clip_lr, run),
+        }
 
     def privatize(self, params, state, ctx, *, lr, label):
         assert ctx.release is not None
@@ -299,12 +292,8 @@ class OSOClip(Privatizer):
         q_w = torch.where(norms > clip, 1.0 / norms.clamp_min(1e-12), torch.zeros_like(norms))
         deferred = self.defer_q_noise and self.rule != "normalized"
         g_sum, q_out = ctx.release.release(
-            SumQuery(
-                "gradient", grads.weighted_sum(clip_weights(norms, clip)), clip, state["nu_g"]
-            ),
-            SumQuery(
-                "clip_hypergradient", grads.weighted_sum(q_w), 1.0, state["nu_q"], deferred=deferred
-            ),
+            SumQuery("gradient", grads.weighted_sum(clip_weights(norms, clip)), clip, state["nu_g"]),
+            SumQuery("clip_hypergradient", grads.weighted_sum(q_w), 1.0, state["nu_q"], deferred=deferred),
             label=f"{label}/gradient+q",
         )
         L = ctx.run.expected_batch_size
@@ -315,11 +304,7 @@ class OSOClip(Privatizer):
         prev_q, new_clip, gq = state["prev_q"], clip, 0.0
         if prev_q is not None:
             # g̃_t is independent of q̃_{t−1}'s noise: the one projection is exact (class docstring).
-            gq = (
-                ctx.release.project(prev_q, g)
-                if isinstance(prev_q, DeferredSum)
-                else dot(g, prev_q)
-            )
+            gq = ctx.release.project(prev_q, g) if isinstance(prev_q, DeferredSum) else dot(g, prev_q)
             cos_q = gq / max(norm(g) * norm(prev_q), 1e-30) if self.rule == "normalized" else 0.0
             new_clip = hypergradient_step(self.rule, clip, state["clip_lr"], gq, cos_q, lr, MIN_CLIP)
         return released, {**state, "clip": new_clip, "prev_q": q}, {"clip": clip, "g_dot_q": gq}
@@ -341,9 +326,7 @@ class NonPrivate(Privatizer):
         return Released(g, None, None), state, {}
 
 
-PRIVATIZERS: dict[str, type[Privatizer]] = {
-    c.name: c for c in (FixedClip, QuantileClip, OSOClip, NonPrivate)
-}
+PRIVATIZERS: dict[str, type[Privatizer]] = {c.name: c for c in (FixedClip, QuantileClip, OSOClip, NonPrivate)}
 
 __all__ = [
     "Released",

@@ -89,8 +89,9 @@ def degenerate_bits() -> RuntimeError:
     )
 
 
-def exponentials(words: Callable[[int], np.ndarray], a: np.ndarray, width: int, precision: int,
-                 scale: float = 1.0, depth: int = 0) -> np.ndarray:
+def exponentials(
+    words: Callable[[int], np.ndarray], a: np.ndarray, width: int, precision: int, scale: float = 1.0, depth: int = 0
+) -> np.ndarray:
     """``scale`` times Exp(1) draws (float64) with no cut-off, from integers ``a`` uniform on [0, 2^width).
 
     E = −ln U with U = (a + 1)·2^−width: the uniform on (0, 1] rounded up to a grid whose
@@ -112,8 +113,9 @@ def exponentials(words: Callable[[int], np.ndarray], a: np.ndarray, width: int, 
     if low.size:
         if depth >= MAX_REFINEMENTS:
             raise degenerate_bits()
-        e[low] = scale * (width - precision) * LN2 + exponentials(words, words(low.size), WORD_BITS, precision,
-                                                                  scale, depth + 1)
+        e[low] = scale * (width - precision) * LN2 + exponentials(
+            words, words(low.size), WORD_BITS, precision, scale, depth + 1
+        )
     return e
 
 
@@ -196,8 +198,7 @@ def sampling_rate_for(n: int, expected_batch_size: float | None, full_batch: boo
         return 1.0
     if not (0 < expected_batch_size <= n):
         raise ConfigError(
-            f"expected batch size must lie in (0, n = {n}], got {expected_batch_size}. "
-            "Use full_batch=True for q = 1."
+            f"expected batch size must lie in (0, n = {n}], got {expected_batch_size}. Use full_batch=True for q = 1."
         )
     return float(expected_batch_size) / n
 

@@ -79,8 +79,9 @@ def horizon_rate(rate: float | None, run: RunInfo) -> float:
 
 
 def check_rate(name: str, rate: float | None) -> None:
-    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate)
-                             or rate < 0):
+    if rate is not None and (
+        isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate < 0
+    ):
         raise ConfigError(f"{name} must be a finite number ≥ 0 or None (horizon-aware), got {rate!r}.")
 
 

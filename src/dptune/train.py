@@ -172,16 +172,23 @@ SEEDED_WARNING = (
     "every noise draw and every Poisson batch and subtract them: the privacy guarantee then does not "
     "hold. Keep the seed secret, or train with secure mode (the OS CSPRNG) before publishing."
 )
-SECURE_STATEMENT = ("secure mode: the noise and the Poisson batches were drawn from the operating system's "
-                    "CSPRNG, not from the seed (not reproducible).")
+SECURE_STATEMENT = (
+    "secure mode: the noise and the Poisson batches were drawn from the operating system's "
+    "CSPRNG, not from the seed (not reproducible)."
+)
 
 
 def randomness_statement(secure: bool) -> dict[str, str]:
     """The ``randomness`` mode and its note, for every report of a run or study."""
-    return {"randomness": "secure" if secure else "seeded", "randomness_note": SECURE_STATEMENT if secure else SEEDED_WARNING}
+    return {
+        "randomness": "secure" if secure else "seeded",
+        "randomness_note": SECURE_STATEMENT if secure else SEEDED_WARNING,
+    }
 
 
-def evaluate(oracle: GradientOracle, params: Tensors, x: torch.Tensor, y: torch.Tensor, metric: str, batch: int = 4096) -> float:
+def evaluate(
+    oracle: GradientOracle, params: Tensors, x: torch.Tensor, y: torch.Tensor, metric: str, batch: int = 4096
+) -> float:
     """Accuracy (classification) or mean squared error (reconstruction) on (x, y)."""
     total, n = 0.0, inputs.batch_len(x)
     if n == 0:
@@ -218,8 +225,9 @@ class TaskTensors:
     loss: str
 
 
-def resolve_task(data: Any, eval_data: Any, device: str | torch.device | None, metric: str | None,
-                 loss: str | None) -> TaskTensors:
+def resolve_task(
+    data: Any, eval_data: Any, device: str | torch.device | None, metric: str | None, loss: str | None
+) -> TaskTensors:
     """Move the data to the device; a float target shaped like the input means reconstruction (MSE)."""
     dev = resolve_device(device)  # a named device must exist: never a silent run on the CPU
     x, y = _as_tensors(data, dev)
@@ -243,9 +251,11 @@ def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Te
         x, y = tensors_of(data)  # type: ignore[misc]
     else:
         # train_many stacks K trials on in-memory tensors; dptune.train reads any map-style dataset.
-        raise ConfigError("data must be a pair (x, y) of tensors, a TensorDataset or a dptune.data.Dataset here "
-                          "(a map-style dataset works with dptune.train; for train_many, read it into "
-                          "memory with dptune.own.materialize).")
+        raise ConfigError(
+            "data must be a pair (x, y) of tensors, a TensorDataset or a dptune.data.Dataset here "
+            "(a map-style dataset works with dptune.train; for train_many, read it into "
+            "memory with dptune.own.materialize)."
+        )
     # x: one tensor, or a tuple/dict of tensors for a model with several inputs (dptune.inputs).
     x = inputs.as_inputs(x)
     y = torch.as_tensor(y)
@@ -263,8 +273,15 @@ class OwnTask:
     Poisson indices, so a seed gives the same run either way.
     """
 
-    def __init__(self, device: torch.device, train: Any, evald: Any, metric: str | Any, loss: str | Callable,
-                 user_loss_fn: Callable | None):
+    def __init__(
+        self,
+        device: torch.device,
+        train: Any,
+        evald: Any,
+        metric: str | Any,
+        loss: str | Callable,
+        user_loss_fn: Callable | None,
+    ):
         self.device, self.train, self.evald = device, train, evald
         self.metric = metric  # a built-in name or a dptune.own.Metric
         self.loss, self.user_loss_fn = loss, user_loss_fn
@@ -278,9 +295,12 @@ class OwnTask:
         if isinstance(data, DataLoader):
             import warnings
 
-            warnings.warn("dptune uses the DataLoader's dataset only: its sampler, shuffle and batch_size are "
-                          "replaced by Poisson sampling at q = expected_batch_size / n, which the privacy "
-                          "accountant assumes (docs/your_data.md).", stacklevel=4)
+            warnings.warn(
+                "dptune uses the DataLoader's dataset only: its sampler, shuffle and batch_size are "
+                "replaced by Poisson sampling at q = expected_batch_size / n, which the privacy "
+                "accountant assumes (docs/your_data.md).",
+                stacklevel=4,
+            )
             data = own.from_dataloader(data)
         if (isinstance(data, Sequence) and len(data) == 2) or hasattr(data, "x_train"):
             return _as_tensors(data, device)
@@ -289,20 +309,25 @@ class OwnTask:
             if fast is not None:
                 return _as_tensors(fast, device)
             return own.MapSource(data, device, getattr(data, "collate_fn", None))
-        raise ConfigError("data must be a pair (x, y) of tensors, a map-style dataset (__len__ and __getitem__, "
-                          "e.g. a torch Dataset), a DataLoader or a dptune.data.Dataset.")
+        raise ConfigError(
+            "data must be a pair (x, y) of tensors, a map-style dataset (__len__ and __getitem__, "
+            "e.g. a torch Dataset), a DataLoader or a dptune.data.Dataset."
+        )
 
     @classmethod
-    def resolve(cls, data: Any, eval_data: Any, device: str | torch.device | None, metric: Any,
-                loss: Any) -> OwnTask:
+    def resolve(cls, data: Any, eval_data: Any, device: str | torch.device | None, metric: Any, loss: Any) -> OwnTask:
         from dptune import own
 
         dev = resolve_device(device)  # a named device must exist: never a silent run on the CPU
         tr = cls._source(data, dev)
         ev = cls._source(eval_data, dev) if eval_data is not None else None
         x, y = tr if isinstance(tr, tuple) else tr._empty
-        recon = (isinstance(x, torch.Tensor) and x.shape[1:] == y.shape[1:] and x.dtype == y.dtype
-                 and x.dtype.is_floating_point)
+        recon = (
+            isinstance(x, torch.Tensor)
+            and x.shape[1:] == y.shape[1:]
+            and x.dtype == y.dtype
+            and x.dtype.is_floating_point
+        )
         m = own.as_metric(metric) or ("mse" if recon else "accuracy")
         if isinstance(m, str) and m not in HIGHER_IS_BETTER:
             raise ConfigError(f"unknown metric {m!r}; choose accuracy or mse, or pass a dptune.Metric.")
@@ -361,13 +386,17 @@ class OwnTask:
         return total / n if n else math.nan
 
 
-def open_run(plan: RunPlan, *, seed: int, device: torch.device, secure_mode: bool,
-             run_id: str) -> tuple[Ledger, NoisyRelease, PoissonSampler]:
+def open_run(
+    plan: RunPlan, *, seed: int, device: torch.device, secure_mode: bool, run_id: str
+) -> tuple[Ledger, NoisyRelease, PoissonSampler]:
     """A run's ledger (created with the plan: no release beyond it), its privacy gateway (own
     noise stream) and its Poisson sampler at the plan's q."""
     ledger = Ledger.with_plan(plan.event())
     gateway = NoisyRelease(
-        ledger, plan.sampling_rate, NoiseSource(stream_seed(seed, "noise"), device, secure_mode), run_id,
+        ledger,
+        plan.sampling_rate,
+        NoiseSource(stream_seed(seed, "noise"), device, secure_mode),
+        run_id,
         planned_multiplier=plan.noise_multiplier if plan.strategy.private else None,
     )
     # Secure mode covers the batches too: a seeded sampler lets anyone holding the seed
@@ -413,12 +442,18 @@ class RunLoop:
         self.score, self.on_step = score, on_step
         params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
         self.params = strategy.prepare(params)
-        self.run = RunInfo(plan.noise_multiplier, plan.sampling_rate, plan.expected_batch_size, plan.steps,
-                           sum(p.numel() for p in self.params.values()))
+        self.run = RunInfo(
+            plan.noise_multiplier,
+            plan.sampling_rate,
+            plan.expected_batch_size,
+            plan.steps,
+            sum(p.numel() for p in self.params.values()),
+        )
         strategy.validate_run(self.run)
         self.state = strategy.init(self.params, self.run)
-        self.ledger, self.gateway, self.sampler = open_run(plan, seed=seed, device=device, secure_mode=secure_mode,
-                                                           run_id=run_id)
+        self.ledger, self.gateway, self.sampler = open_run(
+            plan, seed=seed, device=device, secure_mode=secure_mode, run_id=run_id
+        )
         self.secure_mode = secure_mode
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, float]] = []
@@ -476,10 +511,20 @@ class RunLoop:
                 self._consider(value, self.plan.steps, self.params)
         self.model.load_state_dict({**self.model.state_dict(), **self.params})
         return TrainResult(
-            history=self.history, evals=self.evals, metric=self.metric, best_metric=self.best_metric,
-            best_step=self.best_step, best_params=self.best_params, final_params=clone(self.params),
-            ledger=self.ledger, plan=self.plan, delta=delta, diverged=self.diverged, secure_mode=self.secure_mode,
-            seconds=time.perf_counter() - self.started if seconds is None else seconds, model=self.model,
+            history=self.history,
+            evals=self.evals,
+            metric=self.metric,
+            best_metric=self.best_metric,
+            best_step=self.best_step,
+            best_params=self.best_params,
+            final_params=clone(self.params),
+            ledger=self.ledger,
+            plan=self.plan,
+            delta=delta,
+            diverged=self.diverged,
+            secure_mode=self.secure_mode,
+            seconds=time.perf_counter() - self.started if seconds is None else seconds,
+            model=self.model,
         )
 
 
@@ -523,15 +568,25 @@ def train(
     if isinstance(strategy, str):
         strategy = make_strategy(strategy, **hyperparameters)
     elif hyperparameters:
-        raise ConfigError(f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy).")
+        raise ConfigError(
+            f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy)."
+        )
     own = OwnTask.resolve(data, eval_data, device, metric, loss)
     dev, metric, loss, n = own.device, own.metric_name, own.loss, own.n
     if eval_every < 1:
         raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}.")
     if plan is None:
         plan = plan_run(
-            strategy, n, expected_batch_size=expected_batch_size, full_batch=full_batch, epochs=epochs, steps=steps,
-            noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta, accountant=accountant,
+            strategy,
+            n,
+            expected_batch_size=expected_batch_size,
+            full_batch=full_batch,
+            epochs=epochs,
+            steps=steps,
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            delta=delta,
+            accountant=accountant,
         )
     elif plan.n != n:
         raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {n}.")
@@ -542,9 +597,20 @@ def train(
     def score(params: Tensors) -> float:
         return own.evaluate(oracle, params)
 
-    loop = RunLoop(model, strategy, plan, seed=seed, device=dev, secure_mode=secure_mode, run_id=run_id,
-                   metric=metric, eval_every=eval_every, score=score if own.has_eval else None, on_step=on_step,
-                   higher=own.higher)
+    loop = RunLoop(
+        model,
+        strategy,
+        plan,
+        seed=seed,
+        device=dev,
+        secure_mode=secure_mode,
+        run_id=run_id,
+        metric=metric,
+        eval_every=eval_every,
+        score=score if own.has_eval else None,
+        on_step=on_step,
+        higher=own.higher,
+    )
     bar = _progress(plan.steps, f"{strategy.name}", progress)
     try:
         for t in range(1, plan.steps + 1):

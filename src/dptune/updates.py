@@ -239,9 +239,7 @@ class AdamWOSM(UpdateRule):
 
     def update(self, params, state, released):
         if released.divisor is None or released.noise_std is None:
-            raise ConfigError(
-                "adamwosm's step size needs a clipped, noisy gradient; use 'adam' without privacy."
-            )
+            raise ConfigError("adamwosm's step size needs a clipped, noisy gradient; use 'adam' without privacy.")
         lr = state["lr"]
         if lr is None:
             lr = self.effective_step_size(released.noise_std, released.divisor, state["alpha"])
@@ -281,8 +279,7 @@ class OSORate(UpdateRule):
         check_unit_interval("momentum", self.momentum)
 
     def init(self, params, run):
-        return {"lr": self.lr, "prev_g": None, "momentum": None, "lr_lr": horizon_rate(self.lr_lr, run),
-                "run": run}
+        return {"lr": self.lr, "prev_g": None, "momentum": None, "lr_lr": horizon_rate(self.lr_lr, run), "run": run}
 
     def rate(self, state):
         return state["lr"] if state["lr"] is not None else math.nan

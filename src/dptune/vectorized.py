@@ -51,8 +51,22 @@ from dptune.train import RunLoop, RunPlan, TrainResult, plan_run, resolve_task, 
 from dptune.tree import Tensors
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
-    nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.SiLU, nn.Softplus, nn.Identity,
-    nn.Hardtanh, nn.ReLU6, nn.Mish, nn.CELU, nn.SELU, nn.Softsign, nn.Tanhshrink,
+    nn.ReLU,
+    nn.LeakyReLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.GELU,
+    nn.ELU,
+    nn.SiLU,
+    nn.Softplus,
+    nn.Identity,
+    nn.Hardtanh,
+    nn.ReLU6,
+    nn.Mish,
+    nn.CELU,
+    nn.SELU,
+    nn.Softsign,
+    nn.Tanhshrink,
 )
 EVAL_BATCH = 4096  # as dptune.train.evaluate
 
@@ -153,7 +167,11 @@ class _Stacked:
                 li += 1
                 if h.dim() != 3:
                     raise Unsupported("a Linear layer receives per-example inputs of more than one dimension")
-                z = torch.baddbmm(b.unsqueeze(1), h, W.transpose(1, 2)) if b is not None else torch.bmm(h, W.transpose(1, 2))
+                z = (
+                    torch.baddbmm(b.unsqueeze(1), h, W.transpose(1, 2))
+                    if b is not None
+                    else torch.bmm(h, W.transpose(1, 2))
+                )
                 if record:
                     recs.append((h, z))
                 h = z
@@ -195,7 +213,9 @@ class _TrialOracle:
             g = self.grads
             assert g is not None
             B = int(x.shape[0])
-            return g.losses.mean(), g.weighted_sum(torch.full((B,), 1.0 / B, dtype=g.losses.dtype), drop_nonfinite=False)
+            return g.losses.mean(), g.weighted_sum(
+                torch.full((B,), 1.0 / B, dtype=g.losses.dtype), drop_nonfinite=False
+            )
         return self.base.loss_and_grad(params, x, y)
 
     def forward(self, params: Tensors, x: torch.Tensor) -> torch.Tensor:
@@ -298,16 +318,24 @@ def train_many(
     if eval_every < 1:
         raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}.")
     if loss is not None and not isinstance(loss, str):
-        raise ConfigError("train_many takes a built-in loss name (cross_entropy, mse or bce); a loss callable "
-                          "works with dptune.train (docs/your_data.md).")
+        raise ConfigError(
+            "train_many takes a built-in loss name (cross_entropy, mse or bce); a loss callable "
+            "works with dptune.train (docs/your_data.md)."
+        )
     # ---- how many trials: every per-trial argument that is a list must agree
     lengths = {
-        name: len(v) for name, v in (
-            ("configs", configs), ("seeds", seeds), ("noise_multiplier", noise_multiplier),
-            ("target_epsilon", target_epsilon), ("plans", plans), ("run_ids", run_ids),
+        name: len(v)
+        for name, v in (
+            ("configs", configs),
+            ("seeds", seeds),
+            ("noise_multiplier", noise_multiplier),
+            ("target_epsilon", target_epsilon),
+            ("plans", plans),
+            ("run_ids", run_ids),
             ("strategy", None if isinstance(strategy, str | Strategy) else strategy),
             ("models", models if isinstance(models, Sequence) and not isinstance(models, nn.Module) else None),
-        ) if v is not None and isinstance(v, Sequence) and not isinstance(v, str)
+        )
+        if v is not None and isinstance(v, Sequence) and not isinstance(v, str)
     }
     if len(set(lengths.values())) > 1:
         raise ConfigError(f"per-trial arguments disagree on the number of trials: {lengths}.")
@@ -341,11 +369,31 @@ def train_many(
         if plans is not None:
             kw["plan"] = plans[k]
         else:
-            kw.update(epochs=epochs, steps=steps, expected_batch_size=expected_batch_size, full_batch=full_batch,
-                      noise_multiplier=nus[k], target_epsilon=epss[k], accountant=accountant)
-        return train(model_list[k], data, strategies[k], delta=delta, eval_data=eval_data, eval_every=eval_every,
-                     metric=metric, loss=loss, seed=seed_list[k], device=device, secure_mode=secure_mode,
-                     run_id=ids[k], on_step=(lambda t, row, k=k: on_step(k, t, row)) if on_step else None, **kw)
+            kw.update(
+                epochs=epochs,
+                steps=steps,
+                expected_batch_size=expected_batch_size,
+                full_batch=full_batch,
+                noise_multiplier=nus[k],
+                target_epsilon=epss[k],
+                accountant=accountant,
+            )
+        return train(
+            model_list[k],
+            data,
+            strategies[k],
+            delta=delta,
+            eval_data=eval_data,
+            eval_every=eval_every,
+            metric=metric,
+            loss=loss,
+            seed=seed_list[k],
+            device=device,
+            secure_mode=secure_mode,
+            run_id=ids[k],
+            on_step=(lambda t, row, k=k: on_step(k, t, row)) if on_step else None,
+            **kw,
+        )
 
     try:
         ops = stack_plan(model_list[0])
@@ -366,8 +414,9 @@ def train_many(
     if not isinstance(x, torch.Tensor):  # several inputs: the stacked forward takes one tensor
         if fallback == "error":
             raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
-        warnings.warn("dptune.train_many: running the trials sequentially (several model inputs).",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "dptune.train_many: running the trials sequentially (several model inputs).", RuntimeWarning, stacklevel=2
+        )
         return [sequential(k) for k in range(K)]
     n = int(x.shape[0])
 
@@ -379,16 +428,36 @@ def train_many(
 
     trials: list[_Trial] = []
     for k in range(K):
-        plan = plans[k] if plans is not None else plan_run(
-            strategies[k], n, expected_batch_size=expected_batch_size, full_batch=full_batch, epochs=epochs,
-            steps=steps, noise_multiplier=nus[k], target_epsilon=epss[k], delta=delta, accountant=accountant,
+        plan = (
+            plans[k]
+            if plans is not None
+            else plan_run(
+                strategies[k],
+                n,
+                expected_batch_size=expected_batch_size,
+                full_batch=full_batch,
+                epochs=epochs,
+                steps=steps,
+                noise_multiplier=nus[k],
+                target_epsilon=epss[k],
+                delta=delta,
+                accountant=accountant,
+            )
         )
         if plan.n != n:
             raise ConfigError(f"trial {k}: the plan is for n = {plan.n} examples but the data has {n}.")
         model = model_list[k].to(dev)
         loop = RunLoop(
-            model, strategies[k], plan, seed=seed_list[k], device=dev, secure_mode=secure_mode, run_id=ids[k],
-            metric=metric, eval_every=eval_every, score=score if ex is not None else None,
+            model,
+            strategies[k],
+            plan,
+            seed=seed_list[k],
+            device=dev,
+            secure_mode=secure_mode,
+            run_id=ids[k],
+            metric=metric,
+            eval_every=eval_every,
+            score=score if ex is not None else None,
             on_step=(lambda t, row, k=k: on_step(k, t, row)) if on_step is not None else None,
         )
         trials.append(_Trial(loop, _TrialOracle(lambda m=model: GradientOracle(m, loss))))
@@ -403,8 +472,14 @@ def train_many(
 
 
 def _run_block(
-    trials: list[_Trial], stacked: _Stacked, lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    x: torch.Tensor, y: torch.Tensor, ex: torch.Tensor | None, ey: torch.Tensor | None, metric: str,
+    trials: list[_Trial],
+    stacked: _Stacked,
+    lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    ex: torch.Tensor | None,
+    ey: torch.Tensor | None,
+    metric: str,
 ) -> None:
     """Step the trials in lockstep: one batched forward/backward per step, then each trial's
     ``RunLoop`` step; the evaluations due at a step run as one stacked forward."""
@@ -449,8 +524,12 @@ class _Buffers:
 
 
 def _batched_grads(
-    active: list[_Trial], idxs: list[torch.Tensor], stacked: _Stacked,
-    lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+    active: list[_Trial],
+    idxs: list[torch.Tensor],
+    stacked: _Stacked,
+    lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
     buffers: _Buffers,
 ) -> None:
     """One forward/backward for all active trials; hand each trial's oracle its view."""

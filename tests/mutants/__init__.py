@@ -61,8 +61,11 @@ def clipping_disabled() -> Iterator[None]:
     def no_clip(norms: torch.Tensor, clip: float) -> torch.Tensor:
         return torch.ones_like(norms)
 
-    owners = [m for name, m in list(sys.modules.items())
-              if name.startswith("dptune") and getattr(m, "clip_weights", None) is original]
+    owners = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("dptune") and getattr(m, "clip_weights", None) is original
+    ]
     with contextlib.ExitStack() as stack:
         for m in owners:
             stack.enter_context(_patched(m, "clip_weights", no_clip))
@@ -391,8 +394,9 @@ def gdp_calibration_unverified() -> Iterator[None]:
         while accounting.gdp_epsilon(math.sqrt(runs * steps) / nu, delta) > eps:
             nu *= 1 + 1e-9
             evals += 1
-        return accounting.Calibration(nu, nu / (1 + 1e-9), accounting.gdp_epsilon(math.sqrt(runs * steps) / nu, delta),
-                                      evals, 0, 0.0)
+        return accounting.Calibration(
+            nu, nu / (1 + 1e-9), accounting.gdp_epsilon(math.sqrt(runs * steps) / nu, delta), evals, 0, 0.0
+        )
 
     accounting._epsilon_cached.cache_clear()  # cached ε values must come from the code under test
     try:
@@ -414,8 +418,11 @@ def seeds_masked_to_32_bits() -> Iterator[None]:
     def masked(seed: int, stream: str) -> int:
         return original(int(seed) & 0xFFFFFFFF, stream)
 
-    owners = [m for name, m in list(sys.modules.items())
-              if name.split(".")[0] == "dptune" and getattr(m, "stream_seed", None) is original]
+    owners = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.split(".")[0] == "dptune" and getattr(m, "stream_seed", None) is original
+    ]
     with contextlib.ExitStack() as stack:
         for m in owners:
             stack.enter_context(_patched(m, "stream_seed", masked))

@@ -20,6 +20,15 @@ from dptune.audit.bounds import (
 from dptune.audit.runner import AUDITABLE, SCENARIOS, AuditResult, Scenario, run_audit
 
 __all__ = [
-    "run_audit", "AuditResult", "AUDITABLE", "SCENARIOS", "Scenario", "one_run_bound", "one_run_epsilon",
-    "one_run_p_value", "two_world_bound", "clopper_pearson_upper", "dp_epsilon_from_rates",
+    "run_audit",
+    "AuditResult",
+    "AUDITABLE",
+    "SCENARIOS",
+    "Scenario",
+    "one_run_bound",
+    "one_run_epsilon",
+    "one_run_p_value",
+    "two_world_bound",
+    "clopper_pearson_upper",
+    "dp_epsilon_from_rates",
 ]

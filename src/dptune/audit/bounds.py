@@ -65,6 +65,7 @@ def one_run_epsilon(m: int, guesses: int, correct: int, delta: float, significan
 
     The p-value increases with ε, so this is a root search; 0 when even ε = 0 is not rejected.
     """
+
     def excess(eps: float) -> float:
         return significance - one_run_p_value(m, guesses, correct, eps, delta)
 
@@ -91,15 +92,23 @@ class OneRunBound:
 # training (an included canary that was never sampled looks like an absent one, so "out"
 # guesses are less reliable); two-sided ones suit full-batch training.
 GUESS_FRACTIONS: tuple[tuple[float, float], ...] = (
-    (0.02, 0.0), (0.05, 0.0), (0.1, 0.0), (0.2, 0.0), (0.4, 0.0),
-    (0.01, 0.01), (0.025, 0.025), (0.05, 0.05), (0.1, 0.1), (0.2, 0.2),
+    (0.02, 0.0),
+    (0.05, 0.0),
+    (0.1, 0.0),
+    (0.2, 0.0),
+    (0.4, 0.0),
+    (0.01, 0.01),
+    (0.025, 0.025),
+    (0.05, 0.05),
+    (0.1, 0.1),
+    (0.2, 0.2),
 )
 
 
 def _guess(order: np.ndarray, inc: np.ndarray, k_in: int, k_out: int) -> int:
     """#correct when the top ``k_in`` are guessed in and the bottom ``k_out`` out."""
     m = order.size
-    top, bottom = order[:k_in], order[m - k_out:] if k_out else order[:0]
+    top, bottom = order[:k_in], order[m - k_out :] if k_out else order[:0]
     return int(inc[top].sum() + (~inc[bottom]).sum())
 
 
@@ -130,8 +139,11 @@ def one_run_bound(
     significance instead (costly: Steinke's δ term 2mδ then competes with a tiny α/K).
     """
     check_confidence(confidence)
-    score_list = [np.asarray(scores, dtype=float)] if isinstance(scores, np.ndarray) else [
-        np.asarray(s, dtype=float) for s in scores]
+    score_list = (
+        [np.asarray(scores, dtype=float)]
+        if isinstance(scores, np.ndarray)
+        else [np.asarray(s, dtype=float) for s in scores]
+    )
     inc = np.asarray(included, dtype=bool)
     m = int(inc.shape[0])
     if m < 20 or any(s.shape != inc.shape for s in score_list) or not score_list:
@@ -211,7 +223,9 @@ def _rates(out_s: np.ndarray, in_s: np.ndarray, thr: float) -> tuple[int, int]:
     return int((out_s >= thr).sum()), int((in_s < thr).sum())
 
 
-def two_world_bound_at(out_s: np.ndarray, in_s: np.ndarray, thr: float, delta: float, confidence: float) -> tuple[float, float, float, int, int]:
+def two_world_bound_at(
+    out_s: np.ndarray, in_s: np.ndarray, thr: float, delta: float, confidence: float
+) -> tuple[float, float, float, int, int]:
     """Clopper–Pearson ε lower bound of the fixed test "member iff score ≥ thr"."""
     fp, fn = _rates(out_s, in_s, thr)
     sig = (1.0 - confidence) / 2.0  # union bound over the two rates
@@ -227,7 +241,9 @@ def _candidate_thresholds(out_s: np.ndarray, in_s: np.ndarray, k: int = 400) -> 
     return np.unique(np.concatenate([qs, (qs[1:] + qs[:-1]) / 2]))
 
 
-def _bounds_at_thresholds(out_s: np.ndarray, in_s: np.ndarray, thr: np.ndarray, delta: float, confidence: float) -> np.ndarray:
+def _bounds_at_thresholds(
+    out_s: np.ndarray, in_s: np.ndarray, thr: np.ndarray, delta: float, confidence: float
+) -> np.ndarray:
     """Vectorised ``two_world_bound_at`` over an array of thresholds."""
     fp = out_s.size - np.searchsorted(np.sort(out_s), thr, side="left")  # #out ≥ thr
     fn = np.searchsorted(np.sort(in_s), thr, side="left")  # #in < thr
@@ -253,8 +269,16 @@ def two_world_bound(
     so it is a valid Clopper–Pearson bound at ``confidence``.
     """
     check_confidence(confidence)
-    outs = [np.asarray(out_scores, float)] if isinstance(out_scores, np.ndarray) else [np.asarray(s, float) for s in out_scores]
-    ins = [np.asarray(in_scores, float)] if isinstance(in_scores, np.ndarray) else [np.asarray(s, float) for s in in_scores]
+    outs = (
+        [np.asarray(out_scores, float)]
+        if isinstance(out_scores, np.ndarray)
+        else [np.asarray(s, float) for s in out_scores]
+    )
+    ins = (
+        [np.asarray(in_scores, float)]
+        if isinstance(in_scores, np.ndarray)
+        else [np.asarray(s, float) for s in in_scores]
+    )
     if len(outs) != len(ins) or not outs:
         raise ConfigError("give the same number of candidate scores for both worlds.")
     n_out, n_in = outs[0].size, ins[0].size
@@ -265,7 +289,7 @@ def two_world_bound(
     rng = np.random.default_rng(seed)
     po, pi = rng.permutation(n_out), rng.permutation(n_in)
     so, si = po[: int(n_out * selection_fraction)], pi[: int(n_in * selection_fraction)]
-    eo, ei = po[int(n_out * selection_fraction):], pi[int(n_in * selection_fraction):]
+    eo, ei = po[int(n_out * selection_fraction) :], pi[int(n_in * selection_fraction) :]
     best_sel, choice = -1.0, (0, math.inf)
     for j, (o, i) in enumerate(zip(outs, ins, strict=True)):
         o_sel, i_sel = o[so], i[si]

@@ -100,14 +100,20 @@ SCENARIOS: dict[str, Scenario] = {
     "dpsgd": Scenario("dpsgd", {"lr": 0.1, "clip": 1.0, "momentum": 0.5}, 0.5, 4),
     "quantile": Scenario("quantile", {"lr": 0.1, "initial_clip": 0.5, "target_quantile": 0.5}, 0.5, 4),
     "oso": Scenario(
-        "oso", {"lr": 0.1, "initial_clip": 0.5, "relative_increase": 3.0, "clip_lr": 0.05, "lr_lr": 0.05}, 0.5, 4,
+        "oso",
+        {"lr": 0.1, "initial_clip": 0.5, "relative_increase": 3.0, "clip_lr": 0.05, "lr_lr": 0.05},
+        0.5,
+        4,
         note="OSO at relative_increase=3 (ν_g = 4ν, ν_q ≈ 1.03ν) so that the q-query matters",
     ),
     "adamwosm": Scenario("adamwosm", {"clip": 1.0}, 0.5, 4),
     "adadp": Scenario("adadp", {"lr": 0.1, "clip": 1.0}, 0.5, 4),
     "dpgd": Scenario("dpgd", {"lr": 0.1, "clip": 1.0, "momentum": 0.9}, 1.0, 4),
     "grid": Scenario(
-        "dpsgd", {}, 0.5, 4,
+        "dpsgd",
+        {},
+        0.5,
+        4,
         grid=tuple({"lr": lr, "clip": c} for lr in (0.05, 0.2) for c in (0.5, 1.0)),
         note="a whole 2×2 grid study of dpsgd (lr × clip) through dptune.tune.run_study; its budget is the claim",
     ),
@@ -143,12 +149,19 @@ class AuditResult:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"lower_bound": self.lower_bound, "claimed_eps": self.claimed_eps, "confidence": self.confidence,
-                "method": self.method, "flagged": self.flagged, "details": self.details}
+        return {
+            "lower_bound": self.lower_bound,
+            "claimed_eps": self.claimed_eps,
+            "confidence": self.confidence,
+            "method": self.method,
+            "flagged": self.flagged,
+            "details": self.details,
+        }
 
 
-def _check_args(strategy: str, eps: float, delta: float, method: str, confidence: float,
-                threat_model: str, canaries: int | None) -> tuple[Scenario, int]:
+def _check_args(
+    strategy: str, eps: float, delta: float, method: str, confidence: float, threat_model: str, canaries: int | None
+) -> tuple[Scenario, int]:
     if not isinstance(strategy, str) or strategy.lower() not in SCENARIOS:
         raise ConfigError(f"cannot audit strategy {strategy!r}; choose one of: {', '.join(AUDITABLE)}.")
     accounting.check_epsilon(eps, "eps")
@@ -171,8 +184,14 @@ def _check_args(strategy: str, eps: float, delta: float, method: str, confidence
 
 
 def _train_once(
-    scenario: Scenario, data: CanaryData, eps: float, delta: float, accountant: str, seed: int,
-    recorder: ReleaseRecorder, via_study: bool = True,
+    scenario: Scenario,
+    data: CanaryData,
+    eps: float,
+    delta: float,
+    accountant: str,
+    seed: int,
+    recorder: ReleaseRecorder,
+    via_study: bool = True,
 ) -> tuple[list[np.ndarray], Ledger, list[float], float]:
     """Train every run of the scenario on ``data``; return black-box scores, the ledger, clips, ν.
 
@@ -191,16 +210,28 @@ def _train_once(
     losses, clips = [], []
     runs = scenario.grid or (scenario.hyperparameters,)
     if scenario.grid:  # without the tuner: the same grid, calibrated jointly by hand
-        noise = dict(noise_multiplier=accounting.calibrate(eps, delta, min(q, 1.0), scenario.steps, runs=len(runs),
-                                                           accountant=accountant))
+        noise = dict(
+            noise_multiplier=accounting.calibrate(
+                eps, delta, min(q, 1.0), scenario.steps, runs=len(runs), accountant=accountant
+            )
+        )
     else:
         noise = dict(target_epsilon=eps, delta=delta, accountant=accountant)
     nu = math.nan
     with spy_on_releases(recorder):
         for k, hp in enumerate(runs):
             res = train(
-                audit_model(data.dim), (data.x, data.y), scenario.strategy, steps=scenario.steps, loss=linear_loss,
-                seed=stream_seed(seed, f"audit-run-{k}"), device="cpu", run_id=f"audit-{k}", **batch, **noise, **hp,
+                audit_model(data.dim),
+                (data.x, data.y),
+                scenario.strategy,
+                steps=scenario.steps,
+                loss=linear_loss,
+                seed=stream_seed(seed, f"audit-run-{k}"),
+                device="cpu",
+                run_id=f"audit-{k}",
+                **batch,
+                **noise,
+                **hp,
             )
             if res.diverged:
                 raise RuntimeError(f"audit training of {scenario.strategy} diverged; the audit is void")
@@ -220,7 +251,12 @@ def _tuner_available() -> bool:
 
 
 def _train_grid_study(
-    scenario: Scenario, data: CanaryData, eps: float, delta: float, accountant: str, seed: int,
+    scenario: Scenario,
+    data: CanaryData,
+    eps: float,
+    delta: float,
+    accountant: str,
+    seed: int,
     recorder: ReleaseRecorder,
 ) -> tuple[list[np.ndarray], Ledger, list[float], float]:
     """The whole grid study through ``dptune.tune.run_study`` (planner, executor, store, ledger).
@@ -251,12 +287,15 @@ def _train_grid_study(
         data=(data.x, y, torch.zeros((4, data.dim), dtype=data.x.dtype), torch.zeros((4, 1), dtype=data.x.dtype)),
         model=ModelSpec(builder=LinearLossUnderMSE, options={"dim": data.dim}),
         strategies=(StrategyArm(scenario.strategy, space=space, fixed=dict(scenario.hyperparameters)),),
-        training=TrainingSpec(steps=scenario.steps, loss="mse",
-                              **(dict(full_batch=True) if q >= 1.0 else dict(expected_batch_size=q * n))),
+        training=TrainingSpec(
+            steps=scenario.steps, loss="mse", **(dict(full_batch=True) if q >= 1.0 else dict(expected_batch_size=q * n))
+        ),
         budget=BudgetSpec(epsilon=(eps,), delta=delta, accountant=accountant),
         method=MethodSpec("grid"),
         selection=SelectionSpec(mode="public", split="test", metric="mse", eval_every=scenario.steps),
-        seeds=(0,), seed=int(seed % (2**31)), name="audit-grid",
+        seeds=(0,),
+        seed=int(seed % (2**31)),
+        name="audit-grid",
     )
     with tempfile.TemporaryDirectory(prefix="dptune-audit-") as tmp, spy_on_releases(recorder):
         try:
@@ -335,20 +374,31 @@ def run_audit(
         if sampling_rate is not None:
             accounting.check_sampling_rate(sampling_rate)
         scenario = Scenario(
-            scenario.strategy, {**scenario.hyperparameters, **(hyperparameters or {})},
+            scenario.strategy,
+            {**scenario.hyperparameters, **(hyperparameters or {})},
             scenario.sampling_rate if sampling_rate is None else float(sampling_rate),
-            scenario.steps if steps is None else steps, scenario.grid, scenario.note,
+            scenario.steps if steps is None else steps,
+            scenario.grid,
+            scenario.note,
         )
     say = on_progress or (lambda s: None)
     t0 = time.perf_counter()
     canary_norm = CANARY_NORM_FACTOR * scenario.max_clip()
     background_dim = 16
     details: dict[str, Any] = {
-        "strategy": strategy.lower(), "trained_strategy": scenario.strategy, "delta": delta,
-        "threat_model": threat_model, "threat_model_text": THREAT_TEXT[threat_model],
-        "hyperparameters": scenario.grid or scenario.hyperparameters, "sampling_rate": scenario.sampling_rate,
-        "steps": scenario.steps, "runs": scenario.runs, "accountant": accountant, "seed": seed,
-        "canary_norm": canary_norm, "note": scenario.note,
+        "strategy": strategy.lower(),
+        "trained_strategy": scenario.strategy,
+        "delta": delta,
+        "threat_model": threat_model,
+        "threat_model_text": THREAT_TEXT[threat_model],
+        "hyperparameters": scenario.grid or scenario.hyperparameters,
+        "sampling_rate": scenario.sampling_rate,
+        "steps": scenario.steps,
+        "runs": scenario.runs,
+        "accountant": accountant,
+        "seed": seed,
+        "canary_norm": canary_norm,
+        "note": scenario.note,
     }
     all_clips: list[float] = []
     ledger_eps: list[float] = []
@@ -359,8 +409,9 @@ def run_audit(
         data = make_data(present, background, background_dim, canary_norm, stream_seed(seed, "audit-data"))
         rec = ReleaseRecorder(data.canary_coords)
         say(f"training {scenario.runs} run(s) with {n_canaries} canaries")
-        losses, ledger, clips, nu = _train_once(scenario, data, eps, delta, accountant, seed, rec,
-                                                via_study=threat_model == "white-box")
+        losses, ledger, clips, nu = _train_once(
+            scenario, data, eps, delta, accountant, seed, rec, via_study=threat_model == "white-box"
+        )
         all_clips += clips
         ledger_eps.append(ledger_epsilon(ledger, delta, accountant))
         if threat_model == "white-box":
@@ -369,9 +420,17 @@ def run_audit(
             labels, scores = ["loss"], [np.sum(losses, axis=0)]
         b = bounds.one_run_bound(scores, present, delta, confidence, seed=stream_seed(seed, "audit-split"))
         lower = b.epsilon
-        details.update(canaries=n_canaries, included=int(present.sum()), canaries_evaluated=b.canaries,
-                       guesses=b.guesses, correct=b.correct, guesses_in=b.k_in, guesses_out=b.k_out,
-                       score=labels[b.score], scores=labels)
+        details.update(
+            canaries=n_canaries,
+            included=int(present.sum()),
+            canaries_evaluated=b.canaries,
+            guesses=b.guesses,
+            correct=b.correct,
+            guesses_in=b.k_in,
+            guesses_out=b.k_out,
+            score=labels[b.score],
+            scores=labels,
+        )
     else:
         outs: list[list[np.ndarray]] = []
         ins: list[list[np.ndarray]] = []
@@ -384,7 +443,9 @@ def run_audit(
             data = make_data(present, background, background_dim, canary_norm, stream_seed(seed, f"audit-data-{c}"))
             rec = ReleaseRecorder(data.canary_coords)
             say(f"training chunk {c + 1}/{chunks} ({size} trials per world)")
-            _, ledger, clips, nu = _train_once(scenario, data, eps, delta, accountant, stream_seed(seed, f"chunk-{c}"), rec)
+            _, ledger, clips, nu = _train_once(
+                scenario, data, eps, delta, accountant, stream_seed(seed, f"chunk-{c}"), rec
+            )
             all_clips += clips
             ledger_eps.append(ledger_epsilon(ledger, delta, accountant))
             labels, scores = _candidates(rec)
@@ -394,14 +455,24 @@ def run_audit(
         in_scores = [np.concatenate([i[j] for i in ins]) for j in range(len(labels))]
         b2 = bounds.two_world_bound(out_scores, in_scores, delta, confidence, seed=stream_seed(seed, "audit-split"))
         lower = b2.epsilon
-        details.update(trials_per_world=n_canaries, trials_evaluated=(b2.trials_out, b2.trials_in),
-                       threshold=b2.threshold, false_positives=b2.false_positives,
-                       false_negatives=b2.false_negatives, fpr_upper=b2.fpr_upper, fnr_upper=b2.fnr_upper,
-                       score=labels[b2.score], scores=labels)
+        details.update(
+            trials_per_world=n_canaries,
+            trials_evaluated=(b2.trials_out, b2.trials_in),
+            threshold=b2.threshold,
+            false_positives=b2.false_positives,
+            false_negatives=b2.false_negatives,
+            fpr_upper=b2.fpr_upper,
+            fnr_upper=b2.fnr_upper,
+            score=labels[b2.score],
+            scores=labels,
+        )
     max_clip = max(all_clips) if all_clips else 0.0
     details.update(
-        noise_multiplier=nu, ledger_epsilon=max(ledger_eps), max_clip_seen=max_clip,
-        canaries_saturated=bool(max_clip < canary_norm), seconds=time.perf_counter() - t0,
+        noise_multiplier=nu,
+        ledger_epsilon=max(ledger_eps),
+        max_clip_seen=max_clip,
+        canaries_saturated=bool(max_clip < canary_norm),
+        seconds=time.perf_counter() - t0,
     )
     if not details["canaries_saturated"]:
         raise RuntimeError(

@@ -118,9 +118,7 @@ def _expected(spec: FileSpec) -> tuple[str, tuple[str, ...]]:
     return "", ()
 
 
-def verify_file(
-    path: Path, spec: FileSpec, cache: Path, dataset: str, *, fix: str | None = None
-) -> None:
+def verify_file(path: Path, spec: FileSpec, cache: Path, dataset: str, *, fix: str | None = None) -> None:
     """Raise ``DataError`` unless ``path`` matches the registry checksum of ``spec``."""
     algo, accepted = _expected(spec)
     if not accepted:
@@ -278,9 +276,7 @@ def _missing_message(
     if root is not None:
         lines.append(f"Looked in data_dir {root / spec.name} and in the cache {cache / spec.name}.")
     else:
-        lines.append(
-            f"Looked in the cache {cache / spec.name} (no data_dir / DPTUNE_DATA_DIR set)."
-        )
+        lines.append(f"Looked in the cache {cache / spec.name} (no data_dir / DPTUNE_DATA_DIR set).")
     if failures:
         lines.append("Download attempts:")
         lines += [f"  - {m}" for m in failures]

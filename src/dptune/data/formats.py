@@ -95,9 +95,7 @@ _HTML_NUM = re.compile(r"#(\d+);")
 def clean_ag_news(text: str) -> str:
     """Undo the CSV's escapes: ``\\`` marks a line break, `` #36;`` is a numeric entity."""
     text = text.replace("\\", " ")
-    return _HTML_NUM.sub(
-        lambda m: chr(int(m.group(1))) if int(m.group(1)) < 0x110000 else " ", text
-    )
+    return _HTML_NUM.sub(lambda m: chr(int(m.group(1))) if int(m.group(1)) < 0x110000 else " ", text)
 
 
 def read_ag_news(path: Path, dataset: str) -> tuple[list[str], np.ndarray]:

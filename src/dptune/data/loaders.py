@@ -53,9 +53,7 @@ class Context:
 # ------------------------------------------------------------------------------ shared
 
 
-def _pooled_split(
-    n: int, ctx: Context, test_fraction: float, limit: int | None
-) -> tuple[np.ndarray, np.ndarray]:
+def _pooled_split(n: int, ctx: Context, test_fraction: float, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Train/test indices into a pool of ``n`` examples (after an optional ``limit`` subset)."""
     keep = subset_indices(n, limit, ctx.seed)
     tr, te = split_indices(len(keep), test_fraction, ctx.seed)
@@ -97,9 +95,7 @@ def _image_dataset(
         i_tr, i_te = _pooled_split(len(x), ctx, test_fraction, limit)
         xtr, ytr, xte, yte = x[i_tr], y[i_tr], x[i_te], y[i_te]
         what = "split" if single_pool else "official train/test pooled and re-split"
-        notes.append(
-            f"{what} {1 - test_fraction:.0%}/{test_fraction:.0%} at random with seed {ctx.seed}"
-        )
+        notes.append(f"{what} {1 - test_fraction:.0%}/{test_fraction:.0%} at random with seed {ctx.seed}")
     h, w = xtr.shape[1:]
     shape: tuple[int, ...] = (h * w,) if flatten else (1, h, w)
 
@@ -184,9 +180,7 @@ def load_fashion_mnist(
     )  # fmt: skip
 
 
-def _pool_as_splits(
-    x: np.ndarray, y: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _pool_as_splits(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     empty = np.zeros((0, *x.shape[1:]), dtype=x.dtype)
     return x, y, empty, np.zeros(0, dtype=y.dtype)
 
@@ -342,8 +336,7 @@ def _encode_adult(rows: np.ndarray, missing: str) -> np.ndarray:
         bad = [str(u) for u in uniq if u not in pos]
         if bad:
             raise DataError(
-                f"dataset 'adult': unknown {col} value(s) {bad[:3]}; the file is not the UCI "
-                "adult data, replace it."
+                f"dataset 'adult': unknown {col} value(s) {bad[:3]}; the file is not the UCI adult data, replace it."
             )
         codes = np.asarray([pos[u] for u in uniq], dtype=np.int64)[inv.reshape(-1)]
         blocks.append(np.eye(len(cats))[codes])
@@ -376,10 +369,7 @@ def load_adult(
         rows_a, y_a, rows_b, y_b = rows_a[keep_a], y_a[keep_a], rows_b[keep_b], y_b[keep_b]
         notes.append("rows with a missing value ('?') dropped (45,222 of 48,842 remain)")
     else:
-        notes.append(
-            "missing values ('?') kept as an extra category of workclass, occupation and "
-            "native-country"
-        )
+        notes.append("missing values ('?') kept as an extra category of workclass, occupation and native-country")
     if official_split:
         tr = subset_indices(len(rows_a), limit, ctx.seed, salt=0)
         te = subset_indices(len(rows_b), limit, ctx.seed, salt=1)
@@ -426,9 +416,7 @@ def _counts(
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
         raise ConfigError(f"vocab_size={vocab_size!r}: must be an integer >= 1, e.g. 5512.")
     # MurmurHash3 (seed 0) of each token into vocab_size buckets; unsigned counts.
-    vec = HashingVectorizer(
-        n_features=vocab_size, lowercase=True, alternate_sign=False, norm=None, dtype=np.float32
-    )
+    vec = HashingVectorizer(n_features=vocab_size, lowercase=True, alternate_sign=False, norm=None, dtype=np.float32)
     dense_tr = np.asarray(vec.transform(train).todense(), dtype=np.float32)
     dense_te = np.asarray(vec.transform(test).todense(), dtype=np.float32)
     note = (
@@ -481,9 +469,7 @@ def _text_features(
         return both[: len(texts_tr)], both[len(texts_tr) :], note
     if representation == "counts":
         return _counts(texts_tr, texts_te, vocab_size, scale)
-    raise ConfigError(
-        f"representation={representation!r}: choose 'bow_embedding', 'minilm' or 'counts'."
-    )
+    raise ConfigError(f"representation={representation!r}: choose 'bow_embedding', 'minilm' or 'counts'.")
 
 
 AG_NEWS_CLASSES = ("World", "Sports", "Business", "Sci/Tech")
@@ -503,9 +489,7 @@ def load_ag_news(
     vocab_size: int = 5512,
     scale: bool = True,
 ) -> Dataset:
-    notes: list[str] = [
-        "text = title + ' ' + description ('\\' line marks and #NN; entities undone)"
-    ]
+    notes: list[str] = ["text = title + ' ' + description ('\\' line marks and #NN; entities undone)"]
     if official_split:
         _, p = ctx.resolve("ag_news", ("official",))
         t_tr, y_tr = formats.read_ag_news(p["train.csv"], "ag_news")

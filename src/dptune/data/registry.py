@@ -221,8 +221,7 @@ DATASETS: dict[str, DatasetSpec] = {
     ),
     "enron_spam": DatasetSpec(
         name="enron_spam",
-        description="Enron-Spam, Enron1 subset (Metsis et al. 2006, preprocessed): "
-        "3,672 ham + 1,500 spam.",
+        description="Enron-Spam, Enron1 subset (Metsis et al. 2006, preprocessed): 3,672 ham + 1,500 spam.",
         homepage="http://www.aueb.gr/users/ion/data/enron-spam/",
         variants={
             "csv": (
@@ -237,9 +236,7 @@ DATASETS: dict[str, DatasetSpec] = {
                     "enron1.tar.gz",
                     ("http://www.aueb.gr/users/ion/data/enron-spam/preprocessed/enron1.tar.gz",),
                     sha256=None,
-                    alt_sha256=(
-                        "24d74a3cb423ad023f260f080d446e9fc9c6c4178624de8843f8a2d63b136677",
-                    ),
+                    alt_sha256=("24d74a3cb423ad023f260f080d446e9fc9c6c4178624de8843f8a2d63b136677",),
                     note="no published checksum for the AUEB archive; alt_sha256 is the "
                     "shared-data repack of the same 5,172 messages",
                 ),
@@ -248,8 +245,7 @@ DATASETS: dict[str, DatasetSpec] = {
     ),
     "gisette": DatasetSpec(
         name="gisette",
-        description="Gisette (NIPS 2003 feature selection challenge): 6,000 x 5,000, "
-        "4 vs 9 digits.",
+        description="Gisette (NIPS 2003 feature selection challenge): 6,000 x 5,000, 4 vs 9 digits.",
         homepage="https://archive.ics.uci.edu/dataset/170/gisette",
         variants={
             "uci": (

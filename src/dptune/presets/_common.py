@@ -35,9 +35,12 @@ def check_scale(scale: Any, scales: Sequence[str] = SCALES) -> str:
         extra = [f"{s}: {EXTRA_SCALES[s]}" for s in scales if s in EXTRA_SCALES]
         elsewhere = [s for s in EXTRA_SCALES if s not in scales]
         hint = f" ({key!r} exists only for other presets: see `dptune reproduce list`)" if key in elsewhere else ""
-        raise ConfigError(f"unknown scale {scale!r}{hint}. Fix: choose one of {', '.join(scales)} "
-                          "(smoke: CI check in seconds; small: ≤ 60 min on a 2-core CPU; paper: the papers' settings"
-                          + "".join(f"; {e}" for e in extra) + ").")
+        raise ConfigError(
+            f"unknown scale {scale!r}{hint}. Fix: choose one of {', '.join(scales)} "
+            "(smoke: CI check in seconds; small: ≤ 60 min on a 2-core CPU; paper: the papers' settings"
+            + "".join(f"; {e}" for e in extra)
+            + ")."
+        )
     return str(key)
 
 
@@ -142,8 +145,9 @@ def check_int_option(name: str, value: Any, allowed: Sequence[int] | None = None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"option {name} must be an integer ≥ 1, got {value!r}. Fix: e.g. {name} = 7.")
     if allowed is not None and value not in allowed:
-        raise ConfigError(f"option {name} = {value} is not one of the paper's values {list(allowed)}. "
-                          f"Fix: use one of them.")
+        raise ConfigError(
+            f"option {name} = {value} is not one of the paper's values {list(allowed)}. Fix: use one of them."
+        )
     return value
 
 

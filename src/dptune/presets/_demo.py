@@ -34,14 +34,22 @@ def demo_study() -> dict[str, Any]:
         training={"epochs": 15, "expected_batch_size": 256},
         budget={"epsilon": list(EPSILONS), "delta": DELTA, "accountant": "pld"},
         method={"name": "grid"},
-        selection={"mode": "public", "split": "test", "checkpoint": "best", "eval_every": 25,
-                   "across_seeds": "per-seed"},
+        selection={
+            "mode": "public",
+            "split": "test",
+            "checkpoint": "best",
+            "eval_every": 25,
+            "across_seeds": "per-seed",
+        },
         strategies=[
             # dptune's OSO: C₀ = 1 and horizon-aware rates (docs/strategies.md, "Defaults").
             {"name": "oso", "space": {"lr": lrs}, "method": {"name": "online"}},
             {"name": "dpsgd", "space": {"lr": lrs, "clip": [0.1, 1.0]}, "fixed": {"momentum": 0.0}},
-            {"name": "quantile", "space": {"lr": lrs, "target_quantile": [0.5, 0.7]},
-             "fixed": {"clip_lr": 0.2, "initial_clip": 0.1, "momentum": 0.0}},
+            {
+                "name": "quantile",
+                "space": {"lr": lrs, "target_quantile": [0.5, 0.7]},
+                "fixed": {"clip_lr": 0.2, "initial_clip": 0.1, "momentum": 0.0},
+            },
             {"name": "adamwosm", "space": {"clip": [0.1, 1.0]}},
             {"name": "nodp", "space": {"lr": [0.3]}},
         ],

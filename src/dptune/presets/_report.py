@@ -75,30 +75,47 @@ def study_report(
     arm_of = {a.arm: a for a in plan.arms}
 
     # n_diverged counts the selected runs only: the arm's count covers the losing candidates.
-    results = [{
-        "strategy": r["strategy"], "epsilon": r["epsilon"], "hyperparameters": r["selected"] or "—",
-        "mean": r["value_mean"], "std": r["value_std"], "n_seeds": max(1, r["replicates"]),
-        "n_diverged": sum(1 for rid in r["selected_runs"] if runs.get(rid, {}).get("status") == "diverged"),
-        "selected": True,
-    } for r in table if r["value_mean"] is not None or r["runs_done"]]
+    results = [
+        {
+            "strategy": r["strategy"],
+            "epsilon": r["epsilon"],
+            "hyperparameters": r["selected"] or "—",
+            "mean": r["value_mean"],
+            "std": r["value_std"],
+            "n_seeds": max(1, r["replicates"]),
+            "n_diverged": sum(1 for rid in r["selected_runs"] if runs.get(rid, {}).get("status") == "diverged"),
+            "selected": True,
+        }
+        for r in table
+        if r["value_mean"] is not None or r["runs_done"]
+    ]
 
     histories: list[RunHistory] = []
     for r in table:
         for rid in r["selected_runs"][:2]:
             h = runs.get(rid, {}).get("history")
             if h and len(histories) < MAX_HISTORIES:
-                histories.append(RunHistory(public_run_name(arm_of[r["arm"]], runs[rid]), r["strategy"], json.loads(h),
-                                            epsilon=float(r["epsilon"])))
+                histories.append(
+                    RunHistory(
+                        public_run_name(arm_of[r["arm"]], runs[rid]),
+                        r["strategy"],
+                        json.loads(h),
+                        epsilon=float(r["epsilon"]),
+                    )
+                )
 
     ledger_rows = study_ledger_rows(plan, entries, per_run)
 
-    budgets = [{
-        "label": f"{r['strategy']} @ ε = {_fmt_eps(r['epsilon'])} ({r['method']})",
-        "planned": (r["planned_epsilon"], r["planned_delta"]),
-        "spent": (r["spent_epsilon"], r["spent_delta"]),
-        "note": ("per seed replicate" if r["guarantee_per"] == "seed replicate" else "whole procedure")
-        + f", {r['accountant']}",
-    } for r in table]
+    budgets = [
+        {
+            "label": f"{r['strategy']} @ ε = {_fmt_eps(r['epsilon'])} ({r['method']})",
+            "planned": (r["planned_epsilon"], r["planned_delta"]),
+            "spent": (r["spent_epsilon"], r["spent_delta"]),
+            "note": ("per seed replicate" if r["guarantee_per"] == "seed replicate" else "whole procedure")
+            + f", {r['accountant']}",
+        }
+        for r in table
+    ]
 
     pareto = {}
     for a in plan.arms:
@@ -110,10 +127,17 @@ def study_report(
         for fit in r.get("fits") or []:
             if fit and fit.get("coef") and len(fit["coef"]) == 2:
                 slope, intercept = (float(c) for c in fit["coef"])
-                linear = LinearScalingFit([tuple(p) for p in fit["points"]], slope, intercept,
-                                          float(fit["x_final"]), None, fit.get("axis", "epsilon"))
+                linear = LinearScalingFit(
+                    [tuple(p) for p in fit["points"]],
+                    slope,
+                    intercept,
+                    float(fit["x_final"]),
+                    None,
+                    fit.get("axis", "epsilon"),
+                )
 
     sel = cfg.get("selection", {})
+
     def _name(a: Any) -> str:
         return f"{label_of.get(a.arm, a.arm)} @ {a.arm.split('@')[-1]}"
 
@@ -125,25 +149,48 @@ def study_report(
 
     mode_note = "Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"]
     hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
-    heatmaps = grid_heatmaps(list(runs.values()), arm_of, out, plan.metric, plan.higher_is_better) \
-        if include_diagnostics else []
+    heatmaps = (
+        grid_heatmaps(list(runs.values()), arm_of, out, plan.metric, plan.higher_is_better)
+        if include_diagnostics
+        else []
+    )
     if heatmaps:
         extra_sections = [*extra_sections, heatmap_section(heatmaps)]
     # Every run and every configuration: diagnostics, as in ``dptune report`` (report_study).
     runs_section = every_run_section(table, write_runs_csv(out, list(runs.values()), arm_of))
     # The selection score, as in this page's results table.
-    every = every_configuration(list(runs.values()), arm_of, {rid for r in table for rid in r["selected_runs"]},
-                                use_test=False, name=lambda a: a.label)
+    every = every_configuration(
+        list(runs.values()),
+        arm_of,
+        {rid for r in table for rid in r["selected_runs"]},
+        use_test=False,
+        name=lambda a: a.label,
+    )
     return build_report(
-        out, results, histories, ledger_rows,
-        selection_mode=sel.get("mode", "public"), selection_split=sel.get("split"),
-        planned=None, spent=None, metric=plan.metric, higher_is_better=plan.higher_is_better,
-        title=title or cfg.get("study", {}).get("name", "study"), subtitle=subtitle,
-        accountant=", ".join(accountants) or None, budgets=budgets,
-        notes=[*notes, *dict.fromkeys(arm_notes), mode_note], pareto=pareto or None, linear_scaling=linear,
-        conclusions=conclusions(display_table(table, plan.metric), arm_costs(plan), plan.higher_is_better,
-                                plan.metric, hidden_k),
-        extra_figures=extra_figures, extra_sections=extra_sections,
-        diagnostic_notes=list(dict.fromkeys(secret_notes)), include_diagnostics=include_diagnostics,
-        diagnostic_sections=[runs_section], all_results=every,
+        out,
+        results,
+        histories,
+        ledger_rows,
+        selection_mode=sel.get("mode", "public"),
+        selection_split=sel.get("split"),
+        planned=None,
+        spent=None,
+        metric=plan.metric,
+        higher_is_better=plan.higher_is_better,
+        title=title or cfg.get("study", {}).get("name", "study"),
+        subtitle=subtitle,
+        accountant=", ".join(accountants) or None,
+        budgets=budgets,
+        notes=[*notes, *dict.fromkeys(arm_notes), mode_note],
+        pareto=pareto or None,
+        linear_scaling=linear,
+        conclusions=conclusions(
+            display_table(table, plan.metric), arm_costs(plan), plan.higher_is_better, plan.metric, hidden_k
+        ),
+        extra_figures=extra_figures,
+        extra_sections=extra_sections,
+        diagnostic_notes=list(dict.fromkeys(secret_notes)),
+        include_diagnostics=include_diagnostics,
+        diagnostic_sections=[runs_section],
+        all_results=every,
     )

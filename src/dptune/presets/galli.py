@@ -80,12 +80,25 @@ PAPER_SCORES: dict[tuple[str, int], dict[float, dict[str, tuple[float, float]]]]
         9.0: {"oso": (86.38, 0.12), "dpsgd": (86.18, 0.07), "quantile": (85.93, 0.18), "adamwosm": (86.57, 0.11)},
     },
 }
-_TABLE_NUMBER = {("mnist", 9): 8, ("fmnist-ae", 9): 9, ("agnews", 9): 10, ("mnist", 5): 11, ("fmnist-ae", 5): 12,
-                 ("agnews", 5): 13}
+_TABLE_NUMBER = {
+    ("mnist", 9): 8,
+    ("fmnist-ae", 9): 9,
+    ("agnews", 9): 10,
+    ("mnist", 5): 11,
+    ("fmnist-ae", 5): 12,
+    ("agnews", 5): 13,
+}
 # trials_per_group = 5: one learning-rate row of a 5 × 5 grid per vectorised group, so the 65 runs
 # make 13 tasks that keep several process workers busy on one GPU.
-GPU_SLICE = {"batch": 512, "epochs": 10, "eval_every": 50, "k": 5, "epsilons": [3.0], "seeds": [0],
-             "trials_per_group": 5}
+GPU_SLICE = {
+    "batch": 512,
+    "epochs": 10,
+    "eval_every": 50,
+    "k": 5,
+    "epsilons": [3.0],
+    "seeds": [0],
+    "trials_per_group": 5,
+}
 
 # dataset → (data section, model section, paper ε list, metric)
 DATASETS: dict[str, dict[str, Any]] = {
@@ -112,12 +125,33 @@ DATASETS: dict[str, dict[str, Any]] = {
 # Reduced settings. "small": real data, ≤ 60 min on a 2-core CPU (see docs/reproduce.md for the
 # measured step times behind these numbers); "smoke": seconds, for CI.
 SMALL: dict[str, dict[str, Any]] = {
-    "mnist": {"limit": 6000, "batch": 256, "epochs": 3, "eval_every": 25, "seeds": [0],
-              "epsilons": [3.0, 9.0], "gammas": [0.3, 0.5, 0.7]},
-    "fmnist-ae": {"limit": 2500, "batch": 128, "epochs": 3, "eval_every": 20, "seeds": [0],
-                  "epsilons": [2.0, 4.0], "gammas": [0.3, 0.5, 0.7]},
-    "agnews": {"limit": None, "batch": 512, "epochs": 10, "eval_every": 50, "seeds": [0, 1, 2],
-               "epsilons": [3.0, 5.0, 7.0, 9.0], "gammas": [0.3, 0.5, 0.7]},
+    "mnist": {
+        "limit": 6000,
+        "batch": 256,
+        "epochs": 3,
+        "eval_every": 25,
+        "seeds": [0],
+        "epsilons": [3.0, 9.0],
+        "gammas": [0.3, 0.5, 0.7],
+    },
+    "fmnist-ae": {
+        "limit": 2500,
+        "batch": 128,
+        "epochs": 3,
+        "eval_every": 20,
+        "seeds": [0],
+        "epsilons": [2.0, 4.0],
+        "gammas": [0.3, 0.5, 0.7],
+    },
+    "agnews": {
+        "limit": None,
+        "batch": 512,
+        "epochs": 10,
+        "eval_every": 50,
+        "seeds": [0, 1, 2],
+        "epsilons": [3.0, 5.0, 7.0, 9.0],
+        "gammas": [0.3, 0.5, 0.7],
+    },
 }
 SMOKE: dict[str, dict[str, Any]] = {
     "mnist": {"limit": 200, "batch": 32, "steps": 4, "eval_every": 2},
@@ -132,11 +166,18 @@ def strategies(k: int, gammas: list[float], *, adamwosm: bool = True, nodp: bool
     clips = log_grid(*CLIP_RANGE, k)
     out: list[dict[str, Any]] = [
         # Online: ρ₀ searched, C learned online from C₀ = 0.1 ("one hyperparameter fewer").
-        {"name": "oso", "space": {"lr": lrs}, "fixed": {"initial_clip": 0.1, "clip_lr": 2.5e-3, "lr_lr": 2.5e-3},
-         "method": {"name": "online"}},
+        {
+            "name": "oso",
+            "space": {"lr": lrs},
+            "fixed": {"initial_clip": 0.1, "clip_lr": 2.5e-3, "lr_lr": 2.5e-3},
+            "method": {"name": "online"},
+        },
         {"name": "dpsgd", "space": {"lr": lrs, "clip": clips}, "fixed": {"momentum": 0.0}},  # FixedThreshold
-        {"name": "quantile", "space": {"lr": lrs, "target_quantile": list(gammas)},
-         "fixed": {"clip_lr": 0.2, "initial_clip": 0.1, "momentum": 0.0}},
+        {
+            "name": "quantile",
+            "space": {"lr": lrs, "target_quantile": list(gammas)},
+            "fixed": {"clip_lr": 0.2, "initial_clip": 0.1, "momentum": 0.0},
+        },
     ]
     if adamwosm:
         # α = 10⁻³ (Mohapatra et al.'s ESS numerator, which Galli keep: "ρ₀ = 10⁻³").
@@ -152,14 +193,20 @@ def check_k(k: object, scale: str) -> int:
     paper_size = scale in ("paper", "gpu-slice")
     if not isinstance(k, int) or isinstance(k, bool) or k not in (PAPER_K if paper_size else REDUCED_K):
         if paper_size:
-            raise ConfigError(f"option k = {k!r} is not one of the paper's values {list(PAPER_K)} (the {scale} scale; "
-                              "smoke and small take any k from 1 to 9). Fix: use one of them.")
-        raise ConfigError(f"option k = {k!r} is not allowed at the {scale} scale: it takes 1 to 9 (a reduced grid; "
-                          "the paper scale takes 5, 7 or 9). Fix: use an integer k from 1 to 9.")
+            raise ConfigError(
+                f"option k = {k!r} is not one of the paper's values {list(PAPER_K)} (the {scale} scale; "
+                "smoke and small take any k from 1 to 9). Fix: use one of them."
+            )
+        raise ConfigError(
+            f"option k = {k!r} is not allowed at the {scale} scale: it takes 1 to 9 (a reduced grid; "
+            "the paper scale takes 5, 7 or 9). Fix: use an integer k from 1 to 9."
+        )
     return k
 
 
-def paper_scores(dataset: str, k: int, epsilons: list[float]) -> tuple[dict[tuple[str, float], tuple[float, float]], str]:
+def paper_scores(
+    dataset: str, k: int, epsilons: list[float]
+) -> tuple[dict[tuple[str, float], tuple[float, float]], str]:
     """The paper's (arm, ε) → (mean, std) for a k-point grid, and the table it comes from."""
     table = PAPER_SCORES.get((dataset, k), {})
     scores = {(arm, float(e)): v for e in epsilons for arm, v in table.get(float(e), {}).items()}
@@ -207,26 +254,41 @@ def build(dataset: str, scale: str, options: Mapping[str, Any]) -> list[Part]:
         del data["options"]
     budget["epsilon"] = list(eps)
     name = f"galli-{dataset}"
-    study = study_dict(name=f"{name}-{scale}", data=data, model=spec["model"], training=training, budget=budget,
-                       selection=selection, strategies=strategies(k, gammas), seeds=seeds,
-                       method={"name": "grid"})
+    study = study_dict(
+        name=f"{name}-{scale}",
+        data=data,
+        model=spec["model"],
+        training=training,
+        budget=budget,
+        selection=selection,
+        strategies=strategies(k, gammas),
+        seeds=seeds,
+        method={"name": "grid"},
+    )
     if scale == "gpu-slice":
         study["study"]["trials_per_group"] = GPU_SLICE["trials_per_group"]
-    notes = [f"grid granularity k = {k}; ε ∈ {list(eps)}, δ = {DELTA:g}, per-grid budgets (RDP); "
-             f"{len(seeds)} seed(s), not accounted, scores averaged over seeds."]
+    notes = [
+        f"grid granularity k = {k}; ε ∈ {list(eps)}, δ = {DELTA:g}, per-grid budgets (RDP); "
+        f"{len(seeds)} seed(s), not accounted, scores averaged over seeds."
+    ]
     scores, source = paper_scores(dataset, k, eps)
     if shortened:
         notes.append(f"Shortened by the options ({shortened}): a check of the pipeline, not comparable with the paper.")
     elif scores and not comparable:
-        notes.append(f"The {scale} scale uses a subset, fewer epochs and a smaller grid than the paper: its numbers "
-                     "are shown beside the paper's for orientation, not as a reproduction.")
+        notes.append(
+            f"The {scale} scale uses a subset, fewer epochs and a smaller grid than the paper: its numbers "
+            "are shown beside the paper's for orientation, not as a reproduction."
+        )
     if scores and len(seeds) < 5:
-        notes.append(f"The paper averages 5 seeds; this run has {len(seeds)}: expect a spread of about the paper's std.")
+        notes.append(
+            f"The paper averages 5 seeds; this run has {len(seeds)}: expect a spread of about the paper's std."
+        )
     return [Part("study", spec["title"], study, tuple(notes), paper_scores=scores, paper_source=source)]
 
 
-def _shorten(training: dict[str, Any], selection: dict[str, Any], data: dict[str, Any],
-             options: Mapping[str, Any]) -> str:
+def _shorten(
+    training: dict[str, Any], selection: dict[str, Any], data: dict[str, Any], options: Mapping[str, Any]
+) -> str:
     """Apply the ``steps`` / ``limit`` options (a quick check of a large scale); say what changed."""
     changed = []
     if options.get("steps") is not None:

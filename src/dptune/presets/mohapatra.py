@@ -62,18 +62,51 @@ DATASETS: dict[str, dict[str, Any]] = {
 MODELS = {"lr": ("logistic_regression", "logistic regression"), "tlnn": ("two_layer_nn", "two-layer NN (100 ReLU)")}
 
 SCALES: dict[str, dict[str, Any]] = {
-    "paper": {"lot": LOT, "steps": {"mnist": STEPS, "adult": STEPS, "enron": STEPS}, "seeds": [0, 1, 2],
-              "sigmas": SIGMAS, "alphas": ALPHAS, "clips": CLIPS, "momenta": MOMENTA,
-              "sgd_clips": CLIPS, "mom_alphas": ALPHAS, "mom_clips": CLIPS, "eval_every": 100,
-              "lt": ("dpsgd", "dpmomentum"), "limit": None},
-    "small": {"lot": LOT, "steps": {"mnist": 600, "adult": 600, "enron": 300}, "seeds": [0, 1],
-              "sigmas": SIGMAS, "alphas": [0.01, 0.1, 1.0], "clips": CLIPS, "momenta": [0.5, 0.9],
-              "sgd_clips": [0.1, 1.0], "mom_alphas": [0.01, 0.1, 1.0], "mom_clips": [0.1, 1.0], "eval_every": 100,
-              "lt": (), "limit": None},
-    "smoke": {"lot": 32, "steps": {"mnist": 6, "adult": 6, "enron": 6}, "seeds": [0],
-              "sigmas": [4.0], "alphas": [0.1, 1.0], "clips": [0.1, 1.0], "momenta": [0.5, 0.9],
-              "sgd_clips": [1.0], "mom_alphas": [0.1], "mom_clips": [1.0], "eval_every": 3,
-              "lt": ("dpmomentum",), "limit": 250},
+    "paper": {
+        "lot": LOT,
+        "steps": {"mnist": STEPS, "adult": STEPS, "enron": STEPS},
+        "seeds": [0, 1, 2],
+        "sigmas": SIGMAS,
+        "alphas": ALPHAS,
+        "clips": CLIPS,
+        "momenta": MOMENTA,
+        "sgd_clips": CLIPS,
+        "mom_alphas": ALPHAS,
+        "mom_clips": CLIPS,
+        "eval_every": 100,
+        "lt": ("dpsgd", "dpmomentum"),
+        "limit": None,
+    },
+    "small": {
+        "lot": LOT,
+        "steps": {"mnist": 600, "adult": 600, "enron": 300},
+        "seeds": [0, 1],
+        "sigmas": SIGMAS,
+        "alphas": [0.01, 0.1, 1.0],
+        "clips": CLIPS,
+        "momenta": [0.5, 0.9],
+        "sgd_clips": [0.1, 1.0],
+        "mom_alphas": [0.01, 0.1, 1.0],
+        "mom_clips": [0.1, 1.0],
+        "eval_every": 100,
+        "lt": (),
+        "limit": None,
+    },
+    "smoke": {
+        "lot": 32,
+        "steps": {"mnist": 6, "adult": 6, "enron": 6},
+        "seeds": [0],
+        "sigmas": [4.0],
+        "alphas": [0.1, 1.0],
+        "clips": [0.1, 1.0],
+        "momenta": [0.5, 0.9],
+        "sgd_clips": [1.0],
+        "mom_alphas": [0.1],
+        "mom_clips": [1.0],
+        "eval_every": 3,
+        "lt": ("dpmomentum",),
+        "limit": 250,
+    },
 }
 
 
@@ -106,10 +139,17 @@ def _strategies(s: Mapping[str, Any]) -> list[dict[str, Any]]:
         return {"name": "liu-talwar"} if label in s["lt"] else None
 
     arms: list[dict[str, Any]] = [
-        {"name": "dpsgd", "label": "dpsgd", "space": {"lr": s["alphas"], "clip": s["sgd_clips"]},
-         "fixed": {"momentum": 0.0}},
-        {"name": "dpsgd", "label": "dpmomentum",
-         "space": {"lr": s["mom_alphas"], "clip": s["mom_clips"], "momentum": s["momenta"]}},
+        {
+            "name": "dpsgd",
+            "label": "dpsgd",
+            "space": {"lr": s["alphas"], "clip": s["sgd_clips"]},
+            "fixed": {"momentum": 0.0},
+        },
+        {
+            "name": "dpsgd",
+            "label": "dpmomentum",
+            "space": {"lr": s["mom_alphas"], "clip": s["mom_clips"], "momentum": s["momenta"]},
+        },
         {"name": "dpadam", "space": {"clip": s["clips"]}, "fixed": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999}},
         {"name": "adadp", "space": {"clip": s["clips"]}, "fixed": {"lr": 1e-3}},
         {"name": "adamwosm", "label": "dpadamwosm", "space": {"clip": s["clips"]}, "fixed": {"alpha": 1e-3}},
@@ -140,7 +180,9 @@ def build(dataset: str, scale: str, options: Mapping[str, Any]) -> list[Part]:
     parts = []
     for key, (model, model_title) in MODELS.items():
         study = study_dict(
-            name=f"mohapatra-{dataset}-{key}-{scale}", data=data, model={"name": model},
+            name=f"mohapatra-{dataset}-{key}-{scale}",
+            data=data,
+            model={"name": model},
             training={"steps": steps, "expected_batch_size": lot},
             budget={"epsilon": eps, "delta": delta, "accountant": "rdp", "account_seeds": False},
             method={"name": "grid"},
@@ -148,13 +190,21 @@ def build(dataset: str, scale: str, options: Mapping[str, Any]) -> list[Part]:
             # mean ± std of the 3 selected runs). "mean" would make a Liu–Talwar candidate the
             # composite of its 3 seed runs, which LT must pay for (3× the runs per candidate), while
             # the MA arms, unaccounted seeds, would not: an unequal comparison.
-            selection={"mode": "public", "split": "test", "checkpoint": "best", "eval_every": s["eval_every"],
-                       "across_seeds": "per-seed"},
-            strategies=_strategies(s), seeds=s["seeds"],
+            selection={
+                "mode": "public",
+                "split": "test",
+                "checkpoint": "best",
+                "eval_every": s["eval_every"],
+                "across_seeds": "per-seed",
+            },
+            strategies=_strategies(s),
+            seeds=s["seeds"],
         )
         sig_txt = ", ".join(f"σ = {g:g} → ε = {e:.4g}" for g, e in zip(s["sigmas"], eps, strict=True))
-        notes = (f"n = {n} training examples, L = {lot:g}, T = {steps}, δ_f = {delta:g}. Budgets: {sig_txt} "
-                 f"(ε of the {k_ref}-candidate adaptive grid at noise σ, moments accountant).",)
+        notes = (
+            f"n = {n} training examples, L = {lot:g}, T = {steps}, δ_f = {delta:g}. Budgets: {sig_txt} "
+            f"(ε of the {k_ref}-candidate adaptive grid at noise σ, moments accountant).",
+        )
         parts.append(Part(key, f"{spec['title']}, {model_title}", study, notes))
     return parts
 
@@ -179,22 +229,50 @@ def sigma_costs(out_dir: Path, scale: str, parts: list[Part]) -> list[Section]:
             for v in arm["space"].values():
                 k *= len(v)
             row = lt_vs_ma(n, sig, lot, steps, ks=[k], delta=delta).rows[0]
-            rows.append({"sigma": sig, "optimizer": arm.get("label", arm["name"]), "candidates": k,
-                         "epsilon_MA": row[2], "epsilon_LT": row[1], "budget_epsilon": eps_budget, "delta": delta})
+            rows.append(
+                {
+                    "sigma": sig,
+                    "optimizer": arm.get("label", arm["name"]),
+                    "candidates": k,
+                    "epsilon_MA": row[2],
+                    "epsilon_LT": row[1],
+                    "budget_epsilon": eps_budget,
+                    "delta": delta,
+                }
+            )
     path = out_dir / "sigma_costs.csv"
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    table = Table(["σ", "optimizer", "candidates", "ε (MA)", "ε (LT, γ = 1/K)", "ε budget used here"],
-                  [[r["sigma"], r["optimizer"], r["candidates"], f"{r['epsilon_MA']:.4g}", f"{r['epsilon_LT']:.4g}",
-                    f"{r['budget_epsilon']:.4g}"] for r in rows],
-                  caption=f"n = {n}, L = {lot:g}, T = {steps}, δ = {delta:g}.")
-    return [Section("Fixed σ: what each grid costs (the paper's view)", paragraphs=[
-        "Mohapatra et al. fix the noise σ and compare optimizers whose grids differ in size; the honest "
-        "cost of a grid is then its ε: composed with the moments accountant (MA) or with Liu–Talwar random "
-        "stopping (LT, γ = 1/K). The studies above instead fix ε per σ (the cost of the 4-candidate "
-        "adaptive grid) and let the larger grids pay in noise."], tables=[table], attachments=[path])]
+    table = Table(
+        ["σ", "optimizer", "candidates", "ε (MA)", "ε (LT, γ = 1/K)", "ε budget used here"],
+        [
+            [
+                r["sigma"],
+                r["optimizer"],
+                r["candidates"],
+                f"{r['epsilon_MA']:.4g}",
+                f"{r['epsilon_LT']:.4g}",
+                f"{r['budget_epsilon']:.4g}",
+            ]
+            for r in rows
+        ],
+        caption=f"n = {n}, L = {lot:g}, T = {steps}, δ = {delta:g}.",
+    )
+    return [
+        Section(
+            "Fixed σ: what each grid costs (the paper's view)",
+            paragraphs=[
+                "Mohapatra et al. fix the noise σ and compare optimizers whose grids differ in size; the honest "
+                "cost of a grid is then its ε: composed with the moments accountant (MA) or with Liu–Talwar random "
+                "stopping (LT, γ = 1/K). The studies above instead fix ε per σ (the cost of the 4-candidate "
+                "adaptive grid) and let the larger grids pay in noise."
+            ],
+            tables=[table],
+            attachments=[path],
+        )
+    ]
 
 
 def lt_vs_ma_extra(out_dir: Path, scale: str) -> list[Section]:
@@ -212,28 +290,64 @@ def lt_vs_ma_extra(out_dir: Path, scale: str) -> list[Section]:
         tight = lt_vs_ma(n, 4.0, LOT, STEPS, ks=ks)
         classic = lt_vs_ma(n, 4.0, LOT, STEPS, ks=ks, conversion="classic")
         for (k, lt, ma), (_, lt_c, ma_c) in zip(tight.rows, classic.rows, strict=True):
-            rows.append({"n": n, "delta": tight.delta, "k": k, "eps_LT": lt, "eps_MA": ma,
-                         "eps_LT_classic": lt_c, "eps_MA_classic": ma_c})
-        fig = F.lt_vs_ma([(k, lt, ma) for k, lt, ma in tight.rows], out_dir / "figures" / f"lt_vs_ma_n{n}.png",
-                         title=f"LT vs MA, n = {n}, σ = 4, L = 250, T = 10,000")
-        summary.append({"n": n, "delta": tight.delta, "k_max_tight": tight.k_max, "k_max_classic": classic.k_max,
-                        "k_max_paper": paper_k[n], "ks": f"{min(ks)}..{max(ks)}"})
-        sections.append(Section(
-            f"n = {n}", paragraphs=[
-                f"δ = {tight.delta:g} (1/n rounded down to a power of ten). MA composes up to "
-                f"{tight.k_max} candidates for LT's price with the tight RDP→(ε, δ) conversion "
-                f"(dp_accounting), {classic.k_max} with the classic conversion ε = min_α RDP(α) + "
-                f"ln(1/δ)/(α − 1); the paper reports {paper_k[n]}."],
-            figures=[FigureRef(fig, "ε of the whole search vs the number of candidates k (Mohapatra et al. 2022, "
-                                    "Fig. 6).")]))
+            rows.append(
+                {
+                    "n": n,
+                    "delta": tight.delta,
+                    "k": k,
+                    "eps_LT": lt,
+                    "eps_MA": ma,
+                    "eps_LT_classic": lt_c,
+                    "eps_MA_classic": ma_c,
+                }
+            )
+        fig = F.lt_vs_ma(
+            [(k, lt, ma) for k, lt, ma in tight.rows],
+            out_dir / "figures" / f"lt_vs_ma_n{n}.png",
+            title=f"LT vs MA, n = {n}, σ = 4, L = 250, T = 10,000",
+        )
+        summary.append(
+            {
+                "n": n,
+                "delta": tight.delta,
+                "k_max_tight": tight.k_max,
+                "k_max_classic": classic.k_max,
+                "k_max_paper": paper_k[n],
+                "ks": f"{min(ks)}..{max(ks)}",
+            }
+        )
+        sections.append(
+            Section(
+                f"n = {n}",
+                paragraphs=[
+                    f"δ = {tight.delta:g} (1/n rounded down to a power of ten). MA composes up to "
+                    f"{tight.k_max} candidates for LT's price with the tight RDP→(ε, δ) conversion "
+                    f"(dp_accounting), {classic.k_max} with the classic conversion ε = min_α RDP(α) + "
+                    f"ln(1/δ)/(α − 1); the paper reports {paper_k[n]}."
+                ],
+                figures=[
+                    FigureRef(
+                        fig, "ε of the whole search vs the number of candidates k (Mohapatra et al. 2022, Fig. 6)."
+                    )
+                ],
+            )
+        )
     for name, data in (("lt_vs_ma.csv", rows), ("lt_vs_ma_summary.csv", summary)):
         with (out_dir / name).open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(data[0]))
             w.writeheader()
             w.writerows(data)
-    table = Table(["n", "δ", "k_max (tight)", "k_max (classic)", "k_max (paper)"],
-                  [[s["n"], f"{s['delta']:g}", s["k_max_tight"], s["k_max_classic"], s["k_max_paper"]]
-                   for s in summary], caption="Largest number of candidates k with ε_MA(k) ≤ ε_LT(k).")
-    sections.insert(0, Section("Liu–Talwar vs moments accountant", tables=[table],
-                               attachments=[out_dir / "lt_vs_ma.csv", out_dir / "lt_vs_ma_summary.csv"]))
+    table = Table(
+        ["n", "δ", "k_max (tight)", "k_max (classic)", "k_max (paper)"],
+        [[s["n"], f"{s['delta']:g}", s["k_max_tight"], s["k_max_classic"], s["k_max_paper"]] for s in summary],
+        caption="Largest number of candidates k with ε_MA(k) ≤ ε_LT(k).",
+    )
+    sections.insert(
+        0,
+        Section(
+            "Liu–Talwar vs moments accountant",
+            tables=[table],
+            attachments=[out_dir / "lt_vs_ma.csv", out_dir / "lt_vs_ma_summary.csv"],
+        ),
+    )
     return sections

@@ -30,7 +30,23 @@ from dptune.report.study import report_study
 from dptune.report.tables import render_terminal_table
 
 __all__ = [
-    "build_report", "report_study", "ledger_rows_from_ledger", "figures", "write_report", "Section", "FigureRef", "Table",
-    "render_terminal_table", "cosine_vs_clip", "CosineResult", "TrialResult", "SummaryRow", "RunHistory",
-    "LedgerRow", "LinearScalingFit", "LtMaRow", "summarize", "best_per_strategy",
+    "build_report",
+    "report_study",
+    "ledger_rows_from_ledger",
+    "figures",
+    "write_report",
+    "Section",
+    "FigureRef",
+    "Table",
+    "render_terminal_table",
+    "cosine_vs_clip",
+    "CosineResult",
+    "TrialResult",
+    "SummaryRow",
+    "RunHistory",
+    "LedgerRow",
+    "LinearScalingFit",
+    "LtMaRow",
+    "summarize",
+    "best_per_strategy",
 ]

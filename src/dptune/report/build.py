@@ -135,8 +135,9 @@ def build_report(
     # -- results: per-seed trial rows are aggregated; summary rows (e.g. the tuner's own
     # selection table, hyperparameters as text) are shown as given.
     results_rows = list(results_rows)
-    if results_rows and all(isinstance(r, SummaryRow) or (isinstance(r, Mapping) and "mean" in r)
-                            for r in results_rows):
+    if results_rows and all(
+        isinstance(r, SummaryRow) or (isinstance(r, Mapping) and "mean" in r) for r in results_rows
+    ):
         summary = as_summary_rows(results_rows, higher=higher, best_only=False)
     else:
         summary = summarize(results_rows, higher)
@@ -147,29 +148,43 @@ def build_report(
     all_csv = write_labelled_csv(diag / "results_all.csv", summary_csv_rows(every))
     best_csv = write_csv(out / "results_best.csv", summary_csv_rows(best))
     if include_diagnostics and every:
-        dsections.append(Section(
-            "Every configuration tried", diagnostic=True,
-            paragraphs=["Every candidate of the search with its metric, selected or not."],
-            tables=[results_table(every, metric, higher, "All configurations (diagnostics).")],
-            attachments=[all_csv]))
+        dsections.append(
+            Section(
+                "Every configuration tried",
+                diagnostic=True,
+                paragraphs=["Every candidate of the search with its metric, selected or not."],
+                tables=[results_table(every, metric, higher, "All configurations (diagnostics).")],
+                attachments=[all_csv],
+            )
+        )
     direction = "higher" if higher else "lower"
     if best:
         fig = F.metric_vs_epsilon(best, fig_dir / "metric_vs_epsilon.png", metric=metric, higher=higher)
-        sections.append(Section(
-            "Results",
-            paragraphs=[
-                (f"Each point is the {metric} of the configuration the tuner selected for a strategy at that ε "
-                 if all(r.selected for r in best) else
-                 f"Each point is the {metric} of the best configuration of a strategy at that ε (or of the "
-                 "one the tuner selected, where it marked one) ")
-                + f"({direction} is better), averaged over seeds; bars are ± one standard deviation.",
-            ],
-            figures=[FigureRef(fig, f"{metric} vs ε per strategy, mean ± std over seeds ({direction} is better).")],
-            tables=[results_table(best, metric, higher,
-                                  "One configuration per strategy and ε. Diverged seeds are excluded from the "
-                                  "mean; 'seeds' counts the finished ones.")],
-            attachments=[best_csv],
-        ))
+        sections.append(
+            Section(
+                "Results",
+                paragraphs=[
+                    (
+                        f"Each point is the {metric} of the configuration the tuner selected for a strategy at that ε "
+                        if all(r.selected for r in best)
+                        else f"Each point is the {metric} of the best configuration of a strategy at that ε (or of the "
+                        "one the tuner selected, where it marked one) "
+                    )
+                    + f"({direction} is better), averaged over seeds; bars are ± one standard deviation.",
+                ],
+                figures=[FigureRef(fig, f"{metric} vs ε per strategy, mean ± std over seeds ({direction} is better).")],
+                tables=[
+                    results_table(
+                        best,
+                        metric,
+                        higher,
+                        "One configuration per strategy and ε. Diverged seeds are excluded from the "
+                        "mean; 'seeds' counts the finished ones.",
+                    )
+                ],
+                attachments=[best_csv],
+            )
+        )
     else:
         sections.append(Section("Results", paragraphs=["No results were recorded."]))
 
@@ -184,115 +199,188 @@ def build_report(
         if public:
             traj_csv = write_csv(out / "trajectories.csv", history_csv_rows(public))
             fig = F.trajectories(public, fig_dir / "trajectories.png")
-            sections.append(Section(
-                "Clipping threshold and learning rate over training",
-                paragraphs=["C_t and ρ_t per iteration (log scale) of the selected runs, one line per run. Flat "
-                            "lines are fixed hyperparameters; OSO, the quantile rule and ADADP adapt them during "
-                            "training, from noisy releases only."],
-                figures=[FigureRef(fig, "C_t (top) and ρ_t (bottom) against the iteration t.")],
-                attachments=[traj_csv],
-            ))
+            sections.append(
+                Section(
+                    "Clipping threshold and learning rate over training",
+                    paragraphs=[
+                        "C_t and ρ_t per iteration (log scale) of the selected runs, one line per run. Flat "
+                        "lines are fixed hyperparameters; OSO, the quantile rule and ADADP adapt them during "
+                        "training, from noisy releases only."
+                    ],
+                    figures=[FigureRef(fig, "C_t (top) and ρ_t (bottom) against the iteration t.")],
+                    attachments=[traj_csv],
+                )
+            )
         if include_diagnostics:
             fig = F.trajectories(hs, diag_figs / "trajectories_all.png", title="C_t and ρ_t of every run")
-            dsections.append(Section(
-                "Every run's history", diagnostic=True,
-                paragraphs=["C_t and ρ_t of every run, selected or not; the CSV also has the loss on the "
-                            "private batch (train_loss) and the realised Poisson batch sizes (batch_size), "
-                            "computed in the clear."],
-                figures=[FigureRef(fig, "C_t (top) and ρ_t (bottom) of every run.")],
-                attachments=[diag_traj],
-            ))
+            dsections.append(
+                Section(
+                    "Every run's history",
+                    diagnostic=True,
+                    paragraphs=[
+                        "C_t and ρ_t of every run, selected or not; the CSV also has the loss on the "
+                        "private batch (train_loss) and the realised Poisson batch sizes (batch_size), "
+                        "computed in the clear."
+                    ],
+                    figures=[FigureRef(fig, "C_t (top) and ρ_t (bottom) of every run.")],
+                    attachments=[diag_traj],
+                )
+            )
 
     # -- the ledger's totals are the budget (release); its rows per run are diagnostics:
     # they list the losing candidates and, for LT/RS, the number of runs drawn.
     budget_rows = _budget_rows(planned_b, spent_b, accountant, budgets)
     if budget_rows:
         budget_csv = write_csv(out / "budget.csv", budget_rows)
-        sections.append(Section(
-            "Privacy guarantee",
-            paragraphs=["The (ε, δ) each tuning procedure planned and spent (search and selection included), "
-                        "for adding or removing one training example. Everything on this page is covered by "
-                        "it; the diagnostics (every candidate, per-run ledger, training loss, batch sizes) "
-                        "are not and are kept apart."],
-            attachments=[budget_csv],
-        ))
+        sections.append(
+            Section(
+                "Privacy guarantee",
+                paragraphs=[
+                    "The (ε, δ) each tuning procedure planned and spent (search and selection included), "
+                    "for adding or removing one training example. Everything on this page is covered by "
+                    "it; the diagnostics (every candidate, per-run ledger, training loss, batch sizes) "
+                    "are not and are kept apart."
+                ],
+                attachments=[budget_csv],
+            )
+        )
     lrows = coerce_ledger_rows(ledger_rows)
     if lrows:
         led_csv = write_labelled_csv(diag / "ledger.csv", ledger_csv_rows(lrows))
         if include_diagnostics:
-            fig = F.ledger(lrows, diag_figs / "ledger.png",
-                           planned_epsilon=planned_b[0] if planned_b else _planned_lines(budgets))
-            dsections.append(Section(
-                "Privacy ledger per run", diagnostic=True,
-                paragraphs=[f"{len({r.run for r in lrows})} runs, {sum(int(r.releases) for r in lrows)} noisy "
-                            "releases in total. Every release is recorded before its noise is drawn."],
-                figures=[FigureRef(fig, "Left: ε of each run alone. Right: noisy releases per query label.")],
-                tables=[ledger_table(lrows)],
-                attachments=[led_csv],
-            ))
+            fig = F.ledger(
+                lrows, diag_figs / "ledger.png", planned_epsilon=planned_b[0] if planned_b else _planned_lines(budgets)
+            )
+            dsections.append(
+                Section(
+                    "Privacy ledger per run",
+                    diagnostic=True,
+                    paragraphs=[
+                        f"{len({r.run for r in lrows})} runs, {sum(int(r.releases) for r in lrows)} noisy "
+                        "releases in total. Every release is recorded before its noise is drawn."
+                    ],
+                    figures=[FigureRef(fig, "Left: ε of each run alone. Right: noisy releases per query label.")],
+                    tables=[ledger_table(lrows)],
+                    attachments=[led_csv],
+                )
+            )
 
     # -- method figures: one section each, so a figure sits next to its table and files
     if cosine is not None:
         cos_csv = write_labelled_csv(diag / "cosine_vs_clip.csv", cosine.to_rows())
     if cosine is not None and include_diagnostics:
         p = F.cosine_similarity(cosine, diag_figs / "cosine_vs_clip.png")
-        dsections.append(Section(
-            "Clipping trade-off (non-private diagnostic)", diagnostic=True,
-            paragraphs=["NON-PRIVATE diagnostic computed on raw data on this machine; it is not a DP "
-                        "release and must not be published as one. Small C biases the clipped gradient, "
-                        "large C drowns it in noise ν·C."],
-            figures=[FigureRef(p, "Cosine similarity between the clipped, noised mean gradient and the true "
-                                  "mean gradient vs C, at several iterations (Galli et al. 2024, Fig. 1); "
-                                  "band: ± one std over the realizations.")],
-            attachments=[cos_csv],
-        ))
+        dsections.append(
+            Section(
+                "Clipping trade-off (non-private diagnostic)",
+                diagnostic=True,
+                paragraphs=[
+                    "NON-PRIVATE diagnostic computed on raw data on this machine; it is not a DP "
+                    "release and must not be published as one. Small C biases the clipped gradient, "
+                    "large C drowns it in noise ν·C."
+                ],
+                figures=[
+                    FigureRef(
+                        p,
+                        "Cosine similarity between the clipped, noised mean gradient and the true "
+                        "mean gradient vs C, at several iterations (Galli et al. 2024, Fig. 1); "
+                        "band: ± one std over the realizations.",
+                    )
+                ],
+                attachments=[cos_csv],
+            )
+        )
     if pareto is not None:
         p = F.noise_pareto(pareto, fig_dir / "noise_pareto.png", relative_increase=relative_increase)
         choice_rows = []
         for e, nu in F._noise_pairs(pareto):
             nu_q, nu_g = F.pareto_choice(nu, relative_increase)
             choice_rows.append([e, nu, nu_q, nu_g, nu_q / nu])
-        sections.append(Section(
-            "Noise split of OSO's joint release",
-            figures=[FigureRef(p, "Pareto front of the noise multipliers of OSO's gradient (ν_g) and q-query "
-                                  "(ν_q) at the privacy of one Gaussian of multiplier ν; star: ν_g = "
-                                  f"{1 + relative_increase:g}·ν (Galli et al. 2024, Fig. 2).")],
-            tables=[Table(["ε", "ν (joint)", "ν_q chosen", "ν_g chosen", "ν_q/ν"], choice_rows,
-                          caption="Chosen noise split per ε.")],
-        ))
+        sections.append(
+            Section(
+                "Noise split of OSO's joint release",
+                figures=[
+                    FigureRef(
+                        p,
+                        "Pareto front of the noise multipliers of OSO's gradient (ν_g) and q-query "
+                        "(ν_q) at the privacy of one Gaussian of multiplier ν; star: ν_g = "
+                        f"{1 + relative_increase:g}·ν (Galli et al. 2024, Fig. 2).",
+                    )
+                ],
+                tables=[
+                    Table(
+                        ["ε", "ν (joint)", "ν_q chosen", "ν_g chosen", "ν_q/ν"],
+                        choice_rows,
+                        caption="Chosen noise split per ε.",
+                    )
+                ],
+            )
+        )
     if lt_ma is not None:
         rows = coerce_lt_ma(lt_ma)
         p = F.lt_vs_ma(rows, fig_dir / "lt_vs_ma.png")
         k_star = F.ma_break_even(rows)
         tail = f" MA is no more expensive up to k = {k_star}." if k_star is not None else " LT is cheaper at every k."
-        sections.append(Section(
-            "Cost of tuning: Liu–Talwar vs moments accountant",
-            figures=[FigureRef(p, "ε of the whole search vs the number of candidates k: Liu–Talwar random "
-                                  "stopping vs composing every run with the moments accountant (Mohapatra "
-                                  "et al. 2022, Fig. 6)." + tail)],
-            attachments=[write_csv(out / "lt_vs_ma.csv",
-                                   [{"k": r.k, "eps_LT": r.eps_lt, "eps_MA": r.eps_ma} for r in rows])],
-        ))
+        sections.append(
+            Section(
+                "Cost of tuning: Liu–Talwar vs moments accountant",
+                figures=[
+                    FigureRef(
+                        p,
+                        "ε of the whole search vs the number of candidates k: Liu–Talwar random "
+                        "stopping vs composing every run with the moments accountant (Mohapatra "
+                        "et al. 2022, Fig. 6)." + tail,
+                    )
+                ],
+                attachments=[
+                    write_csv(out / "lt_vs_ma.csv", [{"k": r.k, "eps_LT": r.eps_lt, "eps_MA": r.eps_ma} for r in rows])
+                ],
+            )
+        )
     if linear_scaling is not None:
         p = F.linear_scaling(linear_scaling, fig_dir / "linear_scaling.png")
-        sections.append(Section(
-            "Linear scaling rule",
-            figures=[FigureRef(p, "r = η·T found by the cheap searches vs ε, the fitted line, and the value it "
-                                  "extrapolates to at the target ε (Panda et al. 2024, Fig. 3).")],
-        ))
+        sections.append(
+            Section(
+                "Linear scaling rule",
+                figures=[
+                    FigureRef(
+                        p,
+                        "r = η·T found by the cheap searches vs ε, the fitted line, and the value it "
+                        "extrapolates to at the target ε (Panda et al. 2024, Fig. 3).",
+                    )
+                ],
+            )
+        )
     if extra_figures:
-        sections.append(Section("Additional figures", figures=[
-            f if isinstance(f, FigureRef) else FigureRef(Path(f[0]), str(f[1])) for f in extra_figures]))
+        sections.append(
+            Section(
+                "Additional figures",
+                figures=[f if isinstance(f, FigureRef) else FigureRef(Path(f[0]), str(f[1])) for f in extra_figures],
+            )
+        )
     sections.extend(s for s in extra_sections if not s.diagnostic)
-    dsections.extend(replace(s, diagnostic=True) for s in (*[s for s in extra_sections if s.diagnostic],
-                                                           *diagnostic_sections))
+    dsections.extend(
+        replace(s, diagnostic=True) for s in (*[s for s in extra_sections if s.diagnostic], *diagnostic_sections)
+    )
 
-    head = dict(selection_mode=selection_mode, planned=planned_b, spent=spent_b, accountant=accountant,
-                selection_split=selection_split, budgets=budgets)
+    head = dict(
+        selection_mode=selection_mode,
+        planned=planned_b,
+        spent=spent_b,
+        accountant=accountant,
+        selection_split=selection_split,
+        budgets=budgets,
+    )
     page = write_report(out, title, sections, subtitle=subtitle, **head)
     if include_diagnostics:
-        write_report(diag, f"{title}: diagnostics", [*sections, *dsections], diagnostics=True,
-                     subtitle=f"{NOT_DP_LABEL}" + (f" · {subtitle}" if subtitle else ""), **head)
+        write_report(
+            diag,
+            f"{title}: diagnostics",
+            [*sections, *dsections],
+            diagnostics=True,
+            subtitle=f"{NOT_DP_LABEL}" + (f" · {subtitle}" if subtitle else ""),
+            **head,
+        )
     return page
 
 
@@ -308,19 +396,39 @@ def _planned_lines(budgets: Sequence[Mapping[str, Any]]) -> list[tuple[float, st
     return sorted((max(v), f"planned, {len(v)} procedure{'s' if len(v) > 1 else ''}") for v in by_eps.values())
 
 
-def _budget_rows(planned: tuple[float, float] | None, spent: tuple[float, float] | None, accountant: str | None,
-                 budgets: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _budget_rows(
+    planned: tuple[float, float] | None,
+    spent: tuple[float, float] | None,
+    accountant: str | None,
+    budgets: Sequence[Mapping[str, Any]],
+) -> list[dict[str, Any]]:
     """The guarantee and the ledger's totals: one row for the study and/or one per procedure."""
     rows = []
     if planned is not None or spent is not None:
-        rows.append({"procedure": "whole study", "planned_epsilon": planned[0] if planned else None,
-                     "planned_delta": planned[1] if planned else None, "spent_epsilon": spent[0] if spent else None,
-                     "spent_delta": spent[1] if spent else None, "accountant": accountant, "scope": "study"})
+        rows.append(
+            {
+                "procedure": "whole study",
+                "planned_epsilon": planned[0] if planned else None,
+                "planned_delta": planned[1] if planned else None,
+                "spent_epsilon": spent[0] if spent else None,
+                "spent_delta": spent[1] if spent else None,
+                "accountant": accountant,
+                "scope": "study",
+            }
+        )
     for b in budgets:
         pl, sp = b.get("planned"), b.get("spent")
-        rows.append({"procedure": b.get("label", ""), "planned_epsilon": pl[0] if pl else None,
-                     "planned_delta": pl[1] if pl else None, "spent_epsilon": sp[0] if sp else None,
-                     "spent_delta": sp[1] if sp else None, "accountant": accountant, "scope": b.get("note", "")})
+        rows.append(
+            {
+                "procedure": b.get("label", ""),
+                "planned_epsilon": pl[0] if pl else None,
+                "planned_delta": pl[1] if pl else None,
+                "spent_epsilon": sp[0] if sp else None,
+                "spent_delta": sp[1] if sp else None,
+                "accountant": accountant,
+                "scope": b.get("note", ""),
+            }
+        )
     return rows
 
 

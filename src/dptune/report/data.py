@@ -42,8 +42,11 @@ def higher_is_better(metric: str, override: bool | None = None) -> bool:
 # The range a metric's true value lies in. A privately released selection score (the exact
 # score plus Gaussian noise) can fall outside it (an accuracy of 108%): displays clip it to
 # this range, which is post-processing; stored data (CSV, the study) keep the raw value.
-METRIC_RANGES: dict[str, tuple[float, float]] = {"accuracy": (0.0, 1.0), "mse": (0.0, math.inf),
-                                                 "loss": (0.0, math.inf)}
+METRIC_RANGES: dict[str, tuple[float, float]] = {
+    "accuracy": (0.0, 1.0),
+    "mse": (0.0, math.inf),
+    "loss": (0.0, math.inf),
+}
 
 
 def clip_to_range(value: float | None, metric: str) -> float | None:
@@ -268,8 +271,18 @@ def summarize(trials: Iterable[Any], higher: bool = True) -> list[SummaryRow]:
         vals = [t.value for t in ts if not t.diverged]
         mean = statistics.fmean(vals) if vals else None
         std = statistics.stdev(vals) if len(vals) > 1 else None
-        rows.append(SummaryRow(strategy, eps, dict(ts[0].hyperparameters), mean, std, len(ts),
-                               len(ts) - len(vals), any(t.selected for t in ts)))
+        rows.append(
+            SummaryRow(
+                strategy,
+                eps,
+                dict(ts[0].hyperparameters),
+                mean,
+                std,
+                len(ts),
+                len(ts) - len(vals),
+                any(t.selected for t in ts),
+            )
+        )
     rows.sort(key=lambda r: (r.strategy, r.epsilon, *_rank_key(r, higher)))
     return rows
 

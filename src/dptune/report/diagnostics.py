@@ -94,7 +94,9 @@ def cosine_vs_clip(
         raise ConfigError(f"noise_multiplier must be finite and ≥ 0 (0: clipping bias only), got {noise_multiplier!r}.")
     batch = _positive(expected_batch_size, "expected_batch_size")
     if batch > n:
-        raise ConfigError(f"expected_batch_size = {batch:g} exceeds the {n} examples given; use at most n (full batch).")
+        raise ConfigError(
+            f"expected_batch_size = {batch:g} exceeds the {n} examples given; use at most n (full batch)."
+        )
     if not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats must be an integer ≥ 1, got {repeats!r}.")
     if not params_at_iterations:

@@ -45,8 +45,16 @@ from dptune.report.data import (
 
 DPI = 110
 _PALETTE = [
-    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-    "#bcbd22", "#7f7f7f",
+    "#1f77b4",
+    "#d62728",
+    "#2ca02c",
+    "#ff7f0e",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#17becf",
+    "#bcbd22",
+    "#7f7f7f",
 ]
 
 
@@ -124,8 +132,14 @@ def metric_vs_epsilon(
         fin = [r for r in pts if math.isfinite(r.epsilon)]
         if fin:
             ax.errorbar(  # means clipped to the metric's range: a noisy private score can leave it
-                [r.epsilon for r in fin], [clip_to_range(r.mean, metric) for r in fin], yerr=[r.std or 0.0 for r in fin],
-                marker="o", capsize=4, lw=1.6, color=colors[strat], label=strat,
+                [r.epsilon for r in fin],
+                [clip_to_range(r.mean, metric) for r in fin],
+                yerr=[r.std or 0.0 for r in fin],
+                marker="o",
+                capsize=4,
+                lw=1.6,
+                color=colors[strat],
+                label=strat,
             )
         for r in pts:
             if math.isinf(r.epsilon):
@@ -171,7 +185,9 @@ def _series(rows: Sequence[Mapping[str, Any]], key: str, max_points: int = 2000)
 _LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
 
 
-def trajectories(histories: Sequence[RunHistory | Mapping[str, Any]], path: str | Path, *, title: str | None = None) -> Path:
+def trajectories(
+    histories: Sequence[RunHistory | Mapping[str, Any]], path: str | Path, *, title: str | None = None
+) -> Path:
     """C_t (clipping threshold) and ρ_t (learning rate) against the iteration t, log y-axis.
 
     One line per run, coloured by strategy, with one line style per ε (``RunHistory.epsilon``)
@@ -192,7 +208,10 @@ def trajectories(histories: Sequence[RunHistory | Mapping[str, Any]], path: str 
         return f"{h.strategy}, ε = {_eps_text(float(h.epsilon))}" if h.epsilon is not None else h.strategy
 
     seen: set[tuple[str, str]] = set()
-    for key, ax, label_y in (("clip", axes[0, 0], "clipping threshold $C_t$"), ("lr", axes[1, 0], "learning rate $ρ_t$")):
+    for key, ax, label_y in (
+        ("clip", axes[0, 0], "clipping threshold $C_t$"),
+        ("lr", axes[1, 0], "learning rate $ρ_t$"),
+    ):
         drawn = 0
         for h in hs:
             x, y = _series(h.rows, key)
@@ -212,8 +231,10 @@ def trajectories(histories: Sequence[RunHistory | Mapping[str, Any]], path: str 
         ax.set_ylabel(label_y)
         ax.grid(alpha=0.3, which="both")
     axes[1, 0].set_xlabel("iteration t")
-    axes[0, 0].set_title(title or "Trajectories of $C_t$ and $ρ_t$ (one line per run"
-                         + ("; line style: ε)" if len(epsilons) > 1 else ")"))
+    axes[0, 0].set_title(
+        title
+        or "Trajectories of $C_t$ and $ρ_t$ (one line per run" + ("; line style: ε)" if len(epsilons) > 1 else ")")
+    )
     return _save(fig, path)
 
 
@@ -240,8 +261,13 @@ def cosine_similarity(result: Any, path: str | Path, *, title: str | None = None
     _plain_log_ticks(ax, "x")
     ax.set_xlabel("clipping threshold C")
     ax.set_ylabel("cosine similarity to the true mean gradient")
-    ax.set_title(title or (f"Sanitized vs true gradient (ν = {result.noise_multiplier:.3g}, "
-                           f"L = {result.expected_batch_size:g}, {result.repeats} draws)"))
+    ax.set_title(
+        title
+        or (
+            f"Sanitized vs true gradient (ν = {result.noise_multiplier:.3g}, "
+            f"L = {result.expected_batch_size:g}, {result.repeats} draws)"
+        )
+    )
     ax.set_ylim(min(-0.1, float(np.nanmin([np.nanmin(result.mean[t]) for t in result.iterations])) - 0.05), 1.02)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="best")
@@ -310,8 +336,16 @@ def noise_pareto(
         ax.axhline(nu, color=color, ls=":", lw=0.9)
         q_star, g_star = pareto_choice(nu, relative_increase)
         ax.plot([q_star], [g_star], marker="*", ms=13, color=color, mec="k", mew=0.6)
-    ax.plot([], [], ls="none", marker="*", ms=11, color="w", mec="k",
-            label=rf"chosen: $\nu_g$ = {1 + relative_increase:g}$\nu$")
+    ax.plot(
+        [],
+        [],
+        ls="none",
+        marker="*",
+        ms=11,
+        color="w",
+        mec="k",
+        label=rf"chosen: $\nu_g$ = {1 + relative_increase:g}$\nu$",
+    )
     ax.set_xscale("log")
     ax.set_yscale("log")
     _plain_log_ticks(ax, "x")
@@ -388,8 +422,16 @@ def linear_scaling(fit: LinearScalingFit | Mapping[str, Any], path: str | Path, 
     ax.plot(grid, [fit.r_at(g) for g in grid], color="#1f77b4", lw=1.4, label=label)
     ax.scatter([e for e, _ in pts], [r for _, r in pts], color="#d62728", zorder=3, label="searched points")
     if fit.target_epsilon is not None:
-        ax.plot([fit.target_epsilon], [fit.r_at(fit.target_epsilon)], marker="*", ms=14, color="#2ca02c",
-                mec="k", ls="none", label=f"extrapolated r at {sym} = {fit.target_epsilon:.4g}")
+        ax.plot(
+            [fit.target_epsilon],
+            [fit.r_at(fit.target_epsilon)],
+            marker="*",
+            ms=14,
+            color="#2ca02c",
+            mec="k",
+            ls="none",
+            label=f"extrapolated r at {sym} = {fit.target_epsilon:.4g}",
+        )
     ax.set_xlabel("μ of μ-GDP" if fit.axis == "mu" else "privacy budget ε")
     ax.set_ylabel("r = η·T (learning rate × steps)")
     ax.set_title(title or "Linear scaling rule (Panda et al. 2024)")
@@ -438,8 +480,15 @@ def ledger(
                 ax_eps.text(0.0, i, " ε = ∞ (non-private)", va="center", fontsize=7)
         ticks = [(plan_by_run[r], i) for i, r in enumerate(runs) if math.isfinite(plan_by_run.get(r, math.nan))]
         if ticks:
-            ax_eps.scatter([p for p, _ in ticks], [i for _, i in ticks], marker="|", s=160, color="k", zorder=3,
-                           label="planned (run alone)")
+            ax_eps.scatter(
+                [p for p, _ in ticks],
+                [i for _, i in ticks],
+                marker="|",
+                s=160,
+                color="k",
+                zorder=3,
+                label="planned (run alone)",
+            )
         ax_eps.set_yticks(y, [str(r) or "(run)" for r in runs], fontsize=7)
         ax_eps.invert_yaxis()
         ax_eps.set_xlabel("ε of the run alone")
@@ -447,11 +496,15 @@ def ledger(
         if finite:
             ax_eps.hist(list(finite.values()), bins=20, color="#1f77b4")
         n_inf = len(runs) - len(finite)
-        ax_eps.set_xlabel(f"ε of the run alone ({len(runs)} runs"
-                          + (f"; {n_inf} non-private, ε = ∞, not shown)" if n_inf else ")"))
+        ax_eps.set_xlabel(
+            f"ε of the run alone ({len(runs)} runs" + (f"; {n_inf} non-private, ε = ∞, not shown)" if n_inf else ")")
+        )
         ax_eps.set_ylabel("runs")
-    lines = ([(float(planned_epsilon), "study plan")] if isinstance(planned_epsilon, int | float)
-             else [(float(e), str(lab)) for e, lab in planned_epsilon or ()])
+    lines = (
+        [(float(planned_epsilon), "study plan")]
+        if isinstance(planned_epsilon, int | float)
+        else [(float(e), str(lab)) for e, lab in planned_epsilon or ()]
+    )
     lines = [(e, lab) for e, lab in lines if math.isfinite(e)]
     for k, (e, lab) in enumerate(lines):
         ax_eps.axvline(e, color="#d62728", lw=1.2, ls=("-", "--", ":", "-.")[k % 4], label=f"{lab}: ε = {e:.3g}")
@@ -475,8 +528,16 @@ def ledger(
     return _save(fig, path)
 
 
-def grid_heatmap(scores: Mapping[tuple[Any, Any], float], x_name: str, y_name: str, path: str | Path, *,
-                 title: str, metric: str = "accuracy", higher: bool = True) -> Path:
+def grid_heatmap(
+    scores: Mapping[tuple[Any, Any], float],
+    x_name: str,
+    y_name: str,
+    path: str | Path,
+    *,
+    title: str,
+    metric: str = "accuracy",
+    higher: bool = True,
+) -> Path:
     """Every configuration's score on a two-axis grid (e.g. lr × C: Mohapatra's inverse relation;
     η × T: Panda's heatmaps), the best cell outlined. Shows losing candidates: a diagnostic."""
     xs = sorted({x for x, _ in scores}, key=float)
@@ -496,9 +557,12 @@ def grid_heatmap(scores: Mapping[tuple[Any, Any], float], x_name: str, y_name: s
     for i in range(len(ys)):
         for j in range(len(xs)):
             if np.isfinite(grid[i, j]):
-                light = (grid[i, j] - lo) / (hi - lo or 1.0) > 0.6 if higher else (grid[i, j] - lo) / (hi - lo or 1.0) < 0.4
-                ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7,
-                        color="black" if light else "white")
+                light = (
+                    (grid[i, j] - lo) / (hi - lo or 1.0) > 0.6 if higher else (grid[i, j] - lo) / (hi - lo or 1.0) < 0.4
+                )
+                ax.text(
+                    j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7, color="black" if light else "white"
+                )
     if np.isfinite(grid).any():
         i, j = np.unravel_index(np.nanargmax(grid) if higher else np.nanargmin(grid), grid.shape)
         ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec="red"))

@@ -24,11 +24,15 @@ from dptune.report.privacy import NOT_DP_LABEL, NOT_DP_NOTICE
 MAX_EMBED_BYTES = 2_000_000
 
 SELECTION_SPLITS: dict[str, str] = {
-    "test": ("Selection used the test split (as in the papers), so the reported metrics of the "
-             "selected configurations are optimistically biased."),
-    "holdout": ("Selection used a holdout carved from the private training data (each example assigned by a "
-                "keyed hash of its own content), so every score on it was released with Gaussian noise and "
-                "charged (private mode only); metrics are reported on the test split."),
+    "test": (
+        "Selection used the test split (as in the papers), so the reported metrics of the "
+        "selected configurations are optimistically biased."
+    ),
+    "holdout": (
+        "Selection used a holdout carved from the private training data (each example assigned by a "
+        "keyed hash of its own content), so every score on it was released with Gaussian noise and "
+        "charged (private mode only); metrics are reported on the test split."
+    ),
 }
 SELECTION_MODES: dict[str, str] = {
     # Worded as an assumption: the selection split is only public if the data owner says so
@@ -173,13 +177,17 @@ def render_header(
             rows.append([str(b.get("label", "")), pe, pd, se, sd, str(b.get("note", ""))])
             if _exceeds(b.get("planned"), b.get("spent")):
                 over.append(str(b.get("label", "")))
-        parts.append(render_table(Table(["tuning procedure", "planned ε", "planned δ", "spent ε", "spent δ", "scope"],
-                                        rows)))
-        parts.append('<p class="meta">Each row is one tuning procedure with its own budget (search and '
-                     "selection included).</p>")
+        parts.append(
+            render_table(Table(["tuning procedure", "planned ε", "planned δ", "spent ε", "spent δ", "scope"], rows))
+        )
+        parts.append(
+            '<p class="meta">Each row is one tuning procedure with its own budget (search and selection included).</p>'
+        )
         if over:
-            parts.append(f'<div class="warn">The spent budget EXCEEDS the plan for: {_esc(", ".join(over))}. '
-                         "Those results are not covered by their planned (ε, δ) guarantee.</div>")
+            parts.append(
+                f'<div class="warn">The spent budget EXCEEDS the plan for: {_esc(", ".join(over))}. '
+                "Those results are not covered by their planned (ε, δ) guarantee.</div>"
+            )
     return "\n".join(parts)
 
 
@@ -246,8 +254,10 @@ def write_report(
     """
     leaked = [s.title for s in sections if s.diagnostic]
     if leaked and not diagnostics:
-        raise ConfigError(f"sections {leaked} are diagnostics (not differentially private): write them on a "
-                          "page with write_report(..., diagnostics=True), never on the publishable page.")
+        raise ConfigError(
+            f"sections {leaked} are diagnostics (not differentially private): write them on a "
+            "page with write_report(..., diagnostics=True), never on the publishable page."
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -255,11 +265,23 @@ def write_report(
     body = [
         f"<h1>{_esc(title)}</h1>",
         f'<div class="meta">{meta}</div>',
-        *([f'<div class="warn diagnostics">{_esc(NOT_DP_NOTICE[:1].upper() + NOT_DP_NOTICE[1:])} The sections '
-           "marked as diagnostics are not covered by the guarantee; publish only the page in the release/ "
-           "folder.</div>"] if diagnostics else []),
-        render_header(selection_mode=selection_mode, planned=planned, spent=spent, accountant=accountant,
-                      selection_split=selection_split, budgets=budgets),
+        *(
+            [
+                f'<div class="warn diagnostics">{_esc(NOT_DP_NOTICE[:1].upper() + NOT_DP_NOTICE[1:])} The sections '
+                "marked as diagnostics are not covered by the guarantee; publish only the page in the release/ "
+                "folder.</div>"
+            ]
+            if diagnostics
+            else []
+        ),
+        render_header(
+            selection_mode=selection_mode,
+            planned=planned,
+            spent=spent,
+            accountant=accountant,
+            selection_split=selection_split,
+            budgets=budgets,
+        ),
         *(render_section(s) for s in sections),
     ]
     page = (

@@ -87,8 +87,10 @@ def hides_run_count(guarantee_kind: str | None) -> bool:
 
 
 # Stated instead of the planner's note for arms whose guarantee needs K secret.
-HIDDEN_K_NOTE = ("only the selected candidate is released; the number of runs drawn and the other candidates "
-                 "are kept private (they are not covered by the guarantee).")
+HIDDEN_K_NOTE = (
+    "only the selected candidate is released; the number of runs drawn and the other candidates "
+    "are kept private (they are not covered by the guarantee)."
+)
 
 
 def split_arm_notes(arms: Iterable[Any], name: Any = None) -> tuple[list[str], list[str]]:
@@ -108,8 +110,13 @@ def public_run_name(arm: Any, run: Mapping[str, Any]) -> str:
     return f"{arm.label} @ ε = {eps}, procedure {run['procedure']}, replicate {run['replicate']}"
 
 
-def write_csv_rows(path: str | Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None,
-                   *, comment: str | None = None) -> Path:
+def write_csv_rows(
+    path: str | Path,
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[str] | None = None,
+    *,
+    comment: str | None = None,
+) -> Path:
     """The one CSV writer of the reports: optional first line ``# <comment>``, then header and rows
     (columns: given, else the union of keys in first-seen order; list/dict cells as JSON)."""
     path = Path(path)
@@ -125,13 +132,15 @@ def write_csv_rows(path: str | Path, rows: Sequence[Mapping[str, Any]], columns:
         w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in
-                        ((k, r.get(k)) for k in columns)})
+            w.writerow(
+                {k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in ((k, r.get(k)) for k in columns)}
+            )
     return path
 
 
-def write_labelled_csv(path: str | Path, rows: Sequence[Mapping[str, Any]],
-                       columns: Sequence[str] | None = None) -> Path:
+def write_labelled_csv(
+    path: str | Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None
+) -> Path:
     """A diagnostics CSV: first line ``# <NOT_DP_LABEL> ...``, then header and rows.
 
     Read it back with ``read_csv_rows`` (or ``pandas.read_csv(path, comment='#')``)."""
@@ -153,12 +162,15 @@ def labelled_json(payload: Mapping[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- one run (dptune train)
 # The seed drives the noise and the Poisson batches in seeded mode: a secret key (docs/privacy.md,
 # "Secure mode"). Like the model card, a release never holds it, in either mode; the diagnostics do.
-SEED_NOTE = "withheld from the release (one rule for both modes: in seeded mode it is a secret key); recorded in " \
-            "the diagnostics JSON"
+SEED_NOTE = (
+    "withheld from the release (one rule for both modes: in seeded mode it is a secret key); recorded in "
+    "the diagnostics JSON"
+)
 
 
-def train_outputs(result: Any, *, seed: int | None = None, selection_split: str | None = None,
-                  **context: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def train_outputs(
+    result: Any, *, seed: int | None = None, selection_split: str | None = None, **context: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(release, diagnostics) dicts of one ``TrainResult`` (``dptune train``'s JSON files).
 
     Release: ``TrainResult.summary()`` (the guarantee: ε at δ by the plan's accountant, ν, q,
@@ -177,14 +189,29 @@ def train_outputs(result: Any, *, seed: int | None = None, selection_split: str 
     private = bool(result.plan.strategy.private)
     eps = (result.epsilon(result.delta) if result.delta else None) if private else math.inf
     release = {
-        **context, **summary, "dptune_version": dptune.__version__,
-        "selection_split": selection_split if result.evals else None, "seed_note": SEED_NOTE,
+        **context,
+        **summary,
+        "dptune_version": dptune.__version__,
+        "selection_split": selection_split if result.evals else None,
+        "seed_note": SEED_NOTE,
         "evals": result.evals,
-        "ledger_totals": {"releases": sum(e.count for e in result.ledger.entries), "epsilon": eps,
-                          "delta": result.delta, "accountant": getattr(result.plan, "accountant", "rdp")},
+        "ledger_totals": {
+            "releases": sum(e.count for e in result.ledger.entries),
+            "epsilon": eps,
+            "delta": result.delta,
+            "accountant": getattr(result.plan, "accountant", "rdp"),
+        },
         "trajectory": release_history_rows(result.history),
     }
-    diagnostics = labelled_json({**context, "seed": seed, "randomness": summary.get("randomness"),
-                                 "dptune_version": dptune.__version__, "seconds": seconds,
-                                 "history": result.history, "ledger": result.ledger.to_dict()})
+    diagnostics = labelled_json(
+        {
+            **context,
+            "seed": seed,
+            "randomness": summary.get("randomness"),
+            "dptune_version": dptune.__version__,
+            "seconds": seconds,
+            "history": result.history,
+            "ledger": result.ledger.to_dict(),
+        }
+    )
     return release, diagnostics

@@ -49,8 +49,13 @@ from dptune.report.privacy import (
 MAX_ALL_HISTORIES = 24
 
 
-def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, title: str | None = None,
-                 include_diagnostics: bool = False) -> Path:
+def report_study(
+    study_dir: str | Path,
+    out_dir: str | Path | None = None,
+    *,
+    title: str | None = None,
+    include_diagnostics: bool = False,
+) -> Path:
     """Write the report of a stored study; return the path of ``<out>/release/report.html``.
 
     ``out_dir`` defaults to ``study_dir``: the publishable page, figures and CSVs go to
@@ -83,10 +88,18 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
     summary = []
     for r in table:
         mean, std = (r["test_mean"], r["test_std"]) if has_test else (r["value_mean"], r["value_std"])
-        summary.append(SummaryRow(
-            r["strategy"] if r["method"] in ("grid", "online") else f"{r['strategy']} ({r['method']})",
-            float(r["epsilon"]), r["selected"] or "—", mean, std, int(r["replicates"]), 0, True,
-        ))
+        summary.append(
+            SummaryRow(
+                r["strategy"] if r["method"] in ("grid", "online") else f"{r['strategy']} ({r['method']})",
+                float(r["epsilon"]),
+                r["selected"] or "—",
+                mean,
+                std,
+                int(r["replicates"]),
+                0,
+                True,
+            )
+        )
 
     hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
 
@@ -97,19 +110,27 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
     if len(runs) <= MAX_ALL_HISTORIES:
         wanted = {r["run_id"] for r in runs}
     histories = [
-        RunHistory(public_run_name(arm_of[r["arm"]], r) if r["run_id"] in selected else r["run_id"],
-                   arm_of[r["arm"]].label, json.loads(r["history"]), selected=r["run_id"] in selected,
-                   epsilon=float(arm_of[r["arm"]].epsilon))
-        for r in runs if r["run_id"] in wanted and r["history"]
+        RunHistory(
+            public_run_name(arm_of[r["arm"]], r) if r["run_id"] in selected else r["run_id"],
+            arm_of[r["arm"]].label,
+            json.loads(r["history"]),
+            selected=r["run_id"] in selected,
+            epsilon=float(arm_of[r["arm"]].epsilon),
+        )
+        for r in runs
+        if r["run_id"] in wanted and r["history"]
     ]
 
     ledger_rows = study_ledger_rows(plan, entries, per_run)
 
     # -- budgets: one row per tuning procedure family (arm)
     budgets = [
-        {"label": f"{r['strategy']} @ ε = {r['epsilon']:g} ({r['method']})",
-         "planned": (r["planned_epsilon"], r["planned_delta"]), "spent": (r["spent_epsilon"], r["spent_delta"]),
-         "note": f"per {r['guarantee_per']}, accountant {r['accountant']}"}
+        {
+            "label": f"{r['strategy']} @ ε = {r['epsilon']:g} ({r['method']})",
+            "planned": (r["planned_epsilon"], r["planned_delta"]),
+            "spent": (r["spent_epsilon"], r["spent_delta"]),
+            "note": f"per {r['guarantee_per']}, accountant {r['accountant']}",
+        }
         for r in table
     ]
 
@@ -126,11 +147,25 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
             pareto.setdefault(float(arm.epsilon), float(nus[0]))
         if arm.method == "liu-talwar" and lt_rows is None and nus:
             run = plan.runs[arm.runs[0]]
-            lt_rows = list(theory.lt_vs_ma(plan.n_train, float(nus[0]), run.sampling_rate * plan.n_train,
-                                           run.steps, ks=range(1, 41), delta=arm.delta).rows)
+            lt_rows = list(
+                theory.lt_vs_ma(
+                    plan.n_train,
+                    float(nus[0]),
+                    run.sampling_rate * plan.n_train,
+                    run.steps,
+                    ks=range(1, 41),
+                    delta=arm.delta,
+                ).rows
+            )
         if arm.method == "linear-scaling":
-            fit = next((json.loads(r["fit"]) for r in runs if r["arm"] == arm.arm and r["fit"]
-                        and plan.runs[r["run_id"]].procedure == 0), None)
+            fit = next(
+                (
+                    json.loads(r["fit"])
+                    for r in runs
+                    if r["arm"] == arm.arm and r["fit"] and plan.runs[r["run_id"]].procedure == 0
+                ),
+                None,
+            )
             if fit and fit.get("points"):
                 coef = fit.get("coef")
                 lsf = LinearScalingFit(
@@ -142,19 +177,35 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
                     axis="mu" if fit.get("axis") == "mu" else "epsilon",
                 )
                 safe = arm.arm.replace("/", "_").replace("@", "_at_").replace("=", "")
-                p = F.linear_scaling(lsf, out / RELEASE_DIR / "figures" / f"linear_scaling_{safe}.png",
-                                     title=f"Linear scaling rule: {arm.label} @ ε = {arm.epsilon:g}")
-                extra.append(FigureRef(p, f"{arm.label} @ ε = {arm.epsilon:g}: r = η·T of the best sweep runs, "
-                                          f"the fit ({fit.get('how', 'fit')}) and r* = {fit.get('r_star', math.nan):.4g} "
-                                          "used by the final run (Panda et al. 2024, Fig. 3)."))
+                p = F.linear_scaling(
+                    lsf,
+                    out / RELEASE_DIR / "figures" / f"linear_scaling_{safe}.png",
+                    title=f"Linear scaling rule: {arm.label} @ ε = {arm.epsilon:g}",
+                )
+                extra.append(
+                    FigureRef(
+                        p,
+                        f"{arm.label} @ ε = {arm.epsilon:g}: r = η·T of the best sweep runs, "
+                        f"the fit ({fit.get('how', 'fit')}) and r* = {fit.get('r_star', math.nan):.4g} "
+                        "used by the final run (Panda et al. 2024, Fig. 3).",
+                    )
+                )
 
     # -- the tuner's own table and every run: diagnostics (counts of runs reveal K under LT/RS)
     runs_csv = write_runs_csv(out, runs, arm_of)
     tuner_table = Table(
         ["strategy", "ε", "method", "selected configuration", "selection score", "test"],
-        [[r["strategy"], r["epsilon"], r["method"], r["selected"] or "—",
-          _pm(clip_to_range(r["value_mean"], metric), r["value_std"]), _pm(r["test_mean"], r["test_std"])]
-         for r in table],
+        [
+            [
+                r["strategy"],
+                r["epsilon"],
+                r["method"],
+                r["selected"] or "—",
+                _pm(clip_to_range(r["value_mean"], metric), r["value_std"]),
+                _pm(r["test_mean"], r["test_std"]),
+            ]
+            for r in table
+        ],
         caption="[k/P]: the configuration was selected by k of the P seed replicates (per-seed selection).",
     )
     heatmaps = grid_heatmaps(runs, arm_of, out, metric, plan.higher_is_better) if include_diagnostics else []
@@ -162,38 +213,62 @@ def report_study(study_dir: str | Path, out_dir: str | Path | None = None, *, ti
     notes, secret_notes = split_arm_notes(plan.arms)
     paragraphs = [
         f"Selection on the {sel.get('split', 'test')} split, across seeds: {sel.get('across_seeds', 'per-seed')}. "
-        + ("The results above show the metric on the test split of the selected configurations."
-           if has_test else "The results above show the selection score of the selected configurations."),
+        + (
+            "The results above show the metric on the test split of the selected configurations."
+            if has_test
+            else "The results above show the selection score of the selected configurations."
+        ),
     ]
     if sel.get("mode") == "private":
-        paragraphs.append(f"Private selection: every selection score was released with Gaussian noise "
-                          f"(σ = {sel.get('noise_multiplier')} on its sum), so selection scores are noisy and "
-                          "may fall outside the metric's range: this page shows them clipped to it (post-processing); "
-                          "the CSV files keep the raw values.")
+        paragraphs.append(
+            f"Private selection: every selection score was released with Gaussian noise "
+            f"(σ = {sel.get('noise_multiplier')} on its sum), so selection scores are noisy and "
+            "may fall outside the metric's range: this page shows them clipped to it (post-processing); "
+            "the CSV files keep the raw values."
+        )
     # The randomness mode (issue 10, item 3): secure (OS CSPRNG) or seeded (the seeds are a secret key).
     from dptune.train import randomness_statement
 
-    paragraphs.append("Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"])
+    paragraphs.append(
+        "Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"]
+    )
     sections = [Section("Tuner's selection table", paragraphs=paragraphs + notes, tables=[tuner_table])]
     dsections = [every_run_section(table, runs_csv, secret_notes)]
     if heatmaps:
         dsections.append(heatmap_section(heatmaps))
-    status = [] if done == len(runs) else (
-        ["The study is not finished: the results cover the runs done so far."] if hidden_k
-        else [f"The study is not finished: {done} of {len(runs)} runs are done."])
+    status = (
+        []
+        if done == len(runs)
+        else (
+            ["The study is not finished: the results cover the runs done so far."]
+            if hidden_k
+            else [f"The study is not finished: {done} of {len(runs)} runs are done."]
+        )
+    )
     subtitle = f"{len(plan.arms)} tuning procedures, " + ("" if hidden_k else f"{len(runs)} runs, ")
 
     return build_report(
-        out, summary, histories, ledger_rows,
-        selection_mode=sel.get("mode", "public"), selection_split=sel.get("split"),
-        planned=None, spent=None, budgets=budgets,
-        metric=metric, higher_is_better=plan.higher_is_better,
+        out,
+        summary,
+        histories,
+        ledger_rows,
+        selection_mode=sel.get("mode", "public"),
+        selection_split=sel.get("split"),
+        planned=None,
+        spent=None,
+        budgets=budgets,
+        metric=metric,
+        higher_is_better=plan.higher_is_better,
         title=title or f"Study report: {cfg.get('study', {}).get('name') or study_dir.name}",
         subtitle=f"{subtitle}n_train = {plan.n_train}",
-        notes=status, conclusions=conclusions(display_table(table, metric), noise_of, plan.higher_is_better, metric,
-                                              hidden_k),
-        pareto=pareto or None, lt_ma=lt_rows, extra_figures=extra, extra_sections=sections,
-        diagnostic_sections=dsections, include_diagnostics=include_diagnostics,
+        notes=status,
+        conclusions=conclusions(display_table(table, metric), noise_of, plan.higher_is_better, metric, hidden_k),
+        pareto=pareto or None,
+        lt_ma=lt_rows,
+        extra_figures=extra,
+        extra_sections=sections,
+        diagnostic_sections=dsections,
+        include_diagnostics=include_diagnostics,
         all_results=every_configuration(runs, arm_of, selected, has_test),
     )
 
@@ -209,8 +284,13 @@ def arm_name(arm: Any) -> str:
     return arm.label if arm.method in ("grid", "online") else f"{arm.label} ({arm.method})"
 
 
-def every_configuration(runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any], selected: Iterable[str],
-                        use_test: bool, name: Callable[[Any], str] = arm_name) -> list[SummaryRow]:
+def every_configuration(
+    runs: Sequence[Mapping[str, Any]],
+    arm_of: Mapping[str, Any],
+    selected: Iterable[str],
+    use_test: bool,
+    name: Callable[[Any], str] = arm_name,
+) -> list[SummaryRow]:
     """One row per configuration tried (arm, stage, configuration) over its finished runs: the
     test metric (``use_test``) or the selection score, mean ± std over seed replicates, and
     whether one of its runs is ``selected``. For ``diagnostics/results_all.csv`` only: the losing
@@ -227,10 +307,18 @@ def every_configuration(runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, 
     for (arm, _, key), rs in groups.items():
         vals = [r["test_metric"] if use_test else r["score"] for r in rs]
         ok = [float(v) for v in vals if v is not None and math.isfinite(float(v))]
-        out.append(SummaryRow(
-            name(arm_of[arm]), float(arm_of[arm].epsilon), key, statistics.fmean(ok) if ok else None,
-            statistics.stdev(ok) if len(ok) > 1 else None, len(rs), len(rs) - len(ok),
-            any(r["run_id"] in chosen for r in rs)))
+        out.append(
+            SummaryRow(
+                name(arm_of[arm]),
+                float(arm_of[arm].epsilon),
+                key,
+                statistics.fmean(ok) if ok else None,
+                statistics.stdev(ok) if len(ok) > 1 else None,
+                len(rs),
+                len(rs) - len(ok),
+                any(r["run_id"] in chosen for r in rs),
+            )
+        )
     return out
 
 
@@ -250,15 +338,39 @@ def study_ledger_rows(plan: Any, entries: Iterable[Any], per_run: Sequence[Mappi
     rows = []
     for (rid, label), n in releases.items():
         nu, q = _nu_q(event[(rid, label)])
-        rows.append(LedgerRow(rid, label, n, eps_alone.get(rid), planned.get(rid),
-                              nu if nu is not None else _finite(plan.runs[rid].noise_multiplier),
-                              q if q is not None else plan.runs[rid].sampling_rate))
+        rows.append(
+            LedgerRow(
+                rid,
+                label,
+                n,
+                eps_alone.get(rid),
+                planned.get(rid),
+                nu if nu is not None else _finite(plan.runs[rid].noise_multiplier),
+                q if q is not None else plan.runs[rid].sampling_rate,
+            )
+        )
     return rows
 
 
-RUNS_CSV_COLUMNS = ("run_id", "arm", "strategy", "epsilon", "stage", "procedure", "replicate", "seed", "status",
-                    "config", "noise_multiplier", "steps", "sampling_rate", "score", "best_step", "test_metric",
-                    "seconds")
+RUNS_CSV_COLUMNS = (
+    "run_id",
+    "arm",
+    "strategy",
+    "epsilon",
+    "stage",
+    "procedure",
+    "replicate",
+    "seed",
+    "status",
+    "config",
+    "noise_multiplier",
+    "steps",
+    "sampling_rate",
+    "score",
+    "best_step",
+    "test_metric",
+    "seconds",
+)
 
 
 def write_runs_csv(out: str | Path, runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any]) -> Path:
@@ -267,9 +379,14 @@ def write_runs_csv(out: str | Path, runs: Sequence[Mapping[str, Any]], arm_of: M
     rows = []
     for r in runs:
         cfg = r["config"]
-        rows.append({**{k: r.get(k) for k in RUNS_CSV_COLUMNS}, "strategy": arm_of[r["arm"]].label,
-                     "epsilon": arm_of[r["arm"]].epsilon,
-                     "config": cfg if cfg is None or isinstance(cfg, str) else json.dumps(cfg)})
+        rows.append(
+            {
+                **{k: r.get(k) for k in RUNS_CSV_COLUMNS},
+                "strategy": arm_of[r["arm"]].label,
+                "epsilon": arm_of[r["arm"]].epsilon,
+                "config": cfg if cfg is None or isinstance(cfg, str) else json.dumps(cfg),
+            }
+        )
     return write_labelled_csv(diagnostics_dir(out) / "runs.csv", rows, RUNS_CSV_COLUMNS)
 
 
@@ -277,16 +394,31 @@ def every_run_section(table: Sequence[Mapping[str, Any]], runs_csv: Path, paragr
     """The diagnostics section with the run counts per tuning procedure and ``runs.csv``."""
     runs_table = Table(
         ["strategy", "ε", "method", "runs", "diverged", "failed"],
-        [[r["strategy"], r["epsilon"], r["method"], f"{r['runs_done']}/{r['runs_total']}", r["diverged"],
-          r["failed"]] for r in table],
+        [
+            [
+                r["strategy"],
+                r["epsilon"],
+                r["method"],
+                f"{r['runs_done']}/{r['runs_total']}",
+                r["diverged"],
+                r["failed"],
+            ]
+            for r in table
+        ],
         caption="Runs per tuning procedure (under Liu–Talwar / repeat-and-select their number is secret).",
     )
-    return Section("Every run", paragraphs=list(paragraphs), tables=[runs_table], attachments=[runs_csv],
-                   diagnostic=True)
+    return Section(
+        "Every run", paragraphs=list(paragraphs), tables=[runs_table], attachments=[runs_csv], diagnostic=True
+    )
 
 
-def conclusions(table: Sequence[Mapping[str, Any]], costs: Mapping[str, Mapping[str, Any]], higher: bool,
-                metric: str, hidden_k: bool) -> list[str]:
+def conclusions(
+    table: Sequence[Mapping[str, Any]],
+    costs: Mapping[str, Mapping[str, Any]],
+    higher: bool,
+    metric: str,
+    hidden_k: bool,
+) -> list[str]:
     """One sentence per ε from the tuner's table: the best procedure, its margin over the next,
     and, where the number of runs is public, what the runs cost each procedure in noise.
 
@@ -337,16 +469,20 @@ def conclusions(table: Sequence[Mapping[str, Any]], costs: Mapping[str, Mapping[
             n2 = costs.get(second["arm"], {}).get("nu")
             if not hidden_k and n1 and n2 and math.isfinite(n1) and math.isfinite(n2) and n1 != n2:
                 more, less = (second, first) if n2 > n1 else (first, second)
-                text += (f". Splitting the budget over its runs cost {more['strategy']} {max(n1, n2) / min(n1, n2):.2g}× "
-                         f"the noise per run of {less['strategy']} (ν = {max(n1, n2):.3g} against {min(n1, n2):.3g})")
+                text += (
+                    f". Splitting the budget over its runs cost {more['strategy']} {max(n1, n2) / min(n1, n2):.2g}× "
+                    f"the noise per run of {less['strategy']} (ν = {max(n1, n2):.3g} against {min(n1, n2):.3g})"
+                )
         # Galli et al.'s comparison, when the study has both and they are not the pair above.
         oso = next((r for r in rows if r.get("optimizer") == "oso"), None)
         sgd = next((r for r in rows if r.get("optimizer") == "dpsgd"), None)
         if oso is not None and sgd is not None and {id(oso), id(sgd)} != {id(r) for r in rows[:2]}:
             diff = float(oso[key]) - float(sgd[key])
             better = diff > 0 if higher else diff < 0
-            text += (f". Online vs DP-SGD: {name(oso)} {float(oso[key]):.3g} against {name(sgd)} "
-                     f"{float(sgd[key]):.3g} ({'better' if better else 'worse'} by {fmt_gap(abs(diff))})")
+            text += (
+                f". Online vs DP-SGD: {name(oso)} {float(oso[key]):.3g} against {name(sgd)} "
+                f"{float(sgd[key]):.3g} ({'better' if better else 'worse'} by {fmt_gap(abs(diff))})"
+            )
         out.append(text + ".")
     return out
 
@@ -365,28 +501,41 @@ def arm_costs(plan: Any) -> dict[str, dict[str, Any]]:
 def heatmap_section(figures: list[FigureRef]) -> Section:
     """The diagnostics section holding ``grid_heatmaps``' figures."""
     return Section(
-        "Every configuration of each two-axis grid", diagnostic=True, figures=figures,
-        paragraphs=["The score of every configuration (mean over seed replicates), the best outlined: "
-                    "the shape of the search space (Mohapatra et al.'s lr × C inverse relation, Panda et "
-                    "al.'s η × T). It shows the losing candidates, which the guarantee of a private "
-                    "selection does not cover."])
+        "Every configuration of each two-axis grid",
+        diagnostic=True,
+        figures=figures,
+        paragraphs=[
+            "The score of every configuration (mean over seed replicates), the best outlined: "
+            "the shape of the search space (Mohapatra et al.'s lr × C inverse relation, Panda et "
+            "al.'s η × T). It shows the losing candidates, which the guarantee of a private "
+            "selection does not cover."
+        ],
+    )
 
 
-def grid_heatmaps(runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any], out: Path, metric: str,
-                  higher: bool) -> list[FigureRef]:
+def grid_heatmaps(
+    runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any], out: Path, metric: str, higher: bool
+) -> list[FigureRef]:
     """One heatmap per arm whose runs vary exactly two numeric hyperparameters (diagnostics)."""
     from dptune.report import figures as F
 
     figs = []
     by_arm: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in runs:  # grid-like searches only: random/linear-scaling spaces are not grids
-        if r["score"] is not None and r["config"] and getattr(arm_of[r["arm"]], "method", "grid") in (
-                "grid", "online", "oracle"):
+        if (
+            r["score"] is not None
+            and r["config"]
+            and getattr(arm_of[r["arm"]], "method", "grid") in ("grid", "online", "oracle")
+        ):
             by_arm[r["arm"]].append(r)
     for arm, rs in by_arm.items():
         configs = [json.loads(r["config"]) for r in rs]
-        varying = [k for k in configs[0] if all(isinstance(c.get(k), int | float) and not isinstance(c.get(k), bool)
-                                                for c in configs) and len({c[k] for c in configs}) > 1]
+        varying = [
+            k
+            for k in configs[0]
+            if all(isinstance(c.get(k), int | float) and not isinstance(c.get(k), bool) for c in configs)
+            and len({c[k] for c in configs}) > 1
+        ]
         if len(varying) != 2:
             continue
         x, y = varying
@@ -396,8 +545,15 @@ def grid_heatmaps(runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any], 
         scores = {k: clip_to_range(sum(v) / len(v), metric) for k, v in cells.items()}  # displayed: clipped
         safe = arm.replace("/", "_").replace("@", "_at_").replace("=", "")
         label = f"{arm_of[arm].label} @ ε = {arm_of[arm].epsilon:g}"
-        p = F.grid_heatmap(scores, x, y, diagnostics_dir(out) / "figures" / f"grid_{safe}.png",
-                           title=label, metric=metric, higher=higher)
+        p = F.grid_heatmap(
+            scores,
+            x,
+            y,
+            diagnostics_dir(out) / "figures" / f"grid_{safe}.png",
+            title=label,
+            metric=metric,
+            higher=higher,
+        )
         figs.append(FigureRef(p, f"{label}: selection score of every {x} × {y} configuration."))
     return figs
 

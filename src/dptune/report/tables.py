@@ -91,10 +91,14 @@ def _summary_from_dict(r: Mapping[str, Any]) -> SummaryRow:
         raise ConfigError(f"summary row {dict(r)!r} lacks {missing}; give strategy, epsilon, mean, std.")
     hp = r.get("hyperparameters", {})
     return SummaryRow(
-        str(r["strategy"]), float(r["epsilon"]), hp if isinstance(hp, str) else dict(hp),
+        str(r["strategy"]),
+        float(r["epsilon"]),
+        hp if isinstance(hp, str) else dict(hp),
         None if r["mean"] is None else float(r["mean"]),
         None if r.get("std") is None else float(r["std"]),
-        int(r.get("n_seeds", 1)), int(r.get("n_diverged", 0)), _flag(r.get("selected", False)),
+        int(r.get("n_seeds", 1)),
+        int(r.get("n_diverged", 0)),
+        _flag(r.get("selected", False)),
     )
 
 
@@ -102,10 +106,23 @@ def results_table(rows: Sequence[SummaryRow], metric: str, higher: bool, caption
     """HTML table: strategy, ε, best hyperparameters, metric mean ± std, seeds."""
     mark = not all(r.selected for r in rows)  # when every row is the tuner's choice, say it once
     return Table(
-        ["strategy", "ε", "selected configuration" if not mark and rows else "best hyperparameters",
-         metric_label(metric, higher) + ", mean ± std", "seeds"],
-        [[r.strategy + (" (selected)" if r.selected and mark else ""), fmt_epsilon(r.epsilon),
-          fmt_hyperparameters(r.hyperparameters), fmt_metric(r, metric), fmt_seeds(r)] for r in rows],
+        [
+            "strategy",
+            "ε",
+            "selected configuration" if not mark and rows else "best hyperparameters",
+            metric_label(metric, higher) + ", mean ± std",
+            "seeds",
+        ],
+        [
+            [
+                r.strategy + (" (selected)" if r.selected and mark else ""),
+                fmt_epsilon(r.epsilon),
+                fmt_hyperparameters(r.hyperparameters),
+                fmt_metric(r, metric),
+                fmt_seeds(r),
+            ]
+            for r in rows
+        ],
         caption=caption,
     )
 
@@ -131,7 +148,9 @@ def render_terminal_table(
     # fits 100 columns whatever the console width; long cells fold onto more lines.
     t = RichTable(
         title=title or f"Best hyperparameters per strategy and ε ({name}: {'higher' if higher else 'lower'} is better)",
-        header_style="bold", title_justify="left", caption_justify="left",
+        header_style="bold",
+        title_justify="left",
+        caption_justify="left",
     )
     t.add_column("Strategy", style="cyan", overflow="fold", max_width=_W_STRATEGY)
     t.add_column("ε", justify="right", overflow="fold", max_width=_W_EPS)
@@ -140,8 +159,13 @@ def render_terminal_table(
     t.add_column("Seeds", justify="right", overflow="fold", max_width=_W_SEEDS)
     for r in srows:
         eps = "∞" if math.isinf(r.epsilon) else f"{r.epsilon:g}"
-        t.add_row(r.strategy + (" *" if r.selected else ""), eps, fmt_hyperparameters(r.hyperparameters),
-                  fmt_metric(r, metric), f"{r.n_seeds - r.n_diverged}/{r.n_seeds}")
+        t.add_row(
+            r.strategy + (" *" if r.selected else ""),
+            eps,
+            fmt_hyperparameters(r.hyperparameters),
+            fmt_metric(r, metric),
+            f"{r.n_seeds - r.n_diverged}/{r.n_seeds}",
+        )
     notes = ["mean ± std over seeds; Seeds = finished/run (the rest diverged)."]
     if any(r.selected for r in srows):
         notes.append("* configuration selected by the tuner.")
@@ -160,8 +184,13 @@ def summary_csv_rows(rows: Sequence[SummaryRow]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         d: dict[str, Any] = {
-            "strategy": r.strategy, "epsilon": r.epsilon, "mean": r.mean, "std": r.std,
-            "n_seeds": r.n_seeds, "n_diverged": r.n_diverged, "selected": r.selected,
+            "strategy": r.strategy,
+            "epsilon": r.epsilon,
+            "mean": r.mean,
+            "std": r.std,
+            "n_seeds": r.n_seeds,
+            "n_diverged": r.n_diverged,
+            "selected": r.selected,
         }
         if isinstance(r.hyperparameters, str):
             d["configuration"] = r.hyperparameters
@@ -173,9 +202,15 @@ def summary_csv_rows(rows: Sequence[SummaryRow]) -> list[dict[str, Any]]:
 
 def ledger_csv_rows(rows: Iterable[LedgerRow | Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [
-        {"run": r.run, "label": r.label, "releases": r.releases, "epsilon": r.epsilon,
-         "planned_epsilon": r.planned_epsilon, "noise_multiplier": r.noise_multiplier,
-         "sampling_rate": r.sampling_rate}
+        {
+            "run": r.run,
+            "label": r.label,
+            "releases": r.releases,
+            "epsilon": r.epsilon,
+            "planned_epsilon": r.planned_epsilon,
+            "noise_multiplier": r.noise_multiplier,
+            "sampling_rate": r.sampling_rate,
+        }
         for r in coerce_ledger_rows(rows)
     ]
 
@@ -193,7 +228,9 @@ def ledger_table(rows: Sequence[LedgerRow], max_rows: int = 200) -> Table:
         cap += f" First {max_rows} of {len(rows)} rows; ledger.csv has all."
     return Table(
         ["run", "query label", "releases", "ε spent", "ε planned", "ν", "q"],
-        [[r.run, r.label, int(r.releases), r.epsilon, r.planned_epsilon, r.noise_multiplier, r.sampling_rate]
-         for r in shown],
+        [
+            [r.run, r.label, int(r.releases), r.epsilon, r.planned_epsilon, r.noise_multiplier, r.sampling_rate]
+            for r in shown
+        ],
         caption=cap,
     )

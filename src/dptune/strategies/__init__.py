@@ -69,9 +69,7 @@ def strategy_signature(name: str) -> tuple[str, tuple[str, ...], bool]:
         )
     p_cls, u_cls = parts
     if u_cls.needs_noisy_release and not p_cls.private:
-        raise ConfigError(
-            f"the update rule {u_cls.name!r} needs a private (noisy) release; use 'none+adam'."
-        )
+        raise ConfigError(f"the update rule {u_cls.name!r} needs a private (noisy) release; use 'none+adam'.")
     key = canonical_chain_name(key)
     return key, tuple(dict.fromkeys(p_cls.hyperparameters + u_cls.hyperparameters)), p_cls.private
 
@@ -95,9 +93,7 @@ def check_types(key: str, classes: tuple[type, ...], hyperparameters: dict[str, 
             continue  # Literal aliases (OSO's rule) are checked by the strategy itself
         ok = isinstance(v, tuple(wanted)) and not (isinstance(v, bool) and bool not in wanted)
         if not ok:
-            raise ConfigError(
-                f"strategy {key!r}: {k} must be {' or '.join(kinds)}, got {v!r} ({type(v).__name__})."
-            )
+            raise ConfigError(f"strategy {key!r}: {k} must be {' or '.join(kinds)}, got {v!r} ({type(v).__name__}).")
 
 
 def make_strategy(name: str, **hyperparameters: Any) -> Strategy:
@@ -105,9 +101,7 @@ def make_strategy(name: str, **hyperparameters: Any) -> Strategy:
     key, allowed, _ = strategy_signature(name)
     unknown = set(hyperparameters) - set(allowed)
     if unknown:
-        raise ConfigError(
-            f"strategy {key!r} has no hyperparameter(s) {sorted(unknown)}; it takes {sorted(allowed)}."
-        )
+        raise ConfigError(f"strategy {key!r} has no hyperparameter(s) {sorted(unknown)}; it takes {sorted(allowed)}.")
     parts = chain_parts(key)
     check_types(key, (STRATEGIES[key],) if key in STRATEGIES else parts or (), hyperparameters)
     if key in STRATEGIES:

@@ -74,14 +74,11 @@ class ADADP(Composed):
     name = "adadp"
     hyperparameters = ("lr", "clip", "tolerance", "min_factor", "max_factor", "safety", "reject")
 
-
     def parts(self):
         return FixedClip(self.clip), self.rule()
 
     def rule(self) -> ADADPRule:
-        return ADADPRule(
-            self.lr, self.tolerance, self.min_factor, self.max_factor, self.safety, self.reject
-        )
+        return ADADPRule(self.lr, self.tolerance, self.min_factor, self.max_factor, self.safety, self.reject)
 
     def tau(self, run: RunInfo) -> float:
         return self.rule().tau(run)

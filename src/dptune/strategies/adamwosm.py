@@ -29,7 +29,6 @@ class AdamWOSM(Composed):
     name = "adamwosm"
     hyperparameters = ("clip", "alpha", "beta1")
 
-
     def parts(self):
         return FixedClip(self.clip), AdamWOSMRule(self.alpha, self.beta1)
 

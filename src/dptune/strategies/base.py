@@ -60,9 +60,7 @@ class Strategy(ABC):
         """Number of Gaussian releases (each at joint multiplier ν) that ``steps`` iterations make."""
         return steps
 
-    def planned_event(
-        self, noise_multiplier: float, sampling_rate: float, steps: int
-    ) -> dp_event.DpEvent:
+    def planned_event(self, noise_multiplier: float, sampling_rate: float, steps: int) -> dp_event.DpEvent:
         if not self.private:
             return dp_event.SelfComposedDpEvent(dp_event.NonPrivateDpEvent(), steps)
         ev = accounting.gaussian_step_event(noise_multiplier, sampling_rate)
@@ -75,9 +73,7 @@ class Strategy(ABC):
     def init(self, params: Tensors, run: RunInfo) -> Any: ...
 
     @abstractmethod
-    def step(
-        self, params: Tensors, state: Any, ctx: StepContext
-    ) -> tuple[Tensors, Any, dict[str, float]]: ...
+    def step(self, params: Tensors, state: Any, ctx: StepContext) -> tuple[Tensors, Any, dict[str, float]]: ...
 
     def prepare(self, params: Tensors) -> Tensors:
         """Transform the initial parameters before training (e.g. zero init). Default: none."""
@@ -165,13 +161,9 @@ class Chain(Composed):
 
     def __post_init__(self) -> None:
         if not isinstance(self.privatizer_part, Privatizer):
-            raise ConfigError(
-                f"chain() takes a privatizer first (dptune.privatizers), got {self.privatizer_part!r}."
-            )
+            raise ConfigError(f"chain() takes a privatizer first (dptune.privatizers), got {self.privatizer_part!r}.")
         if not isinstance(self.update_part, UpdateRule):
-            raise ConfigError(
-                f"chain() takes an update rule second (dptune.updates), got {self.update_part!r}."
-            )
+            raise ConfigError(f"chain() takes an update rule second (dptune.updates), got {self.update_part!r}.")
         if self.update_part.needs_noisy_release and not self.privatizer_part.private:
             raise ConfigError(
                 f"the update rule {self.update_part.name!r} is defined by the noise of a private release; "

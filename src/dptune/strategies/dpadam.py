@@ -27,6 +27,5 @@ class DPAdam(Composed):
     name = "dpadam"
     hyperparameters = ("lr", "clip", "beta1", "beta2", "eps")
 
-
     def parts(self):
         return FixedClip(self.clip), Adam(self.lr, self.beta1, self.beta2, self.eps)

@@ -37,7 +37,6 @@ class DPGD(Composed):
     name = "dpgd"
     hyperparameters = ("lr", "clip", "momentum", "zero_init", "final_step")
 
-
     def parts(self):
         return FixedClip(self.clip), SGD(self.lr, self.momentum, final_step=self.final_step)
 

@@ -29,6 +29,5 @@ class DPSGD(Composed):
     name = "dpsgd"
     hyperparameters = ("lr", "clip", "momentum")
 
-
     def parts(self):
         return FixedClip(self.clip), SGD(self.lr, self.momentum)

@@ -24,6 +24,5 @@ class NoDP(Composed):
     private = False
     hyperparameters = ("lr", "momentum")
 
-
     def parts(self):
         return NonPrivate(), SGD(self.lr, self.momentum)

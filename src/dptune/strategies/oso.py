@@ -72,7 +72,6 @@ class OSO(Composed):
         "adapt_lr",
     )
 
-
     def parts(self):
         return (
             OSOClip(

@@ -44,12 +44,9 @@ class FixedQuantile(Composed):
         "momentum",
     )
 
-
     def parts(self):
         return (
-            QuantileClip(
-                self.target_quantile, self.clip_lr, self.initial_clip, self.count_noise_std
-            ),
+            QuantileClip(self.target_quantile, self.clip_lr, self.initial_clip, self.count_noise_std),
             SGD(self.lr, self.momentum),
         )
 

@@ -78,8 +78,9 @@ def holdout_mask(x: torch.Tensor, y: torch.Tensor | None, fraction: float, study
 
 
 def _key(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> str:
-    return json.dumps([spec.describe(), selection.split, selection.holdout_fraction, study_seed],
-                      sort_keys=True, default=str)
+    return json.dumps(
+        [spec.describe(), selection.split, selection.holdout_fraction, study_seed], sort_keys=True, default=str
+    )
 
 
 def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> StudyData:
@@ -124,12 +125,23 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
                 f"holdout examples out of {n}. Fix: pick a fraction that keeps both non-empty."
             )
         val_idx, tr_idx = torch.nonzero(mask).reshape(-1), torch.nonzero(~mask).reshape(-1)
-        out = StudyData(x_tr[tr_idx], (x_tr[tr_idx] if same else y_tr[tr_idx]), x_tr[val_idx],
-                        (x_tr[val_idx] if same else y_tr[val_idx]), x_te, y_te, task, num_classes, input_shape)
+        out = StudyData(
+            x_tr[tr_idx],
+            (x_tr[tr_idx] if same else y_tr[tr_idx]),
+            x_tr[val_idx],
+            (x_tr[val_idx] if same else y_tr[val_idx]),
+            x_te,
+            y_te,
+            task,
+            num_classes,
+            input_shape,
+        )
     else:
         out = StudyData(x_tr, y_tr, x_te, y_te, None, None, task, num_classes, input_shape)
     if out.n_val == 0:
-        raise ConfigError("the selection split is empty. Fix: use selection.split = 'holdout' or a dataset with a test split.")
+        raise ConfigError(
+            "the selection split is empty. Fix: use selection.split = 'holdout' or a dataset with a test split."
+        )
     _CACHE[key] = out
     return out
 

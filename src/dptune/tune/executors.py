@@ -34,8 +34,10 @@ def check_workers(workers: Any) -> int | None:
     if workers is None:
         return None
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ConfigError(f"workers must be an integer ≥ 1, got {workers!r}. Fix: pass e.g. --workers 2, or leave it "
-                          "out (default: one per CPU core up to 4, or one per GPU on CUDA).")
+        raise ConfigError(
+            f"workers must be an integer ≥ 1, got {workers!r}. Fix: pass e.g. --workers 2, or leave it "
+            "out (default: one per CPU core up to 4, or one per GPU on CUDA)."
+        )
     return workers
 
 
@@ -62,15 +64,17 @@ def _pool_init(started: Any, counter: Any = None, masks: list[str] | None = None
         _pin_gpu(counter, masks)
 
 
-def _pool_call(task_id: str, fn: Callable[..., dict[str, Any]],
-               args: tuple[Any, ...]) -> tuple[dict[str, Any] | None, str | None]:
+def _pool_call(
+    task_id: str, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]
+) -> tuple[dict[str, Any] | None, str | None]:
     if _STARTED is not None:
         _STARTED.put(task_id)
     return _call(fn, args)
 
 
-def _ray_call(started: Any, task_id: str, fn: Callable[..., dict[str, Any]],
-              args: tuple[Any, ...]) -> tuple[dict[str, Any] | None, str | None]:
+def _ray_call(
+    started: Any, task_id: str, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]
+) -> tuple[dict[str, Any] | None, str | None]:
     started.put(task_id)
     return _call(fn, args)
 
@@ -117,8 +121,12 @@ class _Starts:
 class Executor:
     name = "base"
 
-    def run(self, fn: Callable[..., dict[str, Any]], tasks: list[Task],
-            on_start: Callable[[list[str]], None] = lambda ids: None) -> Iterator[Outcome]:
+    def run(
+        self,
+        fn: Callable[..., dict[str, Any]],
+        tasks: list[Task],
+        on_start: Callable[[list[str]], None] = lambda ids: None,
+    ) -> Iterator[Outcome]:
         """Execute ``fn(*args)`` for every task; call ``on_start(task_ids)`` when tasks start (pools:
         when a worker reports that it took them, not when they are queued; always before the task's
         outcome); yield outcomes as they finish."""
@@ -164,8 +172,7 @@ class ProcessExecutor(Executor):
         self.workers = n or max(1, min(4, os.cpu_count() or 1))
         self.started_queue = ctx.Queue()  # workers report the tasks they start (handed over at spawn)
         init = (self.started_queue, ctx.Value("i", 0), self.gpu_masks) if self.gpu_masks else (self.started_queue,)
-        self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx, initializer=_pool_init,
-                                        initargs=init)
+        self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx, initializer=_pool_init, initargs=init)
 
     def _drain(self) -> list[str]:
         import queue
@@ -213,8 +220,10 @@ def _local_pythonpath() -> dict[str, Any]:
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths + ([extra] if extra else []))}}
 
 
-RAY_MISSING = ("executor 'ray' needs Ray, which is not installed here. Fix: pip install 'dptune[ray]' "
-               "(or use executor 'local' or 'process').")
+RAY_MISSING = (
+    "executor 'ray' needs Ray, which is not installed here. Fix: pip install 'dptune[ray]' "
+    "(or use executor 'local' or 'process')."
+)
 
 
 def require_ray() -> Any:
@@ -240,16 +249,20 @@ def check_ray_address(address: str, timeout: float = 3.0) -> None:
         host, port = hostport, str(RAY_PORTS.get(scheme, 6379))
     host = host.strip("[]")
     if not host or not port.isdigit():
-        raise ConfigError(f"Ray address {address!r} is not host:port. Fix: e.g. --address 10.0.0.5:6379 (the "
-                          "address `ray start --head` prints), or leave it out to start a local Ray.")
+        raise ConfigError(
+            f"Ray address {address!r} is not host:port. Fix: e.g. --address 10.0.0.5:6379 (the "
+            "address `ray start --head` prints), or leave it out to start a local Ray."
+        )
     import socket
 
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as exc:
-        raise ConfigError(f"no Ray cluster answers at {address!r} ({exc.strerror or exc}). Fix: start the cluster "
-                          "(`ray start --head` prints its address), check the host and port, or leave out "
-                          "--address to start a local Ray.") from None
+        raise ConfigError(
+            f"no Ray cluster answers at {address!r} ({exc.strerror or exc}). Fix: start the cluster "
+            "(`ray start --head` prints its address), check the host and port, or leave out "
+            "--address to start a local Ray."
+        ) from None
 
 
 def check_executor(name: str | Executor, address: str | None = None) -> None:
@@ -271,8 +284,13 @@ class RayExecutor(Executor):
 
     name = "ray"
 
-    def __init__(self, workers: int | None = None, address: str | None = None, device: str | None = None,
-                 gpus_per_run: float | None = None):
+    def __init__(
+        self,
+        workers: int | None = None,
+        address: str | None = None,
+        device: str | None = None,
+        gpus_per_run: float | None = None,
+    ):
         from dptune.devices import gpus_per_task
 
         # On CUDA every task asks Ray for GPUs, so a cluster schedules it on a GPU node and Ray
@@ -286,11 +304,18 @@ class RayExecutor(Executor):
                 try:
                     ray.init(address=address, include_dashboard=False, log_to_driver=False)
                 except ConnectionError as exc:  # a port that answers but is no Ray cluster
-                    raise ConfigError(f"no Ray cluster at {address!r} ({exc}). Fix: check the address "
-                                      "(`ray start --head` prints it), or leave it out to start a local Ray.") from None
+                    raise ConfigError(
+                        f"no Ray cluster at {address!r} ({exc}). Fix: check the address "
+                        "(`ray start --head` prints it), or leave it out to start a local Ray."
+                    ) from None
             else:
-                ray.init(num_cpus=workers or max(1, min(4, os.cpu_count() or 1)), include_dashboard=False,
-                         log_to_driver=False, configure_logging=False, runtime_env=_local_pythonpath())
+                ray.init(
+                    num_cpus=workers or max(1, min(4, os.cpu_count() or 1)),
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    runtime_env=_local_pythonpath(),
+                )
             self.started = True
         self.remote = ray.remote(num_cpus=1, num_gpus=self.num_gpus, max_retries=0)(_ray_call)
         self.started_queue: Any = None
@@ -328,16 +353,23 @@ class RayExecutor(Executor):
             self.ray.shutdown()
 
 
-def make_executor(name: str | Executor, workers: int | None = None, address: str | None = None,
-                  device: str | None = None, gpus_per_run: float | None = None) -> Executor:
+def make_executor(
+    name: str | Executor,
+    workers: int | None = None,
+    address: str | None = None,
+    device: str | None = None,
+    gpus_per_run: float | None = None,
+) -> Executor:
     """``device``: the runs' training device (places CUDA runs on GPUs); ``gpus_per_run``: Ray's
     GPU share of one task (default 1 on CUDA; only with executor 'ray')."""
     if isinstance(name, Executor):
         return name
     check_workers(workers)
     if gpus_per_run is not None and name != "ray":
-        raise ConfigError(f"gpus_per_run is a Ray option; executor {name!r} does not use it. Fix: drop it, "
-                          "or use executor 'ray' (the process executor takes workers).")
+        raise ConfigError(
+            f"gpus_per_run is a Ray option; executor {name!r} does not use it. Fix: drop it, "
+            "or use executor 'ray' (the process executor takes workers)."
+        )
     if name == "local":
         return LocalExecutor()
     if name == "process":

@@ -153,16 +153,24 @@ class StudyPlan:
             "arms": [a.to_dict() for a in self.arms],
             "runs": [r.to_dict() for r in self.runs.values()],
             "release_event": event_to_dict(self.release_event),
-            "n_train": self.n_train, "n_val": self.n_val, "metric": self.metric,
+            "n_train": self.n_train,
+            "n_val": self.n_val,
+            "metric": self.metric,
             "higher_is_better": self.higher_is_better,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StudyPlan:
         runs = [RunSpec.from_dict(r) for r in d["runs"]]
-        return cls([ArmPlan.from_dict(a) for a in d["arms"]], {r.run_id: r for r in runs},
-                   event_from_dict(d["release_event"]), d["n_train"], d["n_val"], d["metric"],
-                   d["higher_is_better"])
+        return cls(
+            [ArmPlan.from_dict(a) for a in d["arms"]],
+            {r.run_id: r for r in runs},
+            event_from_dict(d["release_event"]),
+            d["n_train"],
+            d["n_val"],
+            d["metric"],
+            d["higher_is_better"],
+        )
 
 
 def _enc(x: Any) -> Any:
@@ -239,8 +247,10 @@ def run_geometry(ctx: Context, config: Mapping[str, Any], path: str) -> tuple[fl
     if ebs is not None and not (0 < ebs <= ctx.n_train):
         # Name the field the value came from: the search space's, else [training]'s.
         field = f"{path}: expected_batch_size" if "expected_batch_size" in tr else "training.expected_batch_size"
-        raise ConfigError(f"{field} = {ebs:g} is outside (0, n = {ctx.n_train}] (n: the training examples). "
-                          f"Fix: use a batch of at most {ctx.n_train}, or training.full_batch = true.")
+        raise ConfigError(
+            f"{field} = {ebs:g} is outside (0, n = {ctx.n_train}] (n: the training examples). "
+            f"Fix: use a batch of at most {ctx.n_train}, or training.full_batch = true."
+        )
     q = sampling_rate_for(ctx.n_train, ebs, full)
     if "steps" in tr:
         steps = int(tr["steps"])
@@ -265,8 +275,13 @@ def make_shape(ctx: Context, arm: StrategyArm, config: Mapping[str, Any], path: 
     sel = ctx.study.selection
     ev_steps, ev_final = eval_schedule(steps, sel.eval_every, sel.checkpoint, strategy)
     private_eval = sel.mode == "private"
-    return Shape(strategy, q, steps, len(ev_steps) + int(ev_final) if private_eval else 0,
-                 sel.noise_multiplier if private_eval else None)
+    return Shape(
+        strategy,
+        q,
+        steps,
+        len(ev_steps) + int(ev_final) if private_eval else 0,
+        sel.noise_multiplier if private_eval else None,
+    )
 
 
 def release_multiplier(shape: Shape, nu: float, n: int) -> float:
@@ -300,7 +315,9 @@ def snap(nu: float, shapes: Iterable[Shape], n: int) -> float:
         except ConfigError:
             return nu  # validate_shape reports the real problem with a clear message
         v = math.nextafter(v, math.inf)
-    raise ConfigError(f"could not find a noise multiplier near {nu} that the strategy releases exactly")  # pragma: no cover
+    raise ConfigError(
+        f"could not find a noise multiplier near {nu} that the strategy releases exactly"
+    )  # pragma: no cover
 
 
 def validate_shape(shape: Shape, nu: float, n: int, path: str) -> None:
@@ -340,14 +357,18 @@ def choose_accountant(requested: str, event: dp_event.DpEvent, method: str) -> s
     """Resolve ``auto`` deterministically (see module docstring)."""
     if method == "repeat-and-select":
         if requested not in ("auto", "rdp"):
-            raise ConfigError(f"budget.accountant: repeat-and-select is accounted by RDP only (got {requested!r}). "
-                              "Fix: accountant = 'rdp' or 'auto'.")
+            raise ConfigError(
+                f"budget.accountant: repeat-and-select is accounted by RDP only (got {requested!r}). "
+                "Fix: accountant = 'rdp' or 'auto'."
+            )
         return "rdp"
     a = atoms(event)
     unsampled = all(isinstance(e, dp_event.GaussianDpEvent) for e in a)
     if requested == "gdp" and not unsampled:
-        raise ConfigError("budget.accountant = 'gdp' is exact only for full-batch Gaussian releases. "
-                          "Fix: use 'pld' or 'rdp' (or full_batch = true).")
+        raise ConfigError(
+            "budget.accountant = 'gdp' is exact only for full-batch Gaussian releases. "
+            "Fix: use 'pld' or 'rdp' (or full_batch = true)."
+        )
     if requested != "auto":
         return requested
     if method == "liu-talwar":
@@ -359,8 +380,11 @@ def choose_accountant(requested: str, event: dp_event.DpEvent, method: str) -> s
 
 def check_selection_budget(shapes: Iterable[Shape], eps: float, delta: float, acc: str, what: str) -> None:
     """Private selection: the score releases alone must leave budget for training."""
-    evs = [dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(s.eval_nu), s.n_evals)
-           for s in shapes if s.eval_nu is not None and s.n_evals > 0]
+    evs = [
+        dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(s.eval_nu), s.n_evals)
+        for s in shapes
+        if s.eval_nu is not None and s.n_evals > 0
+    ]
     if not evs:
         return
     e = accounting.epsilon(group_events(evs), delta, "rdp" if acc == "gdp" else acc)
@@ -397,7 +421,9 @@ def check_lt_selection_budget(shape: Shape, unit: int, lt: theory.LTParams, acc:
     )
 
 
-def calibrate_nu(make_event: Callable[[float], dp_event.DpEvent], eps: float, delta: float, acc: str, what: str) -> float:
+def calibrate_nu(
+    make_event: Callable[[float], dp_event.DpEvent], eps: float, delta: float, acc: str, what: str
+) -> float:
     """Smallest ν meeting the target (``accounting.calibrate_event``: it starts from the Gaussian-DP
     approximation, so an RDP pre-bracket would only add time: 0.4–0.6 s per 49-run grid)."""
     try:
@@ -414,24 +440,48 @@ class _Builder:
         self.runs: dict[str, RunSpec] = {}
         self.run_seeds: dict[int, str] = {}  # run_seed → run_id: every run needs its own streams
 
-    def add(self, arm_id: str, stage: str, index: int, procedure: int, replicate: int,
-            config: dict[str, Any] | None, shape: Shape, nu: float) -> RunSpec:
+    def add(
+        self,
+        arm_id: str,
+        stage: str,
+        index: int,
+        procedure: int,
+        replicate: int,
+        config: dict[str, Any] | None,
+        shape: Shape,
+        nu: float,
+    ) -> RunSpec:
         seed = self.ctx.study.seeds[replicate]
         run_id = f"{arm_id}/{stage}/p{procedure}/c{index:03d}/s{seed}"
-        ev_steps, ev_final = eval_schedule(shape.steps, self.ctx.study.selection.eval_every,
-                                           self.ctx.study.selection.checkpoint, shape.strategy)
+        ev_steps, ev_final = eval_schedule(
+            shape.steps, self.ctx.study.selection.eval_every, self.ctx.study.selection.checkpoint, shape.strategy
+        )
         spec = RunSpec(
-            run_id=run_id, arm=arm_id, stage=stage, index=index, procedure=procedure, replicate=replicate,
+            run_id=run_id,
+            arm=arm_id,
+            stage=stage,
+            index=index,
+            procedure=procedure,
+            replicate=replicate,
             # 63 bits (SQLite's INTEGER is signed 64-bit), all of which reach the streams.
-            seed=seed, run_seed=stream_seed(seed, run_id), config=config, steps=shape.steps,
-            sampling_rate=shape.sampling_rate, noise_multiplier=nu, eval_steps=ev_steps, eval_final=ev_final,
-            eval_noise_multiplier=shape.eval_nu, planned_event=shape.event(nu),
+            seed=seed,
+            run_seed=stream_seed(seed, run_id),
+            config=config,
+            steps=shape.steps,
+            sampling_rate=shape.sampling_rate,
+            noise_multiplier=nu,
+            eval_steps=ev_steps,
+            eval_final=ev_final,
+            eval_noise_multiplier=shape.eval_nu,
+            planned_event=shape.event(nu),
         )
         if run_id in self.runs:  # pragma: no cover - ids are unique by construction
             raise RuntimeError(f"duplicate run id {run_id}")
         if spec.run_seed in self.run_seeds:  # ~N²/2⁶⁴: never seen, but shared noise would void ε
-            raise RuntimeError(f"runs {self.run_seeds[spec.run_seed]} and {run_id} got the same run_seed "
-                               f"{spec.run_seed}; they would share their sampling and noise streams.")
+            raise RuntimeError(
+                f"runs {self.run_seeds[spec.run_seed]} and {run_id} got the same run_seed "
+                f"{spec.run_seed}; they would share their sampling and noise streams."
+            )
         self.run_seeds[spec.run_seed] = run_id
         self.runs[run_id] = spec
         return spec
@@ -441,8 +491,9 @@ def _arm_id(label: str, eps: float) -> str:
     return f"{label}@eps={eps:g}" if math.isfinite(eps) else f"{label}@nodp"
 
 
-def plan_study(study: Study, n_train: int, n_val: int, metric: str,
-               coins: theory.SecretCoins | None = None) -> StudyPlan:
+def plan_study(
+    study: Study, n_train: int, n_val: int, metric: str, coins: theory.SecretCoins | None = None
+) -> StudyPlan:
     """Plan every run of ``study``: a pure function of the study and the data sizes, except
     Liu–Talwar's and repeat-and-select's secret draws (K and the candidates' configurations),
     which come from ``coins`` (default: the OS CSPRNG; ``theory.SecretCoins(seed)`` for a
@@ -482,16 +533,22 @@ def _seed_note(study: Study, composite: bool = False) -> list[str]:
     if len(study.seeds) == 1:
         return []
     if composite and study.selection.across_seeds == "mean":
-        return [f"across_seeds = 'mean': a candidate is the composite of its {len(study.seeds)} seed runs (the "
-                "selection reads their mean), calibrated as one mechanism; the guarantee is per study "
-                "(account_seeds has no effect here)."]
+        return [
+            f"across_seeds = 'mean': a candidate is the composite of its {len(study.seeds)} seed runs (the "
+            "selection reads their mean), calibrated as one mechanism; the guarantee is per study "
+            "(account_seeds has no effect here)."
+        ]
     if study.budget.account_seeds:
         return [f"all {len(study.seeds)} seed repetitions are accounted (account_seeds = true)."]
     if study.selection.across_seeds == "mean":
-        return [f"seed repetitions are NOT accounted (the papers' convention) although the selection averages "
-                f"{len(study.seeds)} seeds: the guarantee covers one seed's runs only."]
-    return [f"seed repetitions are NOT accounted (the papers' convention): each of the {len(study.seeds)} seed "
-            "replicates is its own tuning procedure with this guarantee."]
+        return [
+            f"seed repetitions are NOT accounted (the papers' convention) although the selection averages "
+            f"{len(study.seeds)} seeds: the guarantee covers one seed's runs only."
+        ]
+    return [
+        f"seed repetitions are NOT accounted (the papers' convention): each of the {len(study.seeds)} seed "
+        "replicates is its own tuning procedure with this guarantee."
+    ]
 
 
 def _replicates_for(study: Study, procedure: int) -> list[int]:
@@ -522,8 +579,9 @@ def _plan_composition(b: _Builder, arm: StrategyArm, eps: float, path: str) -> A
 
     probe = accounted([1.0] * len(shapes))
     acc = choose_accountant(study.budget.accountant, probe, method.name)
-    check_selection_budget([s for _ in reps_acc for s in shapes] if method.name != "oracle" else shapes[:1],
-                           eps, delta, acc, arm_id)
+    check_selection_budget(
+        [s for _ in reps_acc for s in shapes] if method.name != "oracle" else shapes[:1], eps, delta, acc, arm_id
+    )
     if method.name == "oracle":
         cache: dict[Shape, float] = {}
         for s in shapes:
@@ -543,14 +601,36 @@ def _plan_composition(b: _Builder, arm: StrategyArm, eps: float, path: str) -> A
     total = accounting.epsilon(accounted(nus), delta, acc)
     notes = _seed_note(study)
     if method.name == "oracle":
-        notes.insert(0, f"oracle: every run alone is ({eps:g}, {delta:g})-DP; the HPO cost is NOT included "
-                        f"in ε = {eps:g} (Panda et al.'s grid-search baseline). The honest total is {total:.4g}.")
+        notes.insert(
+            0,
+            f"oracle: every run alone is ({eps:g}, {delta:g})-DP; the HPO cost is NOT included "
+            f"in ε = {eps:g} (Panda et al.'s grid-search baseline). The honest total is {total:.4g}.",
+        )
     per = "study" if (study.budget.account_seeds or len(study.seeds) == 1) else "seed replicate"
-    guarantee = {"kind": "composition", "epsilon": total, "delta": delta, "per": per,
-                 "accountant": acc, "runs_accounted": len(configs) * len(reps_acc)}
-    return ArmPlan(arm_id, arm.key, arm.name, eps, delta, method.name, dict(method.options), acc, guarantee,
-                   group_events(b.runs[r].planned_event for r in run_ids), run_ids, P, notes,
-                   {"noise_multipliers": sorted(set(nus)), "candidates": len(configs)})
+    guarantee = {
+        "kind": "composition",
+        "epsilon": total,
+        "delta": delta,
+        "per": per,
+        "accountant": acc,
+        "runs_accounted": len(configs) * len(reps_acc),
+    }
+    return ArmPlan(
+        arm_id,
+        arm.key,
+        arm.name,
+        eps,
+        delta,
+        method.name,
+        dict(method.options),
+        acc,
+        guarantee,
+        group_events(b.runs[r].planned_event for r in run_ids),
+        run_ids,
+        P,
+        notes,
+        {"noise_multipliers": sorted(set(nus)), "candidates": len(configs)},
+    )
 
 
 # -- non-private baseline ----------------------------------------------------
@@ -558,9 +638,14 @@ def _plan_nodp(b: _Builder, arm: StrategyArm, path: str) -> ArmPlan:
     study, ctx = b.ctx.study, b.ctx
     method = study.method_for(arm)
     arm_id = _arm_id(arm.key, math.inf)
-    configs = S.grid(arm.space) if S.is_finite(arm.space) and method.name != "random" else [
-        S.draw(arm.space, S.rng_for(study.seed, f"random/{arm.key}")) for _ in range(int(method.options.get("n", 10)))
-    ]
+    configs = (
+        S.grid(arm.space)
+        if S.is_finite(arm.space) and method.name != "random"
+        else [
+            S.draw(arm.space, S.rng_for(study.seed, f"random/{arm.key}"))
+            for _ in range(int(method.options.get("n", 10)))
+        ]
+    )
     P, _, _ = _procedures(study)
     run_ids = []
     for r in range(len(study.seeds)):
@@ -569,9 +654,22 @@ def _plan_nodp(b: _Builder, arm: StrategyArm, path: str) -> ArmPlan:
             s = make_shape(ctx, arm, c, f"{path}.space")
             run_ids.append(b.add(arm_id, "main", j, procedure, r, {**dict(arm.fixed), **c}, s, math.inf).run_id)
     guarantee = {"kind": "nonprivate", "epsilon": math.inf, "delta": study.budget.delta, "per": "study"}
-    return ArmPlan(arm_id, arm.key, arm.name, math.inf, study.budget.delta, "grid", {}, "none", guarantee,
-                   group_events(b.runs[r].planned_event for r in run_ids), run_ids, P,
-                   ["non-private baseline: every step is a NonPrivateDpEvent (ε = ∞)."], {})
+    return ArmPlan(
+        arm_id,
+        arm.key,
+        arm.name,
+        math.inf,
+        study.budget.delta,
+        "grid",
+        {},
+        "none",
+        guarantee,
+        group_events(b.runs[r].planned_event for r in run_ids),
+        run_ids,
+        P,
+        ["non-private baseline: every step is a NonPrivateDpEvent (ε = ∞)."],
+        {},
+    )
 
 
 # -- Liu–Talwar ------------------------------------------------------------------
@@ -590,9 +688,17 @@ def _plan_lt(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
         if shape not in cache:
             acc_ = choose_accountant(study.budget.accountant, shape.event(1.0), "liu-talwar")
             check_lt_selection_budget(shape, unit, lt, acc_, arm_id)
-            cache[shape] = snap(calibrate_nu(
-                lambda v: group_events([shape.event(v)] * unit), lt.eps1, lt.delta1, acc_,
-                f"{arm_id} (Liu–Talwar run at ε₁ = {lt.eps1:.4g}, δ₁ = {lt.delta1:.3g})"), [shape], ctx.n_train)
+            cache[shape] = snap(
+                calibrate_nu(
+                    lambda v: group_events([shape.event(v)] * unit),
+                    lt.eps1,
+                    lt.delta1,
+                    acc_,
+                    f"{arm_id} (Liu–Talwar run at ε₁ = {lt.eps1:.4g}, δ₁ = {lt.delta1:.3g})",
+                ),
+                [shape],
+                ctx.n_train,
+            )
         return cache[shape]
 
     run_ids, ks = [], []
@@ -610,10 +716,17 @@ def _plan_lt(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
     total = (lt.total[0] * P_acc, lt.total[1] * P_acc)
     acc = choose_accountant(study.budget.accountant, next(iter(cache)).event(1.0), "liu-talwar") if cache else "rdp"
     guarantee = {
-        "kind": "liu-talwar", "epsilon": total[0], "delta": total[1],
+        "kind": "liu-talwar",
+        "epsilon": total[0],
+        "delta": total[1],
         "per": "study" if (P_acc == P or len(study.seeds) == 1) else "seed replicate",
-        "accountant": acc, "eps1": lt.eps1, "delta1": lt.delta1, "gamma": gamma, "delta2": lt.delta2,
-        "t_max": lt.t_max, "procedures_accounted": P_acc,
+        "accountant": acc,
+        "eps1": lt.eps1,
+        "delta1": lt.delta1,
+        "gamma": gamma,
+        "delta2": lt.delta2,
+        "t_max": lt.t_max,
+        "procedures_accounted": P_acc,
         "formula": "(3ε₁ + 3√(2δ₁), √(2δ₁)·T_max + δ₂) per procedure (Liu & Talwar 2019, Thm 3.4)",
     }
     notes = _seed_note(study, composite=True) + [
@@ -621,9 +734,22 @@ def _plan_lt(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
         f"runs drawn per procedure: {ks}. The guarantee covers releasing ONLY the selected candidate: the study "
         "directory (all runs, their number, their scores) is internal and must not be published.",
     ]
-    return ArmPlan(arm_id, arm.key, arm.name, eps, delta, "liu-talwar", dict(opts), acc, guarantee,
-                   group_events(b.runs[r].planned_event for r in run_ids), run_ids, P, notes,
-                   {"runs_per_procedure": ks, "noise_multipliers": sorted(set(cache.values()))})
+    return ArmPlan(
+        arm_id,
+        arm.key,
+        arm.name,
+        eps,
+        delta,
+        "liu-talwar",
+        dict(opts),
+        acc,
+        guarantee,
+        group_events(b.runs[r].planned_event for r in run_ids),
+        run_ids,
+        P,
+        notes,
+        {"runs_per_procedure": ks, "noise_multipliers": sorted(set(cache.values()))},
+    )
 
 
 # -- repeat-and-select ----------------------------------------------------------
@@ -638,8 +764,10 @@ def _plan_rs(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
     if mean < 1:
         raise ConfigError("method.mean must be ≥ 1 (dp_accounting's repeat-and-select needs it). Fix: mean = 10.")
     if any(k in TRAINING_KEYS for k in arm.space):
-        raise ConfigError(f"{path}.space: repeat-and-select needs one privacy bound for every candidate; searching "
-                          f"{[k for k in arm.space if k in TRAINING_KEYS]} changes it. Fix: fix the run length/batch.")
+        raise ConfigError(
+            f"{path}.space: repeat-and-select needs one privacy bound for every candidate; searching "
+            f"{[k for k in arm.space if k in TRAINING_KEYS]} changes it. Fix: fix the run length/batch."
+        )
     P, P_acc, unit = _procedures(study, composite=True)
     delta = study.budget.delta
     first = S.draw(arm.space, S.rng_for(study.seed, "probe"))
@@ -667,9 +795,15 @@ def _plan_rs(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
         for r in _replicates_for(study, p):
             run_ids.append(b.add(arm_id, "main", j, p, r, {**dict(arm.fixed), **c}, s, nu).run_id)
     guarantee = {
-        "kind": "repeat-and-select", "epsilon": total, "delta": delta,
-        "per": "study" if (P_acc == P or len(study.seeds) == 1) else "seed replicate", "accountant": acc,
-        "mean": mean, "shape": shape_param, "distribution": dist, "procedures_accounted": P_acc,
+        "kind": "repeat-and-select",
+        "epsilon": total,
+        "delta": delta,
+        "per": "study" if (P_acc == P or len(study.seeds) == 1) else "seed replicate",
+        "accountant": acc,
+        "mean": mean,
+        "shape": shape_param,
+        "distribution": dist,
+        "procedures_accounted": P_acc,
         "unit_event": event_to_dict(group_events([shape0.event(nu)] * unit)),
         "event": "RepeatAndSelectDpEvent(run, mean, shape) (Papernot & Steinke 2022), RDP",
     }
@@ -679,9 +813,22 @@ def _plan_rs(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
     ]
     if dist == "poisson":
         notes.append("Poisson K may be 0: that procedure then returns no candidate.")
-    return ArmPlan(arm_id, arm.key, arm.name, eps, delta, "repeat-and-select", dict(opts), acc, guarantee,
-                   group_events(b.runs[r].planned_event for r in run_ids), run_ids, P, notes,
-                   {"runs_per_procedure": ks, "noise_multipliers": [nu]})
+    return ArmPlan(
+        arm_id,
+        arm.key,
+        arm.name,
+        eps,
+        delta,
+        "repeat-and-select",
+        dict(opts),
+        acc,
+        guarantee,
+        group_events(b.runs[r].planned_event for r in run_ids),
+        run_ids,
+        P,
+        notes,
+        {"runs_per_procedure": ks, "noise_multipliers": [nu]},
+    )
 
 
 # -- linear scaling (Panda et al. 2024) ----------------------------------------
@@ -707,7 +854,8 @@ def _plan_ls(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
     def nu_at(shape: Shape, e: float) -> float:
         if (shape, e) not in per_run_cache:
             per_run_cache[(shape, e)] = snap(
-                calibrate_nu(shape.event, e, delta, acc, f"{arm_id} (sweep run at ε = {e:g})"), [shape], ctx.n_train)
+                calibrate_nu(shape.event, e, delta, acc, f"{arm_id} (sweep run at ε = {e:g})"), [shape], ctx.n_train
+            )
         return per_run_cache[(shape, e)]
 
     sweeps: list[list[list[tuple[dict[str, Any], Shape, float]]]] = []  # [procedure][sweep][run]
@@ -730,16 +878,26 @@ def _plan_ls(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
         return group_events(evs)
 
     groups = [list(range(P))] if P_acc == P else [[p] for p in range(P)]
-    check_selection_budget([s for p in groups[0] for runs in sweeps[p] for (_, s, _) in runs]
-                           + [final_shape] * len(groups[0]), eps, delta, acc, arm_id)
+    check_selection_budget(
+        [s for p in groups[0] for runs in sweeps[p] for (_, s, _) in runs] + [final_shape] * len(groups[0]),
+        eps,
+        delta,
+        acc,
+        arm_id,
+    )
     final_nu: dict[int, float] = {}
     for g in groups:
         sweeps_only = group_events(s.event(nu) for p in g for runs in sweeps[p] for (_, s, nu) in runs)
         if accounting.epsilon(sweeps_only, delta, acc) >= eps:
-            raise ConfigError(f"{arm_id}: the sweeps alone spend ε ≥ {eps:g}. Fix: lower method.sweep_epsilons "
-                              "or method.runs_per_sweep, or raise budget.epsilon.")
-        v = snap(calibrate_nu(lambda x, g=g: total_event(g, x), eps, delta, acc, f"{arm_id} (final run)"),
-                 [final_shape], ctx.n_train)
+            raise ConfigError(
+                f"{arm_id}: the sweeps alone spend ε ≥ {eps:g}. Fix: lower method.sweep_epsilons "
+                "or method.runs_per_sweep, or raise budget.epsilon."
+            )
+        v = snap(
+            calibrate_nu(lambda x, g=g: total_event(g, x), eps, delta, acc, f"{arm_id} (final run)"),
+            [final_shape],
+            ctx.n_train,
+        )
         for p in g:
             final_nu[p] = v
     run_ids = []
@@ -755,30 +913,61 @@ def _plan_ls(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
     total = max(accounting.epsilon(total_event(g, final_nu[g[0]]), delta, acc) for g in groups)
     mus = None
     if acc == "gdp":
-        mus = {"sweep_mu": [accounting.gdp_mu_for_epsilon(e, delta) for e in sweep_eps],
-               "final_mu": {p: accounting.gdp_mu_of_event(final_shape.event(final_nu[p])) for p in range(P)}}
-    guarantee = {"kind": "composition", "epsilon": total, "delta": delta, "accountant": acc,
-                 "per": "study" if (P_acc == P or len(study.seeds) == 1) else "seed replicate",
-                 "formula": "μ = √(n·μ₁² + n·μ₂² + μ_f²) (Panda et al. App. A.7)" if acc == "gdp" else "composition"}
+        mus = {
+            "sweep_mu": [accounting.gdp_mu_for_epsilon(e, delta) for e in sweep_eps],
+            "final_mu": {p: accounting.gdp_mu_of_event(final_shape.event(final_nu[p])) for p in range(P)},
+        }
+    guarantee = {
+        "kind": "composition",
+        "epsilon": total,
+        "delta": delta,
+        "accountant": acc,
+        "per": "study" if (P_acc == P or len(study.seeds) == 1) else "seed replicate",
+        "formula": "μ = √(n·μ₁² + n·μ₂² + μ_f²) (Panda et al. App. A.7)" if acc == "gdp" else "composition",
+    }
     extra = {
-        "sweep_epsilons": sweep_eps, "runs_per_sweep": n, "fit": o["fit"], "fit_axis": o["fit_axis"],
-        "r_bounds": [r_lo, r_hi], "lr_bounds": [lr_lo, lr_hi], "steps_bounds": [t_lo, t_hi],
-        "final_steps": t_final, "final_epsilon": {str(p): e for p, e in eps_final.items()},
+        "sweep_epsilons": sweep_eps,
+        "runs_per_sweep": n,
+        "fit": o["fit"],
+        "fit_axis": o["fit_axis"],
+        "r_bounds": [r_lo, r_hi],
+        "lr_bounds": [lr_lo, lr_hi],
+        "steps_bounds": [t_lo, t_hi],
+        "final_steps": t_final,
+        "final_epsilon": {str(p): e for p, e in eps_final.items()},
         "final_noise_multiplier": {str(p): v for p, v in final_nu.items()},
-        **({"gdp": {"sweep_mu": mus["sweep_mu"], "final_mu": {str(k): v for k, v in mus["final_mu"].items()}}}
-           if mus else {}),
+        **(
+            {"gdp": {"sweep_mu": mus["sweep_mu"], "final_mu": {str(k): v for k, v in mus["final_mu"].items()}}}
+            if mus
+            else {}
+        ),
     }
     notes = _seed_note(study) + [
         f"linear scaling: {n} runs at each ε ∈ {sweep_eps}, then one final run at ε_f ≈ "
         f"{min(eps_final.values()):.4g} with T_f = {t_final}; η_f = r*/T_f with r* from a {o['fit']} fit of r = η·T "
         f"against {o['fit_axis']}.",
     ]
-    return ArmPlan(arm_id, arm.key, arm.name, eps, delta, "linear-scaling", dict(o), acc, guarantee,
-                   group_events(b.runs[r].planned_event for r in run_ids), run_ids, P, notes, extra)
+    return ArmPlan(
+        arm_id,
+        arm.key,
+        arm.name,
+        eps,
+        delta,
+        "linear-scaling",
+        dict(o),
+        acc,
+        guarantee,
+        group_events(b.runs[r].planned_event for r in run_ids),
+        run_ids,
+        P,
+        notes,
+        extra,
+    )
 
 
-def _decompose(rng, space: Mapping[str, Any], r_lo: float, r_hi: float, lr_lo: float, lr_hi: float,
-               sampling: str) -> dict[str, Any]:
+def _decompose(
+    rng, space: Mapping[str, Any], r_lo: float, r_hi: float, lr_lo: float, lr_hi: float, sampling: str
+) -> dict[str, Any]:
     """Draw r (uniform or log-uniform in [r_min, r_max]) and split it into (η, T): T from the
     steps axis, η = r/T, redrawing T until η is in range (Panda §A.3, method 2), else clamping."""
     r = rng.uniform(r_lo, r_hi) if sampling == "uniform" else math.exp(rng.uniform(math.log(r_lo), math.log(r_hi)))
@@ -835,11 +1024,18 @@ def resolve_final_config(
     t_f = int(ex["final_steps"])
     lr_lo, lr_hi = ex["lr_bounds"]
     lr = float(min(max(r_star / t_f, lr_lo), lr_hi))
-    final = next(plan.runs[r] for r in arm.runs if plan.runs[r].stage == "final" and plan.runs[r].procedure == procedure)
+    final = next(
+        plan.runs[r] for r in arm.runs if plan.runs[r].stage == "final" and plan.runs[r].procedure == procedure
+    )
     fixed = {k: v for k, v in (plan.runs[arm.runs[0]].config or {}).items() if k not in ("lr", "steps")}
-    fit = {"points": [[x, r] for x, r in zip(xs, rs, strict=True)],
-           "coef": [float(c) for c in coef] if coef is not None else None, "x_final": x_f, "r_star": r_star,
-           "how": how, "axis": ex["fit_axis"]}
+    fit = {
+        "points": [[x, r] for x, r in zip(xs, rs, strict=True)],
+        "coef": [float(c) for c in coef] if coef is not None else None,
+        "x_final": x_f,
+        "r_star": r_star,
+        "how": how,
+        "axis": ex["fit_axis"],
+    }
     return {**fixed, "lr": lr, "steps": final.steps}, fit
 
 

@@ -47,9 +47,26 @@ TERMINAL_WIDTH = 100
 # out: run counts, diverged/failed counts over every candidate, selected run ids (they number
 # the candidates: under Liu–Talwar / repeat-and-select K is secret) and fits' raw data.
 RELEASE_COLUMNS: tuple[str, ...] = (
-    "strategy", "optimizer", "epsilon", "method", "selection", "split", "metric", "selected",
-    "value_mean", "value_std", "test_mean", "test_std", "replicates", "planned_epsilon", "planned_delta",
-    "spent_epsilon", "spent_delta", "guarantee_per", "accountant", "arm",
+    "strategy",
+    "optimizer",
+    "epsilon",
+    "method",
+    "selection",
+    "split",
+    "metric",
+    "selected",
+    "value_mean",
+    "value_std",
+    "test_mean",
+    "test_std",
+    "replicates",
+    "planned_epsilon",
+    "planned_delta",
+    "spent_epsilon",
+    "spent_delta",
+    "guarantee_per",
+    "accountant",
+    "arm",
 )
 
 
@@ -172,30 +189,48 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
         for rid in arm.runs:
             run = plan.runs[rid]
             es = by_run.get(rid, [])
-            per_run.append({
-                "arm": arm.arm, "run_id": rid, "stage": run.stage, "status": status.get(rid),
-                "releases": sum(e.count for e in es),
-                "epsilon_alone": _eps(es, arm.delta, acc) if es else 0.0,
-                "planned_epsilon": _planned_eps(run.planned_event, arm.delta, acc),
-                "noise_multiplier": run.noise_multiplier, "sampling_rate": run.sampling_rate, "steps": run.steps,
-            })
-        scope = [e for e in _arm_entries(arm, entries)
-                 if arm.guarantee.get("per") == "study" or plan.runs[e.run].replicate == 0]
+            per_run.append(
+                {
+                    "arm": arm.arm,
+                    "run_id": rid,
+                    "stage": run.stage,
+                    "status": status.get(rid),
+                    "releases": sum(e.count for e in es),
+                    "epsilon_alone": _eps(es, arm.delta, acc) if es else 0.0,
+                    "planned_epsilon": _planned_eps(run.planned_event, arm.delta, acc),
+                    "noise_multiplier": run.noise_multiplier,
+                    "sampling_rate": run.sampling_rate,
+                    "steps": run.steps,
+                }
+            )
+        scope = [
+            e
+            for e in _arm_entries(arm, entries)
+            if arm.guarantee.get("per") == "study" or plan.runs[e.run].replicate == 0
+        ]
         labels: dict[str, list[LedgerEntry]] = defaultdict(list)
         for e in scope:
             labels[e.label].append(e)
         for label, es in sorted(labels.items()):
-            per_label.append({
-                "arm": arm.arm, "label": label, "releases": sum(e.count for e in es),
-                "epsilon_alone": _eps(es, arm.delta, acc),
-                "scope": "all seeds" if arm.guarantee.get("per") == "study" else "seed replicate 0",
-            })
+            per_label.append(
+                {
+                    "arm": arm.arm,
+                    "label": label,
+                    "releases": sum(e.count for e in es),
+                    "epsilon_alone": _eps(es, arm.delta, acc),
+                    "scope": "all seeds" if arm.guarantee.get("per") == "study" else "seed replicate 0",
+                }
+            )
         if arm.guarantee["kind"] in ("liu-talwar", "repeat-and-select") and scope:
-            per_label.append({
-                "arm": arm.arm, "label": "(every run, if all were published)",
-                "releases": sum(e.count for e in scope), "epsilon_alone": _eps(scope, arm.delta, "rdp"),
-                "scope": "composition, NOT the guarantee",
-            })
+            per_label.append(
+                {
+                    "arm": arm.arm,
+                    "label": "(every run, if all were published)",
+                    "releases": sum(e.count for e in scope),
+                    "epsilon_alone": _eps(scope, arm.delta, "rdp"),
+                    "scope": "composition, NOT the guarantee",
+                }
+            )
     return per_run, per_label
 
 
@@ -239,8 +274,16 @@ def _selected(arm: ArmPlan, plan: StudyPlan, runs: dict[str, dict[str, Any]], ac
         config = k if (len(picks) <= 1 or across == "mean") else f"{k} [{c}/{len(picks)}]"
     val_m, val_s = _mean_std([p["score"] for p in picks])
     test_m, test_s = _mean_std([p["test_metric"] for p in picks if p["test_metric"] is not None])
-    return {"config": config, "val_mean": val_m, "val_std": val_s, "test_mean": test_m, "test_std": test_s,
-            "n": len(picks), "selected_runs": [p["run_id"] for p in picks], "fits": fits}
+    return {
+        "config": config,
+        "val_mean": val_m,
+        "val_std": val_s,
+        "test_mean": test_m,
+        "test_std": test_s,
+        "n": len(picks),
+        "selected_runs": [p["run_id"] for p in picks],
+        "fits": fits,
+    }
 
 
 def _cand(plan: StudyPlan, r: dict[str, Any]) -> int:
@@ -258,19 +301,36 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
         s = _selected(arm, plan, runs, across)
         st = Counter(runs[r]["status"] for r in arm.runs)
         sp = spent(arm, plan, entries)
-        out.append({
-            "strategy": arm.label, "optimizer": arm.strategy, "epsilon": arm.epsilon, "method": arm.method,
-            "selection": sel.get("mode", "public"), "split": sel.get("split", "test"),
-            "metric": plan.metric, "selected": s["config"],
-            "value_mean": s["val_mean"], "value_std": s["val_std"],
-            "test_mean": s["test_mean"], "test_std": s["test_std"], "replicates": s["n"],
-            "runs_done": st.get("done", 0) + st.get("diverged", 0), "runs_total": len(arm.runs),
-            "diverged": st.get("diverged", 0), "failed": st.get("failed", 0),
-            "planned_epsilon": arm.guarantee["epsilon"], "planned_delta": arm.guarantee["delta"],
-            "spent_epsilon": sp[0], "spent_delta": sp[1], "guarantee_per": arm.guarantee.get("per", "study"),
-            "accountant": arm.accountant, "arm": arm.arm, "selected_runs": s["selected_runs"],
-            **({"fits": s["fits"]} if s["fits"] else {}),
-        })
+        out.append(
+            {
+                "strategy": arm.label,
+                "optimizer": arm.strategy,
+                "epsilon": arm.epsilon,
+                "method": arm.method,
+                "selection": sel.get("mode", "public"),
+                "split": sel.get("split", "test"),
+                "metric": plan.metric,
+                "selected": s["config"],
+                "value_mean": s["val_mean"],
+                "value_std": s["val_std"],
+                "test_mean": s["test_mean"],
+                "test_std": s["test_std"],
+                "replicates": s["n"],
+                "runs_done": st.get("done", 0) + st.get("diverged", 0),
+                "runs_total": len(arm.runs),
+                "diverged": st.get("diverged", 0),
+                "failed": st.get("failed", 0),
+                "planned_epsilon": arm.guarantee["epsilon"],
+                "planned_delta": arm.guarantee["delta"],
+                "spent_epsilon": sp[0],
+                "spent_delta": sp[1],
+                "guarantee_per": arm.guarantee.get("per", "study"),
+                "accountant": arm.accountant,
+                "arm": arm.arm,
+                "selected_runs": s["selected_runs"],
+                **({"fits": s["fits"]} if s["fits"] else {}),
+            }
+        )
     return out
 
 
@@ -282,14 +342,26 @@ def rerr_rows(rows: list[dict[str, Any]], higher: bool = True) -> list[dict[str,
     for r in rows:
         if r["method"] != "linear-scaling" or r["value_mean"] is None:
             continue
-        same = [x for x in rows if x is not r and x.get("optimizer") == r.get("optimizer")
-                and x["epsilon"] == r["epsilon"] and x["value_mean"] is not None]
+        same = [
+            x
+            for x in rows
+            if x is not r
+            and x.get("optimizer") == r.get("optimizer")
+            and x["epsilon"] == r["epsilon"]
+            and x["value_mean"] is not None
+        ]
         rnd = [x for x in same if x["method"] == "random"]
         orc = [x for x in same if x["method"] in ("oracle", "grid")]
         if rnd and orc:
-            out.append({"strategy": r["strategy"], "epsilon": r["epsilon"],
-                        "rerr": theory.rerr(r["value_mean"], rnd[0]["value_mean"], orc[0]["value_mean"], higher),
-                        "random": rnd[0]["strategy"], "oracle": orc[0]["strategy"]})
+            out.append(
+                {
+                    "strategy": r["strategy"],
+                    "epsilon": r["epsilon"],
+                    "rerr": theory.rerr(r["value_mean"], rnd[0]["value_mean"], orc[0]["value_mean"], higher),
+                    "random": rnd[0]["strategy"],
+                    "oracle": orc[0]["strategy"],
+                }
+            )
     return out
 
 
@@ -302,14 +374,30 @@ def study_status(study_dir: str | Path) -> dict[str, Any]:
     for arm in plan.arms:
         st = Counter(by_id[r]["status"] for r in arm.runs)
         sp = spent(arm, plan, entries)
-        arms.append({"arm": arm.arm, "method": arm.method, "runs": len(arm.runs), **dict(st),
-                     "planned_epsilon": arm.guarantee["epsilon"], "planned_delta": arm.guarantee["delta"],
-                     "spent_epsilon": sp[0], "spent_delta": sp[1], "per": arm.guarantee.get("per")})
+        arms.append(
+            {
+                "arm": arm.arm,
+                "method": arm.method,
+                "runs": len(arm.runs),
+                **dict(st),
+                "planned_epsilon": arm.guarantee["epsilon"],
+                "planned_delta": arm.guarantee["delta"],
+                "spent_epsilon": sp[0],
+                "spent_delta": sp[1],
+                "per": arm.guarantee.get("per"),
+            }
+        )
     eta_s, eta_text = eta(rows)
-    return {"name": cfg.get("study", {}).get("name", "study"), "total": len(rows), "counts": dict(counts),
-            "complete": set(counts) <= {"done", "diverged"}, "arms": arms,
-            "selection_mode": cfg.get("selection", {}).get("mode", "public"),
-            "eta_seconds": eta_s, "eta": eta_text}
+    return {
+        "name": cfg.get("study", {}).get("name", "study"),
+        "total": len(rows),
+        "counts": dict(counts),
+        "complete": set(counts) <= {"done", "diverged"},
+        "arms": arms,
+        "selection_mode": cfg.get("selection", {}).get("mode", "public"),
+        "eta_seconds": eta_s,
+        "eta": eta_text,
+    }
 
 
 def _duration(seconds: float) -> str:
@@ -332,8 +420,10 @@ def eta(rows: Iterable[Mapping[str, Any]]) -> tuple[float | None, str]:
         return None, f"unknown until a run finishes ({left} runs left)"
     per = statistics.fmean(took)
     seconds = left * per / max(1, running)
-    return seconds, (f"≈ {_duration(seconds)} ({left} runs left × {per:.3g} s per finished run"
-                     + (f" ÷ {running} running)" if running > 1 else ")"))
+    return seconds, (
+        f"≈ {_duration(seconds)} ({left} runs left × {per:.3g} s per finished run"
+        + (f" ÷ {running} running)" if running > 1 else ")")
+    )
 
 
 # ----------------------------------------------------------------------------- files and terminal
@@ -351,9 +441,12 @@ def write_csvs(study_dir: str | Path) -> list[Path]:
     per_run, per_label = budget_rows(d)
     table = study_table(d)
     rel, diag = release_dir(d), diagnostics_dir(d)
-    return [write_csv_rows(rel / "results.csv", release_rows(table)), write_labelled_csv(diag / "results.csv", table),
-            write_labelled_csv(diag / "budget_runs.csv", per_run),
-            write_labelled_csv(diag / "budget_labels.csv", per_label)]
+    return [
+        write_csv_rows(rel / "results.csv", release_rows(table)),
+        write_labelled_csv(diag / "results.csv", table),
+        write_labelled_csv(diag / "budget_runs.csv", per_run),
+        write_labelled_csv(diag / "budget_labels.csv", per_label),
+    ]
 
 
 def _pm(m: float | None, s: float | None, metric: str) -> str:
@@ -389,31 +482,54 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
     mode = sel.get("mode", "public")
     metric = plan.metric
     unit = " (%)" if metric == "accuracy" else ""
-    mode_txt = ("PUBLIC validation data (assumed public, as in the papers)" if mode == "public" else
-                f"PRIVATE validation data (Gaussian noise σ = {sel.get('noise_multiplier')} on each score, in the ledger)")
-    console.print(f"[bold]{cfg.get('study', {}).get('name', 'study')}[/bold] — selection on the "
-                  f"{sel.get('split', 'test')} split, {mode_txt}; across seeds: {sel.get('across_seeds', 'per-seed')}")
+    mode_txt = (
+        "PUBLIC validation data (assumed public, as in the papers)"
+        if mode == "public"
+        else f"PRIVATE validation data (Gaussian noise σ = {sel.get('noise_multiplier')} on each score, in the ledger)"
+    )
+    console.print(
+        f"[bold]{cfg.get('study', {}).get('name', 'study')}[/bold] — selection on the "
+        f"{sel.get('split', 'test')} split, {mode_txt}; across seeds: {sel.get('across_seeds', 'per-seed')}"
+    )
     t = Table(title=None, show_lines=False)
-    for col in ("strategy", "ε", "method", "selected configuration", f"{metric}{unit}", "test", "planned (ε, δ)",
-                "spent ε"):
+    for col in (
+        "strategy",
+        "ε",
+        "method",
+        "selected configuration",
+        f"{metric}{unit}",
+        "test",
+        "planned (ε, δ)",
+        "spent ε",
+    ):
         t.add_column(col, overflow="fold")
     for r in rows:
         test = _pm(r["test_mean"], r["test_std"], metric) if r["test_mean"] is not None else ""
-        t.add_row(r["strategy"], _e(r["epsilon"]), r["method"], r["selected"] or "—",
-                  _pm(r["value_mean"], r["value_std"], metric), test,
-                  f"({_e(r['planned_epsilon'])}, {r['planned_delta']:.0e})"
-                  + (" per seed" if r["guarantee_per"] == "seed replicate" else ""),
-                  _e(r["spent_epsilon"]))
+        t.add_row(
+            r["strategy"],
+            _e(r["epsilon"]),
+            r["method"],
+            r["selected"] or "—",
+            _pm(r["value_mean"], r["value_std"], metric),
+            test,
+            f"({_e(r['planned_epsilon'])}, {r['planned_delta']:.0e})"
+            + (" per seed" if r["guarantee_per"] == "seed replicate" else ""),
+            _e(r["spent_epsilon"]),
+        )
     console.print(t)
     from dptune.report.data import clip_to_range
 
     if any(r["value_mean"] is not None and clip_to_range(r["value_mean"], metric) != r["value_mean"] for r in rows):
-        console.print(f"[dim]Noisy selection scores outside the range of {metric} are shown clipped to it; "
-                      "results.csv keeps the raw values.[/dim]")
+        console.print(
+            f"[dim]Noisy selection scores outside the range of {metric} are shown clipped to it; "
+            "results.csv keeps the raw values.[/dim]"
+        )
     rr = rerr_rows(rows, plan.higher_is_better)
     for r in rr:
-        console.print(f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
-                      f"({r['random']}) and grid/oracle ({r['oracle']}): {100 * r['rerr']:.1f} %")
+        console.print(
+            f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
+            f"({r['random']}) and grid/oracle ({r['oracle']}): {100 * r['rerr']:.1f} %"
+        )
     for note in split_arm_notes(plan.arms)[0]:
         console.print(f"[dim]• {note}[/dim]")
     # The randomness mode (docs/privacy.md, item 3): every study's terminal report states it.
@@ -423,8 +539,10 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
     note = randomness_statement(secure)["randomness_note"]
     console.print(f"randomness: {note}" if secure else f"[yellow]warning[/]: {note}", highlight=False)
     if not diagnostics:
-        console.print(f"[dim]Diagnostics ({NOT_DP_LABEL}): {Path(study_dir) / DIAGNOSTICS_DIR}/, "
-                      "`dptune status`, `dptune report --include-diagnostics`.[/dim]")
+        console.print(
+            f"[dim]Diagnostics ({NOT_DP_LABEL}): {Path(study_dir) / DIAGNOSTICS_DIR}/, "
+            "`dptune status`, `dptune report --include-diagnostics`.[/dim]"
+        )
         return
     console.print(f"[bold red]Diagnostics: {NOT_DP_LABEL}[/bold red]")
     for r in rows:
@@ -448,8 +566,11 @@ def report_text(study_dir: str | Path, *, diagnostics: bool = False) -> str:
     from rich.console import Console
 
     buf = io.StringIO()
-    render(study_dir, Console(file=buf, width=TERMINAL_WIDTH, force_terminal=False, color_system=None),
-           diagnostics=diagnostics)
+    render(
+        study_dir,
+        Console(file=buf, width=TERMINAL_WIDTH, force_terminal=False, color_system=None),
+        diagnostics=diagnostics,
+    )
     return buf.getvalue()
 
 
@@ -473,16 +594,32 @@ def report_inputs(study_dir: str | Path) -> dict[str, Any]:
         arm = arm_of[r["run_id"]]
         if r["status"] not in ("done", "diverged") or r["config"] is None or r["run_id"] not in selected:
             continue
-        trials.append({"strategy": arm.label, "epsilon": arm.epsilon, "value": r["score"], "seed": r["seed"],
-                       "hyperparameters": _public_config(r["config"]), "selected": True})
+        trials.append(
+            {
+                "strategy": arm.label,
+                "epsilon": arm.epsilon,
+                "value": r["score"],
+                "seed": r["seed"],
+                "hyperparameters": _public_config(r["config"]),
+                "selected": True,
+            }
+        )
         if r["history"]:
             histories.append({"run": public_run_name(arm, r), "strategy": arm.label, "rows": json.loads(r["history"])})
     per_run, _ = budget_rows(study_dir)
-    ledger_rows = [{"run": x["run_id"], "label": x["arm"], "releases": x["releases"],
-                    "epsilon": x["epsilon_alone"] if math.isfinite(x["epsilon_alone"]) else None,
-                    "planned_epsilon": x["planned_epsilon"] if math.isfinite(x["planned_epsilon"]) else None,
-                    "noise_multiplier": x["noise_multiplier"] if math.isfinite(x["noise_multiplier"]) else None,
-                    "sampling_rate": x["sampling_rate"]} for x in per_run if x["releases"]]
+    ledger_rows = [
+        {
+            "run": x["run_id"],
+            "label": x["arm"],
+            "releases": x["releases"],
+            "epsilon": x["epsilon_alone"] if math.isfinite(x["epsilon_alone"]) else None,
+            "planned_epsilon": x["planned_epsilon"] if math.isfinite(x["planned_epsilon"]) else None,
+            "noise_multiplier": x["noise_multiplier"] if math.isfinite(x["noise_multiplier"]) else None,
+            "sampling_rate": x["sampling_rate"],
+        }
+        for x in per_run
+        if x["releases"]
+    ]
     private = [r for r in table if math.isfinite(r["planned_epsilon"])]
     planned = (max(r["planned_epsilon"] for r in private), private[0]["planned_delta"]) if private else None
     spent_ = (max(r["spent_epsilon"] for r in private), private[0]["spent_delta"]) if private else None
@@ -490,18 +627,31 @@ def report_inputs(study_dir: str | Path) -> dict[str, Any]:
     for r in table:
         for f in r.get("fits") or []:
             if f and f.get("coef") and len(f["coef"]) == 2 and fit is None:
-                fit = {"points": [tuple(p) for p in f["points"]], "slope": f["coef"][0],
-                       "intercept": f["coef"][1], "target_epsilon": f["x_final"]}
+                fit = {
+                    "points": [tuple(p) for p in f["points"]],
+                    "slope": f["coef"][0],
+                    "intercept": f["coef"][1],
+                    "target_epsilon": f["x_final"],
+                }
     notes, secret_notes = split_arm_notes(plan.arms)
     from dptune.report.study import every_configuration
 
     arms = {a.arm: a for a in plan.arms}  # every candidate, for diagnostics/results_all.csv only
     every = every_configuration(rows, arms, selected, use_test=False, name=lambda a: a.label)
-    return {"results_rows": trials, "histories": histories, "ledger_rows": ledger_rows, "all_results": every,
-            "selection_mode": cfg.get("selection", {}).get("mode", "public"), "planned": planned, "spent": spent_,
-            "metric": plan.metric, "title": f"dptune study: {cfg.get('study', {}).get('name', 'study')}",
-            "notes": notes, "linear_scaling": fit,
-            "diagnostic_notes": secret_notes}
+    return {
+        "results_rows": trials,
+        "histories": histories,
+        "ledger_rows": ledger_rows,
+        "all_results": every,
+        "selection_mode": cfg.get("selection", {}).get("mode", "public"),
+        "planned": planned,
+        "spent": spent_,
+        "metric": plan.metric,
+        "title": f"dptune study: {cfg.get('study', {}).get('name', 'study')}",
+        "notes": notes,
+        "linear_scaling": fit,
+        "diagnostic_notes": secret_notes,
+    }
 
 
 def html_report(study_dir: str | Path, out_dir: str | Path | None = None, *, include_diagnostics: bool = False) -> Path:

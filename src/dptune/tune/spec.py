@@ -39,12 +39,24 @@ import torch
 from dptune.errors import ConfigError
 
 METHODS: tuple[str, ...] = (
-    "grid", "random", "online", "oracle", "liu-talwar", "repeat-and-select", "linear-scaling",
+    "grid",
+    "random",
+    "online",
+    "oracle",
+    "liu-talwar",
+    "repeat-and-select",
+    "linear-scaling",
 )
 METHOD_ALIASES = {
-    "lt": "liu-talwar", "liu_talwar": "liu-talwar", "liutalwar": "liu-talwar",
-    "repeat_and_select": "repeat-and-select", "papernot-steinke": "repeat-and-select",
-    "linear_scaling": "linear-scaling", "panda": "linear-scaling", "oso": "online", "ma": "grid",
+    "lt": "liu-talwar",
+    "liu_talwar": "liu-talwar",
+    "liutalwar": "liu-talwar",
+    "repeat_and_select": "repeat-and-select",
+    "papernot-steinke": "repeat-and-select",
+    "linear_scaling": "linear-scaling",
+    "panda": "linear-scaling",
+    "oso": "online",
+    "ma": "grid",
 }
 # Options each method accepts (with defaults); anything else is rejected by name.
 METHOD_OPTIONS: dict[str, dict[str, Any]] = {
@@ -55,8 +67,12 @@ METHOD_OPTIONS: dict[str, dict[str, Any]] = {
     "liu-talwar": {"gamma": None, "delta2_fraction": 0.5},
     "repeat-and-select": {"mean": None, "distribution": "poisson", "shape": None},
     "linear-scaling": {
-        "sweep_epsilons": [0.1, 0.2], "runs_per_sweep": 3, "fit": "linear", "fit_axis": "epsilon",
-        "r_sampling": "uniform", "final_steps": "max",
+        "sweep_epsilons": [0.1, 0.2],
+        "runs_per_sweep": 3,
+        "fit": "linear",
+        "fit_axis": "epsilon",
+        "r_sampling": "uniform",
+        "final_steps": "max",
     },
 }
 RS_DISTRIBUTIONS = {"poisson": math.inf, "geometric": 1.0, "logarithmic": 0.0, "negative-binomial": None}
@@ -107,9 +123,12 @@ class DataSpec:
 
     def __post_init__(self) -> None:
         if sum(v is not None for v in (self.name, self.tensors, self.factory)) != 1:
-            raise _err("data", "give exactly one of data.name (a registered dataset), data.factory or tensors",
-                       'set data.name = "digits" or data.factory = "mypkg.data:load" '
-                       "(or pass Study(data=(x_train, y_train, x_test, y_test)))")
+            raise _err(
+                "data",
+                "give exactly one of data.name (a registered dataset), data.factory or tensors",
+                'set data.name = "digits" or data.factory = "mypkg.data:load" '
+                "(or pass Study(data=(x_train, y_train, x_test, y_test)))",
+            )
         if self.factory is not None:
             from dptune.own import import_factory
 
@@ -177,8 +196,11 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if sum(v is not None for v in (self.name, self.builder, self.factory)) != 1:
-            raise _err("model", "give exactly one of model.name, model.factory or a builder callable",
-                       'set model.name = "logistic_regression" or model.factory = "mypkg.models:build"')
+            raise _err(
+                "model",
+                "give exactly one of model.name, model.factory or a builder callable",
+                'set model.name = "logistic_regression" or model.factory = "mypkg.models:build"',
+            )
         if self.factory is not None:
             from dptune.own import import_factory
 
@@ -203,8 +225,10 @@ class ModelSpec:
         if self.name is not None:
             return {"name": self.name, "options": dict(self.options)}
         b = self.builder
-        return {"builder": f"{getattr(b, '__module__', '?')}.{getattr(b, '__qualname__', repr(b))}",
-                "options": dict(self.options)}
+        return {
+            "builder": f"{getattr(b, '__module__', '?')}.{getattr(b, '__qualname__', repr(b))}",
+            "options": dict(self.options),
+        }
 
 
 @dataclass(frozen=True)
@@ -224,18 +248,26 @@ class TrainingSpec:
             raise _err("training", "give exactly one of training.epochs or training.steps", "e.g. epochs = 5")
         if self.epochs is not None:
             _positive_number("training.epochs", self.epochs)
-        if self.steps is not None and (not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1):
+        if self.steps is not None and (
+            not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1
+        ):
             raise _err("training.steps", f"must be an integer ≥ 1, got {self.steps!r}", "e.g. steps = 500")
         if self.full_batch and self.expected_batch_size is not None:
             raise _err("training", "full_batch = true and expected_batch_size are exclusive", "drop one of them")
         if not self.full_batch and self.expected_batch_size is None:
-            raise _err("training.expected_batch_size", "missing",
-                       "set expected_batch_size (Poisson sampling, q = L/n) or full_batch = true")
+            raise _err(
+                "training.expected_batch_size",
+                "missing",
+                "set expected_batch_size (Poisson sampling, q = L/n) or full_batch = true",
+            )
         if self.expected_batch_size is not None:
             _positive_number("training.expected_batch_size", self.expected_batch_size)
         if self.loss is not None and self.loss not in ("cross_entropy", "mse", "bce"):
-            raise _err("training.loss", f"unknown loss {self.loss!r}",
-                       "choose cross_entropy, mse or bce (or omit it: chosen from the task)")
+            raise _err(
+                "training.loss",
+                f"unknown loss {self.loss!r}",
+                "choose cross_entropy, mse or bce (or omit it: chosen from the task)",
+            )
         from dptune.devices import check_device_name
 
         # Syntax only: a study may be planned on a driver without the GPUs of its Ray cluster;
@@ -257,11 +289,17 @@ class BudgetSpec:
         if isinstance(eps, int | float) and not isinstance(eps, bool):
             eps = (eps,)
         if isinstance(eps, str):  # a string is a Sequence: its characters would be read as the list
-            raise _err("budget.epsilon", f"must be a number or a list of numbers, got {eps!r}",
-                       "e.g. epsilon = 3.0 or epsilon = [1.0, 3.0] (no quotes)")
+            raise _err(
+                "budget.epsilon",
+                f"must be a number or a list of numbers, got {eps!r}",
+                "e.g. epsilon = 3.0 or epsilon = [1.0, 3.0] (no quotes)",
+            )
         if not isinstance(eps, Sequence) or not eps:
-            raise _err("budget.epsilon", f"must be a number or a non-empty list, got {self.epsilon!r}",
-                       "e.g. epsilon = 3.0 or epsilon = [1.0, 3.0]")
+            raise _err(
+                "budget.epsilon",
+                f"must be a number or a non-empty list, got {self.epsilon!r}",
+                "e.g. epsilon = 3.0 or epsilon = [1.0, 3.0]",
+            )
         out = []
         for i, e in enumerate(eps):
             path = "budget.epsilon" if len(eps) == 1 else f"budget.epsilon[{i}]"
@@ -273,12 +311,18 @@ class BudgetSpec:
         object.__setattr__(self, "epsilon", tuple(out))
         d = self.delta
         if not isinstance(d, int | float) or isinstance(d, bool) or not (0 < d < 1):
-            raise _err("budget.delta", f"δ must lie in (0, 1), got {d!r}",
-                       "use δ < 1/n, e.g. delta = 1e-5 for n = 60,000 (1/n rounded down to a power of ten)")
+            raise _err(
+                "budget.delta",
+                f"δ must lie in (0, 1), got {d!r}",
+                "use δ < 1/n, e.g. delta = 1e-5 for n = 60,000 (1/n rounded down to a power of ten)",
+            )
         object.__setattr__(self, "delta", float(d))
         if self.accountant not in ACCOUNTANT_CHOICES:
-            raise _err("budget.accountant", f"unknown accountant {self.accountant!r}",
-                       f"choose one of {', '.join(ACCOUNTANT_CHOICES)}")
+            raise _err(
+                "budget.accountant",
+                f"unknown accountant {self.accountant!r}",
+                f"choose one of {', '.join(ACCOUNTANT_CHOICES)}",
+            )
         if not isinstance(self.account_seeds, bool):
             raise _err("budget.account_seeds", f"must be true or false, got {self.account_seeds!r}", "true or false")
 
@@ -295,8 +339,11 @@ class MethodSpec:
         allowed = METHOD_OPTIONS[self.name]
         unknown = sorted(set(self.options) - set(allowed))
         if unknown:
-            raise _err(f"method.{unknown[0]}", f"method {self.name!r} has no option {unknown[0]!r}",
-                       f"its options are: {', '.join(allowed) or '(none)'}")
+            raise _err(
+                f"method.{unknown[0]}",
+                f"method {self.name!r} has no option {unknown[0]!r}",
+                f"its options are: {', '.join(allowed) or '(none)'}",
+            )
         merged = {**allowed, **self.options}
         _check_method_options(self.name, merged)
         object.__setattr__(self, "options", merged)
@@ -307,33 +354,42 @@ def _check_method_options(name: str, o: dict[str, Any]) -> None:
         raise _err("method.n", f"must be an integer ≥ 1, got {o['n']!r}", "e.g. n = 10 (n = 1: Panda's random search)")
     if name == "liu-talwar":
         if o["gamma"] is not None and not (isinstance(o["gamma"], int | float) and 0 < o["gamma"] <= 1):
-            raise _err("method.gamma", f"stopping probability γ must lie in (0, 1], got {o['gamma']!r}",
-                       "e.g. gamma = 0.1, or omit it for γ = 1/(number of grid candidates) as Mohapatra et al.")
+            raise _err(
+                "method.gamma",
+                f"stopping probability γ must lie in (0, 1], got {o['gamma']!r}",
+                "e.g. gamma = 0.1, or omit it for γ = 1/(number of grid candidates) as Mohapatra et al.",
+            )
         f = o["delta2_fraction"]
         if not (isinstance(f, int | float) and 0 < f < 1):
             raise _err("method.delta2_fraction", f"must lie in (0, 1), got {f!r}", "e.g. delta2_fraction = 0.5")
     if name == "repeat-and-select":
         dist = o["distribution"]
         if dist not in RS_DISTRIBUTIONS:
-            raise _err("method.distribution", f"unknown distribution {dist!r}",
-                       f"choose one of {', '.join(RS_DISTRIBUTIONS)}")
+            raise _err(
+                "method.distribution", f"unknown distribution {dist!r}", f"choose one of {', '.join(RS_DISTRIBUTIONS)}"
+            )
         if o["mean"] is not None and not (isinstance(o["mean"], int | float) and o["mean"] >= 1):
             raise _err("method.mean", f"the mean number of runs must be ≥ 1, got {o['mean']!r}", "e.g. mean = 10")
         if dist == "negative-binomial":
             s = o["shape"]
             if not (isinstance(s, int | float) and 0 < s < math.inf):
-                raise _err("method.shape", f"the negative binomial's shape η must be in (0, ∞), got {s!r}",
-                           "e.g. shape = 0.5 (or use distribution = 'poisson' / 'geometric' / 'logarithmic')")
+                raise _err(
+                    "method.shape",
+                    f"the negative binomial's shape η must be in (0, ∞), got {s!r}",
+                    "e.g. shape = 0.5 (or use distribution = 'poisson' / 'geometric' / 'logarithmic')",
+                )
         elif o["shape"] is not None:
-            raise _err("method.shape", f"shape is only for distribution = 'negative-binomial', not {dist!r}",
-                       "drop shape")
+            raise _err(
+                "method.shape", f"shape is only for distribution = 'negative-binomial', not {dist!r}", "drop shape"
+            )
     if name == "linear-scaling":
         se = o["sweep_epsilons"]
-        if not isinstance(se, Sequence) or len(se) < 2 or any(
-            not isinstance(e, int | float) or e <= 0 for e in se
-        ):
-            raise _err("method.sweep_epsilons", f"need ≥ 2 per-run ε values > 0, got {se!r}",
-                       "e.g. sweep_epsilons = [0.1, 0.2] (Panda et al.)")
+        if not isinstance(se, Sequence) or len(se) < 2 or any(not isinstance(e, int | float) or e <= 0 for e in se):
+            raise _err(
+                "method.sweep_epsilons",
+                f"need ≥ 2 per-run ε values > 0, got {se!r}",
+                "e.g. sweep_epsilons = [0.1, 0.2] (Panda et al.)",
+            )
         if len(set(se)) != len(se):
             raise _err("method.sweep_epsilons", "values repeat", "use distinct ε values")
         if not isinstance(o["runs_per_sweep"], int) or o["runs_per_sweep"] < 1:
@@ -376,20 +432,29 @@ class SelectionSpec:
 
     def __post_init__(self) -> None:
         if self.mode not in SELECTION_MODES:
-            raise _err("selection.mode", f"unknown mode {self.mode!r}",
-                       "choose 'public' (validation data assumed public, as in the papers) or 'private'")
+            raise _err(
+                "selection.mode",
+                f"unknown mode {self.mode!r}",
+                "choose 'public' (validation data assumed public, as in the papers) or 'private'",
+            )
         if self.split not in ("test", "holdout"):
             raise _err("selection.split", f"unknown split {self.split!r}", "choose 'test' or 'holdout'")
         if self.split == "holdout" and self.mode == "public":
             # The holdout is carved from the private training data: scoring on it in public
             # mode would be an unaccounted read of private data (docs/privacy.md).
-            raise _err("selection.split", "a holdout carved from the private training data cannot be "
-                       "treated as public (mode = 'public' charges nothing for the selection)",
-                       "use selection.mode = 'private' (each score is released through the gateway and "
-                       "charged), or split = 'test' with a split that really is public")
+            raise _err(
+                "selection.split",
+                "a holdout carved from the private training data cannot be "
+                "treated as public (mode = 'public' charges nothing for the selection)",
+                "use selection.mode = 'private' (each score is released through the gateway and "
+                "charged), or split = 'test' with a split that really is public",
+            )
         if not (isinstance(self.holdout_fraction, int | float) and 0 < self.holdout_fraction < 1):
-            raise _err("selection.holdout_fraction", f"must lie in (0, 1), got {self.holdout_fraction!r}",
-                       "e.g. holdout_fraction = 0.2")
+            raise _err(
+                "selection.holdout_fraction",
+                f"must lie in (0, 1), got {self.holdout_fraction!r}",
+                "e.g. holdout_fraction = 0.2",
+            )
         if self.metric is not None and ":" in str(self.metric):
             from dptune.own import named_metric
 
@@ -398,13 +463,19 @@ class SelectionSpec:
             if self.mode == "private":
                 m.require_sensitivity()  # type: ignore[union-attr]
         elif self.metric is not None and self.metric not in METRICS:
-            raise _err("selection.metric", f"unknown metric {self.metric!r}",
-                       f"choose one of {', '.join(METRICS)}, or 'pkg.module:NAME' for your own dptune.Metric")
+            raise _err(
+                "selection.metric",
+                f"unknown metric {self.metric!r}",
+                f"choose one of {', '.join(METRICS)}, or 'pkg.module:NAME' for your own dptune.Metric",
+            )
         if self.checkpoint not in ("best", "final"):
             raise _err("selection.checkpoint", f"unknown checkpoint rule {self.checkpoint!r}", "choose best or final")
         if not isinstance(self.eval_every, int) or isinstance(self.eval_every, bool) or self.eval_every < 1:
-            raise _err("selection.eval_every", f"must be an integer ≥ 1, got {self.eval_every!r}",
-                       "e.g. eval_every = 50 (Galli et al.)")
+            raise _err(
+                "selection.eval_every",
+                f"must be an integer ≥ 1, got {self.eval_every!r}",
+                "e.g. eval_every = 50 (Galli et al.)",
+            )
         if self.across_seeds not in ("per-seed", "mean"):
             raise _err("selection.across_seeds", f"unknown rule {self.across_seeds!r}", "choose per-seed or mean")
         _positive_number("selection.noise_multiplier", self.noise_multiplier)
@@ -464,8 +535,11 @@ class Study:
             elif isinstance(data, str):
                 data = DataSpec(name=data)
             else:
-                raise _err("data", f"unsupported data {type(data).__name__}",
-                           "pass a DataSpec, a dptune.data.Dataset, a dataset name or (x_train, y_train, x_test, y_test)")
+                raise _err(
+                    "data",
+                    f"unsupported data {type(data).__name__}",
+                    "pass a DataSpec, a dptune.data.Dataset, a dataset name or (x_train, y_train, x_test, y_test)",
+                )
             object.__setattr__(self, "data", data)
         model = self.model
         if not isinstance(model, ModelSpec):
@@ -480,10 +554,15 @@ class Study:
         seeds = self.seeds
         if isinstance(seeds, int):
             seeds = (seeds,)
-        if not isinstance(seeds, Sequence) or isinstance(seeds, str) or not seeds or any(
-            not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds
+        if (
+            not isinstance(seeds, Sequence)
+            or isinstance(seeds, str)
+            or not seeds
+            or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds)
         ):
-            raise _err("study.seeds", f"must be a non-empty list of integers ≥ 0, got {self.seeds!r}", "e.g. seeds = [0, 1, 2]")
+            raise _err(
+                "study.seeds", f"must be a non-empty list of integers ≥ 0, got {self.seeds!r}", "e.g. seeds = [0, 1, 2]"
+            )
         if len(set(seeds)) != len(seeds):
             raise _err("study.seeds", "seeds repeat", "list each seed once")
         object.__setattr__(self, "seeds", tuple(int(s) for s in seeds))
@@ -491,22 +570,37 @@ class Study:
             raise _err("study.seed", f"must be an integer ≥ 0, got {self.seed!r}", "e.g. seed = 0")
         if not isinstance(self.threads_per_run, int) or self.threads_per_run < 1:
             raise _err("study.threads_per_run", f"must be an integer ≥ 1, got {self.threads_per_run!r}", "e.g. 1")
-        if (not isinstance(self.trials_per_group, int) or isinstance(self.trials_per_group, bool)
-                or self.trials_per_group < 1):
-            raise _err("study.trials_per_group", f"must be an integer ≥ 1, got {self.trials_per_group!r}",
-                       "e.g. 16 (vectorised trials), or 1 to train every run on its own")
+        if (
+            not isinstance(self.trials_per_group, int)
+            or isinstance(self.trials_per_group, bool)
+            or self.trials_per_group < 1
+        ):
+            raise _err(
+                "study.trials_per_group",
+                f"must be an integer ≥ 1, got {self.trials_per_group!r}",
+                "e.g. 16 (vectorised trials), or 1 to train every run on its own",
+            )
         if not isinstance(self.name, str) or not STUDY_NAME.match(self.name) or ".." in self.name:
-            raise _err("study.name", f"must be letters, digits, '-', '_' or '.' (starting with a letter or digit, "
-                       f"no '..'), got {self.name!r}: it names the study's folder (studies/<name>)",
-                       'e.g. name = "mnist-dpsgd"; choose where the study goes with `dptune tune CONFIG -o DIR`')
+            raise _err(
+                "study.name",
+                f"must be letters, digits, '-', '_' or '.' (starting with a letter or digit, "
+                f"no '..'), got {self.name!r}: it names the study's folder (studies/<name>)",
+                'e.g. name = "mnist-dpsgd"; choose where the study goes with `dptune tune CONFIG -o DIR`',
+            )
         if not isinstance(self.secure, bool):
-            raise _err("study.secure", f"must be true or false, got {self.secure!r}",
-                       "secure = true (OS CSPRNG randomness, for results you will publish) or false (seeded)")
+            raise _err(
+                "study.secure",
+                f"must be true or false, got {self.secure!r}",
+                "secure = true (OS CSPRNG randomness, for results you will publish) or false (seeded)",
+            )
         keys = [a.key for a in strategies]
         dup = sorted({k for k in keys if keys.count(k) > 1})
         if dup:
-            raise _err("strategies", f"two strategies share the name {dup[0]!r}",
-                       'give each a distinct label, e.g. label = "dpsgd-momentum"')
+            raise _err(
+                "strategies",
+                f"two strategies share the name {dup[0]!r}",
+                'give each a distinct label, e.g. label = "dpsgd-momentum"',
+            )
         for i, arm in enumerate(strategies):
             _check_arm(self, arm, i)
 
@@ -517,22 +611,35 @@ class Study:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able description (tensors and callables are described, not embedded)."""
         return {
-            "study": {"name": self.name, "seed": self.seed, "seeds": list(self.seeds),
-                      "threads_per_run": self.threads_per_run,
-                      # written only when not the default: studies stored before the field
-                      # existed keep their fingerprint and can still be resumed
-                      **({"trials_per_group": self.trials_per_group} if self.trials_per_group != 16 else {}),
-                      **({"secure": True} if self.secure else {})},  # likewise
+            "study": {
+                "name": self.name,
+                "seed": self.seed,
+                "seeds": list(self.seeds),
+                "threads_per_run": self.threads_per_run,
+                # written only when not the default: studies stored before the field
+                # existed keep their fingerprint and can still be resumed
+                **({"trials_per_group": self.trials_per_group} if self.trials_per_group != 16 else {}),
+                **({"secure": True} if self.secure else {}),
+            },  # likewise
             "data": self.data.describe(),
             "model": self.model.describe(),
             "training": {f.name: getattr(self.training, f.name) for f in fields(self.training)},
-            "budget": {"epsilon": list(self.budget.epsilon), "delta": self.budget.delta,
-                       "accountant": self.budget.accountant, "account_seeds": self.budget.account_seeds},
+            "budget": {
+                "epsilon": list(self.budget.epsilon),
+                "delta": self.budget.delta,
+                "accountant": self.budget.accountant,
+                "account_seeds": self.budget.account_seeds,
+            },
             "method": {"name": self.method.name, **dict(self.method.options)},
             "selection": {f.name: getattr(self.selection, f.name) for f in fields(self.selection)},
             "strategies": [
-                {"name": a.name, "label": a.label, "space": _jsonable(a.space), "fixed": _jsonable(a.fixed),
-                 **({"method": {"name": a.method.name, **dict(a.method.options)}} if a.method else {})}
+                {
+                    "name": a.name,
+                    "label": a.label,
+                    "space": _jsonable(a.space),
+                    "fixed": _jsonable(a.fixed),
+                    **({"method": {"name": a.method.name, **dict(a.method.options)}} if a.method else {}),
+                }
                 for a in self.strategies
             ],
         }
@@ -558,9 +665,11 @@ def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
     try:
         key, hyperparameters, private = strategy_signature(str(arm.name))
     except ConfigError as exc:
-        raise _err(f"{path}.name", str(exc).rstrip("."),
-                   f"choose one of {', '.join(sorted(STRATEGIES))}, or '<privatizer>+<update>' "
-                   "(e.g. 'oso+adam')") from None
+        raise _err(
+            f"{path}.name",
+            str(exc).rstrip("."),
+            f"choose one of {', '.join(sorted(STRATEGIES))}, or '<privatizer>+<update>' (e.g. 'oso+adam')",
+        ) from None
     object.__setattr__(arm, "name", key)
     if not isinstance(arm.space, Mapping) or not isinstance(arm.fixed, Mapping):
         raise _err(f"{path}.space", "space and fixed must be tables", "e.g. space = { lr = [0.1, 1.0] }")
@@ -571,30 +680,46 @@ def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
     for k in list(arm.space) + list(arm.fixed):
         if k not in allowed:
             where = "space" if k in arm.space else "fixed"
-            raise _err(f"{path}.{where}.{k}", f"strategy {key!r} has no hyperparameter {k!r}",
-                       f"use one of {', '.join(sorted(allowed))}")
+            raise _err(
+                f"{path}.{where}.{k}",
+                f"strategy {key!r} has no hyperparameter {k!r}",
+                f"use one of {', '.join(sorted(allowed))}",
+            )
     both = sorted(set(arm.space) & set(arm.fixed))
     if both:
         raise _err(f"{path}.fixed.{both[0]}", "is both searched and fixed", "keep it in one of space/fixed")
     if not arm.space and private and method.name != "linear-scaling":
-        raise _err(f"{path}.space", "the search space is empty",
-                   "add at least one hyperparameter with values, e.g. space = { lr = [0.01, 0.1, 1.0] }")
+        raise _err(
+            f"{path}.space",
+            "the search space is empty",
+            "add at least one hyperparameter with values, e.g. space = { lr = [0.01, 0.1, 1.0] }",
+        )
     grid_like = method.name in ("grid", "online", "oracle")
     for k, v in arm.space.items():
         vpath = f"{path}.space.{k}"
         if isinstance(v, Mapping):
             if len(v) != 1 or next(iter(v)) not in DISTRIBUTIONS:
-                raise _err(vpath, f"unknown distribution {dict(v)!r}",
-                           f"use a list of values or one of {', '.join(DISTRIBUTIONS)} = [lo, hi]")
+                raise _err(
+                    vpath,
+                    f"unknown distribution {dict(v)!r}",
+                    f"use a list of values or one of {', '.join(DISTRIBUTIONS)} = [lo, hi]",
+                )
             dist, bounds = next(iter(v.items()))
-            if not (isinstance(bounds, Sequence) and len(bounds) == 2
-                    and all(isinstance(b, int | float) for b in bounds) and bounds[0] <= bounds[1]):
+            if not (
+                isinstance(bounds, Sequence)
+                and len(bounds) == 2
+                and all(isinstance(b, int | float) for b in bounds)
+                and bounds[0] <= bounds[1]
+            ):
                 raise _err(vpath, f"{dist} needs [lo, hi] with lo ≤ hi, got {bounds!r}", f"e.g. {dist} = [1e-3, 1.0]")
             if "log" in dist and bounds[0] <= 0:
                 raise _err(vpath, f"{dist} needs lo > 0, got {bounds[0]!r}", "use a positive lower bound")
             if grid_like:
-                raise _err(vpath, f"method {method.name!r} needs a list of values, not a distribution",
-                           f"write {k} = [v1, v2, ...] or use method 'random'")
+                raise _err(
+                    vpath,
+                    f"method {method.name!r} needs a list of values, not a distribution",
+                    f"write {k} = [v1, v2, ...] or use method 'random'",
+                )
         elif isinstance(v, Sequence) and not isinstance(v, str):
             if len(v) == 0:
                 raise _err(vpath, "the list of values is empty", f"give at least one value, e.g. {k} = [0.1, 1.0]")
@@ -602,27 +727,48 @@ def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
             raise _err(vpath, f"must be a list of values or a distribution, got {v!r}", f"e.g. {k} = [{v!r}]")
     if method.name == "online":
         if key != "oso":
-            raise _err(f"{path}.name", f"method 'online' tunes OSO-DPSGD only, got strategy {key!r}",
-                       "use name = 'oso' (or 'online'), or method 'grid' for other strategies")
+            raise _err(
+                f"{path}.name",
+                f"method 'online' tunes OSO-DPSGD only, got strategy {key!r}",
+                "use name = 'oso' (or 'online'), or method 'grid' for other strategies",
+            )
         if set(arm.space) != {"lr"}:
-            raise _err(f"{path}.space", f"method 'online' searches the learning rate only, got {sorted(arm.space)}",
-                       "use space = { lr = [...] } (C is learned online: Galli's 'one hyperparameter fewer')")
+            raise _err(
+                f"{path}.space",
+                f"method 'online' searches the learning rate only, got {sorted(arm.space)}",
+                "use space = { lr = [...] } (C is learned online: Galli's 'one hyperparameter fewer')",
+            )
     if method.name == "linear-scaling" and private:
         if set(arm.space) != {"lr", "steps"}:
-            raise _err(f"{path}.space", f"linear-scaling searches r = η·T: it needs exactly lr and steps, got {sorted(arm.space)}",
-                       "use space = { lr = { log_uniform = [1e-3, 1.0] }, steps = { int_uniform = [10, 200] } }")
+            raise _err(
+                f"{path}.space",
+                f"linear-scaling searches r = η·T: it needs exactly lr and steps, got {sorted(arm.space)}",
+                "use space = { lr = { log_uniform = [1e-3, 1.0] }, steps = { int_uniform = [10, 200] } }",
+            )
         if study.selection.across_seeds != "per-seed":
-            raise _err("selection.across_seeds", "linear-scaling runs one adaptive procedure per seed",
-                       "set across_seeds = 'per-seed'")
+            raise _err(
+                "selection.across_seeds",
+                "linear-scaling runs one adaptive procedure per seed",
+                "set across_seeds = 'per-seed'",
+            )
     if method.name == "liu-talwar" and method.options.get("gamma") is None and not _finite(arm.space):
-        raise _err("method.gamma", "γ is needed when the space has continuous distributions",
-                   "set gamma (e.g. 0.1), or make every axis a list (γ = 1/#candidates)")
+        raise _err(
+            "method.gamma",
+            "γ is needed when the space has continuous distributions",
+            "set gamma (e.g. 0.1), or make every axis a list (γ = 1/#candidates)",
+        )
     if method.name == "repeat-and-select" and method.options.get("mean") is None and not _finite(arm.space):
         raise _err("method.mean", "the mean number of runs is needed with continuous spaces", "set mean = 10")
     try:
-        make_strategy(key, **{k: (v[0] if isinstance(v, Sequence) and not isinstance(v, str) else
-                                  list(v.values())[0][0]) for k, v in arm.space.items() if k not in TRAINING_KEYS},
-                      **{k: v for k, v in arm.fixed.items() if k not in TRAINING_KEYS})
+        make_strategy(
+            key,
+            **{
+                k: (v[0] if isinstance(v, Sequence) and not isinstance(v, str) else list(v.values())[0][0])
+                for k, v in arm.space.items()
+                if k not in TRAINING_KEYS
+            },
+            **{k: v for k, v in arm.fixed.items() if k not in TRAINING_KEYS},
+        )
     except ConfigError as exc:
         raise _err(path, str(exc), "fix the strategy's hyperparameters") from None
     except TypeError as exc:
@@ -643,8 +789,10 @@ def study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | Non
     except (TypeError, ValueError, AttributeError, KeyError) as exc:
         # Validation names the field wherever it can; a value of a wholly unexpected type
         # that slipped past it still ends as one clear line, never a traceback.
-        raise ConfigError(f"invalid study file: {type(exc).__name__}: {exc}. Fix: compare it with "
-                          "the reference in docs/tuning.md (types of each key).") from None
+        raise ConfigError(
+            f"invalid study file: {type(exc).__name__}: {exc}. Fix: compare it with "
+            "the reference in docs/tuning.md (types of each key)."
+        ) from None
 
 
 def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | None = None) -> Study:
@@ -686,10 +834,20 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
         m = _method(s["method"], f"strategies[{i}].method") if "method" in s else None
         for part in ("space", "fixed"):
             if not isinstance(s.get(part, {}), Mapping):
-                raise _err(f"strategies[{i}].{part}", f"must be a table, got {s[part]!r}",
-                           f"e.g. {part} = {{ lr = [0.1, 1.0] }}")
-        arms.append(StrategyArm(name=s["name"], space=dict(s.get("space", {})), fixed=dict(s.get("fixed", {})),
-                                method=m, label=s.get("label")))
+                raise _err(
+                    f"strategies[{i}].{part}",
+                    f"must be a table, got {s[part]!r}",
+                    f"e.g. {part} = {{ lr = [0.1, 1.0] }}",
+                )
+        arms.append(
+            StrategyArm(
+                name=s["name"],
+                space=dict(s.get("space", {})),
+                fixed=dict(s.get("fixed", {})),
+                method=m,
+                label=s.get("label"),
+            )
+        )
     if "name" not in data_t and "factory" not in data_t:
         raise _err("data.name", "missing", 'e.g. name = "digits" (or factory = "mypkg.data:load")')
     if "name" not in model_t and "factory" not in model_t:
@@ -699,12 +857,20 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
             raise _err(f"{part}.options", f"must be a table, got {t['options']!r}", "e.g. options = { flatten = true }")
     return Study(
         data=DataSpec(name=data_t.get("name"), options=dict(data_t.get("options", {})), factory=data_t.get("factory")),
-        model=ModelSpec(name=model_t.get("name"), options=dict(model_t.get("options", {})),
-                        factory=model_t.get("factory")),
-        strategies=tuple(arms), training=training, budget=budget, method=method, selection=selection,
+        model=ModelSpec(
+            name=model_t.get("name"), options=dict(model_t.get("options", {})), factory=model_t.get("factory")
+        ),
+        strategies=tuple(arms),
+        training=training,
+        budget=budget,
+        method=method,
+        selection=selection,
         seeds=tuple(st.get("seeds", (0,))) if isinstance(st.get("seeds", (0,)), list | tuple) else st.get("seeds"),
-        seed=st.get("seed", 0), name=st.get("name", "study"), threads_per_run=st.get("threads_per_run", 1),
-        trials_per_group=st.get("trials_per_group", 16), secure=st.get("secure", False),
+        seed=st.get("seed", 0),
+        name=st.get("name", "study"),
+        threads_per_run=st.get("threads_per_run", 1),
+        trials_per_group=st.get("trials_per_group", 16),
+        secure=st.get("secure", False),
     )
 
 
@@ -720,8 +886,9 @@ def _unknown_name(path: str, what: str, name: Any, allowed: set[str], listing: s
     close = difflib.get_close_matches(str(name), sorted(allowed), n=1, cutoff=0.6)
     names = ", ".join(sorted(allowed))
     if close:
-        return ConfigError(f"{path}: unknown {what}; did you mean {close[0]}? Fix: rename it to {close[0]!r} "
-                           f"({listing}: {names}).")
+        return ConfigError(
+            f"{path}: unknown {what}; did you mean {close[0]}? Fix: rename it to {close[0]!r} ({listing}: {names})."
+        )
     return ConfigError(f"{path}: unknown {what}. Fix: remove it, or use one of {listing}: {names}.")
 
 
@@ -767,8 +934,10 @@ def load_study_config(path: str | os.PathLike[str] | Study) -> Study:
         return path
     p = Path(path)
     if p.is_dir():
-        raise ConfigError(f"study file {str(p)!r} is a directory, not a file. Fix: pass the path of a .toml or "
-                          "a .yaml file (to continue a study directory: dptune resume DIR).")
+        raise ConfigError(
+            f"study file {str(p)!r} is a directory, not a file. Fix: pass the path of a .toml or "
+            "a .yaml file (to continue a study directory: dptune resume DIR)."
+        )
     if not p.is_file():
         raise ConfigError(f"study file {str(p)!r} does not exist. Fix: pass the path of a .toml or .yaml file.")
     text = p.read_text()

@@ -157,23 +157,43 @@ class Store:
     def has_plan(self) -> bool:
         return self.get_meta("plan") is not None
 
-    def initialize(self, config: Mapping[str, Any], fingerprint: str, plan: Mapping[str, Any],
-                   runs: Iterable[Mapping[str, Any]]) -> None:
+    def initialize(
+        self, config: Mapping[str, Any], fingerprint: str, plan: Mapping[str, Any], runs: Iterable[Mapping[str, Any]]
+    ) -> None:
         """Write the config, the plan and every planned run in one transaction."""
         with self._tx() as c:
-            for k, v in (("version", SCHEMA_VERSION), ("config", config), ("fingerprint", fingerprint),
-                         ("plan", plan), ("created", time.time())):
+            for k, v in (
+                ("version", SCHEMA_VERSION),
+                ("config", config),
+                ("fingerprint", fingerprint),
+                ("plan", plan),
+                ("created", time.time()),
+            ):
                 c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (k, json.dumps(v)))
             for pos, r in enumerate(runs):
                 c.execute(
                     "INSERT INTO runs(run_id, arm, stage, procedure, replicate, seed, run_seed, status, config, "
                     "noise_multiplier, steps, sampling_rate, planned_event, position) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, 'planned', ?, ?, ?, ?, ?, ?)",
-                    (r["run_id"], r["arm"], r["stage"], r["procedure"], r["replicate"], r["seed"], r["run_seed"],
-                     json.dumps(r["config"]) if r["config"] is not None else None,
-                     _finite_or_none(r["noise_multiplier"]), r["steps"], r["sampling_rate"],
-                     json.dumps(event_to_dict(r["planned_event"]) if not isinstance(r["planned_event"], dict)
-                                else r["planned_event"]), pos),
+                    (
+                        r["run_id"],
+                        r["arm"],
+                        r["stage"],
+                        r["procedure"],
+                        r["replicate"],
+                        r["seed"],
+                        r["run_seed"],
+                        json.dumps(r["config"]) if r["config"] is not None else None,
+                        _finite_or_none(r["noise_multiplier"]),
+                        r["steps"],
+                        r["sampling_rate"],
+                        json.dumps(
+                            event_to_dict(r["planned_event"])
+                            if not isinstance(r["planned_event"], dict)
+                            else r["planned_event"]
+                        ),
+                        pos,
+                    ),
                 )
 
     # -- runs
@@ -186,14 +206,19 @@ class Store:
         return self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
 
     def counts(self) -> dict[str, int]:
-        return {r["status"]: r["n"] for r in self.conn.execute("SELECT status, COUNT(*) AS n FROM runs GROUP BY status")}
+        return {
+            r["status"]: r["n"] for r in self.conn.execute("SELECT status, COUNT(*) AS n FROM runs GROUP BY status")
+        }
 
     def mark_running(self, run_ids: Iterable[str]) -> None:
         now = time.time()
         with self._tx() as c:
             for rid in run_ids:
-                c.execute("UPDATE runs SET status = 'running', started = ?, attempts = attempts + 1 "
-                          "WHERE run_id = ? AND status IN ('planned', 'failed')", (now, rid))
+                c.execute(
+                    "UPDATE runs SET status = 'running', started = ?, attempts = attempts + 1 "
+                    "WHERE run_id = ? AND status IN ('planned', 'failed')",
+                    (now, rid),
+                )
 
     def reset_interrupted(self) -> list[str]:
         """Runs left 'running' by a killed process go back to 'planned' (re-executed, same seeds)."""
@@ -210,8 +235,10 @@ class Store:
 
     def set_config(self, run_id: str, config: Mapping[str, Any], fit: Mapping[str, Any] | None) -> None:
         with self._tx() as c:
-            c.execute("UPDATE runs SET config = ?, fit = ? WHERE run_id = ? AND config IS NULL",
-                      (json.dumps(config), json.dumps(fit) if fit is not None else None, run_id))
+            c.execute(
+                "UPDATE runs SET config = ?, fit = ? WHERE run_id = ? AND config IS NULL",
+                (json.dumps(config), json.dumps(fit) if fit is not None else None, run_id),
+            )
 
     def finish(self, run_id: str, result: Mapping[str, Any], ledger: Ledger) -> None:
         """Status + metrics + ledger entries, atomically."""
@@ -219,28 +246,54 @@ class Store:
             cur = c.execute(
                 "UPDATE runs SET status = ?, score = ?, best_step = ?, test_metric = ?, evals = ?, history = ?, "
                 "seconds = ?, finished = ?, error = NULL WHERE run_id = ? AND status = 'running'",
-                (result["status"], result["score"], result["best_step"], result["test_metric"],
-                 json.dumps(result["evals"]), json.dumps(result["history"]), result["seconds"], time.time(), run_id),
+                (
+                    result["status"],
+                    result["score"],
+                    result["best_step"],
+                    result["test_metric"],
+                    json.dumps(result["evals"]),
+                    json.dumps(result["history"]),
+                    result["seconds"],
+                    time.time(),
+                    run_id,
+                ),
             )
             if cur.rowcount != 1:
                 raise ConfigError(f"run {run_id} was not running; its result is not merged twice.")
             for e in ledger.entries:
-                c.execute("INSERT INTO ledger(run_id, label, event, count, components) VALUES (?, ?, ?, ?, ?)",
-                          (run_id, e.label, json.dumps(event_to_dict(e.event)), e.count,
-                           json.dumps([list(x) for x in e.components])))
+                c.execute(
+                    "INSERT INTO ledger(run_id, label, event, count, components) VALUES (?, ?, ?, ?, ?)",
+                    (
+                        run_id,
+                        e.label,
+                        json.dumps(event_to_dict(e.event)),
+                        e.count,
+                        json.dumps([list(x) for x in e.components]),
+                    ),
+                )
 
     def fail(self, run_id: str, error: str) -> None:
         with self._tx() as c:
-            c.execute("UPDATE runs SET status = 'failed', error = ?, finished = ? WHERE run_id = ?",
-                      (error[-4000:], time.time(), run_id))
+            c.execute(
+                "UPDATE runs SET status = 'failed', error = ?, finished = ? WHERE run_id = ?",
+                (error[-4000:], time.time(), run_id),
+            )
 
     # -- ledger
     def ledger_entries(self) -> list[LedgerEntry]:
         out = []
         for r in self.conn.execute("SELECT * FROM ledger ORDER BY id"):
-            out.append(LedgerEntry.from_dict({"label": r["label"], "event": json.loads(r["event"]),
-                                              "count": r["count"], "components": json.loads(r["components"]),
-                                              "run": r["run_id"]}))
+            out.append(
+                LedgerEntry.from_dict(
+                    {
+                        "label": r["label"],
+                        "event": json.loads(r["event"]),
+                        "count": r["count"],
+                        "components": json.loads(r["components"]),
+                        "run": r["run_id"],
+                    }
+                )
+            )
         return out
 
 

@@ -44,8 +44,10 @@ def _lock(study_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(f"another process is running the study in {str(study_dir)!r}. "
-                              "Fix: wait for it, or check `dptune status DIR`.") from None
+            raise ConfigError(
+                f"another process is running the study in {str(study_dir)!r}. "
+                "Fix: wait for it, or check `dptune status DIR`."
+            ) from None
         yield
     finally:
         os.close(fd)
@@ -148,8 +150,11 @@ class Coordinator:
                 run = self.plan.runs[rid]
                 if run.stage != "final" or rows[rid]["config"] is not None:
                     continue
-                sweep_ids = [s for s in arm.runs if self.plan.runs[s].procedure == run.procedure
-                             and self.plan.runs[s].stage.startswith("sweep")]
+                sweep_ids = [
+                    s
+                    for s in arm.runs
+                    if self.plan.runs[s].procedure == run.procedure and self.plan.runs[s].stage.startswith("sweep")
+                ]
                 if all(rows[s]["status"] in ("done", "diverged") for s in sweep_ids):
                     config, fit = resolve_final_config(self.plan, arm, run.procedure, scores)
                     self.store.set_config(rid, config, fit)
@@ -234,8 +239,9 @@ class Coordinator:
                     spec.config = json.loads(row["config"])
             checked = [self.task_for(s)[1] for s in specs]
             tid = f"group[{group[0]}..{group[-1]}]"
-            tasks.append((tid, ("group", self.study, [a[1] for a in checked], [a[2] for a in checked],
-                                self.plan.metric)))
+            tasks.append(
+                (tid, ("group", self.study, [a[1] for a in checked], [a[2] for a in checked], self.plan.metric))
+            )
             members[tid] = [rid for rid in group if rid in ready_ids]
         return tasks, members
 
@@ -307,8 +313,12 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
             raise ConfigError("selection.metric = 'accuracy' on a reconstruction task. Fix: metric = 'mse'.")
         plan = plan_study(study, data.n_train, data.n_val, metric)
         extra = {"python_study": study.from_python}
-        store.initialize({**study.to_dict(), "_meta": extra}, study.fingerprint(), plan.to_dict(),
-                         [r.to_dict() for r in plan.runs.values()])
+        store.initialize(
+            {**study.to_dict(), "_meta": extra},
+            study.fingerprint(),
+            plan.to_dict(),
+            [r.to_dict() for r in plan.runs.values()],
+        )
     except BaseException:  # closed before run_study removes what it created
         store.close()
         raise
@@ -331,8 +341,10 @@ def check_study_device(device: str, executor: str | Executor, address: str | Non
     device = check_device_name(device, "training.device")
     name = getattr(executor, "name", executor)
     if name == "ray" and device.startswith("cuda:"):
-        raise ConfigError(f"training.device = {device!r} with executor 'ray': Ray gives each task its own "
-                          "GPU(s) through CUDA_VISIBLE_DEVICES. Fix: use device = 'cuda'.")
+        raise ConfigError(
+            f"training.device = {device!r} with executor 'ray': Ray gives each task its own "
+            "GPU(s) through CUDA_VISIBLE_DEVICES. Fix: use device = 'cuda'."
+        )
     if not (name == "ray" and address):
         resolve_device(device, "training.device")
     if name == "ray" and not isinstance(executor, Executor):
@@ -410,8 +422,10 @@ def load_stored_study(study_dir: str | os.PathLike[str], study: Study | None = N
             raise ConfigError("the given study differs from the stored one. Fix: pass the same Study object.")
         return study
     if cfg.get("_meta", {}).get("python_study"):
-        raise ConfigError("this study was built in Python (tensors or a model callable): resume it with "
-                          "resume_study(dir, study=the_same_study).")
+        raise ConfigError(
+            "this study was built in Python (tensors or a model callable): resume it with "
+            "resume_study(dir, study=the_same_study)."
+        )
     d = {k: v for k, v in cfg.items() if k != "_meta"}
     return study_from_dict(d)
 
@@ -429,5 +443,13 @@ def resume_study(
     """Continue a stored study: keep every finished run, re-execute interrupted (and, by
     default, failed) runs with the same seeds and noise streams, run what is left."""
     st = load_stored_study(study_dir, study)
-    return run_study(st, study_dir, executor=executor, address=address, progress=progress, workers=workers,
-                     retry_failed=retry_failed, gpus_per_run=gpus_per_run)
+    return run_study(
+        st,
+        study_dir,
+        executor=executor,
+        address=address,
+        progress=progress,
+        workers=workers,
+        retry_failed=retry_failed,
+        gpus_per_run=gpus_per_run,
+    )

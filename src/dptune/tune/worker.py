@@ -76,8 +76,9 @@ class Scorer:
             self.sensitivity = 1.0 if metric == "accuracy" else float(study.selection.mse_clip)
         self.ledger = Ledger.with_plan(_eval_event(run))
         # Private selection scores are releases too: secure mode covers their noise.
-        self.gateway = NoisyRelease(self.ledger, 1.0, NoiseSource(stream_seed(run.run_seed, "selection"), device,
-                                                                  secure=study.secure))
+        self.gateway = NoisyRelease(
+            self.ledger, 1.0, NoiseSource(stream_seed(run.run_seed, "selection"), device, secure=study.secure)
+        )
         self.nu = run.eval_noise_multiplier
 
     def total(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, clip: float | None) -> float:
@@ -193,8 +194,10 @@ class _RunJob:
         # checkpoints/: the study's model is exported from them, never retrained (no new release).
         checkpoint = None
         if self.best["params"] is not None:
-            checkpoint = {"state_dict": full_state(self.model, self.best["params"]),
-                          "model": model_identity(self.model_spec, data)}
+            checkpoint = {
+                "state_dict": full_state(self.model, self.best["params"]),
+                "model": model_identity(self.model_spec, data),
+            }
         return {
             "run_id": run.run_id,
             "status": "diverged" if result.diverged else "done",
@@ -214,14 +217,24 @@ def _execute(study: Study, strategy_name: str, run: RunSpec, metric: str) -> dic
     data = study_data(study.data, study.selection, study.seed)
     job = _RunJob(study, strategy_name, run, metric, data, device)
     result = train(
-        job.model, (data.x_train, data.y_train), job.strategy, plan=job.plan, seed=run.run_seed, device=device,
-        loss=study.training.loss, eval_data=None, progress=False, run_id="", secure_mode=study.secure,
+        job.model,
+        (data.x_train, data.y_train),
+        job.strategy,
+        plan=job.plan,
+        seed=run.run_seed,
+        device=device,
+        loss=study.training.loss,
+        eval_data=None,
+        progress=False,
+        run_id="",
+        secure_mode=study.secure,
     )
     return job.finish(result)
 
 
-def execute_group(study: Study, strategy_names: list[str], run_dicts: list[dict[str, Any]],
-                  metric: str) -> dict[str, Any]:
+def execute_group(
+    study: Study, strategy_names: list[str], run_dicts: list[dict[str, Any]], metric: str
+) -> dict[str, Any]:
     """Train a group of planned runs together with ``dptune.train_many`` (vectorised trials).
 
     Each run keeps everything that is its own — configuration, seeds, sampling and noise
@@ -238,12 +251,18 @@ def execute_group(study: Study, strategy_names: list[str], run_dicts: list[dict[
         t0 = time.perf_counter()
         device = resolve_device(study.training.device, "training.device")
         data = study_data(study.data, study.selection, study.seed)
-        jobs = [_RunJob(study, name, run, metric, data, device)
-                for name, run in zip(strategy_names, runs, strict=True)]
+        jobs = [_RunJob(study, name, run, metric, data, device) for name, run in zip(strategy_names, runs, strict=True)]
         results = train_many(
-            [j.model for j in jobs], (data.x_train, data.y_train), [j.strategy for j in jobs],
-            plans=[j.plan for j in jobs], seeds=[r.run_seed for r in runs], device=device,
-            loss=study.training.loss, run_ids=[""] * len(jobs), fallback="sequential", secure_mode=study.secure,
+            [j.model for j in jobs],
+            (data.x_train, data.y_train),
+            [j.strategy for j in jobs],
+            plans=[j.plan for j in jobs],
+            seeds=[r.run_seed for r in runs],
+            device=device,
+            loss=study.training.loss,
+            run_ids=[""] * len(jobs),
+            fallback="sequential",
+            secure_mode=study.secure,
         )
         seconds = (time.perf_counter() - t0) / len(jobs)  # the group's time, shared equally
         return {"results": [j.finish(r, seconds) for j, r in zip(jobs, results, strict=True)]}
