@@ -146,7 +146,8 @@ class _Fallback(Exception):
 @contextmanager
 def _same_kernel(device: torch.device) -> Iterator[None]:
     """Deterministic cuDNN kernels for the duration: case (e) recomputes per-sample gradients
-    that must equal, bit for bit, those whose norms were taken (CPU kernels are deterministic)."""
+    that must equal, bit for bit, those whose norms were taken (CPU kernels are deterministic; every
+    private computation also runs under ``grads.ieee_matmul``, which turns cuDNN's TF32 off)."""
     if device.type != "cuda":
         yield
         return

@@ -34,20 +34,10 @@ class OSO(Composed):
       * ``normalized`` (eq. 19, Rubio 2017): C_{t+1} = C_t (1 + ρ_c cos(g̃_t, q̃_{t−1})),
         ρ_{t+1} = ρ_t (1 + ρ_r cos(g̃_t, g̃_{t−1})).
 
-    Momentum (μ > 0, heavy ball m_t = μ m_{t−1} + g̃_t, θ_{t+1} = θ_t − ρ_t m_t): the
-    paper only says it "adds a multiplicative factor". Derivation: θ_t depends on C_{t−1}
-    only through g̃_{t−1} inside m_{t−1}, with ∂m_{t−1}/∂g̃_{t−1} = I, so
-    ∂ℓ(θ_t)/∂C_{t−1} = −ρ ∇ℓ(θ_t)ᵀ q_{t−1}: the factor is 1 for this convention
-    (1 − μ for the EMA convention m_t = μ m_{t−1} + (1−μ) g̃_t), and the C rule is unchanged.
-    For ρ, ∂θ_t/∂ρ_{t−1} = −m_{t−1}, so the ρ rule uses g̃_tᵀ m_{t−1} (= g̃_tᵀ g̃_{t−1} at μ = 0).
-
-    q̃'s noise is drawn as one scalar for the exp and additive rules (``OSOClip``'s docstring:
-    same law of every output, same ledger event).
-
-    Defaults (docs/strategies.md, "Defaults"): ρ_c = ρ_r = 2.93/T (horizon-aware: Galli's
-    2.5e-3 at their T ≈ 1,172 steps, the same ×19 range on any horizon); C₀ = 1 and ρ₀ by the
-    linear scaling rule of DP-SGD, ρ₀ = 200·(1 − μ)/(C₀·T) (measured; Galli's C₀ = 0.1 and
-    fixed rates are pinned in the galli presets, ρ₀ is searched there).
+    Momentum (μ > 0, heavy ball m_t = μ m_{t−1} + g̃_t, θ_{t+1} = θ_t − ρ_t m_t): the C rule is
+    unchanged and the ρ rule uses g̃_tᵀ m_{t−1} (derivation: docs/strategies.md, `oso`,
+    "Momentum derivation"). q̃'s noise is drawn as one scalar for the exp and additive rules (same law, same
+    ledger event: docs/privacy.md). Defaults: docs/strategies.md, "Defaults".
     """
 
     lr: float | None = None  # ρ₀; None → 200·(1 − μ)/(C₀·T) (docs/strategies.md, "Defaults")
