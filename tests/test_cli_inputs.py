@@ -20,7 +20,10 @@ def test_account_refuses_bad_input_with_one_clear_line(args: list[str], message:
     base = {"--noise-multiplier": "1", "--sampling-rate": "0.1", "--steps": "10"}
     argv = dict(base, **dict(zip(args[::2], args[1::2], strict=True)))
     res = CliRunner().invoke(app, ["account", *[x for kv in argv.items() for x in kv]])
-    assert res.exit_code != 0 and message in res.output and "Traceback" not in res.output
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    (line,) = res.output.strip().splitlines()  # one line naming the fix
+    assert line.startswith("error:") and message in line and "Fix:" in line, line
+    assert "count" not in line and "cannot convert" not in line  # the old messages
 
 
 def test_account_with_a_tiny_noise_multiplier_does_not_build_a_huge_pld_grid() -> None:

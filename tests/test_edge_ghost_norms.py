@@ -56,7 +56,7 @@ def exact_sq(g: ghost.GhostGrads) -> torch.Tensor:
     B = g.batch_size
     total = torch.zeros(B, dtype=torch.float64, device=g.losses.device)
     for layer in g._layers:
-        if isinstance(layer, ghost._Linear):
+        if isinstance(layer, ghost.LinearRule):
             if "weight" in layer.names:
                 a, b = layer.a.double(), layer.b.double()
                 if layer.G is not None:

@@ -27,7 +27,7 @@ from torch import nn
 import dptune
 from dptune import accounting
 from dptune.errors import BudgetExceededError, ConfigError
-from dptune.privatizers import PRIVATIZERS, FixedClip, NonPrivate, OSOClip, QuantileClip
+from dptune.privatizers import PRIVATIZERS, FixedClip, NonPrivate, OSOClip, QuantileClip, ZerothOrderClip
 from dptune.strategies import STRATEGIES, Composed, make_strategy, strategy_signature
 from dptune.updates import ADADP, SGD, UPDATES, Adam, AdamWOSM, OSORate
 
@@ -46,6 +46,7 @@ PRIVATE = [
     FixedClip(0.5),
     QuantileClip(initial_clip=0.5, count_noise_std=5.0),
     OSOClip(initial_clip=0.5, clip_lr=0.05),
+    ZerothOrderClip(0.5),
 ]
 UPDATE_RULES = [SGD(0.2, 0.5), Adam(0.01), AdamWOSM(1e-3), OSORate(0.2, 0.05), ADADP(0.05)]
 
@@ -71,7 +72,7 @@ def test_every_privatizer_composes_with_every_update_rule(privatizer, update) ->
     assert r.ledger.matches(r.plan.event())
     assert all(math.isfinite(float(v.abs().max())) for v in r.final_params.values())
     clips = [row["clip"] for row in r.history]
-    if isinstance(privatizer, FixedClip):
+    if isinstance(privatizer, FixedClip | ZerothOrderClip):
         assert set(clips) == {0.5}
     else:  # adaptive C: it moves from released values
         assert len(set(clips)) > 1
@@ -116,6 +117,7 @@ def test_named_strategies_are_compositions_of_their_parts() -> None:
         "dpgd": ("fixed", "sgd"),
         "adadp": ("fixed", "adadp"),
         "nodp": ("none", "sgd"),
+        "dpzo": ("zo", "sgd"),
     }
     assert set(expected) == set(STRATEGIES)
     for name, (p, u) in expected.items():
@@ -138,7 +140,7 @@ def test_composition_by_name_routes_each_hyperparameter_to_its_part() -> None:
         make_strategy("fixed+rmsprop")
     with pytest.raises(ConfigError, match="unknown strategy"):
         make_strategy("dpsdg")
-    assert set(PRIVATIZERS) == {"fixed", "quantile", "oso", "none"} and "external" not in UPDATES
+    assert set(PRIVATIZERS) == {"fixed", "quantile", "oso", "zo", "none"} and "external" not in UPDATES
 
 
 def test_a_study_runs_a_composition_arm_end_to_end(tmp_path: Path) -> None:
@@ -190,6 +192,7 @@ def test_only_privatizers_read_per_sample_gradients_or_release() -> None:
             "project",
             "materialize",
             "loss_and_grad",
+            "losses",  # per-example losses (DP-ZO's finite differences)
         }, path
         assert not names & {"PerSampleGrads", "GradientOracle", "SumQuery", "NoisyRelease"} or path.name == "loop.py", (
             path

@@ -455,6 +455,11 @@ def test_dpgd_requires_full_batch() -> None:
         ("adadp", {"tolerance": 0.0}, "tolerance"),
         ("dpsgd", {"momentum": 1.0}, "momentum"),
         ("dpadam", {"beta2": 1.5}, "beta2"),
+        ("dpgd", {"average": "mean"}, "average"),
+        ("dpgd", {"average": "ema", "ema_decay": 1.0}, "ema_decay"),
+        ("dpgd", {"average": "swa", "swa_start": -0.1}, "swa_start"),
+        ("dpzo", {"perturbation": 0.0}, "perturbation"),
+        ("dpzo", {"clip": -1.0}, "clip"),
     ],
 )
 def test_bad_strategy_hyperparameters(name: str, hp: dict, match: str) -> None:

@@ -43,37 +43,52 @@ PLD_DISCRETIZATION = 1e-4
 # ----------------------------------------------------------------------------- validation
 def check_epsilon(eps: float, name: str = "epsilon") -> float:
     if not isinstance(eps, int | float) or not math.isfinite(eps) or eps <= 0:
-        raise ConfigError(f"{name} must be a finite number > 0, got {eps!r}. Pick e.g. {name}=3.0.")
+        raise ConfigError(f"{name} must be a finite number > 0, got {eps!r}. Fix: pick e.g. {name}=3.0.")
     return float(eps)
 
 
 def check_delta(delta: float, name: str = "delta") -> float:
     if not isinstance(delta, int | float) or not (0 < delta < 1):
         raise ConfigError(
-            f"{name} must lie in (0, 1), got {delta!r}. A common choice is 1/n rounded down "
+            f"{name} must lie in (0, 1), got {delta!r}. Fix: a common choice is 1/n rounded down "
             "to a power of ten, e.g. delta=1e-5 for n=60,000."
         )
     return float(delta)
 
 
+MIN_SAMPLING_RATE = 1e-12  # below it the accountants' float arithmetic breaks down (dptune.sampling too)
+
+
 def check_sampling_rate(q: float) -> float:
     if not isinstance(q, int | float) or not (0 < q <= 1):
         raise ConfigError(
-            f"sampling rate q must lie in (0, 1], got {q!r}. q = expected_batch_size / n; q = 1 means full batch."
+            f"sampling rate q must lie in (0, 1], got {q!r}. Fix: q = expected_batch_size / n; q = 1 means full batch."
+        )
+    if q < MIN_SAMPLING_RATE:  # q = 1e-320 gave "a must be greater than b. Got a=inf and b=inf."
+        raise ConfigError(
+            f"sampling rate q = {q!r} is below {MIN_SAMPLING_RATE:g}: the accountants cannot evaluate it (and "
+            "almost every batch would be empty). Fix: use q = expected_batch_size / n ≥ 1e-12."
         )
     return float(q)
 
 
 def check_noise_multiplier(nu: float) -> float:
+    """ν in [NU_FLOOR, NU_CEILING]: beyond them the accountants overflow or divide by zero
+    (ν = 1e-320, ν = 1e308 were tracebacks) and ε is ≈ 0 or unbounded anyway."""
     if not isinstance(nu, int | float) or not (nu > 0) or math.isnan(nu):
-        raise ConfigError(f"noise_multiplier must be > 0, got {nu!r}.")
+        raise ConfigError(f"noise_multiplier must be > 0, got {nu!r}. Fix: e.g. noise_multiplier=1.0.")
+    if not (NU_FLOOR <= nu <= NU_CEILING):
+        raise ConfigError(
+            f"noise_multiplier = {nu!r} is outside [{NU_FLOOR:g}, {NU_CEILING:g}], where the accountants "
+            "work (beyond it ε is ≈ 0 or unbounded). Fix: use a noise multiplier in that range, typically 0.5 to 10."
+        )
     return float(nu)
 
 
 def check_accountant(name: str) -> str:
     if name not in ACCOUNTANTS:
         raise ConfigError(
-            f"unknown accountant {name!r}; choose one of {', '.join(ACCOUNTANTS)} "
+            f"unknown accountant {name!r}. Fix: choose one of {', '.join(ACCOUNTANTS)} "
             "('auto' picks the tightest when a run is planned)."
         )
     return name
@@ -237,6 +252,31 @@ def _epsilon_cached(event: dp_event.DpEvent, delta: float, accountant: str) -> f
 # a Richardson step predicts where the root lies at the default precision, and only the
 # final bracket [lo, hi] (hi/lo ≤ 1 + rel_tol) is evaluated at PLD_DISCRETIZATION, which is
 # what epsilon(..., 'pld') reports. The returned ν is always such a verified ``hi``.
+# The PLD accountant's work grows as 1/ν (one step's grid) and with the releases composed: below
+# this ν or beyond this count an evaluation takes minutes and gigabytes (ν = 1e-6 asked numpy for
+# 35 PiB; 10¹² steps for 37 TiB), so calibration refuses them up front and points to RDP.
+PLD_MIN_NOISE = 0.1
+PLD_MAX_RELEASES = 10**7
+
+
+def releases_of(event: dp_event.DpEvent) -> int:
+    """How many Gaussian releases ``event`` composes (what PLD's composition cost grows with)."""
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        return event.count * releases_of(event.event)
+    if isinstance(event, dp_event.ComposedDpEvent):
+        return sum(releases_of(e) for e in event.events)
+    return 0 if isinstance(event, dp_event.NoOpDpEvent) else 1
+
+
+def pld_cost_problem(noise_multiplier: float, releases: int) -> str | None:
+    """Why PLD cannot evaluate ``releases`` steps at ``noise_multiplier`` in bounded work, or None."""
+    if noise_multiplier < PLD_MIN_NOISE:
+        return f"ν = {noise_multiplier:.3g} is below {PLD_MIN_NOISE:g}, where one step's PLD grid grows to gigabytes"
+    if releases > PLD_MAX_RELEASES:
+        return f"{releases:.3g} releases are more than {PLD_MAX_RELEASES:.0e}, where PLD's composition takes gigabytes"
+    return None
+
+
 PLD_COARSE_DISCRETIZATION = 1e-3  # search level: ~1% pessimistic in ε, 5-10x cheaper
 PLD_MID_RATIO = 0.3  # a second level at 0.3x the coarse one extrapolates ε to PLD_DISCRETIZATION
 NU_FLOOR = 1e-6  # below this ν every target is treated as reachable (nothing to calibrate)
@@ -321,8 +361,9 @@ def _solve(f: _LogEps, guess: float, tol: float, target: float, slope: float = -
             x = base + min(max(jump, 0.0), cap) + over
             if x > math.log(NU_CEILING):
                 raise ConfigError(
-                    f"could not reach ε ≤ {target} even with noise multiplier {math.exp(base):.3g}; "
-                    "the event does not become private with more noise (is a step non-private?)."
+                    f"could not reach ε ≤ {target} even with noise multiplier {math.exp(base):.3g}: more noise "
+                    "does not help. Fix: check δ (a δ below about 1e-300 cannot be met by any noise level) and "
+                    "that every release of the run is noised."
                 )
         else:
             x = base + max(min(jump, 0.0), -cap) - over
@@ -554,13 +595,35 @@ def calibrate_event_info(
         guess = _guess(make_event, target_epsilon, delta)
         guess = guess if guess is not None else 1.0
 
-    fine = _LogEps(lambda nu: epsilon_cached(make_event(nu), delta, accountant), target_epsilon)
+    releases = releases_of(make_event(1.0)) if accountant == "pld" else 0
+    if releases:
+
+        def bounded(nu: float) -> float:
+            """Refuse, before any PLD is built, a ν or a count where it would take minutes and gigabytes."""
+            problem = pld_cost_problem(nu, releases)
+            if problem is not None:
+                raise ConfigError(
+                    f"calibrating ν to ε = {target_epsilon:g} at δ = {delta:g} with the PLD accountant: {problem} "
+                    "(a large ε, a tiny sampling rate, or many steps and runs). Fix: use the 'rdp' accountant (its cost does not grow "
+                    "with ν or the steps), or a smaller ε / fewer steps."
+                )
+            return nu
+
+        if guess is not None and guess < PLD_MIN_NOISE:  # the CLT guess is within a few %: no PLD built
+            bounded(guess)
+        bounded(PLD_MIN_NOISE)  # the count alone
+    else:
+
+        def bounded(nu: float) -> float:
+            return nu
+
+    fine = _LogEps(lambda nu: epsilon_cached(make_event(bounded(nu)), delta, accountant), target_epsilon)
     search_evals = 0
     if accountant == "pld":
         # The discretisation error is absolute in ε, so small targets search on a finer grid.
         d_c = min(PLD_COARSE_DISCRETIZATION, max(2.5 * PLD_DISCRETIZATION, 4e-4 * target_epsilon))
         d_m = PLD_MID_RATIO * d_c
-        coarse = _LogEps(lambda nu: _pld_epsilon_at(make_event(nu), delta, d_c), target_epsilon)
+        coarse = _LogEps(lambda nu: _pld_epsilon_at(make_event(bounded(nu)), delta, d_c), target_epsilon)
         slope = -1.0
         c_lo, c_hi = _solve(coarse, math.log(guess), max(tol, math.log1p(5e-3)), target_epsilon)
         x_star = c_hi
@@ -576,8 +639,8 @@ def calibrate_event_info(
             c2, m2, f2 = d_c**2, d_m**2, PLD_DISCRETIZATION**2
             for _ in range(2):
                 nu = math.exp(x_star)
-                e_c = _pld_epsilon_at(make_event(nu), delta, d_c)
-                e_m = _pld_epsilon_at(make_event(nu), delta, d_m)
+                e_c = _pld_epsilon_at(make_event(bounded(nu)), delta, d_c)
+                e_m = _pld_epsilon_at(make_event(bounded(nu)), delta, d_m)
                 search_evals += 1 + (x_star != c_hi)
                 e_pred = e_m - (e_c - e_m) * (m2 - f2) / (c2 - m2)
                 if not (math.isfinite(e_pred) and e_pred > 0):
@@ -585,7 +648,7 @@ def calibrate_event_info(
                 x_star = x_star - (math.log(e_pred) - math.log(target_epsilon)) / slope
         # Default precision from here on. The point expected feasible is evaluated by the
         # reporting accountant itself; the search below it uses the vectorised twin.
-        fast = _LogEps(lambda nu: _pld_epsilon_at(make_event(nu), delta, PLD_DISCRETIZATION), target_epsilon)
+        fast = _LogEps(lambda nu: _pld_epsilon_at(make_event(bounded(nu)), delta, PLD_DISCRETIZATION), target_epsilon)
         x0 = x_star + 0.45 * tol
         fast.values[x0], fast.eps[x0] = fine(x0), fine.eps[x0]
         lo, hi = _solve(fast, x0, tol, target_epsilon, slope)
@@ -647,7 +710,9 @@ def calibrate_info(
     check_sampling_rate(q)
     steps_i, runs_i = _count(steps), _count(runs)
     if steps_i is None or runs_i is None:
-        raise ConfigError(f"steps and runs must be integers ≥ 1, got steps={steps!r}, runs={runs!r}")
+        raise ConfigError(
+            f"steps and runs must be integers ≥ 1, got steps={steps!r}, runs={runs!r}. Fix: e.g. steps=1000, runs=1."
+        )
     check_accountant(accountant)
     return _calibrate_info_cached(float(eps), float(delta), float(q), steps_i, runs_i, accountant, float(rel_tol))
 

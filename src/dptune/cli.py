@@ -87,7 +87,7 @@ def parse_hyperparameters(pairs: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise DPTuneError(f"hyperparameter {pair!r} is not key=value (e.g. --hp lr=0.1).")
+            raise DPTuneError(f"hyperparameter {pair!r} is not key=value. Fix: write e.g. --hp lr=0.1.")
         k, v = pair.split("=", 1)
         try:
             out[k.strip()] = json.loads(v)
@@ -163,12 +163,17 @@ def train(
     from dptune.train import train as run_train
 
     device = str(resolve_device(device, "--device"))  # before any data is read: one clear error
+    _check_seed(seed)
+    _check_data_dir(data_dir)
     from dptune.report.privacy import DIAGNOSTICS_DIR, NOT_DP_LABEL, diagnostics_dir, train_outputs
 
     # Checked before training (nothing is spent on a doomed run); created only after it.
     diag_path = diagnostics_out or out.parent / DIAGNOSTICS_DIR / out.name
     if diag_path.resolve() == out.resolve():
-        raise DPTuneError("--diagnostics-out must differ from --out: the diagnostics are not differentially private.")
+        raise DPTuneError(
+            "--diagnostics-out must differ from --out: the diagnostics are not differentially private. "
+            "Fix: leave out --diagnostics-out (default: diagnostics/<out name> beside --out), or name another file."
+        )
     from dptune.paths import check_output_dir, check_output_file
 
     check_output_file(out, "--out")  # a bad path once failed after training, losing the result
@@ -313,6 +318,27 @@ def _check_model_fits(net: Any, train_part: Any, model: str, dataset: str, built
     models.check_fits(net, pair[0], pair[1], f"--model {model}", fix)
 
 
+SEED_MAX = 2**63 - 1  # torch.manual_seed takes at most a 64-bit integer; the data splits need ≥ 0
+
+
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed <= SEED_MAX:  # -1 gave "expected non-negative integer", 10**24 "Overflow when unpacking"
+        raise ConfigError(f"--seed must be an integer in [0, 2**63 - 1], got {seed}. Fix: e.g. --seed 0.")
+
+
+def _check_data_dir(data_dir: str | None) -> None:
+    """A --data-dir that is not a folder was silently ignored (the data came from the cache or a download)."""
+    if data_dir is None:
+        return
+    p = Path(data_dir)
+    if not p.is_dir():
+        what = "is a file" if p.exists() else "does not exist"
+        raise ConfigError(
+            f"--data-dir {data_dir!r} {what}: it names the folder holding the datasets (<data-dir>/<name>/...). "
+            "Fix: pass that folder, or leave out --data-dir to use $DPTUNE_DATA_DIR or the download cache."
+        )
+
+
 @app.command()
 @_guard
 def account(
@@ -329,7 +355,7 @@ def account(
     accounting.check_sampling_rate(sampling_rate)
     accounting.check_noise_multiplier(noise_multiplier)  # nan, 0, negative: one clear error
     if steps < 1 or runs < 1:
-        raise DPTuneError(f"--steps and --runs must be ≥ 1, got {steps} and {runs}.")
+        raise DPTuneError(f"--steps and --runs must be ≥ 1, got {steps} and {runs}. Fix: e.g. --steps 1000 --runs 1.")
     accounting.check_delta(delta)
     event = accounting.dpsgd_event(noise_multiplier, sampling_rate, steps, runs)
     names = ["rdp", "pld"] + (["gdp"] if sampling_rate >= 1 else []) if accountant == "all" else [accountant]
@@ -345,6 +371,10 @@ def account(
                 t.add_row(
                     name, f"not computed (RDP gives {accounting.round_up(rdp_eps, 6):.6g}: no meaningful privacy)"
                 )
+                continue
+            problem = accounting.pld_cost_problem(noise_multiplier, accounting.releases_of(event))
+            if name == "pld" and problem is not None:  # minutes and gigabytes: RDP's row stands
+                t.add_row(name, f"not computed ({problem}; see RDP)")
                 continue
             eps = rdp_eps if name == "rdp" else accounting.epsilon(event, delta, name)
             t.add_row(name, f"{accounting.round_up(eps, 6):.6g}")
@@ -414,7 +444,7 @@ def tune(
 
     study = load_study_config(config)
     study_dir = out or Path("studies") / study.name
-    run_study(
+    outcome = run_study(
         study,
         study_dir,
         executor=executor,
@@ -423,11 +453,25 @@ def tune(
         workers=workers,
         gpus_per_run=gpus_per_run,
     )
+    study_dir = outcome.study_dir  # "e/m/.." is stored in e
     render(study_dir, console)
     console.print(
         f"study directory: {study_dir}  (publishable: {study_dir / 'release'}; "
         f"dptune report {study_dir} for the HTML report)"
     )
+    if not outcome.complete:  # e.g. a killed worker: said, and exit code 1, not a silent success
+        from dptune.report.privacy import NOT_DP_LABEL
+
+        # Failed-run counts are not covered by the guarantee: the owner's view, labelled.
+        left = sum(n for s, n in outcome.counts.items() if s not in ("done", "diverged"))
+        console.print(
+            f"[bold red]{left} of {sum(outcome.counts.values())} runs did not finish "
+            f"({outcome.counts.get('failed', 0)} failed; {NOT_DP_LABEL}).[/] "
+            f"Check with `dptune status {study_dir}`; `dptune resume {study_dir}` retries them with the same seeds.",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -480,10 +524,11 @@ def resume(
     """Continue an interrupted study: finished runs are kept, interrupted runs re-execute
     with the same seeds and noise streams (nothing is released or spent twice)."""
     from dptune.tune import resume_study, study_status
-    from dptune.tune.executors import check_workers
+    from dptune.tune.executors import check_executor, check_workers
     from dptune.tune.results import render
 
     check_workers(workers)
+    check_executor(executor, address)  # a wrong name or address is refused even when nothing is left to run
     st = study_status(study_dir)
     if st["complete"]:  # nothing to run: say so rather than print the table as if it had resumed
         # No run count: under Liu–Talwar / repeat-and-select it is not covered by the guarantee.
@@ -552,6 +597,10 @@ def export(
     release. Reload it with dptune.load_model(DIR)."""
     from dptune.deliverable import export_study
 
+    if out is not None:  # a file there was a NotADirectoryError traceback
+        from dptune.paths import check_output_dir
+
+        check_output_dir(out, "--out")
     for d in export_study(study_dir, arm, out):
         console.print(f"model: {d}  (dptune.load_model({str(d)!r}))", highlight=False)
 
@@ -575,6 +624,11 @@ def reproduce(
         None, help="Galli presets: train every run this many steps (a quick check; not comparable with the paper)"
     ),
     limit: int | None = typer.Option(None, help="Galli presets: use this many training examples (a quick check)"),
+    average: str | None = typer.Option(
+        None,
+        help="Panda presets: add the iterate-averaging ablation, a second grid oracle whose DP-GD returns the "
+        "ema or swa of its iterates (Panda Fig. 11)",
+    ),
     progress: bool = typer.Option(True),
 ) -> None:
     """Reproduce a paper experiment (Galli, Mohapatra, Panda) at a given scale."""
@@ -583,8 +637,20 @@ def reproduce(
     if name in ("list", "--list"):
         console.print(presets.presets_table())
         return
-    opts = {key: v for key, v in {"k": k, "steps": steps, "limit": limit}.items() if v is not None}
+    opts = {key: v for key, v in {"k": k, "steps": steps, "limit": limit, "average": average}.items() if v is not None}
+    if steps is not None and steps >= 1:  # planned only after the output folder is made: refused here first
+        from dptune.sampling import check_steps
+
+        check_steps(steps, f"--steps {steps}")
     out_dir = out or Path("runs") / f"{name}-{scale}"
+    from dptune.paths import check_output_dir
+
+    check_output_dir(out_dir, "--out")  # below a file: a NotADirectoryError traceback
+    if device is not None:  # '' was read as "not given"
+        from dptune.devices import check_device_name
+
+        check_device_name(device, "--device")
+    _check_data_dir(data_dir)
     presets.reproduce(
         name,
         scale,
@@ -608,7 +674,9 @@ def demo(
     """The main job: an honest study on embedded MNIST (5k) comparing online / dpsgd /
     quantile / adamwosm at two ε values; prints the table and writes the HTML report."""
     from dptune import presets
+    from dptune.paths import check_output_dir
 
+    check_output_dir(out, "--out")  # below a file: a NotADirectoryError traceback
     presets.demo(out, progress=progress, console=console)
 
 
@@ -629,6 +697,10 @@ def audit(
     Exit code 1 when the audit refutes the claim."""
     from dptune.audit import run_audit
 
+    if out is not None:  # a bad path once failed after the audit, losing its result
+        from dptune.paths import check_output_file
+
+        check_output_file(out, "--out")
     res = run_audit(
         strategy,
         eps,
@@ -642,6 +714,7 @@ def audit(
     )
     console.print(res.summary())
     if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res.to_dict(), default=str, indent=2))
     if res.flagged:
         raise typer.Exit(1)

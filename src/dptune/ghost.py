@@ -85,7 +85,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptune.grads import (
+from dptune.persample import (
     NORM_BLOCK,
     MaterializedGrads,
     ParamSwap,
@@ -139,7 +139,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-class _Fallback(Exception):
+class GhostFallback(Exception):
     """Raised while computing when this batch/model needs the vmap path."""
 
 
@@ -206,7 +206,7 @@ class _Dense(_Layer):
         return self.grads
 
 
-class _Linear(_Layer):
+class LinearRule(_Layer):
     """a, b are kept as [B, d], [B, p] when T = 1 (no position axis: fewer view ops on the
     hot path of small dense models), as [B, T, d], [B, T, p] otherwise."""
 
@@ -393,7 +393,7 @@ class _Conv(_Layer):
                 for i in range(0, B, self._chunk):
                     U = F.unfold(big[i : i + self._chunk], **self.geom)  # [c, d, T]
                     if U.shape[2] != T:
-                        raise _Fallback("unfold geometry does not match the layer's output")
+                        raise GhostFallback("unfold geometry does not match the layer's output")
                     V = small[i : i + self._chunk].reshape(U.shape[0], p, T)
                     yield U.transpose(1, 2).double(), V.transpose(1, 2).double()
 
@@ -780,7 +780,7 @@ class GhostEngine:
         for m, _, _ in used:
             rec = records[m]
             if rec is None or rec[0]._version != rec[2] or rec[1]._version != rec[3]:
-                raise _Fallback("a layer was called twice or its input/output was modified in place")
+                raise GhostFallback("a layer was called twice or its input/output was modified in place")
         zs = [records[m][1] for m, _, _ in used]
         bs = list(torch.autograd.grad(losses.sum(), zs, allow_unused=True)) if zs else []
         layers: list[_Layer] = []
@@ -792,7 +792,7 @@ class GhostEngine:
             bs[i] = None  # free as we go
             weight = ps.get(names.get("weight", ""), getattr(m, "weight", None))
             if cls is nn.Linear:
-                layers.append(_Linear(names, a, b, weight))
+                layers.append(LinearRule(names, a, b, weight))
             elif cls in _CONV:
                 layers.append(_Conv(names, m, a, b, weight.detach()))
             elif cls is nn.Embedding:

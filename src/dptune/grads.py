@@ -15,13 +15,11 @@ default comes from ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_METHOD``; ``set_default
 
 from __future__ import annotations
 
-import functools
-import math
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,9 +27,25 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from dptune import inputs
 from dptune.errors import ConfigError
+from dptune.persample import (  # noqa: F401 - re-exported: ``dptune.grads`` is where users look
+    NORM_BLOCK,
+    NORM_FLOOR,
+    LossFn,
+    MaterializedGrads,
+    ParamSwap,
+    PerSampleGrads,
+    batched_loss,
+    check_model,
+    gamma,
+    ieee_matmul,
+    nonfinite_rows,
+    per_example_loss,
+    sq_rows_upper,
+    unit_roundoff,
+    upper_norms,
+)
 
 Tensors = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 GRAD_METHODS = ("auto", "vmap", "ghost")
 DEFAULT_METHOD: str = os.environ.get("DPTUNE_GRAD_METHOD", "auto")
@@ -61,422 +75,6 @@ def default_method(method: str) -> Iterator[None]:
 
 
 # Layers that mix examples of a batch: per-example gradients are undefined for them.
-_CROSS_SAMPLE = (nn.modules.batchnorm._BatchNorm,)
-
-
-def check_model(model: nn.Module) -> None:
-    """Reject layers whose output for one example depends on the others (e.g. BatchNorm)."""
-    for name, mod in model.named_modules():
-        if isinstance(mod, _CROSS_SAMPLE):
-            raise ConfigError(
-                f"layer '{name or type(mod).__name__}' ({type(mod).__name__}) mixes examples across the "
-                "batch, so per-example gradients (and DP) are undefined. Replace it with "
-                "nn.GroupNorm or nn.LayerNorm (e.g. nn.GroupNorm(min(32, C), C))."
-            )
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ConfigError("the model has no trainable parameters (requires_grad=True).")
-
-
-def per_example_loss(name: str) -> LossFn:
-    """Loss of ONE example (unbatched output and target) as a scalar."""
-    if name == "cross_entropy":
-        return lambda out, y: nn.functional.cross_entropy(out.unsqueeze(0), y.unsqueeze(0))
-    if name == "mse":
-        return lambda out, y: nn.functional.mse_loss(out, y)
-    if name == "bce":
-        return lambda out, y: nn.functional.binary_cross_entropy_with_logits(out.reshape(()), y.float().reshape(()))
-    raise ConfigError(f"unknown loss {name!r}; choose cross_entropy, mse or bce")
-
-
-def batched_loss(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The [B] vector of ``per_example_loss(name)`` over a batch, without vmap (faster)."""
-    F = nn.functional
-    if name == "cross_entropy":
-        return lambda out, y: F.cross_entropy(out, y, reduction="none")
-    if name == "mse":
-        return lambda out, y: F.mse_loss(out, y, reduction="none").reshape(out.shape[0], -1).mean(1)
-    if name == "bce":
-        return lambda out, y: F.binary_cross_entropy_with_logits(
-            out.reshape(out.shape[0]), y.float().reshape(out.shape[0]), reduction="none"
-        )
-    raise ConfigError(f"unknown loss {name!r}; choose cross_entropy, mse or bce")
-
-
-class PerSampleGrads(Protocol):
-    """What strategies may read from one batch's per-example gradients."""
-
-    losses: torch.Tensor  # [B]
-    norms: torch.Tensor  # [B], L2 norm over all trainable parameters
-
-    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Tensors:
-        """Σ_i weights[i] · g_i, per parameter; rows with a non-finite g_i contribute 0."""
-        ...
-
-
-class ParamSwap:
-    """``torch.func.functional_call``'s reparametrisation with the module walk done once.
-
-    ``functional_call(model, (params, buffers), args)`` walks the whole module tree on every
-    call (tied-weight detection, attribute paths): ~0.1 ms, 2 % of a small model's step.
-    Here the slots (each module's ``_parameters`` / ``_buffers`` entries, with every name,
-    tied ones included, under which the model lists that tensor) are collected once; a call
-    swaps the given tensors in, runs the model and swaps the originals back. Same semantics
-    as ``functional_call(..., tie_weights=True, strict=False)``: a tied tensor is replaced
-    wherever it appears, tensors not given stay the module's own. When the model changed
-    since (a slot no longer holds its tensor or submodule, or a given name is unknown) the
-    slots are rebuilt, and a name still unknown after that is left to ``functional_call`` itself.
-    """
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self._slots, self._known = self._build()
-
-    def _build(self) -> tuple[list[tuple[dict, str, Any, tuple[str, ...]]], set[str]]:
-        named = [
-            *self.model.named_parameters(remove_duplicate=False),
-            *self.model.named_buffers(remove_duplicate=False),
-        ]
-        names: dict[int, list[str]] = {}
-        for n, t in named:
-            names.setdefault(id(t), []).append(n)
-        slots: list[tuple[dict, str, Any, tuple[str, ...]]] = []
-        for mod in self.model.modules():
-            for store in (mod._parameters, mod._buffers):
-                for k, t in store.items():
-                    if t is not None:  # the slot holds t, so id(t) stays valid
-                        slots.append((store, k, t, tuple(names[id(t)])))
-            # Submodules are checked, never swapped: a replaced layer must not keep old slots.
-            slots.extend((mod._modules, k, m, ()) for k, m in mod._modules.items())
-        return slots, {n for n, _ in named}
-
-    def swap_in(self, *dicts: Tensors) -> list[tuple[dict, str, torch.Tensor]] | None:
-        """Put the tensors of ``dicts`` into the model; what ``restore`` needs, or None when
-        the model has no slot for some given name (then use ``functional_call``)."""
-        for rebuild in (False, True):
-            if rebuild:
-                self._slots, self._known = self._build()
-            if not all(d.keys() <= self._known for d in dicts):
-                continue
-            swapped: list[tuple[dict, str, torch.Tensor]] = []
-            for store, k, t, ns in self._slots:
-                if store.get(k) is not t:  # a tensor of the model was replaced since _build
-                    self.restore(swapped)
-                    break
-                v = _lookup(dicts, ns) if ns else None
-                if v is not None:
-                    store[k] = v
-                    swapped.append((store, k, t))
-            else:
-                return swapped
-        return None
-
-    @staticmethod
-    def restore(swapped: list[tuple[dict, str, torch.Tensor]]) -> None:
-        for store, k, t in swapped:
-            store[k] = t
-
-    def __call__(self, tensors: Tensors, buffers: Tensors, x: Any) -> torch.Tensor:
-        """``functional_call(model, (tensors, buffers), x)``, x a tensor, tuple or dict (``dptune.inputs``)."""
-        args, kwargs = inputs.args_kwargs(x)
-        swapped = self.swap_in(tensors, buffers)
-        if swapped is None:
-            return functional_call(self.model, (tensors, buffers), args, kwargs)
-        try:
-            return self.model(*args, **kwargs)
-        finally:
-            self.restore(swapped)
-
-
-def _lookup(dicts: tuple[Tensors, ...], names: tuple[str, ...]) -> torch.Tensor | None:
-    for d in dicts:
-        for n in names:
-            v = d.get(n)
-            if v is not None:
-                return v
-    return None
-
-
-def _rows(g: torch.Tensor) -> torch.Tensor:
-    """[B, *shape] → [B, prod(shape)] (also for B = 0, where reshape(0, -1) is ambiguous)."""
-    return g.reshape(g.shape[0], math.prod(g.shape[1:]))
-
-
-# ----------------------------------------------------------------------------- norms as upper bounds
-# The clipping weight min(1, C/N_i) bounds example i's released contribution by C only if N_i
-# is at least the norm of what is released for it. Float rounding of ‖g_i‖ must therefore
-# never round *down*. Every norm below is an upper bound, proved with the standard model of
-# floating-point arithmetic (Higham 2002, §2.2 and Lemma 3.1): fl(x op y) = (x op y)(1 + δ),
-# |δ| ≤ u (round to nearest, u = eps/2), so a sum of n products evaluated in ANY order (blocked,
-# vectorised, FMA, multi-threaded) is within γ_n·Σ|terms| of the exact value, with
-# γ_n = n·u/(1 − n·u). For sums of squares every term is ≥ 0: the relative error is ≤ γ_n.
-# Underflow adds an absolute error ≤ 2⁻¹⁴⁹ per product (float32), covered by NORM_FLOOR.
-# Derivations and numbers: docs/privacy.md, "Per-sample norms are upper bounds".
-#
-# Rows longer than NORM_BLOCK are summed in blocks of NORM_BLOCK in the tensor's dtype (torch's
-# fast fused vector_norm), the block sums in float64: relative slack ≤ γ_{1028} ≈ 6e-5 in the
-# square for float32, instead of γ_n for a whole row of n (6e-3 for n = 1e5). ``upper_norms``
-# applies one slack to all: γ_{2056} (a product of two such sums), 1.2e-4 in the square, so
-# every float32 norm is inflated by ≈ 6.1e-5 relative (float64: 1.1e-13).
-NORM_BLOCK = 1024
-# Added (squared) to every squared norm: covers the absolute underflow error of float32
-# products (≤ n·2⁻¹⁴⁹ ≈ 1e-36 for n ≤ 2³¹ terms) and changes no norm above ~1e-12.
-NORM_FLOOR = 1e-16
-
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """u = eps/2 of a floating dtype (2⁻²⁴ for float32, 2⁻⁵³ for float64)."""
-    return torch.finfo(dtype).eps / 2
-
-
-def gamma(n: float, u: float) -> float:
-    """γ_n = n·u/(1 − n·u) (inf when n·u ≥ 1: no bound)."""
-    nu = n * u
-    return nu / (1.0 - nu) if nu < 1.0 else math.inf
-
-
-def sq_rows_upper(g: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """(s, ρ) with Σ_j g_ij² ≤ s_i·(1 + ρ) for every row i of g ([B, *shape]), exactly.
-
-    Assumes only that ``vector_norm`` returns the square root of a float sum of the products
-    x·x (any order): then s ≥ Σx²·(1 − γ_n)(1 − u)³ ≥ Σx²·(1 − γ_{n+3}) for a row of
-    n ≤ NORM_BLOCK (the root, and s = root² rounded: three more roundings; ρ uses n + 4). For
-    longer rows each block of m obeys that, and the float64 sum of the k + 1 block squares
-    costs (1 − γ⁶⁴_{k+3}) more.
-    """
-    flat = _rows(g)
-    if flat.dtype in _HALF:  # bf16/fp16 sums would need a slack of ~n·2⁻⁸: sum in float32
-        flat = flat.float()
-    B, n = flat.shape
-    u = unit_roundoff(flat.dtype)
-    if n <= NORM_BLOCK:
-        return torch.linalg.vector_norm(flat, dim=1).square_(), 1.0 / (1.0 - gamma(n + 4, u)) - 1.0
-    m = NORM_BLOCK
-    k = n // m
-    s = torch.linalg.vector_norm(flat[:, : k * m].reshape(B, k, m), dim=2).double().square_().sum(1)
-    if k * m < n:
-        s += torch.linalg.vector_norm(flat[:, k * m :], dim=1).double().square_()
-    u64 = unit_roundoff(torch.float64)
-    return s, 1.0 / ((1.0 - gamma(m + 4, u)) * (1.0 - gamma(k + 4, u64))) - 1.0
-
-
-_K_CACHE: dict[tuple[float, int, torch.dtype, torch.dtype], float] = {}
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _norm_factor(
-    rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.dtype, extra_rounding: bool = False
-) -> float:
-    """The smallest float K of ``dtype`` with K ≥ (1+γ'_2)·√((1+ρ)/(1−γ_{terms+1}))/(1−u)².
-
-    (1 − γ_{terms+1}): the conversions and terms additions (τ² included) of ``upper_norms``'s
-    sum of non-negative terms; (1 − u)²: its square root and the multiplication by K;
-    (1 + γ'_2): the two roundings (w·b, then ·a) of the weighted sum's own scaling of a
-    single example's terms, in the model's dtype (a released w_i·g_i has norm
-    ≤ |w_i|·(1+γ'_2)·‖g_i‖); γ'_3 with ``extra_rounding`` (w cast to the model's dtype first).
-    """
-    key = (rho, terms, dtype, model_dtype, extra_rounding)
-    got = _K_CACHE.get(key)
-    if got is None:
-        u = unit_roundoff(dtype)
-        g = gamma(terms + 1, u)
-        k = (
-            (1.0 + gamma(3 if extra_rounding else 2, unit_roundoff(model_dtype)))
-            * math.sqrt((1.0 + rho) / (1.0 - g))
-            / (1.0 - u) ** 2
-            if g < 1
-            else math.inf
-        )
-        if math.isfinite(k):
-            k *= 1.0 + 4 * unit_roundoff(torch.float64)  # this Python arithmetic's own roundings
-            t = torch.tensor(k, dtype=torch.float64).to(dtype)
-            if float(t) < k:
-                t = torch.nextafter(t, torch.tensor(math.inf, dtype=dtype))
-            k = float(t)
-        got = _K_CACHE[key] = k
-    return got
-
-
-def upper_norms(
-    parts: list[tuple[torch.Tensor, float]],
-    like: torch.Tensor,
-    dtype: torch.dtype | None = None,
-    release_dtypes: Iterable[torch.dtype] = (),
-) -> torch.Tensor:
-    """Per-sample norms N_i ≥ (1+γ_2)·(Σ_l s_li·(1+ρ_l) + NORM_FLOOR²)^½, shaped like ``like``,
-    in ``dtype`` (default: ``like``'s).
-
-    ``release_dtypes``: the dtypes the weighted sums are computed in (the parameters'). The
-    release's rounding allowance is that of the least precise one, with one more rounding (w
-    cast to it) when it is less precise than the norms: a bf16 model whose loss is float32
-    releases in bf16.
-
-    ``parts``: (s_l, ρ_l) pairs, one per parameter (or per layer part), with ‖part_l of g_i‖²
-    ≤ s_li·(1+ρ_l) and ‖released part_l of w·g_i‖ ≤ |w|·(1+γ_2)·(s_li(1+ρ_l))^½ (see
-    ``sq_rows_upper`` and the layer rules of ``dptune.ghost``). Cost: the sum, a root and one
-    multiplication per batch, as for the plain Euclidean norm.
-    """
-    out_dt = dtype if dtype is not None else like.dtype
-    dt = torch.float32 if out_dt in _HALF else out_dt  # half-precision models: computed in float32
-    sq: torch.Tensor | None = None
-    # One slack for every path: the largest a float sum of squares in this module can need
-    # (rows of ≤ NORM_BLOCK, or two of them multiplied: ‖a‖²‖b‖²), so that the ghost, vmap
-    # and vectorised paths give the same norms up to their own float differences (~1e-7).
-    rho = 1.0 / (1.0 - gamma(2 * NORM_BLOCK + 8, unit_roundoff(dt))) - 1.0
-    for s, r in parts:
-        if s.dtype != dt:
-            s = s.to(dt)
-        sq = s if sq is None else sq + s
-        rho = max(rho, r)
-    if sq is None:
-        sq = torch.zeros(like.shape, dtype=dt, device=like.device)
-    rel_dt = max(release_dtypes, key=unit_roundoff, default=out_dt)
-    if unit_roundoff(rel_dt) <= unit_roundoff(out_dt):
-        rel_dt = out_dt
-    k = _norm_factor(rho, len(parts), dt, rel_dt, extra_rounding=rel_dt != out_dt)
-    n = sq.add(NORM_FLOOR**2).sqrt_().mul_(k)
-    if out_dt == dt:
-        return n
-    low = n.to(out_dt)  # rounded to nearest: step up where that went down
-    return torch.where(low.to(dt) < n, torch.nextafter(low, torch.full_like(low, math.inf)), low)
-
-
-@contextmanager
-def ieee_matmul(device: torch.device) -> Iterator[None]:
-    """Full-precision float32 products for the duration: matrix products without TF32 / bf16
-    inputs and, on CUDA, cuDNN convolutions without TF32 and with deterministic algorithms.
-
-    The bounds on a released sum (``ghost``'s layer rules, ``MaterializedGrads``) assume
-    correctly rounded float32 products, and ghost case (e) assumes that a convolution recomputed
-    for the release gives the very values whose norm was taken. On a GPU, PyTorch's defaults break
-    both: ``torch.backends.cudnn`` runs float32 convolutions in TF32 (10-bit operands) and may pick
-    non-deterministic algorithms; ``torch.set_float32_matmul_precision('high'|'medium')`` does the
-    same to matrix products. Costs a few attribute reads when everything is already exact.
-    """
-    with _ieee_matmul(device), _exact_cudnn(device):
-        yield
-
-
-@contextmanager
-def _exact_cudnn(device: torch.device) -> Iterator[None]:
-    if device.type != "cuda":
-        yield
-        return
-    cudnn = torch.backends.cudnn
-    # The legacy switch, as long as nobody used torch ≥ 2.9's per-operator one: once the two APIs
-    # are mixed, PyTorch raises wherever the legacy flag is read (some of its own ops read it).
-    try:
-        old_tf32: bool | None = cudnn.allow_tf32
-    except RuntimeError:  # the user set per-operator precisions: keep to that API
-        old_tf32 = None
-    ops = [] if old_tf32 is not None else [getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)]
-    ops = [op for op in ops if hasattr(op, "fp32_precision")]
-    old_prec = [op.fp32_precision for op in ops]
-    old_det = cudnn.deterministic
-    if old_tf32 is not None:
-        cudnn.allow_tf32 = False
-    for op in ops:
-        op.fp32_precision = "ieee"
-    cudnn.deterministic = True
-    try:
-        yield
-    finally:
-        for op, prec in zip(ops, old_prec, strict=True):
-            op.fp32_precision = prec
-        if old_tf32 is not None:
-            cudnn.allow_tf32 = old_tf32
-        cudnn.deterministic = old_det
-
-
-@contextmanager
-def _ieee_matmul(device: torch.device) -> Iterator[None]:
-    be = torch.backends.cuda.matmul if device.type == "cuda" else getattr(torch.backends.mkldnn, "matmul", None)
-    old = getattr(be, "fp32_precision", None)
-    if old is None:  # torch before the per-backend API (2.9): the legacy global switch
-        legacy = torch.get_float32_matmul_precision()
-        if legacy == "highest":
-            yield
-            return
-        torch.set_float32_matmul_precision("highest")
-        try:
-            yield
-        finally:
-            torch.set_float32_matmul_precision(legacy)
-        return
-    if old in ("none", "ieee"):
-        yield
-        return
-    be.fp32_precision = "ieee"
-    try:
-        yield
-    finally:
-        be.fp32_precision = old
-
-
-class MaterializedGrads:
-    """Per-sample gradients held in memory as [B, *param.shape] tensors."""
-
-    def __init__(self, grads: Tensors, losses: torch.Tensor):
-        self.grads = grads
-        self.losses = losses
-        self._norms: torch.Tensor | None = None
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.losses.shape[0])
-
-    @property
-    def norms(self) -> torch.Tensor:
-        """Upper bounds N_i ≥ ‖g_i‖ of the stored g_i (``upper_norms``): w_i·g_i as released by
-        ``weighted_sum`` has norm ≤ |w_i|·N_i, whatever the rounding."""
-        if self._norms is None:
-            # In the gradients' dtype (float64 gradients keep float64 norms, as before).
-            dts = [g.dtype for g in self.grads.values()]
-            dt = functools.reduce(torch.promote_types, dts) if dts else self.losses.dtype
-            self._norms = upper_norms([sq_rows_upper(g) for g in self.grads.values()], self.losses, dt, dts)
-        return self._norms
-
-    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Tensors:
-        """Σ_i w_i g_i. Rows with a non-finite gradient are left out (``nonfinite_rows``) unless
-        ``drop_nonfinite=False`` (the plain gradient of a non-private loss, NaN and all)."""
-        with ieee_matmul(weights.device):
-            out = self._sum(weights, None)
-            bad = nonfinite_rows(self, out) if drop_nonfinite else None
-            if bad is not None:
-                keep = (~bad).nonzero().squeeze(1)
-                out = self._sum(weights[keep], keep)
-        return out
-
-    def _sum(self, weights: torch.Tensor, rows: torch.Tensor | None) -> Tensors:
-        """Σ_j weights_j g_{rows_j} (all rows when ``rows`` is None), as in ``GhostGrads._sum``."""
-        out = {}
-        for k, g in self.grads.items():
-            flat = _rows(g) if rows is None else _rows(g)[rows]
-            out[k] = (weights.to(flat.dtype) @ flat).reshape(g.shape[1:])
-        return out
-
-
-def nonfinite_rows(grads: MaterializedGrads, out: Tensors) -> torch.Tensor | None:
-    """The rows to leave out of a weighted sum: those whose gradient is not finite, or None.
-
-    One example with an inf/NaN gradient (an overflow, a NaN feature) would otherwise turn
-    the whole sum into NaN — a release that depends on one example far beyond its clipped
-    contribution. Leaving such rows out is a per-example rule (example i contributes
-    w_i g_i if ‖g_i‖ is finite, else 0), so every contribution stays within the clipping
-    bound and the sensitivity is unchanged. Cheap when all is well: one check of the norms
-    (when computed) or of the sum; the norms are only computed when something is wrong.
-    """
-    norms = grads._norms
-    if norms is not None:
-        ok = bool(torch.isfinite(norms).all())
-    else:
-        total = sum((v.sum() for v in out.values()), torch.zeros((), dtype=grads.losses.dtype))
-        ok = bool(torch.isfinite(total))
-    if ok:
-        return None
-    bad = ~torch.isfinite(grads.norms)
-    return bad if bool(bad.any()) else None
-
-
 class GradientOracle:
     """Computes per-example losses and gradients of ``model`` at given parameters.
 
@@ -500,8 +98,8 @@ class GradientOracle:
         check_model(model)
         self.model = model
         self.loss_fn = per_example_loss(loss) if isinstance(loss, str) else loss
-        # The [B] losses without vmap for the built-in losses (vmap of the per-example loss
-        # costs ~0.5 ms more per call: 10 % of a small model's non-private step).
+        # The [B] losses without vmap for the built-in losses (vmapping the per-example loss
+        # costs more than the loss itself on small models: docs/performance.md §1).
         # A user loss from ``dptune.own.user_loss`` carries its own batched form (``.batched``).
         self._batched_loss = (
             batched_loss(loss) if isinstance(loss, str) else getattr(loss, "batched", None) or torch.vmap(self.loss_fn)
@@ -564,11 +162,11 @@ class GradientOracle:
                 torch.zeros(0, device=inputs.device_of(x)),
             )
         if self._ghost is not None:
-            from dptune.ghost import _Fallback
+            from dptune.ghost import GhostFallback
 
             try:
                 got = self._ghost(params, x, y)
-            except _Fallback as exc:
+            except GhostFallback as exc:
                 self._fall_back(str(exc))
             else:
                 if self._checked or self._self_check(got, params, x, y):
@@ -617,3 +215,11 @@ class GradientOracle:
 
     def forward(self, params: Tensors, x: torch.Tensor) -> torch.Tensor:
         return self._call(params, self.buffers, x)
+
+    def losses(self, params: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
+        """The [B] per-example losses at ``params``, no gradient (zeroth-order privatizers).
+        Private per-example values: only privatizers may read them."""
+        if inputs.batch_len(x) == 0:
+            return torch.zeros(0, device=inputs.device_of(x))
+        with torch.no_grad(), ieee_matmul(inputs.device_of(x)):
+            return self._batched_loss(self._call(params, self.buffers, x), y).detach()

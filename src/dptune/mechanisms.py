@@ -338,6 +338,13 @@ def _dot1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.dot(a.reshape(-1), b.reshape(-1))
 
 
+def random_direction(source: NoiseSource, like: Tensors) -> Tensors:
+    """z ~ N(0, I) shaped like ``like``: PUBLIC randomness (a search direction of zeroth-order
+    estimates, ``privatizers.ZerothOrderClip``), not privacy noise. Drawn here, from the run's own
+    ``NoiseSource`` stream for directions, so that every Gaussian draw of dptune stays in this module."""
+    return {k: source.normal(v, 1.0) for k, v in like.items()}
+
+
 class NoisyRelease:
     """The privacy gateway of one run: every noisy statistic passes through ``release``."""
 

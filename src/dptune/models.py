@@ -187,7 +187,9 @@ def build(name: str, **kwargs: object) -> nn.Module:
     try:
         ctor = MODELS[name]
     except KeyError:
-        raise ConfigError(f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}.") from None
+        raise ConfigError(
+            f"unknown model {name!r}. Fix: choose one of {', '.join(sorted(MODELS))}, or your own pkg.module:factory."
+        ) from None
     try:
         return ctor(**kwargs)
     except TypeError as exc:
@@ -217,7 +219,9 @@ def kwargs_for(name: str, ds: Any) -> dict[str, Any]:
     try:
         params = inspect.signature(MODELS[name]).parameters
     except KeyError:
-        raise ConfigError(f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}.") from None
+        raise ConfigError(
+            f"unknown model {name!r}. Fix: choose one of {', '.join(sorted(MODELS))}, or your own pkg.module:factory."
+        ) from None
     out: dict[str, Any] = {}
     if "input_dim" in params:
         out["input_dim"] = math.prod(tuple(ds.input_shape))

@@ -13,6 +13,8 @@ has released.
   query (the unclipped count) sharing ν;
 * ``OSOClip``: C_t learned online by the hypergradient sign rule (Galli et al. 2024), a
   second query q̃ sharing ν (Proposition 1);
+* ``ZerothOrderClip``: DP-ZO (Tang et al. 2024): per-example finite differences along a random
+  direction z, clipped to [−C, C], summed, one noisy scalar; released as (s̃/L)·z;
 * ``NonPrivate``: the plain batch-mean gradient, recorded as a non-private event (ε = ∞).
 
 Every private privatizer makes ONE joint Gaussian release of multiplier ν per step; the
@@ -31,7 +33,8 @@ import torch
 from dptune import accounting, tree
 from dptune.errors import ConfigError
 from dptune.grads import PerSampleGrads
-from dptune.mechanisms import DeferredSum, SumQuery, record_nonprivate
+from dptune.mechanisms import DeferredSum, NoiseSource, SumQuery, random_direction, record_nonprivate
+from dptune.sampling import stream_seed
 from dptune.steps import (
     RULES,
     Rule,
@@ -232,11 +235,10 @@ class OSOClip(Privatizer):
     C(1 + ρ_c cos(g̃_t, q̃_{t−1}))). The C rule holds for any update rule: θ_t depends on
     C_{t−1} only through g̃_{t−1} (docs/strategies.md derives the momentum case).
 
-    q̃'s noise as one scalar (rules ``exp`` and ``additive``; class switch ``defer_q_noise``):
-    these rules read q̃_t only through s_t = g̃_{t+1}ᵀq̃_t, and g̃_{t+1} is independent of q̃_t's
-    noise, so ``NoisyRelease.project`` draws s_t's noise directly: same law of every output,
-    same ledger event, one d-dimensional draw saved per step (docs/privacy.md). ``normalized``
-    also needs ‖q̃_t‖: it draws the full vector.
+    q̃'s noise is one scalar for the rules ``exp`` and ``additive`` (``defer_q_noise``): they read
+    q̃_t only through g̃_{t+1}ᵀq̃_t, so ``NoisyRelease.project`` draws that scalar's noise; same law
+    of every output, same ledger event (why: docs/privacy.md, "deferred"). ``normalized`` draws
+    the full vector.
     """
 
     initial_clip: float = 1.0  # C₀
@@ -311,6 +313,82 @@ class OSOClip(Privatizer):
 
 
 @dataclass(frozen=True)
+class ZerothOrderClip(Privatizer):
+    """DP zeroth-order optimisation (DP-ZO; Tang, Panda, Nasr, Mahloujifar & Mittal 2024; used by
+    Panda et al. 2024, §A.4, Table 14): the released quantity is ONE scalar per step.
+
+    Per step t, on the Poisson batch B_t (L = expected batch size), with a random direction
+    z_t ~ N(0, I_d) over the trainable parameters:
+      d_i = (ℓ(θ + μz_t; x_i) − ℓ(θ − μz_t; x_i)) / (2μ)       (central difference, per example)
+      s̃_t = Σ_{i∈B_t} clip_C(d_i) + N(0, ν²C²),   clip_C(d) = max(−C, min(C, d))
+      released direction: (s̃_t / L) · z_t           (an update rule then steps θ ← θ − η·(s̃_t/L)·z_t)
+
+    Sensitivity C: under add/remove of one example, one term clip_C(d_i) ∈ [−C, C] appears or
+    disappears, so the sum moves by at most C (a non-finite d_i, from a loss that overflows,
+    counts as 0: still within [−C, C]). The direction z_t is drawn independently of the data
+    (from its own stream, derived from the run's noise seed, or the OS CSPRNG in secure mode), so
+    it may be public: given z_t, s̃_t is the Gaussian mechanism with sensitivity C and multiplier
+    ν, and θ_{t+1} is a function of (θ_t, z_t, s̃_t). The step is therefore one
+    PoissonSampled(q, Gaussian(ν)) event, exactly DP-SGD's; the noise stream is untouched by the
+    directions. The sum is computed exactly (``math.fsum``, correctly rounded float64).
+    """
+
+    clip: float = 1.0  # C, the bound on each example's finite difference
+    perturbation: float = 1e-3  # μ (MeZO / DP-ZO: 1e-3)
+    name = "zo"
+    # Stacked trials (``vectorized.train_many``) share one batched forward per step; the two
+    # perturbed evaluations per trial are not implemented there, so trials run one by one.
+    stackable: ClassVar[bool] = False
+    hyperparameters = ("clip", "perturbation")
+
+    def __post_init__(self) -> None:
+        check_positive("clip (C)", self.clip)
+        check_positive("perturbation (μ)", self.perturbation)
+
+    def init(self, run: RunInfo) -> dict[str, Any]:
+        return {"directions": None}
+
+    @staticmethod
+    def _direction_source(ctx: StepContext) -> NoiseSource:
+        """z's stream: its own, derived from the gateway's noise seed (secure mode: the OS CSPRNG),
+        so that drawing z never shifts the privacy noise."""
+        noise = getattr(ctx.release, "noise", None)
+        if noise is None:  # a test stub without a noise source: a fixed seed (not a real run)
+            return NoiseSource(stream_seed(0, "zo-directions"))
+        return NoiseSource(stream_seed(noise.seed, "zo-directions"), noise.device, noise.secure)
+
+    def differences(self, params: Tensors, z: Tensors, ctx: StepContext) -> torch.Tensor:
+        """The clipped per-example finite differences clip_C(d_i) (float64, [B])."""
+        mu = self.perturbation
+        plus = tree.add_scaled(params, mu, z)
+        minus = tree.add_scaled(params, -mu, z)
+        d = (ctx.oracle.losses(plus, ctx.x, ctx.y).double() - ctx.oracle.losses(minus, ctx.x, ctx.y).double()) / (
+            2.0 * mu
+        )
+        d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))  # one bad example adds 0, not NaN
+        return d.clamp(-self.clip, self.clip)
+
+    def privatize(self, params, state, ctx, *, lr, label):
+        assert ctx.release is not None
+        src = state["directions"] or self._direction_source(ctx)
+        with torch.no_grad():
+            z = random_direction(src, params)
+            d = self.differences(params, z, ctx)
+        total = torch.tensor(math.fsum(d.tolist()), dtype=torch.float64)
+        nu = ctx.run.noise_multiplier
+        (noisy,) = ctx.release.release(
+            SumQuery("zo_directional_derivative", total, self.clip, nu), label=f"{label}/zo_derivative"
+        )
+        s = float(noisy)
+        L = ctx.run.expected_batch_size
+        return (
+            Released(tree.scale(z, s), L, self.clip, nu * self.clip),
+            {**state, "directions": src},
+            {"clip": self.clip, "zo_derivative": s / L},
+        )
+
+
+@dataclass(frozen=True)
 class NonPrivate(Privatizer):
     """The batch-mean gradient, unclipped and without noise: ε = ∞ (Galli's NoDP baseline)."""
 
@@ -326,7 +404,9 @@ class NonPrivate(Privatizer):
         return Released(g, None, None), state, {}
 
 
-PRIVATIZERS: dict[str, type[Privatizer]] = {c.name: c for c in (FixedClip, QuantileClip, OSOClip, NonPrivate)}
+PRIVATIZERS: dict[str, type[Privatizer]] = {
+    c.name: c for c in (FixedClip, QuantileClip, OSOClip, ZerothOrderClip, NonPrivate)
+}
 
 __all__ = [
     "Released",
@@ -334,6 +414,7 @@ __all__ = [
     "FixedClip",
     "QuantileClip",
     "OSOClip",
+    "ZerothOrderClip",
     "NonPrivate",
     "PRIVATIZERS",
     "clip_weights",

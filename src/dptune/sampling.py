@@ -193,18 +193,45 @@ def _chunk_size(left: float) -> int:
     return int(left + 6.0 * math.sqrt(left) + 16)
 
 
+# Below this rate a Poisson batch is empty for ~10¹² steps and the accountants' float arithmetic
+# breaks down (q = 7e-324 from a batch of 1e-320 ran for minutes, then printed overflow warnings).
+MIN_SAMPLING_RATE = 1e-12
+# A bound on the steps of one run: beyond it the plan itself (evaluation schedule, PLD grids) takes
+# gigabytes (10¹² steps once asked for a 10¹¹-entry schedule: a MemoryError, not an error line).
+MAX_STEPS = 10**7
+
+
 def sampling_rate_for(n: int, expected_batch_size: float | None, full_batch: bool = False) -> float:
     if full_batch or expected_batch_size is None:
         return 1.0
     if not (0 < expected_batch_size <= n):
         raise ConfigError(
-            f"expected batch size must lie in (0, n = {n}], got {expected_batch_size}. Use full_batch=True for q = 1."
+            f"expected batch size must lie in (0, n = {n}], got {expected_batch_size}. "
+            f"Fix: use a batch of at most {n} examples, or full_batch=True for q = 1."
         )
-    return float(expected_batch_size) / n
+    q = float(expected_batch_size) / n
+    if q < MIN_SAMPLING_RATE:
+        raise ConfigError(
+            f"expected batch size {expected_batch_size:g} of n = {n} examples gives a sampling rate q = {q:.3g}, "
+            f"below {MIN_SAMPLING_RATE:g}: almost every batch would be empty. Fix: use a batch of at least "
+            f"{MIN_SAMPLING_RATE * n:.3g} examples (typically 64 to 4096)."
+        )
+    return q
+
+
+def check_steps(steps: float, where: str = "steps") -> None:
+    """At most ``MAX_STEPS`` steps per run: a clear error, not a MemoryError later."""
+    if steps > MAX_STEPS:
+        raise ConfigError(
+            f"{where} gives {steps:.4g} steps per run, more than {MAX_STEPS:.0e}, the most dptune plans. "
+            "Fix: train fewer steps or epochs (or use a larger batch: an epoch is n/L steps)."
+        )
 
 
 def steps_for_epochs(epochs: float, sampling_rate: float) -> int:
-    """T = ceil(epochs / q): an epoch is n/L expected steps."""
-    if epochs <= 0:
-        raise ConfigError(f"epochs must be > 0, got {epochs}")
-    return max(1, int(np.ceil(epochs / sampling_rate - 1e-9)))
+    """T = ceil(epochs / q): an epoch is n/L expected steps (at most ``MAX_STEPS``)."""
+    if not (epochs > 0) or not math.isfinite(epochs):  # nan and inf too
+        raise ConfigError(f"epochs must be a finite number > 0, got {epochs}. Fix: e.g. epochs = 5.")
+    steps = epochs / sampling_rate - 1e-9
+    check_steps(steps, f"epochs = {epochs:g} at q = {sampling_rate:.3g}")
+    return max(1, int(np.ceil(steps)))

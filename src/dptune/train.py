@@ -31,7 +31,7 @@ from dptune.grads import GradientOracle
 from dptune.ledger import Ledger
 from dptune.mechanisms import NoiseSource, NoisyRelease
 from dptune.own import HIGHER_IS_BETTER
-from dptune.sampling import PoissonSampler, sampling_rate_for, steps_for_epochs, stream_seed
+from dptune.sampling import PoissonSampler, check_steps, sampling_rate_for, steps_for_epochs, stream_seed
 from dptune.steps import RunInfo, StepContext
 from dptune.strategies import Strategy, make_strategy
 from dptune.tree import Tensors, clone, is_finite
@@ -82,7 +82,8 @@ def plan_run(
         raise ConfigError("give exactly one of epochs or steps.")
     T = steps_for_epochs(epochs, q) if epochs is not None else int(steps)  # type: ignore[arg-type]
     if T < 1:
-        raise ConfigError(f"steps must be ≥ 1, got {steps}.")
+        raise ConfigError(f"steps must be ≥ 1, got {steps}. Fix: e.g. steps=500.")
+    check_steps(T, f"steps = {T}")
     accountant = accounting.tightest_accountant(q) if accountant == "auto" else accountant
     accounting.check_accountant(accountant)
     if accountant == "gdp" and q < 1 and strategy.private:
@@ -91,6 +92,13 @@ def plan_run(
         nu = math.inf
     elif noise_multiplier is not None:
         nu = accounting_check_nu(noise_multiplier)
+        if accountant == "pld":  # its ε is computed after training: refuse a PLD too large to compute now
+            problem = accounting.pld_cost_problem(nu, accounting.releases_of(strategy.planned_event(nu, q, T)))
+            if problem is not None:
+                raise ConfigError(
+                    f"the PLD accountant cannot account this run: {problem}. Fix: use accountant='rdp' "
+                    "(--accountant rdp), or a larger noise multiplier / fewer steps."
+                )
     elif target_epsilon is not None:
         if delta is None:
             raise ConfigError("target_epsilon needs delta too, e.g. delta=1e-5.")
@@ -481,17 +489,24 @@ class RunLoop:
             self.history.append(row)
         return row
 
+    @property
+    def eval_params(self) -> Tensors:
+        """The parameters an evaluation scores: the iterate, or its running average when the
+        strategy averages its iterates (``Strategy.evaluated``: post-processing)."""
+        return self.strategy.evaluated(self.params, self.state)
+
     def eval_due(self, t: int) -> bool:
         """Is an evaluation due after step ``t`` (every ``eval_every`` steps and at the last)?"""
         return self.score is not None and (t % self.eval_every == 0 or t == self.plan.steps)
 
     def record(self, t: int, row: dict[str, Any], value: float | None = None) -> None:
         """Record step ``t``'s row, with the evaluation ``value`` of the current parameters
-        when one was due (and keep them if they are the best so far), then call ``on_step``."""
+        when one was due (and keep them if they are the best so far), then call ``on_step``.
+        ``value`` is the score of ``eval_params``."""
         if value is not None:
             row["eval_" + self.metric] = value
             self.evals.append({"step": t, self.metric: value})
-            self._consider(value, t, self.params)
+            self._consider(value, t, self.eval_params)
         self.history.append(row)
         if self.on_step is not None:
             self.on_step(t, row)
@@ -574,7 +589,7 @@ def train(
     own = OwnTask.resolve(data, eval_data, device, metric, loss)
     dev, metric, loss, n = own.device, own.metric_name, own.loss, own.n
     if eval_every < 1:
-        raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}.")
+        raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}. Fix: e.g. eval_every=50.")
     if plan is None:
         plan = plan_run(
             strategy,
@@ -617,7 +632,7 @@ def train(
             row = loop.step(t, *own.batch(loop.sampler.sample()), oracle)
             if loop.diverged:
                 break
-            loop.record(t, row, score(loop.params) if loop.eval_due(t) else None)
+            loop.record(t, row, score(loop.eval_params) if loop.eval_due(t) else None)
             if bar is not None:
                 bar.update(1, row)
     finally:

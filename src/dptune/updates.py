@@ -12,7 +12,9 @@ optional ``finalize`` (a free step after training).
   α/(νC/L + 1e-8) (Mohapatra et al. 2022, Algorithm 2);
 * ``OSORate(lr, lr_lr, rule)``: heavy ball whose ρ is learned online by the hypergradient
   sign rule (Galli et al. 2024, Alg. 1 line 15);
-* ``ADADP``: step size adapted by one full step against two half steps (Koskela & Honkela 2020).
+* ``ADADP``: step size adapted by one full step against two half steps (Koskela & Honkela 2020);
+* ``Averaged(rule, average)``: any rule, evaluated and returned as the EMA or SWA of its iterates
+  (post-processing of the iterates: no privacy cost). Not a named part: DP-GD exposes it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -93,6 +95,11 @@ class UpdateRule(ABC):
 
     def finalize(self, params: Tensors, state: dict[str, Any]) -> Tensors:
         """Post-processing after the last step (free of privacy cost). Default: none."""
+        return params
+
+    def evaluated(self, params: Tensors, state: dict[str, Any]) -> Tensors:
+        """The parameters an evaluation during training scores (and a best checkpoint keeps).
+        Default: the iterate itself; ``Averaged``: the running average of the iterates."""
         return params
 
     def config(self) -> dict[str, Any]:
@@ -404,6 +411,116 @@ class ADADP(UpdateRule):
         return out, state, {"lr": lr, "adadp_error": err, "accepted": float(accept)}
 
 
+Average = Literal["none", "ema", "swa"]
+AVERAGES = ("none", "ema", "swa")
+EMA_WINDOW_FRACTION = 0.1  # ema_decay=None: an effective window of T/10 steps, β = 1 − 1/(T/10)
+
+
+def check_average(average: str, ema_decay: float | None, swa_start: float) -> None:
+    """The averaging options of ``Averaged`` (and of the strategies that expose them)."""
+    if average not in AVERAGES:
+        raise ConfigError(f"average must be one of {', '.join(AVERAGES)}, got {average!r}. Fix: e.g. average='ema'.")
+    if ema_decay is not None:
+        check_unit_interval("ema_decay", ema_decay)
+    check_unit_interval("swa_start", swa_start)
+
+
+def default_ema_decay(run: RunInfo) -> float:
+    """β = 1 − 1/(T/10), at least 0: the EMA's effective window (1/(1 − β)) is the last tenth of
+    the run (a function of the planned T: public)."""
+    return max(0.0, 1.0 - 1.0 / (EMA_WINDOW_FRACTION * max(run.steps, 1)))
+
+
+def swa_first_step(swa_start: float, steps: int) -> int:
+    """The first iterate SWA averages: ⌊swa_start·T⌋ + 1, within [1, T]."""
+    return min(max(int(math.floor(swa_start * steps)) + 1, 1), max(steps, 1))
+
+
+@dataclass(frozen=True)
+class Averaged(UpdateRule):
+    """Any update rule, with the *average of its iterates* as the parameters a run evaluates and
+    returns (De et al. 2022: EMA; Izmailov et al. 2018: SWA; Panda et al. 2024 §A.5, Fig. 11):
+
+      ``ema``: θ̄_t = Σ_{s≤t} β^{t−s} θ_s / Σ_{s≤t} β^{t−s}   (bias-corrected EMA, θ̄_1 = θ_1;
+               computed as θ̄_t = θ̄_{t−1} + w_t (θ_t − θ̄_{t−1}), w_t = (1 − β)/(1 − β^t))
+      ``swa``: θ̄_t = mean(θ_s : s₀ ≤ s ≤ t),  s₀ = ⌊swa_start·T⌋ + 1  (before s₀: θ̄_t = θ_t)
+
+    θ_t is the rule's iterate after step t; the iterates keep following the rule (the gradient is
+    always taken at θ_t, never at θ̄_t). A rule whose ``finalize`` moves the parameters (SGD's
+    free step, Panda §A.3) yields one more iterate θ_{T+1}, averaged like the others.
+
+    Privacy: none spent. θ̄ is a deterministic function of the iterates θ_1..θ_T, and each θ_t
+    is a function of the released (noisy) values only (an update rule never sees the data), so
+    θ̄ is post-processing of the run's releases: same ledger, same (ε, δ). The weights (β, s₀)
+    are functions of the planned T (public).
+    """
+
+    rule: UpdateRule
+    average: Average = "ema"
+    ema_decay: float | None = None  # β; None → 1 − 10/T (``default_ema_decay``)
+    swa_start: float = 0.5  # fraction of T before SWA starts averaging
+    name = "averaged"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rule, UpdateRule):
+            raise ConfigError(f"Averaged wraps an update rule (dptune.updates), got {self.rule!r}.")
+        check_average(self.average, self.ema_decay, self.swa_start)
+
+    @property
+    def needs_noisy_release(self) -> bool:  # type: ignore[override]
+        return bool(self.rule.needs_noisy_release)
+
+    @property
+    def finalizes(self) -> bool:  # type: ignore[override]
+        return self.average != "none" or bool(self.rule.finalizes)
+
+    def validate_run(self, run: RunInfo) -> None:
+        self.rule.validate_run(run)
+
+    def init(self, params, run):
+        decay = self.ema_decay if self.ema_decay is not None else default_ema_decay(run)
+        return {
+            "inner": self.rule.init(params, run),
+            "avg": None,  # θ̄ (None: nothing averaged yet)
+            "count": 0,  # iterates averaged so far
+            "t": 0,  # iterates seen so far
+            "decay": float(decay),
+            "first": swa_first_step(self.swa_start, run.steps),
+        }
+
+    def rate(self, state):
+        return self.rule.rate(state["inner"])
+
+    def _fold(self, state: dict[str, Any], params: Tensors) -> dict[str, Any]:
+        """θ̄ with the iterate ``params`` (iterate number state["t"] + 1) folded in."""
+        t, avg, count = state["t"] + 1, state["avg"], state["count"]
+        if self.average == "ema":
+            beta = state["decay"]
+            w = 1.0 if avg is None else (1.0 - beta) / (1.0 - beta**t)
+        elif self.average == "swa" and t >= state["first"]:
+            w = 1.0 / (count + 1)
+        else:  # "none", or SWA before its first iterate
+            return {**state, "t": t}
+        with torch.no_grad():
+            avg = tree.clone(params) if avg is None else tree.add_scaled(avg, w, tree.axpy(-1.0, avg, params))
+        return {**state, "t": t, "avg": avg, "count": count + 1}
+
+    def update(self, params, state, released):
+        params, inner, info = self.rule.update(params, state["inner"], released)
+        return params, self._fold({**state, "inner": inner}, params), info
+
+    def evaluated(self, params, state):
+        return state["avg"] if state["avg"] is not None else self.rule.evaluated(params, state["inner"])
+
+    def finalize(self, params, state):
+        final = self.rule.finalize(params, state["inner"])
+        if self.average == "none":
+            return final
+        if self.rule.finalizes:  # the free step's θ_{T+1} is one more iterate
+            state = self._fold(state, final)
+        return state["avg"] if state["avg"] is not None else final  # None: stopped before SWA began
+
+
 UPDATES: dict[str, type[UpdateRule]] = {c.name: c for c in (SGD, Adam, AdamWOSM, OSORate, ADADP)}
 
 __all__ = [
@@ -413,6 +530,8 @@ __all__ = [
     "AdamWOSM",
     "OSORate",
     "ADADP",
+    "Averaged",
+    "AVERAGES",
     "UPDATES",
     "heavy_ball",
     "extrapolation_error",

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from dptune.errors import ConfigError
-from dptune.ghost import GhostGrads, _Linear, rank_one_parts
+from dptune.ghost import GhostGrads, LinearRule, rank_one_parts
 from dptune.grads import GradientOracle, MaterializedGrads, batched_loss, check_model, upper_norms
 from dptune.strategies import Strategy, make_strategy
 from dptune.train import RunLoop, RunPlan, TrainResult, plan_run, resolve_task, train
@@ -221,6 +221,10 @@ class _TrialOracle:
     def forward(self, params: Tensors, x: torch.Tensor) -> torch.Tensor:
         return self.base.forward(params, x)
 
+    def losses(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Per-example losses at any point (DP-ZO's θ ± μz): the trial's own model."""
+        return self.base.losses(params, x, y)
+
 
 @dataclass
 class _Trial:
@@ -316,7 +320,7 @@ def train_many(
     if fallback not in ("sequential", "error"):
         raise ConfigError(f"fallback must be 'sequential' or 'error', got {fallback!r}.")
     if eval_every < 1:
-        raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}.")
+        raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}. Fix: e.g. eval_every=50.")
     if loss is not None and not isinstance(loss, str):
         raise ConfigError(
             "train_many takes a built-in loss name (cross_entropy, mse or bce); a loss callable "
@@ -396,6 +400,14 @@ def train_many(
         )
 
     try:
+        for s in strategies:
+            parts = s.parts() if hasattr(s, "parts") else ()
+            blocked = [p.name for p in (s, *parts) if not getattr(p, "stackable", True)]
+            if blocked:
+                raise Unsupported(
+                    f"{blocked[0]!r} cannot be stacked (its steps are not vectorised): "
+                    "Fix: train its trials one by one (fallback='sequential')"
+                )
         ops = stack_plan(model_list[0])
         sig = _signature(ops)
         for m in model_list[1:]:
@@ -502,7 +514,7 @@ def _run_block(
             else:
                 tr.loop.record(t, row)
         if to_eval:
-            values = _evaluate(stacked, [tr.loop.params for tr, _ in to_eval], ex, ey, metric)  # type: ignore[arg-type]
+            values = _evaluate(stacked, [tr.loop.eval_params for tr, _ in to_eval], ex, ey, metric)  # type: ignore[arg-type]
             for (tr, row), value in zip(to_eval, values, strict=True):
                 tr.loop.record(t, row, value)
 
@@ -572,7 +584,7 @@ def _batched_grads(
     for k, tr in enumerate(active):
         Bk = sizes[k]
         layers = [
-            _Linear(stacked.names(op), a[k, :Bk], b[k, :Bk], tr.loop.params[f"{op.prefix}weight"])
+            LinearRule(stacked.names(op), a[k, :Bk], b[k, :Bk], tr.loop.params[f"{op.prefix}weight"])
             for op, a, b in zip(stacked.linears, acts, bs, strict=True)
         ]
         if Bk == 0:

@@ -37,7 +37,7 @@ EPS_MAX = 60.0  # the search ceiling for ε lower bounds (e^60 is far beyond any
 
 def check_confidence(confidence: float) -> float:
     if not isinstance(confidence, int | float) or not (0.5 <= confidence < 1):
-        raise ConfigError(f"confidence must lie in [0.5, 1), got {confidence!r}; the usual choice is 0.95.")
+        raise ConfigError(f"confidence must lie in [0.5, 1), got {confidence!r}. Fix: the usual choice is 0.95.")
     return float(confidence)
 
 

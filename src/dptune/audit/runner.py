@@ -121,6 +121,10 @@ SCENARIOS: dict[str, Scenario] = {
 AUDITABLE = tuple(SCENARIOS)
 
 DEFAULT_CANARIES = {"one-run": 5000, "two-world": 20000}  # m, or trials per world
+# One run: the data has one coordinate per canary, so memory grows as m² (20,000: ≈ 2 GB with the
+# per-example gradients); two worlds train in chunks, so time grows with the trials (200,000: 100 trainings).
+MAX_CANARIES = {"one-run": 20_000, "two-world": 200_000}
+MAX_AUDITED_EPS = 20.0
 TWO_WORLD_CHUNK = 2000  # trials per world per training (bounds memory: rows × coordinates)
 
 
@@ -163,22 +167,37 @@ def _check_args(
     strategy: str, eps: float, delta: float, method: str, confidence: float, threat_model: str, canaries: int | None
 ) -> tuple[Scenario, int]:
     if not isinstance(strategy, str) or strategy.lower() not in SCENARIOS:
-        raise ConfigError(f"cannot audit strategy {strategy!r}; choose one of: {', '.join(AUDITABLE)}.")
+        raise ConfigError(f"cannot audit strategy {strategy!r}. Fix: choose one of: {', '.join(AUDITABLE)}.")
     accounting.check_epsilon(eps, "eps")
+    if eps > MAX_AUDITED_EPS:  # ε = 1e308 calibrated ν for minutes, towards a grid of gigabytes
+        raise ConfigError(
+            f"eps = {eps:g} cannot be audited: an audit's lower bound stays below about 8 (the ceiling of its "
+            f"canaries at 95% confidence), so it could never refute a claim above {MAX_AUDITED_EPS:g}. "
+            "Fix: audit a claim of at most that, e.g. --eps 4."
+        )
     accounting.check_delta(delta)
     if method not in METHODS:
-        raise ConfigError(f"unknown audit method {method!r}; choose 'one-run' or 'two-world'.")
+        raise ConfigError(f"unknown audit method {method!r}. Fix: choose 'one-run' or 'two-world'.")
     bounds.check_confidence(confidence)
     if threat_model not in THREAT_MODELS:
-        raise ConfigError(f"unknown threat model {threat_model!r}; choose 'white-box' or 'black-box'.")
+        raise ConfigError(f"unknown threat model {threat_model!r}. Fix: choose 'white-box' or 'black-box'.")
     if method == "two-world" and threat_model == "black-box":
         raise ConfigError(
-            "the vectorised two-world audit is exact only for the white-box score; use "
+            "the vectorised two-world audit is exact only for the white-box score. Fix: use "
             "method='one-run' for the black-box (loss) score."
         )
     n = DEFAULT_CANARIES[method] if canaries is None else canaries
     if not isinstance(n, int) or isinstance(n, bool) or n < 20:
-        raise ConfigError(f"canaries must be an integer ≥ 20, got {canaries!r} (more canaries, more power).")
+        raise ConfigError(
+            f"canaries must be an integer ≥ 20, got {canaries!r} (more canaries, more power). "
+            f"Fix: leave it out (default {DEFAULT_CANARIES[method]:,})."
+        )
+    if n > MAX_CANARIES[method]:  # 10¹² once asked numpy for 7 TiB: a traceback
+        raise ConfigError(
+            f"canaries = {n:,} is more than {MAX_CANARIES[method]:,}, the most a {method} audit takes "
+            f"({'memory grows with the square of m' if method == 'one-run' else 'time grows with the trials'}). "
+            f"Fix: use at most {MAX_CANARIES[method]:,} (default {DEFAULT_CANARIES[method]:,})."
+        )
     scenario = SCENARIOS[strategy.lower()]
     return scenario, n
 
@@ -270,7 +289,7 @@ def _train_grid_study(
     import torch
 
     from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec, run_study
-    from dptune.tune.data import _CACHE as study_data_cache
+    from dptune.tune.data import forget_cached
     from dptune.tune.spec import ModelSpec, SelectionSpec
     from dptune.tune.store import Store
 
@@ -307,8 +326,7 @@ def _train_grid_study(
                 nu = float(store.runs()[0]["noise_multiplier"])
         finally:
             # The study cache keeps the tensors of every study data spec; ours are single-use.
-            for key in [k for k, v in study_data_cache.items() if v.y_train is y]:
-                study_data_cache.pop(key, None)
+            forget_cached(y)
     if not outcome.complete or not outcome.ledger_matches_plan or outcome.counts.get("done", 0) != scenario.runs:
         raise RuntimeError(f"the audited grid study did not complete as planned: {outcome.counts}")
     return [], ledger, [], nu

@@ -52,8 +52,9 @@ def _loader(name: str) -> Any:
         return LOADERS[name]
     except KeyError:
         raise ConfigError(
-            f"unknown dataset {name!r}; available: {', '.join(available())}. "
-            "(For Galli's autoencoder task use load('fashion_mnist', task='reconstruction').)"
+            f"unknown dataset {name!r}. Fix: choose one of the available datasets: {', '.join(available())} "
+            "(for Galli's autoencoder task: load('fashion_mnist', task='reconstruction')), or pass your own "
+            "data (docs/your_data.md)."
         ) from None
 
 

@@ -449,11 +449,13 @@ def _text_features(
     embedding_salt: int,
     vocab_size: int,
     scale: bool,
+    word_vectors: str = "auto",
 ) -> tuple[np.ndarray, np.ndarray, str]:
     if representation == "bow_embedding":
         both, note = text.bow_embedding(
             [*texts_tr, *texts_te], max_words=max_words, embed_dim=embed_dim,
-            glove_path=glove_path, embedding_salt=embedding_salt,
+            glove_path=glove_path, embedding_salt=embedding_salt, word_vectors=word_vectors,
+            cache=ctx.cache,
         )  # fmt: skip
         note = (
             f"bag-of-words embedding: first {max_words} tokens x {both.shape[1] // max_words}-d "
@@ -488,6 +490,7 @@ def load_ag_news(
     embedding_salt: int = 0,
     vocab_size: int = 5512,
     scale: bool = True,
+    word_vectors: str = "auto",
 ) -> Dataset:
     notes: list[str] = ["text = title + ' ' + description ('\\' line marks and #NN; entities undone)"]
     if official_split:
@@ -512,7 +515,7 @@ def load_ag_news(
     xtr, xte, note = _text_features(
         "ag_news", ctx, texts_tr, texts_te, representation=representation,
         max_words=max_words, embed_dim=embed_dim, glove_path=glove_path,
-        embedding_salt=embedding_salt, vocab_size=vocab_size, scale=scale,
+        embedding_salt=embedding_salt, vocab_size=vocab_size, scale=scale, word_vectors=word_vectors,
     )  # fmt: skip
     notes.append(note)
     if limit is not None:
@@ -536,6 +539,7 @@ def load_enron_spam(
     embed_dim: int = 50,
     glove_path: str | os.PathLike[str] | None = None,
     embedding_salt: int = 0,
+    word_vectors: str = "auto",
 ) -> Dataset:
     variant, p = ctx.resolve("enron_spam", ("csv", "tar"))
     if variant == "csv":
@@ -547,7 +551,7 @@ def load_enron_spam(
         "enron_spam", ctx, [texts[i] for i in i_tr], [texts[i] for i in i_te],
         representation=representation, max_words=max_words, embed_dim=embed_dim,
         glove_path=glove_path, embedding_salt=embedding_salt, vocab_size=vocab_size,
-        scale=scale,
+        scale=scale, word_vectors=word_vectors,
     )  # fmt: skip
     notes = [
         "Enron1 only (3,672 ham + 1,500 spam, messages sorted by file name), spam = 1",

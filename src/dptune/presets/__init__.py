@@ -112,7 +112,7 @@ for _ds, _paper_name in (("mnist", "MNIST"), ("adult", "Adult"), ("enron", "ENRO
             paper="Mohapatra et al. 2022 (honest tuning, adaptive optimizers)",
             summary=f"{_paper_name}, LR and TLNN: DPSGD, DPMomentum, DPAdam, ADADP, DPAdamWOSM at σ ∈ {{2, 4, 8}}",
             build=partial(mohapatra.build, _ds),
-            extra=lambda out, scale, options, parts, console: mohapatra.sigma_costs(out, scale, parts),
+            extra=lambda out, scale, options, parts, console: mohapatra.report_sections(out, scale, parts),
             estimates=_MOH_EST[_ds],
         )
     )
@@ -133,6 +133,7 @@ _register(
         paper="Panda et al. 2024 (linear scaling rule)",
         summary="MNIST CNN from scratch, full-batch DP-GD, linear scaling vs random search vs grid oracle",
         build=panda.build_mnist,
+        options={"average": None},
         estimates={
             "smoke": "≈ 10 s",
             "small": "≈ 30 min (24 full-batch runs of 5–30 steps on 1,500 images; ≈ 3 s/step)",
@@ -146,6 +147,7 @@ _register(
         paper="Panda et al. 2024 (linear scaling rule)",
         summary="MiniLM features + zero-init linear probe on AG News and Enron, full-batch DP-GD, linear scaling",
         build=panda.build_text,
+        options={"average": None},
         estimates={
             "smoke": "≈ 40 s (MiniLM embeds 80 texts on a cold cache)",
             "small": "≈ 15 min (MiniLM embeds 6,000 texts ≈ 6 min; 576 probe runs ≈ 5 min)",
@@ -345,11 +347,7 @@ def _run_part(
     outcome = run_study(study, study_dir, executor=executor, progress=progress, workers=workers)
     console.print()
     render(study_dir, console)
-    extra = []
-    if figures is not None:
-        ref = figures(study_dir, study_dir / "release" / "figures" / "r_vs_epsilon.png")
-        if ref is not None:
-            extra.append(ref)
+    extra = list(figures(study_dir)) if figures is not None else []
     html = study_report(study_dir, title=f"{study.name}: {part.title}", notes=list(part.notes), extra_figures=extra)
     if not outcome.complete:
         console.print(
@@ -377,7 +375,8 @@ def reproduce(
     ``data_dir``: the datasets folder (else ``DPTUNE_DATA_DIR``, else downloads);
     ``executor``: local | process | ray (``workers`` processes); ``device``: torch device of
     every run (default: cuda at the paper scale when available, else cpu); ``options``:
-    preset options (Galli presets: ``k``, the grid granularity, paper default 7).
+    preset options (Galli presets: ``k``, the grid granularity, paper default 7; Panda presets:
+    ``average`` = "ema" | "swa", the iterate-averaging ablation arm).
     Re-running with the same ``out_dir`` resumes: finished runs are kept, failed ones retried.
     """
     from dptune.report.html import write_report
@@ -402,7 +401,7 @@ def reproduce(
             f"[bold]{preset.name}[/bold] ({scale}): {preset.summary}. Estimated time: "
             f"{preset.estimates.get(scale, '?')}."
         )
-        figures = panda.r_vs_epsilon_figure if preset.name.startswith("panda-") else None
+        figures = panda.report_figures if preset.name.startswith("panda-") else None
         all_rows, sections, extra_sections = [], [], []
         for part in parts:
             console.print(f"\n[bold]{part.title}[/bold] → {out / part.name}")
@@ -539,6 +538,7 @@ def _part_section(part: Part, rows: list[dict[str, Any]], html: Path, out: Path)
     for fname, cap in (
         ("metric_vs_epsilon.png", f"{metric} vs ε per strategy"),
         ("r_vs_epsilon.png", "r = η·T vs ε (linear scaling)"),
+        (panda.HEATMAP_FILE, "η × T heatmaps per ε (every grid-oracle run; covered at the grid's composed ε)"),
     ):
         if (fig_dir / fname).is_file():
             figs.append(FigureRef(fig_dir / fname, cap))

@@ -64,7 +64,7 @@ def study_report(
     diagnostics folder beside it for a stored study; return the HTML path."""
     d = Path(study_dir)
     out = Path(out_dir) if out_dir is not None else d
-    with Store(d) as store:
+    with Store(d, readonly=True) as store:
         cfg = store.get_meta("config")
         plan = StudyPlan.from_dict(store.get_meta("plan"))
         runs = {r["run_id"]: dict(r) for r in store.runs()}

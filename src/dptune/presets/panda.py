@@ -2,9 +2,10 @@
 Private Adaptive Hyperparameter Optimization".
 
 The rule (Alg. 2–3): with full-batch DP-GD (momentum 0.9, unit clipping; Table 1), search the
-total step size r = η·T with ``runs_per_sweep`` = 3 random runs at each of two small budgets
-(ε₁ = 0.1, ε₂ = 0.2), fit r linearly in ε through the two best points, and spend what is left
-of the budget on one final run at the extrapolated r. The whole procedure is accounted as
+total step size r = η·T (drawn log-uniformly) with ``runs_per_sweep`` = 3 random runs at each of
+two small budgets (ε₁ = 0.1, ε₂ = 0.2; at the small scale 0.1·ε and 0.2·ε, ``SMALL_N_SWEEPS``), fit
+r linearly in ε through the two best points, and spend what is left of the budget on one final
+run at the extrapolated r. The whole procedure is accounted as
 one μ-GDP composition, μ = √(n·μ₁² + n·μ₂² + μ_f²) (App. A.7), at δ = 10⁻⁵.
 
 Every study here holds three arms on the same search space, so the report can compute
@@ -19,7 +20,10 @@ Presets: ``panda-linear-scaling-mnist`` trains a CNN from scratch (the Galli CNN
 registry's MNIST CNN; zero initialisation is for linear probes only), and
 ``panda-linear-scaling-text`` trains zero-initialised, bias-free linear probes on fixed
 all-MiniLM-L6-v2 sentence embeddings of AG News and Enron1 (two parts). Both plot r = η·T
-against ε: the sweep points, the fitted line, the extrapolated r* and the oracle's r.
+against ε: the sweep points, the fitted line, the extrapolated r* and the oracle's r, and the
+oracle's η × T heatmaps per ε (Fig. 5/15/16; ``eta_t_heatmaps``). Option ``average`` ("ema" or
+"swa") adds the iterate-averaging ablation (Fig. 11): a second grid oracle whose DP-GD returns
+the average of its iterates.
 """
 
 from __future__ import annotations
@@ -30,10 +34,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dptune.errors import ConfigError
 from dptune.presets._common import Part, study_dict
 from dptune.report.html import FigureRef
 
 DELTA = 1e-5
+# Sweep budgets at small n. A full-batch DP-GD run's noise, per step of the averaged gradient, has
+# std √T/(μ·n): a sweep tells as much about r as μ·n allows. Panda's ε₁ = 0.1 at CIFAR's n = 50,000
+# is μ₁·n ≈ 1,600; at the small scale's n = 1,500–2,400 the same information would need ε₁ ≈ 2.8–4.8,
+# as much as the targets. So the small scale gives each sweep Panda's share of its own target
+# (0.1·ε and 0.2·ε: their ε = 1 split, ε_f ≈ 0.88·ε, at every ε) instead of a fixed 0.1 and 0.2:
+# the extrapolation spans ≈ 8 sweep spacings instead of 39 (ε = 4), and ε = 0.5 keeps ε_f = 0.44
+# instead of 0.25. docs/reproduce.md ("Why the rule loses here") has the measurements.
+SMALL_N_SWEEPS: dict[str, list[float]] = {"fraction": [0.1, 0.2]}
+# Alg. 3 draws r "uniformly"; over the text preset's 2,000-fold r range ([0.5, 1000]) a uniform draw
+# lands above 100 nine times in ten, so the low-ε sweeps hardly tried the small r they favour (2 of
+# 72 sweep draws below 10 at the small scale). Log-uniform, like Panda's logarithmic η grids and
+# the random-search arm's η.
+R_SAMPLING = "log_uniform"
 
 MNIST: dict[str, dict[str, Any]] = {
     "paper": {
@@ -54,7 +72,7 @@ MNIST: dict[str, dict[str, Any]] = {
         "grid_steps": [10, 30],
         "epsilons": [2.0, 8.0],
         "seeds": [0],
-        "sweeps": [0.2, 0.4],
+        "sweeps": SMALL_N_SWEEPS,
     },
     "smoke": {
         "limit": 100,
@@ -86,7 +104,7 @@ TEXT: dict[str, dict[str, Any]] = {
         "grid_steps": [25, 50, 100, 200],
         "epsilons": [0.5, 1.0, 2.0, 4.0],
         "seeds": [0, 1, 2],
-        "sweeps": [0.1, 0.2],
+        "sweeps": SMALL_N_SWEEPS,
     },
     "smoke": {
         "limit": 40,
@@ -102,6 +120,41 @@ TEXT: dict[str, dict[str, Any]] = {
 TEXT_DATASETS = {"agnews": ("ag_news", "AG News"), "enron": ("enron_spam", "Enron1 spam")}
 
 
+def _rule_notes(scale: str, s: Mapping[str, Any], probe: bool) -> tuple[str, ...]:
+    """What to expect of the rule at this scale (issue 15; measurements in docs/reproduce.md)."""
+    span = (s["lr"][1] * s["steps"][1]) / (s["lr"][0] * s["steps"][0])
+    notes = (
+        f"r = η·T is drawn log-uniformly (Alg. 3 says uniformly; over this {span:,.0f}-fold r range uniform "
+        "draws rarely reach the small r the low-ε sweeps favour). random-search is ONE draw of (η, T), "
+        "shared by every seed replicate and ε: a single configuration, not the mean of random search.",
+    )
+    if scale != "small":
+        return notes
+    small_n = (
+        "Small n: a sweep informs as μ·n allows (DP-GD's noise per step of the averaged gradient has std "
+        "√T/(μ·n)); Panda's ε₁ = 0.1 at n = 50,000 would be ε₁ ≈ 2.8 at n = 2,400 (4.8 at 1,500), so the "
+        "sweeps are noisy and their best r is close to a random draw (docs/reproduce.md, 'Why the rule lost "
+        "to random search')."
+    )
+    if not probe:
+        return (*notes, small_n)
+    return (
+        *notes,
+        small_n + " Measured on these probes: the r beyond which accuracy falls grows with ε (≈ 50·ε on AG News), "
+        "but at the sweep budgets the accuracy-vs-r curve is flat (a zero-initialised probe is a class-mean "
+        "classifier at tiny r) or broadly peaked within the seed noise; about half of the fitted slopes come out "
+        "negative (r* clipped to r_min, the final run at η_min·T_f) and the rule lands on that plateau: it beats "
+        "a random draw at small ε and misses the larger r that pays at the largest ε.",
+    )
+
+
+def _sweeps_text(sweeps: Any) -> str:
+    if isinstance(sweeps, Mapping):
+        shares = " and ".join(f"{f:g}·ε" for f in sweeps["fraction"])
+        return f"{shares} of each target ε (Panda's ε = 1 split at every ε; sized for small n)"
+    return f"ε ∈ {list(sweeps)}"
+
+
 def _arms(s: Mapping[str, Any], fixed: Mapping[str, Any]) -> list[dict[str, Any]]:
     space = {"lr": {"log_uniform": list(s["lr"])}, "steps": {"int_uniform": list(s["steps"])}}
     return [
@@ -112,11 +165,11 @@ def _arms(s: Mapping[str, Any], fixed: Mapping[str, Any]) -> list[dict[str, Any]
             "fixed": dict(fixed),
             "method": {
                 "name": "linear-scaling",
-                "sweep_epsilons": list(s["sweeps"]),
+                "sweep_epsilons": dict(s["sweeps"]) if isinstance(s["sweeps"], Mapping) else list(s["sweeps"]),
                 "runs_per_sweep": 3,
                 "fit": "linear",
                 "fit_axis": "epsilon",
-                "r_sampling": "uniform",
+                "r_sampling": R_SAMPLING,
                 "final_steps": "max",
             },
         },
@@ -157,13 +210,50 @@ def _study(
     )
 
 
+# The iterate-averaging ablation (Panda §A.5, Fig. 11): option ``average`` adds a second grid
+# oracle whose DP-GD returns the EMA or SWA of its iterates (post-processing: same ε per run).
+AVERAGING_ABLATIONS = ("ema", "swa")
+
+
+def _averaging(options: Mapping[str, Any]) -> str | None:
+    avg = options.get("average")
+    if avg is None or avg == "none":
+        return None
+    if avg not in AVERAGING_ABLATIONS:
+        raise ConfigError(
+            f"option average = {avg!r} is not an averaging ablation. Fix: use 'ema' or 'swa' (or leave it "
+            "out: no ablation arm)."
+        )
+    return str(avg)
+
+
+def _with_averaging(study: dict[str, Any], avg: str | None) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``study`` with a ``grid-oracle-<avg>`` arm (the oracle's grid, DP-GD with ``average = avg``,
+    defaults ema_decay = 1 − 10/T, swa_start = 0.5) after the other arms, and its note."""
+    if avg is None:
+        return study, ()
+    oracle = next(a for a in study["strategies"] if a.get("label") == "grid-oracle")
+    arm = {**oracle, "label": f"grid-oracle-{avg}", "fixed": {**oracle["fixed"], "average": avg}}
+    study["strategies"] = [*study["strategies"], arm]
+    what = "the EMA (decay 1 − 10/T)" if avg == "ema" else "the SWA (mean of the iterates of the last half)"
+    note = (
+        f"ablation (Panda §A.5, Fig. 11): grid-oracle-{avg} is the oracle's grid with DP-GD returning {what} of "
+        "its iterates instead of the last one; averaging is post-processing (same ε per run), but the arm is a "
+        "second grid: its runs add to the study's composed ε.",
+    )
+    return study, note
+
+
 def build_mnist(scale: str, options: Mapping[str, Any]) -> list[Part]:
     s = MNIST[scale]
     fixed = {"clip": 1.0, "momentum": 0.9, "zero_init": False}
     study = _study(f"panda-linear-scaling-mnist-{scale}", {"name": "mnist"}, {"name": "galli_cnn"}, s, fixed)
+    study, ablation = _with_averaging(study, _averaging(options))
     notes = (
-        f"full-batch DP-GD (momentum 0.9, C = 1), CNN from scratch; sweeps at ε ∈ {s['sweeps']}, "
+        f"full-batch DP-GD (momentum 0.9, C = 1), CNN from scratch; sweeps at {_sweeps_text(s['sweeps'])}, "
         f"targets ε ∈ {s['epsilons']}, δ = {DELTA:g}, μ-GDP accounting.",
+        *_rule_notes(scale, s, probe=False),
+        *ablation,
     )
     return [Part("study", "MNIST, CNN from scratch (full-batch DP-GD, linear scaling)", study, notes)]
 
@@ -176,9 +266,12 @@ def build_text(scale: str, options: Mapping[str, Any]) -> list[Part]:
         data = {"name": dataset, "options": {"representation": "minilm"}}
         model = {"name": "linear_probe", "options": {"zero_init": True, "bias": False}}
         study = _study(f"panda-linear-scaling-{key}-{scale}", data, model, s, fixed)
+        study, ablation = _with_averaging(study, _averaging(options))
         notes = (
             f"zero-initialised linear probe without bias on all-MiniLM-L6-v2 embeddings (384-d), full-batch "
-            f"DP-GD; sweeps at ε ∈ {s['sweeps']}, targets ε ∈ {s['epsilons']}, δ = {DELTA:g}.",
+            f"DP-GD; sweeps at {_sweeps_text(s['sweeps'])}, targets ε ∈ {s['epsilons']}, δ = {DELTA:g}.",
+            *_rule_notes(scale, s, probe=True),
+            *ablation,
         )
         parts.append(Part(key, f"{title}, MiniLM features + linear probe (linear scaling)", study, notes))
     return parts
@@ -193,7 +286,7 @@ def r_vs_epsilon_figure(study_dir: str | Path, path: str | Path) -> FigureRef | 
     from dptune.tune.store import Store
 
     rows = study_table(study_dir)
-    with Store(study_dir) as store:
+    with Store(study_dir, readonly=True) as store:
         configs = {r["run_id"]: json.loads(r["config"]) for r in store.runs() if r["config"]}
     fig = Figure(figsize=(6.5, 4.2))
     ax = fig.add_subplot(1, 1, 1)
@@ -207,11 +300,12 @@ def r_vs_epsilon_figure(study_dir: str | Path, path: str | Path) -> FigureRef | 
                 lab = "sweep best r" if not drawn else None
                 ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:blue", s=18, label=lab)
                 if fit.get("coef"):
-                    xs = [min(p[0] for p in pts), fit["x_final"]]
-                    a, b = fit["coef"][0], fit["coef"][-1]
+                    # sampled, so that on the log axis the positive part of a falling line still shows
+                    x0, x1 = min(p[0] for p in pts), fit["x_final"]
+                    xs = [x0 + (x1 - x0) * i / 60 for i in range(61)]
                     ax.plot(
                         xs,
-                        [a * x + b for x in xs],
+                        [sum(c * x ** (len(fit["coef"]) - 1 - k) for k, c in enumerate(fit["coef"])) for x in xs],
                         color="tab:blue",
                         lw=0.8,
                         alpha=0.6,
@@ -226,6 +320,19 @@ def r_vs_epsilon_figure(study_dir: str | Path, path: str | Path) -> FigureRef | 
                     label=("r* (final run, at its own ε_f)" if not drawn else None),
                     zorder=3,
                 )
+                rf = fit.get("r_final")
+                if rf is not None and not math.isclose(rf, fit["r_star"], rel_tol=1e-9):
+                    # T_f is fixed at planning: an r* outside [η_min·T_f, η_max·T_f] runs at the nearest r
+                    ax.scatter(
+                        [fit["x_final"]],
+                        [rf],
+                        marker="o",
+                        s=60,
+                        facecolors="none",
+                        edgecolors="tab:red",
+                        label="r the final run could use (η_f clamped)",
+                        zorder=3,
+                    )
                 drawn = True
         elif r["method"] in ("oracle", "random"):
             rs = [configs[rid]["lr"] * configs[rid]["steps"] for rid in r["selected_runs"] if rid in configs]
@@ -238,7 +345,9 @@ def r_vs_epsilon_figure(study_dir: str | Path, path: str | Path) -> FigureRef | 
     uniq = dict(zip(labels, handles, strict=True))
     ax.legend(uniq.values(), uniq.keys(), fontsize=8)
     ax.set_xlabel("ε")
-    ax.set_ylabel("r = η · T")
+    ax.set_ylabel("r = η · T (log scale; fits below 0 are cut)")
+    # r spans decades (r_min to r_max is 240–4,000-fold here): a linear axis squeezes every good r to 0
+    ax.set_yscale("log", nonpositive="mask")
     ax.set_title("Linear scaling rule: r vs ε")
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -250,3 +359,190 @@ def r_vs_epsilon_figure(study_dir: str | Path, path: str | Path) -> FigureRef | 
         "run's ε (star), and the r selected by the grid oracle (squares) and random search "
         "(triangles) at each target ε (Panda et al. 2024, Fig. 3).",
     )
+
+
+# ----------------------------------------------------------------------------- η × T heatmaps (Fig. 5/15/16)
+HEATMAP_FILE = "eta_T_heatmaps.png"
+
+
+def eta_t_grids(study_dir: str | Path) -> list[dict[str, Any]]:
+    """The η × T grids of a study's grid-search arms (Panda's oracle, or a plain grid), one per
+    (arm label, ε): ``cells`` maps (η, T) to the mean selection score over seed replicates
+    (None: no finite score, e.g. every replicate diverged). Also the arm's guarantee (``covered``:
+    the ε at which the whole grid is covered, its scope and kind), the best cell's r = η·T and
+    the linear-scaling arm's selected r* at the same ε (None when the study has none)."""
+    from dptune.tune.planners import StudyPlan
+    from dptune.tune.results import study_table
+    from dptune.tune.store import Store
+
+    with Store(study_dir, readonly=True) as store:
+        cfg = store.get_meta("config")
+        plan = StudyPlan.from_dict(store.get_meta("plan"))
+        runs = {r["run_id"]: dict(r) for r in store.runs()}
+    table = {r["arm"]: r for r in study_table(study_dir)}
+    configs = {rid: json.loads(r["config"]) for rid, r in runs.items() if r["config"]}
+    ls_r: dict[float, float] = {}
+    for r in table.values():
+        if r["method"] != "linear-scaling":
+            continue
+        sel = [configs[rid] for rid in r["selected_runs"] if rid in configs]
+        rs = [c["lr"] * c["steps"] for c in sel if "lr" in c and "steps" in c]
+        if rs:
+            ls_r[float(r["epsilon"])] = sum(rs) / len(rs)
+    grids = []
+    for arm in plan.arms:
+        if arm.method not in ("oracle", "grid") or not math.isfinite(arm.epsilon):
+            continue
+        scores: dict[tuple[float, int], list[float]] = {}
+        for rid in arm.runs:
+            c = configs.get(rid)
+            if c is None or "lr" not in c or "steps" not in c:
+                break  # not a grid over (η, T)
+            s = runs[rid]["score"]
+            cell = scores.setdefault((float(c["lr"]), int(c["steps"])), [])
+            if runs[rid]["status"] in ("done", "diverged") and s is not None and math.isfinite(s):
+                cell.append(float(s))
+        else:
+            if len(scores) < 2:
+                continue  # one configuration: nothing to map (one value per axis is drawn as a strip)
+            cells = {k: (sum(v) / len(v) if v else None) for k, v in scores.items()}
+            finite = {k: v for k, v in cells.items() if v is not None}
+            best = None
+            if finite:
+                pick = max if plan.higher_is_better else min
+                best = pick(finite, key=lambda k: finite[k])
+            row = table[arm.arm]
+            grids.append(
+                {
+                    "label": arm.label,
+                    "epsilon": float(arm.epsilon),
+                    "cells": cells,
+                    "best": best,
+                    "runs": len(arm.runs),
+                    "covered": float(row["planned_epsilon"]),
+                    "delta": float(row["planned_delta"]),
+                    "per": row["guarantee_per"],
+                    "kind": arm.guarantee.get("kind"),
+                    "ls_r": ls_r.get(float(arm.epsilon)),
+                    "metric": plan.metric,
+                    "higher": plan.higher_is_better,
+                    "mode": cfg.get("selection", {}).get("mode", "public"),
+                    "split": cfg.get("selection", {}).get("split", "test"),
+                }
+            )
+    return grids
+
+
+def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
+    """Panda et al.'s η × T heatmaps (Fig. 5, 15, 16): one panel per ε (columns) and grid arm
+    (rows: the plain grid oracle, and ``grid-oracle-ema``/``-swa`` when the averaging ablation
+    ran), the metric of every run on a shared colour scale (lighter is better), best cell outlined.
+
+    Returns (figure, released). Privacy (docs/privacy.md, "What the published outputs contain"):
+    the figure shows every candidate of each grid, not only the selected one. With public
+    selection on a composition arm (the oracle: every run accounted, its honest composed ε in the
+    plan) the figure is covered at that composed ε, which the caption and each panel state — not
+    at the panel's per-run ε — and it goes to ``release/figures``. Otherwise (private selection)
+    it goes to ``diagnostics/figures``, labelled "not differentially private: for the data owner
+    only", and is not released."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    from dptune.report.data import clip_to_range
+    from dptune.report.privacy import NOT_DP_LABEL, diagnostics_dir
+
+    grids = eta_t_grids(study_dir)
+    if not grids:
+        return None, False
+    released = all(g["mode"] == "public" and g["kind"] == "composition" for g in grids)
+    labels = list(dict.fromkeys(g["label"] for g in grids))
+    epsilons = sorted({g["epsilon"] for g in grids})
+    metric, higher = grids[0]["metric"], grids[0]["higher"]
+    shown: list[float] = [
+        c for g in grids for v in g["cells"].values() if v is not None and (c := clip_to_range(v, metric)) is not None
+    ]
+    lo, hi = (min(shown), max(shown)) if shown else (0.0, 1.0)
+    import numpy as np
+
+    fig = Figure(figsize=(3.3 * len(epsilons) + 1.2, 3.0 * len(labels) + 0.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(labels), len(epsilons), squeeze=False)
+    cmap = "viridis" if higher else "viridis_r"  # lighter is better either way
+    im = None
+    for i, lab in enumerate(labels):
+        for j, eps in enumerate(epsilons):
+            ax = axes[i][j]
+            g = next((g for g in grids if g["label"] == lab and g["epsilon"] == eps), None)
+            if g is None:
+                ax.set_axis_off()
+                continue
+            etas = sorted({lr for lr, _ in g["cells"]})
+            ts = sorted({t for _, t in g["cells"]})
+            grid = np.full((len(etas), len(ts)), np.nan)
+            for (lr, t), v in g["cells"].items():
+                if v is not None:
+                    grid[etas.index(lr), ts.index(t)] = clip_to_range(v, metric)
+            # η grows downwards, T to the right (Panda's layout).
+            im = ax.imshow(grid, origin="upper", aspect="auto", cmap=cmap, vmin=lo, vmax=hi)
+            ax.set_xticks(range(len(ts)), [str(t) for t in ts], fontsize=7)
+            ax.set_yticks(range(len(etas)), [f"{e:g}" for e in etas], fontsize=7)
+            for a in range(len(etas)):
+                for b in range(len(ts)):
+                    txt = f"{grid[a, b]:.3g}" if np.isfinite(grid[a, b]) else "—"
+                    frac = (grid[a, b] - lo) / ((hi - lo) or 1.0) if np.isfinite(grid[a, b]) else 0.0
+                    light = frac > 0.6 if higher else frac < 0.4
+                    ax.text(b, a, txt, ha="center", va="center", fontsize=6.5, color="black" if light else "white")
+            if g["best"] is not None:
+                a, b = etas.index(g["best"][0]), ts.index(g["best"][1])
+                ax.add_patch(Rectangle((b - 0.5, a - 0.5), 1, 1, fill=False, lw=2, ec="red"))
+            if i == len(labels) - 1:
+                ax.set_xlabel("T (steps)", fontsize=8)
+            if j == 0:
+                ax.set_ylabel(f"{lab}\nη (learning rate)", fontsize=8)
+            best_r = f"best r = η·T = {g['best'][0] * g['best'][1]:.3g}" if g["best"] is not None else "no finite run"
+            ls = f"; linear scaling r* = {g['ls_r']:.3g}" if g["ls_r"] is not None else ""
+            cover = f"panel covered at ε = {g['covered']:.3g} (the grid's runs composed)" if released else NOT_DP_LABEL
+            ax.set_title(f"ε = {eps:g} per run ({g['runs']} runs)\n{cover}\n{best_r}{ls}", fontsize=7)
+    if im is not None:
+        fig.colorbar(im, ax=axes, label=metric, shrink=0.8)
+    if not released:
+        fig.suptitle(NOT_DP_LABEL.upper(), color="red", fontsize=9)
+    study_dir = Path(study_dir)
+    base = study_dir / "release" if released else diagnostics_dir(study_dir)
+    path = base / "figures" / HEATMAP_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    g0 = grids[0]
+    scope = "per seed replicate" if g0["per"] == "seed replicate" else "for the whole study"
+    if released:
+        caption = (
+            f"η × T heatmaps per ε (Panda et al. 2024, Fig. 5/15/16): the selection score on the public "
+            f"{g0['split']} split of every run of each grid arm (mean over seed replicates), one panel per ε, best "
+            "cell outlined, lighter is better; the title gives the best cell's r = η·T and the r* the linear-scaling "
+            "arm selected at that ε. Privacy: every run alone is (ε, δ)-DP at its panel's ε, but a panel shows "
+            "every run of its grid, losing ones included, so it is covered only at the composition of the grid's "
+            f"runs: the ε stated in the panel (δ = {g0['delta']:g}, {scope}), which the oracle's note gives as its "
+            "honest total — not at the panel's ε; the panels together, at the composition of all their grids."
+        )
+    else:
+        caption = (
+            f"{NOT_DP_LABEL}: η × T heatmaps of every run's selection score under private selection; the losing "
+            "candidates' scores are not covered by the guarantee of a private selection. Do not publish."
+        )
+    return FigureRef(path, caption), released
+
+
+def report_figures(study_dir: str | Path) -> list[FigureRef]:
+    """The panda presets' extra figures for a part's release report: r = η·T vs ε (Fig. 3) and,
+    when covered (public selection), the η × T heatmaps per ε (Fig. 5/15/16). Under private
+    selection the heatmaps are written to ``diagnostics/figures`` only."""
+    out = []
+    study_dir = Path(study_dir)
+    ref = r_vs_epsilon_figure(study_dir, study_dir / "release" / "figures" / "r_vs_epsilon.png")
+    if ref is not None:
+        out.append(ref)
+    heat, released = eta_t_heatmaps(study_dir)
+    if heat is not None and released:
+        out.append(heat)
+    return out

@@ -433,7 +433,7 @@ def _budget_rows(
 
 
 # ----------------------------------------------------------------------------- from a Ledger
-def _nu_q(event: dp_event.DpEvent) -> tuple[float | None, float | None]:
+def nu_q(event: dp_event.DpEvent) -> tuple[float | None, float | None]:
     if isinstance(event, dp_event.PoissonSampledDpEvent) and isinstance(event.event, dp_event.GaussianDpEvent):
         return float(event.event.noise_multiplier), float(event.sampling_probability)
     if isinstance(event, dp_event.GaussianDpEvent):
@@ -467,6 +467,6 @@ def ledger_rows_from_ledger(
         for e in entries:
             merged[(e.label, e.event)] = merged.get((e.label, e.event), 0) + e.count
         for (label, event), count in merged.items():
-            nu, q = _nu_q(event)
+            nu, q = nu_q(event)
             rows.append(LedgerRow(run, label, count, eps, (planned_epsilon or {}).get(run), nu, q))
     return rows

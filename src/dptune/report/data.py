@@ -206,7 +206,7 @@ def coerce_trials(rows: Iterable[Any]) -> list[TrialResult]:
             seed = int(t.seed)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"seed of a {t.strategy!r} row must be an integer, got {t.seed!r}.") from e
-        out.append(TrialResult(str(t.strategy), eps, value, seed, dict(t.hyperparameters), _flag(t.selected)))
+        out.append(TrialResult(str(t.strategy), eps, value, seed, dict(t.hyperparameters), flag_text(t.selected)))
     return out
 
 
@@ -221,7 +221,7 @@ def _optional_value(v: Any, strategy: str) -> float | None:
     return None if math.isnan(f) else f
 
 
-def _flag(v: Any) -> bool:
+def flag_text(v: Any) -> bool:
     """bool, also from CSV text ('true'/'1'/'yes'), where bool('False') would be True."""
     if isinstance(v, str):
         return v.strip().lower() in ("1", "true", "yes")

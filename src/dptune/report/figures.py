@@ -12,7 +12,9 @@ Figures (paper references):
 * ``noise_pareto`` — the ν_g–ν_q Pareto front of Proposition 1 with the 1 % rule (Galli Fig. 2);
 * ``lt_vs_ma`` — Liu–Talwar vs moments-accountant cost vs #candidates (Mohapatra Fig. 6);
 * ``linear_scaling`` — r = η·T vs ε with the fitted line (Panda Fig. 3);
-* ``ledger`` — ε spent per run and releases per query label.
+* ``ledger`` — ε spent per run and releases per query label;
+* ``best_count_heatmap`` — how often each (α, C) was the best DP-SGD candidate (Mohapatra Fig. 7);
+* ``lr_vs_clip`` — the best α for each C, log–log, against α ∝ 1/C (Mohapatra Sec. 4.1, Theorem 4).
 """
 
 from __future__ import annotations
@@ -567,4 +569,88 @@ def grid_heatmap(
         i, j = np.unravel_index(np.nanargmax(grid) if higher else np.nanargmin(grid), grid.shape)
         ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec="red"))
     fig.colorbar(im, ax=ax, label=metric)
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------- Mohapatra App. G (Fig. 7), Sec. 4.1
+def best_count_heatmap(
+    counts: Mapping[tuple[float, float], int],
+    path: str | Path,
+    *,
+    title: str,
+    x_name: str = "learning rate α",
+    y_name: str = "clipping threshold C",
+) -> Path:
+    """How many times each (α, C) cell was the best candidate (Mohapatra et al. 2022, App. G, Fig. 7).
+
+    ``counts`` maps (α, C) → count, with 0 for cells that ran but never won; cells that never ran
+    are blank. Cells with a count ≥ 1 (appendix G's pruned grid) are outlined in red."""
+    if not counts:
+        raise ConfigError("best_count_heatmap needs at least one (α, C) cell.")
+    xs = sorted({x for x, _ in counts}, key=float)
+    ys = sorted({y for _, y in counts}, key=float)
+    grid = np.full((len(ys), len(xs)), np.nan)
+    for (x, y), v in counts.items():
+        grid[ys.index(y), xs.index(x)] = v
+    fig, axes = _figure(0.75 * len(xs) + 2.6, 0.55 * len(ys) + 1.8)
+    ax = axes[0][0]
+    im = ax.imshow(grid, origin="lower", aspect="auto", cmap="Blues", vmin=0, vmax=max(1.0, float(np.nanmax(grid))))
+    ax.set_xticks(range(len(xs)), [f"{float(x):g}" for x in xs])
+    ax.set_yticks(range(len(ys)), [f"{float(y):g}" for y in ys])
+    ax.set_xlabel(x_name)
+    ax.set_ylabel(y_name)
+    ax.set_title(title, fontsize=9)
+    top = max(1.0, float(np.nanmax(grid)))
+    for i in range(len(ys)):
+        for j in range(len(xs)):
+            if np.isfinite(grid[i, j]):
+                ax.text(
+                    j,
+                    i,
+                    f"{int(grid[i, j])}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if grid[i, j] > 0.6 * top else "black",
+                )
+                if grid[i, j] >= 1:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=1.5, ec="red"))
+    fig.colorbar(im, ax=ax, label="times best")
+    return _save(fig, path)
+
+
+def lr_vs_clip(
+    series: Mapping[str, Sequence[tuple[float, float]]],
+    path: str | Path,
+    *,
+    title: str,
+) -> Path:
+    """The best learning rate for each clipping threshold, one line per series, log–log, with a
+    dashed α ∝ 1/C reference through each series' geometric mean (Mohapatra et al. 2022, Sec. 4.1:
+    "LR and C have inverse relation" for DP-SGD; Theorem 4: α_opt·C does not depend on C).
+
+    ``series`` maps a label to (C, α) points."""
+    pts = {k: sorted((float(c), float(a)) for c, a in v) for k, v in series.items() if v}
+    if not pts:
+        raise ConfigError("lr_vs_clip needs at least one series with a (C, α) point.")
+    fig, axes = _figure(6.4, 4.2)
+    ax = axes[0, 0]
+    colors = _sequential(len(pts))
+    for (label, p), col in zip(pts.items(), colors, strict=True):
+        cs, al = np.array([c for c, _ in p]), np.array([a for _, a in p])
+        ax.plot(cs, al, marker="o", color=col, label=label)
+        if len(cs) > 1:
+            k = math.exp(float(np.mean(np.log(al * cs))))  # α = k/C through the points' geometric mean
+            grid = np.geomspace(cs.min(), cs.max(), 20)
+            ax.plot(grid, k / grid, ls="--", lw=0.9, color=col, alpha=0.7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    _plain_log_ticks(ax, "x")
+    _plain_log_ticks(ax, "y")
+    ax.set_xlabel("clipping threshold C")
+    ax.set_ylabel("best learning rate α")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.plot([], [], ls="--", color="grey", label="α ∝ 1/C")
+    ax.legend(fontsize=7, loc="best")
     return _save(fig, path)

@@ -72,7 +72,7 @@ def report_study(
 
     study_dir = Path(study_dir)
     out = Path(out_dir) if out_dir is not None else study_dir
-    with Store(study_dir) as store:  # raises ConfigError naming the fix if there is no study
+    with Store(study_dir, readonly=True) as store:  # raises ConfigError naming the fix if there is no study
         cfg = store.get_meta("config") or {}
         plan = StudyPlan.from_dict(store.get_meta("plan"))
         runs = [dict(r) for r in store.runs()]
@@ -187,7 +187,7 @@ def report_study(
                         p,
                         f"{arm.label} @ ε = {arm.epsilon:g}: r = η·T of the best sweep runs, "
                         f"the fit ({fit.get('how', 'fit')}) and r* = {fit.get('r_star', math.nan):.4g} "
-                        "used by the final run (Panda et al. 2024, Fig. 3).",
+                        "used by the final run" + _reachable_note(fit) + " (Panda et al. 2024, Fig. 3).",
                     )
                 )
 
@@ -273,6 +273,14 @@ def report_study(
     )
 
 
+def _reachable_note(fit: Mapping[str, Any]) -> str:
+    """Where r* lay outside what the final run's fixed T_f allows: the r it actually ran."""
+    rf, rs = fit.get("r_final"), fit.get("r_star")
+    if rf is None or rs is None or math.isclose(rf, rs, rel_tol=1e-9):
+        return ""
+    return f" — outside [η_min·T_f, η_max·T_f], so the final run used r = η_f·T_f = {rf:.4g}"
+
+
 def display_table(table: Sequence[Mapping[str, Any]], metric: str) -> list[dict[str, Any]]:
     """The tuner's table with selection scores clipped to the metric's range, for display (noisy
     private scores can leave it; post-processing)."""
@@ -326,7 +334,7 @@ def study_ledger_rows(plan: Any, entries: Iterable[Any], per_run: Sequence[Mappi
     """Releases per (run, query label), with the run's ε alone and its planned ε alone
     (``dptune.tune.results.budget_rows``; ε = ∞ for a non-private run), and the label's ν and q
     (from its event; else the run's)."""
-    from dptune.report.build import _nu_q
+    from dptune.report.build import nu_q
 
     eps_alone = {r["run_id"]: r["epsilon_alone"] for r in per_run}
     planned = {r["run_id"]: r.get("planned_epsilon") for r in per_run}
@@ -337,7 +345,7 @@ def study_ledger_rows(plan: Any, entries: Iterable[Any], per_run: Sequence[Mappi
         event.setdefault((e.run, e.label), e.event)
     rows = []
     for (rid, label), n in releases.items():
-        nu, q = _nu_q(event[(rid, label)])
+        nu, q = nu_q(event[(rid, label)])
         rows.append(
             LedgerRow(
                 rid,

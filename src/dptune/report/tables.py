@@ -18,11 +18,11 @@ from dptune.report.data import (
     LedgerRow,
     RunHistory,
     SummaryRow,
-    _flag,
     best_per_strategy,
     clip_to_range,
     coerce_histories,
     coerce_ledger_rows,
+    flag_text,
     metric_label,
     summarize,
 )
@@ -98,7 +98,7 @@ def _summary_from_dict(r: Mapping[str, Any]) -> SummaryRow:
         None if r.get("std") is None else float(r["std"]),
         int(r.get("n_seeds", 1)),
         int(r.get("n_diverged", 0)),
-        _flag(r.get("selected", False)),
+        flag_text(r.get("selected", False)),
     )
 
 

@@ -26,12 +26,13 @@ from dptune.strategies.base import (
 from dptune.strategies.dpadam import DPAdam
 from dptune.strategies.dpgd import DPGD
 from dptune.strategies.dpsgd import DPSGD
+from dptune.strategies.dpzo import DPZO
 from dptune.strategies.nodp import NoDP
 from dptune.strategies.oso import OSO
 from dptune.strategies.quantile import FixedQuantile
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (NoDP, DPSGD, FixedQuantile, OSO, DPAdam, AdamWOSM, DPGD)
+    cls.name: cls for cls in (NoDP, DPSGD, FixedQuantile, OSO, DPAdam, AdamWOSM, DPGD, DPZO)
 }
 
 try:  # ADADP lives in its own module (Koskela & Honkela 2020)
@@ -49,6 +50,8 @@ ALIASES = {
     "dpmomentum": "dpsgd",
     "dpadamwosm": "adamwosm",
     "sgd": "nodp",
+    "dp-zo": "dpzo",
+    "dp_zo": "dpzo",
 }
 
 
@@ -93,7 +96,11 @@ def check_types(key: str, classes: tuple[type, ...], hyperparameters: dict[str, 
             continue  # Literal aliases (OSO's rule) are checked by the strategy itself
         ok = isinstance(v, tuple(wanted)) and not (isinstance(v, bool) and bool not in wanted)
         if not ok:
-            raise ConfigError(f"strategy {key!r}: {k} must be {' or '.join(kinds)}, got {v!r} ({type(v).__name__}).")
+            example = {"bool": "true", "int": "3", "float": "0.5", "str": "'name'"}.get(kinds[0], "null")
+            raise ConfigError(
+                f"strategy {key!r}: {k} must be {' or '.join(kinds)}, got {v!r} ({type(v).__name__}). "
+                f"Fix: e.g. --hp {k}={example} (in a study file: {k} = {example})."
+            )
 
 
 def make_strategy(name: str, **hyperparameters: Any) -> Strategy:
@@ -101,7 +108,9 @@ def make_strategy(name: str, **hyperparameters: Any) -> Strategy:
     key, allowed, _ = strategy_signature(name)
     unknown = set(hyperparameters) - set(allowed)
     if unknown:
-        raise ConfigError(f"strategy {key!r} has no hyperparameter(s) {sorted(unknown)}; it takes {sorted(allowed)}.")
+        raise ConfigError(
+            f"strategy {key!r} has no hyperparameter(s) {sorted(unknown)}. Fix: use those it takes: {sorted(allowed)}."
+        )
     parts = chain_parts(key)
     check_types(key, (STRATEGIES[key],) if key in STRATEGIES else parts or (), hyperparameters)
     if key in STRATEGIES:
@@ -126,4 +135,5 @@ __all__ = [
     "DPAdam",
     "AdamWOSM",
     "DPGD",
+    "DPZO",
 ]

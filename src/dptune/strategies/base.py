@@ -83,6 +83,12 @@ class Strategy(ABC):
         """Post-processing after the last step (free of privacy cost). Default: none."""
         return params
 
+    def evaluated(self, params: Tensors, state: Any) -> Tensors:
+        """The parameters an evaluation during training scores and a best checkpoint keeps
+        (post-processing of the iterates, free of privacy cost). Default: the iterate itself;
+        an averaging update rule (``updates.Averaged``) gives the running average."""
+        return params
+
     @property
     def finalizes(self) -> bool:
         """Does ``finalize`` change the parameters (so the finalised ones deserve an evaluation)?"""
@@ -143,6 +149,9 @@ class Composed(Strategy):
 
     def finalize(self, params: Tensors, state: dict[str, Any]) -> Tensors:
         return self._parts[1].finalize(params, state["update"])
+
+    def evaluated(self, params: Tensors, state: dict[str, Any]) -> Tensors:
+        return self._parts[1].evaluated(params, state["update"])
 
     @property
     def finalizes(self) -> bool:

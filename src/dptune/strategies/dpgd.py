@@ -11,7 +11,7 @@ from dptune.privatizers import FixedClip
 from dptune.steps import RunInfo
 from dptune.strategies.base import Composed
 from dptune.tree import Tensors
-from dptune.updates import SGD
+from dptune.updates import SGD, Average, Averaged, check_average
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,15 @@ class DPGD(Composed):
     after training (§A.3, "a step for free": post-processing, no privacy cost).
     Default η: Panda's linear scaling, η = r·(1 − μ)/(C·T) with r = 200 (measured best r on
     mnist5k at full batch: 250–500; docs/strategies.md, "Defaults").
+
+    Iterate averaging (``average``; Panda §A.5, Fig. 11: EMA and SWA against none): the run's
+    evaluated and final parameters are the average θ̄ of the iterates w_1..w_T (and of the free
+    step's w_{T+1} when ``final_step``) instead of the last iterate; the iterates themselves
+    follow Algorithm 1 unchanged. ``"ema"``: bias-corrected exponential moving average with decay
+    ``ema_decay`` (None: β = 1 − 10/T, a window of the last tenth of the run); ``"swa"``: the
+    uniform mean of the iterates from step ⌊swa_start·T⌋ + 1 on. It costs no privacy: every
+    iterate is a function of the released noisy gradients alone, so any average of them is
+    post-processing of the same T releases (same ledger, same ε; ``updates.Averaged``).
     """
 
     lr: float | None = None  # None: linear scaling, r = η·T (docs/strategies.md, "Defaults")
@@ -34,11 +43,21 @@ class DPGD(Composed):
     momentum: float = 0.9
     zero_init: bool = False
     final_step: bool = True
+    average: Average = "none"  # "none" | "ema" | "swa"
+    ema_decay: float | None = None  # β; None → 1 − 10/T
+    swa_start: float = 0.5  # SWA averages the iterates after this fraction of T
     name = "dpgd"
-    hyperparameters = ("lr", "clip", "momentum", "zero_init", "final_step")
+    hyperparameters = ("lr", "clip", "momentum", "zero_init", "final_step", "average", "ema_decay", "swa_start")
+
+    def __post_init__(self) -> None:
+        check_average(self.average, self.ema_decay, self.swa_start)
+        super().__post_init__()
 
     def parts(self):
-        return FixedClip(self.clip), SGD(self.lr, self.momentum, final_step=self.final_step)
+        rule = SGD(self.lr, self.momentum, final_step=self.final_step)
+        if self.average != "none":
+            rule = Averaged(rule, self.average, self.ema_decay, self.swa_start)
+        return FixedClip(self.clip), rule
 
     def validate_run(self, run: RunInfo) -> None:
         if run.sampling_rate < 1.0:

@@ -52,6 +52,13 @@ class StudyData:
 _CACHE: dict[str, StudyData] = {}
 
 
+def forget_cached(y_train: torch.Tensor) -> None:
+    """Drop the cached study data whose training labels are ``y_train`` (the audit's in-memory
+    datasets: each trial's canaries differ, so a cached copy must not be reused)."""
+    for key in [k for k, v in _CACHE.items() if v.y_train is y_train]:
+        _CACHE.pop(key, None)
+
+
 def _rows(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu().contiguous()
     a = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()  # numpy has no bfloat16

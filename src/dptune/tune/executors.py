@@ -75,7 +75,10 @@ def _pool_call(
 def _ray_call(
     started: Any, task_id: str, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]
 ) -> tuple[dict[str, Any] | None, str | None]:
-    started.put(task_id)
+    import contextlib
+
+    with contextlib.suppress(Exception):  # a lost start report never fails the run (its result marks it)
+        started.put(task_id)
     return _call(fn, args)
 
 
@@ -272,9 +275,14 @@ def check_executor(name: str | Executor, address: str | None = None) -> None:
         return
     if name not in EXECUTORS:
         raise ConfigError(f"unknown executor {name!r}. Fix: choose one of {', '.join(EXECUTORS)}.")
+    if address is not None and name != "ray":  # it was silently ignored
+        raise ConfigError(
+            f"address {address!r} is a Ray cluster's, but executor {name!r} does not use one. "
+            "Fix: add --executor ray, or drop --address."
+        )
     if name == "ray":
         require_ray()
-        if address:
+        if address is not None:  # '' once started a local Ray instead
             check_ray_address(address)
 
 
@@ -299,6 +307,7 @@ class RayExecutor(Executor):
         ray = require_ray()
         self.ray = ray
         self.started = False
+        self._init: dict[str, Any] | None = None  # how this executor started Ray (restarted on reuse)
         if not ray.is_initialized():
             if address:
                 try:
@@ -309,23 +318,33 @@ class RayExecutor(Executor):
                         "(`ray start --head` prints it), or leave it out to start a local Ray."
                     ) from None
             else:
-                ray.init(
-                    num_cpus=workers or max(1, min(4, os.cpu_count() or 1)),
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    configure_logging=False,
-                    runtime_env=_local_pythonpath(),
-                )
+                self._init = {
+                    "num_cpus": workers or max(1, min(4, os.cpu_count() or 1)),
+                    "include_dashboard": False,
+                    "log_to_driver": False,
+                    "configure_logging": False,
+                    "runtime_env": _local_pythonpath(),
+                }
+                ray.init(**self._init)
             self.started = True
         self.remote = ray.remote(num_cpus=1, num_gpus=self.num_gpus, max_retries=0)(_ray_call)
         self.started_queue: Any = None
 
     def _drain(self) -> list[str]:
-        n = self.started_queue.qsize()
-        return list(self.started_queue.get_nowait_batch(n)) if n else []
+        if self.started_queue is None:
+            return []
+        try:
+            n = self.started_queue.qsize()
+            return list(self.started_queue.get_nowait_batch(n)) if n else []
+        except Exception:  # the queue's actor died: stop reporting starts (results still mark them)
+            self.started_queue = None
+            return []
 
     def run(self, fn, tasks, on_start=lambda ids: None):
         ray = self.ray
+        if self._init is not None and not ray.is_initialized():  # reused after close(): our Ray again
+            ray.init(**self._init)
+            self.started = True
         if self.started_queue is None:  # an actor: reachable from the tasks on every node
             from ray.util.queue import Queue
 
@@ -347,10 +366,17 @@ class RayExecutor(Executor):
             starts.reported(self._drain())
 
     def close(self) -> None:
-        if self.started_queue is not None:  # its actor, on a cluster that outlives this study
-            self.started_queue.shutdown()
+        """Shuts down the queue's actor (on a cluster that outlives this study) and the Ray this
+        executor started. The executor may be used again: ``run`` makes a new queue (and Ray)."""
+        queue, self.started_queue = self.started_queue, None
+        if queue is not None:
+            import contextlib
+
+            with contextlib.suppress(Exception):  # already gone with its cluster: nothing to shut down
+                queue.shutdown()
         if self.started:
             self.ray.shutdown()
+            self.started = False
 
 
 def make_executor(

@@ -48,7 +48,7 @@ from dp_accounting import dp_event
 from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.ledger import atoms, compose, event_from_dict, event_to_dict
-from dptune.sampling import sampling_rate_for, steps_for_epochs, stream_seed
+from dptune.sampling import check_steps, sampling_rate_for, steps_for_epochs, stream_seed
 from dptune.steps import RunInfo
 from dptune.strategies import Strategy, make_strategy
 from dptune.tune import space as S
@@ -244,22 +244,27 @@ def run_geometry(ctx: Context, config: Mapping[str, Any], path: str) -> tuple[fl
     _, tr = _split_config(config)
     ebs = tr.get("expected_batch_size", t.expected_batch_size)
     full = t.full_batch and "expected_batch_size" not in tr
+    # Name the field the value came from: the search space's, else [training]'s.
+    field = f"{path}: expected_batch_size" if "expected_batch_size" in tr else "training.expected_batch_size"
     if ebs is not None and not (0 < ebs <= ctx.n_train):
-        # Name the field the value came from: the search space's, else [training]'s.
-        field = f"{path}: expected_batch_size" if "expected_batch_size" in tr else "training.expected_batch_size"
         raise ConfigError(
             f"{field} = {ebs:g} is outside (0, n = {ctx.n_train}] (n: the training examples). "
             f"Fix: use a batch of at most {ctx.n_train}, or training.full_batch = true."
         )
-    q = sampling_rate_for(ctx.n_train, ebs, full)
-    if "steps" in tr:
-        steps = int(tr["steps"])
-    elif "epochs" in tr:
-        steps = steps_for_epochs(float(tr["epochs"]), q)
-    elif t.steps is not None:
-        steps = int(t.steps)
+    try:
+        q = sampling_rate_for(ctx.n_train, ebs, full)
+    except ConfigError as exc:  # a batch too small for any useful q
+        raise ConfigError(f"{field}: {exc}") from None
+    # 10¹² steps: a clear error naming the field, not a MemoryError while planning.
+    if "steps" in tr or ("epochs" not in tr and t.steps is not None):
+        steps = int(tr["steps"]) if "steps" in tr else int(t.steps)  # type: ignore[arg-type]
+        check_steps(steps, f"{path}: steps = {steps}" if "steps" in tr else f"training.steps = {steps}")
     else:
-        steps = steps_for_epochs(float(t.epochs), q)  # type: ignore[arg-type]
+        epochs = float(tr["epochs"]) if "epochs" in tr else float(t.epochs)  # type: ignore[arg-type]
+        try:
+            steps = steps_for_epochs(epochs, q)
+        except ConfigError as exc:
+            raise ConfigError(f"{path + ': epochs' if 'epochs' in tr else 'training.epochs'}: {exc}") from None
     if steps < 1:
         raise ConfigError(f"{path}: a run needs ≥ 1 step, got {steps}.")
     return q, steps
@@ -839,7 +844,11 @@ def _plan_ls(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
     o = method.options
     delta = study.budget.delta
     P, P_acc, _ = _procedures(study)
-    sweep_eps = [float(e) for e in o["sweep_epsilons"]]
+    se = o["sweep_epsilons"]
+    # {fraction = [...]}: each sweep at that share of this arm's target ε (spec._check_method_options)
+    sweep_eps = (
+        [float(f"{float(f) * eps:.12g}") for f in se["fraction"]] if isinstance(se, Mapping) else [float(e) for e in se]
+    )
     n = int(o["runs_per_sweep"])
     lr_lo, lr_hi = S.bounds(arm.space["lr"])
     t_lo, t_hi = S.bounds(arm.space["steps"])
@@ -968,15 +977,55 @@ def _plan_ls(b: _Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
 def _decompose(
     rng, space: Mapping[str, Any], r_lo: float, r_hi: float, lr_lo: float, lr_hi: float, sampling: str
 ) -> dict[str, Any]:
-    """Draw r (uniform or log-uniform in [r_min, r_max]) and split it into (η, T): T from the
-    steps axis, η = r/T, redrawing T until η is in range (Panda §A.3, method 2), else clamping."""
+    """Draw r (uniform or log-uniform in [r_min, r_max]) and split it into (η, T) with η·T = r,
+    η_min ≤ η ≤ η_max and T on the steps axis (Panda Alg. 1, "decompose r into η, T without
+    exceeding T_max or η_max"; §A.3, method 2: T from the steps axis, η = r/T).
+
+    T is drawn from the steps axis conditioned on η = r/T being in range: by rejection first
+    (the draws of earlier versions, so existing plans keep their configurations), then, when
+    the feasible T are too rare for rejection, directly from them. Only when no integer T on
+    the axis gives η in range is η clamped (r then moves to the nearest reachable product)."""
     r = rng.uniform(r_lo, r_hi) if sampling == "uniform" else math.exp(rng.uniform(math.log(r_lo), math.log(r_hi)))
     for _ in range(100):
         T = int(S.draw_value(space["steps"], rng))
         lr = r / T
         if lr_lo <= lr <= lr_hi:
             return {"lr": float(lr), "steps": T}
-    return {"lr": float(min(max(lr, lr_lo), lr_hi)), "steps": T}
+    return split_r(r, space["steps"], lr_lo, lr_hi, rng)
+
+
+def split_r(r: float, steps_axis: Any, lr_lo: float, lr_hi: float, rng) -> dict[str, Any]:
+    """(η, T) with η·T = r, η ∈ [η_min, η_max], T drawn from the steps axis restricted to the
+    T that allow it (uniformly in T, or log-uniformly for ``int_log_uniform``); if none does,
+    the axis's T nearest to the feasible interval and η clamped to its range."""
+    t_min, t_max = r / lr_hi, r / lr_lo  # the real interval of T with η = r/T in range
+    if isinstance(steps_axis, Mapping):
+        dist = next(iter(steps_axis))
+        lo, hi = S.bounds(steps_axis)
+        a, b = max(math.ceil(lo), math.ceil(t_min * (1 - 1e-12))), min(math.floor(hi), math.floor(t_max * (1 + 1e-12)))
+        if a <= b:
+            if dist == "int_log_uniform":
+                T = int(min(max(round(math.exp(rng.uniform(math.log(a), math.log(b)))), a), b))
+            else:
+                T = int(rng.integers(a, b + 1))
+            return {"lr": float(min(max(r / T, lr_lo), lr_hi)), "steps": T}
+        support = sorted(
+            {
+                math.ceil(lo),
+                math.floor(hi),
+                min(max(a, math.ceil(lo)), math.floor(hi)),
+                max(min(b, math.floor(hi)), math.ceil(lo)),
+            }
+        )
+    else:
+        support = sorted({int(v) for v in steps_axis})
+        ok = [T for T in support if t_min * (1 - 1e-12) <= T <= t_max * (1 + 1e-12)]
+        if ok:
+            T = ok[int(rng.integers(len(ok)))]
+            return {"lr": float(min(max(r / T, lr_lo), lr_hi)), "steps": T}
+    # No T on the axis reaches r: the one whose clamped η gives the nearest product (in log r).
+    T = min(support, key=lambda t: abs(math.log(min(max(r / t, lr_lo), lr_hi) * t / r)))
+    return {"lr": float(min(max(r / T, lr_lo), lr_hi)), "steps": int(T)}
 
 
 def resolve_final_config(
@@ -1033,6 +1082,9 @@ def resolve_final_config(
         "coef": [float(c) for c in coef] if coef is not None else None,
         "x_final": x_f,
         "r_star": r_star,
+        # What the final run trains with: T_f was fixed at planning time (its ν is calibrated for
+        # it), so an r* below η_min·T_f (or above η_max·T_f) is run at the nearest reachable r.
+        "r_final": lr * t_f,
         "how": how,
         "axis": ex["fit_axis"],
     }

@@ -387,7 +387,9 @@ def study_status(study_dir: str | Path) -> dict[str, Any]:
                 "per": arm.guarantee.get("per"),
             }
         )
-    eta_s, eta_text = eta(rows)
+    from dptune.tune.study import plan_groups
+
+    eta_s, eta_text = eta(rows, plan_groups(plan, int(cfg.get("study", {}).get("trials_per_group", 16))))
     return {
         "name": cfg.get("study", {}).get("name", "study"),
         "total": len(rows),
@@ -406,13 +408,22 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
-def eta(rows: Iterable[Mapping[str, Any]]) -> tuple[float | None, str]:
+def eta(
+    rows: Iterable[Mapping[str, Any]], groups: Mapping[str, tuple[str, ...]] | None = None
+) -> tuple[float | None, str]:
     """(seconds, text): the time the study still needs, from its finished runs' durations: runs
-    left × mean seconds per finished run ÷ runs running now (the workers busy; at least 1). Run
-    times are a diagnostic (they grow with the realised batch sizes): for the data owner only."""
+    left × mean seconds per finished run ÷ tasks running now (the workers busy; at least 1). Run
+    times are a diagnostic (they grow with the realised batch sizes): for the data owner only.
+
+    ``groups`` (run_id → its group, ``study.plan_groups``): the runs of a group are trained as ONE
+    task and each stores the group's time ÷ its size, so its running members count once (they are
+    marked running together: same ``started``); counting each would divide by the size twice."""
     rows = list(rows)
+    groups = groups or {}
     left = sum(1 for r in rows if r["status"] in ("planned", "running"))
-    running = sum(1 for r in rows if r["status"] == "running")
+    running = len(
+        {(groups.get(r["run_id"], (r["run_id"],)), r.get("started")) for r in rows if r["status"] == "running"}
+    )
     took = [float(r["seconds"]) for r in rows if r["status"] in ("done", "diverged") and _finite(r.get("seconds"))]
     if left == 0:
         return 0.0, "no run left"
@@ -422,7 +433,7 @@ def eta(rows: Iterable[Mapping[str, Any]]) -> tuple[float | None, str]:
     seconds = left * per / max(1, running)
     return seconds, (
         f"≈ {_duration(seconds)} ({left} runs left × {per:.3g} s per finished run"
-        + (f" ÷ {running} running)" if running > 1 else ")")
+        + (f" ÷ {running} running tasks)" if running > 1 else ")")
     )
 
 

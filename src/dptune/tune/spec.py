@@ -106,6 +106,22 @@ def canonical_method(name: Any, path: str = "method.name") -> str:
     return key
 
 
+def _check_flag_options(name: str, options: Mapping[str, Any]) -> None:
+    """A dataset option whose default is true/false takes only true/false: ``flatten = "maybe"``
+    (or 2) would be read as true by the loader. Unknown options are left to ``dptune.data.load``."""
+    from dptune import data as _data
+
+    try:
+        defaults = _data.options(name)
+    except ConfigError:  # an unknown dataset is reported by the caller
+        return
+    for key, value in options.items():
+        if isinstance(defaults.get(key), bool) and not isinstance(value, bool):
+            raise _err(
+                f"data.options.{key}", f"must be true or false, got {value!r}", f"{key} = {str(defaults[key]).lower()}"
+            )
+
+
 # ----------------------------------------------------------------------------- pieces
 @dataclass(frozen=True)
 class DataSpec:
@@ -148,6 +164,7 @@ class DataSpec:
                 raise _err("data.name", f"unknown dataset {self.name!r}", f"choose one of {', '.join(names)}")
             if not isinstance(self.options, Mapping):
                 raise _err("data.options", "must be a table of options", "e.g. options = { flatten = true }")
+            _check_flag_options(self.name, self.options)
         else:
             t = self.tensors
             if not isinstance(t, tuple | list) or len(t) != 4:
@@ -252,6 +269,12 @@ class TrainingSpec:
             not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1
         ):
             raise _err("training.steps", f"must be an integer ≥ 1, got {self.steps!r}", "e.g. steps = 500")
+        if not isinstance(self.full_batch, bool):  # "maybe" or 2 would be read as true
+            raise _err(
+                "training.full_batch",
+                f"must be true or false, got {self.full_batch!r}",
+                "full_batch = true (no quotes)",
+            )
         if self.full_batch and self.expected_batch_size is not None:
             raise _err("training", "full_batch = true and expected_batch_size are exclusive", "drop one of them")
         if not self.full_batch and self.expected_batch_size is None:
@@ -384,11 +407,29 @@ def _check_method_options(name: str, o: dict[str, Any]) -> None:
             )
     if name == "linear-scaling":
         se = o["sweep_epsilons"]
-        if not isinstance(se, Sequence) or len(se) < 2 or any(not isinstance(e, int | float) or e <= 0 for e in se):
+        # A table {fraction = [f₁, f₂]}: each sweep at f_i × the target ε (Panda's ε = 1 split,
+        # 0.1 and 0.2, at every target), so the sweeps scale with the budget they serve.
+        fraction = isinstance(se, Mapping)
+        if fraction:
+            if set(se) != {"fraction"}:
+                raise _err(
+                    "method.sweep_epsilons",
+                    f"a table must be {{fraction = [...]}}, got keys {sorted(se)}",
+                    "e.g. sweep_epsilons = { fraction = [0.1, 0.2] }",
+                )
+            se = se["fraction"]
+        bad = not isinstance(se, Sequence) or isinstance(se, str) or len(se) < 2
+        if bad or any(isinstance(e, bool) or not isinstance(e, int | float) or e <= 0 for e in se):
             raise _err(
                 "method.sweep_epsilons",
-                f"need ≥ 2 per-run ε values > 0, got {se!r}",
-                "e.g. sweep_epsilons = [0.1, 0.2] (Panda et al.)",
+                f"need ≥ 2 per-run ε values > 0 (or a table {{fraction = [...]}}), got {o['sweep_epsilons']!r}",
+                "e.g. sweep_epsilons = [0.1, 0.2] (Panda et al.) or { fraction = [0.1, 0.2] }",
+            )
+        if fraction and any(e >= 1 for e in se):
+            raise _err(
+                "method.sweep_epsilons",
+                f"fractions of the target ε must be < 1, got {list(se)!r}",
+                "e.g. sweep_epsilons = { fraction = [0.1, 0.2] }",
             )
         if len(set(se)) != len(se):
             raise _err("method.sweep_epsilons", "values repeat", "use distinct ε values")
@@ -940,19 +981,37 @@ def load_study_config(path: str | os.PathLike[str] | Study) -> Study:
         )
     if not p.is_file():
         raise ConfigError(f"study file {str(p)!r} does not exist. Fix: pass the path of a .toml or .yaml file.")
-    text = p.read_text()
+    if p.suffix.lower() not in (".toml", ".yaml", ".yml"):  # before reading: an image is not decoded as text
+        raise ConfigError(f"{p}: unknown file type {p.suffix!r}. Fix: use a .toml or .yaml file.")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"study file {str(p)!r} is not a text file (byte {exc.start} is not UTF-8: binary data, an image?). "
+            "Fix: pass the study's .toml or .yaml file (UTF-8 text)."
+        ) from None
     if p.suffix.lower() == ".toml":
         try:
             d = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{p}: not valid TOML ({exc}). Fix the syntax at that position.") from None
+            fix = "it reads as YAML: rename it to .yaml" if _is_yaml_mapping(text) else "correct the syntax there"
+            raise ConfigError(f"{p}: not valid TOML ({exc}). Fix: {fix}.") from None
     elif p.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
         try:
             d = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader: no arbitrary objects
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML ({exc}). Fix the syntax at that position.") from None
-    else:
-        raise ConfigError(f"{p}: unknown file type {p.suffix!r}. Fix: use a .toml or .yaml file.")
+            where = " ".join(str(exc).split())  # PyYAML's message spans lines: the CLI prints one
+            raise ConfigError(f"{p}: not valid YAML ({where}). Fix: correct the syntax there.") from None
     return study_from_dict(d or {}, base_dir=p.parent)
+
+
+def _is_yaml_mapping(text: str) -> bool:
+    """Does ``text`` (not valid TOML) parse as a YAML mapping? Then it was written for a .yaml file."""
+    import yaml
+
+    try:
+        return isinstance(yaml.load(text, Loader=_yaml_loader()), dict)
+    except yaml.YAMLError:
+        return False

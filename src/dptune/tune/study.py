@@ -35,54 +35,131 @@ def study_metric(study: Study, task: str) -> str:
     return study.selection.metric or ("mse" if task == "reconstruction" else "accuracy")
 
 
-@contextmanager
-def _lock(study_dir: Path) -> Iterator[None]:
-    """One coordinator per study directory (an flock: released by the OS even on SIGKILL)."""
-    study_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(study_dir / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(
-                f"another process is running the study in {str(study_dir)!r}. "
-                "Fix: wait for it, or check `dptune status DIR`."
-            ) from None
-        yield
-    finally:
-        os.close(fd)
+class _StudyClaim:
+    """Claims ``study_dir`` for one coordinator: makes the missing folders one level at a time,
+    takes the study's lock (an flock on ``.lock``: released by the OS even on SIGKILL) and, if the
+    study fails before any run starts (a failed plan, an executor that cannot start, Ctrl-C while
+    planning), removes again exactly what THIS process made: the store's files it created (under
+    the lock, so never another coordinator's), its ``.lock``, then its folders innermost first,
+    stopping at the first one that is not empty. Nothing that appeared meanwhile (a sibling study
+    started alongside in the same parent, a user's file) is ever deleted; a study that existed
+    before, or whose runs started (``started``), is kept as it is."""
 
+    FILES = ("study.sqlite", "study.sqlite-wal", "study.sqlite-shm", "study.sqlite-journal")
 
-class _UndoUnlessStarted:
-    """What ``run_study`` creates in ``study_dir`` (the directory itself, or the store's files in
-    an existing one) is removed again if it fails before any run starts (a failed plan, an
-    executor that cannot start, Ctrl-C while planning): nothing is left that looks like a study.
-    Entered while the study's lock is held (another coordinator's files are never touched); a
-    study that existed before, or whose runs started, is kept as it is."""
-
-    FILES = ("study.sqlite", "study.sqlite-wal", "study.sqlite-shm", ".lock")
-
-    def __init__(self, study_dir: Path):
-        self.dir = study_dir
-        missing = [p for p in (study_dir, *study_dir.parents) if not p.exists()]
-        self.top = missing[-1] if missing else None  # the outermost folder mkdir will create
-        self.before = set() if self.top is not None else set(os.listdir(study_dir))
+    def __init__(self, study_dir: str | os.PathLike[str]):
+        # realpath: "e/m/.." is e (a missing e/m is not made just to be walked out of again)
+        self.dir = Path(os.path.realpath(study_dir))
+        self.made: list[Path] = []  # folders this process created, outermost first
+        self.fd: int | None = None
+        self.lock_is_ours = False  # .lock created by this process (O_EXCL)
+        self.before: set[str] | None = None  # the folder's names once the lock is held
         self.started = False
 
-    def __enter__(self) -> _UndoUnlessStarted:
+    def __enter__(self) -> _StudyClaim:
+        try:
+            self._make_dirs()
+            self._take_lock()
+            self.before = set(os.listdir(self.dir))
+        except BaseException:
+            self._undo()
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None or self.started or "study.sqlite" in self.before:
-            return
-        if self.top is not None:
-            import shutil
+        if exc_type is not None and not self.started:
+            self._undo()
+        elif self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
-            shutil.rmtree(self.top, ignore_errors=True)
-            return
-        for name in self.FILES:
-            if name not in self.before:
-                (self.dir / name).unlink(missing_ok=True)
+    def _make_dirs(self) -> None:
+        missing = []
+        p = self.dir
+        while not os.path.lexists(p) and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:  # made meanwhile by another process: not ours to remove
+                continue
+            self.made.append(d)
+        if not self.dir.is_dir():
+            raise ConfigError(
+                f"study directory {str(self.dir)!r} is not a directory. Fix: give a directory (new or existing)."
+            )
+
+    def _take_lock(self) -> None:
+        lock = self.dir / ".lock"
+        for _ in range(10):
+            try:
+                fd, ours = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644), True
+            except FileExistsError:
+                try:
+                    fd, ours = os.open(lock, os.O_RDWR), False
+                except FileNotFoundError:  # removed in between by a coordinator that gave up: retry
+                    continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)  # its holder may be using the file we created: never removed by us
+                raise ConfigError(
+                    f"another process is running the study in {str(self.dir)!r}. "
+                    "Fix: wait for it, or check `dptune status DIR`."
+                ) from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(lock))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd, self.lock_is_ours = fd, ours
+                return
+            os.close(fd)  # we locked a .lock that its creator removed meanwhile: lock the current one
+        raise ConfigError(  # pragma: no cover - ten removals in a row
+            f"could not lock the study in {str(self.dir)!r}. Fix: check that no other process is using it."
+        )
+
+    def _undo(self) -> None:
+        try:
+            if self.before is not None and "study.sqlite" not in self.before:  # the lock is held
+                for name in self.FILES:
+                    if name not in self.before:
+                        (self.dir / name).unlink(missing_ok=True)
+            if self.before is not None and self.lock_is_ours:
+                (self.dir / ".lock").unlink(missing_ok=True)
+        finally:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+            for d in reversed(self.made):
+                try:
+                    os.rmdir(d)
+                except OSError:  # not empty (something else lives there now): kept, and its parents
+                    break
+
+
+@contextmanager
+def _lock(study_dir: Path) -> Iterator[None]:
+    """One coordinator per study directory (``_StudyClaim`` without the undo)."""
+    with _StudyClaim(study_dir) as claim:
+        claim.started = True
+        yield
+
+
+def plan_groups(plan: StudyPlan, size: int) -> dict[str, tuple[str, ...]]:
+    """run_id → its group of ``size`` (``Coordinator.groups``, for a model that can be stacked)."""
+    out: dict[str, tuple[str, ...]] = {}
+    keyed: dict[tuple[Any, ...], list[str]] = {}
+    for rid, r in plan.runs.items():
+        keyed.setdefault((r.arm, r.stage, r.procedure if r.config is None else None), []).append(rid)
+    for ids in keyed.values():
+        for i in range(0, len(ids), max(1, size)):
+            chunk = tuple(ids[i : i + size])
+            if len(chunk) > 1:
+                for rid in chunk:
+                    out[rid] = chunk
+    return out
 
 
 class Coordinator:
@@ -180,19 +257,8 @@ class Coordinator:
         plan order, cut into chunks. Fixed before execution, so a run's result never depends on
         the executor, on the number of workers or on what a resumed session still had to do."""
         if self._groups is None:
-            self._groups = {}
             size = self.study.trials_per_group
-            if size > 1 and self._stackable():
-                keyed: dict[tuple[Any, ...], list[str]] = {}
-                for rid, r in self.plan.runs.items():
-                    key = (r.arm, r.stage, r.procedure if r.config is None else None)
-                    keyed.setdefault(key, []).append(rid)
-                for ids in keyed.values():
-                    for i in range(0, len(ids), size):
-                        chunk = tuple(ids[i : i + size])
-                        if len(chunk) > 1:
-                            for rid in chunk:
-                                self._groups[rid] = chunk
+            self._groups = plan_groups(self.plan, size) if size > 1 and self._stackable() else {}
         return self._groups
 
     def _stackable(self) -> bool:
@@ -379,8 +445,9 @@ def run_study(
     check_executor(executor, address)
     path = Path(study_dir)
     check_output_dir(path, "study directory")
-    undo = _UndoUnlessStarted(path)
-    with _lock(path), undo:
+    if ".." in path.parts:  # "e/m/.." with e/m missing: the kernel cannot walk it; the folder meant is e
+        path = Path(os.path.realpath(path))
+    with _StudyClaim(path) as claim:
         store, plan = _open(study, path)
         try:
             store.reset_interrupted()
@@ -388,7 +455,7 @@ def run_study(
                 store.reset_failed()
             coord = Coordinator(study, store, plan)
             ex = make_executor(executor, workers, address, device=device, gpus_per_run=gpus_per_run)
-            undo.started = True  # from here on, runs may be released: the study stays
+            claim.started = True  # from here on, runs may be released: the study stays
             try:
                 coord.execute(ex, progress)
             finally:

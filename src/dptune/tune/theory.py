@@ -309,3 +309,66 @@ def lt_vs_ma(
         rows.append((k, eps_lt, eps_ma))
     affordable = [k for k, a, b in rows if b <= a]
     return LtVsMa(n, delta, max(affordable) if affordable else 0, tuple(rows))
+
+
+# ----------------------------------------------------------------------------- Mohapatra App. D, Theorem 4
+@dataclass(frozen=True)
+class ConvexDPSGDStep:
+    """Theorem 4's optimum: the step α_opt, the bound (Eq. 1) there, and the effective step α_opt·C."""
+
+    alpha: float  # α_opt = R / (C·√(T·(1 + σ²)))
+    bound: float  # Eq. (1) at α_opt = R·C·√(1 + σ²)/√T
+    effective_step: float  # α_opt·C = R/√(T·(1 + σ²)): the same for every C (best α ∝ 1/C)
+
+
+def _positive_finite(**values: float) -> None:
+    for name, v in values.items():
+        if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+            raise ConfigError(f"{name} must be a finite number > 0, got {v!r}. Fix: pass a positive value.")
+
+
+def _theorem4_args(radius: float, clip: float, sigma: float, steps: int) -> None:
+    _positive_finite(radius=radius, clip=clip)
+    if not (isinstance(sigma, int | float) and not isinstance(sigma, bool) and math.isfinite(sigma) and sigma >= 0):
+        raise ConfigError(f"sigma must be a finite number ≥ 0, got {sigma!r}. Fix: pass the noise multiplier.")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ConfigError(f"steps must be an integer ≥ 1, got {steps!r}. Fix: pass the number of iterations T.")
+
+
+def convex_dpsgd_bound(alpha: float, radius: float, clip: float, sigma: float, steps: int) -> float:
+    """Mohapatra et al. (2022), appendix D, Eq. (1): the bound on E[f(x̄_T) − f(x*)] after T steps
+    of noisy projected gradient descent at step size α,
+
+        E[f((1/T)·Σ_{t<T} x_t) − f(x*)] ≤ R²/(2αT) + α·C²·(1 + σ²)/2.
+
+    Assumptions (those of Theorem 4, as its proof uses them; see ``convex_dpsgd_step``)."""
+    _positive_finite(alpha=alpha)
+    _theorem4_args(radius, clip, sigma, steps)
+    return radius**2 / (2.0 * alpha * steps) + alpha * clip**2 * (1.0 + sigma**2) / 2.0
+
+
+def convex_dpsgd_step(radius: float, clip: float, sigma: float, steps: int) -> ConvexDPSGDStep:
+    """Mohapatra et al. (2022), appendix D, Theorem 4: the step size minimising Eq. (1) and the bound there,
+
+        α_opt = R / (C·√(T·(1 + σ²))),   E[f(x̄_T) − f(x*)] ≤ R·C·√(1 + σ²)/√T.
+
+    Setting (Theorem 4): f convex (and β-smooth, which the proof never uses) on a convex set S,
+    x* = argmin_S f, x_{t+1} = Π_S(x_t − α(g_t + z_t)) with g_t the clipped gradient and
+    z_t ~ N(0, σ²C²) independent of the past; x̄_T the average of x_0 … x_{T−1}. The proof needs:
+
+    * E[g_t | x_t]ᵀ(x_t − x*) ≥ f(x_t) − f(x*): g_t must be the true gradient, i.e. clipping
+      inactive, ‖∇f‖ ≤ C on S (f C-Lipschitz); then also ‖g_t‖ ≤ C;
+    * E‖z_t‖² = σ²C² (the proof's C²σ²; for isotropic noise N(0, σ₀²C²I_d) take σ² = d·σ₀²; for
+      DP-SGD's (Σ_B clip(g_i) + N(0, ν²C²I_d))/L, σ² = d·ν²/L²);
+    * R² ≥ E‖x_0 − x*‖² (the theorem writes R = E‖x_0 − x*‖; the telescoped sum needs the second moment).
+
+    Two misprints of the appendix are corrected: the theorem prints α_opt = R/(C·T·√(1 + σ²)), but
+    the minimiser of Eq. (1) (its derivative set to zero) has √T, and only that step gives the
+    stated bound R·C·√(1 + σ²)/√T; and the clipping factor prints min(1, C/‖∇f‖²) for min(1, C/‖∇f‖).
+    ``effective_step`` = α_opt·C does not depend on C: the bound's optimal α scales like 1/C,
+    Mohapatra et al.'s LR–C inverse relation (section 4.1).
+    """
+    _theorem4_args(radius, clip, sigma, steps)
+    root = math.sqrt(steps * (1.0 + sigma**2))
+    alpha = radius / (clip * root)
+    return ConvexDPSGDStep(alpha, radius * clip * math.sqrt(1.0 + sigma**2) / math.sqrt(steps), radius / root)

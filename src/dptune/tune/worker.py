@@ -47,13 +47,14 @@ from dptune.vectorized import train_many
 
 def _with_checkpoints(strategy: Strategy, steps: set[int], hook: Callable[[int, Tensors], None]) -> Strategy:
     """The same strategy (same class behaviour, same hyperparameters) with a callback
-    after the steps in ``steps``: it sees the parameters there, without touching the loop."""
+    after the steps in ``steps``: it sees the parameters there (those the strategy evaluates:
+    the running average of an averaging strategy), without touching the loop."""
     base = type(strategy)
 
     def step(self, params, state, ctx):  # noqa: ANN001
         params, state, info = base.step(self, params, state, ctx)
         if ctx.t in steps:
-            hook(ctx.t, params)
+            hook(ctx.t, self.evaluated(params, state))
         return params, state, info
 
     cls = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
