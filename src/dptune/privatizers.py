@@ -330,7 +330,8 @@ class ZerothOrderClip(Privatizer):
     it may be public: given z_t, s̃_t is the Gaussian mechanism with sensitivity C and multiplier
     ν, and θ_{t+1} is a function of (θ_t, z_t, s̃_t). The step is therefore one
     PoissonSampled(q, Gaussian(ν)) event, exactly DP-SGD's; the noise stream is untouched by the
-    directions. The sum is computed exactly (``math.fsum``, correctly rounded float64).
+    directions. The sum is correctly rounded (``math.fsum`` in float64): one example moves it by at most
+    C plus one ulp of the sum, the residue every float sum has (docs/privacy.md).
     """
 
     clip: float = 1.0  # C, the bound on each example's finite difference
@@ -353,7 +354,7 @@ class ZerothOrderClip(Privatizer):
         """z's stream: its own, derived from the gateway's noise seed (secure mode: the OS CSPRNG),
         so that drawing z never shifts the privacy noise."""
         noise = getattr(ctx.release, "noise", None)
-        if noise is None:  # a test stub without a noise source: a fixed seed (not a real run)
+        if noise is None:  # a test stub without a noise source: a fixed seed (never a real run's gateway)
             return NoiseSource(stream_seed(0, "zo-directions"))
         return NoiseSource(stream_seed(noise.seed, "zo-directions"), noise.device, noise.secure)
 

@@ -455,7 +455,9 @@ def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
     grids = eta_t_grids(study_dir)
     if not grids:
         return None, False
-    released = all(g["mode"] == "public" and g["kind"] == "composition" for g in grids)
+    # A cell averages the seed replicates: with unaccounted replicates (per "seed replicate") a panel
+    # mixes the losing candidates of several procedures, which no single guarantee covers.
+    released = all(g["mode"] == "public" and g["kind"] == "composition" and g["per"] == "study" for g in grids)
     labels = list(dict.fromkeys(g["label"] for g in grids))
     epsilons = sorted({g["epsilon"] for g in grids})
     metric, higher = grids[0]["metric"], grids[0]["higher"]
