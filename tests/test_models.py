@@ -83,7 +83,7 @@ def test_mlp_and_registry() -> None:
     }
     assert models.count_params(models.build("galli_cnn")) == 551_322
     assert models.count_params(models.build("mlp", hidden=(32,), input_dim=64)) == 64 * 32 + 32 + 330
-    with pytest.raises(ConfigError, match="available"):
+    with pytest.raises(ConfigError, match=r"unknown model 'resnet18'\. Fix: choose one of .*galli_cnn"):
         models.build("resnet18")
     with pytest.raises(ConfigError):
         models.build("mlp", width=3)
