@@ -427,3 +427,17 @@ def test_tune_with_failed_runs_says_so_and_exits_1(tmp_path: Path, monkeypatch: 
     assert "1 of 1 runs did not finish (1 failed; not differentially private: for the data owner only)" in out
     assert f"dptune status {d}" in out and f"dptune resume {d}" in out
     assert (d / "study.sqlite").is_file()  # the study is kept: resume retries the run
+
+
+def test_resume_with_runs_that_fail_again_says_so_and_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def killed(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("worker process failed: killed")
+
+    monkeypatch.setattr(study_mod, "execute_task", killed)
+    d = tmp_path / "s"
+    assert CliRunner().invoke(app, ["tune", str(_config(tmp_path)), "-o", str(d), "--no-progress"]).exit_code == 1
+    res = CliRunner().invoke(app, ["resume", str(d), "--no-progress"])  # the run fails again
+    assert res.exit_code == 1, (res.output, res.exception)
+    assert "Traceback" not in res.output
+    out = " ".join(res.output.split())
+    assert "1 of 1 runs did not finish (1 failed; not differentially private: for the data owner only)" in out

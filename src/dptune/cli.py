@@ -459,19 +459,25 @@ def tune(
         f"study directory: {study_dir}  (publishable: {study_dir / 'release'}; "
         f"dptune report {study_dir} for the HTML report)"
     )
-    if not outcome.complete:  # e.g. a killed worker: said, and exit code 1, not a silent success
-        from dptune.report.privacy import NOT_DP_LABEL
+    _exit_if_incomplete(study_dir, outcome)
 
-        # Failed-run counts are not covered by the guarantee: the owner's view, labelled.
-        left = sum(n for s, n in outcome.counts.items() if s not in ("done", "diverged"))
-        console.print(
-            f"[bold red]{left} of {sum(outcome.counts.values())} runs did not finish "
-            f"({outcome.counts.get('failed', 0)} failed; {NOT_DP_LABEL}).[/] "
-            f"Check with `dptune status {study_dir}`; `dptune resume {study_dir}` retries them with the same seeds.",
-            highlight=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(1)
+
+def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
+    """Runs that did not finish (e.g. a killed worker) are said, with exit code 1: never a silent success."""
+    if outcome.complete:
+        return
+    from dptune.report.privacy import NOT_DP_LABEL
+
+    # Failed-run counts are not covered by the guarantee: the owner's view, labelled.
+    left = sum(n for s, n in outcome.counts.items() if s not in ("done", "diverged"))
+    console.print(
+        f"[bold red]{left} of {sum(outcome.counts.values())} runs did not finish "
+        f"({outcome.counts.get('failed', 0)} failed; {NOT_DP_LABEL}).[/] "
+        f"Check with `dptune status {study_dir}`; `dptune resume {study_dir}` retries them with the same seeds.",
+        highlight=False,
+        soft_wrap=True,
+    )
+    raise typer.Exit(1)
 
 
 @app.command()
@@ -539,10 +545,11 @@ def resume(
             soft_wrap=True,
         )
         return
-    resume_study(
+    outcome = resume_study(
         study_dir, executor=executor, address=address, progress=progress, workers=workers, gpus_per_run=gpus_per_run
     )
     render(study_dir, console)
+    _exit_if_incomplete(study_dir, outcome)
 
 
 @app.command()
