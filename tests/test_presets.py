@@ -569,3 +569,23 @@ def test_galli_mnist_smoke_report_emits_no_legend_warning(data_env, tmp_path):
     figures = {p.name for p in (out / "study" / "release" / "figures").glob("*.png")}
     assert {"metric_vs_epsilon.png", "trajectories.png", "noise_pareto.png"} <= figures, figures
     assert (out / "report.html").is_file() and (tmp_path / "again" / "release" / "report.html").is_file()
+
+
+def test_a_preset_whose_plan_fails_leaves_no_folder(tmp_path, monkeypatch):
+    """A part that fails to plan (the error comes after the output folder was made): the folder is
+    removed again when this call made it and nothing is in it; a folder the user made stays."""
+    import dptune.presets as presets_mod
+
+    def failing_plan(*args, **kwargs):
+        raise ConfigError("planning failed (test)")
+
+    monkeypatch.setattr(presets_mod, "_run_part", failing_plan)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="planning failed"):
+        reproduce("galli-mnist", "smoke", out, progress=False, console=_console())
+    assert not out.exists()
+    keep = tmp_path / "existing"
+    keep.mkdir()
+    with pytest.raises(ConfigError, match="planning failed"):
+        reproduce("galli-mnist", "smoke", keep, progress=False, console=_console())
+    assert keep.is_dir()  # a folder the user made is never removed

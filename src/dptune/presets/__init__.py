@@ -27,6 +27,7 @@ See ``docs/reproduce.md`` for each preset's exact settings, deviations and time 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -392,64 +393,71 @@ def reproduce(
 
     check_workers(workers)
     check_study_device(device, executor, None)  # before any folder is made
+    created = not os.path.lexists(out_dir)
     out = ensure_dir(out_dir)
-    console = _console(console)
-    t0 = time.perf_counter()
-    with data_dir_env(data_dir):
-        parts = preset.parts(scale, **options)
-        console.print(
-            f"[bold]{preset.name}[/bold] ({scale}): {preset.summary}. Estimated time: "
-            f"{preset.estimates.get(scale, '?')}."
-        )
-        figures = panda.report_figures if preset.name.startswith("panda-") else None
-        all_rows, sections, extra_sections = [], [], []
-        for part in parts:
-            console.print(f"\n[bold]{part.title}[/bold] → {out / part.name}")
-            rows, html = _run_part(
-                part,
-                out / part.name,
-                executor=executor,
-                workers=workers,
-                progress=progress,
-                device=device,
-                console=console,
-                figures=figures,
+    try:
+        console = _console(console)
+        t0 = time.perf_counter()
+        with data_dir_env(data_dir):
+            parts = preset.parts(scale, **options)
+            console.print(
+                f"[bold]{preset.name}[/bold] ({scale}): {preset.summary}. Estimated time: "
+                f"{preset.estimates.get(scale, '?')}."
             )
-            all_rows.extend({"part": part.name, **r} for r in rows)
-            sections.append(_part_section(part, rows, html, out))
-            comparison = paper_comparison(part, rows)
-            if comparison is not None:
-                sections[-1] = dataclasses.replace(sections[-1], tables=[*sections[-1].tables, comparison])
-                _print_table(console, f"{part.title}: ours beside the paper", comparison)
-        if preset.extra is not None:
-            extra_sections = list(preset.extra(out, scale, dict(options), parts, console))
-            sections.extend(extra_sections)
-    if all_rows:
-        from dptune.report.privacy import diagnostics_dir, write_csv_rows, write_labelled_csv
-        from dptune.tune.results import release_rows
+            figures = panda.report_figures if preset.name.startswith("panda-") else None
+            all_rows, sections, extra_sections = [], [], []
+            for part in parts:
+                console.print(f"\n[bold]{part.title}[/bold] → {out / part.name}")
+                rows, html = _run_part(
+                    part,
+                    out / part.name,
+                    executor=executor,
+                    workers=workers,
+                    progress=progress,
+                    device=device,
+                    console=console,
+                    figures=figures,
+                )
+                all_rows.extend({"part": part.name, **r} for r in rows)
+                sections.append(_part_section(part, rows, html, out))
+                comparison = paper_comparison(part, rows)
+                if comparison is not None:
+                    sections[-1] = dataclasses.replace(sections[-1], tables=[*sections[-1].tables, comparison])
+                    _print_table(console, f"{part.title}: ours beside the paper", comparison)
+            if preset.extra is not None:
+                extra_sections = list(preset.extra(out, scale, dict(options), parts, console))
+                sections.extend(extra_sections)
+        if all_rows:
+            from dptune.report.privacy import diagnostics_dir, write_csv_rows, write_labelled_csv
+            from dptune.tune.results import release_rows
 
-        # release: the selected configurations and guarantees; the rest is not DP (run counts,
-        # run ids, diverged counts over every candidate).
-        write_csv_rows(
-            out / "results.csv",
-            [{"part": r["part"], **rr} for r, rr in zip(all_rows, release_rows(all_rows), strict=True)],
+            # release: the selected configurations and guarantees; the rest is not DP (run counts,
+            # run ids, diverged counts over every candidate).
+            write_csv_rows(
+                out / "results.csv",
+                [{"part": r["part"], **rr} for r, rr in zip(all_rows, release_rows(all_rows), strict=True)],
+            )
+            write_labelled_csv(diagnostics_dir(out) / "results.csv", all_rows)
+        mode = None
+        if parts:
+            mode = parts[0].study.get("selection", {}).get("mode", "public")
+        write_report(
+            out,
+            f"{preset.name} ({scale})",
+            sections,
+            selection_mode=mode,
+            subtitle=f"{preset.paper} · reproduced at the {scale} scale in {time.perf_counter() - t0:.0f} s",
         )
-        write_labelled_csv(diagnostics_dir(out) / "results.csv", all_rows)
-    mode = None
-    if parts:
-        mode = parts[0].study.get("selection", {}).get("mode", "public")
-    write_report(
-        out,
-        f"{preset.name} ({scale})",
-        sections,
-        selection_mode=mode,
-        subtitle=f"{preset.paper} · reproduced at the {scale} scale in {time.perf_counter() - t0:.0f} s",
-    )
-    for sec in extra_sections:  # theory tables (LT vs MA, the cost of each grid at fixed σ)
-        for t in sec.tables:
-            _print_table(console, sec.title, t)
-    console.print(f"\nreport: {out / 'report.html'}")
-    return out
+        for sec in extra_sections:  # theory tables (LT vs MA, the cost of each grid at fixed σ)
+            for t in sec.tables:
+                _print_table(console, sec.title, t)
+        console.print(f"\nreport: {out / 'report.html'}")
+        return out
+    except BaseException:
+        if created:  # a plan that failed leaves no folder behind (rmdir: only if nothing is in it)
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
 
 
 def _print_table(console: Any, title: str, t: Any) -> None:
