@@ -9,46 +9,18 @@ import shutil
 import socket
 import sqlite3
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from tune_helpers import tiny_study_toml
 from typer.testing import CliRunner
 
 from dptune.cli import app
 from dptune.errors import ConfigError
 
-STUDY = textwrap.dedent("""
-    [study]
-    name = "edges"
-    seeds = [0]
-
-    [data]
-    name = "digits"
-    options = { flatten = true }
-
-    [model]
-    name = "logistic_regression"
-
-    [training]
-    steps = 10
-    expected_batch_size = 64
-
-    [budget]
-    epsilon = 2.0
-    delta = 1e-5
-    accountant = "rdp"
-
-    [method]
-    name = "grid"
-
-    [[strategies]]
-    name = "dpsgd"
-    space = { lr = [0.5] }
-    fixed = { clip = 1.0 }
-""")
+STUDY = tiny_study_toml("edges")
 
 
 def _invoke(args: list[str]) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tune_helpers import tiny_study_toml
 
 from dptune.errors import ConfigError
 
@@ -192,35 +193,7 @@ numbers = st.one_of(
     st.text(max_size=6),
 )
 
-FUZZ_STUDY = """
-[study]
-name = "fz"
-seeds = [0]
-
-[data]
-name = "digits"
-options = { flatten = true }
-
-[model]
-name = "logistic_regression"
-
-[training]
-steps = 2
-expected_batch_size = 64
-
-[budget]
-epsilon = 2.0
-delta = 1e-5
-accountant = "rdp"
-
-[method]
-name = "grid"
-
-[[strategies]]
-name = "dpsgd"
-space = { lr = [0.5] }
-fixed = { clip = 1.0 }
-"""
+FUZZ_STUDY = tiny_study_toml("fz", steps=2)
 FUZZ_ARM = "dpsgd@eps=2"
 # A 1×1 PNG: an image where a study file is expected.
 PNG = bytes.fromhex(

@@ -12,46 +12,18 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tune_helpers import tiny_study_toml
 from typer.testing import CliRunner
 
 import dptune.tune.study as study_mod
 from dptune.cli import app
 from dptune.errors import ConfigError
 
-STUDY = textwrap.dedent("""
-    [study]
-    name = "safety"
-    seeds = [0]
-
-    [data]
-    name = "digits"
-    options = { flatten = true }
-
-    [model]
-    name = "logistic_regression"
-
-    [training]
-    steps = 10
-    expected_batch_size = 64
-
-    [budget]
-    epsilon = 2.0
-    delta = 1e-5
-    accountant = "rdp"
-
-    [method]
-    name = "grid"
-
-    [[strategies]]
-    name = "dpsgd"
-    space = { lr = [0.5] }
-    fixed = { clip = 1.0 }
-""")
+STUDY = tiny_study_toml("safety")
 BAD = STUDY.replace("expected_batch_size = 64", "expected_batch_size = 1e12")  # fails while planning
 
 

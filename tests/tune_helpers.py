@@ -1,4 +1,5 @@
-"""A tiny dpsgd grid study on seeded random data, shared by the tuner's executor/budget tests."""
+"""Tiny dpsgd grid studies shared by the tests: on seeded random data (the tuner's executor/budget
+tests) and as a study file on the embedded digits data (the CLI edge, store-safety and fuzz tests)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,36 @@ def tiny_dpsgd_study(
         seeds=seeds,
         name=name,
     )
+
+
+def tiny_study_toml(name: str, steps: int = 10) -> str:
+    """A one-run DP-SGD grid on digits (logistic regression, batch 64, ε = 2, RDP) as a study file."""
+    return f"""
+[study]
+name = "{name}"
+seeds = [0]
+
+[data]
+name = "digits"
+options = {{ flatten = true }}
+
+[model]
+name = "logistic_regression"
+
+[training]
+steps = {steps}
+expected_batch_size = 64
+
+[budget]
+epsilon = 2.0
+delta = 1e-5
+accountant = "rdp"
+
+[method]
+name = "grid"
+
+[[strategies]]
+name = "dpsgd"
+space = {{ lr = [0.5] }}
+fixed = {{ clip = 1.0 }}
+"""
