@@ -31,9 +31,7 @@ Q, STEPS, DELTA, RUNS = 512 / 60000, 1172, 1e-5, 49
 
 
 def clear_caches() -> None:
-    A._calibrate_info_cached.cache_clear()
-    A._epsilon_cached.cache_clear()
-    A._pld_epsilon_at_cached.cache_clear()
+    A.clear_caches()
 
 
 def previous_algorithm(eps: float) -> tuple[float, int]:
@@ -83,7 +81,7 @@ def main() -> None:
         for eps in args.eps:
             clear_caches()
             t0 = time.perf_counter()
-            info = A.calibrate_info(eps, DELTA, Q, STEPS, RUNS, acc)
+            info = A.calibrate(eps, DELTA, Q, STEPS, RUNS, acc)
             dt = time.perf_counter() - t0
             total += dt
             rows.append(
@@ -106,7 +104,7 @@ def main() -> None:
     if "pld" in args.accountants:
         for eps in args.baseline_eps:
             clear_caches()
-            nu = A.calibrate(eps, DELTA, Q, STEPS, RUNS, "pld")
+            nu = A.calibrate(eps, DELTA, Q, STEPS, RUNS, "pld").noise_multiplier
             clear_caches()
             t0 = time.perf_counter()
             A.epsilon(A.dpsgd_event(nu, Q, STEPS, RUNS), DELTA, "pld")

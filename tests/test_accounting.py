@@ -103,7 +103,7 @@ def test_train_with_target_epsilon_spends_at_most_the_target() -> None:
     steps=st.integers(1, 3000),
 )
 def test_calibration_never_overshoots_and_is_tight(eps: float, q: float, steps: int) -> None:
-    nu = accounting.calibrate(eps, DELTA, q, steps)
+    nu = accounting.calibrate(eps, DELTA, q, steps).noise_multiplier
     event = lambda v: dp_event.SelfComposedDpEvent(sampled(v, q), steps)  # noqa: E731
     assert rdp_eps(event(nu)) <= eps
     assert rdp_eps(event(nu * (1 - 1e-3))) > eps
@@ -111,17 +111,17 @@ def test_calibration_never_overshoots_and_is_tight(eps: float, q: float, steps: 
 
 def test_pld_calibration_never_overshoots_and_is_tight() -> None:
     q, steps, eps = 0.02, 50, 1.0
-    nu = accounting.calibrate(eps, DELTA, q, steps, accountant="pld")
+    nu = accounting.calibrate(eps, DELTA, q, steps, accountant="pld").noise_multiplier
     ev = lambda v: dp_event.SelfComposedDpEvent(sampled(v, q), steps)  # noqa: E731
     assert pld_eps(ev(nu), discretization=1e-4) <= eps < pld_eps(ev(nu * (1 - 1e-3)), discretization=1e-4)
-    assert nu < accounting.calibrate(eps, DELTA, q, steps, accountant="rdp")  # PLD is tighter
+    assert nu < accounting.calibrate(eps, DELTA, q, steps, accountant="rdp").noise_multiplier  # PLD is tighter
 
 
 def test_calibration_of_several_runs_composes_them() -> None:
-    nu = accounting.calibrate(3.0, DELTA, 0.02, 200, runs=4)
+    nu = accounting.calibrate(3.0, DELTA, 0.02, 200, runs=4).noise_multiplier
     ev = dp_event.SelfComposedDpEvent(dp_event.SelfComposedDpEvent(sampled(nu, 0.02), 200), 4)
     assert rdp_eps(ev) <= 3.0
-    assert nu > accounting.calibrate(3.0, DELTA, 0.02, 200, runs=1)
+    assert nu > accounting.calibrate(3.0, DELTA, 0.02, 200, runs=1).noise_multiplier
 
 
 # ----------------------------------------------------------------------------- GDP
@@ -145,7 +145,7 @@ def test_gdp_closed_form_matches_pld_for_full_batch_gaussian(nu: float, T: int) 
 
 
 def test_gdp_calibration_hits_the_target() -> None:
-    nu = accounting.calibrate(1.0, DELTA, 1.0, 100, accountant="gdp")
+    nu = accounting.calibrate(1.0, DELTA, 1.0, 100, accountant="gdp").noise_multiplier
     mu = math.sqrt(100) / nu
     assert gdp_delta_ref(mu, 1.0) <= DELTA * (1 + 1e-9)
     assert gdp_delta_ref(mu * 1.001, 1.0) > DELTA

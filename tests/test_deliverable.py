@@ -27,6 +27,7 @@ from dptune.strategies import make_strategy
 from dptune.train import RunPlan
 from dptune.tune import SelectionSpec, run_study
 from dptune.tune.data import build_model, study_data
+from dptune.tune.export import export_study, study_ledger_digest
 from dptune.tune.planners import StudyPlan
 from dptune.tune.results import study_table
 from dptune.tune.store import Store
@@ -136,12 +137,12 @@ def test_vectorized_group_saves_each_trials_own_selected_parameters(tmp_path: Pa
 def test_saving_and_exporting_release_nothing(finished) -> None:
     study, d = finished
     before = _ledger_rows(d)
-    digest = deliverable.study_ledger_digest(d)
+    digest = study_ledger_digest(d)
     res = CliRunner().invoke(app, ["export", str(d), "--arm", "dpsgd@eps=1"])
     assert res.exit_code == 0, res.output
-    deliverable.export_study(d)
+    export_study(d)
     assert _ledger_rows(d) == before
-    assert deliverable.study_ledger_digest(d) == digest
+    assert study_ledger_digest(d) == digest
     with Store(d, readonly=True) as store:
         plan = StudyPlan.from_dict(store.get_meta("plan"))
         led = Ledger()
@@ -217,7 +218,7 @@ def test_export_of_an_unfinished_study_is_refused(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["export", str(tmp_path)])
     assert res.exit_code == 2 and "not finished" in res.output and "resume" in res.output
     with pytest.raises(ConfigError, match="not finished"):
-        deliverable.export_study(tmp_path)
+        export_study(tmp_path)
 
 
 # ----------------------------------------------------------------------------- crash safety
@@ -377,7 +378,7 @@ def test_train_cli_save_writes_model_and_card_that_load_back(tmp_path: Path) -> 
 def test_hidden_k_study_withholds_the_digest_from_published_cards(tmp_path: Path) -> None:
     """With a Liu–Talwar arm the ledger is a function of K (secret): hashing guesses of K would
     find it, so the published cards carry no digest; the owner's copy is in diagnostics/."""
-    from dptune.report.privacy import NOT_DP_LABEL
+    from dptune.outputs import NOT_DP_LABEL
     from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec
 
     g = torch.Generator().manual_seed(5)
@@ -405,7 +406,7 @@ def test_hidden_k_study_withholds_the_digest_from_published_cards(tmp_path: Path
     run_study(study, tmp_path, progress=False)
     m = _only_model_dir(tmp_path)
     card = json.loads((m / deliverable.CARD_JSON).read_text())
-    digest = deliverable.study_ledger_digest(tmp_path)
+    digest = study_ledger_digest(tmp_path)
     assert card["ledger"]["digest"] is None and "withheld" in card["ledger"]["note"]
     assert digest not in (m / deliverable.CARD_JSON).read_text() + (m / deliverable.CARD_MD).read_text()
     diag = json.loads((tmp_path / "diagnostics" / "models" / m.name / "ledger_digest.json").read_text())
@@ -494,7 +495,7 @@ def test_report_writes_the_models_into_its_output_folder(finished, tmp_path: Pat
 def test_a_non_private_arm_is_never_published(tmp_path: Path) -> None:
     """The nodp baseline's weights are covered by no guarantee: they go to diagnostics/models/
     with the label, never to release/ (the demo has such an arm)."""
-    from dptune.report.privacy import NOT_DP_LABEL
+    from dptune.outputs import NOT_DP_LABEL
     from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec
 
     g = torch.Generator().manual_seed(6)

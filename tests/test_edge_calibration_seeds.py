@@ -184,7 +184,7 @@ def test_cli_calibrate_prints_nu_rounded_up(accountant: str, q: float, steps: in
     assert res.exit_code == 0, res.output
     text = _NU.search(res.output).group(1)
     printed = float(text)
-    nu = accounting.calibrate(1.0, DELTA, q, steps, accountant=accountant)
+    nu = accounting.calibrate(1.0, DELTA, q, steps, accountant=accountant).noise_multiplier
     assert printed >= nu and printed <= nu * (1 + 1e-5)  # rounded up, to 6 significant digits
     if reference is None:
         assert _gdp_delta(math.sqrt(steps) / printed, 1.0) <= DELTA
@@ -197,7 +197,7 @@ def test_cli_calibrate_prints_nu_rounded_up(accountant: str, q: float, steps: in
 
 def test_the_issues_example_rounded_to_nearest_overshoots() -> None:
     """The printed value must differ from nearest rounding exactly where nearest overshoots."""
-    nu = accounting.calibrate(1.0, DELTA, 0.01, 1000)
+    nu = accounting.calibrate(1.0, DELTA, 0.01, 1000).noise_multiplier
     assert _rdp(0.01, 1000, float(f"{nu:.6g}")) > 1.0  # what was printed before
     assert _rdp(0.01, 1000, accounting.round_up(nu)) <= 1.0
 
@@ -228,7 +228,7 @@ def test_round_up_is_the_smallest_printable_value_above(x: float, digits: int) -
 def test_gdp_calibration_never_overshoots(eps: float, log_delta: float, steps: int, runs: int) -> None:
     """Issue: ε(calibrated ν) was above the target by one ulp (the check used another μ rounding)."""
     delta = 10.0**log_delta
-    cal = accounting.calibrate_info(eps, delta, 1.0, steps, runs, "gdp")
+    cal = accounting.calibrate(eps, delta, 1.0, steps, runs, "gdp")
     nu = cal.noise_multiplier
     for ev in (
         accounting.dpsgd_event(nu, 1.0, steps, runs),  # calibrate's form
@@ -379,7 +379,7 @@ def test_stream_seed_uses_all_64_bits() -> None:
 def test_planned_run_seeds_are_63_bit_and_distinct(monkeypatch: pytest.MonkeyPatch) -> None:
     from test_tune_planners import N, _study
 
-    from dptune.tune import plan_study, planners
+    from dptune.tune import builder, plan_study
 
     space = {"lr": [10.0 ** (-k / 10) for k in range(40)], "clip": [0.1, 0.3, 1.0, 3.0, 10.0]}
     plan = plan_study(_study(method="grid", space=space, seeds=(0, 1, 2)), N, 10000, "accuracy")
@@ -387,6 +387,6 @@ def test_planned_run_seeds_are_63_bit_and_distinct(monkeypatch: pytest.MonkeyPat
     assert len(seeds) == 600 and len(set(seeds)) == 600
     assert all(0 <= s < 2**63 for s in seeds) and max(seeds) >= 2**32  # 32-bit before
     # a collision would be caught at planning time, not shared silently
-    monkeypatch.setattr(planners, "stream_seed", lambda seed, stream: 42)
+    monkeypatch.setattr(builder, "stream_seed", lambda seed, stream: 42)
     with pytest.raises(RuntimeError, match="same run_seed"):
         plan_study(_study(method="grid", space={"lr": [0.1, 1.0]}), N, 10000, "accuracy")

@@ -105,7 +105,7 @@ def released_norm(g: ghost.GhostGrads | MaterializedGrads, i: int, w: float) -> 
     wv = torch.zeros(g.batch_size, dtype=g.losses.dtype, device=g.losses.device)
     wv[i] = w
     if isinstance(g, ghost.GhostGrads):
-        g._last = None  # a fresh sum, not a reuse of the previous one
+        g.reset_reuse()  # a fresh sum, not a reuse of the previous one
     out = g.weighted_sum(wv)
     return math.sqrt(sum(float(v.double().square().sum()) for v in out.values()))
 
@@ -336,7 +336,7 @@ def test_ordinary_inputs_convolutions(keep: bool, monkeypatch: pytest.MonkeyPatc
     v = run(model, x, y, "vmap")
     w = torch.linspace(-1.0, 2.0, 7, device=DEVICE)
     rows = torch.tensor([1, 4, 5], device=DEVICE)  # a subset (OSO's residual, non-finite rows)
-    g._last = None
+    g.reset_reuse()
     for ws, wv in ((g.weighted_sum(w), v.weighted_sum(w)), (g._sum(w[rows], rows), v._sum(w[rows], rows))):
         for k in wv:
             torch.testing.assert_close(ws[k], wv[k], rtol=1e-4, atol=1e-6, msg=k)
@@ -439,7 +439,7 @@ def test_oso_reuse_is_refused_for_an_ill_conditioned_example(adversarial: bool) 
     assert bool((n[:6] > C).all()) and float(n[7]) <= C  # ordinary: clipped; the small one: not
     if adversarial:
         assert float(n[6]) <= C  # unclipped, its norm mostly the release term
-        assert float(g._release_err()[6]) > 0.6 * C
+        assert float(g.release_err()[6]) > 0.6 * C
     w_clip = clip_weights(n, C)
     g.weighted_sum(w_clip)
     w_q = (w_clip - (n <= C).to(w_clip.dtype)) / C

@@ -40,6 +40,8 @@ from mutants import (
 )
 
 from dptune import accounting, mechanisms, sampling, vectorized
+from dptune.accounting import calibration as accounting_calibration
+from dptune.accounting import gdp as accounting_gdp
 from dptune.sampling import PoissonSampler
 from dptune.tune import data as tune_data
 
@@ -157,7 +159,8 @@ def test_edge_mutants_restore_the_real_code() -> None:
             accounting.round_up,
             accounting.noise_multiplier_text,
             accounting.gdp_epsilon,
-            accounting._calibrate_info_cached,
+            accounting_gdp.gdp_epsilon,
+            accounting_calibration._calibrate_dpsgd_cached,
             sampling.stream_seed,
             mechanisms.stream_seed,
         )

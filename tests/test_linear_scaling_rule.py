@@ -19,7 +19,7 @@ import torch
 from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.tune import BudgetSpec, MethodSpec, SelectionSpec, StrategyArm, Study, TrainingSpec, plan_study
-from dptune.tune.planners import _decompose, resolve_final_config, split_r
+from dptune.tune.methods.linear_scaling import _decompose, resolve_final_config, split_r
 
 DELTA = 1e-5
 

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from dptune.errors import ConfigError
+from dptune.outputs import NOT_DP_LABEL, read_csv_rows
 from dptune.presets import mohapatra, reproduce
-from dptune.report.privacy import NOT_DP_LABEL, read_csv_rows
 from dptune.tune import theory
 
 NAN = float("nan")

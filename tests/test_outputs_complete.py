@@ -32,9 +32,10 @@ from typer.testing import CliRunner
 
 import dptune
 from dptune.cli import app
+from dptune.metrics import clip_to_range
+from dptune.outputs import NOT_DP_LABEL, read_csv_rows
 from dptune.report import figures as F
-from dptune.report.data import RunHistory, clip_to_range
-from dptune.report.privacy import NOT_DP_LABEL, read_csv_rows
+from dptune.report.data import RunHistory
 from dptune.tune import (
     BudgetSpec,
     MethodSpec,

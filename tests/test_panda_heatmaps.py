@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from dptune.cli import app
 from dptune.errors import ConfigError
+from dptune.outputs import NOT_DP_LABEL
 from dptune.presets import panda, preset_parts
-from dptune.report.privacy import NOT_DP_LABEL
 from dptune.tune import BudgetSpec, MethodSpec, SelectionSpec, StrategyArm, Study, TrainingSpec, run_study
 from dptune.tune.results import study_table
 from dptune.tune.store import Store

@@ -28,6 +28,7 @@ from torch import nn
 from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.ledger import Ledger
+from dptune.outputs import read_csv_rows
 from dptune.report import (
     FigureRef,
     LinearScalingFit,
@@ -44,7 +45,6 @@ from dptune.report import (
     write_report,
 )
 from dptune.report.data import metric_label
-from dptune.report.privacy import read_csv_rows
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dptune"
 

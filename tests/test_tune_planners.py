@@ -241,7 +241,7 @@ def test_split_strategies_get_a_noise_multiplier_they_release_exactly(strategy):
     # OSO and the quantile rule split ν over two queries; the gateway recomputes the joint ν from
     # the parts, and the ledger compares events exactly: the planner snaps ν (a few ulps up) so
     # that the round trip is exact — otherwise ~1 run in 5 would be refused mid-training.
-    from dptune.tune.planners import Shape, release_multiplier
+    from dptune.tune.shapes import Shape, release_multiplier
 
     space = {"lr": [0.1, 1.0]}
     s = Study(

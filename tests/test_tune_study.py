@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dptune.ledger import atoms
+from dptune.report import report_study
 from dptune.tune import (
     BudgetSpec,
     MethodSpec,
@@ -20,14 +21,14 @@ from dptune.tune import (
     Study,
     TrainingSpec,
     budget_rows,
-    html_report,
     report_text,
     rerr_rows,
     run_study,
     study_status,
     study_table,
 )
-from dptune.tune.planners import EVAL_LABEL, StudyPlan, resolve_final_config
+from dptune.tune.methods.linear_scaling import resolve_final_config
+from dptune.tune.planners import EVAL_LABEL, StudyPlan
 from dptune.tune.store import Store
 
 
@@ -98,7 +99,7 @@ def test_grid_per_seed_selection_and_outputs(tmp_path):
     assert st["complete"] and st["counts"] == {"done": 8}
     text = report_text(tmp_path / "g")
     assert "PUBLIC validation data" in text and all(len(line) <= 100 for line in text.splitlines())
-    html = html_report(tmp_path / "g")
+    html = report_study(tmp_path / "g")
     assert html.exists() and "public" in html.read_text().lower()
 
 

@@ -14,7 +14,7 @@ from tune_helpers import tiny_dpsgd_study
 
 from dptune.tune import SelectionSpec, Study, run_study
 from dptune.tune.data import study_data
-from dptune.tune.planners import plan_study
+from dptune.tune.plan import plan_study
 from dptune.tune.spec import study_from_dict
 from dptune.tune.store import Store
 from dptune.tune.study import Coordinator

@@ -36,7 +36,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "BudgetExceededError": ("dptune.errors", "BudgetExceededError"),
     "DivergedError": ("dptune.errors", "DivergedError"),
     "DPTuneError": ("dptune.errors", "DPTuneError"),
-    "Metric": ("dptune.own", "Metric"),
+    "Metric": ("dptune.metrics", "Metric"),
     "from_dataloader": ("dptune.own", "from_dataloader"),
     "make_private": ("dptune.loop", "make_private"),
     "PrivateTraining": ("dptune.loop", "PrivateTraining"),
@@ -81,7 +81,8 @@ if TYPE_CHECKING:  # static tools see the eager imports
     )
     from dptune.ledger import Ledger
     from dptune.loop import PrivateTraining, make_private
-    from dptune.own import Metric, from_dataloader
+    from dptune.metrics import Metric
+    from dptune.own import from_dataloader
     from dptune.strategies import STRATEGIES, chain, make_strategy
     from dptune.train import RunPlan, TrainResult, plan_run, train
 

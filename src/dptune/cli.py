@@ -165,7 +165,7 @@ def train(
     device = str(resolve_device(device, "--device"))  # before any data is read: one clear error
     _check_seed(seed)
     _check_data_dir(data_dir)
-    from dptune.report.privacy import DIAGNOSTICS_DIR, NOT_DP_LABEL, diagnostics_dir, train_outputs
+    from dptune.outputs import DIAGNOSTICS_DIR, NOT_DP_LABEL, diagnostics_dir, train_outputs
 
     # Checked before training (nothing is spent on a doomed run); created only after it.
     diag_path = diagnostics_out or out.parent / DIAGNOSTICS_DIR / out.name
@@ -180,14 +180,14 @@ def train(
     check_output_file(diag_path, "--diagnostics-out")
     if save is not None:
         check_output_dir(save, "--save")
-    from dptune import own
+    from dptune import factories, own
 
     # The user's code is imported first: a wrong path is one clear error before any data or file.
-    if own.is_factory_path(model):
-        own.import_factory(model, "--model")
+    if factories.is_factory_path(model):
+        factories.import_factory(model, "--model")
     if data is not None:
-        own.import_factory(data, "--data")
-        if not own.is_factory_path(model):
+        factories.import_factory(data, "--data")
+        if not factories.is_factory_path(model):
             raise DPTuneError("--data needs your own model too: --model pkg.module:factory.")
         train_part, test_part = own.load_data(data)
         dataset = data
@@ -197,7 +197,7 @@ def train(
         ds = dpdata.load(dataset, data_dir=data_dir, seed=seed)
         train_part, test_part = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test)
         torch.manual_seed(seed)
-        if own.is_factory_path(model):
+        if factories.is_factory_path(model):
             import math
 
             net = own.build_model(model, math.prod(ds.input_shape), ds.num_classes)
@@ -206,7 +206,9 @@ def train(
     _check_model_fits(net, train_part, model, dataset, data is None)
     hparams = parse_hyperparameters(hp)
     # The model actually built ("auto" resolved), named in the JSON and the table.
-    model_name = model if own.is_factory_path(model) else models.default_model_name(ds) if model == "auto" else model
+    model_name = (
+        model if factories.is_factory_path(model) else models.default_model_name(ds) if model == "auto" else model
+    )
     result = run_train(
         net,
         train_part,
@@ -240,7 +242,7 @@ def train(
 
         from dptune.deliverable import factory_identity, save_trained
 
-        if own.is_factory_path(model):  # the arguments the factory was given, for load_model
+        if factories.is_factory_path(model):  # the arguments the factory was given, for load_model
             dims = own.data_shape(train_part) if data is not None else (_math.prod(ds.input_shape), ds.num_classes)
             model_id = factory_identity(model, *dims)
         else:
@@ -414,7 +416,7 @@ def calibrate(
     if accountant == "auto":
         accountant = accounting.tightest_accountant(sampling_rate)
     with _numeric_range(f"ε = {epsilon!r}, q = {sampling_rate!r}"):
-        nu = accounting.calibrate(epsilon, delta, sampling_rate, steps, runs, accountant)
+        nu = accounting.calibrate(epsilon, delta, sampling_rate, steps, runs, accountant).noise_multiplier
 
     def eps_of(v: float) -> float:
         return accounting.epsilon(accounting.dpsgd_event(v, sampling_rate, steps, runs), delta, accountant)
@@ -466,7 +468,7 @@ def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
     """Runs that did not finish (e.g. a killed worker) are said, with exit code 1: never a silent success."""
     if outcome.complete:
         return
-    from dptune.report.privacy import NOT_DP_LABEL
+    from dptune.outputs import NOT_DP_LABEL
 
     # Failed-run counts are not covered by the guarantee: the owner's view, labelled.
     left = sum(n for s, n in outcome.counts.items() if s not in ("done", "diverged"))
@@ -485,7 +487,7 @@ def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
 def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> None:
     """Progress and budget of a (possibly running or interrupted) study (for the data owner:
     run counts are not differentially private)."""
-    from dptune.report.privacy import NOT_DP_LABEL
+    from dptune.outputs import NOT_DP_LABEL
     from dptune.tune import study_status
 
     st = study_status(study_dir)
@@ -566,8 +568,8 @@ def report(
 ) -> None:
     """Write CSVs, figures and a self-contained HTML report of a study: release/ (publishable:
     covered by the guarantee) and diagnostics/ (not differentially private)."""
+    from dptune.outputs import DIAGNOSTICS_DIR, NOT_DP_LABEL
     from dptune.report import report_study
-    from dptune.report.privacy import DIAGNOSTICS_DIR, NOT_DP_LABEL
     from dptune.tune.results import render, write_csvs
 
     if out is not None:  # before anything is printed or written
@@ -578,7 +580,7 @@ def report(
     write_csvs(study_dir)
     html = report_study(study_dir, out, include_diagnostics=include_diagnostics)
     console.print(f"report: {html}")
-    from dptune.deliverable import export_study
+    from dptune.tune.export import export_study
     from dptune.tune.results import study_status
 
     if study_status(study_dir)["complete"]:  # the selected models + cards (no retraining, no release)
@@ -602,7 +604,7 @@ def export(
     """Write the selected model of a finished study with its model card (model.pt, model_card.json,
     model_card.md) into release/models/<arm>/, from the stored checkpoint: no retraining, so no new
     release. Reload it with dptune.load_model(DIR)."""
-    from dptune.deliverable import export_study
+    from dptune.tune.export import export_study
 
     if out is not None:  # a file there was a NotADirectoryError traceback
         from dptune.paths import check_output_dir

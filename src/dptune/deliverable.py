@@ -5,9 +5,10 @@
 * A study: every worker returns its run's selected checkpoint (the best-by-selection one the
   scorer kept, or the final one under ``selection.checkpoint = "final"``) with its result; the
   coordinator writes it to ``<study>/checkpoints/`` (owner only, atomic) before committing the
-  run. When the study is complete, ``export_study`` copies the selected run's weights of every
-  arm to ``release/models/<arm>/`` with the card, and the other runs' checkpoints are pruned:
-  no retraining, hence no new release (the ledger is unchanged).
+  run. When the study is complete, ``dptune.tune.export.export_study`` copies the selected run's
+  weights of every arm to ``release/models/<arm>/`` with the card (``write_model``), and the other
+  runs' checkpoints are pruned: no retraining, hence no new release (the ledger is unchanged).
+  This module never reads a study: the tuner imports it, not the reverse.
 * ``load_model(DIR)``: the ``nn.Module`` with the weights loaded, and the card — one call.
 
 What the files reveal about one example: docs/privacy.md, "Your model and data (issue 11)".
@@ -27,7 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
+import dptune
+from dptune import models
 from dptune.errors import ConfigError
+from dptune.factories import import_factory
+from dptune.outputs import randomness_statement
 
 CHECKPOINTS_DIR = "checkpoints"
 MODELS_DIR = "models"
@@ -73,7 +78,8 @@ def save_state_dict(state: Mapping[str, torch.Tensor], path: str | Path) -> Path
     return _atomic(Path(path), lambda fh: torch.save(cpu, fh))
 
 
-def _write_text(path: Path, text: str) -> Path:
+def save_text(path: Path, text: str) -> Path:
+    """A UTF-8 text file, atomically (``_atomic``)."""
     return _atomic(path, lambda fh: fh.write(text.encode("utf-8")))
 
 
@@ -107,8 +113,8 @@ def write_model(directory: str | Path, state: Mapping[str, torch.Tensor], card: 
     full["load"] = f"import dptune; model, card = dptune.load_model({d.name!r})" + (
         "" if {"name", "factory"} & set(full.get("model", {})) else "  # model=YourModule(...): user code"
     )
-    _write_text(d / CARD_JSON, json.dumps(_finite_json(full), indent=2, default=str) + "\n")
-    _write_text(d / CARD_MD, card_markdown(full))
+    save_text(d / CARD_JSON, json.dumps(_finite_json(full), indent=2, default=str) + "\n")
+    save_text(d / CARD_MD, card_markdown(full))
     return d
 
 
@@ -185,9 +191,8 @@ def card_markdown(card: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _version() -> str:
-    import dptune
-
+def dptune_version() -> str:
+    """The installed dptune's version, for the cards."""
     return getattr(dptune, "__version__", "unknown")
 
 
@@ -213,13 +218,11 @@ def save_trained(
     plan = result.plan
     private = bool(plan.strategy.private)
     eps = (result.epsilon() if result.delta else None) if private else math.inf
-    from dptune.train import randomness_statement
-
     rnd = randomness_statement(result.secure_mode)
     taken = plan.steps if result.steps_taken is None else result.steps_taken  # a user loop may stop early
     card = {
         "title": f"{plan.strategy.name} (dptune.train)",
-        "dptune_version": _version(),
+        "dptune_version": dptune_version(),
         "guarantee": {
             "epsilon": eps,
             "delta": result.delta,
@@ -257,7 +260,7 @@ def _class_path(model: nn.Module) -> str:
     return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
-# ----------------------------------------------------------------------------- studies
+# ----------------------------------------------------------------------------- a study's checkpoints
 def checkpoint_path(study_dir: str | Path, run_id: str) -> Path:
     """``<study>/checkpoints/<run id made file-safe>-<hash>.pt`` (owner only)."""
     safe = re.sub(r"[^A-Za-z0-9_.=-]+", "_", run_id)[:80]
@@ -303,9 +306,7 @@ def model_identity(spec: Any, data: Any) -> dict[str, Any]:
 
     opts: dict[str, Any] = dict(spec.options)
     if getattr(spec, "name", None) is not None:
-        from dptune.models import MODELS
-
-        params = inspect.signature(MODELS[spec.name]).parameters
+        params = inspect.signature(models.MODELS[spec.name]).parameters
         if "input_dim" in params and "input_dim" not in opts:
             opts["input_dim"] = math.prod(data.input_shape)
         if "classes" in params and "classes" not in opts and data.num_classes is not None:
@@ -323,8 +324,6 @@ def factory_identity(
     ``dptune.own.build_model`` fills them (when the factory takes them): ``load_model`` calls it."""
     import inspect
 
-    from dptune.own import import_factory
-
     kwargs = dict(options or {})
     try:
         params = inspect.signature(import_factory(path, "model factory")).parameters
@@ -334,169 +333,6 @@ def factory_identity(
         if k in params and k not in kwargs and v is not None:
             kwargs[k] = int(v)
     return {"factory": path, "kwargs": kwargs}
-
-
-def study_ledger_digest(study_dir: str | Path) -> str:
-    """``Ledger.digest()`` of the study's ledger (every run's entries, run-tagged)."""
-    from dptune.ledger import Ledger
-    from dptune.tune.store import Store
-
-    led = Ledger()
-    with Store(study_dir, readonly=True) as store:
-        for e in store.ledger_entries():
-            led.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
-    return led.digest()
-
-
-def _saved_run(row: Mapping[str, Any], plan: Any) -> str | None:
-    """The run whose weights an arm publishes: the first selected run (procedure / seed
-    replicate 0's pick; one model per arm — publishing one per replicate would compose)."""
-    ids = list(row.get("selected_runs") or [])
-    if not ids:
-        return None
-    return min(ids, key=lambda rid: (plan.runs[rid].replicate, plan.runs[rid].procedure))
-
-
-def export_study(
-    study_dir: str | Path, arm: str | None = None, out: str | Path | None = None, *, skip_missing: bool = False
-) -> list[Path]:
-    """Write ``release/models/<arm>/`` (model.pt + model_card.json + model_card.md) for ``arm``
-    (default: every arm) of a finished study, from the stored checkpoints: no training, no
-    release. ``out``: another folder for the release (default: the study directory)."""
-    from dptune.report.privacy import DIAGNOSTICS_DIR, hides_run_count, labelled_json, release_dir
-    from dptune.train import randomness_statement
-    from dptune.tune import results
-
-    d = Path(study_dir)
-    cfg, plan, rows, _ = results._load(d)
-    status = results.study_status(d)
-    if not status["complete"]:
-        c = status["counts"]
-        done = c.get("done", 0) + c.get("diverged", 0)
-        raise ConfigError(
-            f"the study in {str(d)!r} is not finished ({done} of {status['total']} runs done): its "
-            "selection is not final. Fix: `dptune resume DIR`, then export."
-        )
-    names = [a.arm for a in plan.arms]
-    if arm is not None and arm not in names:
-        raise ConfigError(f"no arm {arm!r} in this study. Fix: --arm one of {', '.join(names)}.")
-    table = {r["arm"]: r for r in results.study_table(d)}
-    by_id = {r["run_id"]: r for r in rows}
-    hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
-    digest = study_ledger_digest(d)
-    sel = cfg.get("selection", {})
-    secure = bool(cfg.get("study", {}).get("secure"))
-    written = []
-    for a in plan.arms:
-        if arm is not None and a.arm != arm:
-            continue
-        row = table[a.arm]
-        rid = _saved_run(row, plan)
-        ckpt = load_checkpoint(d, rid) if rid is not None else None
-        if ckpt is None:
-            msg = (
-                f"arm {a.arm!r}: "
-                + (
-                    "no run was selected (every run diverged or failed)"
-                    if rid is None
-                    else "the selected run's weights are not stored (a study run before dptune saved checkpoints, "
-                    "or checkpoints/ was deleted)"
-                )
-                + "; retraining would be a new release."
-            )
-            if skip_missing or (arm is None and rid is None):  # every arm: skip one with no selection
-                continue
-            raise ConfigError(msg + " Fix: run a new study.")
-        run, stored = plan.runs[rid], by_id[rid]
-        ledger = {"digest": digest, "scope": "the whole study (every arm, every run)"}
-        if hidden_k:
-            # The ledger is a function of the plan and of the number of runs drawn: its digest
-            # would let anyone test guesses of K, which Liu-Talwar / repeat-and-select keep secret.
-            ledger = {
-                "digest": None,
-                "note": "withheld: the study has an arm that keeps the number of runs "
-                "secret and the ledger's digest would reveal it; it is in diagnostics/models/.",
-            }
-            diag = (Path(out) if out is not None else d) / DIAGNOSTICS_DIR / MODELS_DIR / a.arm
-            diag.mkdir(parents=True, exist_ok=True)
-            _write_text(diag / "ledger_digest.json", json.dumps(labelled_json({"digest": digest}), indent=2))
-        guarantee = {
-            "epsilon": row["planned_epsilon"],
-            "delta": row["planned_delta"],
-            "accountant": row["accountant"],
-            "per": row["guarantee_per"],
-            "kind": a.guarantee.get("kind"),
-            "method": row["method"],
-            "selection": f"{sel.get('mode', 'public')} selection on the {sel.get('split', 'test')} split "
-            f"({row['metric']}, checkpoint rule: {sel.get('checkpoint', 'best')}, across seeds: "
-            f"{sel.get('across_seeds', 'per-seed')})",
-            "covered": list(COVERED) if math.isfinite(row["planned_epsilon"]) else [],
-            "not_covered": list(NOT_COVERED),
-        }
-        card = {
-            "title": f"{a.label} at ε = {a.epsilon} ({cfg.get('study', {}).get('name', 'study')})",
-            "dptune_version": _version(),
-            "arm": a.arm,
-            "guarantee": guarantee,
-            "configuration": {
-                "strategy": a.strategy,
-                "hyperparameters": json.loads(stored["config"])
-                if isinstance(stored["config"], str)
-                else stored["config"],
-                "noise_multiplier": run.noise_multiplier,
-                "sampling_rate": run.sampling_rate,
-                "steps": run.steps,
-                "seed_replicate": run.replicate,
-            },
-            "checkpoint": {"rule": sel.get("checkpoint", "best"), "step": stored["best_step"]},
-            "evaluation": {
-                "metric": row["metric"],
-                "selection_score": stored["score"],
-                "test_metric": stored["test_metric"],
-            },
-            "model": ckpt.get("model") or {},
-            "data": _public_data_id(cfg.get("data")),
-            **randomness_statement(secure),
-            "ledger": ledger,
-        }
-        base = Path(out) if out is not None else d
-        if math.isfinite(row["planned_epsilon"]):
-            written.append(write_model(release_dir(base) / MODELS_DIR / a.arm, ckpt["state_dict"], card))
-        else:
-            # A non-private arm (the nodp baseline): its weights are covered by no guarantee, so
-            # they never go to release/; the owner's copy is labelled in diagnostics/models/.
-            card = labelled_json(card)
-            written.append(write_model(base / DIAGNOSTICS_DIR / MODELS_DIR / a.arm, ckpt["state_dict"], card))
-    return written
-
-
-def _public_data_id(desc: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The study's data description without the fingerprint of in-memory tensors: a hash of
-    the private training set would let anyone who knows every other example test whether one
-    example is in it (that voids differential privacy); it stays in the owner-only store."""
-    out = dict(desc or {})
-    if "python_tensors" in out:
-        out["python_tensors"] = "in-memory tensors (not identified: their hash would reveal the data)"
-    return out
-
-
-def prune_checkpoints(study_dir: str | Path) -> int:
-    """Delete the checkpoints of runs that no arm selected (a finished study; thousands of runs
-    would otherwise keep thousands of weight files). Returns how many were deleted."""
-    from dptune.tune import results
-
-    d = Path(study_dir)
-    keep = {checkpoint_path(d, rid).name for r in results.study_table(d) for rid in r["selected_runs"]}
-    n = 0
-    folder = d / CHECKPOINTS_DIR
-    if folder.is_dir():
-        for f in folder.glob("*.pt"):
-            if f.name not in keep:
-                f.unlink()
-                n += 1
-        for f in folder.glob(".*.tmp-*"):  # left by a process killed mid-write (never under a final name)
-            f.unlink()
-    return n
 
 
 # ----------------------------------------------------------------------------- loading
@@ -529,8 +365,6 @@ def load_model(
     if model is None:
         ident = card.get("model", {})
         if "factory" in ident:  # your module:factory, importable here (the card names it)
-            from dptune.own import import_factory
-
             if not trust_factory:
                 raise ConfigError(
                     f"this card names user code ({ident['factory']!r}), which loading would run. "
@@ -540,8 +374,6 @@ def load_model(
 
             model = import_factory(ident["factory"], "model factory")(**ident.get("kwargs", {}))
         elif "name" in ident:
-            from dptune import models
-
             model = models.build(ident["name"], **ident.get("kwargs", {}))
         else:
             raise ConfigError(

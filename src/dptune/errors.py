@@ -9,6 +9,11 @@ class ConfigError(DPTuneError, ValueError):
     """Bad input: the message names the offending value and how to fix it."""
 
 
+def config_error(path: str, problem: str, fix: str) -> ConfigError:
+    """A configuration error in its usual form: ``<field>: <what is wrong>. Fix: <what to do>``."""
+    return ConfigError(f"{path}: {problem}. Fix: {fix}")
+
+
 class BudgetExceededError(DPTuneError):
     """A release was attempted that is not in the run's or study's privacy plan."""
 

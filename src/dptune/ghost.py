@@ -96,8 +96,7 @@ from dptune.persample import (
     unit_roundoff,
     upper_norms,
 )
-
-Tensors = dict[str, torch.Tensor]
+from dptune.tree import Tensors
 
 # Per-sample gradients of a layer are kept (B x #layer-params floats) when at most this big;
 # otherwise only their norms are computed (chunk by chunk) and weighted sums use the
@@ -611,11 +610,13 @@ class GhostGrads(MaterializedGrads):
     demand only, for code that asks for it.
     """
 
-    def __init__(self, layers: list[_Layer], losses: torch.Tensor, params: Tensors):
+    def __init__(self, layers: list[_Layer], losses: torch.Tensor, params: Tensors, norms: torch.Tensor | None = None):
+        """``norms``: upper bounds already computed by the caller (the vectorized engine computes
+        those of all trials at once, with the same ``upper_norms``); None computes them on demand."""
         self.losses = losses
         self._layers = layers
         self._params = params  # for shapes and zero gradients of unused parameters
-        self._norms: torch.Tensor | None = None
+        self._norms: torch.Tensor | None = norms
         self._grads: Tensors | None = None
         self._last: tuple[torch.Tensor, Tensors] | None = None
 
@@ -631,7 +632,7 @@ class GhostGrads(MaterializedGrads):
                 )
         return self._norms
 
-    def _release_err(self) -> torch.Tensor | None:
+    def release_err(self) -> torch.Tensor | None:
         """E_i (float64): ‖released w·g_i − w·G_i‖ ≤ |w|·E_i beyond the relative (1 + γ_2) part,
         as (Σ_l e_l²)^½ over the layers that have such an error; None when none has."""
         errs = [e for e in (layer.release_err() for layer in self._layers) if e is not None]
@@ -672,6 +673,11 @@ class GhostGrads(MaterializedGrads):
         self._last = (w, out)
         return out
 
+    def reset_reuse(self) -> None:
+        """Forget the last weighted sum, so that the next one is computed directly rather than
+        from it (``_residual``): for a probe whose weights must not seed later sums."""
+        self._last = None
+
     def _residual(self, w: torch.Tensor) -> Tensors | None:
         """Σ w_i g_i = α S_prev + Σ_{i ∈ R} r_i g_i, when w = α w_prev + r with r row-sparse.
 
@@ -682,7 +688,7 @@ class GhostGrads(MaterializedGrads):
         A row of R is released as two float sums that cancel in exact arithmetic (e.g. OSO's
         q-weight 0 = α·1 − α), each with its own rounding error ≤ |weight|·E_i: its released
         contribution is ≤ |w_i|·N_i + (|α w_prev_i| + |r_i|)·E_i, not |w_i|·N_i. Where a layer
-        has such errors (E, ``_release_err``) and that could exceed max_j |w_j|·N_j (the
+        has such errors (E, ``release_err``) and that could exceed max_j |w_j|·N_j (the
         largest contribution the weights allow, hence within the caller's sensitivity) the
         direct sum is used instead: only for ill-conditioned examples (E_i ~ N_i).
         """
@@ -698,7 +704,7 @@ class GhostGrads(MaterializedGrads):
         rows = (r.abs() > REUSE_RTOL * scale).nonzero().squeeze(1)
         if rows.numel() * 2 > w.shape[0]:
             return None
-        err = self._release_err() if rows.numel() else None
+        err = self.release_err() if rows.numel() else None
         if err is not None:
             n = self.norms.double()
             u = unit_roundoff(self.losses.dtype)

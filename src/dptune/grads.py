@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from dptune import inputs
+from dptune import ghost, inputs
 from dptune.errors import ConfigError
 from dptune.persample import (  # noqa: F401 - re-exported: ``dptune.grads`` is where users look
     NORM_BLOCK,
@@ -44,8 +44,7 @@ from dptune.persample import (  # noqa: F401 - re-exported: ``dptune.grads`` is 
     unit_roundoff,
     upper_norms,
 )
-
-Tensors = dict[str, torch.Tensor]
+from dptune.tree import Tensors
 
 GRAD_METHODS = ("auto", "vmap", "ghost")
 DEFAULT_METHOD: str = os.environ.get("DPTUNE_GRAD_METHOD", "auto")
@@ -113,8 +112,6 @@ class GradientOracle:
         self._checked = self.requested_method != "auto"
         self.fallback_reason: str | None = None
         if self.requested_method != "vmap":
-            from dptune import ghost
-
             reason = ghost.unsupported_reason(model)
             if reason is None:
                 self._ghost = ghost.GhostEngine(model, self._batched_loss, self.buffers)
@@ -162,11 +159,9 @@ class GradientOracle:
                 torch.zeros(0, device=inputs.device_of(x)),
             )
         if self._ghost is not None:
-            from dptune.ghost import GhostFallback
-
             try:
                 got = self._ghost(params, x, y)
-            except GhostFallback as exc:
+            except ghost.GhostFallback as exc:
                 self._fall_back(str(exc))
             else:
                 if self._checked or self._self_check(got, params, x, y):
@@ -174,7 +169,7 @@ class GradientOracle:
         grads, losses = self._per_sample(params, x, y)
         return MaterializedGrads(grads, losses.detach())
 
-    def _self_check(self, got: MaterializedGrads, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> bool:
+    def _self_check(self, got: ghost.GhostGrads, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> bool:
         """Compare the ghost path with vmap on the first few examples (once per oracle)."""
         self._checked = True
         if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in self.model.modules()):
@@ -185,11 +180,11 @@ class GradientOracle:
         w = torch.zeros_like(got.norms)
         w[:k] = torch.linspace(0.5, 1.5, k, dtype=w.dtype, device=w.device)
         mine, theirs = got.weighted_sum(w), ref.weighted_sum(w[:k])
-        got._last = None  # this probe must not seed the reuse of weighted sums
+        got.reset_reuse()  # this probe must not seed the reuse of weighted sums
         # Both norms are upper bounds (never a privacy check: each path bounds what it releases
         # on its own, docs/privacy.md); ghost norms and sums may differ from vmap's by the release
-        # term E_i (``GhostGrads._release_err``: large only for ill-conditioned examples).
-        err = got._release_err() if hasattr(got, "_release_err") else None
+        # term E_i (``GhostGrads.release_err``: large only for ill-conditioned examples).
+        err = got.release_err()
         e = err[:k].to(ref.norms.dtype) if err is not None else torch.zeros_like(ref.norms)
         diff = (got.norms[:k] - ref.norms).abs()
         ok = bool(((diff <= 1e-3 * ref.norms + 1e-6 + 2 * e) | (got.norms[:k].isnan() & ref.norms.isnan())).all())

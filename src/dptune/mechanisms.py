@@ -42,8 +42,7 @@ from dptune.sampling import (
     exponentials,
     stream_seed,
 )
-
-Tensors = dict[str, torch.Tensor]
+from dptune.tree import Tensors
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 from torch import nn
 
+from dptune import inputs
 from dptune.errors import ConfigError
 
 GALLI_CNN_PARAMS = 551_322
@@ -260,8 +261,6 @@ def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
     ``x``: the training inputs (a tensor, or a tuple/dict of tensors); ``y``: the targets. The
     global RNG and the model's train/eval mode are left as they were (same run, same seed)."""
     import torch
-
-    from dptune import inputs
 
     x1 = inputs.rows(x, 0, 1)
     shape = tuple(x1.shape[1:]) if isinstance(x1, torch.Tensor) else "several inputs"

@@ -1,4 +1,4 @@
-"""Your own data, loss, metric and code: map-style datasets, DataLoaders and ``module:factory``.
+"""Your own data, loss and code: map-style datasets, DataLoaders and ``module:factory``.
 
 * ``MapSource``: any map-style dataset (``__len__`` + ``__getitem__``, e.g. a torch
   ``Dataset``) read by index. A Poisson batch is the sorted indices of the sampler; it is
@@ -7,14 +7,14 @@
   (``index_select``), and both give the same batches, hence the same run for a seed.
 * ``from_dataloader``: the ``.dataset`` of a ``DataLoader``; its sampler and batch size are
   replaced by Poisson sampling (the accountant's assumption, docs/your_data.md).
-* ``Metric`` and ``user_loss``: per-example contracts, checked early on a tiny batch.
-* ``import_factory("pkg.module:fn")``: the user's model or data factory, imported with one
-  clear error when the path is wrong.
+* ``user_loss`` and ``check_loss``: the per-example loss contract, checked early on a tiny batch.
+* ``load_data`` and ``build_model``: call the user's data or model factory
+  (``"pkg.module:fn"``, imported by ``dptune.factories.import_factory``); ``as_pair`` and
+  ``data_shape`` read what the data factory returned.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,46 +22,9 @@ from typing import Any
 
 import torch
 
-from dptune import inputs
+from dptune import inputs, metrics
 from dptune.errors import ConfigError
-
-# The direction of the built-in metrics (``dptune.train`` and the tuner read it from here).
-HIGHER_IS_BETTER = {"accuracy": True, "mse": False, "loss": False}
-
-
-# ----------------------------------------------------------------------------- factories
-def import_factory(path: str, what: str = "factory", require_callable: bool = True) -> Any:
-    """``"pkg.module:name"`` → the callable ``pkg.module.name`` (dots after ':' walk attributes)."""
-    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        raise ConfigError(
-            f"{what} {path!r} is not of the form 'pkg.module:function'. Fix: write e.g. "
-            "'mypkg.models:build' (the module must be importable: on sys.path or PYTHONPATH)."
-        )
-    mod_name, attr = path.split(":")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"{what} {path!r}: cannot import module {mod_name!r} ({exc}). Fix: install the "
-            "package or put its folder on PYTHONPATH (every worker needs it too)."
-        ) from None
-    except Exception as exc:  # the user's module raised while importing
-        raise ConfigError(
-            f"{what} {path!r}: importing {mod_name!r} failed ({type(exc).__name__}: {exc}). Fix the module."
-        ) from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(
-                f"{what} {path!r}: module {mod_name!r} has no attribute {attr!r}. Fix: check the name after ':'."
-            )
-        obj = getattr(obj, part)
-    if require_callable and not callable(obj):
-        raise ConfigError(f"{what} {path!r} is not callable. Fix: point at a function or class.")
-    return obj
-
-
-def is_factory_path(s: Any) -> bool:
-    return isinstance(s, str) and ":" in s
+from dptune.factories import import_factory
 
 
 # ----------------------------------------------------------------------------- data
@@ -98,16 +61,18 @@ class MapSource:
                 "__getitem__ return (input, target) with a tensor (or number) target."
             )
         x0 = inputs.check(x0, "the collated input x")
-        # An empty Poisson batch (possible at small q) keeps the shapes and dtypes of a real one.
-        self._empty = (inputs.to(inputs.rows(x0, 0, 0), device), y0[:0].to(device))
+        # An empty Poisson batch (possible at small q) keeps the shapes and dtypes of a real one;
+        # also how callers learn the input's shape without loading a batch.
+        self.empty_batch = (inputs.to(inputs.rows(x0, 0, 0), device), y0[:0].to(device))
 
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if idx.numel() == 0:
-            return self._empty
+            return self.empty_batch
         x, y = self.collate([self.dataset[int(i)] for i in idx.tolist()])
         return inputs.to(inputs.check(x), self.device), y.to(self.device)
 
-    def chunks(self, size: int = 4096):
+    def chunks(self, size: int | None = None):
+        size = size or metrics.EVAL_BATCH
         for i in range(0, self.n, size):
             yield self.batch(torch.arange(i, min(i + size, self.n)))
 
@@ -199,66 +164,6 @@ def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.T
         )
 
 
-@dataclass(frozen=True)
-class Metric:
-    """An evaluation metric: ``fn(output [B, ...], target [B, ...]) -> per-example scores [B]``.
-
-    The metric of a parameter set is the mean score over the evaluation data. For private
-    selection, ``sensitivity`` must bound how much one example's score can move the SUM of
-    scores (e.g. 1 for a score in [0, 1]); it is trusted, and scores are clamped to
-    [0, sensitivity] so that the bound holds for any output (docs/privacy.md).
-    """
-
-    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    higher_is_better: bool = True
-    sensitivity: float | None = None
-    name: str = "metric"
-
-    def __post_init__(self) -> None:
-        if not callable(self.fn):
-            raise ConfigError("Metric.fn must be callable(output, target) -> per-example scores [B].")
-        if self.sensitivity is not None and not (
-            isinstance(self.sensitivity, int | float) and math.isfinite(self.sensitivity) and self.sensitivity > 0
-        ):
-            raise ConfigError(f"Metric.sensitivity must be a finite number > 0, got {self.sensitivity!r}.")
-        if self.name in ("accuracy", "mse", "loss"):
-            raise ConfigError(f"Metric name {self.name!r} is reserved for the built-in metric. Fix: rename it.")
-
-    def require_sensitivity(self) -> float:
-        """Private selection releases Σ scores + noise: the metric must state its sensitivity."""
-        if self.sensitivity is None:
-            raise ConfigError(
-                f"metric {self.name!r} states no sensitivity, so it cannot be released privately. "
-                "Fix: Metric(fn, sensitivity=s) with s bounding one example's score, or select "
-                "in public mode."
-            )
-        return float(self.sensitivity)
-
-    def scores(self, out: torch.Tensor, y: torch.Tensor, clip: bool = False) -> torch.Tensor:
-        s = self.fn(out, y)
-        if not isinstance(s, torch.Tensor) or tuple(s.shape) != (int(out.shape[0]),):
-            got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
-            raise ConfigError(
-                f"metric {self.name!r} must return one score per example (shape "
-                f"[{int(out.shape[0])}]), got {got}. Fix: do not reduce over the batch."
-            )
-        s = s.detach().double()
-        if clip:
-            c = self.require_sensitivity()
-            worst = 0.0 if self.higher_is_better else c  # a non-finite score counts as the worst one
-            s = torch.nan_to_num(s, nan=worst, posinf=worst, neginf=worst).clamp(0.0, c)
-        return s
-
-
-def as_metric(metric: Any) -> Metric | str | None:
-    """None, a built-in name, a ``Metric``, or a bare callable (higher is better, no sensitivity)."""
-    if metric is None or isinstance(metric, str | Metric):
-        return metric
-    if callable(metric):
-        return Metric(metric, name=getattr(metric, "__name__", "metric"))
-    raise ConfigError(f"metric must be 'accuracy', 'mse', a dptune.Metric or a callable, got {metric!r}.")
-
-
 # ----------------------------------------------------------------------------- data factories
 def load_data(path: str, options: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """Call the data factory ``path`` (``"pkg.module:loader"``) and return ``(train, test)``.
@@ -335,29 +240,8 @@ def data_shape(train: Any) -> tuple[int | None, int | None]:
     else:
         fast = tensors_of(train)
         if fast is None:
-            x0, _ = MapSource(train, torch.device("cpu"))._empty
+            x0, _ = MapSource(train, torch.device("cpu")).empty_batch
             return (None if not isinstance(x0, torch.Tensor) else math.prod(x0.shape[1:])), None
         x, y = fast
     classes = int(y.max()) + 1 if not y.dtype.is_floating_point and y.numel() else None
     return (math.prod(x.shape[1:]) if isinstance(x, torch.Tensor) else None), classes
-
-
-def named_metric(name: str | None) -> Metric | None:
-    """The ``dptune.Metric`` named ``"pkg.module:NAME"`` (a study's ``selection.metric``), else None."""
-    if not is_factory_path(name):
-        return None
-    obj = import_factory(name, "selection.metric", require_callable=False)  # type: ignore[arg-type]
-    if not isinstance(obj, Metric):
-        raise ConfigError(
-            f"selection.metric {name!r} is a {type(obj).__name__}, not a dptune.Metric. Fix: define "
-            "NAME = dptune.Metric(fn, higher_is_better=..., sensitivity=...) in that module."
-        )
-    return obj
-
-
-def metric_higher(name: str) -> bool:
-    """Direction of a built-in metric name or of a ``"pkg.module:NAME"`` Metric."""
-    m = named_metric(name)
-    if m is not None:
-        return m.higher_is_better
-    return HIGHER_IS_BETTER[name]

@@ -23,8 +23,8 @@ from torch.func import functional_call
 
 from dptune import inputs
 from dptune.errors import ConfigError
+from dptune.tree import Tensors
 
-Tensors = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -49,6 +49,12 @@ class StepContext:
         return self._grads
 
     @property
+    def computed_grads(self) -> PerSampleGrads | None:
+        """The per-sample gradients if ``grads`` computed them during the step, else None (a
+        strategy that never asked for them): for the loop's history, without computing them."""
+        return self._grads
+
+    @property
     def batch_size(self) -> int:
         return int(self.y.shape[0])
 

@@ -18,19 +18,21 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from dp_accounting import dp_event
 from torch import nn
 
-from dptune import accounting, inputs
+from dptune import accounting, inputs, metrics, own
 from dptune.devices import resolve_device
 from dptune.errors import ConfigError
 from dptune.grads import GradientOracle
 from dptune.ledger import Ledger
 from dptune.mechanisms import NoiseSource, NoisyRelease
-from dptune.own import HIGHER_IS_BETTER
+from dptune.metrics import Metric
+from dptune.outputs import randomness_statement
 from dptune.sampling import PoissonSampler, check_steps, sampling_rate_for, steps_for_epochs, stream_seed
 from dptune.steps import RunInfo, StepContext
 from dptune.strategies import Strategy, make_strategy
@@ -91,7 +93,7 @@ def plan_run(
     if not strategy.private:
         nu = math.inf
     elif noise_multiplier is not None:
-        nu = accounting_check_nu(noise_multiplier)
+        nu = accounting.check_noise_multiplier(noise_multiplier)
         if accountant == "pld":  # its ε is computed after training: refuse a PLD too large to compute now
             problem = accounting.pld_cost_problem(nu, accounting.releases_of(strategy.planned_event(nu, q, T)))
             if problem is not None:
@@ -105,13 +107,10 @@ def plan_run(
         accounting.check_epsilon(target_epsilon)
         accounting.check_delta(delta)
         releases = strategy.releases_per_run(T)
-        nu = accounting.calibrate(target_epsilon, delta, q, releases, accountant=accountant)
+        nu = accounting.calibrate(target_epsilon, delta, q, releases, accountant=accountant).noise_multiplier
     else:
         raise ConfigError(f"strategy {strategy.name!r} is private: give noise_multiplier or target_epsilon (+ delta).")
     return RunPlan(strategy, n, q, T, nu, accountant)
-
-
-accounting_check_nu = accounting.check_noise_multiplier  # the old name, kept for callers
 
 
 @dataclass
@@ -175,49 +174,23 @@ class TrainResult:
         return {**self.summary(), "history": self.history, "evals": self.evals, "ledger": self.ledger.to_dict()}
 
 
-SEEDED_WARNING = (
-    "seeded (reproducible) randomness: the seed is a secret key. Anyone who knows it can regenerate "
-    "every noise draw and every Poisson batch and subtract them: the privacy guarantee then does not "
-    "hold. Keep the seed secret, or train with secure mode (the OS CSPRNG) before publishing."
-)
-SECURE_STATEMENT = (
-    "secure mode: the noise and the Poisson batches were drawn from the operating system's "
-    "CSPRNG, not from the seed (not reproducible)."
-)
-
-
-def randomness_statement(secure: bool) -> dict[str, str]:
-    """The ``randomness`` mode and its note, for every report of a run or study."""
-    return {
-        "randomness": "secure" if secure else "seeded",
-        "randomness_note": SECURE_STATEMENT if secure else SEEDED_WARNING,
-    }
-
-
 def evaluate(
-    oracle: GradientOracle, params: Tensors, x: torch.Tensor, y: torch.Tensor, metric: str, batch: int = 4096
+    oracle: GradientOracle,
+    params: Tensors,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    metric: str | Metric,
+    batch: int | None = None,
 ) -> float:
-    """Accuracy (classification) or mean squared error (reconstruction) on (x, y)."""
-    total, n = 0.0, inputs.batch_len(x)
-    if n == 0:
-        return math.nan
-    with torch.no_grad():
-        for i in range(0, n, batch):
-            out = oracle.forward(params, inputs.rows(x, i, i + batch))
-            yy = y[i : i + batch]
-            if metric == "accuracy":
-                pred = out.argmax(1) if out.ndim > 1 and out.shape[1] > 1 else (out.reshape(-1) > 0).long()
-                total += float((pred == yy).sum())
-            elif metric == "mse":
-                total += float(((out - yy) ** 2).reshape(out.shape[0], -1).mean(1).sum())
-            else:
-                raise ConfigError(f"unknown metric {metric!r}; choose accuracy or mse.")
-    return total / n
+    """The metric of ``params`` on (x, y): accuracy, mean squared error or a ``dptune.Metric``
+    (``dptune.metrics.score_sums``, in batches of ``batch`` rows, default ``EVAL_BATCH``)."""
+    forward = partial(oracle.forward, params)
+    return metrics.mean_scores(forward, metrics.batches(x, y, batch), metrics.resolve(metric))[0]
 
 
 def is_better(value: float, best: float | None, higher: bool) -> bool:
     """Is ``value`` a finite improvement on ``best`` (None: nothing yet)?"""
-    return math.isfinite(value) and (best is None or (value > best if higher else value < best))
+    return math.isfinite(value) and (best is None or metrics.better(value, best, higher))
 
 
 @dataclass(frozen=True)
@@ -229,34 +202,30 @@ class TaskTensors:
     y: torch.Tensor
     ex: torch.Tensor | None
     ey: torch.Tensor | None
-    metric: str
+    metric: Metric
     loss: str
 
 
 def resolve_task(
-    data: Any, eval_data: Any, device: str | torch.device | None, metric: str | None, loss: str | None
+    data: Any, eval_data: Any, device: str | torch.device | None, metric: str | Metric | None, loss: str | None
 ) -> TaskTensors:
     """Move the data to the device; a float target shaped like the input means reconstruction (MSE)."""
     dev = resolve_device(device)  # a named device must exist: never a silent run on the CPU
     x, y = _as_tensors(data, dev)
     recon = isinstance(x, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype and x.dtype.is_floating_point
-    metric = metric or ("mse" if recon else "accuracy")
+    m = metrics.resolve(metric, "mse" if recon else "accuracy")
     loss = loss or ("mse" if recon else "cross_entropy")
-    if metric not in HIGHER_IS_BETTER:
-        raise ConfigError(f"unknown metric {metric!r}; choose accuracy or mse.")
     ex, ey = _as_tensors(eval_data, dev) if eval_data is not None else (None, None)
-    return TaskTensors(dev, x, y, ex, ey, metric, loss)
+    return TaskTensors(dev, x, y, ex, ey, m, loss)
 
 
 def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    from dptune.own import tensors_of
-
     if isinstance(data, Sequence) and len(data) == 2:
         x, y = data
     elif hasattr(data, "x_train"):
         x, y = data.x_train, data.y_train
-    elif tensors_of(data) is not None:
-        x, y = tensors_of(data)  # type: ignore[misc]
+    elif own.tensors_of(data) is not None:
+        x, y = own.tensors_of(data)  # type: ignore[misc]
     else:
         # train_many stacks K trials on in-memory tensors; dptune.train reads any map-style dataset.
         raise ConfigError(
@@ -286,19 +255,17 @@ class OwnTask:
         device: torch.device,
         train: Any,
         evald: Any,
-        metric: str | Any,
+        metric: Metric,
         loss: str | Callable,
         user_loss_fn: Callable | None,
     ):
         self.device, self.train, self.evald = device, train, evald
-        self.metric = metric  # a built-in name or a dptune.own.Metric
+        self.metric = metric
         self.loss, self.user_loss_fn = loss, user_loss_fn
 
     @staticmethod
     def _source(data: Any, device: torch.device) -> Any:
         from torch.utils.data import DataLoader
-
-        from dptune import own
 
         if isinstance(data, DataLoader):
             import warnings
@@ -324,21 +291,17 @@ class OwnTask:
 
     @classmethod
     def resolve(cls, data: Any, eval_data: Any, device: str | torch.device | None, metric: Any, loss: Any) -> OwnTask:
-        from dptune import own
-
         dev = resolve_device(device)  # a named device must exist: never a silent run on the CPU
         tr = cls._source(data, dev)
         ev = cls._source(eval_data, dev) if eval_data is not None else None
-        x, y = tr if isinstance(tr, tuple) else tr._empty
+        x, y = tr if isinstance(tr, tuple) else tr.empty_batch
         recon = (
             isinstance(x, torch.Tensor)
             and x.shape[1:] == y.shape[1:]
             and x.dtype == y.dtype
             and x.dtype.is_floating_point
         )
-        m = own.as_metric(metric) or ("mse" if recon else "accuracy")
-        if isinstance(m, str) and m not in HIGHER_IS_BETTER:
-            raise ConfigError(f"unknown metric {m!r}; choose accuracy or mse, or pass a dptune.Metric.")
+        m = metrics.resolve(metric, "mse" if recon else "accuracy")
         user_fn = None
         if callable(loss):
             user_fn, loss = loss, own.user_loss(loss)
@@ -352,11 +315,11 @@ class OwnTask:
 
     @property
     def metric_name(self) -> str:
-        return self.metric if isinstance(self.metric, str) else self.metric.name
+        return self.metric.name
 
     @property
     def higher(self) -> bool:
-        return HIGHER_IS_BETTER[self.metric] if isinstance(self.metric, str) else self.metric.higher_is_better
+        return self.metric.higher_is_better
 
     @property
     def has_eval(self) -> bool:
@@ -371,27 +334,14 @@ class OwnTask:
 
     def check_loss(self, model: nn.Module) -> None:
         if self.user_loss_fn is not None:
-            from dptune import own
-
             own.check_loss(self.user_loss_fn, model, *self.batch(torch.arange(min(2, self.n))))
 
     def evaluate(self, oracle: GradientOracle, params: Tensors) -> float:
+        # In-memory tensors are sliced, a map-style dataset is read chunk by chunk: the same batches.
         ev = self.evald
-        if isinstance(self.metric, str) and isinstance(ev, tuple):
-            return evaluate(oracle, params, ev[0], ev[1], self.metric)  # the unchanged fast path
-        chunks = [ev] if isinstance(ev, tuple) else ev.chunks()
-        total, n = 0.0, 0
-        for x, y in chunks:
-            b = int(y.shape[0])
-            if isinstance(self.metric, str):
-                total += evaluate(oracle, params, x, y, self.metric) * b if b else 0.0
-            else:
-                for i in range(0, b, 4096):
-                    with torch.no_grad():
-                        out = oracle.forward(params, inputs.rows(x, i, i + 4096))
-                    total += float(self.metric.scores(out, y[i : i + 4096]).sum())
-            n += b
-        return total / n if n else math.nan
+        return metrics.mean_scores(
+            partial(oracle.forward, params), ev if isinstance(ev, tuple) else ev.chunks(), self.metric
+        )[0]
 
 
 def open_run(
@@ -444,8 +394,8 @@ class RunLoop:
         data); ``finish`` uses it after an overridden ``finalize``. The model must already be
         on ``device``."""
         self.model, self.strategy, self.plan = model, strategy, plan
-        # ``higher``: the direction of a user metric (dptune.own.Metric); built-in names know theirs.
-        self.higher = HIGHER_IS_BETTER[metric] if higher is None else higher
+        # ``higher``: the direction of a user metric (dptune.Metric); built-in names know theirs.
+        self.higher = metrics.higher_is_better(metric) if higher is None else higher
         self.metric, self.eval_every = metric, eval_every
         self.score, self.on_step = score, on_step
         params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
@@ -480,8 +430,9 @@ class RunLoop:
         ctx = StepContext(t=t, x=x, y=y, oracle=oracle, release=self.gateway, run=self.run)
         self.params, self.state, info = self.strategy.step(self.params, self.state, ctx)
         row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
-        if ctx._grads is not None and ctx.batch_size:
-            row["train_loss"] = float(ctx._grads.losses.mean())
+        computed = ctx.computed_grads
+        if computed is not None and ctx.batch_size:
+            row["train_loss"] = float(computed.losses.mean())
         # Divergence is judged on the parameters only: they are post-processing of noisy
         # releases, so stopping on them leaks nothing (a stop on the private batch loss would).
         if not is_finite(self.params):
@@ -558,7 +509,7 @@ def train(
     accountant: str = "auto",
     eval_data: Any = None,
     eval_every: int = 50,
-    metric: str | None = None,
+    metric: str | Metric | None = None,
     loss: str | None = None,
     seed: int = 0,
     device: str | torch.device | None = None,
@@ -586,8 +537,8 @@ def train(
         raise ConfigError(
             f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy)."
         )
-    own = OwnTask.resolve(data, eval_data, device, metric, loss)
-    dev, metric, loss, n = own.device, own.metric_name, own.loss, own.n
+    task = OwnTask.resolve(data, eval_data, device, metric, loss)
+    dev, metric, loss, n = task.device, task.metric_name, task.loss, task.n
     if eval_every < 1:
         raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}. Fix: e.g. eval_every=50.")
     if plan is None:
@@ -606,11 +557,11 @@ def train(
     elif plan.n != n:
         raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {n}.")
     model = model.to(dev)
-    own.check_loss(model)
+    task.check_loss(model)
     oracle = GradientOracle(model, loss, chunk_size=chunk_size, method=grad_method)
 
     def score(params: Tensors) -> float:
-        return own.evaluate(oracle, params)
+        return task.evaluate(oracle, params)
 
     loop = RunLoop(
         model,
@@ -622,14 +573,14 @@ def train(
         run_id=run_id,
         metric=metric,
         eval_every=eval_every,
-        score=score if own.has_eval else None,
+        score=score if task.has_eval else None,
         on_step=on_step,
-        higher=own.higher,
+        higher=task.higher,
     )
     bar = _progress(plan.steps, f"{strategy.name}", progress)
     try:
         for t in range(1, plan.steps + 1):
-            row = loop.step(t, *own.batch(loop.sampler.sample()), oracle)
+            row = loop.step(t, *task.batch(loop.sampler.sample()), oracle)
             if loop.diverged:
                 break
             loop.record(t, row, score(loop.eval_params) if loop.eval_due(t) else None)

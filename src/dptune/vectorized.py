@@ -33,7 +33,6 @@ Design (docs/performance.md, "Vectorised trials"):
 from __future__ import annotations
 
 import copy
-import math
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -43,9 +42,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from dptune import metrics
 from dptune.errors import ConfigError
 from dptune.ghost import GhostGrads, LinearRule, rank_one_parts
 from dptune.grads import GradientOracle, MaterializedGrads, batched_loss, check_model, upper_norms
+from dptune.metrics import Metric
+from dptune.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.train import RunLoop, RunPlan, TrainResult, plan_run, resolve_task, train
 from dptune.tree import Tensors
@@ -68,7 +70,6 @@ ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.Softsign,
     nn.Tanhshrink,
 )
-EVAL_BATCH = 4096  # as dptune.train.evaluate
 
 
 class Unsupported(ConfigError):
@@ -241,8 +242,6 @@ def trial_seeds(seed: int, K: int) -> list[int]:
     every k (and from any other base seed's) but with probability ~K²/2⁶⁴; checked below.
     Result k equals ``train(..., seed=trial_seeds(seed, K)[k])``.
     """
-    from dptune.sampling import stream_seed
-
     return [stream_seed(int(seed), f"trial{k}") for k in range(K)]
 
 
@@ -290,7 +289,7 @@ def train_many(
     plans: Sequence[RunPlan] | None = None,
     eval_data: Any = None,
     eval_every: int = 50,
-    metric: str | None = None,
+    metric: str | Metric | None = None,
     loss: str | None = None,
     device: str | torch.device | None = None,
     secure_mode: bool = False,
@@ -368,20 +367,22 @@ def train_many(
     else:
         model_list = list(models)
 
+    def plan_args(k: int) -> dict[str, Any]:
+        """Trial k's arguments of ``plan_run`` (besides strategy, n and δ) where no plan is given."""
+        return {
+            "epochs": epochs,
+            "steps": steps,
+            "expected_batch_size": expected_batch_size,
+            "full_batch": full_batch,
+            "noise_multiplier": nus[k],
+            "target_epsilon": epss[k],
+            "accountant": accountant,
+        }
+
     def sequential(k: int) -> TrainResult:
-        kw: dict[str, Any] = {}
-        if plans is not None:
-            kw["plan"] = plans[k]
-        else:
-            kw.update(
-                epochs=epochs,
-                steps=steps,
-                expected_batch_size=expected_batch_size,
-                full_batch=full_batch,
-                noise_multiplier=nus[k],
-                target_epsilon=epss[k],
-                accountant=accountant,
-            )
+        # dptune.train plans the run itself (after reading the data, whatever its kind): the same
+        # plan_run arguments, or the given plan.
+        kw: dict[str, Any] = {"plan": plans[k]} if plans is not None else plan_args(k)
         return train(
             model_list[k],
             data,
@@ -440,22 +441,7 @@ def train_many(
 
     trials: list[_Trial] = []
     for k in range(K):
-        plan = (
-            plans[k]
-            if plans is not None
-            else plan_run(
-                strategies[k],
-                n,
-                expected_batch_size=expected_batch_size,
-                full_batch=full_batch,
-                epochs=epochs,
-                steps=steps,
-                noise_multiplier=nus[k],
-                target_epsilon=epss[k],
-                delta=delta,
-                accountant=accountant,
-            )
-        )
+        plan = plans[k] if plans is not None else plan_run(strategies[k], n, delta=delta, **plan_args(k))
         if plan.n != n:
             raise ConfigError(f"trial {k}: the plan is for n = {plan.n} examples but the data has {n}.")
         model = model_list[k].to(dev)
@@ -467,10 +453,11 @@ def train_many(
             device=dev,
             secure_mode=secure_mode,
             run_id=ids[k],
-            metric=metric,
+            metric=metric.name,
             eval_every=eval_every,
             score=score if ex is not None else None,
             on_step=(lambda t, row, k=k: on_step(k, t, row)) if on_step is not None else None,
+            higher=metric.higher_is_better,
         )
         trials.append(_Trial(loop, _TrialOracle(lambda m=model: GradientOracle(m, loss))))
 
@@ -491,7 +478,7 @@ def _run_block(
     y: torch.Tensor,
     ex: torch.Tensor | None,
     ey: torch.Tensor | None,
-    metric: str,
+    metric: Metric,
 ) -> None:
     """Step the trials in lockstep: one batched forward/backward per step, then each trial's
     ``RunLoop`` step; the evaluations due at a step run as one stacked forward."""
@@ -593,30 +580,20 @@ def _batched_grads(
                 torch.zeros(0, device=x.device),
             )
         else:
-            g = GhostGrads(layers, losses[k, :Bk], tr.loop.params)
-            g._norms = norms[k, :Bk]
+            g = GhostGrads(layers, losses[k, :Bk], tr.loop.params, norms=norms[k, :Bk])
         tr.oracle.serve(tr.loop.params, xs[k], g)
 
 
-def _evaluate(stacked: _Stacked, params: list[Tensors], x: torch.Tensor, y: torch.Tensor, metric: str) -> list[float]:
-    """``dptune.train.evaluate`` for several parameter sets at once (stacked forward)."""
-    n, K = int(x.shape[0]), len(params)
-    if n == 0:
-        return [math.nan] * K
-    totals = [0.0] * K
+def _evaluate(
+    stacked: _Stacked, params: list[Tensors], x: torch.Tensor, y: torch.Tensor, metric: Metric
+) -> list[float]:
+    """``dptune.train.evaluate`` for several parameter sets at once: ``metrics.score_sums`` with
+    the stacked forward (one pass of every batch for all K sets)."""
+    K = len(params)
     with torch.no_grad():
         weights = stacked.stack(params)
-        for i in range(0, n, EVAL_BATCH):
-            xb = x[i : i + EVAL_BATCH]
-            out, _ = stacked.forward(weights, xb.unsqueeze(0).expand(K, *xb.shape), record=False)
-            yy = y[i : i + EVAL_BATCH]
-            if metric == "accuracy":
-                pred = out.argmax(2) if out.ndim > 2 and out.shape[2] > 1 else (out.reshape(K, -1) > 0).long()
-                counts = (pred == yy.unsqueeze(0)).sum(1)
-                for k in range(K):
-                    totals[k] += float(counts[k])
-            else:
-                err = ((out - yy.unsqueeze(0)) ** 2).reshape(K, out.shape[1], -1).mean(2).sum(1)
-                for k in range(K):
-                    totals[k] += float(err[k])
-    return [t / n for t in totals]
+
+    def forward(xb: torch.Tensor) -> torch.Tensor:
+        return stacked.forward(weights, xb.unsqueeze(0).expand(K, *xb.shape), record=False)[0]
+
+    return metrics.mean_scores(forward, (x, y), metric, trials=K)

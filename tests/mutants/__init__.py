@@ -149,7 +149,7 @@ APPLICABLE: dict[str, tuple[str, ...]] = {
 def mean_mode_seeds_unaccounted() -> Iterator[None]:
     """Liu–Talwar / repeat-and-select with ``across_seeds = "mean"`` and unaccounted seeds:
     a candidate (S seed runs) calibrated as ONE run (the planner before issue 10, item 4)."""
-    from dptune.tune import planners
+    from dptune.tune.methods import liu_talwar, repeat_and_select
 
     def procedures(study, composite: bool = False):  # noqa: ANN001, ARG001 - the bug ignores it
         s = len(study.seeds)
@@ -157,7 +157,7 @@ def mean_mode_seeds_unaccounted() -> Iterator[None]:
             return 1, 1, (s if study.budget.account_seeds else 1)
         return s, (s if study.budget.account_seeds else 1), 1
 
-    with _patched(planners, "_procedures", procedures):
+    with _patched(liu_talwar, "procedures", procedures), _patched(repeat_and_select, "procedures", procedures):
         yield
 
 
@@ -194,14 +194,14 @@ def coins_from_study_seed() -> Iterator[None]:
     import numpy as np
 
     from dptune.sampling import stream_seed
-    from dptune.tune import planners
+    from dptune.tune import builder
 
-    original = planners._Builder.__dict__["__init__"]
+    original = builder.Builder.__dict__["__init__"]
 
     def init(self, ctx, coins=None):  # noqa: ANN001, ARG001
         original(self, ctx, np.random.default_rng(stream_seed(ctx.study.seed, "liu-talwar")))
 
-    with _patched(planners._Builder, "__init__", init):
+    with _patched(builder.Builder, "__init__", init):
         yield
 
 
@@ -374,7 +374,9 @@ def gdp_calibration_unverified() -> Iterator[None]:
 
     from scipy import optimize
 
-    original = accounting._calibrate_info_cached
+    from dptune.accounting import calibration, gdp
+
+    original = calibration._calibrate_dpsgd_cached
 
     def gdp_epsilon(mu: float, delta: float) -> float:
         if math.isinf(mu):
@@ -386,24 +388,35 @@ def gdp_calibration_unverified() -> Iterator[None]:
             hi *= 2
         return float(optimize.brentq(lambda e: accounting.gdp_delta(mu, e) - delta, 0.0, hi, xtol=1e-12))
 
-    def cached(eps, delta, q, steps, runs, accountant, rel_tol):  # noqa: ANN001, ANN202
+    def cached(eps, delta, q, steps, runs, accountant, rel_tol, bracket):  # noqa: ANN001, ANN202
         if accountant != "gdp" or q < 1:
-            return original(eps, delta, q, steps, runs, accountant, rel_tol)
+            return original(eps, delta, q, steps, runs, accountant, rel_tol, bracket)
         nu = math.sqrt(runs * steps) / accounting.gdp_mu_for_epsilon(eps, delta)
         evals = 1
         while accounting.gdp_epsilon(math.sqrt(runs * steps) / nu, delta) > eps:
             nu *= 1 + 1e-9
             evals += 1
         return accounting.Calibration(
-            nu, nu / (1 + 1e-9), accounting.gdp_epsilon(math.sqrt(runs * steps) / nu, delta), evals, 0, 0.0
+            noise_multiplier=nu,
+            epsilon=accounting.gdp_epsilon(math.sqrt(runs * steps) / nu, delta),
+            delta=delta,
+            accountant="gdp",
+            lower=nu / (1 + 1e-9),
+            evaluations=evals,
+            search_evaluations=0,
+            seconds=0.0,
         )
 
-    accounting._epsilon_cached.cache_clear()  # cached ε values must come from the code under test
+    accounting.clear_caches()  # cached ε values must come from the code under test
     try:
-        with _patched(accounting, "gdp_epsilon", gdp_epsilon), _patched(accounting, "_calibrate_info_cached", cached):
+        with (
+            _patched(accounting, "gdp_epsilon", gdp_epsilon),  # the name callers use
+            _patched(gdp, "gdp_epsilon", gdp_epsilon),  # the one accounting.epsilon calls
+            _patched(calibration, "_calibrate_dpsgd_cached", cached),
+        ):
             yield
     finally:
-        accounting._epsilon_cached.cache_clear()
+        accounting.clear_caches()
 
 
 @contextlib.contextmanager

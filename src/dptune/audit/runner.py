@@ -53,6 +53,11 @@ from dptune.audit.harness import (
 from dptune.errors import ConfigError
 from dptune.ledger import Ledger, compose
 from dptune.sampling import stream_seed
+from dptune.train import train
+from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec, run_study
+from dptune.tune.data import forget_cached
+from dptune.tune.spec import ModelSpec, SelectionSpec
+from dptune.tune.store import Store
 
 Method = Literal["one-run", "two-world"]
 ThreatModel = Literal["white-box", "black-box"]
@@ -218,10 +223,8 @@ def _train_once(
     audits); black-box audits need the final weights of every run, which a study does not
     keep, so they train the same grid run by run, calibrated jointly with calibrate(runs=K).
     """
-    if scenario.grid and via_study and _tuner_available():
+    if scenario.grid and via_study:
         return _train_grid_study(scenario, data, eps, delta, accountant, seed, recorder)
-    from dptune.train import train  # late import: the audit package stays importable on its own
-
     n = int(data.x.shape[0])
     q = scenario.sampling_rate
     batch = dict(full_batch=True) if q >= 1.0 else dict(expected_batch_size=q * n)
@@ -232,7 +235,7 @@ def _train_once(
         noise = dict(
             noise_multiplier=accounting.calibrate(
                 eps, delta, min(q, 1.0), scenario.steps, runs=len(runs), accountant=accountant
-            )
+            ).noise_multiplier
         )
     else:
         noise = dict(target_epsilon=eps, delta=delta, accountant=accountant)
@@ -261,14 +264,6 @@ def _train_once(
     return losses, ledger, clips, nu
 
 
-def _tuner_available() -> bool:
-    try:
-        from dptune.tune import run_study  # noqa: F401
-    except ImportError:  # pragma: no cover - the tuner ships with dptune
-        return False
-    return True
-
-
 def _train_grid_study(
     scenario: Scenario,
     data: CanaryData,
@@ -287,11 +282,6 @@ def _train_grid_study(
     import tempfile
 
     import torch
-
-    from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec, run_study
-    from dptune.tune.data import forget_cached
-    from dptune.tune.spec import ModelSpec, SelectionSpec
-    from dptune.tune.store import Store
 
     n = int(data.x.shape[0])
     q = scenario.sampling_rate

@@ -161,6 +161,18 @@ def _pca_word_table(w: np.ndarray, vocab: Sequence[str], dim: int) -> np.ndarray
     return z.astype(np.float32)
 
 
+def _save_npy_atomic(path: Path, arr: np.ndarray, what: str) -> None:
+    """Cache ``arr`` at ``path`` through a temporary file and ``os.replace`` (a concurrent reader never
+    sees half a file); a cache that cannot be written is only a warning."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
+        np.save(tmp, arr)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("dptune.data: could not cache %s at %s: %s", what, path, exc)
+
+
 def _word_table_path(cache: Path, d: Path, version: str, dim: int) -> Path:
     h = hashlib.sha256(f"all-MiniLM-L6-v2|{MINILM_PACKAGE} {version}|{_WORD_TABLE_RECIPE}|{dim}|".encode())
     h.update(str((d / "model.safetensors").stat().st_size).encode())
@@ -199,13 +211,7 @@ def _word_table_cached(cache: str, dim: int) -> np.ndarray:
             f"Fix: pip install --force-reinstall {MINILM_PACKAGE}"
         )
     arr = _pca_word_table(w, vocab, dim)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
-        np.save(tmp, arr)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("dptune.data: could not cache word vectors at %s: %s", path, exc)
+    _save_npy_atomic(path, arr, "word vectors")
     return arr
 
 
@@ -370,11 +376,5 @@ def minilm_embedding(texts: Sequence[str], *, cache: Path, key: str, batch_size:
         normalize_embeddings=True,
         show_progress_bar=False,
     ).astype(np.float32)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
-        np.save(tmp, arr)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("dptune.data: could not cache embeddings at %s: %s", path, exc)
+    _save_npy_atomic(path, arr, "embeddings")
     return arr

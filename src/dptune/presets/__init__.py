@@ -39,9 +39,19 @@ from pathlib import Path
 from typing import Any
 
 from dptune.errors import ConfigError
-from dptune.presets import galli, mohapatra, panda
+from dptune.metrics import clip_to_range
+from dptune.outputs import diagnostics_dir, write_csv_rows, write_labelled_csv
+from dptune.presets import _report, galli, mohapatra, panda
 from dptune.presets._common import SCALES, Part, Preset, check_scale, ensure_dir, log_grid
 from dptune.presets._demo import demo_study
+from dptune.report.html import FigureRef, Section, Table, write_report
+from dptune.tune import plan_study, run_study, study_from_dict
+from dptune.tune.data import study_data
+from dptune.tune.executors import check_workers
+from dptune.tune.results import release_rows, render
+from dptune.tune.spec import DataSpec
+from dptune.tune.store import Store
+from dptune.tune.study import check_study_device, study_metric
 
 __all__ = [
     "PRESETS",
@@ -225,8 +235,6 @@ def preset_parts(name: str, scale: str, **options: Any) -> list[Part]:
 
 def preset_studies(name: str, scale: str, **options: Any) -> dict[str, Any]:
     """``{part name: dptune.tune.Study}`` of a preset (empty for theory-only presets)."""
-    from dptune.tune import study_from_dict
-
     return {p.name: study_from_dict(p.study_dict()) for p in preset_parts(name, scale, **options)}
 
 
@@ -251,9 +259,6 @@ def _sizes(data: Mapping[str, Any], seed: int, selection: Any) -> tuple[int, int
     """(n_train, n_val, task) of a data section without computing text embeddings: the loader's
     splits do not depend on the representation, so MiniLM sections are sized with 'counts'
     (not with a holdout: it is assigned by a hash of each example's features)."""
-    from dptune.tune.data import study_data
-    from dptune.tune.spec import DataSpec
-
     opts = dict(data.get("options", {}))
     if opts.get("representation") == "minilm" and selection.split != "holdout":
         opts["representation"] = "counts"
@@ -264,9 +269,6 @@ def _sizes(data: Mapping[str, Any], seed: int, selection: Any) -> tuple[int, int
 def plan_preset(name: str, scale: str, **options: Any) -> dict[str, Any]:
     """``{part name: dptune.tune.StudyPlan}``: every run's noise multiplier, steps and planned
     privacy event, computed without training (``paper`` scale included)."""
-    from dptune.tune import plan_study, study_from_dict
-    from dptune.tune.study import study_metric
-
     plans = {}
     for p in preset_parts(name, scale, **options):
         st = study_from_dict(p.study_dict())
@@ -333,11 +335,6 @@ def _run_part(
     console: Any,
     figures: Any = None,
 ) -> tuple[list[dict[str, Any]], Path]:
-    from dptune.presets._report import study_report
-    from dptune.tune import run_study, study_from_dict
-    from dptune.tune.results import render
-    from dptune.tune.store import Store
-
     d = part.study_dict()
     d["training"]["device"] = device
     study = study_from_dict(d)
@@ -349,7 +346,9 @@ def _run_part(
     console.print()
     render(study_dir, console)
     extra = list(figures(study_dir)) if figures is not None else []
-    html = study_report(study_dir, title=f"{study.name}: {part.title}", notes=list(part.notes), extra_figures=extra)
+    html = _report.study_report(
+        study_dir, title=f"{study.name}: {part.title}", notes=list(part.notes), extra_figures=extra
+    )
     if not outcome.complete:
         console.print(
             f"[yellow]some runs failed ({outcome.counts}): re-run the same command (or "
@@ -380,17 +379,12 @@ def reproduce(
     ``average`` = "ema" | "swa", the iterate-averaging ablation arm).
     Re-running with the same ``out_dir`` resumes: finished runs are kept, failed ones retried.
     """
-    from dptune.report.html import write_report
-
     preset = get_preset(name)
     scale = check_scale(scale, preset.scales)
     if executor not in ("local", "process", "ray"):
         raise ConfigError(f"unknown executor {executor!r}. Fix: choose local, process or ray.")
     device = device or _default_device(scale)
     preset.parts(scale, **options)  # options checked before any folder is made
-    from dptune.tune.executors import check_workers
-    from dptune.tune.study import check_study_device
-
     check_workers(workers)
     check_study_device(device, executor, None)  # before any folder is made
     created = not os.path.lexists(out_dir)
@@ -428,9 +422,6 @@ def reproduce(
                 extra_sections = list(preset.extra(out, scale, dict(options), parts, console))
                 sections.extend(extra_sections)
         if all_rows:
-            from dptune.report.privacy import diagnostics_dir, write_csv_rows, write_labelled_csv
-            from dptune.tune.results import release_rows
-
             # release: the selected configurations and guarantees; the rest is not DP (run counts,
             # run ids, diverged counts over every candidate).
             write_csv_rows(
@@ -472,8 +463,6 @@ def _print_table(console: Any, title: str, t: Any) -> None:
 
 
 def _fmt_metric(m: float | None, s: float | None, metric: str) -> str:
-    from dptune.report.data import clip_to_range
-
     if m is None:
         return "—"
     m = clip_to_range(m, metric)  # a noisy private score can leave the metric's range: shown clipped
@@ -487,8 +476,6 @@ def _fmt_metric(m: float | None, s: float | None, metric: str) -> str:
 def paper_comparison(part: Part, rows: list[dict[str, Any]]) -> Any:
     """Ours beside the paper's published number for every (strategy, ε) cell the paper reports
     (``Part.paper_scores``), with the difference in the paper's unit; None if it reports none."""
-    from dptune.report.html import Table
-
     if not part.paper_scores:
         return None
     unit = part.paper_unit
@@ -514,8 +501,6 @@ def paper_comparison(part: Part, rows: list[dict[str, Any]]) -> Any:
 
 
 def _part_section(part: Part, rows: list[dict[str, Any]], html: Path, out: Path) -> Any:
-    from dptune.report.html import FigureRef, Section, Table
-
     metric = rows[0]["metric"] if rows else "accuracy"
     table = Table(
         [
@@ -571,11 +556,6 @@ def demo(
     FixedThreshold, FixedQuantile and AdamWOSM at ε ∈ {3, 8} with per-grid budgets (plus a
     NoDP ceiling). Prints the table, writes ``out_dir/release/report.html``; returns ``out_dir``
     (the study directory: ``dptune status``/``resume``/``report`` work on it)."""
-    from dptune.presets._report import study_report
-    from dptune.tune import run_study, study_from_dict
-    from dptune.tune.executors import check_workers
-    from dptune.tune.results import render
-
     check_workers(workers)  # before the folder is made
     out = ensure_dir(out_dir)
     console = _console(console)
@@ -588,7 +568,7 @@ def demo(
     run_study(study, out, executor=executor, progress=progress, workers=workers)
     console.print()
     render(out, console)
-    html = study_report(
+    html = _report.study_report(
         out,
         title="dptune demo: honest tuning on MNIST (5k)",
         notes=[
@@ -603,6 +583,4 @@ def demo(
 
 def study_report(study_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None, **kw: Any) -> Path:
     """HTML report of any stored study directory (see ``dptune.presets._report.study_report``)."""
-    from dptune.presets._report import study_report as _sr
-
-    return _sr(study_dir, out_dir, **kw)
+    return _report.study_report(study_dir, out_dir, **kw)

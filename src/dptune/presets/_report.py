@@ -13,7 +13,7 @@ reads the store and prints tables. This module joins the two for the presets:
 
 The page, its figures and the release CSVs go to ``<out>/release/``; the per-run ledger, the
 full histories (train loss, batch sizes) and the notes of Liu–Talwar / repeat-and-select arms
-(they state K) go to ``<out>/diagnostics/`` (``dptune.report.privacy``).
+(they state K) go to ``<out>/diagnostics/`` (``dptune.outputs``).
 """
 
 from __future__ import annotations
@@ -24,29 +24,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dptune.outputs import hides_run_count, public_run_name, split_arm_notes
 from dptune.report import LinearScalingFit, RunHistory, build_report
 from dptune.report.html import FigureRef, Section
-from dptune.report.privacy import hides_run_count, public_run_name, split_arm_notes
 from dptune.report.study import (
     arm_costs,
+    budget_entries,
     conclusions,
     display_table,
     every_configuration,
     every_run_section,
     grid_heatmaps,
     heatmap_section,
+    randomness_note,
+    read_study,
     study_ledger_rows,
     write_runs_csv,
 )
-from dptune.tune import results as R
-from dptune.tune.planners import StudyPlan
-from dptune.tune.store import Store
 
 MAX_HISTORIES = 40
-
-
-def _fmt_eps(x: float) -> str:
-    return "∞" if not math.isfinite(x) else f"{x:g}"
 
 
 def study_report(
@@ -64,15 +60,9 @@ def study_report(
     diagnostics folder beside it for a stored study; return the HTML path."""
     d = Path(study_dir)
     out = Path(out_dir) if out_dir is not None else d
-    with Store(d, readonly=True) as store:
-        cfg = store.get_meta("config")
-        plan = StudyPlan.from_dict(store.get_meta("plan"))
-        runs = {r["run_id"]: dict(r) for r in store.runs()}
-        entries = store.ledger_entries()
-    table = R.study_table(d)
-    per_run, _ = R.budget_rows(d)
+    cfg, plan, rows, entries, table, per_run, arm_of = read_study(d)
+    runs = {r["run_id"]: r for r in rows}
     label_of = {a.arm: a.label for a in plan.arms}
-    arm_of = {a.arm: a for a in plan.arms}
 
     # n_diverged counts the selected runs only: the arm's count covers the losing candidates.
     results = [
@@ -106,16 +96,7 @@ def study_report(
 
     ledger_rows = study_ledger_rows(plan, entries, per_run)
 
-    budgets = [
-        {
-            "label": f"{r['strategy']} @ ε = {_fmt_eps(r['epsilon'])} ({r['method']})",
-            "planned": (r["planned_epsilon"], r["planned_delta"]),
-            "spent": (r["spent_epsilon"], r["spent_delta"]),
-            "note": ("per seed replicate" if r["guarantee_per"] == "seed replicate" else "whole procedure")
-            + f", {r['accountant']}",
-        }
-        for r in table
-    ]
+    budgets = budget_entries(table)
 
     pareto = {}
     for a in plan.arms:
@@ -144,10 +125,7 @@ def study_report(
     # Notes of LT/RS arms state K (runs drawn): diagnostics; the release says K is secret.
     arm_notes, secret_notes = split_arm_notes(plan.arms, _name)
     accountants = sorted({a.accountant for a in plan.arms if a.accountant != "none"})
-    # The randomness mode (docs/privacy.md, item 3): secure, or seeded (the seed is a secret key).
-    from dptune.train import randomness_statement
-
-    mode_note = "Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"]
+    mode_note = randomness_note(cfg)
     hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
     heatmaps = (
         grid_heatmaps(list(runs.values()), arm_of, out, plan.metric, plan.higher_is_better)

@@ -55,8 +55,14 @@ from typing import Any
 
 from dptune import accounting
 from dptune.errors import ConfigError
+from dptune.outputs import diagnostics_dir, hides_run_count, write_csv_rows, write_labelled_csv
 from dptune.presets._common import Part, study_dict
-from dptune.report.html import FigureRef, Section, Table
+from dptune.report import figures as F
+from dptune.report.html import FigureRef, Section, Table, write_report
+from dptune.tune import theory
+from dptune.tune.data import study_data
+from dptune.tune.results import load_study, study_table
+from dptune.tune.spec import DataSpec, SelectionSpec
 
 ALPHAS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 CLIPS = [0.1, 0.2, 0.5, 1.0]
@@ -123,9 +129,7 @@ SCALES: dict[str, dict[str, Any]] = {
 
 def delta_for_n(n: int) -> float:
     """δ_f = 1/n rounded down to a power of ten (Mohapatra App. A)."""
-    from dptune.tune.theory import delta_for_n as _d
-
-    return _d(n)
+    return theory.delta_for_n(n)
 
 
 def epsilon_for_sigma(sigma: float, n: int, lot: float, steps: int, candidates: int, delta: float) -> float:
@@ -137,9 +141,6 @@ def epsilon_for_sigma(sigma: float, n: int, lot: float, steps: int, candidates: 
 
 def n_train(data: Mapping[str, Any], seed: int = 0) -> int:
     """Training-set size of a data section (loads the dataset once per process: the tuner's cache)."""
-    from dptune.tune.data import study_data
-    from dptune.tune.spec import DataSpec, SelectionSpec
-
     spec = DataSpec(name=data["name"], options=dict(data.get("options", {})))
     return study_data(spec, SelectionSpec(), seed).n_train
 
@@ -223,8 +224,6 @@ def build(dataset: str, scale: str, options: Mapping[str, Any]) -> list[Part]:
 def sigma_costs(out_dir: Path, scale: str, parts: list[Part]) -> list[Section]:
     """The paper's view: at fixed σ, the ε each optimizer's grid costs under MA and under LT
     (γ = 1/K). Written to ``sigma_costs.csv``; returns one report section."""
-    from dptune.tune.theory import lt_vs_ma
-
     if not parts:
         return []
     st = parts[0].study
@@ -239,7 +238,7 @@ def sigma_costs(out_dir: Path, scale: str, parts: list[Part]) -> list[Section]:
             k = 1
             for v in arm["space"].values():
                 k *= len(v)
-            row = lt_vs_ma(n, sig, lot, steps, ks=[k], delta=delta).rows[0]
+            row = theory.lt_vs_ma(n, sig, lot, steps, ks=[k], delta=delta).rows[0]
             rows.append(
                 {
                     "sigma": sig,
@@ -290,16 +289,13 @@ def lt_vs_ma_extra(out_dir: Path, scale: str) -> list[Section]:
     """Appendix F / Figure 6: ε of k candidates under LT (γ = 1/k) vs MA, σ = 4, L = 250,
     T = 10,000, n = 5k and 60k (the paper: MA affords 14 and 26 candidates). ``scale`` is
     accepted for uniformity: nothing is trained, so every scale computes the same."""
-    from dptune.report import figures as F
-    from dptune.tune.theory import lt_vs_ma
-
     ks = range(1, 61)  # no training: every scale computes the paper's figure (≈ 1 s)
     out_dir.mkdir(parents=True, exist_ok=True)
     paper_k = {5000: 14, 60000: 26}
     rows, sections, summary = [], [], []
     for n in (5000, 60000):
-        tight = lt_vs_ma(n, 4.0, LOT, STEPS, ks=ks)
-        classic = lt_vs_ma(n, 4.0, LOT, STEPS, ks=ks, conversion="classic")
+        tight = theory.lt_vs_ma(n, 4.0, LOT, STEPS, ks=ks)
+        classic = theory.lt_vs_ma(n, 4.0, LOT, STEPS, ks=ks, conversion="classic")
         for (k, lt, ma), (_, lt_c, ma_c) in zip(tight.rows, classic.rows, strict=True):
             rows.append(
                 {
@@ -467,17 +463,8 @@ def _geomean(values: Sequence[float]) -> float:
 
 def _part_runs(study_dir: Path) -> tuple[Any, list[dict[str, Any]], bool]:
     """(plan, finished runs with their config parsed, higher_is_better) of a stored study."""
-    from dptune.tune.planners import StudyPlan
-    from dptune.tune.store import Store
-
-    with Store(study_dir, readonly=True) as store:
-        plan = StudyPlan.from_dict(store.get_meta("plan"))
-        runs = [dict(r) for r in store.runs()]
-    done = []
-    for r in runs:
-        if r["status"] in ("done", "diverged") and r["config"]:
-            r["config"] = json.loads(r["config"])
-            done.append(r)
+    _, plan, runs, _ = load_study(study_dir)
+    done = [r for r in runs if r["status"] in ("done", "diverged") and r["config"] is not None]
     return plan, done, bool(plan.higher_is_better)
 
 
@@ -514,10 +501,6 @@ def analyses(out_dir: Path, parts: Sequence[Part]) -> list[Section]:
     they are published only when every DP-SGD run is covered by the guarantee (composition); with a
     Liu–Talwar / repeat-and-select arm they go to ``diagnostics/`` (labelled, own HTML page) and the
     release says only where they are. The Theorem 4 table uses the selected runs only: release."""
-    from dptune.report import figures as F
-    from dptune.report.html import write_report
-    from dptune.report.privacy import diagnostics_dir, hides_run_count, write_csv_rows, write_labelled_csv
-
     evals: list[dict[str, Any]] = []
     finals: list[dict[str, Any]] = []
     stored: list[tuple[Part, Any, list[dict[str, Any]]]] = []
@@ -665,9 +648,6 @@ def analyses(out_dir: Path, parts: Sequence[Part]) -> list[Section]:
 
 def _lr_params(study: Mapping[str, Any]) -> int:
     """d of logistic regression on the study's data: one affine layer, (inputs + 1) × classes."""
-    from dptune.tune.data import study_data
-    from dptune.tune.spec import DataSpec, SelectionSpec
-
     data = study["data"]
     sd = study_data(DataSpec(name=data["name"], options=dict(data.get("options", {}))), SelectionSpec(), 0)
     return (math.prod(sd.input_shape) + 1) * int(sd.num_classes or 1)
@@ -677,10 +657,6 @@ def theorem4_section(out_dir: Path, stored: Sequence[tuple[Part, Any, list[dict[
     """Theorem 4 (appendix D) beside the selected DP-SGD step, for the convex (logistic regression)
     parts: the theorem's α_opt·C per unit R at each ε's noise, the selected runs' α·C and the R that
     makes them equal. Selected runs only (released by every tuning method): a release section."""
-    from dptune.report.privacy import write_csv_rows
-    from dptune.tune.results import study_table
-    from dptune.tune.theory import convex_dpsgd_step
-
     body, rows = [], []
     for p, plan, runs in stored:
         if p.study["model"]["name"] != "logistic_regression":
@@ -695,7 +671,7 @@ def theorem4_section(out_dir: Path, stored: Sequence[tuple[Part, Any, list[dict[
                 continue
             nu, steps = float(sel[0]["noise_multiplier"]), int(sel[0]["steps"])
             sigma = nu * math.sqrt(d) / lot  # E‖z‖² = d·ν²C²/L² for DP-SGD's noisy mean gradient
-            per_r = convex_dpsgd_step(1.0, 1.0, sigma, steps).effective_step
+            per_r = theory.convex_dpsgd_step(1.0, 1.0, sigma, steps).effective_step
             steps_ac = [float(r["config"]["lr"]) * float(r["config"]["clip"]) for r in sel]
             ac = _geomean(steps_ac)
             rows.append(

@@ -28,15 +28,18 @@ the average of its iterates.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from dptune.errors import ConfigError
+from dptune.metrics import clip_to_range
+from dptune.outputs import NOT_DP_LABEL, diagnostics_dir
 from dptune.presets._common import Part, study_dict
+from dptune.report.figures import annotate_cells, cell_grid
 from dptune.report.html import FigureRef
+from dptune.tune.results import load_study, study_table
 
 DELTA = 1e-5
 # Sweep budgets at small n. A full-batch DP-GD run's noise, per step of the averaged gradient, has
@@ -282,12 +285,8 @@ def r_vs_epsilon_figure(study_dir: str | Path, path: str | Path) -> FigureRef | 
     extrapolated r* at its final run's ε, and the r the grid oracle selected at each target ε."""
     from matplotlib.figure import Figure
 
-    from dptune.tune.results import study_table
-    from dptune.tune.store import Store
-
     rows = study_table(study_dir)
-    with Store(study_dir, readonly=True) as store:
-        configs = {r["run_id"]: json.loads(r["config"]) for r in store.runs() if r["config"]}
+    configs = {r["run_id"]: r["config"] for r in load_study(study_dir)[2] if r["config"] is not None}
     fig = Figure(figsize=(6.5, 4.2))
     ax = fig.add_subplot(1, 1, 1)
     drawn = False
@@ -371,16 +370,10 @@ def eta_t_grids(study_dir: str | Path) -> list[dict[str, Any]]:
     (None: no finite score, e.g. every replicate diverged). Also the arm's guarantee (``covered``:
     the ε at which the whole grid is covered, its scope and kind), the best cell's r = η·T and
     the linear-scaling arm's selected r* at the same ε (None when the study has none)."""
-    from dptune.tune.planners import StudyPlan
-    from dptune.tune.results import study_table
-    from dptune.tune.store import Store
-
-    with Store(study_dir, readonly=True) as store:
-        cfg = store.get_meta("config")
-        plan = StudyPlan.from_dict(store.get_meta("plan"))
-        runs = {r["run_id"]: dict(r) for r in store.runs()}
+    cfg, plan, rows, _ = load_study(study_dir)
+    runs = {r["run_id"]: r for r in rows}
     table = {r["arm"]: r for r in study_table(study_dir)}
-    configs = {rid: json.loads(r["config"]) for rid, r in runs.items() if r["config"]}
+    configs = {rid: r["config"] for rid, r in runs.items() if r["config"] is not None}
     ls_r: dict[float, float] = {}
     for r in table.values():
         if r["method"] != "linear-scaling":
@@ -449,9 +442,6 @@ def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
-    from dptune.report.data import clip_to_range
-    from dptune.report.privacy import NOT_DP_LABEL, diagnostics_dir
-
     grids = eta_t_grids(study_dir)
     if not grids:
         return None, False
@@ -465,8 +455,6 @@ def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
         c for g in grids for v in g["cells"].values() if v is not None and (c := clip_to_range(v, metric)) is not None
     ]
     lo, hi = (min(shown), max(shown)) if shown else (0.0, 1.0)
-    import numpy as np
-
     fig = Figure(figsize=(3.3 * len(epsilons) + 1.2, 3.0 * len(labels) + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(labels), len(epsilons), squeeze=False)
@@ -479,22 +467,12 @@ def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
             if g is None:
                 ax.set_axis_off()
                 continue
-            etas = sorted({lr for lr, _ in g["cells"]})
-            ts = sorted({t for _, t in g["cells"]})
-            grid = np.full((len(etas), len(ts)), np.nan)
-            for (lr, t), v in g["cells"].items():
-                if v is not None:
-                    grid[etas.index(lr), ts.index(t)] = clip_to_range(v, metric)
             # η grows downwards, T to the right (Panda's layout).
+            ts, etas, grid = cell_grid({(t, lr): clip_to_range(v, metric) for (lr, t), v in g["cells"].items()})
             im = ax.imshow(grid, origin="upper", aspect="auto", cmap=cmap, vmin=lo, vmax=hi)
             ax.set_xticks(range(len(ts)), [str(t) for t in ts], fontsize=7)
             ax.set_yticks(range(len(etas)), [f"{e:g}" for e in etas], fontsize=7)
-            for a in range(len(etas)):
-                for b in range(len(ts)):
-                    txt = f"{grid[a, b]:.3g}" if np.isfinite(grid[a, b]) else "—"
-                    frac = (grid[a, b] - lo) / ((hi - lo) or 1.0) if np.isfinite(grid[a, b]) else 0.0
-                    light = frac > 0.6 if higher else frac < 0.4
-                    ax.text(b, a, txt, ha="center", va="center", fontsize=6.5, color="black" if light else "white")
+            annotate_cells(ax, grid, lo, hi, higher, fontsize=6.5, missing="—")
             if g["best"] is not None:
                 a, b = etas.index(g["best"][0]), ts.index(g["best"][1])
                 ax.add_patch(Rectangle((b - 0.5, a - 0.5), 1, 1, fill=False, lw=2, ec="red"))

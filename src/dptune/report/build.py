@@ -13,6 +13,13 @@ from dp_accounting import dp_event
 from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.ledger import Ledger, compose
+from dptune.outputs import (
+    NOT_DP_LABEL,
+    diagnostics_dir,
+    release_dir,
+    release_history_rows,
+    write_labelled_csv,
+)
 from dptune.report import figures as F
 from dptune.report.data import (
     LedgerRow,
@@ -30,13 +37,6 @@ from dptune.report.data import (
 )
 from dptune.report.diagnostics import CosineResult
 from dptune.report.html import SELECTION_MODES, FigureRef, Section, Table, write_report
-from dptune.report.privacy import (
-    NOT_DP_LABEL,
-    diagnostics_dir,
-    release_dir,
-    release_history_rows,
-    write_labelled_csv,
-)
 from dptune.report.tables import (
     as_summary_rows,
     history_csv_rows,
@@ -86,7 +86,7 @@ def build_report(
     and ε with its metric, the C_t/ρ_t trajectories of the ``selected`` histories (step, clip
     and lr only), the budget, the noise split, LT-vs-MA and linear-scaling figures and the
     caller's ``conclusions`` (first), ``notes``, ``extra_figures`` and ``extra_sections``. ``diagnostics/`` (labelled
-    "not differentially private: for the data owner only", see ``dptune.report.privacy``)
+    "not differentially private: for the data owner only", see ``dptune.outputs``)
     holds every configuration (results_all.csv), every history with every column (train
     loss, batch sizes), the per-run ledger, the cosine diagnostic, ``diagnostic_notes`` and
     ``diagnostic_sections``; ``include_diagnostics=True`` also writes them as a page,
@@ -293,7 +293,7 @@ def build_report(
     if pareto is not None:
         p = F.noise_pareto(pareto, fig_dir / "noise_pareto.png", relative_increase=relative_increase)
         choice_rows = []
-        for e, nu in F._noise_pairs(pareto):
+        for e, nu in F.noise_pairs(pareto):
             nu_q, nu_g = F.pareto_choice(nu, relative_increase)
             choice_rows.append([e, nu, nu_q, nu_g, nu_q / nu])
         sections.append(

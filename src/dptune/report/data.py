@@ -15,7 +15,6 @@ would choose.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -23,39 +22,22 @@ from typing import Any
 import numpy as np
 
 from dptune.errors import ConfigError
-
-HIGHER_IS_BETTER: dict[str, bool] = {"accuracy": True, "mse": False, "loss": False}
+from dptune.metrics import HIGHER_IS_BETTER, mean_std
+from dptune.metrics import higher_is_better as metric_direction  # the one resolver
 
 
 def higher_is_better(metric: str, override: bool | None = None) -> bool:
-    """Direction of ``metric``; ``override`` wins. Unknown metrics need the override."""
+    """Direction of ``metric`` (``dptune.metrics.higher_is_better``); ``override`` wins. Unknown
+    metrics need the override."""
     if override is not None:
         return bool(override)
-    if metric not in HIGHER_IS_BETTER:
+    try:
+        return metric_direction(metric)
+    except ConfigError:
         raise ConfigError(
             f"unknown metric {metric!r}: pass higher_is_better=True/False so the report knows "
             f"which direction is better (known: {', '.join(HIGHER_IS_BETTER)})."
-        )
-    return HIGHER_IS_BETTER[metric]
-
-
-# The range a metric's true value lies in. A privately released selection score (the exact
-# score plus Gaussian noise) can fall outside it (an accuracy of 108%): displays clip it to
-# this range, which is post-processing; stored data (CSV, the study) keep the raw value.
-METRIC_RANGES: dict[str, tuple[float, float]] = {
-    "accuracy": (0.0, 1.0),
-    "mse": (0.0, math.inf),
-    "loss": (0.0, math.inf),
-}
-
-
-def clip_to_range(value: float | None, metric: str) -> float | None:
-    """``value`` clipped to ``METRIC_RANGES[metric]`` for display (unknown metrics, None and NaN
-    unchanged)."""
-    lo_hi = METRIC_RANGES.get(metric)
-    if value is None or lo_hi is None or math.isnan(value):
-        return value
-    return min(max(float(value), lo_hi[0]), lo_hi[1])
+        ) from None
 
 
 def metric_label(metric: str, higher: bool) -> str:
@@ -269,8 +251,7 @@ def summarize(trials: Iterable[Any], higher: bool = True) -> list[SummaryRow]:
     rows = []
     for (strategy, eps, _), ts in groups.items():
         vals = [t.value for t in ts if not t.diverged]
-        mean = statistics.fmean(vals) if vals else None
-        std = statistics.stdev(vals) if len(vals) > 1 else None
+        mean, std = mean_std(vals)
         rows.append(
             SummaryRow(
                 strategy,

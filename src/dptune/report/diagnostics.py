@@ -22,8 +22,7 @@ from dptune.grads import GradientOracle
 from dptune.mechanisms import NoiseSource
 from dptune.privatizers import clip_weights
 from dptune.sampling import PoissonSampler, stream_seed
-
-Tensors = dict[str, torch.Tensor]
+from dptune.tree import Tensors
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,12 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from dptune import accounting
 from dptune.errors import ConfigError
+from dptune.metrics import clip_to_range
 from dptune.report.data import (
     LedgerRow,
     LinearScalingFit,
     RunHistory,
     SummaryRow,
-    clip_to_range,
     coerce_histories,
     coerce_ledger_rows,
     coerce_lt_ma,
@@ -298,7 +298,8 @@ def pareto_choice(nu: float, relative_increase: float = 0.01) -> tuple[float, fl
     return nu_q, accounting.split_noise_multiplier(nu, nu_q)
 
 
-def _noise_pairs(noise_multipliers: Mapping[float, float] | Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+def noise_pairs(noise_multipliers: Mapping[float, float] | Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The checked (ε, ν) pairs of ``noise_pareto``'s input, sorted by ε."""
     items = list(noise_multipliers.items()) if isinstance(noise_multipliers, Mapping) else list(noise_multipliers)
     if not items:
         raise ConfigError("noise_pareto needs at least one (epsilon, noise multiplier ν) pair.")
@@ -328,7 +329,7 @@ def noise_pareto(
     ν_g = (ν⁻² − ν_q⁻²)^(−½). The marker is the chosen split, ν_g = (1 + r)ν with
     r = ``relative_increase`` (r = 1 %: ν_q ≈ 7.124ν); the dotted line is the asymptote ν_g → ν.
     """
-    pairs = _noise_pairs(noise_multipliers)
+    pairs = noise_pairs(noise_multipliers)
     fig, axes = _figure()
     ax = axes[0, 0]
     colors = _sequential(len(pairs))
@@ -530,6 +531,33 @@ def ledger(
     return _save(fig, path)
 
 
+def cell_grid(cells: Mapping[tuple[Any, Any], float | None]) -> tuple[list[Any], list[Any], np.ndarray]:
+    """(x values, y values, grid [y, x]) of the cells keyed (x, y), each axis in numeric order; a
+    cell that did not run, or whose value is None, is NaN."""
+    xs = sorted({x for x, _ in cells}, key=float)
+    ys = sorted({y for _, y in cells}, key=float)
+    grid = np.full((len(ys), len(xs)), np.nan)
+    for (x, y), v in cells.items():
+        grid[ys.index(y), xs.index(x)] = np.nan if v is None else v
+    return xs, ys, grid
+
+
+def annotate_cells(
+    ax: Any, grid: np.ndarray, lo: float, hi: float, higher: bool, *, fontsize: float = 7, missing: str | None = None
+) -> None:
+    """Write each cell's value (3 significant digits) on a heatmap drawn with lighter = better:
+    black on light cells, white on dark ones. A NaN cell shows ``missing`` (None: nothing)."""
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            v = grid[i, j]
+            if not np.isfinite(v) and missing is None:
+                continue
+            frac = (v - lo) / ((hi - lo) or 1.0) if np.isfinite(v) else 0.0
+            light = frac > 0.6 if higher else frac < 0.4
+            text = f"{v:.3g}" if np.isfinite(v) else missing
+            ax.text(j, i, text, ha="center", va="center", fontsize=fontsize, color="black" if light else "white")
+
+
 def grid_heatmap(
     scores: Mapping[tuple[Any, Any], float],
     x_name: str,
@@ -542,11 +570,7 @@ def grid_heatmap(
 ) -> Path:
     """Every configuration's score on a two-axis grid (e.g. lr × C: Mohapatra's inverse relation;
     η × T: Panda's heatmaps), the best cell outlined. Shows losing candidates: a diagnostic."""
-    xs = sorted({x for x, _ in scores}, key=float)
-    ys = sorted({y for _, y in scores}, key=float)
-    grid = np.full((len(ys), len(xs)), np.nan)
-    for (x, y), v in scores.items():
-        grid[ys.index(y), xs.index(x)] = v
+    xs, ys, grid = cell_grid(scores)
     fig, axes = _figure(1.1 * len(xs) + 2.4, 0.55 * len(ys) + 1.8)
     ax = axes[0][0]
     im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis" if higher else "viridis_r")
@@ -556,15 +580,7 @@ def grid_heatmap(
     ax.set_ylabel(y_name)
     ax.set_title(title, fontsize=9)
     lo, hi = (np.nanmin(grid), np.nanmax(grid)) if np.isfinite(grid).any() else (0.0, 1.0)
-    for i in range(len(ys)):
-        for j in range(len(xs)):
-            if np.isfinite(grid[i, j]):
-                light = (
-                    (grid[i, j] - lo) / (hi - lo or 1.0) > 0.6 if higher else (grid[i, j] - lo) / (hi - lo or 1.0) < 0.4
-                )
-                ax.text(
-                    j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7, color="black" if light else "white"
-                )
+    annotate_cells(ax, grid, lo, hi, higher)
     if np.isfinite(grid).any():
         i, j = np.unravel_index(np.nanargmax(grid) if higher else np.nanargmin(grid), grid.shape)
         ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2, ec="red"))
@@ -587,11 +603,7 @@ def best_count_heatmap(
     are blank. Cells with a count ≥ 1 (appendix G's pruned grid) are outlined in red."""
     if not counts:
         raise ConfigError("best_count_heatmap needs at least one (α, C) cell.")
-    xs = sorted({x for x, _ in counts}, key=float)
-    ys = sorted({y for _, y in counts}, key=float)
-    grid = np.full((len(ys), len(xs)), np.nan)
-    for (x, y), v in counts.items():
-        grid[ys.index(y), xs.index(x)] = v
+    xs, ys, grid = cell_grid(counts)
     fig, axes = _figure(0.75 * len(xs) + 2.6, 0.55 * len(ys) + 1.8)
     ax = axes[0][0]
     im = ax.imshow(grid, origin="lower", aspect="auto", cmap="Blues", vmin=0, vmax=max(1.0, float(np.nanmax(grid))))

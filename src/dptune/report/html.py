@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dptune.errors import ConfigError
-from dptune.report.privacy import NOT_DP_LABEL, NOT_DP_NOTICE
+from dptune.outputs import NOT_DP_LABEL, NOT_DP_NOTICE
 
 # Attachments above this size stay beside the page instead of bloating it (figures are
 # always embedded: they are what the page is for, and a PNG is small).
@@ -75,7 +75,7 @@ class Section:
     figures: Sequence[FigureRef] = ()
     tables: Sequence[Table] = ()
     attachments: Sequence[Path] = field(default_factory=tuple)
-    # True: not covered by the guarantee (dptune.report.privacy); rendered under a red
+    # True: not covered by the guarantee (dptune.outputs); rendered under a red
     # banner, and only on a page written with write_report(..., diagnostics=True).
     diagnostic: bool = False
 

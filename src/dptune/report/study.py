@@ -1,7 +1,7 @@
 """``report_study(study_dir)``: the report of a study stored by ``dptune.tune``.
 
 A thin adapter: it reads the study directory (``study.sqlite``) through the tuner's own
-readers (``study_table``, ``budget_rows``, ``Store``) and hands plain rows to
+readers (``load_study``, ``study_table``, ``budget_rows``) and hands plain rows to
 ``build_report``. The tuner is the authority on what was selected and what was spent;
 the report never re-selects.
 
@@ -16,7 +16,7 @@ What is shown:
 * OSO arms: the ν_g–ν_q Pareto front at the arms' ν; Liu–Talwar arms: LT vs MA cost for
   that run geometry; linear-scaling arms: the fit of r = η·T of the first procedure.
 
-Release vs diagnostics (``dptune.report.privacy``): ``<out>/release/`` shows the selected
+Release vs diagnostics (``dptune.outputs``): ``<out>/release/`` shows the selected
 configurations, their metrics, the budgets, the selected runs' C_t/ρ_t (named by procedure
 and replicate, never by run id: the id numbers the candidates) and the plan-derived figures.
 Every run, the per-run ledger, run counts, diverged counts over all candidates and the notes
@@ -28,25 +28,52 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from dptune.report.build import build_report
-from dptune.report.data import LedgerRow, LinearScalingFit, RunHistory, SummaryRow, clip_to_range
-from dptune.report.html import FigureRef, Section, Table
-from dptune.report.privacy import (
+from dptune.metrics import better, clip_to_range, finite_number, mean_std
+from dptune.outputs import (
     RELEASE_DIR,
     diagnostics_dir,
+    epsilon_text,
     hides_run_count,
     public_run_name,
+    randomness_statement,
     split_arm_notes,
     write_labelled_csv,
 )
+from dptune.report import figures as F
+from dptune.report.build import build_report, nu_q
+from dptune.report.data import LedgerRow, LinearScalingFit, RunHistory, SummaryRow
+from dptune.report.html import FigureRef, Section, Table
+from dptune.tune import theory
+from dptune.tune.methods import get_method
+from dptune.tune.planners import StudyPlan
+from dptune.tune.results import budget_rows, load_study, study_table
+from dptune.tune.space import config_key
 
 MAX_ALL_HISTORIES = 24
+
+
+class StudyRows(NamedTuple):
+    """A stored study as the reports read it, through the tuner's own readers (``tune.results``)."""
+
+    cfg: dict[str, Any]
+    plan: StudyPlan
+    runs: list[dict[str, Any]]  # config and fit parsed
+    entries: list[Any]  # the ledger
+    table: list[dict[str, Any]]  # study_table
+    per_run: list[dict[str, Any]]  # budget_rows
+    arm_of: dict[str, Any]  # arm id → ArmPlan
+
+
+def read_study(study_dir: Path) -> StudyRows:
+    """Read ``study_dir``; raises ConfigError naming the fix if there is no study."""
+    cfg, plan, runs, entries = load_study(study_dir)
+    per_run, _ = budget_rows(study_dir)
+    return StudyRows(cfg or {}, plan, runs, entries, study_table(study_dir), per_run, {a.arm: a for a in plan.arms})
 
 
 def report_study(
@@ -64,22 +91,9 @@ def report_study(
     ``<out>/diagnostics/report.html`` with the diagnostics under a red banner. Works on an
     unfinished study too.
     """
-    from dptune.report import figures as F
-    from dptune.tune import theory
-    from dptune.tune.planners import StudyPlan
-    from dptune.tune.results import budget_rows, study_table
-    from dptune.tune.store import Store
-
     study_dir = Path(study_dir)
     out = Path(out_dir) if out_dir is not None else study_dir
-    with Store(study_dir, readonly=True) as store:  # raises ConfigError naming the fix if there is no study
-        cfg = store.get_meta("config") or {}
-        plan = StudyPlan.from_dict(store.get_meta("plan"))
-        runs = [dict(r) for r in store.runs()]
-        entries = store.ledger_entries()
-    table = study_table(study_dir)
-    per_run, _ = budget_rows(study_dir)
-    arm_of = {a.arm: a for a in plan.arms}
+    cfg, plan, runs, entries, table, per_run, arm_of = read_study(study_dir)
     sel = cfg.get("selection", {})
     metric = plan.metric
 
@@ -90,7 +104,7 @@ def report_study(
         mean, std = (r["test_mean"], r["test_std"]) if has_test else (r["value_mean"], r["value_std"])
         summary.append(
             SummaryRow(
-                r["strategy"] if r["method"] in ("grid", "online") else f"{r['strategy']} ({r['method']})",
+                _arm_label(r["strategy"], r["method"]),
                 float(r["epsilon"]),
                 r["selected"] or "—",
                 mean,
@@ -123,16 +137,7 @@ def report_study(
 
     ledger_rows = study_ledger_rows(plan, entries, per_run)
 
-    # -- budgets: one row per tuning procedure family (arm)
-    budgets = [
-        {
-            "label": f"{r['strategy']} @ ε = {r['epsilon']:g} ({r['method']})",
-            "planned": (r["planned_epsilon"], r["planned_delta"]),
-            "spent": (r["spent_epsilon"], r["spent_delta"]),
-            "note": f"per {r['guarantee_per']}, accountant {r['accountant']}",
-        }
-        for r in table
-    ]
+    budgets = budget_entries(table)
 
     noise_of = arm_costs(plan)
 
@@ -159,11 +164,7 @@ def report_study(
             )
         if arm.method == "linear-scaling":
             fit = next(
-                (
-                    json.loads(r["fit"])
-                    for r in runs
-                    if r["arm"] == arm.arm and r["fit"] and plan.runs[r["run_id"]].procedure == 0
-                ),
+                (r["fit"] for r in runs if r["arm"] == arm.arm and r["fit"] and plan.runs[r["run_id"]].procedure == 0),
                 None,
             )
             if fit and fit.get("points"):
@@ -226,12 +227,7 @@ def report_study(
             "may fall outside the metric's range: this page shows them clipped to it (post-processing); "
             "the CSV files keep the raw values."
         )
-    # The randomness mode (issue 10, item 3): secure (OS CSPRNG) or seeded (the seeds are a secret key).
-    from dptune.train import randomness_statement
-
-    paragraphs.append(
-        "Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"]
-    )
+    paragraphs.append(randomness_note(cfg))
     sections = [Section("Tuner's selection table", paragraphs=paragraphs + notes, tables=[tuner_table])]
     dsections = [every_run_section(table, runs_csv, secret_notes)]
     if heatmaps:
@@ -287,9 +283,42 @@ def display_table(table: Sequence[Mapping[str, Any]], metric: str) -> list[dict[
     return [{**r, "value_mean": clip_to_range(r.get("value_mean"), metric)} for r in table]
 
 
+def budget_entries(table: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The header's budget rows, one per tuning procedure (arm) of ``study_table``: planned vs
+    spent (ε, δ), the guarantee's scope and accountant."""
+    return [
+        {
+            "label": f"{r['strategy']} @ ε = {epsilon_text(r['epsilon'])} ({r['method']})",
+            "planned": (r["planned_epsilon"], r["planned_delta"]),
+            "spent": (r["spent_epsilon"], r["spent_delta"]),
+            "note": f"per {r['guarantee_per']}, accountant {r['accountant']}",
+        }
+        for r in table
+    ]
+
+
+def randomness_note(cfg: Mapping[str, Any]) -> str:
+    """The study's randomness mode (docs/privacy.md, item 3): secure (OS CSPRNG) or seeded (the
+    seeds are a secret key)."""
+    return "Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"]
+
+
 def arm_name(arm: Any) -> str:
-    """An arm's name in the results: its label, with the method unless grid/online."""
-    return arm.label if arm.method in ("grid", "online") else f"{arm.label} ({arm.method})"
+    """An arm's name in the results: its label, with the method unless a plain grid (``_arm_label``)."""
+    return _arm_label(arm.label, arm.method)
+
+
+def _arm_label(label: str, method: str) -> str:
+    """``label``, with the method unless it is a plain grid search: every candidate listed
+    (``needs_value_lists``) and one ν shared by all (``shared_noise``; grid, online)."""
+    m = get_method(method)
+    return label if m.needs_value_lists and m.shared_noise else f"{label} ({method})"
+
+
+def _config(run: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's configuration: parsed already (``tune.results.load_study``) or its stored JSON."""
+    c = run["config"]
+    return dict(c) if isinstance(c, Mapping) else json.loads(c)
 
 
 def every_configuration(
@@ -303,25 +332,22 @@ def every_configuration(
     test metric (``use_test``) or the selection score, mean ± std over seed replicates, and
     whether one of its runs is ``selected``. For ``diagnostics/results_all.csv`` only: the losing
     candidates are not covered by Liu–Talwar / repeat-and-select."""
-    from dptune.tune.space import config_key
-
     chosen = set(selected)
     groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = defaultdict(list)
     for r in runs:
         if r["status"] in ("done", "diverged") and r["config"]:
-            cfg = r["config"] if isinstance(r["config"], Mapping) else json.loads(r["config"])
-            groups[(r["arm"], r["stage"], config_key(cfg))].append(r)
+            groups[(r["arm"], r["stage"], config_key(_config(r)))].append(r)
     out = []
     for (arm, _, key), rs in groups.items():
-        vals = [r["test_metric"] if use_test else r["score"] for r in rs]
-        ok = [float(v) for v in vals if v is not None and math.isfinite(float(v))]
+        ok = [v for r in rs if finite_number(v := r["test_metric"] if use_test else r["score"])]
+        mean, std = mean_std(ok)
         out.append(
             SummaryRow(
                 name(arm_of[arm]),
                 float(arm_of[arm].epsilon),
                 key,
-                statistics.fmean(ok) if ok else None,
-                statistics.stdev(ok) if len(ok) > 1 else None,
+                mean,
+                std,
                 len(rs),
                 len(rs) - len(ok),
                 any(r["run_id"] in chosen for r in rs),
@@ -334,8 +360,6 @@ def study_ledger_rows(plan: Any, entries: Iterable[Any], per_run: Sequence[Mappi
     """Releases per (run, query label), with the run's ε alone and its planned ε alone
     (``dptune.tune.results.budget_rows``; ε = ∞ for a non-private run), and the label's ν and q
     (from its event; else the run's)."""
-    from dptune.report.build import nu_q
-
     eps_alone = {r["run_id"]: r["epsilon_alone"] for r in per_run}
     planned = {r["run_id"]: r.get("planned_epsilon") for r in per_run}
     releases: dict[tuple[str, str], int] = defaultdict(int)
@@ -486,10 +510,10 @@ def conclusions(
         sgd = next((r for r in rows if r.get("optimizer") == "dpsgd"), None)
         if oso is not None and sgd is not None and {id(oso), id(sgd)} != {id(r) for r in rows[:2]}:
             diff = float(oso[key]) - float(sgd[key])
-            better = diff > 0 if higher else diff < 0
+            ahead = better(float(oso[key]), float(sgd[key]), higher)
             text += (
                 f". Online vs DP-SGD: {name(oso)} {float(oso[key]):.3g} against {name(sgd)} "
-                f"{float(sgd[key]):.3g} ({'better' if better else 'worse'} by {fmt_gap(abs(diff))})"
+                f"{float(sgd[key]):.3g} ({'better' if ahead else 'worse'} by {fmt_gap(abs(diff))})"
             )
         out.append(text + ".")
     return out
@@ -501,7 +525,7 @@ def arm_costs(plan: Any) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for arm in plan.arms:
         nus = {plan.runs[rid].noise_multiplier for rid in arm.runs}
-        nu = next(iter(nus)) if len(nus) == 1 and arm.method in ("grid", "online", "random") else None
+        nu = next(iter(nus)) if len(nus) == 1 and get_method(arm.method).shared_noise else None
         out[arm.arm] = {"runs": arm.guarantee.get("runs_accounted", len(arm.runs)), "nu": float(nu) if nu else None}
     return out
 
@@ -525,19 +549,17 @@ def grid_heatmaps(
     runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any], out: Path, metric: str, higher: bool
 ) -> list[FigureRef]:
     """One heatmap per arm whose runs vary exactly two numeric hyperparameters (diagnostics)."""
-    from dptune.report import figures as F
-
     figs = []
     by_arm: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in runs:  # grid-like searches only: random/linear-scaling spaces are not grids
         if (
             r["score"] is not None
             and r["config"]
-            and getattr(arm_of[r["arm"]], "method", "grid") in ("grid", "online", "oracle")
+            and get_method(getattr(arm_of[r["arm"]], "method", "grid")).needs_value_lists
         ):
             by_arm[r["arm"]].append(r)
     for arm, rs in by_arm.items():
-        configs = [json.loads(r["config"]) for r in rs]
+        configs = [_config(r) for r in rs]
         varying = [
             k
             for k in configs[0]

@@ -14,12 +14,13 @@ from typing import Any
 from rich.table import Table as RichTable
 
 from dptune.errors import ConfigError
+from dptune.metrics import clip_to_range
+from dptune.outputs import write_csv_rows
 from dptune.report.data import (
     LedgerRow,
     RunHistory,
     SummaryRow,
     best_per_strategy,
-    clip_to_range,
     coerce_histories,
     coerce_ledger_rows,
     flag_text,
@@ -28,7 +29,6 @@ from dptune.report.data import (
 )
 from dptune.report.data import higher_is_better as resolve_direction
 from dptune.report.html import Table
-from dptune.report.privacy import write_csv_rows
 
 TERMINAL_WIDTH = 100
 # Column caps for the terminal table: 6 borders + 5×2 padding + these = 100.

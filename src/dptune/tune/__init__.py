@@ -5,19 +5,18 @@
 >>> study_table("runs/my-study")                                    # doctest: +SKIP
 
 A study (``Study`` / a TOML or YAML file) is planned in full before any training
-(``planners``): per-run noise multipliers and one planned ``DpEvent`` for the whole
+(``plan_study``): per-run noise multipliers and one planned ``DpEvent`` for the whole
 study. Runs execute on an executor (local, process pool, Ray); each returned run is
 checked against the plan and merged into the study ledger, which must end equal to
 the plan. Everything is stored in ``<dir>/study.sqlite`` and can be resumed after a
 crash (``resume_study``). See ``docs/tuning.md``.
 """
 
-from dptune.tune.planners import ArmPlan, RunSpec, StudyPlan, plan_study
+from dptune.tune.plan import plan_study
+from dptune.tune.planners import ArmPlan, RunSpec, StudyPlan
 from dptune.tune.results import (
     budget_rows,
-    html_report,
     render,
-    report_inputs,
     report_text,
     rerr_rows,
     study_status,
@@ -71,8 +70,6 @@ __all__ = [
     "study_table",
     "budget_rows",
     "write_csvs",
-    "html_report",
-    "report_inputs",
     "render",
     "report_text",
     "rerr_rows",

@@ -23,7 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from dptune import data as datasets
 from dptune.errors import ConfigError
+from dptune.factories import import_factory
+from dptune.models import MODELS
+from dptune.own import as_pair, load_data
 from dptune.sampling import stream_seed
 from dptune.tune.spec import DataSpec, ModelSpec, SelectionSpec
 
@@ -96,8 +100,6 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
         return _CACHE[key]
     if spec.factory is not None:
         # The user's loader, read into memory: the holdout split hashes each example.
-        from dptune.own import as_pair, load_data
-
         train, test = load_data(spec.factory, dict(spec.options))
         (x_tr, y_tr) = as_pair(train)
         x_te, y_te = as_pair(test) if test is not None else (x_tr[:0], y_tr[:0])
@@ -116,9 +118,7 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
         num_classes = None if recon else int(torch.max(torch.cat([y_tr.reshape(-1), y_te.reshape(-1)])).item()) + 1
         input_shape = tuple(x_tr.shape[1:])
     else:
-        from dptune import data as _data
-
-        ds = _data.load(spec.name, seed=study_seed, **dict(spec.options))
+        ds = datasets.load(spec.name, seed=study_seed, **dict(spec.options))
         x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
         task, num_classes, input_shape = ds.task, ds.num_classes, tuple(ds.input_shape)
     if selection.split == "holdout":
@@ -159,8 +159,6 @@ def build_model(spec: ModelSpec, data: StudyData, seed: int) -> torch.nn.Module:
     if spec.builder is not None:
         ctor = spec.builder
     elif spec.factory is not None:
-        from dptune.own import import_factory
-
         # Imported in this process (every executor's worker): the user's module must be on its path.
         ctor = import_factory(spec.factory, "model.factory")
         params = inspect.signature(ctor).parameters
@@ -169,8 +167,6 @@ def build_model(spec: ModelSpec, data: StudyData, seed: int) -> torch.nn.Module:
         if "classes" in params and "classes" not in opts and data.num_classes is not None:
             opts["classes"] = data.num_classes
     else:
-        from dptune.models import MODELS
-
         ctor = MODELS[spec.name]
         params = inspect.signature(ctor).parameters
         if "input_dim" in params and "input_dim" not in opts:

@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from dptune.devices import gpus_per_task, process_gpu_plan
 from dptune.errors import ConfigError
 
 Task = tuple[str, tuple[Any, ...]]  # (task id, args of execute_task)
@@ -168,8 +169,6 @@ class ProcessExecutor(Executor):
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        from dptune.devices import process_gpu_plan
-
         ctx = mp.get_context("spawn")
         n, self.gpu_masks = process_gpu_plan(device, workers)
         self.workers = n or max(1, min(4, os.cpu_count() or 1))
@@ -299,8 +298,6 @@ class RayExecutor(Executor):
         device: str | None = None,
         gpus_per_run: float | None = None,
     ):
-        from dptune.devices import gpus_per_task
-
         # On CUDA every task asks Ray for GPUs, so a cluster schedules it on a GPU node and Ray
         # sets the task's CUDA_VISIBLE_DEVICES (its "cuda" is then the GPU Ray assigned).
         self.num_gpus = gpus_per_task(device, gpus_per_run)

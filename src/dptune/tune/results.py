@@ -12,7 +12,7 @@ Selection per tuning procedure (``selection.across_seeds``):
   shown with the std over its seeds (Galli et al., Tables 2–4).
 * ``linear-scaling``: each replicate's result is its final run.
 
-Release vs diagnostics (``dptune.report.privacy``, docs/privacy.md): ``write_csvs`` writes
+Release vs diagnostics (``dptune.outputs``, docs/privacy.md): ``write_csvs`` writes
 ``release/results.csv`` (``RELEASE_COLUMNS``: the selected configuration, its metrics, the
 guarantee and the spent totals) and, labelled "not differentially private: for the data owner
 only", ``diagnostics/`` (the full table with run counts and selected run ids, the per-run and
@@ -30,12 +30,22 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dp_accounting import dp_event
-
-from dptune import accounting
-from dptune.ledger import LedgerEntry, atoms, compose, event_from_dict
+from dptune.ledger import LedgerEntry
+from dptune.metrics import clip_to_range, finite_number, mean_std
+from dptune.outputs import (
+    DIAGNOSTICS_DIR,
+    NOT_DP_LABEL,
+    diagnostics_dir,
+    randomness_statement,
+    release_dir,
+    split_arm_notes,
+    write_csv_rows,
+    write_labelled_csv,
+)
 from dptune.tune import theory
-from dptune.tune.planners import ArmPlan, StudyPlan, canonical
+from dptune.tune.groups import plan_groups
+from dptune.tune.methods import get_method
+from dptune.tune.planners import ArmPlan, StudyPlan, entries_epsilon, event_epsilon
 from dptune.tune.space import config_key
 from dptune.tune.store import Store
 
@@ -75,7 +85,7 @@ def release_rows(table: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{k: r.get(k) for k in RELEASE_COLUMNS} for r in table]
 
 
-def _load(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[dict[str, Any]], list[LedgerEntry]]:
+def load_study(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[dict[str, Any]], list[LedgerEntry]]:
     with Store(study_dir, readonly=True) as store:
         cfg = store.get_meta("config")
         plan = StudyPlan.from_dict(store.get_meta("plan"))
@@ -85,21 +95,6 @@ def _load(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[dict[s
         r["config"] = json.loads(r["config"]) if r["config"] else None
         r["fit"] = json.loads(r["fit"]) if r.get("fit") else None
     return cfg, plan, rows, entries
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x)
-
-
-def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
-    xs = [x for x in xs if _finite(x)]
-    if not xs:
-        return None, None
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
-
-
-def _better(a: float, b: float, higher: bool) -> bool:
-    return a > b if higher else a < b
 
 
 def _public_config(c: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -112,64 +107,14 @@ def _arm_entries(arm: ArmPlan, entries: list[LedgerEntry]) -> list[LedgerEntry]:
     return [e for e in entries if e.run in ids]
 
 
-_EPS_CACHE: dict[tuple[Any, float, str], float] = {}
-
-
-def _epsilon(event: dp_event.DpEvent, delta: float, acc: str) -> float:
-    """ε of a canonical (hashable) event, cached: identical runs are accounted once."""
-    key = (event, delta, acc)
-    if key not in _EPS_CACHE:
-        _EPS_CACHE[key] = accounting.epsilon(event, delta, acc)
-    return _EPS_CACHE[key]
-
-
-def _eps(entries: Iterable[LedgerEntry], delta: float, acc: str) -> float:
-    entries = list(entries)
-    if any(isinstance(e.event, dp_event.NonPrivateDpEvent) for e in entries):
-        return math.inf
-    ev = canonical(compose((e.event, e.count) for e in entries))
-    if isinstance(ev, dp_event.NoOpDpEvent):
-        return 0.0
-    return _epsilon(ev, delta, acc)
-
-
 def spent(arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[float, float]:
-    """(ε, δ) spent so far by the arm under its own guarantee (see ``planners``)."""
-    g = arm.guarantee
+    """(ε, δ) spent so far by the arm under its own guarantee (``TuningMethod.spent``)."""
     mine = _arm_entries(arm, entries)
     if not mine:
         return 0.0, 0.0
-    if g["kind"] == "nonprivate":
+    if arm.guarantee["kind"] == "nonprivate":
         return math.inf, arm.delta
-    by_proc: dict[int, list[LedgerEntry]] = defaultdict(list)
-    for e in mine:
-        by_proc[plan.runs[e.run].procedure].append(e)
-    acc = arm.accountant
-    per_study = g.get("per") == "study"
-    if g["kind"] == "liu-talwar":
-        eps1_total = theory.lt_total(g["eps1"], g["delta1"], g["gamma"], g["delta2"])
-        k = len(by_proc) if per_study else 1
-        return eps1_total[0] * k, eps1_total[1] * k
-    if g["kind"] == "repeat-and-select":
-        k = len(by_proc) if per_study else 1
-        rs = theory.repeat_and_select_event(canonical(event_from_dict(g["unit_event"])), g["mean"], g["shape"])
-        ev = rs if k == 1 else dp_event.SelfComposedDpEvent(rs, k)
-        return _epsilon(ev, arm.delta, "rdp"), arm.delta
-    # composition: per seed replicate (or all, when seeds are accounted)
-    if per_study:
-        return _eps(mine, arm.delta, acc), arm.delta
-    by_rep: dict[int, list[LedgerEntry]] = defaultdict(list)
-    for e in mine:
-        by_rep[plan.runs[e.run].replicate].append(e)
-    return max(_eps(v, arm.delta, acc) for v in by_rep.values()), arm.delta
-
-
-def _planned_eps(event: dp_event.DpEvent, delta: float, acc: str) -> float:
-    """ε of a run's planned event alone (∞ for a non-private run, 0 for no release)."""
-    found = atoms(event)
-    if any(isinstance(e, dp_event.NonPrivateDpEvent) for e in found):
-        return math.inf
-    return 0.0 if not found else _epsilon(canonical(event), delta, acc)
+    return get_method(arm.method).spent(arm, plan, mine)
 
 
 def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -178,7 +123,7 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
     Per run: its releases, its ε *alone* at δ and the ε its plan allows it alone
     (``planned_epsilon``; runs compose sub-additively: these do not add up to the study's ε). Per label: releases of that query type in the arm's
     accounted scope and their composed ε alone."""
-    _, plan, rows, entries = _load(study_dir)
+    _, plan, rows, entries = load_study(study_dir)
     status = {r["run_id"]: r["status"] for r in rows}
     by_run: dict[str, list[LedgerEntry]] = defaultdict(list)
     for e in entries:
@@ -196,8 +141,8 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
                     "stage": run.stage,
                     "status": status.get(rid),
                     "releases": sum(e.count for e in es),
-                    "epsilon_alone": _eps(es, arm.delta, acc) if es else 0.0,
-                    "planned_epsilon": _planned_eps(run.planned_event, arm.delta, acc),
+                    "epsilon_alone": entries_epsilon(es, arm.delta, acc) if es else 0.0,
+                    "planned_epsilon": event_epsilon(run.planned_event, arm.delta, acc),
                     "noise_multiplier": run.noise_multiplier,
                     "sampling_rate": run.sampling_rate,
                     "steps": run.steps,
@@ -217,17 +162,17 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
                     "arm": arm.arm,
                     "label": label,
                     "releases": sum(e.count for e in es),
-                    "epsilon_alone": _eps(es, arm.delta, acc),
+                    "epsilon_alone": entries_epsilon(es, arm.delta, acc),
                     "scope": "all seeds" if arm.guarantee.get("per") == "study" else "seed replicate 0",
                 }
             )
-        if arm.guarantee["kind"] in ("liu-talwar", "repeat-and-select") and scope:
+        if get_method(arm.method).hides_run_count and scope:
             per_label.append(
                 {
                     "arm": arm.arm,
                     "label": "(every run, if all were published)",
                     "releases": sum(e.count for e in scope),
-                    "epsilon_alone": _eps(scope, arm.delta, "rdp"),
+                    "epsilon_alone": entries_epsilon(scope, arm.delta, "rdp"),
                     "scope": "composition, NOT the guarantee",
                 }
             )
@@ -236,44 +181,14 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
 
 # ----------------------------------------------------------------------------- selection table
 def _selected(arm: ArmPlan, plan: StudyPlan, runs: dict[str, dict[str, Any]], across: str) -> dict[str, Any]:
-    higher = plan.higher_is_better
-    mine = [runs[r] for r in arm.runs]
-    usable = [r for r in mine if r["status"] in ("done", "diverged") and _finite(r["score"])]
-    picks: list[dict[str, Any]] = []
-    fits = []
-    if arm.method == "linear-scaling":
-        for r in mine:
-            if r["stage"] == "final" and r["status"] in ("done", "diverged"):
-                picks.append(r)
-                fits.append(r["fit"])
-    elif across == "mean":
-        by_cand: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        for r in usable:
-            by_cand[_cand(plan, r)].append(r)
-        best, best_mean = None, None
-        for cand, rs in sorted(by_cand.items()):
-            m = statistics.fmean(x["score"] for x in rs)
-            if best_mean is None or _better(m, best_mean, higher):
-                best, best_mean = cand, m
-        if best is not None:
-            picks = sorted(by_cand[best], key=lambda x: x["replicate"])
-    else:
-        by_proc: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        for r in usable:
-            by_proc[r["procedure"]].append(r)
-        for _, rs in sorted(by_proc.items()):
-            best = rs[0]
-            for x in rs[1:]:
-                if _better(x["score"], best["score"], higher):
-                    best = x
-            picks.append(best)
+    picks, fits = get_method(arm.method).select(arm, plan, [runs[r] for r in arm.runs], across)
     keys = Counter(config_key(_public_config(p["config"])) for p in picks if p["config"])
     config = ""
     if keys:
         k, c = keys.most_common(1)[0]
         config = k if (len(picks) <= 1 or across == "mean") else f"{k} [{c}/{len(picks)}]"
-    val_m, val_s = _mean_std([p["score"] for p in picks])
-    test_m, test_s = _mean_std([p["test_metric"] for p in picks if p["test_metric"] is not None])
+    val_m, val_s = mean_std([p["score"] for p in picks])
+    test_m, test_s = mean_std([p["test_metric"] for p in picks if p["test_metric"] is not None])
     return {
         "config": config,
         "val_mean": val_m,
@@ -286,13 +201,9 @@ def _selected(arm: ArmPlan, plan: StudyPlan, runs: dict[str, dict[str, Any]], ac
     }
 
 
-def _cand(plan: StudyPlan, r: dict[str, Any]) -> int:
-    return plan.runs[r["run_id"]].index
-
-
 def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
     """One row per (strategy, ε): selected configuration, metric mean ± std, planned and spent (ε, δ)."""
-    cfg, plan, rows, entries = _load(study_dir)
+    cfg, plan, rows, entries = load_study(study_dir)
     runs = {r["run_id"]: r for r in rows}
     sel = cfg.get("selection", {})
     across = sel.get("across_seeds", "per-seed")
@@ -367,7 +278,7 @@ def rerr_rows(rows: list[dict[str, Any]], higher: bool = True) -> list[dict[str,
 
 def study_status(study_dir: str | Path) -> dict[str, Any]:
     """Progress and budget of a (possibly running) study: counts per status, per arm."""
-    cfg, plan, rows, entries = _load(study_dir)
+    cfg, plan, rows, entries = load_study(study_dir)
     counts = Counter(r["status"] for r in rows)
     arms = []
     by_id = {r["run_id"]: r for r in rows}
@@ -387,8 +298,6 @@ def study_status(study_dir: str | Path) -> dict[str, Any]:
                 "per": arm.guarantee.get("per"),
             }
         )
-    from dptune.tune.study import plan_groups
-
     eta_s, eta_text = eta(rows, plan_groups(plan, int(cfg.get("study", {}).get("trials_per_group", 16))))
     return {
         "name": cfg.get("study", {}).get("name", "study"),
@@ -415,7 +324,7 @@ def eta(
     left × mean seconds per finished run ÷ tasks running now (the workers busy; at least 1). Run
     times are a diagnostic (they grow with the realised batch sizes): for the data owner only.
 
-    ``groups`` (run_id → its group, ``study.plan_groups``): the runs of a group are trained as ONE
+    ``groups`` (run_id → its group, ``groups.plan_groups``): the runs of a group are trained as ONE
     task and each stores the group's time ÷ its size, so its running members count once (they are
     marked running together: same ``started``); counting each would divide by the size twice."""
     rows = list(rows)
@@ -424,7 +333,9 @@ def eta(
     running = len(
         {(groups.get(r["run_id"], (r["run_id"],)), r.get("started")) for r in rows if r["status"] == "running"}
     )
-    took = [float(r["seconds"]) for r in rows if r["status"] in ("done", "diverged") and _finite(r.get("seconds"))]
+    took = [
+        float(r["seconds"]) for r in rows if r["status"] in ("done", "diverged") and finite_number(r.get("seconds"))
+    ]
     if left == 0:
         return 0.0, "no run left"
     if not took:
@@ -441,13 +352,6 @@ def eta(
 def write_csvs(study_dir: str | Path) -> list[Path]:
     """``release/results.csv`` (publishable) and, labelled not DP, ``diagnostics/results.csv``
     (every column), ``diagnostics/budget_runs.csv``, ``diagnostics/budget_labels.csv``."""
-    from dptune.report.privacy import (
-        diagnostics_dir,
-        release_dir,
-        write_csv_rows,
-        write_labelled_csv,
-    )
-
     d = Path(study_dir)
     per_run, per_label = budget_rows(d)
     table = study_table(d)
@@ -461,8 +365,6 @@ def write_csvs(study_dir: str | Path) -> list[Path]:
 
 
 def _pm(m: float | None, s: float | None, metric: str) -> str:
-    from dptune.report.data import clip_to_range
-
     if m is None:
         return "—"
     m = clip_to_range(m, metric)  # a noisy private score can leave the metric's range: shown clipped
@@ -484,10 +386,8 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
     from rich.console import Console
     from rich.table import Table
 
-    from dptune.report.privacy import DIAGNOSTICS_DIR, NOT_DP_LABEL, split_arm_notes
-
     console = console or Console(width=TERMINAL_WIDTH)
-    cfg, plan, _, _ = _load(study_dir)
+    cfg, plan, _, _ = load_study(study_dir)
     rows = study_table(study_dir)
     sel = cfg.get("selection", {})
     mode = sel.get("mode", "public")
@@ -528,8 +428,6 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
             _e(r["spent_epsilon"]),
         )
     console.print(t)
-    from dptune.report.data import clip_to_range
-
     if any(r["value_mean"] is not None and clip_to_range(r["value_mean"], metric) != r["value_mean"] for r in rows):
         console.print(
             f"[dim]Noisy selection scores outside the range of {metric} are shown clipped to it; "
@@ -544,8 +442,6 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
     for note in split_arm_notes(plan.arms)[0]:
         console.print(f"[dim]• {note}[/dim]")
     # The randomness mode (docs/privacy.md, item 3): every study's terminal report states it.
-    from dptune.train import randomness_statement
-
     secure = bool(cfg.get("study", {}).get("secure"))
     note = randomness_statement(secure)["randomness_note"]
     console.print(f"randomness: {note}" if secure else f"[yellow]warning[/]: {note}", highlight=False)
@@ -583,92 +479,3 @@ def report_text(study_dir: str | Path, *, diagnostics: bool = False) -> str:
         diagnostics=diagnostics,
     )
     return buf.getvalue()
-
-
-def report_inputs(study_dir: str | Path) -> dict[str, Any]:
-    """Keyword arguments of ``dptune.report.build_report`` for this study (trial rows of the
-    selected runs, their histories, per-run ledger rows, budget, selection mode, linear-scaling
-    fit; the notes of Liu–Talwar / repeat-and-select arms, which state K, as diagnostic notes).
-
-    Only the selected runs become trial rows: a configuration's mean over every seed would mix
-    in candidates that lost (not covered by Liu–Talwar / repeat-and-select). Every run is in
-    ``diagnostics/results.csv`` and ``budget_runs.csv`` (``write_csvs``); every configuration is
-    ``all_results`` (``diagnostics/results_all.csv``)."""
-    from dptune.report.privacy import public_run_name, split_arm_notes
-
-    cfg, plan, rows, _ = _load(study_dir)
-    table = study_table(study_dir)
-    selected = {rid for r in table for rid in r["selected_runs"]}
-    arm_of = {rid: a for a in plan.arms for rid in a.runs}
-    trials, histories = [], []
-    for r in rows:
-        arm = arm_of[r["run_id"]]
-        if r["status"] not in ("done", "diverged") or r["config"] is None or r["run_id"] not in selected:
-            continue
-        trials.append(
-            {
-                "strategy": arm.label,
-                "epsilon": arm.epsilon,
-                "value": r["score"],
-                "seed": r["seed"],
-                "hyperparameters": _public_config(r["config"]),
-                "selected": True,
-            }
-        )
-        if r["history"]:
-            histories.append({"run": public_run_name(arm, r), "strategy": arm.label, "rows": json.loads(r["history"])})
-    per_run, _ = budget_rows(study_dir)
-    ledger_rows = [
-        {
-            "run": x["run_id"],
-            "label": x["arm"],
-            "releases": x["releases"],
-            "epsilon": x["epsilon_alone"] if math.isfinite(x["epsilon_alone"]) else None,
-            "planned_epsilon": x["planned_epsilon"] if math.isfinite(x["planned_epsilon"]) else None,
-            "noise_multiplier": x["noise_multiplier"] if math.isfinite(x["noise_multiplier"]) else None,
-            "sampling_rate": x["sampling_rate"],
-        }
-        for x in per_run
-        if x["releases"]
-    ]
-    private = [r for r in table if math.isfinite(r["planned_epsilon"])]
-    planned = (max(r["planned_epsilon"] for r in private), private[0]["planned_delta"]) if private else None
-    spent_ = (max(r["spent_epsilon"] for r in private), private[0]["spent_delta"]) if private else None
-    fit = None
-    for r in table:
-        for f in r.get("fits") or []:
-            if f and f.get("coef") and len(f["coef"]) == 2 and fit is None:
-                fit = {
-                    "points": [tuple(p) for p in f["points"]],
-                    "slope": f["coef"][0],
-                    "intercept": f["coef"][1],
-                    "target_epsilon": f["x_final"],
-                }
-    notes, secret_notes = split_arm_notes(plan.arms)
-    from dptune.report.study import every_configuration
-
-    arms = {a.arm: a for a in plan.arms}  # every candidate, for diagnostics/results_all.csv only
-    every = every_configuration(rows, arms, selected, use_test=False, name=lambda a: a.label)
-    return {
-        "results_rows": trials,
-        "histories": histories,
-        "ledger_rows": ledger_rows,
-        "all_results": every,
-        "selection_mode": cfg.get("selection", {}).get("mode", "public"),
-        "planned": planned,
-        "spent": spent_,
-        "metric": plan.metric,
-        "title": f"dptune study: {cfg.get('study', {}).get('name', 'study')}",
-        "notes": notes,
-        "linear_scaling": fit,
-        "diagnostic_notes": secret_notes,
-    }
-
-
-def html_report(study_dir: str | Path, out_dir: str | Path | None = None, *, include_diagnostics: bool = False) -> Path:
-    """Figures, CSVs and a self-contained ``release/report.html`` (``dptune.report``) for a stored
-    study, with ``diagnostics/`` beside it; ``out_dir`` defaults to the study directory."""
-    from dptune.report import build_report
-
-    out = Path(out_dir) if out_dir is not None else Path(study_dir)
-    return build_report(out, **report_inputs(study_dir), include_diagnostics=include_diagnostics)

@@ -20,6 +20,9 @@ import numpy as np
 
 from dptune.sampling import stream_seed
 
+# Run settings that a search space (or a strategy's fixed values) may hold besides hyperparameters.
+TRAINING_KEYS = ("steps", "epochs", "expected_batch_size")
+
 
 def rng_for(study_seed: int, name: str) -> np.random.Generator:
     """An independent generator per named stream of the study (e.g. 'random/dpsgd@1')."""

@@ -36,48 +36,17 @@ from typing import Any
 
 import torch
 
-from dptune.errors import ConfigError
+from dptune import data as datasets
+from dptune import models
+from dptune.devices import check_device_name
+from dptune.errors import ConfigError, config_error
+from dptune.factories import import_factory
+from dptune.metrics import named as named_metric
+from dptune.strategies import STRATEGIES, make_strategy, strategy_signature
+from dptune.tune.methods.registry import canonical_method, get_method
+from dptune.tune.space import TRAINING_KEYS
 
-METHODS: tuple[str, ...] = (
-    "grid",
-    "random",
-    "online",
-    "oracle",
-    "liu-talwar",
-    "repeat-and-select",
-    "linear-scaling",
-)
-METHOD_ALIASES = {
-    "lt": "liu-talwar",
-    "liu_talwar": "liu-talwar",
-    "liutalwar": "liu-talwar",
-    "repeat_and_select": "repeat-and-select",
-    "papernot-steinke": "repeat-and-select",
-    "linear_scaling": "linear-scaling",
-    "panda": "linear-scaling",
-    "oso": "online",
-    "ma": "grid",
-}
-# Options each method accepts (with defaults); anything else is rejected by name.
-METHOD_OPTIONS: dict[str, dict[str, Any]] = {
-    "grid": {},
-    "online": {},
-    "oracle": {},
-    "random": {"n": 10},
-    "liu-talwar": {"gamma": None, "delta2_fraction": 0.5},
-    "repeat-and-select": {"mean": None, "distribution": "poisson", "shape": None},
-    "linear-scaling": {
-        "sweep_epsilons": [0.1, 0.2],
-        "runs_per_sweep": 3,
-        "fit": "linear",
-        "fit_axis": "epsilon",
-        "r_sampling": "uniform",
-        "final_steps": "max",
-    },
-}
-RS_DISTRIBUTIONS = {"poisson": math.inf, "geometric": 1.0, "logarithmic": 0.0, "negative-binomial": None}
 ACCOUNTANT_CHOICES = ("auto", "rdp", "pld", "gdp")
-TRAINING_KEYS = ("steps", "epochs", "expected_batch_size")  # may appear in a search space
 DISTRIBUTIONS = ("log_uniform", "uniform", "int_uniform", "int_log_uniform")
 SELECTION_MODES = ("public", "private")
 METRICS = ("accuracy", "mse")
@@ -85,41 +54,35 @@ METRICS = ("accuracy", "mse")
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-def _err(path: str, problem: str, fix: str) -> ConfigError:
-    return ConfigError(f"{path}: {problem}. Fix: {fix}")
-
-
 def _positive_number(path: str, value: Any, *, allow_inf: bool = False) -> float:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
     ok = ok and (allow_inf or math.isfinite(value))
     if not ok:
-        raise _err(path, f"must be a number > 0, got {value!r}", f"set {path} to e.g. 1.0")
+        raise config_error(path, f"must be a number > 0, got {value!r}", f"set {path} to e.g. 1.0")
     return float(value)
-
-
-def canonical_method(name: Any, path: str = "method.name") -> str:
-    if not isinstance(name, str):
-        raise _err(path, f"must be a string, got {name!r}", f"choose one of {', '.join(METHODS)}")
-    key = METHOD_ALIASES.get(name.strip().lower(), name.strip().lower())
-    if key not in METHODS:
-        raise _err(path, f"unknown tuning method {name!r}", f"choose one of {', '.join(METHODS)}")
-    return key
 
 
 def _check_flag_options(name: str, options: Mapping[str, Any]) -> None:
     """A dataset option whose default is true/false takes only true/false: ``flatten = "maybe"``
     (or 2) would be read as true by the loader. Unknown options are left to ``dptune.data.load``."""
-    from dptune import data as _data
-
     try:
-        defaults = _data.options(name)
+        defaults = datasets.options(name)
     except ConfigError:  # an unknown dataset is reported by the caller
         return
     for key, value in options.items():
         if isinstance(defaults.get(key), bool) and not isinstance(value, bool):
-            raise _err(
+            raise config_error(
                 f"data.options.{key}", f"must be true or false, got {value!r}", f"{key} = {str(defaults[key]).lower()}"
             )
+
+
+def _one_source(section: str, sources: Sequence[Any], choices: str, fix: str, factory: str | None) -> None:
+    """Exactly one of a section's ``sources`` is given; a ``"pkg.module:name"`` factory must import
+    here, so that a typo fails before any run starts."""
+    if sum(v is not None for v in sources) != 1:
+        raise config_error(section, f"give exactly one of {choices}", fix)
+    if factory is not None:
+        import_factory(factory, f"{section}.factory")
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -138,42 +101,35 @@ class DataSpec:
     factory: str | None = None
 
     def __post_init__(self) -> None:
-        if sum(v is not None for v in (self.name, self.tensors, self.factory)) != 1:
-            raise _err(
-                "data",
-                "give exactly one of data.name (a registered dataset), data.factory or tensors",
-                'set data.name = "digits" or data.factory = "mypkg.data:load" '
-                "(or pass Study(data=(x_train, y_train, x_test, y_test)))",
-            )
+        _one_source(
+            "data",
+            (self.name, self.tensors, self.factory),
+            "data.name (a registered dataset), data.factory or tensors",
+            'set data.name = "digits" or data.factory = "mypkg.data:load" '
+            "(or pass Study(data=(x_train, y_train, x_test, y_test)))",
+            self.factory,
+        )
         if self.factory is not None:
-            from dptune.own import import_factory
-
-            import_factory(self.factory, "data.factory")  # importable here: fail before any run starts
             if not isinstance(self.options, Mapping):
-                raise _err("data.options", "must be a table of options", "e.g. options = { n = 1000 }")
+                raise config_error("data.options", "must be a table of options", "e.g. options = { n = 1000 }")
         elif self.name is not None:
             if not isinstance(self.name, str):
-                raise _err("data.name", f"must be a string, got {self.name!r}", 'e.g. name = "digits"')
-            try:
-                from dptune import data as _data
-
-                names = _data.available()
-            except ImportError:  # pragma: no cover - the data package is part of dptune
-                names = []
-            if names and self.name not in names:
-                raise _err("data.name", f"unknown dataset {self.name!r}", f"choose one of {', '.join(names)}")
+                raise config_error("data.name", f"must be a string, got {self.name!r}", 'e.g. name = "digits"')
+            names = datasets.available()
+            if self.name not in names:
+                raise config_error("data.name", f"unknown dataset {self.name!r}", f"choose one of {', '.join(names)}")
             if not isinstance(self.options, Mapping):
-                raise _err("data.options", "must be a table of options", "e.g. options = { flatten = true }")
+                raise config_error("data.options", "must be a table of options", "e.g. options = { flatten = true }")
             _check_flag_options(self.name, self.options)
         else:
             t = self.tensors
             if not isinstance(t, tuple | list) or len(t) != 4:
-                raise _err("data.tensors", "must be (x_train, y_train, x_test, y_test)", "pass four tensors")
+                raise config_error("data.tensors", "must be (x_train, y_train, x_test, y_test)", "pass four tensors")
             ts = tuple(torch.as_tensor(v) for v in t)
             if ts[0].shape[0] != ts[1].shape[0] or ts[2].shape[0] != ts[3].shape[0]:
-                raise _err("data.tensors", "x and y lengths differ", "pass matching x/y tensors")
+                raise config_error("data.tensors", "x and y lengths differ", "pass matching x/y tensors")
             if ts[0].shape[0] == 0:
-                raise _err("data.tensors", "the training set is empty", "pass at least one example")
+                raise config_error("data.tensors", "the training set is empty", "pass at least one example")
             object.__setattr__(self, "tensors", ts)
 
     def fingerprint(self) -> str:
@@ -212,29 +168,26 @@ class ModelSpec:
     factory: str | None = None
 
     def __post_init__(self) -> None:
-        if sum(v is not None for v in (self.name, self.builder, self.factory)) != 1:
-            raise _err(
-                "model",
-                "give exactly one of model.name, model.factory or a builder callable",
-                'set model.name = "logistic_regression" or model.factory = "mypkg.models:build"',
-            )
-        if self.factory is not None:
-            from dptune.own import import_factory
-
-            import_factory(self.factory, "model.factory")  # importable here: fail before any run starts
-        elif self.name is not None:
+        _one_source(
+            "model",
+            (self.name, self.builder, self.factory),
+            "model.name, model.factory or a builder callable",
+            'set model.name = "logistic_regression" or model.factory = "mypkg.models:build"',
+            self.factory,
+        )
+        if self.name is not None:
             if not isinstance(self.name, str):
-                raise _err("model.name", f"must be a string, got {self.name!r}", 'e.g. name = "logistic_regression"')
-            try:
-                from dptune.models import MODELS
-            except ImportError:  # pragma: no cover
-                MODELS = {}
-            if MODELS and self.name not in MODELS:
-                raise _err("model.name", f"unknown model {self.name!r}", f"choose one of {', '.join(sorted(MODELS))}")
-        elif not callable(self.builder):
-            raise _err("model.builder", "must be callable", "pass a function returning an nn.Module")
+                raise config_error(
+                    "model.name", f"must be a string, got {self.name!r}", 'e.g. name = "logistic_regression"'
+                )
+            if self.name not in models.MODELS:
+                raise config_error(
+                    "model.name", f"unknown model {self.name!r}", f"choose one of {', '.join(sorted(models.MODELS))}"
+                )
+        elif self.factory is None and not callable(self.builder):
+            raise config_error("model.builder", "must be callable", "pass a function returning an nn.Module")
         if not isinstance(self.options, Mapping):
-            raise _err("model.options", "must be a table", "e.g. options = { hidden = 100 }")
+            raise config_error("model.options", "must be a table", "e.g. options = { hidden = 100 }")
 
     def describe(self) -> dict[str, Any]:
         if self.factory is not None:  # the factory string is part of the study fingerprint
@@ -262,23 +215,25 @@ class TrainingSpec:
 
     def __post_init__(self) -> None:
         if (self.epochs is None) == (self.steps is None):
-            raise _err("training", "give exactly one of training.epochs or training.steps", "e.g. epochs = 5")
+            raise config_error("training", "give exactly one of training.epochs or training.steps", "e.g. epochs = 5")
         if self.epochs is not None:
             _positive_number("training.epochs", self.epochs)
         if self.steps is not None and (
             not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1
         ):
-            raise _err("training.steps", f"must be an integer ≥ 1, got {self.steps!r}", "e.g. steps = 500")
+            raise config_error("training.steps", f"must be an integer ≥ 1, got {self.steps!r}", "e.g. steps = 500")
         if not isinstance(self.full_batch, bool):  # "maybe" or 2 would be read as true
-            raise _err(
+            raise config_error(
                 "training.full_batch",
                 f"must be true or false, got {self.full_batch!r}",
                 "full_batch = true (no quotes)",
             )
         if self.full_batch and self.expected_batch_size is not None:
-            raise _err("training", "full_batch = true and expected_batch_size are exclusive", "drop one of them")
+            raise config_error(
+                "training", "full_batch = true and expected_batch_size are exclusive", "drop one of them"
+            )
         if not self.full_batch and self.expected_batch_size is None:
-            raise _err(
+            raise config_error(
                 "training.expected_batch_size",
                 "missing",
                 "set expected_batch_size (Poisson sampling, q = L/n) or full_batch = true",
@@ -286,13 +241,11 @@ class TrainingSpec:
         if self.expected_batch_size is not None:
             _positive_number("training.expected_batch_size", self.expected_batch_size)
         if self.loss is not None and self.loss not in ("cross_entropy", "mse", "bce"):
-            raise _err(
+            raise config_error(
                 "training.loss",
                 f"unknown loss {self.loss!r}",
                 "choose cross_entropy, mse or bce (or omit it: chosen from the task)",
             )
-        from dptune.devices import check_device_name
-
         # Syntax only: a study may be planned on a driver without the GPUs of its Ray cluster;
         # availability is checked where the runs execute (run_study, worker).
         object.__setattr__(self, "device", check_device_name(self.device, "training.device"))
@@ -312,13 +265,13 @@ class BudgetSpec:
         if isinstance(eps, int | float) and not isinstance(eps, bool):
             eps = (eps,)
         if isinstance(eps, str):  # a string is a Sequence: its characters would be read as the list
-            raise _err(
+            raise config_error(
                 "budget.epsilon",
                 f"must be a number or a list of numbers, got {eps!r}",
                 "e.g. epsilon = 3.0 or epsilon = [1.0, 3.0] (no quotes)",
             )
         if not isinstance(eps, Sequence) or not eps:
-            raise _err(
+            raise config_error(
                 "budget.epsilon",
                 f"must be a number or a non-empty list, got {self.epsilon!r}",
                 "e.g. epsilon = 3.0 or epsilon = [1.0, 3.0]",
@@ -327,125 +280,44 @@ class BudgetSpec:
         for i, e in enumerate(eps):
             path = "budget.epsilon" if len(eps) == 1 else f"budget.epsilon[{i}]"
             if not isinstance(e, int | float) or isinstance(e, bool) or not math.isfinite(e) or e <= 0:
-                raise _err(path, f"ε must be a finite number > 0, got {e!r}", "use e.g. epsilon = 3.0")
+                raise config_error(path, f"ε must be a finite number > 0, got {e!r}", "use e.g. epsilon = 3.0")
             out.append(float(e))
         if len(set(out)) != len(out):
-            raise _err("budget.epsilon", "values repeat", "list each ε once")
+            raise config_error("budget.epsilon", "values repeat", "list each ε once")
         object.__setattr__(self, "epsilon", tuple(out))
         d = self.delta
         if not isinstance(d, int | float) or isinstance(d, bool) or not (0 < d < 1):
-            raise _err(
+            raise config_error(
                 "budget.delta",
                 f"δ must lie in (0, 1), got {d!r}",
                 "use δ < 1/n, e.g. delta = 1e-5 for n = 60,000 (1/n rounded down to a power of ten)",
             )
         object.__setattr__(self, "delta", float(d))
         if self.accountant not in ACCOUNTANT_CHOICES:
-            raise _err(
+            raise config_error(
                 "budget.accountant",
                 f"unknown accountant {self.accountant!r}",
                 f"choose one of {', '.join(ACCOUNTANT_CHOICES)}",
             )
         if not isinstance(self.account_seeds, bool):
-            raise _err("budget.account_seeds", f"must be true or false, got {self.account_seeds!r}", "true or false")
+            raise config_error(
+                "budget.account_seeds", f"must be true or false, got {self.account_seeds!r}", "true or false"
+            )
 
 
 @dataclass(frozen=True)
 class MethodSpec:
+    """A tuning method (``tune.methods``: its name or an alias) and its options; ``options`` becomes
+    the method's full set of options (defaults filled in), checked by the method's ``Options``."""
+
     name: str = "grid"
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", canonical_method(self.name))
         if not isinstance(self.options, Mapping):
-            raise _err("method", "options must be a table", "e.g. [method] name = 'random', n = 10")
-        allowed = METHOD_OPTIONS[self.name]
-        unknown = sorted(set(self.options) - set(allowed))
-        if unknown:
-            raise _err(
-                f"method.{unknown[0]}",
-                f"method {self.name!r} has no option {unknown[0]!r}",
-                f"its options are: {', '.join(allowed) or '(none)'}",
-            )
-        merged = {**allowed, **self.options}
-        _check_method_options(self.name, merged)
-        object.__setattr__(self, "options", merged)
-
-
-def _check_method_options(name: str, o: dict[str, Any]) -> None:
-    if name == "random" and (not isinstance(o["n"], int) or isinstance(o["n"], bool) or o["n"] < 1):
-        raise _err("method.n", f"must be an integer ≥ 1, got {o['n']!r}", "e.g. n = 10 (n = 1: Panda's random search)")
-    if name == "liu-talwar":
-        if o["gamma"] is not None and not (isinstance(o["gamma"], int | float) and 0 < o["gamma"] <= 1):
-            raise _err(
-                "method.gamma",
-                f"stopping probability γ must lie in (0, 1], got {o['gamma']!r}",
-                "e.g. gamma = 0.1, or omit it for γ = 1/(number of grid candidates) as Mohapatra et al.",
-            )
-        f = o["delta2_fraction"]
-        if not (isinstance(f, int | float) and 0 < f < 1):
-            raise _err("method.delta2_fraction", f"must lie in (0, 1), got {f!r}", "e.g. delta2_fraction = 0.5")
-    if name == "repeat-and-select":
-        dist = o["distribution"]
-        if dist not in RS_DISTRIBUTIONS:
-            raise _err(
-                "method.distribution", f"unknown distribution {dist!r}", f"choose one of {', '.join(RS_DISTRIBUTIONS)}"
-            )
-        if o["mean"] is not None and not (isinstance(o["mean"], int | float) and o["mean"] >= 1):
-            raise _err("method.mean", f"the mean number of runs must be ≥ 1, got {o['mean']!r}", "e.g. mean = 10")
-        if dist == "negative-binomial":
-            s = o["shape"]
-            if not (isinstance(s, int | float) and 0 < s < math.inf):
-                raise _err(
-                    "method.shape",
-                    f"the negative binomial's shape η must be in (0, ∞), got {s!r}",
-                    "e.g. shape = 0.5 (or use distribution = 'poisson' / 'geometric' / 'logarithmic')",
-                )
-        elif o["shape"] is not None:
-            raise _err(
-                "method.shape", f"shape is only for distribution = 'negative-binomial', not {dist!r}", "drop shape"
-            )
-    if name == "linear-scaling":
-        se = o["sweep_epsilons"]
-        # A table {fraction = [f₁, f₂]}: each sweep at f_i × the target ε (Panda's ε = 1 split,
-        # 0.1 and 0.2, at every target), so the sweeps scale with the budget they serve.
-        fraction = isinstance(se, Mapping)
-        if fraction:
-            if set(se) != {"fraction"}:
-                raise _err(
-                    "method.sweep_epsilons",
-                    f"a table must be {{fraction = [...]}}, got keys {sorted(se)}",
-                    "e.g. sweep_epsilons = { fraction = [0.1, 0.2] }",
-                )
-            se = se["fraction"]
-        bad = not isinstance(se, Sequence) or isinstance(se, str) or len(se) < 2
-        if bad or any(isinstance(e, bool) or not isinstance(e, int | float) or e <= 0 for e in se):
-            raise _err(
-                "method.sweep_epsilons",
-                f"need ≥ 2 per-run ε values > 0 (or a table {{fraction = [...]}}), got {o['sweep_epsilons']!r}",
-                "e.g. sweep_epsilons = [0.1, 0.2] (Panda et al.) or { fraction = [0.1, 0.2] }",
-            )
-        if fraction and any(e >= 1 for e in se):
-            raise _err(
-                "method.sweep_epsilons",
-                f"fractions of the target ε must be < 1, got {list(se)!r}",
-                "e.g. sweep_epsilons = { fraction = [0.1, 0.2] }",
-            )
-        if len(set(se)) != len(se):
-            raise _err("method.sweep_epsilons", "values repeat", "use distinct ε values")
-        if not isinstance(o["runs_per_sweep"], int) or o["runs_per_sweep"] < 1:
-            raise _err("method.runs_per_sweep", f"must be an integer ≥ 1, got {o['runs_per_sweep']!r}", "e.g. 3")
-        if o["fit"] not in ("linear", "quadratic"):
-            raise _err("method.fit", f"unknown fit {o['fit']!r}", "choose linear or quadratic")
-        if o["fit"] == "quadratic" and len(se) < 3:
-            raise _err("method.fit", "a quadratic fit needs ≥ 3 sweeps", "give three sweep_epsilons")
-        if o["fit_axis"] not in ("epsilon", "mu"):
-            raise _err("method.fit_axis", f"unknown axis {o['fit_axis']!r}", "choose epsilon or mu")
-        if o["r_sampling"] not in ("uniform", "log_uniform"):
-            raise _err("method.r_sampling", f"unknown sampling {o['r_sampling']!r}", "choose uniform or log_uniform")
-        fs = o["final_steps"]
-        if fs != "max" and not (isinstance(fs, int) and fs >= 1):
-            raise _err("method.final_steps", f"must be 'max' or an integer ≥ 1, got {fs!r}", "e.g. final_steps = 'max'")
+            raise config_error("method", "options must be a table", "e.g. [method] name = 'random', n = 10")
+        object.__setattr__(self, "options", get_method(self.name).parse_options(self.options))
 
 
 @dataclass(frozen=True)
@@ -473,17 +345,17 @@ class SelectionSpec:
 
     def __post_init__(self) -> None:
         if self.mode not in SELECTION_MODES:
-            raise _err(
+            raise config_error(
                 "selection.mode",
                 f"unknown mode {self.mode!r}",
                 "choose 'public' (validation data assumed public, as in the papers) or 'private'",
             )
         if self.split not in ("test", "holdout"):
-            raise _err("selection.split", f"unknown split {self.split!r}", "choose 'test' or 'holdout'")
+            raise config_error("selection.split", f"unknown split {self.split!r}", "choose 'test' or 'holdout'")
         if self.split == "holdout" and self.mode == "public":
             # The holdout is carved from the private training data: scoring on it in public
             # mode would be an unaccounted read of private data (docs/privacy.md).
-            raise _err(
+            raise config_error(
                 "selection.split",
                 "a holdout carved from the private training data cannot be "
                 "treated as public (mode = 'public' charges nothing for the selection)",
@@ -491,34 +363,36 @@ class SelectionSpec:
                 "charged), or split = 'test' with a split that really is public",
             )
         if not (isinstance(self.holdout_fraction, int | float) and 0 < self.holdout_fraction < 1):
-            raise _err(
+            raise config_error(
                 "selection.holdout_fraction",
                 f"must lie in (0, 1), got {self.holdout_fraction!r}",
                 "e.g. holdout_fraction = 0.2",
             )
         if self.metric is not None and ":" in str(self.metric):
-            from dptune.own import named_metric
-
             # Your own dptune.Metric: importable now, and private selection needs its sensitivity.
             m = named_metric(self.metric)
             if self.mode == "private":
                 m.require_sensitivity()  # type: ignore[union-attr]
         elif self.metric is not None and self.metric not in METRICS:
-            raise _err(
+            raise config_error(
                 "selection.metric",
                 f"unknown metric {self.metric!r}",
                 f"choose one of {', '.join(METRICS)}, or 'pkg.module:NAME' for your own dptune.Metric",
             )
         if self.checkpoint not in ("best", "final"):
-            raise _err("selection.checkpoint", f"unknown checkpoint rule {self.checkpoint!r}", "choose best or final")
+            raise config_error(
+                "selection.checkpoint", f"unknown checkpoint rule {self.checkpoint!r}", "choose best or final"
+            )
         if not isinstance(self.eval_every, int) or isinstance(self.eval_every, bool) or self.eval_every < 1:
-            raise _err(
+            raise config_error(
                 "selection.eval_every",
                 f"must be an integer ≥ 1, got {self.eval_every!r}",
                 "e.g. eval_every = 50 (Galli et al.)",
             )
         if self.across_seeds not in ("per-seed", "mean"):
-            raise _err("selection.across_seeds", f"unknown rule {self.across_seeds!r}", "choose per-seed or mean")
+            raise config_error(
+                "selection.across_seeds", f"unknown rule {self.across_seeds!r}", "choose per-seed or mean"
+            )
         _positive_number("selection.noise_multiplier", self.noise_multiplier)
         _positive_number("selection.mse_clip", self.mse_clip)
 
@@ -576,7 +450,7 @@ class Study:
             elif isinstance(data, str):
                 data = DataSpec(name=data)
             else:
-                raise _err(
+                raise config_error(
                     "data",
                     f"unsupported data {type(data).__name__}",
                     "pass a DataSpec, a dptune.data.Dataset, a dataset name or (x_train, y_train, x_test, y_test)",
@@ -587,10 +461,12 @@ class Study:
             model = ModelSpec(name=model) if isinstance(model, str) else ModelSpec(builder=model)
             object.__setattr__(self, "model", model)
         if not isinstance(self.training, TrainingSpec):
-            raise _err("training", "must be a TrainingSpec", "pass TrainingSpec(epochs=..., expected_batch_size=...)")
+            raise config_error(
+                "training", "must be a TrainingSpec", "pass TrainingSpec(epochs=..., expected_batch_size=...)"
+            )
         strategies = tuple(self.strategies) if isinstance(self.strategies, Sequence) else (self.strategies,)
         if not strategies:
-            raise _err("strategies", "no strategy given", 'add a [[strategies]] table with name = "dpsgd"')
+            raise config_error("strategies", "no strategy given", 'add a [[strategies]] table with name = "dpsgd"')
         object.__setattr__(self, "strategies", strategies)
         seeds = self.seeds
         if isinstance(seeds, int):
@@ -601,35 +477,37 @@ class Study:
             or not seeds
             or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds)
         ):
-            raise _err(
+            raise config_error(
                 "study.seeds", f"must be a non-empty list of integers ≥ 0, got {self.seeds!r}", "e.g. seeds = [0, 1, 2]"
             )
         if len(set(seeds)) != len(seeds):
-            raise _err("study.seeds", "seeds repeat", "list each seed once")
+            raise config_error("study.seeds", "seeds repeat", "list each seed once")
         object.__setattr__(self, "seeds", tuple(int(s) for s in seeds))
         if not isinstance(self.seed, int) or self.seed < 0:
-            raise _err("study.seed", f"must be an integer ≥ 0, got {self.seed!r}", "e.g. seed = 0")
+            raise config_error("study.seed", f"must be an integer ≥ 0, got {self.seed!r}", "e.g. seed = 0")
         if not isinstance(self.threads_per_run, int) or self.threads_per_run < 1:
-            raise _err("study.threads_per_run", f"must be an integer ≥ 1, got {self.threads_per_run!r}", "e.g. 1")
+            raise config_error(
+                "study.threads_per_run", f"must be an integer ≥ 1, got {self.threads_per_run!r}", "e.g. 1"
+            )
         if (
             not isinstance(self.trials_per_group, int)
             or isinstance(self.trials_per_group, bool)
             or self.trials_per_group < 1
         ):
-            raise _err(
+            raise config_error(
                 "study.trials_per_group",
                 f"must be an integer ≥ 1, got {self.trials_per_group!r}",
                 "e.g. 16 (vectorised trials), or 1 to train every run on its own",
             )
         if not isinstance(self.name, str) or not STUDY_NAME.match(self.name) or ".." in self.name:
-            raise _err(
+            raise config_error(
                 "study.name",
                 f"must be letters, digits, '-', '_' or '.' (starting with a letter or digit, "
                 f"no '..'), got {self.name!r}: it names the study's folder (studies/<name>)",
                 'e.g. name = "mnist-dpsgd"; choose where the study goes with `dptune tune CONFIG -o DIR`',
             )
         if not isinstance(self.secure, bool):
-            raise _err(
+            raise config_error(
                 "study.secure",
                 f"must be true or false, got {self.secure!r}",
                 "secure = true (OS CSPRNG randomness, for results you will publish) or false (seeded)",
@@ -637,7 +515,7 @@ class Study:
         keys = [a.key for a in strategies]
         dup = sorted({k for k in keys if keys.count(k) > 1})
         if dup:
-            raise _err(
+            raise config_error(
                 "strategies",
                 f"two strategies share the name {dup[0]!r}",
                 'give each a distinct label, e.g. label = "dpsgd-momentum"',
@@ -698,108 +576,104 @@ def _jsonable(x: Any) -> Any:
 
 
 def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
-    from dptune.strategies import STRATEGIES, make_strategy, strategy_signature
-
+    """One strategy arm: its strategy, the names and values of its space, then what its tuning
+    method requires of it (``TuningMethod.check_arm``), then that the strategy builds."""
     path = f"strategies[{i}]"
+    key, hyperparameters, private = _check_strategy_name(arm, path)
+    method = _check_arm_tables(study, arm, path)
+    _check_keys(arm, key, hyperparameters, path)
+    tuner = get_method(method.name)
+    _check_space_values(arm.space, method.name, tuner.needs_value_lists, path)
+    tuner.check_arm(study, arm, path, private)
+    _check_strategy_builds(arm, key, path)
+
+
+def _check_strategy_name(arm: StrategyArm, path: str) -> tuple[str, tuple[str, ...], bool]:
+    """(the strategy's canonical name, its hyperparameters, whether it is private); the arm's
+    name becomes the canonical one."""
     if not isinstance(arm, StrategyArm):
-        raise _err(path, "must be a StrategyArm", "StrategyArm(name='dpsgd', space={'lr': [0.1, 1.0]})")
+        raise config_error(path, "must be a StrategyArm", "StrategyArm(name='dpsgd', space={'lr': [0.1, 1.0]})")
     try:
         key, hyperparameters, private = strategy_signature(str(arm.name))
     except ConfigError as exc:
-        raise _err(
+        raise config_error(
             f"{path}.name",
             str(exc).rstrip("."),
             f"choose one of {', '.join(sorted(STRATEGIES))}, or '<privatizer>+<update>' (e.g. 'oso+adam')",
         ) from None
     object.__setattr__(arm, "name", key)
+    return key, tuple(hyperparameters), private
+
+
+def _check_arm_tables(study: Study, arm: StrategyArm, path: str) -> MethodSpec:
+    """``space`` and ``fixed`` are tables and ``method`` a MethodSpec; returns the arm's method."""
     if not isinstance(arm.space, Mapping) or not isinstance(arm.fixed, Mapping):
-        raise _err(f"{path}.space", "space and fixed must be tables", "e.g. space = { lr = [0.1, 1.0] }")
+        raise config_error(f"{path}.space", "space and fixed must be tables", "e.g. space = { lr = [0.1, 1.0] }")
     method = study.method_for(arm)
     if arm.method is not None and not isinstance(arm.method, MethodSpec):
-        raise _err(f"{path}.method", "must be a MethodSpec", "e.g. method = { name = 'grid' }")
+        raise config_error(f"{path}.method", "must be a MethodSpec", "e.g. method = { name = 'grid' }")
+    return method
+
+
+def _check_keys(arm: StrategyArm, key: str, hyperparameters: Sequence[str], path: str) -> None:
+    """Every searched or fixed name is a hyperparameter of the strategy (or a run setting), once."""
     allowed = set(hyperparameters) | set(TRAINING_KEYS)
     for k in list(arm.space) + list(arm.fixed):
         if k not in allowed:
             where = "space" if k in arm.space else "fixed"
-            raise _err(
+            raise config_error(
                 f"{path}.{where}.{k}",
                 f"strategy {key!r} has no hyperparameter {k!r}",
                 f"use one of {', '.join(sorted(allowed))}",
             )
     both = sorted(set(arm.space) & set(arm.fixed))
     if both:
-        raise _err(f"{path}.fixed.{both[0]}", "is both searched and fixed", "keep it in one of space/fixed")
-    if not arm.space and private and method.name != "linear-scaling":
-        raise _err(
-            f"{path}.space",
-            "the search space is empty",
-            "add at least one hyperparameter with values, e.g. space = { lr = [0.01, 0.1, 1.0] }",
-        )
-    grid_like = method.name in ("grid", "online", "oracle")
-    for k, v in arm.space.items():
+        raise config_error(f"{path}.fixed.{both[0]}", "is both searched and fixed", "keep it in one of space/fixed")
+
+
+def _check_space_values(space: Mapping[str, Any], method: str, needs_lists: bool, path: str) -> None:
+    """Each axis: a non-empty list of values, or one distribution with valid bounds (not for
+    methods that need lists, such as a grid)."""
+    for k, v in space.items():
         vpath = f"{path}.space.{k}"
         if isinstance(v, Mapping):
-            if len(v) != 1 or next(iter(v)) not in DISTRIBUTIONS:
-                raise _err(
+            _check_distribution(v, vpath)
+            if needs_lists:
+                raise config_error(
                     vpath,
-                    f"unknown distribution {dict(v)!r}",
-                    f"use a list of values or one of {', '.join(DISTRIBUTIONS)} = [lo, hi]",
-                )
-            dist, bounds = next(iter(v.items()))
-            if not (
-                isinstance(bounds, Sequence)
-                and len(bounds) == 2
-                and all(isinstance(b, int | float) for b in bounds)
-                and bounds[0] <= bounds[1]
-            ):
-                raise _err(vpath, f"{dist} needs [lo, hi] with lo ≤ hi, got {bounds!r}", f"e.g. {dist} = [1e-3, 1.0]")
-            if "log" in dist and bounds[0] <= 0:
-                raise _err(vpath, f"{dist} needs lo > 0, got {bounds[0]!r}", "use a positive lower bound")
-            if grid_like:
-                raise _err(
-                    vpath,
-                    f"method {method.name!r} needs a list of values, not a distribution",
+                    f"method {method!r} needs a list of values, not a distribution",
                     f"write {k} = [v1, v2, ...] or use method 'random'",
                 )
         elif isinstance(v, Sequence) and not isinstance(v, str):
             if len(v) == 0:
-                raise _err(vpath, "the list of values is empty", f"give at least one value, e.g. {k} = [0.1, 1.0]")
+                raise config_error(
+                    vpath, "the list of values is empty", f"give at least one value, e.g. {k} = [0.1, 1.0]"
+                )
         else:
-            raise _err(vpath, f"must be a list of values or a distribution, got {v!r}", f"e.g. {k} = [{v!r}]")
-    if method.name == "online":
-        if key != "oso":
-            raise _err(
-                f"{path}.name",
-                f"method 'online' tunes OSO-DPSGD only, got strategy {key!r}",
-                "use name = 'oso' (or 'online'), or method 'grid' for other strategies",
-            )
-        if set(arm.space) != {"lr"}:
-            raise _err(
-                f"{path}.space",
-                f"method 'online' searches the learning rate only, got {sorted(arm.space)}",
-                "use space = { lr = [...] } (C is learned online: Galli's 'one hyperparameter fewer')",
-            )
-    if method.name == "linear-scaling" and private:
-        if set(arm.space) != {"lr", "steps"}:
-            raise _err(
-                f"{path}.space",
-                f"linear-scaling searches r = η·T: it needs exactly lr and steps, got {sorted(arm.space)}",
-                "use space = { lr = { log_uniform = [1e-3, 1.0] }, steps = { int_uniform = [10, 200] } }",
-            )
-        if study.selection.across_seeds != "per-seed":
-            raise _err(
-                "selection.across_seeds",
-                "linear-scaling runs one adaptive procedure per seed",
-                "set across_seeds = 'per-seed'",
-            )
-    if method.name == "liu-talwar" and method.options.get("gamma") is None and not _finite(arm.space):
-        raise _err(
-            "method.gamma",
-            "γ is needed when the space has continuous distributions",
-            "set gamma (e.g. 0.1), or make every axis a list (γ = 1/#candidates)",
+            raise config_error(vpath, f"must be a list of values or a distribution, got {v!r}", f"e.g. {k} = [{v!r}]")
+
+
+def _check_distribution(v: Mapping[str, Any], vpath: str) -> None:
+    if len(v) != 1 or next(iter(v)) not in DISTRIBUTIONS:
+        raise config_error(
+            vpath,
+            f"unknown distribution {dict(v)!r}",
+            f"use a list of values or one of {', '.join(DISTRIBUTIONS)} = [lo, hi]",
         )
-    if method.name == "repeat-and-select" and method.options.get("mean") is None and not _finite(arm.space):
-        raise _err("method.mean", "the mean number of runs is needed with continuous spaces", "set mean = 10")
+    dist, bounds = next(iter(v.items()))
+    if not (
+        isinstance(bounds, Sequence)
+        and len(bounds) == 2
+        and all(isinstance(b, int | float) for b in bounds)
+        and bounds[0] <= bounds[1]
+    ):
+        raise config_error(vpath, f"{dist} needs [lo, hi] with lo ≤ hi, got {bounds!r}", f"e.g. {dist} = [1e-3, 1.0]")
+    if "log" in dist and bounds[0] <= 0:
+        raise config_error(vpath, f"{dist} needs lo > 0, got {bounds[0]!r}", "use a positive lower bound")
+
+
+def _check_strategy_builds(arm: StrategyArm, key: str, path: str) -> None:
+    """The strategy accepts the first value of every axis and the fixed values."""
     try:
         make_strategy(
             key,
@@ -811,13 +685,9 @@ def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
             **{k: v for k, v in arm.fixed.items() if k not in TRAINING_KEYS},
         )
     except ConfigError as exc:
-        raise _err(path, str(exc), "fix the strategy's hyperparameters") from None
+        raise config_error(path, str(exc), "fix the strategy's hyperparameters") from None
     except TypeError as exc:
-        raise _err(path, str(exc), "check the hyperparameter types") from None
-
-
-def _finite(space: Mapping[str, Any]) -> bool:
-    return all(not isinstance(v, Mapping) for v in space.values())
+        raise config_error(path, str(exc), "check the hyperparameter types") from None
 
 
 # ----------------------------------------------------------------------------- loading
@@ -845,7 +715,7 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
         raise _unknown_name(str(unknown[0]), f"section [{unknown[0]}]", unknown[0], top, "the sections")
     for req in ("data", "model", "training", "strategies"):
         if req not in d:
-            raise _err(req, "section missing", f"add a [{req}] section (see docs/tuning.md)")
+            raise config_error(req, "section missing", f"add a [{req}] section (see docs/tuning.md)")
     st = _table(d, "study")
     _only(st, "study", {"name", "seed", "seeds", "threads_per_run", "trials_per_group", "secure"})
     data_t = _table(d, "data")
@@ -864,18 +734,18 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
     if isinstance(raw, Mapping):
         raw = [raw]
     if not isinstance(raw, list) or not raw:
-        raise _err("strategies", "must be a non-empty list", 'add [[strategies]] name = "dpsgd" ...')
+        raise config_error("strategies", "must be a non-empty list", 'add [[strategies]] name = "dpsgd" ...')
     arms = []
     for i, s in enumerate(raw):
         if not isinstance(s, Mapping):
-            raise _err(f"strategies[{i}]", "must be a table", 'e.g. [[strategies]] name = "dpsgd"')
+            raise config_error(f"strategies[{i}]", "must be a table", 'e.g. [[strategies]] name = "dpsgd"')
         _only(s, f"strategies[{i}]", {"name", "space", "fixed", "method", "label"})
         if "name" not in s:
-            raise _err(f"strategies[{i}].name", "missing", 'e.g. name = "dpsgd"')
+            raise config_error(f"strategies[{i}].name", "missing", 'e.g. name = "dpsgd"')
         m = _method(s["method"], f"strategies[{i}].method") if "method" in s else None
         for part in ("space", "fixed"):
             if not isinstance(s.get(part, {}), Mapping):
-                raise _err(
+                raise config_error(
                     f"strategies[{i}].{part}",
                     f"must be a table, got {s[part]!r}",
                     f"e.g. {part} = {{ lr = [0.1, 1.0] }}",
@@ -890,12 +760,16 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
             )
         )
     if "name" not in data_t and "factory" not in data_t:
-        raise _err("data.name", "missing", 'e.g. name = "digits" (or factory = "mypkg.data:load")')
+        raise config_error("data.name", "missing", 'e.g. name = "digits" (or factory = "mypkg.data:load")')
     if "name" not in model_t and "factory" not in model_t:
-        raise _err("model.name", "missing", 'e.g. name = "logistic_regression" (or factory = "mypkg.models:build")')
+        raise config_error(
+            "model.name", "missing", 'e.g. name = "logistic_regression" (or factory = "mypkg.models:build")'
+        )
     for part, t in (("data", data_t), ("model", model_t)):
         if not isinstance(t.get("options", {}), Mapping):
-            raise _err(f"{part}.options", f"must be a table, got {t['options']!r}", "e.g. options = { flatten = true }")
+            raise config_error(
+                f"{part}.options", f"must be a table, got {t['options']!r}", "e.g. options = { flatten = true }"
+            )
     return Study(
         data=DataSpec(name=data_t.get("name"), options=dict(data_t.get("options", {})), factory=data_t.get("factory")),
         model=ModelSpec(
@@ -918,7 +792,9 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
 def _table(d: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     v = d.get(key, {})
     if not isinstance(v, Mapping):
-        raise _err(key, f"must be a table, got {type(v).__name__}", f"write [{key}] followed by key = value lines")
+        raise config_error(
+            key, f"must be a table, got {type(v).__name__}", f"write [{key}] followed by key = value lines"
+        )
     return v
 
 
@@ -949,7 +825,7 @@ def _method(t: Any, path: str) -> MethodSpec:
     if isinstance(t, str):
         return MethodSpec(name=t)
     if not isinstance(t, Mapping) or "name" not in t:
-        raise _err(f"{path}.name", "missing", f"e.g. [{path}] name = 'grid'")
+        raise config_error(f"{path}.name", "missing", f"e.g. [{path}] name = 'grid'")
     opts = {k: v for k, v in t.items() if k != "name"}
     return MethodSpec(name=t["name"], options=opts)
 

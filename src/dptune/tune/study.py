@@ -21,14 +21,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dptune.deliverable import save_checkpoint
+from dptune.devices import check_device_name, resolve_device
 from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
+from dptune.grads import check_model
 from dptune.ledger import Ledger
-from dptune.tune.data import study_data
-from dptune.tune.executors import Executor, check_workers, make_executor, require_ray
-from dptune.tune.planners import RunSpec, StudyPlan, plan_study, resolve_final_config
+from dptune.paths import check_output_dir
+from dptune.tune import results
+from dptune.tune.data import build_model, study_data
+from dptune.tune.executors import Executor, check_executor, check_workers, make_executor, require_ray
+from dptune.tune.export import export_study, prune_checkpoints
+from dptune.tune.groups import plan_groups
+from dptune.tune.methods import get_method
+from dptune.tune.plan import plan_study
+from dptune.tune.planners import RunSpec, StudyPlan
 from dptune.tune.spec import Study, load_study_config, study_from_dict
 from dptune.tune.store import Store
 from dptune.tune.worker import check_run_ledger, execute_task
+from dptune.vectorized import stack_plan
 
 
 def study_metric(study: Study, task: str) -> str:
@@ -147,21 +157,6 @@ def _lock(study_dir: Path) -> Iterator[None]:
         yield
 
 
-def plan_groups(plan: StudyPlan, size: int) -> dict[str, tuple[str, ...]]:
-    """run_id → its group of ``size`` (``Coordinator.groups``, for a model that can be stacked)."""
-    out: dict[str, tuple[str, ...]] = {}
-    keyed: dict[tuple[Any, ...], list[str]] = {}
-    for rid, r in plan.runs.items():
-        keyed.setdefault((r.arm, r.stage, r.procedure if r.config is None else None), []).append(rid)
-    for ids in keyed.values():
-        for i in range(0, len(ids), max(1, size)):
-            chunk = tuple(ids[i : i + size])
-            if len(chunk) > 1:
-                for rid in chunk:
-                    out[rid] = chunk
-    return out
-
-
 class Coordinator:
     """Owns the study ledger; the only place where run results enter the study."""
 
@@ -210,32 +205,23 @@ class Coordinator:
         # committed run always has its weights; a crash in between re-executes the run on
         # resume with the same seeds, rewriting the same weights.
         if result.get("checkpoint"):
-            from dptune.deliverable import save_checkpoint
-
             save_checkpoint(self.store.dir, run_id, result["checkpoint"])
         self.store.finish(run_id, result, tagged)
         self.ledger.extend(tagged, run=run_id)
 
     # -- adaptive stages
     def resolve(self) -> None:
+        """Configure the adaptive runs whose inputs have finished (``TuningMethod.resolve``), from
+        stored results only: a resumed study resolves them identically."""
         rows = {r["run_id"]: r for r in self.store.runs()}
         scores = {rid: r["score"] for rid, r in rows.items()}
         for arm in self.plan.arms:
-            if arm.method != "linear-scaling":
+            method = get_method(arm.method)
+            if not method.adaptive:
                 continue
-            for rid in arm.runs:
-                run = self.plan.runs[rid]
-                if run.stage != "final" or rows[rid]["config"] is not None:
-                    continue
-                sweep_ids = [
-                    s
-                    for s in arm.runs
-                    if self.plan.runs[s].procedure == run.procedure and self.plan.runs[s].stage.startswith("sweep")
-                ]
-                if all(rows[s]["status"] in ("done", "diverged") for s in sweep_ids):
-                    config, fit = resolve_final_config(self.plan, arm, run.procedure, scores)
-                    self.store.set_config(rid, config, fit)
-                    run.config = config
+            for rid, (config, fit) in method.resolve(self.plan, arm, rows, scores).items():
+                self.store.set_config(rid, config, fit)
+                self.plan.runs[rid].config = config
 
     def ready(self) -> list[RunSpec]:
         out = []
@@ -262,10 +248,6 @@ class Coordinator:
         return self._groups
 
     def _stackable(self) -> bool:
-        from dptune.grads import check_model
-        from dptune.tune.data import build_model
-        from dptune.vectorized import stack_plan
-
         try:
             data = study_data(self.study.data, self.study.selection, self.study.seed)
             model = build_model(self.study.model, data, self.study.seeds[0])
@@ -402,8 +384,6 @@ def check_study_device(device: str, executor: str | Executor, address: str | Non
     """Refuse, before any directory is made, a device the runs cannot use (or executor 'ray' without
     Ray installed). Runs on this machine (local, process, a Ray started here) need the device here;
     a remote Ray cluster's workers check it themselves (``worker``), since the driver may have no GPU."""
-    from dptune.devices import check_device_name, resolve_device
-
     device = check_device_name(device, "training.device")
     name = getattr(executor, "name", executor)
     if name == "ray" and device.startswith("cuda:"):
@@ -434,10 +414,6 @@ def run_study(
     ``training.device`` on CUDA, Ray tasks request ``gpus_per_run`` GPUs (default 1) and the
     process pool pins one worker per GPU (docs/tuning.md). Writes the results CSVs into
     ``study_dir`` and returns the results table rows."""
-    from dptune.paths import check_output_dir
-    from dptune.tune import results
-    from dptune.tune.executors import check_executor
-
     study = load_study_config(config)
     device = study.training.device
     check_workers(workers)  # before any directory is made
@@ -472,8 +448,6 @@ def run_study(
     if complete:
         # The deliverable: each arm's selected model + card in release/models/, from the stored
         # checkpoints (no retraining, no release); the other runs' weights are then deleted.
-        from dptune.deliverable import export_study, prune_checkpoints
-
         export_study(path, skip_missing=True)
         prune_checkpoints(path)
     return StudyOutcome(path, complete, matches, counts, rows)

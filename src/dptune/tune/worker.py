@@ -34,14 +34,15 @@ from dptune.devices import resolve_device
 from dptune.errors import BudgetExceededError, DPTuneError
 from dptune.ledger import Ledger, atoms, compose
 from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
-from dptune.own import metric_higher, named_metric
+from dptune.metrics import MSE, resolve, score_sums
 from dptune.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.train import RunPlan, TrainResult, train
 from dptune.tree import Tensors, clone, is_finite
 from dptune.tune.data import StudyData, build_model, study_data
 from dptune.tune.planners import EVAL_LABEL, RunSpec
-from dptune.tune.spec import TRAINING_KEYS, Study
+from dptune.tune.space import TRAINING_KEYS
+from dptune.tune.spec import Study
 from dptune.vectorized import train_many
 
 
@@ -69,12 +70,15 @@ class Scorer:
         self.x, self.y = data.x_val.to(device), data.y_val.to(device)
         self.m = int(self.x.shape[0])
         self.private = run.eval_noise_multiplier is not None
-        # Your own dptune.Metric ("pkg.module:NAME"): per-example scores clamped to [0, s], s declared.
-        self.user = named_metric(metric)
-        if self.user is not None:
-            self.sensitivity = self.user.require_sensitivity() if self.private else 1.0
+        # Per-example scores, clamped to [0, s] when released: accuracy s = 1, MSE s = the study's
+        # mse_clip, your own dptune.Metric ("pkg.module:NAME") the sensitivity it declares.
+        self.measure = resolve(metric, what="selection.metric")
+        if self.measure is MSE:
+            self.measure = self.measure.with_sensitivity(float(study.selection.mse_clip))
+        if self.private:
+            self.sensitivity = self.measure.require_sensitivity()
         else:
-            self.sensitivity = 1.0 if metric == "accuracy" else float(study.selection.mse_clip)
+            self.sensitivity = float(self.measure.sensitivity or 1.0)
         self.ledger = Ledger.with_plan(_eval_event(run))
         # Private selection scores are releases too: secure mode covers their noise.
         self.gateway = NoisyRelease(
@@ -83,41 +87,27 @@ class Scorer:
         self.nu = run.eval_noise_multiplier
 
     def total(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, clip: float | None) -> float:
-        """Σ over examples of the per-example score (correct predictions, or squared error)."""
+        """Σ over examples of the per-example score (correct predictions, squared error, yours).
+
+        ``clip`` (= the sensitivity c, private release): each score clamped to [0, c], a
+        non-finite one counting as the worst (``Metric.scores``), so one example moves the sum by
+        ≤ c; a non-finite prediction is a wrong one (``dptune.metrics.ACCURACY``)."""
         if not is_finite(params):
             return math.nan
-        total = 0.0
-        with torch.no_grad():
-            for i in range(0, int(x.shape[0]), 4096):
-                out = functional_call(self.model, params, (x[i : i + 4096],))
-                yy = y[i : i + 4096]
-                if self.user is not None:
-                    total += float(self.user.scores(out, yy, clip=clip is not None).sum())
-                elif self.metric == "accuracy":
-                    pred = out.argmax(1) if out.ndim > 1 and out.shape[1] > 1 else (out.reshape(-1) > 0).long()
-                    # A non-finite prediction is wrong (argmax of a NaN row is arbitrary).
-                    finite = torch.isfinite(out.reshape(out.shape[0], -1)).all(1)
-                    total += float(((pred == yy) & finite).sum())
-                else:
-                    err = ((out - yy) ** 2).reshape(out.shape[0], -1).mean(1)
-                    if clip is not None:
-                        # Per-example rule, BEFORE the clamp (clamp keeps NaN): a non-finite error
-                        # counts as the maximal error c, so one example moves the sum by ≤ c. Without
-                        # it one NaN made the whole sum NaN, released as the constant c·m.
-                        err = torch.nan_to_num(err, nan=clip, posinf=clip, neginf=clip).clamp(0.0, clip)
-                    total += float(err.sum())
+        (total,), _ = score_sums(
+            lambda xb: functional_call(self.model, params, (xb,)), (x, y), self.measure, clip=clip is not None
+        )
         return total
 
     def score(self, params: Tensors) -> float:
         if not self.private:
             return self.total(params, self.x, self.y, None) / self.m
-        clip = self.sensitivity if self.metric == "mse" or self.user is not None else None
-        s = self.total(params, self.x, self.y, clip)
+        s = self.total(params, self.x, self.y, self.sensitivity)
         if not math.isfinite(s):
             # Diverged parameters (only they: the per-example rules in ``total`` keep every
             # term finite): the released statistic is then that of a constant predictor
             # (0 correct / maximal error) — still released, so the ledger matches the plan.
-            s = 0.0 if metric_higher(self.metric) else self.sensitivity * self.m
+            s = 0.0 if self.measure.higher_is_better else self.sensitivity * self.m
         (noisy,) = self.gateway.release(
             SumQuery(f"validation_{self.metric}_sum", torch.tensor(s, dtype=torch.float64), self.sensitivity, self.nu),
             label=EVAL_LABEL,
@@ -166,7 +156,7 @@ class _RunJob:
         hp = {k: v for k, v in run.config.items() if k not in TRAINING_KEYS}
         base = make_strategy(strategy_name, **hp)
         self.scorer = Scorer(self.model, data, metric, run, study, device)
-        self.higher = metric_higher(metric)
+        self.higher = self.scorer.measure.higher_is_better
         self.evals: list[dict[str, Any]] = []
         self.best: dict[str, Any] = {"score": None, "step": None, "params": None}
         self.strategy = _with_checkpoints(base, set(run.eval_steps), self.consider)

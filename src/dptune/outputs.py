@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import dptune
+
 NOT_DP_LABEL = "not differentially private: for the data owner only"
 NOT_DP_NOTICE = (
     f"{NOT_DP_LABEL}. Computed from the raw private data outside the privacy guarantee, "
@@ -44,8 +46,12 @@ DIAGNOSTICS_DIR = "diagnostics"
 RELEASE_HISTORY_KEYS: tuple[str, ...] = ("step", "clip", "lr")
 NONPRIVATE_HISTORY_KEYS: tuple[str, ...] = ("train_loss", "batch_size")
 
-# Guarantees that cover only the selected candidate with the number of runs K hidden.
-HIDDEN_RUN_COUNT_KINDS: tuple[str, ...] = ("liu-talwar", "repeat-and-select")
+# Guarantees that cover only the selected candidate with the number of runs K hidden: the built-in
+# kinds (Liu–Talwar, repeat-and-select) are fixed here, so hiding fails closed whatever was imported
+# or unregistered; plug-in methods with ``hides_run_count`` add their name (= their guarantees' kind,
+# checked by ``tune.plan``) when registered.
+BUILTIN_HIDDEN_RUN_COUNT_KINDS: frozenset[str] = frozenset({"liu-talwar", "repeat-and-select"})
+HIDDEN_RUN_COUNT_KINDS: set[str] = set(BUILTIN_HIDDEN_RUN_COUNT_KINDS)
 
 _README = """NOT DIFFERENTIALLY PRIVATE: FOR THE DATA OWNER ONLY.
 
@@ -83,7 +89,7 @@ def release_history_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, An
 
 def hides_run_count(guarantee_kind: str | None) -> bool:
     """Does this guarantee hold only with the number of runs (K) kept secret?"""
-    return guarantee_kind in HIDDEN_RUN_COUNT_KINDS
+    return guarantee_kind in HIDDEN_RUN_COUNT_KINDS or guarantee_kind in BUILTIN_HIDDEN_RUN_COUNT_KINDS
 
 
 # Stated instead of the planner's note for arms whose guarantee needs K secret.
@@ -103,11 +109,15 @@ def split_arm_notes(arms: Iterable[Any], name: Any = None) -> tuple[list[str], l
     return release, [f"{label(a)}: {n}" for a in hidden for n in a.notes]
 
 
+def epsilon_text(eps: float) -> str:
+    """ε as the reports write it: ``3``, ``0.5``, ``∞`` for a non-private run."""
+    return "∞" if not math.isfinite(eps) else f"{eps:g}"
+
+
 def public_run_name(arm: Any, run: Mapping[str, Any]) -> str:
     """A selected run's name in the release: procedure and seed replicate, not the run id
     (whose candidate index bounds K from below)."""
-    eps = "∞" if not math.isfinite(arm.epsilon) else f"{arm.epsilon:g}"
-    return f"{arm.label} @ ε = {eps}, procedure {run['procedure']}, replicate {run['replicate']}"
+    return f"{arm.label} @ ε = {epsilon_text(arm.epsilon)}, procedure {run['procedure']}, replicate {run['replicate']}"
 
 
 def write_csv_rows(
@@ -159,6 +169,26 @@ def labelled_json(payload: Mapping[str, Any]) -> dict[str, Any]:
     return {"privacy": NOT_DP_NOTICE, **payload}
 
 
+# ----------------------------------------------------------------------------- randomness
+SEEDED_WARNING = (
+    "seeded (reproducible) randomness: the seed is a secret key. Anyone who knows it can regenerate "
+    "every noise draw and every Poisson batch and subtract them: the privacy guarantee then does not "
+    "hold. Keep the seed secret, or train with secure mode (the OS CSPRNG) before publishing."
+)
+SECURE_STATEMENT = (
+    "secure mode: the noise and the Poisson batches were drawn from the operating system's "
+    "CSPRNG, not from the seed (not reproducible)."
+)
+
+
+def randomness_statement(secure: bool) -> dict[str, str]:
+    """The ``randomness`` mode and its note, for every report of a run or study."""
+    return {
+        "randomness": "secure" if secure else "seeded",
+        "randomness_note": SECURE_STATEMENT if secure else SEEDED_WARNING,
+    }
+
+
 # ----------------------------------------------------------------------------- one run (dptune train)
 # The seed drives the noise and the Poisson batches in seeded mode: a secret key (docs/privacy.md,
 # "Secure mode"). Like the model card, a release never holds it, in either mode; the diagnostics do.
@@ -182,8 +212,6 @@ def train_outputs(
     the private batch, the realised batch sizes), the run time (it grows with the realised
     batch sizes) and the full ledger. ``context`` (e.g. dataset, model) goes to both.
     """
-    import dptune
-
     summary = dict(result.summary())
     seconds = summary.pop("seconds", None)  # timing: a side channel on the realised batch sizes
     private = bool(result.plan.strategy.private)

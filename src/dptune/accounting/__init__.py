@@ -1,0 +1,79 @@
+"""Privacy accounting on top of ``dp_accounting``: ε(δ) of events, noise calibration, μ-GDP.
+
+Everything here is a pure function of immutable ``DpEvent``s; no accountant is hand-rolled.
+RDP and PLD come from ``dp_accounting``; μ-GDP (Dong, Roth & Su 2019, Corollary 2.13) is used
+only for unsampled (full-batch) Gaussian mechanisms, where it is exact. Neighbouring relation:
+add/remove one example. One idea per module:
+
+* ``events``: argument checks, the DP-SGD events, the split-noise algebra;
+* ``gdp``: exact μ-GDP;
+* ``accountants``: ε(δ) of an event (``epsilon``), the tightest accountant, PLD's cost guards;
+* ``calibration``: ``calibrate`` (→ ``Calibration``) and printing ν (``noise_multiplier_text``);
+* ``solver``: the root finder ``calibration`` uses;
+* ``_fast_pld``: the private, version-pinned fast PLD used only to search.
+
+Derivations: docs/accounting.md.
+"""
+
+from __future__ import annotations
+
+from dptune.accounting import _fast_pld
+from dptune.accounting import accountants as _accountants
+from dptune.accounting import calibration as _calibration
+from dptune.accounting.accountants import (
+    epsilon,
+    epsilon_cached,
+    make_accountant,
+    pld_cost_problem,
+    tightest_accountant,
+)
+from dptune.accounting.calibration import Calibration, calibrate, noise_multiplier_text, round_up
+from dptune.accounting.events import (
+    check_accountant,
+    check_delta,
+    check_epsilon,
+    check_noise_multiplier,
+    check_sampling_rate,
+    dpsgd_event,
+    gaussian_step_event,
+    joint_noise_multiplier,
+    oso_q_noise_multiplier,
+    releases_of,
+    split_noise_multiplier,
+)
+from dptune.accounting.gdp import gdp_delta, gdp_epsilon, gdp_mu_for_epsilon, gdp_mu_of_event
+
+__all__ = [
+    "Calibration",
+    "calibrate",
+    "check_accountant",
+    "check_delta",
+    "check_epsilon",
+    "check_noise_multiplier",
+    "check_sampling_rate",
+    "clear_caches",
+    "dpsgd_event",
+    "epsilon",
+    "epsilon_cached",
+    "gaussian_step_event",
+    "gdp_delta",
+    "gdp_epsilon",
+    "gdp_mu_for_epsilon",
+    "gdp_mu_of_event",
+    "joint_noise_multiplier",
+    "make_accountant",
+    "noise_multiplier_text",
+    "oso_q_noise_multiplier",
+    "pld_cost_problem",
+    "releases_of",
+    "round_up",
+    "split_noise_multiplier",
+    "tightest_accountant",
+]
+
+
+def clear_caches() -> None:
+    """Forget every memoised ε, search PLD and calibration (benchmarks; tests that patch the code)."""
+    _accountants.clear_caches()
+    _fast_pld.clear_caches()
+    _calibration.clear_caches()

@@ -1,0 +1,280 @@
+"""Evaluation metrics: one ``Metric`` type, the built-ins, one resolver, one batched evaluation.
+
+* ``Metric``: ``fn(output [B, ...], target [B, ...]) -> per-example scores [B]``; the metric of a
+  parameter set is the mean score over the evaluation data. A private release clamps each score
+  to [0, sensitivity] (a non-finite score counts as the worst one), so Σ scores moves by at most
+  the sensitivity when one example is added or removed (docs/privacy.md).
+* ``ACCURACY`` (sensitivity 1) and ``MSE`` (its clip is the study's ``selection.mse_clip``) are
+  ``Metric`` objects; ``HIGHER_IS_BETTER`` is the one direction table.
+* ``resolve``: a built-in name, ``"pkg.module:NAME"``, a ``Metric`` or a bare callable → ``Metric``.
+* ``score_sums``: Σ scores in batches of ``EVAL_BATCH`` rows, for one parameter set or for K
+  stacked ones (``dptune.vectorized``); ``dptune.train``, the vectorised trials and the tuner's
+  checkpoint scorer all evaluate through it.
+
+Torch is imported when a score is computed, not with this module: ``import dptune.metrics`` (and
+``from dptune import Metric`` in a user's metric module) does not load torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dptune.errors import ConfigError
+from dptune.factories import import_factory, is_factory_path
+
+if TYPE_CHECKING:
+    import torch
+
+# Rows per evaluation forward pass (bounds memory). Read at call time: tests lower it to exercise
+# the batching; the batch size does not change a metric's value beyond float rounding.
+EVAL_BATCH = 4096
+
+
+@dataclass(frozen=True)
+class Metric:
+    """An evaluation metric: ``fn(output [B, ...], target [B, ...]) -> per-example scores [B]``.
+
+    The metric of a parameter set is the mean score over the evaluation data. For private
+    selection, ``sensitivity`` must bound how much one example's score can move the SUM of
+    scores (e.g. 1 for a score in [0, 1]); it is trusted, and scores are clamped to
+    [0, sensitivity] so that the bound holds for any output (docs/privacy.md).
+    """
+
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    higher_is_better: bool = True
+    sensitivity: float | None = None
+    name: str = "metric"
+
+    def __post_init__(self) -> None:
+        self._validate()
+        if self.name in HIGHER_IS_BETTER:
+            raise ConfigError(f"Metric name {self.name!r} is reserved for the built-in metric. Fix: rename it.")
+
+    def _validate(self) -> None:
+        if not callable(self.fn):
+            raise ConfigError("Metric.fn must be callable(output, target) -> per-example scores [B].")
+        if self.sensitivity is not None and not (
+            isinstance(self.sensitivity, int | float) and math.isfinite(self.sensitivity) and self.sensitivity > 0
+        ):
+            raise ConfigError(f"Metric.sensitivity must be a finite number > 0, got {self.sensitivity!r}.")
+
+    def require_sensitivity(self) -> float:
+        """Private selection releases Σ scores + noise: the metric must state its sensitivity."""
+        if self.sensitivity is None:
+            raise ConfigError(
+                f"metric {self.name!r} states no sensitivity, so it cannot be released privately. "
+                "Fix: Metric(fn, sensitivity=s) with s bounding one example's score, or select "
+                "in public mode."
+            )
+        return float(self.sensitivity)
+
+    def with_sensitivity(self, sensitivity: float) -> Metric:
+        """The same metric with another clip (the built-in MSE's is the study's ``mse_clip``)."""
+        return dataclasses.replace(self, sensitivity=sensitivity)
+
+    def _cast(self, s: torch.Tensor) -> torch.Tensor:
+        return s.double()  # a user's scores are summed in float64
+
+    def scores(self, out: torch.Tensor, y: torch.Tensor, clip: bool = False) -> torch.Tensor:
+        import torch
+
+        s = self.fn(out, y)
+        if not isinstance(s, torch.Tensor) or tuple(s.shape) != (int(out.shape[0]),):
+            got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+            raise ConfigError(
+                f"metric {self.name!r} must return one score per example (shape "
+                f"[{int(out.shape[0])}]), got {got}. Fix: do not reduce over the batch."
+            )
+        s = self._cast(s.detach())
+        if clip:
+            c = self.require_sensitivity()
+            worst = 0.0 if self.higher_is_better else c  # a non-finite score counts as the worst one
+            # Before the clamp, which keeps NaN: one NaN would make the whole sum NaN.
+            s = torch.nan_to_num(s, nan=worst, posinf=worst, neginf=worst).clamp(0.0, c)
+        return s
+
+
+@dataclass(frozen=True)
+class _Builtin(Metric):
+    """A built-in metric: the name is its own, and its scores keep the output's dtype (summed per
+    batch in float32 for a float32 model, as dptune always did: the same runs bit for bit)."""
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _cast(self, s: torch.Tensor) -> torch.Tensor:
+        return s
+
+
+def _correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """1 per correct prediction: argmax over the classes, or ``out > 0`` for a single logit. A
+    prediction with any non-finite output is wrong (the argmax of a NaN row is arbitrary)."""
+    import torch
+
+    b = int(out.shape[0])
+    pred = out.argmax(1) if out.ndim > 1 and out.shape[1] > 1 else (out.reshape(-1) > 0).long()
+    finite = torch.isfinite(out.reshape(b, -1)).all(1)
+    # Several predictions per example (e.g. per position) count one each, as the sum always did.
+    return ((pred == y).reshape(b, -1) & finite.unsqueeze(1)).sum(1)
+
+
+def _squared_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean squared error of each example (over its output dimensions)."""
+    return ((out - y) ** 2).reshape(out.shape[0], -1).mean(1)
+
+
+# "loss" is a direction only (a report of a loss): no evaluation computes it.
+HIGHER_IS_BETTER: dict[str, bool] = {"accuracy": True, "mse": False, "loss": False}
+ACCURACY: Metric = _Builtin(_correct, higher_is_better=True, sensitivity=1.0, name="accuracy")
+MSE: Metric = _Builtin(_squared_error, higher_is_better=False, name="mse")
+BUILTINS: dict[str, Metric] = {m.name: m for m in (ACCURACY, MSE)}
+
+
+def named(path: str, what: str = "selection.metric") -> Metric:
+    """The ``dptune.Metric`` named ``"pkg.module:NAME"`` (e.g. a study's ``selection.metric``)."""
+    obj = import_factory(path, what, require_callable=False)
+    if not isinstance(obj, Metric):
+        raise ConfigError(
+            f"{what} {path!r} is a {type(obj).__name__}, not a dptune.Metric. Fix: define "
+            "NAME = dptune.Metric(fn, higher_is_better=..., sensitivity=...) in that module."
+        )
+    return obj
+
+
+def resolve(metric: Any, default: str | None = None, what: str = "metric") -> Metric:
+    """``metric`` as a ``Metric``: a built-in name (``accuracy``, ``mse``), ``"pkg.module:NAME"``
+    naming a ``dptune.Metric``, a ``Metric``, or a bare callable (higher is better, no
+    sensitivity). None means ``default``."""
+    if metric is None and default is not None:
+        metric = default
+    if isinstance(metric, Metric):
+        return metric
+    if isinstance(metric, str):
+        if metric in BUILTINS:
+            return BUILTINS[metric]
+        if is_factory_path(metric):
+            return named(metric, what)
+        raise ConfigError(
+            f"unknown {what} {metric!r}. Fix: choose {' or '.join(BUILTINS)}, pass a dptune.Metric, "
+            "or name your own as 'pkg.module:NAME'."
+        )
+    if callable(metric):
+        return Metric(metric, name=getattr(metric, "__name__", "metric"))
+    raise ConfigError(
+        f"{what} must be {', '.join(repr(n) for n in BUILTINS)}, 'pkg.module:NAME', a dptune.Metric or a "
+        f"callable, got {metric!r}. Fix: e.g. metric='accuracy' or metric=dptune.Metric(fn)."
+    )
+
+
+def better(a: float, b: float, higher: bool) -> bool:
+    """Is score ``a`` strictly better than ``b`` (``higher``: the metric's direction)?"""
+    return a > b if higher else a < b
+
+
+def higher_is_better(metric: Any) -> bool:
+    """The direction of a metric: a name of the table (``loss`` included), ``"pkg.module:NAME"``,
+    a ``Metric`` or a callable."""
+    if isinstance(metric, str) and metric in HIGHER_IS_BETTER:
+        return HIGHER_IS_BETTER[metric]
+    return resolve(metric).higher_is_better
+
+
+def batches(x: Any, y: torch.Tensor, size: int | None = None) -> Iterator[tuple[Any, torch.Tensor]]:
+    """(x, y) in consecutive batches of ``size`` rows (default ``EVAL_BATCH``); x may be a
+    tuple/dict of tensors (``dptune.inputs``)."""
+    from dptune import inputs
+
+    size = size or EVAL_BATCH
+    for i in range(0, inputs.batch_len(x), size):
+        yield inputs.rows(x, i, i + size), y[i : i + size]
+
+
+def score_sums(
+    forward: Callable[[Any], torch.Tensor],
+    data: tuple[Any, torch.Tensor] | Iterable[tuple[Any, torch.Tensor]],
+    metric: Metric,
+    *,
+    clip: bool = False,
+    trials: int | None = None,
+) -> tuple[list[float], int]:
+    """Σ over the examples of ``metric``'s per-example scores, and the number of examples.
+
+    ``data``: an ``(x, y)`` tuple, cut into ``batches`` of ``EVAL_BATCH`` rows, or an iterable of
+    ``(x, y)`` batches (``dptune.own.MapSource.chunks``). ``forward(x_batch)``: the outputs
+    [B, ...] of one parameter set (one sum), or with ``trials=K`` those of K parameter sets at
+    once, [K, B, ...] (one sum per set). ``clip``: each score clamped to [0, sensitivity] for a
+    private release (``Metric.scores``). Each batch's sum is added as a Python float, in order.
+    """
+    import torch
+
+    parts = batches(*data) if isinstance(data, tuple) else data
+    totals = [0.0] * (trials or 1)
+    n = 0
+    with torch.no_grad():
+        for x, y in parts:
+            b = int(y.shape[0])
+            if b == 0:
+                continue
+            out = forward(x)
+            if trials is None:
+                totals[0] += float(metric.scores(out, y, clip=clip).sum())
+            else:
+                # The K sets' rows as one batch of K·b examples (each set against the same targets).
+                flat = out.reshape(trials * b, *out.shape[2:])
+                yk = y.unsqueeze(0).expand(trials, *y.shape).reshape(trials * b, *y.shape[1:])
+                per = metric.scores(flat, yk, clip=clip).reshape(trials, b).sum(1)
+                for k, v in enumerate(per.tolist()):
+                    totals[k] += v
+            n += b
+    return totals, n
+
+
+def mean_scores(
+    forward: Callable[[Any], torch.Tensor],
+    data: tuple[Any, torch.Tensor] | Iterable[tuple[Any, torch.Tensor]],
+    metric: Metric,
+    *,
+    trials: int | None = None,
+) -> list[float]:
+    """The metric (mean score) of one parameter set, or of each of ``trials`` stacked ones; NaN
+    without data."""
+    sums, n = score_sums(forward, data, metric, trials=trials)
+    return [s / n if n else math.nan for s in sums]
+
+
+# The range a metric's true value lies in. A privately released selection score (the exact
+# score plus Gaussian noise) can fall outside it (an accuracy of 108%): displays clip it to
+# this range, which is post-processing; stored data (CSV, the study) keep the raw value.
+METRIC_RANGES: dict[str, tuple[float, float]] = {
+    "accuracy": (0.0, 1.0),
+    "mse": (0.0, math.inf),
+    "loss": (0.0, math.inf),
+}
+
+
+def clip_to_range(value: float | None, metric: str) -> float | None:
+    """``value`` clipped to ``METRIC_RANGES[metric]`` for display (unknown metrics, None and NaN
+    unchanged)."""
+    lo_hi = METRIC_RANGES.get(metric)
+    if value is None or lo_hi is None or math.isnan(value):
+        return value
+    return min(max(float(value), lo_hi[0]), lo_hi[1])
+
+
+def finite_number(x: Any) -> bool:
+    """Whether ``x`` is an int or float other than ±inf and NaN (None: a diverged run's score)."""
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def mean_std(values: Iterable[Any]) -> tuple[float | None, float | None]:
+    """Mean ± sample std over seed replicates of the finite numbers in ``values`` (None and NaN,
+    e.g. diverged runs, left out): (None, None) with none, std None with one."""
+    xs = [float(x) for x in values if finite_number(x)]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)

@@ -1,0 +1,149 @@
+"""The run builder: every planned run gets its id, seed and own noise streams here, and the rules
+that map a study's seeds onto tuning procedures (which runs a procedure holds, which are accounted,
+and whether the guarantee is per study or per seed replicate).
+
+Seeds: by default seed repetitions are NOT accounted (as in the papers: they are an evaluation
+device); the guarantee then holds per seed replicate. ``account_seeds = true`` composes them.
+Liu–Talwar and repeat-and-select with ``across_seeds = "mean"`` always account a candidate as the
+composite of its S seed runs (their bound covers the selected candidate, which is S runs). All
+runs get distinct noise streams: runs that shared noise would not compose as independent mechanisms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from dptune.sampling import stream_seed
+from dptune.tune import theory
+from dptune.tune.planners import RunSpec
+from dptune.tune.shapes import Context, Shape
+
+if TYPE_CHECKING:  # types only: the study spec validates methods, which plan with this module
+    from dptune.tune.spec import StrategyArm, Study
+
+
+class Builder:
+    """Collects a study's runs as the methods plan them: run ids, seeds and noise streams."""
+
+    def __init__(self, ctx: Context, coins: theory.SecretCoins | None = None):
+        self.ctx = ctx
+        self.coins = coins if coins is not None else theory.SecretCoins()  # LT / RS draws: secret
+        self.runs: dict[str, RunSpec] = {}
+        self.run_seeds: dict[int, str] = {}  # run_seed → run_id: every run needs its own streams
+
+    def add(
+        self,
+        arm_id: str,
+        stage: str,
+        index: int,
+        procedure: int,
+        replicate: int,
+        config: dict[str, Any] | None,
+        shape: Shape,
+        nu: float,
+    ) -> RunSpec:
+        seed = self.ctx.study.seeds[replicate]
+        run_id = f"{arm_id}/{stage}/p{procedure}/c{index:03d}/s{seed}"
+        spec = RunSpec(
+            run_id=run_id,
+            arm=arm_id,
+            stage=stage,
+            index=index,
+            procedure=procedure,
+            replicate=replicate,
+            # 63 bits (SQLite's INTEGER is signed 64-bit), all of which reach the streams.
+            seed=seed,
+            run_seed=stream_seed(seed, run_id),
+            config=config,
+            steps=shape.steps,
+            sampling_rate=shape.sampling_rate,
+            noise_multiplier=nu,
+            eval_steps=shape.eval_steps,
+            eval_final=shape.eval_final,
+            eval_noise_multiplier=shape.eval_nu,
+            planned_event=shape.event(nu),
+        )
+        if run_id in self.runs:  # pragma: no cover - ids are unique by construction
+            raise RuntimeError(f"duplicate run id {run_id}")
+        if spec.run_seed in self.run_seeds:  # ~N²/2⁶⁴: never seen, but shared noise would void ε
+            raise RuntimeError(
+                f"runs {self.run_seeds[spec.run_seed]} and {run_id} got the same run_seed "
+                f"{spec.run_seed}; they would share their sampling and noise streams."
+            )
+        self.run_seeds[spec.run_seed] = run_id
+        self.runs[run_id] = spec
+        return spec
+
+    def add_candidate(
+        self,
+        arm: StrategyArm,
+        arm_id: str,
+        stage: str,
+        index: int,
+        procedure: int,
+        config: Mapping[str, Any] | None,
+        shape: Shape,
+        nu: float,
+        replicates: Iterable[int] | None = None,
+    ) -> list[str]:
+        """Add one candidate's runs, one per seed of ``replicates`` (default: the procedure's,
+        ``replicates_for``), with the arm's fixed values added to ``config`` (None: configured
+        later, ``TuningMethod.resolve``). Returns their run ids."""
+        reps = replicates_for(self.ctx.study, procedure) if replicates is None else replicates
+        full = None if config is None else {**dict(arm.fixed), **config}
+        return [self.add(arm_id, stage, index, procedure, r, full, shape, nu).run_id for r in reps]
+
+
+def make_arm_id(label: str, eps: float) -> str:
+    return f"{label}@eps={eps:g}" if math.isfinite(eps) else f"{label}@nodp"
+
+
+def procedures(study: Study, composite: bool = False) -> tuple[int, int, int]:
+    """(procedures P, accounted procedures P_acc, runs per candidate that are accounted).
+
+    ``composite`` (Liu–Talwar, repeat-and-select): with ``across_seeds = "mean"`` a candidate
+    IS its S seed runs (the selection reads their mean), so it is accounted as their composite
+    whatever ``account_seeds`` says. These theorems bound the selected candidate only; there is
+    no per-seed reading of them (one run per candidate would understate ε: 2 → 3.3 for S = 3)."""
+    S_ = len(study.seeds)
+    if study.selection.across_seeds == "mean":
+        return 1, 1, (S_ if study.budget.account_seeds or composite else 1)
+    return S_, (S_ if study.budget.account_seeds else 1), 1
+
+
+def guarantee_scope(study: Study, composite: bool = False) -> str:
+    """The guarantee's ``per``: ``"study"`` when every seed's runs are accounted (or there is one
+    seed), else ``"seed replicate"`` (``procedures``: P_acc procedures of ``unit`` seed runs each)."""
+    _, p_acc, unit = procedures(study, composite)
+    return "study" if len(study.seeds) == 1 or p_acc * unit == len(study.seeds) else "seed replicate"
+
+
+def seed_note(study: Study, composite: bool = False) -> list[str]:
+    if len(study.seeds) == 1:
+        return []
+    if composite and study.selection.across_seeds == "mean":
+        return [
+            f"across_seeds = 'mean': a candidate is the composite of its {len(study.seeds)} seed runs (the "
+            "selection reads their mean), calibrated as one mechanism; the guarantee is per study "
+            "(account_seeds has no effect here)."
+        ]
+    if study.budget.account_seeds:
+        return [f"all {len(study.seeds)} seed repetitions are accounted (account_seeds = true)."]
+    if study.selection.across_seeds == "mean":
+        return [
+            f"seed repetitions are NOT accounted (the papers' convention) although the selection averages "
+            f"{len(study.seeds)} seeds: the guarantee covers one seed's runs only."
+        ]
+    return [
+        f"seed repetitions are NOT accounted (the papers' convention): each of the {len(study.seeds)} seed "
+        "replicates is its own tuning procedure with this guarantee."
+    ]
+
+
+def replicates_for(study: Study, procedure: int) -> list[int]:
+    """Seed indices whose runs belong to a procedure (mean mode: all seeds)."""
+    if study.selection.across_seeds == "mean":
+        return list(range(len(study.seeds)))
+    return [procedure]

@@ -1,0 +1,187 @@
+"""A finished study's deliverable: each arm's selected model with its card in ``release/models/<arm>/``
+(``export_study``: at the end of a complete study and ``dptune export``), then the other runs'
+checkpoints pruned.
+
+The weights come from the checkpoints the coordinator kept (``dptune.deliverable.save_checkpoint``):
+no retraining, hence no new release (the ledger is unchanged). The files (weights, card, loading)
+are ``dptune.deliverable``'s; this module picks them with the tuner's selection (``results``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dptune.deliverable import (
+    CHECKPOINTS_DIR,
+    COVERED,
+    MODELS_DIR,
+    NOT_COVERED,
+    checkpoint_path,
+    dptune_version,
+    load_checkpoint,
+    save_text,
+    write_model,
+)
+from dptune.errors import ConfigError
+from dptune.ledger import Ledger
+from dptune.outputs import DIAGNOSTICS_DIR, hides_run_count, labelled_json, randomness_statement, release_dir
+from dptune.tune import results
+from dptune.tune.store import Store
+
+
+def study_ledger_digest(study_dir: str | Path) -> str:
+    """``Ledger.digest()`` of the study's ledger (every run's entries, run-tagged)."""
+    led = Ledger()
+    with Store(study_dir, readonly=True) as store:
+        for e in store.ledger_entries():
+            led.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
+    return led.digest()
+
+
+def _saved_run(row: Mapping[str, Any], plan: Any) -> str | None:
+    """The run whose weights an arm publishes: the first selected run (procedure / seed
+    replicate 0's pick; one model per arm — publishing one per replicate would compose)."""
+    ids = list(row.get("selected_runs") or [])
+    if not ids:
+        return None
+    return min(ids, key=lambda rid: (plan.runs[rid].replicate, plan.runs[rid].procedure))
+
+
+def export_study(
+    study_dir: str | Path, arm: str | None = None, out: str | Path | None = None, *, skip_missing: bool = False
+) -> list[Path]:
+    """Write ``release/models/<arm>/`` (model.pt + model_card.json + model_card.md) for ``arm``
+    (default: every arm) of a finished study, from the stored checkpoints: no training, no
+    release. ``out``: another folder for the release (default: the study directory)."""
+    d = Path(study_dir)
+    cfg, plan, rows, _ = results.load_study(d)
+    status = results.study_status(d)
+    if not status["complete"]:
+        c = status["counts"]
+        done = c.get("done", 0) + c.get("diverged", 0)
+        raise ConfigError(
+            f"the study in {str(d)!r} is not finished ({done} of {status['total']} runs done): its "
+            "selection is not final. Fix: `dptune resume DIR`, then export."
+        )
+    names = [a.arm for a in plan.arms]
+    if arm is not None and arm not in names:
+        raise ConfigError(f"no arm {arm!r} in this study. Fix: --arm one of {', '.join(names)}.")
+    table = {r["arm"]: r for r in results.study_table(d)}
+    by_id = {r["run_id"]: r for r in rows}
+    hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
+    digest = study_ledger_digest(d)
+    sel = cfg.get("selection", {})
+    secure = bool(cfg.get("study", {}).get("secure"))
+    written = []
+    for a in plan.arms:
+        if arm is not None and a.arm != arm:
+            continue
+        row = table[a.arm]
+        rid = _saved_run(row, plan)
+        ckpt = load_checkpoint(d, rid) if rid is not None else None
+        if ckpt is None or rid is None:  # "or rid is None" for the type checker: ckpt is None then too
+            msg = (
+                f"arm {a.arm!r}: "
+                + (
+                    "no run was selected (every run diverged or failed)"
+                    if rid is None
+                    else "the selected run's weights are not stored (a study run before dptune saved checkpoints, "
+                    "or checkpoints/ was deleted)"
+                )
+                + "; retraining would be a new release."
+            )
+            if skip_missing or (arm is None and rid is None):  # every arm: skip one with no selection
+                continue
+            raise ConfigError(msg + " Fix: run a new study.")
+        run, stored = plan.runs[rid], by_id[rid]
+        ledger: dict[str, Any] = {"digest": digest, "scope": "the whole study (every arm, every run)"}
+        if hidden_k:
+            # The ledger is a function of the plan and of the number of runs drawn: its digest
+            # would let anyone test guesses of K, which Liu-Talwar / repeat-and-select keep secret.
+            ledger = {
+                "digest": None,
+                "note": "withheld: the study has an arm that keeps the number of runs "
+                "secret and the ledger's digest would reveal it; it is in diagnostics/models/.",
+            }
+            diag = (Path(out) if out is not None else d) / DIAGNOSTICS_DIR / MODELS_DIR / a.arm
+            diag.mkdir(parents=True, exist_ok=True)
+            save_text(diag / "ledger_digest.json", json.dumps(labelled_json({"digest": digest}), indent=2))
+        guarantee = {
+            "epsilon": row["planned_epsilon"],
+            "delta": row["planned_delta"],
+            "accountant": row["accountant"],
+            "per": row["guarantee_per"],
+            "kind": a.guarantee.get("kind"),
+            "method": row["method"],
+            "selection": f"{sel.get('mode', 'public')} selection on the {sel.get('split', 'test')} split "
+            f"({row['metric']}, checkpoint rule: {sel.get('checkpoint', 'best')}, across seeds: "
+            f"{sel.get('across_seeds', 'per-seed')})",
+            "covered": list(COVERED) if math.isfinite(row["planned_epsilon"]) else [],
+            "not_covered": list(NOT_COVERED),
+        }
+        card = {
+            "title": f"{a.label} at ε = {a.epsilon} ({cfg.get('study', {}).get('name', 'study')})",
+            "dptune_version": dptune_version(),
+            "arm": a.arm,
+            "guarantee": guarantee,
+            "configuration": {
+                "strategy": a.strategy,
+                "hyperparameters": json.loads(stored["config"])
+                if isinstance(stored["config"], str)
+                else stored["config"],
+                "noise_multiplier": run.noise_multiplier,
+                "sampling_rate": run.sampling_rate,
+                "steps": run.steps,
+                "seed_replicate": run.replicate,
+            },
+            "checkpoint": {"rule": sel.get("checkpoint", "best"), "step": stored["best_step"]},
+            "evaluation": {
+                "metric": row["metric"],
+                "selection_score": stored["score"],
+                "test_metric": stored["test_metric"],
+            },
+            "model": ckpt.get("model") or {},
+            "data": _public_data_id(cfg.get("data")),
+            **randomness_statement(secure),
+            "ledger": ledger,
+        }
+        base = Path(out) if out is not None else d
+        if math.isfinite(row["planned_epsilon"]):
+            written.append(write_model(release_dir(base) / MODELS_DIR / a.arm, ckpt["state_dict"], card))
+        else:
+            # A non-private arm (the nodp baseline): its weights are covered by no guarantee, so
+            # they never go to release/; the owner's copy is labelled in diagnostics/models/.
+            card = labelled_json(card)
+            written.append(write_model(base / DIAGNOSTICS_DIR / MODELS_DIR / a.arm, ckpt["state_dict"], card))
+    return written
+
+
+def _public_data_id(desc: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The study's data description without the fingerprint of in-memory tensors: a hash of
+    the private training set would let anyone who knows every other example test whether one
+    example is in it (that voids differential privacy); it stays in the owner-only store."""
+    out = dict(desc or {})
+    if "python_tensors" in out:
+        out["python_tensors"] = "in-memory tensors (not identified: their hash would reveal the data)"
+    return out
+
+
+def prune_checkpoints(study_dir: str | Path) -> int:
+    """Delete the checkpoints of runs that no arm selected (a finished study; thousands of runs
+    would otherwise keep thousands of weight files). Returns how many were deleted."""
+    d = Path(study_dir)
+    keep = {checkpoint_path(d, rid).name for r in results.study_table(d) for rid in r["selected_runs"]}
+    n = 0
+    folder = d / CHECKPOINTS_DIR
+    if folder.is_dir():
+        for f in folder.glob("*.pt"):
+            if f.name not in keep:
+                f.unlink()
+                n += 1
+        for f in folder.glob(".*.tmp-*"):  # left by a process killed mid-write (never under a final name)
+            f.unlink()
+    return n

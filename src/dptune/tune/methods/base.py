@@ -1,0 +1,192 @@
+"""The interface of a tuning method: one ``TuningMethod`` subclass per file of ``tune/methods/``.
+
+A method declares its options (``Options``: a frozen dataclass whose fields and defaults ARE the
+options it accepts, checked in ``__post_init__``), what it requires of a strategy arm
+(``check_arm``) and how it turns one arm's budget into runs (``plan``). Where its guarantee is
+not the composition of the released runs, it also says how the budget spent so far is counted
+(``spent``); where a procedure's result is not its best run, how that result is chosen
+(``select``); and where runs are configured from earlier scores, how (``resolve``). Methods are
+stateless: the registry (``tune.methods.register``) keeps one instance of each.
+
+A method plans with ``tune.shapes`` (a configuration → ``Shape``, ν snapped and validated),
+``tune.planners`` (accountant, calibration, ε of events) and ``tune.builder`` (``b.add_candidate``
+adds a candidate's runs; ``procedures``/``guarantee_scope``: the seeds' accounting), and returns
+``self.arm_plan(...)``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from dptune.errors import config_error
+from dptune.ledger import LedgerEntry
+from dptune.metrics import better
+from dptune.tune import space as S
+from dptune.tune.builder import Builder, make_arm_id, procedures
+from dptune.tune.planners import ArmPlan, StudyPlan, entries_epsilon, group_events
+
+if TYPE_CHECKING:  # types only: the study spec validates through the methods
+    from dptune.tune.spec import StrategyArm, Study
+
+Row = Mapping[str, Any]  # a run's row of the study store (status, score, config, ...)
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a method that takes none."""
+
+
+def _scored(r: Row) -> bool:
+    return r["status"] in ("done", "diverged") and isinstance(r["score"], int | float) and math.isfinite(r["score"])
+
+
+def random_configurations(study: Study, arm: StrategyArm, n: int) -> list[dict[str, Any]]:
+    """``n`` configurations drawn from the arm's space with the study seed (lists or distributions)."""
+    rng = S.rng_for(study.seed, f"random/{arm.key}")
+    return [S.draw(arm.space, rng) for _ in range(n)]
+
+
+def released_procedures(arm: ArmPlan, plan: StudyPlan, entries: Iterable[LedgerEntry]) -> int:
+    """How many procedures a method's per-procedure bound is counted for in ``spent``: each procedure
+    with a released run when the guarantee is per study, else one (the guarantee is per seed replicate)."""
+    return len({plan.runs[e.run].procedure for e in entries}) if arm.guarantee.get("per") == "study" else 1
+
+
+# ----------------------------------------------------------------------------- the interface
+class TuningMethod:
+    """A tuning method. Subclasses set ``name`` and override ``plan`` (at least)."""
+
+    name: ClassVar[str]  # as written in study files: [method] name = "..."
+    aliases: ClassVar[tuple[str, ...]] = ()  # other accepted spellings (lower case)
+    Options: ClassVar[type] = NoOptions
+    # Every axis of the space must be a list of values (a grid, not distributions).
+    needs_value_lists: ClassVar[bool] = False
+    # The guarantee covers only the selected candidate, with the number of runs K secret: reports
+    # then publish neither K nor the other candidates. Such a method's guarantee "kind" is its name.
+    hides_run_count: ClassVar[bool] = False
+    # Some runs are planned with config None and configured from earlier runs' scores (``resolve``).
+    adaptive: ClassVar[bool] = False
+    # The budget is split evenly over the candidates: one ν for all their runs, which reports may
+    # show next to the number of runs (never with ``hides_run_count``).
+    shared_noise: ClassVar[bool] = False
+
+    def parse_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """``given`` checked against ``Options`` and completed with its defaults, as a plain dict
+        (in field order: plans store it)."""
+        allowed = [f.name for f in fields(self.Options)]
+        unknown = sorted(set(given) - set(allowed))
+        if unknown:
+            raise config_error(
+                f"method.{unknown[0]}",
+                f"method {self.name!r} has no option {unknown[0]!r}",
+                f"its options are: {', '.join(allowed) or '(none)'}",
+            )
+        options = self.Options(**given)
+        return {name: getattr(options, name) for name in allowed}
+
+    def check_arm(self, study: Study, arm: StrategyArm, path: str, private: bool) -> None:
+        """Refuse an arm this method cannot tune (after ``spec``'s checks of its names and values;
+        ``private``: the strategy is differentially private). By default: a private arm needs a
+        non-empty search space."""
+        if not arm.space and private:
+            raise config_error(
+                f"{path}.space",
+                "the search space is empty",
+                "add at least one hyperparameter with values, e.g. space = { lr = [0.01, 0.1, 1.0] }",
+            )
+
+    def configurations(self, study: Study, arm: StrategyArm) -> list[dict[str, Any]]:
+        """The candidate configurations when they are fixed before any run (``Composition``), and
+        those of the arm's non-private baseline (``tune.plan``): by default the grid of the space, or
+        10 draws from it when it has distributions."""
+        return S.grid(arm.space) if S.is_finite(arm.space) else random_configurations(study, arm, 10)
+
+    def plan(self, b: Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
+        """Plan the runs of ``arm`` at target ε (``b.add_candidate`` each candidate) and return the
+        arm's plan (``arm_plan``): its guarantee, release event and notes."""
+        raise NotImplementedError
+
+    def arm_plan(
+        self,
+        b: Builder,
+        arm: StrategyArm,
+        eps: float,
+        *,
+        accountant: str,
+        guarantee: dict[str, Any],
+        runs: list[str],
+        notes: Iterable[str] = (),
+        extra: Mapping[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> ArmPlan:
+        """The plan of ``arm`` at ε with this method: ``runs`` (added to ``b``), their composed
+        release event, the study's δ and procedures, and the method's options (``options``: others)."""
+        study = b.ctx.study
+        return ArmPlan(
+            make_arm_id(arm.key, eps),
+            arm.key,
+            arm.name,
+            eps,
+            study.budget.delta,
+            self.name,
+            dict(study.method_for(arm).options if options is None else options),
+            accountant,
+            guarantee,
+            group_events(b.runs[r].planned_event for r in runs),
+            runs,
+            procedures(study)[0],
+            list(notes),
+            dict(extra or {}),
+        )
+
+    def spent(self, arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[float, float]:
+        """(ε, δ) spent so far under the arm's guarantee, from its ledger entries (not empty). By
+        default the composition of the released runs: all of them when the guarantee is per
+        study, else the costliest seed replicate."""
+        if arm.guarantee.get("per") == "study":
+            return entries_epsilon(entries, arm.delta, arm.accountant), arm.delta
+        by_rep: dict[int, list[LedgerEntry]] = defaultdict(list)
+        for e in entries:
+            by_rep[plan.runs[e.run].replicate].append(e)
+        return max(entries_epsilon(v, arm.delta, arm.accountant) for v in by_rep.values()), arm.delta
+
+    def select(self, arm: ArmPlan, plan: StudyPlan, runs: list[Row], across: str) -> tuple[list[Row], list[Any]]:
+        """(the runs that are the arm's result, one per procedure, or the seeds of the best
+        candidate; fit records shown with them). By default the best scored run of each procedure
+        (``across = "per-seed"``), or the candidate with the best mean over seeds (``"mean"``)."""
+        higher = plan.higher_is_better
+        usable = [r for r in runs if _scored(r)]
+        if across == "mean":
+            by_cand: dict[int, list[Row]] = defaultdict(list)
+            for r in usable:
+                by_cand[plan.runs[r["run_id"]].index].append(r)
+            best, best_mean = None, None
+            for cand, rs in sorted(by_cand.items()):
+                m = statistics.fmean(x["score"] for x in rs)
+                if best_mean is None or better(m, best_mean, higher):
+                    best, best_mean = cand, m
+            return (sorted(by_cand[best], key=lambda x: x["replicate"]) if best is not None else []), []
+        by_proc: dict[int, list[Row]] = defaultdict(list)
+        for r in usable:
+            by_proc[r["procedure"]].append(r)
+        picks = []
+        for _, rs in sorted(by_proc.items()):
+            pick = rs[0]
+            for x in rs[1:]:
+                if better(x["score"], pick["score"], higher):
+                    pick = x
+            picks.append(pick)
+        return picks, []
+
+    def resolve(
+        self, plan: StudyPlan, arm: ArmPlan, rows: Mapping[str, Any], scores: Mapping[str, float | None]
+    ) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+        """Adaptive methods: run_id → (config, fit record) for each unresolved run (config None in
+        ``rows``) whose inputs are all finished. Deterministic in the stored results, so a resumed
+        study resolves the same configurations. By default nothing."""
+        return {}

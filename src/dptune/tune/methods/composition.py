@@ -1,0 +1,145 @@
+"""Methods accounted by composition: grid, random, online, oracle (one planner, four candidate rules).
+
+=================== ======================================================= =========
+method              guarantee                                               accountant
+=================== ======================================================= =========
+grid / online       composition of the K configurations (one ν for all)     auto
+random              composition of n configurations drawn from the space    auto
+oracle              each run alone at ε (Panda's "grid search, HPO cost     auto
+                    not included"); the honest composed total is shown too
+=================== ======================================================= =========
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dp_accounting import dp_event
+
+from dptune import accounting
+from dptune.errors import config_error
+from dptune.tune.builder import Builder, guarantee_scope, make_arm_id, seed_note
+from dptune.tune.methods.base import TuningMethod, random_configurations
+from dptune.tune.planners import ArmPlan, calibrate_nu, choose_accountant, group_events
+from dptune.tune.shapes import Shape, check_selection_budget, make_shape, snap, validate_shape
+
+if TYPE_CHECKING:  # types only: the study spec validates through the methods
+    from dptune.tune.spec import StrategyArm, Study
+
+
+class Composition(TuningMethod):
+    """The shared planner: the candidates' runs, one ν for all of them calibrated so that their
+    composition (one seed's runs, or all with ``account_seeds``) meets the target ε."""
+
+    needs_value_lists = True
+    shared_noise = True  # oracle: False, each run is calibrated alone at ε (the search's cost not included)
+
+    def plan(self, b: Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
+        study, ctx = b.ctx.study, b.ctx
+        arm_id = make_arm_id(arm.key, eps)
+        configs = self.configurations(study, arm)  # the grid (needs_value_lists), or Random's draws
+        shapes = [make_shape(ctx, arm, c, f"{path}.space") for c in configs]
+        delta = study.budget.delta
+        # The accounted runs: one seed's runs, or all of them (account_seeds).
+        reps_acc = range(len(study.seeds)) if study.budget.account_seeds else range(1)
+
+        def accounted(nus: list[float]) -> dp_event.DpEvent:
+            return group_events(s.event(nu) for _ in reps_acc for s, nu in zip(shapes, nus, strict=True))
+
+        acc = choose_accountant(study.budget.accountant, accounted([1.0] * len(shapes)))
+        alone = not self.shared_noise
+        check_selection_budget(shapes[:1] if alone else [s for _ in reps_acc for s in shapes], eps, delta, acc, arm_id)
+        if alone:
+            cache: dict[Shape, float] = {}
+            for s in shapes:
+                if s not in cache:
+                    cache[s] = calibrate_nu(s.event, eps, delta, acc, f"{arm_id} (oracle run)")
+            nus = [snap(cache[s], [s], ctx.n_train) for s in shapes]
+        else:
+            nu = calibrate_nu(lambda v: accounted([v] * len(shapes)), eps, delta, acc, arm_id)
+            nus = [snap(nu, shapes, ctx.n_train)] * len(shapes)
+        for s, nu in zip(shapes, nus, strict=True):
+            validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
+        run_ids = []
+        for r in range(len(study.seeds)):
+            procedure = r if study.selection.across_seeds == "per-seed" else 0
+            for j, (c, s, nu) in enumerate(zip(configs, shapes, nus, strict=True)):
+                run_ids += b.add_candidate(arm, arm_id, "main", j, procedure, c, s, nu, replicates=[r])
+        total = accounting.epsilon(accounted(nus), delta, acc)
+        notes = seed_note(study)
+        if alone:
+            notes.insert(
+                0,
+                f"oracle: every run alone is ({eps:g}, {delta:g})-DP; the HPO cost is NOT included "
+                f"in ε = {eps:g} (Panda et al.'s grid-search baseline). The honest total is {total:.4g}.",
+            )
+        guarantee = {
+            "kind": "composition",
+            "epsilon": total,
+            "delta": delta,
+            "per": guarantee_scope(study),
+            "accountant": acc,
+            "runs_accounted": len(configs) * len(reps_acc),
+        }
+        extra = {"noise_multipliers": sorted(set(nus)), "candidates": len(configs)}
+        return self.arm_plan(b, arm, eps, accountant=acc, guarantee=guarantee, runs=run_ids, notes=notes, extra=extra)
+
+
+class Grid(Composition):
+    """Every configuration of the grid (Galli et al.'s and Mohapatra et al.'s "MA")."""
+
+    name = "grid"
+    aliases = ("ma",)
+
+
+@dataclass(frozen=True)
+class RandomOptions:
+    n: int = 10  # configurations drawn
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise config_error(
+                "method.n", f"must be an integer ≥ 1, got {self.n!r}", "e.g. n = 10 (n = 1: Panda's random search)"
+            )
+
+
+class Random(Composition):
+    """``n`` configurations drawn from the space with the study seed (lists or distributions)."""
+
+    name = "random"
+    Options = RandomOptions
+    needs_value_lists = False
+
+    def configurations(self, study: Study, arm: StrategyArm) -> list[dict[str, Any]]:
+        return random_configurations(study, arm, int(study.method_for(arm).options["n"]))
+
+
+class Online(Composition):
+    """The learning-rate grid of OSO-DPSGD, whose clipping threshold is learned online (Galli et
+    al.'s "one hyperparameter fewer")."""
+
+    name = "online"
+    aliases = ("oso",)
+
+    def check_arm(self, study: Study, arm: StrategyArm, path: str, private: bool) -> None:
+        super().check_arm(study, arm, path, private)
+        if arm.name != "oso":
+            raise config_error(
+                f"{path}.name",
+                f"method 'online' tunes OSO-DPSGD only, got strategy {arm.name!r}",
+                "use name = 'oso' (or 'online'), or method 'grid' for other strategies",
+            )
+        if set(arm.space) != {"lr"}:
+            raise config_error(
+                f"{path}.space",
+                f"method 'online' searches the learning rate only, got {sorted(arm.space)}",
+                "use space = { lr = [...] } (C is learned online: Galli's 'one hyperparameter fewer')",
+            )
+
+
+class Oracle(Composition):
+    """Panda et al.'s grid-search baseline: every run alone at ε, the search's cost not included."""
+
+    name = "oracle"
+    shared_noise = False

@@ -1,0 +1,379 @@
+"""Linear scaling (Panda et al. 2024, Algorithms 1–3): sweeps of r = η·T, a fit, one final run.
+
+``runs_per_sweep`` runs at each sweep ε (r drawn in [η_min·T_min, η_max·T_max] and split into
+(η, T)), then a final run whose r* comes from a linear (or quadratic) fit of the sweeps' best r
+against ε (or μ) and whose configuration is resolved once the sweeps have finished (``resolve``).
+Guarantee: the composition of the 2n sweep runs and the final run (μ-GDP exact at q = 1:
+μ = √(nμ₁² + nμ₂² + μ_f²)); accountant GDP at q = 1, else auto. One adaptive procedure per seed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from dp_accounting import dp_event
+
+from dptune import accounting
+from dptune.errors import ConfigError, config_error
+from dptune.metrics import better
+from dptune.tune import space as S
+from dptune.tune.builder import Builder, guarantee_scope, make_arm_id, procedures, seed_note
+from dptune.tune.methods.base import Row, TuningMethod
+from dptune.tune.planners import ArmPlan, StudyPlan, calibrate_nu, choose_accountant, group_events
+from dptune.tune.shapes import Shape, check_selection_budget, make_shape, snap, validate_shape
+
+if TYPE_CHECKING:  # types only: the study spec validates through the methods
+    from dptune.tune.spec import StrategyArm, Study
+
+
+@dataclass(frozen=True)
+class LinearScalingOptions:
+    # per-run ε of each sweep, or {fraction = [f₁, f₂]}: each sweep at f_i × the target ε
+    sweep_epsilons: Any = field(default_factory=lambda: [0.1, 0.2])
+    runs_per_sweep: int = 3
+    fit: str = "linear"  # linear | quadratic
+    fit_axis: str = "epsilon"  # epsilon | mu
+    r_sampling: str = "uniform"  # uniform | log_uniform
+    final_steps: Any = "max"  # "max" (T_max of the space) or an integer
+
+    def __post_init__(self) -> None:
+        se = self.sweep_epsilons
+        # A table {fraction = [f₁, f₂]}: each sweep at f_i × the target ε (Panda's ε = 1 split,
+        # 0.1 and 0.2, at every target), so the sweeps scale with the budget they serve.
+        fraction = isinstance(se, Mapping)
+        if fraction:
+            if set(se) != {"fraction"}:
+                raise config_error(
+                    "method.sweep_epsilons",
+                    f"a table must be {{fraction = [...]}}, got keys {sorted(se)}",
+                    "e.g. sweep_epsilons = { fraction = [0.1, 0.2] }",
+                )
+            se = se["fraction"]
+        bad = not isinstance(se, Sequence) or isinstance(se, str) or len(se) < 2
+        if bad or any(isinstance(e, bool) or not isinstance(e, int | float) or e <= 0 for e in se):
+            raise config_error(
+                "method.sweep_epsilons",
+                f"need ≥ 2 per-run ε values > 0 (or a table {{fraction = [...]}}), got {self.sweep_epsilons!r}",
+                "e.g. sweep_epsilons = [0.1, 0.2] (Panda et al.) or { fraction = [0.1, 0.2] }",
+            )
+        if fraction and any(e >= 1 for e in se):
+            raise config_error(
+                "method.sweep_epsilons",
+                f"fractions of the target ε must be < 1, got {list(se)!r}",
+                "e.g. sweep_epsilons = { fraction = [0.1, 0.2] }",
+            )
+        if len(set(se)) != len(se):
+            raise config_error("method.sweep_epsilons", "values repeat", "use distinct ε values")
+        if not isinstance(self.runs_per_sweep, int) or self.runs_per_sweep < 1:
+            raise config_error(
+                "method.runs_per_sweep", f"must be an integer ≥ 1, got {self.runs_per_sweep!r}", "e.g. 3"
+            )
+        if self.fit not in ("linear", "quadratic"):
+            raise config_error("method.fit", f"unknown fit {self.fit!r}", "choose linear or quadratic")
+        if self.fit == "quadratic" and len(se) < 3:
+            raise config_error("method.fit", "a quadratic fit needs ≥ 3 sweeps", "give three sweep_epsilons")
+        if self.fit_axis not in ("epsilon", "mu"):
+            raise config_error("method.fit_axis", f"unknown axis {self.fit_axis!r}", "choose epsilon or mu")
+        if self.r_sampling not in ("uniform", "log_uniform"):
+            raise config_error(
+                "method.r_sampling", f"unknown sampling {self.r_sampling!r}", "choose uniform or log_uniform"
+            )
+        fs = self.final_steps
+        if fs != "max" and not (isinstance(fs, int) and fs >= 1):
+            raise config_error(
+                "method.final_steps", f"must be 'max' or an integer ≥ 1, got {fs!r}", "e.g. final_steps = 'max'"
+            )
+
+
+class LinearScaling(TuningMethod):
+    name = "linear-scaling"
+    aliases = ("linear_scaling", "panda")
+    Options = LinearScalingOptions
+    adaptive = True
+
+    def check_arm(self, study: Study, arm: StrategyArm, path: str, private: bool) -> None:
+        # The space is exactly (lr, steps): the generic "space is empty" check is this one.
+        if not private:
+            return
+        if set(arm.space) != {"lr", "steps"}:
+            raise config_error(
+                f"{path}.space",
+                f"linear-scaling searches r = η·T: it needs exactly lr and steps, got {sorted(arm.space)}",
+                "use space = { lr = { log_uniform = [1e-3, 1.0] }, steps = { int_uniform = [10, 200] } }",
+            )
+        if study.selection.across_seeds != "per-seed":
+            raise config_error(
+                "selection.across_seeds",
+                "linear-scaling runs one adaptive procedure per seed",
+                "set across_seeds = 'per-seed'",
+            )
+
+    def plan(self, b: Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
+        study, ctx = b.ctx.study, b.ctx
+        o = study.method_for(arm).options
+        arm_id = make_arm_id(arm.key, eps)
+        delta = study.budget.delta
+        P, P_acc, _ = procedures(study)
+        se = o["sweep_epsilons"]
+        # {fraction = [...]}: each sweep at that share of this arm's target ε (LinearScalingOptions)
+        sweep_eps = (
+            [float(f"{float(f) * eps:.12g}") for f in se["fraction"]]
+            if isinstance(se, Mapping)
+            else [float(e) for e in se]
+        )
+        n = int(o["runs_per_sweep"])
+        lr_lo, lr_hi = S.bounds(arm.space["lr"])
+        t_lo, t_hi = S.bounds(arm.space["steps"])
+        r_lo, r_hi = lr_lo * t_lo, lr_hi * t_hi
+        if r_lo <= 0:
+            raise ConfigError(f"{path}.space: linear-scaling needs lr > 0 and steps ≥ 1.")
+        t_final = int(t_hi) if o["final_steps"] == "max" else int(o["final_steps"])
+        probe = make_shape(ctx, arm, {"lr": lr_lo, "steps": int(t_lo)}, f"{path}.space")
+        acc = choose_accountant(study.budget.accountant, probe.event(1.0))
+        per_run_cache: dict[tuple[Shape, float], float] = {}
+
+        def nu_at(shape: Shape, e: float) -> float:
+            if (shape, e) not in per_run_cache:
+                per_run_cache[(shape, e)] = snap(
+                    calibrate_nu(shape.event, e, delta, acc, f"{arm_id} (sweep run at ε = {e:g})"), [shape], ctx.n_train
+                )
+            return per_run_cache[(shape, e)]
+
+        sweeps: list[list[list[tuple[dict[str, Any], Shape, float]]]] = []  # [procedure][sweep][run]
+        for p in range(P):
+            rng = S.rng_for(study.seed, f"linear-scaling/{arm_id}/{p}")
+            per_p = []
+            for e in sweep_eps:
+                runs = []
+                for _ in range(n):
+                    c = _decompose(rng, arm.space, r_lo, r_hi, lr_lo, lr_hi, o["r_sampling"])
+                    s = make_shape(ctx, arm, c, f"{path}.space")
+                    runs.append((c, s, nu_at(s, e)))
+                per_p.append(runs)
+            sweeps.append(per_p)
+        final_shape = make_shape(ctx, arm, {"lr": lr_lo, "steps": t_final}, f"{path}.space")
+
+        def total_event(group: list[int], v: float) -> dp_event.DpEvent:
+            evs = [s.event(nu) for p in group for runs in sweeps[p] for (_, s, nu) in runs]
+            evs += [final_shape.event(v)] * len(group)
+            return group_events(evs)
+
+        groups = [list(range(P))] if P_acc == P else [[p] for p in range(P)]
+        check_selection_budget(
+            [s for p in groups[0] for runs in sweeps[p] for (_, s, _) in runs] + [final_shape] * len(groups[0]),
+            eps,
+            delta,
+            acc,
+            arm_id,
+        )
+        final_nu: dict[int, float] = {}
+        for g in groups:
+            sweeps_only = group_events(s.event(nu) for p in g for runs in sweeps[p] for (_, s, nu) in runs)
+            if accounting.epsilon(sweeps_only, delta, acc) >= eps:
+                raise ConfigError(
+                    f"{arm_id}: the sweeps alone spend ε ≥ {eps:g}. Fix: lower method.sweep_epsilons "
+                    "or method.runs_per_sweep, or raise budget.epsilon."
+                )
+
+            def group_event(v: float, g: list[int] = g) -> dp_event.DpEvent:
+                return total_event(g, v)
+
+            v = snap(calibrate_nu(group_event, eps, delta, acc, f"{arm_id} (final run)"), [final_shape], ctx.n_train)
+            for p in g:
+                final_nu[p] = v
+        run_ids = []
+        eps_final = {}
+        for p in range(P):
+            for i, runs in enumerate(sweeps[p]):
+                for j, (c, s, nu) in enumerate(runs):
+                    validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
+                    run_ids += b.add_candidate(arm, arm_id, f"sweep{i}", j, p, c, s, nu)
+            validate_shape(final_shape, final_nu[p], ctx.n_train, f"{path} ({arm_id})")
+            run_ids += b.add_candidate(arm, arm_id, "final", 0, p, None, final_shape, final_nu[p])  # resolve()
+            eps_final[p] = accounting.epsilon(final_shape.event(final_nu[p]), delta, acc)
+        total = max(accounting.epsilon(total_event(g, final_nu[g[0]]), delta, acc) for g in groups)
+        mus: dict[str, Any] | None = None
+        if acc == "gdp":
+            mus = {
+                "sweep_mu": [accounting.gdp_mu_for_epsilon(e, delta) for e in sweep_eps],
+                "final_mu": {p: accounting.gdp_mu_of_event(final_shape.event(final_nu[p])) for p in range(P)},
+            }
+        guarantee = {
+            "kind": "composition",
+            "epsilon": total,
+            "delta": delta,
+            "accountant": acc,
+            "per": guarantee_scope(study),
+            "formula": "μ = √(n·μ₁² + n·μ₂² + μ_f²) (Panda et al. App. A.7)" if acc == "gdp" else "composition",
+        }
+        extra = {
+            "sweep_epsilons": sweep_eps,
+            "runs_per_sweep": n,
+            "fit": o["fit"],
+            "fit_axis": o["fit_axis"],
+            "r_bounds": [r_lo, r_hi],
+            "lr_bounds": [lr_lo, lr_hi],
+            "steps_bounds": [t_lo, t_hi],
+            "final_steps": t_final,
+            "final_epsilon": {str(p): e for p, e in eps_final.items()},
+            "final_noise_multiplier": {str(p): v for p, v in final_nu.items()},
+            **(
+                {"gdp": {"sweep_mu": mus["sweep_mu"], "final_mu": {str(k): v for k, v in mus["final_mu"].items()}}}
+                if mus
+                else {}
+            ),
+        }
+        notes = seed_note(study) + [
+            f"linear scaling: {n} runs at each ε ∈ {sweep_eps}, then one final run at ε_f ≈ "
+            f"{min(eps_final.values()):.4g} with T_f = {t_final}; η_f = r*/T_f with r* from a {o['fit']} fit of r = η·T "
+            f"against {o['fit_axis']}.",
+        ]
+        return self.arm_plan(b, arm, eps, accountant=acc, guarantee=guarantee, runs=run_ids, notes=notes, extra=extra)
+
+    def select(self, arm: ArmPlan, plan: StudyPlan, runs: list[Row], across: str) -> tuple[list[Row], list[Any]]:
+        """Each procedure's result is its final run (with the fit that configured it)."""
+        picks = [r for r in runs if r["stage"] == "final" and r["status"] in ("done", "diverged")]
+        return picks, [r["fit"] for r in picks]
+
+    def resolve(
+        self, plan: StudyPlan, arm: ArmPlan, rows: Mapping[str, Any], scores: Mapping[str, float | None]
+    ) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+        """The final run of each procedure whose sweeps have all finished (``resolve_final_config``)."""
+        out = {}
+        for rid in arm.runs:
+            run = plan.runs[rid]
+            if run.stage != "final" or rows[rid]["config"] is not None:
+                continue
+            sweep_ids = [
+                s
+                for s in arm.runs
+                if plan.runs[s].procedure == run.procedure and plan.runs[s].stage.startswith("sweep")
+            ]
+            if all(rows[s]["status"] in ("done", "diverged") for s in sweep_ids):
+                out[rid] = resolve_final_config(plan, arm, run.procedure, scores)
+        return out
+
+
+def _decompose(
+    rng: np.random.Generator,
+    space: Mapping[str, Any],
+    r_lo: float,
+    r_hi: float,
+    lr_lo: float,
+    lr_hi: float,
+    sampling: str,
+) -> dict[str, Any]:
+    """Draw r (uniform or log-uniform in [r_min, r_max]) and split it into (η, T) with η·T = r,
+    η_min ≤ η ≤ η_max and T on the steps axis (Panda Alg. 1, "decompose r into η, T without
+    exceeding T_max or η_max"; §A.3, method 2: T from the steps axis, η = r/T).
+
+    T is drawn from the steps axis conditioned on η = r/T being in range: by rejection first
+    (the draws of earlier versions, so existing plans keep their configurations), then, when
+    the feasible T are too rare for rejection, directly from them. Only when no integer T on
+    the axis gives η in range is η clamped (r then moves to the nearest reachable product)."""
+    r = rng.uniform(r_lo, r_hi) if sampling == "uniform" else math.exp(rng.uniform(math.log(r_lo), math.log(r_hi)))
+    for _ in range(100):
+        T = int(S.draw_value(space["steps"], rng))
+        lr = r / T
+        if lr_lo <= lr <= lr_hi:
+            return {"lr": float(lr), "steps": T}
+    return split_r(r, space["steps"], lr_lo, lr_hi, rng)
+
+
+def split_r(r: float, steps_axis: Any, lr_lo: float, lr_hi: float, rng: np.random.Generator) -> dict[str, Any]:
+    """(η, T) with η·T = r, η ∈ [η_min, η_max], T drawn from the steps axis restricted to the
+    T that allow it (uniformly in T, or log-uniformly for ``int_log_uniform``); if none does,
+    the axis's T nearest to the feasible interval and η clamped to its range."""
+    t_min, t_max = r / lr_hi, r / lr_lo  # the real interval of T with η = r/T in range
+    if isinstance(steps_axis, Mapping):
+        dist = next(iter(steps_axis))
+        lo, hi = S.bounds(steps_axis)
+        a, b = max(math.ceil(lo), math.ceil(t_min * (1 - 1e-12))), min(math.floor(hi), math.floor(t_max * (1 + 1e-12)))
+        if a <= b:
+            if dist == "int_log_uniform":
+                T = int(min(max(round(math.exp(rng.uniform(math.log(a), math.log(b)))), a), b))
+            else:
+                T = int(rng.integers(a, b + 1))
+            return {"lr": float(min(max(r / T, lr_lo), lr_hi)), "steps": T}
+        support = sorted(
+            {
+                math.ceil(lo),
+                math.floor(hi),
+                min(max(a, math.ceil(lo)), math.floor(hi)),
+                max(min(b, math.floor(hi)), math.ceil(lo)),
+            }
+        )
+    else:
+        support = sorted({int(v) for v in steps_axis})
+        ok = [T for T in support if t_min * (1 - 1e-12) <= T <= t_max * (1 + 1e-12)]
+        if ok:
+            T = ok[int(rng.integers(len(ok)))]
+            return {"lr": float(min(max(r / T, lr_lo), lr_hi)), "steps": T}
+    # No T on the axis reaches r: the one whose clamped η gives the nearest product (in log r).
+    T = min(support, key=lambda t: abs(math.log(min(max(r / t, lr_lo), lr_hi) * t / r)))
+    return {"lr": float(min(max(r / T, lr_lo), lr_hi)), "steps": int(T)}
+
+
+def resolve_final_config(
+    plan: StudyPlan, arm: ArmPlan, procedure: int, scores: Mapping[str, float | None]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Panda Alg. 2: best r per sweep → polynomial fit r(x) → r* at the final run's x → (η_f, T_f).
+
+    ``scores``: run_id → selection score (None/NaN for diverged runs). Returns (config,
+    fit record). Deterministic in the stored scores, so a resumed study resolves the same
+    configuration."""
+    ex = arm.extra
+    higher = plan.higher_is_better
+    xs, rs = [], []
+    delta = arm.delta
+    for i, e in enumerate(ex["sweep_epsilons"]):
+        best = None
+        for rid in arm.runs:
+            run = plan.runs[rid]
+            if run.stage != f"sweep{i}" or run.procedure != procedure:
+                continue
+            s = scores.get(rid)
+            if s is None or not math.isfinite(s):
+                continue
+            if best is None or better(s, best[0], higher):
+                best = (s, run.config["lr"] * run.config["steps"])
+        if best is not None:
+            x = e if ex["fit_axis"] == "epsilon" else accounting.gdp_mu_for_epsilon(e, delta)
+            xs.append(x)
+            rs.append(best[1])
+    eps_f = float(ex["final_epsilon"][str(procedure)])
+    x_f = eps_f if ex["fit_axis"] == "epsilon" else accounting.gdp_mu_for_epsilon(eps_f, delta)
+    r_lo, r_hi = ex["r_bounds"]
+    deg = 2 if ex["fit"] == "quadratic" else 1
+    if len(xs) >= deg + 1:
+        coef = np.polyfit(np.asarray(xs), np.asarray(rs), deg)
+        r_star = float(np.polyval(coef, x_f))
+        how = "fit"
+    elif rs:
+        coef, r_star, how = None, float(rs[-1]), "best sweep point (too few finite sweeps to fit)"
+    else:
+        coef, r_star, how = None, float(r_lo), "r_min (every sweep run diverged)"
+    r_star = float(min(max(r_star, r_lo), r_hi))
+    t_f = int(ex["final_steps"])
+    lr_lo, lr_hi = ex["lr_bounds"]
+    lr = float(min(max(r_star / t_f, lr_lo), lr_hi))
+    final = next(
+        plan.runs[r] for r in arm.runs if plan.runs[r].stage == "final" and plan.runs[r].procedure == procedure
+    )
+    fixed = {k: v for k, v in (plan.runs[arm.runs[0]].config or {}).items() if k not in ("lr", "steps")}
+    fit = {
+        "points": [[x, r] for x, r in zip(xs, rs, strict=True)],
+        "coef": [float(c) for c in coef] if coef is not None else None,
+        "x_final": x_f,
+        "r_star": r_star,
+        # What the final run trains with: T_f was fixed at planning time (its ν is calibrated for
+        # it), so an r* below η_min·T_f (or above η_max·T_f) is run at the nearest reachable r.
+        "r_final": lr * t_f,
+        "how": how,
+        "axis": ex["fit_axis"],
+    }
+    return {**fixed, "lr": lr, "steps": final.steps}, fit

@@ -1,0 +1,154 @@
+"""Repeat-and-select (Papernot & Steinke 2022): a random number K of runs, only the best released.
+
+K is drawn from a truncated negative binomial family (Poisson, geometric, logarithmic, or a
+shape η), K and the candidates secretly (``theory.SecretCoins``); the guarantee is dp_accounting's
+``RepeatAndSelectDpEvent(run, mean, shape)``, which only RDP accounts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dp_accounting import dp_event
+
+from dptune import accounting
+from dptune.errors import ConfigError, config_error
+from dptune.ledger import LedgerEntry, event_from_dict, event_to_dict
+from dptune.tune import space as S
+from dptune.tune import theory
+from dptune.tune.builder import Builder, guarantee_scope, make_arm_id, procedures, seed_note
+from dptune.tune.methods.base import TuningMethod, released_procedures
+from dptune.tune.planners import ArmPlan, StudyPlan, calibrate_nu, canonical, group_events
+from dptune.tune.shapes import make_shape, snap, validate_shape
+from dptune.tune.space import TRAINING_KEYS
+
+if TYPE_CHECKING:  # types only: the study spec validates through the methods
+    from dptune.tune.spec import StrategyArm, Study
+
+# distribution → the shape η of dp_accounting's truncated negative binomial (None: given by the user)
+RS_DISTRIBUTIONS = {"poisson": math.inf, "geometric": 1.0, "logarithmic": 0.0, "negative-binomial": None}
+
+
+@dataclass(frozen=True)
+class RepeatAndSelectOptions:
+    mean: float | None = None  # mean number of runs; None: the number of grid candidates
+    distribution: str = "poisson"
+    shape: float | None = None  # η, for distribution = "negative-binomial" only
+
+    def __post_init__(self) -> None:
+        dist = self.distribution
+        if dist not in RS_DISTRIBUTIONS:
+            raise config_error(
+                "method.distribution", f"unknown distribution {dist!r}", f"choose one of {', '.join(RS_DISTRIBUTIONS)}"
+            )
+        if self.mean is not None and not (isinstance(self.mean, int | float) and self.mean >= 1):
+            raise config_error(
+                "method.mean", f"the mean number of runs must be ≥ 1, got {self.mean!r}", "e.g. mean = 10"
+            )
+        if dist == "negative-binomial":
+            s = self.shape
+            if not (isinstance(s, int | float) and 0 < s < math.inf):
+                raise config_error(
+                    "method.shape",
+                    f"the negative binomial's shape η must be in (0, ∞), got {s!r}",
+                    "e.g. shape = 0.5 (or use distribution = 'poisson' / 'geometric' / 'logarithmic')",
+                )
+        elif self.shape is not None:
+            raise config_error(
+                "method.shape", f"shape is only for distribution = 'negative-binomial', not {dist!r}", "drop shape"
+            )
+
+
+def rdp_accountant(requested: str) -> str:
+    """dp_accounting accounts ``RepeatAndSelectDpEvent`` with RDP only."""
+    if requested not in ("auto", "rdp"):
+        raise ConfigError(
+            f"budget.accountant: repeat-and-select is accounted by RDP only (got {requested!r}). "
+            "Fix: accountant = 'rdp' or 'auto'."
+        )
+    return "rdp"
+
+
+class RepeatAndSelect(TuningMethod):
+    name = "repeat-and-select"
+    aliases = ("repeat_and_select", "papernot-steinke")
+    Options = RepeatAndSelectOptions
+    hides_run_count = True
+
+    def check_arm(self, study: Study, arm: StrategyArm, path: str, private: bool) -> None:
+        super().check_arm(study, arm, path, private)
+        if study.method_for(arm).options.get("mean") is None and not S.is_finite(arm.space):
+            raise config_error(
+                "method.mean", "the mean number of runs is needed with continuous spaces", "set mean = 10"
+            )
+
+    def plan(self, b: Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
+        study, ctx = b.ctx.study, b.ctx
+        opts = study.method_for(arm).options
+        arm_id = make_arm_id(arm.key, eps)
+        dist = opts["distribution"]
+        shape_param = float(opts["shape"]) if dist == "negative-binomial" else RS_DISTRIBUTIONS[dist]
+        mean = float(opts["mean"]) if opts["mean"] is not None else float(S.size(arm.space))
+        if mean < 1:
+            raise ConfigError("method.mean must be ≥ 1 (dp_accounting's repeat-and-select needs it). Fix: mean = 10.")
+        if any(k in TRAINING_KEYS for k in arm.space):
+            raise ConfigError(
+                f"{path}.space: repeat-and-select needs one privacy bound for every candidate; searching "
+                f"{[k for k in arm.space if k in TRAINING_KEYS]} changes it. Fix: fix the run length/batch."
+            )
+        P, P_acc, unit = procedures(study, composite=True)
+        delta = study.budget.delta
+        first = S.draw(arm.space, S.rng_for(study.seed, "probe"))
+        shape0 = make_shape(ctx, arm, first, f"{path}.space")
+        acc = rdp_accountant(study.budget.accountant)
+
+        def event(v: float) -> dp_event.DpEvent:
+            rs = theory.repeat_and_select_event(group_events([shape0.event(v)] * unit), mean, shape_param)
+            return rs if P_acc == 1 else dp_event.SelfComposedDpEvent(rs, P_acc)
+
+        drawn = []
+        ks = []
+        for p in range(P):
+            rng = b.coins  # secret: K and the configurations (theory.SecretCoins)
+            k = theory.sample_repetitions(mean, shape_param, rng)
+            ks.append(k)
+            for j in range(k):
+                c = S.draw(arm.space, rng)
+                drawn.append((p, j, c, make_shape(ctx, arm, c, f"{path}.space")))
+        nu = snap(calibrate_nu(event, eps, delta, acc, arm_id), [shape0] + [d[3] for d in drawn], ctx.n_train)
+        total = accounting.epsilon(event(nu), delta, acc)
+        run_ids = []
+        for p, j, c, s in drawn:
+            validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
+            run_ids += b.add_candidate(arm, arm_id, "main", j, p, c, s, nu)
+        guarantee = {
+            "kind": self.name,
+            "epsilon": total,
+            "delta": delta,
+            "per": guarantee_scope(study, composite=True),
+            "accountant": acc,
+            "mean": mean,
+            "shape": shape_param,
+            "distribution": dist,
+            "procedures_accounted": P_acc,
+            "unit_event": event_to_dict(group_events([shape0.event(nu)] * unit)),
+            "event": "RepeatAndSelectDpEvent(run, mean, shape) (Papernot & Steinke 2022), RDP",
+        }
+        notes = seed_note(study, composite=True) + [
+            f"repeat-and-select: K ~ {dist} with mean {mean:g}; runs drawn per procedure: {ks}. Only the best run "
+            "may be released: the study directory is internal and must not be published.",
+        ]
+        if dist == "poisson":
+            notes.append("Poisson K may be 0: that procedure then returns no candidate.")
+        extra = {"runs_per_procedure": ks, "noise_multipliers": [nu]}
+        return self.arm_plan(b, arm, eps, accountant=acc, guarantee=guarantee, runs=run_ids, notes=notes, extra=extra)
+
+    def spent(self, arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[float, float]:
+        """The repeat-and-select event of each procedure with a released run (per study: all)."""
+        g = arm.guarantee
+        k = released_procedures(arm, plan, entries)
+        rs = theory.repeat_and_select_event(canonical(event_from_dict(g["unit_event"])), g["mean"], g["shape"])
+        ev = rs if k == 1 else dp_event.SelfComposedDpEvent(rs, k)
+        return accounting.epsilon_cached(ev, arm.delta, "rdp"), arm.delta

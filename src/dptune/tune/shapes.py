@@ -1,0 +1,196 @@
+"""Run shapes: what the accountant needs to know about a planned run, apart from its ν.
+
+A configuration of a strategy arm becomes a ``Shape`` (``make_shape``): its strategy, sampling
+rate q, number of steps T (``run_geometry``: the study's training settings overridden by the
+configuration) and its evaluation schedule (``eval_schedule``; in private selection each
+evaluation is a Gaussian release). ``Shape.event(ν)`` is the run's planned ``DpEvent``. ``snap``
+moves a calibrated ν a few ulps up so that the strategy's releases carry exactly that ν, and
+``validate_shape`` lets the strategy refuse impossible settings before any training.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dp_accounting import dp_event
+
+from dptune import accounting
+from dptune.errors import ConfigError
+from dptune.ledger import compose
+from dptune.sampling import check_steps, sampling_rate_for, steps_for_epochs
+from dptune.steps import RunInfo
+from dptune.strategies import Strategy, make_strategy
+from dptune.tune.planners import canonical, group_events
+from dptune.tune.space import TRAINING_KEYS
+
+if TYPE_CHECKING:  # types only: the study spec validates methods, which plan with this module
+    from dptune.tune.spec import StrategyArm, Study
+
+
+@dataclass
+class Context:
+    """What planning a run needs besides its configuration: the study and the data sizes."""
+
+    study: Study
+    n_train: int
+    n_val: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the accountant needs to know about a run (apart from ν), and its evaluation schedule."""
+
+    strategy: Strategy
+    sampling_rate: float
+    steps: int
+    n_evals: int  # accounted evaluations (0 unless selection is private)
+    eval_nu: float | None
+    eval_steps: tuple[int, ...] = ()  # the steps evaluated during training (``eval_schedule``)
+    eval_final: bool = False  # whether the finalised parameters are evaluated too
+
+    def event(self, nu: float) -> dp_event.DpEvent:
+        train = self.strategy.planned_event(nu, self.sampling_rate, self.steps)
+        if self.eval_nu is None or self.n_evals == 0:
+            return canonical(train)
+        return canonical(compose([(train, 1), (dp_event.GaussianDpEvent(self.eval_nu), self.n_evals)]))
+
+
+def eval_schedule(steps: int, every: int, checkpoint: str, strategy: Strategy) -> tuple[tuple[int, ...], bool]:
+    """(steps evaluated during training, whether the finalised parameters are evaluated too).
+
+    ``best``: every ``every`` steps and at the last step (Galli: every 50), plus the
+    finalised parameters when the strategy post-processes them (e.g. DP-GD's free step).
+    ``final``: only the parameters the run ends with."""
+    finalizes = strategy.finalizes
+    if checkpoint == "final":
+        return ((), True) if finalizes else ((steps,), False)
+    ts = tuple(range(every, steps + 1, every))
+    if not ts or ts[-1] != steps:
+        ts += (steps,)
+    return ts, finalizes
+
+
+def split_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the strategy's hyperparameters, the training keys: steps, epochs, expected_batch_size)."""
+    hp = {k: v for k, v in config.items() if k not in TRAINING_KEYS}
+    tr = {k: v for k, v in config.items() if k in TRAINING_KEYS}
+    return hp, tr
+
+
+def run_geometry(ctx: Context, config: Mapping[str, Any], path: str) -> tuple[float, int]:
+    """(q, T) of a configuration: the study's training settings, overridden by the config."""
+    t = ctx.study.training
+    _, tr = split_config(config)
+    ebs = tr.get("expected_batch_size", t.expected_batch_size)
+    full = t.full_batch and "expected_batch_size" not in tr
+    # Name the field the value came from: the search space's, else [training]'s.
+    field = f"{path}: expected_batch_size" if "expected_batch_size" in tr else "training.expected_batch_size"
+    if ebs is not None and not (0 < ebs <= ctx.n_train):
+        raise ConfigError(
+            f"{field} = {ebs:g} is outside (0, n = {ctx.n_train}] (n: the training examples). "
+            f"Fix: use a batch of at most {ctx.n_train}, or training.full_batch = true."
+        )
+    try:
+        q = sampling_rate_for(ctx.n_train, ebs, full)
+    except ConfigError as exc:  # a batch too small for any useful q
+        raise ConfigError(f"{field}: {exc}") from None
+    # 10¹² steps: a clear error naming the field, not a MemoryError while planning.
+    if "steps" in tr or ("epochs" not in tr and t.steps is not None):
+        steps = int(tr["steps"]) if "steps" in tr else int(t.steps)  # type: ignore[arg-type]
+        check_steps(steps, f"{path}: steps = {steps}" if "steps" in tr else f"training.steps = {steps}")
+    else:
+        epochs = float(tr["epochs"]) if "epochs" in tr else float(t.epochs)  # type: ignore[arg-type]
+        try:
+            steps = steps_for_epochs(epochs, q)
+        except ConfigError as exc:
+            raise ConfigError(f"{path + ': epochs' if 'epochs' in tr else 'training.epochs'}: {exc}") from None
+    if steps < 1:
+        raise ConfigError(f"{path}: a run needs ≥ 1 step, got {steps}.")
+    return q, steps
+
+
+def make_shape(ctx: Context, arm: StrategyArm, config: Mapping[str, Any], path: str) -> Shape:
+    """The shape of the run of ``config`` (the arm's fixed values added) on strategy arm ``arm``."""
+    hp, _ = split_config({**arm.fixed, **config})
+    try:
+        strategy = make_strategy(arm.name, **hp)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    q, steps = run_geometry(ctx, {**arm.fixed, **config}, path)
+    sel = ctx.study.selection
+    ev_steps, ev_final = eval_schedule(steps, sel.eval_every, sel.checkpoint, strategy)
+    private_eval = sel.mode == "private"
+    return Shape(
+        strategy,
+        q,
+        steps,
+        len(ev_steps) + int(ev_final) if private_eval else 0,
+        sel.noise_multiplier if private_eval else None,
+        ev_steps,
+        ev_final,
+    )
+
+
+def release_multiplier(shape: Shape, nu: float, n: int) -> float:
+    """The joint multiplier that the strategy's releases will actually carry for a planned ν.
+
+    Strategies that split ν over several queries (OSO's q-query, the quantile count) recompute
+    the joint multiplier (Σ ν_i⁻²)^(-1/2) from the parts, which can differ from ν in the last
+    bits; the ledger compares events exactly, so such a run would be refused."""
+    split = getattr(shape.strategy, "split", None)
+    if split is None or not math.isfinite(nu):
+        return accounting.joint_noise_multiplier([nu]) if math.isfinite(nu) else nu
+    if "run" in inspect.signature(split).parameters:
+        parts = split(RunInfo(nu, shape.sampling_rate, shape.sampling_rate * n, shape.steps, 1))
+    else:
+        parts = split(nu)
+    return accounting.joint_noise_multiplier(parts)
+
+
+def snap(nu: float, shapes: Iterable[Shape], n: int) -> float:
+    """The smallest ν' ≥ ν (a few ulps up) whose releases round-trip exactly for every shape.
+
+    More noise only lowers ε, so the snapped ν still meets the budget."""
+    shapes = list({s: None for s in shapes})
+    v = nu
+    for _ in range(100_000):
+        try:
+            if all(release_multiplier(s, v, n) == v for s in shapes):
+                return v
+        except ConfigError:
+            return nu  # validate_shape reports the real problem with a clear message
+        v = math.nextafter(v, math.inf)
+    raise ConfigError(
+        f"could not find a noise multiplier near {nu} that the strategy releases exactly"
+    )  # pragma: no cover
+
+
+def validate_shape(shape: Shape, nu: float, n: int, path: str) -> None:
+    """Let the strategy refuse impossible settings (e.g. OSO's ν_q ≤ ν) before any training."""
+    run = RunInfo(nu, shape.sampling_rate, shape.sampling_rate * n, shape.steps, 1)
+    try:
+        shape.strategy.validate_run(run)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def check_selection_budget(shapes: Iterable[Shape], eps: float, delta: float, acc: str, what: str) -> None:
+    """Private selection: the score releases alone must leave budget for training."""
+    evs = [
+        dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(s.eval_nu), s.n_evals)
+        for s in shapes
+        if s.eval_nu is not None and s.n_evals > 0
+    ]
+    if not evs:
+        return
+    e = accounting.epsilon(group_events(evs), delta, "rdp" if acc == "gdp" else acc)
+    if e >= eps:
+        raise ConfigError(
+            f"{what}: the private validation scores alone spend ε = {e:.3g} ≥ {eps:g}. Fix: raise "
+            "selection.noise_multiplier, evaluate less often (selection.eval_every, or checkpoint = 'final'), "
+            "or raise budget.epsilon."
+        )
