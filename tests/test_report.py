@@ -717,3 +717,28 @@ def test_grid_heatmap_of_a_two_axis_grid_goes_to_the_diagnostics(tmp_path) -> No
     path = figs[0].path
     assert path.exists() and "diagnostics" in path.parts and "release" not in path.parts
     assert "lr" in figs[0].caption and "clip" in figs[0].caption
+
+
+def test_every_configuration_keeps_a_run_with_an_empty_configuration() -> None:
+    """A non-private arm with no space and no fixed values has config {} (parsed from the store):
+    its row must stay in diagnostics/results_all.csv, as when configs were JSON strings."""
+    from types import SimpleNamespace
+
+    from dptune.report.study import every_configuration
+
+    arm = SimpleNamespace(label="nodp", method="grid", epsilon=math.inf)
+    runs = [
+        {
+            "run_id": f"nodp@nodp/main/p0/c000/s{s}",
+            "arm": "nodp@nodp",
+            "stage": "main",
+            "status": "done",
+            "config": {},
+            "score": 0.5 + s / 10,
+            "test_metric": None,
+        }
+        for s in (0, 1)
+    ]
+    rows = every_configuration(runs, {"nodp@nodp": arm}, {runs[0]["run_id"]}, use_test=False, name=lambda a: a.label)
+    assert len(rows) == 1 and rows[0].n_seeds == 2 and rows[0].selected
+    assert rows[0].mean == pytest.approx(0.55)

@@ -335,7 +335,7 @@ def every_configuration(
     chosen = set(selected)
     groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = defaultdict(list)
     for r in runs:
-        if r["status"] in ("done", "diverged") and r["config"]:
+        if r["status"] in ("done", "diverged") and r["config"] is not None:
             groups[(r["arm"], r["stage"], config_key(_config(r)))].append(r)
     out = []
     for (arm, _, key), rs in groups.items():
@@ -554,7 +554,7 @@ def grid_heatmaps(
     for r in runs:  # grid-like searches only: random/linear-scaling spaces are not grids
         if (
             r["score"] is not None
-            and r["config"]
+            and r["config"] is not None
             and get_method(getattr(arm_of[r["arm"]], "method", "grid")).needs_value_lists
         ):
             by_arm[r["arm"]].append(r)
