@@ -48,6 +48,14 @@ def shared_data_dir() -> Path:
     return path
 
 
+@pytest.fixture
+def data_env(shared_data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The shared data as DPTUNE_DATA_DIR, offline: for tests that load datasets by name (presets)."""
+    monkeypatch.setenv("DPTUNE_DATA_DIR", str(shared_data_dir))
+    monkeypatch.setenv("DPTUNE_OFFLINE", "1")
+    return shared_data_dir
+
+
 def load_mnist(shared_data_dir: Path, n_train: int = 5000, n_test: int = 2000):
     """First ``n_train`` MNIST training images and first ``n_test`` test images, in [0, 1]."""
     train = np.load(shared_data_dir / "mnist" / "train.npz")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import one_error_line as _invoke
 from tune_helpers import tiny_study_toml
 from typer.testing import CliRunner
 
@@ -21,16 +22,6 @@ from dptune.cli import app
 from dptune.errors import ConfigError
 
 STUDY = tiny_study_toml("edges")
-
-
-def _invoke(args: list[str]) -> str:
-    """The output of a CLI call that must fail with exactly one clear line (exit code 2)."""
-    res = CliRunner().invoke(app, args)
-    assert res.exit_code == 2, (res.output, res.exception)
-    assert "Traceback" not in res.output
-    lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "Fix:" in lines[0], res.output
-    return lines[0]
 
 
 def _tree(d: Path) -> dict[str, int]:
@@ -303,11 +294,9 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # closed again on return: nothing listens there
 
 
-def test_unreachable_ray_address_fails_fast_and_leaves_no_directory(tmp_path: Path) -> None:
-    pytest.importorskip("ray")
-    start = time.monotonic()
-    address = f"127.0.0.1:{_closed_port()}"
-    line = _invoke(
+def _tune_on_ray(tmp_path: Path, address: str) -> str:
+    """The one error line of `dptune tune` on the Ray executor at ``address``, study directory tmp_path/s."""
+    return _invoke(
         [
             "tune",
             str(_config(tmp_path)),
@@ -320,6 +309,13 @@ def test_unreachable_ray_address_fails_fast_and_leaves_no_directory(tmp_path: Pa
             "--no-progress",
         ]
     )
+
+
+def test_unreachable_ray_address_fails_fast_and_leaves_no_directory(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    start = time.monotonic()
+    address = f"127.0.0.1:{_closed_port()}"
+    line = _tune_on_ray(tmp_path, address)
     assert f"no Ray cluster answers at '{address}'" in line and "ray start --head" in line
     assert time.monotonic() - start < 20  # ray.init retried this address for minutes
     assert not (tmp_path / "s").exists()
@@ -339,19 +335,7 @@ def test_ray_address_check_accepts_a_listening_port_and_refuses_a_malformed_one(
 
 def test_ray_executor_without_ray_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    line = _invoke(
-        [
-            "tune",
-            str(_config(tmp_path)),
-            "-o",
-            str(tmp_path / "s"),
-            "--executor",
-            "ray",
-            "--address",
-            "127.0.0.1:1",
-            "--no-progress",
-        ]
-    )
+    line = _tune_on_ray(tmp_path, "127.0.0.1:1")
     assert "pip install 'dptune[ray]'" in line
     assert not (tmp_path / "s").exists()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import OWN_FACTORIES, invoke_train
 from tune_helpers import tiny_dpsgd_study
 from typer.testing import CliRunner
 
@@ -335,31 +336,7 @@ def test_load_model_refuses_tampered_weights(tmp_path: Path) -> None:
 
 def test_train_cli_save_writes_model_and_card_that_load_back(tmp_path: Path) -> None:
     out, save = tmp_path / "run.json", tmp_path / "model"
-    res = CliRunner().invoke(
-        app,
-        [
-            "train",
-            "--dataset",
-            "digits",
-            "--strategy",
-            "dpsgd",
-            "--epochs",
-            "0.2",
-            "--batch-size",
-            "64",
-            "--hp",
-            "lr=0.5",
-            "--hp",
-            "clip=1.0",
-            "--eval-every",
-            "2",
-            "--no-progress",
-            "--out",
-            str(out),
-            "--save",
-            str(save),
-        ],
-    )
+    res = invoke_train(out, "--save", str(save))
     assert res.exit_code == 0, (res.output, res.exception)
     assert {p.name for p in save.iterdir()} == {"model.pt", "model_card.json", "model_card.md"}
     rel = json.loads(out.read_text())
@@ -420,31 +397,7 @@ def test_train_cli_save_with_your_own_factory_reloads_without_model_argument(tmp
     from own_factories import load_data
 
     out, save = tmp_path / "run.json", tmp_path / "model"
-    res = CliRunner().invoke(
-        app,
-        [
-            "train",
-            "--data",
-            "own_factories:load_data",
-            "--model",
-            "own_factories:make_model",
-            "--strategy",
-            "dpsgd",
-            "--epochs",
-            "1",
-            "--batch-size",
-            "40",
-            "--eval-every",
-            "2",
-            "--hp",
-            "lr=0.5",
-            "--no-progress",
-            "--out",
-            str(out),
-            "--save",
-            str(save),
-        ],
-    )
+    res = invoke_train(out, "--save", str(save), data=OWN_FACTORIES, epochs="1", batch_size="40", hps=["lr=0.5"])
     assert res.exit_code == 0, res.output
     with pytest.raises(ConfigError, match="trust_factory"):  # the card names code: never run unasked
         dptune.load_model(save)

@@ -15,6 +15,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+from cli_helpers import invoke_train
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
@@ -307,34 +308,8 @@ def test_gdp_with_poisson_sampling_is_refused_early() -> None:
 
 def test_cli_train_names_the_accountant_and_reports_its_epsilon(tmp_path) -> None:
     out = tmp_path / "r.json"
-    res = CliRunner().invoke(
-        app,
-        [
-            "train",
-            "--dataset",
-            "digits",
-            "--strategy",
-            "dpsgd",
-            "--accountant",
-            "pld",
-            "--epsilon",
-            "1",
-            "--epochs",
-            "1",
-            "--batch-size",
-            "256",
-            "--no-progress",
-            "--eval-every",
-            "1000",
-            "--device",
-            "cpu",
-            "--out",
-            str(out),
-            "--hp",
-            "lr=0.5",
-            "--hp",
-            "clip=1.0",
-        ],
+    res = invoke_train(
+        out, "--accountant", "pld", "--epsilon", "1", "--device", "cpu", epochs="1", batch_size="256", eval_every="1000"
     )
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())

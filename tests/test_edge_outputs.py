@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import invoke_train
 from typer.testing import CliRunner
 
 from dptune.cli import app
@@ -218,29 +219,7 @@ def test_publishable_page_refuses_diagnostic_sections(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- one run
 def test_train_cli_release_json_has_no_history_and_diagnostics_are_labelled(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
-    res = CliRunner().invoke(
-        app,
-        [
-            "train",
-            "--dataset",
-            "digits",
-            "--strategy",
-            "dpsgd",
-            "--epochs",
-            "0.2",
-            "--batch-size",
-            "64",
-            "--hp",
-            "lr=0.5",
-            "--hp",
-            "clip=1.0",
-            "--eval-every",
-            "2",
-            "--no-progress",
-            "--out",
-            str(out),
-        ],
-    )
+    res = invoke_train(out)
     assert res.exit_code == 0, (res.output, res.exception)
     text = out.read_text()
     assert "train_loss" not in text and not BATCH.search(text) and '"seconds"' not in text

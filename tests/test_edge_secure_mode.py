@@ -25,11 +25,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_helpers import invoke_train
 from scipy import stats
 from tune_helpers import tiny_dpsgd_study
-from typer.testing import CliRunner
 
-from dptune.cli import app
 from dptune.errors import ConfigError
 from dptune.sampling import PoissonSampler
 from dptune.train import train
@@ -146,32 +145,7 @@ def test_train_many_trials_in_secure_mode_draw_fresh_batches() -> None:
 # ----------------------------------------------------------------------------- dptune train --secure
 def _cli_train(tmp_path: Path, *extra: str) -> tuple[dict, str]:
     out = tmp_path / "run.json"
-    res = CliRunner().invoke(
-        app,
-        [
-            "train",
-            "--dataset",
-            "digits",
-            "--strategy",
-            "dpsgd",
-            "--epochs",
-            "0.1",
-            "--batch-size",
-            "64",
-            "--hp",
-            "lr=0.5",
-            "--hp",
-            "clip=1.0",
-            "--eval-every",
-            "5",
-            "--no-progress",
-            "--device",
-            "cpu",
-            "--out",
-            str(out),
-            *extra,
-        ],
-    )
+    res = invoke_train(out, "--device", "cpu", *extra, epochs="0.1", eval_every="5")
     assert res.exit_code == 0, (res.output, res.exception)
     return json.loads(out.read_text()), res.output
 

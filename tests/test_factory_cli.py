@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 
 import pytest
+from cli_helpers import OWN_FACTORIES, invoke_train
+from tune_helpers import own_factories_study_toml
 from typer.testing import CliRunner
 
 from dptune import ConfigError
@@ -21,38 +23,10 @@ from dptune.tune.store import Store
 
 runner = CliRunner()
 
-STUDY = """
-[study]
-name = "own"
-seeds = [0]
-[data]
-factory = "own_factories:load_data"
-options = {{ n = 160, n_test = 60 }}
-[model]
-factory = "{model}"
-options = {{ hidden = 6 }}
-[training]
-steps = 10
-expected_batch_size = 30
-[budget]
-epsilon = [2.0]
-delta = 1e-5
-[selection]
-mode = "private"
-eval_every = 5
-noise_multiplier = 20.0
-[method]
-name = "grid"
-[[strategies]]
-name = "dpsgd"
-space = {{ lr = [0.3, 1.0] }}
-fixed = {{ clip = 1.0 }}
-"""
-
 
 def _toml(tmp_path: Path, model: str = "own_factories:make_model") -> Path:
     p = tmp_path / "own.toml"
-    p.write_text(STUDY.format(model=model))
+    p.write_text(own_factories_study_toml("own", model))
     return p
 
 
@@ -63,29 +37,7 @@ def _runs(d: Path) -> dict[str, tuple]:
 
 def test_cli_train_with_own_model_and_data(tmp_path):
     out = tmp_path / "r.json"
-    res = runner.invoke(
-        app,
-        [
-            "train",
-            "--data",
-            "own_factories:load_data",
-            "--model",
-            "own_factories:make_model",
-            "--strategy",
-            "dpsgd",
-            "--epochs",
-            "1",
-            "--batch-size",
-            "40",
-            "--eval-every",
-            "3",
-            "--hp",
-            "lr=0.5",
-            "--no-progress",
-            "--out",
-            str(out),
-        ],
-    )
+    res = invoke_train(out, data=OWN_FACTORIES, epochs="1", batch_size="40", eval_every="3", hps=["lr=0.5"])
     assert res.exit_code == 0, res.output
     release = json.loads(out.read_text())
     text = json.dumps(release)
@@ -95,24 +47,8 @@ def test_cli_train_with_own_model_and_data(tmp_path):
 
 def test_cli_model_factory_with_a_builtin_dataset(tmp_path):
     out = tmp_path / "r.json"
-    res = runner.invoke(
-        app,
-        [
-            "train",
-            "--dataset",
-            "digits",
-            "--model",
-            "own_factories:make_model",
-            "--strategy",
-            "dpsgd",
-            "--epochs",
-            "0.2",
-            "--batch-size",
-            "64",
-            "--no-progress",
-            "--out",
-            str(out),
-        ],
+    res = invoke_train(
+        out, data=["--dataset", "digits", "--model", "own_factories:make_model"], eval_every=None, hps=[]
     )
     assert res.exit_code == 0, res.output
     assert out.exists()

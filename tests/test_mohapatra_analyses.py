@@ -32,16 +32,6 @@ from dptune.tune import theory
 NAN = float("nan")
 
 
-@pytest.fixture
-def data_env(monkeypatch):
-    path = Path(__file__).resolve().parents[2] / "shared" / "data"
-    if not path.is_dir():
-        pytest.skip(f"shared data directory not found at {path}")
-    monkeypatch.setenv("DPTUNE_DATA_DIR", str(path))
-    monkeypatch.setenv("DPTUNE_OFFLINE", "1")
-    return path
-
-
 def _console() -> Console:
     return Console(file=io.StringIO(), width=100)
 

@@ -26,6 +26,7 @@ from typing import Any
 import matplotlib.axes
 import pytest
 import torch
+from cli_helpers import invoke_train
 from rich.cells import cell_len
 from rich.console import Console
 from typer.testing import CliRunner
@@ -84,33 +85,7 @@ def test_train_json_and_table_record_model_accountant_version_split_and_mode(
     from dptune import models
 
     out = tmp_path / "run.json"
-    res = CliRunner().invoke(
-        app,
-        [
-            "train",
-            "--dataset",
-            "digits",
-            "--strategy",
-            "dpsgd",
-            "--epochs",
-            "0.1",
-            "--batch-size",
-            "64",
-            "--hp",
-            "lr=0.5",
-            "--hp",
-            "clip=1.0",
-            "--eval-every",
-            "2",
-            "--seed",
-            "987654",
-            "--no-progress",
-            "--device",
-            "cpu",
-            "--out",
-            str(out),
-        ],
-    )
+    res = invoke_train(out, "--seed", "987654", "--device", "cpu", epochs="0.1")
     assert res.exit_code == 0, (res.output, res.exception)
     text = out.read_text()
     rel = json.loads(text)

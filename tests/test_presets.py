@@ -41,16 +41,6 @@ from dptune.tune import plan_only, run_study, study_from_dict, study_status, stu
 TRAINING_PRESETS = [n for n in PRESETS if n != "mohapatra-lt-vs-ma"]
 
 
-@pytest.fixture
-def data_env(monkeypatch):
-    path = Path(__file__).resolve().parents[2] / "shared" / "data"
-    if not path.is_dir():
-        pytest.skip(f"shared data directory not found at {path}")
-    monkeypatch.setenv("DPTUNE_DATA_DIR", str(path))
-    monkeypatch.setenv("DPTUNE_OFFLINE", "1")
-    return path
-
-
 def _console() -> Console:
     return Console(file=io.StringIO(), width=100)
 

@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from tune_helpers import own_factories_study_toml
 from typer.testing import CliRunner
 
 from dptune.cli import app
@@ -16,33 +17,7 @@ from dptune.tune.executors import make_executor
 
 ROOT = Path(__file__).resolve().parents[1]
 
-STUDY = """
-[study]
-name = "no-ray"
-seeds = [0]
-[data]
-factory = "own_factories:load_data"
-options = { n = 160, n_test = 60 }
-[model]
-factory = "own_factories:make_model"
-options = { hidden = 6 }
-[training]
-steps = 10
-expected_batch_size = 30
-[budget]
-epsilon = [2.0]
-delta = 1e-5
-[selection]
-mode = "private"
-eval_every = 5
-noise_multiplier = 20.0
-[method]
-name = "grid"
-[[strategies]]
-name = "dpsgd"
-space = { lr = [0.3, 1.0] }
-fixed = { clip = 1.0 }
-"""
+STUDY = own_factories_study_toml("no-ray")
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import one_error_line as _refused
 from tune_helpers import tiny_study_toml
 from typer.testing import CliRunner
 
@@ -31,16 +32,6 @@ def _config(tmp_path: Path, text: str = STUDY, name: str = "study.toml") -> Path
     p = tmp_path / name
     p.write_text(text)
     return p
-
-
-def _refused(args: list[str]) -> str:
-    """One red line naming the fix, exit code 2, no traceback."""
-    res = CliRunner().invoke(app, args)
-    assert res.exit_code == 2, (res.output, res.exception)
-    assert "Traceback" not in res.output
-    lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "Fix:" in lines[0], res.output
-    return lines[0]
 
 
 def _failing_planner(monkeypatch: pytest.MonkeyPatch, meanwhile: Any, exc: BaseException) -> None:

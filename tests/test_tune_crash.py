@@ -9,51 +9,29 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import textwrap
 import time
 from collections import Counter
 
 import pytest
+from tune_helpers import tiny_study_toml
 
 from dptune.ledger import event_to_dict
 from dptune.tune import resume_study, run_study, study_status, study_table
 from dptune.tune.store import Store
 
-CONFIG = textwrap.dedent("""
-    [study]
-    name = "crash"
-    seeds = [0, 1]
-
-    [data]
-    name = "digits"
-    options = { flatten = true }
-
-    [model]
-    name = "logistic_regression"
-
-    [training]
-    steps = 160
-    expected_batch_size = 64
-
-    [budget]
-    epsilon = 2.0
-    delta = 1e-5
-    accountant = "rdp"
-
-    [method]
-    name = "grid"
-
-    [selection]
-    mode = "private"
-    split = "holdout"
-    eval_every = 40
-    noise_multiplier = 30.0
-
-    [[strategies]]
-    name = "dpsgd"
-    space = { lr = [0.3, 1.0] }
-    fixed = { clip = 1.0 }
-""")
+CONFIG = tiny_study_toml(
+    "crash",
+    steps=160,
+    seeds=(0, 1),
+    lrs=(0.3, 1.0),
+    selection="""
+[selection]
+mode = "private"
+split = "holdout"
+eval_every = 40
+noise_multiplier = 30.0
+""",
+)
 
 
 def _status(db) -> Counter:

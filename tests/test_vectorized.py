@@ -204,28 +204,22 @@ def test_unstackable_models_run_sequentially_or_refuse() -> None:
 
 def test_argument_forms_and_errors() -> None:
     base = mlp(3)
-    a = train_many(
-        base,
-        (X, Y),
-        "dpsgd",
-        [{"lr": 0.2}] * 2,
-        [1, 2],
-        noise_multiplier=1.0,
-        steps=3,
-        expected_batch_size=30,
-        fallback="error",
-    )
-    b = train_many(
-        [mlp(3), mlp(3)],
-        (X, Y),
-        "dpsgd",
-        [{"lr": 0.2}] * 2,
-        [1, 2],
-        noise_multiplier=1.0,
-        steps=3,
-        expected_batch_size=30,
-        fallback="error",
-    )
+
+    def two_runs(models):
+        return train_many(
+            models,
+            (X, Y),
+            "dpsgd",
+            [{"lr": 0.2}] * 2,
+            [1, 2],
+            noise_multiplier=1.0,
+            steps=3,
+            expected_batch_size=30,
+            fallback="error",
+        )
+
+    a = two_runs(base)  # one model, copied per run
+    b = two_runs([mlp(3), mlp(3)])  # a list of them: the same runs
     for r1, r2 in zip(a, b, strict=True):
         for k in r1.final_params:
             assert torch.equal(r1.final_params[k], r2.final_params[k])

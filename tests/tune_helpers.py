@@ -1,7 +1,10 @@
 """Tiny dpsgd grid studies shared by the tests: on seeded random data (the tuner's executor/budget
-tests) and as a study file on the embedded digits data (the CLI edge, store-safety and fuzz tests)."""
+tests), as a study file on the embedded digits data (the CLI edge, store-safety, fuzz and crash
+tests) and as a study file on the user's own data and model (tests/own_factories.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -39,12 +42,15 @@ def tiny_dpsgd_study(
     )
 
 
-def tiny_study_toml(name: str, steps: int = 10) -> str:
-    """A one-run DP-SGD grid on digits (logistic regression, batch 64, ε = 2, RDP) as a study file."""
+def tiny_study_toml(
+    name: str, steps: int = 10, seeds: Sequence[int] = (0,), lrs: Sequence[float] = (0.5,), selection: str = ""
+) -> str:
+    """A DP-SGD grid on digits (logistic regression, batch 64, ε = 2, RDP) as a study file: by default
+    one run; ``selection`` is an optional [selection] table."""
     return f"""
 [study]
 name = "{name}"
-seeds = [0]
+seeds = {list(seeds)}
 
 [data]
 name = "digits"
@@ -64,9 +70,41 @@ accountant = "rdp"
 
 [method]
 name = "grid"
-
+{selection}
 [[strategies]]
 name = "dpsgd"
-space = {{ lr = [0.5] }}
+space = {{ lr = {list(lrs)} }}
+fixed = {{ clip = 1.0 }}
+"""
+
+
+def own_factories_study_toml(name: str, model: str = "own_factories:make_model") -> str:
+    """A private-selection DP-SGD grid (two learning rates, one seed) on tests/own_factories.py's data
+    with the model factory ``model``, as a study file."""
+    return f"""
+[study]
+name = "{name}"
+seeds = [0]
+[data]
+factory = "own_factories:load_data"
+options = {{ n = 160, n_test = 60 }}
+[model]
+factory = "{model}"
+options = {{ hidden = 6 }}
+[training]
+steps = 10
+expected_batch_size = 30
+[budget]
+epsilon = [2.0]
+delta = 1e-5
+[selection]
+mode = "private"
+eval_every = 5
+noise_multiplier = 20.0
+[method]
+name = "grid"
+[[strategies]]
+name = "dpsgd"
+space = {{ lr = [0.3, 1.0] }}
 fixed = {{ clip = 1.0 }}
 """
