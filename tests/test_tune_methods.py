@@ -288,7 +288,8 @@ def _tensors():
 
 def method_study(method: str) -> Study:
     """One tiny study per built-in method (tests/data/method_plans.json holds their plans as the
-    planners wrote them before the methods became plug-ins, with ``SecretCoins(seed=7)``)."""
+    planners wrote them before the methods became plug-ins, with ``SecretCoins(seed=7)``; random's
+    second procedure since then draws its own configurations: only its two lr values changed)."""
     lrs = {"lr": [0.1, 1.0]}
     arms = (StrategyArm("dpsgd", space=lrs, fixed={"clip": 1.0}),)
     training = TrainingSpec(steps=20, expected_batch_size=50)

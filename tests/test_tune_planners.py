@@ -23,7 +23,7 @@ from dptune.tune import (
     plan_study,
     theory,
 )
-from dptune.tune.planners import StudyPlan
+from dptune.tune.planners import StudyPlan, group_events
 
 N, DELTA = 60000, 1e-5
 Q = 512 / N
@@ -132,7 +132,10 @@ def test_plans_are_deterministic_and_noise_streams_distinct():
     seeds = [r.run_seed for r in a.runs.values()]
     assert len(set(seeds)) == len(seeds) == 10
     configs = [r.config["lr"] for r in a.runs.values()]
-    assert len(set(configs)) == 5 and all(1e-3 <= c <= 1.0 for c in configs)
+    assert all(1e-3 <= c <= 1.0 for c in configs)
+    # Each seed replicate is its own tuning procedure: its own 5 draws (not one draw shared by both).
+    by_proc = {p: {r.config["lr"] for r in a.runs.values() if r.procedure == p} for p in (0, 1)}
+    assert len(by_proc[0]) == len(by_proc[1]) == 5 and not by_proc[0] & by_proc[1]
 
 
 def test_liu_talwar_plan_follows_the_theorem():
@@ -258,3 +261,24 @@ def test_split_strategies_get_a_noise_multiplier_they_release_exactly(strategy):
         assert release_multiplier(shape, run.noise_multiplier, N) == run.noise_multiplier
     for arm in plan.arms:
         assert arm.guarantee["epsilon"] <= arm.epsilon
+
+
+def test_random_search_draws_per_procedure_and_each_procedure_meets_epsilon():
+    """Per-seed selection: every seed replicate is its own random search (its own draws, steps
+    included), and each one's composition meets ε at its own ν; with account_seeds the union does."""
+    space = {"lr": {"log_uniform": [1e-3, 1.0]}, "steps": [10, 40]}
+    for account in (False, True):
+        s = _study(method="random", opts={"n": 3}, space=space, seeds=(0, 1, 2), account_seeds=account)
+        plan = plan_study(s, N, 10000, "accuracy")
+        arm = plan.arms[0]
+        runs = [plan.runs[r] for r in arm.runs]
+        draws = [tuple((r.config["lr"], r.steps) for r in runs if r.procedure == p) for p in range(3)]
+        assert len(set(draws)) == 3 and all(len(d) == 3 for d in draws)
+        groups = [[0, 1, 2]] if account else [[0], [1], [2]]
+        eps = [
+            accounting.epsilon(group_events(r.planned_event for r in runs if r.procedure in g), DELTA, arm.accountant)
+            for g in groups
+        ]
+        assert max(eps) <= 3.0 * (1 + 1e-9) and max(eps) == pytest.approx(arm.guarantee["epsilon"])
+        if not account:  # calibrated per procedure: the tightest one sits at ε
+            assert max(eps) == pytest.approx(3.0, rel=1e-3)

@@ -45,9 +45,11 @@ def _scored(r: Row) -> bool:
     return r["status"] in ("done", "diverged") and isinstance(r["score"], int | float) and math.isfinite(r["score"])
 
 
-def random_configurations(study: Study, arm: StrategyArm, n: int) -> list[dict[str, Any]]:
-    """``n`` configurations drawn from the arm's space with the study seed (lists or distributions)."""
-    rng = S.rng_for(study.seed, f"random/{arm.key}")
+def random_configurations(study: Study, arm: StrategyArm, n: int, procedure: int = 0) -> list[dict[str, Any]]:
+    """``n`` configurations drawn from the arm's space with the study seed (lists or distributions),
+    a fresh draw per tuning procedure (procedure 0 keeps the stream plans had before per-procedure
+    draws: stored single-procedure plans are unchanged)."""
+    rng = S.rng_for(study.seed, f"random/{arm.key}" + (f"/p{procedure}" if procedure else ""))
     return [S.draw(arm.space, rng) for _ in range(n)]
 
 
@@ -100,10 +102,10 @@ class TuningMethod:
                 "add at least one hyperparameter with values, e.g. space = { lr = [0.01, 0.1, 1.0] }",
             )
 
-    def configurations(self, study: Study, arm: StrategyArm) -> list[dict[str, Any]]:
-        """The candidate configurations when they are fixed before any run (``Composition``), and
-        those of the arm's non-private baseline (``tune.plan``): by default the grid of the space, or
-        10 draws from it when it has distributions."""
+    def configurations(self, study: Study, arm: StrategyArm, procedure: int = 0) -> list[dict[str, Any]]:
+        """The candidate configurations of tuning procedure ``procedure`` when they are fixed before any
+        run (``Composition``), and those of the arm's non-private baseline (``tune.plan``): by default
+        the grid of the space, or 10 draws from it when it has distributions."""
         return S.grid(arm.space) if S.is_finite(arm.space) else random_configurations(study, arm, 10)
 
     def plan(self, b: Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:

@@ -12,6 +12,7 @@ oracle              each run alone at ε (Panda's "grid search, HPO cost     aut
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,35 +39,50 @@ class Composition(TuningMethod):
     def plan(self, b: Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
         study, ctx = b.ctx.study, b.ctx
         arm_id = make_arm_id(arm.key, eps)
-        configs = self.configurations(study, arm)  # the grid (needs_value_lists), or Random's draws
-        shapes = [make_shape(ctx, arm, c, f"{path}.space") for c in configs]
+        S_ = len(study.seeds)
+        per_seed = study.selection.across_seeds == "per-seed"
+        # The candidates of each procedure: the grid (needs_value_lists), or Random's draws, one per
+        # procedure. Seed r belongs to procedure r (per-seed selection) or to the single procedure 0.
+        configs = {p: self.configurations(study, arm, p) for p in (range(S_) if per_seed else range(1))}
+        shapes = {p: [make_shape(ctx, arm, c, f"{path}.space") for c in cs] for p, cs in configs.items()}
+        proc_of = [r if per_seed else 0 for r in range(S_)]
         delta = study.budget.delta
-        # The accounted runs: one seed's runs, or all of them (account_seeds).
-        reps_acc = range(len(study.seeds)) if study.budget.account_seeds else range(1)
+        # The accounted runs, each group meeting ε: one seed's runs (each procedure's, per-seed), or all
+        # seeds' runs together (account_seeds).
+        groups = [proc_of] if study.budget.account_seeds else [[p] for p in sorted(set(proc_of))]
 
-        def accounted(nus: list[float]) -> dp_event.DpEvent:
-            return group_events(s.event(nu) for _ in reps_acc for s, nu in zip(shapes, nus, strict=True))
+        def accounted(group: list[int], nu_of: Callable[[int, int], float]) -> dp_event.DpEvent:
+            return group_events(s.event(nu_of(p, j)) for p in group for j, s in enumerate(shapes[p]))
 
-        acc = choose_accountant(study.budget.accountant, accounted([1.0] * len(shapes)))
+        acc = choose_accountant(study.budget.accountant, accounted(groups[0], lambda p, j: 1.0))
         alone = not self.shared_noise
-        check_selection_budget(shapes[:1] if alone else [s for _ in reps_acc for s in shapes], eps, delta, acc, arm_id)
+        nus: dict[int, list[float]] = {}
         if alone:
             cache: dict[Shape, float] = {}
-            for s in shapes:
-                if s not in cache:
-                    cache[s] = calibrate_nu(s.event, eps, delta, acc, f"{arm_id} (oracle run)")
-            nus = [snap(cache[s], [s], ctx.n_train) for s in shapes]
+            check_selection_budget(shapes[0][:1], eps, delta, acc, arm_id)
+            for p, ss in shapes.items():
+                for s in ss:
+                    if s not in cache:
+                        cache[s] = calibrate_nu(s.event, eps, delta, acc, f"{arm_id} (oracle run)")
+                nus[p] = [snap(cache[s], [s], ctx.n_train) for s in ss]
         else:
-            nu = calibrate_nu(lambda v: accounted([v] * len(shapes)), eps, delta, acc, arm_id)
-            nus = [snap(nu, shapes, ctx.n_train)] * len(shapes)
-        for s, nu in zip(shapes, nus, strict=True):
-            validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
+            by_shapes: dict[tuple[Shape, ...], float] = {}  # groups with the same runs share one ν
+            for g in groups:
+                key = tuple(s for p in g for s in shapes[p])
+                if key not in by_shapes:
+                    check_selection_budget(list(key), eps, delta, acc, arm_id)
+                    nu = calibrate_nu(lambda v, g=g: accounted(g, lambda p, j: v), eps, delta, acc, arm_id)
+                    by_shapes[key] = snap(nu, list(key), ctx.n_train)
+                for p in set(g):
+                    nus[p] = [by_shapes[key]] * len(shapes[p])
+        for p, ss in shapes.items():
+            for s, nu in zip(ss, nus[p], strict=True):
+                validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
         run_ids = []
-        for r in range(len(study.seeds)):
-            procedure = r if study.selection.across_seeds == "per-seed" else 0
-            for j, (c, s, nu) in enumerate(zip(configs, shapes, nus, strict=True)):
-                run_ids += b.add_candidate(arm, arm_id, "main", j, procedure, c, s, nu, replicates=[r])
-        total = accounting.epsilon(accounted(nus), delta, acc)
+        for r, p in enumerate(proc_of):
+            for j, (c, s, nu) in enumerate(zip(configs[p], shapes[p], nus[p], strict=True)):
+                run_ids += b.add_candidate(arm, arm_id, "main", j, p, c, s, nu, replicates=[r])
+        total = max(accounting.epsilon(accounted(g, lambda p, j: nus[p][j]), delta, acc) for g in groups)
         notes = seed_note(study)
         if alone:
             notes.insert(
@@ -80,9 +96,9 @@ class Composition(TuningMethod):
             "delta": delta,
             "per": guarantee_scope(study),
             "accountant": acc,
-            "runs_accounted": len(configs) * len(reps_acc),
+            "runs_accounted": len(configs[0]) * (S_ if study.budget.account_seeds else 1),
         }
-        extra = {"noise_multipliers": sorted(set(nus)), "candidates": len(configs)}
+        extra = {"noise_multipliers": sorted({v for vs in nus.values() for v in vs}), "candidates": len(configs[0])}
         return self.arm_plan(b, arm, eps, accountant=acc, guarantee=guarantee, runs=run_ids, notes=notes, extra=extra)
 
 
@@ -111,8 +127,10 @@ class Random(Composition):
     Options = RandomOptions
     needs_value_lists = False
 
-    def configurations(self, study: Study, arm: StrategyArm) -> list[dict[str, Any]]:
-        return random_configurations(study, arm, int(study.method_for(arm).options["n"]))
+    def configurations(self, study: Study, arm: StrategyArm, procedure: int = 0) -> list[dict[str, Any]]:
+        # Each seed replicate is its own tuning procedure (per-seed selection): its own draw, so the
+        # replicates measure random search, not one draw's luck three times.
+        return random_configurations(study, arm, int(study.method_for(arm).options["n"]), procedure)
 
 
 class Online(Composition):
