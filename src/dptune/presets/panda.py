@@ -128,8 +128,8 @@ def _rule_notes(scale: str, s: Mapping[str, Any], probe: bool) -> tuple[str, ...
     span = (s["lr"][1] * s["steps"][1]) / (s["lr"][0] * s["steps"][0])
     notes = (
         f"r = η·T is drawn log-uniformly (Alg. 3 says uniformly; over this {span:,.0f}-fold r range uniform "
-        "draws rarely reach the small r the low-ε sweeps favour). random-search is ONE draw of (η, T), "
-        "shared by every seed replicate and ε: a single configuration, not the mean of random search.",
+        "draws rarely reach the small r the low-ε sweeps favour). random-search is one draw of (η, T) per "
+        "seed replicate (shared across ε): the mean over seeds averages that many draws.",
     )
     if scale != "small":
         return notes
