@@ -71,7 +71,11 @@ class Composition(TuningMethod):
                 key = tuple(s for p in g for s in shapes[p])
                 if key not in by_shapes:
                     check_selection_budget(list(key), eps, delta, acc, arm_id)
-                    nu = calibrate_nu(lambda v, g=g: accounted(g, lambda p, j: v), eps, delta, acc, arm_id)
+
+                    def group_at(v: float, g: list[int] = g) -> dp_event.DpEvent:
+                        return accounted(g, lambda p, j: v)
+
+                    nu = calibrate_nu(group_at, eps, delta, acc, arm_id)
                     by_shapes[key] = snap(nu, list(key), ctx.n_train)
                 for p in set(g):
                     nus[p] = [by_shapes[key]] * len(shapes[p])
