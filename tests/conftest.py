@@ -125,6 +125,32 @@ def zero_grad_problem(inputs: int = 50, classes: int = 40, n: int = 64) -> tuple
     return model, x, y
 
 
+def released_zero_grad_noise(device: str) -> tuple[torch.Tensor, float]:
+    """One ``make_private`` step (FixedClip, ν = 1.3, C = 0.7, L = 16) on ``zero_grad_problem``:
+    the released ``.grad`` of the weight (pure noise) and the std it should have, νC/L."""
+    import dptune
+    from dptune.privatizers import FixedClip
+
+    model, x, y = zero_grad_problem(inputs=300, classes=100, n=64)
+    nu, clip, L = 1.3, 0.7, 16.0
+    model = model.to(device)
+    private = dptune.make_private(
+        model,
+        (x, y),
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        privatizer=FixedClip(clip),
+        steps=1,
+        expected_batch_size=L,
+        noise_multiplier=nu,
+        seed=3,
+        device=device,
+    )
+    for xb, yb in private.batches():
+        private.backward(xb, yb)
+    assert model.weight.grad is not None
+    return model.weight.grad, nu * clip / L
+
+
 def params_of(model: nn.Module) -> Tensors:
     return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
 

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import zero_grad_problem
+from conftest import released_zero_grad_noise
 from scipy import stats
 from torch import nn
 
 import dptune
-from dptune.privatizers import FixedClip
 from dptune.strategies import STRATEGIES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -82,25 +81,9 @@ def test_ghost_and_vmap_are_the_same_run_on_the_gpu() -> None:
 
 @pytest.mark.parametrize(("factor", "accept"), [(1.0, True), (0.9, False), (1.1, False)])
 def test_released_grad_noise_on_the_gpu_has_std_nu_c_over_l(factor: float, accept: bool) -> None:
-    model, x, y = zero_grad_problem(inputs=300, classes=100, n=64)
-    nu, clip, L = 1.3, 0.7, 16.0
-    model = model.cuda()
-    private = dptune.make_private(
-        model,
-        (x, y),
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        privatizer=FixedClip(clip),
-        steps=1,
-        expected_batch_size=L,
-        noise_multiplier=nu,
-        seed=3,
-        device="cuda",
-    )
-    for xb, yb in private.batches():
-        private.backward(xb, yb)
-    g = model.weight.grad
-    assert g.device.type == "cuda"
-    p = stats.kstest(g.flatten().double().cpu().numpy(), stats.norm(scale=factor * nu * clip / L).cdf).pvalue
+    grad, std = released_zero_grad_noise("cuda")
+    assert grad.device.type == "cuda"
+    p = stats.kstest(grad.flatten().double().cpu().numpy(), stats.norm(scale=factor * std).cdf).pvalue
     assert (p > 1e-3) if accept else (p < 1e-6)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import zero_grad_problem
+from conftest import released_zero_grad_noise
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 from scipy import stats
@@ -244,23 +244,8 @@ def test_make_private_with_a_torch_optimizer_is_the_same_algorithm() -> None:
 def test_released_grad_noise_has_std_nu_c_over_l(factor: float, accept: bool) -> None:
     """Zero per-example gradients: .grad is pure noise N(0, (νC/L)²) per coordinate. A KS test
     accepts the right σ and rejects σ off by 10% (the test can fail)."""
-    model, x, y = zero_grad_problem(inputs=300, classes=100, n=64)
-    nu, clip, L = 1.3, 0.7, 16.0
-    private = dptune.make_private(
-        model,
-        (x, y),
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        privatizer=FixedClip(clip),
-        steps=1,
-        expected_batch_size=L,
-        noise_multiplier=nu,
-        seed=3,
-        device="cpu",
-    )
-    for xb, yb in private.batches():
-        private.backward(xb, yb)
-    g = model.weight.grad.flatten().double().numpy()
-    p = stats.kstest(g, stats.norm(scale=factor * nu * clip / L).cdf).pvalue
+    grad, std = released_zero_grad_noise("cpu")
+    p = stats.kstest(grad.flatten().double().numpy(), stats.norm(scale=factor * std).cdf).pvalue
     assert (p > 1e-3) if accept else (p < 1e-6)
 
 
