@@ -156,3 +156,63 @@ def test_ghost_norms_of_the_galli_cnn_hold_on_the_gpu_in_exact_float32() -> None
     for k in theirs:
         torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-6)
     assert (torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic) == before
+
+
+def _asymmetric_convs() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, (2, 5), stride=(1, 3), padding=(2, 0), dilation=(3, 1)),
+        nn.Tanh(),
+        nn.Conv2d(4, 2, (3, 1), stride=(2, 1), padding=(0, 1), dilation=(1, 2)),
+        nn.Flatten(),
+        nn.Linear(2 * 4 * 7, 3),
+    ).cuda()
+
+
+def test_gemm_per_sample_convolutions_equal_vmap_on_the_gpu() -> None:
+    """The CUDA path for kept convolutions (patches + batched GEMM, ``ghost.use_unfold_products``)
+    on asymmetric kernels, strides, paddings and dilations, channels-last input: same norms and sums
+    as vmap, norms never below."""
+    import warnings
+
+    from dptune.grads import GradientOracle
+
+    model = _asymmetric_convs()
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 3, 9, 17, generator=g).cuda().contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 3, (32,), generator=g).cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = GradientOracle(model, "cross_entropy", method="ghost")(params, x, y)
+        got.norms  # noqa: B018 - computed lazily
+    ref = GradientOracle(model, "cross_entropy", method="vmap")(params, x, y)
+    assert bool((got.norms >= ref.norms * (1 - 1e-6)).all())
+    torch.testing.assert_close(got.norms, ref.norms, rtol=1e-4, atol=1e-7)
+    w = torch.linspace(-1.0, 2.0, 32, device="cuda")
+    mine, theirs = got.weighted_sum(w), ref.weighted_sum(w)
+    for k in theirs:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-6)
+
+
+def test_recomputed_convolutions_release_at_most_their_norm_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case (e) on CUDA (per-sample gradients too big to keep, recomputed for the release) with
+    cuDNN's autotuner on: each example released alone has norm ≤ its N_i."""
+    from dptune import ghost
+    from dptune.grads import GradientOracle
+
+    monkeypatch.setattr(ghost, "MATERIALIZE_LIMIT_BYTES", 4096)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    model = _asymmetric_convs()
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 3, 9, 17, generator=g).cuda()
+    y = torch.randint(0, 3, (16,), generator=g).cuda()
+    got = GradientOracle(model, "cross_entropy", method="ghost")(params, x, y)
+    norms = got.norms
+    for i in range(16):
+        w = torch.zeros(16, device="cuda")
+        w[i] = 1.0
+        released = got.weighted_sum(w)
+        total = torch.sqrt(sum((v.double() ** 2).sum() for v in released.values()))
+        assert float(total) <= float(norms[i]), i

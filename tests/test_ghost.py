@@ -150,6 +150,75 @@ def test_ghost_equals_vmap_in_float64(name: str) -> None:
     _compare(model, x, y, loss, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a fallback to vmap would hide a wrong path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["galli_cnn", "galli_autoencoder", "seq", "geometry"])
+def test_unfold_products_equal_vmap(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype) -> None:
+    """Kept convolutions by im2col + batched GEMM (the CUDA path), forced on the CPU: the same
+    norms, sums and per-sample gradients as vmap (float64: to 1e-12, the same maths), in chunks of
+    one example, across padding, stride, dilation, Conv1d and a model that also has transposed
+    convolutions (which keep the grouped kernel)."""
+    asked: list[bool] = []
+
+    def unfold_everywhere(device: torch.device, transposed: bool, patch_bytes: int) -> bool:
+        asked.append(transposed)
+        return not transposed
+
+    monkeypatch.setattr(ghost, "use_unfold_products", unfold_everywhere)
+    monkeypatch.setattr(ghost, "UNFOLD_PRODUCT_BYTES", 1)  # one example per chunk
+    torch.manual_seed(0)
+    model, x, y, loss = case(name, torch.Generator().manual_seed(3))
+    model = model.to(dtype)
+    x = x.to(dtype) if x.is_floating_point() else x
+    y = y.to(dtype) if y.is_floating_point() else y
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    _compare(model, x, y, loss, **tol)
+    assert False in asked  # the unfold path ran for at least one convolution
+
+
+def _convs_then_linear(convs: nn.Sequential, x: torch.Tensor, classes: int = 3) -> nn.Sequential:
+    with torch.no_grad():
+        width = convs(x[:1]).flatten(1).shape[1]
+    return nn.Sequential(*convs, nn.Flatten(), nn.Linear(width, classes, dtype=x.dtype))
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a fallback to vmap would hide a wrong path
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "permuted"])
+@pytest.mark.parametrize("geometry", ["conv2d", "conv1d"])
+def test_unfold_products_pin_each_axis(monkeypatch: pytest.MonkeyPatch, geometry: str, layout: str) -> None:
+    """Asymmetric kernels, strides, paddings and dilations (a swapped axis fails), Conv1d with all
+    three, and inputs that are channels-last or a permuted view: the GEMM path equals vmap to
+    float64 precision."""
+    monkeypatch.setattr(ghost, "use_unfold_products", lambda device, transposed, patch_bytes: not transposed)
+    monkeypatch.setattr(ghost, "UNFOLD_PRODUCT_BYTES", 1)
+    g = torch.Generator().manual_seed(4)
+    if geometry == "conv2d":
+        x = torch.randn(6, 3, 9, 17, generator=g, dtype=torch.float64)
+        convs = nn.Sequential(
+            nn.Conv2d(3, 4, (2, 5), stride=(1, 3), padding=(2, 0), dilation=(3, 1)),
+            nn.Tanh(),
+            nn.Conv2d(4, 2, (3, 1), stride=(2, 1), padding=(0, 1), dilation=(1, 2)),
+        ).double()
+    else:
+        x = torch.randn(6, 3, 20, generator=g, dtype=torch.float64)
+        convs = nn.Sequential(nn.Conv1d(3, 4, 3, stride=2, padding=1, dilation=2)).double()
+    if layout == "channels_last" and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "permuted":
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)  # same values, non-contiguous strides
+    torch.manual_seed(0)
+    model = _convs_then_linear(convs, x)
+    _compare(model, x, torch.randint(0, 3, (6,), generator=g), "cross_entropy", rtol=1e-10, atol=1e-12)
+
+
+def test_unfold_products_only_on_cuda_for_plain_convolutions_that_fit() -> None:
+    cuda, fits, too_big = torch.device("cuda"), ghost.UNFOLD_PRODUCT_BYTES, ghost.UNFOLD_PRODUCT_BYTES + 1
+    assert ghost.use_unfold_products(cuda, transposed=False, patch_bytes=fits)
+    assert not ghost.use_unfold_products(cuda, transposed=False, patch_bytes=too_big)
+    assert not ghost.use_unfold_products(cuda, transposed=True, patch_bytes=1)
+    assert not ghost.use_unfold_products(torch.device("cpu"), transposed=False, patch_bytes=1)
+
+
 def test_unstored_and_gram_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """With no room to keep per-sample gradients: Gram (ghost) norms for Linear over tokens and
     for small-output convolutions, native weight-gradient kernels for the weighted sums."""

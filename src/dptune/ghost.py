@@ -15,8 +15,9 @@ b_i ∈ R^{T×p} with T the number of positions (tokens, pixels) sharing the wei
       product, the cost of an ordinary weight gradient; no second backward pass.
   Bias: g_i = Σ_t b_{i,t}.
 * Conv2d: the same with a_i = unfold(x_i) ∈ R^{T×(C_in k_h k_w)} (im2col) and T = H_out W_out;
-  the weighted sum is the native convolution weight gradient with the output gradient
-  scaled by w_i (``aten.convolution_backward``), or w @ G when G was small enough to keep.
+  kept per-sample gradients come from the grouped convolution backward (CPU) or from patches
+  and one batched GEMM (CUDA, ``use_unfold_products``); the weighted sum is w @ G when G was
+  small enough to keep, else recomputed chunk by chunk (case (e)) or over unfolded chunks (c).
 * ConvTranspose2d: roles swapped: G_i = a_iᵀ unfold(b_i) with the layer's kernel geometry.
 * Embedding: G_i = Σ_t e_{idx_t} b_{i,t}ᵀ; ‖G_i‖² = Σ_{t,s} 1[idx_t = idx_s] b_t·b_s;
   weighted sums by ``index_add``.
@@ -79,7 +80,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,9 @@ from dptune.tree import Tensors
 MATERIALIZE_LIMIT_BYTES = 64 * 2**20
 # Bound on the transient im2col buffers (B_chunk x d x T floats).
 UNFOLD_CHUNK_BYTES = 32 * 2**20
+# Bound on the patch copy of a kept convolution's GEMM path (``use_unfold_products``): B_chunk x T x d
+# floats (a layer whose single example exceeds it takes the grouped kernel instead).
+UNFOLD_PRODUCT_BYTES = 256 * 2**20
 # Rows whose weights are proportional to the previous weighted sum's, within this relative
 # tolerance, are taken from that sum (float32 rounding of w is ~1e-7).
 REUSE_RTOL = 1e-6
@@ -136,6 +140,13 @@ def unsupported_reason(model: nn.Module) -> str | None:
         if cls is nn.Embedding and (mod.max_norm is not None or mod.sparse or mod.scale_grad_by_freq):
             return f"{where}: max_norm / sparse / scale_grad_by_freq are not supported"
     return None
+
+
+def use_unfold_products(device: torch.device, transposed: bool, patch_bytes: int) -> bool:
+    """Whether a kept convolution's per-sample gradients come from patches + batched GEMM (CUDA,
+    plain convolutions whose one example's patches, ``patch_bytes``, fit UNFOLD_PRODUCT_BYTES)
+    rather than the grouped convolution backward (CPU, where that is faster)."""
+    return device.type == "cuda" and not transposed and patch_bytes <= UNFOLD_PRODUCT_BYTES
 
 
 class GhostFallback(Exception):
@@ -398,14 +409,28 @@ class _Conv(_Layer):
 
             self._wpart, self._err = _gram_bound(chunks(), d, p, T, unit_roundoff(a.dtype))
             return
-        # Direct: per-sample weight gradients from the native convolution backward with the
-        # batch folded into channel groups (Rochette et al. 2019): input [1, B·C_in, H, W],
-        # output gradient [1, B·C_out, H', W'], groups = B → weight gradient [B·C_in|out, ...].
-        # Not kept: weighted sums recompute the same chunks (case (e)), so they release exactly
-        # the Ĝ_i whose norms were taken.
+        # Direct: per-sample weight gradients, kept (B ≥ 1 here: grads returns before the ghost
+        # path for an empty batch) or recomputed chunk by chunk.
         self._chunk = B if keep else max(1, MATERIALIZE_LIMIT_BYTES // max(1, p * d * a.element_size()))
         sqs, Gs, rho = [], [], 0.0
-        with _same_kernel(a.device):
+        per_example_patches = d * T * a.element_size()
+        if keep and use_unfold_products(a.device, self.transposed, per_example_patches):
+            # Kept (case (a)): Ĝ is computed once and is itself what is released, so any kernel
+            # will do; on CUDA patches + one batched GEMM per chunk beat cuDNN's grouped
+            # convolution with B groups 5-12x (docs/performance.md, "Convolutions on a GPU").
+            step = max(1, UNFOLD_PRODUCT_BYTES // per_example_patches)
+            for i in range(0, B, step):
+                G = self._unfolded_weight(a[i : i + step], b[i : i + step], T)
+                sq, rho = sq_rows_upper(G)
+                sqs.append(sq)
+                Gs.append(G)
+            self._wpart = (torch.cat(sqs), rho)
+            self.G = torch.cat(Gs)
+            self.a = self.b = None  # type: ignore[assignment]  # not needed any more
+            return
+        # Not kept: weighted sums recompute the same chunks (case (e)), so they release exactly
+        # the Ĝ_i whose norms were taken; cuDNN must then pick the same kernel both times.
+        with _same_kernel(a.device) if not keep else nullcontext():
             for i in range(0, B, self._chunk):
                 G = self._per_sample_weight(a[i : i + self._chunk], b[i : i + self._chunk])
                 sq, rho = sq_rows_upper(G)
@@ -417,8 +442,29 @@ class _Conv(_Layer):
             self.G = torch.cat(Gs)  # [B, *, *] in the layout of weight
             self.a = self.b = None  # type: ignore[assignment]  # not needed any more
 
+    def _unfolded_weight(self, a: torch.Tensor, b: torch.Tensor, T: int) -> torch.Tensor:
+        """The same [c, weight.shape[0], rest] as ``_per_sample_weight`` for a convolution, as
+        b_i U_i with U_i [T, C_in·k_h·k_w] the input's patches: strided views of the padded input,
+        copied once into GEMM layout (F.unfold would launch one kernel per example on CUDA)."""
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (
+            self.geom["kernel_size"],
+            self.geom["stride"],
+            self.geom["padding"],
+            self.geom["dilation"],
+        )
+        if ph or pw:
+            a = F.pad(a, (pw, pw, ph, ph))
+        U = a.unfold(2, (kh - 1) * dh + 1, sh).unfold(3, (kw - 1) * dw + 1, sw)[..., ::dh, ::dw]
+        c, cin, ho, wo = U.shape[:4]  # U: [c, C_in, H', W', k_h, k_w]
+        if ho * wo != T:
+            raise GhostFallback("unfold geometry does not match the layer's output")
+        U = U.permute(0, 2, 3, 1, 4, 5).reshape(c, T, cin * kh * kw)
+        return torch.bmm(b.reshape(c, b.shape[1], T), U)
+
     def _per_sample_weight(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """[c, weight.shape[0], rest] per-sample weight gradients of a chunk of c examples."""
+        """[c, weight.shape[0], rest] per-sample weight gradients of a chunk of c examples: the
+        native convolution backward with the batch folded into channel groups (Rochette et al.
+        2019): input [1, B·C_in, H, W], output gradient [1, B·C_out, H', W'], groups = B."""
         c = a.shape[0]
         w = self.weight if self.weight.dim() == 4 else self.weight.unsqueeze(2)
         wb = w.expand(c, *w.shape).reshape(c * w.shape[0], *w.shape[1:])

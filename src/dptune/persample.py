@@ -311,14 +311,16 @@ def upper_norms(
 @contextmanager
 def ieee_matmul(device: torch.device) -> Iterator[None]:
     """Full-precision float32 products for the duration: matrix products without TF32 / bf16
-    inputs and, on CUDA, cuDNN convolutions without TF32 and with deterministic algorithms.
+    inputs and, on CUDA, cuDNN convolutions without TF32.
 
     The bounds on a released sum (``ghost``'s layer rules, ``MaterializedGrads``) assume
-    correctly rounded float32 products, and ghost case (e) assumes that a convolution recomputed
-    for the release gives the very values whose norm was taken. On a GPU, PyTorch's defaults break
-    both: ``torch.backends.cudnn`` runs float32 convolutions in TF32 (10-bit operands) and may pick
-    non-deterministic algorithms; ``torch.set_float32_matmul_precision('high'|'medium')`` does the
-    same to matrix products. Costs a few attribute reads when everything is already exact.
+    correctly rounded float32 products. On a GPU, PyTorch's defaults break that:
+    ``torch.backends.cudnn`` runs float32 convolutions in TF32 (10-bit operands), and
+    ``torch.set_float32_matmul_precision('high'|'medium')`` does the same to matrix products.
+    Determinism is not forced here: only ghost case (e) recomputes a convolution and needs the
+    same kernel twice, and it sets that itself (``ghost._same_kernel``); elsewhere the user's
+    choice (PyTorch's default: free) stands, so a model's own forward and backward keep cuDNN's
+    fastest kernels. Costs a few attribute reads when everything is already exact.
     """
     with _ieee_matmul(device), _exact_cudnn(device):
         yield
@@ -339,12 +341,10 @@ def _exact_cudnn(device: torch.device) -> Iterator[None]:
     ops = [] if old_tf32 is not None else [getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)]
     ops = [op for op in ops if hasattr(op, "fp32_precision")]
     old_prec = [op.fp32_precision for op in ops]
-    old_det = cudnn.deterministic
     if old_tf32 is not None:
         cudnn.allow_tf32 = False
     for op in ops:
         op.fp32_precision = "ieee"
-    cudnn.deterministic = True
     try:
         yield
     finally:
@@ -352,7 +352,6 @@ def _exact_cudnn(device: torch.device) -> Iterator[None]:
             op.fp32_precision = prec
         if old_tf32 is not None:
             cudnn.allow_tf32 = old_tf32
-        cudnn.deterministic = old_det
 
 
 @contextmanager
