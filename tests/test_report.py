@@ -742,3 +742,25 @@ def test_every_configuration_keeps_a_run_with_an_empty_configuration() -> None:
     rows = every_configuration(runs, {"nodp@nodp": arm}, {runs[0]["run_id"]}, use_test=False, name=lambda a: a.label)
     assert len(rows) == 1 and rows[0].n_seeds == 2 and rows[0].selected
     assert rows[0].mean == pytest.approx(0.55)
+
+
+def test_oso_joint_noise_is_the_smallest_run_nu_per_epsilon() -> None:
+    """One rule for the Pareto figure's ν in study and preset reports: per finite ε, the smallest ν
+    among the OSO arms' runs (other strategies, ε = ∞ and missing ν are ignored)."""
+    from types import SimpleNamespace as NS
+
+    from dptune.report.study import oso_joint_noise
+
+    runs = {"a": NS(noise_multiplier=1.4), "b": NS(noise_multiplier=1.2), "c": NS(noise_multiplier=0.9)}
+    runs |= {"d": NS(noise_multiplier=None), "e": NS(noise_multiplier=2.0), "f": NS(noise_multiplier=0.5)}
+    plan = NS(
+        runs=runs,
+        arms=[
+            NS(strategy="oso", epsilon=3.0, runs=["a", "b", "d"]),
+            NS(strategy="oso", epsilon=3.0, runs=["e"]),
+            NS(strategy="dpsgd", epsilon=3.0, runs=["c"]),
+            NS(strategy="oso", epsilon=1.0, runs=["e"]),
+            NS(strategy="oso", epsilon=float("inf"), runs=["f"]),
+        ],
+    )
+    assert oso_joint_noise(plan) == {3.0: 1.2, 1.0: 2.0}

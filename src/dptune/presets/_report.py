@@ -19,7 +19,6 @@ full histories (train loss, batch sizes) and the notes of Liu–Talwar / repeat-
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from dptune.report.study import (
     every_run_section,
     grid_heatmaps,
     heatmap_section,
+    oso_joint_noise,
     randomness_note,
     read_study,
     study_ledger_rows,
@@ -98,10 +98,7 @@ def study_report(
 
     budgets = budget_entries(table)
 
-    pareto = {}
-    for a in plan.arms:
-        if a.strategy == "oso" and math.isfinite(a.epsilon) and a.extra.get("noise_multipliers"):
-            pareto[a.epsilon] = float(a.extra["noise_multipliers"][0])
+    pareto = oso_joint_noise(plan)
 
     linear = None
     for r in table:

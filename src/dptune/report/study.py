@@ -142,14 +142,12 @@ def report_study(
     noise_of = arm_costs(plan)
 
     # -- method figures
-    pareto = {}
+    pareto = oso_joint_noise(plan)
     lt_rows = None
     extra: list[FigureRef] = []
     for arm in plan.arms:
         nus = [plan.runs[rid].noise_multiplier for rid in arm.runs]
         nus = [v for v in nus if v is not None and math.isfinite(v) and v > 0]
-        if arm.strategy == "oso" and nus and math.isfinite(arm.epsilon):
-            pareto.setdefault(float(arm.epsilon), float(nus[0]))
         if arm.method == "liu-talwar" and lt_rows is None and nus:
             run = plan.runs[arm.runs[0]]
             lt_rows = list(
@@ -516,6 +514,21 @@ def conclusions(
                 f"{float(sgd[key]):.3g} ({'better' if ahead else 'worse'} by {fmt_gap(abs(diff))})"
             )
         out.append(text + ".")
+    return out
+
+
+def oso_joint_noise(plan: Any) -> dict[float, float]:
+    """ε → the joint ν at which the ν_g–ν_q Pareto figure (Galli Fig. 2) is drawn: the smallest ν
+    among the runs of the OSO arms at that ε (one value when they share it, as a grid's runs do;
+    the least noisy one when runs differ, e.g. per-procedure random draws). Part of the public plan."""
+    out: dict[float, float] = {}
+    for arm in plan.arms:
+        if arm.strategy != "oso" or not math.isfinite(arm.epsilon):
+            continue
+        nus = [plan.runs[rid].noise_multiplier for rid in arm.runs]
+        nus = [float(v) for v in nus if v is not None and math.isfinite(v) and v > 0]
+        if nus:
+            out[float(arm.epsilon)] = min([*nus, out.get(float(arm.epsilon), math.inf)])
     return out
 
 
