@@ -414,25 +414,19 @@ class _Conv(_Layer):
         self._chunk = B if keep else max(1, MATERIALIZE_LIMIT_BYTES // max(1, p * d * a.element_size()))
         sqs, Gs, rho = [], [], 0.0
         per_example_patches = d * T * a.element_size()
+        per_sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._per_sample_weight
+        step, same_kernel = self._chunk, _same_kernel(a.device) if not keep else nullcontext()
         if keep and use_unfold_products(a.device, self.transposed, per_example_patches):
             # Kept (case (a)): Ĝ is computed once and is itself what is released, so any kernel
             # will do; on CUDA patches + one batched GEMM per chunk beat cuDNN's grouped
             # convolution with B groups 5-12x (docs/performance.md, "Convolutions on a GPU").
             step = max(1, UNFOLD_PRODUCT_BYTES // per_example_patches)
-            for i in range(0, B, step):
-                G = self._unfolded_weight(a[i : i + step], b[i : i + step], T)
-                sq, rho = sq_rows_upper(G)
-                sqs.append(sq)
-                Gs.append(G)
-            self._wpart = (torch.cat(sqs), rho)
-            self.G = torch.cat(Gs)
-            self.a = self.b = None  # type: ignore[assignment]  # not needed any more
-            return
+            per_sample = self._unfolded_weight
         # Not kept: weighted sums recompute the same chunks (case (e)), so they release exactly
         # the Ĝ_i whose norms were taken; cuDNN must then pick the same kernel both times.
-        with _same_kernel(a.device) if not keep else nullcontext():
-            for i in range(0, B, self._chunk):
-                G = self._per_sample_weight(a[i : i + self._chunk], b[i : i + self._chunk])
+        with same_kernel:
+            for i in range(0, B, step):
+                G = per_sample(a[i : i + step], b[i : i + step])
                 sq, rho = sq_rows_upper(G)
                 sqs.append(sq)
                 if keep:
@@ -442,7 +436,7 @@ class _Conv(_Layer):
             self.G = torch.cat(Gs)  # [B, *, *] in the layout of weight
             self.a = self.b = None  # type: ignore[assignment]  # not needed any more
 
-    def _unfolded_weight(self, a: torch.Tensor, b: torch.Tensor, T: int) -> torch.Tensor:
+    def _unfolded_weight(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """The same [c, weight.shape[0], rest] as ``_per_sample_weight`` for a convolution, as
         b_i U_i with U_i [T, C_in·k_h·k_w] the input's patches: strided views of the padded input,
         copied once into GEMM layout (F.unfold would launch one kernel per example on CUDA)."""
@@ -456,10 +450,10 @@ class _Conv(_Layer):
             a = F.pad(a, (pw, pw, ph, ph))
         U = a.unfold(2, (kh - 1) * dh + 1, sh).unfold(3, (kw - 1) * dw + 1, sw)[..., ::dh, ::dw]
         c, cin, ho, wo = U.shape[:4]  # U: [c, C_in, H', W', k_h, k_w]
-        if ho * wo != T:
+        if (ho, wo) != tuple(b.shape[2:]):
             raise GhostFallback("unfold geometry does not match the layer's output")
-        U = U.permute(0, 2, 3, 1, 4, 5).reshape(c, T, cin * kh * kw)
-        return torch.bmm(b.reshape(c, b.shape[1], T), U)
+        U = U.permute(0, 2, 3, 1, 4, 5).reshape(c, ho * wo, cin * kh * kw)
+        return torch.bmm(b.reshape(c, b.shape[1], ho * wo), U)
 
     def _per_sample_weight(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """[c, weight.shape[0], rest] per-sample weight gradients of a chunk of c examples: the
