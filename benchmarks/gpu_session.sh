@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One GPU session, ≤ 10 minutes: the CUDA tests, the galli-mnist gpu-slice from scratch (timed),
-# the per-sample convolution benchmark and, in what time is left, dptune against Opacus. Everything
-# it prints or writes goes under $OUT (default runs/gpu-session).
+# One GPU session, ≤ 10 minutes: the galli-mnist gpu-slice from scratch (timed; first, as the
+# measurement that matters most, with the GPU's utilisation logged), the CUDA tests and, in what
+# time is left, the per-sample convolution benchmark and dptune against Opacus. Everything it
+# prints or writes goes under $OUT (default runs/gpu-session).
 #
 #   DPTUNE_DATA_DIR=/path/to/data bash benchmarks/gpu_session.sh
 #
@@ -9,12 +10,12 @@
 # starve the others; the slice is resumable (re-run the same command to finish it).
 set -u
 OUT=${OUT:-runs/gpu-session}
-TESTS_S=${TESTS_S:-80}
-SLICE_S=${SLICE_S:-440}
+TESTS_S=${TESTS_S:-70}
+SLICE_S=${SLICE_S:-490}
 BENCH_S=${BENCH_S:-30}
 WORKERS=${WORKERS:-8}
 PY=${PYTHON:-python3}
-TOTAL_S=${TOTAL_S:-585}  # the whole script; the Opacus comparison runs only in what is left
+TOTAL_S=${TOTAL_S:-570}  # the whole script; the benchmarks run only in what is left
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T_START=$(date +%s)
@@ -29,19 +30,25 @@ if ! "$PY" -c "import sys, torch; print('torch', torch.__version__, 'cuda', torc
   exit 3
 fi
 
-timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-  "tests/test_edge_noise_tails.py::test_cuda_noise_law_determinism_and_tail" >> "$OUT/tests.log" 2>&1
-echo "tests rc=$?" >> "$OUT/tests.log"
-
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 20 > "$OUT/gpu_util.log" 2>&1 &
+UTIL_PID=$!
 t0=$(date +%s)
 timeout "$SLICE_S" "$PY" -m dptune reproduce galli-mnist --scale gpu-slice --executor process \
   --workers "$WORKERS" --out /tmp/gpu-slice-new --no-progress > "$OUT/slice.log" 2>&1
 echo "slice rc=$? wall_s=$(( $(date +%s) - t0 )) workers=$WORKERS" >> "$OUT/slice.log"
+kill "$UTIL_PID" 2>/dev/null
 "$PY" -m dptune status /tmp/gpu-slice-new/study >> "$OUT/slice.log" 2>&1
 tar czf "$OUT/slice.tgz" --exclude=checkpoints -C /tmp gpu-slice-new 2>/dev/null
 
-timeout "$BENCH_S" "$PY" benchmarks/conv_per_sample.py --device cuda --json "$OUT/conv.json" > "$OUT/conv.log" 2>&1
-echo "conv rc=$?" >> "$OUT/conv.log"
+timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+  "tests/test_edge_noise_tails.py::test_cuda_noise_law_determinism_and_tail" >> "$OUT/tests.log" 2>&1
+echo "tests rc=$?" >> "$OUT/tests.log"
+
+LEFT=$(( TOTAL_S - ($(date +%s) - T_START) ))
+if [ "$LEFT" -gt "$BENCH_S" ]; then
+  timeout "$BENCH_S" "$PY" benchmarks/conv_per_sample.py --device cuda --json "$OUT/conv.json" > "$OUT/conv.log" 2>&1
+  echo "conv rc=$?" >> "$OUT/conv.log"
+fi
 LEFT=$(( TOTAL_S - ($(date +%s) - T_START) ))
 if [ "$LEFT" -gt 30 ]; then  # dptune against Opacus on the same GPU, in what time is left
   timeout "$LEFT" "$PY" benchmarks/step_throughput.py --device cuda --models galli_cnn mlp --quick \
