@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session, ≤ 10 minutes: the galli-mnist gpu-slice from scratch (timed; first, as the
 # measurement that matters most, with the GPU's utilisation logged), the CUDA tests and, in what
-# time is left, the per-sample convolution benchmark and dptune against Opacus. Everything it
-# prints or writes goes under $OUT (default runs/gpu-session).
+# time is left, the per-sample convolution benchmark, one run's host syncs and dptune against
+# Opacus. Everything it prints or writes goes under $OUT (default runs/gpu-session).
 #
 #   DPTUNE_DATA_DIR=/path/to/data bash benchmarks/gpu_session.sh
 #
@@ -48,6 +48,11 @@ LEFT=$(( TOTAL_S - ($(date +%s) - T_START) ))
 if [ "$LEFT" -gt "$BENCH_S" ]; then
   timeout "$BENCH_S" "$PY" benchmarks/conv_per_sample.py --device cuda --json "$OUT/conv.json" > "$OUT/conv.log" 2>&1
   echo "conv rc=$?" >> "$OUT/conv.log"
+fi
+LEFT=$(( TOTAL_S - ($(date +%s) - T_START) ))
+if [ "$LEFT" -gt 90 ]; then  # one run alone: host syncs per step and how busy it keeps the GPU
+  timeout 45 "$PY" benchmarks/host_syncs.py --device cuda --json "$OUT/syncs.json" > "$OUT/syncs.log" 2>&1
+  echo "syncs rc=$?" >> "$OUT/syncs.log"
 fi
 LEFT=$(( TOTAL_S - ($(date +%s) - T_START) ))
 if [ "$LEFT" -gt 30 ]; then  # dptune against Opacus on the same GPU, in what time is left

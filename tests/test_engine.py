@@ -113,6 +113,42 @@ def test_non_finite_parameters_stop_the_run_and_keep_its_spend() -> None:
     assert res.summary()["diverged"] is True
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_one_non_finite_entry_in_any_tensor_is_seen(bad: float) -> None:
+    """``finite_flag`` reduces every tensor to one flag (one host read on a GPU): a single bad
+    entry anywhere, in any tensor and dtype, makes it False; an empty dict is finite."""
+    from dptune.tree import finite_flag, is_finite
+
+    base = {"a": torch.zeros(3), "b": torch.ones(2, 2), "c": torch.zeros((), dtype=torch.float64)}
+    flag = finite_flag(base)
+    assert flag.dtype == torch.bool and flag.dim() == 0 and bool(flag) and is_finite({})
+    for k, v in base.items():
+        for i in range(v.numel()):
+            a = {kk: vv.clone() for kk, vv in base.items()}
+            a[k].view(-1)[i] = bad
+            assert not is_finite(a), (k, i)
+
+
+def test_step_rows_carry_the_batch_loss_as_a_float() -> None:
+    """The step row's training loss (for the data owner only) is read in the same host read as
+    the divergence flag: a Python float, the mean of the batch's per-example losses."""
+    x, y = toy(200)
+    seen: list[float] = []
+    res = train(
+        model_for(),
+        (x, y),
+        "dpsgd",
+        steps=3,
+        expected_batch_size=20,
+        noise_multiplier=1.0,
+        device="cpu",
+        lr=0.1,
+        on_step=lambda t, row: seen.append(row["train_loss"]),
+    )
+    assert len(seen) == 3 and all(type(v) is float and math.isfinite(v) and v > 0 for v in seen)
+    assert [r["train_loss"] for r in res.history] == seen and not res.diverged
+
+
 def test_an_overflowing_loss_with_finite_parameters_does_not_corrupt_the_update() -> None:
     """MSE with outputs ~1e36 overflows the loss to inf; per-sample norms are then inf and the
     clip weights C/‖g‖ = 0, so the clipped sum stays finite: only noise moves θ, and the run

@@ -36,7 +36,7 @@ from dptune.outputs import randomness_statement
 from dptune.sampling import PoissonSampler, check_steps, sampling_rate_for, steps_for_epochs, stream_seed
 from dptune.steps import RunInfo, StepContext
 from dptune.strategies import Strategy, make_strategy
-from dptune.tree import Tensors, clone, is_finite
+from dptune.tree import Tensors, clone, finite_flag
 
 
 @dataclass(frozen=True)
@@ -328,7 +328,12 @@ class OwnTask:
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(self.train, tuple):
             x, y = self.train
-            idx = idx.to(self.device)
+            if idx.device.type == "cpu" and torch.device(self.device).type == "cuda":
+                # From pinned memory the copy is queued, not waited for: a pageable copy is a
+                # host sync each step. PyTorch keeps the pinned block until the copy is done.
+                idx = idx.pin_memory().to(self.device, non_blocking=True)
+            else:
+                idx = idx.to(self.device)
             return inputs.take(x, idx), y.index_select(0, idx)
         return self.train.batch(idx)
 
@@ -431,11 +436,16 @@ class RunLoop:
         self.params, self.state, info = self.strategy.step(self.params, self.state, ctx)
         row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
         computed = ctx.computed_grads
-        if computed is not None and ctx.batch_size:
-            row["train_loss"] = float(computed.losses.mean())
         # Divergence is judged on the parameters only: they are post-processing of noisy
         # releases, so stopping on them leaks nothing (a stop on the private batch loss would).
-        if not is_finite(self.params):
+        finite = finite_flag(self.params)
+        if computed is not None and ctx.batch_size:
+            # One host read for both (on a GPU each read waits for the queued kernels).
+            loss, ok = torch.stack([computed.losses.mean().double().to(finite.device), finite.double()]).tolist()
+            row["train_loss"] = loss
+        else:
+            ok = bool(finite)
+        if not ok:
             self.diverged = True
             self.history.append(row)
         return row

@@ -90,8 +90,24 @@ def ema(beta: float, m: Tensors, alpha: float, x: Tensors) -> Tensors:
     return dict(zip(m, torch._foreach_add(scaled, [x[k] for k in m], alpha=alpha), strict=True))
 
 
+def finite_flag(a: Tensors) -> torch.Tensor:
+    """A 0-dim bool tensor: are all entries of every tensor finite? Computed where the tensors
+    are, so reading it is one host sync on a GPU (``bool(...)``), not one per tensor: each sync
+    empties the kernel queue, and eight of them a step made one run's loop host-bound."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for v in a.values():
+        by_device.setdefault(v.device, []).append(torch.isfinite(v).all())
+    if not by_device:
+        return torch.ones((), dtype=torch.bool)
+    flags = [torch.stack(f).all() for f in by_device.values()]
+    out = flags[0]
+    for f in flags[1:]:  # tensors spread over devices (rare): one sync per extra device
+        out = out & f.to(out.device)
+    return out
+
+
 def is_finite(a: Tensors) -> bool:
-    return all(bool(torch.isfinite(v).all()) for v in a.values())
+    return bool(finite_flag(a))
 
 
 def clone(a: Tensors) -> Tensors:
