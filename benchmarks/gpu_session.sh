@@ -21,6 +21,8 @@ export PYTHONUNBUFFERED=1
 T_START=$(date +%s)
 
 set -o pipefail
+{ echo "commit: $(git describe --always --dirty 2>/dev/null || echo 'unknown (no git here)')"
+  git status --porcelain 2>/dev/null | head -n 20; } > "$OUT/version.txt"
 if ! nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/tests.log"; then
   echo "nvidia-smi failed: this is not a GPU machine. Fix: run this script where a CUDA GPU is visible." >&2
   exit 3
@@ -32,6 +34,7 @@ fi
 
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 20 > "$OUT/gpu_util.log" 2>&1 &
 UTIL_PID=$!
+rm -rf /tmp/gpu-slice-new  # from scratch: a folder left by an earlier call would be resumed
 t0=$(date +%s)
 timeout "$SLICE_S" "$PY" -m dptune reproduce galli-mnist --scale gpu-slice --executor process \
   --workers "$WORKERS" --out /tmp/gpu-slice-new --no-progress > "$OUT/slice.log" 2>&1

@@ -5,7 +5,9 @@
 * ghost and vmap give the same run on the GPU (same seed, same batches, same noise);
 * the released gradient's noise on the GPU has std νC/L, and not 0.9× or 1.1× that (KS);
 * vectorised trials (``train_many``) on the GPU equal the sequential runs;
-* a study with ``training.device = "cuda"`` trains on the GPU with the process executor.
+* a study with ``training.device = "cuda"`` trains on the GPU with the process executor;
+* the queued (pinned, non-blocking) copy of each batch's indices gives the same run as a blocking
+  copy, also when batches are empty, and the divergence flag sees a bad entry on either device.
 """
 
 from __future__ import annotations
@@ -77,6 +79,39 @@ def test_ghost_and_vmap_are_the_same_run_on_the_gpu() -> None:
     b = dptune.train(_cnn(), (x, y), "dpsgd", grad_method="vmap", **kw)
     for k in a.final_params:
         torch.testing.assert_close(a.final_params[k], b.final_params[k], rtol=1e-4, atol=1e-5)
+
+
+def test_queued_index_copies_give_the_same_run_as_blocking_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch's indices reach the GPU through pinned memory without a host wait
+    (``inputs.indices_to``): the run (history, losses, parameters) equals the same seeded run
+    with blocking copies, here at q so small that some Poisson batches are empty."""
+    from dptune import inputs
+
+    x, y = _images()
+    kw = {"steps": 12, "device": "cuda", "seed": 5, "noise_multiplier": 1.0, "lr": 0.2, "clip": 0.5}
+    for batch in (24.0, 0.5):  # 0.5 of 96: most batches are empty
+        a = dptune.train(_cnn(), (x, y), "dpsgd", expected_batch_size=batch, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(inputs, "indices_to", lambda idx, device: idx.to(device))
+            b = dptune.train(_cnn(), (x, y), "dpsgd", expected_batch_size=batch, **kw)
+        assert [r["batch_size"] for r in a.history] == [r["batch_size"] for r in b.history]
+        assert [r.get("train_loss") for r in a.history] == [r.get("train_loss") for r in b.history]
+        if batch < 1:
+            assert 0 in [r["batch_size"] for r in a.history]
+        for k in a.final_params:
+            assert torch.equal(a.final_params[k], b.final_params[k])
+
+
+def test_the_divergence_flag_sees_a_bad_entry_on_either_device() -> None:
+    from dptune.tree import finite_flag, is_finite
+
+    base = {"cpu": torch.zeros(3), "gpu": torch.zeros(4, device="cuda", dtype=torch.float16)}
+    assert is_finite(base)
+    for k in base:
+        for bad in (float("nan"), float("inf")):
+            a = {kk: vv.clone() for kk, vv in base.items()}
+            a[k][1] = bad
+            assert not bool(finite_flag(a)), (k, bad)
 
 
 @pytest.mark.parametrize(("factor", "accept"), [(1.0, True), (0.9, False), (1.1, False)])

@@ -119,7 +119,13 @@ def test_one_non_finite_entry_in_any_tensor_is_seen(bad: float) -> None:
     entry anywhere, in any tensor and dtype, makes it False; an empty dict is finite."""
     from dptune.tree import finite_flag, is_finite
 
-    base = {"a": torch.zeros(3), "b": torch.ones(2, 2), "c": torch.zeros((), dtype=torch.float64)}
+    base = {
+        "a": torch.zeros(3),
+        "b": torch.ones(2, 2),
+        "c": torch.zeros((), dtype=torch.float64),
+        "d": torch.zeros(2, dtype=torch.float16),
+        "e": torch.zeros(2, dtype=torch.bfloat16),
+    }
     flag = finite_flag(base)
     assert flag.dtype == torch.bool and flag.dim() == 0 and bool(flag) and is_finite({})
     for k, v in base.items():
@@ -131,11 +137,15 @@ def test_one_non_finite_entry_in_any_tensor_is_seen(bad: float) -> None:
 
 def test_step_rows_carry_the_batch_loss_as_a_float() -> None:
     """The step row's training loss (for the data owner only) is read in the same host read as
-    the divergence flag: a Python float, the mean of the batch's per-example losses."""
+    the divergence flag: a Python float, the mean of the batch's per-example losses. With zero
+    weights every logit is 0, so the first batch's mean cross-entropy is exactly log 3."""
     x, y = toy(200)
+    model = model_for()
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
     seen: list[float] = []
     res = train(
-        model_for(),
+        model,
         (x, y),
         "dpsgd",
         steps=3,
@@ -146,6 +156,7 @@ def test_step_rows_carry_the_batch_loss_as_a_float() -> None:
         on_step=lambda t, row: seen.append(row["train_loss"]),
     )
     assert len(seen) == 3 and all(type(v) is float and math.isfinite(v) and v > 0 for v in seen)
+    assert seen[0] == pytest.approx(math.log(3), rel=1e-6)
     assert [r["train_loss"] for r in res.history] == seen and not res.diverged
 
 

@@ -81,6 +81,16 @@ def tmap(fn: Callable[[torch.Tensor], torch.Tensor], x: Inputs) -> Inputs:
     return fn(x) if isinstance(x, torch.Tensor) else _pytree.tree_map(fn, x)
 
 
+def indices_to(idx: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host index tensor on ``device``. To a GPU the copy goes through pinned memory and is
+    queued, not waited for: a copy from pageable memory is a host sync, which empties the
+    kernel queue once a step. PyTorch keeps the pinned block until the queued copy is done."""
+    device = torch.device(device)
+    if idx.device.type == "cpu" and device.type == "cuda":
+        return idx.pin_memory().to(device, non_blocking=True)
+    return idx.to(device)
+
+
 def take(x: Inputs, idx: torch.Tensor) -> Inputs:
     """The examples ``idx`` (a 1-d index tensor on x's device)."""
     return tmap(lambda t: t.index_select(0, idx), x)

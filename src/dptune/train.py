@@ -328,12 +328,7 @@ class OwnTask:
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(self.train, tuple):
             x, y = self.train
-            if idx.device.type == "cpu" and torch.device(self.device).type == "cuda":
-                # From pinned memory the copy is queued, not waited for: a pageable copy is a
-                # host sync each step. PyTorch keeps the pinned block until the copy is done.
-                idx = idx.pin_memory().to(self.device, non_blocking=True)
-            else:
-                idx = idx.to(self.device)
+            idx = inputs.indices_to(idx, self.device)
             return inputs.take(x, idx), y.index_select(0, idx)
         return self.train.batch(idx)
 
@@ -440,8 +435,10 @@ class RunLoop:
         # releases, so stopping on them leaks nothing (a stop on the private batch loss would).
         finite = finite_flag(self.params)
         if computed is not None and ctx.batch_size:
-            # One host read for both (on a GPU each read waits for the queued kernels).
-            loss, ok = torch.stack([computed.losses.mean().double().to(finite.device), finite.double()]).tolist()
+            # One host read for both (on a GPU each read waits for the queued kernels); float64
+            # except on MPS, which has none.
+            dt = torch.float32 if finite.device.type == "mps" else torch.float64
+            loss, ok = torch.stack([computed.losses.mean().to(finite.device, dt), finite.to(dt)]).tolist()
             row["train_loss"] = loss
         else:
             ok = bool(finite)

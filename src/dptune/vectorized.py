@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dptune import metrics
+from dptune import inputs, metrics
 from dptune.errors import ConfigError
 from dptune.ghost import GhostGrads, LinearRule, rank_one_parts
 from dptune.grads import GradientOracle, MaterializedGrads, batched_loss, check_model, upper_norms
@@ -488,7 +488,7 @@ def _run_block(
         active = [tr for tr in trials if not tr.loop.diverged and t <= tr.loop.plan.steps]
         if not active:
             break
-        idxs = [tr.loop.sampler.sample().to(x.device) for tr in active]
+        idxs = [inputs.indices_to(tr.loop.sampler.sample(), x.device) for tr in active]
         _batched_grads(active, idxs, stacked, lossfn, x, y, buffers)
         to_eval: list[tuple[_Trial, dict[str, Any]]] = []
         for tr, idx in zip(active, idxs, strict=True):

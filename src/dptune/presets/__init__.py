@@ -83,10 +83,10 @@ _GALLI_EST = {
     "mnist": {
         "smoke": "≈ 10 s",
         "small": "≈ 30 min (51 runs × 71 steps × 256 examples of the Galli CNN; measured 32–38 s/run)",
-        "paper": "GPU: 1,995 runs × 1,170 steps (k = 7); ≈ 2.6 h projected on one H100 (the gpu-slice's "
-        "4.7 s of GPU per run)",
+        "paper": "GPU: 1,995 runs × 1,170 steps (k = 7); ≈ 2.9 h projected on one H100 (the gpu-slice's "
+        "5.3 s of wall time per run at 8 workers)",
         "gpu-slice": "GPU: 5 min 42 s measured on one H100 with --executor process --workers 8 (65 runs × "
-        "1,172 steps, full MNIST, k = 5, ε = 3; GPU-bound, so more workers do not help)",
+        "1,172 steps, full MNIST, k = 5, ε = 3; the GPU 98–99 % busy)",
     },
     "fmnist-ae": {
         "smoke": "≈ 10 s",
