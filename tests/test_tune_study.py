@@ -4,6 +4,7 @@ tables are what the rules say, private selection is in the ledger, the process p
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections import Counter
 
@@ -30,6 +31,7 @@ from dptune.tune import (
 from dptune.tune.methods.linear_scaling import resolve_final_config
 from dptune.tune.planners import EVAL_LABEL, StudyPlan
 from dptune.tune.store import Store
+from dptune.tune.study import Coordinator
 
 
 def _data(n=360, d=8, k=3, seed=0):
@@ -160,8 +162,8 @@ def test_liu_talwar_and_repeat_and_select_run_their_planned_runs(tmp_path):
         assert "must not be published" in " ".join(arm.notes)
 
 
-def test_linear_scaling_resolves_the_final_run_from_the_sweeps(tmp_path):
-    s = _study(
+def _linear_scaling_study(**kw) -> Study:
+    return _study(
         "linear-scaling",
         {"runs_per_sweep": 2},
         strategies=(
@@ -171,7 +173,12 @@ def test_linear_scaling_resolves_the_final_run_from_the_sweeps(tmp_path):
         eps=(1.0,),
         accountant="auto",
         selection=SelectionSpec(eval_every=4),
+        **kw,
     )
+
+
+def test_linear_scaling_resolves_the_final_run_from_the_sweeps(tmp_path):
+    s = _linear_scaling_study()
     out = run_study(s, tmp_path / "ls", progress=False)
     assert out.complete and out.ledger_matches_plan
     plan = _plan(tmp_path / "ls")
@@ -182,8 +189,6 @@ def test_linear_scaling_resolves_the_final_run_from_the_sweeps(tmp_path):
     for p in (0, 1):
         final = next(r for r in rows.values() if r["stage"] == "final" and r["procedure"] == p)
         config, fit = resolve_final_config(plan, arm, p, scores)
-        import json
-
         assert json.loads(final["config"]) == config and json.loads(final["fit"]) == fit
         # r* lies on the fitted line (clipped to the search range), η_f = r*/T_f
         lo, hi = arm.extra["r_bounds"]
@@ -194,6 +199,27 @@ def test_linear_scaling_resolves_the_final_run_from_the_sweeps(tmp_path):
     row = out.rows[0]
     assert row["selected_runs"] == [r for r in arm.runs if plan.runs[r].stage == "final"]
     assert row["spent_epsilon"] == pytest.approx(1.0, abs=2e-3) and row["spent_epsilon"] <= 1.0 + 1e-9
+
+
+def test_a_resumed_study_groups_its_adaptive_runs_as_a_fresh_one(tmp_path):
+    """The runs trained together (``train_many``) are fixed by the plan. A resumed session
+    resolves the final runs before it first asks for the groups; it must still group them per
+    procedure, as a fresh session did, so that its numbers equal an uninterrupted study's (a
+    group equals its runs trained one by one only up to float rounding)."""
+    s = _linear_scaling_study(trials_per_group=4)
+    run_study(s, tmp_path / "ls", progress=False)
+    with Store(tmp_path / "ls") as store:
+        fresh = Coordinator(s, store, StudyPlan.from_dict(store.get_meta("plan")))
+        expected = fresh.groups()
+        resumed = Coordinator(s, store, StudyPlan.from_dict(store.get_meta("plan")))
+        finals = [rid for rid, r in resumed.plan.runs.items() if r.stage == "final"]
+        # What a resumed session does before its first tasks: the final runs resolved in the
+        # earlier session take their stored configurations (``Coordinator.ready``).
+        for rid in finals:
+            resumed.plan.runs[rid].config = json.loads(store.run(rid)["config"])
+        assert len(finals) == 2 and all(resumed.plan.runs[rid].config is not None for rid in finals)
+        assert expected and resumed.groups() == expected
+        assert not any(rid in expected for rid in finals)  # one final run per procedure: alone
 
 
 def test_online_oracle_and_nodp_baseline(tmp_path):

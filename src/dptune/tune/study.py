@@ -167,6 +167,9 @@ class Coordinator:
             self.ledger.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
         self.strategy_of = {rid: plan.arm(r.arm).strategy for rid, r in plan.runs.items()}
         self._groups: dict[str, tuple[str, ...]] | None = None
+        # The runs planned without a configuration, before ``resolve`` fills any in: the groups
+        # depend on this set, not on how far a resumed study had got.
+        self._unresolved = frozenset(rid for rid, r in plan.runs.items() if r.config is None)
 
     # -- the runner's gate
     def task_for(self, run: RunSpec) -> tuple[str, tuple[Any, ...]]:
@@ -244,7 +247,7 @@ class Coordinator:
         the executor, on the number of workers or on what a resumed session still had to do."""
         if self._groups is None:
             size = self.study.trials_per_group
-            self._groups = plan_groups(self.plan, size) if size > 1 and self._stackable() else {}
+            self._groups = plan_groups(self.plan, size, self._unresolved) if size > 1 and self._stackable() else {}
         return self._groups
 
     def _stackable(self) -> bool:
