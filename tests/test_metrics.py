@@ -223,3 +223,27 @@ def test_train_many_takes_a_metric_like_train() -> None:
     alone = dptune.train(model(seed), (x, y), "dpsgd", clip=1.0, seed=seed, **run)
     assert stacked[0].metric == "hits" and [e["step"] for e in stacked[0].evals] == [2, 4]
     assert stacked[0].evals == alone.evals
+
+
+def test_evaluation_switches_dropout_off_and_restores_every_modules_mode() -> None:
+    """A score is of the parameters, not of one dropout draw: evaluation runs in eval mode (two
+    evaluations agree, and equal the eval-mode forward), and each module gets its own mode back
+    (one the user froze in eval mode stays so)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 32), torch.nn.Dropout(0.9), torch.nn.Linear(32, 3))
+    model[2].eval()
+    x, y = torch.randn(300, 5), torch.randint(0, 3, (300,))
+    oracle = GradientOracle(model, "cross_entropy")
+    params = dict(model.named_parameters())
+    first, second = evaluate(oracle, params, x, y, "accuracy"), evaluate(oracle, params, x, y, "accuracy")
+    model.eval()
+    with torch.no_grad():
+        expected = (model(x).argmax(1) == y).double().mean().item()
+    model.train()
+    model[2].eval()
+    assert first == second == pytest.approx(expected, abs=1e-12)
+    assert [m.training for m in model.modules()] == [True, True, True, False]
+    oracle_modes = []
+    with metrics.eval_mode(model):
+        oracle_modes = [m.training for m in model.modules()]
+    assert oracle_modes == [False] * 4 and [m.training for m in model.modules()] == [True, True, True, False]

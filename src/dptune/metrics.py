@@ -17,6 +17,7 @@ Torch is imported when a score is computed, not with this module: ``import dptun
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -232,6 +233,20 @@ def score_sums(
                     totals[k] += v
             n += b
     return totals, n
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for an evaluation (dropout off: a score of the parameters, not of one
+    dropout draw), each module's own mode restored afterwards (a module the user froze in eval
+    mode stays so)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def mean_scores(

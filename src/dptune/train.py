@@ -185,7 +185,8 @@ def evaluate(
     """The metric of ``params`` on (x, y): accuracy, mean squared error or a ``dptune.Metric``
     (``dptune.metrics.score_sums``, in batches of ``batch`` rows, default ``EVAL_BATCH``)."""
     forward = partial(oracle.forward, params)
-    return metrics.mean_scores(forward, metrics.batches(x, y, batch), metrics.resolve(metric))[0]
+    with metrics.eval_mode(oracle.model):
+        return metrics.mean_scores(forward, metrics.batches(x, y, batch), metrics.resolve(metric))[0]
 
 
 def is_better(value: float, best: float | None, higher: bool) -> bool:
@@ -339,9 +340,10 @@ class OwnTask:
     def evaluate(self, oracle: GradientOracle, params: Tensors) -> float:
         # In-memory tensors are sliced, a map-style dataset is read chunk by chunk: the same batches.
         ev = self.evald
-        return metrics.mean_scores(
-            partial(oracle.forward, params), ev if isinstance(ev, tuple) else ev.chunks(), self.metric
-        )[0]
+        with metrics.eval_mode(oracle.model):
+            return metrics.mean_scores(
+                partial(oracle.forward, params), ev if isinstance(ev, tuple) else ev.chunks(), self.metric
+            )[0]
 
 
 def open_run(

@@ -34,7 +34,7 @@ from dptune.devices import resolve_device
 from dptune.errors import BudgetExceededError, DPTuneError
 from dptune.ledger import Ledger, atoms, compose
 from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
-from dptune.metrics import MSE, resolve, score_sums
+from dptune.metrics import MSE, eval_mode, resolve, score_sums
 from dptune.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.train import RunPlan, TrainResult, train
@@ -94,9 +94,10 @@ class Scorer:
         ≤ c; a non-finite prediction is a wrong one (``dptune.metrics.ACCURACY``)."""
         if not is_finite(params):
             return math.nan
-        (total,), _ = score_sums(
-            lambda xb: functional_call(self.model, params, (xb,)), (x, y), self.measure, clip=clip is not None
-        )
+        with eval_mode(self.model):
+            (total,), _ = score_sums(
+                lambda xb: functional_call(self.model, params, (xb,)), (x, y), self.measure, clip=clip is not None
+            )
         return total
 
     def score(self, params: Tensors) -> float:
