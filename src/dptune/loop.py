@@ -20,7 +20,7 @@ applies that rule to the model's parameters in place.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,36 @@ class YourOptimizer(UpdateRule):
 
     def rate(self, state: dict[str, Any]) -> float:
         return float("nan")
+
+
+def _same_tensor(a: Any, b: torch.Tensor) -> bool:
+    """``a`` is ``b``, or a tensor of the same shape, dtype, device and values (NaN equal to NaN:
+    a target may be missing)."""
+    if a is b:
+        return True  # the usual case, and no read of the values (no host sync)
+    if not isinstance(a, torch.Tensor) or (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    return torch.equal(a, b)
+
+
+def _same_inputs(x: Any, yielded: inputs.Inputs) -> bool:
+    """``x`` is the yielded batch: the same tensor, or a tuple/dict of the same tensors (or equal
+    copies), leaf by leaf."""
+    if x is yielded or isinstance(yielded, torch.Tensor):
+        return _same_tensor(x, yielded)
+    if isinstance(yielded, Mapping):
+        return (
+            isinstance(x, Mapping)
+            and x.keys() == yielded.keys()
+            and all(_same_tensor(x[k], v) for k, v in yielded.items())
+        )
+    return (
+        isinstance(x, tuple | list)
+        and len(x) == len(yielded)
+        and all(_same_tensor(a, b) for a, b in zip(x, yielded, strict=True))
+    )
 
 
 def _describe(optimizer: torch.optim.Optimizer) -> str:
@@ -95,6 +125,14 @@ class PrivateTraining:
             )
         if isinstance(optimizer, UpdateRule):
             self.optimizer, self.update = None, optimizer
+        elif isinstance(optimizer, torch.optim.LBFGS):
+            # Its step() re-evaluates the loss through a closure (several times, with a line search):
+            # each evaluation would be an exact gradient on the private batch, outside the ledger.
+            raise ConfigError(
+                "L-BFGS is not supported by make_private: it needs a closure that recomputes the exact, "
+                "non-private gradient inside optimizer.step(). Fix: use a first-order optimizer (SGD, Adam, "
+                "AdamW, ...): private.backward(x, y), then optimizer.step() without a closure."
+            )
         elif isinstance(optimizer, torch.optim.Optimizer):
             self.optimizer, self.update = optimizer, YourOptimizer(_describe(optimizer))
         else:
@@ -158,12 +196,14 @@ class PrivateTraining:
         return self.plan.steps
 
     def batches(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        """The remaining planned Poisson batches (x, y), on the run's device. Pass each to
-        ``backward``/``step`` before asking for the next (a per-example transform such as
-        augmentation is fine; skipping a batch or passing one of your own choosing is not: the
-        accountant assumes every one of these Poisson batches is used, and a skip decided on
-        a batch's content would depend on private data). Breaking out and calling ``batches()``
-        again resumes with the batch not yet used.
+        """The remaining planned Poisson batches (x, y), on the run's device. Pass each, as
+        yielded, to ``backward``/``step`` before asking for the next (skipping a batch, changing
+        it or passing one of your own choosing is refused: the accountant assumes every one of
+        these Poisson batches is used as drawn, and a skip decided on a batch's content would
+        depend on private data). A per-example transform (augmentation) belongs in the map-style
+        Dataset's ``__getitem__``: the batches are read from it by index, example by example.
+        Breaking out and calling ``batches()`` again resumes with the batch not yet used (also
+        after a step that failed before its release).
 
         Their realised sizes are private (not differentially private: for the data owner only)."""
         while self.t < self.plan.steps:
@@ -189,25 +229,30 @@ class PrivateTraining:
                 f"the plan has {self.plan.steps} steps and all were taken; make_private(..., steps=...) plans more."
             )
         pending = self._pending
-        if (
-            pending is None
-            or inputs.batch_len(x) != int(pending[1].shape[0])
-            or y.shape != pending[1].shape
-            or not torch.equal(y, pending[1])
-        ):
+        if pending is None or not _same_inputs(x, pending[0]) or not _same_tensor(y, pending[1]):
             raise ConfigError(
-                "backward()/step() takes the batch that private.batches() just yielded, once: the "
-                "accountant assumes dptune's Poisson batches (write `for x, y in private.batches(): "
-                "private.step(x, y)`)."
+                "backward()/step() takes the batch that private.batches() just yielded, as yielded and once: "
+                "the accountant assumes dptune's Poisson batches, and an x or y of your choosing (even of the "
+                "same size) voids the guarantee. Fix: write `for x, y in private.batches(): private.step(x, y)`; "
+                "put a per-example transform (augmentation) in your Dataset's __getitem__, which batches() "
+                "calls for every example it draws."
             )
-        self._pending = None
-        self.t += 1
-        ctx = StepContext(t=self.t, x=x, y=y, oracle=self.oracle, release=self.gateway, run=self.run)
-        lr = self._lr()
-        released, self._p_state, info = self.privatizer.privatize(
-            self._params(), self._p_state, ctx, lr=lr, label=self.strategy.name
-        )
-        row = {"step": self.t, "lr": lr, **info}
+        t = self.t + 1
+        releases = self.ledger.releases
+        try:
+            ctx = StepContext(t=t, x=x, y=y, oracle=self.oracle, release=self.gateway, run=self.run)
+            lr = self._lr()
+            released, self._p_state, info = self.privatizer.privatize(
+                self._params(), self._p_state, ctx, lr=lr, label=self.strategy.name
+            )
+        finally:
+            # The step is taken, and its batch spent, once its release is recorded; a failure before
+            # (out of memory, say) leaves both, so steps_taken never exceeds the ledger's releases and
+            # batches() yields the same batch again.
+            if self.ledger.releases != releases:
+                self._pending = None
+                self.t = t
+        row = {"step": t, "lr": lr, **info}
         self.history.append(row)
         return released, row
 
@@ -228,8 +273,17 @@ class PrivateTraining:
         return row
 
     def _check_grads(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Before the optimizer's step: every ``.grad`` is still the released one (a
-        ``loss.backward()`` in between would add the exact, non-private gradient)."""
+        """Before the optimizer's step: no closure, and every ``.grad`` is still the released one
+        (a ``loss.backward()`` in between would add the exact, non-private gradient)."""
+        # args[0] is the optimizer itself. A closure runs inside step(), after this hook: its
+        # loss.backward() would replace the released gradient unseen, so it is refused here.
+        if any(callable(a) for a in (*args[1:], *kwargs.values())):
+            raise ConfigError(
+                "optimizer.step() was given a closure: it runs inside step(), after make_private's check, "
+                "and its loss.backward() would train on the exact, non-private gradient. Fix: call "
+                "private.backward(x, y), then optimizer.step() without a closure (optimizers that need one, "
+                "such as L-BFGS, are not supported)."
+            )
         for k, p in self._named.items():
             if p.grad is None:
                 continue

@@ -1,0 +1,228 @@
+"""``make_private``'s guards against non-private training in your own loop (privacy audit).
+
+* an optimizer closure runs inside ``optimizer.step()``, after the pre-step hook: a closure that
+  calls ``loss.backward()`` would step on the exact gradient, so a closure is refused (and
+  L-BFGS, which always needs one, up front), before any parameter changes;
+* ``backward(x, y)`` takes the batch ``batches()`` yielded: an ``x`` of the right length with the
+  yielded ``y`` (e.g. B copies of one example: sensitivity B·C) is refused;
+* a batch whose targets hold NaN is still the yielded batch (NaN ≠ NaN must not refuse it);
+* a step that fails before its release neither consumes the batch nor counts as a step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import dptune
+from dptune.errors import ConfigError
+from dptune.privatizers import FixedClip
+
+KW = {"steps": 3, "expected_batch_size": 30, "noise_multiplier": 1.0, "delta": 1e-5, "device": "cpu"}
+
+
+def _problem(n: int = 120, d: int = 5):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g)
+    y = (x[:, 0] > 0).long()
+    torch.manual_seed(1)
+    return nn.Linear(d, 2), x, y
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(p.detach(), before[k]) for k, p in model.named_parameters())
+
+
+# ----------------------------------------------------------------------------- 1. closures
+def test_lbfgs_is_refused_before_training_and_the_error_names_the_fix() -> None:
+    model, x, y = _problem()
+    before = _snapshot(model)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+    with pytest.raises(ConfigError, match="L-BFGS") as err:
+        dptune.make_private(model, (x, y), opt, **KW)
+    assert "Fix:" in str(err.value) and "without a closure" in str(err.value)
+    assert _unchanged(model, before)
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_a_closure_passed_to_optimizer_step_is_refused_before_it_runs(how: str) -> None:
+    """The audit's bypass: zero_grad + loss.backward() inside the closure replaced the released
+    gradient by the exact one after the pre-step hook had passed. Refused before the closure runs
+    or any parameter moves; the run then goes on with optimizer.step() and no closure."""
+    model, x, y = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    private = dptune.make_private(model, (x, y), opt, **KW)
+    ran = []
+    for xb, yb in private.batches():
+        opt.zero_grad()
+        private.backward(xb, yb)
+        before = _snapshot(model)
+
+        def closure(xb: torch.Tensor = xb, yb: torch.Tensor = yb) -> torch.Tensor:
+            ran.append(1)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            loss.backward()
+            return loss
+
+        with pytest.raises(ConfigError, match="closure") as err:
+            opt.step(closure) if how == "positional" else opt.step(closure=closure)
+        msg = str(err.value)
+        assert "Fix:" in msg and "optimizer.step() without a closure" in msg and "L-BFGS" in msg
+        assert ran == [] and _unchanged(model, before)
+        opt.step()  # the released gradient is still in .grad: the documented step goes on
+        assert not _unchanged(model, before)
+    assert private.ledger.releases == private.t == 3
+    opt.step(None)  # an explicit "no closure" is fine
+
+
+# ----------------------------------------------------------------------------- 2. x is the yielded x
+def test_an_x_of_your_choosing_with_the_yielded_y_is_refused() -> None:
+    """The audit's substitution: B copies of one example with the yielded y passed the old
+    check (length and y only). Refused; the yielded x (or an equal copy) passes."""
+    model, x, y = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), opt, **KW)
+    it = private.batches()
+    xb, yb = next(it)
+    forged = x[7].expand_as(xb).clone()
+    with pytest.raises(ConfigError, match="batches\\(\\) just yielded") as err:
+        private.backward(forged, yb)
+    assert "Fix:" in str(err.value) and "__getitem__" in str(err.value)  # where augmentation belongs
+    with pytest.raises(ConfigError, match="batches\\(\\) just yielded"):
+        private.backward(xb + 0.01, yb)  # a transform of the batch is not the batch
+    with pytest.raises(ConfigError, match="batches\\(\\) just yielded"):
+        private.backward(xb.double(), yb)
+    assert private.t == 0 and private.ledger.releases == 0  # refusals spend nothing
+    private.backward(xb, yb)  # the yielded batch itself
+    xb, yb = next(it)
+    private.backward(xb.clone(), yb.clone())  # an equal copy is the same batch
+    assert private.t == private.ledger.releases == 2
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_several_inputs_must_be_the_yielded_ones_leaf_by_leaf(kind: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(120, 3, generator=g), torch.randn(120, 2, generator=g)
+    y = (a[:, 0] > 0).long()
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 2), nn.Linear(2, 2)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.a(a) + self.b(b)
+
+    model = Two()
+    x = (a, b) if kind == "tuple" else {"a": a, "b": b}
+    private = dptune.make_private(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.1), **KW)
+    for i, (xb, yb) in enumerate(private.batches()):
+        leaves = list(xb) if kind == "tuple" else [xb["a"], xb["b"]]
+        forged = [leaves[0], b[:1].expand_as(leaves[1]).clone()]  # the second input swapped
+        bad = tuple(forged) if kind == "tuple" else {"a": forged[0], "b": forged[1]}
+        with pytest.raises(ConfigError, match="batches\\(\\) just yielded"):
+            private.step(bad, yb)
+        if i == 0:
+            private.step(xb, yb)  # as yielded
+        elif kind == "tuple":
+            private.step((leaves[0], leaves[1].clone()), yb)  # rebuilt from the same leaves
+        else:
+            private.step({"b": leaves[1].clone(), "a": leaves[0]}, yb)
+    assert private.ledger.releases == 3
+
+
+# ----------------------------------------------------------------------------- 3. NaN targets
+def test_a_batch_with_nan_targets_is_accepted() -> None:
+    """torch.equal(y, y) is False when y holds NaN: such a batch used to be refused forever."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 4, generator=g)
+    y = x[:, 0].clone()
+    y[::2] = float("nan")  # e.g. missing targets, masked in the loss
+
+    def masked_mse(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        keep = ~torch.isnan(t)
+        return ((out[:, 0] - torch.nan_to_num(t)) ** 2) * keep
+
+    torch.manual_seed(1)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), opt, loss=masked_mse, **KW)
+    saw_nan = False
+    for i, (xb, yb) in enumerate(private.batches()):
+        saw_nan |= bool(torch.isnan(yb).any())
+        opt.zero_grad()
+        private.backward(xb, yb if i == 0 else yb.clone())  # the yielded y, then an equal copy
+        opt.step()
+    assert saw_nan and private.ledger.releases == private.t == 3
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- 4. a failed step
+def test_a_step_that_fails_before_its_release_takes_no_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception before the release (out of memory, say) consumed the batch and counted a
+    step with no ledger entry (steps_taken > releases). Now nothing moves: the same batch comes
+    back and the run goes on."""
+    model, x, y = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), opt, privatizer=FixedClip(1.0), **KW)
+    original = FixedClip.privatize
+    calls = []
+
+    def fails_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FixedClip, "privatize", fails_once)
+    xb, yb = next(iter(private.batches()))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        private.backward(xb, yb)
+    assert private.t == private.ledger.releases == 0
+    assert private.result().steps_taken == private.ledger.releases == 0
+    again_x, again_y = next(iter(private.batches()))
+    assert again_x is xb and again_y is yb  # the unused batch, not a fresh draw
+    for xb, yb in private.batches():
+        opt.zero_grad()
+        private.backward(xb, yb)
+        opt.step()
+    assert private.result().steps_taken == private.ledger.releases == private.steps == 3
+    assert math.isfinite(private.epsilon())
+
+
+def test_a_step_that_fails_after_its_release_counts_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the release is recorded the batch is spent: the step counts (steps_taken equals the
+    ledger's releases) and the next batch is a fresh draw."""
+    model, x, y = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), opt, privatizer=FixedClip(1.0), **KW)
+    original = FixedClip.privatize
+    calls = []
+
+    def fails_after_first_release(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("failure after the release (simulated)")
+        return out
+
+    monkeypatch.setattr(FixedClip, "privatize", fails_after_first_release)
+    xb, yb = next(iter(private.batches()))
+    with pytest.raises(RuntimeError, match="after the release"):
+        private.backward(xb, yb)
+    assert private.t == private.ledger.releases == 1
+    with pytest.raises(ConfigError, match="batches\\(\\) just yielded"):
+        private.backward(xb, yb)  # spent: not twice
+    for xb, yb in private.batches():
+        opt.zero_grad()
+        private.backward(xb, yb)
+        opt.step()
+    assert private.result().steps_taken == private.ledger.releases == 3
