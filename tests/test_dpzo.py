@@ -7,7 +7,11 @@ et al. 2024 Table 14).
   non-finite one by 0; the query's declared sensitivity is C;
 * the step is θ − η·(s/L)·z with s the clipped sum of hand-computed central differences along z;
 * the directions have their own stream: the noise stream serves one scalar per step;
-* DP-ZO lowers the loss of a small logistic regression; a study arm trains within its plan.
+* DP-ZO lowers the loss of a small logistic regression; a study arm trains within its plan;
+* per-example isolation: a loss that mixes examples (centred, in-batch contrastive) is refused
+  before the first release, a per-example user loss is not;
+* dropout: the θ + μz and θ − μz passes draw the same masks;
+* the directions do not depend on the data: one seed on two datasets steps along parallel lines.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import nn
 
 import dptune
 from dptune import accounting
+from dptune.errors import ConfigError
 from dptune.grads import GradientOracle
 from dptune.ledger import Ledger
 from dptune.mechanisms import NoiseSource
@@ -210,3 +215,109 @@ def test_a_study_with_a_dpzo_arm_trains_within_its_plan(tmp_path: Path) -> None:
     )
     out = run_study(study, tmp_path / "s", progress=False)
     assert out.complete and out.ledger_matches_plan and out.counts == {"done": 2}
+
+
+# ----------------------------------------------------------------------------- per-example isolation
+def _centred(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A baseline-subtracted loss ℓ_i − mean_j ℓ_j: shape [B], but every row depends on the batch."""
+    loss = nn.functional.cross_entropy(out, y, reduction="none")
+    return loss - loss.mean()
+
+
+def _in_batch_contrastive(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """InfoNCE with the other examples of the batch as negatives."""
+    z = nn.functional.normalize(out, dim=1)
+    return nn.functional.cross_entropy(z @ z.T * 10, torch.arange(out.shape[0]), reduction="none")
+
+
+@pytest.mark.parametrize("fn", [_centred, _in_batch_contrastive])
+def test_a_loss_that_mixes_examples_is_refused_before_the_release(fn) -> None:
+    """The sensitivity C holds only if ℓ_i depends on example i alone: the first batch's losses are
+    compared with the same examples' losses computed one at a time, before anything is released."""
+    from dptune.own import check_loss, user_loss
+
+    model, x, y = _logistic(n=40)
+    check_loss(fn, model, x, y)  # the shape contract alone cannot see it
+    gw = CaptureRelease()
+    priv = ZerothOrderClip(CLIP)
+    ctx = StepContext(
+        t=1, x=x, y=y, oracle=GradientOracle(model, user_loss(fn)), release=gw, run=RunInfo(NU, 1, 40, 1, 10)
+    )
+    with pytest.raises(ConfigError, match="depends on other examples") as exc:
+        priv.privatize(params_of(model), priv.init(ctx.run), ctx, lr=0.1, label="t")
+    assert "Fix:" in str(exc.value) and gw.calls == []
+    with pytest.raises(ConfigError, match="depends on other examples"):
+        dptune.train(
+            model, (x, y), "dpzo", steps=2, expected_batch_size=20, noise_multiplier=1.0, seed=0, device="cpu", loss=fn
+        )
+
+
+def test_a_per_example_user_loss_passes_the_isolation_check() -> None:
+    model, x, y = _logistic(n=60)
+
+    def ce(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, t, reduction="none")
+
+    r = dptune.train(
+        model, (x, y), "dpzo", steps=3, expected_batch_size=20, noise_multiplier=1.0, seed=0, device="cpu", loss=ce
+    )
+    builtin = dptune.train(
+        _logistic(n=60)[0], (x, y), "dpzo", steps=3, expected_batch_size=20, noise_multiplier=1.0, seed=0, device="cpu"
+    )  # fmt: skip
+    torch.testing.assert_close(r.final_params, builtin.final_params)  # the same run as the built-in loss
+
+
+# ----------------------------------------------------------------------------- dropout
+def test_both_perturbed_passes_draw_the_same_dropout_masks() -> None:
+    """d_i is a finite difference of ONE function: the θ + μz and θ − μz forwards share their
+    dropout masks (MeZO's RNG reset). With z = 0 every d_i is exactly 0; with a real z, d_i is the
+    difference of two passes run from the same RNG state."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 2))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(50, 10, generator=g)
+    y = (x[:, 0] > 0).long()
+    params = params_of(model)
+    ctx = StepContext(t=1, x=x, y=y, oracle=GradientOracle(model), release=None, run=RunInfo(1.0, 1.0, 50.0, 1, 0))
+    priv = ZerothOrderClip(clip=100.0, perturbation=1e-2)
+    zero = {k: torch.zeros_like(v) for k, v in params.items()}
+    assert not priv.differences(params, zero, ctx).any()
+    z = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+    torch.manual_seed(7)
+    got = priv.differences(params, z, ctx)
+    after = torch.rand(())  # the stream moved on by one pass's draws
+
+    def pass_(sign: float) -> torch.Tensor:
+        torch.manual_seed(7)
+        w = {k: v + sign * 1e-2 * z[k] for k, v in params.items()}
+        out = torch.func.functional_call(model, w, (x,))
+        return nn.functional.cross_entropy(out, y, reduction="none").double()
+
+    ref = ((pass_(1.0) - pass_(-1.0)) / 2e-2).clamp(-100.0, 100.0)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)  # float32 losses / 2μ: ~1e-6; other masks: ~1
+    assert torch.equal(after, torch.rand(()))  # ... exactly one pass's draws
+
+
+# ----------------------------------------------------------------------------- data-independent directions
+def test_two_datasets_with_one_seed_step_along_the_same_directions() -> None:
+    """θ_{t+1} − θ_t = −η·(s̃_t/L)·z_t is published, so z_t must not depend on the data: runs on two
+    different datasets with the same seed (real gateway) move along parallel directions at every step."""
+    from dptune.train import open_run
+
+    steps, n = 4, 40
+    model, x, y = _logistic(n=n, seed=0)
+    _, x2, y2 = _logistic(n=n, seed=1)
+    y2 = 1 - y2
+    assert int(y.sum()) != int(y2.sum())
+    plan = dptune.plan_run(make_strategy("dpzo"), n, expected_batch_size=n, steps=steps, noise_multiplier=1.0)
+    deltas = []
+    for xs, ys in ((x, y), (x2, y2)):
+        _, gw, _ = open_run(plan, seed=5, device=torch.device("cpu"), secure_mode=False, run_id="")
+        run = run_strategy_steps(
+            DPZO(lr=0.1), model, xs, ys, steps=steps, release=gw, expected_batch_size=n, noise_multiplier=1.0
+        )
+        history = [params_of(model)["weight"], *(p["weight"] for p in run.params_history)]
+        deltas.append([(b - a).flatten().double() for a, b in zip(history, history[1:], strict=False)])
+    for t, (a, b) in enumerate(zip(*deltas, strict=True), 1):
+        cos = float(a @ b) / float(a.norm() * b.norm())
+        assert abs(cos) == pytest.approx(1.0, abs=1e-6), (t, cos)

@@ -792,11 +792,9 @@ class GhostEngine:
     """One forward pass recording the inputs and outputs of supported layers, one backward pass of
     Σ_i ℓ_i to their outputs (no parameter gradients are computed), then the layer rules."""
 
-    def __init__(
-        self, model: nn.Module, batched_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], buffers: Tensors
-    ):
+    def __init__(self, model: nn.Module, batched_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         """``batched_loss(out, y)`` returns the [B] per-example losses."""
-        self.model, self.buffers = model, buffers
+        self.model = model
         self.layers: list[tuple[nn.Module, type[nn.Module], dict[str, str]]] = []
         for name, mod in model.named_modules():
             names = {k: f"{name}.{k}" if name else k for k, p in mod.named_parameters(recurse=False) if p.requires_grad}
@@ -807,14 +805,15 @@ class GhostEngine:
         self._loss = batched_loss
         self._call = ParamSwap(model)
 
-    def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> GhostGrads:
+    def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, buffers: Tensors) -> GhostGrads:
+        """``buffers``: the model's buffers for this forward (``persample.ScratchBuffers``' copies)."""
         records: dict[nn.Module, tuple | None] = {}
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         patched: list[tuple[nn.Module, bool, object]] = []
         try:
             for mod, _, _ in self.layers:
                 patched.append(_capture(mod, records))
-            out = self._call(ps, self.buffers, x)
+            out = self._call(ps, buffers, x)
             losses = self._loss(out, y)
         finally:
             for mod, had, old in patched:

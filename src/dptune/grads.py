@@ -15,6 +15,7 @@ default comes from ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_METHOD``; ``set_default
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -34,12 +35,16 @@ from dptune.persample import (  # noqa: F401 - re-exported: ``dptune.grads`` is 
     MaterializedGrads,
     ParamSwap,
     PerSampleGrads,
+    ScratchBuffers,
+    active_dropout,
     batched_loss,
     check_model,
+    dropout_off,
     gamma,
     ieee_matmul,
     nonfinite_rows,
     per_example_loss,
+    rng_preserved,
     sq_rows_upper,
     unit_roundoff,
     upper_norms,
@@ -83,6 +88,10 @@ class GradientOracle:
     a disagreement (e.g. a parameter used outside its layer) switches to vmap for good.
     That probe guards utility, not privacy: on either path the norms bound what is released
     for each example, batch after batch (``upper_norms``; ``dptune.ghost``'s proof).
+
+    Every forward on private data runs on scratch copies of the model's buffers and refuses a
+    write (``ScratchBuffers``). ``losses`` (DP-ZO's batched forward) checks on its first batch
+    that each example's loss depends on that example alone (``_check_isolation``).
     """
 
     SELF_CHECK_EXAMPLES = 3
@@ -103,7 +112,9 @@ class GradientOracle:
         self._batched_loss = (
             batched_loss(loss) if isinstance(loss, str) else getattr(loss, "batched", None) or torch.vmap(self.loss_fn)
         )
-        self.buffers = {k: v for k, v in model.named_buffers()}
+        self._scratch = ScratchBuffers(model)
+        self.buffers = self._scratch.originals  # never passed to a forward: copies are (ScratchBuffers)
+        self._isolation_checked = False
         self._call = ParamSwap(model)
         self.chunk_size = chunk_size
         self.param_names = [k for k, p in model.named_parameters() if p.requires_grad]
@@ -114,7 +125,7 @@ class GradientOracle:
         if self.requested_method != "vmap":
             reason = ghost.unsupported_reason(model)
             if reason is None:
-                self._ghost = ghost.GhostEngine(model, self._batched_loss, self.buffers)
+                self._ghost = ghost.GhostEngine(model, self._batched_loss)
             elif self.requested_method == "ghost":
                 raise ConfigError(
                     f"method='ghost' cannot handle this model: {reason}. Use method='auto' (falls "
@@ -123,13 +134,13 @@ class GradientOracle:
             else:
                 self.fallback_reason = reason
 
-        def one(params: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
+        def one(params: Tensors, buffers: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
             args, kwargs = inputs.args_kwargs(inputs.tmap(lambda t: t.unsqueeze(0), x))
-            out = functional_call(self.model, (params, self.buffers), args, kwargs)
+            out = functional_call(self.model, (params, buffers), args, kwargs)
             return self.loss_fn(out.squeeze(0), y)
 
         self._per_sample = vmap(
-            grad_and_value(one), in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size
+            grad_and_value(one), in_dims=(None, None, 0, 0), randomness="different", chunk_size=chunk_size
         )
 
     @property
@@ -160,14 +171,36 @@ class GradientOracle:
             )
         if self._ghost is not None:
             try:
-                got = self._ghost(params, x, y)
+                with self._scratch() as buffers:
+                    got = self._ghost(params, x, y, buffers)
             except ghost.GhostFallback as exc:
                 self._fall_back(str(exc))
             else:
                 if self._checked or self._self_check(got, params, x, y):
                     return got
-        grads, losses = self._per_sample(params, x, y)
+        grads, losses = self._vmap(params, x, y)
         return MaterializedGrads(grads, losses.detach())
+
+    def _vmap(self, params: Tensors, x: Any, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
+        with self._scratch() as buffers:
+            try:
+                return self._per_sample(params, buffers, x, y)
+            except RuntimeError:
+                # functorch refuses most in-place writes to a buffer (a batched value into an
+                # unbatched tensor); a plain forward tells whether that was it, in one line.
+                if self.buffers:
+                    self._probe_buffers(params, x)
+                raise
+
+    def _probe_buffers(self, params: Tensors, x: Any) -> None:
+        """Raise ``ScratchBuffers``' ConfigError if a plain forward of one example writes a buffer."""
+        try:
+            with torch.no_grad(), rng_preserved(inputs.device_of(x)), self._scratch() as buffers:
+                self._call(params, buffers, inputs.rows(x, 0, 1))
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 - the original error is the one to report
+            return
 
     def _self_check(self, got: ghost.GhostGrads, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> bool:
         """Compare the ghost path with vmap on the first few examples (once per oracle)."""
@@ -175,7 +208,7 @@ class GradientOracle:
         if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in self.model.modules()):
             return True  # random masks differ between the two paths: nothing to compare
         k = min(self.SELF_CHECK_EXAMPLES, inputs.batch_len(x))
-        ref_g, ref_l = self._per_sample(params, inputs.rows(x, 0, k), y[:k])
+        ref_g, ref_l = self._vmap(params, inputs.rows(x, 0, k), y[:k])
         ref = MaterializedGrads(ref_g, ref_l.detach())
         w = torch.zeros_like(got.norms)
         w[:k] = torch.linspace(0.5, 1.5, k, dtype=w.dtype, device=w.device)
@@ -200,7 +233,8 @@ class GradientOracle:
     def loss_and_grad(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Tensors]:
         """Mean loss and its (non-private) gradient: one ordinary backward pass."""
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        out = self._call(ps, self.buffers, x)
+        with self._scratch() as buffers:
+            out = self._call(ps, buffers, x)
         losses = self._batched_loss(out, y) if out.shape[0] else out.sum() * 0
         loss = losses.mean() if out.shape[0] else losses
         g = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
@@ -209,7 +243,8 @@ class GradientOracle:
         }
 
     def forward(self, params: Tensors, x: torch.Tensor) -> torch.Tensor:
-        return self._call(params, self.buffers, x)
+        with self._scratch() as buffers:
+            return self._call(params, buffers, x)
 
     def losses(self, params: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
         """The [B] per-example losses at ``params``, no gradient (zeroth-order privatizers).
@@ -217,4 +252,44 @@ class GradientOracle:
         if inputs.batch_len(x) == 0:
             return torch.zeros(0, device=inputs.device_of(x))
         with torch.no_grad(), ieee_matmul(inputs.device_of(x)):
-            return self._batched_loss(self._call(params, self.buffers, x), y).detach()
+            out = self._plain_losses(params, x, y)
+            if not self._isolation_checked and inputs.batch_len(x) > 1:
+                self._check_isolation(params, x, y, out)
+        return out
+
+    def _plain_losses(self, params: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
+        with self._scratch() as buffers:
+            return self._batched_loss(self._call(params, buffers, x), y).detach()
+
+    def _check_isolation(self, params: Tensors, x: Any, y: torch.Tensor, losses: torch.Tensor) -> None:
+        """Refuse a batched loss whose row i depends on other examples (once, on the first batch of ≥ 2).
+
+        DP-ZO's sensitivity C assumes that adding an example changes one term clip_C(d_i) only;
+        the per-sample gradient paths run each example alone (vmap) or are checked against that
+        (ghost), but ``losses`` is one batched forward and the user's batched loss. So the first
+        few rows are recomputed one example at a time and compared (dropout off for both: masks
+        are drawn per batch shape; torch's random streams left as they were). What it cannot see:
+        mixing below the tolerance, on later batches only, or in rows beyond the first few
+        (docs/privacy.md, DP-ZO)."""
+        self._isolation_checked = True
+        k = min(self.SELF_CHECK_EXAMPLES, inputs.batch_len(x))
+        random = bool(active_dropout(self.model))
+        with rng_preserved(inputs.device_of(x)), dropout_off(self.model):
+            full = (self._plain_losses(params, x, y) if random else losses)[:k]
+            alone = torch.cat(
+                [self._plain_losses(params, inputs.rows(x, i, i + 1), y[i : i + 1]).reshape(-1) for i in range(k)]
+            )
+        # Float rounding differs with the batch shape (kernel blocking): allow √eps, relative.
+        tol = math.sqrt(torch.finfo(full.dtype).eps) * (1 + full.abs())
+        same = ((full - alone).abs() <= tol) | (full == alone) | (full.isnan() & alone.isnan())
+        if not bool(same.all()):
+            # No values in the message: they are private (and not differentially private).
+            raise ConfigError(
+                "the loss of an example depends on other examples of the batch (on the first batch, an "
+                "example's loss computed within the batch differs from its loss computed alone): "
+                "DP-ZO bounds one example's influence by C only if each example's loss is its own (a "
+                "batch-centred or in-batch contrastive loss, or a layer that mixes examples, breaks "
+                "that). Fix: return each example's own loss, e.g. F.cross_entropy(out, y, reduction='none'), "
+                "without batch statistics or in-batch negatives (and no random layer other than "
+                "nn.Dropout in training mode)."
+            )

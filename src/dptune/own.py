@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.func import functional_call
 
 from dptune import inputs, metrics
 from dptune.errors import ConfigError
 from dptune.factories import import_factory
+from dptune.persample import ScratchBuffers, check_model
 
 
 # ----------------------------------------------------------------------------- data
@@ -151,10 +153,15 @@ def user_loss(
 
 
 def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    """The per-example contract on a tiny batch: ``fn(model(x), y)`` has shape [B]."""
+    """The per-example contract on a tiny batch: ``fn(model(x), y)`` has shape [B].
+
+    The model is checked first and run on scratch copies of its buffers (``ScratchBuffers``):
+    this forward sees private examples too, and must not leave their statistics in the model."""
+    check_model(model)
     b = min(2, int(y.shape[0]))
-    with torch.no_grad():
-        out = fn(inputs.call(model, inputs.rows(x, 0, b)), y[:b])
+    args, kwargs = inputs.args_kwargs(inputs.rows(x, 0, b))
+    with torch.no_grad(), ScratchBuffers(model)() as buffers:
+        out = fn(functional_call(model, buffers, args, kwargs), y[:b])
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (b,):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(

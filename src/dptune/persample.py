@@ -32,13 +32,23 @@ _CROSS_SAMPLE = (nn.modules.batchnorm._BatchNorm,)
 
 
 def check_model(model: nn.Module) -> None:
-    """Reject layers whose output for one example depends on the others (e.g. BatchNorm)."""
+    """Reject layers whose output for one example depends on the others (e.g. BatchNorm), and
+    layers that keep running statistics of their inputs (``track_running_stats=True``): those
+    would store exact, un-noised statistics of the private batches in the model's buffers, which
+    the saved model publishes (every forward on private data is also guarded: ``ScratchBuffers``)."""
     for name, mod in model.named_modules():
+        where = f"layer '{name or type(mod).__name__}' ({type(mod).__name__})"
         if isinstance(mod, _CROSS_SAMPLE):
             raise ConfigError(
-                f"layer '{name or type(mod).__name__}' ({type(mod).__name__}) mixes examples across the "
-                "batch, so per-example gradients (and DP) are undefined. Replace it with "
-                "nn.GroupNorm or nn.LayerNorm (e.g. nn.GroupNorm(min(32, C), C))."
+                f"{where} mixes examples across the batch, so per-example gradients (and DP) are "
+                "undefined. Fix: replace it with nn.GroupNorm or nn.LayerNorm (e.g. nn.GroupNorm(min(32, C), C))."
+            )
+        if getattr(mod, "track_running_stats", False) is True:
+            raise ConfigError(
+                f"{where} has track_running_stats=True: in training it stores running statistics of the "
+                "private batches in its buffers, which are not differentially private and would be saved "
+                "with the model. Fix: build it with track_running_stats=False, or use nn.GroupNorm / "
+                "nn.LayerNorm."
             )
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("the model has no trainable parameters (requires_grad=True).")
@@ -162,6 +172,133 @@ def _lookup(dicts: tuple[Tensors, ...], names: tuple[str, ...]) -> torch.Tensor 
             if v is not None:
                 return v
     return None
+
+
+class ScratchBuffers:
+    """Every forward pass on private data runs on fresh copies of the model's buffers.
+
+    A layer that writes a buffer in its forward (running statistics, a cache) would otherwise
+    store exact statistics of a private batch in the model (published with it) and carry them
+    into later steps. ``with scratch() as buffers:`` hands out copies made just before the
+    forward and discarded after it, so nothing written can reach the model or a later step; on
+    leaving, a write is refused (``ConfigError``, before the step's release): such a model does
+    not train as its author expects, and a value written and read within one batched forward
+    mixes examples. Free for a model without buffers (the same empty dict). Otherwise: one clone
+    per buffer and forward, and integer version counters compared; the values (one host read)
+    only when a counter moved, so a write of the unchanged value is accepted.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.originals: Tensors = dict(model.named_buffers())
+        self._names_checked = False
+
+    @contextmanager
+    def __call__(self) -> Iterator[Tensors]:
+        if not self.originals:
+            yield self.originals
+            self._check_names()
+            return
+        before = {k: _version(v) for k, v in self.originals.items()}
+        copies = {k: v.detach().clone() for k, v in self.originals.items()}
+        versions = {k: _version(v) for k, v in copies.items()}
+        yield copies
+        written = [
+            k
+            for k, v in copies.items()
+            if _version(v) != versions[k] or _version(self.originals[k]) != before[k] or versions[k] < 0
+        ]
+        if written and not _same_values(self.originals, copies, written):
+            self._refuse(written)
+        self._check_names()
+
+    def _check_names(self) -> None:
+        # A buffer registered during a forward (a lazily created cache) would be kept by the model.
+        if not self._names_checked:
+            self._names_checked = True
+            new = [k for k, _ in self.model.named_buffers() if k not in self.originals]
+            if new:
+                self._refuse(new)
+
+    @staticmethod
+    def _refuse(names: list[str]) -> None:
+        raise ConfigError(
+            f"the model wrote its buffer(s) {', '.join(names)} during a forward pass on private data (a "
+            "layer that keeps running statistics or a cache of its inputs): those values are not "
+            "differentially private and would be saved with the model. Fix: make the layer's forward "
+            "leave its buffers unchanged (for a normalisation layer: nn.GroupNorm / nn.LayerNorm, or "
+            "track_running_stats=False)."
+        )
+
+
+def _version(t: torch.Tensor) -> int:
+    """t's in-place write counter; -1 for an inference tensor (none kept: values are compared)."""
+    return -1 if t.is_inference() else t._version
+
+
+def _same_values(a: Tensors, b: Tensors, names: list[str]) -> bool:
+    """Do a[k] and b[k] hold the same values for every k in names (NaN equal to NaN)? One host read."""
+    flags: list[torch.Tensor] = []
+    for k in names:
+        x, y = a[k], b[k]
+        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+            return False
+        ne = x != y
+        if x.is_floating_point() or x.is_complex():
+            ne &= ~(x.isnan() & y.isnan())
+        flags.append(ne.any().to(flags[0].device if flags else ne.device))
+    return not bool(torch.stack(flags).any())
+
+
+RngState = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def rng_state(device: torch.device) -> RngState:
+    """torch's global CPU generator state and that of ``device`` (CUDA/MPS): what random layers
+    such as dropout draw from. Host-side state only (no device sync)."""
+    dev: torch.Tensor | None = None
+    if device.type == "cuda":
+        dev = torch.cuda.get_rng_state(device)
+    elif device.type == "mps":
+        dev = torch.mps.get_rng_state()
+    return torch.get_rng_state(), dev
+
+
+def set_rng_state(device: torch.device, state: RngState) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state[1], device)
+        elif device.type == "mps":
+            torch.mps.set_rng_state(state[1])
+
+
+@contextmanager
+def rng_preserved(device: torch.device) -> Iterator[None]:
+    """Run a block without moving torch's random streams (a probe must not shift a run's masks)."""
+    state = rng_state(device)
+    try:
+        yield
+    finally:
+        set_rng_state(device, state)
+
+
+def active_dropout(model: nn.Module) -> list[nn.Module]:
+    """The dropout layers of ``model`` that draw masks now (training mode, p > 0)."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
+
+
+@contextmanager
+def dropout_off(model: nn.Module) -> Iterator[None]:
+    """Switch the model's dropout layers to eval mode for the block (deterministic probes)."""
+    mods = active_dropout(model)
+    for m in mods:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.training = True
 
 
 def _rows(g: torch.Tensor) -> torch.Tensor:

@@ -30,10 +30,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from dptune import accounting, tree
+from dptune import accounting, inputs, tree
 from dptune.errors import ConfigError
 from dptune.grads import PerSampleGrads
 from dptune.mechanisms import DeferredSum, NoiseSource, SumQuery, random_direction, record_nonprivate
+from dptune.persample import rng_state, set_rng_state
 from dptune.sampling import stream_seed
 from dptune.steps import (
     RULES,
@@ -359,13 +360,19 @@ class ZerothOrderClip(Privatizer):
         return NoiseSource(stream_seed(noise.seed, "zo-directions"), noise.device, noise.secure)
 
     def differences(self, params: Tensors, z: Tensors, ctx: StepContext) -> torch.Tensor:
-        """The clipped per-example finite differences clip_C(d_i) (float64, [B])."""
+        """The clipped per-example finite differences clip_C(d_i) (float64, [B]).
+
+        Both passes start from the same state of torch's random streams (MeZO's seed reset): a
+        model with dropout draws the same masks at θ + μz and θ − μz, so d_i is the difference
+        of one function (independent masks would make it mask noise / 2μ, clipped to ±C)."""
         mu = self.perturbation
         plus = tree.add_scaled(params, mu, z)
         minus = tree.add_scaled(params, -mu, z)
-        d = (ctx.oracle.losses(plus, ctx.x, ctx.y).double() - ctx.oracle.losses(minus, ctx.x, ctx.y).double()) / (
-            2.0 * mu
-        )
+        device = inputs.device_of(ctx.x)
+        rng = rng_state(device)
+        lp = ctx.oracle.losses(plus, ctx.x, ctx.y).double()
+        set_rng_state(device, rng)
+        d = (lp - ctx.oracle.losses(minus, ctx.x, ctx.y).double()) / (2.0 * mu)
         d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))  # one bad example adds 0, not NaN
         return d.clamp(-self.clip, self.clip)
 

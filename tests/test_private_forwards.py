@@ -1,0 +1,155 @@
+"""No forward pass on private data may leave anything in the model's buffers.
+
+A layer that updates a buffer in its forward (InstanceNorm with ``track_running_stats=True``, a
+user layer keeping running statistics or a cache) would store exact, un-noised statistics of the
+private batches in the model, which ``model.pt`` publishes. Two guards, for every strategy and
+gradient path:
+
+* ``check_model`` refuses layers with ``track_running_stats=True`` (like BatchNorm), naming the fix;
+* every private forward runs on fresh copies of the buffers (discarded afterwards, so nothing
+  written can reach the model or a later step) and a write is refused with a ``ConfigError``
+  before the step's release.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CaptureRelease, params_of
+from torch import nn
+
+import dptune
+from dptune import own
+from dptune.errors import ConfigError
+from dptune.grads import GradientOracle
+from dptune.privatizers import FixedClip, ZerothOrderClip
+from dptune.steps import RunInfo, StepContext
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# (strategy, grad_method): every private path; 'auto' tries ghost first, then checks against vmap.
+PATHS = [("dpzo", None), ("dpsgd", "ghost"), ("dpsgd", "auto"), ("dpsgd", "vmap"), ("oso", "auto"), ("nodp", None)]
+
+
+def _data(n: int = 90) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, 16, generator=g) * 2.0 + 5.0  # private features: mean ~5
+    return x, (x.mean((1, 2)) > 5).long()
+
+
+class Writer(nn.Module):
+    """A parameter-free layer that stores the batch mean of its input in a buffer (the ghost
+    path accepts it: it has no trainable parameters)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(d))
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        self.buf.copy_(a.mean(0))
+        return a
+
+
+class Constant(nn.Module):
+    """A layer with a constant buffer (read, never written): must stay accepted."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.register_buffer("scale", torch.full((d,), 0.5))
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return a * self.scale
+
+
+def _train(model: nn.Module, strategy: str, grad_method: str | None, **kw) -> dptune.TrainResult:
+    x, y = _data()
+    private = {} if strategy == "nodp" else {"noise_multiplier": 1.0}
+    return dptune.train(
+        model, (x, y), strategy, steps=3, expected_batch_size=30, seed=0, device="cpu", lr=0.05,
+        grad_method=grad_method, **private, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        lambda: nn.InstanceNorm1d(3, affine=True, track_running_stats=True),
+        lambda: nn.InstanceNorm1d(3, track_running_stats=True),  # parameter-free: ghost would accept it
+        lambda: nn.InstanceNorm2d(3, track_running_stats=True),
+    ],
+)
+def test_running_statistics_layers_are_refused_with_the_fix_named(norm) -> None:
+    layer = norm()
+    model = nn.Sequential(layer, nn.Flatten(), nn.Linear(48, 2))
+    with pytest.raises(ConfigError, match="track_running_stats") as exc:
+        GradientOracle(model)
+    assert "Fix:" in str(exc.value) and "GroupNorm" in str(exc.value) and "track_running_stats=False" in str(exc.value)
+    # Without running statistics the same layer is per-example: accepted.
+    layer.track_running_stats = False
+    GradientOracle(model)
+
+
+@pytest.mark.parametrize(("strategy", "grad_method"), PATHS)
+def test_a_running_statistics_layer_is_refused_before_any_forward(strategy: str, grad_method: str | None) -> None:
+    """train() refuses InstanceNorm(track_running_stats=True) for every strategy and path, and
+    the layer's running statistics never saw the private data (they stay at their init)."""
+    model = nn.Sequential(nn.InstanceNorm1d(3, affine=True, track_running_stats=True), nn.Flatten(), nn.Linear(48, 2))
+    with pytest.raises(ConfigError, match="track_running_stats"):
+        _train(model, strategy, grad_method)
+    assert torch.equal(model[0].running_mean, torch.zeros(3)) and torch.equal(model[0].running_var, torch.ones(3))
+    assert int(model[0].num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize(("strategy", "grad_method"), PATHS)
+def test_a_buffer_written_in_forward_is_refused_and_never_reaches_the_model(
+    strategy: str, grad_method: str | None
+) -> None:
+    model = nn.Sequential(nn.Flatten(), Writer(48), nn.Linear(48, 2))
+    with pytest.raises(ConfigError, match=r"buffer.*1\.buf") as exc:
+        _train(model, strategy, grad_method)
+    assert "Fix:" in str(exc.value)
+    assert torch.equal(model[1].buf, torch.zeros(48))  # the private batch mean was never stored
+
+
+def test_a_buffer_write_is_refused_before_the_release() -> None:
+    """The guard runs inside the privatizer's forwards: the step's release never happens."""
+    x, y = _data(8)
+    for priv in (ZerothOrderClip(), FixedClip()):
+        model = nn.Sequential(nn.Flatten(), Writer(48), nn.Linear(48, 2))
+        gw = CaptureRelease()
+        run = RunInfo(1.0, 1.0, 8.0, 1, 98)
+        ctx = StepContext(t=1, x=x, y=y, oracle=GradientOracle(model, method="vmap"), release=gw, run=run)
+        with pytest.raises(ConfigError, match="buffer"):
+            priv.privatize(params_of(model), priv.init(run), ctx, lr=0.1, label="t")
+        assert gw.calls == [] and torch.equal(model[1].buf, torch.zeros(48))
+
+
+def test_a_user_loss_check_does_not_write_the_models_buffers() -> None:
+    """own.check_loss runs the model on two private examples: refused, and nothing stored."""
+    x, y = _data(4)
+    model = nn.Sequential(nn.Flatten(), Writer(48), nn.Linear(48, 2))
+    with pytest.raises(ConfigError, match="buffer"):
+        own.check_loss(lambda out, t: nn.functional.cross_entropy(out, t, reduction="none"), model, x, y)
+    assert torch.equal(model[1].buf, torch.zeros(48))
+
+
+@pytest.mark.parametrize(("strategy", "grad_method"), PATHS)
+def test_constant_buffers_are_accepted_and_left_as_they_are(strategy: str, grad_method: str | None) -> None:
+    model = nn.Sequential(nn.Flatten(), Constant(48), nn.Linear(48, 2))
+    before = model[1].scale
+    r = _train(model, strategy, grad_method)
+    assert len(r.history) == 3
+    assert model[1].scale is before and torch.equal(before, torch.full((48,), 0.5))
+
+
+def test_a_write_that_leaves_the_value_unchanged_is_accepted() -> None:
+    """Only a changed value is refused (a layer re-filling a constant buffer is harmless)."""
+
+    class Refill(Constant):
+        def forward(self, a: torch.Tensor) -> torch.Tensor:
+            self.scale.fill_(0.5)
+            return a * self.scale
+
+    model = nn.Sequential(nn.Flatten(), Refill(48), nn.Linear(48, 2))
+    r = _train(model, "dpzo", None)
+    assert len(r.history) == 3 and torch.equal(model[1].scale, torch.full((48,), 0.5))
