@@ -153,3 +153,118 @@ def test_a_write_that_leaves_the_value_unchanged_is_accepted() -> None:
     model = nn.Sequential(nn.Flatten(), Refill(48), nn.Linear(48, 2))
     r = _train(model, "dpzo", None)
     assert len(r.history) == 3 and torch.equal(model[1].scale, torch.full((48,), 0.5))
+
+
+# ----------------------------------------------------------------------------- second review
+class LazyCache(nn.Module):
+    """Registers a buffer on its first forward and stores the batch mean in it."""
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "cache"):
+            self.register_buffer("cache", torch.zeros(a.shape[1:]))
+        self.cache.copy_(a.mean(0))
+        return a
+
+
+class FrozenStat(nn.Module):
+    """Keeps a statistic of its input in a frozen parameter (requires_grad=False), not a buffer."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.stat = nn.Parameter(torch.zeros(d), requires_grad=False)
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.stat.copy_(a.mean(0))
+        return a
+
+
+def _private_loop(model: nn.Module, privatizer, **kw) -> dptune.PrivateTraining:
+    x, y = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    return dptune.make_private(
+        model, (x, y), opt, privatizer=privatizer, steps=4, expected_batch_size=30, noise_multiplier=1.0,
+        delta=1e-5, device="cpu", **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("privatizer", [ZerothOrderClip, FixedClip])
+def test_a_refusal_is_final_and_a_lazily_registered_buffer_is_removed(privatizer) -> None:
+    """make_private yields the same batch again after a step that failed before its release: the
+    retried step must be refused again, and the buffer the refused forward registered (holding the
+    private batch mean) must not stay in the model."""
+    model = nn.Sequential(nn.Flatten(), LazyCache(), nn.Linear(48, 2))
+    private = _private_loop(model, privatizer())
+    for _ in range(2):
+        x, y = next(iter(private.batches()))
+        with pytest.raises(ConfigError, match="cache"):
+            private.step(x, y)
+        assert "cache" not in dict(model.named_buffers())
+    assert private.ledger.releases == 0
+
+
+def test_a_buffer_registered_between_steps_is_guarded_too() -> None:
+    """A buffer the user registers after the run started (here: after step 1) is picked up before
+    the next forward, so a write to it is refused like any other (it used to be the model's own
+    tensor, written unseen)."""
+    model = nn.Sequential(nn.Flatten(), Writer(48), nn.Linear(48, 2))
+    del model[1]._buffers["buf"]
+    model[1].forward = lambda a: (model[1].buf.copy_(a.mean(0)), a)[1] if hasattr(model[1], "buf") else a
+    private = _private_loop(model, FixedClip(1.0), grad_method="ghost")
+    batches = private.batches()
+    private.step(*next(batches))
+    model[1].register_buffer("buf", torch.zeros(48))
+    with pytest.raises(ConfigError, match="buf"):
+        private.step(*next(batches))
+    assert torch.equal(model[1].buf, torch.zeros(48)) and private.ledger.releases == 1
+
+
+def test_buffers_rebound_or_moved_between_steps_are_read_fresh() -> None:
+    """A buffer re-bound (``layer.scale = t``) or converted (``model.double()``) between forwards is
+    the one the next forward reads: the scratch copies are never of a stale tensor."""
+    from dptune.persample import ScratchBuffers
+
+    model = nn.Sequential(nn.Flatten(), Constant(4))
+    scratch = ScratchBuffers(model)
+    with scratch() as b:
+        assert torch.equal(b["1.scale"], torch.full((4,), 0.5))
+    model[1].scale = torch.full((4,), 2.0)
+    with scratch() as b:
+        assert torch.equal(b["1.scale"], torch.full((4,), 2.0))
+    model.double()
+    with scratch() as b:
+        assert b["1.scale"].dtype == torch.float64
+
+
+@pytest.mark.parametrize(("strategy", "grad_method"), [("dpzo", None), ("dpsgd", "ghost"), ("dpsgd", "vmap")])
+def test_a_statistic_kept_in_a_frozen_parameter_is_refused(strategy: str, grad_method: str | None) -> None:
+    model = nn.Sequential(nn.Flatten(), FrozenStat(48), nn.Linear(48, 2))
+    with pytest.raises((ConfigError, RuntimeError), match="stat|vmap|inplace|in-place"):
+        _train(model, strategy, grad_method)
+
+
+@pytest.mark.parametrize("spectral", ["parametrizations", "hook"])
+@pytest.mark.parametrize(("strategy", "grad_method"), [("dpzo", None), ("dpsgd", "vmap"), ("dpsgd", "auto")])
+def test_spectral_normalisation_trains(spectral: str, strategy: str, grad_method: str | None) -> None:
+    """Spectral norm's power-iteration vectors are updated in forward from the weights alone (no
+    data): they are passed through, not refused (the first version of the guard refused them)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 2)
+    lin = (
+        nn.utils.parametrizations.spectral_norm(lin) if spectral == "parametrizations" else nn.utils.spectral_norm(lin)
+    )
+    r = _train(nn.Sequential(nn.Flatten(), lin), strategy, grad_method)
+    assert len(r.history) == 3
+
+
+def test_dpzo_accepts_functional_dropout() -> None:
+    """Randomness outside nn.Dropout (F.dropout(training=self.training), as in OPT): the isolation
+    check runs in eval mode, so it is not mistaken for mixing examples."""
+
+    class FDrop(nn.Module):
+        def forward(self, a: torch.Tensor) -> torch.Tensor:
+            return nn.functional.dropout(a, 0.3, training=self.training)
+
+    torch.manual_seed(0)
+    r = _train(nn.Sequential(nn.Flatten(), FDrop(), nn.Linear(48, 2)), "dpzo", None)
+    assert len(r.history) == 3

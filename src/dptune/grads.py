@@ -36,10 +36,9 @@ from dptune.persample import (  # noqa: F401 - re-exported: ``dptune.grads`` is 
     ParamSwap,
     PerSampleGrads,
     ScratchBuffers,
-    active_dropout,
     batched_loss,
     check_model,
-    dropout_off,
+    eval_mode,
     gamma,
     ieee_matmul,
     nonfinite_rows,
@@ -115,6 +114,7 @@ class GradientOracle:
         self._scratch = ScratchBuffers(model)
         self.buffers = self._scratch.originals  # never passed to a forward: copies are (ScratchBuffers)
         self._isolation_checked = False
+        self._isolation_refused: ConfigError | None = None
         self._call = ParamSwap(model)
         self.chunk_size = chunk_size
         self.param_names = [k for k, p in model.named_parameters() if p.requires_grad]
@@ -249,47 +249,54 @@ class GradientOracle:
     def losses(self, params: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
         """The [B] per-example losses at ``params``, no gradient (zeroth-order privatizers).
         Private per-example values: only privatizers may read them."""
+        if self._isolation_refused is not None:  # final: a retried step is refused again
+            raise self._isolation_refused
         if inputs.batch_len(x) == 0:
             return torch.zeros(0, device=inputs.device_of(x))
         with torch.no_grad(), ieee_matmul(inputs.device_of(x)):
             out = self._plain_losses(params, x, y)
             if not self._isolation_checked and inputs.batch_len(x) > 1:
-                self._check_isolation(params, x, y, out)
+                self._check_isolation(params, x, y)
         return out
 
     def _plain_losses(self, params: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
         with self._scratch() as buffers:
             return self._batched_loss(self._call(params, buffers, x), y).detach()
 
-    def _check_isolation(self, params: Tensors, x: Any, y: torch.Tensor, losses: torch.Tensor) -> None:
+    def _check_isolation(self, params: Tensors, x: Any, y: torch.Tensor) -> None:
         """Refuse a batched loss whose row i depends on other examples (once, on the first batch of ≥ 2).
 
         DP-ZO's sensitivity C assumes that adding an example changes one term clip_C(d_i) only;
         the per-sample gradient paths run each example alone (vmap) or are checked against that
         (ghost), but ``losses`` is one batched forward and the user's batched loss. So the first
-        few rows are recomputed one example at a time and compared (dropout off for both: masks
-        are drawn per batch shape; torch's random streams left as they were). What it cannot see:
+        few rows are recomputed one example at a time and compared (in eval mode for both: masks
+        are drawn per batch shape; torch's random streams left as they were). A refusal is final
+        for this oracle (a retried step is refused again). What it cannot see:
         mixing below the tolerance, on later batches only, or in rows beyond the first few
         (docs/privacy.md, DP-ZO)."""
-        self._isolation_checked = True
         k = min(self.SELF_CHECK_EXAMPLES, inputs.batch_len(x))
-        random = bool(active_dropout(self.model))
-        with rng_preserved(inputs.device_of(x)), dropout_off(self.model):
-            full = (self._plain_losses(params, x, y) if random else losses)[:k]
+        # Eval mode for both (any training-mode randomness off: nn.Dropout, F.dropout(training=...),
+        # DropPath), torch's random streams left as they were.
+        with rng_preserved(inputs.device_of(x)), eval_mode(self.model):
+            full = self._plain_losses(params, x, y)[:k]
             alone = torch.cat(
                 [self._plain_losses(params, inputs.rows(x, i, i + 1), y[i : i + 1]).reshape(-1) for i in range(k)]
             )
-        # Float rounding differs with the batch shape (kernel blocking): allow √eps, relative.
-        tol = math.sqrt(torch.finfo(full.dtype).eps) * (1 + full.abs())
+        # Float rounding differs with the batch shape (kernel blocking): allow √eps of the coarsest
+        # dtype computed in (a bf16 model whose loss upcasts rounds like bf16), relative.
+        dtypes = {t.dtype for t in params.values() if t.is_floating_point()} | {full.dtype}
+        tol = math.sqrt(max(torch.finfo(d).eps for d in dtypes)) * (1 + full.abs())
         same = ((full - alone).abs() <= tol) | (full == alone) | (full.isnan() & alone.isnan())
-        if not bool(same.all()):
+        if bool(same.all()):
+            self._isolation_checked = True
+        else:
             # No values in the message: they are private (and not differentially private).
-            raise ConfigError(
+            self._isolation_refused = ConfigError(
                 "the loss of an example depends on other examples of the batch (on the first batch, an "
                 "example's loss computed within the batch differs from its loss computed alone): "
                 "DP-ZO bounds one example's influence by C only if each example's loss is its own (a "
                 "batch-centred or in-batch contrastive loss, or a layer that mixes examples, breaks "
                 "that). Fix: return each example's own loss, e.g. F.cross_entropy(out, y, reduction='none'), "
-                "without batch statistics or in-batch negatives (and no random layer other than "
-                "nn.Dropout in training mode)."
+                "without batch statistics or in-batch negatives."
             )
+            raise self._isolation_refused

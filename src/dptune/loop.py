@@ -282,7 +282,8 @@ class PrivateTraining:
                 "optimizer.step() was given a closure: it runs inside step(), after make_private's check, "
                 "and its loss.backward() would train on the exact, non-private gradient. Fix: call "
                 "private.backward(x, y), then optimizer.step() without a closure (optimizers that need one, "
-                "such as L-BFGS, are not supported)."
+                "such as L-BFGS, are not supported; a framework that passes one itself, such as PyTorch "
+                "Lightning, needs its manual loop driven by you)."
             )
         for k, p in self._named.items():
             if p.grad is None:

@@ -235,18 +235,12 @@ def score_sums(
     return totals, n
 
 
-@contextlib.contextmanager
-def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+def eval_mode(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
     """``model`` in eval mode for an evaluation (dropout off: a score of the parameters, not of one
-    dropout draw), each module's own mode restored afterwards (a module the user froze in eval
-    mode stays so)."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
+    dropout draw), each module's own mode restored afterwards (``persample.eval_mode``)."""
+    from dptune.persample import eval_mode as model_eval_mode  # torch: loaded only when evaluating
+
+    return model_eval_mode(model)
 
 
 def mean_scores(

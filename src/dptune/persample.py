@@ -20,6 +20,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.nn.utils.parametrizations import _SpectralNorm as _ParametrizedSpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm as _HookSpectralNorm
 
 from dptune import inputs
 from dptune.errors import ConfigError
@@ -174,61 +176,125 @@ def _lookup(dicts: tuple[Tensors, ...], names: tuple[str, ...]) -> torch.Tensor 
     return None
 
 
+# Incremented whenever any module registers or re-binds a buffer (a global torch hook, set once):
+# ScratchBuffers then re-reads its model's buffers, and a registration during a private forward is
+# refused. Cheap: one integer per registration.
+_BUFFER_GENERATION = [0]
+
+
+def _count_registration(module: nn.Module, name: str, buffer: torch.Tensor | None) -> None:
+    _BUFFER_GENERATION[0] += 1
+
+
+torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+
+
+def _data_independent_buffers(model: nn.Module) -> set[str]:
+    """Buffers whose in-forward updates depend on the weights only, never on the inputs: spectral
+    normalisation's power-iteration vectors (both torch APIs). They keep being updated in place."""
+    out: set[str] = set()
+    for name, mod in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(mod, _ParametrizedSpectralNorm):
+            out.update(prefix + b for b in mod._buffers)
+        for hook in mod._forward_pre_hooks.values():
+            if isinstance(hook, _HookSpectralNorm):
+                out.update({f"{prefix}{hook.name}_u", f"{prefix}{hook.name}_v"})
+    return out
+
+
 class ScratchBuffers:
     """Every forward pass on private data runs on fresh copies of the model's buffers.
 
     A layer that writes a buffer in its forward (running statistics, a cache) would otherwise
     store exact statistics of a private batch in the model (published with it) and carry them
     into later steps. ``with scratch() as buffers:`` hands out copies made just before the
-    forward and discarded after it, so nothing written can reach the model or a later step; on
-    leaving, a write is refused (``ConfigError``, before the step's release): such a model does
-    not train as its author expects, and a value written and read within one batched forward
-    mixes examples. Free for a model without buffers (the same empty dict). Otherwise: one clone
-    per buffer and forward, and integer version counters compared; the values (one host read)
-    only when a counter moved, so a write of the unchanged value is accepted.
+    forward and discarded after it, so nothing written into them can reach the model or a later
+    step; on leaving, a write is refused (``ConfigError``, before the step's release): such a
+    model does not train as its author expects, and a value written and read within one batched
+    forward mixes examples. Also refused: a buffer registered during the forward (removed from
+    the model again), and a write to a frozen parameter (``requires_grad=False``, used as a
+    statistic). A refusal is final for this model: a retried step is refused again.
+
+    Buffers the user registers or re-binds between steps (or moves with ``.to``) are picked up
+    before the next forward. Spectral normalisation's vectors (weights only) are passed through.
+    Free for a model without buffers (the same empty dict); otherwise one clone per buffer and
+    forward, and integer version counters compared; the values (one host read) only when a
+    counter moved, so a write of the unchanged value is accepted.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.originals: Tensors = dict(model.named_buffers())
-        self._names_checked = False
+        self._refused: ConfigError | None = None
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self._generation = _BUFFER_GENERATION[0]
+        self.originals: Tensors = dict(self.model.named_buffers())
+        self._slots = [(mod, b, t) for mod in self.model.modules() for b, t in mod._buffers.items() if t is not None]
+        self._passthrough = _data_independent_buffers(self.model) if self.originals else set()
+        self._frozen = [p for p in self.model.parameters() if not p.requires_grad]
+
+    def _current(self) -> None:
+        if self._generation != _BUFFER_GENERATION[0] or any(mod._buffers.get(b) is not t for mod, b, t in self._slots):
+            self._refresh()  # the user's change between steps: accepted
 
     @contextmanager
     def __call__(self) -> Iterator[Tensors]:
+        if self._refused is not None:
+            raise self._refused
+        self._current()
+        generation = _BUFFER_GENERATION[0]
+        frozen = [_version(p) for p in self._frozen]
         if not self.originals:
             yield self.originals
-            self._check_names()
-            return
-        before = {k: _version(v) for k, v in self.originals.items()}
-        copies = {k: v.detach().clone() for k, v in self.originals.items()}
-        versions = {k: _version(v) for k, v in copies.items()}
-        yield copies
-        written = [
-            k
-            for k, v in copies.items()
-            if _version(v) != versions[k] or _version(self.originals[k]) != before[k] or versions[k] < 0
+        else:
+            before = {k: _version(v) for k, v in self.originals.items()}
+            copies = {k: v if k in self._passthrough else v.detach().clone() for k, v in self.originals.items()}
+            versions = {k: _version(v) for k, v in copies.items()}
+            yield copies
+            written = [
+                k
+                for k, v in copies.items()
+                if k not in self._passthrough
+                and (_version(v) != versions[k] or _version(self.originals[k]) != before[k] or versions[k] < 0)
+            ]
+            if written and not _same_values(self.originals, copies, written):
+                self._refuse(written)
+        if generation != _BUFFER_GENERATION[0]:
+            self._refuse_new()
+        moved = [n for (n, p), v in zip(self._frozen_names(), frozen, strict=True) if _version(p) != v]
+        if moved:
+            self._refuse(moved, "frozen parameter(s)")
+
+    def _frozen_names(self) -> list[tuple[str, torch.Tensor]]:
+        ids = {id(p) for p in self._frozen}
+        named = {id(p): n for n, p in self.model.named_parameters() if id(p) in ids}
+        return [(named.get(id(p), "?"), p) for p in self._frozen]
+
+    def _refuse_new(self) -> None:
+        """Buffers registered during the forward (a lazily created cache) are removed, then refused."""
+        new = [
+            (mod, name, b)
+            for mod_name, mod in self.model.named_modules()
+            for b in list(mod._buffers)
+            if (name := f"{mod_name}.{b}" if mod_name else b) not in self.originals
         ]
-        if written and not _same_values(self.originals, copies, written):
-            self._refuse(written)
-        self._check_names()
+        if new:
+            for mod, _, b in new:
+                del mod._buffers[b]
+            self._refuse([name for _, name, _ in new])
+        self._refresh()  # another model's registration (same process): nothing of ours changed
 
-    def _check_names(self) -> None:
-        # A buffer registered during a forward (a lazily created cache) would be kept by the model.
-        if not self._names_checked:
-            self._names_checked = True
-            new = [k for k, _ in self.model.named_buffers() if k not in self.originals]
-            if new:
-                self._refuse(new)
-
-    @staticmethod
-    def _refuse(names: list[str]) -> None:
-        raise ConfigError(
-            f"the model wrote its buffer(s) {', '.join(names)} during a forward pass on private data (a "
-            "layer that keeps running statistics or a cache of its inputs): those values are not "
-            "differentially private and would be saved with the model. Fix: make the layer's forward "
-            "leave its buffers unchanged (for a normalisation layer: nn.GroupNorm / nn.LayerNorm, or "
-            "track_running_stats=False)."
+    def _refuse(self, names: list[str], what: str = "buffer(s)") -> None:
+        self._refused = ConfigError(
+            f"the model wrote its {what} {', '.join(names)} during a pass on private data (a layer that "
+            "keeps running statistics or a cache of its inputs): those values are not differentially "
+            "private and would be saved with the model. Fix: make the layer's forward leave its buffers "
+            "and frozen parameters unchanged (for a normalisation layer: nn.GroupNorm / nn.LayerNorm, "
+            "or track_running_stats=False)."
         )
+        raise self._refused
 
 
 def _version(t: torch.Tensor) -> int:
@@ -250,15 +316,16 @@ def _same_values(a: Tensors, b: Tensors, names: list[str]) -> bool:
     return not bool(torch.stack(flags).any())
 
 
-RngState = tuple[torch.Tensor, torch.Tensor | None]
+RngState = tuple[torch.Tensor, list[torch.Tensor] | torch.Tensor | None]
 
 
 def rng_state(device: torch.device) -> RngState:
-    """torch's global CPU generator state and that of ``device`` (CUDA/MPS): what random layers
-    such as dropout draw from. Host-side state only (no device sync)."""
-    dev: torch.Tensor | None = None
+    """torch's global CPU generator state and that of ``device``'s kind (every CUDA device: a
+    model split over several draws on each; or MPS): what random layers such as dropout draw
+    from. Host-side state only (no device sync)."""
+    dev: list[torch.Tensor] | torch.Tensor | None = None
     if device.type == "cuda":
-        dev = torch.cuda.get_rng_state(device)
+        dev = torch.cuda.get_rng_state_all()
     elif device.type == "mps":
         dev = torch.mps.get_rng_state()
     return torch.get_rng_state(), dev
@@ -266,11 +333,10 @@ def rng_state(device: torch.device) -> RngState:
 
 def set_rng_state(device: torch.device, state: RngState) -> None:
     torch.set_rng_state(state[0])
-    if state[1] is not None:
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(state[1], device)
-        elif device.type == "mps":
-            torch.mps.set_rng_state(state[1])
+    if isinstance(state[1], list):
+        torch.cuda.set_rng_state_all(state[1])
+    elif state[1] is not None:
+        torch.mps.set_rng_state(state[1])
 
 
 @contextmanager
@@ -289,16 +355,16 @@ def active_dropout(model: nn.Module) -> list[nn.Module]:
 
 
 @contextmanager
-def dropout_off(model: nn.Module) -> Iterator[None]:
-    """Switch the model's dropout layers to eval mode for the block (deterministic probes)."""
-    mods = active_dropout(model)
-    for m in mods:
-        m.training = False
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block (dropout and any other training-mode randomness off),
+    each module's own mode restored afterwards (a module the user froze in eval mode stays so)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
     try:
         yield
     finally:
-        for m in mods:
-            m.training = True
+        for m, training in modes:
+            m.training = training
 
 
 def _rows(g: torch.Tensor) -> torch.Tensor:

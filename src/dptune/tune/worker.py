@@ -35,6 +35,7 @@ from dptune.errors import BudgetExceededError, DPTuneError
 from dptune.ledger import Ledger, atoms, compose
 from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
 from dptune.metrics import MSE, eval_mode, resolve, score_sums
+from dptune.persample import ScratchBuffers
 from dptune.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.train import RunPlan, TrainResult, train
@@ -67,6 +68,7 @@ class Scorer:
 
     def __init__(self, model: torch.nn.Module, data: StudyData, metric: str, run: RunSpec, study: Study, device):
         self.model, self.metric, self.device = model, metric, device
+        self.scratch = ScratchBuffers(model)  # the selection split may be private: no buffer writes
         self.x, self.y = data.x_val.to(device), data.y_val.to(device)
         self.m = int(self.x.shape[0])
         self.private = run.eval_noise_multiplier is not None
@@ -94,9 +96,12 @@ class Scorer:
         ≤ c; a non-finite prediction is a wrong one (``dptune.metrics.ACCURACY``)."""
         if not is_finite(params):
             return math.nan
-        with eval_mode(self.model):
+        with eval_mode(self.model), self.scratch() as buffers:
             (total,), _ = score_sums(
-                lambda xb: functional_call(self.model, params, (xb,)), (x, y), self.measure, clip=clip is not None
+                lambda xb: functional_call(self.model, (params, buffers), (xb,)),
+                (x, y),
+                self.measure,
+                clip=clip is not None,
             )
         return total
 
