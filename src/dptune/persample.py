@@ -263,8 +263,8 @@ class ScratchBuffers:
                 self._refuse(written)
         if generation != _BUFFER_GENERATION[0]:
             self._refuse_new()
-        moved = [n for (n, p), v in zip(self._frozen_names(), frozen, strict=True) if _version(p) != v]
-        if moved:
+        if any(_version(p) != v for p, v in zip(self._frozen, frozen, strict=True)):
+            moved = [n for (n, p), v in zip(self._frozen_names(), frozen, strict=True) if _version(p) != v]
             self._refuse(moved, "frozen parameter(s)")
 
     def _frozen_names(self) -> list[tuple[str, torch.Tensor]]:
