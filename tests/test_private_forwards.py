@@ -268,3 +268,27 @@ def test_dpzo_accepts_functional_dropout() -> None:
     torch.manual_seed(0)
     r = _train(nn.Sequential(nn.Flatten(), FDrop(), nn.Linear(48, 2)), "dpzo", None)
     assert len(r.history) == 3
+
+
+def test_a_buffer_written_in_a_backward_hook_is_refused_and_undone() -> None:
+    """A tensor hook writes the model's own buffer during the backward (after the forward's
+    copies were swapped out): refused, and the value from before is put back."""
+
+    class HookStat(nn.Module):
+        def __init__(self, d: int):
+            super().__init__()
+            self.register_buffer("gstat", torch.zeros(d))
+
+        def forward(self, a: torch.Tensor) -> torch.Tensor:
+            def keep(g: torch.Tensor) -> None:
+                self.gstat.copy_(g.mean(0))
+
+            if a.requires_grad:
+                a.register_hook(keep)
+            return a
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(48, 8), HookStat(8), nn.Linear(8, 2))
+    with pytest.raises(ConfigError, match="gstat"):
+        _train(model, "dpsgd", "ghost")
+    assert torch.equal(model[2].gstat, torch.zeros(8))

@@ -210,7 +210,8 @@ class ScratchBuffers:
     store exact statistics of a private batch in the model (published with it) and carry them
     into later steps. ``with scratch() as buffers:`` hands out copies made just before the
     forward and discarded after it, so nothing written into them can reach the model or a later
-    step; on leaving, a write is refused (``ConfigError``, before the step's release): such a
+    step (a write to the model's own buffer, from a backward hook, is undone); on leaving, a write
+    is refused (``ConfigError``, before the step's release): such a
     model does not train as its author expects, and a value written and read within one batched
     forward mixes examples. Also refused: a buffer registered during the forward (removed from
     the model again), and a write to a frozen parameter (``requires_grad=False``, used as a
@@ -260,6 +261,10 @@ class ScratchBuffers:
                 and (_version(v) != versions[k] or _version(self.originals[k]) != before[k] or versions[k] < 0)
             ]
             if written and not _same_values(self.originals, copies, written):
+                with torch.no_grad():  # a write to the model's own buffer (a backward hook): undone
+                    for k in written:
+                        if _version(self.originals[k]) != before[k] and _version(copies[k]) == versions[k] >= 0:
+                            self.originals[k].copy_(copies[k])  # the copy still holds the value from before
                 self._refuse(written)
         if generation != _BUFFER_GENERATION[0]:
             self._refuse_new()
