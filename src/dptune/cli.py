@@ -165,10 +165,18 @@ def train(
     device = str(resolve_device(device, "--device"))  # before any data is read: one clear error
     _check_seed(seed)
     _check_data_dir(data_dir)
-    from dptune.outputs import DIAGNOSTICS_DIR, NOT_DP_LABEL, diagnostics_dir, train_outputs
+    from dptune.outputs import DIAGNOSTICS_DIR, NOT_DP_LABEL, RELEASE_DIR, diagnostics_dir, train_outputs
 
     # Checked before training (nothing is spent on a doomed run); created only after it.
-    diag_path = diagnostics_out or out.parent / DIAGNOSTICS_DIR / out.name
+    # Beside a release/ folder, not inside it (publishing release/ must not publish the seed).
+    beside = out.parent.parent if out.parent.resolve().name == RELEASE_DIR else out.parent
+    diag_path = diagnostics_out or beside / DIAGNOSTICS_DIR / out.name
+    if RELEASE_DIR in diag_path.resolve().parent.parts:
+        raise DPTuneError(
+            f"--diagnostics-out {diag_path} is inside a '{RELEASE_DIR}' folder: the diagnostics (the seed, the "
+            "training loss) are not differentially private and must not be published with the release. "
+            "Fix: name a file outside it (default: diagnostics/ beside the release folder)."
+        )
     if diag_path.resolve() == out.resolve():
         raise DPTuneError(
             "--diagnostics-out must differ from --out: the diagnostics are not differentially private. "
@@ -234,7 +242,7 @@ def train(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(release, default=str))
     if diagnostics_out is None:
-        diagnostics_dir(out.parent)  # the folder with its README (the label)
+        diagnostics_dir(beside)  # the folder with its README (the label)
     diag_path.parent.mkdir(parents=True, exist_ok=True)
     diag_path.write_text(json.dumps(diag, default=str))
     if save is not None:  # the deliverable: post-processing of the run, no release
@@ -249,7 +257,9 @@ def train(
             name = models.default_model_name(ds) if model == "auto" else model
             model_id = {"name": name, "kwargs": models.kwargs_for(name, ds)}
         save_trained(result, save, model_id=model_id, data_id={"name": dataset})  # not the seed: a secret key
-    t = Table(title=f"dptune train: {strategy} on {dataset}")
+    private = bool(result.plan.strategy.private)
+    title = f"dptune train: {strategy} on {dataset}" + ("" if private else f" ({NOT_DP_LABEL}: no privacy)")
+    t = Table(title=title)
     t.add_column("quantity")
     t.add_column("value", justify="right")
     plan = result.plan

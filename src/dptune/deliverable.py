@@ -32,7 +32,7 @@ import dptune
 from dptune import models
 from dptune.errors import ConfigError
 from dptune.factories import import_factory
-from dptune.outputs import randomness_statement
+from dptune.outputs import labelled_json, randomness_statement
 
 CHECKPOINTS_DIR = "checkpoints"
 MODELS_DIR = "models"
@@ -253,6 +253,8 @@ def save_trained(
         **rnd,
         "ledger": {"digest": result.ledger.digest(), "releases": result.ledger.releases},
     }
+    if not private:  # weights trained without privacy may memorise examples: the owner's only
+        card = labelled_json(card)
     return write_model(directory, state, card)
 
 

@@ -203,7 +203,8 @@ def train_outputs(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(release, diagnostics) dicts of one ``TrainResult`` (``dptune train``'s JSON files).
 
-    Release: ``TrainResult.summary()`` (the guarantee: ε at δ by the plan's accountant, ν, q,
+    Release (labelled ``NOT_DP_LABEL`` for a non-private run, which no guarantee covers):
+    ``TrainResult.summary()`` (the guarantee: ε at δ by the plan's accountant, ν, q,
     T; the configuration; the best evaluation on the evaluation data, assumed public; whether
     it diverged, judged on the parameters; secure or seeded randomness) with the dptune version,
     the split the best checkpoint was chosen on (``selection_split``, None without evaluation
@@ -231,6 +232,8 @@ def train_outputs(
         },
         "trajectory": release_history_rows(result.history),
     }
+    if not private:  # no guarantee covers a non-private run: everything in it is the owner's only
+        release = labelled_json(release)
     diagnostics = labelled_json(
         {
             **context,

@@ -26,6 +26,7 @@ from dptune.devices import check_device_name, resolve_device
 from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
 from dptune.grads import check_model
 from dptune.ledger import Ledger
+from dptune.outputs import NOT_DP_LABEL, hides_run_count
 from dptune.paths import check_output_dir
 from dptune.tune import results
 from dptune.tune.data import build_model, study_data
@@ -303,7 +304,11 @@ class Coordinator:
             from tqdm.auto import tqdm
 
             done = sum(n for s, n in self.store.counts().items() if s in ("done", "diverged"))
-            bar = tqdm(total=total, initial=done, desc=self.study.name, unit="run")
+            desc = self.study.name
+            if any(hides_run_count(a.guarantee.get("kind")) for a in self.plan.arms):
+                # Its counts show K, which a Liu–Talwar / repeat-and-select guarantee keeps secret.
+                desc += f" ({NOT_DP_LABEL}: shows the number of runs)"
+            bar = tqdm(total=total, initial=done, desc=desc, unit="run")
         try:
             while True:
                 self.resolve()
