@@ -179,7 +179,11 @@ def test_results_all_holds_every_configuration_in_the_diagnostics(study: dict[st
             "clip=1, lr=0.3",
             "clip=1, lr=1",
         }
-    assert len(read_csv_rows(sdir / "release" / "results_best.csv")) == 5  # the release: selected only
+    # the release: selected only, private arms only (the nodp baseline, ε = ∞, is not covered)
+    best = read_csv_rows(sdir / "release" / "results_best.csv")
+    assert len(best) == 4 and not any(r["strategy"].startswith("nodp") for r in best)
+    (base,) = read_csv_rows(sdir / "diagnostics" / "results_nonprivate.csv")
+    assert base["strategy"].startswith("nodp") and base["epsilon"] == "inf"
     assert "results_all" not in {p.stem for p in (sdir / "release").rglob("*.csv")}
 
 

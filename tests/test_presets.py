@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from rich.console import Console
 
 from dptune import accounting
 from dptune.errors import ConfigError
+from dptune.outputs import NOT_DP_LABEL, read_csv_rows
 from dptune.presets import (
     PRESETS,
     demo,
@@ -331,11 +333,23 @@ def test_smoke_scale_runs_end_to_end(name, data_env, tmp_path):
         _check_study_dir(out / p.name)
     html = (out / "report.html").read_text()
     assert all(p.title in html for p in parts)
+    # No run time on the published page (it grows with realised batch sizes and a secret K).
+    assert "smoke scale in" not in html and not re.search(r"scale in \d+ s", html)
     rows = list(csv.DictReader((out / "results.csv").open()))
-    expected = sum(len(study_table(out / p.name)) for p in parts)
-    assert len(rows) == expected and {r["part"] for r in rows} == {p.name for p in parts}
+    every = [r for p in parts for r in study_table(out / p.name)]
+    private = [r for r in every if math.isfinite(r["planned_epsilon"])]
+    assert len(rows) == len(private) and {r["part"] for r in rows} == {p.name for p in parts}
+    # The non-private baseline (NoDP ceiling) is only in the labelled diagnostics.
+    assert all(math.isfinite(float(r["planned_epsilon"])) for r in rows) and "nodp" not in {
+        r["optimizer"] for r in rows
+    }
+    diag = read_csv_rows(out / "diagnostics" / "results.csv")
+    assert len(diag) == len(every)
+    assert (out / "diagnostics" / "results.csv").read_text().startswith(f"# {NOT_DP_LABEL}")
     printed = console.file.getvalue()
-    assert "report:" in printed
+    assert "report:" in printed and f"run time ({NOT_DP_LABEL})" in printed
+    if len(private) < len(every):
+        assert f"non-private baseline — {NOT_DP_LABEL}" in printed
     for a in parts[0].study["strategies"]:  # the results table was printed, one row per arm
         assert (a.get("label") or a["name"]) in printed
     if name.startswith("mohapatra"):
@@ -391,8 +405,38 @@ def test_demo_writes_report_and_prints_table(monkeypatch, tmp_path):
     rows = study_table(out)
     assert {(r["strategy"], r["epsilon"]) for r in rows} == {("dpsgd", 3.0), ("dpsgd", 8.0), ("nodp", math.inf)}
     assert all(r["value_mean"] is not None and 0.0 <= r["value_mean"] <= 1.0 for r in rows)
-    assert "dpsgd" in console.file.getvalue()
+    printed = console.file.getvalue()
+    assert "dpsgd" in printed and "Traceback" not in printed
     assert EPSILONS == (3.0, 8.0)
+    # The NoDP ceiling (ε = ∞, exact scores of the private data) is in no file under release/: no
+    # row, no score in any form the outputs write it; the labelled diagnostics have it.
+    (nodp,) = [r for r in rows if r["strategy"] == "nodp"]
+    v = nodp["value_mean"]
+
+    def forms(x: float) -> set[str]:  # as the CSVs, the page's tables and the terminal write a score
+        return {f for f in (repr(x), f"{x:.4g}", f"{100 * x:.2f}") if len(f) >= 4}
+
+    taken = {f for r in rows if r is not nodp for k in ("value_mean", "test_mean") if r[k] for f in forms(r[k])}
+    mine = forms(v) - taken  # a private arm with the same score would make the check vacuous
+    release = [f for f in (out / "release").rglob("*") if f.is_file() and f.suffix in (".csv", ".html", ".json", ".md")]
+    assert release
+    for f in release:
+        text = f.read_text(encoding="utf-8")
+        assert "nodp" not in text or f.suffix == ".html", f  # the page may name the plan's arms in notes
+        assert "(no privacy)" not in text and "non-private)" not in text, f
+        assert not any(x in text for x in mine), (f, mine)
+    html = (out / "release" / "report.html").read_text(encoding="utf-8")
+    assert "At ε = ∞" not in html and "Non-private baseline" not in html
+    diag = (out / "diagnostics" / "results.csv").read_text(encoding="utf-8")
+    assert diag.startswith(f"# {NOT_DP_LABEL}") and "nodp" in diag and repr(v) in diag
+    base = (out / "diagnostics" / "results_nonprivate.csv").read_text(encoding="utf-8")
+    assert base.startswith(f"# {NOT_DP_LABEL}") and "nodp" in base
+    # The terminal: the release table has no nodp row; its table and the run time come under the label.
+    head, _, labelled = printed.partition(f"non-private baseline — {NOT_DP_LABEL}")
+    assert labelled and "nodp" in labelled and f"{100 * v:.2f}" in labelled
+    assert f"run time ({NOT_DP_LABEL})" in printed
+    assert not any(line.startswith("│ nodp") for line in head.splitlines())
+    assert not re.search(r"report: .*\(\d+ s\)", printed)
 
 
 # The papers' settings, where dptune's own defaults (issue 12: horizon-aware OSO rates, linear

@@ -28,7 +28,7 @@ from torch import nn
 from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.ledger import Ledger
-from dptune.outputs import read_csv_rows
+from dptune.outputs import NOT_DP_LABEL, read_csv_rows
 from dptune.report import (
     FigureRef,
     LinearScalingFit,
@@ -180,8 +180,8 @@ def test_report_writes_figures_and_csvs(study: Path) -> None:
 def test_results_csv_holds_mean_and_std_over_seeds(study: Path) -> None:
     with (study.parent / "results_best.csv").open() as fh:
         rows = list(csv.DictReader(fh))
-    # 4 strategies × 3 ε + the NoDP baseline, one row each
-    assert len(rows) == 13
+    # 4 strategies × 3 ε, one row each: the NoDP baseline (ε = ∞) is not published
+    assert len(rows) == 12 and {r["strategy"] for r in rows} == {"oso", "dpsgd", "quantile", "adamwosm"}
     trials = synthetic_trials()
     oso3 = [
         r["value"]
@@ -195,6 +195,22 @@ def test_results_csv_holds_mean_and_std_over_seeds(study: Path) -> None:
     # quantile at ε=1: lr=1 has a diverged seed, so the fully converged lr=0.1 is reported
     q1 = next(r for r in rows if r["strategy"] == "quantile" and float(r["epsilon"]) == 1.0)
     assert float(q1["hp_lr"]) == 0.1 and q1["n_diverged"] == "0"
+
+
+def test_nonprivate_baseline_is_only_in_the_labelled_diagnostics(study: Path) -> None:
+    """ε = ∞ rows (NoDP) are exact functions of the private data: no file under release/ holds their
+    score or name; diagnostics/results_nonprivate.csv and the diagnostics page do, labelled."""
+    nodp_mean = f"{np.mean([0.985, 0.986, 0.987]):.4g}"  # 0.986, as the tables print it
+    assert nodp_mean == "0.986"
+    for f in study.parent.rglob("*"):
+        if f.is_file() and f.suffix in (".csv", ".html"):
+            text = f.read_text(encoding="utf-8")
+            assert "nodp" not in text and "0.986" not in text, f
+    diag = study.parent.parent / "diagnostics"
+    base = (diag / "results_nonprivate.csv").read_text(encoding="utf-8")
+    assert base.startswith(f"# {NOT_DP_LABEL}") and "nodp" in base and "0.986" in base
+    page = (diag / "report.html").read_text(encoding="utf-8")
+    assert "Non-private baseline" in page and "nodp" in page
 
 
 def test_html_is_self_contained_and_states_the_budget(study: Path) -> None:
@@ -676,7 +692,8 @@ def test_study_conclusions_state_the_winner_the_margin_and_the_noise_cost() -> N
         "0.798 by 5.4 points. Splitting the budget over its runs cost dpsgd 2.3× the noise per run "
         "of oso (ν = 2.99 against 1.3)."
     )
-    assert lines[1].startswith("At ε = ∞ (no privacy), nodp")
+    # The non-private baseline (ε = ∞, exact scores) is in no published sentence.
+    assert len(lines) == 1 and not any("nodp" in x or "0.91" in x or "∞" in x for x in lines)
     # Under Liu–Talwar / repeat-and-select the number of runs is secret: no counts, no noise ratio.
     secret = conclusions(table, noise, True, "accuracy", hidden_k=True)[0]
     assert "runs" not in secret and "noise" not in secret

@@ -81,6 +81,9 @@ def build_report(
     """Write the publishable report into ``out_dir/release/`` and the diagnostics into
     ``out_dir/diagnostics/``; return the path of ``release/report.html``.
 
+    Non-private results (ε = ∞, e.g. the NoDP baseline) never go to ``release/``: they are in
+    ``diagnostics/results_nonprivate.csv`` and the diagnostics page only.
+
     ``release/`` (report.html, figures/, results_best.csv, trajectories.csv, budget.csv, ...)
     holds only what the guarantee covers: the best (or selected) configuration per strategy
     and ε with its metric, the C_t/ρ_t trajectories of the ``selected`` histories (step, clip
@@ -142,6 +145,10 @@ def build_report(
     else:
         summary = summarize(results_rows, higher)
     best = best_per_strategy(summary, higher)
+    # Non-private rows (ε = ∞, the nodp baseline): exact functions of the private data, covered by
+    # no guarantee; never in release/ (table, CSV, figure), only in the diagnostics.
+    baseline = [r for r in best if not math.isfinite(r.epsilon)]
+    best = [r for r in best if math.isfinite(r.epsilon)]
     # Every configuration (the losing candidates too) is a diagnostic: Liu–Talwar and
     # repeat-and-select cover only the selected one.
     every = summary if all_results is None else as_summary_rows(all_results, higher=higher, best_only=False)
@@ -155,6 +162,20 @@ def build_report(
                 paragraphs=["Every candidate of the search with its metric, selected or not."],
                 tables=[results_table(every, metric, higher, "All configurations (diagnostics).")],
                 attachments=[all_csv],
+            )
+        )
+    if baseline:
+        base_csv = write_labelled_csv(diag / "results_nonprivate.csv", summary_csv_rows(baseline))
+        dsections.append(
+            Section(
+                "Non-private baseline",
+                diagnostic=True,
+                paragraphs=[
+                    "Trained without noise (ε = ∞): its scores are exact functions of the private data, "
+                    f"covered by no guarantee ({NOT_DP_LABEL}). The release shows the private arms only."
+                ],
+                tables=[results_table(baseline, metric, higher, "Non-private baseline (diagnostics).")],
+                attachments=[base_csv],
             )
         )
     direction = "higher" if higher else "lower"
@@ -195,7 +216,14 @@ def build_report(
     if hs:
         full_rows = [{"selected": h.selected, **row} for h in hs for row in history_csv_rows([h])]
         diag_traj = write_labelled_csv(diag / "trajectories.csv", full_rows)
-        public = [replace(h, rows=release_history_rows(h.rows)) for h in hs if h.selected]
+        # A non-private run's ρ_t is its configuration, selected on exact scores: diagnostics only
+        # (ε = ∞, or, without ε, a strategy whose only results are non-private).
+        nonprivate = {r.strategy for r in baseline} - {r.strategy for r in best}
+        public = [
+            replace(h, rows=release_history_rows(h.rows))
+            for h in hs
+            if h.selected and (math.isfinite(h.epsilon) if h.epsilon is not None else h.strategy not in nonprivate)
+        ]
         if public:
             traj_csv = write_csv(out / "trajectories.csv", history_csv_rows(public))
             fig = F.trajectories(public, fig_dir / "trajectories.png")

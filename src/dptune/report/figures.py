@@ -121,17 +121,17 @@ def metric_vs_epsilon(
     """Metric of the best (or selected) configuration per strategy vs ε, with error bars.
 
     One line per strategy; each point is the mean over seeds, the bar ± one sample std
-    (Galli et al. 2024, Figs 3–5). Non-private rows (ε = ∞, e.g. the NoDP baseline) are a
-    dashed horizontal line with a ±std band. Configurations whose seeds all diverged have
-    no point (Galli: "not included").
+    (Galli et al. 2024, Figs 3–5). Non-private rows (ε = ∞, e.g. the NoDP baseline) are not
+    drawn: their exact scores are covered by no guarantee and this figure is published
+    (docs/privacy.md). Configurations whose seeds all diverged have no point (Galli: "not included").
     """
     fig, axes = _figure()
     ax = axes[0, 0]
+    rows = [r for r in rows if math.isfinite(r.epsilon)]
     colors = strategy_colors(r.strategy for r in rows)
     finite_eps = sorted({r.epsilon for r in rows if math.isfinite(r.epsilon)})
     for strat in sorted(colors):
-        pts = sorted((r for r in rows if r.strategy == strat and r.mean is not None), key=lambda r: r.epsilon)
-        fin = [r for r in pts if math.isfinite(r.epsilon)]
+        fin = sorted((r for r in rows if r.strategy == strat and r.mean is not None), key=lambda r: r.epsilon)
         if fin:
             ax.errorbar(  # means clipped to the metric's range: a noisy private score can leave it
                 [r.epsilon for r in fin],
@@ -143,12 +143,6 @@ def metric_vs_epsilon(
                 color=colors[strat],
                 label=strat,
             )
-        for r in pts:
-            if math.isinf(r.epsilon):
-                mean = clip_to_range(r.mean, metric)
-                ax.axhline(mean, ls="--", color=colors[strat], lw=1.2, label=f"{strat} (non-private)")
-                if r.std:
-                    ax.axhspan(mean - r.std, mean + r.std, color=colors[strat], alpha=0.12)
     if finite_eps:
         ax.set_xticks(finite_eps, [_eps_text(e) for e in finite_eps])
     ax.set_xlabel("privacy budget ε")

@@ -51,7 +51,7 @@ from dptune.report.html import FigureRef, Section, Table
 from dptune.tune import theory
 from dptune.tune.methods import get_method
 from dptune.tune.planners import StudyPlan
-from dptune.tune.results import budget_rows, load_study, study_table
+from dptune.tune.results import budget_rows, load_study, private_rows, study_table
 from dptune.tune.space import config_key
 
 MAX_ALL_HISTORIES = 24
@@ -96,11 +96,14 @@ def report_study(
     cfg, plan, runs, entries, table, per_run, arm_of = read_study(study_dir)
     sel = cfg.get("selection", {})
     metric = plan.metric
+    # The non-private baseline (nodp, ε = ∞) is in no release table, figure or sentence: its exact
+    # scores go to the diagnostics (build_report's "Non-private baseline" section).
+    released = private_rows(table)
 
     # -- results: the tuner's selection, metric on the test split where there is one
     has_test = any(r["test_mean"] is not None for r in table)
     summary = []
-    for r in table:
+    for r in table:  # every arm: build_report keeps the ε = ∞ rows in the diagnostics
         mean, std = (r["test_mean"], r["test_std"]) if has_test else (r["value_mean"], r["value_std"])
         summary.append(
             SummaryRow(
@@ -119,8 +122,9 @@ def report_study(
 
     # -- histories: the selected runs (release, named without their run id); every run of a
     # small study for the diagnostics
-    selected = {rid for r in table for rid in r["selected_runs"]}
-    wanted = set(selected)
+    chosen = {rid for r in table for rid in r["selected_runs"]}  # the nodp baseline's too (diagnostics)
+    selected = {rid for r in released for rid in r["selected_runs"]}
+    wanted = set(chosen)
     if len(runs) <= MAX_ALL_HISTORIES:
         wanted = {r["run_id"] for r in runs}
     histories = [
@@ -137,7 +141,7 @@ def report_study(
 
     ledger_rows = study_ledger_rows(plan, entries, per_run)
 
-    budgets = budget_entries(table)
+    budgets = budget_entries(released)
 
     noise_of = arm_costs(plan)
 
@@ -203,7 +207,7 @@ def report_study(
                 _pm(clip_to_range(r["value_mean"], metric), r["value_std"]),
                 _pm(r["test_mean"], r["test_std"]),
             ]
-            for r in table
+            for r in released
         ],
         caption="[k/P]: the configuration was selected by k of the P seed replicates (per-seed selection).",
     )
@@ -256,14 +260,14 @@ def report_study(
         title=title or f"Study report: {cfg.get('study', {}).get('name') or study_dir.name}",
         subtitle=f"{subtitle}n_train = {plan.n_train}",
         notes=status,
-        conclusions=conclusions(display_table(table, metric), noise_of, plan.higher_is_better, metric, hidden_k),
+        conclusions=conclusions(display_table(released, metric), noise_of, plan.higher_is_better, metric, hidden_k),
         pareto=pareto or None,
         lt_ma=lt_rows,
         extra_figures=extra,
         extra_sections=sections,
         diagnostic_sections=dsections,
         include_diagnostics=include_diagnostics,
-        all_results=every_configuration(runs, arm_of, selected, has_test),
+        all_results=every_configuration(runs, arm_of, chosen, has_test),
     )
 
 
@@ -282,8 +286,8 @@ def display_table(table: Sequence[Mapping[str, Any]], metric: str) -> list[dict[
 
 
 def budget_entries(table: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The header's budget rows, one per tuning procedure (arm) of ``study_table``: planned vs
-    spent (ε, δ), the guarantee's scope and accountant."""
+    """The header's budget rows, one per private tuning procedure (arm) of ``study_table``: planned
+    vs spent (ε, δ), the guarantee's scope and accountant (the non-private baseline has none)."""
     return [
         {
             "label": f"{r['strategy']} @ ε = {epsilon_text(r['epsilon'])} ({r['method']})",
@@ -291,7 +295,7 @@ def budget_entries(table: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "spent": (r["spent_epsilon"], r["spent_delta"]),
             "note": f"per {r['guarantee_per']}, accountant {r['accountant']}",
         }
-        for r in table
+        for r in private_rows(table)
     ]
 
 
@@ -454,12 +458,13 @@ def conclusions(
 
     ``costs``: arm → {"runs": runs accounted, "nu": the one ν of its runs, or None when its runs
     differ (linear scaling, T searched) or do not split a budget (oracle)} (``arm_costs``: the
-    public plan). Oracle arms, whose search is not accounted, are left out of the ranking.
+    public plan). Oracle arms, whose search is not accounted, are left out of the ranking, and
+    non-private arms (ε = ∞: exact scores, in the diagnostics only) of every sentence.
     Everything used is on the release page already (selected configurations' metrics, ν)."""
     out = []
     key = "test_mean" if any(r.get("test_mean") is not None for r in table) else "value_mean"
     by_eps: dict[float, list[Mapping[str, Any]]] = defaultdict(list)
-    for r in table:
+    for r in private_rows(table):
         if r.get("method") != "oracle":
             by_eps[float(r["epsilon"])].append(r)
 
@@ -470,7 +475,7 @@ def conclusions(
         return abs(a - b) < (5e-4 if metric == "accuracy" else 5e-4 * max(abs(a), abs(b)))
 
     for eps in sorted(by_eps):
-        eps_text = "ε = ∞ (no privacy)" if not math.isfinite(eps) else f"ε = {eps:g}"
+        eps_text = f"ε = {eps:g}"  # finite: non-private rows were left out above
         rows = [r for r in by_eps[eps] if r.get(key) is not None and math.isfinite(float(r[key]))]
         if not rows:
             out.append(f"At {eps_text}, no procedure has a finite result yet.")

@@ -17,7 +17,8 @@ Release vs diagnostics (``dptune.outputs``, docs/privacy.md): ``write_csvs`` wri
 guarantee and the spent totals) and, labelled "not differentially private: for the data owner
 only", ``diagnostics/`` (the full table with run counts and selected run ids, the per-run and
 per-label budget). ``render`` prints the release; ``diagnostics=True`` adds the rest under
-that label.
+that label. Non-private arms (the nodp baseline, ε = ∞: ``is_nonprivate``) are in no release
+output: their exact scores are in the diagnostics and ``render_nonprivate``'s labelled table.
 """
 
 from __future__ import annotations
@@ -80,9 +81,25 @@ RELEASE_COLUMNS: tuple[str, ...] = (
 )
 
 
+def is_nonprivate(row: Mapping[str, Any]) -> bool:
+    """Is this ``study_table`` row a non-private arm (the nodp baseline: guarantee ε = ∞)? Its scores
+    and selection are exact functions of the private data: never published, only in the diagnostics."""
+    eps = row.get("planned_epsilon", row.get("epsilon"))
+    try:
+        return eps is None or not math.isfinite(float(eps))
+    except (TypeError, ValueError):
+        return True  # fail closed: an unreadable guarantee is no guarantee
+
+
+def private_rows(table: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows of ``table`` that a finite (ε, δ) guarantee covers (``is_nonprivate`` left out)."""
+    return [r for r in table if not is_nonprivate(r)]
+
+
 def release_rows(table: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """``study_table`` rows reduced to ``RELEASE_COLUMNS`` (what may be published)."""
-    return [{k: r.get(k) for k in RELEASE_COLUMNS} for r in table]
+    """``study_table`` rows reduced to ``RELEASE_COLUMNS`` (what may be published); non-private
+    arms (``is_nonprivate``) are left out: they are in the diagnostics only."""
+    return [{k: r.get(k) for k in RELEASE_COLUMNS} for r in private_rows(table)]
 
 
 def load_study(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[dict[str, Any]], list[LedgerEntry]]:
@@ -379,8 +396,8 @@ def _e(x: float) -> str:
 
 def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = False) -> None:
     """Print the results table (release: selected configuration, metrics, planned and spent
-    budget) and the notes that the guarantee covers (fits 100 columns). ``diagnostics``:
-    also the failed/diverged counts, where the budget went per query label and the notes of
+    budget) of the private arms and the notes that the guarantee covers (fits 100 columns).
+    ``diagnostics``: also the non-private baseline's table (``render_nonprivate``), the failed/diverged counts, where the budget went per query label and the notes of
     Liu–Talwar / repeat-and-select arms (they state K), under the label "not differentially
     private: for the data owner only"; else one line saying where they are."""
     from rich.console import Console
@@ -388,7 +405,8 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
 
     console = console or Console(width=TERMINAL_WIDTH)
     cfg, plan, _, _ = load_study(study_dir)
-    rows = study_table(study_dir)
+    every = study_table(study_dir)
+    rows = private_rows(every)  # the non-private baseline only under the label (diagnostics)
     sel = cfg.get("selection", {})
     mode = sel.get("mode", "public")
     metric = plan.metric
@@ -402,7 +420,54 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
         f"[bold]{cfg.get('study', {}).get('name', 'study')}[/bold] — selection on the "
         f"{sel.get('split', 'test')} split, {mode_txt}; across seeds: {sel.get('across_seeds', 'per-seed')}"
     )
-    t = Table(title=None, show_lines=False)
+    t = _results_table(rows, metric, unit)
+    console.print(t)
+    if any(r["value_mean"] is not None and clip_to_range(r["value_mean"], metric) != r["value_mean"] for r in rows):
+        console.print(
+            f"[dim]Noisy selection scores outside the range of {metric} are shown clipped to it; "
+            "results.csv keeps the raw values.[/dim]"
+        )
+    rr = rerr_rows(rows, plan.higher_is_better)
+    for r in rr:
+        console.print(
+            f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
+            f"({r['random']}) and grid/oracle ({r['oracle']}): {100 * r['rerr']:.1f} %"
+        )
+    for note in split_arm_notes(plan.arms)[0]:
+        console.print(f"[dim]• {note}[/dim]")
+    # The randomness mode (docs/privacy.md, item 3): every study's terminal report states it.
+    secure = bool(cfg.get("study", {}).get("secure"))
+    note = randomness_statement(secure)["randomness_note"]
+    console.print(f"randomness: {note}" if secure else f"[yellow]warning[/]: {note}", highlight=False)
+    if not diagnostics:
+        baseline = [r["strategy"] for r in every if is_nonprivate(r)]
+        console.print(
+            f"[dim]Diagnostics ({NOT_DP_LABEL}): {Path(study_dir) / DIAGNOSTICS_DIR}/, "
+            "`dptune status`, `dptune report --include-diagnostics`"
+            + (f"; the non-private baseline ({', '.join(baseline)}) is there only" if baseline else "")
+            + ".[/dim]"
+        )
+        return
+    console.print(f"[bold red]Diagnostics: {NOT_DP_LABEL}[/bold red]")
+    render_nonprivate(study_dir, console, table=every)
+    for r in every:
+        flags = ", ".join(f"{r[k]} {k}" for k in ("failed", "diverged") if r[k])
+        console.print(f"• {r['arm']}: {r['runs_done']}/{r['runs_total']} runs" + (f" ({flags})" if flags else ""))
+    _, per_label = budget_rows(study_dir)
+    b = Table(title=f"where the budget went (ε of each query type alone, at δ) — {NOT_DP_LABEL}")
+    for col in ("arm", "query", "releases", "ε alone", "scope"):
+        b.add_column(col, overflow="fold")
+    for r in per_label:
+        b.add_row(r["arm"], r["label"], str(r["releases"]), _e(r["epsilon_alone"]), r["scope"])
+    console.print(b)
+    for note in split_arm_notes(plan.arms)[1]:
+        console.print(f"[dim]• {note}[/dim]")
+
+
+def _results_table(rows: Iterable[Mapping[str, Any]], metric: str, unit: str, title: str | None = None) -> Any:
+    from rich.table import Table
+
+    t = Table(title=title, show_lines=False)
     for col in (
         "strategy",
         "ε",
@@ -427,43 +492,23 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
             + (" per seed" if r["guarantee_per"] == "seed replicate" else ""),
             _e(r["spent_epsilon"]),
         )
-    console.print(t)
-    if any(r["value_mean"] is not None and clip_to_range(r["value_mean"], metric) != r["value_mean"] for r in rows):
-        console.print(
-            f"[dim]Noisy selection scores outside the range of {metric} are shown clipped to it; "
-            "results.csv keeps the raw values.[/dim]"
-        )
-    rr = rerr_rows(rows, plan.higher_is_better)
-    for r in rr:
-        console.print(
-            f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
-            f"({r['random']}) and grid/oracle ({r['oracle']}): {100 * r['rerr']:.1f} %"
-        )
-    for note in split_arm_notes(plan.arms)[0]:
-        console.print(f"[dim]• {note}[/dim]")
-    # The randomness mode (docs/privacy.md, item 3): every study's terminal report states it.
-    secure = bool(cfg.get("study", {}).get("secure"))
-    note = randomness_statement(secure)["randomness_note"]
-    console.print(f"randomness: {note}" if secure else f"[yellow]warning[/]: {note}", highlight=False)
-    if not diagnostics:
-        console.print(
-            f"[dim]Diagnostics ({NOT_DP_LABEL}): {Path(study_dir) / DIAGNOSTICS_DIR}/, "
-            "`dptune status`, `dptune report --include-diagnostics`.[/dim]"
-        )
-        return
-    console.print(f"[bold red]Diagnostics: {NOT_DP_LABEL}[/bold red]")
-    for r in rows:
-        flags = ", ".join(f"{r[k]} {k}" for k in ("failed", "diverged") if r[k])
-        console.print(f"• {r['arm']}: {r['runs_done']}/{r['runs_total']} runs" + (f" ({flags})" if flags else ""))
-    _, per_label = budget_rows(study_dir)
-    b = Table(title=f"where the budget went (ε of each query type alone, at δ) — {NOT_DP_LABEL}")
-    for col in ("arm", "query", "releases", "ε alone", "scope"):
-        b.add_column(col, overflow="fold")
-    for r in per_label:
-        b.add_row(r["arm"], r["label"], str(r["releases"]), _e(r["epsilon_alone"]), r["scope"])
-    console.print(b)
-    for note in split_arm_notes(plan.arms)[1]:
-        console.print(f"[dim]• {note}[/dim]")
+    return t
+
+
+def render_nonprivate(study_dir: str | Path, console: Any = None, *, table: list[dict[str, Any]] | None = None) -> bool:
+    """Print the non-private baseline arms' table (nodp, ε = ∞: exact scores of the private data)
+    under the label "not differentially private: for the data owner only"; nothing if the study
+    has none. Returns whether it printed."""
+    from rich.console import Console
+
+    console = console or Console(width=TERMINAL_WIDTH)
+    rows = [r for r in (table if table is not None else study_table(study_dir)) if is_nonprivate(r)]
+    if not rows:
+        return False
+    metric = rows[0]["metric"]
+    unit = " (%)" if metric == "accuracy" else ""
+    console.print(_results_table(rows, metric, unit, title=f"non-private baseline — {NOT_DP_LABEL}"))
+    return True
 
 
 def report_text(study_dir: str | Path, *, diagnostics: bool = False) -> str:
