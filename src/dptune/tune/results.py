@@ -29,7 +29,7 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dptune.ledger import LedgerEntry
 from dptune.metrics import clip_to_range, finite_number, mean_std
@@ -91,7 +91,10 @@ def is_nonprivate(row: Mapping[str, Any]) -> bool:
         return True  # fail closed: an unreadable guarantee is no guarantee
 
 
-def private_rows(table: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+_Row = TypeVar("_Row", bound=Mapping[str, Any])
+
+
+def private_rows(table: Iterable[_Row]) -> list[_Row]:
     """The rows of ``table`` that a finite (ε, δ) guarantee covers (``is_nonprivate`` left out)."""
     return [r for r in table if not is_nonprivate(r)]
 
