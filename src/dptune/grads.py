@@ -36,6 +36,7 @@ from dptune.persample import (  # noqa: F401 - re-exported: ``dptune.grads`` is 
     ParamSwap,
     PerSampleGrads,
     ScratchBuffers,
+    active_dropout,
     batched_loss,
     check_model,
     eval_mode,
@@ -205,7 +206,7 @@ class GradientOracle:
     def _self_check(self, got: ghost.GhostGrads, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> bool:
         """Compare the ghost path with vmap on the first few examples (once per oracle)."""
         self._checked = True
-        if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in self.model.modules()):
+        if active_dropout(self.model):
             return True  # random masks differ between the two paths: nothing to compare
         k = min(self.SELF_CHECK_EXAMPLES, inputs.batch_len(x))
         ref_g, ref_l = self._vmap(params, inputs.rows(x, 0, k), y[:k])

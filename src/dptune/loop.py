@@ -34,7 +34,7 @@ from dptune.privatizers import FixedClip, Privatizer, Released
 from dptune.steps import RunInfo, StepContext
 from dptune.strategies.base import Chain
 from dptune.train import OwnTask, RunPlan, TrainResult, open_run, plan_run
-from dptune.tree import Tensors, clone
+from dptune.tree import Tensors, clone, differs
 from dptune.updates import UpdateRule
 
 
@@ -64,9 +64,7 @@ def _same_tensor(a: Any, b: torch.Tensor) -> bool:
         return True  # the usual case, and no read of the values (no host sync)
     if not isinstance(a, torch.Tensor) or (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
         return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
-    return torch.equal(a, b)
+    return not bool(differs(a, b))
 
 
 def _same_inputs(x: Any, yielded: inputs.Inputs) -> bool:

@@ -25,7 +25,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as _HookSpectralNorm
 
 from dptune import inputs
 from dptune.errors import ConfigError
-from dptune.tree import Tensors
+from dptune.tree import Tensors, differs
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -314,10 +314,8 @@ def _same_values(a: Tensors, b: Tensors, names: list[str]) -> bool:
         x, y = a[k], b[k]
         if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
             return False
-        ne = x != y
-        if x.is_floating_point() or x.is_complex():
-            ne &= ~(x.isnan() & y.isnan())
-        flags.append(ne.any().to(flags[0].device if flags else ne.device))
+        flag = differs(x, y)
+        flags.append(flag.to(flags[0].device) if flags else flag)
     return not bool(torch.stack(flags).any())
 
 

@@ -106,6 +106,15 @@ def finite_flag(a: Tensors) -> torch.Tensor:
     return out
 
 
+def differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor: do a and b (same shape, dtype, device) differ anywhere, NaN counting
+    as equal to NaN (a missing target, a NaN buffer)? Computed where they are: one host read."""
+    ne = a != b
+    if a.is_floating_point() or a.is_complex():
+        ne &= ~(a.isnan() & b.isnan())
+    return ne.any()
+
+
 def is_finite(a: Tensors) -> bool:
     return bool(finite_flag(a))
 
