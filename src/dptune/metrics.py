@@ -221,6 +221,10 @@ def score_sums(
             b = int(y.shape[0])
             if b == 0:
                 continue
+            if clip and trials is None:  # a private release: each score from its example alone
+                totals[0] += float(_isolated_scores(forward, x, y, metric).sum())
+                n += b
+                continue
             out = forward(x)
             if trials is None:
                 totals[0] += float(metric.scores(out, y, clip=clip).sum())
@@ -233,6 +237,28 @@ def score_sums(
                     totals[k] += v
             n += b
     return totals, n
+
+
+def _isolated_scores(forward: Callable[[Any], torch.Tensor], x: Any, y: torch.Tensor, metric: Metric) -> torch.Tensor:
+    """The clamped scores of a batch, each computed by the forward and the metric of its row alone.
+
+    A released per-example score may depend on its example only (docs/privacy.md, the unit of
+    privacy): a batched forward or metric could mix rows (batch statistics, a score normalised
+    over the batch). vmap runs one row at a time; where it cannot (data-dependent control flow),
+    a plain loop over rows does."""
+    import torch
+
+    from dptune import inputs
+
+    def one(xi: Any, yi: torch.Tensor) -> torch.Tensor:
+        out = forward(inputs.tmap(lambda t: t.unsqueeze(0), xi))
+        return metric.scores(out, yi.unsqueeze(0), clip=True).reshape(())
+
+    try:
+        return torch.func.vmap(one)(x, y)
+    except RuntimeError:
+        rows = [inputs.rows(x, i, i + 1) for i in range(int(y.shape[0]))]
+        return torch.stack([metric.scores(forward(r), y[i : i + 1], clip=True).reshape(()) for i, r in enumerate(rows)])
 
 
 def eval_mode(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
