@@ -1,33 +1,16 @@
 """Vectorised trials: K runs of the same architecture trained at once, each exactly the run
-``dptune.train`` would make with its own hyperparameters, seed, Poisson batches, noise
-stream, gateway and ledger.
+``dptune.train`` would make with its own hyperparameters, seed, Poisson batches, noise stream,
+gateway and ledger (design: docs/performance.md, "Vectorised trials").
 
-Design (docs/performance.md, "Vectorised trials"):
-
-* **What is batched.** The expensive, identical-shape work of a step: the forward pass,
-  the backward pass to every Linear output (one autograd call for all K trials), the
-  per-sample norms (ghost norms ‖a_i‖²‖b_i‖² + ‖b_i‖²), and evaluation. Parameters are
-  stacked per step into [K, p, d] tensors and each Linear is one ``baddbmm``; the K Poisson
-  batches are padded to the largest one (padded rows carry zero loss weight, hence zero
-  output gradient, and are never read).
-* **What stays per trial.** Everything with privacy meaning or with its own random stream:
-  each trial's ``PoissonSampler`` draws its own batch, each trial's strategy runs its own
-  ``step`` (the very same code as in ``train``) on a per-trial view of the batched
-  statistics (``GhostGrads`` of its rows; its weighted sums are its own matrix products),
-  and releases through its own ``NoisyRelease`` (own ``NoiseSource``, own ledger created
-  with its plan). So the privacy invariant — all noise via ``mechanisms.NoisyRelease``,
-  every release recorded in the run's ledger first — holds trial by trial.
-* **Equivalence.** With the same seeds the results equal K sequential ``train`` calls up
-  to float rounding (batched vs single matrix products); ``tests/test_vectorized.py``
-  checks it for every supported strategy. Each trial is stepped by its own
-  ``dptune.train.RunLoop``, the very object ``train`` steps with (plan-bound gateway,
-  ledger and sampler, history row, divergence on parameters, evaluation schedule, best
-  checkpoint, ``finalize``): only the gradients (``_batched_grads``) and the evaluation
-  (``_evaluate``, several trials in one stacked forward) are computed here.
-* **Scope.** Models that are (nested) ``nn.Sequential`` of ``nn.Linear``, element-wise
-  activations, ``Flatten`` and inactive ``Dropout`` (LR, TLNN, MLPs, Galli's BoW FC).
-  Anything else runs sequentially through ``train`` (``fallback='sequential'``, the
-  default) or raises (``fallback='error'``).
+Only the identical-shape work is batched: forward, backward to every Linear output, per-sample
+ghost norms and evaluation (parameters stacked to [K, p, d], batches padded to the largest;
+padded rows carry zero loss weight, so zero output gradient). Everything with privacy meaning
+stays per trial: each trial is stepped by its own ``dptune.train.RunLoop`` (own sampler,
+strategy step on a view of its rows, ``NoisyRelease`` and plan-bound ledger), so "all noise via
+the gateway, recorded first" holds trial by trial. Results equal K sequential ``train`` calls up
+to float rounding (``tests/test_vectorized.py``). Scope: (nested) ``nn.Sequential`` of
+``nn.Linear``, element-wise activations, ``Flatten`` and inactive ``Dropout``; anything else
+runs through ``train`` (``fallback='sequential'``) or raises (``fallback='error'``).
 """
 
 from __future__ import annotations
@@ -37,6 +20,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property, partial
 from typing import Any
 
 import torch
@@ -49,7 +33,7 @@ from dptune.grads import GradientOracle, MaterializedGrads, batched_loss, check_
 from dptune.metrics import Metric
 from dptune.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
-from dptune.train import RunLoop, RunPlan, TrainResult, plan_run, resolve_task, train
+from dptune.train import RunLoop, RunPlan, TaskTensors, TrainResult, plan_run, resolve_task, train
 from dptune.tree import Tensors
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
@@ -185,17 +169,14 @@ class _TrialOracle:
     point, another batch) goes to a real ``GradientOracle`` of the trial's model."""
 
     def __init__(self, base: Callable[[], GradientOracle]):
-        self._base_factory = base
-        self._base: GradientOracle | None = None
+        self._make_base = base
         self.params: Tensors | None = None
         self.x: torch.Tensor | None = None
         self.grads: MaterializedGrads | None = None
 
-    @property
+    @cached_property
     def base(self) -> GradientOracle:
-        if self._base is None:
-            self._base = self._base_factory()
-        return self._base
+        return self._make_base()
 
     def serve(self, params: Tensors, x: torch.Tensor, grads: MaterializedGrads) -> None:
         self.params, self.x, self.grads = params, x, grads
@@ -234,14 +215,9 @@ class _Trial:
 
 
 def trial_seeds(seed: int, K: int) -> list[int]:
-    """The seeds ``train_many(..., seeds=seed)`` gives its K trials: ``stream_seed(seed, f"trial{k}")``.
-
-    One base seed must not mean one seed for every trial: trials with the same seed share
-    their Poisson batches and their noise, and two such releases combine into a noiseless
-    one (e.g. with clips 1 and 3, A/1 − B/3 = S₁ − S₃/3). Derived 63-bit seeds differ for
-    every k (and from any other base seed's) but with probability ~K²/2⁶⁴; checked below.
-    Result k equals ``train(..., seed=trial_seeds(seed, K)[k])``.
-    """
+    """The seeds ``train_many(..., seeds=seed)`` gives its K trials: ``stream_seed(seed, f"trial{k}")``;
+    result k equals ``train(..., seed=trial_seeds(seed, K)[k])``. Distinct seeds, not one: trials
+    with the same seed share batches and noise, which cancel in combinations of their releases."""
     return [stream_seed(int(seed), f"trial{k}") for k in range(K)]
 
 
@@ -302,20 +278,126 @@ def train_many(
     """Train K trials at once; result k equals ``train(model_k, data, strategy_k, seed=seeds[k],
     noise_multiplier=ν_k, ..., **configs[k])`` up to float rounding.
 
-    ``seeds``: one seed per trial (all distinct: trials sharing a seed share their Poisson
-    batches and noise, which cancels in combinations of their releases; refused unless
-    ``allow_shared_seeds=True``), or one base seed (default 0) from which trial k gets
-    ``trial_seeds(seed, K)[k]`` = ``stream_seed(seed, f"trial{k}")``.
+    ``seeds``: one distinct seed per trial (trials sharing a seed share their batches and noise,
+    which cancels in combinations of their releases: refused unless ``allow_shared_seeds``), or
+    one base seed, trial k then getting ``trial_seeds(seed, K)[k]``. ``models``: ``model_fn(seed)``,
+    one module (copied per trial) or one per trial. ``strategy``: a name with ``configs`` (one dict
+    per trial), or one ``Strategy`` per trial. ``noise_multiplier``, ``target_epsilon``: one value
+    or one per trial; ``plans``: one ``RunPlan`` per trial instead of the run settings.
+    ``on_step(k, t, row)``: after every step of trial k. ``block_size``: the most trials stacked at
+    once (memory). Models that cannot be stacked run sequentially (``fallback='sequential'``) or
+    raise ``ConfigError`` (``'error'``)."""
+    _check_arguments(fallback, eval_every, loss)
+    K = _trial_count(configs, seeds, noise_multiplier, target_epsilon, plans, run_ids, strategy, models)
+    if K == 0:
+        return []
+    seed_list = _seed_list(seeds, K, allow_shared_seeds)
+    nus = _per_trial(noise_multiplier, K, "noise_multiplier")
+    epss = _per_trial(target_epsilon, K, "target_epsilon")
+    settings = dict(epochs=epochs, steps=steps, expected_batch_size=expected_batch_size, full_batch=full_batch)
+    trials = _Settings(
+        _trial_models(models, seed_list, K),
+        _trial_strategies(strategy, configs, plans, K),
+        seed_list,
+        list(run_ids) if run_ids is not None else [""] * K,
+        [
+            {"plan": plans[k]}
+            if plans is not None
+            else {**settings, "noise_multiplier": nus[k], "target_epsilon": epss[k], "accountant": accountant}
+            for k in range(K)
+        ],
+        [partial(on_step, k) if on_step is not None else None for k in range(K)],  # on_step(k, t, row)
+    )
+    common = dict(delta=delta, eval_every=eval_every, device=device, secure_mode=secure_mode)
+    try:
+        stacked = _Stacked(_stack_ops(trials.strategies, trials.models))
+    except Unsupported as exc:
+        if fallback == "error":
+            raise
+        return _sequentially(exc, trials, data, eval_data=eval_data, metric=metric, loss=loss, **common)
+    task = resolve_task(data, eval_data, device, metric, loss)
+    if not isinstance(task.x, torch.Tensor):  # several inputs: the stacked forward takes one tensor
+        if fallback == "error":
+            raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
+        return _sequentially(
+            "several model inputs", trials, data, eval_data=eval_data, metric=metric, loss=loss, **common
+        )
+    return _train_stacked(trials, stacked, task, delta, eval_every, secure_mode, block_size)
 
-    ``models``: a callable ``model_fn(seed) -> nn.Module`` (called with each trial's seed),
-    one module (each trial starts from a copy) or one module per trial. ``strategy``: a
-    name with ``configs`` (one dict of hyperparameters per trial), or one ``Strategy``
-    instance per trial. ``noise_multiplier`` / ``target_epsilon``: one value or one per
-    trial. ``plans``: precomputed ``RunPlan``s (one per trial) instead of the run settings.
-    ``on_step(k, t, row)`` is called after every step of trial k. ``block_size`` bounds the
-    number of trials stacked at once (memory). Models that cannot be stacked run
-    sequentially (``fallback='sequential'``) or raise ``ConfigError`` (``'error'``).
-    """
+
+@dataclass
+class _Settings:
+    """Each trial's own settings, resolved from ``train_many``'s per-trial arguments."""
+
+    models: list[nn.Module]
+    strategies: list[Strategy]
+    seeds: list[int]
+    run_ids: list[str]
+    runs: list[dict[str, Any]]  # {"plan": RunPlan}, or plan_run's arguments besides strategy, n and δ
+    hooks: list[Callable[[int, dict[str, Any]], None] | None]
+
+
+def _sequentially(reason: object, trials: _Settings, data: Any, **common: Any) -> list[TrainResult]:
+    """The trials one by one through ``dptune.train``, which plans each run itself (after reading
+    the data, whatever its kind)."""
+    warnings.warn(f"dptune.train_many: running the trials sequentially ({reason}).", RuntimeWarning, stacklevel=3)
+    return [
+        train(model, data, strategy, seed=seed, run_id=run_id, on_step=hook, **run, **common)
+        for model, strategy, seed, run_id, run, hook in zip(
+            trials.models, trials.strategies, trials.seeds, trials.run_ids, trials.runs, trials.hooks, strict=True
+        )
+    ]
+
+
+def _train_stacked(
+    trials: _Settings,
+    stacked: _Stacked,
+    task: TaskTensors,
+    delta: float | None,
+    eval_every: int,
+    secure_mode: bool,
+    block_size: int | None,
+) -> list[TrainResult]:
+    x, y, ex, ey, metric = task.x, task.y, task.ex, task.ey, task.metric
+    assert isinstance(x, torch.Tensor)
+    n = int(x.shape[0])
+
+    def score(params: Tensors) -> float:
+        assert ex is not None and ey is not None
+        return _evaluate(stacked, [params], ex, ey, metric)[0]
+
+    runs: list[_Trial] = []
+    for k, run in enumerate(trials.runs):
+        strategy = trials.strategies[k]
+        plan = run["plan"] if "plan" in run else plan_run(strategy, n, delta=delta, **run)
+        if plan.n != n:
+            raise ConfigError(f"trial {k}: the plan is for n = {plan.n} examples but the data has {n}.")
+        model = trials.models[k].to(task.device)
+        loop = RunLoop(
+            model,
+            strategy,
+            plan,
+            seed=trials.seeds[k],
+            device=task.device,
+            secure_mode=secure_mode,
+            run_id=trials.run_ids[k],
+            metric=metric.name,
+            eval_every=eval_every,
+            score=score if ex is not None else None,
+            on_step=trials.hooks[k],
+            higher=metric.higher_is_better,
+        )
+        runs.append(_Trial(loop, _TrialOracle(lambda m=model: GradientOracle(m, task.loss))))
+    lossfn = batched_loss(task.loss)
+    size = block_size or len(runs)
+    t0 = time.perf_counter()
+    for start in range(0, len(runs), size):
+        _run_block(runs[start : start + size], stacked, lossfn, x, y, ex, ey, metric)
+    seconds = (time.perf_counter() - t0) / len(runs)
+    return [tr.loop.finish(delta, seconds) for tr in runs]
+
+
+def _check_arguments(fallback: str, eval_every: int, loss: Any) -> None:
     if fallback not in ("sequential", "error"):
         raise ConfigError(f"fallback must be 'sequential' or 'error', got {fallback!r}.")
     if eval_every < 1:
@@ -325,149 +407,65 @@ def train_many(
             "train_many takes a built-in loss name (cross_entropy, mse or bce); a loss callable "
             "works with dptune.train (docs/your_data.md)."
         )
-    # ---- how many trials: every per-trial argument that is a list must agree
+
+
+_PER_TRIAL = ("configs", "seeds", "noise_multiplier", "target_epsilon", "plans", "run_ids", "strategy", "models")
+
+
+def _trial_count(*values: Any) -> int:
+    """K: the length that every per-trial argument given as a list (``_PER_TRIAL``) agrees on; 1 if none is."""
     lengths = {
         name: len(v)
-        for name, v in (
-            ("configs", configs),
-            ("seeds", seeds),
-            ("noise_multiplier", noise_multiplier),
-            ("target_epsilon", target_epsilon),
-            ("plans", plans),
-            ("run_ids", run_ids),
-            ("strategy", None if isinstance(strategy, str | Strategy) else strategy),
-            ("models", models if isinstance(models, Sequence) and not isinstance(models, nn.Module) else None),
-        )
-        if v is not None and isinstance(v, Sequence) and not isinstance(v, str)
+        for name, v in zip(_PER_TRIAL, values, strict=True)
+        if isinstance(v, Sequence) and not isinstance(v, str | Strategy | nn.Module)
     }
     if len(set(lengths.values())) > 1:
         raise ConfigError(f"per-trial arguments disagree on the number of trials: {lengths}.")
-    K = next(iter(lengths.values()), 1)
-    if K == 0:
-        return []
-    # ---- the trials' strategies
-    if plans is not None:
-        strategies = [p.strategy for p in plans]
-    elif isinstance(strategy, str):
-        strategies = [make_strategy(strategy, **dict(c)) for c in (configs if configs is not None else [{}] * K)]
-    elif configs is not None:
-        raise ConfigError("configs go with a strategy name; otherwise give one Strategy instance per trial.")
-    elif isinstance(strategy, Strategy):
-        strategies = [strategy] * K
-    else:
-        strategies = list(strategy)
-    seed_list = _seed_list(seeds, K, allow_shared_seeds)
-    nus = _per_trial(noise_multiplier, K, "noise_multiplier")
-    epss = _per_trial(target_epsilon, K, "target_epsilon")
-    ids = list(run_ids) if run_ids is not None else [""] * K
+    return next(iter(lengths.values()), 1)
+
+
+def _trial_models(
+    models: Callable[[int], nn.Module] | nn.Module | Sequence[nn.Module], seeds: list[int], K: int
+) -> list[nn.Module]:
     if isinstance(models, nn.Module):
-        model_list = [copy.deepcopy(models) for _ in range(K)]
-    elif callable(models):
-        model_list = [models(s) for s in seed_list]
-    else:
-        model_list = list(models)
+        return [copy.deepcopy(models) for _ in range(K)]
+    if callable(models):
+        return [models(s) for s in seeds]
+    return list(models)
 
-    def plan_args(k: int) -> dict[str, Any]:
-        """Trial k's arguments of ``plan_run`` (besides strategy, n and δ) where no plan is given."""
-        return {
-            "epochs": epochs,
-            "steps": steps,
-            "expected_batch_size": expected_batch_size,
-            "full_batch": full_batch,
-            "noise_multiplier": nus[k],
-            "target_epsilon": epss[k],
-            "accountant": accountant,
-        }
 
-    def sequential(k: int) -> TrainResult:
-        # dptune.train plans the run itself (after reading the data, whatever its kind): the same
-        # plan_run arguments, or the given plan.
-        kw: dict[str, Any] = {"plan": plans[k]} if plans is not None else plan_args(k)
-        return train(
-            model_list[k],
-            data,
-            strategies[k],
-            delta=delta,
-            eval_data=eval_data,
-            eval_every=eval_every,
-            metric=metric,
-            loss=loss,
-            seed=seed_list[k],
-            device=device,
-            secure_mode=secure_mode,
-            run_id=ids[k],
-            on_step=(lambda t, row, k=k: on_step(k, t, row)) if on_step else None,
-            **kw,
-        )
+def _trial_strategies(
+    strategy: str | Strategy | Sequence[Strategy],
+    configs: Sequence[Mapping[str, Any]] | None,
+    plans: Sequence[RunPlan] | None,
+    K: int,
+) -> list[Strategy]:
+    if plans is not None:
+        return [p.strategy for p in plans]
+    if isinstance(strategy, str):
+        return [make_strategy(strategy, **dict(c)) for c in (configs if configs is not None else [{}] * K)]
+    if configs is not None:
+        raise ConfigError("configs go with a strategy name; otherwise give one Strategy instance per trial.")
+    return [strategy] * K if isinstance(strategy, Strategy) else list(strategy)
 
-    try:
-        for s in strategies:
-            parts = s.parts() if hasattr(s, "parts") else ()
-            blocked = [p.name for p in (s, *parts) if not getattr(p, "stackable", True)]
-            if blocked:
-                raise Unsupported(
-                    f"{blocked[0]!r} cannot be stacked (its steps are not vectorised): "
-                    "Fix: train its trials one by one (fallback='sequential')"
-                )
-        ops = stack_plan(model_list[0])
-        sig = _signature(ops)
-        for m in model_list[1:]:
-            if _signature(stack_plan(m)) != sig:
-                raise Unsupported("the trials' models differ in architecture")
-        for m in model_list:
-            check_model(m)
-    except Unsupported as exc:
-        if fallback == "error":
-            raise
-        warnings.warn(f"dptune.train_many: running the trials sequentially ({exc}).", RuntimeWarning, stacklevel=2)
-        return [sequential(k) for k in range(K)]
 
-    task = resolve_task(data, eval_data, device, metric, loss)
-    dev, x, y, ex, ey, metric, loss = task.device, task.x, task.y, task.ex, task.ey, task.metric, task.loss
-    if not isinstance(x, torch.Tensor):  # several inputs: the stacked forward takes one tensor
-        if fallback == "error":
-            raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
-        warnings.warn(
-            "dptune.train_many: running the trials sequentially (several model inputs).", RuntimeWarning, stacklevel=2
-        )
-        return [sequential(k) for k in range(K)]
-    n = int(x.shape[0])
-
-    stacked = _Stacked(ops)
-
-    def score(params: Tensors) -> float:
-        assert ex is not None and ey is not None
-        return _evaluate(stacked, [params], ex, ey, metric)[0]
-
-    trials: list[_Trial] = []
-    for k in range(K):
-        plan = plans[k] if plans is not None else plan_run(strategies[k], n, delta=delta, **plan_args(k))
-        if plan.n != n:
-            raise ConfigError(f"trial {k}: the plan is for n = {plan.n} examples but the data has {n}.")
-        model = model_list[k].to(dev)
-        loop = RunLoop(
-            model,
-            strategies[k],
-            plan,
-            seed=seed_list[k],
-            device=dev,
-            secure_mode=secure_mode,
-            run_id=ids[k],
-            metric=metric.name,
-            eval_every=eval_every,
-            score=score if ex is not None else None,
-            on_step=(lambda t, row, k=k: on_step(k, t, row)) if on_step is not None else None,
-            higher=metric.higher_is_better,
-        )
-        trials.append(_Trial(loop, _TrialOracle(lambda m=model: GradientOracle(m, loss))))
-
-    lossfn = batched_loss(loss)
-    size = block_size or K
-    t0 = time.perf_counter()
-    for start in range(0, K, size):
-        _run_block(trials[start : start + size], stacked, lossfn, x, y, ex, ey, metric)
-    seconds = (time.perf_counter() - t0) / K
-    return [tr.loop.finish(delta, seconds) for tr in trials]
+def _stack_ops(strategies: list[Strategy], models: list[nn.Module]) -> list[_Op]:
+    """The shared stack plan of the trials' models; ``Unsupported`` when they cannot be stacked."""
+    for s in strategies:
+        parts = s.parts() if hasattr(s, "parts") else ()
+        blocked = [p.name for p in (s, *parts) if not getattr(p, "stackable", True)]
+        if blocked:
+            raise Unsupported(
+                f"{blocked[0]!r} cannot be stacked (its steps are not vectorised): "
+                "Fix: train its trials one by one (fallback='sequential')"
+            )
+    ops = stack_plan(models[0])
+    for m in models[1:]:
+        if _signature(stack_plan(m)) != _signature(ops):
+            raise Unsupported("the trials' models differ in architecture")
+    for m in models:
+        check_model(m)
+    return ops
 
 
 def _run_block(
