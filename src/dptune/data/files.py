@@ -205,10 +205,6 @@ def download_file(spec: FileSpec, dest: Path, cache: Path, dataset: str) -> list
 # ----------------------------------------------------------------------------- resolve
 
 
-def _present(folder: Path, files: tuple[FileSpec, ...]) -> bool:
-    return all((folder / f.name).is_file() for f in files)
-
-
 def resolve(
     spec: DatasetSpec,
     variants: tuple[str, ...],
@@ -220,15 +216,11 @@ def resolve(
     """Find (or download) one complete, verified variant; return (variant, name -> path)."""
     root = data_root(data_dir)
     cache = cache_root(cache_dir)
-    folders: list[tuple[Path, str]] = []
-    if root is not None:
-        folders.append((root / spec.name, "data_dir"))
-    folders.append((cache / spec.name, "cache"))
-
-    for folder, _where in folders:
+    folders = [root / spec.name] if root is not None else []
+    for folder in [*folders, cache / spec.name]:
         for v in variants:
             files = spec.variants[v]
-            if _present(folder, files):
+            if all((folder / f.name).is_file() for f in files):
                 paths = {f.name: folder / f.name for f in files}
                 if verify:
                     for f in files:

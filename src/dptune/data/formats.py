@@ -47,21 +47,9 @@ def read_idx_gz(path: Path, dataset: str) -> np.ndarray:
 # ----------------------------------------------------------------------------- adult
 
 ADULT_COLUMNS = (
-    "age",
-    "workclass",
-    "fnlwgt",
-    "education",
-    "education-num",
-    "marital-status",
-    "occupation",
-    "relationship",
-    "race",
-    "sex",
-    "capital-gain",
-    "capital-loss",
-    "hours-per-week",
-    "native-country",
-)
+    "age", "workclass", "fnlwgt", "education", "education-num", "marital-status", "occupation",
+    "relationship", "race", "sex", "capital-gain", "capital-loss", "hours-per-week", "native-country",
+)  # fmt: skip
 
 
 def read_adult(path: Path, dataset: str) -> tuple[np.ndarray, np.ndarray]:

