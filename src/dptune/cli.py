@@ -104,7 +104,14 @@ def train(
         None,
         "--data",
         help="your own data instead of --dataset: pkg.module:loader, "
-        "loader() -> (train, test) (docs/your_data.md); the module must be importable",
+        "loader() -> (train, test) (docs/your_data.md); the module must be importable. Its test split is "
+        "private unless --eval-public",
+    ),
+    eval_public: bool = typer.Option(
+        False, "--eval-public", help="declare the test split of --data public (a built-in dataset's test split is)"
+    ),
+    checkpoint: str | None = typer.Option(
+        None, help="final or best (selected on the test split: only if it is public; the default then)"
     ),
     model: str = typer.Option(
         "auto",
@@ -116,7 +123,8 @@ def train(
         help="nodp, dpsgd, quantile, oso, dpadam, adamwosm, adadp, dpgd, or a composition <privatizer>+<update> (privatizer: fixed, quantile, oso; update: sgd, adam, adamwosm, oso_rate, adadp), e.g. oso+adam",
     ),
     epsilon: float | None = typer.Option(3.0, help="target ε of this run (ignored with --noise-multiplier)"),
-    delta: float = typer.Option(1e-5, help="target δ"),
+    delta: float = typer.Option(1e-5, help="target δ (below 1/n)"),
+    allow_large_delta: bool = typer.Option(False, "--allow-large-delta", help="accept δ ≥ 1/n (not advised)"),
     noise_multiplier: float | None = typer.Option(None, help="use this ν instead of calibrating to ε"),
     epochs: float = typer.Option(5.0, help="epochs (T = epochs / q steps)"),
     batch_size: float = typer.Option(256, help="expected batch size L (Poisson rate q = L/n)"),
@@ -148,21 +156,26 @@ def train(
     save: Path | None = typer.Option(
         None,
         "--save",
-        help="folder for the selected model (best on the public test split): model.pt + "
-        "model_card.json/.md; reload with dptune.load_model(DIR)",
+        help="folder for the model (see --checkpoint): model.pt + model_card.json/.md; "
+        "reload with dptune.load_model(DIR)",
     ),
 ) -> None:
     """Train one model with differential privacy; write the release JSON (guarantee, configuration,
-    evaluations on the public test split, ledger totals) and, apart, the diagnostics JSON (history
-    with the training loss and realised batch sizes: not differentially private)."""
+    evaluations on a public test split, ledger totals) and, apart, the diagnostics JSON (history
+    with the training loss and realised batch sizes, metrics on a private test split: not
+    differentially private)."""
     import torch
 
     from dptune import accounting, models
     from dptune import data as dpdata
     from dptune.devices import resolve_device
+    from dptune.train import checkpoint_rule
     from dptune.train import train as run_train
 
-    device = str(resolve_device(device, "--device"))  # before any data is read: one clear error
+    # A built-in dataset's standard test split is public benchmark data; the user's is private unless declared.
+    eval_public = eval_public or data is None
+    checkpoint = checkpoint_rule(checkpoint, True, eval_public)  # before any data is read: one clear error
+    device = str(resolve_device(device, "--device"))
     _check_seed(seed)
     _check_data_dir(data_dir)
     from dptune.outputs import DIAGNOSTICS_DIR, NOT_DP_LABEL, RELEASE_DIR, diagnostics_dir, train_outputs
@@ -229,6 +242,9 @@ def train(
         delta=delta,
         accountant=accountant,
         eval_data=test_part,
+        eval_public=eval_public,
+        checkpoint=checkpoint,
+        allow_large_delta=allow_large_delta,
         eval_every=eval_every,
         seed=seed,
         device=device,
@@ -237,7 +253,7 @@ def train(
         **hparams,
     )
     summary = result.summary()
-    # The best checkpoint is picked on the test split (assumed public); the seed goes to the diagnostics only.
+    # The seed goes to the diagnostics only, and so do the metrics on a private test split.
     release, diag = train_outputs(result, dataset=dataset, model=model_name, seed=seed, selection_split="test")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(release, default=str))
@@ -274,12 +290,13 @@ def train(
     nu_text = accounting.noise_multiplier_text(
         plan.noise_multiplier, eps_of, epsilon if noise_multiplier is None else None
     )[0]
+    owner = "" if eval_public else f" ({NOT_DP_LABEL})"  # metrics on a private test split
     rows = [
         ("steps T", summary["steps"]),
         ("sampling rate q", f"{summary['sampling_rate']:.4g}"),
         ("noise multiplier ν", nu_text),
-        (f"best {result.metric}", f"{result.best_metric:.4f}" if result.best_metric is not None else "-"),
-        ("best step", result.best_step),
+        (f"best {result.metric}{owner}", f"{result.best_metric:.4f}" if result.best_metric is not None else "-"),
+        (f"best step{owner}", result.best_step),
         ("diverged", result.diverged),
         (
             f"ε spent ({plan.accountant.upper()})",
@@ -289,10 +306,10 @@ def train(
         ("randomness", summary["randomness"]),
         ("model", model_name),
         (
-            "selection",
-            f"best checkpoint on the {release['selection_split']} split (assumed public)"
+            "model released",
+            f"best checkpoint on the {release['selection_split']} split (public)"
             if release["selection_split"]
-            else "final parameters",
+            else "final parameters" + ("" if eval_public else " (the test split is private: no selection on it)"),
         ),
         ("seed", "in the diagnostics JSON only" + ("" if secure else " (a secret key)")),
         ("dptune", release["dptune_version"]),

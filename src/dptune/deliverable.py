@@ -1,7 +1,7 @@
 """The deliverable: the selected model's weights and its model card, and loading them back.
 
 * ``dptune.train`` → ``save_trained(result, DIR)`` (``dptune train --save DIR``): the run's
-  selected checkpoint (best on the evaluation data, assumed public, when given; else final).
+  selected checkpoint (best on evaluation data declared public; else the final parameters).
 * A study: every worker returns its run's selected checkpoint (the best-by-selection one the
   scorer kept, or the final one under ``selection.checkpoint = "final"``) with its result; the
   coordinator writes it to ``<study>/checkpoints/`` (owner only, atomic) before committing the
@@ -48,7 +48,7 @@ COVERED = (
 )
 NOT_COVERED = (
     "the seed in seeded mode: it is a secret key (whoever knows it can regenerate the noise and the batches)",
-    "the evaluation / selection data in public selection mode: assumed public, not protected",
+    "the evaluation / selection data in public selection mode: treated as public, not protected",
     "the other candidates' weights and the owner-only files (checkpoints/, diagnostics/): never publish them",
     "anything outside dptune: data preprocessing fitted on the private data, side channels such as run time",
 )
@@ -204,8 +204,8 @@ def save_trained(
     model_id: Mapping[str, Any] | None = None,
     data_id: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write the selected checkpoint of a ``TrainResult`` (best on the evaluation data when
-    ``train`` had ``eval_data``, else the final parameters) with its card into ``directory``.
+    """Write the selected checkpoint of a ``TrainResult`` (best on evaluation data declared
+    public, else the final parameters) with its card into ``directory``.
 
     ``model_id``: how to rebuild the model, e.g. ``{"name": "mlp", "kwargs": {...}}`` (a built-in:
     ``load_model`` rebuilds it) or ``{"class": "pkg.Net"}`` (user code: pass ``model=``).
@@ -228,12 +228,7 @@ def save_trained(
             "delta": result.delta,
             "accountant": plan.accountant,
             "per": "run",
-            "selection": (
-                "checkpoint with the best evaluation metric on the evaluation data (assumed public; "
-                "not protected by the guarantee)"
-                if best
-                else "final parameters (no selection)"
-            ),
+            "selection": _train_selection(best, bool(result.evals), result.eval_public),
             "covered": list(COVERED) if private else [],
             "not_covered": list(NOT_COVERED) if private else ["everything: a non-private strategy (ε = ∞)"],
         },
@@ -247,6 +242,7 @@ def save_trained(
             "n": plan.n,
         },
         "checkpoint": {"rule": "best" if best else "final", "step": result.best_step if best else taken},
+        "evaluation_data": ("declared public" if result.eval_public else "private") if result.evals else None,
         "evaluation": {"metric": result.metric, "best": result.best_metric} if best else {},
         "model": dict(model_id) if model_id else {"class": _class_path(result.model)},
         "data": dict(data_id) if data_id else {"name": "in-memory (not identified)"},
@@ -256,6 +252,18 @@ def save_trained(
     if not private:  # weights trained without privacy may memorise examples: the owner's only
         card = labelled_json(card)
     return write_model(directory, state, card)
+
+
+def _train_selection(best: bool, evaluated: bool, public: bool) -> str:
+    """Which checkpoint a ``dptune.train`` card releases, and why."""
+    if best:
+        return "the checkpoint with the best metric on the evaluation data, declared public (not protected)"
+    if evaluated and not public:
+        return (
+            "final parameters: the evaluation data was not declared public, so no checkpoint was selected on "
+            "it and its metrics are withheld (they are not differentially private)"
+        )
+    return "final parameters (no selection)"
 
 
 def _class_path(model: nn.Module) -> str:

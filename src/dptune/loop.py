@@ -365,6 +365,7 @@ def make_private(
     grad_method: str | None = None,
     chunk_size: int | None = None,
     run_id: str = "",
+    allow_large_delta: bool = False,
 ) -> PrivateTraining:
     """Plan a private run of ``model`` on ``data`` and return the object your loop drives.
 
@@ -383,6 +384,7 @@ def make_private(
         "noise_multiplier": noise_multiplier,
         "target_epsilon": target_epsilon,
         "accountant": accountant,
+        "allow_large_delta": allow_large_delta,  # δ ≥ 1/n is refused by plan_run unless this
     }
     return PrivateTraining(
         model,

@@ -204,26 +204,28 @@ def train_outputs(
     """(release, diagnostics) dicts of one ``TrainResult`` (``dptune train``'s JSON files).
 
     Release (labelled ``NOT_DP_LABEL`` for a non-private run, which no guarantee covers):
-    ``TrainResult.summary()`` (the guarantee: ε at δ by the plan's accountant, ν, q,
-    T; the configuration; the best evaluation on the evaluation data, assumed public; whether
-    it diverged, judged on the parameters; secure or seeded randomness) with the dptune version,
-    the split the best checkpoint was chosen on (``selection_split``, None without evaluation
-    data), the evaluations, the ledger's totals and the C_t/ρ_t trajectory, without the run time
-    and the seed (``SEED_NOTE``). Diagnostics: the seed, the full per-step history (train_loss on
-    the private batch, the realised batch sizes), the run time (it grows with the realised
-    batch sizes) and the full ledger. ``context`` (e.g. dataset, model) goes to both.
+    ``TrainResult.summary()`` (the guarantee: ε at δ by the plan's accountant, ν, q, T; the
+    configuration; the checkpoint rule; the best evaluation and the evaluations only on evaluation
+    data declared public; divergence, judged on the parameters; secure or seeded randomness) with the
+    dptune version, the split the best checkpoint was chosen on (``selection_split``, None unless it
+    was), the ledger's totals and the C_t/ρ_t trajectory, without the run time and the seed
+    (``SEED_NOTE``). Diagnostics: the seed, the full per-step history (train_loss on the private
+    batch, the realised batch sizes, evaluations), the metrics on private evaluation data, the run
+    time (it grows with the realised batch sizes) and the full ledger. ``context`` goes to both.
     """
     summary = dict(result.summary())
     seconds = summary.pop("seconds", None)  # timing: a side channel on the realised batch sizes
+    # Metrics on evaluation data not declared public were computed in the clear: the owner's only.
+    owner_evals = {} if result.eval_public else {k: summary.pop(k) for k in ("best_metric", "best_step")}
     private = bool(result.plan.strategy.private)
     eps = (result.epsilon(result.delta) if result.delta else None) if private else math.inf
     release = {
         **context,
         **summary,
         "dptune_version": dptune.__version__,
-        "selection_split": selection_split if result.evals else None,
+        "selection_split": selection_split if result.checkpoint == "best" else None,
         "seed_note": SEED_NOTE,
-        "evals": result.evals,
+        **({"evals": result.evals} if result.eval_public else {}),
         "ledger_totals": {
             "releases": sum(e.count for e in result.ledger.entries),
             "epsilon": eps,
@@ -241,6 +243,7 @@ def train_outputs(
             "randomness": summary.get("randomness"),
             "dptune_version": dptune.__version__,
             "seconds": seconds,
+            **({"private_evaluation": {**owner_evals, "evals": result.evals}} if owner_evals else {}),
             "history": result.history,
             "ledger": result.ledger.to_dict(),
         }

@@ -26,6 +26,7 @@ from dp_accounting import dp_event
 from torch import nn
 
 from dptune import accounting, inputs, metrics, own
+from dptune.accounting.events import check_delta_for_n
 from dptune.devices import resolve_device
 from dptune.errors import ConfigError
 from dptune.grads import GradientOracle
@@ -72,11 +73,12 @@ def plan_run(
     target_epsilon: float | None = None,
     delta: float | None = None,
     accountant: str = "auto",
+    allow_large_delta: bool = False,
 ) -> RunPlan:
     """Resolve q, T and ν for one run; calibrate ν to (ε, δ) when a target is given.
 
     ``accountant='auto'``: the tightest valid one, exact μ-GDP at full batch, else PLD
-    (``accounting.tightest_accountant``)."""
+    (``accounting.tightest_accountant``). δ ≥ 1/n is refused unless ``allow_large_delta``."""
     if full_batch is False and expected_batch_size is None:
         raise ConfigError("give expected_batch_size (Poisson sampling rate q = L/n) or full_batch=True.")
     q = sampling_rate_for(n, expected_batch_size, full_batch)
@@ -90,6 +92,8 @@ def plan_run(
     accounting.check_accountant(accountant)
     if accountant == "gdp" and q < 1 and strategy.private:
         raise ConfigError("accountant='gdp' is exact only for full batch (q = 1); use 'pld' (tight) or 'rdp'.")
+    if strategy.private and delta is not None:  # where n and δ first meet: train, make_private, CLI
+        check_delta_for_n(delta, n, allow_large_delta, "delta", "pass allow_large_delta=True (--allow-large-delta)")
     if not strategy.private:
         nu = math.inf
     elif noise_multiplier is not None:
@@ -130,6 +134,9 @@ class TrainResult:
     model: nn.Module | None = field(default=None, repr=False)
     secure_mode: bool = False  # noise and Poisson batches from the OS CSPRNG (else from the seed)
     steps_taken: int | None = None  # when fewer than planned (a user loop stopped early); None: plan.steps
+    # Was the evaluation data declared public? If not, the model is the final iterate and the
+    # evaluations are the owner's only (not DP): kept out of release outputs (outputs.train_outputs).
+    eval_public: bool = True
 
     # * train_loss is the mean loss on the private batch: a diagnostic for the user's own
     #   eyes, NOT differentially private. dptune never selects on it.
@@ -140,6 +147,11 @@ class TrainResult:
         if d is None:
             raise ConfigError("epsilon() needs a delta.")
         return self.ledger.epsilon(d, accountant or self.plan.accountant)
+
+    @property
+    def checkpoint(self) -> str:
+        """The released parameters: "best" (selected on public evaluation data) or "final"."""
+        return "best" if self.best_params is not None else "final"
 
     def model_with(self, which: str = "best") -> nn.Module:
         """A copy of the model loaded with the best (default) or final parameters."""
@@ -165,6 +177,8 @@ class TrainResult:
             "metric": self.metric,
             "best_metric": self.best_metric,
             "best_step": self.best_step,
+            "checkpoint": self.checkpoint,
+            "eval_public": self.eval_public if self.evals else None,
             "diverged": self.diverged,
             "seconds": self.seconds,
             **randomness_statement(self.secure_mode),
@@ -391,15 +405,18 @@ class RunLoop:
         score: Callable[[Tensors], float] | None,
         on_step: Callable[[int, dict[str, Any]], None] | None,
         higher: bool | None = None,
+        keep_best: bool = True,
+        eval_public: bool = True,
     ):
         """``score(params)``: the evaluation metric of one parameter set (None: no evaluation
-        data); ``finish`` uses it after an overridden ``finalize``. The model must already be
-        on ``device``."""
+        data); ``finish`` uses it after an overridden ``finalize``. ``keep_best``: keep the best
+        evaluated parameters (only on public evaluation data). The model must be on ``device``."""
         self.model, self.strategy, self.plan = model, strategy, plan
         # ``higher``: the direction of a user metric (dptune.Metric); built-in names know theirs.
         self.higher = metrics.higher_is_better(metric) if higher is None else higher
         self.metric, self.eval_every = metric, eval_every
         self.score, self.on_step = score, on_step
+        self.keep_best, self.eval_public = keep_best, eval_public
         params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
         self.params = strategy.prepare(params)
         self.run = RunInfo(
@@ -473,7 +490,8 @@ class RunLoop:
 
     def _consider(self, value: float, t: int, params: Tensors) -> None:
         if is_better(value, self.best_metric, self.higher):
-            self.best_metric, self.best_step, self.best_params = value, t, clone(params)
+            self.best_metric, self.best_step = value, t
+            self.best_params = clone(params) if self.keep_best else None
 
     def finish(self, delta: float | None, seconds: float | None = None) -> TrainResult:
         """``finalize`` (unless diverged) and its evaluation when the strategy overrides it;
@@ -500,6 +518,7 @@ class RunLoop:
             secure_mode=self.secure_mode,
             seconds=time.perf_counter() - self.started if seconds is None else seconds,
             model=self.model,
+            eval_public=self.eval_public,
         )
 
 
@@ -517,6 +536,8 @@ def train(
     delta: float | None = None,
     accountant: str = "auto",
     eval_data: Any = None,
+    eval_public: bool = False,
+    checkpoint: str | None = None,
     eval_every: int = 50,
     metric: str | Metric | None = None,
     loss: str | None = None,
@@ -529,6 +550,7 @@ def train(
     progress: bool = False,
     chunk_size: int | None = None,
     grad_method: str | None = None,
+    allow_large_delta: bool = False,
     **hyperparameters: Any,
 ) -> TrainResult:
     """Train ``model`` privately with ``strategy`` and return a ``TrainResult``.
@@ -538,8 +560,11 @@ def train(
     The same ``seed`` reproduces the run bit for bit on CPU; the seed is then a secret key
     (whoever knows it can regenerate the noise and the batches). ``secure_mode=True`` draws the
     noise and the Poisson batches from the OS CSPRNG instead (not reproducible). ``grad_method``: 'auto' (ghost
-    norms where every layer is supported, else vmap), 'ghost' or 'vmap'.
+    norms where every layer is supported, else vmap), 'ghost' or 'vmap'. ``eval_data`` is private unless
+    ``eval_public=True``: then the model is the final iterate (``checkpoint='final'``) and the evaluations are
+    the owner's only; ``checkpoint='best'`` (the default when public) keeps the best evaluated parameters.
     """
+    checkpoint = checkpoint_rule(checkpoint, eval_data is not None, eval_public)
     if isinstance(strategy, str):
         strategy = make_strategy(strategy, **hyperparameters)
     elif hyperparameters:
@@ -562,6 +587,7 @@ def train(
             target_epsilon=target_epsilon,
             delta=delta,
             accountant=accountant,
+            allow_large_delta=allow_large_delta,
         )
     elif plan.n != n:
         raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {n}.")
@@ -585,6 +611,8 @@ def train(
         score=score if task.has_eval else None,
         on_step=on_step,
         higher=task.higher,
+        keep_best=checkpoint == "best",
+        eval_public=eval_public,
     )
     bar = _progress(plan.steps, f"{strategy.name}", progress)
     try:
@@ -599,6 +627,22 @@ def train(
         if bar is not None:
             bar.close()
     return loop.finish(delta)
+
+
+def checkpoint_rule(checkpoint: str | None, has_eval: bool, eval_public: bool) -> str:
+    """``"best"`` or ``"final"``: best only on evaluation data declared public (selecting on private data
+    is an unaccounted release); the default is best exactly then."""
+    if checkpoint is None:
+        return "best" if has_eval and eval_public else "final"
+    if checkpoint not in ("best", "final"):
+        raise ConfigError(f"checkpoint must be 'best' or 'final', got {checkpoint!r}. Fix: checkpoint='final'.")
+    if checkpoint == "best" and has_eval and not eval_public:
+        raise ConfigError(
+            "checkpoint 'best' selects the model on the evaluation data, which is private unless declared "
+            "public. Fix: eval_public=True (--eval-public) if it truly is public, or checkpoint='final' "
+            "(--checkpoint final)."
+        )
+    return checkpoint  # "best" without evaluation data keeps the final parameters (nothing to select on)
 
 
 class _Bar:

@@ -39,6 +39,19 @@ def check_delta(delta: float, name: str = "delta") -> float:
     return float(delta)
 
 
+def check_delta_for_n(delta: float, n: int, allow_large: bool, name: str, allow: str) -> float:
+    """δ < 1/n, unless ``allow_large``: at δ ≥ 1/n, leaking one whole example at random is
+    (ε, δ)-DP (docs/privacy.md, "δ and n"). ``allow``: how the caller says "I mean it"."""
+    delta = check_delta(delta, name)
+    if delta >= 1.0 / n and not allow_large:
+        raise ConfigError(
+            f"{name}: δ = {delta:g} ≥ 1/n = 1/{n}: δ is the probability of a catastrophic leak and must be "
+            f"well below 1/n. Fix: use e.g. δ = {10.0 ** (math.floor(math.log10(1.0 / n)) - 1):g}, "
+            f"or {allow} if you really mean it."
+        )
+    return delta
+
+
 def check_sampling_rate(q: float) -> float:
     if not isinstance(q, int | float) or not (0 < q <= 1):
         raise ConfigError(

@@ -31,6 +31,7 @@ def plan_study(
     Liu–Talwar's and repeat-and-select's secret draws (K and the candidates' configurations),
     which come from ``coins`` (default: the OS CSPRNG; ``theory.SecretCoins(seed)`` for a
     reproducible search with a secret seed). The store keeps the plan, so resume reuses them."""
+    study.budget.check_delta(n_train)  # δ < 1/n: where a study's δ and n first meet
     b = Builder(Context(study, n_train, n_val), coins)
     arms: list[ArmPlan] = []
     for i, arm in enumerate(study.strategies):

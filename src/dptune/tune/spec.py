@@ -38,6 +38,7 @@ import torch
 
 from dptune import data as datasets
 from dptune import models
+from dptune.accounting.events import check_delta_for_n
 from dptune.devices import check_device_name
 from dptune.errors import ConfigError, config_error
 from dptune.factories import import_factory
@@ -99,8 +100,15 @@ class DataSpec:
     tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # "pkg.module:loader": the user's data, loader(**options) (contract: docs/your_data.md).
     factory: str | None = None
+    # Is the test split public? A registered dataset's standard test split is (benchmark data); the
+    # user's own (factory) is private unless declared: no public selection on it, no exact metric.
+    test_public: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.test_public is None:
+            object.__setattr__(self, "test_public", self.factory is None)
+        elif not isinstance(self.test_public, bool):
+            raise config_error("data.test_public", f"must be true or false, got {self.test_public!r}", "true")
         _one_source(
             "data",
             (self.name, self.tensors, self.factory),
@@ -146,11 +154,13 @@ class DataSpec:
         return self.__dict__["_fingerprint"]
 
     def describe(self) -> dict[str, Any]:
+        # test_public only when not its default: stored studies keep their fingerprint
+        declared = {} if self.test_public == (self.factory is None) else {"test_public": self.test_public}
         if self.factory is not None:  # the factory string is part of the study fingerprint
-            return {"factory": self.factory, "options": dict(self.options)}
+            return {"factory": self.factory, "options": dict(self.options), **declared}
         if self.name is not None:
-            return {"name": self.name, "options": dict(self.options)}
-        return {"python_tensors": self.fingerprint()}
+            return {"name": self.name, "options": dict(self.options), **declared}
+        return {"python_tensors": self.fingerprint(), **declared}
 
 
 @dataclass(frozen=True)
@@ -259,6 +269,11 @@ class BudgetSpec:
     delta: float = 1e-5
     accountant: str = "auto"
     account_seeds: bool = False
+    allow_large_delta: bool = False  # accept δ ≥ 1/n (checked by check_delta once n is known)
+
+    def check_delta(self, n: int) -> None:
+        """δ < 1/n, n the training examples (``tune.plan.plan_study``, where n is first known)."""
+        check_delta_for_n(self.delta, n, self.allow_large_delta, "budget.delta", "set budget.allow_large_delta = true")
 
     def __post_init__(self) -> None:
         eps = self.epsilon
@@ -299,10 +314,11 @@ class BudgetSpec:
                 f"unknown accountant {self.accountant!r}",
                 f"choose one of {', '.join(ACCOUNTANT_CHOICES)}",
             )
-        if not isinstance(self.account_seeds, bool):
-            raise config_error(
-                "budget.account_seeds", f"must be true or false, got {self.account_seeds!r}", "true or false"
-            )
+        for key in ("account_seeds", "allow_large_delta"):
+            if not isinstance(getattr(self, key), bool):
+                raise config_error(
+                    f"budget.{key}", f"must be true or false, got {getattr(self, key)!r}", "true or false"
+                )
 
 
 @dataclass(frozen=True)
@@ -522,6 +538,12 @@ class Study:
             )
         for i, arm in enumerate(strategies):
             _check_arm(self, arm, i)
+        if self.selection.mode == "public" and self.selection.split == "test" and not self.data.test_public:
+            raise config_error(
+                "selection.mode",
+                "public selection on your own data's test split, which is private unless declared public",
+                "set data.test_public = true if it truly is public, or selection.mode = 'private'",
+            )
 
     # -- helpers
     def method_for(self, arm: StrategyArm) -> MethodSpec:
@@ -548,6 +570,7 @@ class Study:
                 "delta": self.budget.delta,
                 "accountant": self.budget.accountant,
                 "account_seeds": self.budget.account_seeds,
+                **({"allow_large_delta": True} if self.budget.allow_large_delta else {}),  # as trials_per_group
             },
             "method": {"name": self.method.name, **dict(self.method.options)},
             "selection": {f.name: getattr(self.selection, f.name) for f in fields(self.selection)},
@@ -719,12 +742,12 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
     st = _table(d, "study")
     _only(st, "study", {"name", "seed", "seeds", "threads_per_run", "trials_per_group", "secure"})
     data_t = _table(d, "data")
-    _only(data_t, "data", {"name", "options", "factory"})
+    _only(data_t, "data", {"name", "options", "factory", "test_public"})
     model_t = _table(d, "model")
     _only(model_t, "model", {"name", "options", "factory"})
     training = _build(TrainingSpec, _table(d, "training"), "training")
     budget_t = dict(_table(d, "budget"))
-    _only(budget_t, "budget", {"epsilon", "delta", "accountant", "account_seeds"})
+    _only(budget_t, "budget", {"epsilon", "delta", "accountant", "account_seeds", "allow_large_delta"})
     if "epsilon" in budget_t and isinstance(budget_t["epsilon"], list):
         budget_t["epsilon"] = tuple(budget_t["epsilon"])
     budget = BudgetSpec(**budget_t)
@@ -771,7 +794,12 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
                 f"{part}.options", f"must be a table, got {t['options']!r}", "e.g. options = { flatten = true }"
             )
     return Study(
-        data=DataSpec(name=data_t.get("name"), options=dict(data_t.get("options", {})), factory=data_t.get("factory")),
+        data=DataSpec(
+            name=data_t.get("name"),
+            options=dict(data_t.get("options", {})),
+            factory=data_t.get("factory"),
+            test_public=data_t.get("test_public"),
+        ),
         model=ModelSpec(
             name=model_t.get("name"), options=dict(model_t.get("options", {})), factory=model_t.get("factory")
         ),

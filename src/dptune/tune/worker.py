@@ -159,6 +159,7 @@ class _RunJob:
         self.run, self.data = run, data
         self.model = build_model(study.model, data, run.seed)
         self.model_spec = study.model
+        self.test_public = study.data.test_public
         hp = {k: v for k, v in run.config.items() if k not in TRAINING_KEYS}
         base = make_strategy(strategy_name, **hp)
         self.scorer = Scorer(self.model, data, metric, run, study, device)
@@ -185,7 +186,8 @@ class _RunJob:
         ledger.extend(result.ledger)
         ledger.extend(self.scorer.ledger)
         test = None
-        if data.x_test is not None and self.best["params"] is not None:
+        # An exact metric on a private test split (the user's, not declared public) would be published.
+        if data.x_test is not None and self.best["params"] is not None and self.test_public:
             test = self.scorer.exact(self.best["params"], data.x_test, data.y_test)
         # The selected checkpoint's weights (CPU), for the coordinator to keep owner-only under
         # checkpoints/: the study's model is exported from them, never retrained (no new release).
