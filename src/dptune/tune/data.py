@@ -132,17 +132,9 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
                 f"holdout examples out of {n}. Fix: pick a fraction that keeps both non-empty."
             )
         val_idx, tr_idx = torch.nonzero(mask).reshape(-1), torch.nonzero(~mask).reshape(-1)
-        out = StudyData(
-            x_tr[tr_idx],
-            (x_tr[tr_idx] if same else y_tr[tr_idx]),
-            x_tr[val_idx],
-            (x_tr[val_idx] if same else y_tr[val_idx]),
-            x_te,
-            y_te,
-            task,
-            num_classes,
-            input_shape,
-        )
+        x_val, y_val = x_tr[val_idx], (x_tr[val_idx] if same else y_tr[val_idx])
+        x_tr, y_tr = x_tr[tr_idx], (x_tr[tr_idx] if same else y_tr[tr_idx])
+        out = StudyData(x_tr, y_tr, x_val, y_val, x_te, y_te, task, num_classes, input_shape)
     else:
         out = StudyData(x_tr, y_tr, x_te, y_te, None, None, task, num_classes, input_shape)
     if out.n_val == 0:
@@ -158,16 +150,9 @@ def build_model(spec: ModelSpec, data: StudyData, seed: int) -> torch.nn.Module:
     opts: dict[str, Any] = dict(spec.options)
     if spec.builder is not None:
         ctor = spec.builder
-    elif spec.factory is not None:
-        # Imported in this process (every executor's worker): the user's module must be on its path.
-        ctor = import_factory(spec.factory, "model.factory")
-        params = inspect.signature(ctor).parameters
-        if "input_dim" in params and "input_dim" not in opts:
-            opts["input_dim"] = math.prod(data.input_shape)
-        if "classes" in params and "classes" not in opts and data.num_classes is not None:
-            opts["classes"] = data.num_classes
     else:
-        ctor = MODELS[spec.name]
+        # A factory is imported in this process (every executor's worker): its module must be on the path.
+        ctor = import_factory(spec.factory, "model.factory") if spec.factory is not None else MODELS[spec.name]
         params = inspect.signature(ctor).parameters
         if "input_dim" in params and "input_dim" not in opts:
             opts["input_dim"] = math.prod(data.input_shape)

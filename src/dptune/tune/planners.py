@@ -1,20 +1,9 @@
 """Plan records and the events they hold: what a study's plan stores, and the ε of its events.
 
-Each tuning method (``tune.methods``) turns the total budget (ε, δ) of one tuning procedure into
-per-run noise multipliers ν and a planned ``DpEvent``; ``tune.plan.plan_study`` collects them
-into a ``StudyPlan``. The *release plan* (every release the study will make, all seeds included)
-becomes the study ledger's plan (``Ledger.with_plan``): the runner refuses any run or release
-outside it, and the final ledger must equal it. The *guarantee* is how the method accounts for
-the released runs (the table of methods: ``tune.methods``). The runs themselves are shaped in
-``tune.shapes`` and added by ``tune.builder``.
-
-``accountant = "auto"``: GDP when every release is an unsampled Gaussian (exact and
-instant); else PLD (tightest) when the accounted event has ≤ 8 distinct atomic
-events (calibration then takes a few seconds at most); else RDP. Liu–Talwar's δ₁ is
-tiny (~1e-15), where PLD's tail truncation is unreliable, so it uses RDP;
-repeat-and-select is only supported by RDP. The choice is recorded in the plan.
-Liu–Talwar's and repeat-and-select's K and candidate configurations are secret draws
-(``theory.SecretCoins``), not study-seeded.
+The methods (``tune.methods``) plan with these: ``plan_study`` (``tune.plan``) collects their
+``ArmPlan``s and ``RunSpec``s into a ``StudyPlan``, whose release event becomes the study ledger's
+plan (``Ledger.with_plan``: the runner refuses anything outside it, and the final ledger must
+equal it).
 """
 
 from __future__ import annotations
@@ -161,13 +150,9 @@ class StudyPlan(JsonRecord):
 
 # ----------------------------------------------------------------------------- events and their ε
 def canonical(event: dp_event.DpEvent) -> dp_event.DpEvent:
-    """The same composition, regrouped by atomic event (each atom once, self-composed ``count``
-    times, in a fixed order) and built with tuples so that it is hashable.
-
-    Composition is commutative, so every accountant gives the same ε; grouping turns K
-    identical runs into one ``SelfComposedDpEvent`` (fast PLD), and hashability lets
-    ``accounting.calibrate`` cache evaluations (a ``ComposedDpEvent`` built with a list
-    is not hashable)."""
+    """The same composition regrouped by atomic event (each atom once, self-composed ``count``
+    times, in a fixed order), built with tuples: K identical runs become one
+    ``SelfComposedDpEvent`` (fast PLD), and a hashable event lets calibration cache evaluations."""
     counts = atoms(event)
     items = sorted(counts.items(), key=lambda kv: repr(kv[0]))
     evs = [e if n == 1 else dp_event.SelfComposedDpEvent(e, n) for e, n in items if n > 0]
@@ -200,8 +185,10 @@ def entries_epsilon(entries: Iterable[LedgerEntry], delta: float, acc: str) -> f
 
 
 def choose_accountant(requested: str, event: dp_event.DpEvent, auto: str | None = None) -> str:
-    """Resolve ``auto`` deterministically (see module docstring). ``auto``: what a method needs
-    "auto" to mean whatever the event (Liu–Talwar: ``"rdp"``); None: chosen from the event."""
+    """Resolve ``auto`` deterministically: GDP when every release is an unsampled Gaussian (exact),
+    else PLD (tightest) up to ``PLD_MAX_DISTINCT_ATOMS`` distinct atoms (calibration stays
+    fast), else RDP. ``auto``: what a method needs "auto" to mean whatever the event (Liu–Talwar:
+    ``"rdp"``, as PLD's tail truncation is unreliable at its δ₁ ~ 1e-15)."""
     a = atoms(event)
     unsampled = all(isinstance(e, dp_event.GaussianDpEvent) for e in a)
     if requested == "gdp" and not unsampled:

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import sqlite3
 import time
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -232,9 +234,16 @@ class Store:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- transactions
-    def _tx(self):
-        return _Tx(self.conn)
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE … COMMIT (ROLLBACK on error): all-or-nothing writes."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
 
     # -- meta
     def get_meta(self, key: str) -> Any:
@@ -258,27 +267,18 @@ class Store:
             ):
                 c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (k, json.dumps(v)))
             for pos, r in enumerate(runs):
+                event = r["planned_event"]
                 c.execute(
                     "INSERT INTO runs(run_id, arm, stage, procedure, replicate, seed, run_seed, status, config, "
                     "noise_multiplier, steps, sampling_rate, planned_event, position) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, 'planned', ?, ?, ?, ?, ?, ?)",
                     (
-                        r["run_id"],
-                        r["arm"],
-                        r["stage"],
-                        r["procedure"],
-                        r["replicate"],
-                        r["seed"],
-                        r["run_seed"],
+                        *(r[k] for k in ("run_id", "arm", "stage", "procedure", "replicate", "seed", "run_seed")),
                         json.dumps(r["config"]) if r["config"] is not None else None,
-                        _finite_or_none(r["noise_multiplier"]),
+                        r["noise_multiplier"] if math.isfinite(r["noise_multiplier"]) else None,
                         r["steps"],
                         r["sampling_rate"],
-                        json.dumps(
-                            event_to_dict(r["planned_event"])
-                            if not isinstance(r["planned_event"], dict)
-                            else r["planned_event"]
-                        ),
+                        json.dumps(event if isinstance(event, dict) else event_to_dict(event)),
                         pos,
                     ),
                 )
@@ -368,40 +368,15 @@ class Store:
 
     # -- ledger
     def ledger_entries(self) -> list[LedgerEntry]:
-        out = []
-        for r in self.conn.execute("SELECT * FROM ledger ORDER BY id"):
-            out.append(
-                LedgerEntry.from_dict(
-                    {
-                        "label": r["label"],
-                        "event": json.loads(r["event"]),
-                        "count": r["count"],
-                        "components": json.loads(r["components"]),
-                        "run": r["run_id"],
-                    }
-                )
+        return [
+            LedgerEntry.from_dict(
+                {
+                    "label": r["label"],
+                    "event": json.loads(r["event"]),
+                    "count": r["count"],
+                    "components": json.loads(r["components"]),
+                    "run": r["run_id"],
+                }
             )
-        return out
-
-
-def _finite_or_none(x: float) -> float | None:
-    import math
-
-    return x if math.isfinite(x) else None
-
-
-class _Tx:
-    """BEGIN IMMEDIATE … COMMIT (ROLLBACK on error): all-or-nothing writes."""
-
-    def __init__(self, conn: sqlite3.Connection):
-        self.conn = conn
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.conn.execute("BEGIN IMMEDIATE")
-        return self.conn
-
-    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
-        if exc_type is None:
-            self.conn.execute("COMMIT")
-        else:
-            self.conn.execute("ROLLBACK")
+            for r in self.conn.execute("SELECT * FROM ledger ORDER BY id")
+        ]

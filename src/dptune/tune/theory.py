@@ -1,28 +1,9 @@
 """Closed forms of the tuning methods' privacy: Liu–Talwar, repeat-and-select, Panda's GDP sum.
 
-Liu & Talwar (STOC 2019), Theorem 3.4 (random stopping with a hard cap) — the version
-Mohapatra et al. (2022) use and print in their appendix E:
-
-    Fix γ ∈ (0, 1] and δ₂ > 0, and let T_max = ⌈(1/γ)·ln(1/δ₂)⌉. Run the (ε₁, δ₁)-DP
-    candidate mechanism Q repeatedly; after each run stop with probability γ (a coin
-    independent of the data), and stop anyway after T_max runs; output the best
-    candidate. The result is (3ε₁ + 3√(2δ₁), √(2δ₁)·T_max + δ₂)-DP.
-
-Mohapatra et al.'s slides write δ_f = √(2δ₁)·γ + δ₂: that is an extraction/typesetting
-slip for the cap Υ = T_max of their Algorithm 1 (δ₁ can be paid on each of up to T_max
-runs, so δ must grow with T_max, not shrink with γ). ``lt_vs_ma`` below reproduces
-their Figure 6 (14 candidates at n = 5k) only with T_max; with γ the LT cost would
-*decrease* in the number of candidates, contradicting their "almost constant".
-See docs/tuning.md for the derivation and numbers.
-
-Papernot & Steinke (ICLR 2022): a random number K of runs (Poisson, or a truncated
-negative binomial D_{η,γ}; η = 1 geometric, η = 0 logarithmic) and only the best
-output released. Accounted by ``dp_accounting``'s ``RepeatAndSelectDpEvent(event,
-mean, shape)`` under RDP (shape = ∞ means Poisson).
-
-Panda et al. (ICML 2024), Theorem 4.1 as corrected in appendix A.7: n runs at μ₁,
-n at μ₂ and one at μ_f compose to μ = √(n·μ₁² + n·μ₂² + μ_f²) (μ-GDP, full batch).
-The main text prints √(n·μ₁² + n·μ₂²) + μ_f² — a typo.
+The statements, and the misprints of the papers that these functions correct (Mohapatra et al.'s
+δ_f with γ for T_max, Panda et al.'s Theorem 4.1, Mohapatra's Theorem 4 step), are in
+docs/tuning.md ("Liu–Talwar, verified", "Theorem 4", "Linear scaling"), with the tests that
+reproduce the papers' numbers.
 """
 
 from __future__ import annotations
@@ -93,20 +74,11 @@ def lt_solve(eps: float, delta: float, gamma: float, delta2_fraction: float = 0.
 
 
 class SecretCoins:
-    """The random draws of Liu–Talwar and repeat-and-select: the number of runs K (the stopping
-    coins) and each candidate's configuration, from the OS CSPRNG (``secrets.SystemRandom``).
-
-    Both theorems bound the release of the selected candidate ONLY, with K hidden and each
-    candidate an independent draw of the same randomized mechanism. Drawn from the public study
-    seed, K would be known (the losers' existence is part of what the bound hides), and the
-    known sequence of configurations would tell, from the released configuration, the index J
-    of the winner — and revealing J voids the bound (docs/privacy.md: a toy ε₁-DP candidate at
-    γ = 1/6 gives δ ≈ 10⁻² at ε = 2 instead of ≤ 10⁻⁵). The draws are stored with the plan in the
-    study store (the data owner's), so ``resume`` continues the same search.
-
-    ``seed``: a SECRET seed (``random.Random``, Mersenne Twister) for a reproducible search; it is
-    never stored or printed by dptune, and anyone who learns it learns K. Implements the subset
-    of ``numpy.random.Generator`` that ``space.draw``, ``lt_stops`` and ``sample_repetitions`` use."""
+    """The random draws of Liu–Talwar and repeat-and-select (K and each candidate's configuration),
+    from the OS CSPRNG: both theorems hide K and the winner's index, which draws from the public
+    study seed would reveal (docs/privacy.md). ``seed``: a SECRET seed for a reproducible search
+    (never stored or printed). The subset of ``numpy.random.Generator`` that ``space.draw``,
+    ``lt_stops`` and ``sample_repetitions`` use."""
 
     def __init__(self, seed: int | None = None):
         import random
@@ -140,11 +112,8 @@ class SecretCoins:
 
 
 def lt_stops(gamma: float, t_max: int, rng: np.random.Generator | SecretCoins) -> int:
-    """Number of runs LT makes: flip a γ-coin after each run, at most T_max runs.
-
-    The coins do not depend on the data, so drawing them all up front is the same algorithm;
-    they must be secret (``SecretCoins``), and are stored with the plan so that a resumed
-    study continues the same search."""
+    """Number of runs LT makes: flip a γ-coin after each run, at most T_max runs (the coins do not
+    depend on the data: drawing them up front is the same algorithm)."""
     k = 1
     while k < t_max and rng.random() >= gamma:
         k += 1
@@ -210,18 +179,9 @@ def repeat_and_select_event(event, mean: float, shape: float):
 
 
 # ----------------------------------------------------------------------------- Panda (GDP)
-def gdp_compose(mus: Iterable[float]) -> float:
-    """μ of the composition of μ_i-GDP mechanisms: √(Σ μ_i²) (Dong, Roth & Su, Cor. 3.3)."""
-    return math.sqrt(sum(m * m for m in mus))
-
-
 def panda_total_epsilon(runs: Sequence[tuple[int, float]], delta: float) -> float:
-    """Total ε at δ of Panda's HPO: ``runs`` = [(count, per-run ε at δ), ...], each run
-    converted to μ-GDP, composed by μ = √(Σ count·μ_i²) (appendix A.7, not the main text's
-    typo), and converted back (Dong et al. Cor. 2.13).
-
-    ``panda_total_epsilon([(3, 0.1), (3, 0.2), (1, 0.88)], 1e-5)`` ≈ 0.996 (ImageNet example).
-    """
+    """Total ε at δ of Panda's HPO: ``runs`` = [(count, per-run ε at δ), ...] composed as μ-GDP,
+    μ = √(Σ count·μ_i²) (appendix A.7, not the main text's typo)."""
     mus = [accounting.gdp_mu_for_epsilon(e, delta) for _, e in runs]
     mu = math.sqrt(sum(c * m * m for (c, _), m in zip(runs, mus, strict=True)))
     return accounting.gdp_epsilon(mu, delta)
@@ -239,13 +199,8 @@ def panda_final_mu(total_eps: float, delta: float, sweeps: Sequence[tuple[int, f
 
 
 def rerr(ours: float, random_search: float, oracle: float, higher_is_better: bool = True) -> float:
-    """Relative error-rate reduction (Panda et al. §5.2.3, Table 3), as a fraction.
-
-    The error of a method is its gap to the oracle (grid search whose HPO cost is not
-    counted); RERR = 1 − err_ours / err_random = (ours − random) / (oracle − random).
-    Checks against Table 3: CIFAR10 (62.63 − 44)/(68 − 44) = 77.6 %, ImageNet 83.3 %,
-    SQuAD 86.9 % (the CIFAR100 row, 84.85, does not follow from its own numbers: 90.0 %).
-    """
+    """Relative error-rate reduction (Panda et al. §5.2.3, Table 3), as a fraction:
+    1 − err_ours / err_random = (ours − random) / (oracle − random), errors measured to the oracle."""
     gap = (oracle - random_search) if higher_is_better else (random_search - oracle)
     gain = (ours - random_search) if higher_is_better else (random_search - ours)
     if gap == 0:
@@ -278,15 +233,10 @@ def lt_vs_ma(
     delta2_fraction: float = 0.5,
     conversion: str = "tight",
 ) -> LtVsMa:
-    """Mohapatra et al. (2022), appendix F / Figure 6: candidates k vs privacy cost.
-
-    * LT with γ = 1/k: each run is DP-SGD (σ, q = L/n, T steps) at (ε₁, δ₁) with
-      √(2δ₁) = (δ − δ₂)/T_max, δ₂ = fraction·δ; total ε_LT = 3ε₁ + 3√(2δ₁).
-    * MA: k runs composed by the moments (RDP) accountant at δ.
-    ``k_max`` = the largest k with ε_MA(k) ≤ ε_LT(k). RDP→(ε, δ) conversion: ``tight``
-    (dp_accounting's, Canonne–Kamath–Steinke/Balle et al.) or ``classic``
-    (ε = min_α RDP(α) + ln(1/δ)/(α − 1), the bound of the 2019-era Opacus/TF-Privacy).
-    """
+    """Mohapatra et al. (2022), appendix F / Figure 6: ε of k candidates by LT (γ = 1/k) and by
+    composing them (MA, RDP), and ``k_max``, the largest k with ε_MA(k) ≤ ε_LT(k) (docs/tuning.md).
+    ``conversion``: RDP→(ε, δ) by dp_accounting (``tight``) or min_α RDP(α) + ln(1/δ)/(α − 1)
+    (``classic``, the 2019-era libraries')."""
     if conversion not in ("tight", "classic"):
         raise ConfigError(f"conversion must be 'tight' or 'classic', got {conversion!r}.")
     delta = delta_for_n(n) if delta is None else float(delta)
@@ -336,38 +286,18 @@ def _theorem4_args(radius: float, clip: float, sigma: float, steps: int) -> None
 
 
 def convex_dpsgd_bound(alpha: float, radius: float, clip: float, sigma: float, steps: int) -> float:
-    """Mohapatra et al. (2022), appendix D, Eq. (1): the bound on E[f(x̄_T) − f(x*)] after T steps
-    of noisy projected gradient descent at step size α,
-
-        E[f((1/T)·Σ_{t<T} x_t) − f(x*)] ≤ R²/(2αT) + α·C²·(1 + σ²)/2.
-
-    Assumptions (those of Theorem 4, as its proof uses them; see ``convex_dpsgd_step``)."""
+    """Mohapatra et al. (2022), appendix D, Eq. (1): E[f(x̄_T) − f(x*)] ≤ R²/(2αT) + α·C²·(1 + σ²)/2
+    after T noisy projected gradient steps of size α (assumptions: docs/tuning.md, "Theorem 4")."""
     _positive_finite(alpha=alpha)
     _theorem4_args(radius, clip, sigma, steps)
     return radius**2 / (2.0 * alpha * steps) + alpha * clip**2 * (1.0 + sigma**2) / 2.0
 
 
 def convex_dpsgd_step(radius: float, clip: float, sigma: float, steps: int) -> ConvexDPSGDStep:
-    """Mohapatra et al. (2022), appendix D, Theorem 4: the step size minimising Eq. (1) and the bound there,
-
-        α_opt = R / (C·√(T·(1 + σ²))),   E[f(x̄_T) − f(x*)] ≤ R·C·√(1 + σ²)/√T.
-
-    Setting (Theorem 4): f convex (and β-smooth, which the proof never uses) on a convex set S,
-    x* = argmin_S f, x_{t+1} = Π_S(x_t − α(g_t + z_t)) with g_t the clipped gradient and
-    z_t ~ N(0, σ²C²) independent of the past; x̄_T the average of x_0 … x_{T−1}. The proof needs:
-
-    * E[g_t | x_t]ᵀ(x_t − x*) ≥ f(x_t) − f(x*): g_t must be the true gradient, i.e. clipping
-      inactive, ‖∇f‖ ≤ C on S (f C-Lipschitz); then also ‖g_t‖ ≤ C;
-    * E‖z_t‖² = σ²C² (the proof's C²σ²; for isotropic noise N(0, σ₀²C²I_d) take σ² = d·σ₀²; for
-      DP-SGD's (Σ_B clip(g_i) + N(0, ν²C²I_d))/L, σ² = d·ν²/L²);
-    * R² ≥ E‖x_0 − x*‖² (the theorem writes R = E‖x_0 − x*‖; the telescoped sum needs the second moment).
-
-    Two misprints of the appendix are corrected: the theorem prints α_opt = R/(C·T·√(1 + σ²)), but
-    the minimiser of Eq. (1) (its derivative set to zero) has √T, and only that step gives the
-    stated bound R·C·√(1 + σ²)/√T; and the clipping factor prints min(1, C/‖∇f‖²) for min(1, C/‖∇f‖).
-    ``effective_step`` = α_opt·C does not depend on C: the bound's optimal α scales like 1/C,
-    Mohapatra et al.'s LR–C inverse relation (section 4.1).
-    """
+    """Mohapatra et al. (2022), appendix D, Theorem 4: the step minimising Eq. (1),
+    α_opt = R / (C·√(T·(1 + σ²))), the bound there R·C·√(1 + σ²)/√T, and α_opt·C, which does not
+    depend on C. The appendix prints T for √T (and C/‖∇f‖² for C/‖∇f‖): docs/tuning.md, "Theorem 4",
+    with the assumptions the proof uses."""
     _theorem4_args(radius, clip, sigma, steps)
     root = math.sqrt(steps * (1.0 + sigma**2))
     alpha = radius / (clip * root)

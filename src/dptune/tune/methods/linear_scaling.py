@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -120,11 +121,8 @@ class LinearScaling(TuningMethod):
         P, P_acc, _ = procedures(study)
         se = o["sweep_epsilons"]
         # {fraction = [...]}: each sweep at that share of this arm's target ε (LinearScalingOptions)
-        sweep_eps = (
-            [float(f"{float(f) * eps:.12g}") for f in se["fraction"]]
-            if isinstance(se, Mapping)
-            else [float(e) for e in se]
-        )
+        fractions = se["fraction"] if isinstance(se, Mapping) else None
+        sweep_eps = [float(f"{float(f) * eps:.12g}") for f in fractions] if fractions else [float(e) for e in se]
         n = int(o["runs_per_sweep"])
         lr_lo, lr_hi = S.bounds(arm.space["lr"])
         t_lo, t_hi = S.bounds(arm.space["steps"])
@@ -134,59 +132,25 @@ class LinearScaling(TuningMethod):
         t_final = int(t_hi) if o["final_steps"] == "max" else int(o["final_steps"])
         probe = make_shape(ctx, arm, {"lr": lr_lo, "steps": int(t_lo)}, f"{path}.space")
         acc = choose_accountant(study.budget.accountant, probe.event(1.0))
-        per_run_cache: dict[tuple[Shape, float], float] = {}
+        per_run: dict[tuple[Shape, float], float] = {}
 
-        def nu_at(shape: Shape, e: float) -> float:
-            if (shape, e) not in per_run_cache:
-                per_run_cache[(shape, e)] = snap(
-                    calibrate_nu(shape.event, e, delta, acc, f"{arm_id} (sweep run at ε = {e:g})"), [shape], ctx.n_train
-                )
-            return per_run_cache[(shape, e)]
+        def sweep_run(rng: np.random.Generator, e: float) -> tuple[dict[str, Any], Shape, float]:
+            """One sweep run at per-run ε = e: its drawn configuration, shape and calibrated ν."""
+            c = _decompose(rng, arm.space, r_lo, r_hi, lr_lo, lr_hi, o["r_sampling"])
+            s = make_shape(ctx, arm, c, f"{path}.space")
+            if (s, e) not in per_run:
+                nu = calibrate_nu(s.event, e, delta, acc, f"{arm_id} (sweep run at ε = {e:g})")
+                per_run[(s, e)] = snap(nu, [s], ctx.n_train)
+            return c, s, per_run[(s, e)]
 
-        sweeps: list[list[list[tuple[dict[str, Any], Shape, float]]]] = []  # [procedure][sweep][run]
+        sweeps: list[_Sweeps] = []
         for p in range(P):
             rng = S.rng_for(study.seed, f"linear-scaling/{arm_id}/{p}")
-            per_p = []
-            for e in sweep_eps:
-                runs = []
-                for _ in range(n):
-                    c = _decompose(rng, arm.space, r_lo, r_hi, lr_lo, lr_hi, o["r_sampling"])
-                    s = make_shape(ctx, arm, c, f"{path}.space")
-                    runs.append((c, s, nu_at(s, e)))
-                per_p.append(runs)
-            sweeps.append(per_p)
+            sweeps.append([[sweep_run(rng, e) for _ in range(n)] for e in sweep_eps])
         final_shape = make_shape(ctx, arm, {"lr": lr_lo, "steps": t_final}, f"{path}.space")
-
-        def total_event(group: list[int], v: float) -> dp_event.DpEvent:
-            evs = [s.event(nu) for p in group for runs in sweeps[p] for (_, s, nu) in runs]
-            evs += [final_shape.event(v)] * len(group)
-            return group_events(evs)
-
         groups = [list(range(P))] if P_acc == P else [[p] for p in range(P)]
-        check_selection_budget(
-            [s for p in groups[0] for runs in sweeps[p] for (_, s, _) in runs] + [final_shape] * len(groups[0]),
-            eps,
-            delta,
-            acc,
-            arm_id,
-        )
-        final_nu: dict[int, float] = {}
-        for g in groups:
-            sweeps_only = group_events(s.event(nu) for p in g for runs in sweeps[p] for (_, s, nu) in runs)
-            if accounting.epsilon(sweeps_only, delta, acc) >= eps:
-                raise ConfigError(
-                    f"{arm_id}: the sweeps alone spend ε ≥ {eps:g}. Fix: lower method.sweep_epsilons "
-                    "or method.runs_per_sweep, or raise budget.epsilon."
-                )
-
-            def group_event(v: float, g: list[int] = g) -> dp_event.DpEvent:
-                return total_event(g, v)
-
-            v = snap(calibrate_nu(group_event, eps, delta, acc, f"{arm_id} (final run)"), [final_shape], ctx.n_train)
-            for p in g:
-                final_nu[p] = v
+        final_nu = _final_multipliers(sweeps, final_shape, groups, eps, delta, acc, arm_id, ctx.n_train)
         run_ids = []
-        eps_final = {}
         for p in range(P):
             for i, runs in enumerate(sweeps[p]):
                 for j, (c, s, nu) in enumerate(runs):
@@ -194,14 +158,10 @@ class LinearScaling(TuningMethod):
                     run_ids += b.add_candidate(arm, arm_id, f"sweep{i}", j, p, c, s, nu)
             validate_shape(final_shape, final_nu[p], ctx.n_train, f"{path} ({arm_id})")
             run_ids += b.add_candidate(arm, arm_id, "final", 0, p, None, final_shape, final_nu[p])  # resolve()
-            eps_final[p] = accounting.epsilon(final_shape.event(final_nu[p]), delta, acc)
-        total = max(accounting.epsilon(total_event(g, final_nu[g[0]]), delta, acc) for g in groups)
-        mus: dict[str, Any] | None = None
-        if acc == "gdp":
-            mus = {
-                "sweep_mu": [accounting.gdp_mu_for_epsilon(e, delta) for e in sweep_eps],
-                "final_mu": {p: accounting.gdp_mu_of_event(final_shape.event(final_nu[p])) for p in range(P)},
-            }
+        eps_final = {str(p): accounting.epsilon(final_shape.event(final_nu[p]), delta, acc) for p in range(P)}
+        total = max(
+            accounting.epsilon(_total_event(sweeps, final_shape, g, final_nu[g[0]]), delta, acc) for g in groups
+        )
         guarantee = {
             "kind": "composition",
             "epsilon": total,
@@ -219,14 +179,14 @@ class LinearScaling(TuningMethod):
             "lr_bounds": [lr_lo, lr_hi],
             "steps_bounds": [t_lo, t_hi],
             "final_steps": t_final,
-            "final_epsilon": {str(p): e for p, e in eps_final.items()},
+            "final_epsilon": eps_final,
             "final_noise_multiplier": {str(p): v for p, v in final_nu.items()},
-            **(
-                {"gdp": {"sweep_mu": mus["sweep_mu"], "final_mu": {str(k): v for k, v in mus["final_mu"].items()}}}
-                if mus
-                else {}
-            ),
         }
+        if acc == "gdp":
+            extra["gdp"] = {
+                "sweep_mu": [accounting.gdp_mu_for_epsilon(e, delta) for e in sweep_eps],
+                "final_mu": {str(p): accounting.gdp_mu_of_event(final_shape.event(final_nu[p])) for p in range(P)},
+            }
         notes = seed_note(study) + [
             f"linear scaling: {n} runs at each ε ∈ {sweep_eps}, then one final run at ε_f ≈ "
             f"{min(eps_final.values()):.4g} with T_f = {t_final}; η_f = r*/T_f with r* from a {o['fit']} fit of r = η·T "
@@ -256,6 +216,44 @@ class LinearScaling(TuningMethod):
             if all(rows[s]["status"] in ("done", "diverged") for s in sweep_ids):
                 out[rid] = resolve_final_config(plan, arm, run.procedure, scores)
         return out
+
+
+_Sweeps = list[list[tuple[dict[str, Any], Shape, float]]]  # one procedure's [sweep][run]: (config, shape, ν)
+
+
+def _total_event(sweeps: list[_Sweeps], final: Shape, group: list[int], nu_final: float) -> dp_event.DpEvent:
+    """The accounted event of the procedures in ``group``: their sweep runs and final runs."""
+    evs = [s.event(nu) for p in group for runs in sweeps[p] for (_, s, nu) in runs]
+    return group_events(evs + [final.event(nu_final)] * len(group))
+
+
+def _final_multipliers(
+    sweeps: list[_Sweeps],
+    final: Shape,
+    groups: list[list[int]],
+    eps: float,
+    delta: float,
+    acc: str,
+    arm_id: str,
+    n_train: int,
+) -> dict[int, float]:
+    """Procedure → the final run's ν: calibrated so that each accounted group meets ε."""
+    first = groups[0]
+    shapes = [s for p in first for runs in sweeps[p] for (_, s, _) in runs] + [final] * len(first)
+    check_selection_budget(shapes, eps, delta, acc, arm_id)
+    final_nu: dict[int, float] = {}
+    for g in groups:
+        sweeps_only = group_events(s.event(nu) for p in g for runs in sweeps[p] for (_, s, nu) in runs)
+        if accounting.epsilon(sweeps_only, delta, acc) >= eps:
+            raise ConfigError(
+                f"{arm_id}: the sweeps alone spend ε ≥ {eps:g}. Fix: lower method.sweep_epsilons "
+                "or method.runs_per_sweep, or raise budget.epsilon."
+            )
+        nu = calibrate_nu(partial(_total_event, sweeps, final, g), eps, delta, acc, f"{arm_id} (final run)")
+        v = snap(nu, [final], n_train)
+        for p in g:
+            final_nu[p] = v
+    return final_nu
 
 
 def _decompose(
