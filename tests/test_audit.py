@@ -267,11 +267,17 @@ def test_mutants_restore_the_real_code() -> None:
     from dptune import privatizers
     from dptune.mechanisms import NoiseSource, NoisyRelease
 
-    before = (NoiseSource.normal, NoisyRelease.release, privatizers.clip_weights, privatizers.OSOClip.split)
+    def patched() -> tuple:
+        return (
+            NoiseSource.normal, NoisyRelease.release, privatizers.clip_weights, privatizers.OSOClip.split,
+            GradientOracle._probe, GradientOracle._compare_alone,
+        )  # fmt: skip
+
+    before = patched()
     for make in MUTANTS.values():
         with make():
-            pass
-    assert (NoiseSource.normal, NoisyRelease.release, privatizers.clip_weights, privatizers.OSOClip.split) == before
+            assert patched() != before
+    assert patched() == before
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from dptune.persample import (  # noqa: F401 - re-exported: ``dptune.grads`` is 
     MaterializedGrads,
     ParamSwap,
     PerSampleGrads,
+    RngState,
     ScratchBuffers,
     active_dropout,
     batched_loss,
@@ -45,6 +47,8 @@ from dptune.persample import (  # noqa: F401 - re-exported: ``dptune.grads`` is 
     nonfinite_rows,
     per_example_loss,
     rng_preserved,
+    rng_state,
+    set_rng_state,
     sq_rows_upper,
     unit_roundoff,
     upper_norms,
@@ -78,23 +82,21 @@ def default_method(method: str) -> Iterator[None]:
         DEFAULT_METHOD = old
 
 
-# Layers that mix examples of a batch: per-example gradients are undefined for them.
 class GradientOracle:
     """Computes per-example losses and gradients of ``model`` at given parameters.
 
     ``chunk_size`` bounds memory of the vmap path: per-sample gradients take B × (#params)
-    floats. ``method``: 'auto' | 'vmap' | 'ghost' (None: ``DEFAULT_METHOD``). With 'auto',
-    the first batch is also computed on the vmap path for a few examples and compared;
-    a disagreement (e.g. a parameter used outside its layer) switches to vmap for good.
-    That probe guards utility, not privacy: on either path the norms bound what is released
-    for each example, batch after batch (``upper_norms``; ``dptune.ghost``'s proof).
+    floats. ``method``: 'auto' | 'vmap' | 'ghost' (None: ``DEFAULT_METHOD``).
 
     Every forward on private data runs on scratch copies of the model's buffers and refuses a
-    write (``ScratchBuffers``). ``losses`` (DP-ZO's batched forward) checks on its first batch
-    that each example's loss depends on that example alone (``_check_isolation``).
+    write (``ScratchBuffers``). vmap runs each example alone; the ghost path and ``losses``
+    (DP-ZO) run one batched forward and the user's batched loss, so they are probed for
+    per-example isolation (``_probe``; docs/privacy.md, "The isolation probe"): until a probe
+    has passed, a batch is computed on vmap (or one example at a time); a refusal is final.
     """
 
-    SELF_CHECK_EXAMPLES = 3
+    PROBE_MIN_BATCH = 3  # one or two rows cannot show mixing reliably
+    PROBE_EVERY = 16  # after a pass, the next probe is due 16 calls later (a public schedule)
 
     def __init__(
         self,
@@ -114,14 +116,15 @@ class GradientOracle:
         )
         self._scratch = ScratchBuffers(model)
         self.buffers = self._scratch.originals  # never passed to a forward: copies are (ScratchBuffers)
-        self._isolation_checked = False
-        self._isolation_refused: ConfigError | None = None
+        self._refused: ConfigError | None = None
+        self._rows = random.Random()  # the probed row: OS entropy, not the run's random streams
+        self._calls = {"grads": 0, "losses": 0}
+        self._next_probe = {"grads": 0, "losses": 0}  # call count at which a probe is due; 0: none passed
         self._call = ParamSwap(model)
         self.chunk_size = chunk_size
         self.param_names = [k for k, p in model.named_parameters() if p.requires_grad]
         self.requested_method = _check_method(method if method is not None else DEFAULT_METHOD)
         self._ghost = None
-        self._checked = self.requested_method != "auto"
         self.fallback_reason: str | None = None
         if self.requested_method != "vmap":
             reason = ghost.unsupported_reason(model)
@@ -163,24 +166,34 @@ class GradientOracle:
             return self._compute(params, x, y)
 
     def _compute(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
-        if (
-            inputs.batch_len(x) == 0
-        ):  # an empty Poisson batch: no contribution, but the step (and its noise) still happen
+        B = inputs.batch_len(x)
+        if B == 0:  # an empty Poisson batch: no contribution, but the step (and its noise) still happen
             return MaterializedGrads(
                 {k: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()},
                 torch.zeros(0, device=inputs.device_of(x)),
             )
-        if self._ghost is not None:
+        due = self._due("grads", B) if self._ghost is not None else False
+        if self._ghost is not None and (due or self._next_probe["grads"]):
+            before = self._state(inputs.device_of(x), due)
             try:
-                with self._scratch() as buffers:
-                    got = self._ghost(params, x, y, buffers)
+                got = self._run_ghost(params, x, y)
             except ghost.GhostFallback as exc:
                 self._fall_back(str(exc))
             else:
-                if self._checked or self._self_check(got, params, x, y):
+                if due:
+                    first = not self._next_probe["grads"]
+                    self._probe("grads", x, y, before, lambda xs, ys: self._run_ghost(params, xs, ys), got)
+                    if first:
+                        self._compare_alone(params, x, y)
+                if self._ghost is not None:
                     return got
         grads, losses = self._vmap(params, x, y)
         return MaterializedGrads(grads, losses.detach())
+
+    def _run_ghost(self, params: Tensors, x: Any, y: torch.Tensor) -> ghost.GhostGrads:
+        assert self._ghost is not None
+        with self._scratch() as buffers:
+            return self._ghost(params, x, y, buffers)
 
     def _vmap(self, params: Tensors, x: Any, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
         with self._scratch() as buffers:
@@ -203,33 +216,89 @@ class GradientOracle:
         except Exception:  # noqa: BLE001 - the original error is the one to report
             return
 
-    def _self_check(self, got: ghost.GhostGrads, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> bool:
-        """Compare the ghost path with vmap on the first few examples (once per oracle)."""
-        self._checked = True
-        if active_dropout(self.model):
-            return True  # random masks differ between the two paths: nothing to compare
-        k = min(self.SELF_CHECK_EXAMPLES, inputs.batch_len(x))
-        ref_g, ref_l = self._vmap(params, inputs.rows(x, 0, k), y[:k])
-        ref = MaterializedGrads(ref_g, ref_l.detach())
-        w = torch.zeros_like(got.norms)
-        w[:k] = torch.linspace(0.5, 1.5, k, dtype=w.dtype, device=w.device)
-        mine, theirs = got.weighted_sum(w), ref.weighted_sum(w[:k])
-        got.reset_reuse()  # this probe must not seed the reuse of weighted sums
-        # Both norms are upper bounds (never a privacy check: each path bounds what it releases
-        # on its own, docs/privacy.md); ghost norms and sums may differ from vmap's by the release
+    # ------------------------------------------------------------------ the isolation probe
+    def _due(self, kind: str, B: int) -> bool:
+        """Whether this call is probed (a refusal is final: raised again on every call)."""
+        if self._refused is not None:
+            raise self._refused
+        self._calls[kind] += 1
+        return B >= self.PROBE_MIN_BATCH and self._calls[kind] >= self._next_probe[kind]
+
+    def _state(self, dev: torch.device, due: bool) -> tuple[RngState, Tensors] | None:
+        """What a forward reads besides its inputs, for a probe to replay: torch's random streams
+        and the buffers updated in place (spectral norm's vectors, ``ScratchBuffers``)."""
+        if not due:
+            return None
+        return rng_state(dev), {k: self._scratch.originals[k].clone() for k in self._scratch._passthrough}
+
+    @torch.no_grad()
+    def _restore(self, dev: torch.device, state: tuple[RngState, Tensors]) -> None:
+        set_rng_state(dev, state[0])
+        for k, v in state[1].items():
+            self._scratch.originals[k].copy_(v)
+
+    def _probe(self, kind: str, x: Any, y: torch.Tensor, before: Any, again: Any, got: Any) -> None:
+        """Refuse unless row i's released values (``_row_values`` of ``got``) are unchanged when
+        every other row is replaced by a copy of row i, recomputed by ``again(x', y')`` in the
+        release's mode, from its state ``before`` (same masks), with the same batch shape.
+        The random streams and buffers are left as the release left them."""
+        B, dev = inputs.batch_len(x), inputs.device_of(x)
+        i = self._rows.randrange(B)
+        idx = torch.full((B,), i, dtype=torch.long, device=dev)
+        after = self._state(dev, True)
+        assert after is not None
+        self._restore(dev, before)
+        try:
+            theirs = _row_values(again(inputs.take(x, idx), y[idx]), i)
+        finally:
+            self._restore(dev, after)
+        if not _same(_row_values(got, i), theirs, self._tolerance(theirs), _scale(got)):
+            self._refuse(kind)
+        self._next_probe[kind] = self._calls[kind] + self.PROBE_EVERY
+
+    def _tolerance(self, values: list[torch.Tensor]) -> float:
+        """√eps of the coarsest dtype computed in (a bf16 model whose loss upcasts rounds like bf16)."""
+        dtypes = {p.dtype for p in self.model.parameters() if p.is_floating_point()} | {v.dtype for v in values}
+        return math.sqrt(max(torch.finfo(d).eps for d in dtypes))
+
+    def _refuse(self, kind: str) -> None:
+        # No values in the message: they are private (and not differentially private).
+        what = "loss" if kind == "losses" else "gradient"
+        self._refused = ConfigError(
+            f"the {what} of an example depends on other examples of the batch (an isolation probe "
+            "recomputed a batch with the other examples replaced, and this example's result changed): "
+            f"the clipping bound C holds only if each example's {what} is its own (a layer with batch "
+            "statistics such as x - x.mean(0), a loss reweighted across the batch or with in-batch "
+            "negatives, or one divided by the batch size breaks that). Fix: return each example's own "
+            "loss, e.g. F.cross_entropy(out, y, reduction='none'), without batch statistics"
+            + (" or batch weights, or use grad_method='vmap' (each example runs alone)." if what == "gradient" else ".")
+        )
+        raise self._refused
+
+    def _compare_alone(self, params: Tensors, x: Any, y: torch.Tensor) -> None:
+        """On the first probe: row i of the ghost path's batch against vmap's row i alone, both in
+        eval mode (masks off). A disagreement (a parameter used outside its layer, a loss that
+        depends on the batch size) switches 'auto' to vmap for good and refuses forced 'ghost'."""
+        if self._next_probe["grads"] > self.PROBE_EVERY + 1:
+            return
+        i = self._rows.randrange(inputs.batch_len(x))
+        with rng_preserved(inputs.device_of(x)), eval_mode(self.model):
+            got = self._run_ghost(params, x, y)
+            ref_g, ref_l = self._vmap(params, inputs.rows(x, i, i + 1), y[i : i + 1])
+        (n, *mine), (r, *theirs) = _row_values(got, i), _row_values(MaterializedGrads(ref_g, ref_l.detach()), 0)
+        # Both norms are upper bounds; ghost norms and sums may differ from vmap's by the release
         # term E_i (``GhostGrads.release_err``: large only for ill-conditioned examples).
         err = got.release_err()
-        e = err[:k].to(ref.norms.dtype) if err is not None else torch.zeros_like(ref.norms)
-        diff = (got.norms[:k] - ref.norms).abs()
-        ok = bool(((diff <= 1e-3 * ref.norms + 1e-6 + 2 * e) | (got.norms[:k].isnan() & ref.norms.isnan())).all())
-        e_sum = 2 * float((w[:k].abs() * e).sum())
-        ok = ok and all(
-            torch.allclose(mine[n], theirs[n], rtol=1e-3, atol=1e-6 * (1 + float(theirs[n].abs().max())) + e_sum)
-            for n in theirs
-        )
-        if not ok:
-            self._fall_back("the ghost path disagreed with vmap on a probe (is a parameter used outside its layer?)")
-        return ok
+        e = 2 * float(err[i]) if err is not None else 0.0
+        ok = bool((n - r).abs() <= 1e-3 * r + 1e-6 + e) or bool(n.isnan() & r.isnan())
+        if not ok or not all(
+            torch.allclose(a, b, rtol=1e-3, atol=1e-6 * (1 + float(b.abs().max())) + e)
+            for a, b in zip(mine, theirs, strict=True)
+        ):
+            self._fall_back(
+                "the ghost path disagreed with vmap on an example alone (is a parameter used outside "
+                "its layer, or does the loss depend on the batch size?)"
+            )
 
     def loss_and_grad(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Tensors]:
         """Mean loss and its (non-private) gradient: one ordinary backward pass."""
@@ -249,55 +318,59 @@ class GradientOracle:
 
     def losses(self, params: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
         """The [B] per-example losses at ``params``, no gradient (zeroth-order privatizers).
-        Private per-example values: only privatizers may read them."""
-        if self._isolation_refused is not None:  # final: a retried step is refused again
-            raise self._isolation_refused
-        if inputs.batch_len(x) == 0:
-            return torch.zeros(0, device=inputs.device_of(x))
-        with torch.no_grad(), ieee_matmul(inputs.device_of(x)):
+        Private per-example values: only privatizers may read them. One batched forward once a
+        probe has passed (``_probe``; the first also compares one row with it alone, in eval
+        mode: a loss divided by the batch size); before that, one example at a time."""
+        B, dev = inputs.batch_len(x), inputs.device_of(x)
+        due = self._due("losses", B)
+        if B == 0:
+            return torch.zeros(0, device=dev)
+        with torch.no_grad(), ieee_matmul(dev):
+            if not (due or self._next_probe["losses"]):
+                rows = [self._plain_losses(params, inputs.rows(x, j, j + 1), y[j : j + 1]) for j in range(B)]
+                return torch.cat([r.reshape(-1) for r in rows])
+            first, before = not self._next_probe["losses"], self._state(dev, due)
             out = self._plain_losses(params, x, y)
-            if not self._isolation_checked and inputs.batch_len(x) > 1:
-                self._check_isolation(params, x, y)
+            if due:
+                self._probe("losses", x, y, before, lambda xs, ys: self._plain_losses(params, xs, ys), out)
+            if due and first:
+                i = self._rows.randrange(B)
+                with rng_preserved(dev), eval_mode(self.model):  # any training-mode randomness off
+                    full = self._plain_losses(params, x, y)[i : i + 1]
+                    alone = self._plain_losses(params, inputs.rows(x, i, i + 1), y[i : i + 1]).reshape(1)
+                # Rounding differs with the batch shape (kernel blocking): a floor of 1 (+ |ℓ|).
+                if not _same([full], [alone], self._tolerance([full]), 1.0):
+                    self._refuse("losses")
         return out
 
     def _plain_losses(self, params: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
         with self._scratch() as buffers:
             return self._batched_loss(self._call(params, buffers, x), y).detach()
 
-    def _check_isolation(self, params: Tensors, x: Any, y: torch.Tensor) -> None:
-        """Refuse a batched loss whose row i depends on other examples (once, on the first batch of ≥ 2).
 
-        DP-ZO's sensitivity C assumes that adding an example changes one term clip_C(d_i) only;
-        the per-sample gradient paths run each example alone (vmap) or are checked against that
-        (ghost), but ``losses`` is one batched forward and the user's batched loss. So the first
-        few rows are recomputed one example at a time and compared (in eval mode for both: masks
-        are drawn per batch shape; torch's random streams left as they were). A refusal is final
-        for this oracle (a retried step is refused again). What it cannot see:
-        mixing below the tolerance, on later batches only, or in rows beyond the first few
-        (docs/privacy.md, DP-ZO)."""
-        k = min(self.SELF_CHECK_EXAMPLES, inputs.batch_len(x))
-        # Eval mode for both (any training-mode randomness off: nn.Dropout, F.dropout(training=...),
-        # DropPath), torch's random streams left as they were.
-        with rng_preserved(inputs.device_of(x)), eval_mode(self.model):
-            full = self._plain_losses(params, x, y)[:k]
-            alone = torch.cat(
-                [self._plain_losses(params, inputs.rows(x, i, i + 1), y[i : i + 1]).reshape(-1) for i in range(k)]
-            )
-        # Float rounding differs with the batch shape (kernel blocking): allow √eps of the coarsest
-        # dtype computed in (a bf16 model whose loss upcasts rounds like bf16), relative.
-        dtypes = {t.dtype for t in params.values() if t.is_floating_point()} | {full.dtype}
-        tol = math.sqrt(max(torch.finfo(d).eps for d in dtypes)) * (1 + full.abs())
-        same = ((full - alone).abs() <= tol) | (full == alone) | (full.isnan() & alone.isnan())
-        if bool(same.all()):
-            self._isolation_checked = True
-        else:
-            # No values in the message: they are private (and not differentially private).
-            self._isolation_refused = ConfigError(
-                "the loss of an example depends on other examples of the batch (on the first batch, an "
-                "example's loss computed within the batch differs from its loss computed alone): "
-                "DP-ZO bounds one example's influence by C only if each example's loss is its own (a "
-                "batch-centred or in-batch contrastive loss, or a layer that mixes examples, breaks "
-                "that). Fix: return each example's own loss, e.g. F.cross_entropy(out, y, reduction='none'), "
-                "without batch statistics or in-batch negatives."
-            )
-            raise self._isolation_refused
+def _row_values(result: torch.Tensor | MaterializedGrads, i: int) -> list[torch.Tensor]:
+    """What is released for row i: its loss (DP-ZO), or its norm bound N_i and its gradient g_i."""
+    if isinstance(result, torch.Tensor):
+        return [result[i : i + 1]]
+    norms = result.norms  # first: weighted_sum's non-finite rule reads them
+    e = torch.zeros_like(result.losses)
+    e[i] = 1
+    g = result.weighted_sum(e)
+    if isinstance(result, ghost.GhostGrads):
+        result.reset_reuse()  # the probe's weights must not seed the release's sums
+    return [norms[i : i + 1], *g.values()]
+
+
+def _scale(result: torch.Tensor | MaterializedGrads) -> float:
+    """The median finite |loss| or norm of the batch: the tolerance's floor for small rows."""
+    v = (result if isinstance(result, torch.Tensor) else result.norms).detach().double().abs()
+    v = v[v.isfinite()]
+    return float(v.median()) if v.numel() else 0.0
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor], tol: float, scale: float) -> bool:
+    """‖a − b‖ ≤ tol·max(‖a‖, ‖b‖, scale) over the concatenated values, NaN equal to NaN."""
+    u, v = (torch.cat([t.detach().reshape(-1).double() for t in ts]) for ts in (a, b))
+    d = torch.where((u == v) | (u.isnan() & v.isnan()), torch.zeros_like(u), u - v)
+    size = max(float(t.nan_to_num(0.0, 0.0, 0.0).norm()) for t in (u, v))
+    return bool(d.norm() <= tol * max(size, scale))

@@ -15,6 +15,9 @@ lower bound above the ε that dptune claims for the broken run.
   style): the calibrated ν is used as the *gradient's* multiplier ν_g and the q-query is
   added on top with the same ν_q/ν_g ratio, while the ledger only sees ν_g. The true joint
   multiplier is ν/(1+r) (r = relative_increase): a factor 4 too little noise at r = 3.
+* ``isolation_check_skipped()``: the isolation probe of the ghost path and of DP-ZO always
+  passes; not in ``APPLICABLE`` (the audits' canary models do not mix examples), caught by
+  ``tests/test_isolation_probe.py``, which measures ‖S(D ∪ {x}) − S(D)‖ > C through the gateway.
 """
 
 from __future__ import annotations
@@ -123,11 +126,31 @@ def split_accounted_at_nu_g(fool_ledger: bool = True) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def isolation_check_skipped() -> Iterator[None]:
+    """The ghost path's and DP-ZO's isolation probe always passes (``GradientOracle._probe`` only
+    schedules the next one, ``_compare_alone`` does nothing): a pipeline that mixes examples is
+    released from the batched forward (issue 23)."""
+    from dptune.grads import GradientOracle
+
+    def probe(self, kind, x, y, before, again, got):  # noqa: ANN001, ANN202, ARG001
+        self._next_probe[kind] = self._calls[kind] + self.PROBE_EVERY
+
+    def compare_alone(self, params, x, y):  # noqa: ANN001, ANN202, ARG001
+        return None
+
+    with _patched(GradientOracle, "_probe", probe), _patched(GradientOracle, "_compare_alone", compare_alone):
+        yield
+
+
 MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "noise×0.25": lambda: noise_scaled(0.25),
     "no clipping": clipping_disabled,
     "q-query noise removed": q_noise_removed,
     "split accounted at ν_g": split_accounted_at_nu_g,
+    # No audited strategy's canaries mix examples: tests/test_isolation_probe.py measures its
+    # sensitivity (one added example moves the released sum by > C) instead of an ε bound.
+    "isolation check skipped": isolation_check_skipped,
 }
 
 # Which mutants apply to which audited strategy (the OSO-specific ones only to OSO).
