@@ -2,19 +2,8 @@
 
 Matplotlib is used through ``matplotlib.figure.Figure`` with the Agg canvas, never
 through ``pyplot``: no global state, no GUI backend, safe in threads and on headless
-machines. Strategies keep the same colour in every figure (``strategy_colors``).
-
-Figures (paper references):
-
-* ``metric_vs_epsilon`` — metric vs ε per strategy, mean ± std over seeds (Galli Figs 3–5);
-* ``trajectories`` — C_t and ρ_t over iterations, log y-axis (OSO's adaptation, Galli Alg. 1);
-* ``cosine_similarity`` — cos(sanitized, true mean gradient) vs C (Galli Fig. 1);
-* ``noise_pareto`` — the ν_g–ν_q Pareto front of Proposition 1 with the 1 % rule (Galli Fig. 2);
-* ``lt_vs_ma`` — Liu–Talwar vs moments-accountant cost vs #candidates (Mohapatra Fig. 6);
-* ``linear_scaling`` — r = η·T vs ε with the fitted line (Panda Fig. 3);
-* ``ledger`` — ε spent per run and releases per query label;
-* ``best_count_heatmap`` — how often each (α, C) was the best DP-SGD candidate (Mohapatra Fig. 7);
-* ``lr_vs_clip`` — the best α for each C, log–log, against α ∝ 1/C (Mohapatra Sec. 4.1, Theorem 4).
+machines. Strategies keep the same colour in every figure (``strategy_colors``). Each
+function names the paper figure it reproduces.
 """
 
 from __future__ import annotations
@@ -46,18 +35,7 @@ from dptune.report.data import (
 )
 
 DPI = 110
-_PALETTE = [
-    "#1f77b4",
-    "#d62728",
-    "#2ca02c",
-    "#ff7f0e",
-    "#9467bd",
-    "#8c564b",
-    "#e377c2",
-    "#17becf",
-    "#bcbd22",
-    "#7f7f7f",
-]
+_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
 
 
 # Built-in strategies get fixed colours so that a strategy looks the same in every figure
@@ -71,15 +49,15 @@ def strategy_colors(names: Iterable[str]) -> dict[str, str]:
     for n in sorted(set(names)):
         base = n.split("/")[0].split(" ")[0]
         i = _KNOWN.index(base) if base in _KNOWN else len(_KNOWN) + zlib.crc32(n.encode()) % 2
-        out[n] = _PALETTE[i % len(_PALETTE)]
+        out[n] = _COLORS[i % len(_COLORS)]
     return out
 
 
 def _figure(width: float = 7.0, height: float = 4.2, nrows: int = 1, ncols: int = 1) -> tuple[Figure, Any]:
+    """A figure and its axes: one ``Axes`` for a single panel, else a 1-D array of them."""
     fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    return fig, axes
+    return fig, fig.subplots(nrows, ncols)
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
@@ -89,6 +67,29 @@ def _save(fig: Figure, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=DPI)
     return path
+
+
+def _finish(ax: Any, xlabel: str, ylabel: str, title: str, *, grid: str = "major", legend: str | None = "best") -> None:
+    """Axis labels, title, a light grid and (``legend``: its location) the legend."""
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3, which=grid)
+    if legend:
+        ax.legend(fontsize=8, loc=legend)
+
+
+def _empty(ax: Any, text: str) -> None:
+    """What a panel with nothing to draw says instead."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
+
+
+def _log_axes(ax: Any, which: str) -> None:
+    """Log scale with plain tick labels on the ``which`` axes ("x", "y" or "xy")."""
+    if "x" in which:
+        ax.set_xscale("log")
+    if "y" in which:
+        ax.set_yscale("log")
+    for axis in which:
+        _plain_log_ticks(ax, axis)
 
 
 def _plain_log_ticks(ax: Any, which: str = "y") -> None:
@@ -109,6 +110,13 @@ def _eps_text(eps: float) -> str:
     return "∞" if math.isinf(eps) else f"{eps:g}"
 
 
+def _sequential(n: int) -> list[Any]:
+    from matplotlib import colormaps
+
+    cm = colormaps["viridis"]
+    return [cm(x) for x in np.linspace(0.0, 0.85, max(n, 1))][:n]
+
+
 # ----------------------------------------------------------------------------- metric vs ε
 def metric_vs_epsilon(
     rows: Sequence[SummaryRow],
@@ -125,34 +133,27 @@ def metric_vs_epsilon(
     drawn: their exact scores are covered by no guarantee and this figure is published
     (docs/privacy.md). Configurations whose seeds all diverged have no point (Galli: "not included").
     """
-    fig, axes = _figure()
-    ax = axes[0, 0]
+    fig, ax = _figure()
     rows = [r for r in rows if math.isfinite(r.epsilon)]
     colors = strategy_colors(r.strategy for r in rows)
-    finite_eps = sorted({r.epsilon for r in rows if math.isfinite(r.epsilon)})
     for strat in sorted(colors):
         fin = sorted((r for r in rows if r.strategy == strat and r.mean is not None), key=lambda r: r.epsilon)
-        if fin:
-            ax.errorbar(  # means clipped to the metric's range: a noisy private score can leave it
+        if fin:  # means clipped to the metric's range: a noisy private score can leave it
+            x, y, err = (
                 [r.epsilon for r in fin],
                 [clip_to_range(r.mean, metric) for r in fin],
-                yerr=[r.std or 0.0 for r in fin],
-                marker="o",
-                capsize=4,
-                lw=1.6,
-                color=colors[strat],
-                label=strat,
+                [r.std or 0.0 for r in fin],
             )
-    if finite_eps:
-        ax.set_xticks(finite_eps, [_eps_text(e) for e in finite_eps])
-    ax.set_xlabel("privacy budget ε")
-    ax.set_ylabel(metric_label(metric, higher))
-    ax.set_title(title or f"{metric_label(metric, higher)} vs ε (mean ± std over seeds)")
-    ax.grid(alpha=0.3)
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=4, lw=1.6, color=colors[strat], label=strat)
+    if rows:
+        eps = sorted({r.epsilon for r in rows})
+        ax.set_xticks(eps, [_eps_text(e) for e in eps])
+    label = metric_label(metric, higher)
+    _finish(ax, "privacy budget ε", label, title or f"{label} vs ε (mean ± std over seeds)", legend=None)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="best")
     else:
-        ax.text(0.5, 0.5, "no finished configuration to show", ha="center", va="center", transform=ax.transAxes)
+        _empty(ax, "no finished configuration to show")
     return _save(fig, path)
 
 
@@ -160,11 +161,8 @@ def metric_vs_epsilon(
 def _series(rows: Sequence[Mapping[str, Any]], key: str, max_points: int = 2000) -> tuple[np.ndarray, np.ndarray]:
     steps, vals = [], []
     for i, row in enumerate(rows):
-        v = row.get(key)
-        if v is None:
-            continue
         try:
-            v = float(v)
+            v = float(row.get(key))  # a missing key (None) is a TypeError
         except (TypeError, ValueError):
             continue
         # log axis: only finite positive values can be drawn.
@@ -199,15 +197,12 @@ def trajectories(
     style = {e: _LINE_STYLES[i % len(_LINE_STYLES)] for i, e in enumerate(epsilons)}
 
     def name(h: RunHistory) -> str:
-        if len(epsilons) < 2:
+        if len(epsilons) < 2 or h.epsilon is None:
             return h.strategy
-        return f"{h.strategy}, ε = {_eps_text(float(h.epsilon))}" if h.epsilon is not None else h.strategy
+        return f"{h.strategy}, ε = {_eps_text(float(h.epsilon))}"
 
     seen: set[tuple[str, str]] = set()
-    for key, ax, label_y in (
-        ("clip", axes[0, 0], "clipping threshold $C_t$"),
-        ("lr", axes[1, 0], "learning rate $ρ_t$"),
-    ):
+    for key, ax, label_y in (("clip", axes[0], "clipping threshold $C_t$"), ("lr", axes[1], "learning rate $ρ_t$")):
         drawn = 0
         for h in hs:
             x, y = _series(h.rows, key)
@@ -223,14 +218,12 @@ def trajectories(
             _plain_log_ticks(ax)
             ax.legend(fontsize=8, loc="best", ncol=2 if len({name(h) for h in hs}) > 6 else 1)
         else:
-            ax.text(0.5, 0.5, f"no run recorded '{key}'", ha="center", va="center", transform=ax.transAxes)
+            _empty(ax, f"no run recorded '{key}'")
         ax.set_ylabel(label_y)
         ax.grid(alpha=0.3, which="both")
-    axes[1, 0].set_xlabel("iteration t")
-    axes[0, 0].set_title(
-        title
-        or "Trajectories of $C_t$ and $ρ_t$ (one line per run" + ("; line style: ε)" if len(epsilons) > 1 else ")")
-    )
+    axes[1].set_xlabel("iteration t")
+    styles = "; line style: ε)" if len(epsilons) > 1 else ")"
+    axes[0].set_title(title or "Trajectories of $C_t$ and $ρ_t$ (one line per run" + styles)
     return _save(fig, path)
 
 
@@ -243,38 +236,23 @@ def cosine_similarity(result: Any, path: str | Path, *, title: str | None = None
     et al. 2024, Fig. 1). Negative values mean the sanitized gradient points away from
     the true one.
     """
-    fig, axes = _figure()
-    ax = axes[0, 0]
+    fig, ax = _figure()
     clips = np.asarray(result.clips, dtype=float)
-    cmap = _sequential(len(result.iterations))
-    for color, t in zip(cmap, result.iterations, strict=True):
+    for color, t in zip(_sequential(len(result.iterations)), result.iterations, strict=True):
         m = np.asarray(result.mean[t], dtype=float)
         s = np.asarray(result.std[t], dtype=float)
         ax.plot(clips, m, marker="o", ms=3, lw=1.5, color=color, label=f"t = {t}")
         ax.fill_between(clips, m - s, m + s, color=color, alpha=0.15)
     ax.axhline(0.0, color="k", lw=0.8)
-    ax.set_xscale("log")
-    _plain_log_ticks(ax, "x")
-    ax.set_xlabel("clipping threshold C")
-    ax.set_ylabel("cosine similarity to the true mean gradient")
-    ax.set_title(
-        title
-        or (
-            f"Sanitized vs true gradient (ν = {result.noise_multiplier:.3g}, "
-            f"L = {result.expected_batch_size:g}, {result.repeats} draws)"
-        )
-    )
+    _log_axes(ax, "x")
     ax.set_ylim(min(-0.1, float(np.nanmin([np.nanmin(result.mean[t]) for t in result.iterations])) - 0.05), 1.02)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="best")
+    default = (
+        f"Sanitized vs true gradient (ν = {result.noise_multiplier:.3g}, "
+        f"L = {result.expected_batch_size:g}, {result.repeats} draws)"
+    )
+    ylabel = "cosine similarity to the true mean gradient"
+    _finish(ax, "clipping threshold C", ylabel, title or default, grid="both")
     return _save(fig, path)
-
-
-def _sequential(n: int) -> list[Any]:
-    from matplotlib import colormaps
-
-    cm = colormaps["viridis"]
-    return [cm(x) for x in np.linspace(0.0, 0.85, max(n, 1))][:n]
 
 
 # ----------------------------------------------------------------------------- Pareto (Galli Fig. 2)
@@ -324,34 +302,24 @@ def noise_pareto(
     r = ``relative_increase`` (r = 1 %: ν_q ≈ 7.124ν); the dotted line is the asymptote ν_g → ν.
     """
     pairs = noise_pairs(noise_multipliers)
-    fig, axes = _figure()
-    ax = axes[0, 0]
-    colors = _sequential(len(pairs))
-    for color, (eps, nu) in zip(colors, pairs, strict=True):
+    fig, ax = _figure()
+    for color, (eps, nu) in zip(_sequential(len(pairs)), pairs, strict=True):
         nu_q = nu * np.geomspace(1.005, 60.0, 300)
         ax.plot(nu_q, pareto_front(nu, nu_q), color=color, lw=1.6, label=f"ε = {_eps_text(eps)} (ν = {nu:.3g})")
         ax.axhline(nu, color=color, ls=":", lw=0.9)
         q_star, g_star = pareto_choice(nu, relative_increase)
         ax.plot([q_star], [g_star], marker="*", ms=13, color=color, mec="k", mew=0.6)
-    ax.plot(
-        [],
-        [],
-        ls="none",
-        marker="*",
-        ms=11,
-        color="w",
-        mec="k",
-        label=rf"chosen: $\nu_g$ = {1 + relative_increase:g}$\nu$",
+    chosen = rf"chosen: $\nu_g$ = {1 + relative_increase:g}$\nu$"
+    ax.plot([], [], ls="none", marker="*", ms=11, color="w", mec="k", label=chosen)
+    _log_axes(ax, "xy")
+    _finish(
+        ax,
+        r"$\nu_q$ (noise multiplier of OSO's q-query)",
+        r"$\nu_g$ (noise multiplier of the gradient)",
+        title or r"Pareto front of the ($\nu_q$, $\nu_g$) split (Galli Prop. 1)",
+        grid="both",
+        legend="upper right",
     )
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    _plain_log_ticks(ax, "x")
-    _plain_log_ticks(ax, "y")
-    ax.set_xlabel(r"$\nu_q$ (noise multiplier of OSO's q-query)")
-    ax.set_ylabel(r"$\nu_g$ (noise multiplier of the gradient)")
-    ax.set_title(title or r"Pareto front of the ($\nu_q$, $\nu_g$) split (Galli Prop. 1)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="upper right")
     return _save(fig, path)
 
 
@@ -374,19 +342,16 @@ def lt_vs_ma(rows: Sequence[Any], path: str | Path, *, title: str | None = None)
     rs = coerce_lt_ma(rows)
     if not rs:
         raise ConfigError("lt_vs_ma needs at least one (k, eps_LT, eps_MA) row.")
-    fig, axes = _figure()
-    ax = axes[0, 0]
+    fig, ax = _figure()
     ks = [r.k for r in rs]
     ax.plot(ks, [r.eps_lt for r in rs], marker="o", ms=3, color="#1f77b4", label="Liu–Talwar (LT)")
     ax.plot(ks, [r.eps_ma for r in rs], marker="o", ms=3, color="#ff7f0e", label="moments accountant (MA)")
     k_star = ma_break_even(rs)
     if k_star is not None:
         ax.axvline(k_star, color="k", ls="--", lw=0.9, label=f"MA no costlier up to k = {k_star}")
-    ax.set_xlabel("number of candidates k")
-    ax.set_ylabel("ε of the whole search (lower is better)")
-    ax.set_title(title or "Cost of tuning: LT vs MA")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    _finish(
+        ax, "number of candidates k", "ε of the whole search (lower is better)", title or "Cost of tuning: LT vs MA"
+    )
     return _save(fig, path)
 
 
@@ -407,10 +372,9 @@ def linear_scaling(fit: LinearScalingFit | Mapping[str, Any], path: str | Path, 
     pts = [(float(e), float(r)) for e, r in fit.points]
     if not pts:
         raise ConfigError("linear_scaling needs at least one (epsilon, r) point.")
-    fig, axes = _figure()
-    ax = axes[0, 0]
-    xs = [e for e, _ in pts] + ([fit.target_epsilon] if fit.target_epsilon is not None else [])
-    grid = np.linspace(0.0, max(xs) * 1.08, 100)
+    fig, ax = _figure()
+    target = fit.target_epsilon
+    grid = np.linspace(0.0, max([e for e, _ in pts] + ([target] if target is not None else [])) * 1.08, 100)
     sym = "μ" if fit.axis == "mu" else "ε"
     if fit.coefficients is not None:
         label = f"degree-{len(fit.coefficients) - 1} fit of r against {sym}"
@@ -418,22 +382,11 @@ def linear_scaling(fit: LinearScalingFit | Mapping[str, Any], path: str | Path, 
         label = f"fit r = {fit.slope:.4g}·{sym} + {fit.intercept:.4g}"
     ax.plot(grid, [fit.r_at(g) for g in grid], color="#1f77b4", lw=1.4, label=label)
     ax.scatter([e for e, _ in pts], [r for _, r in pts], color="#d62728", zorder=3, label="searched points")
-    if fit.target_epsilon is not None:
-        ax.plot(
-            [fit.target_epsilon],
-            [fit.r_at(fit.target_epsilon)],
-            marker="*",
-            ms=14,
-            color="#2ca02c",
-            mec="k",
-            ls="none",
-            label=f"extrapolated r at {sym} = {fit.target_epsilon:.4g}",
-        )
-    ax.set_xlabel("μ of μ-GDP" if fit.axis == "mu" else "privacy budget ε")
-    ax.set_ylabel("r = η·T (learning rate × steps)")
-    ax.set_title(title or "Linear scaling rule (Panda et al. 2024)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    if target is not None:
+        star = f"extrapolated r at {sym} = {target:.4g}"
+        ax.plot([target], [fit.r_at(target)], marker="*", ms=14, color="#2ca02c", mec="k", ls="none", label=star)
+    xlabel = "μ of μ-GDP" if fit.axis == "mu" else "privacy budget ε"
+    _finish(ax, xlabel, "r = η·T (learning rate × steps)", title or "Linear scaling rule (Panda et al. 2024)")
     return _save(fig, path)
 
 
@@ -454,8 +407,28 @@ def ledger(
     red line across the bars. A non-private run (ε = ∞) has no bar: it is marked "ε = ∞".
     """
     rs = coerce_ledger_rows(rows)
-    fig, axes = _figure(10.0, 4.4, ncols=2)
-    ax_eps, ax_rel = axes[0, 0], axes[0, 1]
+    fig, (ax_eps, ax_rel) = _figure(10.0, 4.4, ncols=2)
+    _epsilon_per_run(ax_eps, rs, planned_epsilon, max_bars)
+    by_label: dict[str, int] = {}
+    for r in rs:
+        by_label[r.label] = by_label.get(r.label, 0) + int(r.releases)
+    if by_label:
+        labels = sorted(by_label)
+        ax_rel.barh(np.arange(len(labels)), [by_label[k] for k in labels], color="#2ca02c")
+        ax_rel.set_yticks(np.arange(len(labels)), labels, fontsize=7)
+        ax_rel.invert_yaxis()
+    else:
+        _empty(ax_rel, "no releases recorded")
+    ax_rel.set_xlabel("noisy releases (all runs)")
+    ax_rel.set_title("releases per query label")
+    fig.suptitle(title or "Privacy ledger")
+    return _save(fig, path)
+
+
+def _epsilon_per_run(
+    ax: Any, rs: list[LedgerRow], planned_epsilon: float | Sequence[tuple[float, str]] | None, max_bars: int
+) -> None:
+    """The ledger figure's left panel: each run's ε alone, and the planned ε lines."""
     eps_by_run: dict[str, float] = {}
     plan_by_run: dict[str, float] = {}
     for r in rs:
@@ -468,63 +441,41 @@ def ledger(
     # transforms (its RuntimeWarning); such runs are named instead.
     finite = {r: e for r, e in eps_by_run.items() if math.isfinite(e)}
     if not runs:
-        ax_eps.text(0.5, 0.5, "no per-run ε recorded", ha="center", va="center", transform=ax_eps.transAxes)
+        _empty(ax, "no per-run ε recorded")
     elif len(runs) <= max_bars:
         y = np.arange(len(runs))
-        ax_eps.barh(y, [finite.get(r, 0.0) for r in runs], color="#1f77b4", label="spent")
+        ax.barh(y, [finite.get(r, 0.0) for r in runs], color="#1f77b4", label="spent")
         for i, r in enumerate(runs):
             if r not in finite:
-                ax_eps.text(0.0, i, " ε = ∞ (non-private)", va="center", fontsize=7)
+                ax.text(0.0, i, " ε = ∞ (non-private)", va="center", fontsize=7)
         ticks = [(plan_by_run[r], i) for i, r in enumerate(runs) if math.isfinite(plan_by_run.get(r, math.nan))]
         if ticks:
-            ax_eps.scatter(
-                [p for p, _ in ticks],
-                [i for _, i in ticks],
-                marker="|",
-                s=160,
-                color="k",
-                zorder=3,
-                label="planned (run alone)",
-            )
-        ax_eps.set_yticks(y, [str(r) or "(run)" for r in runs], fontsize=7)
-        ax_eps.invert_yaxis()
-        ax_eps.set_xlabel("ε of the run alone")
+            xs, ys = [p for p, _ in ticks], [i for _, i in ticks]
+            ax.scatter(xs, ys, marker="|", s=160, color="k", zorder=3, label="planned (run alone)")
+        ax.set_yticks(y, [str(r) or "(run)" for r in runs], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("ε of the run alone")
     else:
         if finite:
-            ax_eps.hist(list(finite.values()), bins=20, color="#1f77b4")
+            ax.hist(list(finite.values()), bins=20, color="#1f77b4")
         n_inf = len(runs) - len(finite)
-        ax_eps.set_xlabel(
-            f"ε of the run alone ({len(runs)} runs" + (f"; {n_inf} non-private, ε = ∞, not shown)" if n_inf else ")")
-        )
-        ax_eps.set_ylabel("runs")
-    lines = (
-        [(float(planned_epsilon), "study plan")]
-        if isinstance(planned_epsilon, int | float)
-        else [(float(e), str(lab)) for e, lab in planned_epsilon or ()]
-    )
+        hidden = f"; {n_inf} non-private, ε = ∞, not shown)" if n_inf else ")"
+        ax.set_xlabel(f"ε of the run alone ({len(runs)} runs" + hidden)
+        ax.set_ylabel("runs")
+    if isinstance(planned_epsilon, int | float):
+        lines = [(float(planned_epsilon), "study plan")]
+    else:
+        lines = [(float(e), str(lab)) for e, lab in planned_epsilon or ()]
     lines = [(e, lab) for e, lab in lines if math.isfinite(e)]
     for k, (e, lab) in enumerate(lines):
-        ax_eps.axvline(e, color="#d62728", lw=1.2, ls=("-", "--", ":", "-.")[k % 4], label=f"{lab}: ε = {e:.3g}")
-    if runs and ax_eps.get_legend_handles_labels()[0]:  # a histogram alone has nothing to name
+        ax.axvline(e, color="#d62728", lw=1.2, ls=("-", "--", ":", "-.")[k % 4], label=f"{lab}: ε = {e:.3g}")
+    if runs and ax.get_legend_handles_labels()[0]:  # a histogram alone has nothing to name
         # Below the axes: inside, it would hide the longest bars.
-        ax_eps.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    ax_eps.set_title("privacy spent per run")
-    by_label: dict[str, int] = {}
-    for r in rs:
-        by_label[r.label] = by_label.get(r.label, 0) + int(r.releases)
-    if by_label:
-        labels = sorted(by_label)
-        ax_rel.barh(np.arange(len(labels)), [by_label[k] for k in labels], color="#2ca02c")
-        ax_rel.set_yticks(np.arange(len(labels)), labels, fontsize=7)
-        ax_rel.invert_yaxis()
-    else:
-        ax_rel.text(0.5, 0.5, "no releases recorded", ha="center", va="center", transform=ax_rel.transAxes)
-    ax_rel.set_xlabel("noisy releases (all runs)")
-    ax_rel.set_title("releases per query label")
-    fig.suptitle(title or "Privacy ledger")
-    return _save(fig, path)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    ax.set_title("privacy spent per run")
 
 
+# ----------------------------------------------------------------------------- heatmaps
 def cell_grid(cells: Mapping[tuple[Any, Any], float | None]) -> tuple[list[Any], list[Any], np.ndarray]:
     """(x values, y values, grid [y, x]) of the cells keyed (x, y), each axis in numeric order; a
     cell that did not run, or whose value is None, is NaN."""
@@ -552,6 +503,27 @@ def annotate_cells(
             ax.text(j, i, text, ha="center", va="center", fontsize=fontsize, color="black" if light else "white")
 
 
+def _heatmap(
+    xs: list[Any],
+    ys: list[Any],
+    grid: np.ndarray,
+    inches: tuple[float, float],
+    names: tuple[str, str],
+    title: str,
+    **imshow: Any,
+) -> tuple[Figure, Any, Any]:
+    """(figure, axes, image) of ``cell_grid``'s output with the axes ticked and named;
+    ``inches``: the figure's width per x value and its margin."""
+    fig, ax = _figure(inches[0] * len(xs) + inches[1], 0.55 * len(ys) + 1.8)
+    im = ax.imshow(grid, origin="lower", aspect="auto", **imshow)
+    ax.set_xticks(range(len(xs)), [f"{float(x):g}" for x in xs])
+    ax.set_yticks(range(len(ys)), [f"{float(y):g}" for y in ys])
+    ax.set_xlabel(names[0])
+    ax.set_ylabel(names[1])
+    ax.set_title(title, fontsize=9)
+    return fig, ax, im
+
+
 def grid_heatmap(
     scores: Mapping[tuple[Any, Any], float],
     x_name: str,
@@ -565,14 +537,8 @@ def grid_heatmap(
     """Every configuration's score on a two-axis grid (e.g. lr × C: Mohapatra's inverse relation;
     η × T: Panda's heatmaps), the best cell outlined. Shows losing candidates: a diagnostic."""
     xs, ys, grid = cell_grid(scores)
-    fig, axes = _figure(1.1 * len(xs) + 2.4, 0.55 * len(ys) + 1.8)
-    ax = axes[0][0]
-    im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis" if higher else "viridis_r")
-    ax.set_xticks(range(len(xs)), [f"{float(x):g}" for x in xs])
-    ax.set_yticks(range(len(ys)), [f"{float(y):g}" for y in ys])
-    ax.set_xlabel(x_name)
-    ax.set_ylabel(y_name)
-    ax.set_title(title, fontsize=9)
+    cmap = "viridis" if higher else "viridis_r"
+    fig, ax, im = _heatmap(xs, ys, grid, (1.1, 2.4), (x_name, y_name), title, cmap=cmap)
     lo, hi = (np.nanmin(grid), np.nanmax(grid)) if np.isfinite(grid).any() else (0.0, 1.0)
     annotate_cells(ax, grid, lo, hi, higher)
     if np.isfinite(grid).any():
@@ -598,39 +564,18 @@ def best_count_heatmap(
     if not counts:
         raise ConfigError("best_count_heatmap needs at least one (α, C) cell.")
     xs, ys, grid = cell_grid(counts)
-    fig, axes = _figure(0.75 * len(xs) + 2.6, 0.55 * len(ys) + 1.8)
-    ax = axes[0][0]
-    im = ax.imshow(grid, origin="lower", aspect="auto", cmap="Blues", vmin=0, vmax=max(1.0, float(np.nanmax(grid))))
-    ax.set_xticks(range(len(xs)), [f"{float(x):g}" for x in xs])
-    ax.set_yticks(range(len(ys)), [f"{float(y):g}" for y in ys])
-    ax.set_xlabel(x_name)
-    ax.set_ylabel(y_name)
-    ax.set_title(title, fontsize=9)
     top = max(1.0, float(np.nanmax(grid)))
-    for i in range(len(ys)):
-        for j in range(len(xs)):
-            if np.isfinite(grid[i, j]):
-                ax.text(
-                    j,
-                    i,
-                    f"{int(grid[i, j])}",
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="white" if grid[i, j] > 0.6 * top else "black",
-                )
-                if grid[i, j] >= 1:
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=1.5, ec="red"))
+    fig, ax, im = _heatmap(xs, ys, grid, (0.75, 2.6), (x_name, y_name), title, cmap="Blues", vmin=0, vmax=top)
+    for i, j in zip(*np.nonzero(np.isfinite(grid)), strict=True):
+        v = grid[i, j]
+        ax.text(j, i, f"{int(v)}", ha="center", va="center", fontsize=7, color="white" if v > 0.6 * top else "black")
+        if v >= 1:
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=1.5, ec="red"))
     fig.colorbar(im, ax=ax, label="times best")
     return _save(fig, path)
 
 
-def lr_vs_clip(
-    series: Mapping[str, Sequence[tuple[float, float]]],
-    path: str | Path,
-    *,
-    title: str,
-) -> Path:
+def lr_vs_clip(series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, *, title: str) -> Path:
     """The best learning rate for each clipping threshold, one line per series, log–log, with a
     dashed α ∝ 1/C reference through each series' geometric mean (Mohapatra et al. 2022, Sec. 4.1:
     "LR and C have inverse relation" for DP-SGD; Theorem 4: α_opt·C does not depend on C).
@@ -639,24 +584,17 @@ def lr_vs_clip(
     pts = {k: sorted((float(c), float(a)) for c, a in v) for k, v in series.items() if v}
     if not pts:
         raise ConfigError("lr_vs_clip needs at least one series with a (C, α) point.")
-    fig, axes = _figure(6.4, 4.2)
-    ax = axes[0, 0]
-    colors = _sequential(len(pts))
-    for (label, p), col in zip(pts.items(), colors, strict=True):
+    fig, ax = _figure(6.4, 4.2)
+    for (label, p), col in zip(pts.items(), _sequential(len(pts)), strict=True):
         cs, al = np.array([c for c, _ in p]), np.array([a for _, a in p])
         ax.plot(cs, al, marker="o", color=col, label=label)
         if len(cs) > 1:
             k = math.exp(float(np.mean(np.log(al * cs))))  # α = k/C through the points' geometric mean
             grid = np.geomspace(cs.min(), cs.max(), 20)
             ax.plot(grid, k / grid, ls="--", lw=0.9, color=col, alpha=0.7)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    _plain_log_ticks(ax, "x")
-    _plain_log_ticks(ax, "y")
-    ax.set_xlabel("clipping threshold C")
-    ax.set_ylabel("best learning rate α")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3, which="both")
+    _log_axes(ax, "xy")
+    _finish(ax, "clipping threshold C", "best learning rate α", title, grid="both", legend=None)
+    ax.title.set_fontsize(9)
     ax.plot([], [], ls="--", color="grey", label="α ∝ 1/C")
     ax.legend(fontsize=7, loc="best")
     return _save(fig, path)

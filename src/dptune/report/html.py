@@ -134,6 +134,14 @@ def _budget_text(pair: tuple[float, float] | None) -> tuple[str, str]:
     return ("∞ (non-private)" if math.isinf(eps) else f"{eps:.4g}"), f"{delta:.3g}"
 
 
+def check_selection_mode(mode: str) -> None:
+    if mode not in SELECTION_MODES:
+        raise ConfigError(
+            f"selection_mode must be 'public' or 'private' (where the validation data that "
+            f"picks hyperparameters comes from), got {mode!r}."
+        )
+
+
 def render_header(
     *,
     selection_mode: str | None,
@@ -147,11 +155,7 @@ def render_header(
     the spent budget exceeds the plan (which the ledger should have made impossible)."""
     parts = []
     if selection_mode is not None:
-        if selection_mode not in SELECTION_MODES:
-            raise ConfigError(
-                f"selection_mode must be 'public' or 'private' (where the validation data that "
-                f"picks hyperparameters comes from), got {selection_mode!r}."
-            )
+        check_selection_mode(selection_mode)
         parts.append(
             f'<div class="banner {selection_mode}"><b>Selection mode: {_esc(selection_mode)} validation data.</b> '
             f"{_esc(SELECTION_MODES[selection_mode])} {_esc(SELECTION_SPLITS.get(selection_split or '', ''))}</div>"

@@ -5,17 +5,6 @@ readers (``load_study``, ``study_table``, ``budget_rows``) and hands plain rows 
 ``build_report``. The tuner is the authority on what was selected and what was spent;
 the report never re-selects.
 
-What is shown:
-
-* results: per (strategy, ε) the configuration the tuner selected, its metric on the
-  test split (mean ± std over seed replicates; the selection score when the study has no
-  test metric);
-* the tuner's selection table (selection score and test metric, runs, planned and spent);
-* C_t and ρ_t of the selected runs (of every run for studies of at most 24 runs);
-* the ledger: each run's ε alone and the releases per query label;
-* OSO arms: the ν_g–ν_q Pareto front at the arms' ν; Liu–Talwar arms: LT vs MA cost for
-  that run geometry; linear-scaling arms: the fit of r = η·T of the first procedure.
-
 Release vs diagnostics (``dptune.outputs``): ``<out>/release/`` shows the selected
 configurations, their metrics, the budgets, the selected runs' C_t/ρ_t (named by procedure
 and replicate, never by run id: the id numbers the candidates) and the plan-derived figures.
@@ -95,39 +84,60 @@ def report_study(
     out = Path(out_dir) if out_dir is not None else study_dir
     cfg, plan, runs, entries, table, per_run, arm_of = read_study(study_dir)
     sel = cfg.get("selection", {})
-    metric = plan.metric
     # The non-private baseline (nodp, ε = ∞) is in no release table, figure or sentence: its exact
     # scores go to the diagnostics (build_report's "Non-private baseline" section).
     released = private_rows(table)
-
-    # -- results: the tuner's selection, metric on the test split where there is one
-    has_test = any(r["test_mean"] is not None for r in table)
-    summary = []
-    for r in table:  # every arm: build_report keeps the ε = ∞ rows in the diagnostics
-        mean, std = (r["test_mean"], r["test_std"]) if has_test else (r["value_mean"], r["value_std"])
-        summary.append(
-            SummaryRow(
-                _arm_label(r["strategy"], r["method"]),
-                float(r["epsilon"]),
-                r["selected"] or "—",
-                mean,
-                std,
-                int(r["replicates"]),
-                0,
-                True,
-            )
-        )
-
+    has_test = any(r["test_mean"] is not None for r in table)  # else the selection score is shown
     hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
-
-    # -- histories: the selected runs (release, named without their run id); every run of a
-    # small study for the diagnostics
     chosen = {rid for r in table for rid in r["selected_runs"]}  # the nodp baseline's too (diagnostics)
-    selected = {rid for r in released for rid in r["selected_runs"]}
-    wanted = set(chosen)
-    if len(runs) <= MAX_ALL_HISTORIES:
-        wanted = {r["run_id"] for r in runs}
-    histories = [
+    # The tuner's own table and every run: diagnostics (counts of runs reveal K under LT/RS).
+    notes, secret_notes = split_arm_notes(plan.arms)
+    dsections = [every_run_section(table, write_runs_csv(out, runs, arm_of), secret_notes)]
+    if include_diagnostics and (heatmaps := grid_heatmaps(runs, arm_of, out, plan.metric, plan.higher_is_better)):
+        dsections.append(heatmap_section(heatmaps))
+    costs = arm_costs(plan)
+    subtitle = f"{len(plan.arms)} tuning procedures, " + ("" if hidden_k else f"{len(runs)} runs, ")
+    return build_report(
+        out,
+        [_selected_row(r, has_test) for r in table],  # every arm: build_report keeps ε = ∞ in the diagnostics
+        _histories(runs, arm_of, chosen, {rid for r in released for rid in r["selected_runs"]}),
+        study_ledger_rows(plan, entries, per_run),
+        selection_mode=sel.get("mode", "public"),
+        selection_split=sel.get("split"),
+        planned=None,
+        spent=None,
+        budgets=budget_entries(released),
+        metric=plan.metric,
+        higher_is_better=plan.higher_is_better,
+        title=title or f"Study report: {cfg.get('study', {}).get('name') or study_dir.name}",
+        subtitle=f"{subtitle}n_train = {plan.n_train}",
+        notes=_progress(runs, hidden_k),
+        conclusions=conclusions(
+            display_table(released, plan.metric), costs, plan.higher_is_better, plan.metric, hidden_k
+        ),
+        pareto=oso_joint_noise(plan) or None,
+        lt_ma=_lt_ma_rows(plan),
+        extra_figures=_linear_scaling_figures(plan, runs, out),
+        extra_sections=[_selection_section(cfg, released, plan.metric, has_test, notes)],
+        diagnostic_sections=dsections,
+        include_diagnostics=include_diagnostics,
+        all_results=every_configuration(runs, arm_of, chosen, has_test),
+    )
+
+
+def _selected_row(r: Mapping[str, Any], use_test: bool) -> SummaryRow:
+    """A row of the tuner's table as the results show it: its selection and metric."""
+    mean, std = (r["test_mean"], r["test_std"]) if use_test else (r["value_mean"], r["value_std"])
+    label = _arm_label(r["strategy"], r["method"])
+    return SummaryRow(label, float(r["epsilon"]), r["selected"] or "—", mean, std, int(r["replicates"]), 0, True)
+
+
+def _histories(
+    runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any], chosen: set[str], selected: set[str]
+) -> list[RunHistory]:
+    """The selected runs (release, named without their run id); every run of a small study (diagnostics)."""
+    wanted = {r["run_id"] for r in runs} if len(runs) <= MAX_ALL_HISTORIES else chosen
+    return [
         RunHistory(
             public_run_name(arm_of[r["arm"]], r) if r["run_id"] in selected else r["run_id"],
             arm_of[r["arm"]].label,
@@ -139,88 +149,26 @@ def report_study(
         if r["run_id"] in wanted and r["history"]
     ]
 
-    ledger_rows = study_ledger_rows(plan, entries, per_run)
 
-    budgets = budget_entries(released)
-
-    noise_of = arm_costs(plan)
-
-    # -- method figures
-    pareto = oso_joint_noise(plan)
-    lt_rows = None
-    extra: list[FigureRef] = []
-    for arm in plan.arms:
-        nus = [plan.runs[rid].noise_multiplier for rid in arm.runs]
-        nus = [v for v in nus if v is not None and math.isfinite(v) and v > 0]
-        if arm.method == "liu-talwar" and lt_rows is None and nus:
-            run = plan.runs[arm.runs[0]]
-            lt_rows = list(
-                theory.lt_vs_ma(
-                    plan.n_train,
-                    float(nus[0]),
-                    run.sampling_rate * plan.n_train,
-                    run.steps,
-                    ks=range(1, 41),
-                    delta=arm.delta,
-                ).rows
-            )
-        if arm.method == "linear-scaling":
-            fit = next(
-                (r["fit"] for r in runs if r["arm"] == arm.arm and r["fit"] and plan.runs[r["run_id"]].procedure == 0),
-                None,
-            )
-            if fit and fit.get("points"):
-                coef = fit.get("coef")
-                lsf = LinearScalingFit(
-                    [tuple(p) for p in fit["points"]],
-                    slope=coef[-2] if coef and len(coef) >= 2 else 0.0,
-                    intercept=coef[-1] if coef else float(fit.get("r_star", 0.0)),
-                    target_epsilon=fit.get("x_final"),
-                    coefficients=coef if coef and len(coef) > 2 else None,
-                    axis="mu" if fit.get("axis") == "mu" else "epsilon",
-                )
-                safe = arm.arm.replace("/", "_").replace("@", "_at_").replace("=", "")
-                p = F.linear_scaling(
-                    lsf,
-                    out / RELEASE_DIR / "figures" / f"linear_scaling_{safe}.png",
-                    title=f"Linear scaling rule: {arm.label} @ ε = {arm.epsilon:g}",
-                )
-                extra.append(
-                    FigureRef(
-                        p,
-                        f"{arm.label} @ ε = {arm.epsilon:g}: r = η·T of the best sweep runs, "
-                        f"the fit ({fit.get('how', 'fit')}) and r* = {fit.get('r_star', math.nan):.4g} "
-                        "used by the final run" + _reachable_note(fit) + " (Panda et al. 2024, Fig. 3).",
-                    )
-                )
-
-    # -- the tuner's own table and every run: diagnostics (counts of runs reveal K under LT/RS)
-    runs_csv = write_runs_csv(out, runs, arm_of)
-    tuner_table = Table(
-        ["strategy", "ε", "method", "selected configuration", "selection score", "test"],
-        [
-            [
-                r["strategy"],
-                r["epsilon"],
-                r["method"],
-                r["selected"] or "—",
-                _pm(clip_to_range(r["value_mean"], metric), r["value_std"]),
-                _pm(r["test_mean"], r["test_std"]),
-            ]
-            for r in released
-        ],
-        caption="[k/P]: the configuration was selected by k of the P seed replicates (per-seed selection).",
-    )
-    heatmaps = grid_heatmaps(runs, arm_of, out, metric, plan.higher_is_better) if include_diagnostics else []
+def _progress(runs: Sequence[Mapping[str, Any]], hidden_k: bool) -> list[str]:
+    """The note of an unfinished study (without the run counts where they are secret)."""
     done = sum(1 for r in runs if r["status"] in ("done", "diverged"))
-    notes, secret_notes = split_arm_notes(plan.arms)
+    if done == len(runs):
+        return []
+    if hidden_k:
+        return ["The study is not finished: the results cover the runs done so far."]
+    return [f"The study is not finished: {done} of {len(runs)} runs are done."]
+
+
+def _selection_section(
+    cfg: Mapping[str, Any], released: Sequence[Mapping[str, Any]], metric: str, has_test: bool, notes: list[str]
+) -> Section:
+    """The tuner's selection table with how it selected (split, seeds, noise) and the randomness mode."""
+    sel = cfg.get("selection", {})
+    shown = "metric on the test split" if has_test else "selection score"
     paragraphs = [
         f"Selection on the {sel.get('split', 'test')} split, across seeds: {sel.get('across_seeds', 'per-seed')}. "
-        + (
-            "The results above show the metric on the test split of the selected configurations."
-            if has_test
-            else "The results above show the selection score of the selected configurations."
-        ),
+        f"The results above show the {shown} of the selected configurations."
     ]
     if sel.get("mode") == "private":
         paragraphs.append(
@@ -230,45 +178,66 @@ def report_study(
             "the CSV files keep the raw values."
         )
     paragraphs.append(randomness_note(cfg))
-    sections = [Section("Tuner's selection table", paragraphs=paragraphs + notes, tables=[tuner_table])]
-    dsections = [every_run_section(table, runs_csv, secret_notes)]
-    if heatmaps:
-        dsections.append(heatmap_section(heatmaps))
-    status = (
-        []
-        if done == len(runs)
-        else (
-            ["The study is not finished: the results cover the runs done so far."]
-            if hidden_k
-            else [f"The study is not finished: {done} of {len(runs)} runs are done."]
-        )
-    )
-    subtitle = f"{len(plan.arms)} tuning procedures, " + ("" if hidden_k else f"{len(runs)} runs, ")
+    rows = [
+        [r["strategy"], r["epsilon"], r["method"], r["selected"] or "—"]
+        + [_pm(clip_to_range(r["value_mean"], metric), r["value_std"]), _pm(r["test_mean"], r["test_std"])]
+        for r in released
+    ]
+    columns = ["strategy", "ε", "method", "selected configuration", "selection score", "test"]
+    caption = "[k/P]: the configuration was selected by k of the P seed replicates (per-seed selection)."
+    return Section("Tuner's selection table", paragraphs=paragraphs + notes, tables=[Table(columns, rows, caption)])
 
-    return build_report(
-        out,
-        summary,
-        histories,
-        ledger_rows,
-        selection_mode=sel.get("mode", "public"),
-        selection_split=sel.get("split"),
-        planned=None,
-        spent=None,
-        budgets=budgets,
-        metric=metric,
-        higher_is_better=plan.higher_is_better,
-        title=title or f"Study report: {cfg.get('study', {}).get('name') or study_dir.name}",
-        subtitle=f"{subtitle}n_train = {plan.n_train}",
-        notes=status,
-        conclusions=conclusions(display_table(released, metric), noise_of, plan.higher_is_better, metric, hidden_k),
-        pareto=pareto or None,
-        lt_ma=lt_rows,
-        extra_figures=extra,
-        extra_sections=sections,
-        diagnostic_sections=dsections,
-        include_diagnostics=include_diagnostics,
-        all_results=every_configuration(runs, arm_of, chosen, has_test),
-    )
+
+def _positive_nus(plan: Any, arm: Any) -> list[float]:
+    """The finite, positive ν of the arm's runs (part of the public plan)."""
+    nus = [plan.runs[rid].noise_multiplier for rid in arm.runs]
+    return [float(v) for v in nus if v is not None and math.isfinite(v) and v > 0]
+
+
+def _lt_ma_rows(plan: Any) -> list[tuple[int, float, float]] | None:
+    """LT vs MA cost for the run geometry of the first Liu–Talwar arm (Mohapatra Fig. 6)."""
+    for arm in plan.arms:
+        nus = _positive_nus(plan, arm)
+        if arm.method == "liu-talwar" and nus:
+            run = plan.runs[arm.runs[0]]
+            batch = run.sampling_rate * plan.n_train
+            return list(theory.lt_vs_ma(plan.n_train, nus[0], batch, run.steps, ks=range(1, 41), delta=arm.delta).rows)
+    return None
+
+
+def _linear_scaling_figures(plan: Any, runs: Sequence[Mapping[str, Any]], out: Path) -> list[FigureRef]:
+    """The fit of r = η·T of the first procedure of each linear-scaling arm (Panda Fig. 3)."""
+    figs = []
+    for arm in plan.arms:
+        if arm.method != "linear-scaling":
+            continue
+        first = (r for r in runs if r["arm"] == arm.arm and r["fit"] and plan.runs[r["run_id"]].procedure == 0)
+        fit = next((r["fit"] for r in first), None)
+        if not (fit and fit.get("points")):
+            continue
+        coef = fit.get("coef")
+        lsf = LinearScalingFit(
+            [tuple(p) for p in fit["points"]],
+            slope=coef[-2] if coef and len(coef) >= 2 else 0.0,
+            intercept=coef[-1] if coef else float(fit.get("r_star", 0.0)),
+            target_epsilon=fit.get("x_final"),
+            coefficients=coef if coef and len(coef) > 2 else None,
+            axis="mu" if fit.get("axis") == "mu" else "epsilon",
+        )
+        name = f"{arm.label} @ ε = {arm.epsilon:g}"
+        path = out / RELEASE_DIR / "figures" / f"linear_scaling_{_file_stem(arm.arm)}.png"
+        caption = (
+            f"{name}: r = η·T of the best sweep runs, the fit ({fit.get('how', 'fit')}) and "
+            f"r* = {fit.get('r_star', math.nan):.4g} used by the final run" + _reachable_note(fit)
+        )
+        fig = F.linear_scaling(lsf, path, title=f"Linear scaling rule: {name}")
+        figs.append(FigureRef(fig, caption + " (Panda et al. 2024, Fig. 3)."))
+    return figs
+
+
+def _file_stem(arm: str) -> str:
+    """An arm id (``dpsgd@eps=2``) as a file name (``dpsgd_at_eps2``)."""
+    return arm.replace("/", "_").replace("@", "_at_").replace("=", "")
 
 
 def _reachable_note(fit: Mapping[str, Any]) -> str:
@@ -343,18 +312,8 @@ def every_configuration(
     for (arm, _, key), rs in groups.items():
         ok = [v for r in rs if finite_number(v := r["test_metric"] if use_test else r["score"])]
         mean, std = mean_std(ok)
-        out.append(
-            SummaryRow(
-                name(arm_of[arm]),
-                float(arm_of[arm].epsilon),
-                key,
-                mean,
-                std,
-                len(rs),
-                len(rs) - len(ok),
-                any(r["run_id"] in chosen for r in rs),
-            )
-        )
+        a, selected = arm_of[arm], any(r["run_id"] in chosen for r in rs)
+        out.append(SummaryRow(name(a), float(a.epsilon), key, mean, std, len(rs), len(rs) - len(ok), selected))
     return out
 
 
@@ -372,39 +331,16 @@ def study_ledger_rows(plan: Any, entries: Iterable[Any], per_run: Sequence[Mappi
     rows = []
     for (rid, label), n in releases.items():
         nu, q = nu_q(event[(rid, label)])
-        rows.append(
-            LedgerRow(
-                rid,
-                label,
-                n,
-                eps_alone.get(rid),
-                planned.get(rid),
-                nu if nu is not None else _finite(plan.runs[rid].noise_multiplier),
-                q if q is not None else plan.runs[rid].sampling_rate,
-            )
-        )
+        nu = nu if nu is not None else _finite(plan.runs[rid].noise_multiplier)
+        q = q if q is not None else plan.runs[rid].sampling_rate
+        rows.append(LedgerRow(rid, label, n, eps_alone.get(rid), planned.get(rid), nu, q))
     return rows
 
 
-RUNS_CSV_COLUMNS = (
-    "run_id",
-    "arm",
-    "strategy",
-    "epsilon",
-    "stage",
-    "procedure",
-    "replicate",
-    "seed",
-    "status",
-    "config",
-    "noise_multiplier",
-    "steps",
-    "sampling_rate",
-    "score",
-    "best_step",
-    "test_metric",
-    "seconds",
-)
+# runs.csv: what each run is (its procedure, seed and configuration), then its plan and results.
+_RUN_IDENTITY = ("run_id", "arm", "strategy", "epsilon", "stage", "procedure", "replicate", "seed", "status", "config")
+_RUN_PLAN_AND_RESULTS = ("noise_multiplier", "steps", "sampling_rate", "score", "best_step", "test_metric", "seconds")
+RUNS_CSV_COLUMNS = _RUN_IDENTITY + _RUN_PLAN_AND_RESULTS
 
 
 def write_runs_csv(out: str | Path, runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any]) -> Path:
@@ -426,21 +362,12 @@ def write_runs_csv(out: str | Path, runs: Sequence[Mapping[str, Any]], arm_of: M
 
 def every_run_section(table: Sequence[Mapping[str, Any]], runs_csv: Path, paragraphs: Sequence[str] = ()) -> Section:
     """The diagnostics section with the run counts per tuning procedure and ``runs.csv``."""
-    runs_table = Table(
-        ["strategy", "ε", "method", "runs", "diverged", "failed"],
-        [
-            [
-                r["strategy"],
-                r["epsilon"],
-                r["method"],
-                f"{r['runs_done']}/{r['runs_total']}",
-                r["diverged"],
-                r["failed"],
-            ]
-            for r in table
-        ],
-        caption="Runs per tuning procedure (under Liu–Talwar / repeat-and-select their number is secret).",
-    )
+    rows = [
+        [r["strategy"], r["epsilon"], r["method"], f"{r['runs_done']}/{r['runs_total']}", r["diverged"], r["failed"]]
+        for r in table
+    ]
+    caption = "Runs per tuning procedure (under Liu–Talwar / repeat-and-select their number is secret)."
+    runs_table = Table(["strategy", "ε", "method", "runs", "diverged", "failed"], rows, caption)
     return Section(
         "Every run", paragraphs=list(paragraphs), tables=[runs_table], attachments=[runs_csv], diagnostic=True
     )
@@ -530,9 +457,7 @@ def oso_joint_noise(plan: Any) -> dict[float, float]:
     for arm in plan.arms:
         if arm.strategy != "oso" or not math.isfinite(arm.epsilon):
             continue
-        nus = [plan.runs[rid].noise_multiplier for rid in arm.runs]
-        nus = [float(v) for v in nus if v is not None and math.isfinite(v) and v > 0]
-        if nus:
+        if nus := _positive_nus(plan, arm):
             out[float(arm.epsilon)] = min([*nus, out.get(float(arm.epsilon), math.inf)])
     return out
 
@@ -591,17 +516,9 @@ def grid_heatmaps(
         for c, r in zip(configs, rs, strict=True):
             cells[(c[x], c[y])].append(float(r["score"]))
         scores = {k: clip_to_range(sum(v) / len(v), metric) for k, v in cells.items()}  # displayed: clipped
-        safe = arm.replace("/", "_").replace("@", "_at_").replace("=", "")
         label = f"{arm_of[arm].label} @ ε = {arm_of[arm].epsilon:g}"
-        p = F.grid_heatmap(
-            scores,
-            x,
-            y,
-            diagnostics_dir(out) / "figures" / f"grid_{safe}.png",
-            title=label,
-            metric=metric,
-            higher=higher,
-        )
+        path = diagnostics_dir(out) / "figures" / f"grid_{_file_stem(arm)}.png"
+        p = F.grid_heatmap(scores, x, y, path, title=label, metric=metric, higher=higher)
         figs.append(FigureRef(p, f"{label}: selection score of every {x} × {y} configuration."))
     return figs
 
