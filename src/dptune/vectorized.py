@@ -308,20 +308,18 @@ def train_many(
         ],
         [partial(on_step, k) if on_step is not None else None for k in range(K)],  # on_step(k, t, row)
     )
-    common = dict(delta=delta, eval_every=eval_every, device=device, secure_mode=secure_mode)
+    common = dict(delta=delta, eval_data=eval_data, eval_every=eval_every, metric=metric, loss=loss, device=device)
     try:
         stacked = _Stacked(_stack_ops(trials.strategies, trials.models))
     except Unsupported as exc:
         if fallback == "error":
             raise
-        return _sequentially(exc, trials, data, eval_data=eval_data, metric=metric, loss=loss, **common)
+        return _sequentially(exc, trials, data, secure_mode=secure_mode, **common)
     task = resolve_task(data, eval_data, device, metric, loss)
     if not isinstance(task.x, torch.Tensor):  # several inputs: the stacked forward takes one tensor
         if fallback == "error":
             raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
-        return _sequentially(
-            "several model inputs", trials, data, eval_data=eval_data, metric=metric, loss=loss, **common
-        )
+        return _sequentially("several model inputs", trials, data, secure_mode=secure_mode, **common)
     return _train_stacked(trials, stacked, task, delta, eval_every, secure_mode, block_size)
 
 

@@ -1,12 +1,10 @@
 """``dptune.audit``: empirical evidence that the privacy claims hold.
 
 ``run_audit(strategy, eps, delta, method='one-run'|'two-world')`` trains the real strategy code
-on canaries and returns an ``AuditResult`` whose ``lower_bound`` is an ε that the observed
-membership inference proves, with probability ≥ ``confidence``; a lower bound above the
-claimed ε refutes the claim. See ``runner`` (what is trained, threat models), ``harness``
-(canaries, the release spy, scores) and ``bounds`` (Steinke et al. 2023 one-run bound,
-Clopper–Pearson two-world bound). The deliberately broken variants that show these audits
-have power live in ``tests/mutants``; docs/reliability.md has the table.
+on canaries and returns an ``AuditResult`` whose ``lower_bound`` holds with probability ≥
+``confidence``; one above the claimed ε refutes the claim. ``runner``: what is trained;
+``harness``: canaries, the release spy, scores; ``bounds``: the statistics. The broken variants
+that show the audits have power are in ``tests/mutants`` (docs/reliability.md).
 """
 
 from dptune.audit.bounds import (

@@ -1,24 +1,14 @@
-"""Statistics of privacy audits: turning membership guesses into ε lower bounds.
+"""Statistics of privacy audits: membership guesses → ε lower bounds at confidence ``1 − α``,
+valid for ANY (ε, δ)-DP mechanism (statements: docs/reliability.md, "Privacy audits").
 
-Two tests, each a valid lower bound at confidence ``1 − α`` for ANY (ε, δ)-DP mechanism:
+* one run (Steinke, Nasr & Jagielski 2023, Thm 5.2): m canaries, each included with probability
+  ½; W correct of r guesses has P[W ≥ v] ≤ f(v) + 2mδ·max_i (f(v − i) − f(v))/i with
+  f(v) = P[Binomial(r, e^ε/(1 + e^ε)) ≥ v] (``one_run_p_value``);
+* two worlds (Jagielski, Ullman & Oprea 2020): Clopper–Pearson bounds on a threshold test's FPR
+  and FNR, and FPR + e^ε FNR ≥ 1 − δ (``two_world_epsilon``).
 
-* **one run** (Steinke, Nasr & Jagielski, NeurIPS 2023, "Privacy auditing with one (1) training
-  run", Theorem 5.2): m canaries, canary i included independently with probability ½ (S_i = ±1).
-  From the trained model the auditor guesses T_i ∈ {−1, 0, +1} (0 = abstain) with r = ‖T‖₁
-  guesses; W = #correct guesses. If the mechanism is (ε, δ)-DP then for every v
-      P[W ≥ v] ≤ f(v) + 2mδ · max_{1≤i≤v} (f(v − i) − f(v)) / i,
-      f(v) = P[Binomial(r, e^ε / (1 + e^ε)) ≥ v].
-  The lower bound is the largest ε whose p-value is still ≤ α (``one_run_epsilon``).
-
-* **two worlds** (Jagielski, Ullman & Oprea, NeurIPS 2020; Nasr et al. 2021): N trials in the
-  world without the canary and N with it; a threshold test on a score has false positive and
-  false negative rates FPR, FNR. (ε, δ)-DP implies FPR + e^ε FNR ≥ 1 − δ and FNR + e^ε FPR ≥
-  1 − δ, so with one-sided Clopper–Pearson upper bounds FPR⁺, FNR⁺ (each at α/2)
-      ε ≥ max( log((1 − δ − FPR⁺) / FNR⁺), log((1 − δ − FNR⁺) / FPR⁺) )        (``two_world_epsilon``).
-
-Choices made from the data (which k guesses, which threshold, which score) would void the
-confidence level, so they are either Bonferroni-corrected (one run: every policy is tried at
-α/K) or made on a held-out selection split of the trials (two worlds).
+Choices made from the data (guesses, threshold, score) would void the confidence level, so they
+are Bonferroni-corrected or made on a held-out selection split.
 """
 
 from __future__ import annotations
@@ -91,18 +81,16 @@ class OneRunBound:
 # Fractions of the canaries guessed: (top, bottom). One-sided policies suit Poisson-subsampled
 # training (an included canary that was never sampled looks like an absent one, so "out"
 # guesses are less reliable); two-sided ones suit full-batch training.
-GUESS_FRACTIONS: tuple[tuple[float, float], ...] = (
-    (0.02, 0.0),
-    (0.05, 0.0),
-    (0.1, 0.0),
-    (0.2, 0.0),
-    (0.4, 0.0),
-    (0.01, 0.01),
-    (0.025, 0.025),
-    (0.05, 0.05),
-    (0.1, 0.1),
-    (0.2, 0.2),
+GUESS_FRACTIONS: tuple[tuple[float, float], ...] = tuple((f, 0.0) for f in (0.02, 0.05, 0.1, 0.2, 0.4)) + tuple(
+    (f, f) for f in (0.01, 0.025, 0.05, 0.1, 0.2)
 )
+
+
+def _score_arrays(scores: Sequence[np.ndarray] | np.ndarray) -> list[np.ndarray]:
+    """One score array, or several candidate scores, as float arrays."""
+    if isinstance(scores, np.ndarray):
+        return [np.asarray(scores, dtype=float)]
+    return [np.asarray(s, dtype=float) for s in scores]
 
 
 def _guess(order: np.ndarray, inc: np.ndarray, k_in: int, k_out: int) -> int:
@@ -126,24 +114,16 @@ def one_run_bound(
     seed: int = 0,
     fractions: Sequence[tuple[float, float]] = GUESS_FRACTIONS,
 ) -> OneRunBound:
-    """ε lower bound of a one-run audit.
+    """ε lower bound of a one-run audit; ``scores``: one array (higher = "member") or several.
 
-    ``scores``: one score array (higher = "member") or several candidate scores. The guess
-    policy (candidate score × fraction of canaries guessed) is chosen on a random
-    ``selection_fraction`` of the canaries, whose membership the auditor then reveals; the
-    bound is Steinke et al.'s test on the OTHER canaries alone, with the full significance.
-    This is valid: conditional on the selection canaries' membership, the run is still
-    (ε, δ)-DP with respect to each remaining canary, and the theorem allows any guesser that
-    is a function of the output (here also of the revealed memberships). With
-    ``selection_fraction=0`` every policy is tested on all canaries at a Bonferroni-corrected
-    significance instead (costly: Steinke's δ term 2mδ then competes with a tiny α/K).
+    The guess policy (score × fraction guessed) is chosen on a random ``selection_fraction`` of
+    the canaries, whose membership is then revealed, and the bound is Steinke et al.'s test on
+    the OTHER canaries at the full significance (valid: given the revealed memberships the run is
+    still (ε, δ)-DP for each remaining canary). ``selection_fraction=0``: every policy on all
+    canaries at a Bonferroni-corrected significance (costly: 2mδ then competes with α/K).
     """
     check_confidence(confidence)
-    score_list = (
-        [np.asarray(scores, dtype=float)]
-        if isinstance(scores, np.ndarray)
-        else [np.asarray(s, dtype=float) for s in scores]
-    )
+    score_list = _score_arrays(scores)
     inc = np.asarray(included, dtype=bool)
     m = int(inc.shape[0])
     if m < 20 or any(s.shape != inc.shape for s in score_list) or not score_list:
@@ -186,9 +166,7 @@ def one_run_bound(
 # ----------------------------------------------------------------------------- two worlds
 def clopper_pearson_upper(k: int, n: int, significance: float) -> float:
     """One-sided upper confidence bound on a binomial rate: P[Binom(n, p⁺) ≤ k] = significance."""
-    if n <= 0:
-        return 1.0
-    if k >= n:
+    if n <= 0 or k >= n:
         return 1.0
     return float(stats.beta.ppf(1.0 - significance, k + 1, n - k))
 
@@ -218,16 +196,11 @@ class TwoWorldBound:
     score: int  # index of the chosen candidate score
 
 
-def _rates(out_s: np.ndarray, in_s: np.ndarray, thr: float) -> tuple[int, int]:
-    """(#false positives, #false negatives) of the test "member iff score ≥ thr"."""
-    return int((out_s >= thr).sum()), int((in_s < thr).sum())
-
-
 def two_world_bound_at(
     out_s: np.ndarray, in_s: np.ndarray, thr: float, delta: float, confidence: float
 ) -> tuple[float, float, float, int, int]:
     """Clopper–Pearson ε lower bound of the fixed test "member iff score ≥ thr"."""
-    fp, fn = _rates(out_s, in_s, thr)
+    fp, fn = int((out_s >= thr).sum()), int((in_s < thr).sum())  # false positives, false negatives
     sig = (1.0 - confidence) / 2.0  # union bound over the two rates
     fpr_u = clopper_pearson_upper(fp, out_s.size, sig)
     fnr_u = clopper_pearson_upper(fn, in_s.size, sig)
@@ -269,16 +242,7 @@ def two_world_bound(
     so it is a valid Clopper–Pearson bound at ``confidence``.
     """
     check_confidence(confidence)
-    outs = (
-        [np.asarray(out_scores, float)]
-        if isinstance(out_scores, np.ndarray)
-        else [np.asarray(s, float) for s in out_scores]
-    )
-    ins = (
-        [np.asarray(in_scores, float)]
-        if isinstance(in_scores, np.ndarray)
-        else [np.asarray(s, float) for s in in_scores]
-    )
+    outs, ins = _score_arrays(out_scores), _score_arrays(in_scores)
     if len(outs) != len(ins) or not outs:
         raise ConfigError("give the same number of candidate scores for both worlds.")
     n_out, n_in = outs[0].size, ins[0].size

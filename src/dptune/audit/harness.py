@@ -1,32 +1,13 @@
-"""Gradient canaries, a spy on the noise gateway, and membership scores.
+"""Gradient canaries, a spy on the noise gateway, and membership scores (docs/reliability.md).
 
-**Canaries with crafted gradients.** The audit model is a linear "loss-is-the-gradient" model:
-one weight vector θ ∈ R^d (``nn.Linear(d, 1, bias=False)``) and the per-example loss
-ℓ(θ; x) = θᵀx, so the per-example gradient is exactly ∇ℓ = x, whatever θ. A canary is the
-input x = M·e_j (a *Dirac canary*: all its gradient on one coordinate j reserved for it) with
-M far above any clipping threshold, so that
-
-* its clipped gradient is C_t·e_j: it saturates the gradient query's sensitivity C_t;
-* its normalised direction x/‖x‖ = e_j enters OSO's q-query (‖x‖ > C_t), saturating that
-  query's sensitivity 1 as well (the canary "leaks through the q-query").
-
-Everything else, the sampling, the clipping, the strategy's state, the noise, is the real
-code path: ``dptune.train.train`` with a real ``Strategy``. Background examples (gradients
-on their own coordinates) give the adaptive strategies a realistic clipping dynamic.
-
-**White-box observation.** ``ReleaseRecorder`` wraps ``NoisyRelease.release`` (the one place
-noise is added) and keeps, for each release, each query's claimed noise multiplier ν_Q,
-sensitivity s_Q and the *noisy output* at the canary coordinates. Observing the released
-noisy sums is the threat model of DP-SGD's analysis (the adversary sees every iterate).
-
-**Scores.** For canary j and release t, the log-likelihood ratio of "canary in the batch"
-against "not in the batch", from the claimed noise, is
-    Λ_t = Σ_Q (y_Q,t[j]/s_Q − ½) / ν_Q²                (y: the noisy sum; each Q saturated)
-and with Poisson sampling at rate q the canary is in the batch with probability q, so the
-per-step likelihood ratio is the mixture 1 − q + q·e^{Λ_t}; the score is
-    score_j = Σ_t log(1 − q + q·e^{Λ_t})              (= Σ_t Λ_t at q = 1),
-the Neyman–Pearson statistic for independent steps. The black-box score is −ℓ(θ_final; canary)
-(lower loss = member), from the final model alone.
+The audit model's per-example loss is ℓ(θ; x) = θᵀx, so an example's gradient is its input. A
+*Dirac canary* x = M·e_j puts its whole gradient on a coordinate of its own, with M far above any
+clipping threshold: it saturates every query's sensitivity (its clipped gradient is C_t·e_j; its
+direction e_j enters OSO's q-query too). Everything else is the real code path (``dptune.train``
+with a real ``Strategy``). ``ReleaseRecorder`` keeps every release's noisy output at the canary
+coordinates (the adversary of DP-SGD's analysis sees every iterate) and scores canary j by the
+Neyman–Pearson statistic Σ_t log(1 − q + q·e^{Λ_t}), Λ_t = Σ_Q (y_Q,t[j]/s_Q − ½)/ν_Q²; the
+black-box score is −ℓ(θ_final; canary).
 """
 
 from __future__ import annotations
@@ -158,26 +139,17 @@ class ReleaseRecorder:
         self.records.append(ReleaseRecord(label, float(gateway.sampling_rate), gateway.run, qs))
 
     def query_names(self) -> list[str]:
-        names: list[str] = []
-        for r in self.records:
-            for q in r.queries:
-                if q.values is not None and q.name not in names:
-                    names.append(q.name)
-        return names
+        """The vector queries released, in order of first release."""
+        return list(dict.fromkeys(q.name for r in self.records for q in r.queries if q.values is not None))
 
     def llr_score(self, names: set[str] | None = None) -> np.ndarray:
         """Σ_t log(1 − q + q·exp(Λ_t)) per watched coordinate, over queries in ``names`` (all: None)."""
         total = np.zeros(self.coords.shape[0])
         for r in self.records:
-            lam = np.zeros_like(total)
-            used = False
-            for q in r.queries:
-                if q.values is None or (names is not None and q.name not in names):
-                    continue
-                used = True
-                lam += (q.values / q.sensitivity - 0.5) / q.noise_multiplier**2
+            used = [q for q in r.queries if q.values is not None and (names is None or q.name in names)]
             if not used:
                 continue
+            lam = sum((q.values / q.sensitivity - 0.5) / q.noise_multiplier**2 for q in used)
             if r.sampling_rate >= 1.0:
                 total += lam
             else:

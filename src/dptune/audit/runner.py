@@ -1,29 +1,12 @@
 """``run_audit``: an empirical ε lower bound for one of dptune's strategies at a claimed (ε, δ).
 
-Each audit trains the audit model (see ``harness``) with the REAL strategy through
-``dptune.train.train``, calibrated by dptune's own accountant to the claimed (ε, δ), and turns
-the auditor's membership scores into a lower bound with ``bounds``:
-
-* ``method="one-run"`` (Steinke, Nasr & Jagielski 2023): m canaries, each present with
-  probability ½, ONE training (K trainings for ``grid``: the claim covers all of them);
-* ``method="two-world"`` (Jagielski et al. 2020): N trials with and N without the canary.
-  The trials are vectorised: in one training, coordinate j either holds a canary ("in") or
-  nothing ("out"). This is exact, not an approximation: a Dirac canary's coordinate of the
-  released sum, divided by its sensitivity C_t, is 1[sampled] + N(0, ν_Q²) whatever the other
-  coordinates do (C_t and ν_Q are public, functions of earlier releases, and the noise and the
-  Poisson draws are independent per coordinate/example). So each coordinate's white-box
-  statistic is an independent draw from the one-canary mechanism, and Clopper–Pearson applies.
-  Several independent trainings give more trials.
-
-Threat models (``threat_model``):
-* ``"white-box"`` (default): the auditor crafts the canaries' per-example gradients (Dirac
-  canaries) and sees every released noisy sum, the adversary of DP-SGD's own analysis. The
-  score is the likelihood-ratio statistic of ``ReleaseRecorder.llr_score``. Candidate scores
-  (all queries jointly, and each query alone, e.g. OSO's gradient vs its q-query) are
-  Bonferroni-corrected (one run) or selected on a held-out split (two worlds).
-* ``"black-box"`` (one run only): the auditor sees only the final model and scores a canary
-  by minus its loss. (A vectorised two-world test is not exact here: the final parameters of
-  different coordinates share the adaptive step sizes.)
+Each audit trains the audit model (``harness``) with the REAL strategy through ``dptune.train``
+(``grid``: a whole study through ``dptune.tune.run_study``), calibrated by dptune's own accountant
+to the claim, and turns the auditor's membership scores into a lower bound (``bounds``): one run
+(Steinke, Nasr & Jagielski 2023: m canaries, each present with probability ½) or two worlds
+(Jagielski et al. 2020: N trials with and N without the canary, vectorised exactly over Dirac
+canaries' coordinates, hence white-box only). Threat models, scores and why the vectorised
+trials are exact: docs/reliability.md, "Privacy audits".
 """
 
 from __future__ import annotations
@@ -131,6 +114,7 @@ DEFAULT_CANARIES = {"one-run": 5000, "two-world": 20000}  # m, or trials per wor
 MAX_CANARIES = {"one-run": 20_000, "two-world": 200_000}
 MAX_AUDITED_EPS = 20.0
 TWO_WORLD_CHUNK = 2000  # trials per world per training (bounds memory: rows × coordinates)
+BACKGROUND_DIM = 16  # coordinates of the background examples' gradients
 
 
 @dataclass(frozen=True)
@@ -207,127 +191,132 @@ def _check_args(
     return scenario, n
 
 
-def _train_once(
-    scenario: Scenario,
-    data: CanaryData,
-    eps: float,
-    delta: float,
-    accountant: str,
-    seed: int,
-    recorder: ReleaseRecorder,
-    via_study: bool = True,
-) -> tuple[list[np.ndarray], Ledger, list[float], float]:
-    """Train every run of the scenario on ``data``; return black-box scores, the ledger, clips, ν.
+@dataclass(frozen=True)
+class _Training:
+    """One audit training: black-box scores (per run), its ledger, the clips it used, its ν."""
 
-    A grid scenario runs as one study of ``dptune.tune`` when ``via_study`` (white-box
-    audits); black-box audits need the final weights of every run, which a study does not
-    keep, so they train the same grid run by run, calibrated jointly with calibrate(runs=K).
-    """
-    if scenario.grid and via_study:
-        return _train_grid_study(scenario, data, eps, delta, accountant, seed, recorder)
-    n = int(data.x.shape[0])
-    q = scenario.sampling_rate
-    batch = dict(full_batch=True) if q >= 1.0 else dict(expected_batch_size=q * n)
-    ledger = Ledger()
-    losses, clips = [], []
-    runs = scenario.grid or (scenario.hyperparameters,)
-    if scenario.grid:  # without the tuner: the same grid, calibrated jointly by hand
-        noise = dict(
-            noise_multiplier=accounting.calibrate(
-                eps, delta, min(q, 1.0), scenario.steps, runs=len(runs), accountant=accountant
-            ).noise_multiplier
-        )
-    else:
-        noise = dict(target_epsilon=eps, delta=delta, accountant=accountant)
-    nu = math.nan
-    with spy_on_releases(recorder):
-        for k, hp in enumerate(runs):
-            res = train(
-                audit_model(data.dim),
-                (data.x, data.y),
-                scenario.strategy,
-                steps=scenario.steps,
-                loss=linear_loss,
-                seed=stream_seed(seed, f"audit-run-{k}"),
-                device="cpu",
-                run_id=f"audit-{k}",
-                **batch,
-                **noise,
-                **hp,
+    losses: list[np.ndarray]
+    ledger: Ledger
+    clips: list[float]
+    nu: float
+
+
+def _batch(q: float, n: int) -> dict[str, Any]:
+    return dict(full_batch=True) if q >= 1.0 else dict(expected_batch_size=q * n)
+
+
+@dataclass(frozen=True)
+class _Audit:
+    """What every training of one audit shares: the scenario, the claim, the canaries' setting."""
+
+    scenario: Scenario
+    eps: float
+    delta: float
+    accountant: str
+    seed: int
+    confidence: float
+    background: int
+    say: Callable[[str], None]
+    canary_norm: float  # M, far above every clip the scenario may use
+
+    def data(self, present: np.ndarray, stream: str) -> CanaryData:
+        return make_data(present, self.background, BACKGROUND_DIM, self.canary_norm, stream_seed(self.seed, stream))
+
+    def train(self, data: CanaryData, seed: int, recorder: ReleaseRecorder, via_study: bool = True) -> _Training:
+        """Train every run of the scenario on ``data``.
+
+        A grid scenario runs as one study of ``dptune.tune`` when ``via_study`` (white-box
+        audits); black-box audits need the final weights of every run, which a study does not
+        keep, so they train the same grid run by run, calibrated jointly with calibrate(runs=K).
+        """
+        scenario = self.scenario
+        if scenario.grid and via_study:
+            return self._grid_study(data, seed, recorder)
+        q = scenario.sampling_rate
+        ledger = Ledger()
+        losses, clips = [], []
+        runs = scenario.grid or (scenario.hyperparameters,)
+        if scenario.grid:  # without the tuner: the same grid, calibrated jointly by hand
+            cal = accounting.calibrate(
+                self.eps, self.delta, min(q, 1.0), scenario.steps, runs=len(runs), accountant=self.accountant
             )
-            if res.diverged:
-                raise RuntimeError(f"audit training of {scenario.strategy} diverged; the audit is void")
-            ledger.extend(res.ledger, run=f"audit-{k}")
-            losses.append(loss_scores(res.final_params, data))
-            clips += [float(r["clip"]) for r in res.history if "clip" in r]
-            nu = res.plan.noise_multiplier
-    return losses, ledger, clips, nu
+            noise: dict[str, Any] = dict(noise_multiplier=cal.noise_multiplier)
+        else:
+            noise = dict(target_epsilon=self.eps, delta=self.delta, accountant=self.accountant)
+        nu = math.nan
+        with spy_on_releases(recorder):
+            for k, hp in enumerate(runs):
+                res = train(
+                    audit_model(data.dim),
+                    (data.x, data.y),
+                    scenario.strategy,
+                    steps=scenario.steps,
+                    loss=linear_loss,
+                    seed=stream_seed(seed, f"audit-run-{k}"),
+                    device="cpu",
+                    run_id=f"audit-{k}",
+                    **_batch(q, int(data.x.shape[0])),
+                    **noise,
+                    **hp,
+                )
+                if res.diverged:
+                    raise RuntimeError(f"audit training of {scenario.strategy} diverged; the audit is void")
+                ledger.extend(res.ledger, run=f"audit-{k}")
+                losses.append(loss_scores(res.final_params, data))
+                clips += [float(r["clip"]) for r in res.history if "clip" in r]
+                nu = res.plan.noise_multiplier
+        return _Training(losses, ledger, clips, nu)
 
+    def _grid_study(self, data: CanaryData, seed: int, recorder: ReleaseRecorder) -> _Training:
+        """The whole grid study through ``dptune.tune.run_study`` (planner, executor, store, ledger).
 
-def _train_grid_study(
-    scenario: Scenario,
-    data: CanaryData,
-    eps: float,
-    delta: float,
-    accountant: str,
-    seed: int,
-    recorder: ReleaseRecorder,
-) -> tuple[list[np.ndarray], Ledger, list[float], float]:
-    """The whole grid study through ``dptune.tune.run_study`` (planner, executor, store, ledger).
+        The study's budget is the claim; the planner calibrates the K runs jointly. Selection is
+        'public' on a tiny test split (free, as in the papers), so every private release of the
+        study is a training release, all observed by the spy.
+        """
+        import tempfile
 
-    The study's budget is the claim; the planner calibrates the K runs jointly. Selection is
-    'public' on a tiny test split (free, as in the papers), so every private release of the
-    study is a training release, all observed by the spy.
-    """
-    import tempfile
+        import torch
 
-    import torch
-
-    n = int(data.x.shape[0])
-    q = scenario.sampling_rate
-    space: dict[str, list[Any]] = {}
-    for hp in scenario.grid:
-        for k, v in hp.items():
-            if v not in space.setdefault(k, []):
-                space[k].append(v)
-    # A study takes a *named* loss: the MSE form of the same linear loss (see LinearLossUnderMSE).
-    y = torch.zeros((n, 1), dtype=data.x.dtype)
-    study = Study(
-        data=(data.x, y, torch.zeros((4, data.dim), dtype=data.x.dtype), torch.zeros((4, 1), dtype=data.x.dtype)),
-        model=ModelSpec(builder=LinearLossUnderMSE, options={"dim": data.dim}),
-        strategies=(StrategyArm(scenario.strategy, space=space, fixed=dict(scenario.hyperparameters)),),
-        training=TrainingSpec(
-            steps=scenario.steps, loss="mse", **(dict(full_batch=True) if q >= 1.0 else dict(expected_batch_size=q * n))
-        ),
-        budget=BudgetSpec(epsilon=(eps,), delta=delta, accountant=accountant),
-        method=MethodSpec("grid"),
-        selection=SelectionSpec(mode="public", split="test", metric="mse", eval_every=scenario.steps),
-        seeds=(0,),
-        seed=int(seed % (2**31)),
-        name="audit-grid",
-    )
-    with tempfile.TemporaryDirectory(prefix="dptune-audit-") as tmp, spy_on_releases(recorder):
-        try:
-            outcome = run_study(study, tmp, executor="local", progress=False)
-            with Store(tmp, readonly=True) as store:
-                ledger = Ledger()
-                for e in store.ledger_entries():
-                    ledger.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
-                nu = float(store.runs()[0]["noise_multiplier"])
-        finally:
-            # The study cache keeps the tensors of every study data spec; ours are single-use.
-            forget_cached(y)
-    if not outcome.complete or not outcome.ledger_matches_plan or outcome.counts.get("done", 0) != scenario.runs:
-        raise RuntimeError(f"the audited grid study did not complete as planned: {outcome.counts}")
-    return [], ledger, [], nu
+        scenario, n = self.scenario, int(data.x.shape[0])
+        space: dict[str, list[Any]] = {}
+        for hp in scenario.grid:
+            for k, v in hp.items():
+                if v not in space.setdefault(k, []):
+                    space[k].append(v)
+        # A study takes a *named* loss: the MSE form of the same linear loss (see LinearLossUnderMSE).
+        y = torch.zeros((n, 1), dtype=data.x.dtype)
+        study = Study(
+            data=(data.x, y, torch.zeros((4, data.dim), dtype=data.x.dtype), torch.zeros((4, 1), dtype=data.x.dtype)),
+            model=ModelSpec(builder=LinearLossUnderMSE, options={"dim": data.dim}),
+            strategies=(StrategyArm(scenario.strategy, space=space, fixed=dict(scenario.hyperparameters)),),
+            training=TrainingSpec(steps=scenario.steps, loss="mse", **_batch(scenario.sampling_rate, n)),
+            budget=BudgetSpec(epsilon=(self.eps,), delta=self.delta, accountant=self.accountant),
+            method=MethodSpec("grid"),
+            selection=SelectionSpec(mode="public", split="test", metric="mse", eval_every=scenario.steps),
+            seeds=(0,),
+            seed=int(seed % (2**31)),
+            name="audit-grid",
+        )
+        with tempfile.TemporaryDirectory(prefix="dptune-audit-") as tmp, spy_on_releases(recorder):
+            try:
+                outcome = run_study(study, tmp, executor="local", progress=False)
+                with Store(tmp, readonly=True) as store:
+                    ledger = Ledger()
+                    for e in store.ledger_entries():
+                        ledger.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
+                    nu = float(store.runs()[0]["noise_multiplier"])
+            finally:
+                # The study cache keeps the tensors of every study data spec; ours are single-use.
+                forget_cached(y)
+        if not outcome.complete or not outcome.ledger_matches_plan or outcome.counts.get("done", 0) != scenario.runs:
+            raise RuntimeError(f"the audited grid study did not complete as planned: {outcome.counts}")
+        return _Training([], ledger, [], nu)
 
 
 def ledger_epsilon(ledger: Ledger, delta: float, accountant: str) -> float:
-    """ε of everything the ledger recorded, grouped into identical releases first.
-
-    (Entries differ in their labels/components, e.g. an adaptive C_t, but not in their events;
-    grouping the atoms gives one self-composed event per distinct release: fast PLD.)
-    """
+    """ε of everything the ledger recorded, identical releases grouped (one self-composed event
+    per distinct release, whatever their labels: fast PLD)."""
     return _event_epsilon(compose(ledger.atoms().items()), delta, accountant)
 
 
@@ -376,23 +365,12 @@ def run_audit(
     refutes the claim (``AuditResult.flagged``).
     """
     scenario, n_canaries = _check_args(strategy, eps, delta, method, confidence, threat_model, canaries)
-    if steps is not None or sampling_rate is not None or hyperparameters:
-        if steps is not None and (not isinstance(steps, int) or steps < 1):
-            raise ConfigError(f"steps must be an integer ≥ 1, got {steps!r}.")
-        if sampling_rate is not None:
-            accounting.check_sampling_rate(sampling_rate)
-        scenario = Scenario(
-            scenario.strategy,
-            {**scenario.hyperparameters, **(hyperparameters or {})},
-            scenario.sampling_rate if sampling_rate is None else float(sampling_rate),
-            scenario.steps if steps is None else steps,
-            scenario.grid,
-            scenario.note,
-        )
-    say = on_progress or (lambda s: None)
+    scenario = _overridden(scenario, steps, sampling_rate, hyperparameters)
     t0 = time.perf_counter()
-    canary_norm = CANARY_NORM_FACTOR * scenario.max_clip()
-    background_dim = 16
+    say = on_progress or (lambda s: None)
+    audit = _Audit(
+        scenario, eps, delta, accountant, seed, confidence, background, say, CANARY_NORM_FACTOR * scenario.max_clip()
+    )
     details: dict[str, Any] = {
         "strategy": strategy.lower(),
         "trained_strategy": scenario.strategy,
@@ -405,86 +383,106 @@ def run_audit(
         "runs": scenario.runs,
         "accountant": accountant,
         "seed": seed,
-        "canary_norm": canary_norm,
+        "canary_norm": audit.canary_norm,
         "note": scenario.note,
     }
-    all_clips: list[float] = []
-    ledger_eps: list[float] = []
-
     if method == "one-run":
-        rng = np.random.default_rng(stream_seed(seed, "audit-membership"))
-        present = rng.random(n_canaries) < 0.5
-        data = make_data(present, background, background_dim, canary_norm, stream_seed(seed, "audit-data"))
-        rec = ReleaseRecorder(data.canary_coords)
-        say(f"training {scenario.runs} run(s) with {n_canaries} canaries")
-        losses, ledger, clips, nu = _train_once(
-            scenario, data, eps, delta, accountant, seed, rec, via_study=threat_model == "white-box"
-        )
-        all_clips += clips
-        ledger_eps.append(ledger_epsilon(ledger, delta, accountant))
-        if threat_model == "white-box":
-            labels, scores = _candidates(rec)
-        else:
-            labels, scores = ["loss"], [np.sum(losses, axis=0)]
-        b = bounds.one_run_bound(scores, present, delta, confidence, seed=stream_seed(seed, "audit-split"))
-        lower = b.epsilon
-        details.update(
-            canaries=n_canaries,
-            included=int(present.sum()),
-            canaries_evaluated=b.canaries,
-            guesses=b.guesses,
-            correct=b.correct,
-            guesses_in=b.k_in,
-            guesses_out=b.k_out,
-            score=labels[b.score],
-            scores=labels,
-        )
+        lower, trainings = _one_run(audit, n_canaries, threat_model, details)
     else:
-        outs: list[list[np.ndarray]] = []
-        ins: list[list[np.ndarray]] = []
-        chunks = math.ceil(n_canaries / TWO_WORLD_CHUNK)
-        labels = []
-        nu = math.nan
-        for c in range(chunks):
-            size = min(TWO_WORLD_CHUNK, n_canaries - c * TWO_WORLD_CHUNK)
-            present = np.r_[np.ones(size, bool), np.zeros(size, bool)]
-            data = make_data(present, background, background_dim, canary_norm, stream_seed(seed, f"audit-data-{c}"))
-            rec = ReleaseRecorder(data.canary_coords)
-            say(f"training chunk {c + 1}/{chunks} ({size} trials per world)")
-            _, ledger, clips, nu = _train_once(
-                scenario, data, eps, delta, accountant, stream_seed(seed, f"chunk-{c}"), rec
-            )
-            all_clips += clips
-            ledger_eps.append(ledger_epsilon(ledger, delta, accountant))
-            labels, scores = _candidates(rec)
-            ins.append([s[present] for s in scores])
-            outs.append([s[~present] for s in scores])
-        out_scores = [np.concatenate([o[j] for o in outs]) for j in range(len(labels))]
-        in_scores = [np.concatenate([i[j] for i in ins]) for j in range(len(labels))]
-        b2 = bounds.two_world_bound(out_scores, in_scores, delta, confidence, seed=stream_seed(seed, "audit-split"))
-        lower = b2.epsilon
-        details.update(
-            trials_per_world=n_canaries,
-            trials_evaluated=(b2.trials_out, b2.trials_in),
-            threshold=b2.threshold,
-            false_positives=b2.false_positives,
-            false_negatives=b2.false_negatives,
-            fpr_upper=b2.fpr_upper,
-            fnr_upper=b2.fnr_upper,
-            score=labels[b2.score],
-            scores=labels,
-        )
-    max_clip = max(all_clips) if all_clips else 0.0
+        lower, trainings = _two_worlds(audit, n_canaries, details)
+    clips = [c for t in trainings for c in t.clips]
+    max_clip = max(clips) if clips else 0.0
     details.update(
-        noise_multiplier=nu,
-        ledger_epsilon=max(ledger_eps),
+        noise_multiplier=trainings[-1].nu,
+        ledger_epsilon=max(ledger_epsilon(t.ledger, delta, accountant) for t in trainings),
         max_clip_seen=max_clip,
-        canaries_saturated=bool(max_clip < canary_norm),
+        canaries_saturated=bool(max_clip < audit.canary_norm),
         seconds=time.perf_counter() - t0,
     )
     if not details["canaries_saturated"]:
         raise RuntimeError(
-            f"the clipping threshold reached {max_clip:.3g} ≥ canary norm {canary_norm:.3g}: the canaries "
+            f"the clipping threshold reached {max_clip:.3g} ≥ canary norm {audit.canary_norm:.3g}: the canaries "
             "no longer saturate the sensitivity, so the white-box statistic is mis-specified"
         )
     return AuditResult(float(lower), float(eps), float(confidence), method, details)
+
+
+def _overridden(
+    scenario: Scenario, steps: int | None, sampling_rate: float | None, hyperparameters: dict[str, Any] | None
+) -> Scenario:
+    """The scenario with run_audit's overrides (checked)."""
+    if steps is None and sampling_rate is None and not hyperparameters:
+        return scenario
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ConfigError(f"steps must be an integer ≥ 1, got {steps!r}.")
+    if sampling_rate is not None:
+        accounting.check_sampling_rate(sampling_rate)
+    return Scenario(
+        scenario.strategy,
+        {**scenario.hyperparameters, **(hyperparameters or {})},
+        scenario.sampling_rate if sampling_rate is None else float(sampling_rate),
+        scenario.steps if steps is None else steps,
+        scenario.grid,
+        scenario.note,
+    )
+
+
+def _one_run(audit: _Audit, m: int, threat_model: str, details: dict[str, Any]) -> tuple[float, list[_Training]]:
+    """Steinke et al.'s test: m canaries, each present with probability ½, one training."""
+    present = np.random.default_rng(stream_seed(audit.seed, "audit-membership")).random(m) < 0.5
+    data = audit.data(present, "audit-data")
+    rec = ReleaseRecorder(data.canary_coords)
+    audit.say(f"training {audit.scenario.runs} run(s) with {m} canaries")
+    run = audit.train(data, audit.seed, rec, via_study=threat_model == "white-box")
+    if threat_model == "white-box":
+        labels, scores = _candidates(rec)
+    else:
+        labels, scores = ["loss"], [np.sum(run.losses, axis=0)]
+    split = stream_seed(audit.seed, "audit-split")
+    b = bounds.one_run_bound(scores, present, audit.delta, audit.confidence, seed=split)
+    details.update(
+        canaries=m,
+        included=int(present.sum()),
+        canaries_evaluated=b.canaries,
+        guesses=b.guesses,
+        correct=b.correct,
+        guesses_in=b.k_in,
+        guesses_out=b.k_out,
+        score=labels[b.score],
+        scores=labels,
+    )
+    return b.epsilon, [run]
+
+
+def _two_worlds(audit: _Audit, trials: int, details: dict[str, Any]) -> tuple[float, list[_Training]]:
+    """Two worlds of ``trials`` each, in trainings of ``TWO_WORLD_CHUNK`` canary coordinates per world."""
+    ins: list[list[np.ndarray]] = []
+    outs: list[list[np.ndarray]] = []
+    runs = []
+    chunks = math.ceil(trials / TWO_WORLD_CHUNK)
+    for c in range(chunks):
+        size = min(TWO_WORLD_CHUNK, trials - c * TWO_WORLD_CHUNK)
+        present = np.r_[np.ones(size, bool), np.zeros(size, bool)]
+        data = audit.data(present, f"audit-data-{c}")
+        rec = ReleaseRecorder(data.canary_coords)
+        audit.say(f"training chunk {c + 1}/{chunks} ({size} trials per world)")
+        runs.append(audit.train(data, stream_seed(audit.seed, f"chunk-{c}"), rec))
+        labels, scores = _candidates(rec)
+        ins.append([s[present] for s in scores])
+        outs.append([s[~present] for s in scores])
+    out_scores = [np.concatenate([o[j] for o in outs]) for j in range(len(labels))]
+    in_scores = [np.concatenate([i[j] for i in ins]) for j in range(len(labels))]
+    split = stream_seed(audit.seed, "audit-split")
+    b = bounds.two_world_bound(out_scores, in_scores, audit.delta, audit.confidence, seed=split)
+    details.update(
+        trials_per_world=trials,
+        trials_evaluated=(b.trials_out, b.trials_in),
+        threshold=b.threshold,
+        false_positives=b.false_positives,
+        false_negatives=b.false_negatives,
+        fpr_upper=b.fpr_upper,
+        fnr_upper=b.fnr_upper,
+        score=labels[b.score],
+        scores=labels,
+    )
+    return b.epsilon, runs

@@ -1,14 +1,9 @@
 """Materialise a study's data and model, identically in the coordinator and in every worker.
 
-The coordinator only needs sizes (to plan q and T); a worker needs the tensors. Both
-call ``study_data``, which is a pure function of the ``DataSpec`` and the study seed
-(the holdout split is seeded), cached per process so a pool worker loads it once.
-
-The holdout (private selection only) is carved by ``holdout_mask``: each example goes to
-the holdout iff a hash of its own content, keyed by the study seed, falls below
-``holdout_fraction``. Adding or removing one example therefore changes exactly one of the
-two sets by that example (a seeded permutation of all n would reshuffle everyone), which is
-what the composed guarantee of training + selection assumes (docs/privacy.md).
+``study_data`` is a pure function of the ``DataSpec`` and the study seed, cached per process (a
+pool worker loads it once). The holdout goes by a keyed hash of each example (``holdout_mask``):
+adding or removing one example changes one of the two sets by that example only, as the
+composed guarantee of training + selection assumes (docs/privacy.md).
 """
 
 from __future__ import annotations

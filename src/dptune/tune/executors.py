@@ -7,11 +7,10 @@
 * ``ray``: Ray tasks, on a local Ray started here (``ray.init(num_cpus=workers)``) or on
   an existing cluster (``address``); on CUDA each task requests ``num_gpus`` (``gpus_per_run``).
 
-Every executor calls the same pure function ``worker.execute_task`` (one run, or a group
-of runs trained together as vectorised trials) with the same arguments, with torch pinned to ``study.threads_per_run`` threads, so the same seeds
-give bit-identical results whichever executor runs them (seeded mode: a ``study.secure`` study
-reaches every worker inside its ``Study``, and its OS-CSPRNG draws are not reproducible). Results come back in
-completion order; the coordinator makes the outcome independent of that order.
+Every executor calls the same pure function ``worker.execute_task`` (one run, or a group trained
+together as vectorised trials) with torch pinned to ``study.threads_per_run`` threads, so the same
+seeds give bit-identical results on every executor (except in secure mode: OS-CSPRNG draws).
+Results come back in completion order; the coordinator makes the outcome independent of it.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ EXECUTORS = ("local", "process", "ray")
 
 
 def check_workers(workers: Any) -> int | None:
-    """``workers`` as given (None: the executor's default), or a ``ConfigError``: 0 or a negative
-    count would reach the pool or Ray as an error deep in a run (or as one silent worker)."""
+    """``workers`` as given (None: the executor's default), or a ``ConfigError`` (0 or less would
+    fail deep in a run, or leave one silent worker)."""
     if workers is None:
         return None
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -58,11 +57,15 @@ _STARTED: Any = None  # in a pool worker: the queue its task starts are reported
 
 
 def _pool_init(started: Any, counter: Any = None, masks: list[str] | None = None) -> None:
-    """Process-pool initializer: the start-report queue, and the GPU pinning (``_pin_gpu``)."""
+    """Process-pool initializer: the start-report queue; with ``masks``, worker k sees only GPU
+    ``masks[k mod n]`` (set before CUDA starts)."""
     global _STARTED
     _STARTED = started
     if masks:
-        _pin_gpu(counter, masks)
+        with counter.get_lock():
+            k = counter.value
+            counter.value += 1
+        os.environ["CUDA_VISIBLE_DEVICES"] = masks[k % len(masks)]
 
 
 def _pool_call(
@@ -84,13 +87,10 @@ def _ray_call(
 
 
 class _Starts:
-    """Turns the workers' start reports of one batch of tasks into ``on_start`` calls.
-
-    At most ``limit`` (the pool's size) tasks are reported as running: a worker takes its next
-    task only after finishing one, so a start reported while ``limit`` tasks still look running
-    means that a result is on its way; the start is reported once that result was handed over.
-    A result whose start report lags behind it is reported as started first. Reports of tasks of
-    an earlier batch are ignored."""
+    """Turns the workers' start reports of one batch of tasks into ``on_start`` calls: at most
+    ``limit`` (the pool's size) running at once (a start reported beyond it waits for a result on
+    its way), a result whose start report lags is started first, an earlier batch's reports are
+    ignored."""
 
     def __init__(self, task_ids: Iterable[str], on_start: Callable[[list[str]], None], limit: int | None):
         self.ids, self.on_start, self.limit = set(task_ids), on_start, limit
@@ -150,14 +150,6 @@ class LocalExecutor(Executor):
             yield rid, res, err
 
 
-def _pin_gpu(counter: Any, masks: list[str]) -> None:
-    """Process-pool initializer: worker k sees only GPU ``masks[k mod n]`` (set before CUDA starts)."""
-    with counter.get_lock():
-        k = counter.value
-        counter.value += 1
-    os.environ["CUDA_VISIBLE_DEVICES"] = masks[k % len(masks)]
-
-
 class ProcessExecutor(Executor):
     """A spawned process pool (CUDA needs *spawn*: a forked CUDA context is unusable). With
     ``device`` on CUDA, ``devices.process_gpu_plan`` sets the pool size (default one worker per
@@ -211,10 +203,8 @@ class ProcessExecutor(Executor):
 
 
 def _local_pythonpath() -> dict[str, Any]:
-    """This interpreter's ``sys.path`` as the local Ray workers' PYTHONPATH: a user's
-    ``module:factory`` (a study's [model]/[data] factory) importable here is importable
-    there (spawned pool workers get ``sys.path`` from multiprocessing itself). On a cluster
-    (``address``) ship the code with Ray's own ``runtime_env`` (docs/tuning.md)."""
+    """This interpreter's ``sys.path`` as the local Ray workers' PYTHONPATH, so that a study's
+    ``module:factory`` importable here is importable there (a cluster: Ray's ``runtime_env``)."""
     import sys
 
     paths = [p for p in sys.path if p and os.path.isdir(p)]

@@ -1,10 +1,6 @@
 """A finished study's deliverable: each arm's selected model with its card in ``release/models/<arm>/``
-(``export_study``: at the end of a complete study and ``dptune export``), then the other runs'
-checkpoints pruned.
-
-The weights come from the checkpoints the coordinator kept (``dptune.deliverable.save_checkpoint``):
-no retraining, hence no new release (the ledger is unchanged). The files (weights, card, loading)
-are ``dptune.deliverable``'s; this module picks them with the tuner's selection (``results``).
+(at the end of a complete study and ``dptune export``), then the other runs' checkpoints pruned.
+The weights are the checkpoints the coordinator kept: no retraining, hence no new release.
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ from dptune.errors import ConfigError
 from dptune.ledger import Ledger
 from dptune.outputs import DIAGNOSTICS_DIR, hides_run_count, labelled_json, randomness_statement, release_dir
 from dptune.tune import results
+from dptune.tune.planners import ArmPlan, RunSpec
 from dptune.tune.store import Store
 
 
@@ -58,6 +55,7 @@ def export_study(
     (default: every arm) of a finished study, from the stored checkpoints: no training, no
     release. ``out``: another folder for the release (default: the study directory)."""
     d = Path(study_dir)
+    base = Path(out) if out is not None else d
     cfg, plan, rows, _ = results.load_study(d)
     status = results.study_status(d)
     if not status["complete"]:
@@ -74,8 +72,6 @@ def export_study(
     by_id = {r["run_id"]: r for r in rows}
     hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
     digest = study_ledger_digest(d)
-    sel = cfg.get("selection", {})
-    secure = bool(cfg.get("study", {}).get("secure"))
     written = []
     for a in plan.arms:
         if arm is not None and a.arm != arm:
@@ -84,20 +80,15 @@ def export_study(
         rid = _saved_run(row, plan)
         ckpt = load_checkpoint(d, rid) if rid is not None else None
         if ckpt is None or rid is None:  # "or rid is None" for the type checker: ckpt is None then too
-            msg = (
-                f"arm {a.arm!r}: "
-                + (
-                    "no run was selected (every run diverged or failed)"
-                    if rid is None
-                    else "the selected run's weights are not stored (a study run before dptune saved checkpoints, "
-                    "or checkpoints/ was deleted)"
-                )
-                + "; retraining would be a new release."
-            )
             if skip_missing or (arm is None and rid is None):  # every arm: skip one with no selection
                 continue
-            raise ConfigError(msg + " Fix: run a new study.")
-        run, stored = plan.runs[rid], by_id[rid]
+            why = (
+                "no run was selected (every run diverged or failed)"
+                if rid is None
+                else "the selected run's weights are not stored (a study run before dptune saved checkpoints, "
+                "or checkpoints/ was deleted)"
+            )
+            raise ConfigError(f"arm {a.arm!r}: {why}; retraining would be a new release. Fix: run a new study.")
         ledger: dict[str, Any] = {"digest": digest, "scope": "the whole study (every arm, every run)"}
         if hidden_k:
             # The ledger is a function of the plan and of the number of runs drawn: its digest
@@ -107,49 +98,10 @@ def export_study(
                 "note": "withheld: the study has an arm that keeps the number of runs "
                 "secret and the ledger's digest would reveal it; it is in diagnostics/models/.",
             }
-            diag = (Path(out) if out is not None else d) / DIAGNOSTICS_DIR / MODELS_DIR / a.arm
+            diag = base / DIAGNOSTICS_DIR / MODELS_DIR / a.arm
             diag.mkdir(parents=True, exist_ok=True)
             save_text(diag / "ledger_digest.json", json.dumps(labelled_json({"digest": digest}), indent=2))
-        guarantee = {
-            "epsilon": row["planned_epsilon"],
-            "delta": row["planned_delta"],
-            "accountant": row["accountant"],
-            "per": row["guarantee_per"],
-            "kind": a.guarantee.get("kind"),
-            "method": row["method"],
-            "selection": f"{sel.get('mode', 'public')} selection on the {sel.get('split', 'test')} split "
-            f"({row['metric']}, checkpoint rule: {sel.get('checkpoint', 'best')}, across seeds: "
-            f"{sel.get('across_seeds', 'per-seed')})",
-            "covered": list(COVERED) if math.isfinite(row["planned_epsilon"]) else [],
-            "not_covered": list(NOT_COVERED),
-        }
-        card = {
-            "title": f"{a.label} at ε = {a.epsilon} ({cfg.get('study', {}).get('name', 'study')})",
-            "dptune_version": dptune_version(),
-            "arm": a.arm,
-            "guarantee": guarantee,
-            "configuration": {
-                "strategy": a.strategy,
-                "hyperparameters": json.loads(stored["config"])
-                if isinstance(stored["config"], str)
-                else stored["config"],
-                "noise_multiplier": run.noise_multiplier,
-                "sampling_rate": run.sampling_rate,
-                "steps": run.steps,
-                "seed_replicate": run.replicate,
-            },
-            "checkpoint": {"rule": sel.get("checkpoint", "best"), "step": stored["best_step"]},
-            "evaluation": {
-                "metric": row["metric"],
-                "selection_score": stored["score"],
-                "test_metric": stored["test_metric"],
-            },
-            "model": ckpt.get("model") or {},
-            "data": _public_data_id(cfg.get("data")),
-            **randomness_statement(secure),
-            "ledger": ledger,
-        }
-        base = Path(out) if out is not None else d
+        card = _card(cfg, a, row, plan.runs[rid], by_id[rid], ckpt, ledger)
         if math.isfinite(row["planned_epsilon"]):
             written.append(write_model(release_dir(base) / MODELS_DIR / a.arm, ckpt["state_dict"], card))
         else:
@@ -158,6 +110,56 @@ def export_study(
             card = labelled_json(card)
             written.append(write_model(base / DIAGNOSTICS_DIR / MODELS_DIR / a.arm, ckpt["state_dict"], card))
     return written
+
+
+def _card(
+    cfg: Mapping[str, Any],
+    a: ArmPlan,
+    row: Mapping[str, Any],
+    run: RunSpec,
+    stored: Mapping[str, Any],
+    ckpt: Mapping[str, Any],
+    ledger: dict[str, Any],
+) -> dict[str, Any]:
+    """The model card of arm ``a``'s selected run (``row``: its ``study_table`` row)."""
+    sel = cfg.get("selection", {})
+    guarantee = {
+        "epsilon": row["planned_epsilon"],
+        "delta": row["planned_delta"],
+        "accountant": row["accountant"],
+        "per": row["guarantee_per"],
+        "kind": a.guarantee.get("kind"),
+        "method": row["method"],
+        "selection": f"{sel.get('mode', 'public')} selection on the {sel.get('split', 'test')} split "
+        f"({row['metric']}, checkpoint rule: {sel.get('checkpoint', 'best')}, across seeds: "
+        f"{sel.get('across_seeds', 'per-seed')})",
+        "covered": list(COVERED) if math.isfinite(row["planned_epsilon"]) else [],
+        "not_covered": list(NOT_COVERED),
+    }
+    return {
+        "title": f"{a.label} at ε = {a.epsilon} ({cfg.get('study', {}).get('name', 'study')})",
+        "dptune_version": dptune_version(),
+        "arm": a.arm,
+        "guarantee": guarantee,
+        "configuration": {
+            "strategy": a.strategy,
+            "hyperparameters": json.loads(stored["config"]) if isinstance(stored["config"], str) else stored["config"],
+            "noise_multiplier": run.noise_multiplier,
+            "sampling_rate": run.sampling_rate,
+            "steps": run.steps,
+            "seed_replicate": run.replicate,
+        },
+        "checkpoint": {"rule": sel.get("checkpoint", "best"), "step": stored["best_step"]},
+        "evaluation": {
+            "metric": row["metric"],
+            "selection_score": stored["score"],
+            "test_metric": stored["test_metric"],
+        },
+        "model": ckpt.get("model") or {},
+        "data": _public_data_id(cfg.get("data")),
+        **randomness_statement(bool(cfg.get("study", {}).get("secure"))),
+        "ledger": ledger,
+    }
 
 
 def _public_data_id(desc: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -1,8 +1,5 @@
-"""Which runs of a study train together as one task (``dptune.train_many``).
-
-A pure function of the plan and ``study.trials_per_group``, so the coordinator (which trains the
-groups) and ``results.study_status`` (whose ETA counts a group's running members once) agree
-without either importing the other.
+"""Which runs of a study train together as one task (``dptune.train_many``): a pure function of
+the plan, shared by the coordinator and ``results.study_status`` (whose ETA counts a group once).
 """
 
 from __future__ import annotations
@@ -14,12 +11,10 @@ from dptune.tune.planners import StudyPlan
 
 
 def plan_groups(plan: StudyPlan, size: int, unresolved: Collection[str] | None = None) -> dict[str, tuple[str, ...]]:
-    """run_id → its group of ``size`` (``Coordinator.groups``, for a model that can be stacked).
-
-    ``unresolved``: the runs planned without a configuration (adaptive stages, grouped per
-    procedure); by default those whose configuration is still None. A coordinator passes the set
-    it was planned with, so that runs resolved before the groups are first asked for (a resumed
-    study) are grouped as in a fresh one."""
+    """run_id → its group: the runs of one arm and stage in plan order (adaptive stages: of one
+    procedure), in chunks of ``size``. ``unresolved``: the runs planned without a configuration
+    (default: those still without one); a coordinator passes the set it was planned with, so a
+    resumed study is grouped as a fresh one."""
     out: dict[str, tuple[str, ...]] = {}
     keyed: dict[tuple[Any, ...], list[str]] = {}
     for rid, r in plan.runs.items():

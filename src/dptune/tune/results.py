@@ -1,24 +1,12 @@
 """Results of a stored study: the selection table, the budget (planned vs spent, and where it
-went), the status, CSV files and a terminal rendering (rich, 100 columns).
+went), the status, CSV files and a terminal rendering (rich, 100 columns). Everything here reads
+the study directory only (no Study object, no training); selection per procedure
+(``selection.across_seeds``) is the arm's method's (``TuningMethod.select``; docs/tuning.md).
 
-Everything here reads the study directory only (no Study object, no training).
-
-Selection per tuning procedure (``selection.across_seeds``):
-
-* ``per-seed``: every seed replicate is its own procedure; each picks its best run by the
-  selection score (best checkpoint); the table shows mean ± std over replicates of the
-  selected runs' scores and the configuration selected most often (``[k/P]``).
-* ``mean``: a configuration's score is its mean over seeds; the best mean is selected and
-  shown with the std over its seeds (Galli et al., Tables 2–4).
-* ``linear-scaling``: each replicate's result is its final run.
-
-Release vs diagnostics (``dptune.outputs``, docs/privacy.md): ``write_csvs`` writes
-``release/results.csv`` (``RELEASE_COLUMNS``: the selected configuration, its metrics, the
-guarantee and the spent totals) and, labelled "not differentially private: for the data owner
-only", ``diagnostics/`` (the full table with run counts and selected run ids, the per-run and
-per-label budget). ``render`` prints the release; ``diagnostics=True`` adds the rest under
-that label. Non-private arms (the nodp baseline, ε = ∞: ``is_nonprivate``) are in no release
-output: their exact scores are in the diagnostics and ``render_nonprivate``'s labelled table.
+Release vs diagnostics (``dptune.outputs``, docs/privacy.md): ``release/results.csv`` holds
+``RELEASE_COLUMNS`` of the private arms only; the rest (run counts, selected run ids, the budget
+per run and per label, the non-private baseline's exact scores) is in ``diagnostics/``, labelled
+"not differentially private: for the data owner only", as is ``render(diagnostics=True)``.
 """
 
 from __future__ import annotations
@@ -117,10 +105,6 @@ def load_study(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[d
     return cfg, plan, rows, entries
 
 
-def _public_config(c: Mapping[str, Any] | None) -> dict[str, Any]:
-    return {k: v for k, v in (c or {}).items()}
-
-
 # ----------------------------------------------------------------------------- budget
 def _arm_entries(arm: ArmPlan, entries: list[LedgerEntry]) -> list[LedgerEntry]:
     ids = set(arm.runs)
@@ -138,11 +122,9 @@ def spent(arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[fl
 
 
 def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(per-run rows, per-(arm, query label) rows): where the budget went.
-
-    Per run: its releases, its ε *alone* at δ and the ε its plan allows it alone
-    (``planned_epsilon``; runs compose sub-additively: these do not add up to the study's ε). Per label: releases of that query type in the arm's
-    accounted scope and their composed ε alone."""
+    """(per-run rows, per-(arm, query label) rows): where the budget went. Per run: its releases,
+    its ε *alone* and the ε its plan allows it alone (these do not add up to the study's ε); per
+    label: that query type's releases in the arm's accounted scope and their composed ε alone."""
     _, plan, rows, entries = load_study(study_dir)
     status = {r["run_id"]: r["status"] for r in rows}
     by_run: dict[str, list[LedgerEntry]] = defaultdict(list)
@@ -202,7 +184,7 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
 # ----------------------------------------------------------------------------- selection table
 def _selected(arm: ArmPlan, plan: StudyPlan, runs: dict[str, dict[str, Any]], across: str) -> dict[str, Any]:
     picks, fits = get_method(arm.method).select(arm, plan, [runs[r] for r in arm.runs], across)
-    keys = Counter(config_key(_public_config(p["config"])) for p in picks if p["config"])
+    keys = Counter(config_key(p["config"]) for p in picks if p["config"])
     config = ""
     if keys:
         k, c = keys.most_common(1)[0]
@@ -340,13 +322,10 @@ def _duration(seconds: float) -> str:
 def eta(
     rows: Iterable[Mapping[str, Any]], groups: Mapping[str, tuple[str, ...]] | None = None
 ) -> tuple[float | None, str]:
-    """(seconds, text): the time the study still needs, from its finished runs' durations: runs
-    left × mean seconds per finished run ÷ tasks running now (the workers busy; at least 1). Run
-    times are a diagnostic (they grow with the realised batch sizes): for the data owner only.
-
-    ``groups`` (run_id → its group, ``groups.plan_groups``): the runs of a group are trained as ONE
-    task and each stores the group's time ÷ its size, so its running members count once (they are
-    marked running together: same ``started``); counting each would divide by the size twice."""
+    """(seconds, text): runs left × mean seconds per finished run ÷ tasks running now (at least 1).
+    Run times grow with the realised batch sizes: for the data owner only. ``groups`` (run_id →
+    its group): a group is ONE task whose members each store its time ÷ its size, so its running
+    members (same ``started``) count once."""
     rows = list(rows)
     groups = groups or {}
     left = sum(1 for r in rows if r["status"] in ("planned", "running"))
@@ -398,11 +377,10 @@ def _e(x: float) -> str:
 
 
 def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = False) -> None:
-    """Print the results table (release: selected configuration, metrics, planned and spent
-    budget) of the private arms and the notes that the guarantee covers (fits 100 columns).
-    ``diagnostics``: also the non-private baseline's table (``render_nonprivate``), the failed/diverged counts, where the budget went per query label and the notes of
-    Liu–Talwar / repeat-and-select arms (they state K), under the label "not differentially
-    private: for the data owner only"; else one line saying where they are."""
+    """Print the private arms' results table and the notes the guarantee covers (100 columns).
+    ``diagnostics``: also, under the "not differentially private" label, the non-private baseline,
+    the failed/diverged counts, the budget per query label and the notes that state K; else one
+    line saying where they are."""
     from rich.console import Console
     from rich.table import Table
 
@@ -413,7 +391,6 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
     sel = cfg.get("selection", {})
     mode = sel.get("mode", "public")
     metric = plan.metric
-    unit = " (%)" if metric == "accuracy" else ""
     mode_txt = (
         "PUBLIC validation data (assumed public, as in the papers)"
         if mode == "public"
@@ -423,8 +400,7 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
         f"[bold]{cfg.get('study', {}).get('name', 'study')}[/bold] — selection on the "
         f"{sel.get('split', 'test')} split, {mode_txt}; across seeds: {sel.get('across_seeds', 'per-seed')}"
     )
-    t = _results_table(rows, metric, unit)
-    console.print(t)
+    console.print(_results_table(rows, metric))
     if any(r["value_mean"] is not None and clip_to_range(r["value_mean"], metric) != r["value_mean"] for r in rows):
         console.print(
             f"[dim]Noisy selection scores outside the range of {metric} are shown clipped to it; "
@@ -467,7 +443,7 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
         console.print(f"[dim]• {note}[/dim]")
 
 
-def _results_table(rows: Iterable[Mapping[str, Any]], metric: str, unit: str, title: str | None = None) -> Any:
+def _results_table(rows: Iterable[Mapping[str, Any]], metric: str, title: str | None = None) -> Any:
     from rich.table import Table
 
     t = Table(title=title, show_lines=False)
@@ -476,7 +452,7 @@ def _results_table(rows: Iterable[Mapping[str, Any]], metric: str, unit: str, ti
         "ε",
         "method",
         "selected configuration",
-        f"{metric}{unit}",
+        f"{metric} (%)" if metric == "accuracy" else metric,
         "test",
         "planned (ε, δ)",
         "spent ε",
@@ -509,8 +485,7 @@ def render_nonprivate(study_dir: str | Path, console: Any = None, *, table: list
     if not rows:
         return False
     metric = rows[0]["metric"]
-    unit = " (%)" if metric == "accuracy" else ""
-    console.print(_results_table(rows, metric, unit, title=f"non-private baseline — {NOT_DP_LABEL}"))
+    console.print(_results_table(rows, metric, title=f"non-private baseline — {NOT_DP_LABEL}"))
     return True
 
 

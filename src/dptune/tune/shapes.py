@@ -1,11 +1,8 @@
 """Run shapes: what the accountant needs to know about a planned run, apart from its ν.
 
-A configuration of a strategy arm becomes a ``Shape`` (``make_shape``): its strategy, sampling
-rate q, number of steps T (``run_geometry``: the study's training settings overridden by the
-configuration) and its evaluation schedule (``eval_schedule``; in private selection each
-evaluation is a Gaussian release). ``Shape.event(ν)`` is the run's planned ``DpEvent``. ``snap``
-moves a calibrated ν a few ulps up so that the strategy's releases carry exactly that ν, and
-``validate_shape`` lets the strategy refuse impossible settings before any training.
+``make_shape``: a configuration → its strategy, q, T (``run_geometry``) and evaluation schedule
+(private selection: each evaluation a Gaussian release); ``Shape.event(ν)`` is the run's planned
+``DpEvent``, ``snap`` makes the strategy's releases carry exactly the calibrated ν.
 """
 
 from __future__ import annotations
@@ -136,11 +133,9 @@ def make_shape(ctx: Context, arm: StrategyArm, config: Mapping[str, Any], path: 
 
 
 def release_multiplier(shape: Shape, nu: float, n: int) -> float:
-    """The joint multiplier that the strategy's releases will actually carry for a planned ν.
-
-    Strategies that split ν over several queries (OSO's q-query, the quantile count) recompute
-    the joint multiplier (Σ ν_i⁻²)^(-1/2) from the parts, which can differ from ν in the last
-    bits; the ledger compares events exactly, so such a run would be refused."""
+    """The joint multiplier the strategy's releases will carry for a planned ν: a strategy that splits
+    ν over several queries recomputes (Σ ν_i⁻²)^(-1/2) from the parts, which can differ from ν in
+    the last bits, and the ledger compares events exactly."""
     split = getattr(shape.strategy, "split", None)
     if split is None or not math.isfinite(nu):
         return accounting.joint_noise_multiplier([nu]) if math.isfinite(nu) else nu

@@ -1,12 +1,8 @@
 """Search spaces: grids (cartesian products of lists) and seeded random draws.
 
-Every random draw of the tuner comes from a ``numpy`` generator seeded by
-``rng_for(study_seed, name)``, so planning is a pure function of the study: the
-same study plans the same runs on every machine, and a resumed study re-plans
-exactly what it had planned (nothing about the data influences these draws).
-Exception: Liu–Talwar's and repeat-and-select's draws (K and the candidates'
-configurations) must be secret and come from ``theory.SecretCoins`` (the OS CSPRNG);
-the study store keeps the plan, so a resumed study reuses them.
+The tuner's random draws come from ``rng_for(study_seed, name)``, so planning is a pure function
+of the study (never of the data), the same on every machine; except Liu–Talwar's and
+repeat-and-select's, which must be secret (``theory.SecretCoins``).
 """
 
 from __future__ import annotations

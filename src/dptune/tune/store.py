@@ -140,16 +140,14 @@ class Store:
             if self.path.exists() and self.path.stat().st_size > 0:
                 self._check()
             self._connect(create, readonly)
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, ConfigError) as exc:
             if getattr(self, "conn", None) is not None:
                 self.conn.close()
-            if not str(getattr(exc, "sqlite_errorname", "")).startswith(_DAMAGED):
-                raise  # e.g. locked: not a damaged file
-            raise self._damaged(str(exc)) from None
-        except ConfigError:
-            if getattr(self, "conn", None) is not None:
-                self.conn.close()
-            raise
+            if isinstance(exc, sqlite3.DatabaseError) and str(getattr(exc, "sqlite_errorname", "")).startswith(
+                _DAMAGED
+            ):
+                raise self._damaged(str(exc)) from None
+            raise  # e.g. locked: not a damaged file
 
     def _open_readonly(self) -> sqlite3.Connection:
         """A read-only connection (never writes the file or its -wal). On read-only media a WAL

@@ -1,13 +1,10 @@
 """The coordinator: plan, persist, dispatch runs to an executor, check and merge their ledgers.
 
-``run_study(config, dir)`` plans the whole study before any training, writes config +
-plan + every planned run to ``dir/study.sqlite``, then executes the runs. Each
-returned run is checked against its planned event, merged into the study ledger
-(``Ledger.with_plan(study release event)``, which refuses anything outside the plan)
-and committed together with its status. ``resume_study(dir)`` re-opens the store,
-re-executes interrupted runs with the same seeds and continues. Adaptive stages
-(linear scaling's final run) are resolved from stored results only, so a resumed
-study resolves them identically.
+``run_study(config, dir)`` plans the whole study before any training and stores it in
+``dir/study.sqlite``; each returned run is checked against its plan, merged into the study ledger
+(``Ledger.with_plan``: nothing outside the plan) and committed with its status. ``resume_study``
+re-executes interrupted runs with the same seeds; adaptive stages are resolved from stored
+results only, so a resumed study resolves them identically.
 """
 
 from __future__ import annotations
@@ -47,14 +44,11 @@ def study_metric(study: Study, task: str) -> str:
 
 
 class _StudyClaim:
-    """Claims ``study_dir`` for one coordinator: makes the missing folders one level at a time,
-    takes the study's lock (an flock on ``.lock``: released by the OS even on SIGKILL) and, if the
-    study fails before any run starts (a failed plan, an executor that cannot start, Ctrl-C while
-    planning), removes again exactly what THIS process made: the store's files it created (under
-    the lock, so never another coordinator's), its ``.lock``, then its folders innermost first,
-    stopping at the first one that is not empty. Nothing that appeared meanwhile (a sibling study
-    started alongside in the same parent, a user's file) is ever deleted; a study that existed
-    before, or whose runs started (``started``), is kept as it is."""
+    """Claims ``study_dir`` for one coordinator: makes the missing folders, takes the study's lock
+    (an flock on ``.lock``: released by the OS even on SIGKILL) and, if the study fails before any
+    run starts (``started``), removes exactly what THIS process made (store files created under
+    the lock, its ``.lock``, its folders innermost first while empty): never anything that
+    appeared meanwhile, nor a study that existed before."""
 
     FILES = ("study.sqlite", "study.sqlite-wal", "study.sqlite-shm", "study.sqlite-journal")
 
@@ -240,12 +234,8 @@ class Coordinator:
 
     # -- vectorised groups
     def groups(self) -> dict[str, tuple[str, ...]]:
-        """run_id → the runs trained together with it (``dptune.train_many``).
-
-        A pure function of the plan and ``study.trials_per_group``: the runs of one arm and stage
-        (of one procedure, for adaptive stages, whose configurations are resolved together) in
-        plan order, cut into chunks. Fixed before execution, so a run's result never depends on
-        the executor, on the number of workers or on what a resumed session still had to do."""
+        """run_id → the runs trained together with it (``groups.plan_groups``), fixed before
+        execution: a run's result never depends on the executor, the workers or a resume."""
         if self._groups is None:
             size = self.study.trials_per_group
             self._groups = plan_groups(self.plan, size, self._unresolved) if size > 1 and self._stackable() else {}
@@ -475,8 +465,7 @@ def load_stored_study(study_dir: str | os.PathLike[str], study: Study | None = N
             "this study was built in Python (tensors or a model callable): resume it with "
             "resume_study(dir, study=the_same_study)."
         )
-    d = {k: v for k, v in cfg.items() if k != "_meta"}
-    return study_from_dict(d)
+    return study_from_dict({k: v for k, v in cfg.items() if k != "_meta"})
 
 
 def resume_study(
@@ -491,14 +480,5 @@ def resume_study(
 ) -> StudyOutcome:
     """Continue a stored study: keep every finished run, re-execute interrupted (and, by
     default, failed) runs with the same seeds and noise streams, run what is left."""
-    st = load_stored_study(study_dir, study)
-    return run_study(
-        st,
-        study_dir,
-        executor=executor,
-        address=address,
-        progress=progress,
-        workers=workers,
-        retry_failed=retry_failed,
-        gpus_per_run=gpus_per_run,
-    )
+    study = load_stored_study(study_dir, study)
+    return run_study(study, study_dir, executor, address, progress, workers, retry_failed, gpus_per_run)

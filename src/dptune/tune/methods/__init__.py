@@ -1,18 +1,7 @@
-"""Tuning methods as plug-ins: one ``TuningMethod`` subclass per file, registered by name.
-
-=================== ====================================================== ===========================
-method (file)       guarantee                                              accountant
-=================== ====================================================== ===========================
-grid, random,       composition of the runs (oracle: each run alone at ε,  auto
-online, oracle      the search's cost not included)
-(composition.py)
-liu-talwar          Liu & Talwar Thm 3.4: (3ε₁ + 3√(2δ₁), √(2δ₁)T_max + δ₂) closed form (runs: RDP)
-repeat-and-select   RepeatAndSelectDpEvent(run, mean, shape)               rdp
-linear-scaling      composition of 2n sweep runs and the final run         gdp (q = 1), else auto
-=================== ====================================================== ===========================
-
-Adding a method (docs/tuning.md, "Adding a tuning method"): subclass ``base.TuningMethod`` in a
-file of your own and ``register`` the class; study files then accept its name.
+"""Tuning methods as plug-ins: one ``TuningMethod`` subclass per file, registered by name: grid,
+random, online and oracle (``composition``), liu-talwar, repeat-and-select, linear-scaling. Their
+runs and guarantees: the table in docs/tuning.md. Adding a method ("Adding a tuning method"):
+subclass ``base.TuningMethod`` in a file of your own and ``register`` the class.
 """
 
 from __future__ import annotations

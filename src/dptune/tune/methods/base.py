@@ -1,17 +1,8 @@
-"""The interface of a tuning method: one ``TuningMethod`` subclass per file of ``tune/methods/``.
-
-A method declares its options (``Options``: a frozen dataclass whose fields and defaults ARE the
-options it accepts, checked in ``__post_init__``), what it requires of a strategy arm
-(``check_arm``) and how it turns one arm's budget into runs (``plan``). Where its guarantee is
-not the composition of the released runs, it also says how the budget spent so far is counted
-(``spent``); where a procedure's result is not its best run, how that result is chosen
-(``select``); and where runs are configured from earlier scores, how (``resolve``). Methods are
-stateless: the registry (``tune.methods.register``) keeps one instance of each.
-
-A method plans with ``tune.shapes`` (a configuration → ``Shape``, ν snapped and validated),
-``tune.planners`` (accountant, calibration, ε of events) and ``tune.builder`` (``b.add_candidate``
-adds a candidate's runs; ``procedures``/``guarantee_scope``: the seeds' accounting), and returns
-``self.arm_plan(...)``.
+"""The interface of a tuning method: one stateless ``TuningMethod`` subclass per file of
+``tune/methods/`` (docs/tuning.md, "Adding a tuning method"). ``Options`` is a frozen dataclass
+whose fields ARE the options it accepts; ``check_arm``, ``plan`` (with ``tune.shapes``,
+``tune.planners`` and ``tune.builder``), and where the defaults do not fit, ``spent``, ``select``
+and ``resolve``.
 """
 
 from __future__ import annotations
@@ -19,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -27,6 +18,7 @@ from dptune.errors import config_error
 from dptune.ledger import LedgerEntry
 from dptune.metrics import better
 from dptune.tune import space as S
+from dptune.tune import theory
 from dptune.tune.builder import Builder, make_arm_id, procedures
 from dptune.tune.planners import ArmPlan, StudyPlan, entries_epsilon, group_events
 
@@ -51,6 +43,20 @@ def random_configurations(study: Study, arm: StrategyArm, n: int, procedure: int
     draws: stored single-procedure plans are unchanged)."""
     rng = S.rng_for(study.seed, f"random/{arm.key}" + (f"/p{procedure}" if procedure else ""))
     return [S.draw(arm.space, rng) for _ in range(n)]
+
+
+def secret_draws(
+    b: Builder, arm: StrategyArm, procedures: int, draw_k: Callable[[theory.SecretCoins], int]
+) -> tuple[list[int], list[tuple[int, int, dict[str, Any]]]]:
+    """Liu–Talwar's and repeat-and-select's search, from the secret coins (``b.coins``): per
+    procedure its number of runs K (``draw_k``), then K configurations from the arm's space.
+    Returns (each procedure's K, (procedure, index, configuration) of every run)."""
+    ks, drawn = [], []
+    for p in range(procedures):
+        k = draw_k(b.coins)
+        ks.append(k)
+        drawn += [(p, j, S.draw(arm.space, b.coins)) for j in range(k)]
+    return ks, drawn
 
 
 def released_procedures(arm: ArmPlan, plan: StudyPlan, entries: Iterable[LedgerEntry]) -> int:

@@ -1,14 +1,5 @@
-"""Methods accounted by composition: grid, random, online, oracle (one planner, four candidate rules).
-
-=================== ======================================================= =========
-method              guarantee                                               accountant
-=================== ======================================================= =========
-grid / online       composition of the K configurations (one ν for all)     auto
-random              composition of n configurations drawn from the space    auto
-oracle              each run alone at ε (Panda's "grid search, HPO cost     auto
-                    not included"); the honest composed total is shown too
-=================== ======================================================= =========
-"""
+"""Methods accounted by composition: grid, random, online, oracle (one planner, four candidate
+rules; their guarantees: the table in docs/tuning.md)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from dptune.ledger import LedgerEntry
 from dptune.tune import space as S
 from dptune.tune import theory
 from dptune.tune.builder import Builder, guarantee_scope, make_arm_id, procedures, seed_note
-from dptune.tune.methods.base import TuningMethod, released_procedures
+from dptune.tune.methods.base import TuningMethod, released_procedures, secret_draws
 from dptune.tune.planners import ArmPlan, StudyPlan, calibrate_nu, choose_accountant, group_events
 from dptune.tune.shapes import Shape, make_shape, snap, validate_shape
 
@@ -112,17 +112,13 @@ class LiuTalwar(TuningMethod):
                 )
             return cache[shape]
 
-        run_ids, ks = [], []
-        for p in range(P):
-            rng = b.coins  # secret: K and the configurations (theory.SecretCoins)
-            k = theory.lt_stops(gamma, lt.t_max, rng)
-            ks.append(k)
-            for j in range(k):
-                c = S.draw(arm.space, rng)
-                s = make_shape(ctx, arm, c, f"{path}.space")
-                nu = nu_for(s)
-                validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
-                run_ids += b.add_candidate(arm, arm_id, "main", j, p, c, s, nu)
+        ks, drawn = secret_draws(b, arm, P, lambda coins: theory.lt_stops(gamma, lt.t_max, coins))
+        run_ids = []
+        for p, j, c in drawn:
+            s = make_shape(ctx, arm, c, f"{path}.space")
+            nu = nu_for(s)
+            validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
+            run_ids += b.add_candidate(arm, arm_id, "main", j, p, c, s, nu)
         total = (lt.total[0] * P_acc, lt.total[1] * P_acc)
         acc = choose_accountant(study.budget.accountant, next(iter(cache)).event(1.0), auto="rdp") if cache else "rdp"
         guarantee = {

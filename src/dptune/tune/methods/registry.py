@@ -1,10 +1,8 @@
 """The table of tuning methods: name → method, and the aliases of each name.
 
-It imports nothing of ``tune`` (only ``errors`` and ``outputs``): ``tune.spec`` validates a study
-through it, while the methods themselves plan with modules that name ``Study`` in their types. The
-entries are ``TuningMethod`` instances (``tune.methods.base``), typed loosely here for that reason.
-A method whose guarantee keeps the number of runs secret is declared to ``dptune.outputs`` here
-(its guarantees' kind: its name).
+It imports nothing of ``tune`` (``tune.spec`` validates a study through it, and the methods plan
+with modules that name ``Study``), so its entries are typed loosely. A method whose guarantee
+keeps the number of runs secret is declared to ``dptune.outputs`` here.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dptune.ledger import LedgerEntry, event_from_dict, event_to_dict
 from dptune.tune import space as S
 from dptune.tune import theory
 from dptune.tune.builder import Builder, guarantee_scope, make_arm_id, procedures, seed_note
-from dptune.tune.methods.base import TuningMethod, released_procedures
+from dptune.tune.methods.base import TuningMethod, released_procedures, secret_draws
 from dptune.tune.planners import ArmPlan, StudyPlan, calibrate_nu, canonical, group_events
 from dptune.tune.shapes import make_shape, snap, validate_shape
 from dptune.tune.space import TRAINING_KEYS
@@ -108,19 +108,12 @@ class RepeatAndSelect(TuningMethod):
             rs = theory.repeat_and_select_event(group_events([shape0.event(v)] * unit), mean, shape_param)
             return rs if P_acc == 1 else dp_event.SelfComposedDpEvent(rs, P_acc)
 
-        drawn = []
-        ks = []
-        for p in range(P):
-            rng = b.coins  # secret: K and the configurations (theory.SecretCoins)
-            k = theory.sample_repetitions(mean, shape_param, rng)
-            ks.append(k)
-            for j in range(k):
-                c = S.draw(arm.space, rng)
-                drawn.append((p, j, c, make_shape(ctx, arm, c, f"{path}.space")))
-        nu = snap(calibrate_nu(event, eps, delta, acc, arm_id), [shape0] + [d[3] for d in drawn], ctx.n_train)
+        ks, drawn = secret_draws(b, arm, P, lambda coins: theory.sample_repetitions(mean, shape_param, coins))
+        shapes = [make_shape(ctx, arm, c, f"{path}.space") for _, _, c in drawn]
+        nu = snap(calibrate_nu(event, eps, delta, acc, arm_id), [shape0, *shapes], ctx.n_train)
         total = accounting.epsilon(event(nu), delta, acc)
         run_ids = []
-        for p, j, c, s in drawn:
+        for (p, j, c), s in zip(drawn, shapes, strict=True):
             validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
             run_ids += b.add_candidate(arm, arm_id, "main", j, p, c, s, nu)
         guarantee = {
