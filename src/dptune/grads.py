@@ -166,22 +166,21 @@ class GradientOracle:
             return self._compute(params, x, y)
 
     def _compute(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
-        B = inputs.batch_len(x)
-        if B == 0:  # an empty Poisson batch: no contribution, but the step (and its noise) still happen
+        if (B := inputs.batch_len(x)) == 0:  # an empty Poisson batch: the step (and its noise) still happen
             return MaterializedGrads(
                 {k: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()},
                 torch.zeros(0, device=inputs.device_of(x)),
             )
-        due = self._due("grads", B) if self._ghost is not None else False
+        due = self._ghost is not None and self._due("grads", B)
         if self._ghost is not None and (due or self._next_probe["grads"]):
-            before = self._state(inputs.device_of(x), due)
+            before = self._swap_state(inputs.device_of(x)) if due else None
             try:
                 got = self._run_ghost(params, x, y)
             except ghost.GhostFallback as exc:
                 self._fall_back(str(exc))
             else:
                 if due:
-                    first = not self._next_probe["grads"]
+                    first = not self._next_probe["grads"] and self.requested_method == "auto"
                     self._probe("grads", x, y, before, lambda xs, ys: self._run_ghost(params, xs, ys), got)
                     if first:
                         self._compare_alone(params, x, y)
@@ -217,25 +216,22 @@ class GradientOracle:
             return
 
     # ------------------------------------------------------------------ the isolation probe
-    def _due(self, kind: str, B: int) -> bool:
-        """Whether this call is probed (a refusal is final: raised again on every call)."""
+    def _due(self, kind: str, B: int) -> bool:  # whether this call is probed; a refusal is raised again
         if self._refused is not None:
             raise self._refused
         self._calls[kind] += 1
         return B >= self.PROBE_MIN_BATCH and self._calls[kind] >= self._next_probe[kind]
 
-    def _state(self, dev: torch.device, due: bool) -> tuple[RngState, Tensors] | None:
-        """What a forward reads besides its inputs, for a probe to replay: torch's random streams
-        and the buffers updated in place (spectral norm's vectors, ``ScratchBuffers``)."""
-        if not due:
-            return None
-        return rng_state(dev), {k: self._scratch.originals[k].clone() for k in self._scratch._passthrough}
-
     @torch.no_grad()
-    def _restore(self, dev: torch.device, state: tuple[RngState, Tensors]) -> None:
-        set_rng_state(dev, state[0])
-        for k, v in state[1].items():
-            self._scratch.originals[k].copy_(v)
+    def _swap_state(self, dev: torch.device, state: Any = None) -> tuple[RngState, Tensors]:
+        """What a forward reads besides its inputs (torch's random streams, the buffers updated in
+        place: spectral norm's vectors): returns the current one, then installs ``state`` if given."""
+        now = rng_state(dev), {k: self._scratch.originals[k].clone() for k in self._scratch._passthrough}
+        if state is not None:
+            set_rng_state(dev, state[0])
+            for k, v in state[1].items():
+                self._scratch.originals[k].copy_(v)
+        return now
 
     def _probe(self, kind: str, x: Any, y: torch.Tensor, before: Any, again: Any, got: Any) -> None:
         """Refuse unless row i's released values (``_row_values`` of ``got``) are unchanged when
@@ -245,42 +241,40 @@ class GradientOracle:
         B, dev = inputs.batch_len(x), inputs.device_of(x)
         i = self._rows.randrange(B)
         idx = torch.full((B,), i, dtype=torch.long, device=dev)
-        after = self._state(dev, True)
-        assert after is not None
-        self._restore(dev, before)
+        after = self._swap_state(dev, before)
         try:
             theirs = _row_values(again(inputs.take(x, idx), y[idx]), i)
         finally:
-            self._restore(dev, after)
-        if not _same(_row_values(got, i), theirs, self._tolerance(theirs), _scale(got)):
+            self._swap_state(dev, after)
+        if not self._same(_row_values(got, i), theirs, _scale(got)):
             self._refuse(kind)
         self._next_probe[kind] = self._calls[kind] + self.PROBE_EVERY
 
-    def _tolerance(self, values: list[torch.Tensor]) -> float:
-        """√eps of the coarsest dtype computed in (a bf16 model whose loss upcasts rounds like bf16)."""
-        dtypes = {p.dtype for p in self.model.parameters() if p.is_floating_point()} | {v.dtype for v in values}
-        return math.sqrt(max(torch.finfo(d).eps for d in dtypes))
+    def _same(self, a: list[torch.Tensor], b: list[torch.Tensor], scale: float) -> bool:
+        """‖a − b‖ ≤ tol·max(‖a‖, ‖b‖, scale) over the concatenated values, NaN equal to NaN; tol: √eps
+        of the coarsest dtype computed in (a bf16 model whose loss upcasts rounds like bf16)."""
+        dtypes = {p.dtype for p in self.model.parameters() if p.is_floating_point()} | {t.dtype for t in a}
+        u, v = (torch.cat([t.detach().reshape(-1).double() for t in ts]) for ts in (a, b))
+        d = torch.where((u == v) | (u.isnan() & v.isnan()), torch.zeros_like(u), u - v)
+        size = max(float(t.nan_to_num(0.0, 0.0, 0.0).norm()) for t in (u, v))
+        return bool(d.norm() <= math.sqrt(max(torch.finfo(dt).eps for dt in dtypes)) * max(size, scale))
 
     def _refuse(self, kind: str) -> None:
         # No values in the message: they are private (and not differentially private).
-        what = "loss" if kind == "losses" else "gradient"
+        what, fix = ("loss", ".") if kind == "losses" else ("gradient", ", or use grad_method='vmap'.")
         self._refused = ConfigError(
-            f"the {what} of an example depends on other examples of the batch (an isolation probe "
-            "recomputed a batch with the other examples replaced, and this example's result changed): "
-            f"the clipping bound C holds only if each example's {what} is its own (a layer with batch "
-            "statistics such as x - x.mean(0), a loss reweighted across the batch or with in-batch "
-            "negatives, or one divided by the batch size breaks that). Fix: return each example's own "
-            "loss, e.g. F.cross_entropy(out, y, reduction='none'), without batch statistics"
-            + (" or batch weights, or use grad_method='vmap' (each example runs alone)." if what == "gradient" else ".")
+            f"the {what} of an example depends on other examples of the batch (recomputed with the other "
+            f"examples replaced, it changed): the clipping bound C holds only if each example's {what} is its "
+            "own (batch statistics such as x - x.mean(0), a loss reweighted across the batch, with in-batch "
+            "negatives or divided by the batch size break that). Fix: return each example's own loss, e.g. "
+            f"F.cross_entropy(out, y, reduction='none'), without batch statistics or batch weights{fix}"
         )
         raise self._refused
 
     def _compare_alone(self, params: Tensors, x: Any, y: torch.Tensor) -> None:
-        """On the first probe: row i of the ghost path's batch against vmap's row i alone, both in
+        """'auto', first probe: row i of the ghost path's batch against vmap's row i alone, both in
         eval mode (masks off). A disagreement (a parameter used outside its layer, a loss that
-        depends on the batch size) switches 'auto' to vmap for good and refuses forced 'ghost'."""
-        if self._next_probe["grads"] > self.PROBE_EVERY + 1:
-            return
+        depends on the batch size) switches to vmap for good."""
         i = self._rows.randrange(inputs.batch_len(x))
         with rng_preserved(inputs.device_of(x)), eval_mode(self.model):
             got = self._run_ghost(params, x, y)
@@ -327,9 +321,8 @@ class GradientOracle:
             return torch.zeros(0, device=dev)
         with torch.no_grad(), ieee_matmul(dev):
             if not (due or self._next_probe["losses"]):
-                rows = [self._plain_losses(params, inputs.rows(x, j, j + 1), y[j : j + 1]) for j in range(B)]
-                return torch.cat([r.reshape(-1) for r in rows])
-            first, before = not self._next_probe["losses"], self._state(dev, due)
+                return torch.cat([self._plain_losses(params, inputs.rows(x, j, j + 1), y[j : j + 1]) for j in range(B)])
+            first, before = not self._next_probe["losses"], self._swap_state(dev) if due else None
             out = self._plain_losses(params, x, y)
             if due:
                 self._probe("losses", x, y, before, lambda xs, ys: self._plain_losses(params, xs, ys), out)
@@ -339,7 +332,7 @@ class GradientOracle:
                     full = self._plain_losses(params, x, y)[i : i + 1]
                     alone = self._plain_losses(params, inputs.rows(x, i, i + 1), y[i : i + 1]).reshape(1)
                 # Rounding differs with the batch shape (kernel blocking): a floor of 1 (+ |ℓ|).
-                if not _same([full], [alone], self._tolerance([full]), 1.0):
+                if not self._same([full], [alone], 1.0):
                     self._refuse("losses")
         return out
 
@@ -363,14 +356,5 @@ def _row_values(result: torch.Tensor | MaterializedGrads, i: int) -> list[torch.
 
 def _scale(result: torch.Tensor | MaterializedGrads) -> float:
     """The median finite |loss| or norm of the batch: the tolerance's floor for small rows."""
-    v = (result if isinstance(result, torch.Tensor) else result.norms).detach().double().abs()
-    v = v[v.isfinite()]
-    return float(v.median()) if v.numel() else 0.0
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor], tol: float, scale: float) -> bool:
-    """‖a − b‖ ≤ tol·max(‖a‖, ‖b‖, scale) over the concatenated values, NaN equal to NaN."""
-    u, v = (torch.cat([t.detach().reshape(-1).double() for t in ts]) for ts in (a, b))
-    d = torch.where((u == v) | (u.isnan() & v.isnan()), torch.zeros_like(u), u - v)
-    size = max(float(t.nan_to_num(0.0, 0.0, 0.0).norm()) for t in (u, v))
-    return bool(d.norm() <= tol * max(size, scale))
+    v = result if isinstance(result, torch.Tensor) else result.norms
+    return float(v.detach().double().abs().nan_to_num(0.0, 0.0, 0.0).median())
