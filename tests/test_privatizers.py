@@ -268,7 +268,9 @@ def test_make_private_enforces_the_plan_and_the_batches() -> None:
         private.step(xb, yb)  # the same batch twice
     for xb, yb in it:
         private.step(xb, yb)
-    assert private.t == private.steps == 3 and list(private.batches()) == []
+    assert private.t == private.steps == 3
+    with pytest.raises(ConfigError, match="once, not once per epoch"):
+        private.batches()  # a finished plan is an error, not an empty epoch (issue 23, 8b)
     with pytest.raises(BudgetExceededError, match="all were taken"):
         private.step(xb, yb)
     assert private.ledger.releases == 3

@@ -7,14 +7,10 @@
         optimizer.step()                    # any torch optimizer or scheduler: post-processing
     private.epsilon()                       # what the executed ledger spent
 
-What is replaced and why (docs/your_data.md): the batches come from dptune's Poisson
-sampler (the accountant assumes Poisson sampling at q and normalisation by the expected L),
-the per-sample gradients and their clipping come from the privatizer (the only code that
-reads them), and the number of steps is fixed up front (the ledger refuses a step beyond
-the plan). Everything else is yours: the optimizer, its schedule, logging, evaluation on
-public data, early stopping, checkpoints. ``step(x, y)`` is ``backward`` + the optimizer's
-step; with a dptune update rule (``dptune.updates``) instead of a torch optimizer, it
-applies that rule to the model's parameters in place.
+dptune takes over the batches (Poisson), the per-sample gradients, clipping and noise (the
+privatizer) and the number of steps (the plan); everything else is yours. What each check
+refuses, and why: docs/your_data.md ("Your own training loop"). ``step(x, y)`` is ``backward``
++ the optimizer's step, or a dptune update rule (``dptune.updates``) applied in place.
 """
 
 from __future__ import annotations
@@ -58,35 +54,54 @@ class YourOptimizer(UpdateRule):
 
 
 def _same_tensor(a: Any, b: torch.Tensor) -> bool:
-    """``a`` is ``b``, or a tensor of the same shape, dtype, device and values (NaN equal to NaN:
-    a target may be missing)."""
-    if a is b:
-        return True  # the usual case, and no read of the values (no host sync)
+    """A tensor of ``b``'s shape, dtype, device and values (NaN equal to NaN: a target may be missing)."""
     if not isinstance(a, torch.Tensor) or (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
         return False
     return not bool(differs(a, b))
 
 
-def _same_inputs(x: Any, yielded: inputs.Inputs) -> bool:
-    """``x`` is the yielded batch: the same tensor, or a tuple/dict of the same tensors (or equal
-    copies), leaf by leaf."""
-    if x is yielded or isinstance(yielded, torch.Tensor):
-        return _same_tensor(x, yielded)
-    if isinstance(yielded, Mapping):
-        return (
-            isinstance(x, Mapping)
-            and x.keys() == yielded.keys()
-            and all(_same_tensor(x[k], v) for k, v in yielded.items())
+_NOT_YIELDED = (
+    "backward()/step() takes the batch that private.batches() just yielded, as yielded and once: the "
+    "accountant assumes dptune's Poisson batches, and an x or y of your choosing (even of the same size) "
+    "voids the guarantee. Fix: write `for x, y in private.batches(): private.step(x, y)`; put a per-example "
+    "transform (augmentation) in your Dataset's __getitem__, which batches() calls for every example it draws."
+)
+
+
+_Shown = tuple[tuple[Any, torch.Tensor], list[torch.Tensor], list[int]]  # a yielded batch, its leaves, versions
+
+
+def _like(x: Any, ref: Any) -> list[Any] | None:
+    """``x``'s leaves in the order of ``ref``'s (a tensor, or a tuple/list/dict of them), or None
+    when ``x`` has another structure."""
+    if isinstance(ref, torch.Tensor):
+        return [x]
+    if isinstance(ref, Mapping):
+        ok = isinstance(x, Mapping) and x.keys() == ref.keys()
+        parts = [_like(x[k], ref[k]) for k in ref] if ok else [None]
+    else:
+        ok = isinstance(x, tuple | list) and len(x) == len(ref)
+        parts = [_like(a, r) for a, r in zip(x, ref, strict=True)] if ok else [None]
+    return None if any(p is None for p in parts) else [t for p in parts for t in p]  # type: ignore[union-attr]
+
+
+def _optimizer_and_rule(optimizer: Any) -> tuple[torch.optim.Optimizer | None, UpdateRule]:
+    if isinstance(optimizer, UpdateRule):
+        return None, optimizer
+    if isinstance(optimizer, torch.optim.LBFGS):
+        # Its step() re-evaluates the loss through a closure (several times, with a line search):
+        # each evaluation would be an exact gradient on the private batch, outside the ledger.
+        raise ConfigError(
+            "L-BFGS is not supported by make_private: it needs a closure that recomputes the exact, "
+            "non-private gradient inside optimizer.step(). Fix: use a first-order optimizer (SGD, Adam, "
+            "AdamW, ...): private.backward(x, y), then optimizer.step() without a closure."
         )
-    return (
-        isinstance(x, tuple | list)
-        and len(x) == len(yielded)
-        and all(_same_tensor(a, b) for a, b in zip(x, yielded, strict=True))
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer, YourOptimizer(f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    raise ConfigError(
+        "optimizer must be a torch.optim.Optimizer over the model's parameters or a "
+        f"dptune update rule (dptune.updates.SGD(...)), got {type(optimizer).__name__}."
     )
-
-
-def _describe(optimizer: torch.optim.Optimizer) -> str:
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 class PrivateTraining:
@@ -121,23 +136,7 @@ class PrivateTraining:
                 "the NonPrivate privatizer adds no noise (ε = ∞): drop target_epsilon/noise_multiplier, "
                 "or choose a private privatizer (FixedClip, QuantileClip, OSOClip)."
             )
-        if isinstance(optimizer, UpdateRule):
-            self.optimizer, self.update = None, optimizer
-        elif isinstance(optimizer, torch.optim.LBFGS):
-            # Its step() re-evaluates the loss through a closure (several times, with a line search):
-            # each evaluation would be an exact gradient on the private batch, outside the ledger.
-            raise ConfigError(
-                "L-BFGS is not supported by make_private: it needs a closure that recomputes the exact, "
-                "non-private gradient inside optimizer.step(). Fix: use a first-order optimizer (SGD, Adam, "
-                "AdamW, ...): private.backward(x, y), then optimizer.step() without a closure."
-            )
-        elif isinstance(optimizer, torch.optim.Optimizer):
-            self.optimizer, self.update = optimizer, YourOptimizer(_describe(optimizer))
-        else:
-            raise ConfigError(
-                "optimizer must be a torch.optim.Optimizer over the model's parameters or a "
-                f"dptune update rule (dptune.updates.SGD(...)), got {type(optimizer).__name__}."
-            )
+        self.optimizer, self.update = _optimizer_and_rule(optimizer)
         if device is None:  # keep the model where it is (e.g. cuda:1), rather than the default device
             device = next((p.device for p in model.parameters()), None)
         self.task = OwnTask.resolve(data, None, device, None, loss)
@@ -167,9 +166,10 @@ class PrivateTraining:
         self.oracle = GradientOracle(self.model, self.task.loss, chunk_size=chunk_size, method=grad_method)
         self.secure_mode = secure_mode
         self.t = 0  # steps taken (releases made)
-        self._pending: tuple[Any, torch.Tensor] | None = None  # the drawn batch of step t + 1
-        self._released: dict[str, tuple[torch.Tensor, int]] = {}  # the .grad tensors backward set
-        if self.optimizer is not None:
+        self._pending: tuple[Any, torch.Tensor] | None = None  # the drawn batch of step t + 1: released
+        self._shown: _Shown | None = None  # what batches() yields: a copy of _pending, its leaves, their versions
+        self._released: dict[int, tuple[torch.Tensor, int]] = {}  # id(parameter) → the .grad backward set
+        if self.optimizer is not None:  # last: a refused make_private leaves no hook on your optimizer
             self.optimizer.register_step_pre_hook(self._check_grads)
         self.history: list[dict[str, Any]] = []
         self._started = time.perf_counter()
@@ -187,6 +187,19 @@ class PrivateTraining:
     def _params(self) -> Tensors:
         return {k: p.detach() for k, p in self._named.items()}
 
+    def _check_trainable(self) -> None:
+        """The trainable set is the plan's (RunInfo's d, the released gradient's keys): a parameter
+        unfrozen later would get no released gradient, and a loss.backward() would train it exactly."""
+        now = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
+        changed = sorted(k for k in now.keys() | self._named.keys() if now.get(k) is not self._named.get(k))
+        if changed:
+            raise ConfigError(
+                f"the trainable parameters changed since make_private ({', '.join(changed[:3])}: requires_grad "
+                "turned on or off, or parameters added or replaced). Fix: call make_private again after "
+                "(un)freezing, with a new optimizer: a new run with its own plan. Each run spends its own "
+                "privacy budget on the data: together they cost the composition of both."
+            )
+
     # ------------------------------------------------------------------ the loop
     @property
     def steps(self) -> int:
@@ -194,27 +207,53 @@ class PrivateTraining:
         return self.plan.steps
 
     def batches(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        """The remaining planned Poisson batches (x, y), on the run's device. Pass each, as
-        yielded, to ``backward``/``step`` before asking for the next (skipping a batch, changing
-        it or passing one of your own choosing is refused: the accountant assumes every one of
-        these Poisson batches is used as drawn, and a skip decided on a batch's content would
-        depend on private data). A per-example transform (augmentation) belongs in the map-style
-        Dataset's ``__getitem__``: the batches are read from it by index, example by example.
-        Breaking out and calling ``batches()`` again resumes with the batch not yet used (also
-        after a step that failed before its release).
+        """The remaining planned Poisson batches (x, y), on the run's device, for the whole run (all
+        epochs: iterate once). Pass each, as yielded and unchanged, to ``backward``/``step`` before
+        asking for the next. Breaking out and calling it again resumes with the unused batch.
 
         Their realised sizes are private (not differentially private: for the data owner only)."""
+        if self.t >= self.plan.steps:
+            raise ConfigError(
+                f"all {self.plan.steps} planned steps were taken: make_private plans the whole run "
+                f"(epochs={self.plan.steps * self.plan.sampling_rate:.3g}); iterate private.batches() once, not once per epoch. Fix: one loop "
+                "`for x, y in private.batches():`, or make_private again for a new run (its own budget)."
+            )
+        return self._batches()
+
+    def _batches(self) -> Iterator[tuple[Any, torch.Tensor]]:
         while self.t < self.plan.steps:
             if self._pending is None:
-                self._pending = self.task.batch(self.sampler.sample())
+                self._pending, self._shown = self.task.batch(self.sampler.sample()), None
+            if self._shown is None or any(a._version != v for a, v in zip(*self._shown[1:], strict=True)):
+                # The user's own copy: the release reads _pending, which no user code holds.
+                shown = (inputs.tmap(torch.clone, self._pending[0]), self._pending[1].clone())
+                leaves: list[torch.Tensor] = _like(shown, shown)  # type: ignore[assignment]
+                self._shown = (shown, leaves, [a._version for a in leaves])
             t = self.t
-            yield self._pending
+            yield self._shown[0]
             if self.t == t:
                 raise ConfigError(
                     f"the batch of step {t + 1} was not passed to backward()/step() before the next one was "
                     "asked for; skipping a batch is not supported (the accountant assumes every planned "
                     "Poisson batch is used)."
                 )
+
+    def _check_batch(self, x: Any, y: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """dptune's copy of the batch ``(x, y)`` stands for: the yielded tensors, unchanged, or equal copies."""
+        if self._pending is None or self._shown is None:
+            raise ConfigError(_NOT_YIELDED)
+        batch, leaves, versions = self._shown
+        got, own = _like((x, y), batch), _like(self._pending, batch) or []  # own: batch's structure, always
+        if got is not None and any(a is s and s._version != v for a, s, v in zip(got, leaves, versions, strict=True)):
+            raise ConfigError(
+                "the batch private.batches() yielded was changed in place (x[:] = ..., x.sub_(...)) before "
+                "backward()/step(): a batch-level edit is not per-example, and a batch of your choosing voids "
+                "the guarantee. Fix: compute on a copy (x.clone()) and pass the yielded batch unchanged; put "
+                "a per-example transform (augmentation) in your Dataset's __getitem__."
+            )
+        if got is None or not all(a is s or _same_tensor(a, o) for a, s, o in zip(got, leaves, own, strict=True)):
+            raise ConfigError(_NOT_YIELDED)
+        return self._pending
 
     def _lr(self) -> float:
         if self.optimizer is not None:
@@ -226,15 +265,8 @@ class PrivateTraining:
             raise BudgetExceededError(
                 f"the plan has {self.plan.steps} steps and all were taken; make_private(..., steps=...) plans more."
             )
-        pending = self._pending
-        if pending is None or not _same_inputs(x, pending[0]) or not _same_tensor(y, pending[1]):
-            raise ConfigError(
-                "backward()/step() takes the batch that private.batches() just yielded, as yielded and once: "
-                "the accountant assumes dptune's Poisson batches, and an x or y of your choosing (even of the "
-                "same size) voids the guarantee. Fix: write `for x, y in private.batches(): private.step(x, y)`; "
-                "put a per-example transform (augmentation) in your Dataset's __getitem__, which batches() "
-                "calls for every example it draws."
-            )
+        self._check_trainable()
+        x, y = self._check_batch(x, y)
         t = self.t + 1
         releases = self.ledger.releases
         try:
@@ -248,7 +280,7 @@ class PrivateTraining:
             # (out of memory, say) leaves both, so steps_taken never exceeds the ledger's releases and
             # batches() yields the same batch again.
             if self.ledger.releases != releases:
-                self._pending = None
+                self._pending = self._shown = None
                 self.t = t
         row = {"step": t, "lr": lr, **info}
         self.history.append(row)
@@ -259,15 +291,12 @@ class PrivateTraining:
         (the mean over the expected batch size L; it replaces, never adds to, ``.grad``).
         Returns the step's public row (step, lr, C_t, ...)."""
         released, row = self._release(x, y)
-        if released is None:
-            g = {k: torch.zeros_like(p) for k, p in self._named.items()}
-        else:
-            g = released.gradient()
+        g = released.gradient() if released is not None else {k: torch.zeros_like(p) for k, p in self._named.items()}
         self._released = {}
         for k, p in self._named.items():
             grad = g[k].detach().to(p.dtype)
             p.grad = grad
-            self._released[k] = (grad, grad._version)
+            self._released[id(p)] = (grad, grad._version)
         return row
 
     def _check_grads(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -283,13 +312,13 @@ class PrivateTraining:
                 "such as L-BFGS, are not supported; a framework that passes one itself, such as PyTorch "
                 "Lightning, needs its manual loop driven by you)."
             )
-        for k, p in self._named.items():
-            if p.grad is None:
-                continue
-            grad, version = self._released.get(k, (None, -1))
-            if p.grad is not grad or grad._version != version:
+        self._check_trainable()
+        for p in (p for group in optimizer.param_groups for p in group["params"]):  # every tensor it steps
+            grad, version = self._released.get(id(p), (None, -1))
+            if p.grad is not None and (p.grad is not grad or grad._version != version):
+                name = next((k for k, q in self.model.named_parameters() if q is p), "a tensor outside the model")
                 raise ConfigError(
-                    f"the gradient of {k!r} is not the one private.backward() released (a loss.backward() "
+                    f"the gradient of {name!r} is not the one private.backward() released (a loss.backward() "
                     "or an in-place change since?): the optimizer would use non-private gradients. Call "
                     "optimizer.zero_grad() and private.backward(x, y) right before optimizer.step()."
                 )

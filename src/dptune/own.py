@@ -1,12 +1,12 @@
 """Your own data, loss and code: map-style datasets, DataLoaders and ``module:factory``.
 
 * ``MapSource``: any map-style dataset (``__len__`` + ``__getitem__``, e.g. a torch
-  ``Dataset``) read by index. A Poisson batch is the sorted indices of the sampler; it is
-  gathered with ``ds[i]`` and collated (``torch.utils.data.default_collate``), so the data
-  need not fit in memory. A ``TensorDataset`` of two tensors takes the in-memory fast path
-  (``index_select``), and both give the same batches, hence the same run for a seed.
-* ``from_dataloader``: the ``.dataset`` of a ``DataLoader``; its sampler and batch size are
-  replaced by Poisson sampling (the accountant's assumption, docs/your_data.md).
+  ``Dataset``) read by index. A Poisson batch is the sorted indices of the sampler; each
+  example ``ds[i]`` is collated alone and the rows are concatenated, so no example changes
+  another's row (docs/your_data.md, "The collate contract"). A ``TensorDataset`` of two
+  tensors takes the in-memory fast path (``index_select``): the same batches for a seed.
+* ``from_dataloader``: the ``.dataset`` (and ``collate_fn``) of a ``DataLoader``; its sampler
+  and batch size are replaced by Poisson sampling (the accountant's assumption).
 * ``user_loss`` and ``check_loss``: the per-example loss contract, checked early on a tiny batch.
 * ``load_data`` and ``build_model``: call the user's data or model factory
   (``"pkg.module:fn"``, imported by ``dptune.factories.import_factory``); ``as_pair`` and
@@ -36,7 +36,7 @@ def is_map_style(data: Any) -> bool:
 
 
 class MapSource:
-    """Examples of a map-style dataset, gathered by index into collated (x, y) batches.
+    """Examples of a map-style dataset, gathered by index into (x, y) batches.
 
     Each item must be an ``(x, y)`` pair; x is a tensor, or a tuple/dict of tensors for a model
     with several inputs (``dptune.inputs``: a tuple is passed positionally, a dict as keywords).
@@ -68,10 +68,28 @@ class MapSource:
         self.empty_batch = (inputs.to(inputs.rows(x0, 0, 0), device), y0[:0].to(device))
 
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.utils.data import default_collate
+
         if idx.numel() == 0:
             return self.empty_batch
-        x, y = self.collate([self.dataset[int(i)] for i in idx.tolist()])
-        return inputs.to(inputs.check(x), self.device), y.to(self.device)
+        items = [self.dataset[i] for i in idx.tolist()]
+        try:
+            if self.collate is default_collate:  # it stacks, row by row: one call, as fast as ever
+                x, y = default_collate(items)
+            else:  # a collate_fn never sees two examples, so none can change another's row
+                rows = [self.collate([item]) for item in items]
+                x, y = inputs.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        except RuntimeError:  # torch.stack / torch.cat: rows of different shapes
+            raise ConfigError(
+                "the examples have different shapes once collated one at a time (a collate_fn that pads "
+                "to the batch's longest example?). dptune collates each example alone, so that no example "
+                "changes another's input. Fix: pad (or truncate) to a fixed, public length, e.g. a "
+                'tokenizer\'s padding="max_length", max_length=....'
+            ) from None
+        x = inputs.check(x)
+        if inputs.batch_len(x) != len(items) or y.shape[:1] != (len(items),):
+            raise ConfigError("collate_fn([item]) must give one row per example. Fix: return it stacked, [1, ...].")
+        return inputs.to(x, self.device), y.to(self.device)
 
     def chunks(self, size: int | None = None):
         size = size or metrics.EVAL_BATCH
@@ -105,7 +123,7 @@ def from_dataloader(loader: Any) -> Any:
     q = expected_batch_size / n: every example joins each batch independently with
     probability q, which is what the privacy accountant assumes (a shuffled fixed-size batch
     is a different mechanism, with a weaker guarantee than the one reported). The loader's
-    ``collate_fn`` is kept (when it is not the default) to assemble each batch.
+    ``collate_fn`` is kept (when it is not the default) and applied to each example alone.
     """
     from torch.utils.data import DataLoader
 

@@ -1,0 +1,350 @@
+"""Batching is dptune's, and ``make_private`` cannot be fooled (issue 23, items 1, 5, 6 and 8b).
+
+1. A collate_fn that pads each batch to its longest example couples examples (one long document
+   changes every other example's padded input, hence its gradient): dptune collates each example
+   alone, so rows of different shapes are refused, whatever the entry point (``from_dataloader``,
+   a DataLoader given to ``make_private``, a dataset's ``collate_fn`` attribute); a collate that
+   mixes rows without changing shapes only ever sees one row.
+5. ``make_private`` refuses a yielded batch edited in place, and releases on its own copy (so a
+   write through ``.data``, which no version counter sees, cannot change what is released).
+6. A change of the trainable set after ``make_private`` (unfreezing, freezing, a parameter added)
+   is refused, and the pre-step hook checks every tensor of every optimizer param group.
+8b. A finished plan is an error on the next ``batches()``, not an empty epoch.
+
+Controls: a fixed-length padding collate runs (the same run as the pre-padded tensors), and the
+default collate gives the same batches as before for a seed (tensor, tuple and dict inputs,
+the empty batch, evaluation chunks). Every test of items 1-8b fails on the code before the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+import dptune
+from dptune.errors import ConfigError
+from dptune.own import MapSource
+from dptune.sampling import PoissonSampler
+
+MAXLEN, VOCAB, N = 12, 30, 80
+TRAIN = {"steps": 3, "expected_batch_size": 20, "noise_multiplier": 1.0, "seed": 1, "device": "cpu"}
+KW = {"steps": 3, "expected_batch_size": 20, "noise_multiplier": 1.0, "delta": 1e-5, "device": "cpu"}
+
+
+# ----------------------------------------------------------------------------- 1. padding collate
+class Docs(Dataset):
+    """Token sequences of 2..MAXLEN tokens (0 is padding), unpadded: the collate pads them."""
+
+    def __init__(self, n: int = N):
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(2, MAXLEN + 1, (n,), generator=g)
+        self.docs = [torch.randint(1, VOCAB, (int(k),), generator=g) for k in lengths]
+        self.y = torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.docs[i], self.y[i]
+
+
+def pad_to_longest(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's DataCollatorWithPadding in miniature: pad to the batch's longest example."""
+    docs, ys = zip(*items, strict=True)
+    return nn.utils.rnn.pad_sequence(list(docs), batch_first=True), torch.stack(ys)
+
+
+def pad_to_fixed(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fix: pad to a fixed, public length (a tokenizer's padding="max_length")."""
+    docs, ys = zip(*items, strict=True)
+    return torch.stack([F.pad(d, (0, MAXLEN - len(d))) for d in docs]), torch.stack(ys)
+
+
+class DocsWithCollate(Docs):
+    collate_fn = staticmethod(pad_to_longest)
+
+
+class BagOfWords(nn.Module):
+    """Averages embeddings over all positions, padding included: the padded length moves every output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb, self.out = nn.Embedding(VOCAB, 8), nn.Linear(8, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids).mean(1))
+
+
+def _refused(err: pytest.ExceptionInfo[ConfigError]) -> None:
+    msg = str(err.value)
+    assert "Fix:" in msg and 'padding="max_length"' in msg and "collated one at a time" in msg
+
+
+@pytest.mark.parametrize("strategy", ["dpsgd", "dpzo"])
+def test_a_collate_padding_to_the_longest_is_refused_through_from_dataloader(strategy: str) -> None:
+    loader = DataLoader(Docs(), batch_size=8, collate_fn=pad_to_longest)
+    with pytest.raises(ConfigError) as err:
+        dptune.train(BagOfWords(), dptune.from_dataloader(loader), strategy, **TRAIN)
+    _refused(err)
+
+
+def test_a_collate_padding_to_the_longest_is_refused_through_make_private() -> None:
+    model = BagOfWords()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="Poisson"):
+        private = dptune.make_private(model, DataLoader(Docs(), batch_size=8, collate_fn=pad_to_longest), opt, **KW)
+    with pytest.raises(ConfigError) as err:
+        for x, y in private.batches():
+            private.step(x, y)
+    _refused(err)
+    assert private.ledger.releases == 0
+
+
+def test_a_dataset_collate_fn_attribute_padding_to_the_longest_is_refused() -> None:
+    with pytest.raises(ConfigError) as err:
+        dptune.train(BagOfWords(), DocsWithCollate(), "dpsgd", **TRAIN)
+    _refused(err)
+
+
+def test_a_collate_that_mixes_rows_sees_one_example_at_a_time() -> None:
+    """Measured isolation: with a collate that centres the batch (same shapes, so nothing to
+    refuse), each row of a batch is the example collated alone; adding an example to the batch
+    changes no other row. Before, every row moved with the batch's mean."""
+
+    def centre(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = default_collate(items)
+        return x - x.mean(0) + 1.0, y
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(10, 3, generator=g), torch.arange(10)
+    src = MapSource(list(zip(x, y, strict=True)), torch.device("cpu"), centre)
+    small, big = src.batch(torch.tensor([1, 4])), src.batch(torch.tensor([1, 4, 7]))
+    assert torch.equal(small[0], big[0][:2])  # example 7 moved neither row
+    assert torch.equal(big[0], torch.ones(3, 3))  # each row alone: x_i - x_i + 1
+
+
+def test_control_a_fixed_length_padding_collate_is_the_pre_padded_run() -> None:
+    ds = Docs()
+    padded = pad_to_fixed([ds[i] for i in range(len(ds))])
+    loader = DataLoader(ds, batch_size=8, collate_fn=pad_to_fixed)
+    mine = dptune.train(BagOfWords(), dptune.from_dataloader(loader), "dpsgd", **TRAIN)
+    ref = dptune.train(BagOfWords(), padded, "dpsgd", **TRAIN)
+    assert mine.ledger.releases == ref.ledger.releases == 3
+    for k, v in ref.final_params.items():
+        assert torch.equal(mine.final_params[k], v), k
+
+
+class Mixed(Dataset):
+    def __init__(self, kind: str, n: int = 40):
+        g = torch.Generator().manual_seed(1)
+        self.a, self.b = torch.randn(n, 3, generator=g), torch.randint(0, 9, (n, 4), generator=g)
+        self.y, self.kind = torch.randint(0, 2, (n,), generator=g), kind
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        x = {"tensor": self.a[i], "tuple": (self.a[i], self.b[i]), "dict": {"a": self.a[i], "b": self.b[i]}}
+        return x[self.kind], int(self.y[i])
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return len(a) == len(b) and all(_same(p, q) for p, q in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["tensor", "tuple", "dict"])
+@pytest.mark.parametrize("collate", [None, "custom"])
+def test_control_default_collate_batches_are_the_ones_before(kind: str, collate: str | None) -> None:
+    """The Poisson batches of a seed are those of one default_collate call over the drawn items
+    (the code before), with the default collate and with a row-wise collate_fn of one's own; so
+    are the empty batch's layout and the evaluation chunks."""
+    ds = Mixed(kind)
+    src = MapSource(ds, torch.device("cpu"), (lambda items: default_collate(items)) if collate else None)
+    sampler = PoissonSampler(len(ds), 0.2, seed=5)
+    for _ in range(4):
+        idx = sampler.sample()
+        (x, y), (rx, ry) = src.batch(idx), default_collate([ds[int(i)] for i in idx])
+        assert _same(y, ry) and _same(x, tuple(rx) if kind == "tuple" else rx)
+    ex, ey = src.batch(torch.tensor([], dtype=torch.long))
+    assert ey.shape == (0,) and _same(ex, src.empty_batch[0])
+    xs, ys = zip(*src.chunks(16), strict=True)
+    assert [len(t) for t in ys] == [16, 16, 8]
+    assert _same(torch.cat(ys), default_collate([ds[i] for i in range(len(ds))])[1])
+
+
+# ----------------------------------------------------------------------------- 5. in-place edits
+def _problem(n: int = 120, d: int = 5):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g)
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(d, 4), nn.Tanh(), nn.Linear(4, 2)), x, (x[:, 0] > 0).long()
+
+
+def _edit_copies(x: torch.Tensor, y: torch.Tensor) -> None:
+    x[:] = x[0]
+    y[:] = y[0]
+
+
+def _edit_centre(x: torch.Tensor, y: torch.Tensor) -> None:
+    x.sub_(x.mean(0))
+
+
+@pytest.mark.parametrize("edit", [_edit_copies, _edit_centre], ids=["B-copies-of-one", "batch-centring"])
+def test_a_yielded_batch_edited_in_place_is_refused(edit) -> None:
+    model, x, y = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), opt, **KW)
+    xb, yb = next(iter(private.batches()))
+    edit(xb, yb)
+    with pytest.raises(ConfigError, match="changed in place") as err:
+        private.backward(xb, yb)
+    assert "Fix:" in str(err.value) and "x.clone()" in str(err.value)
+    with pytest.raises(ConfigError, match="just yielded"):
+        private.backward(xb.clone(), yb.clone())  # a copy of the edited batch is not the batch either
+    assert private.ledger.releases == private.t == 0
+    for xb, yb in private.batches():  # resuming yields a fresh, unedited copy: the run goes on
+        opt.zero_grad()
+        private.backward(xb, yb)
+        opt.step()
+    assert private.ledger.releases == 3
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_an_input_of_several_tensors_edited_in_place_is_refused(kind: str) -> None:
+    model, x, y = _problem()
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.net(a + b)
+
+    data = ((x, x.flip(0)) if kind == "tuple" else {"a": x, "b": x.flip(0)}, y)
+    private = dptune.make_private(Two(), data, dptune.updates.SGD(0.1), **KW)
+    xb, yb = next(iter(private.batches()))
+    (xb[1] if kind == "tuple" else xb["b"]).mul_(0.0)
+    with pytest.raises(ConfigError, match="changed in place"):
+        private.step(xb, yb)
+    assert private.ledger.releases == 0
+
+
+def test_a_write_through_data_cannot_change_what_is_released() -> None:
+    """``.data`` writes bump no version counter, so no error; the release reads dptune's own
+    copy, so the released gradient is that of the batch as drawn, bit for bit."""
+    grads = []
+    for forge in (False, True):
+        model, x, y = _problem()
+        private = dptune.make_private(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.1), **KW)
+        xb, yb = next(iter(private.batches()))
+        if forge:
+            xb.data[:] = xb.data[0]
+        private.backward(xb, yb)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+# ----------------------------------------------------------------------------- 6. the trainable set
+def _frozen_problem():
+    model, x, y = _problem()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # from model.parameters(), as the docs advise
+    return model, opt, dptune.make_private(model, (x, y), opt, **KW)
+
+
+def test_unfreezing_after_make_private_is_refused_before_the_release() -> None:
+    model, opt, private = _frozen_problem()
+    eps = private.epsilon()
+    model[0].requires_grad_(True)  # gradual unfreezing
+    xb, yb = next(iter(private.batches()))
+    with pytest.raises(ConfigError, match="trainable parameters changed") as err:
+        private.backward(xb, yb)
+    msg = str(err.value)
+    assert "Fix:" in msg and "make_private again" in msg and "own privacy budget" in msg and "0.weight" in msg
+    assert private.ledger.releases == 0 and private.epsilon() == eps
+
+
+@pytest.mark.parametrize("order", ["loss.backward-then-private.backward", "private.backward-then-unfreeze"])
+def test_unfrozen_layers_cannot_train_on_an_exact_gradient(order: str) -> None:
+    """The issue's bypass: private.backward() replaced the .grad of the parameters trainable at
+    make_private only, so an unfrozen layer kept loss.backward()'s exact gradient and the
+    optimizer stepped on it, epsilon() unchanged. Refused before the release or the step."""
+    model, opt, private = _frozen_problem()
+    xb, yb = next(iter(private.batches()))
+    opt.zero_grad()
+    if order.startswith("loss"):
+        model[0].requires_grad_(True)
+        F.cross_entropy(model(xb), yb).backward()
+        with pytest.raises(ConfigError, match="trainable parameters changed"):
+            private.backward(xb, yb)
+        assert private.ledger.releases == 0
+    else:
+        private.backward(xb, yb)
+        model[0].requires_grad_(True)
+        model[0](xb).square().mean().backward()  # an exact gradient of the unfrozen layer only
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ConfigError, match="trainable parameters changed"):
+        opt.step()
+    assert torch.equal(model[0].weight, before)
+
+
+def test_freezing_after_make_private_is_refused() -> None:
+    model, x, y = _problem()
+    private = dptune.make_private(model, (x, y), dptune.updates.SGD(0.1), **KW)
+    model[2].bias.requires_grad_(False)
+    with pytest.raises(ConfigError, match="trainable parameters changed.*2.bias"):
+        private.step(*next(iter(private.batches())))
+
+
+def test_the_hook_checks_every_tensor_of_every_param_group() -> None:
+    """A param group added after make_private (outside the model) with an exact gradient, the
+    model's own .grad untouched: the old hook looked at the model's trainable parameters only."""
+    model, x, y = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), opt, **KW)
+    extra = nn.Parameter(torch.zeros(2))
+    opt.add_param_group({"params": [extra]})
+    xb, yb = next(iter(private.batches()))
+    opt.zero_grad()
+    private.backward(xb, yb)
+    F.cross_entropy(model(xb).detach() + extra, yb).backward()  # an exact gradient, to `extra` only
+    with pytest.raises(ConfigError, match="not the one private.backward\\(\\) released"):
+        opt.step()
+    assert torch.equal(extra, torch.zeros(2))
+
+
+# ----------------------------------------------------------------------------- 8b. one pass
+def test_a_second_epoch_loop_over_a_finished_plan_is_an_error() -> None:
+    model, x, y = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = {**KW, "steps": None, "epochs": 0.5}
+    private = dptune.make_private(model, (x, y), opt, **kw)
+    done = []
+    with pytest.raises(ConfigError, match="once, not once per epoch") as err:
+        for _epoch in range(3):  # the Opacus habit
+            for xb, yb in private.batches():
+                private.step(xb, yb)
+                done.append(private.t)
+    assert done == list(range(1, private.steps + 1))
+    msg = str(err.value)
+    assert f"all {private.steps} planned steps" in msg and "epochs=0.5" in msg and "Fix:" in msg
+
+
+def test_control_breaking_out_mid_plan_and_resuming_works() -> None:
+    model, x, y = _problem()
+    private = dptune.make_private(model, (x, y), dptune.updates.SGD(0.1), **KW)
+    for xb, yb in private.batches():
+        private.step(xb, yb)
+        break
+    for xb, yb in private.batches():
+        private.step(xb, yb)
+    assert private.t == private.ledger.releases == private.steps == 3
