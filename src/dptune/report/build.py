@@ -95,30 +95,20 @@ def build_report(
     all_results: Iterable[Any] | None = None,
 ) -> Path:
     """Write the publishable report into ``out_dir/release/`` and the diagnostics into
-    ``out_dir/diagnostics/``; return the path of ``release/report.html``.
+    ``out_dir/diagnostics/``; return the path of ``release/report.html`` (docs/reports.md).
 
     ``release/`` holds only what the guarantee covers: the best (or selected) configuration per
-    strategy and ε with its metric, the C_t/ρ_t trajectories of the ``selected`` histories (step,
-    clip and lr only), the budget, the plan-derived figures (``pareto``: ε → ν, Galli Fig. 2;
-    ``lt_ma``: (k, eps_LT, eps_MA) rows, Mohapatra Fig. 6; ``linear_scaling``, Panda Fig. 3) and
-    the caller's ``conclusions`` (first), ``notes``, ``extra_figures`` and ``extra_sections``.
-    ``diagnostics/`` (labelled "not differentially private: for the data owner only") holds
-    every configuration (``all_results``, default every row of ``results_rows``), every history
-    with every column, the per-run ledger, the non-private baseline (ε = ∞), the ``cosine``
-    diagnostic (Galli Fig. 1), ``diagnostic_notes`` and ``diagnostic_sections``;
-    ``include_diagnostics=True`` also writes them as ``diagnostics/report.html``.
-
-    * ``results_rows``: per-seed trial rows (``TrialResult`` or dicts), aggregated to mean ± std
-      over seeds, or already aggregated rows (``SummaryRow`` or dicts with ``mean``) used as given.
-    * ``histories``: ``RunHistory`` rows; ``ledger_rows``: ``LedgerRow`` (see
-      ``ledger_rows_from_ledger``).
-    * ``selection_mode``: 'public' or 'private' validation data (stated in the header);
-      ``planned``/``spent``: the study's (ε, δ); ``budgets``: per-procedure rows (label, planned,
-      spent, note); ``selection_split`` ('test'/'holdout'): what the selection was scored on.
+    strategy and ε (``results_rows``: per-seed trial rows, aggregated here, or summary rows with
+    ``mean``), the C_t/ρ_t of the ``selected`` histories, the budget (``planned``, ``spent``,
+    ``budgets``), the plan-derived figures and the caller's ``conclusions`` (first), ``notes``,
+    ``extra_figures`` and ``extra_sections``. ``diagnostics/`` (labelled "not differentially
+    private: for the data owner only") holds every configuration (``all_results``, default all of
+    ``results_rows``), every history with every column, the per-run ledger, the non-private
+    baseline (ε = ∞), the ``cosine`` diagnostic, ``diagnostic_notes`` and ``diagnostic_sections``;
+    ``include_diagnostics=True`` also writes them as the page ``diagnostics/report.html``.
     """
-    check_selection_mode(selection_mode)
-    planned_b = check_budget("planned", planned)
-    spent_b = check_budget("spent", spent)
+    check_selection_mode(selection_mode)  # before anything is written
+    planned_b, spent_b = check_budget("planned", planned), check_budget("spent", spent)
     higher = resolve_direction(metric, higher_is_better)
     # release_dir: everything written there is publishable
     p = _Pages(release_dir(out_dir), diagnostics_dir(out_dir), metric, higher, include_diagnostics)
@@ -138,37 +128,20 @@ def build_report(
     if lt_ma is not None:
         p.sections.append(_lt_ma_section(p, coerce_lt_ma(lt_ma)))
     if linear_scaling is not None:
-        fig = F.linear_scaling(linear_scaling, p.out / "figures" / "linear_scaling.png")
-        caption = (
-            "r = η·T found by the cheap searches vs ε, the fitted line, and the value it "
-            "extrapolates to at the target ε (Panda et al. 2024, Fig. 3)."
-        )
-        p.sections.append(Section("Linear scaling rule", figures=[FigureRef(fig, caption)]))
+        p.sections.append(_linear_scaling_section(p, linear_scaling))
     if extra_figures:
         figs = [f if isinstance(f, FigureRef) else FigureRef(Path(f[0]), str(f[1])) for f in extra_figures]
         p.sections.append(Section("Additional figures", figures=figs))
-    p.sections.extend(s for s in extra_sections if not s.diagnostic)
-    p.dsections.extend(
-        replace(s, diagnostic=True) for s in (*[s for s in extra_sections if s.diagnostic], *diagnostic_sections)
-    )
-
-    head = dict(
-        selection_mode=selection_mode,
-        planned=planned_b,
-        spent=spent_b,
-        accountant=accountant,
-        selection_split=selection_split,
-        budgets=budgets,
-    )
+    for s in extra_sections:
+        (p.dsections if s.diagnostic else p.sections).append(s)
+    p.dsections.extend(replace(s, diagnostic=True) for s in diagnostic_sections)
+    head = dict(selection_mode=selection_mode, planned=planned_b, spent=spent_b, accountant=accountant)
+    head |= dict(selection_split=selection_split, budgets=budgets)
     page = write_report(p.out, title, p.sections, subtitle=subtitle, **head)
     if include_diagnostics:
+        sub = NOT_DP_LABEL + (f" · {subtitle}" if subtitle else "")
         write_report(
-            p.diag,
-            f"{title}: diagnostics",
-            [*p.sections, *p.dsections],
-            diagnostics=True,
-            subtitle=f"{NOT_DP_LABEL}" + (f" · {subtitle}" if subtitle else ""),
-            **head,
+            p.diag, f"{title}: diagnostics", [*p.sections, *p.dsections], diagnostics=True, subtitle=sub, **head
         )
     return page
 
@@ -360,6 +333,15 @@ def _lt_ma_section(p: _Pages, rows: list[Any]) -> Section:
     return Section(
         "Cost of tuning: Liu–Talwar vs moments accountant", figures=[FigureRef(fig, caption)], attachments=[csv]
     )
+
+
+def _linear_scaling_section(p: _Pages, fit: LinearScalingFit | Mapping[str, Any]) -> Section:
+    fig = F.linear_scaling(fit, p.out / "figures" / "linear_scaling.png")
+    caption = (
+        "r = η·T found by the cheap searches vs ε, the fitted line, and the value it "
+        "extrapolates to at the target ε (Panda et al. 2024, Fig. 3)."
+    )
+    return Section("Linear scaling rule", figures=[FigureRef(fig, caption)])
 
 
 def _planned_lines(budgets: Sequence[Mapping[str, Any]]) -> list[tuple[float, str]]:

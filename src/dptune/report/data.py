@@ -252,18 +252,8 @@ def summarize(trials: Iterable[Any], higher: bool = True) -> list[SummaryRow]:
     for (strategy, eps, _), ts in groups.items():
         vals = [t.value for t in ts if not t.diverged]
         mean, std = mean_std(vals)
-        rows.append(
-            SummaryRow(
-                strategy,
-                eps,
-                dict(ts[0].hyperparameters),
-                mean,
-                std,
-                len(ts),
-                len(ts) - len(vals),
-                any(t.selected for t in ts),
-            )
-        )
+        hp, selected = dict(ts[0].hyperparameters), any(t.selected for t in ts)
+        rows.append(SummaryRow(strategy, eps, hp, mean, std, len(ts), len(ts) - len(vals), selected))
     rows.sort(key=lambda r: (r.strategy, r.epsilon, *_rank_key(r, higher)))
     return rows
 

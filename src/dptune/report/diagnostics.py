@@ -63,43 +63,21 @@ def cosine_vs_clip(
     loss: str | None = None,
     chunk_size: int | None = None,
 ) -> CosineResult:
-    """Cosine similarity between the sanitized and the true mean gradient, per C and iteration.
+    """Cosine similarity between the sanitized and the true mean gradient, per C and iteration
+    (Galli et al. 2024, Fig. 1; the quantities are defined in docs/reports.md).
 
     NON-PRIVATE DIAGNOSTIC. It reads per-example gradients of ``data`` in the clear and
     its output is not differentially private; use it on your own machine to see the
     clipping trade-off, never publish it as a DP result. The noise is a simulation.
 
-    For each iteration t (parameters θ_t from ``params_at_iterations``) and threshold C:
-
-    * true mean gradient  g = (1/n) Σ_{i≤n} ∇ℓ_i(θ_t) over all of ``data`` (n examples);
-    * sanitized gradient  g̃ = (Σ_{i∈B} clip_C(∇ℓ_i) + N(0, ν²C²·I)) / L, with B a Poisson
-      sample of rate q = L/n (all of ``data`` when L ≥ n) and clip_C(g) = g·min(1, C/‖g‖),
-      i.e. the DP-SGD query of Galli et al. (2024), eqs. (4)–(5);
-    * the value is cos(g̃, g) = ⟨g̃, g⟩ / (‖g̃‖‖g‖), averaged over ``repeats`` realizations
-      (Galli Fig. 1 averages 20).
-
-    Within one realization every C shares the batch B and the standard normal draw z
-    (noise = ν·C·z): common random numbers make the curve over C smooth and isolate
-    the effect of C. The draws come from ``NoiseSource(seed)`` and ``PoissonSampler``,
-    so the same ``seed`` gives the same numbers.
+    Within one realization every C shares the Poisson batch and the standard normal draw z
+    (noise = ν·C·z): common random numbers make the curve over C smooth and isolate the effect
+    of C. The same ``seed`` gives the same numbers.
     """
     x, y = _tensors(data)
     n = int(x.shape[0])
     clip_list = [_positive(c, "each clip C") for c in clips]
-    if not clip_list:
-        raise ConfigError("cosine_vs_clip needs at least one clipping threshold in clips, e.g. [0.01, 0.1, 1, 10].")
-    nu = float(noise_multiplier)
-    if not (math.isfinite(nu) and nu >= 0):
-        raise ConfigError(f"noise_multiplier must be finite and ≥ 0 (0: clipping bias only), got {noise_multiplier!r}.")
-    batch = _positive(expected_batch_size, "expected_batch_size")
-    if batch > n:
-        raise ConfigError(
-            f"expected_batch_size = {batch:g} exceeds the {n} examples given; use at most n (full batch)."
-        )
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ConfigError(f"repeats must be an integer ≥ 1, got {repeats!r}.")
-    if not params_at_iterations:
-        raise ConfigError("params_at_iterations is empty: give {iteration: parameters} for at least one iteration.")
+    nu, batch = _check(clip_list, noise_multiplier, expected_batch_size, n, repeats, params_at_iterations)
     if loss is None:
         loss = "mse" if (x.shape == y.shape and y.dtype.is_floating_point) else "cross_entropy"
 
@@ -136,6 +114,32 @@ def cosine_vs_clip(
         mean[t] = tuple(float(v) for v in values.mean(0))
         std[t] = tuple(float(v) for v in (values.std(0) if repeats > 1 else torch.zeros(len(clip_list))))
     return CosineResult(tuple(clip_list), iterations, mean, std, nu, batch, repeats)
+
+
+def _check(
+    clips: list[float],
+    noise_multiplier: float,
+    expected_batch_size: float,
+    n: int,
+    repeats: int,
+    params: Mapping[int, Tensors],
+) -> tuple[float, float]:
+    """``cosine_vs_clip``'s arguments checked: (ν, expected batch size L)."""
+    if not clips:
+        raise ConfigError("cosine_vs_clip needs at least one clipping threshold in clips, e.g. [0.01, 0.1, 1, 10].")
+    nu = float(noise_multiplier)
+    if not (math.isfinite(nu) and nu >= 0):
+        raise ConfigError(f"noise_multiplier must be finite and ≥ 0 (0: clipping bias only), got {noise_multiplier!r}.")
+    batch = _positive(expected_batch_size, "expected_batch_size")
+    if batch > n:
+        raise ConfigError(
+            f"expected_batch_size = {batch:g} exceeds the {n} examples given; use at most n (full batch)."
+        )
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats must be an integer ≥ 1, got {repeats!r}.")
+    if not params:
+        raise ConfigError("params_at_iterations is empty: give {iteration: parameters} for at least one iteration.")
+    return nu, batch
 
 
 def _positive(v: Any, name: str) -> float:

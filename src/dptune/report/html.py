@@ -111,13 +111,16 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def _cell(v: Any) -> str:
+def cell_text(v: Any) -> str:
+    """Compact cell text: 4 significant digits for floats, ∞ for inf, — for missing."""
     if isinstance(v, float):
-        text = "∞" if math.isinf(v) else ("—" if math.isnan(v) else f"{v:.4g}")
-    else:
-        text = "—" if v is None else str(v)
+        return "∞" if math.isinf(v) else ("—" if math.isnan(v) else f"{v:.4g}")
+    return "—" if v is None else str(v)
+
+
+def _cell(v: Any) -> str:
     cls = ' class="num"' if _is_num(v) else ""
-    return f"<td{cls}>{_esc(text)}</td>"
+    return f"<td{cls}>{_esc(cell_text(v))}</td>"
 
 
 def render_table(t: Table) -> str:

@@ -388,65 +388,71 @@ def conclusions(
     public plan). Oracle arms, whose search is not accounted, are left out of the ranking, and
     non-private arms (ε = ∞: exact scores, in the diagnostics only) of every sentence.
     Everything used is on the release page already (selected configurations' metrics, ν)."""
-    out = []
     key = "test_mean" if any(r.get("test_mean") is not None for r in table) else "value_mean"
     by_eps: dict[float, list[Mapping[str, Any]]] = defaultdict(list)
     for r in private_rows(table):
         if r.get("method") != "oracle":
             by_eps[float(r["epsilon"])].append(r)
 
-    def fmt_gap(gap: float) -> str:
-        return f"{100 * gap:.1f} points" if metric == "accuracy" else f"{gap:.3g}"
+    def value(r: Mapping[str, Any]) -> float:
+        return float(r[key])
+
+    def gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+        d = abs(value(a) - value(b))
+        return f"{100 * d:.1f} points" if metric == "accuracy" else f"{d:.3g}"
 
     def tied(a: float, b: float) -> bool:  # accuracy: half a tenth of a point; else relative
         return abs(a - b) < (5e-4 if metric == "accuracy" else 5e-4 * max(abs(a), abs(b)))
 
-    for eps in sorted(by_eps):
-        eps_text = f"ε = {eps:g}"  # finite: non-private rows were left out above
-        rows = [r for r in by_eps[eps] if r.get(key) is not None and math.isfinite(float(r[key]))]
+    def name(r: Mapping[str, Any]) -> str:
+        n = costs.get(r["arm"], {}).get("runs", r.get("runs_total"))
+        runs = "" if hidden_k or n is None else f", {n} run{'s' if n != 1 else ''}"
+        return f"{r['strategy']} ({r['method']}{runs})"
+
+    out = []
+    for eps in sorted(by_eps):  # finite: non-private rows were left out above
+        finite = (r for r in by_eps[eps] if r.get(key) is not None and math.isfinite(value(r)))
+        rows = sorted(finite, key=value, reverse=higher)
         if not rows:
-            out.append(f"At {eps_text}, no procedure has a finite result yet.")
+            out.append(f"At ε = {eps:g}, no procedure has a finite result yet.")
             continue
-        rows.sort(key=lambda r: float(r[key]), reverse=higher)
-
-        def name(r: Mapping[str, Any]) -> str:
-            n = costs.get(r["arm"], {}).get("runs", r.get("runs_total"))
-            runs = "" if hidden_k or n is None else f", {n} run{'s' if n != 1 else ''}"
-            return f"{r['strategy']} ({r['method']}{runs})"
-
-        first = rows[0]
-        v1 = float(first[key])
-        if len(rows) == 1 or tied(v1, float(rows[1][key])):
-            text = f"At {eps_text}, {name(first)} scores {metric} {v1:.3g}"
+        first, v1 = rows[0], value(rows[0])
+        if len(rows) == 1 or tied(v1, value(rows[1])):
+            text = f"At ε = {eps:g}, {name(first)} scores {metric} {v1:.3g}"
         else:
-            text = f"At {eps_text}, {name(first)} is best: {metric} {v1:.3g}"
+            text = f"At ε = {eps:g}, {name(first)} is best: {metric} {v1:.3g}"
         if len(rows) > 1:
             second = rows[1]
-            v2 = float(second[key])
-            if tied(v1, v2):
+            if tied(v1, value(second)):
                 text += f", tied with {name(second)}"
             else:
-                text += f", ahead of {name(second)} at {v2:.3g} by {fmt_gap(abs(v1 - v2))}"
-            n1 = costs.get(first["arm"], {}).get("nu")
-            n2 = costs.get(second["arm"], {}).get("nu")
-            if not hidden_k and n1 and n2 and math.isfinite(n1) and math.isfinite(n2) and n1 != n2:
-                more, less = (second, first) if n2 > n1 else (first, second)
-                text += (
-                    f". Splitting the budget over its runs cost {more['strategy']} {max(n1, n2) / min(n1, n2):.2g}× "
-                    f"the noise per run of {less['strategy']} (ν = {max(n1, n2):.3g} against {min(n1, n2):.3g})"
-                )
+                text += f", ahead of {name(second)} at {value(second):.3g} by {gap(first, second)}"
+            text += "" if hidden_k else _noise_cost(first, second, costs)
         # Galli et al.'s comparison, when the study has both and they are not the pair above.
         oso = next((r for r in rows if r.get("optimizer") == "oso"), None)
         sgd = next((r for r in rows if r.get("optimizer") == "dpsgd"), None)
         if oso is not None and sgd is not None and {id(oso), id(sgd)} != {id(r) for r in rows[:2]}:
-            diff = float(oso[key]) - float(sgd[key])
-            ahead = better(float(oso[key]), float(sgd[key]), higher)
+            ahead = "better" if better(value(oso), value(sgd), higher) else "worse"
             text += (
-                f". Online vs DP-SGD: {name(oso)} {float(oso[key]):.3g} against {name(sgd)} "
-                f"{float(sgd[key]):.3g} ({'better' if ahead else 'worse'} by {fmt_gap(abs(diff))})"
+                f". Online vs DP-SGD: {name(oso)} {value(oso):.3g} against {name(sgd)} "
+                f"{value(sgd):.3g} ({ahead} by {gap(oso, sgd)})"
             )
         out.append(text + ".")
     return out
+
+
+def _noise_cost(first: Mapping[str, Any], second: Mapping[str, Any], costs: Mapping[str, Mapping[str, Any]]) -> str:
+    """How much more noise per run splitting its budget cost one procedure than the other, where
+    each has one ν for all its runs."""
+    n1, n2 = costs.get(first["arm"], {}).get("nu"), costs.get(second["arm"], {}).get("nu")
+    if not (n1 and n2 and math.isfinite(n1) and math.isfinite(n2) and n1 != n2):
+        return ""
+    more, less = (second, first) if n2 > n1 else (first, second)
+    hi, lo = max(n1, n2), min(n1, n2)
+    return (
+        f". Splitting the budget over its runs cost {more['strategy']} {hi / lo:.2g}× "
+        f"the noise per run of {less['strategy']} (ν = {hi:.3g} against {lo:.3g})"
+    )
 
 
 def oso_joint_noise(plan: Any) -> dict[float, float]:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 from rich.table import Table as RichTable
 
 from dptune.errors import ConfigError
 from dptune.metrics import clip_to_range
-from dptune.outputs import write_csv_rows
 from dptune.report.data import (
     LedgerRow,
     RunHistory,
@@ -29,29 +28,10 @@ from dptune.report.data import (
 )
 from dptune.report.data import higher_is_better as resolve_direction
 from dptune.report.html import Table
+from dptune.report.html import cell_text as fmt_value
 
-TERMINAL_WIDTH = 100
 # Column caps for the terminal table: 6 borders + 5×2 padding + these = 100.
 _W_STRATEGY, _W_EPS, _W_HP, _W_METRIC, _W_SEEDS = 14, 6, 40, 19, 5
-
-
-def fmt_value(v: Any) -> str:
-    """Compact cell text: 4 significant digits for floats, ∞ for inf, — for missing."""
-    if v is None:
-        return "—"
-    if isinstance(v, bool):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "—"
-        if math.isinf(v):
-            return "∞"
-        return f"{v:.4g}"
-    return str(v)
-
-
-def fmt_epsilon(eps: float) -> str:
-    return "∞ (non-private)" if math.isinf(eps) else f"{eps:g}"
 
 
 def fmt_hyperparameters(hp: Mapping[str, Any] | str) -> str:
@@ -67,11 +47,6 @@ def fmt_metric(r: SummaryRow, metric: str | None = None) -> str:
         return "diverged"
     mean = clip_to_range(r.mean, metric) if metric else r.mean
     return f"{mean:.4g} ± {r.std:.2g}" if r.std is not None else f"{mean:.4g}"
-
-
-def fmt_seeds(r: SummaryRow) -> str:
-    ok = r.n_seeds - r.n_diverged
-    return f"{ok}/{r.n_seeds}" + (f" ({r.n_diverged} diverged)" if r.n_diverged else "")
 
 
 def as_summary_rows(rows: Iterable[Any], *, higher: bool = True, best_only: bool = True) -> list[SummaryRow]:
@@ -105,26 +80,20 @@ def _summary_from_dict(r: Mapping[str, Any]) -> SummaryRow:
 def results_table(rows: Sequence[SummaryRow], metric: str, higher: bool, caption: str = "") -> Table:
     """HTML table: strategy, ε, best hyperparameters, metric mean ± std, seeds."""
     mark = not all(r.selected for r in rows)  # when every row is the tuner's choice, say it once
-    return Table(
-        [
-            "strategy",
-            "ε",
-            "selected configuration" if not mark and rows else "best hyperparameters",
-            metric_label(metric, higher) + ", mean ± std",
-            "seeds",
-        ],
-        [
+    columns = ["strategy", "ε", "selected configuration" if not mark and rows else "best hyperparameters"]
+    cells = []
+    for r in rows:
+        seeds = f"{r.n_seeds - r.n_diverged}/{r.n_seeds}" + (f" ({r.n_diverged} diverged)" if r.n_diverged else "")
+        cells.append(
             [
                 r.strategy + (" (selected)" if r.selected and mark else ""),
-                fmt_epsilon(r.epsilon),
+                "∞ (non-private)" if math.isinf(r.epsilon) else f"{r.epsilon:g}",
                 fmt_hyperparameters(r.hyperparameters),
                 fmt_metric(r, metric),
-                fmt_seeds(r),
+                seeds,
             ]
-            for r in rows
-        ],
-        caption=caption,
-    )
+        )
+    return Table([*columns, metric_label(metric, higher) + ", mean ± std", "seeds"], cells, caption=caption)
 
 
 def render_terminal_table(
@@ -142,7 +111,6 @@ def render_terminal_table(
     """
     higher = resolve_direction(metric, higher_is_better)
     srows = as_summary_rows(rows, higher=higher)
-    arrow = "↑" if higher else "↓"
     name = {"accuracy": "Accuracy", "mse": "MSE", "loss": "Loss"}.get(metric, metric)
     # Column caps add up to ≤ 100 with borders (6) and padding (2 per column): the table
     # fits 100 columns whatever the console width; long cells fold onto more lines.
@@ -155,17 +123,13 @@ def render_terminal_table(
     t.add_column("Strategy", style="cyan", overflow="fold", max_width=_W_STRATEGY)
     t.add_column("ε", justify="right", overflow="fold", max_width=_W_EPS)
     t.add_column("Best hyperparameters", overflow="fold", max_width=_W_HP)
-    t.add_column(f"{name} {arrow}", justify="right", overflow="fold", min_width=_W_METRIC, max_width=_W_METRIC)
+    metric_header = f"{name} {'↑' if higher else '↓'}"
+    t.add_column(metric_header, justify="right", overflow="fold", min_width=_W_METRIC, max_width=_W_METRIC)
     t.add_column("Seeds", justify="right", overflow="fold", max_width=_W_SEEDS)
     for r in srows:
-        eps = "∞" if math.isinf(r.epsilon) else f"{r.epsilon:g}"
-        t.add_row(
-            r.strategy + (" *" if r.selected else ""),
-            eps,
-            fmt_hyperparameters(r.hyperparameters),
-            fmt_metric(r, metric),
-            f"{r.n_seeds - r.n_diverged}/{r.n_seeds}",
-        )
+        strategy, eps = r.strategy + (" *" if r.selected else ""), "∞" if math.isinf(r.epsilon) else f"{r.epsilon:g}"
+        hp, seeds = fmt_hyperparameters(r.hyperparameters), f"{r.n_seeds - r.n_diverged}/{r.n_seeds}"
+        t.add_row(strategy, eps, hp, fmt_metric(r, metric), seeds)
     notes = ["mean ± std over seeds; Seeds = finished/run (the rest diverged)."]
     if any(r.selected for r in srows):
         notes.append("* configuration selected by the tuner.")
@@ -174,45 +138,22 @@ def render_terminal_table(
 
 
 # ----------------------------------------------------------------------------- CSV
-def write_csv(path: str | Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> Path:
-    """Write dict rows as CSV (columns: given, else the union of keys in first-seen order)."""
-    return write_csv_rows(path, rows, columns)
-
-
 def summary_csv_rows(rows: Sequence[SummaryRow]) -> list[dict[str, Any]]:
     """Flat rows: strategy, epsilon, mean, std, seeds, then one column per hyperparameter."""
     out = []
     for r in rows:
-        d: dict[str, Any] = {
-            "strategy": r.strategy,
-            "epsilon": r.epsilon,
-            "mean": r.mean,
-            "std": r.std,
-            "n_seeds": r.n_seeds,
-            "n_diverged": r.n_diverged,
-            "selected": r.selected,
-        }
-        if isinstance(r.hyperparameters, str):
-            d["configuration"] = r.hyperparameters
+        d = asdict(r)
+        hp = d.pop("hyperparameters")
+        if isinstance(hp, str):
+            d["configuration"] = hp
         else:
-            d.update({f"hp_{k}": v for k, v in sorted(r.hyperparameters.items())})
+            d.update({f"hp_{k}": v for k, v in sorted(hp.items())})
         out.append(d)
     return out
 
 
 def ledger_csv_rows(rows: Iterable[LedgerRow | Mapping[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        {
-            "run": r.run,
-            "label": r.label,
-            "releases": r.releases,
-            "epsilon": r.epsilon,
-            "planned_epsilon": r.planned_epsilon,
-            "noise_multiplier": r.noise_multiplier,
-            "sampling_rate": r.sampling_rate,
-        }
-        for r in coerce_ledger_rows(rows)
-    ]
+    return [asdict(r) for r in coerce_ledger_rows(rows)]
 
 
 def history_csv_rows(histories: Iterable[RunHistory | Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -222,15 +163,12 @@ def history_csv_rows(histories: Iterable[RunHistory | Mapping[str, Any]]) -> lis
 
 def ledger_table(rows: Sequence[LedgerRow], max_rows: int = 200) -> Table:
     """HTML ledger table; long ledgers are truncated (the CSV has every row)."""
-    shown = rows[:max_rows]
     cap = "ε of a run alone at the study's δ; per-run values do not add up (composition is sub-additive)."
     if len(rows) > max_rows:
         cap += f" First {max_rows} of {len(rows)} rows; ledger.csv has all."
-    return Table(
-        ["run", "query label", "releases", "ε spent", "ε planned", "ν", "q"],
-        [
-            [r.run, r.label, int(r.releases), r.epsilon, r.planned_epsilon, r.noise_multiplier, r.sampling_rate]
-            for r in shown
-        ],
-        caption=cap,
-    )
+    columns = ["run", "query label", "releases", "ε spent", "ε planned", "ν", "q"]
+    cells = [
+        [r.run, r.label, int(r.releases), r.epsilon, r.planned_epsilon, r.noise_multiplier, r.sampling_rate]
+        for r in rows[:max_rows]
+    ]
+    return Table(columns, cells, caption=cap)
