@@ -214,9 +214,10 @@ class PrivateTraining:
         Their realised sizes are private (not differentially private: for the data owner only)."""
         if self.t >= self.plan.steps:
             raise ConfigError(
-                f"all {self.plan.steps} planned steps were taken: make_private plans the whole run "
-                f"(epochs={self.plan.steps * self.plan.sampling_rate:.3g}); iterate private.batches() once, not once per epoch. Fix: one loop "
-                "`for x, y in private.batches():`, or make_private again for a new run (its own budget)."
+                f"all {self.plan.steps} planned steps were taken: make_private plans the whole run (epochs="
+                f"{self.plan.steps * self.plan.sampling_rate:.3g}); iterate private.batches() once, not once per "
+                "epoch. Fix: one loop `for x, y in private.batches():`, or make_private again for a new run "
+                "(its own budget)."
             )
         return self._batches()
 
