@@ -6,7 +6,8 @@
 The dataset is a plain ``torch.utils.data.Dataset`` (``__len__`` and ``__getitem__``): dptune
 draws each Poisson batch by index (the sampling its privacy accountant assumes), so the data
 need not fit in memory. The model is an ordinary module. ``dptune.save_model`` writes the
-selected checkpoint (best on the evaluation data, which is assumed public) with its model card;
+final parameters with their model card (the evaluation data is yours, hence private: nothing is
+selected on it and its accuracy is for your eyes only; ``eval_public=True`` if it truly is public);
 ``dptune.load_model`` loads it back in one call. Saving and loading release nothing: the
 weights are post-processing of the run's noisy releases (docs/privacy.md).
 """
@@ -96,8 +97,8 @@ def main(
     summary = {
         "epsilon": result.epsilon(),
         "delta": 1e-5,
-        "best_step": result.best_step,
-        "best_accuracy": result.best_metric,
+        "checkpoint": card["checkpoint"],
+        "final_accuracy (not DP: for the data owner only)": result.evals[-1]["accuracy"],
         "reloaded_accuracy": reloaded,
         "folder": str(folder),
         "ledger_digest": card["ledger"]["digest"],

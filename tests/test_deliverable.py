@@ -97,6 +97,7 @@ def test_study_weights_equal_the_selected_run_retrained_with_its_seed(finished) 
         seed=run.run_seed,
         device="cpu",
         eval_data=(data.x_val, data.y_val),
+        eval_public=True,  # the study selected in public mode
         eval_every=study.selection.eval_every,
     )
     assert ref.best_step == stored["best_step"] < run.steps  # a checkpoint before the end
@@ -294,6 +295,7 @@ def test_save_trained_then_load_model_gives_identical_outputs(tmp_path: Path) ->
         target_epsilon=2.0,
         delta=1e-5,
         eval_data=test,
+        eval_public=True,
         eval_every=3,
         lr=0.5,
         clip=1.0,
@@ -397,7 +399,9 @@ def test_train_cli_save_with_your_own_factory_reloads_without_model_argument(tmp
     from own_factories import load_data
 
     out, save = tmp_path / "run.json", tmp_path / "model"
-    res = invoke_train(out, "--save", str(save), data=OWN_FACTORIES, epochs="1", batch_size="40", hps=["lr=0.5"])
+    res = invoke_train(
+        out, "--save", str(save), "--eval-public", data=OWN_FACTORIES, epochs="1", batch_size="40", hps=["lr=0.5"]
+    )
     assert res.exit_code == 0, res.output
     with pytest.raises(ConfigError, match="trust_factory"):  # the card names code: never run unasked
         dptune.load_model(save)

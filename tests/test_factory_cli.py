@@ -42,7 +42,10 @@ def test_cli_train_with_own_model_and_data(tmp_path):
     release = json.loads(out.read_text())
     text = json.dumps(release)
     assert "own_factories:load_data" in text
-    assert release["steps"] == 6 and 0.0 <= release["best_metric"] <= 1.0  # 240 examples, L = 40, 1 epoch
+    assert release["steps"] == 6 and release["checkpoint"] == "final"  # 240 examples, L = 40, 1 epoch
+    # your test split is private unless --eval-public: its metrics are in the diagnostics only
+    diag = json.loads((tmp_path / "diagnostics" / "r.json").read_text())
+    assert "best_metric" not in release and 0.0 <= diag["private_evaluation"]["best_metric"] <= 1.0
 
 
 def test_cli_model_factory_with_a_builtin_dataset(tmp_path):
@@ -112,7 +115,10 @@ def test_study_with_factories_on_other_executors_matches_local(tmp_path, executo
 
 def _with_metric(tmp_path: Path, metric: str, mode: str = "private") -> Path:
     p = _toml(tmp_path)
-    p.write_text(p.read_text().replace('mode = "private"', f'mode = "{mode}"\nmetric = "{metric}"'))
+    text = p.read_text().replace('mode = "private"', f'mode = "{mode}"\nmetric = "{metric}"')
+    if mode == "public":  # public selection on your own test split must be declared
+        text = text.replace("n_test = 60 }", "n_test = 60 }\ntest_public = true")
+    p.write_text(text)
     return p
 
 
