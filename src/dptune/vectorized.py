@@ -66,6 +66,13 @@ class _Op:
     module: nn.Module
     prefix: str  # parameter-name prefix of a Linear ('' at top level)
 
+    def signature(self) -> tuple[Any, ...]:
+        """What the trials' models must share, op by op, to be stacked."""
+        m = self.module
+        if self.kind == "linear":
+            return ("linear", self.prefix, tuple(m.weight.shape), m.bias is not None)
+        return (self.kind, type(m).__name__, repr(m))
+
 
 def stack_plan(model: nn.Module) -> list[_Op]:
     """The model as a flat list of stackable operations; raises ``Unsupported`` otherwise."""
@@ -101,16 +108,6 @@ def stack_plan(model: nn.Module) -> list[_Op]:
     if not any(op.kind == "linear" for op in ops):
         raise Unsupported("the model has no Linear layer")
     return ops
-
-
-def _signature(ops: list[_Op]) -> list[Any]:
-    out: list[Any] = []
-    for op in ops:
-        if op.kind == "linear":
-            out.append(("linear", op.prefix, tuple(op.module.weight.shape), op.module.bias is not None))
-        else:
-            out.append((op.kind, type(op.module).__name__, repr(op.module)))
-    return out
 
 
 class _Stacked:
@@ -459,7 +456,7 @@ def _stack_ops(strategies: list[Strategy], models: list[nn.Module]) -> list[_Op]
             )
     ops = stack_plan(models[0])
     for m in models[1:]:
-        if _signature(stack_plan(m)) != _signature(ops):
+        if [op.signature() for op in stack_plan(m)] != [op.signature() for op in ops]:
             raise Unsupported("the trials' models differ in architecture")
     for m in models:
         check_model(m)
@@ -502,19 +499,15 @@ def _run_block(
                 tr.loop.record(t, row, value)
 
 
-class _Buffers:
-    """Padded batch buffers per source tensor, reused across steps (grown when needed)."""
+class _Buffers(dict[int, torch.Tensor]):
+    """Padded batch buffers per source tensor (by id), reused across steps (grown when needed)."""
 
-    def __init__(self) -> None:
-        self._bufs: dict[int, torch.Tensor] = {}
-
-    def get(self, src: torch.Tensor, K: int, B: int) -> torch.Tensor:
-        buf = self._bufs.get(id(src))
+    def padded(self, src: torch.Tensor, K: int, B: int) -> torch.Tensor:
+        buf = self.get(id(src))
         if buf is None or buf.shape[0] < K or buf.shape[1] < B:
             cap_k = max(K, buf.shape[0] if buf is not None else 0)
             cap_b = max(int(B * 1.1) + 1, buf.shape[1] if buf is not None else 0)
-            buf = src.new_zeros((cap_k, cap_b, *src.shape[1:]))
-            self._bufs[id(src)] = buf
+            buf = self[id(src)] = src.new_zeros((cap_k, cap_b, *src.shape[1:]))
         return buf[:K, :B]
 
 
@@ -539,7 +532,7 @@ def _batched_grads(
     # Gather each trial's batch straight into a padded [K, B, ...] buffer kept across steps
     # (allocating and zeroing ~K·B·d floats per step cost more than the forward pass). Rows
     # past a trial's batch hold stale real examples: finite, masked out of the loss, unread.
-    X, Y = buffers.get(x, K, B), buffers.get(y, K, B)
+    X, Y = buffers.padded(x, K, B), buffers.padded(y, K, B)
     mask = torch.zeros(K, B, dtype=torch.bool, device=x.device)
     xs = []
     for k, i in enumerate(idxs):

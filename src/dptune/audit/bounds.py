@@ -33,10 +33,8 @@ def check_confidence(confidence: float) -> float:
 
 # ----------------------------------------------------------------------------- one run
 def one_run_p_value(m: int, guesses: int, correct: int, eps: float, delta: float) -> float:
-    """Upper bound on P[W ≥ correct] for an (ε, δ)-DP mechanism (Steinke et al., Theorem 5.2).
-
-    ``m`` canaries in all (the δ term scales with m, not with the number of guesses).
-    """
+    """Upper bound on P[W ≥ correct] for an (ε, δ)-DP mechanism (Steinke et al., Theorem 5.2); ``m``:
+    the canaries in all (the δ term scales with m, not with the guesses)."""
     if guesses <= 0 or correct <= 0:
         return 1.0
     p = float(special.expit(eps))
@@ -51,10 +49,8 @@ def one_run_p_value(m: int, guesses: int, correct: int, eps: float, delta: float
 
 
 def one_run_epsilon(m: int, guesses: int, correct: int, delta: float, significance: float) -> float:
-    """Largest ε ≥ 0 that the observation (``correct`` of ``guesses``) rejects at ``significance``.
-
-    The p-value increases with ε, so this is a root search; 0 when even ε = 0 is not rejected.
-    """
+    """Largest ε ≥ 0 that ``correct`` of ``guesses`` rejects at ``significance`` (a root search: the
+    p-value increases with ε); 0 when even ε = 0 is not rejected."""
 
     def excess(eps: float) -> float:
         return significance - one_run_p_value(m, guesses, correct, eps, delta)
@@ -153,14 +149,14 @@ def one_run_bound(
     perm = np.random.default_rng(seed).permutation(m)
     n_sel = int(round(selection_fraction * m))
     sel, ev = perm[:n_sel], perm[n_sel:]
-    # Rank the policies on the selection canaries (by the same statistic, at the same level);
-    # among ties (e.g. all perfect) prefer more guesses, which saturate higher.
-    ranked = []
-    for j, fi, fo in policies:
-        b = evaluate(sel, alpha, [(j, fi, fo)])
-        ranked.append((b.epsilon, b.guesses, (j, fi, fo)))
-    ranked.sort(key=lambda t: (t[0], t[1]), reverse=True)
-    return evaluate(ev, alpha, [ranked[0][2]])
+
+    def on_selection(policy: tuple[int, float, float]) -> tuple[float, int]:
+        # The same statistic at the same level; among ties (e.g. all perfect) more guesses, which
+        # saturate higher; among equals the first policy.
+        b = evaluate(sel, alpha, [policy])
+        return b.epsilon, b.guesses
+
+    return evaluate(ev, alpha, [max(policies, key=on_selection)])
 
 
 # ----------------------------------------------------------------------------- two worlds
@@ -234,13 +230,9 @@ def two_world_bound(
     selection_fraction: float = 0.5,
     seed: int = 0,
 ) -> TwoWorldBound:
-    """Two-world ε lower bound: pick (score, threshold) on a selection split, bound on the rest.
-
-    ``out_scores``/``in_scores``: trials without/with the canary, higher = "member"; several
-    candidate scores may be given (same trials, one array per score). The selection split is
-    a random fraction of each world's trials; the reported bound uses only the other trials,
-    so it is a valid Clopper–Pearson bound at ``confidence``.
-    """
+    """Two-world ε lower bound: (score, threshold) chosen on a random ``selection_fraction`` of each
+    world's trials, the Clopper–Pearson bound at ``confidence`` on the others. ``out_scores`` /
+    ``in_scores``: trials without / with the canary (higher = "member"), one array per candidate."""
     check_confidence(confidence)
     outs, ins = _score_arrays(out_scores), _score_arrays(in_scores)
     if len(outs) != len(ins) or not outs:

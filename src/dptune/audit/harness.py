@@ -71,13 +71,7 @@ class CanaryData:
     canary_norm: float
 
 
-def make_data(
-    present: np.ndarray,
-    background: int,
-    background_dim: int,
-    canary_norm: float,
-    seed: int,
-) -> CanaryData:
+def make_data(present: np.ndarray, background: int, background_dim: int, canary_norm: float, seed: int) -> CanaryData:
     """Rows for the canaries with ``present[j]`` true, plus ``background`` rows.
 
     Coordinates 0..background_dim−1 hold the background gradients: Gaussian directions with
@@ -146,10 +140,14 @@ class ReleaseRecorder:
         """Σ_t log(1 − q + q·exp(Λ_t)) per watched coordinate, over queries in ``names`` (all: None)."""
         total = np.zeros(self.coords.shape[0])
         for r in self.records:
-            used = [q for q in r.queries if q.values is not None and (names is None or q.name in names)]
-            if not used:
+            terms = [
+                (q.values / q.sensitivity - 0.5) / q.noise_multiplier**2
+                for q in r.queries
+                if q.values is not None and (names is None or q.name in names)
+            ]
+            if not terms:
                 continue
-            lam = sum((q.values / q.sensitivity - 0.5) / q.noise_multiplier**2 for q in used)
+            lam = sum(terms, np.zeros_like(total))
             if r.sampling_rate >= 1.0:
                 total += lam
             else:

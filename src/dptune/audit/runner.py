@@ -187,8 +187,7 @@ def _check_args(
             f"({'memory grows with the square of m' if method == 'one-run' else 'time grows with the trials'}). "
             f"Fix: use at most {MAX_CANARIES[method]:,} (default {DEFAULT_CANARIES[method]:,})."
         )
-    scenario = SCENARIOS[strategy.lower()]
-    return scenario, n
+    return SCENARIOS[strategy.lower()], n
 
 
 @dataclass(frozen=True)
@@ -353,16 +352,12 @@ def run_audit(
     background: int = 500,
     on_progress: Callable[[str], None] | None = None,
 ) -> AuditResult:
-    """Audit ``strategy`` at the claimed (``eps``, ``delta``); return an ε lower bound.
+    """Audit ``strategy`` (one of ``AUDITABLE``) at the claimed (``eps``, ``delta``): an ε lower bound
+    holding with probability ≥ ``confidence``; one above ``eps`` refutes the claim (``flagged``).
 
-    ``strategy``: one of ``AUDITABLE`` (``grid`` = 4 dpsgd runs composed by the accountant).
-    ``canaries``: m for one run (default 5,000), or trials per world for two worlds (20,000).
-    ``accountant``: the accountant that calibrates ν to the claim ('pld' is the tightest, so
-    the claim audited is the strongest dptune makes). ``steps``/``sampling_rate``/
-    ``hyperparameters`` override the scenario (see ``SCENARIOS``).
-
-    The result's lower bound holds with probability ≥ ``confidence``; a bound above ``eps``
-    refutes the claim (``AuditResult.flagged``).
+    ``canaries``: m for one run (default 5,000), or trials per world (20,000). ``accountant``
+    calibrates ν to the claim ('pld', the tightest: the strongest claim dptune makes).
+    ``steps``/``sampling_rate``/``hyperparameters`` override the scenario (``SCENARIOS``).
     """
     scenario, n_canaries = _check_args(strategy, eps, delta, method, confidence, threat_model, canaries)
     scenario = _overridden(scenario, steps, sampling_rate, hyperparameters)

@@ -4,25 +4,15 @@
 >>> run_study("study.toml", "runs/my-study", executor="local")     # doctest: +SKIP
 >>> study_table("runs/my-study")                                    # doctest: +SKIP
 
-A study (``Study`` / a TOML or YAML file) is planned in full before any training
-(``plan_study``): per-run noise multipliers and one planned ``DpEvent`` for the whole
-study. Runs execute on an executor (local, process pool, Ray); each returned run is
-checked against the plan and merged into the study ledger, which must end equal to
-the plan. Everything is stored in ``<dir>/study.sqlite`` and can be resumed after a
-crash (``resume_study``). See ``docs/tuning.md``.
+A study (``Study`` / a TOML or YAML file) is planned in full before any training (``plan_study``);
+runs execute on an executor (local, process pool, Ray), each checked against the plan and merged
+into the study ledger, which must end equal to the plan. Stored in ``<dir>/study.sqlite``,
+resumable after a crash (``resume_study``). See ``docs/tuning.md``.
 """
 
 from dptune.tune.plan import plan_study
 from dptune.tune.planners import ArmPlan, RunSpec, StudyPlan
-from dptune.tune.results import (
-    budget_rows,
-    render,
-    report_text,
-    rerr_rows,
-    study_status,
-    study_table,
-    write_csvs,
-)
+from dptune.tune.results import budget_rows, render, report_text, rerr_rows, study_status, study_table, write_csvs
 from dptune.tune.spec import (
     BudgetSpec,
     DataSpec,
@@ -35,23 +25,8 @@ from dptune.tune.spec import (
     load_study_config,
     study_from_dict,
 )
-from dptune.tune.study import (
-    Coordinator,
-    StudyOutcome,
-    load_stored_study,
-    plan_only,
-    resume_study,
-    run_study,
-)
-from dptune.tune.theory import (
-    LtVsMa,
-    lt_max_runs,
-    lt_solve,
-    lt_total,
-    lt_vs_ma,
-    panda_total_epsilon,
-    rerr,
-)
+from dptune.tune.study import Coordinator, StudyOutcome, load_stored_study, plan_only, resume_study, run_study
+from dptune.tune.theory import LtVsMa, lt_max_runs, lt_solve, lt_total, lt_vs_ma, panda_total_epsilon, rerr
 
 __all__ = [
     "Study",

@@ -2,11 +2,9 @@
 that map a study's seeds onto tuning procedures (which runs a procedure holds, which are accounted,
 and whether the guarantee is per study or per seed replicate).
 
-Seeds: by default seed repetitions are NOT accounted (as in the papers: they are an evaluation
-device); the guarantee then holds per seed replicate. ``account_seeds = true`` composes them.
-Liu–Talwar and repeat-and-select with ``across_seeds = "mean"`` always account a candidate as the
-composite of its S seed runs (their bound covers the selected candidate, which is S runs). All
-runs get distinct noise streams: runs that shared noise would not compose as independent mechanisms.
+By default seed repetitions are NOT accounted (as in the papers: an evaluation device), so the
+guarantee holds per seed replicate; ``account_seeds = true`` composes them. All runs get distinct
+noise streams: runs that shared noise would not compose as independent mechanisms.
 """
 
 from __future__ import annotations
@@ -144,6 +142,4 @@ def seed_note(study: Study, composite: bool = False) -> list[str]:
 
 def replicates_for(study: Study, procedure: int) -> list[int]:
     """Seed indices whose runs belong to a procedure (mean mode: all seeds)."""
-    if study.selection.across_seeds == "mean":
-        return list(range(len(study.seeds)))
-    return [procedure]
+    return list(range(len(study.seeds))) if study.selection.across_seeds == "mean" else [procedure]

@@ -15,6 +15,7 @@ Results come back in completion order; the coordinator makes the outcome indepen
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -79,8 +80,6 @@ def _pool_call(
 def _ray_call(
     started: Any, task_id: str, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]
 ) -> tuple[dict[str, Any] | None, str | None]:
-    import contextlib
-
     with contextlib.suppress(Exception):  # a lost start report never fails the run (its result marks it)
         started.put(task_id)
     return _call(fn, args)
@@ -357,8 +356,6 @@ class RayExecutor(Executor):
         executor started. The executor may be used again: ``run`` makes a new queue (and Ray)."""
         queue, self.started_queue = self.started_queue, None
         if queue is not None:
-            import contextlib
-
             with contextlib.suppress(Exception):  # already gone with its cluster: nothing to shut down
                 queue.shutdown()
         if self.started:

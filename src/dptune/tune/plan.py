@@ -1,9 +1,7 @@
 """``plan_study``: every run of a study, planned before any training by the arms' tuning methods.
 
 Each private strategy arm is planned at each ε of the budget by its method (``tune.methods``); a
-non-private arm (e.g. ``nodp``) is planned once, as the baseline below. The runs, their noise
-multipliers and the study's release event are fixed here; see ``tune.planners`` for the records,
-``tune.shapes`` for the runs' shapes and ``tune.builder`` for their ids and seeds.
+non-private arm (e.g. ``nodp``) is planned once, as the baseline.
 """
 
 from __future__ import annotations

@@ -389,11 +389,10 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
     every = study_table(study_dir)
     rows = private_rows(every)  # the non-private baseline only under the label (diagnostics)
     sel = cfg.get("selection", {})
-    mode = sel.get("mode", "public")
     metric = plan.metric
     mode_txt = (
         "PUBLIC validation data (assumed public, as in the papers)"
-        if mode == "public"
+        if sel.get("mode", "public") == "public"
         else f"PRIVATE validation data (Gaussian noise σ = {sel.get('noise_multiplier')} on each score, in the ledger)"
     )
     console.print(
@@ -406,8 +405,7 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
             f"[dim]Noisy selection scores outside the range of {metric} are shown clipped to it; "
             "results.csv keeps the raw values.[/dim]"
         )
-    rr = rerr_rows(rows, plan.higher_is_better)
-    for r in rr:
+    for r in rerr_rows(rows, plan.higher_is_better):
         console.print(
             f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
             f"({r['random']}) and grid/oracle ({r['oracle']}): {100 * r['rerr']:.1f} %"

@@ -57,11 +57,9 @@ class Shape:
 
 
 def eval_schedule(steps: int, every: int, checkpoint: str, strategy: Strategy) -> tuple[tuple[int, ...], bool]:
-    """(steps evaluated during training, whether the finalised parameters are evaluated too).
-
-    ``best``: every ``every`` steps and at the last step (Galli: every 50), plus the
-    finalised parameters when the strategy post-processes them (e.g. DP-GD's free step).
-    ``final``: only the parameters the run ends with."""
+    """(steps evaluated during training, whether the finalised parameters are evaluated too):
+    ``best``, every ``every`` steps and the last (Galli: every 50), plus the finalised parameters
+    when the strategy post-processes them (DP-GD's free step); ``final``, only what the run ends with."""
     finalizes = strategy.finalizes
     if checkpoint == "final":
         return ((), True) if finalizes else ((steps,), False)

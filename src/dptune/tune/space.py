@@ -10,11 +10,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dptune.sampling import stream_seed
+
+if TYPE_CHECKING:
+    from dptune.tune.theory import SecretCoins
 
 # Run settings that a search space (or a strategy's fixed values) may hold besides hyperparameters.
 TRAINING_KEYS = ("steps", "epochs", "expected_batch_size")
@@ -27,9 +30,7 @@ def rng_for(study_seed: int, name: str) -> np.random.Generator:
 
 def _plain(v: Any) -> Any:
     """numpy scalars → Python scalars (JSON and hashing)."""
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
+    return v.item() if isinstance(v, np.generic) else v
 
 
 def is_finite(space: Mapping[str, Any]) -> bool:
@@ -49,7 +50,7 @@ def size(space: Mapping[str, Any]) -> int:
     return math.prod(len(v) for v in space.values()) if space else 1
 
 
-def draw_value(spec: Any, rng: np.random.Generator) -> Any:
+def draw_value(spec: Any, rng: np.random.Generator | SecretCoins) -> Any:
     if isinstance(spec, Mapping):
         dist, (lo, hi) = next(iter(spec.items()))
         if dist == "uniform":
@@ -65,7 +66,7 @@ def draw_value(spec: Any, rng: np.random.Generator) -> Any:
     return _plain(seq[int(rng.integers(len(seq)))])
 
 
-def draw(space: Mapping[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+def draw(space: Mapping[str, Any], rng: np.random.Generator | SecretCoins) -> dict[str, Any]:
     """One configuration drawn uniformly: each axis independently (a uniform draw from the
     grid when every axis is a list)."""
     return {k: draw_value(space[k], rng) for k in sorted(space)}

@@ -1,13 +1,5 @@
-"""The study store: one SQLite database (``study.sqlite``) per study directory.
-
-Layout (stdlib ``sqlite3``, WAL journal, ``synchronous=FULL``, one writer: the coordinator)::
-
-    meta(key PRIMARY KEY, value)          study config (JSON), fingerprint, plan (JSON), created, version
-    runs(run_id PRIMARY KEY, arm, stage, procedure, replicate, seed, run_seed,
-         status,                          planned | running | done | diverged | failed
-         config, noise_multiplier, steps, sampling_rate, planned_event,  (JSON where structured)
-         score, best_step, test_metric, evals, history, fit, error, seconds, attempts, started, finished)
-    ledger(id AUTOINCREMENT, run_id, label, event, count, components)   one row per ledger entry
+"""The study store: one SQLite database (``study.sqlite``) per study directory (tables: ``_SCHEMA``;
+WAL journal, ``synchronous=FULL``, one writer: the coordinator).
 
 Crash safety: a run's ledger rows are inserted in the SAME transaction that marks it
 ``done``/``diverged`` — after a SIGKILL either both are there or neither. A run left

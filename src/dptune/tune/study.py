@@ -358,9 +358,8 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
         if metric == "accuracy" and data.task == "reconstruction":
             raise ConfigError("selection.metric = 'accuracy' on a reconstruction task. Fix: metric = 'mse'.")
         plan = plan_study(study, data.n_train, data.n_val, metric)
-        extra = {"python_study": study.from_python}
         store.initialize(
-            {**study.to_dict(), "_meta": extra},
+            {**study.to_dict(), "_meta": {"python_study": study.from_python}},
             study.fingerprint(),
             plan.to_dict(),
             [r.to_dict() for r in plan.runs.values()],
@@ -405,13 +404,10 @@ def run_study(
     retry_failed: bool = False,
     gpus_per_run: float | None = None,
 ) -> StudyOutcome:
-    """Plan (or re-open) the study in ``study_dir`` and execute every planned run.
+    """Plan (or re-open) the study in ``study_dir``, execute every planned run and write the results.
 
-    ``executor``: 'local' (sequential), 'process' (spawned process pool, ``workers``),
-    'ray' (local Ray with ``workers`` CPUs, or the cluster at ``address``). With
-    ``training.device`` on CUDA, Ray tasks request ``gpus_per_run`` GPUs (default 1) and the
-    process pool pins one worker per GPU (docs/tuning.md). Writes the results CSVs into
-    ``study_dir`` and returns the results table rows."""
+    ``executor``: 'local', 'process' (``workers`` processes) or 'ray' (a local Ray with ``workers``
+    CPUs, or the cluster at ``address``; on CUDA ``gpus_per_run`` GPUs per task, docs/tuning.md)."""
     study = load_study_config(config)
     device = study.training.device
     check_workers(workers)  # before any directory is made

@@ -1,28 +1,21 @@
-"""The worker side: execute one planned run and return its result with its own ledger.
+"""The worker side: execute one planned run (or a group of them) and return its result with its
+own ledger. A worker receives the study (to rebuild data and model) and planned ``RunSpec``s; it
+cannot change the budget: a run's ledger is created from its planned event, and the coordinator
+checks the returned ledger against the plan again before merging it.
 
-A worker receives the study (dataset/model specs to rebuild them) and ONE planned
-``RunSpec`` — configuration, ν, seeds. It cannot change the budget: the run's ledger
-is created from the run's planned event, and the coordinator checks the returned
-ledger against the plan again before merging it.
-
-Checkpoint selection (Galli et al. evaluate every 50 iterations and keep the best):
-the scores are computed here, on the selection split, at the planned steps.
-
-* public mode: the exact metric (the split is assumed public, as in the papers);
-* private mode: each score is released through ``NoisyRelease.release`` — the sum
-  of per-example scores (count of correct predictions: sensitivity 1 under
-  add/remove; per-example MSE clipped to [0, c], a non-finite error counting as c and a
-  non-finite prediction as wrong: sensitivity c) plus Gaussian noise
-  of std ν_sel·sensitivity, divided by the split size m (treated as public, like n in
-  q = L/n). The best checkpoint is chosen on the noisy scores (post-processing);
-  exact validation scores never leave the worker.
+Checkpoint selection (Galli et al.: evaluate every 50 iterations, keep the best) scores the
+selection split here, at the planned steps: exactly in public mode (the split is assumed public,
+as in the papers); in private mode each score's sum (per-example scores clamped to [0, c]) is
+released through ``NoisyRelease`` and divided by the split size m, so the best checkpoint is
+chosen on noisy scores (post-processing) and exact validation scores never leave the worker.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from typing import Any
 
@@ -38,7 +31,7 @@ from dptune.metrics import MSE, eval_mode, resolve, score_sums
 from dptune.persample import ScratchBuffers
 from dptune.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
-from dptune.train import RunPlan, TrainResult, train
+from dptune.train import RunPlan, TrainResult, is_better, train
 from dptune.tree import Tensors, clone, is_finite
 from dptune.tune.data import StudyData, build_model, study_data
 from dptune.tune.planners import EVAL_LABEL, RunSpec
@@ -134,20 +127,45 @@ def _eval_event(run: RunSpec):
 
 
 def execute_run(study: Study, strategy_name: str, run_dict: dict[str, Any], metric: str) -> dict[str, Any]:
-    """Train one planned run; return its metrics, history and ledger (as a dict).
+    """Train one planned run; return its metrics, history and ledger (as a dict). A pure function of
+    its arguments on any executor, except in secure mode (OS-CSPRNG noise and batches)."""
+    run = _configured(run_dict)
+    with _threads(study.threads_per_run):
+        device = resolve_device(study.training.device, "training.device")
+        data = study_data(study.data, study.selection, study.seed)
+        job = _RunJob(study, strategy_name, run, metric, data, device)
+        result = train(
+            job.model,
+            (data.x_train, data.y_train),
+            job.strategy,
+            plan=job.plan,
+            seed=run.run_seed,
+            device=device,
+            loss=study.training.loss,
+            eval_data=None,
+            progress=False,
+            run_id="",
+            secure_mode=study.secure,
+        )
+        return job.finish(result)
 
-    Pure function of its arguments: the same run gives the same result on any executor
-    (torch threads are pinned to ``study.threads_per_run``), except in secure mode
-    (``study.secure``), where noise and batches come from the OS CSPRNG."""
+
+def _configured(run_dict: dict[str, Any]) -> RunSpec:
     run = RunSpec.from_dict(run_dict)
     if run.config is None:
         raise DPTuneError(f"run {run.run_id} has no configuration yet (adaptive stage not resolved)")
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(study.threads_per_run)
+    return run
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """torch pinned to ``n`` threads while a task runs (``study.threads_per_run``)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
     try:
-        return _execute(study, strategy_name, run, metric)
+        yield
     finally:
-        torch.set_num_threads(old_threads)
+        torch.set_num_threads(old)
 
 
 class _RunJob:
@@ -174,9 +192,8 @@ class _RunJob:
     def consider(self, t: int, params: Tensors, finalized: bool = False) -> None:
         s = self.scorer.score(params)
         self.evals.append({"step": t, "score": s, **({"finalized": True} if finalized else {})})
-        best = self.best
-        if math.isfinite(s) and (best["score"] is None or (s > best["score"] if self.higher else s < best["score"])):
-            best.update(score=s, step=t, params=clone(params))
+        if is_better(s, self.best["score"], self.higher):  # the rule of train.RunLoop's best checkpoint
+            self.best.update(score=s, step=t, params=clone(params))
 
     def finish(self, result: TrainResult, seconds: float | None = None) -> dict[str, Any]:
         run, data = self.run, self.data
@@ -211,42 +228,14 @@ class _RunJob:
         }
 
 
-def _execute(study: Study, strategy_name: str, run: RunSpec, metric: str) -> dict[str, Any]:
-    device = resolve_device(study.training.device, "training.device")
-    data = study_data(study.data, study.selection, study.seed)
-    job = _RunJob(study, strategy_name, run, metric, data, device)
-    result = train(
-        job.model,
-        (data.x_train, data.y_train),
-        job.strategy,
-        plan=job.plan,
-        seed=run.run_seed,
-        device=device,
-        loss=study.training.loss,
-        eval_data=None,
-        progress=False,
-        run_id="",
-        secure_mode=study.secure,
-    )
-    return job.finish(result)
-
-
 def execute_group(
     study: Study, strategy_names: list[str], run_dicts: list[dict[str, Any]], metric: str
 ) -> dict[str, Any]:
-    """Train a group of planned runs together with ``dptune.train_many`` (vectorised trials).
-
-    Each run keeps everything that is its own — configuration, seeds, sampling and noise
-    streams, gateway, ledger, checkpoint scorer — so each result is the one ``execute_run``
-    would return, up to float rounding of the batched matrix products (tested). Returns
-    ``{"results": [one execute_run-style dict per run, in order]}``."""
-    runs = [RunSpec.from_dict(d) for d in run_dicts]
-    for run in runs:
-        if run.config is None:
-            raise DPTuneError(f"run {run.run_id} has no configuration yet (adaptive stage not resolved)")
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(study.threads_per_run)
-    try:
+    """Train a group of planned runs together with ``dptune.train_many``: ``{"results": [...]}``, each
+    what ``execute_run`` would return up to float rounding (every run keeps its own seeds, streams,
+    gateway, ledger and scorer)."""
+    runs = [_configured(d) for d in run_dicts]
+    with _threads(study.threads_per_run):
         t0 = time.perf_counter()
         device = resolve_device(study.training.device, "training.device")
         data = study_data(study.data, study.selection, study.seed)
@@ -265,8 +254,6 @@ def execute_group(
         )
         seconds = (time.perf_counter() - t0) / len(jobs)  # the group's time, shared equally
         return {"results": [j.finish(r, seconds) for j, r in zip(jobs, results, strict=True)]}
-    finally:
-        torch.set_num_threads(old_threads)
 
 
 def execute_task(kind: str, *args: Any) -> dict[str, Any]:

@@ -3,6 +3,7 @@ rules; their guarantees: the table in docs/tuning.md)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,13 +50,13 @@ class Composition(TuningMethod):
         alone = not self.shared_noise
         nus: dict[int, list[float]] = {}
         if alone:
-            cache: dict[Shape, float] = {}
             check_selection_budget(shapes[0][:1], eps, delta, acc, arm_id)
-            for p, ss in shapes.items():
-                for s in ss:
-                    if s not in cache:
-                        cache[s] = calibrate_nu(s.event, eps, delta, acc, f"{arm_id} (oracle run)")
-                nus[p] = [snap(cache[s], [s], ctx.n_train) for s in ss]
+
+            @functools.cache
+            def alone_nu(s: Shape) -> float:
+                return calibrate_nu(s.event, eps, delta, acc, f"{arm_id} (oracle run)")
+
+            nus = {p: [snap(alone_nu(s), [s], ctx.n_train) for s in ss] for p, ss in shapes.items()}
         else:
             by_shapes: dict[tuple[Shape, ...], float] = {}  # groups with the same runs share one ν
             for g in groups:

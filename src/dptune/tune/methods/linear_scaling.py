@@ -1,10 +1,8 @@
 """Linear scaling (Panda et al. 2024, Algorithms 1–3): sweeps of r = η·T, a fit, one final run.
 
-``runs_per_sweep`` runs at each sweep ε (r drawn in [η_min·T_min, η_max·T_max] and split into
-(η, T)), then a final run whose r* comes from a linear (or quadratic) fit of the sweeps' best r
-against ε (or μ) and whose configuration is resolved once the sweeps have finished (``resolve``).
-Guarantee: the composition of the 2n sweep runs and the final run (μ-GDP exact at q = 1:
-μ = √(nμ₁² + nμ₂² + μ_f²)); accountant GDP at q = 1, else auto. One adaptive procedure per seed.
+``runs_per_sweep`` runs at each sweep ε (r drawn in [η_min·T_min, η_max·T_max], split into (η, T)),
+then a final run configured (``resolve``) from a fit of the sweeps' best r against ε (or μ).
+Guarantee: the composition of all of them (exact μ-GDP at q = 1). One procedure per seed.
 """
 
 from __future__ import annotations
