@@ -195,7 +195,7 @@ def test_a_mistyped_key_names_its_section_and_the_close_match(tmp_path: Path) ->
         out,
         "budget.epsilonn: unknown key in [budget]; did you mean epsilon?",
         "rename it to 'epsilon'",
-        "the keys of [budget]: account_seeds, accountant, delta, epsilon",
+        "the keys of [budget]: account_seeds, accountant, allow_large_delta, delta, epsilon",
     )
     assert not (tmp_path / "out").exists()
 
