@@ -96,7 +96,7 @@ class GradientOracle:
     """
 
     PROBE_MIN_BATCH = 3  # one or two rows cannot show mixing reliably
-    PROBE_EVERY = 16  # after a pass, the next probe is due 16 calls later (a public schedule)
+    PROBE_EVERY = 32  # after a pass, the next probe is due 32 calls later (a public schedule)
 
     def __init__(
         self,
@@ -342,16 +342,12 @@ class GradientOracle:
 
 
 def _row_values(result: torch.Tensor | MaterializedGrads, i: int) -> list[torch.Tensor]:
-    """What is released for row i: its loss (DP-ZO), or its norm bound N_i and its gradient g_i."""
+    """What is released for row i: its loss (DP-ZO), or its norm bound N_i and its gradient g_i
+    (formed as the weighted sums form it, from row i alone: ``_sum`` over that row)."""
     if isinstance(result, torch.Tensor):
         return [result[i : i + 1]]
-    norms = result.norms  # first: weighted_sum's non-finite rule reads them
-    e = torch.zeros_like(result.losses)
-    e[i] = 1
-    g = result.weighted_sum(e)
-    if isinstance(result, ghost.GhostGrads):
-        result.reset_reuse()  # the probe's weights must not seed the release's sums
-    return [norms[i : i + 1], *g.values()]
+    one = torch.ones(1, dtype=result.losses.dtype, device=result.losses.device)
+    return [result.norms[i : i + 1], *result._sum(one, torch.tensor([i], device=one.device)).values()]
 
 
 def _scale(result: torch.Tensor | MaterializedGrads) -> float:
