@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -207,6 +208,20 @@ def test_the_example_transformer_is_not_refused() -> None:
             grad_method=grad_method,
         )  # fmt: skip
         assert r.ledger.releases == 2
+
+
+@pytest.mark.parametrize("grad_method", ["auto", "ghost", "dpzo"])
+def test_a_nan_row_drawn_by_the_probe_is_not_mixing(grad_method: str) -> None:
+    """A non-finite example gives NaN in both computations: equal, not refused, ghost kept."""
+    model = mlp()
+    x, y = data(6)
+    x[0, 1] = math.nan
+    oracle = GradientOracle(model, method=None if grad_method == "dpzo" else grad_method)
+    oracle._rows.randrange = lambda b: 0  # type: ignore[method-assign]  # the probed row is the NaN one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        got = oracle.losses(params_of(model), x, y) if grad_method == "dpzo" else oracle(params_of(model), x, y)
+    assert bool(got.isnan()[0]) if grad_method == "dpzo" else isinstance(got, ghost.GhostGrads)
 
 
 def test_the_probe_changes_neither_the_result_nor_the_random_streams() -> None:
