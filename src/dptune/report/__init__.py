@@ -1,15 +1,9 @@
 """``dptune.report``: figures, CSVs and one self-contained HTML page per study.
 
-The report layer takes plain data (lists of small dataclasses or dicts) and writes
-files; it never needs the tuner. Entry points:
-
-* ``build_report(out_dir, results_rows, histories, ledger_rows, selection_mode=...,
-  planned=(ε, δ), spent=(ε, δ), ...) -> Path`` — the whole study page;
-* ``figures`` — one function per figure, each returning the saved PNG's Path;
-* ``html.write_report(out_dir, title, sections) -> Path`` — a page from custom sections;
-* ``render_terminal_table(rows) -> rich.table.Table`` — the results table for a terminal;
-* ``cosine_vs_clip(...)`` — the (non-private) clipping diagnostic of Galli Fig. 1;
-* ``report_study(study_dir)`` — the report of a study stored by ``dptune.tune``.
+The page builder takes plain data (lists of small dataclasses or dicts) and writes files; it
+never needs the tuner. ``report_study(study_dir)`` reports a study stored by ``dptune.tune``;
+``build_report`` builds the page from your own rows; ``figures`` has one function per figure
+(docs/reports.md).
 """
 
 from dptune.report import figures

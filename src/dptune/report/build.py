@@ -32,9 +32,7 @@ from dptune.report.data import (
     coerce_ledger_rows,
     coerce_lt_ma,
 )
-from dptune.report.data import (
-    higher_is_better as resolve_direction,
-)
+from dptune.report.data import higher_is_better as resolve_direction
 from dptune.report.diagnostics import CosineResult
 from dptune.report.html import FigureRef, Section, Table, check_selection_mode, write_report
 from dptune.report.tables import (
@@ -407,10 +405,8 @@ def ledger_rows_from_ledger(
     rows = []
     for run, entries in by_run.items():
         ev = compose((e.event, e.count) for e in entries)
-        if any(isinstance(e.event, dp_event.NonPrivateDpEvent) for e in entries):
-            eps = math.inf
-        else:
-            eps = accounting.epsilon(ev, delta, accountant)
+        nonprivate = any(isinstance(e.event, dp_event.NonPrivateDpEvent) for e in entries)
+        eps = math.inf if nonprivate else accounting.epsilon(ev, delta, accountant)
         merged: dict[tuple[str, dp_event.DpEvent], int] = {}
         for e in entries:
             merged[(e.label, e.event)] = merged.get((e.label, e.event), 0) + e.count

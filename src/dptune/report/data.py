@@ -1,15 +1,10 @@
 """Plain data the report layer consumes: small dataclasses, each also accepted as a dict.
 
-The report layer never imports the tuner. A study hands it lists of these records
-(or of dicts with the same keys) and gets files back. ``coerce_*`` turn dicts into
-records and reject malformed input early with a ``ConfigError`` that names the fix.
-
-Aggregation over seeds (``summarize``) follows Galli et al. (AAAI 2024), Tables 2–4:
-each configuration runs with several seeds, the metric is reported as mean ± std over
-seeds, and the best configuration per (strategy, ε) is shown — unless the tuner
-marked the configuration it *selected* (``selected=True``), in which case that one is
-shown, because an honest report states what the tuner chose, not what hindsight
-would choose.
+``coerce_*`` turn dicts into records and reject malformed input early with a ``ConfigError``
+that names the fix. Aggregation over seeds (``summarize``) follows Galli et al. (AAAI 2024),
+Tables 2–4: mean ± std over seeds, and the best configuration per (strategy, ε) — unless the
+tuner marked the one it *selected*: an honest report states what the tuner chose, not what
+hindsight would choose.
 """
 
 from __future__ import annotations

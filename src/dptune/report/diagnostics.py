@@ -77,7 +77,9 @@ def cosine_vs_clip(
     x, y = _tensors(data)
     n = int(x.shape[0])
     clip_list = [_positive(c, "each clip C") for c in clips]
-    nu, batch = _check(clip_list, noise_multiplier, expected_batch_size, n, repeats, params_at_iterations)
+    nu, batch = _check(clip_list, noise_multiplier, expected_batch_size, n, repeats)
+    if not params_at_iterations:
+        raise ConfigError("params_at_iterations is empty: give {iteration: parameters} for at least one iteration.")
     if loss is None:
         loss = "mse" if (x.shape == y.shape and y.dtype.is_floating_point) else "cross_entropy"
 
@@ -117,12 +119,7 @@ def cosine_vs_clip(
 
 
 def _check(
-    clips: list[float],
-    noise_multiplier: float,
-    expected_batch_size: float,
-    n: int,
-    repeats: int,
-    params: Mapping[int, Tensors],
+    clips: list[float], noise_multiplier: float, expected_batch_size: float, n: int, repeats: int
 ) -> tuple[float, float]:
     """``cosine_vs_clip``'s arguments checked: (ν, expected batch size L)."""
     if not clips:
@@ -137,8 +134,6 @@ def _check(
         )
     if not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats must be an integer ≥ 1, got {repeats!r}.")
-    if not params:
-        raise ConfigError("params_at_iterations is empty: give {iteration: parameters} for at least one iteration.")
     return nu, batch
 
 

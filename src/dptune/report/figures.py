@@ -312,14 +312,9 @@ def noise_pareto(
     chosen = rf"chosen: $\nu_g$ = {1 + relative_increase:g}$\nu$"
     ax.plot([], [], ls="none", marker="*", ms=11, color="w", mec="k", label=chosen)
     _log_axes(ax, "xy")
-    _finish(
-        ax,
-        r"$\nu_q$ (noise multiplier of OSO's q-query)",
-        r"$\nu_g$ (noise multiplier of the gradient)",
-        title or r"Pareto front of the ($\nu_q$, $\nu_g$) split (Galli Prop. 1)",
-        grid="both",
-        legend="upper right",
-    )
+    xlabel, ylabel = r"$\nu_q$ (noise multiplier of OSO's q-query)", r"$\nu_g$ (noise multiplier of the gradient)"
+    title = title or r"Pareto front of the ($\nu_q$, $\nu_g$) split (Galli Prop. 1)"
+    _finish(ax, xlabel, ylabel, title, grid="both", legend="upper right")
     return _save(fig, path)
 
 

@@ -166,10 +166,9 @@ def render_header(
     if selection_split is not None and selection_split not in SELECTION_SPLITS:
         raise ConfigError(f"selection_split must be 'test' or 'holdout' (or None), got {selection_split!r}.")
     if planned is not None or spent is not None:
-        pe, pd = _budget_text(planned)
-        se, sd = _budget_text(spent)
         acct = f" (accountant: {accountant})" if accountant else ""
-        parts.append(render_table(Table(["privacy budget", "ε", "δ"], [["planned", pe, pd], ["spent", se, sd]])))
+        rows = [["planned", *_budget_text(planned)], ["spent", *_budget_text(spent)]]
+        parts.append(render_table(Table(["privacy budget", "ε", "δ"], rows)))
         parts.append(f'<p class="meta">Budget of the whole study, search included{_esc(acct)}.</p>')
         if _exceeds(planned, spent):
             parts.append(
@@ -179,11 +178,10 @@ def render_header(
     if budgets:
         rows, over = [], []
         for b in budgets:
-            pe, pd = _budget_text(b.get("planned"))
-            se, sd = _budget_text(b.get("spent"))
-            rows.append([str(b.get("label", "")), pe, pd, se, sd, str(b.get("note", ""))])
+            label = str(b.get("label", ""))
+            rows.append([label, *_budget_text(b.get("planned")), *_budget_text(b.get("spent")), str(b.get("note", ""))])
             if _exceeds(b.get("planned"), b.get("spent")):
-                over.append(str(b.get("label", "")))
+                over.append(label)
         parts.append(
             render_table(Table(["tuning procedure", "planned ε", "planned δ", "spent ε", "spent δ", "scope"], rows))
         )
@@ -251,13 +249,10 @@ def write_report(
 ) -> Path:
     """Write ``out_dir/filename``: one self-contained page (header, then the sections).
 
-    The header states the selection mode, the study's planned vs spent (ε, δ) and, for
-    studies of several tuning procedures, ``budgets``: dicts with label, planned=(ε, δ),
-    spent=(ε, δ) and a note (e.g. the guarantee's scope), one table row each.
-
-    ``diagnostics=True``: a page for the data owner, with a red banner "not differentially
-    private: for the data owner only" at the top; only such a page may hold sections marked
-    ``diagnostic`` (a publishable page refuses them).
+    The header states the selection mode, the study's planned vs spent (ε, δ) and ``budgets``
+    (dicts with label, planned=(ε, δ), spent=(ε, δ) and a note: one row per tuning procedure).
+    ``diagnostics=True``: a page for the data owner under a red banner; only such a page may
+    hold sections marked ``diagnostic`` (a publishable page refuses them).
     """
     leaked = [s.title for s in sections if s.diagnostic]
     if leaked and not diagnostics:
@@ -269,28 +264,16 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     meta = _esc(f"{subtitle} · generated {stamp} by dptune" if subtitle else f"generated {stamp} by dptune")
-    body = [
-        f"<h1>{_esc(title)}</h1>",
-        f'<div class="meta">{meta}</div>',
-        *(
-            [
-                f'<div class="warn diagnostics">{_esc(NOT_DP_NOTICE[:1].upper() + NOT_DP_NOTICE[1:])} The sections '
-                "marked as diagnostics are not covered by the guarantee; publish only the page in the release/ "
-                "folder.</div>"
-            ]
-            if diagnostics
-            else []
-        ),
-        render_header(
-            selection_mode=selection_mode,
-            planned=planned,
-            spent=spent,
-            accountant=accountant,
-            selection_split=selection_split,
-            budgets=budgets,
-        ),
-        *(render_section(s) for s in sections),
-    ]
+    body = [f"<h1>{_esc(title)}</h1>", f'<div class="meta">{meta}</div>']
+    if diagnostics:
+        body.append(
+            f'<div class="warn diagnostics">{_esc(NOT_DP_NOTICE[:1].upper() + NOT_DP_NOTICE[1:])} The sections '
+            "marked as diagnostics are not covered by the guarantee; publish only the page in the release/ "
+            "folder.</div>"
+        )
+    budget = dict(planned=planned, spent=spent, accountant=accountant, budgets=budgets)
+    body.append(render_header(selection_mode=selection_mode, selection_split=selection_split, **budget))
+    body += [render_section(s) for s in sections]
     page = (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'

@@ -37,6 +37,7 @@ from dptune.report import figures as F
 from dptune.report.build import build_report, nu_q
 from dptune.report.data import LedgerRow, LinearScalingFit, RunHistory, SummaryRow
 from dptune.report.html import FigureRef, Section, Table
+from dptune.report.tables import fmt_mean_std
 from dptune.tune import theory
 from dptune.tune.methods import get_method
 from dptune.tune.planners import StudyPlan
@@ -95,7 +96,9 @@ def report_study(
     dsections = [every_run_section(table, write_runs_csv(out, runs, arm_of), secret_notes)]
     if include_diagnostics and (heatmaps := grid_heatmaps(runs, arm_of, out, plan.metric, plan.higher_is_better)):
         dsections.append(heatmap_section(heatmaps))
-    costs = arm_costs(plan)
+    said = conclusions(
+        display_table(released, plan.metric), arm_costs(plan), plan.higher_is_better, plan.metric, hidden_k
+    )
     subtitle = f"{len(plan.arms)} tuning procedures, " + ("" if hidden_k else f"{len(runs)} runs, ")
     return build_report(
         out,
@@ -112,9 +115,7 @@ def report_study(
         title=title or f"Study report: {cfg.get('study', {}).get('name') or study_dir.name}",
         subtitle=f"{subtitle}n_train = {plan.n_train}",
         notes=_progress(runs, hidden_k),
-        conclusions=conclusions(
-            display_table(released, plan.metric), costs, plan.higher_is_better, plan.metric, hidden_k
-        ),
+        conclusions=said,
         pareto=oso_joint_noise(plan) or None,
         lt_ma=_lt_ma_rows(plan),
         extra_figures=_linear_scaling_figures(plan, runs, out),
@@ -137,17 +138,15 @@ def _histories(
 ) -> list[RunHistory]:
     """The selected runs (release, named without their run id); every run of a small study (diagnostics)."""
     wanted = {r["run_id"] for r in runs} if len(runs) <= MAX_ALL_HISTORIES else chosen
-    return [
-        RunHistory(
-            public_run_name(arm_of[r["arm"]], r) if r["run_id"] in selected else r["run_id"],
-            arm_of[r["arm"]].label,
-            json.loads(r["history"]),
-            selected=r["run_id"] in selected,
-            epsilon=float(arm_of[r["arm"]].epsilon),
-        )
-        for r in runs
-        if r["run_id"] in wanted and r["history"]
-    ]
+    out = []
+    for r in runs:
+        if r["run_id"] in wanted and r["history"]:
+            arm, public = arm_of[r["arm"]], r["run_id"] in selected
+            name = public_run_name(arm, r) if public else r["run_id"]
+            out.append(
+                RunHistory(name, arm.label, json.loads(r["history"]), selected=public, epsilon=float(arm.epsilon))
+            )
+    return out
 
 
 def _progress(runs: Sequence[Mapping[str, Any]], hidden_k: bool) -> list[str]:
@@ -180,7 +179,10 @@ def _selection_section(
     paragraphs.append(randomness_note(cfg))
     rows = [
         [r["strategy"], r["epsilon"], r["method"], r["selected"] or "—"]
-        + [_pm(clip_to_range(r["value_mean"], metric), r["value_std"]), _pm(r["test_mean"], r["test_std"])]
+        + [
+            fmt_mean_std(clip_to_range(r["value_mean"], metric), r["value_std"]),
+            fmt_mean_std(r["test_mean"], r["test_std"]),
+        ]
         for r in released
     ]
     columns = ["strategy", "ε", "method", "selected configuration", "selection score", "test"]
@@ -348,14 +350,10 @@ def write_runs_csv(out: str | Path, runs: Sequence[Mapping[str, Any]], arm_of: M
     candidates and, under Liu–Talwar / repeat-and-select, reveals K)."""
     rows = []
     for r in runs:
-        cfg = r["config"]
+        arm, cfg = arm_of[r["arm"]], r["config"]
+        config = cfg if cfg is None or isinstance(cfg, str) else json.dumps(cfg)
         rows.append(
-            {
-                **{k: r.get(k) for k in RUNS_CSV_COLUMNS},
-                "strategy": arm_of[r["arm"]].label,
-                "epsilon": arm_of[r["arm"]].epsilon,
-                "config": cfg if cfg is None or isinstance(cfg, str) else json.dumps(cfg),
-            }
+            {k: r.get(k) for k in RUNS_CSV_COLUMNS} | {"strategy": arm.label, "epsilon": arm.epsilon, "config": config}
         )
     return write_labelled_csv(diagnostics_dir(out) / "runs.csv", rows, RUNS_CSV_COLUMNS)
 
@@ -501,11 +499,9 @@ def grid_heatmaps(
     figs = []
     by_arm: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in runs:  # grid-like searches only: random/linear-scaling spaces are not grids
-        if (
-            r["score"] is not None
-            and r["config"] is not None
-            and get_method(getattr(arm_of[r["arm"]], "method", "grid")).needs_value_lists
-        ):
+        if r["score"] is None or r["config"] is None:
+            continue
+        if get_method(getattr(arm_of[r["arm"]], "method", "grid")).needs_value_lists:
             by_arm[r["arm"]].append(r)
     for arm, rs in by_arm.items():
         configs = [_config(r) for r in rs]
@@ -531,9 +527,3 @@ def grid_heatmaps(
 
 def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
-
-
-def _pm(m: Any, s: Any) -> str:
-    if m is None:
-        return "—"
-    return f"{m:.4g} ± {s:.2g}" if s is not None else f"{m:.4g}"

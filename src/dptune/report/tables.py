@@ -40,13 +40,18 @@ def fmt_hyperparameters(hp: Mapping[str, Any] | str) -> str:
     return ", ".join(f"{k}={fmt_value(v)}" for k, v in sorted(hp.items())) or "—"
 
 
+def fmt_mean_std(mean: float | None, std: float | None, missing: str = "—") -> str:
+    """``mean ± std`` (4 and 2 significant digits); ``missing`` when there is no mean."""
+    if mean is None:
+        return missing
+    return f"{mean:.4g} ± {std:.2g}" if std is not None else f"{mean:.4g}"
+
+
 def fmt_metric(r: SummaryRow, metric: str | None = None) -> str:
     """mean ± std; with ``metric``, the mean clipped to the metric's range (a noisy private
     selection score can leave it: ``clip_to_range``)."""
-    if r.mean is None:
-        return "diverged"
     mean = clip_to_range(r.mean, metric) if metric else r.mean
-    return f"{mean:.4g} ± {r.std:.2g}" if r.std is not None else f"{mean:.4g}"
+    return fmt_mean_std(mean, r.std, missing="diverged")
 
 
 def as_summary_rows(rows: Iterable[Any], *, higher: bool = True, best_only: bool = True) -> list[SummaryRow]:
@@ -64,17 +69,12 @@ def _summary_from_dict(r: Mapping[str, Any]) -> SummaryRow:
     missing = [k for k in ("strategy", "epsilon") if k not in r]
     if missing:
         raise ConfigError(f"summary row {dict(r)!r} lacks {missing}; give strategy, epsilon, mean, std.")
-    hp = r.get("hyperparameters", {})
-    return SummaryRow(
-        str(r["strategy"]),
-        float(r["epsilon"]),
-        hp if isinstance(hp, str) else dict(hp),
-        None if r["mean"] is None else float(r["mean"]),
-        None if r.get("std") is None else float(r["std"]),
-        int(r.get("n_seeds", 1)),
-        int(r.get("n_diverged", 0)),
-        flag_text(r.get("selected", False)),
-    )
+    strategy, eps, hp = str(r["strategy"]), float(r["epsilon"]), r.get("hyperparameters", {})
+    hp = hp if isinstance(hp, str) else dict(hp)
+    mean = None if r["mean"] is None else float(r["mean"])
+    std = None if r.get("std") is None else float(r["std"])
+    n_seeds, n_diverged = int(r.get("n_seeds", 1)), int(r.get("n_diverged", 0))
+    return SummaryRow(strategy, eps, hp, mean, std, n_seeds, n_diverged, flag_text(r.get("selected", False)))
 
 
 def results_table(rows: Sequence[SummaryRow], metric: str, higher: bool, caption: str = "") -> Table:
@@ -83,16 +83,10 @@ def results_table(rows: Sequence[SummaryRow], metric: str, higher: bool, caption
     columns = ["strategy", "ε", "selected configuration" if not mark and rows else "best hyperparameters"]
     cells = []
     for r in rows:
+        name = r.strategy + (" (selected)" if r.selected and mark else "")
+        eps = "∞ (non-private)" if math.isinf(r.epsilon) else f"{r.epsilon:g}"
         seeds = f"{r.n_seeds - r.n_diverged}/{r.n_seeds}" + (f" ({r.n_diverged} diverged)" if r.n_diverged else "")
-        cells.append(
-            [
-                r.strategy + (" (selected)" if r.selected and mark else ""),
-                "∞ (non-private)" if math.isinf(r.epsilon) else f"{r.epsilon:g}",
-                fmt_hyperparameters(r.hyperparameters),
-                fmt_metric(r, metric),
-                seeds,
-            ]
-        )
+        cells.append([name, eps, fmt_hyperparameters(r.hyperparameters), fmt_metric(r, metric), seeds])
     return Table([*columns, metric_label(metric, higher) + ", mean ± std", "seeds"], cells, caption=caption)
 
 
