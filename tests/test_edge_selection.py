@@ -202,7 +202,8 @@ def test_mohapatra_liu_talwar_arms_are_honest(data_env):
     """The Mohapatra presets used exactly the broken setting (mean over 3 seeds, seeds not
     accounted, Liu–Talwar for DPSGD/DPMomentum): adult/LR at ε = 3.36 was really 5.88. They now
     tune per seed; each LT candidate is one run and meets ε per seed replicate."""
-    from dptune.presets import _sizes, preset_parts
+    from dptune.presets import preset_parts
+    from dptune.presets._catalog import _sizes
     from dptune.tune import study_from_dict
     from dptune.tune.study import study_metric
 

@@ -180,7 +180,7 @@ def test_mohapatra_paper_scale_budgets_recover_sigma(name, data_env):
     assert parts[1].study["budget"] == st["budget"] and parts[1].study["strategies"] == st["strategies"]
     sizes = {a.get("label", a["name"]): math.prod(len(v) for v in a["space"].values()) for a in st["strategies"]}
     assert sizes == {"dpsgd": 40, "dpmomentum": 280, "dpadam": 4, "adadp": 4, "dpadamwosm": 4}  # Table 3
-    from dptune.presets import _sizes
+    from dptune.presets._catalog import _sizes
     from dptune.tune.spec import SelectionSpec
 
     n_tr, _, _ = _sizes(st["data"], 0, SelectionSpec())
@@ -194,7 +194,7 @@ def test_mohapatra_paper_scale_budgets_recover_sigma(name, data_env):
 def test_mohapatra_paper_scale_plans(data_env):
     """The full plan of one Mohapatra preset (the others differ only in n): adaptive arms at
     ν = σ, DPSGD/DPMomentum with Liu–Talwar (γ = 1/K) and more noise at the same ε."""
-    from dptune.presets import _sizes
+    from dptune.presets._catalog import _sizes
     from dptune.tune import plan_study
     from dptune.tune.study import study_metric
 
@@ -398,7 +398,7 @@ def test_demo_writes_report_and_prints_table(monkeypatch, tmp_path):
         d["strategies"][0]["space"] = {"lr": [0.5], "clip": [1.0]}
         return d
 
-    monkeypatch.setattr("dptune.presets.demo_study", tiny)
+    monkeypatch.setattr("dptune.presets._reproduce.demo_study", tiny)
     console = _console()
     out = demo(tmp_path / "demo", progress=False, console=console)
     assert out == tmp_path / "demo" and (out / "release" / "report.html").is_file()
@@ -613,7 +613,7 @@ def test_galli_mnist_smoke_report_emits_no_legend_warning(data_env, tmp_path):
 def test_a_preset_whose_plan_fails_leaves_no_folder(tmp_path, monkeypatch):
     """A part that fails to plan (the error comes after the output folder was made): the folder is
     removed again when this call made it and nothing is in it; a folder the user made stays."""
-    import dptune.presets as presets_mod
+    import dptune.presets._reproduce as presets_mod
 
     def failing_plan(*args, **kwargs):
         raise ConfigError("planning failed (test)")

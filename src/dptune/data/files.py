@@ -53,9 +53,6 @@ def cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     return base / "dptune"
 
 
-# ----------------------------------------------------------------------------- hashing
-
-
 def file_digests(path: Path) -> tuple[str, str]:
     """SHA-256 and MD5 of a file, in one pass."""
     sha, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
@@ -87,13 +84,7 @@ class _VerifiedCache:
 
     def hit(self, path: Path, expected: str) -> bool:
         key, stamp = self._key(path)
-        entry = self._read().get(key)
-        return (
-            isinstance(entry, dict)
-            and entry.get("size") == stamp["size"]
-            and entry.get("mtime_ns") == stamp["mtime_ns"]
-            and entry.get("digest") == expected
-        )
+        return self._read().get(key) == {**stamp, "digest": expected}  # as ``store`` wrote it, same file
 
     def store(self, path: Path, digest: str) -> None:
         key, stamp = self._key(path)
@@ -122,11 +113,7 @@ def verify_file(path: Path, spec: FileSpec, cache: Path, dataset: str, *, fix: s
     """Raise ``DataError`` unless ``path`` matches the registry checksum of ``spec``."""
     algo, accepted = _expected(spec)
     if not accepted:
-        log.warning(
-            "dptune.data: no published checksum for %s (dataset %r); it was read unverified.",
-            path,
-            dataset,
-        )
+        log.warning("dptune.data: no published checksum for %s (dataset %r); it was read unverified.", path, dataset)
         return
     vcache = _VerifiedCache(cache)
     if any(vcache.hit(path, h) for h in accepted):
@@ -149,9 +136,6 @@ def verify_file(path: Path, spec: FileSpec, cache: Path, dataset: str, *, fix: s
             "(Pass verify=False to load() to skip the check at your own risk.)"
         )
     vcache.store(path, actual)
-
-
-# ---------------------------------------------------------------------------- download
 
 
 def _timeout() -> float:
@@ -202,9 +186,6 @@ def download_file(spec: FileSpec, dest: Path, cache: Path, dataset: str) -> list
     return failures
 
 
-# ----------------------------------------------------------------------------- resolve
-
-
 def resolve(
     spec: DatasetSpec,
     variants: tuple[str, ...],
@@ -228,14 +209,11 @@ def resolve(
                 return v, paths
 
     # Nothing complete locally: download the first variant that has URLs.
-    target = cache / spec.name
     failures: list[str] = []
-    for v in variants:
-        files = spec.variants[v]
-        if not all(f.downloadable for f in files):
-            continue
-        paths = {f.name: target / f.name for f in files}
-        for f in files:
+    chosen = next((v for v in variants if all(f.urls for f in spec.variants[v])), None)
+    if chosen is not None:
+        paths = {f.name: cache / spec.name / f.name for f in spec.variants[chosen]}
+        for f in spec.variants[chosen]:
             if paths[f.name].is_file():
                 if verify:
                     verify_file(paths[f.name], f, cache, spec.name)
@@ -244,8 +222,7 @@ def resolve(
             if not paths[f.name].is_file():
                 break
         else:
-            return v, paths
-        break
+            return chosen, paths
     raise DataError(_missing_message(spec, variants, root, cache, failures))
 
 
@@ -258,11 +235,7 @@ def _local_fix(f: FileSpec, folder: Path) -> str:
 
 
 def _missing_message(
-    spec: DatasetSpec,
-    variants: tuple[str, ...],
-    root: Path | None,
-    cache: Path,
-    failures: list[str],
+    spec: DatasetSpec, variants: tuple[str, ...], root: Path | None, cache: Path, failures: list[str]
 ) -> str:
     lines = [f"dataset {spec.name!r} is not available locally and could not be downloaded."]
     if root is not None:

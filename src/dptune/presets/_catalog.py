@@ -1,0 +1,212 @@
+"""The presets, one per paper experiment, and what can be done with them without training: list,
+build (``preset_parts``, ``preset_study``) and plan (``plan_preset``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+from dptune.errors import ConfigError
+from dptune.presets import galli, mohapatra, panda
+from dptune.presets._common import SCALES, Part, Preset, check_scale
+from dptune.tune import plan_study, study_from_dict
+from dptune.tune.data import study_data
+from dptune.tune.spec import DataSpec
+from dptune.tune.study import study_metric
+
+_GALLI_EST = {
+    "mnist": {
+        "smoke": "≈ 10 s",
+        "small": "≈ 30 min (51 runs × 71 steps × 256 examples of the Galli CNN; measured 32–38 s/run)",
+        "paper": "GPU: 1,995 runs × 1,170 steps (k = 7); ≈ 2.9 h projected on one H100 (the gpu-slice's "
+        "5.3 s of wall time per run at 8 workers)",
+        "gpu-slice": "GPU: 5 min 42 s measured on one H100 with --executor process --workers 8 (65 runs × "
+        "1,172 steps, full MNIST, k = 5, ε = 3; the GPU 98–99 % busy)",
+    },
+    "fmnist-ae": {
+        "smoke": "≈ 10 s",
+        "small": "≈ 35 min (51 runs × 59 steps × 128 examples of the autoencoder; 36–44 s/run)",
+        "paper": "GPU: 1,995 runs × 1,170 steps (k = 7)",
+    },
+    "agnews": {
+        "smoke": "≈ 5 s",
+        "small": "≈ 10 min (297 runs × 119 steps × 512 examples, small FC net; 1.4–1.9 s/run)",
+        "paper": "GPU (or a few CPU hours): 1,995 runs × 119 steps (k = 7)",
+    },
+}
+_GALLI = [
+    Preset(
+        name=f"galli-{ds}",
+        paper="Galli et al. 2024 (OSO-DPSGD)",
+        summary=f"{title}: Online vs FixedThreshold vs FixedQuantile vs AdamWOSM vs NoDP, per-grid budgets",
+        build=partial(galli.build, ds),
+        options={"k": None, "steps": None, "limit": None},
+        estimates=_GALLI_EST[ds],
+        scales=(*SCALES, "gpu-slice") if ds == "mnist" else SCALES,
+    )
+    for ds, title in (("mnist", "MNIST"), ("fmnist-ae", "Fashion-MNIST autoencoder"), ("agnews", "AG News"))
+]
+
+_MOH_EST = {
+    "mnist": {"smoke": "≈ 15 s", "small": "≈ 12 min (2 models × 180 runs × 600 steps)", "paper": "GPU"},
+    "adult": {"smoke": "≈ 10 s", "small": "≈ 8 min (2 models × 180 runs × 600 steps)", "paper": "GPU"},
+    "enron": {"smoke": "≈ 10 s", "small": "≈ 20 min (2 models × 180 runs × 300 steps, 5,512 inputs)", "paper": "GPU"},
+}
+_MOHAPATRA = [
+    Preset(
+        name=f"mohapatra-{ds}",
+        paper="Mohapatra et al. 2022 (honest tuning, adaptive optimizers)",
+        summary=f"{title}, LR and TLNN: DPSGD, DPMomentum, DPAdam, ADADP, DPAdamWOSM at σ ∈ {{2, 4, 8}}",
+        build=partial(mohapatra.build, ds),
+        extra=lambda out, scale, options, parts, console: mohapatra.report_sections(out, scale, parts),
+        estimates=_MOH_EST[ds],
+    )
+    for ds, title in (("mnist", "MNIST"), ("adult", "Adult"), ("enron", "ENRON"))
+]
+_MOHAPATRA.append(
+    Preset(
+        name="mohapatra-lt-vs-ma",
+        paper="Mohapatra et al. 2022, appendix F",
+        summary="cost of Liu–Talwar vs moments accountant by number of candidates (no training)",
+        build=lambda scale, options: [],
+        extra=lambda out, scale, options, parts, console: mohapatra.lt_vs_ma_extra(out, scale),
+        estimates={"smoke": "≈ 2 s", "small": "≈ 2 s", "paper": "≈ 2 s (no training at any scale)"},
+    )
+)
+
+_PANDA = [
+    Preset(
+        name="panda-linear-scaling-mnist",
+        paper="Panda et al. 2024 (linear scaling rule)",
+        summary="MNIST CNN from scratch, full-batch DP-GD, linear scaling vs random search vs grid oracle",
+        build=panda.build_mnist,
+        options={"average": None},
+        estimates={
+            "smoke": "≈ 10 s",
+            "small": "≈ 30 min (24 full-batch runs of 5–30 steps on 1,500 images; ≈ 3 s/step)",
+            "paper": "GPU: full-batch DP-GD on 60,000 images",
+        },
+    ),
+    Preset(
+        name="panda-linear-scaling-text",
+        paper="Panda et al. 2024 (linear scaling rule)",
+        summary="MiniLM features + zero-init linear probe on AG News and Enron, full-batch DP-GD, linear scaling",
+        build=panda.build_text,
+        options={"average": None},
+        estimates={
+            "smoke": "≈ 40 s (MiniLM embeds 80 texts on a cold cache)",
+            "small": "≈ 15 min (MiniLM embeds 6,000 texts ≈ 6 min; 576 probe runs ≈ 5 min)",
+            "paper": "≈ 30–45 CPU minutes for the embeddings (cached afterwards), training minutes",
+        },
+    ),
+]
+PRESETS: dict[str, Preset] = {p.name: p for p in (*_GALLI, *_MOHAPATRA, *_PANDA)}
+
+
+def list_presets() -> list[dict[str, Any]]:
+    """Name, paper, summary and per-scale time estimates of every preset."""
+    return [
+        {
+            "name": p.name,
+            "paper": p.paper,
+            "summary": p.summary,
+            "options": sorted(p.options),
+            "scales": list(p.scales),
+            "estimates": dict(p.estimates),
+        }
+        for p in PRESETS.values()
+    ]
+
+
+def presets_table() -> Any:
+    """``dptune reproduce list``: a ``rich`` table of the presets (name, paper and summary, time
+    estimate per scale) that fits 100 columns whatever the console width (long cells fold)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    # 4 borders + 3×2 padding + these caps = 100 columns.
+    t = Table(
+        title="dptune reproduce NAME --scale smoke|small|paper",
+        title_justify="left",
+        show_lines=True,
+        caption="Settings, deviations from the papers and measured times: docs/reproduce.md.",
+        caption_justify="left",
+        header_style="bold",
+    )
+    t.add_column("preset", style="cyan", overflow="fold", max_width=26)
+    t.add_column("paper, what it runs", overflow="fold", max_width=34)
+    t.add_column("time per scale", overflow="fold", max_width=30)
+    for p in list_presets():
+        opts = f"\n[dim]options: {', '.join('--' + o for o in p['options'])}[/]" if p["options"] else ""
+        est = "\n".join(f"[bold]{s}[/]: {escape(p['estimates'].get(s, '?'))}" for s in p["scales"])
+        t.add_row(p["name"], escape(f"{p['paper']}: {p['summary']}") + opts, est)
+    return t
+
+
+def get_preset(name: Any) -> Preset:
+    """The preset called ``name``, or a ``ConfigError`` listing the presets."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in PRESETS:
+        import difflib
+
+        close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"unknown preset {name!r}.{hint} Fix: choose one of {', '.join(PRESETS)} "
+            "(`dptune reproduce list` shows them)."
+        )
+    return PRESETS[key]
+
+
+def preset_parts(name: str, scale: str, **options: Any) -> list[Part]:
+    """The parts (one tuner study each, as ``study_from_dict`` dicts) of a preset at a scale.
+
+    Mohapatra presets read the dataset's size (their budgets depend on q = L/n): the data
+    must be available (``DPTUNE_DATA_DIR``)."""
+    preset = get_preset(name)
+    return preset.parts(check_scale(scale, preset.scales), **options)
+
+
+def preset_studies(name: str, scale: str, **options: Any) -> dict[str, Any]:
+    """``{part name: dptune.tune.Study}`` of a preset (empty for theory-only presets)."""
+    return {p.name: study_from_dict(p.study_dict()) for p in preset_parts(name, scale, **options)}
+
+
+def preset_study(name: str, scale: str, part: str | None = None, **options: Any) -> Any:
+    """The ``dptune.tune.Study`` of a one-part preset, or of part ``part`` of a larger one."""
+    studies = preset_studies(name, scale, **options)
+    if not studies:
+        raise ConfigError(
+            f"preset {name!r} trains nothing (it computes theory tables and figures). "
+            f"Fix: run it with reproduce({name!r}, scale, out_dir)."
+        )
+    if part is None:
+        if len(studies) == 1:
+            return next(iter(studies.values()))
+        raise ConfigError(f"preset {name!r} has several studies: {', '.join(studies)}. Fix: pass part=<one of them>.")
+    if part not in studies:
+        raise ConfigError(f"preset {name!r} has no part {part!r}. Fix: choose one of {', '.join(studies)}.")
+    return studies[part]
+
+
+def _sizes(data: Mapping[str, Any], seed: int, selection: Any) -> tuple[int, int, str]:
+    """(n_train, n_val, task) of a data section without computing text embeddings: the loader's
+    splits do not depend on the representation, so MiniLM sections are sized with 'counts'
+    (not with a holdout: it is assigned by a hash of each example's features)."""
+    opts = dict(data.get("options", {}))
+    if opts.get("representation") == "minilm" and selection.split != "holdout":
+        opts["representation"] = "counts"
+    d = study_data(DataSpec(name=data["name"], options=opts), selection, seed)
+    return d.n_train, d.n_val, d.task
+
+
+def plan_preset(name: str, scale: str, **options: Any) -> dict[str, Any]:
+    """``{part name: dptune.tune.StudyPlan}``: every run's noise multiplier, steps and planned
+    privacy event, computed without training (``paper`` scale included)."""
+    plans = {}
+    for p in preset_parts(name, scale, **options):
+        st = study_from_dict(p.study_dict())
+        n_tr, n_val, task = _sizes(p.study["data"], st.seed, st.selection)
+        plans[p.name] = plan_study(st, n_tr, n_val, study_metric(st, task))
+    return plans
