@@ -164,11 +164,9 @@ def train(
     evaluations on a public test split, ledger totals) and, apart, the diagnostics JSON (history
     with the training loss and realised batch sizes, metrics on a private test split: not
     differentially private)."""
-    import torch
-
-    from dptune import accounting, models
-    from dptune import data as dpdata
+    from dptune import accounting
     from dptune.devices import resolve_device
+    from dptune.outputs import NOT_DP_LABEL, diagnostics_dir, train_outputs
     from dptune.train import checkpoint_rule
     from dptune.train import train as run_train
 
@@ -178,10 +176,100 @@ def train(
     device = str(resolve_device(device, "--device"))
     _check_seed(seed)
     _check_data_dir(data_dir)
-    from dptune.outputs import DIAGNOSTICS_DIR, NOT_DP_LABEL, RELEASE_DIR, diagnostics_dir, train_outputs
+    diag_path = _train_paths(out, diagnostics_out, save)
+    train_part, test_part, net, model_id = _train_inputs(data, dataset, model, data_dir, seed)
+    dataset, model_name = data or dataset, model_id.get("factory", model_id.get("name"))  # "auto" resolved
+    target = None if noise_multiplier else epsilon
+    result = run_train(
+        net,
+        train_part,
+        strategy,
+        epochs=epochs,
+        expected_batch_size=None if full_batch else batch_size,
+        full_batch=full_batch,
+        noise_multiplier=noise_multiplier,
+        target_epsilon=target,
+        delta=delta,
+        accountant=accountant,
+        eval_data=test_part,
+        eval_public=eval_public,
+        checkpoint=checkpoint,
+        allow_large_delta=allow_large_delta,
+        eval_every=eval_every,
+        seed=seed,
+        device=device,
+        progress=progress,
+        secure_mode=secure,
+        **parse_hyperparameters(hp),
+    )
+    summary, plan = result.summary(), result.plan
+    # The seed goes to the diagnostics only, and so do the metrics on a private test split.
+    release, diag = train_outputs(result, dataset=dataset, model=model_name, seed=seed, selection_split="test")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(release, default=str))
+    if diagnostics_out is None:
+        diagnostics_dir(diag_path.parent.parent)  # the folder with its README (the label)
+    diag_path.parent.mkdir(parents=True, exist_ok=True)
+    diag_path.write_text(json.dumps(diag, default=str))
+    if save is not None:  # the deliverable: post-processing of the run, no release
+        from dptune.deliverable import save_trained
 
-    # Checked before training (nothing is spent on a doomed run); created only after it.
-    # Beside a release/ folder, not inside it (publishing release/ must not publish the seed).
+        save_trained(result, save, model_id=model_id, data_id={"name": dataset})  # not the seed: a secret key
+
+    def eps_of(v: float) -> float:
+        return accounting.epsilon(
+            plan.strategy.planned_event(v, plan.sampling_rate, plan.steps), delta, plan.accountant
+        )
+
+    # ν rounded up (copied back with --noise-multiplier it cannot overshoot); ε by the
+    # accountant ν was calibrated with, named and rounded up (it is a privacy claim).
+    eps = f"{accounting.round_up(summary['epsilon'], 6):.6g}" if plan.strategy.private else "∞"
+    owner = "" if eval_public else f" ({NOT_DP_LABEL})"  # metrics on a private test split
+    split = release["selection_split"]
+    rows = [
+        ("steps T", summary["steps"]),
+        ("sampling rate q", f"{summary['sampling_rate']:.4g}"),
+        ("noise multiplier ν", accounting.noise_multiplier_text(plan.noise_multiplier, eps_of, target)[0]),
+        (f"best {result.metric}{owner}", "-" if result.best_metric is None else f"{result.best_metric:.4f}"),
+        (f"best step{owner}", result.best_step),
+        ("diverged", result.diverged),
+        (f"ε spent ({plan.accountant.upper()})", eps),
+        ("δ", delta),
+        ("randomness", summary["randomness"]),
+        ("model", model_name),
+        ("model released", f"best checkpoint on the {split} split (public)" if split else "final parameters"),
+        ("seed", "in the diagnostics JSON only" + ("" if secure else " (a secret key)")),
+        ("dptune", release["dptune_version"]),
+        ("result", str(out)),
+        *([("saved model", str(save))] if save is not None else []),
+    ]
+    private = bool(plan.strategy.private)
+    t = Table(
+        "quantity",
+        "value",
+        title=f"dptune train: {strategy} on {dataset}" + ("" if private else f" ({NOT_DP_LABEL}: no privacy)"),
+    )
+    t.columns[1].justify = "right"
+    for k, v in rows:
+        t.add_row(k, str(v))
+    console.print(t)
+    if not secure:  # a known seed voids the guarantee: say so on every seeded run
+        console.print(f"[yellow]warning[/]: {summary['randomness_note']}", highlight=False)
+    # The run time grows with the realised batch sizes: a diagnostic, like the loss.
+    console.print(
+        f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag_path} (training loss on the private batch, "
+        f"realised batch sizes; {summary['seconds']:.1f} s)",
+        highlight=False,
+    )
+
+
+def _train_paths(out: Path, diagnostics_out: Path | None, save: Path | None) -> Path:
+    """The diagnostics JSON's path (default: diagnostics/<out name> beside --out, or beside the
+    release/ folder holding it: publishing release/ must not publish the seed). Every output path
+    is checked here, before training (nothing is spent on a doomed run); nothing is created."""
+    from dptune.outputs import DIAGNOSTICS_DIR, RELEASE_DIR
+    from dptune.paths import check_output_dir, check_output_file
+
     beside = out.parent.parent if out.parent.resolve().name == RELEASE_DIR else out.parent
     diag_path = diagnostics_out or beside / DIAGNOSTICS_DIR / out.name
     if RELEASE_DIR in diag_path.resolve().parent.parts:
@@ -195,138 +283,46 @@ def train(
             "--diagnostics-out must differ from --out: the diagnostics are not differentially private. "
             "Fix: leave out --diagnostics-out (default: diagnostics/<out name> beside --out), or name another file."
         )
-    from dptune.paths import check_output_dir, check_output_file
-
     check_output_file(out, "--out")  # a bad path once failed after training, losing the result
     check_output_file(diag_path, "--diagnostics-out")
-    if save is not None:
-        check_output_dir(save, "--save")
-    from dptune import factories, own
+    check_output_dir(save, "--save")
+    return diag_path
 
-    # The user's code is imported first: a wrong path is one clear error before any data or file.
-    if factories.is_factory_path(model):
+
+def _train_inputs(data: str | None, dataset: str, model: str, data_dir: str | None, seed: int) -> tuple[Any, ...]:
+    """(train split, test split, the model built at ``seed``, how ``load_model`` rebuilds it) of
+    --data or --dataset and --model. The user's code is imported first: a wrong path is one clear
+    error before any data is read."""
+    import math
+
+    import torch
+
+    from dptune import data as dpdata
+    from dptune import factories, models, own
+    from dptune.deliverable import factory_identity
+
+    yours = factories.is_factory_path(model)
+    if yours:
         factories.import_factory(model, "--model")
     if data is not None:
         factories.import_factory(data, "--data")
-        if not factories.is_factory_path(model):
+        if not yours:
             raise DPTuneError("--data needs your own model too: --model pkg.module:factory.")
         train_part, test_part = own.load_data(data)
-        dataset = data
-        torch.manual_seed(seed)
-        net = own.build_model(model, *own.data_shape(train_part))
+        dims = own.data_shape(train_part)
     else:
         ds = dpdata.load(dataset, data_dir=data_dir, seed=seed)
         train_part, test_part = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test)
-        torch.manual_seed(seed)
-        if factories.is_factory_path(model):
-            import math
-
-            net = own.build_model(model, math.prod(ds.input_shape), ds.num_classes)
-        else:
-            net = models.for_dataset(ds) if model == "auto" else models.build(model, **models.kwargs_for(model, ds))
-    _check_model_fits(net, train_part, model, dataset, data is None)
-    hparams = parse_hyperparameters(hp)
-    # The model actually built ("auto" resolved), named in the JSON and the table.
-    model_name = (
-        model if factories.is_factory_path(model) else models.default_model_name(ds) if model == "auto" else model
-    )
-    result = run_train(
-        net,
-        train_part,
-        strategy,
-        epochs=epochs,
-        expected_batch_size=None if full_batch else batch_size,
-        full_batch=full_batch,
-        noise_multiplier=noise_multiplier,
-        target_epsilon=None if noise_multiplier else epsilon,
-        delta=delta,
-        accountant=accountant,
-        eval_data=test_part,
-        eval_public=eval_public,
-        checkpoint=checkpoint,
-        allow_large_delta=allow_large_delta,
-        eval_every=eval_every,
-        seed=seed,
-        device=device,
-        progress=progress,
-        secure_mode=secure,
-        **hparams,
-    )
-    summary = result.summary()
-    # The seed goes to the diagnostics only, and so do the metrics on a private test split.
-    release, diag = train_outputs(result, dataset=dataset, model=model_name, seed=seed, selection_split="test")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(release, default=str))
-    if diagnostics_out is None:
-        diagnostics_dir(beside)  # the folder with its README (the label)
-    diag_path.parent.mkdir(parents=True, exist_ok=True)
-    diag_path.write_text(json.dumps(diag, default=str))
-    if save is not None:  # the deliverable: post-processing of the run, no release
-        import math as _math
-
-        from dptune.deliverable import factory_identity, save_trained
-
-        if factories.is_factory_path(model):  # the arguments the factory was given, for load_model
-            dims = own.data_shape(train_part) if data is not None else (_math.prod(ds.input_shape), ds.num_classes)
-            model_id = factory_identity(model, *dims)
-        else:
-            name = models.default_model_name(ds) if model == "auto" else model
-            model_id = {"name": name, "kwargs": models.kwargs_for(name, ds)}
-        save_trained(result, save, model_id=model_id, data_id={"name": dataset})  # not the seed: a secret key
-    private = bool(result.plan.strategy.private)
-    title = f"dptune train: {strategy} on {dataset}" + ("" if private else f" ({NOT_DP_LABEL}: no privacy)")
-    t = Table(title=title)
-    t.add_column("quantity")
-    t.add_column("value", justify="right")
-    plan = result.plan
-
-    def eps_of(v: float) -> float:
-        return accounting.epsilon(
-            plan.strategy.planned_event(v, plan.sampling_rate, plan.steps), delta, plan.accountant
-        )
-
-    # ν rounded up (copied back with --noise-multiplier it cannot overshoot); ε by the
-    # accountant ν was calibrated with, named and rounded up (it is a privacy claim).
-    nu_text = accounting.noise_multiplier_text(
-        plan.noise_multiplier, eps_of, epsilon if noise_multiplier is None else None
-    )[0]
-    owner = "" if eval_public else f" ({NOT_DP_LABEL})"  # metrics on a private test split
-    rows = [
-        ("steps T", summary["steps"]),
-        ("sampling rate q", f"{summary['sampling_rate']:.4g}"),
-        ("noise multiplier ν", nu_text),
-        (f"best {result.metric}{owner}", f"{result.best_metric:.4f}" if result.best_metric is not None else "-"),
-        (f"best step{owner}", result.best_step),
-        ("diverged", result.diverged),
-        (
-            f"ε spent ({plan.accountant.upper()})",
-            "∞" if not plan.strategy.private else f"{accounting.round_up(summary['epsilon'], 6):.6g}",
-        ),
-        ("δ", delta),
-        ("randomness", summary["randomness"]),
-        ("model", model_name),
-        (
-            "model released",
-            f"best checkpoint on the {release['selection_split']} split (public)"
-            if release["selection_split"]
-            else "final parameters" + ("" if eval_public else " (the test split is private: no selection on it)"),
-        ),
-        ("seed", "in the diagnostics JSON only" + ("" if secure else " (a secret key)")),
-        ("dptune", release["dptune_version"]),
-        ("result", str(out)),
-        *([("saved model", str(save))] if save is not None else []),
-    ]
-    for k, v in rows:
-        t.add_row(k, str(v))
-    console.print(t)
-    if not secure:  # a known seed voids the guarantee: say so on every seeded run
-        console.print(f"[yellow]warning[/]: {summary['randomness_note']}", highlight=False)
-    # The run time grows with the realised batch sizes: a diagnostic, like the loss.
-    console.print(
-        f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag_path} (training loss on the private batch, "
-        f"realised batch sizes; {summary['seconds']:.1f} s)",
-        highlight=False,
-    )
+        dims = (math.prod(ds.input_shape), ds.num_classes)
+    torch.manual_seed(seed)
+    if yours:  # with the arguments the factory was given, for load_model
+        net, ident = own.build_model(model, *dims), factory_identity(model, *dims)
+    else:
+        name = models.default_model_name(ds) if model == "auto" else model
+        ident = {"name": name, "kwargs": models.kwargs_for(name, ds)}
+        net = models.build(name, **ident["kwargs"])
+    _check_model_fits(net, train_part, model, data or dataset, data is None)
+    return train_part, test_part, net, ident
 
 
 def _check_model_fits(net: Any, train_part: Any, model: str, dataset: str, builtin: bool) -> None:
@@ -596,13 +592,11 @@ def report(
     """Write CSVs, figures and a self-contained HTML report of a study: release/ (publishable:
     covered by the guarantee) and diagnostics/ (not differentially private)."""
     from dptune.outputs import DIAGNOSTICS_DIR, NOT_DP_LABEL
+    from dptune.paths import check_output_dir
     from dptune.report import report_study
     from dptune.tune.results import render, write_csvs
 
-    if out is not None:  # before anything is printed or written
-        from dptune.paths import check_output_dir
-
-        check_output_dir(out, "--out")
+    check_output_dir(out, "--out")  # before anything is printed or written
     render(study_dir, console, diagnostics=include_diagnostics)
     write_csvs(study_dir)
     html = report_study(study_dir, out, include_diagnostics=include_diagnostics)
@@ -631,12 +625,10 @@ def export(
     """Write the selected model of a finished study with its model card (model.pt, model_card.json,
     model_card.md) into release/models/<arm>/, from the stored checkpoint: no retraining, so no new
     release. Reload it with dptune.load_model(DIR)."""
+    from dptune.paths import check_output_dir
     from dptune.tune.export import export_study
 
-    if out is not None:  # a file there was a NotADirectoryError traceback
-        from dptune.paths import check_output_dir
-
-        check_output_dir(out, "--out")
+    check_output_dir(out, "--out")  # a file there was a NotADirectoryError traceback
     for d in export_study(study_dir, arm, out):
         console.print(f"model: {d}  (dptune.load_model({str(d)!r}))", highlight=False)
 

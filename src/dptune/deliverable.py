@@ -2,13 +2,9 @@
 
 * ``dptune.train`` → ``save_trained(result, DIR)`` (``dptune train --save DIR``): the run's
   selected checkpoint (best on evaluation data declared public; else the final parameters).
-* A study: every worker returns its run's selected checkpoint (the best-by-selection one the
-  scorer kept, or the final one under ``selection.checkpoint = "final"``) with its result; the
-  coordinator writes it to ``<study>/checkpoints/`` (owner only, atomic) before committing the
-  run. When the study is complete, ``dptune.tune.export.export_study`` copies the selected run's
-  weights of every arm to ``release/models/<arm>/`` with the card (``write_model``), and the other
-  runs' checkpoints are pruned: no retraining, hence no new release (the ledger is unchanged).
-  This module never reads a study: the tuner imports it, not the reverse.
+* A study: workers return each run's selected checkpoint, kept owner-only in ``<study>/checkpoints/``;
+  ``tune.export.export_study`` writes the selected run's of every arm to ``release/models/<arm>/``
+  with its card (no retraining: no new release). This module never reads a study.
 * ``load_model(DIR)``: the ``nn.Module`` with the weights loaded, and the card — one call.
 
 What the files reveal about one example: docs/privacy.md, "Your model and data (issue 11)".
@@ -228,7 +224,12 @@ def save_trained(
             "delta": result.delta,
             "accountant": plan.accountant,
             "per": "run",
-            "selection": _train_selection(best, bool(result.evals), result.eval_public),
+            "selection": "the checkpoint with the best metric on the evaluation data, declared public (not protected)"
+            if best
+            else "final parameters: the evaluation data was not declared public, so no checkpoint was selected on "
+            "it and its metrics are withheld (they are not differentially private)"
+            if result.evals and not result.eval_public
+            else "final parameters (no selection)",
             "covered": list(COVERED) if private else [],
             "not_covered": list(NOT_COVERED) if private else ["everything: a non-private strategy (ε = ∞)"],
         },
@@ -252,18 +253,6 @@ def save_trained(
     if not private:  # weights trained without privacy may memorise examples: the owner's only
         card = labelled_json(card)
     return write_model(directory, state, card)
-
-
-def _train_selection(best: bool, evaluated: bool, public: bool) -> str:
-    """Which checkpoint a ``dptune.train`` card releases, and why."""
-    if best:
-        return "the checkpoint with the best metric on the evaluation data, declared public (not protected)"
-    if evaluated and not public:
-        return (
-            "final parameters: the evaluation data was not declared public, so no checkpoint was selected on "
-            "it and its metrics are withheld (they are not differentially private)"
-        )
-    return "final parameters (no selection)"
 
 
 def _class_path(model: nn.Module) -> str:

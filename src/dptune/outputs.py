@@ -201,18 +201,11 @@ SEED_NOTE = (
 def train_outputs(
     result: Any, *, seed: int | None = None, selection_split: str | None = None, **context: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(release, diagnostics) dicts of one ``TrainResult`` (``dptune train``'s JSON files).
-
-    Release (labelled ``NOT_DP_LABEL`` for a non-private run, which no guarantee covers):
-    ``TrainResult.summary()`` (the guarantee: ε at δ by the plan's accountant, ν, q, T; the
-    configuration; the checkpoint rule; the best evaluation and the evaluations only on evaluation
-    data declared public; divergence, judged on the parameters; secure or seeded randomness) with the
-    dptune version, the split the best checkpoint was chosen on (``selection_split``, None unless it
-    was), the ledger's totals and the C_t/ρ_t trajectory, without the run time and the seed
-    (``SEED_NOTE``). Diagnostics: the seed, the full per-step history (train_loss on the private
-    batch, the realised batch sizes, evaluations), the metrics on private evaluation data, the run
-    time (it grows with the realised batch sizes) and the full ledger. ``context`` goes to both.
-    """
+    """(release, diagnostics) dicts of one ``TrainResult`` (``dptune train``'s JSON files; the field
+    list: docs/privacy.md, "Private by default"). Release (labelled for a non-private run): the
+    summary, ledger totals and C_t/ρ_t trajectory, the evaluations only on public evaluation data,
+    no run time, no seed. Diagnostics: the seed, the full history and ledger, the run time and the
+    metrics on private evaluation data. ``context`` (e.g. dataset, model) goes to both."""
     summary = dict(result.summary())
     seconds = summary.pop("seconds", None)  # timing: a side channel on the realised batch sizes
     # Metrics on evaluation data not declared public were computed in the clear: the owner's only.

@@ -52,8 +52,10 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> None:
         raise ConfigError(f"{what} {str(p)!r} cannot be written (no write permission). Fix: choose another path.")
 
 
-def check_output_dir(path: str | os.PathLike[str], what: str) -> None:
-    """``path`` is, or can be made, a directory we may write in."""
+def check_output_dir(path: str | os.PathLike[str] | None, what: str) -> None:
+    """``path`` is, or can be made, a directory we may write in (None: not asked for)."""
+    if path is None:
+        return
     p = Path(path)
     _refuse_dangling_link(p, what, p)
     if p.exists() and not p.is_dir():

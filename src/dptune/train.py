@@ -1,14 +1,10 @@
 """``dptune.train``: one DP training run, from a model and tensors to a result with its ledger.
 
-The loop is deliberately small: sample a Poisson batch, let the strategy step
-(it releases through the run's gateway), evaluate every ``eval_every`` steps, keep
-the best checkpoint. The ledger is created with the run's *plan* before the first
-step, so the run cannot release more than it declared.
-
-What one step means lives in ``RunLoop`` (the run's gateway, ledger and sampler, the
-history row, divergence, evaluation schedule, best checkpoint, ``finalize``); ``train``
-drives one ``RunLoop`` and ``dptune.vectorized.train_many`` drives K of them in lockstep,
-so the two cannot drift apart.
+The loop is small: sample a Poisson batch, let the strategy step (it releases through the run's
+gateway), evaluate every ``eval_every`` steps, keep the best checkpoint when the evaluation data
+is public. The ledger is created with the run's *plan* first: the run cannot release more than it
+declared. ``RunLoop`` is what one step means; ``train`` drives one, ``dptune.vectorized.train_many``
+K of them in lockstep, so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -257,13 +253,9 @@ def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 
 class OwnTask:
-    """The run's data and evaluation, whatever the user passed (docs/your_data.md).
-
-    In-memory pairs, ``dptune.data.Dataset`` and ``TensorDataset``s of two tensors take the
-    tensor path (``index_select``: today's speed); any other map-style dataset is read by
-    index through ``dptune.own.MapSource``. Both collate the same rows for the same sorted
-    Poisson indices, so a seed gives the same run either way.
-    """
+    """The run's data and evaluation, whatever the user passed (docs/your_data.md): tensor pairs,
+    ``Dataset``s and two-tensor ``TensorDataset``s by ``index_select``, any other map-style dataset
+    by index (``own.MapSource``); the same rows for the same Poisson indices, so the same run."""
 
     def __init__(
         self,
@@ -332,14 +324,6 @@ class OwnTask:
     def metric_name(self) -> str:
         return self.metric.name
 
-    @property
-    def higher(self) -> bool:
-        return self.metric.higher_is_better
-
-    @property
-    def has_eval(self) -> bool:
-        return self.evald is not None
-
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(self.train, tuple):
             x, y = self.train
@@ -380,15 +364,10 @@ def open_run(
 
 
 class RunLoop:
-    """One run's plan-bound pieces and per-step bookkeeping: the body of the training loop.
-
-    Built from the run's model, strategy and plan, it holds the strategy's parameters and
-    state, the ledger created with the plan, the run's ``NoisyRelease`` gateway (own noise
-    stream) and its ``PoissonSampler``. The caller owns the ``for t`` loop, the batch and how
-    gradients and evaluations are computed (one ``GradientOracle`` and ``evaluate`` in
-    ``train``; stacked ones for K trials in ``dptune.vectorized``), and per step calls
-    ``step`` → (``diverged``? stop) → ``eval_due`` → ``record``; at the end ``finish``.
-    """
+    """One run's plan-bound pieces (parameters, strategy state, the ledger made from the plan, the
+    ``NoisyRelease`` gateway, the ``PoissonSampler``) and per-step bookkeeping. The caller owns the
+    loop, the batch, the gradients and evaluations (``train``; ``dptune.vectorized`` for K trials):
+    per step ``step`` → (``diverged``? stop) → ``eval_due`` → ``record``; at the end ``finish``."""
 
     def __init__(
         self,
@@ -608,13 +587,13 @@ def train(
         run_id=run_id,
         metric=metric,
         eval_every=eval_every,
-        score=score if task.has_eval else None,
+        score=score if eval_data is not None else None,
         on_step=on_step,
-        higher=task.higher,
+        higher=task.metric.higher_is_better,
         keep_best=checkpoint == "best",
         eval_public=eval_public,
     )
-    bar = _progress(plan.steps, f"{strategy.name}", progress)
+    bar = _Bar(plan.steps, strategy.name) if progress else None
     try:
         for t in range(1, plan.steps + 1):
             row = loop.step(t, *task.batch(loop.sampler.sample()), oracle)
@@ -630,19 +609,14 @@ def train(
 
 
 def checkpoint_rule(checkpoint: str | None, has_eval: bool, eval_public: bool) -> str:
-    """``"best"`` or ``"final"``: best only on evaluation data declared public (selecting on private data
-    is an unaccounted release); the default is best exactly then."""
-    if checkpoint is None:
-        return "best" if has_eval and eval_public else "final"
-    if checkpoint not in ("best", "final"):
-        raise ConfigError(f"checkpoint must be 'best' or 'final', got {checkpoint!r}. Fix: checkpoint='final'.")
-    if checkpoint == "best" and has_eval and not eval_public:
+    """``"best"`` (the default) only on evaluation data declared public: selecting on private data
+    is an unaccounted release. Without evaluation data "best" keeps the final parameters."""
+    if checkpoint not in (None, "best", "final") or (checkpoint == "best" and has_eval and not eval_public):
         raise ConfigError(
-            "checkpoint 'best' selects the model on the evaluation data, which is private unless declared "
-            "public. Fix: eval_public=True (--eval-public) if it truly is public, or checkpoint='final' "
-            "(--checkpoint final)."
+            f"checkpoint {checkpoint!r}: 'best' selects on the evaluation data, which is private unless declared "
+            "public. Fix: eval_public=True (--eval-public) if it truly is public, or checkpoint='final' (--checkpoint final)."
         )
-    return checkpoint  # "best" without evaluation data keeps the final parameters (nothing to select on)
+    return checkpoint or ("best" if has_eval and eval_public else "final")
 
 
 class _Bar:
@@ -659,7 +633,3 @@ class _Bar:
 
     def close(self) -> None:
         self._bar.close()
-
-
-def _progress(total: int, desc: str, enabled: bool) -> _Bar | None:
-    return _Bar(total, desc) if enabled else None

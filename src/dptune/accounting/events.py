@@ -40,8 +40,7 @@ def check_delta(delta: float, name: str = "delta") -> float:
 
 
 def check_delta_for_n(delta: float, n: int, allow_large: bool, name: str, allow: str) -> float:
-    """δ < 1/n, unless ``allow_large``: at δ ≥ 1/n, leaking one whole example at random is
-    (ε, δ)-DP (docs/privacy.md, "δ and n"). ``allow``: how the caller says "I mean it"."""
+    """δ < 1/n unless ``allow_large`` (at δ ≥ 1/n, publishing a random example is (ε, δ)-DP)."""
     delta = check_delta(delta, name)
     if delta >= 1.0 / n and not allow_large:
         raise ConfigError(

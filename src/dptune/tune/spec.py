@@ -100,8 +100,7 @@ class DataSpec:
     tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # "pkg.module:loader": the user's data, loader(**options) (contract: docs/your_data.md).
     factory: str | None = None
-    # Is the test split public? A registered dataset's standard test split is (benchmark data); the
-    # user's own (factory) is private unless declared: no public selection on it, no exact metric.
+    # A registered dataset's standard test split is public; the user's (factory) is private unless declared.
     test_public: bool | None = None
 
     def __post_init__(self) -> None:
@@ -795,10 +794,7 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
             )
     return Study(
         data=DataSpec(
-            name=data_t.get("name"),
-            options=dict(data_t.get("options", {})),
-            factory=data_t.get("factory"),
-            test_public=data_t.get("test_public"),
+            options=dict(data_t.get("options", {})), **{k: data_t.get(k) for k in ("name", "factory", "test_public")}
         ),
         model=ModelSpec(
             name=model_t.get("name"), options=dict(model_t.get("options", {})), factory=model_t.get("factory")
