@@ -159,6 +159,10 @@ def test_noise_has_the_normal_law_and_the_test_rejects_a_wrong_sigma(
     )
     assert out["w"].dtype == out["b"].dtype == dtype
     z = torch.cat([out["w"], out["b"]]).double().numpy()
+    if secure:  # snapped to Λℤ (test_release_numerics.py): jittered within its cell, normal up to O(Λ²)
+        lam = 2.0 ** (math.frexp(sigma)[1] - 4)
+        assert np.array_equal(z / lam, np.round(z / lam))
+        z = z + rng.uniform(-lam / 2, lam / 2, z.size)
     assert normal_ks_pvalue(z, sigma) > 1e-4
     for wrong in (0.9 * sigma, 1.1 * sigma):  # power: σ off by 10% is rejected
         assert normal_ks_pvalue(z, wrong) < 1e-6

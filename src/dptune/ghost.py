@@ -33,47 +33,26 @@ affine function of the clipping weights (w_q = (w_clip − 1[‖g‖ ≤ C])/C),
 ``GhostGrads.weighted_sum`` reuses the previous sum and only adds the residual over the rows
 where the two weight vectors are not proportional (row-sparse), see ``_residual``.
 
-**Norms are upper bounds.** ``GhostGrads.norms`` returns N_i such that what ``weighted_sum``
-releases for example i with weight w (all other weights 0) has norm ≤ |w|·N_i, whatever the
-float rounding: the clipping weight w_i = fl(C/N_i) ≤ (C/N_i)(1+u)² then bounds example i's
-released contribution by C·(1 + 1.2e-7) in float32. Model: fl(x op y) = (x op y)(1 + δ),
-|δ| ≤ u = eps/2; a sum of n products evaluated in any order (blocked, FMA, threads) is within
-γ_n·Σ|products| of its exact value, γ_n = n·u/(1 − n·u) (Higham 2002, §2.2, Lemma 3.1, §3.1);
-float32 products are exact in float64; 0·x = 0 and x + 0 = x exactly, so the other rows of a
-batch (weight 0) change nothing in the example-alone release. Let G_i = Σ_t b_t a_tᵀ, in
-exact arithmetic from the stored operands, and M_i = Σ_t ‖a_t‖‖b_t‖ (≥ ‖G_i‖). Per layer:
+**Norms are upper bounds** (derivation: docs/privacy.md, items 1 and 1b). ``GhostGrads.norms``
+returns N_i such that what ``weighted_sum`` releases for example i with weight w (all other
+weights 0) has norm ≤ |w|·N_i whatever the rounding (Higham 2002, Lemma 3.1: a sum of n
+products in any order is within γ_n·Σ|products|), so clipping bounds it by C·(1 + 1.2e-7). With
+G_i = Σ_t b_t a_tᵀ exact from the stored operands and M_i = Σ_t ‖a_t‖‖b_t‖ (≥ ‖G_i‖), per layer:
 
-(a) Stored per-sample tensors Ĝ_i (LayerNorm/GroupNorm, biases, Linear over tokens and
-    convolutions when kept): the release w @ Ĝ gives fl(w·Ĝ_i) for example i, norm
-    ≤ |w|(1+u)‖Ĝ_i‖; ‖Ĝ_i‖² ≤ s(1+ρ) by ``grads.sq_rows_upper`` (no cancellation: a sum of
-    squares). The released object is Ĝ_i itself, so its own float32 error never matters.
-(b) Linear, T = 1: released entries fl(fl(w·b_j)·a_k), norm ≤ |w|(1+γ_2)‖a‖‖b‖, and
-    ‖a‖‖b‖ from two ``vector_norm``s is bounded as in (a).
-(c) Gram forms (Linear T > 1 ghost norm, small-T convolutions): S = ‖G_i‖² =
-    Σ_{t,s}(a_t·a_s)(b_t·b_s) is a difference of large terms when the b_t cancel; in float32 it
-    can come out ~0 or negative for ‖G_i‖ ≫ 0 (issue 10: 2e-4 for a true 17). It is computed
-    in float64: each expanded term a_tk a_sk b_tj b_sj undergoes ≤ d + p + T² roundings and
-    Σ|terms| ≤ M², so S ≤ max(Ŝ, 0) + γ⁶⁴_{d+p+T²}·M̂² (M̂ ≥ M, float64 too). The release
-    ((diag(w) b)ᵀ a over all rows; for convolutions the same product over unfolded chunks)
-    is, for example i, T products of operands after one rounding of w·b:
-    ‖R_i − w·G_i‖ ≤ γ_{T+1}|w|·‖Σ_t |b_t||a_t|ᵀ‖_F ≤ γ_{T+1}|w|·M. So
-    N_l = √(S bound) + γ_{T+1}·M̂ (``_gram_bound``). Ordinary inputs have M ≈ √T‖G‖: the
-    second term adds ≈ T^1.5·u (1e-4 at T = 128); under cancellation it dominates, and the
-    norm says honestly how inexact the released float32 sum of that example is.
-(d) Embedding with repeated tokens: per example the positions are grouped by token, S =
-    Σ_v ‖Σ_{t∈v} b_t‖² in float64 with |Ŝ − S| ≤ γ⁶⁴_{(p+2)T}·Σ_v m_v², m_v = Σ_{t∈v}‖b_t‖;
-    index_add releases each token's row as a float sum of its n_v ≤ T scaled rows: error
-    ≤ γ_T|w|·m_v, so N_l = √(S bound) + γ_T·Σ_{v: n_v ≥ 2} m_v.
-(e) Convolutions whose per-sample gradients are too big to keep: the norm is ‖Ĝ_i‖ of the
-    grouped-convolution gradient of i's chunk, and the release recomputes the very same
-    chunks (same kernel, same shapes, deterministic) and takes w @ Ĝ: case (a).
+(a) stored per-sample tensors Ĝ_i (LayerNorm/GroupNorm, biases, kept Linear/Conv gradients):
+    the release is w·Ĝ_i itself; ‖Ĝ_i‖² ≤ s(1+ρ) by ``persample.sq_rows_upper``.
+(b) Linear, T = 1: ‖a‖‖b‖ from two ``vector_norm``s; the release rounds each entry at most twice.
+(c) Gram forms (Linear over tokens, small-T convolutions): S = ‖G_i‖² in float64 with its bound
+    γ⁶⁴_{d+p+T²}·M̂², plus the release error of a per-example float32 product over T positions,
+    γ_{T+1}·M̂: N_l = √(S bound) + γ_{T+1}·M̂ (``_gram_bound``). Under cancellation this term
+    dominates: the norm says how inexact that example's release is.
+(d) Embedding with repeated tokens: S = Σ_v ‖Σ_{t∈v} b_t‖² in float64, plus γ_T·Σ_{n_v ≥ 2} m_v.
+(e) convolutions too big to keep: the release recomputes the very chunks whose norms were taken.
 
-Layers and parameters combine as N = (Σ_l N_l²)^½ (per layer the triangle inequality,
-across parameters Pythagoras), rounded up by ``grads.upper_norms``. Matrix products of a
-release run in IEEE float32 (``grads.ieee_matmul``: no TF32/bf16 operand rounding). Not
-covered, and documented (docs/privacy.md): the rounding of the sum ACROSS examples (a float
-sum is not exactly additive, so adding example i also perturbs the rounding of the others'
-terms, by ≤ γ_{BT}·Σ_j |w_j|M_j in all).
+Layers and parameters combine as N = (Σ_l N_l²)^½, rounded up by ``persample.upper_norms``.
+Matrix products of a release run in IEEE float32 (``persample.ieee_matmul``). Each example's
+term is formed from it alone and the terms are added across examples in float64
+(``persample.wide_sum``), so one example moves the sum by ≤ C·(1 + 1e-6) (item 1b).
 """
 
 from __future__ import annotations
@@ -88,6 +67,7 @@ from torch import nn
 
 from dptune.persample import (
     NORM_BLOCK,
+    WIDE_BLOCK,
     MaterializedGrads,
     ParamSwap,
     gamma,
@@ -96,8 +76,9 @@ from dptune.persample import (
     sq_rows_upper,
     unit_roundoff,
     upper_norms,
+    wide_sum,
 )
-from dptune.tree import Tensors
+from dptune.tree import Accumulated, Tensors
 
 # Per-sample gradients of a layer are kept (B x #layer-params floats) when at most this big;
 # otherwise only their norms are computed (chunk by chunk) and weighted sums use the
@@ -206,11 +187,10 @@ class _Dense(_Layer):
         return [sq_rows_upper(g) for g in self.grads.values()]
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
-        out = {}
-        for k, g in self.grads.items():
-            gg = g if rows is None else g[rows]
-            out[k] = (w.to(gg.dtype) @ gg.reshape(gg.shape[0], -1)).reshape(g.shape[1:])
-        return out
+        return {
+            k: wide_sum(w, (g if rows is None else g[rows]).flatten(1)).reshape(g.shape[1:])
+            for k, g in self.grads.items()
+        }
 
     def per_sample(self) -> Tensors:
         return self.grads
@@ -267,31 +247,23 @@ class LinearRule(_Layer):
         return self._ghost()[1]
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
+        """In float64 across examples (``persample.wide_sum``), each example's term formed from it alone."""
         a, b = (self.a, self.b) if rows is None else (self.a[rows], self.b[rows])
-        if w.dtype != a.dtype:
-            w = w.to(a.dtype)
         out: Tensors = {}
         if "weight" in self.names:
             if self.G is not None:
                 G = self.G if rows is None else self.G[rows]
-                out[self.names["weight"]] = (w @ G.reshape(G.shape[0], -1)).reshape(self.shape)
-            else:
-                p, d = b.shape[-1], a.shape[-1]
-                wcol = w.view(-1, 1) if self.T == 1 else w.view(-1, 1, 1)
-                # Scale the narrower operand: (diag(w) b)ᵀ a, over all B·T rows.
-                if p <= d:
-                    bw = b * wcol
-                    if self.T > 1:
-                        bw, a = bw.reshape(-1, p), a.reshape(-1, d)
-                    out[self.names["weight"]] = bw.t().mm(a)
-                else:
-                    aw = a * wcol
-                    if self.T > 1:
-                        aw, b = aw.reshape(-1, d), b.reshape(-1, p)
-                    out[self.names["weight"]] = b.t().mm(aw)
+                out[self.names["weight"]] = wide_sum(w, G.flatten(1)).reshape(self.shape)
+            elif self.T == 1:  # (diag(w) b)ᵀ a in float64: w·b exact, then one rounding per product
+                out[self.names["weight"]] = _wide_mm(b.double() * w.double().view(-1, 1), a)
+            else:  # per-example G_i = b_iᵀ a_i (T products: case (c)'s release error), then across examples
+                c = max(1, MATERIALIZE_LIMIT_BYTES // (self.shape.numel() * a.element_size()))
+                total = torch.zeros(self.shape.numel(), dtype=torch.float64, device=a.device)
+                for i in range(0, a.shape[0], c):
+                    total += wide_sum(w[i : i + c], torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c]).flatten(1))
+                out[self.names["weight"]] = total.reshape(self.shape)
         if self.gb is not None:
-            gb = self.gb if rows is None else self.gb[rows]
-            out[self.names["bias"]] = w @ gb
+            out[self.names["bias"]] = wide_sum(w, self.gb if rows is None else self.gb[rows])
         return out
 
     def per_sample(self) -> Tensors:
@@ -331,6 +303,15 @@ def rank_one_parts(a: torch.Tensor, b: torch.Tensor, bias: bool) -> list[tuple[t
     s = (torch.linalg.vector_norm(a, dim=-1) * nb).square_()
     parts = [(s, 1.0 / ((1.0 - gamma(d + 4, u)) * (1.0 - gamma(p + 4, u))) - 1.0)]
     return parts + [(nb.square_(), 1.0 / (1.0 - gamma(p + 4, u)) - 1.0)] if bias else parts
+
+
+def _wide_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """xᵀ y over the rows of x [B, p] (float64) and y [B, d], in float64 by blocks of WIDE_BLOCK
+    rows (the bound of ``persample.wide_sum``)."""
+    out = x.new_zeros(x.shape[1], y.shape[1])
+    for i in range(0, x.shape[0], WIDE_BLOCK):
+        out += x[i : i + WIDE_BLOCK].t() @ y[i : i + WIDE_BLOCK].double()
+    return out
 
 
 def _gram_bound(
@@ -486,36 +467,33 @@ class _Conv(_Layer):
         return self._err
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
-        w = w.to(self.weight.dtype)
         out: Tensors = {}
         if "weight" in self.names:
             if self.G is not None:
-                G = self.G if rows is None else self.G[rows]
-                gw = w @ G.reshape(G.shape[0], -1)
+                gw = wide_sum(w, (self.G if rows is None else self.G[rows]).flatten(1))
             elif self._gram_rule:
                 gw = self._unfolded_sum(w, rows)
             else:
                 gw = self._chunked_sum(w, rows)
             out[self.names["weight"]] = gw.reshape(self.weight.shape)
         if self.gb is not None:
-            gb = self.gb if rows is None else self.gb[rows]
-            out[self.names["bias"]] = w @ gb
+            out[self.names["bias"]] = wide_sum(w, self.gb if rows is None else self.gb[rows])
         return out
 
     def _unfolded_sum(self, w: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """Σ_i w_i V_i U_iᵀ over unfolded chunks: one float sum of products per entry, so the
-        release error of case (c) holds whatever convolution kernel the backend would pick."""
+        """Σ_i w_i V_i U_iᵀ: per example over unfolded chunks (one float sum of T products per entry,
+        so case (c)'s release error holds whatever kernel the backend would pick), then across
+        examples in float64 (``wide_sum``)."""
         a, b = (self.a, self.b) if rows is None else (self.a[rows], self.b[rows])
         big, small = (b, a) if self.transposed else (a, b)
-        total: torch.Tensor | None = None
-        for i in range(0, big.shape[0], self._chunk):
-            U = F.unfold(big[i : i + self._chunk], **self.geom)  # [c, d, T]
-            V = small[i : i + self._chunk].reshape(U.shape[0], small.shape[1], -1) * w[i : i + self._chunk].view(
-                -1, 1, 1
-            )
-            part = torch.einsum("cpt,cdt->pd", V, U)
-            total = part if total is None else total + part
-        return total if total is not None else self.weight.new_zeros(self.weight.shape)
+        n = self.weight.numel()
+        c = max(1, min(self._chunk, MATERIALIZE_LIMIT_BYTES // (n * a.element_size())))
+        total = torch.zeros(n, dtype=torch.float64, device=a.device)
+        for i in range(0, big.shape[0], c):
+            U = F.unfold(big[i : i + c], **self.geom)  # [c, d, T]
+            V = small[i : i + c].reshape(U.shape[0], small.shape[1], -1)
+            total += wide_sum(w[i : i + c], torch.bmm(V, U.transpose(1, 2)).flatten(1))
+        return total
 
     def _chunked_sum(self, w: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """Σ_i w_i Ĝ_i with Ĝ recomputed chunk by chunk exactly as for the norms (case (e));
@@ -533,9 +511,9 @@ class _Conv(_Layer):
                         continue
                     wi, sel = w[lo:hi], rows[lo:hi] - i
                 G = self._per_sample_weight(self.a[i:j], self.b[i:j]).reshape(j - i, -1)
-                part = wi @ (G if sel is None else G[sel])
+                part = wide_sum(wi, G if sel is None else G[sel])
                 total = part if total is None else total + part
-        return total if total is not None else self.weight.new_zeros(self.weight.shape)
+        return total if total is not None else self.weight.new_zeros(self.weight.numel(), dtype=torch.float64)
 
     def per_sample(self) -> Tensors:
         out: Tensors = {}
@@ -611,9 +589,18 @@ class _Embedding(_Layer):
         return self._cache
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
+        """Per example, each token's positions summed first (in float64, from that example alone:
+        case (d)'s release error), then the examples' rows added in float64 (≤ one per example)."""
         idx, b = (self.idx, self.b) if rows is None else (self.idx[rows], self.b[rows])
-        bw = (b * w.to(b.dtype)[:, None, None]).reshape(-1, b.shape[-1])
-        out = torch.zeros(self.shape, dtype=b.dtype, device=b.device).index_add_(0, idx.reshape(-1), bw)
+        B, T = idx.shape
+        vocab, p = self.shape
+        key = (idx + vocab * torch.arange(B, device=idx.device).unsqueeze(1)).reshape(-1)
+        seg, inv = torch.unique(key, return_inverse=True) if T > 1 else (key, None)
+        rows64 = b.reshape(B * T, p).double()
+        if inv is not None:
+            rows64 = rows64.new_zeros(seg.numel(), p).index_add_(0, inv, rows64)
+        rows64 *= w.double()[seg // vocab].unsqueeze(1)
+        out = torch.zeros(self.shape, dtype=torch.float64, device=b.device).index_add_(0, seg % vocab, rows64)
         return {self.names["weight"]: out}
 
     def per_sample(self) -> Tensors:
@@ -697,9 +684,9 @@ class GhostGrads(MaterializedGrads):
         got: Tensors = {}
         for layer in self._layers:
             got.update(layer.weighted(w, rows))
-        return {k: got[k] if k in got else torch.zeros_like(p) for k, p in self._params.items()}
+        return {k: got[k] if k in got else torch.zeros_like(p, dtype=torch.float64) for k, p in self._params.items()}
 
-    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Tensors:
+    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Accumulated:
         w = weights if weights.dtype == self.losses.dtype else weights.to(self.losses.dtype)
         with ieee_matmul(w.device):
             out = self._residual(w)
@@ -711,7 +698,7 @@ class GhostGrads(MaterializedGrads):
                 keep = (~bad).nonzero().squeeze(1)
                 out = self._sum(w[keep], keep)
         self._last = (w, out)
-        return out
+        return Accumulated(out, {k: p.dtype for k, p in self._params.items()})
 
     def reset_reuse(self) -> None:
         """Forget the last weighted sum, so that the next one is computed directly rather than
@@ -753,7 +740,7 @@ class GhostGrads(MaterializedGrads):
             if bool((need > (1 + REUSE_RTOL) * (w.double().abs() * n).max()).any()):
                 return None
         a = float(alpha)
-        out = {k: v * a for k, v in prev_sum.items()}
+        out = {k: v * a for k, v in prev_sum.items()}  # float64: the rounding analysis of docs/privacy.md
         if rows.numel():
             extra = self._sum(r[rows].to(w.dtype), rows)
             out = {k: out[k] + extra[k] for k in out}

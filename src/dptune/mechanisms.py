@@ -19,6 +19,10 @@ randomness other than Z) this is an exact simulation: the
 joint law of everything the run outputs is unchanged, so the accounting of the (vector)
 release still covers it. One projection per handle: a second one would have to be drawn
 jointly with the first. ``NoisyRelease.materialize`` draws the full vector instead.
+
+Numerics (docs/privacy.md, "The released sum"): weighted sums arrive as float64 accumulators
+(``tree.Accumulated``) and are rounded to the parameters' dtype only after the noise is added;
+in secure mode the noise is float64 and the noisy value is snapped to a power-of-two grid.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ class NoiseSource:
     dtype but float64), generated in chunks: a small tensor costs a slice, and the same seed
     gives the same standard normals whatever the split of the requests (scaled by σ, equal up to the
     last bit: σ may be applied before or after the product with cos θ). Secure mode gives up run-to-run
-    reproducibility. Neither mode fixes the floating-point weaknesses of sampling in floats.
+    reproducibility. Secure releases are snapped to a grid (``NoisyRelease._noisy``, ``snap``).
     """
 
     def __init__(self, seed: int, device: torch.device | str = "cpu", secure: bool = False):
@@ -156,6 +160,8 @@ class _NormalStream:
         if self.host is None:
             self.generator = torch.Generator(device=device).manual_seed(int(seed))  # type: ignore[arg-type]
         self.chunk = self.CHUNK_PAIRS[(self.on_device, dtype)]
+        if seed is None:  # secure mode draws whole gradients in float64 (snapping); no stream to keep
+            self.chunk = max(self.chunk, 1 << 15)
         self.buf = torch.empty(0, dtype=dtype, device=device if self.on_device else "cpu")
         self.pos = 0
         self.served = 0
@@ -331,6 +337,32 @@ def _dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> float:
     return float(total)
 
 
+def _wide_dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> float:
+    """⟨a, b⟩ in float64 by blocks of 1,024 products, the block sums added exactly (``math.fsum``):
+    error ≤ γ⁶⁴_{1025}·Σ|a_k b_k|, whatever the number of coordinates (a deferred release's mean)."""
+    pairs = [(a[k], b[k]) for k in a] if isinstance(a, dict) else [(a, b)]  # type: ignore[index]
+    parts: list[float] = []
+    for x, y in pairs:
+        x = x.reshape(-1).double()
+        prod = x * y.reshape(-1).to(x.device, torch.float64)
+        m = prod.numel() - prod.numel() % 1024
+        parts += prod[:m].view(-1, 1024).sum(1).tolist() + [float(prod[m:].sum())]
+    return math.fsum(parts)
+
+
+def snap(value: torch.Tensor, noise: torch.Tensor, std: float) -> torch.Tensor:
+    """value + noise (float64) rounded to the grid Λℤ, Λ = 2^(⌊log₂ std⌋ − 3) ∈ (std/16, std/8].
+
+    Computed as Λ·(m + round(t − m + noise/Λ)) with t = value/Λ and m = round(t): every step is
+    exact (power-of-two scalings, integers below 2⁵³, Sterbenz) except one float64 addition of
+    size ~|noise|/Λ, so the output's grid cell depends on the data only through the true sum
+    (docs/privacy.md, "Snapping": what is proven and what is assumed)."""
+    lam = math.ldexp(1.0, math.frexp(std)[1] - 4)
+    t = value / lam
+    m = t.round()
+    return (t - m + noise / lam).round_().add_(m).mul_(lam)
+
+
 def _dot1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if b.dtype != a.dtype:
         b = b.to(a.dtype)
@@ -363,8 +395,12 @@ class NoisyRelease:
         # the planned ν in the last bits. Within this relative tolerance it IS the planned
         # mechanism, so it is recorded as such (the plan compares events exactly).
         self.planned_multiplier = planned_multiplier
+        # Secure mode: Σ over released coordinates of 2·SNAP_XI, the proven bound on how far the
+        # snapped float sampler's privacy loss may be from the ideal one (docs/privacy.md, "Snapping").
+        self.snap_slack = 0.0
 
     SNAP_RTOL = 1e-9
+    SNAP_XI = 1.2e-11
 
     def event_for(self, *noise_multipliers: float):
         nu = accounting.joint_noise_multiplier(noise_multipliers)
@@ -399,8 +435,21 @@ class NoisyRelease:
 
     def _add_noise(self, value: torch.Tensor | Tensors, std: float) -> torch.Tensor | Tensors:
         if isinstance(value, dict):
-            return {k: v + self.noise.normal(v, std) for k, v in value.items()}
-        return value + self.noise.normal(value, std)
+            wide = getattr(value, "wide", value)  # an ``Accumulated`` sum: noise before rounding
+            return {k: self._noisy(wide[k], std, v.dtype) for k, v in value.items()}
+        return self._noisy(value, std, value.dtype)
+
+    def _noisy(self, v: torch.Tensor, std: float, dtype: torch.dtype) -> torch.Tensor:
+        """v + N(0, std²), rounded to ``dtype`` only after the noise is added. Seeded mode: the
+        noise of ``dtype``'s stream, as before. Secure mode: float64 noise, the result snapped to
+        the grid of ``snap`` (docs/privacy.md, "Snapping")."""
+        if self.noise.secure:
+            v = v.double()
+            self.snap_slack += 2 * self.SNAP_XI * v.numel()
+            return snap(v, self.noise.normal(v, std), std).to(dtype)
+        if v.dtype == dtype:
+            return v + self.noise.normal(v, std)
+        return (v + self.noise.normal(torch.empty(v.shape, dtype=dtype, device=v.device), std)).to(dtype)
 
     def _draw_of(self, handle: DeferredSum) -> _Draw:
         if handle._draw.gateway is not self:
@@ -428,8 +477,12 @@ class NoisyRelease:
                 "must be drawn jointly with the first (materialize before projecting to reuse the vector)."
             )
         draw.projected = True  # before drawing: a failed draw must not leave a retry open
-        mean = _dot(handle._value, direction)
+        mean = _wide_dot(getattr(handle._value, "wide", handle._value), direction)
         spread = handle.std * math.sqrt(_dot(direction, direction))
+        if self.noise.secure:
+            m = torch.tensor(mean, dtype=torch.float64)
+            self.snap_slack += 2 * self.SNAP_XI
+            return float(snap(m, torch.tensor(self.noise.scalar(spread), dtype=torch.float64), spread)) * handle.scale
         return (mean + self.noise.scalar(spread)) * handle.scale
 
     def materialize(self, handle: DeferredSum) -> torch.Tensor | Tensors:

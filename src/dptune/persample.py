@@ -25,7 +25,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as _HookSpectralNorm
 
 from dptune import inputs
 from dptune.errors import ConfigError
-from dptune.tree import Tensors, differs
+from dptune.tree import Accumulated, Tensors, differs
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -608,24 +608,43 @@ class MaterializedGrads:
             self._norms = upper_norms([sq_rows_upper(g) for g in self.grads.values()], self.losses, dt, dts)
         return self._norms
 
-    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Tensors:
-        """Σ_i w_i g_i. Rows with a non-finite gradient are left out (``nonfinite_rows``) unless
-        ``drop_nonfinite=False`` (the plain gradient of a non-private loss, NaN and all)."""
+    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Accumulated:
+        """Σ_i w_i g_i, accumulated in float64 (``wide_sum``). Rows with a non-finite gradient are
+        left out (``nonfinite_rows``) unless ``drop_nonfinite=False`` (a non-private gradient)."""
         with ieee_matmul(weights.device):
             out = self._sum(weights, None)
             bad = nonfinite_rows(self, out) if drop_nonfinite else None
             if bad is not None:
                 keep = (~bad).nonzero().squeeze(1)
                 out = self._sum(weights[keep], keep)
-        return out
+        return Accumulated(out, {k: g.dtype for k, g in self.grads.items()})
 
     def _sum(self, weights: torch.Tensor, rows: torch.Tensor | None) -> Tensors:
-        """Σ_j weights_j g_{rows_j} (all rows when ``rows`` is None), as in ``GhostGrads._sum``."""
-        out = {}
-        for k, g in self.grads.items():
-            flat = _rows(g) if rows is None else _rows(g)[rows]
-            out[k] = (weights.to(flat.dtype) @ flat).reshape(g.shape[1:])
-        return out
+        """Σ_j weights_j g_{rows_j} in float64 (all rows when ``rows`` is None), as ``GhostGrads._sum``."""
+        return {
+            k: wide_sum(weights, _rows(g) if rows is None else _rows(g)[rows]).reshape(g.shape[1:])
+            for k, g in self.grads.items()
+        }
+
+
+# Rows per float64 block of ``wide_sum`` at most (fewer for long rows: ≤ 2²² floats per block).
+WIDE_BLOCK = 2048
+
+
+def wide_sum(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Σ_i w_i g_i over the rows of g [B, n], in float64 ([n]).
+
+    Each example's term w_i·g_ij is formed from that example alone (exact for float32 and
+    half-precision operands: a product of two 24-bit significands fits in 53 bits), and the
+    terms are summed across examples in float64, by blocks of m ≤ WIDE_BLOCK rows: the error
+    is ≤ γ⁶⁴_{m+⌈B/m⌉}·Σ_i |w_i g_i| entrywise, whatever the order (docs/privacy.md, "Rounding
+    across examples"), instead of γ³²_B for a float32 product."""
+    B, n = g.shape
+    m = max(1, min(WIDE_BLOCK, (1 << 22) // max(1, n)))
+    out = torch.zeros(n, dtype=torch.float64, device=g.device)
+    for i in range(0, B, m):
+        out += w[i : i + m].double() @ g[i : i + m].double()
+    return out
 
 
 def nonfinite_rows(grads: MaterializedGrads, out: Tensors) -> torch.Tensor | None:

@@ -19,6 +19,16 @@ import torch
 Tensors = dict[str, torch.Tensor]
 
 
+class Accumulated(dict[str, torch.Tensor]):
+    """A weighted sum over examples: its values in the parameters' dtypes (rounded to nearest),
+    ``wide`` the float64 accumulators they were rounded from. The gateway adds the noise to
+    ``wide`` and rounds only then (docs/privacy.md, "Rounding across examples")."""
+
+    def __init__(self, wide: Tensors, dtypes: dict[str, torch.dtype]):
+        super().__init__({k: v if v.dtype == dtypes[k] else v.to(dtypes[k]) for k, v in wide.items()})
+        self.wide = wide
+
+
 def tmap(fn: Callable[..., torch.Tensor], *trees: Tensors) -> Tensors:
     return {k: fn(*(t[k] for t in trees)) for k in trees[0]}
 
