@@ -271,10 +271,9 @@ def _budget_and_ledger(
             "releases in total. Every release is recorded before its noise is drawn."
         )
         figure = FigureRef(fig, "Left: ε of each run alone. Right: noisy releases per query label.")
+        table = ledger_table(lrows)
         p.dsections.append(
-            _diagnostic(
-                "Privacy ledger per run", text, figures=[figure], tables=[ledger_table(lrows)], attachments=[led_csv]
-            )
+            _diagnostic("Privacy ledger per run", text, figures=[figure], tables=[table], attachments=[led_csv])
         )
 
 
@@ -311,11 +310,8 @@ def _pareto_section(
         f"{1 + relative_increase:g}·ν (Galli et al. 2024, Fig. 2)."
     )
     columns = ["ε", "ν (joint)", "ν_q chosen", "ν_g chosen", "ν_q/ν"]
-    return Section(
-        "Noise split of OSO's joint release",
-        figures=[FigureRef(fig, caption)],
-        tables=[Table(columns, choice_rows, caption="Chosen noise split per ε.")],
-    )
+    table = Table(columns, choice_rows, caption="Chosen noise split per ε.")
+    return Section("Noise split of OSO's joint release", figures=[FigureRef(fig, caption)], tables=[table])
 
 
 def _lt_ma_section(p: _Pages, rows: list[Any]) -> Section:
@@ -328,9 +324,8 @@ def _lt_ma_section(p: _Pages, rows: list[Any]) -> Section:
         "et al. 2022, Fig. 6)." + tail
     )
     csv = write_csv_rows(p.out / "lt_vs_ma.csv", [{"k": r.k, "eps_LT": r.eps_lt, "eps_MA": r.eps_ma} for r in rows])
-    return Section(
-        "Cost of tuning: Liu–Talwar vs moments accountant", figures=[FigureRef(fig, caption)], attachments=[csv]
-    )
+    title = "Cost of tuning: Liu–Talwar vs moments accountant"
+    return Section(title, figures=[FigureRef(fig, caption)], attachments=[csv])
 
 
 def _linear_scaling_section(p: _Pages, fit: LinearScalingFit | Mapping[str, Any]) -> Section:

@@ -499,24 +499,16 @@ def annotate_cells(
 
 
 def _heatmap(
-    xs: list[Any],
-    ys: list[Any],
-    grid: np.ndarray,
-    inches: tuple[float, float],
-    names: tuple[str, str],
-    title: str,
-    **imshow: Any,
-) -> tuple[Figure, Any, Any]:
-    """(figure, axes, image) of ``cell_grid``'s output with the axes ticked and named;
-    ``inches``: the figure's width per x value and its margin."""
-    fig, ax = _figure(inches[0] * len(xs) + inches[1], 0.55 * len(ys) + 1.8)
+    ax: Any, xs: list[Any], ys: list[Any], grid: np.ndarray, names: tuple[str, str], title: str, **imshow: Any
+) -> Any:
+    """``cell_grid``'s output drawn on ``ax`` with the axes ticked and named; returns the image."""
     im = ax.imshow(grid, origin="lower", aspect="auto", **imshow)
     ax.set_xticks(range(len(xs)), [f"{float(x):g}" for x in xs])
     ax.set_yticks(range(len(ys)), [f"{float(y):g}" for y in ys])
     ax.set_xlabel(names[0])
     ax.set_ylabel(names[1])
     ax.set_title(title, fontsize=9)
-    return fig, ax, im
+    return im
 
 
 def grid_heatmap(
@@ -533,7 +525,8 @@ def grid_heatmap(
     η × T: Panda's heatmaps), the best cell outlined. Shows losing candidates: a diagnostic."""
     xs, ys, grid = cell_grid(scores)
     cmap = "viridis" if higher else "viridis_r"
-    fig, ax, im = _heatmap(xs, ys, grid, (1.1, 2.4), (x_name, y_name), title, cmap=cmap)
+    fig, ax = _figure(1.1 * len(xs) + 2.4, 0.55 * len(ys) + 1.8)
+    im = _heatmap(ax, xs, ys, grid, (x_name, y_name), title, cmap=cmap)
     lo, hi = (np.nanmin(grid), np.nanmax(grid)) if np.isfinite(grid).any() else (0.0, 1.0)
     annotate_cells(ax, grid, lo, hi, higher)
     if np.isfinite(grid).any():
@@ -560,7 +553,8 @@ def best_count_heatmap(
         raise ConfigError("best_count_heatmap needs at least one (α, C) cell.")
     xs, ys, grid = cell_grid(counts)
     top = max(1.0, float(np.nanmax(grid)))
-    fig, ax, im = _heatmap(xs, ys, grid, (0.75, 2.6), (x_name, y_name), title, cmap="Blues", vmin=0, vmax=top)
+    fig, ax = _figure(0.75 * len(xs) + 2.6, 0.55 * len(ys) + 1.8)
+    im = _heatmap(ax, xs, ys, grid, (x_name, y_name), title, cmap="Blues", vmin=0, vmax=top)
     for i, j in zip(*np.nonzero(np.isfinite(grid)), strict=True):
         v = grid[i, j]
         ax.text(j, i, f"{int(v)}", ha="center", va="center", fontsize=7, color="white" if v > 0.6 * top else "black")

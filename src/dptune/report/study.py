@@ -479,17 +479,13 @@ def arm_costs(plan: Any) -> dict[str, dict[str, Any]]:
 
 def heatmap_section(figures: list[FigureRef]) -> Section:
     """The diagnostics section holding ``grid_heatmaps``' figures."""
-    return Section(
-        "Every configuration of each two-axis grid",
-        diagnostic=True,
-        figures=figures,
-        paragraphs=[
-            "The score of every configuration (mean over seed replicates), the best outlined: "
-            "the shape of the search space (Mohapatra et al.'s lr × C inverse relation, Panda et "
-            "al.'s η × T). It shows the losing candidates, which the guarantee of a private "
-            "selection does not cover."
-        ],
+    text = (
+        "The score of every configuration (mean over seed replicates), the best outlined: "
+        "the shape of the search space (Mohapatra et al.'s lr × C inverse relation, Panda et "
+        "al.'s η × T). It shows the losing candidates, which the guarantee of a private "
+        "selection does not cover."
     )
+    return Section("Every configuration of each two-axis grid", diagnostic=True, figures=figures, paragraphs=[text])
 
 
 def grid_heatmaps(

@@ -108,12 +108,8 @@ def render_terminal_table(
     name = {"accuracy": "Accuracy", "mse": "MSE", "loss": "Loss"}.get(metric, metric)
     # Column caps add up to ≤ 100 with borders (6) and padding (2 per column): the table
     # fits 100 columns whatever the console width; long cells fold onto more lines.
-    t = RichTable(
-        title=title or f"Best hyperparameters per strategy and ε ({name}: {'higher' if higher else 'lower'} is better)",
-        header_style="bold",
-        title_justify="left",
-        caption_justify="left",
-    )
+    default = f"Best hyperparameters per strategy and ε ({name}: {'higher' if higher else 'lower'} is better)"
+    t = RichTable(title=title or default, header_style="bold", title_justify="left", caption_justify="left")
     t.add_column("Strategy", style="cyan", overflow="fold", max_width=_W_STRATEGY)
     t.add_column("ε", justify="right", overflow="fold", max_width=_W_EPS)
     t.add_column("Best hyperparameters", overflow="fold", max_width=_W_HP)
