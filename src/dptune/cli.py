@@ -237,7 +237,7 @@ def train(
         ("δ", delta),
         ("randomness", summary["randomness"]),
         ("model", model_name),
-        ("model released", f"best checkpoint on the {split} split (public)" if split else "final parameters"),
+        ("selection", f"best checkpoint on the {split} split (public)" if split else "final parameters"),
         ("seed", "in the diagnostics JSON only" + ("" if secure else " (a secret key)")),
         ("dptune", release["dptune_version"]),
         ("result", str(out)),
