@@ -133,8 +133,8 @@ def build_report(
     for s in extra_sections:
         (p.dsections if s.diagnostic else p.sections).append(s)
     p.dsections.extend(replace(s, diagnostic=True) for s in diagnostic_sections)
-    head = dict(selection_mode=selection_mode, planned=planned_b, spent=spent_b, accountant=accountant)
-    head |= dict(selection_split=selection_split, budgets=budgets)
+    head: dict[str, Any] = dict(selection_mode=selection_mode, planned=planned_b, spent=spent_b, budgets=budgets)
+    head.update(accountant=accountant, selection_split=selection_split)
     page = write_report(p.out, title, p.sections, subtitle=subtitle, **head)
     if include_diagnostics:
         sub = NOT_DP_LABEL + (f" · {subtitle}" if subtitle else "")

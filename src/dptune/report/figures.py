@@ -162,8 +162,8 @@ def _series(rows: Sequence[Mapping[str, Any]], key: str, max_points: int = 2000)
     steps, vals = [], []
     for i, row in enumerate(rows):
         try:
-            v = float(row.get(key))  # a missing key (None) is a TypeError
-        except (TypeError, ValueError):
+            v = float(row[key])
+        except (KeyError, TypeError, ValueError):  # missing, None or not a number
             continue
         # log axis: only finite positive values can be drawn.
         if math.isfinite(v) and v > 0:

@@ -271,7 +271,7 @@ def write_report(
             "marked as diagnostics are not covered by the guarantee; publish only the page in the release/ "
             "folder.</div>"
         )
-    budget = dict(planned=planned, spent=spent, accountant=accountant, budgets=budgets)
+    budget: dict[str, Any] = dict(planned=planned, spent=spent, accountant=accountant, budgets=budgets)
     body.append(render_header(selection_mode=selection_mode, selection_split=selection_split, **budget))
     body += [render_section(s) for s in sections]
     page = (

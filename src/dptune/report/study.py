@@ -314,8 +314,8 @@ def every_configuration(
     for (arm, _, key), rs in groups.items():
         ok = [v for r in rs if finite_number(v := r["test_metric"] if use_test else r["score"])]
         mean, std = mean_std(ok)
-        a, selected = arm_of[arm], any(r["run_id"] in chosen for r in rs)
-        out.append(SummaryRow(name(a), float(a.epsilon), key, mean, std, len(rs), len(rs) - len(ok), selected))
+        a, picked = arm_of[arm], any(r["run_id"] in chosen for r in rs)
+        out.append(SummaryRow(name(a), float(a.epsilon), key, mean, std, len(rs), len(rs) - len(ok), picked))
     return out
 
 
