@@ -111,7 +111,7 @@ def assert_refused(exc: pytest.ExceptionInfo, fix: str = "grad_method='vmap'") -
 @pytest.mark.parametrize(("grad_method", "dropout"), [("auto", 0.3), ("ghost", 0.0)], ids=["auto+dropout", "ghost"])
 def test_a_mixing_pipeline_on_the_ghost_path_is_refused(model, loss, grad_method: str, dropout: float) -> None:
     """The old self-check was skipped with an active Dropout and never ran for forced ghost: these
-    released 5.3 to 5.9 C per added example. Now refused before the first release."""
+    released 1.09 to 5.89 C per added example. Now refused before the first release."""
     m = model(dropout)
     released: list[str] = []
     with _spy(released), pytest.raises(ConfigError, match=REFUSED) as exc:
@@ -231,7 +231,7 @@ def test_the_probe_changes_neither_the_result_nor_the_random_streams() -> None:
     p = params_of(model)
     x, y = data(12)
     fresh, warm = GradientOracle(model, method="ghost"), GradientOracle(model, method="ghost")
-    warm(p, x, y)  # its probe passed: the next 15 calls are not probed
+    warm(p, x, y)  # its probe passed: the next PROBE_EVERY - 1 calls are not probed
     out = []
     for oracle in (fresh, warm):
         torch.manual_seed(5)
