@@ -189,10 +189,12 @@ def _cnn_data(n: int = 60) -> tuple[torch.Tensor, torch.Tensor]:
 def test_ordinary_models_are_not_refused(make, strategy: str, grad_method: str | None) -> None:
     model = make()
     x, y = data() if isinstance(model, nn.Sequential) else _cnn_data()
-    r = dptune.train(
-        model, (x, y), strategy, steps=3, expected_batch_size=20, noise_multiplier=1.0, seed=0, device="cpu",
-        grad_method=grad_method,
-    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # 'auto' keeps the ghost path: no fallback warning
+        r = dptune.train(
+            model, (x, y), strategy, steps=3, expected_batch_size=20, noise_multiplier=1.0, seed=0, device="cpu",
+            grad_method=grad_method,
+        )  # fmt: skip
     assert len(r.history) == 3 and r.ledger.releases == 3
 
 
@@ -202,11 +204,13 @@ def test_the_example_transformer_is_not_refused() -> None:
     model = ex.GhostTransformer(50, 8, 16, 2, 1)
     x = torch.randint(0, 50, (40, 8))
     y = torch.randint(0, 2, (40,))
-    for strategy, grad_method in (("dpsgd", "ghost"), ("dpzo", None)):
-        r = dptune.train(
-            model, (x, y), strategy, steps=2, expected_batch_size=10, noise_multiplier=1.0, seed=0, device="cpu",
-            grad_method=grad_method,
-        )  # fmt: skip
+    for strategy, grad_method in (("dpsgd", "ghost"), ("dpsgd", "auto"), ("dpzo", None)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no fallback to vmap
+            r = dptune.train(
+                model, (x, y), strategy, steps=2, expected_batch_size=10, noise_multiplier=1.0, seed=0, device="cpu",
+                grad_method=grad_method,
+            )  # fmt: skip
         assert r.ledger.releases == 2
 
 
