@@ -104,15 +104,10 @@ def train(
         None,
         "--data",
         help="your own data instead of --dataset: pkg.module:loader, "
-        "loader() -> (train, test) (docs/your_data.md); the module must be importable. Its test split is "
-        "private unless --eval-public",
+        "loader() -> (train, test) (docs/your_data.md); the module must be importable",
     ),
-    eval_public: bool = typer.Option(
-        False, "--eval-public", help="declare the test split of --data public (a built-in dataset's test split is)"
-    ),
-    checkpoint: str | None = typer.Option(
-        None, help="final or best (selected on the test split: only if it is public; the default then)"
-    ),
+    eval_public: bool = typer.Option(False, "--eval-public", help="declare --data's test split public (else private)"),
+    checkpoint: str | None = typer.Option(None, help="final, or best on a public test split (its default)"),
     model: str = typer.Option(
         "auto",
         help="model name (dptune.models), 'auto' for the dataset's default, or your "
@@ -164,9 +159,8 @@ def train(
     evaluations on a public test split, ledger totals) and, apart, the diagnostics JSON (history
     with the training loss and realised batch sizes, metrics on a private test split: not
     differentially private)."""
-    from dptune import accounting
     from dptune.devices import resolve_device
-    from dptune.outputs import NOT_DP_LABEL, diagnostics_dir, train_outputs
+    from dptune.outputs import diagnostics_dir, train_outputs
     from dptune.train import checkpoint_rule
     from dptune.train import train as run_train
 
@@ -202,7 +196,6 @@ def train(
         secure_mode=secure,
         **parse_hyperparameters(hp),
     )
-    summary, plan = result.summary(), result.plan
     # The seed goes to the diagnostics only, and so do the metrics on a private test split.
     release, diag = train_outputs(result, dataset=dataset, model=model_name, seed=seed, selection_split="test")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -215,6 +208,17 @@ def train(
         from dptune.deliverable import save_trained
 
         save_trained(result, save, model_id=model_id, data_id={"name": dataset})  # not the seed: a secret key
+    _print_train(result, release, strategy, target, {"result": out, "saved model": save, "diagnostics": diag_path})
+
+
+def _print_train(
+    result: Any, release: dict[str, Any], strategy: str, target: float | None, files: dict[str, Any]
+) -> None:
+    """``dptune train``'s table, the seed warning and where the diagnostics are (``files``)."""
+    from dptune import accounting
+    from dptune.outputs import NOT_DP_LABEL
+
+    summary, plan, delta, secure = result.summary(), result.plan, result.delta, result.secure_mode
 
     def eps_of(v: float) -> float:
         return accounting.epsilon(
@@ -224,7 +228,7 @@ def train(
     # ν rounded up (copied back with --noise-multiplier it cannot overshoot); ε by the
     # accountant ν was calibrated with, named and rounded up (it is a privacy claim).
     eps = f"{accounting.round_up(summary['epsilon'], 6):.6g}" if plan.strategy.private else "∞"
-    owner = "" if eval_public else f" ({NOT_DP_LABEL})"  # metrics on a private test split
+    owner = "" if result.eval_public else f" ({NOT_DP_LABEL})"  # metrics on a private test split
     split = release["selection_split"]
     rows = [
         ("steps T", summary["steps"]),
@@ -236,19 +240,14 @@ def train(
         (f"ε spent ({plan.accountant.upper()})", eps),
         ("δ", delta),
         ("randomness", summary["randomness"]),
-        ("model", model_name),
+        ("model", release["model"]),
         ("selection", f"best checkpoint on the {split} split (public)" if split else "final parameters"),
         ("seed", "in the diagnostics JSON only" + ("" if secure else " (a secret key)")),
         ("dptune", release["dptune_version"]),
-        ("result", str(out)),
-        *([("saved model", str(save))] if save is not None else []),
+        *((k, v) for k, v in files.items() if k != "diagnostics" and v is not None),
     ]
-    private = bool(plan.strategy.private)
-    t = Table(
-        "quantity",
-        "value",
-        title=f"dptune train: {strategy} on {dataset}" + ("" if private else f" ({NOT_DP_LABEL}: no privacy)"),
-    )
+    nodp = "" if plan.strategy.private else f" ({NOT_DP_LABEL}: no privacy)"
+    t = Table("quantity", "value", title=f"dptune train: {strategy} on {release['dataset']}{nodp}")
     t.columns[1].justify = "right"
     for k, v in rows:
         t.add_row(k, str(v))
@@ -257,16 +256,15 @@ def train(
         console.print(f"[yellow]warning[/]: {summary['randomness_note']}", highlight=False)
     # The run time grows with the realised batch sizes: a diagnostic, like the loss.
     console.print(
-        f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag_path} (training loss on the private batch, "
+        f"[red]diagnostics ({NOT_DP_LABEL})[/]: {files['diagnostics']} (training loss on the private batch, "
         f"realised batch sizes; {summary['seconds']:.1f} s)",
         highlight=False,
     )
 
 
 def _train_paths(out: Path, diagnostics_out: Path | None, save: Path | None) -> Path:
-    """The diagnostics JSON's path (default: diagnostics/<out name> beside --out, or beside the
-    release/ folder holding it: publishing release/ must not publish the seed). Every output path
-    is checked here, before training (nothing is spent on a doomed run); nothing is created."""
+    """The diagnostics JSON's path (default: diagnostics/<out name> beside --out, or beside the release/
+    folder holding it: it holds the seed). Every output path is checked before training; none is created."""
     from dptune.outputs import DIAGNOSTICS_DIR, RELEASE_DIR
     from dptune.paths import check_output_dir, check_output_file
 
@@ -290,9 +288,8 @@ def _train_paths(out: Path, diagnostics_out: Path | None, save: Path | None) -> 
 
 
 def _train_inputs(data: str | None, dataset: str, model: str, data_dir: str | None, seed: int) -> tuple[Any, ...]:
-    """(train split, test split, the model built at ``seed``, how ``load_model`` rebuilds it) of
-    --data or --dataset and --model. The user's code is imported first: a wrong path is one clear
-    error before any data is read."""
+    """(train, test, the model built at ``seed``, how ``load_model`` rebuilds it); the user's code is
+    imported first: a wrong path is one clear error before any data is read."""
     import math
 
     import torch

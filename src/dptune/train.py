@@ -613,8 +613,9 @@ def checkpoint_rule(checkpoint: str | None, has_eval: bool, eval_public: bool) -
     is an unaccounted release. Without evaluation data "best" keeps the final parameters."""
     if checkpoint not in (None, "best", "final") or (checkpoint == "best" and has_eval and not eval_public):
         raise ConfigError(
-            f"checkpoint {checkpoint!r}: 'best' selects on the evaluation data, which is private unless declared "
-            "public. Fix: eval_public=True (--eval-public) if it truly is public, or checkpoint='final' (--checkpoint final)."
+            f"checkpoint must be 'final', or 'best' on evaluation data declared public (got {checkpoint!r}). "
+            "Fix: eval_public=True (--eval-public) if that data truly is public, or checkpoint='final' "
+            "(--checkpoint final)."
         )
     return checkpoint or ("best" if has_eval and eval_public else "final")
 

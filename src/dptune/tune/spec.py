@@ -9,10 +9,10 @@ field (``budget.delta``, ``strategies[1].space.lr``, ...) and says how to fix it
 File form (TOML; YAML has the same keys)::
 
     [study]     name, seed (the study seed), seeds (training replicate seeds), secure (OS CSPRNG)
-    [data]      name + options   (dptune.data.load(name, **options))
+    [data]      name | factory, options, test_public (a factory's test split: private by default)
     [model]     name + options   (dptune.models.build(name, **options))
     [training]  epochs | steps, expected_batch_size | full_batch, device
-    [budget]    epsilon (number or list), delta, accountant, account_seeds
+    [budget]    epsilon (number or list), delta (< 1/n), accountant, account_seeds, allow_large_delta
     [method]    name + method options
     [selection] mode, split, metric, checkpoint, eval_every, across_seeds, noise_multiplier
     [[strategies]] name, space, fixed, (method)
