@@ -331,3 +331,19 @@ def test_mutant_isolation_check_skipped_releases_more_than_c() -> None:
         _sensitivity(lambda: mlp(BatchCentre()))
     assert _sensitivity(lambda: mlp()) <= 1 + 1e-6  # the measurement itself: an isolated model keeps C
     assert math.isfinite(moved)
+
+
+class WeakCentre(nn.Module):
+    """A faint batch statistic (1e-4 of the batch mean): under √eps of float32, far over its eps.
+    Summed over a batch of 512 it would move the clipped sum by ~0.05·C, unseen by a √eps test."""
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return a + 1e-4 * a.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("grad_method", ["auto", "ghost"])
+def test_a_faint_batch_statistic_is_refused(grad_method: str) -> None:
+    """Same batch shape, same kernels: row i is recomputed exactly (CPU), so the probe's tolerance
+    is 16·eps, not √eps (which let a 1e-4 mixing through)."""
+    with pytest.raises(ConfigError, match=REFUSED):
+        train(mlp(WeakCentre()), "dpsgd", grad_method)
