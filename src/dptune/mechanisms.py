@@ -340,7 +340,12 @@ def _dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> float:
 def _wide_dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> float:
     """⟨a, b⟩ in float64 by blocks of 1,024 products, the block sums added exactly (``math.fsum``):
     error ≤ γ⁶⁴_{1025}·Σ|a_k b_k|, whatever the number of coordinates (a deferred release's mean)."""
-    pairs = [(a[k], b[k]) for k in a] if isinstance(a, dict) else [(a, b)]  # type: ignore[index]
+    if isinstance(a, dict):
+        assert isinstance(b, dict)
+        pairs = [(a[k], b[k]) for k in a]
+    else:
+        assert isinstance(b, torch.Tensor)
+        pairs = [(a, b)]
     parts: list[float] = []
     for x, y in pairs:
         x = x.reshape(-1).double()
