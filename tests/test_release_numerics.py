@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from torch import nn
 
 from dptune import ghost, tree
 from dptune.ghost import GhostGrads, LinearRule, _Embedding
+from dptune.grads import GradientOracle
 from dptune.ledger import Ledger
 from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
 from dptune.persample import MaterializedGrads
@@ -41,12 +43,14 @@ def _adversarial_batch(B: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     return D, torch.full((1, 1), 1.5)
 
 
-def _released(grads: MaterializedGrads) -> torch.Tensor:
-    """The clipped sum handed to the gateway, flattened in float64: its float64 accumulators
+def _flat(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A sum as handed to the gateway, flattened in float64: its float64 accumulators
     (``Accumulated.wide``; on the old code, the float32 sum itself)."""
-    s = clipped_sum(grads, C)
-    wide = getattr(s, "wide", s)
-    return torch.cat([v.reshape(-1).double() for v in wide.values()])
+    return torch.cat([v.reshape(-1).double() for v in getattr(s, "wide", s).values()])
+
+
+def _released(grads: MaterializedGrads) -> torch.Tensor:
+    return _flat(clipped_sum(grads, C))
 
 
 def _vmap(g: torch.Tensor) -> MaterializedGrads:
@@ -110,19 +114,80 @@ def test_released_sum_is_the_float64_sum_of_each_examples_own_terms() -> None:
         e = torch.zeros(B)
         e[i] = w[i]
         grads.reset_reuse()
-        alone.append(torch.cat([v.reshape(-1) for v in getattr(grads.weighted_sum(e), "wide", {}).values()]))
-    assert isinstance(batch, tree.Accumulated)
-    got = torch.cat([v.reshape(-1) for v in batch.wide.values()])
-    terms = torch.stack(alone)
-    assert got.dtype == torch.float64 and terms.dtype == torch.float64
+        alone.append(_flat(grads.weighted_sum(e)))
+    got, terms = _flat(batch), torch.stack(alone)
     bound = 2 * (B + 2) * 2.0**-53 * float(terms.abs().sum(0).max())
     assert float((got - terms.sum(0)).abs().max()) <= bound
     # what any other reader sees: the float32 rounding of the float64 sum
+    assert isinstance(batch, tree.Accumulated)
     assert all(batch[k].dtype == torch.float32 and torch.equal(batch[k], batch.wide[k].float()) for k in batch)
 
 
 def _secure_gateway() -> NoisyRelease:
     return NoisyRelease(Ledger(), 0.1, NoiseSource(seed=0, secure=True))
+
+
+class _Bag(nn.Module):
+    """Embedding over 6 positions of a 7-token vocabulary (repeated tokens), then Linear over tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e, self.l = nn.Embedding(7, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(self.e(x)).mean(1)
+
+
+LAYERS = {  # name → (model, input, MATERIALIZE_LIMIT_BYTES, the release rule it must exercise)
+    "embedding+tokens": (_Bag, lambda: torch.randint(0, 7, (40, 6)), 0, "_Embedding"),
+    "conv kept": (
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(48, 3)),
+        lambda: torch.randn(40, 2, 6, 6),
+        None,
+        "_Conv:G",
+    ),
+    "conv chunked": (
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(48, 3)),
+        lambda: torch.randn(40, 2, 6, 6),
+        0,
+        "_Conv:e",
+    ),
+    "conv gram": (
+        lambda: nn.Sequential(nn.Conv2d(8, 16, 3), nn.Flatten(), nn.Linear(64, 3)),
+        lambda: torch.randn(40, 8, 4, 4),
+        0,
+        "_Conv:gram",
+    ),
+}
+
+
+def _rule(layer: object) -> str:
+    kind = "gram" if getattr(layer, "_gram_rule", False) else "G" if getattr(layer, "G", None) is not None else "e"
+    return f"{type(layer).__name__}:{kind}" if type(layer).__name__ == "_Conv" else type(layer).__name__
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_every_layer_rule_sums_its_examples_terms_in_float64(name: str, monkeypatch) -> None:
+    """Each ghost rule's batch sum is the float64 sum of the examples' own (one-hot) releases, to
+    float64 rounding: the float32 sums across examples (Conv ``w @ G``, the chunked and unfolded
+    products, ``index_add``) would differ by ~1e-7 relative, 10⁸ times the bound."""
+    build, inputs, limit, rule = LAYERS[name]
+    if limit is not None:
+        monkeypatch.setattr(ghost, "MATERIALIZE_LIMIT_BYTES", limit)
+    torch.manual_seed(0)
+    model, x = build(), inputs()
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    g = GradientOracle(model, "cross_entropy", method="ghost")(params, x, torch.randint(0, 3, (x.shape[0],)))
+    assert rule in {_rule(layer) for layer in g._layers}
+    B = x.shape[0]
+    w = torch.rand(B)
+    got = _flat(g.weighted_sum(w))
+    terms = []
+    for i in range(B):
+        g.reset_reuse()
+        terms.append(_flat(g.weighted_sum(torch.where(torch.arange(B) == i, w, 0.0))))
+    total = torch.stack(terms)
+    assert float((got - total.sum(0)).abs().max()) <= 2 * (B + 2) * 2.0**-53 * float(total.abs().sum(0).max())
 
 
 def _snapped_law_pvalue(k: np.ndarray, offsets: np.ndarray, sigma: float, lam: float) -> float:
