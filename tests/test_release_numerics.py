@@ -257,3 +257,15 @@ def test_seeded_noise_stream_is_unchanged() -> None:
     plain = torch.randn(777)
     (p,) = NoisyRelease(Ledger(), 0.1, NoiseSource(seed=9)).release(SumQuery("g", plain, 1.0, 2.0), label="t")
     assert torch.equal(p, plain + NoiseSource(seed=9).normal(plain, 2.0))
+
+
+def test_secure_deferred_projection_is_snapped_and_charged_once() -> None:
+    """OSO's deferred q̃: the one released scalar ⟨q + Z, v⟩ is snapped on the grid of its own
+    std (σ‖v‖ = 2·10 = 20: Λ = 2), and charged as one coordinate."""
+    gate = _secure_gateway()
+    value = tree.Accumulated({"w": torch.randn(100, dtype=torch.float64)}, {"w": torch.float32})
+    (handle,) = gate.release(SumQuery("q", value, 1.0, 2.0, deferred=True), label="t")
+    assert gate.snap_slack == 0.0  # nothing drawn yet
+    got = gate.project(handle, {"w": torch.ones(100)})
+    assert got / 2.0 == round(got / 2.0)
+    assert gate.snap_slack == pytest.approx(2 * gate.SNAP_XI)
