@@ -740,7 +740,7 @@ class GhostGrads(MaterializedGrads):
             if bool((need > (1 + REUSE_RTOL) * (w.double().abs() * n).max()).any()):
                 return None
         a = float(alpha)
-        out = {k: v * a for k, v in prev_sum.items()}  # float64: the rounding analysis of docs/privacy.md
+        out = {k: v * a for k, v in prev_sum.items()}  # float64 (docs/privacy.md, item 1b)
         if rows.numel():
             extra = self._sum(r[rows].to(w.dtype), rows)
             out = {k: out[k] + extra[k] for k in out}

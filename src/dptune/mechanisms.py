@@ -20,7 +20,7 @@ joint law of everything the run outputs is unchanged, so the accounting of the (
 release still covers it. One projection per handle: a second one would have to be drawn
 jointly with the first. ``NoisyRelease.materialize`` draws the full vector instead.
 
-Numerics (docs/privacy.md, "The released sum"): weighted sums arrive as float64 accumulators
+Numerics (docs/privacy.md, item 1b): weighted sums arrive as float64 accumulators
 (``tree.Accumulated``) and are rounded to the parameters' dtype only after the noise is added;
 in secure mode the noise is float64 and the noisy value is snapped to a power-of-two grid.
 """
@@ -361,7 +361,7 @@ def snap(value: torch.Tensor, noise: torch.Tensor, std: float) -> torch.Tensor:
     Computed as Λ·(m + round(t − m + noise/Λ)) with t = value/Λ and m = round(t): every step is
     exact (power-of-two scalings, integers below 2⁵³, Sterbenz) except one float64 addition of
     size ~|noise|/Λ, so the output's grid cell depends on the data only through the true sum
-    (docs/privacy.md, "Snapping": what is proven and what is assumed)."""
+    (docs/privacy.md, item 1b: what is proven and what is assumed)."""
     lam = math.ldexp(1.0, math.frexp(std)[1] - 4)
     t = value / lam
     m = t.round()
@@ -401,7 +401,7 @@ class NoisyRelease:
         # mechanism, so it is recorded as such (the plan compares events exactly).
         self.planned_multiplier = planned_multiplier
         # Secure mode: Σ over released coordinates of 2·SNAP_XI, the proven bound on how far the
-        # snapped float sampler's privacy loss may be from the ideal one (docs/privacy.md, "Snapping").
+        # snapped float sampler's privacy loss may be from the ideal one (docs/privacy.md, item 1b).
         self.snap_slack = 0.0
 
     SNAP_RTOL = 1e-9
@@ -447,7 +447,7 @@ class NoisyRelease:
     def _noisy(self, v: torch.Tensor, std: float, dtype: torch.dtype) -> torch.Tensor:
         """v + N(0, std²), rounded to ``dtype`` only after the noise is added. Seeded mode: the
         noise of ``dtype``'s stream, as before. Secure mode: float64 noise, the result snapped to
-        the grid of ``snap`` (docs/privacy.md, "Snapping")."""
+        the grid of ``snap`` (docs/privacy.md, item 1b)."""
         if self.noise.secure:
             v = v.double()
             self.snap_slack += 2 * self.SNAP_XI * v.numel()

@@ -637,8 +637,8 @@ def wide_sum(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     Each example's term w_i·g_ij is formed from that example alone (exact for float32 and
     half-precision operands: a product of two 24-bit significands fits in 53 bits), and the
     terms are summed across examples in float64, by blocks of m ≤ WIDE_BLOCK rows: the error
-    is ≤ γ⁶⁴_{m+⌈B/m⌉}·Σ_i |w_i g_i| entrywise, whatever the order (docs/privacy.md, "Rounding
-    across examples"), instead of γ³²_B for a float32 product."""
+    is ≤ γ⁶⁴_{m+⌈B/m⌉}·Σ_i |w_i g_i| entrywise, whatever the order (docs/privacy.md, item
+    1b), instead of γ³²_B for a float32 product."""
     B, n = g.shape
     m = max(1, min(WIDE_BLOCK, (1 << 22) // max(1, n)))
     out = torch.zeros(n, dtype=torch.float64, device=g.device)

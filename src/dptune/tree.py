@@ -22,7 +22,7 @@ Tensors = dict[str, torch.Tensor]
 class Accumulated(dict[str, torch.Tensor]):
     """A weighted sum over examples: its values in the parameters' dtypes (rounded to nearest),
     ``wide`` the float64 accumulators they were rounded from. The gateway adds the noise to
-    ``wide`` and rounds only then (docs/privacy.md, "Rounding across examples")."""
+    ``wide`` and rounds only then (docs/privacy.md, item 1b)."""
 
     def __init__(self, wide: Tensors, dtypes: dict[str, torch.dtype]):
         super().__init__({k: v if v.dtype == dtypes[k] else v.to(dtypes[k]) for k, v in wide.items()})
