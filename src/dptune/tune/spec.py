@@ -268,10 +268,9 @@ class BudgetSpec:
     delta: float = 1e-5
     accountant: str = "auto"
     account_seeds: bool = False
-    allow_large_delta: bool = False  # accept δ ≥ 1/n (checked by check_delta once n is known)
+    allow_large_delta: bool = False  # accept δ ≥ 1/n
 
-    def check_delta(self, n: int) -> None:
-        """δ < 1/n, n the training examples (``tune.plan.plan_study``, where n is first known)."""
+    def check_delta(self, n: int) -> None:  # by tune.plan.plan_study, where n (training examples) is first known
         check_delta_for_n(self.delta, n, self.allow_large_delta, "budget.delta", "set budget.allow_large_delta = true")
 
     def __post_init__(self) -> None:
