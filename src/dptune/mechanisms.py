@@ -405,7 +405,7 @@ class NoisyRelease:
         self.snap_slack = 0.0
 
     SNAP_RTOL = 1e-9
-    SNAP_XI = 1.2e-11
+    SNAP_XI = 2e-11
 
     def event_for(self, *noise_multipliers: float):
         nu = accounting.joint_noise_multiplier(noise_multipliers)
