@@ -93,18 +93,12 @@ class PerSampleGrads(Protocol):
 
 
 class ParamSwap:
-    """``torch.func.functional_call``'s reparametrisation with the module walk done once.
-
-    ``functional_call(model, (params, buffers), args)`` walks the whole module tree on every
-    call (tied-weight detection, attribute paths), a measurable share of a small model's step
-    (docs/performance.md §1).
-    Here the slots (each module's ``_parameters`` / ``_buffers`` entries, with every name,
-    tied ones included, under which the model lists that tensor) are collected once; a call
-    swaps the given tensors in, runs the model and swaps the originals back. Same semantics
-    as ``functional_call(..., tie_weights=True, strict=False)``: a tied tensor is replaced
-    wherever it appears, tensors not given stay the module's own. When the model changed
-    since (a slot no longer holds its tensor or submodule, or a given name is unknown) the
-    slots are rebuilt, and a name still unknown after that is left to ``functional_call`` itself.
+    """``torch.func.functional_call``'s reparametrisation with the module walk done once
+    (docs/performance.md §1): the slots (each module's ``_parameters`` / ``_buffers`` entries,
+    under every name the model lists, tied ones included) are collected once; a call swaps the
+    given tensors in, runs the model and swaps the originals back. Same semantics as
+    ``functional_call(..., tie_weights=True, strict=False)``. When the model changed since, the
+    slots are rebuilt; a name still unknown is left to ``functional_call`` itself.
     """
 
     def __init__(self, model: nn.Module):
@@ -376,21 +370,12 @@ def _rows(g: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- norms as upper bounds
-# The clipping weight min(1, C/N_i) bounds example i's released contribution by C only if N_i
-# is at least the norm of what is released for it. Float rounding of ‖g_i‖ must therefore
-# never round *down*. Every norm below is an upper bound, proved with the standard model of
-# floating-point arithmetic (Higham 2002, §2.2 and Lemma 3.1): fl(x op y) = (x op y)(1 + δ),
-# |δ| ≤ u (round to nearest, u = eps/2), so a sum of n products evaluated in ANY order (blocked,
-# vectorised, FMA, multi-threaded) is within γ_n·Σ|terms| of the exact value, with
-# γ_n = n·u/(1 − n·u). For sums of squares every term is ≥ 0: the relative error is ≤ γ_n.
-# Underflow adds an absolute error ≤ 2⁻¹⁴⁹ per product (float32), covered by NORM_FLOOR.
-# Derivations and numbers: docs/privacy.md, "Per-sample norms are upper bounds".
-#
-# Rows longer than NORM_BLOCK are summed in blocks of NORM_BLOCK in the tensor's dtype (torch's
-# fast fused vector_norm), the block sums in float64: relative slack ≤ γ_{1028} ≈ 6e-5 in the
-# square for float32, instead of γ_n for a whole row of n (6e-3 for n = 1e5). ``upper_norms``
-# applies one slack to all: γ_{2056} (a product of two such sums), 1.2e-4 in the square, so
-# every float32 norm is inflated by ≈ 6.1e-5 relative (float64: 1.1e-13).
+# Every norm below is an upper bound on what is released for the example (else clipping would
+# not bound it by C), proved in the standard model of floating-point arithmetic: a sum of n
+# products in ANY order is within γ_n·Σ|terms| of its value, γ_n = n·u/(1 − n·u) (Higham 2002,
+# Lemma 3.1); derivations and numbers: docs/privacy.md, item 1. Rows longer than NORM_BLOCK are
+# summed in blocks (torch's fused vector_norm), the block sums in float64; ``upper_norms`` applies
+# one slack to all, γ_{2056}: every float32 norm is ≈ 6.1e-5 above exact (float64: 1.1e-13).
 NORM_BLOCK = 1024
 # Added (squared) to every squared norm: covers the absolute underflow error of float32
 # products (≤ n·2⁻¹⁴⁹ ≈ 1e-36 for n ≤ 2³¹ terms) and changes no norm above ~1e-12.
@@ -517,16 +502,9 @@ def upper_norms(
 @contextmanager
 def ieee_matmul(device: torch.device) -> Iterator[None]:
     """Full-precision float32 products for the duration: matrix products without TF32 / bf16
-    inputs and, on CUDA, cuDNN convolutions without TF32.
-
-    The bounds on a released sum (``ghost``'s layer rules, ``MaterializedGrads``) assume
-    correctly rounded float32 products. On a GPU, PyTorch's defaults break that:
-    ``torch.backends.cudnn`` runs float32 convolutions in TF32 (10-bit operands), and
-    ``torch.set_float32_matmul_precision('high'|'medium')`` does the same to matrix products.
-    Determinism is not forced here: only ghost case (e) recomputes a convolution and needs the
-    same kernel twice, and it sets that itself (``ghost._same_kernel``); elsewhere the user's
-    choice (PyTorch's default: free) stands, so a model's own forward and backward keep cuDNN's
-    fastest kernels. Costs a few attribute reads when everything is already exact.
+    operands and, on CUDA, cuDNN convolutions without TF32 (PyTorch's default there), which the
+    bounds on a release assume. Determinism is not forced (only ghost case (e) needs it, and sets
+    it itself): the model's own passes keep cuDNN's fastest kernels (docs/privacy.md, item 1).
     """
     with _ieee_matmul(device), _exact_cudnn(device):
         yield
