@@ -546,7 +546,7 @@ def test_audit_refuses_bad_output_and_huge_numbers_before_auditing(
     def refuse(*a: object, **k: object) -> None:
         raise AssertionError("the audit trained before its arguments were checked")
 
-    monkeypatch.setattr(runner, "_train_once", refuse)
+    monkeypatch.setattr(runner._Audit, "train", refuse)
     args = [a.replace("DIR", str(tmp_path)) for a in args]
     line = _invoke(["audit", "--strategy", "dpsgd", *args])
     assert fragment.replace("DIR", str(tmp_path)) in line, line
