@@ -372,6 +372,7 @@ class PrivateTraining:
             model=self.model,
             secure_mode=self.secure_mode,
             steps_taken=self.t,
+            float_slack=self.gateway.snap_slack,
         )
 
 

@@ -133,6 +133,9 @@ class TrainResult:
     # Was the evaluation data declared public? If not, the model is the final iterate and the
     # evaluations are the owner's only (not DP): kept out of release outputs (outputs.train_outputs).
     eval_public: bool = True
+    # Secure mode: the proven worst-case ε slack of the snapped float sampler (docs/privacy.md,
+    # item 1b; NoisyRelease.snap_slack), stated beside ε, not included in it.
+    float_slack: float = 0.0
 
     # * train_loss is the mean loss on the private batch: a diagnostic for the user's own
     #   eyes, NOT differentially private. dptune never selects on it.
@@ -178,6 +181,7 @@ class TrainResult:
             "diverged": self.diverged,
             "seconds": self.seconds,
             **randomness_statement(self.secure_mode),
+            **({"epsilon_float_slack": self.float_slack} if self.secure_mode else {}),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -498,6 +502,7 @@ class RunLoop:
             seconds=time.perf_counter() - self.started if seconds is None else seconds,
             model=self.model,
             eval_public=self.eval_public,
+            float_slack=self.gateway.snap_slack,
         )
 
 
