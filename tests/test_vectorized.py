@@ -322,3 +322,17 @@ def test_plans_and_per_trial_strategy_subclasses_as_the_tuner_passes_them() -> N
         for (_, a), (_, b) in zip(seen_many, seen[k], strict=True):
             for name in a:
                 torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fallback", ["error", "sequential"])
+def test_train_many_keeps_private_evaluation_data_private_as_train_does(fallback: str) -> None:
+    """Evaluation data is private unless declared public: the final iterates, as ``train`` gives,
+    on the stacked and the sequential path alike; ``eval_public=True`` keeps the best."""
+    kw = dict(steps=6, expected_batch_size=40, eval_data=(XE, YE), eval_every=2, noise_multiplier=0.8)
+    model = mlp if fallback == "error" else (lambda s: torch.nn.Sequential(mlp(s), torch.nn.Identity()))
+    private = train_many(model, (X, Y), "dpsgd", [{"lr": 0.3}] * 2, [1, 2], fallback=fallback, **kw)
+    assert all(r.best_params is None and r.checkpoint == "final" and not r.eval_public for r in private)
+    public = train_many(model, (X, Y), "dpsgd", [{"lr": 0.3}] * 2, [1, 2], fallback=fallback, eval_public=True, **kw)
+    assert all(r.best_params is not None and r.checkpoint == "best" for r in public)
+    with pytest.raises(ConfigError, match="declared public"):
+        train_many(model, (X, Y), "dpsgd", [{"lr": 0.3}], [1], fallback=fallback, checkpoint="best", **kw)

@@ -33,7 +33,7 @@ from dptune.grads import GradientOracle, MaterializedGrads, batched_loss, check_
 from dptune.metrics import Metric
 from dptune.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
-from dptune.train import RunLoop, RunPlan, TaskTensors, TrainResult, plan_run, resolve_task, train
+from dptune.train import RunLoop, RunPlan, TaskTensors, TrainResult, checkpoint_rule, plan_run, resolve_task, train
 from dptune.tree import Tensors
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
@@ -261,6 +261,8 @@ def train_many(
     full_batch: bool = False,
     plans: Sequence[RunPlan] | None = None,
     eval_data: Any = None,
+    eval_public: bool = False,
+    checkpoint: str | None = None,
     eval_every: int = 50,
     metric: str | Metric | None = None,
     loss: str | None = None,
@@ -283,8 +285,10 @@ def train_many(
     or one per trial; ``plans``: one ``RunPlan`` per trial instead of the run settings.
     ``on_step(k, t, row)``: after every step of trial k. ``block_size``: the most trials stacked at
     once (memory). Models that cannot be stacked run sequentially (``fallback='sequential'``) or
-    raise ``ConfigError`` (``'error'``)."""
+    raise ``ConfigError`` (``'error'``). ``eval_data`` is private unless ``eval_public``: as in
+    ``train``, the final iterates then (``checkpoint``)."""
     _check_arguments(fallback, eval_every, loss)
+    checkpoint = checkpoint_rule(checkpoint, eval_data is not None, eval_public)
     K = _trial_count(configs, seeds, noise_multiplier, target_epsilon, plans, run_ids, strategy, models)
     if K == 0:
         return []
@@ -306,6 +310,7 @@ def train_many(
         [partial(on_step, k) if on_step is not None else None for k in range(K)],  # on_step(k, t, row)
     )
     common = dict(delta=delta, eval_data=eval_data, eval_every=eval_every, metric=metric, loss=loss, device=device)
+    common.update(eval_public=eval_public, checkpoint=checkpoint)
     try:
         stacked = _Stacked(_stack_ops(trials.strategies, trials.models))
     except Unsupported as exc:
@@ -317,7 +322,7 @@ def train_many(
         if fallback == "error":
             raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
         return _sequentially("several model inputs", trials, data, secure_mode=secure_mode, **common)
-    return _train_stacked(trials, stacked, task, delta, eval_every, secure_mode, block_size)
+    return _train_stacked(trials, stacked, task, delta, eval_every, secure_mode, block_size, (checkpoint, eval_public))
 
 
 @dataclass
@@ -352,6 +357,7 @@ def _train_stacked(
     eval_every: int,
     secure_mode: bool,
     block_size: int | None,
+    selection: tuple[str, bool],  # (checkpoint, eval_public)
 ) -> list[TrainResult]:
     x, y, ex, ey, metric = task.x, task.y, task.ex, task.ey, task.metric
     assert isinstance(x, torch.Tensor)
@@ -381,6 +387,8 @@ def _train_stacked(
             score=score if ex is not None else None,
             on_step=trials.hooks[k],
             higher=metric.higher_is_better,
+            keep_best=selection[0] == "best",
+            eval_public=selection[1],
         )
         runs.append(_Trial(loop, _TrialOracle(lambda m=model: GradientOracle(m, task.loss))))
     lossfn = batched_loss(task.loss)
