@@ -131,12 +131,24 @@ def test_per_trial_noise_multipliers_targets_and_full_batch() -> None:
 
 
 def test_a_diverging_trial_stops_alone() -> None:
-    cfgs = [{"lr": 0.1}, {"lr": 1e30}, {"lr": 0.2}]
+    """Trial 2 diverges at its first step on every CPU: its output bias is already +inf (IEEE), so
+    its logits and loss are not finite. (A huge lr, as before, overflowed on some CPUs only: on an
+    Intel Xeon lr = 1e30 kept every parameter finite for 8 steps.)"""
+
+    def models(seed: int) -> nn.Module:
+        m = mlp(seed)
+        if seed == 2:
+            with torch.no_grad():
+                m[-1].bias.fill_(float("inf"))
+        return m
+
+    cfgs = [{"lr": 0.1}, {"lr": 0.1}, {"lr": 0.2}]
     kw = dict(steps=8, expected_batch_size=40, eval_data=(XE, YE), eval_every=4)
-    got = train_many(mlp, (X, Y), "nodp", cfgs, [1, 2, 3], fallback="error", **kw)
+    got = train_many(models, (X, Y), "nodp", cfgs, [1, 2, 3], fallback="error", **kw)
     assert [r.diverged for r in got] == [False, True, False]
+    assert [len(r.history) for r in got] == [8, 1, 8]
     for k in range(3):
-        ref = train(mlp(k + 1), (X, Y), "nodp", seed=k + 1, **kw, **cfgs[k])
+        ref = train(models(k + 1), (X, Y), "nodp", seed=k + 1, **kw, **cfgs[k])
         assert ref.diverged == got[k].diverged
         assert len(got[k].history) == len(ref.history)
         if not ref.diverged:
