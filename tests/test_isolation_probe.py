@@ -347,3 +347,26 @@ def test_a_faint_batch_statistic_is_refused(grad_method: str) -> None:
     is 16·eps, not √eps (which let a 1e-4 mixing through)."""
     with pytest.raises(ConfigError, match=REFUSED):
         train(mlp(WeakCentre()), "dpsgd", grad_method)
+
+
+class SwapFirstTwo(nn.Module):
+    """Mixing that touches two rows only: rows 0 and 1 trade places (a sparse, hard-to-hit mixing)."""
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return torch.cat([a[:2].flip(0), a[2:]]) if a.shape[0] > 1 else a
+
+
+def test_one_probe_checks_half_the_rows_so_sparse_mixing_is_caught_often() -> None:
+    """Each probe keeps a random half of the rows (compared row by row) and replaces the rest by copies
+    of row i: a swap of two rows out of 20 is seen when exactly one of them is kept (≈ 1/2), where
+    checking row i alone saw it 2 times in 20. Over 200 fresh oracles: P(< 60 refusals) ≈ 1e-8."""
+    x, y = data(20)
+    refused = 0
+    for _ in range(200):
+        m = mlp(SwapFirstTwo())
+        oracle = GradientOracle(m, ce, method="ghost")
+        try:
+            oracle(params_of(m), x, y)
+        except ConfigError:
+            refused += 1
+    assert refused >= 60, refused

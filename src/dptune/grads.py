@@ -234,21 +234,33 @@ class GradientOracle:
         return now
 
     def _probe(self, kind: str, x: Any, y: torch.Tensor, before: Any, again: Any, got: Any) -> None:
-        """Refuse unless row i's released values (``_row_values`` of ``got``) are unchanged when
-        every other row is replaced by a copy of row i, recomputed by ``again(x', y')`` in the
-        release's mode, from its state ``before`` (same masks), with the same batch shape.
-        The random streams and buffers are left as the release left them."""
+        """Refuse unless the rows kept (a random half, row i among them) release the same values when
+        every other row is replaced by a copy of row i, recomputed by ``again(x', y')`` in the release's
+        mode, from its state ``before`` (same masks), with the same batch shape: each kept row's loss or
+        norm bound, and row i's gradient. The random streams and buffers are left as the release left them."""
         B, dev = inputs.batch_len(x), inputs.device_of(x)
-        i = self._rows.randrange(B)
-        idx = torch.full((B,), i, dtype=torch.long, device=dev)
+        order = self._rows.sample(range(B), B)
+        i, kept = order[0], torch.tensor(sorted(order[: (B + 1) // 2]), device=dev)
+        idx = torch.full((B,), i, dtype=torch.long, device=dev).index_copy_(0, kept, kept)
         after = self._swap_state(dev, before)
         try:
-            theirs = _row_values(again(inputs.take(x, idx), y[idx]), i)
+            theirs = again(inputs.take(x, idx), y[idx])
         finally:
             self._swap_state(dev, after)
-        if not self._same(_row_values(got, i), theirs, _scale(got)):
+        mine, other = (_kept(r, kept) for r in (got, theirs))
+        if not (
+            self._same_rows(mine, other, _scale(got))
+            and self._same(_row_values(got, i), _row_values(theirs, i), _scale(got))
+        ):
             self._refuse(kind)
         self._next_probe[kind] = self._calls[kind] + self.PROBE_EVERY
+
+    def _same_rows(self, a: torch.Tensor, b: torch.Tensor, scale: float) -> bool:
+        """``_same`` row by row (each kept row's loss or norm bound on its own scale)."""
+        u, v = a.detach().double(), b.detach().double()
+        tol = 16 * max(torch.finfo(t.dtype).eps for t in (a, *self.model.parameters()) if t.is_floating_point())
+        bound = tol * torch.maximum(torch.maximum(u.abs(), v.abs()).nan_to_num(0.0, 0.0, 0.0), torch.tensor(scale))
+        return bool(((u == v) | (u.isnan() & v.isnan()) | ((u - v).abs() <= bound)).all())
 
     def _same(self, a: list[torch.Tensor], b: list[torch.Tensor], scale: float, same_shape: bool = True) -> bool:
         """‖a − b‖ ≤ tol·max(‖a‖, ‖b‖, scale) over the concatenated values, NaN equal to NaN, with eps
@@ -352,6 +364,11 @@ def _row_values(result: torch.Tensor | MaterializedGrads, i: int) -> list[torch.
         return [result[i : i + 1]]
     one = torch.ones(1, dtype=result.losses.dtype, device=result.losses.device)
     return [result.norms[i : i + 1], *result._sum(one, torch.tensor([i], device=one.device)).values()]
+
+
+def _kept(result: torch.Tensor | MaterializedGrads, kept: torch.Tensor) -> torch.Tensor:
+    """The kept rows' losses (DP-ZO) or norm bounds."""
+    return (result if isinstance(result, torch.Tensor) else result.norms)[kept]
 
 
 def _scale(result: torch.Tensor | MaterializedGrads) -> float:
