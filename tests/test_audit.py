@@ -270,7 +270,7 @@ def test_mutants_restore_the_real_code() -> None:
     def patched() -> tuple:
         return (
             NoiseSource.normal, NoisyRelease.release, privatizers.clip_weights, privatizers.OSOClip.split,
-            GradientOracle._probe, GradientOracle._compare_alone,
+            GradientOracle._probe, GradientOracle._compare_alone, GradientOracle._loss_alone,
         )  # fmt: skip
 
     before = patched()

@@ -264,7 +264,7 @@ def test_later_batches_are_probed_on_a_public_schedule() -> None:
 def test_a_loss_divided_by_the_batch_size_is_caught_on_the_first_probe() -> None:
     """Same-shape counterfactuals cannot see a dependence on the batch size alone; the first probe
     also compares one row with that example alone (eval mode): 'auto' moves to vmap (each example
-    alone: private) and DP-ZO refuses. (Forced 'ghost' does not compare: docs/privacy.md.)"""
+    alone: private); DP-ZO and forced 'ghost' (its loss against the loss alone) refuse."""
 
     def per_batch(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, y, reduction="none") * (10.0 / out.shape[0])
@@ -278,6 +278,8 @@ def test_a_loss_divided_by_the_batch_size_is_caught_on_the_first_probe() -> None
     assert auto.method == "vmap" and not isinstance(got, ghost.GhostGrads)
     with pytest.raises(ConfigError, match=REFUSED):
         GradientOracle(model, dptune.own.user_loss(per_batch)).losses(p, x, y)
+    with pytest.raises(ConfigError, match=REFUSED):
+        GradientOracle(model, dptune.own.user_loss(per_batch), method="ghost")(p, x, y)
 
 
 # ----------------------------------------------------------------------------- the mutant

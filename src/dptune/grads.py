@@ -180,10 +180,12 @@ class GradientOracle:
                 self._fall_back(str(exc))
             else:
                 if due:
-                    first = not self._next_probe["grads"] and self.requested_method == "auto"
+                    first = not self._next_probe["grads"]
                     self._probe("grads", x, y, before, lambda xs, ys: self._run_ghost(params, xs, ys), got)
-                    if first:
+                    if first and self.requested_method == "auto":
                         self._compare_alone(params, x, y)
+                    elif first:  # forced ghost: no vmap comparison (rounding), the loss alone at least
+                        self._loss_alone(params, x, y, "grads")
                 if self._ghost is not None:
                     return got
         grads, losses = self._vmap(params, x, y)
@@ -343,14 +345,20 @@ class GradientOracle:
             if due:
                 self._probe("losses", x, y, before, lambda xs, ys: self._plain_losses(params, xs, ys), out)
             if due and first:
-                i = self._rows.randrange(B)
-                with rng_preserved(dev), eval_mode(self.model):  # any training-mode randomness off
-                    full = self._plain_losses(params, x, y)[i : i + 1]
-                    alone = self._plain_losses(params, inputs.rows(x, i, i + 1), y[i : i + 1]).reshape(1)
-                # Rounding differs with the batch shape (kernel blocking): a floor of 1 (+ |ℓ|).
-                if not self._same([full], [alone], 1.0, same_shape=False):
-                    self._refuse("losses")
+                self._loss_alone(params, x, y, "losses")
         return out
+
+    @torch.no_grad()
+    def _loss_alone(self, params: Tensors, x: Any, y: torch.Tensor, kind: str) -> None:
+        """Refuse unless a random row's batched loss equals its loss computed alone (eval mode, streams
+        preserved): what no same-shape probe sees, a dependence on the batch size alone (ℓ_i·10/B)."""
+        i, dev = self._rows.randrange(inputs.batch_len(x)), inputs.device_of(x)
+        with rng_preserved(dev), eval_mode(self.model):  # any training-mode randomness off
+            full = self._plain_losses(params, x, y)[i : i + 1]
+            alone = self._plain_losses(params, inputs.rows(x, i, i + 1), y[i : i + 1]).reshape(1)
+        # Rounding differs with the batch shape (kernel blocking): a floor of 1 (+ |ℓ|).
+        if not self._same([full], [alone], 1.0, same_shape=False):
+            self._refuse(kind)
 
     def _plain_losses(self, params: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
         with self._scratch() as buffers:

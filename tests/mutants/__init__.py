@@ -129,17 +129,21 @@ def split_accounted_at_nu_g(fool_ledger: bool = True) -> Iterator[None]:
 @contextlib.contextmanager
 def isolation_check_skipped() -> Iterator[None]:
     """The ghost path's and DP-ZO's isolation probe always passes (``GradientOracle._probe`` only
-    schedules the next one, ``_compare_alone`` does nothing): a pipeline that mixes examples is
+    schedules the next one, ``_compare_alone`` and ``_loss_alone`` do nothing): a pipeline that mixes examples is
     released from the batched forward (issue 23)."""
     from dptune.grads import GradientOracle
 
     def probe(self, kind, x, y, before, again, got):  # noqa: ANN001, ANN202, ARG001
         self._next_probe[kind] = self._calls[kind] + self.PROBE_EVERY
 
-    def compare_alone(self, params, x, y):  # noqa: ANN001, ANN202, ARG001
+    def compare_alone(self, *args):  # noqa: ANN002, ANN202, ARG001
         return None
 
-    with _patched(GradientOracle, "_probe", probe), _patched(GradientOracle, "_compare_alone", compare_alone):
+    with (
+        _patched(GradientOracle, "_probe", probe),
+        _patched(GradientOracle, "_compare_alone", compare_alone),
+        _patched(GradientOracle, "_loss_alone", compare_alone),
+    ):
         yield
 
 
