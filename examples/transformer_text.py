@@ -157,7 +157,7 @@ def layer_table(model: nn.Module) -> list[tuple[str, str, str]]:
         if any(True for _ in mod.parameters(recurse=False)):
             if any(name.startswith(r + ".") for r in ruleless):  # e.g. MultiheadAttention's out_proj
                 rule = "used by its parent's code (F.linear), not as a layer"
-            elif ghost._base_type(mod) is not None:
+            elif ghost.base_type(mod) is not None:
                 rule = "ghost rule"
             else:
                 rule, _ = "no ghost rule", ruleless.append(name)

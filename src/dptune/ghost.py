@@ -26,12 +26,8 @@ b_i ∈ R^{T×p} with T the number of positions (tokens, pixels) sharing the wei
 
 Anything else with trainable parameters (or a supported layer called twice per forward,
 or an in-place change of a captured tensor) makes the whole model fall back to vmap; see
-``unsupported_reason`` and ``grads.GradientOracle``.
-
-OSO's q-query is a second weighted sum over the same stored tensors. Its weights are an
-affine function of the clipping weights (w_q = (w_clip − 1[‖g‖ ≤ C])/C), so
-``GhostGrads.weighted_sum`` reuses the previous sum and only adds the residual over the rows
-where the two weight vectors are not proportional (row-sparse), see ``_residual``.
+``unsupported_reason`` and ``grads.GradientOracle``. The rest of the path (support check, capture
+of a forward, the rules' interface, the kept rules, the sums' reuse) is in ``ghost_layers``.
 
 **Norms are upper bounds** (derivation: docs/privacy.md, items 1 and 1b). ``GhostGrads.norms``
 returns N_i such that what ``weighted_sum`` releases for example i with weight w (all other
@@ -58,27 +54,38 @@ term is formed from it alone and the terms are added across examples in float64
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptune.persample import (
-    NORM_BLOCK,
-    WIDE_BLOCK,
-    MaterializedGrads,
-    ParamSwap,
+from dptune.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTED, unsupported_reason: re-exported
+    CONV,
+    REUSE_RTOL,
+    SUPPORTED,
+    GhostFallback,
+    LayerGrads,
+    LayerRule,
+    base_type,
+    capture,
+    norm_layer_rule,
+    unsupported_reason,
+)
+from dptune.norm_bounds import (  # noqa: F401 - rank_one_parts: re-exported (``vectorized``)
     gamma,
     ieee_matmul,
-    nonfinite_rows,
+    rank_one_parts,
+    same_kernel,
     sq_rows_upper,
     unit_roundoff,
     upper_norms,
+    wide_mm,
     wide_sum,
 )
-from dptune.tree import Accumulated, Tensors
+from dptune.persample import ParamSwap
+from dptune.tree import Tensors
 
 # Per-sample gradients of a layer are kept (B x #layer-params floats) when at most this big;
 # otherwise only their norms are computed (chunk by chunk) and weighted sums use the
@@ -89,38 +96,6 @@ UNFOLD_CHUNK_BYTES = 32 * 2**20
 # Bound on the patch copy of a kept convolution's GEMM path (``use_unfold_products``): B_chunk x T x d
 # floats (a layer whose single example exceeds it takes the grouped kernel instead).
 UNFOLD_PRODUCT_BYTES = 256 * 2**20
-# Rows whose weights are proportional to the previous weighted sum's, within this relative
-# tolerance, are taken from that sum (float32 rounding of w is ~1e-7).
-REUSE_RTOL = 1e-6
-
-_CONV = (nn.Conv1d, nn.Conv2d, nn.ConvTranspose2d)
-SUPPORTED: tuple[type[nn.Module], ...] = (nn.Linear, *_CONV, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
-
-
-def _base_type(mod: nn.Module) -> type[nn.Module] | None:
-    for cls in SUPPORTED:
-        if isinstance(mod, cls) and type(mod).forward is cls.forward:
-            return cls
-    return None
-
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why the ghost path cannot handle ``model`` (None when it can)."""
-    for name, mod in model.named_modules():
-        own = [(k, p) for k, p in mod.named_parameters(recurse=False) if p.requires_grad]
-        if not own:
-            continue
-        where = f"layer '{name or type(mod).__name__}' ({type(mod).__name__})"
-        cls = _base_type(mod)
-        if cls is None:
-            return f"{where} has trainable parameters and no ghost rule"
-        if any(k not in ("weight", "bias") for k, _ in own):
-            return f"{where} has parameters other than weight/bias"
-        if cls in _CONV and (mod.padding_mode != "zeros" or isinstance(mod.padding, str) or mod.groups != 1):
-            return f"{where}: only zero padding given as numbers and groups=1 are supported"
-        if cls is nn.Embedding and (mod.max_norm is not None or mod.sparse or mod.scale_grad_by_freq):
-            return f"{where}: max_norm / sparse / scale_grad_by_freq are not supported"
-    return None
 
 
 def use_unfold_products(device: torch.device, transposed: bool, patch_bytes: int) -> bool:
@@ -130,73 +105,7 @@ def use_unfold_products(device: torch.device, transposed: bool, patch_bytes: int
     return device.type == "cuda" and not transposed and patch_bytes <= UNFOLD_PRODUCT_BYTES
 
 
-class GhostFallback(Exception):
-    """Raised while computing when this batch/model needs the vmap path."""
-
-
-@contextmanager
-def _same_kernel(device: torch.device) -> Iterator[None]:
-    """Deterministic cuDNN kernels for the duration: case (e) recomputes per-sample gradients
-    that must equal, bit for bit, those whose norms were taken (CPU kernels are deterministic; every
-    private computation also runs under ``grads.ieee_matmul``, which turns cuDNN's TF32 off)."""
-    if device.type != "cuda":
-        yield
-        return
-    cudnn = torch.backends.cudnn
-    old = (cudnn.deterministic, cudnn.benchmark)
-    cudnn.deterministic, cudnn.benchmark = True, False
-    try:
-        yield
-    finally:
-        cudnn.deterministic, cudnn.benchmark = old
-
-
-# ----------------------------------------------------------------------------- layer rules
-class _Layer:
-    """Per-layer statistics from (a, b). ``names`` maps 'weight'/'bias' → parameter name."""
-
-    def __init__(self, names: dict[str, str]):
-        self.names = names
-
-    def sq_norms(self) -> list[tuple[torch.Tensor, float]]:
-        """(s, ρ) parts: the layer's released part of w·g_i has norm ≤ |w|(1+γ_2)·(Σ s_i(1+ρ))^½
-        (module docstring, "Norms are upper bounds"); ``grads.upper_norms`` combines them."""
-        raise NotImplementedError
-
-    def release_err(self) -> torch.Tensor | None:
-        """e_i ≥ 0 (float64, per unit weight): how far the released w·g_i may be from the exact
-        w·G_i beyond the relative (1+γ_2); already inside ``sq_norms``. None when 0."""
-        return None
-
-    def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
-        """Σ_i w_i g_i over ``rows`` (all when None); w is indexed like rows."""
-        raise NotImplementedError
-
-    def per_sample(self) -> Tensors:
-        raise NotImplementedError
-
-
-class _Dense(_Layer):
-    """Per-sample gradients kept in memory (small layers: norms, biases, convolutions)."""
-
-    def __init__(self, names: dict[str, str], grads: Tensors):
-        super().__init__(names)
-        self.grads = grads  # param name → [B, *shape]
-
-    def sq_norms(self) -> list[tuple[torch.Tensor, float]]:
-        return [sq_rows_upper(g) for g in self.grads.values()]
-
-    def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
-        return {
-            k: wide_sum(w, (g if rows is None else g[rows]).flatten(1)).reshape(g.shape[1:])
-            for k, g in self.grads.items()
-        }
-
-    def per_sample(self) -> Tensors:
-        return self.grads
-
-
-class LinearRule(_Layer):
+class LinearRule(LayerRule):
     """a, b are kept as [B, d], [B, p] when T = 1 (no position axis: fewer view ops on the
     hot path of small dense models), as [B, T, d], [B, T, p] otherwise."""
 
@@ -255,7 +164,7 @@ class LinearRule(_Layer):
                 G = self.G if rows is None else self.G[rows]
                 out[self.names["weight"]] = wide_sum(w, G.flatten(1)).reshape(self.shape)
             elif self.T == 1:  # (diag(w) b)ᵀ a in float64: w·b exact, then one rounding per product
-                out[self.names["weight"]] = _wide_mm(b.double() * w.double().view(-1, 1), a)
+                out[self.names["weight"]] = wide_mm(b.double() * w.double().view(-1, 1), a)
             else:  # per-example G_i = b_iᵀ a_i (T products: case (c)'s release error), then across examples
                 c = max(1, MATERIALIZE_LIMIT_BYTES // (self.shape.numel() * a.element_size()))
                 total = torch.zeros(self.shape.numel(), dtype=torch.float64, device=a.device)
@@ -279,39 +188,6 @@ class LinearRule(_Layer):
         if self.gb is not None:
             out[self.names["bias"]] = self.gb
         return out
-
-
-def rank_one_parts(a: torch.Tensor, b: torch.Tensor, bias: bool) -> list[tuple[torch.Tensor, float]]:
-    """Case (b), Linear with T = 1: ‖b aᵀ‖² = ‖a‖²‖b‖² (and ‖b‖² for the bias) over the last
-    dimension of a [..., d], b [..., p], as (s, ρ) parts (also [K, B, ·] for ``vectorized``).
-
-    s = fl(fl(‖a‖·‖b‖)²) with each norm from ``vector_norm`` (≥ ‖·‖·(1−γ_n)^½(1−u)) is
-    ≥ ‖a‖²‖b‖²·(1 − γ_{d+4})(1 − γ_{p+4}); rows longer than NORM_BLOCK go through
-    ``grads.sq_rows_upper`` (blocked sums).
-    """
-    d, p = a.shape[-1], b.shape[-1]
-    if a.dtype in (torch.float16, torch.bfloat16):  # half precision: sum in float32
-        a, b = a.float(), b.float()
-    if d > NORM_BLOCK or p > NORM_BLOCK:
-        (sa, ra), (sb, rb) = sq_rows_upper(a.reshape(-1, d)), sq_rows_upper(b.reshape(-1, p))
-        u64 = unit_roundoff(torch.float64)
-        s = (sa.double() * sb.double()).reshape(a.shape[:-1])
-        parts = [(s, (1.0 + ra) * (1.0 + rb) / (1.0 - u64) - 1.0)]
-        return parts + [(sb.reshape(b.shape[:-1]), rb)] if bias else parts
-    u = unit_roundoff(a.dtype)
-    nb = torch.linalg.vector_norm(b, dim=-1)
-    s = (torch.linalg.vector_norm(a, dim=-1) * nb).square_()
-    parts = [(s, 1.0 / ((1.0 - gamma(d + 4, u)) * (1.0 - gamma(p + 4, u))) - 1.0)]
-    return parts + [(nb.square_(), 1.0 / (1.0 - gamma(p + 4, u)) - 1.0)] if bias else parts
-
-
-def _wide_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """xᵀ y over the rows of x [B, p] (float64) and y [B, d], in float64 by blocks of WIDE_BLOCK
-    rows (the bound of ``persample.wide_sum``)."""
-    out = x.new_zeros(x.shape[1], y.shape[1])
-    for i in range(0, x.shape[0], WIDE_BLOCK):
-        out += x[i : i + WIDE_BLOCK].t() @ y[i : i + WIDE_BLOCK].double()
-    return out
 
 
 def _gram_bound(
@@ -342,7 +218,7 @@ def _assemble(S: torch.Tensor, slack2: torch.Tensor, e: torch.Tensor, T: int) ->
     return S.clamp_min_(0.0).add_(slack2).sqrt_().add_(e).square_(), gamma(T + 32, unit_roundoff(torch.float64))
 
 
-class _Conv(_Layer):
+class _Conv(LayerRule):
     """Conv1d/Conv2d/ConvTranspose2d via im2col. ``U`` is the unfolded operand (input for
     convolutions, output gradient for transposed ones), ``V`` the other, both [B, ·, T]."""
 
@@ -396,7 +272,7 @@ class _Conv(_Layer):
         sqs, Gs, rho = [], [], 0.0
         per_example_patches = d * T * a.element_size()
         per_sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._per_sample_weight
-        step, same_kernel = self._chunk, _same_kernel(a.device) if not keep else nullcontext()
+        step, kernel = self._chunk, same_kernel(a.device) if not keep else nullcontext()
         if keep and use_unfold_products(a.device, self.transposed, per_example_patches):
             # Kept (case (a)): Ĝ is computed once and is itself what is released, so any kernel
             # will do; on CUDA patches + one batched GEMM per chunk beat cuDNN's grouped
@@ -405,7 +281,7 @@ class _Conv(_Layer):
             per_sample = self._unfolded_weight
         # Not kept: weighted sums recompute the same chunks (case (e)), so they release exactly
         # the Ĝ_i whose norms were taken; cuDNN must then pick the same kernel both times.
-        with same_kernel:
+        with kernel:
             for i in range(0, B, step):
                 G = per_sample(a[i : i + step], b[i : i + step])
                 sq, rho = sq_rows_upper(G)
@@ -500,7 +376,7 @@ class _Conv(_Layer):
         ``rows`` ascending (``nonzero``)."""
         B, c = self.a.shape[0], self._chunk
         total: torch.Tensor | None = None
-        with _same_kernel(self.a.device):
+        with same_kernel(self.a.device):
             for i in range(0, B, c):
                 j = min(i + c, B)
                 if rows is None:
@@ -523,7 +399,7 @@ class _Conv(_Layer):
             elif self._gram_rule:
                 G = self._per_sample_weight(self.a, self.b)
             else:  # the chunks of the norms and sums (case (e))
-                with _same_kernel(self.a.device):
+                with same_kernel(self.a.device):
                     G = torch.cat(
                         [
                             self._per_sample_weight(self.a[i : i + self._chunk], self.b[i : i + self._chunk])
@@ -536,7 +412,7 @@ class _Conv(_Layer):
         return out
 
 
-class _Embedding(_Layer):
+class _Embedding(LayerRule):
     def __init__(
         self, names: dict[str, str], mod: nn.Embedding, idx: torch.Tensor, b: torch.Tensor, weight: torch.Tensor
     ):
@@ -611,41 +487,10 @@ class _Embedding(_Layer):
         return {self.names["weight"]: out}
 
 
-def _norm_layer(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> _Dense:
-    """LayerNorm / GroupNorm: per-sample affine gradients Σ_positions b ∘ x̂ and Σ_positions b."""
-    with torch.no_grad():
-        if isinstance(mod, nn.LayerNorm):
-            xhat = F.layer_norm(a, mod.normalized_shape, None, None, mod.eps)
-            dims = tuple(range(1, a.ndim - len(mod.normalized_shape)))
-        else:
-            xhat = F.group_norm(a, mod.num_groups, None, None, mod.eps)
-            dims = tuple(range(2, a.ndim))
-        grads: Tensors = {}
-        if "weight" in names:
-            grads[names["weight"]] = (b * xhat).sum(dims) if dims else b * xhat
-        if "bias" in names:
-            grads[names["bias"]] = b.sum(dims) if dims else b
-    return _Dense(names, grads)
-
-
 # ----------------------------------------------------------------------------- the result
-class GhostGrads(MaterializedGrads):
-    """``PerSampleGrads`` from stored activations and output gradients.
-
-    ``norms`` and ``weighted_sum`` never build per-sample gradients of Linear layers;
-    ``grads`` (the materialised [B, *shape] tensors of ``MaterializedGrads``) is built on
-    demand only, for code that asks for it.
-    """
-
-    def __init__(self, layers: list[_Layer], losses: torch.Tensor, params: Tensors, norms: torch.Tensor | None = None):
-        """``norms``: upper bounds already computed by the caller (the vectorized engine computes
-        those of all trials at once, with the same ``upper_norms``); None computes them on demand."""
-        self.losses = losses
-        self._layers = layers
-        self._params = params  # for shapes and zero gradients of unused parameters
-        self._norms: torch.Tensor | None = norms
-        self._grads: Tensors | None = None
-        self._last: tuple[torch.Tensor, Tensors] | None = None
+class GhostGrads(LayerGrads):
+    """``PerSampleGrads`` from stored activations and output gradients: ``norms`` and
+    ``weighted_sum`` never build per-sample gradients of Linear layers."""
 
     @property
     def norms(self) -> torch.Tensor:  # type: ignore[override]
@@ -659,122 +504,8 @@ class GhostGrads(MaterializedGrads):
                 )
         return self._norms
 
-    def release_err(self) -> torch.Tensor | None:
-        """E_i (float64): ‖released w·g_i − w·G_i‖ ≤ |w|·E_i beyond the relative (1 + γ_2) part,
-        as (Σ_l e_l²)^½ over the layers that have such an error; None when none has."""
-        errs = [e for e in (layer.release_err() for layer in self._layers) if e is not None]
-        if not errs:
-            return None
-        return torch.stack(errs).square_().sum(0).sqrt_() if len(errs) > 1 else errs[0]
-
-    @property
-    def grads(self) -> Tensors:  # type: ignore[override]
-        if self._grads is None:
-            got: Tensors = {}
-            for layer in self._layers:
-                got.update(layer.per_sample())
-            B = self.batch_size
-            self._grads = {
-                k: got.get(k, torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device))
-                for k, p in self._params.items()
-            }
-        return self._grads
-
-    def _sum(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
-        got: Tensors = {}
-        for layer in self._layers:
-            got.update(layer.weighted(w, rows))
-        return {k: got[k] if k in got else torch.zeros_like(p, dtype=torch.float64) for k, p in self._params.items()}
-
-    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Accumulated:
-        w = weights if weights.dtype == self.losses.dtype else weights.to(self.losses.dtype)
-        with ieee_matmul(w.device):
-            out = self._residual(w)
-            if out is None:
-                out = self._sum(w)
-            bad = nonfinite_rows(self, out) if drop_nonfinite else None
-            if bad is not None:  # leave non-finite rows out (grads.nonfinite_rows says why)
-                w = torch.where(bad, torch.zeros_like(w), w)
-                keep = (~bad).nonzero().squeeze(1)
-                out = self._sum(w[keep], keep)
-        self._last = (w, out)
-        return Accumulated(out, {k: p.dtype for k, p in self._params.items()})
-
-    def reset_reuse(self) -> None:
-        """Forget the last weighted sum, so that the next one is computed directly rather than
-        from it (``_residual``): for a probe whose weights must not seed later sums."""
-        self._last = None
-
-    def _residual(self, w: torch.Tensor) -> Tensors | None:
-        """Σ w_i g_i = α S_prev + Σ_{i ∈ R} r_i g_i, when w = α w_prev + r with r row-sparse.
-
-        α is the median ratio w_i / w_prev_i; rows where w_i agrees with α w_prev_i to
-        REUSE_RTOL are taken from S_prev (their difference is float rounding), the others
-        (R, at most half the batch) are summed exactly with r_i = w_i − α w_prev_i.
-
-        A row of R is released as two float sums that cancel in exact arithmetic (e.g. OSO's
-        q-weight 0 = α·1 − α), each with its own rounding error ≤ |weight|·E_i: its released
-        contribution is ≤ |w_i|·N_i + (|α w_prev_i| + |r_i|)·E_i, not |w_i|·N_i. Where a layer
-        has such errors (E, ``release_err``) and that could exceed max_j |w_j|·N_j (the
-        largest contribution the weights allow, hence within the caller's sensitivity) the
-        direct sum is used instead: only for ill-conditioned examples (E_i ~ N_i).
-        """
-        if self._last is None:
-            return None
-        prev_w, prev_sum = self._last
-        both = (w != 0) & (prev_w != 0)
-        if int(both.sum()) * 2 < w.shape[0]:
-            return None
-        alpha = (w[both].double() / prev_w[both].double()).median()
-        r = w.double() - alpha * prev_w.double()
-        scale = torch.maximum(w.double().abs(), (alpha * prev_w.double()).abs())
-        rows = (r.abs() > REUSE_RTOL * scale).nonzero().squeeze(1)
-        if rows.numel() * 2 > w.shape[0]:
-            return None
-        err = self.release_err() if rows.numel() else None
-        if err is not None:
-            n = self.norms.double()
-            u = unit_roundoff(self.losses.dtype)
-            ea = err[rows] + 4 * u * n[rows]  # + the relative part (1+γ_2), the α scaling, the addition
-            need = w.double()[rows].abs() * n[rows] + ((alpha * prev_w.double()[rows]).abs() + r[rows].abs()) * ea
-            if bool((need > (1 + REUSE_RTOL) * (w.double().abs() * n).max()).any()):
-                return None
-        a = float(alpha)
-        out = {k: v * a for k, v in prev_sum.items()}  # float64 (docs/privacy.md, item 1b)
-        if rows.numel():
-            extra = self._sum(r[rows].to(w.dtype), rows)
-            out = {k: out[k] + extra[k] for k in out}
-        return out
-
 
 # ----------------------------------------------------------------------------- the engine
-def _capture(mod: nn.Module, records: dict[nn.Module, tuple | None]) -> tuple[nn.Module, bool, object]:
-    """Record ``mod``'s input and output on its next calls (an instance-level ``forward``
-    wrapper); returns what restoring needs.
-
-    A wrapper rather than a forward hook: a module with hooks runs ``Module._call_impl``'s
-    slow path (~25 µs per call, and registering/removing hooks costs as much again), a
-    wrapper keeps the fast path. It also sees the layer's own output, before any output hook
-    of the user's. A second call, or a call whose input is not a positional tensor, is
-    recorded as None (the ghost rule does not apply: fall back).
-    """
-    had = "forward" in mod.__dict__
-    old = mod.__dict__.get("forward")
-    inner = mod.forward
-
-    def forward(*args: object, **kwargs: object) -> torch.Tensor:
-        out = inner(*args, **kwargs)
-        a = args[0] if args else None
-        if mod in records or not isinstance(a, torch.Tensor) or not isinstance(out, torch.Tensor):
-            records[mod] = None
-        else:
-            records[mod] = (a, out, a._version, out._version)
-        return out
-
-    mod.__dict__["forward"] = forward
-    return mod, had, old
-
-
 class GhostEngine:
     """One forward pass recording the inputs and outputs of supported layers, one backward pass of
     Σ_i ℓ_i to their outputs (no parameter gradients are computed), then the layer rules."""
@@ -786,7 +517,7 @@ class GhostEngine:
         for name, mod in model.named_modules():
             names = {k: f"{name}.{k}" if name else k for k, p in mod.named_parameters(recurse=False) if p.requires_grad}
             if names:
-                cls = _base_type(mod)
+                cls = base_type(mod)
                 assert cls is not None, "call unsupported_reason first"
                 self.layers.append((mod, cls, names))
         self._loss = batched_loss
@@ -799,7 +530,7 @@ class GhostEngine:
         patched: list[tuple[nn.Module, bool, object]] = []
         try:
             for mod, _, _ in self.layers:
-                patched.append(_capture(mod, records))
+                patched.append(capture(mod, records))
             out = self._call(ps, buffers, x)
             losses = self._loss(out, y)
         finally:
@@ -815,7 +546,7 @@ class GhostEngine:
                 raise GhostFallback("a layer was called twice or its input/output was modified in place")
         zs = [records[m][1] for m, _, _ in used]
         bs = list(torch.autograd.grad(losses.sum(), zs, allow_unused=True)) if zs else []
-        layers: list[_Layer] = []
+        layers: list[LayerRule] = []
         for i, (m, cls, names) in enumerate(used):
             a, z = records[m][0], zs[i]
             if a.requires_grad:
@@ -825,10 +556,10 @@ class GhostEngine:
             weight = ps.get(names.get("weight", ""), getattr(m, "weight", None))
             if cls is nn.Linear:
                 layers.append(LinearRule(names, a, b, weight))
-            elif cls in _CONV:
+            elif cls in CONV:
                 layers.append(_Conv(names, m, a, b, weight.detach()))
             elif cls is nn.Embedding:
                 layers.append(_Embedding(names, m, a, b, weight))
             else:
-                layers.append(_norm_layer(names, m, a, b))
+                layers.append(norm_layer_rule(names, m, a, b))
         return GhostGrads(layers, losses.detach(), params)

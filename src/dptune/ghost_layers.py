@@ -1,0 +1,250 @@
+"""The ghost path (``ghost``) around its memory-bounded rules (Linear, convolutions, Embedding): which
+models it takes (``unsupported_reason``), how a forward records a layer's input and output
+(``capture``), a rule's interface (``LayerRule``), the rule of kept per-sample gradients (``KeptRule``,
+``norm_layer_rule``) and the gradients assembled from rules (``LayerGrads``; ``ghost.GhostGrads``
+adds the norms). OSO's q-query is a second weighted sum over the same stored tensors, its weights
+affine in the clipping weights (w_q = (w_clip − 1[‖g‖ ≤ C])/C): ``LayerGrads.weighted_sum`` reuses
+the previous sum and adds the residual over the rows where the two are not proportional (row-sparse).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dptune.norm_bounds import ieee_matmul, sq_rows_upper, unit_roundoff, wide_sum
+from dptune.persample import MaterializedGrads, nonfinite_rows
+from dptune.tree import Accumulated, Tensors
+
+# Rows whose weights are proportional to the previous weighted sum's, within this relative
+# tolerance, are taken from that sum (float32 rounding of w is ~1e-7).
+REUSE_RTOL = 1e-6
+
+CONV = (nn.Conv1d, nn.Conv2d, nn.ConvTranspose2d)
+SUPPORTED: tuple[type[nn.Module], ...] = (nn.Linear, *CONV, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
+
+
+def base_type(mod: nn.Module) -> type[nn.Module] | None:
+    for cls in SUPPORTED:
+        if isinstance(mod, cls) and type(mod).forward is cls.forward:
+            return cls
+    return None
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the ghost path cannot handle ``model`` (None when it can)."""
+    for name, mod in model.named_modules():
+        own = [(k, p) for k, p in mod.named_parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        where = f"layer '{name or type(mod).__name__}' ({type(mod).__name__})"
+        cls = base_type(mod)
+        if cls is None:
+            return f"{where} has trainable parameters and no ghost rule"
+        if any(k not in ("weight", "bias") for k, _ in own):
+            return f"{where} has parameters other than weight/bias"
+        if cls in CONV and (mod.padding_mode != "zeros" or isinstance(mod.padding, str) or mod.groups != 1):
+            return f"{where}: only zero padding given as numbers and groups=1 are supported"
+        if cls is nn.Embedding and (mod.max_norm is not None or mod.sparse or mod.scale_grad_by_freq):
+            return f"{where}: max_norm / sparse / scale_grad_by_freq are not supported"
+    return None
+
+
+class GhostFallback(Exception):
+    """Raised while computing when this batch/model needs the vmap path."""
+
+
+class LayerRule:
+    """Per-layer statistics from (a, b). ``names`` maps 'weight'/'bias' → parameter name."""
+
+    def __init__(self, names: dict[str, str]):
+        self.names = names
+
+    def sq_norms(self) -> list[tuple[torch.Tensor, float]]:
+        """(s, ρ) parts: the layer's released part of w·g_i has norm ≤ |w|(1+γ_2)·(Σ s_i(1+ρ))^½
+        (``ghost``'s docstring, "Norms are upper bounds"); ``grads.upper_norms`` combines them."""
+        raise NotImplementedError
+
+    def release_err(self) -> torch.Tensor | None:
+        """e_i ≥ 0 (float64, per unit weight): how far the released w·g_i may be from the exact
+        w·G_i beyond the relative (1+γ_2); already inside ``sq_norms``. None when 0."""
+        return None
+
+    def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
+        """Σ_i w_i g_i over ``rows`` (all when None); w is indexed like rows."""
+        raise NotImplementedError
+
+    def per_sample(self) -> Tensors:
+        raise NotImplementedError
+
+
+class KeptRule(LayerRule):
+    """Per-sample gradients kept in memory (small layers: norms, biases, convolutions)."""
+
+    def __init__(self, names: dict[str, str], grads: Tensors):
+        super().__init__(names)
+        self.grads = grads  # param name → [B, *shape]
+
+    def sq_norms(self) -> list[tuple[torch.Tensor, float]]:
+        return [sq_rows_upper(g) for g in self.grads.values()]
+
+    def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
+        return {
+            k: wide_sum(w, (g if rows is None else g[rows]).flatten(1)).reshape(g.shape[1:])
+            for k, g in self.grads.items()
+        }
+
+    def per_sample(self) -> Tensors:
+        return self.grads
+
+
+def norm_layer_rule(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> KeptRule:
+    """LayerNorm / GroupNorm: per-sample affine gradients Σ_positions b ∘ x̂ and Σ_positions b."""
+    with torch.no_grad():
+        if isinstance(mod, nn.LayerNorm):
+            xhat = F.layer_norm(a, mod.normalized_shape, None, None, mod.eps)
+            dims = tuple(range(1, a.ndim - len(mod.normalized_shape)))
+        else:
+            assert isinstance(mod, nn.GroupNorm)  # ``base_type``: LayerNorm or GroupNorm
+            xhat = F.group_norm(a, mod.num_groups, None, None, mod.eps)
+            dims = tuple(range(2, a.ndim))
+        grads: Tensors = {}
+        if "weight" in names:
+            grads[names["weight"]] = (b * xhat).sum(dims) if dims else b * xhat
+        if "bias" in names:
+            grads[names["bias"]] = b.sum(dims) if dims else b
+    return KeptRule(names, grads)
+
+
+def capture(mod: nn.Module, records: dict[nn.Module, tuple | None]) -> tuple[nn.Module, bool, object]:
+    """Record ``mod``'s input and output on its next calls (an instance-level ``forward``
+    wrapper); returns what restoring needs.
+
+    A wrapper rather than a forward hook: a module with hooks runs ``Module._call_impl``'s
+    slow path (~25 µs per call, and registering/removing hooks costs as much again), a
+    wrapper keeps the fast path. It also sees the layer's own output, before any output hook
+    of the user's. A second call, or a call whose input is not a positional tensor, is
+    recorded as None (the ghost rule does not apply: fall back).
+    """
+    had = "forward" in mod.__dict__
+    old = mod.__dict__.get("forward")
+    inner = mod.forward
+
+    def forward(*args: object, **kwargs: object) -> torch.Tensor:
+        out = inner(*args, **kwargs)
+        a = args[0] if args else None
+        if mod in records or not isinstance(a, torch.Tensor) or not isinstance(out, torch.Tensor):
+            records[mod] = None
+        else:
+            records[mod] = (a, out, a._version, out._version)
+        return out
+
+    mod.__dict__["forward"] = forward
+    return mod, had, old
+
+
+class LayerGrads(MaterializedGrads):
+    """Weighted sums and release errors from the layer rules; the materialised [B, *shape] ``grads``
+    only on demand, for code that asks for them. The norms are ``ghost.GhostGrads``'."""
+
+    def __init__(
+        self, layers: Sequence[LayerRule], losses: torch.Tensor, params: Tensors, norms: torch.Tensor | None = None
+    ):
+        """``norms``: upper bounds already computed by the caller (the vectorized engine computes
+        those of all trials at once, with the same ``upper_norms``); None computes them on demand."""
+        self.losses = losses
+        self._layers = layers
+        self._params = params  # for shapes and zero gradients of unused parameters
+        self._norms: torch.Tensor | None = norms
+        self._grads: Tensors | None = None
+        self._last: tuple[torch.Tensor, Tensors] | None = None
+
+    def release_err(self) -> torch.Tensor | None:
+        """E_i (float64): ‖released w·g_i − w·G_i‖ ≤ |w|·E_i beyond the relative (1 + γ_2) part,
+        as (Σ_l e_l²)^½ over the layers that have such an error; None when none has."""
+        errs = [e for e in (layer.release_err() for layer in self._layers) if e is not None]
+        if not errs:
+            return None
+        return torch.stack(errs).square_().sum(0).sqrt_() if len(errs) > 1 else errs[0]
+
+    @property
+    def grads(self) -> Tensors:  # type: ignore[override]
+        if self._grads is None:
+            got: Tensors = {}
+            for layer in self._layers:
+                got.update(layer.per_sample())
+            B = self.batch_size
+            self._grads = {
+                k: got.get(k, torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device))
+                for k, p in self._params.items()
+            }
+        return self._grads
+
+    def _sum(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
+        got: Tensors = {}
+        for layer in self._layers:
+            got.update(layer.weighted(w, rows))
+        return {k: got[k] if k in got else torch.zeros_like(p, dtype=torch.float64) for k, p in self._params.items()}
+
+    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Accumulated:
+        w = weights if weights.dtype == self.losses.dtype else weights.to(self.losses.dtype)
+        with ieee_matmul(w.device):
+            out = self._residual(w)
+            if out is None:
+                out = self._sum(w)
+            bad = nonfinite_rows(self, out) if drop_nonfinite else None
+            if bad is not None:  # leave non-finite rows out (grads.nonfinite_rows says why)
+                w = torch.where(bad, torch.zeros_like(w), w)
+                keep = (~bad).nonzero().squeeze(1)
+                out = self._sum(w[keep], keep)
+        self._last = (w, out)
+        return Accumulated(out, {k: p.dtype for k, p in self._params.items()})
+
+    def reset_reuse(self) -> None:
+        """Forget the last weighted sum, so that the next one is computed directly rather than
+        from it (``_residual``): for a probe whose weights must not seed later sums."""
+        self._last = None
+
+    def _residual(self, w: torch.Tensor) -> Tensors | None:
+        """Σ w_i g_i = α S_prev + Σ_{i ∈ R} r_i g_i, when w = α w_prev + r with r row-sparse.
+
+        α is the median ratio w_i / w_prev_i; rows where w_i agrees with α w_prev_i to
+        REUSE_RTOL are taken from S_prev (their difference is float rounding), the others
+        (R, at most half the batch) are summed exactly with r_i = w_i − α w_prev_i.
+
+        A row of R is released as two float sums that cancel in exact arithmetic (e.g. OSO's
+        q-weight 0 = α·1 − α), each with its own rounding error ≤ |weight|·E_i: its released
+        contribution is ≤ |w_i|·N_i + (|α w_prev_i| + |r_i|)·E_i, not |w_i|·N_i. Where a layer
+        has such errors (E, ``release_err``) and that could exceed max_j |w_j|·N_j (the
+        largest contribution the weights allow, hence within the caller's sensitivity) the
+        direct sum is used instead: only for ill-conditioned examples (E_i ~ N_i).
+        """
+        if self._last is None:
+            return None
+        prev_w, prev_sum = self._last
+        both = (w != 0) & (prev_w != 0)
+        if int(both.sum()) * 2 < w.shape[0]:
+            return None
+        alpha = (w[both].double() / prev_w[both].double()).median()
+        r = w.double() - alpha * prev_w.double()
+        scale = torch.maximum(w.double().abs(), (alpha * prev_w.double()).abs())
+        rows = (r.abs() > REUSE_RTOL * scale).nonzero().squeeze(1)
+        if rows.numel() * 2 > w.shape[0]:
+            return None
+        err = self.release_err() if rows.numel() else None
+        if err is not None:
+            n = self.norms.double()
+            u = unit_roundoff(self.losses.dtype)
+            ea = err[rows] + 4 * u * n[rows]  # + the relative part (1+γ_2), the α scaling, the addition
+            need = w.double()[rows].abs() * n[rows] + ((alpha * prev_w.double()[rows]).abs() + r[rows].abs()) * ea
+            if bool((need > (1 + REUSE_RTOL) * (w.double().abs() * n).max()).any()):
+                return None
+        a = float(alpha)
+        out = {k: v * a for k, v in prev_sum.items()}  # float64 (docs/privacy.md, item 1b)
+        if rows.numel():
+            extra = self._sum(r[rows].to(w.dtype), rows)
+            out = {k: out[k] + extra[k] for k in out}
+        return out

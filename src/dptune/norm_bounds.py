@@ -1,0 +1,283 @@
+"""Norms as upper bounds of what is released, and the float arithmetic that keeps them so: γ_n,
+row norms with their slack (``sq_rows_upper``, ``rank_one_parts``), per-sample norms (``upper_norms``),
+float64 sums across examples (``wide_sum``, ``wide_mm``), the kernels a release assumes (``ieee_matmul``,
+``same_kernel``). Shared by ``persample`` and ``ghost``; derivation: docs/privacy.md, "Norm bounds".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+def flat_rows(g: torch.Tensor) -> torch.Tensor:
+    """[B, *shape] → [B, prod(shape)] (also for B = 0, where reshape(0, -1) is ambiguous)."""
+    return g.reshape(g.shape[0], math.prod(g.shape[1:]))
+
+
+# ----------------------------------------------------------------------------- norms as upper bounds
+# Every norm below is an upper bound on what is released for the example (else clipping would
+# not bound it by C), proved in the standard model of floating-point arithmetic: a sum of n
+# products in ANY order is within γ_n·Σ|terms| of its value, γ_n = n·u/(1 − n·u) (Higham 2002,
+# Lemma 3.1); derivations and numbers: docs/privacy.md, item 1. Rows longer than NORM_BLOCK are
+# summed in blocks (torch's fused vector_norm), the block sums in float64; ``upper_norms`` applies
+# one slack to all, γ_{2056}: every float32 norm is ≈ 6.1e-5 above exact (float64: 1.1e-13).
+NORM_BLOCK = 1024
+# Added (squared) to every squared norm: covers the absolute underflow error of float32
+# products (≤ n·2⁻¹⁴⁹ ≈ 1e-36 for n ≤ 2³¹ terms) and changes no norm above ~1e-12.
+NORM_FLOOR = 1e-16
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = eps/2 of a floating dtype (2⁻²⁴ for float32, 2⁻⁵³ for float64)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: float, u: float) -> float:
+    """γ_n = n·u/(1 − n·u) (inf when n·u ≥ 1: no bound)."""
+    nu = n * u
+    return nu / (1.0 - nu) if nu < 1.0 else math.inf
+
+
+def sq_rows_upper(g: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(s, ρ) with Σ_j g_ij² ≤ s_i·(1 + ρ) for every row i of g ([B, *shape]), exactly.
+
+    Assumes only that ``vector_norm`` returns the square root of a float sum of the products
+    x·x (any order): then s ≥ Σx²·(1 − γ_n)(1 − u)³ ≥ Σx²·(1 − γ_{n+3}) for a row of
+    n ≤ NORM_BLOCK (the root, and s = root² rounded: three more roundings; ρ uses n + 4). For
+    longer rows each block of m obeys that, and the float64 sum of the k + 1 block squares
+    costs (1 − γ⁶⁴_{k+3}) more.
+    """
+    flat = flat_rows(g)
+    if flat.dtype in _HALF:  # bf16/fp16 sums would need a slack of ~n·2⁻⁸: sum in float32
+        flat = flat.float()
+    B, n = flat.shape
+    u = unit_roundoff(flat.dtype)
+    if n <= NORM_BLOCK:
+        return torch.linalg.vector_norm(flat, dim=1).square_(), 1.0 / (1.0 - gamma(n + 4, u)) - 1.0
+    m = NORM_BLOCK
+    k = n // m
+    s = torch.linalg.vector_norm(flat[:, : k * m].reshape(B, k, m), dim=2).double().square_().sum(1)
+    if k * m < n:
+        s += torch.linalg.vector_norm(flat[:, k * m :], dim=1).double().square_()
+    u64 = unit_roundoff(torch.float64)
+    return s, 1.0 / ((1.0 - gamma(m + 4, u)) * (1.0 - gamma(k + 4, u64))) - 1.0
+
+
+_K_CACHE: dict[tuple[float, int, torch.dtype, torch.dtype, bool], float] = {}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _norm_factor(
+    rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.dtype, extra_rounding: bool = False
+) -> float:
+    """The smallest float K of ``dtype`` with K ≥ (1+γ'_2)·√((1+ρ)/(1−γ_{terms+1}))/(1−u)².
+
+    (1 − γ_{terms+1}): the conversions and terms additions (τ² included) of ``upper_norms``'s
+    sum of non-negative terms; (1 − u)²: its square root and the multiplication by K;
+    (1 + γ'_2): the two roundings (w·b, then ·a) of the weighted sum's own scaling of a
+    single example's terms, in the model's dtype (a released w_i·g_i has norm
+    ≤ |w_i|·(1+γ'_2)·‖g_i‖); γ'_3 with ``extra_rounding`` (w cast to the model's dtype first).
+    """
+    key = (rho, terms, dtype, model_dtype, extra_rounding)
+    got = _K_CACHE.get(key)
+    if got is None:
+        u = unit_roundoff(dtype)
+        g = gamma(terms + 1, u)
+        k = (
+            (1.0 + gamma(3 if extra_rounding else 2, unit_roundoff(model_dtype)))
+            * math.sqrt((1.0 + rho) / (1.0 - g))
+            / (1.0 - u) ** 2
+            if g < 1
+            else math.inf
+        )
+        if math.isfinite(k):
+            k *= 1.0 + 4 * unit_roundoff(torch.float64)  # this Python arithmetic's own roundings
+            t = torch.tensor(k, dtype=torch.float64).to(dtype)
+            if float(t) < k:
+                t = torch.nextafter(t, torch.tensor(math.inf, dtype=dtype))
+            k = float(t)
+        got = _K_CACHE[key] = k
+    return got
+
+
+def upper_norms(
+    parts: list[tuple[torch.Tensor, float]],
+    like: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    release_dtypes: Iterable[torch.dtype] = (),
+) -> torch.Tensor:
+    """Per-sample norms N_i ≥ (1+γ_2)·(Σ_l s_li·(1+ρ_l) + NORM_FLOOR²)^½, shaped like ``like``,
+    in ``dtype`` (default: ``like``'s).
+
+    ``release_dtypes``: the dtypes the weighted sums are computed in (the parameters'). The
+    release's rounding allowance is that of the least precise one, with one more rounding (w
+    cast to it) when it is less precise than the norms: a bf16 model whose loss is float32
+    releases in bf16.
+
+    ``parts``: (s_l, ρ_l) pairs, one per parameter (or per layer part), with ‖part_l of g_i‖²
+    ≤ s_li·(1+ρ_l) and ‖released part_l of w·g_i‖ ≤ |w|·(1+γ_2)·(s_li(1+ρ_l))^½ (see
+    ``sq_rows_upper`` and the layer rules of ``dptune.ghost``). Cost: the sum, a root and one
+    multiplication per batch, as for the plain Euclidean norm.
+    """
+    out_dt = dtype if dtype is not None else like.dtype
+    dt = torch.float32 if out_dt in _HALF else out_dt  # half-precision models: computed in float32
+    sq: torch.Tensor | None = None
+    # One slack for every path: the largest a float sum of squares in this module can need
+    # (rows of ≤ NORM_BLOCK, or two of them multiplied: ‖a‖²‖b‖²), so that the ghost, vmap
+    # and vectorised paths give the same norms up to their own float differences (~1e-7).
+    rho = 1.0 / (1.0 - gamma(2 * NORM_BLOCK + 8, unit_roundoff(dt))) - 1.0
+    for s, r in parts:
+        if s.dtype != dt:
+            s = s.to(dt)
+        sq = s if sq is None else sq + s
+        rho = max(rho, r)
+    if sq is None:
+        sq = torch.zeros(like.shape, dtype=dt, device=like.device)
+    rel_dt = max(release_dtypes, key=unit_roundoff, default=out_dt)
+    if unit_roundoff(rel_dt) <= unit_roundoff(out_dt):
+        rel_dt = out_dt
+    k = _norm_factor(rho, len(parts), dt, rel_dt, extra_rounding=rel_dt != out_dt)
+    n = sq.add(NORM_FLOOR**2).sqrt_().mul_(k)
+    if out_dt == dt:
+        return n
+    low = n.to(out_dt)  # rounded to nearest: step up where that went down
+    return torch.where(low.to(dt) < n, torch.nextafter(low, torch.full_like(low, math.inf)), low)
+
+
+@contextmanager
+def ieee_matmul(device: torch.device) -> Iterator[None]:
+    """Full-precision float32 products for the duration: matrix products without TF32 / bf16
+    operands and, on CUDA, cuDNN convolutions without TF32 (PyTorch's default there), which the
+    bounds on a release assume. Determinism is not forced (only ghost case (e) needs it, and sets
+    it itself): the model's own passes keep cuDNN's fastest kernels (docs/privacy.md, item 1).
+    """
+    with _ieee_matmul(device), _exact_cudnn(device):
+        yield
+
+
+@contextmanager
+def _exact_cudnn(device: torch.device) -> Iterator[None]:
+    if device.type != "cuda":
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    # The legacy switch, as long as nobody used torch ≥ 2.9's per-operator one: once the two APIs
+    # are mixed, PyTorch raises wherever the legacy flag is read (some of its own ops read it).
+    try:
+        old_tf32: bool | None = cudnn.allow_tf32
+    except RuntimeError:  # the user set per-operator precisions: keep to that API
+        old_tf32 = None
+    ops: list[Any] = [] if old_tf32 is not None else [getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)]
+    ops = [op for op in ops if hasattr(op, "fp32_precision")]
+    old_prec = [op.fp32_precision for op in ops]
+    if old_tf32 is not None:
+        cudnn.allow_tf32 = False
+    for op in ops:
+        op.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        for op, prec in zip(ops, old_prec, strict=True):
+            op.fp32_precision = prec
+        if old_tf32 is not None:
+            cudnn.allow_tf32 = old_tf32
+
+
+@contextmanager
+def _ieee_matmul(device: torch.device) -> Iterator[None]:
+    be: Any = torch.backends.cuda.matmul if device.type == "cuda" else getattr(torch.backends.mkldnn, "matmul", None)
+    old = getattr(be, "fp32_precision", None)
+    if old is None:  # torch before the per-backend API (2.9): the legacy global switch
+        legacy = torch.get_float32_matmul_precision()
+        if legacy == "highest":
+            yield
+            return
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(legacy)
+        return
+    if old in ("none", "ieee"):
+        yield
+        return
+    be.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        be.fp32_precision = old
+
+
+@contextmanager
+def same_kernel(device: torch.device) -> Iterator[None]:
+    """Deterministic cuDNN kernels for the duration: case (e) recomputes per-sample gradients
+    that must equal, bit for bit, those whose norms were taken (CPU kernels are deterministic; every
+    private computation also runs under ``ieee_matmul``, which turns cuDNN's TF32 off)."""
+    if device.type != "cuda":
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    old = (cudnn.deterministic, cudnn.benchmark)
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = old
+
+
+# Rows per float64 block of ``wide_sum`` at most (fewer for long rows: ≤ 2²² floats per block).
+WIDE_BLOCK = 2048
+
+
+def wide_sum(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Σ_i w_i g_i over the rows of g [B, n], in float64 ([n]).
+
+    Each example's term w_i·g_ij is formed from that example alone (exact for float32 and
+    half-precision operands: a product of two 24-bit significands fits in 53 bits), and the
+    terms are summed across examples in float64, by blocks of m ≤ WIDE_BLOCK rows: the error
+    is ≤ γ⁶⁴_{m+⌈B/m⌉}·Σ_i |w_i g_i| entrywise, whatever the order (docs/privacy.md, item
+    1b), instead of γ³²_B for a float32 product."""
+    B, n = g.shape
+    m = max(1, min(WIDE_BLOCK, (1 << 22) // max(1, n)))
+    out = torch.zeros(n, dtype=torch.float64, device=g.device)
+    for i in range(0, B, m):
+        out += w[i : i + m].double() @ g[i : i + m].double()
+    return out
+
+
+def rank_one_parts(a: torch.Tensor, b: torch.Tensor, bias: bool) -> list[tuple[torch.Tensor, float]]:
+    """Case (b), Linear with T = 1: ‖b aᵀ‖² = ‖a‖²‖b‖² (and ‖b‖² for the bias) over the last
+    dimension of a [..., d], b [..., p], as (s, ρ) parts (also [K, B, ·] for ``vectorized``).
+
+    s = fl(fl(‖a‖·‖b‖)²) with each norm from ``vector_norm`` (≥ ‖·‖·(1−γ_n)^½(1−u)) is
+    ≥ ‖a‖²‖b‖²·(1 − γ_{d+4})(1 − γ_{p+4}); rows longer than NORM_BLOCK go through
+    ``sq_rows_upper`` (blocked sums).
+    """
+    d, p = a.shape[-1], b.shape[-1]
+    if a.dtype in (torch.float16, torch.bfloat16):  # half precision: sum in float32
+        a, b = a.float(), b.float()
+    if d > NORM_BLOCK or p > NORM_BLOCK:
+        (sa, ra), (sb, rb) = sq_rows_upper(a.reshape(-1, d)), sq_rows_upper(b.reshape(-1, p))
+        u64 = unit_roundoff(torch.float64)
+        s = (sa.double() * sb.double()).reshape(a.shape[:-1])
+        parts = [(s, (1.0 + ra) * (1.0 + rb) / (1.0 - u64) - 1.0)]
+        return parts + [(sb.reshape(b.shape[:-1]), rb)] if bias else parts
+    u = unit_roundoff(a.dtype)
+    nb = torch.linalg.vector_norm(b, dim=-1)
+    s = (torch.linalg.vector_norm(a, dim=-1) * nb).square_()
+    parts = [(s, 1.0 / ((1.0 - gamma(d + 4, u)) * (1.0 - gamma(p + 4, u))) - 1.0)]
+    return parts + [(nb.square_(), 1.0 / (1.0 - gamma(p + 4, u)) - 1.0)] if bias else parts
+
+
+def wide_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """xᵀ y over the rows of x [B, p] (float64) and y [B, d], in float64 by blocks of WIDE_BLOCK
+    rows (the bound of ``wide_sum``)."""
+    out = x.new_zeros(x.shape[1], y.shape[1])
+    for i in range(0, x.shape[0], WIDE_BLOCK):
+        out += x[i : i + WIDE_BLOCK].t() @ y[i : i + WIDE_BLOCK].double()
+    return out
