@@ -1,0 +1,152 @@
+"""A run's task: its data on the device, with the metric and loss they imply. ``OwnTask``: whatever
+``train`` and ``make_private`` take (docs/your_data.md); ``resolve_task``: tensors ``train_many`` stacks."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from dptune import inputs, metrics, own
+from dptune.devices import resolve_device
+from dptune.errors import ConfigError
+from dptune.grads import GradientOracle
+from dptune.metrics import Metric
+from dptune.tree import Tensors
+
+
+@dataclass(frozen=True)
+class TaskTensors:
+    """Training/evaluation tensors on the device, with the metric and loss they imply."""
+
+    device: torch.device
+    x: torch.Tensor
+    y: torch.Tensor
+    ex: torch.Tensor | None
+    ey: torch.Tensor | None
+    metric: Metric
+    loss: str
+
+
+def resolve_task(
+    data: Any, eval_data: Any, device: str | torch.device | None, metric: str | Metric | None, loss: str | None
+) -> TaskTensors:
+    """Move the data to the device; a float target shaped like the input means reconstruction (MSE)."""
+    dev = resolve_device(device)  # a named device must exist: never a silent run on the CPU
+    x, y = _as_tensors(data, dev)
+    recon = isinstance(x, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype and x.dtype.is_floating_point
+    m = metrics.resolve(metric, "mse" if recon else "accuracy")
+    loss = loss or ("mse" if recon else "cross_entropy")
+    ex, ey = _as_tensors(eval_data, dev) if eval_data is not None else (None, None)
+    return TaskTensors(dev, x, y, ex, ey, m, loss)
+
+
+def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(data, Sequence) and len(data) == 2:
+        x, y = data
+    elif hasattr(data, "x_train"):
+        x, y = data.x_train, data.y_train
+    elif own.tensors_of(data) is not None:
+        x, y = own.tensors_of(data)  # type: ignore[misc]
+    else:
+        # train_many stacks K trials on in-memory tensors; dptune.train reads any map-style dataset.
+        raise ConfigError(
+            "data must be a pair (x, y) of tensors, a TensorDataset or a dptune.data.Dataset here "
+            "(a map-style dataset works with dptune.train; for train_many, read it into "
+            "memory with dptune.own.materialize)."
+        )
+    # x: one tensor, or a tuple/dict of tensors for a model with several inputs (dptune.inputs).
+    x = inputs.as_inputs(x)
+    y = torch.as_tensor(y)
+    if inputs.batch_len(x) != y.shape[0]:
+        raise ConfigError(f"x and y have different lengths ({inputs.batch_len(x)} vs {y.shape[0]}).")
+    return inputs.to(x, device), y.to(device)
+
+
+@dataclass(eq=False)
+class OwnTask:
+    """The run's data and evaluation, whatever the user passed (docs/your_data.md): tensor pairs,
+    ``Dataset``s and two-tensor ``TensorDataset``s by ``index_select``, any other map-style dataset
+    by index (``own.MapSource``); the same rows for the same Poisson indices, so the same run."""
+
+    device: torch.device
+    train: Any
+    evald: Any
+    metric: Metric
+    loss: str | Callable
+    user_loss_fn: Callable | None
+
+    @staticmethod
+    def _source(data: Any, device: torch.device) -> Any:
+        if isinstance(data, DataLoader):
+            warnings.warn(
+                "dptune uses the DataLoader's dataset only: its sampler, shuffle and batch_size are "
+                "replaced by Poisson sampling at q = expected_batch_size / n, which the privacy "
+                "accountant assumes (docs/your_data.md).",
+                stacklevel=4,
+            )
+            data = own.from_dataloader(data)
+        if (isinstance(data, Sequence) and len(data) == 2) or hasattr(data, "x_train"):
+            return _as_tensors(data, device)
+        if own.is_map_style(data):
+            fast = own.tensors_of(data)
+            if fast is not None:
+                return _as_tensors(fast, device)
+            return own.MapSource(data, device, getattr(data, "collate_fn", None))
+        raise ConfigError(
+            "data must be a pair (x, y) of tensors, a map-style dataset (__len__ and __getitem__, "
+            "e.g. a torch Dataset), a DataLoader or a dptune.data.Dataset."
+        )
+
+    @classmethod
+    def resolve(cls, data: Any, eval_data: Any, device: str | torch.device | None, metric: Any, loss: Any) -> OwnTask:
+        dev = resolve_device(device)  # a named device must exist: never a silent run on the CPU
+        tr = cls._source(data, dev)
+        ev = cls._source(eval_data, dev) if eval_data is not None else None
+        x, y = tr if isinstance(tr, tuple) else tr.empty_batch
+        recon = (
+            isinstance(x, torch.Tensor)
+            and x.shape[1:] == y.shape[1:]
+            and x.dtype == y.dtype
+            and x.dtype.is_floating_point
+        )
+        m = metrics.resolve(metric, "mse" if recon else "accuracy")
+        user_fn = None
+        if callable(loss):
+            user_fn, loss = loss, own.user_loss(loss)
+        elif loss is None:
+            loss = "mse" if recon else "cross_entropy"
+        return cls(dev, tr, ev, m, loss, user_fn)
+
+    @property
+    def n(self) -> int:
+        return int(self.train[1].shape[0]) if isinstance(self.train, tuple) else self.train.n
+
+    @property
+    def metric_name(self) -> str:
+        return self.metric.name
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(self.train, tuple):
+            x, y = self.train
+            idx = inputs.indices_to(idx, self.device)
+            return inputs.take(x, idx), y.index_select(0, idx)
+        return self.train.batch(idx)
+
+    def check_loss(self, model: nn.Module) -> None:
+        if self.user_loss_fn is not None:
+            own.check_loss(self.user_loss_fn, model, *self.batch(torch.arange(min(2, self.n))))
+
+    def evaluate(self, oracle: GradientOracle, params: Tensors) -> float:
+        # In-memory tensors are sliced, a map-style dataset is read chunk by chunk: the same batches.
+        ev = self.evald
+        with metrics.eval_mode(oracle.model):
+            return metrics.mean_scores(
+                partial(oracle.forward, params), ev if isinstance(ev, tuple) else ev.chunks(), self.metric
+            )[0]

@@ -1,0 +1,401 @@
+"""A study's sections ([data], [model], [training], [budget], [method], [selection], [[strategies]]):
+frozen dataclasses that check their own fields. The ``Study`` of them is in ``dptune.tune.spec``."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dptune import data as datasets
+from dptune import models
+from dptune.accounting.events import check_delta_for_n
+from dptune.devices import check_device_name
+from dptune.errors import ConfigError, config_error
+from dptune.factories import import_factory
+from dptune.metrics import named as named_metric
+from dptune.tune.methods.registry import canonical_method, get_method
+
+ACCOUNTANT_CHOICES = ("auto", "rdp", "pld", "gdp")
+SELECTION_MODES = ("public", "private")
+METRICS = ("accuracy", "mse")
+
+
+def _positive_number(path: str, value: Any, *, allow_inf: bool = False) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    ok = ok and (allow_inf or math.isfinite(value))
+    if not ok:
+        raise config_error(path, f"must be a number > 0, got {value!r}", f"set {path} to e.g. 1.0")
+    return float(value)
+
+
+def _check_flag_options(name: str, options: Mapping[str, Any]) -> None:
+    """A dataset option whose default is true/false takes only true/false: ``flatten = "maybe"``
+    (or 2) would be read as true by the loader. Unknown options are left to ``dptune.data.load``."""
+    try:
+        defaults = datasets.options(name)
+    except ConfigError:  # an unknown dataset is reported by the caller
+        return
+    for key, value in options.items():
+        if isinstance(defaults.get(key), bool) and not isinstance(value, bool):
+            raise config_error(
+                f"data.options.{key}", f"must be true or false, got {value!r}", f"{key} = {str(defaults[key]).lower()}"
+            )
+
+
+def _one_source(section: str, sources: Sequence[Any], choices: str, fix: str, factory: str | None) -> None:
+    """Exactly one of a section's ``sources`` is given; a ``"pkg.module:name"`` factory must import
+    here, so that a typo fails before any run starts."""
+    if sum(v is not None for v in sources) != 1:
+        raise config_error(section, f"give exactly one of {choices}", fix)
+    if factory is not None:
+        import_factory(factory, f"{section}.factory")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where the data comes from: a registered dataset (``name`` + ``options``) or tensors.
+
+    ``tensors`` = (x_train, y_train, x_test, y_test) for studies built in Python; a
+    ``dptune.data.Dataset`` passed as ``Study(data=...)`` is converted to this form.
+    """
+
+    name: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # "pkg.module:loader": the user's data, loader(**options) (contract: docs/your_data.md).
+    factory: str | None = None
+    # A registered dataset's standard test split is public; the user's (factory) is private unless declared.
+    test_public: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.test_public is None:
+            object.__setattr__(self, "test_public", self.factory is None)
+        elif not isinstance(self.test_public, bool):
+            raise config_error("data.test_public", f"must be true or false, got {self.test_public!r}", "true")
+        _one_source(
+            "data",
+            (self.name, self.tensors, self.factory),
+            "data.name (a registered dataset), data.factory or tensors",
+            'set data.name = "digits" or data.factory = "mypkg.data:load" '
+            "(or pass Study(data=(x_train, y_train, x_test, y_test)))",
+            self.factory,
+        )
+        if self.factory is not None:
+            if not isinstance(self.options, Mapping):
+                raise config_error("data.options", "must be a table of options", "e.g. options = { n = 1000 }")
+        elif self.name is not None:
+            if not isinstance(self.name, str):
+                raise config_error("data.name", f"must be a string, got {self.name!r}", 'e.g. name = "digits"')
+            names = datasets.available()
+            if self.name not in names:
+                raise config_error("data.name", f"unknown dataset {self.name!r}", f"choose one of {', '.join(names)}")
+            if not isinstance(self.options, Mapping):
+                raise config_error("data.options", "must be a table of options", "e.g. options = { flatten = true }")
+            _check_flag_options(self.name, self.options)
+        else:
+            t = self.tensors
+            if not isinstance(t, tuple | list) or len(t) != 4:
+                raise config_error("data.tensors", "must be (x_train, y_train, x_test, y_test)", "pass four tensors")
+            ts = tuple(torch.as_tensor(v) for v in t)
+            if ts[0].shape[0] != ts[1].shape[0] or ts[2].shape[0] != ts[3].shape[0]:
+                raise config_error("data.tensors", "x and y lengths differ", "pass matching x/y tensors")
+            if ts[0].shape[0] == 0:
+                raise config_error("data.tensors", "the training set is empty", "pass at least one example")
+            object.__setattr__(self, "tensors", ts)
+
+    def fingerprint(self) -> str:
+        if self.tensors is None:
+            return ""
+        memo = self.__dict__.get("_fingerprint")
+        if memo is not None:
+            return memo
+        h = hashlib.sha256()
+        for t in self.tensors:
+            h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        object.__setattr__(self, "_fingerprint", h.hexdigest())  # tensors are immutable by contract
+        return self.__dict__["_fingerprint"]
+
+    def describe(self) -> dict[str, Any]:
+        # test_public only when not its default: stored studies keep their fingerprint
+        declared = {} if self.test_public == (self.factory is None) else {"test_public": self.test_public}
+        if self.factory is not None:  # the factory string is part of the study fingerprint
+            return {"factory": self.factory, "options": dict(self.options), **declared}
+        if self.name is not None:
+            return {"name": self.name, "options": dict(self.options), **declared}
+        return {"python_tensors": self.fingerprint(), **declared}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``dptune.models.build(name, **options)`` or a picklable callable ``builder(**options)``.
+
+    For registered models, ``input_dim`` and ``classes`` are filled in from the dataset
+    when the builder takes them and they are not given.
+    """
+
+    name: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    builder: Callable[..., torch.nn.Module] | None = None
+    # "pkg.module:factory": the user's model, factory(**options) -> nn.Module, imported by every worker.
+    factory: str | None = None
+
+    def __post_init__(self) -> None:
+        _one_source(
+            "model",
+            (self.name, self.builder, self.factory),
+            "model.name, model.factory or a builder callable",
+            'set model.name = "logistic_regression" or model.factory = "mypkg.models:build"',
+            self.factory,
+        )
+        if self.name is not None:
+            if not isinstance(self.name, str):
+                raise config_error(
+                    "model.name", f"must be a string, got {self.name!r}", 'e.g. name = "logistic_regression"'
+                )
+            if self.name not in models.MODELS:
+                raise config_error(
+                    "model.name", f"unknown model {self.name!r}", f"choose one of {', '.join(sorted(models.MODELS))}"
+                )
+        elif self.factory is None and not callable(self.builder):
+            raise config_error("model.builder", "must be callable", "pass a function returning an nn.Module")
+        if not isinstance(self.options, Mapping):
+            raise config_error("model.options", "must be a table", "e.g. options = { hidden = 100 }")
+
+    def describe(self) -> dict[str, Any]:
+        if self.factory is not None:  # the factory string is part of the study fingerprint
+            return {"factory": self.factory, "options": dict(self.options)}
+        if self.name is not None:
+            return {"name": self.name, "options": dict(self.options)}
+        b = self.builder
+        return {
+            "builder": f"{getattr(b, '__module__', '?')}.{getattr(b, '__qualname__', repr(b))}",
+            "options": dict(self.options),
+        }
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """Run length and batching shared by every run (a search space may override
+    ``steps``/``epochs``/``expected_batch_size`` per configuration)."""
+
+    epochs: float | None = None
+    steps: int | None = None
+    expected_batch_size: float | None = None
+    full_batch: bool = False
+    device: str = "cpu"
+    loss: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.epochs is None) == (self.steps is None):
+            raise config_error("training", "give exactly one of training.epochs or training.steps", "e.g. epochs = 5")
+        if self.epochs is not None:
+            _positive_number("training.epochs", self.epochs)
+        if self.steps is not None and (
+            not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1
+        ):
+            raise config_error("training.steps", f"must be an integer ≥ 1, got {self.steps!r}", "e.g. steps = 500")
+        if not isinstance(self.full_batch, bool):  # "maybe" or 2 would be read as true
+            raise config_error(
+                "training.full_batch",
+                f"must be true or false, got {self.full_batch!r}",
+                "full_batch = true (no quotes)",
+            )
+        if self.full_batch and self.expected_batch_size is not None:
+            raise config_error(
+                "training", "full_batch = true and expected_batch_size are exclusive", "drop one of them"
+            )
+        if not self.full_batch and self.expected_batch_size is None:
+            raise config_error(
+                "training.expected_batch_size",
+                "missing",
+                "set expected_batch_size (Poisson sampling, q = L/n) or full_batch = true",
+            )
+        if self.expected_batch_size is not None:
+            _positive_number("training.expected_batch_size", self.expected_batch_size)
+        if self.loss is not None and self.loss not in ("cross_entropy", "mse", "bce"):
+            raise config_error(
+                "training.loss",
+                f"unknown loss {self.loss!r}",
+                "choose cross_entropy, mse or bce (or omit it: chosen from the task)",
+            )
+        # Syntax only: a study may be planned on a driver without the GPUs of its Ray cluster;
+        # availability is checked where the runs execute (run_study, worker).
+        object.__setattr__(self, "device", check_device_name(self.device, "training.device"))
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """The total budget of ONE tuning procedure; a list of ε runs one procedure per ε."""
+
+    epsilon: tuple[float, ...] = (1.0,)
+    delta: float = 1e-5
+    accountant: str = "auto"
+    account_seeds: bool = False
+    allow_large_delta: bool = False  # accept δ ≥ 1/n
+
+    def check_delta(self, n: int) -> None:  # by tune.plan.plan_study, where n (training examples) is first known
+        check_delta_for_n(self.delta, n, self.allow_large_delta, "budget.delta", "set budget.allow_large_delta = true")
+
+    def __post_init__(self) -> None:
+        eps = self.epsilon
+        if isinstance(eps, int | float) and not isinstance(eps, bool):
+            eps = (eps,)
+        if isinstance(eps, str):  # a string is a Sequence: its characters would be read as the list
+            raise config_error(
+                "budget.epsilon",
+                f"must be a number or a list of numbers, got {eps!r}",
+                "e.g. epsilon = 3.0 or epsilon = [1.0, 3.0] (no quotes)",
+            )
+        if not isinstance(eps, Sequence) or not eps:
+            raise config_error(
+                "budget.epsilon",
+                f"must be a number or a non-empty list, got {self.epsilon!r}",
+                "e.g. epsilon = 3.0 or epsilon = [1.0, 3.0]",
+            )
+        out = []
+        for i, e in enumerate(eps):
+            path = "budget.epsilon" if len(eps) == 1 else f"budget.epsilon[{i}]"
+            if not isinstance(e, int | float) or isinstance(e, bool) or not math.isfinite(e) or e <= 0:
+                raise config_error(path, f"ε must be a finite number > 0, got {e!r}", "use e.g. epsilon = 3.0")
+            out.append(float(e))
+        if len(set(out)) != len(out):
+            raise config_error("budget.epsilon", "values repeat", "list each ε once")
+        object.__setattr__(self, "epsilon", tuple(out))
+        d = self.delta
+        if not isinstance(d, int | float) or isinstance(d, bool) or not (0 < d < 1):
+            raise config_error(
+                "budget.delta",
+                f"δ must lie in (0, 1), got {d!r}",
+                "use δ < 1/n, e.g. delta = 1e-5 for n = 60,000 (1/n rounded down to a power of ten)",
+            )
+        object.__setattr__(self, "delta", float(d))
+        if self.accountant not in ACCOUNTANT_CHOICES:
+            raise config_error(
+                "budget.accountant",
+                f"unknown accountant {self.accountant!r}",
+                f"choose one of {', '.join(ACCOUNTANT_CHOICES)}",
+            )
+        for key in ("account_seeds", "allow_large_delta"):
+            if not isinstance(getattr(self, key), bool):
+                raise config_error(
+                    f"budget.{key}", f"must be true or false, got {getattr(self, key)!r}", "true or false"
+                )
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A tuning method (``tune.methods``: its name or an alias) and its options; ``options`` becomes
+    the method's full set of options (defaults filled in), checked by the method's ``Options``."""
+
+    name: str = "grid"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", canonical_method(self.name))
+        if not isinstance(self.options, Mapping):
+            raise config_error("method", "options must be a table", "e.g. [method] name = 'random', n = 10")
+        object.__setattr__(self, "options", get_method(self.name).parse_options(self.options))
+
+
+@dataclass(frozen=True)
+class SelectionSpec:
+    """How the best configuration (and checkpoint) is chosen, and at what privacy cost.
+
+    * ``mode='public'``: the validation split is treated as public (what the papers do);
+      only ``split='test'`` (a holdout is carved from the private training data: refused).
+    * ``mode='private'``: every validation score is released by the Gaussian mechanism
+      (count of correct predictions, sensitivity 1, noise std ``noise_multiplier``) through
+      ``NoisyRelease``; its events are in the plan and the ledger. ``split='holdout'`` assigns
+      each training example to the holdout by a keyed hash of its own content
+      (``tune.data.holdout_mask``), so adding or removing one example moves no other one.
+    """
+
+    mode: str = "public"
+    split: str = "test"  # "test" (papers: select on the test split) or "holdout" (carved from train)
+    holdout_fraction: float = 0.2
+    metric: str | None = None  # accuracy | mse; None: from the task
+    checkpoint: str = "best"  # best (evaluate every eval_every steps) | final
+    eval_every: int = 50
+    across_seeds: str = "per-seed"  # per-seed | mean
+    noise_multiplier: float = 20.0  # private mode: std of the noise on the score's sum (sensitivity 1)
+    mse_clip: float = 1.0  # private mode, metric mse: per-example error clipped to [0, mse_clip]
+
+    def __post_init__(self) -> None:
+        if self.mode not in SELECTION_MODES:
+            raise config_error(
+                "selection.mode",
+                f"unknown mode {self.mode!r}",
+                "choose 'public' (validation data assumed public, as in the papers) or 'private'",
+            )
+        if self.split not in ("test", "holdout"):
+            raise config_error("selection.split", f"unknown split {self.split!r}", "choose 'test' or 'holdout'")
+        if self.split == "holdout" and self.mode == "public":
+            # The holdout is carved from the private training data: scoring on it in public
+            # mode would be an unaccounted read of private data (docs/privacy.md).
+            raise config_error(
+                "selection.split",
+                "a holdout carved from the private training data cannot be "
+                "treated as public (mode = 'public' charges nothing for the selection)",
+                "use selection.mode = 'private' (each score is released through the gateway and "
+                "charged), or split = 'test' with a split that really is public",
+            )
+        if not (isinstance(self.holdout_fraction, int | float) and 0 < self.holdout_fraction < 1):
+            raise config_error(
+                "selection.holdout_fraction",
+                f"must lie in (0, 1), got {self.holdout_fraction!r}",
+                "e.g. holdout_fraction = 0.2",
+            )
+        if self.metric is not None and ":" in str(self.metric):
+            # Your own dptune.Metric: importable now, and private selection needs its sensitivity.
+            m = named_metric(self.metric)
+            if self.mode == "private":
+                m.require_sensitivity()  # type: ignore[union-attr]
+        elif self.metric is not None and self.metric not in METRICS:
+            raise config_error(
+                "selection.metric",
+                f"unknown metric {self.metric!r}",
+                f"choose one of {', '.join(METRICS)}, or 'pkg.module:NAME' for your own dptune.Metric",
+            )
+        if self.checkpoint not in ("best", "final"):
+            raise config_error(
+                "selection.checkpoint", f"unknown checkpoint rule {self.checkpoint!r}", "choose best or final"
+            )
+        if not isinstance(self.eval_every, int) or isinstance(self.eval_every, bool) or self.eval_every < 1:
+            raise config_error(
+                "selection.eval_every",
+                f"must be an integer ≥ 1, got {self.eval_every!r}",
+                "e.g. eval_every = 50 (Galli et al.)",
+            )
+        if self.across_seeds not in ("per-seed", "mean"):
+            raise config_error(
+                "selection.across_seeds", f"unknown rule {self.across_seeds!r}", "choose per-seed or mean"
+            )
+        _positive_number("selection.noise_multiplier", self.noise_multiplier)
+        _positive_number("selection.mse_clip", self.mse_clip)
+
+
+@dataclass(frozen=True)
+class StrategyArm:
+    """One strategy compared in the study, with its own search space (and optionally method).
+
+    ``space`` maps a hyperparameter (or ``steps``/``epochs``/``expected_batch_size``) to a
+    list of values (a grid axis) or to a distribution ``{"log_uniform": [lo, hi]}``,
+    ``{"uniform": [lo, hi]}``, ``{"int_uniform": [lo, hi]}``, ``{"int_log_uniform": [lo, hi]}``
+    (random draws only). ``fixed`` holds hyperparameters that are not searched.
+    """
+
+    name: str
+    space: Mapping[str, Any] = field(default_factory=dict)
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    method: MethodSpec | None = None
+    label: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
