@@ -69,8 +69,8 @@ from dptune.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTED, unsuppo
     LayerGrads,
     LayerRule,
     base_type,
-    capture,
     norm_layer_rule,
+    recording,
     unsupported_reason,
 )
 from dptune.norm_bounds import (  # noqa: F401 - rank_one_parts: re-exported (``vectorized``)
@@ -525,25 +525,10 @@ class GhostEngine:
 
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, buffers: Tensors) -> GhostGrads:
         """``buffers``: the model's buffers for this forward (``persample.ScratchBuffers``' copies)."""
-        records: dict[nn.Module, tuple | None] = {}
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        patched: list[tuple[nn.Module, bool, object]] = []
-        try:
-            for mod, _, _ in self.layers:
-                patched.append(capture(mod, records))
-            out = self._call(ps, buffers, x)
-            losses = self._loss(out, y)
-        finally:
-            for mod, had, old in patched:
-                if had:
-                    mod.__dict__["forward"] = old
-                else:
-                    del mod.__dict__["forward"]
+        with recording(mod for mod, _, _ in self.layers) as records:
+            losses = self._loss(self._call(ps, buffers, x), y)
         used = [(m, c, n) for m, c, n in self.layers if m in records]
-        for m, _, _ in used:
-            rec = records[m]
-            if rec is None or rec[0]._version != rec[2] or rec[1]._version != rec[3]:
-                raise GhostFallback("a layer was called twice or its input/output was modified in place")
         zs = [records[m][1] for m, _, _ in used]
         bs = list(torch.autograd.grad(losses.sum(), zs, allow_unused=True)) if zs else []
         layers: list[LayerRule] = []

@@ -1,6 +1,6 @@
 """The ghost path (``ghost``) around its memory-bounded rules (Linear, convolutions, Embedding): which
 models it takes (``unsupported_reason``), how a forward records a layer's input and output
-(``capture``), a rule's interface (``LayerRule``), the rule of kept per-sample gradients (``KeptRule``,
+(``recording``), a rule's interface (``LayerRule``), the rule of kept per-sample gradients (``KeptRule``,
 ``norm_layer_rule``) and the gradients assembled from rules (``LayerGrads``; ``ghost.GhostGrads``
 adds the norms). OSO's q-query is a second weighted sum over the same stored tensors, its weights
 affine in the clipping weights (w_q = (w_clip − 1[‖g‖ ≤ C])/C): ``LayerGrads.weighted_sum`` reuses
@@ -9,7 +9,8 @@ the previous sum and adds the residual over the rows where the two are not propo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -119,31 +120,43 @@ def norm_layer_rule(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: t
     return KeptRule(names, grads)
 
 
-def capture(mod: nn.Module, records: dict[nn.Module, tuple | None]) -> tuple[nn.Module, bool, object]:
-    """Record ``mod``'s input and output on its next calls (an instance-level ``forward``
-    wrapper); returns what restoring needs.
+@contextmanager
+def recording(mods: Iterable[nn.Module]) -> Iterator[dict[nn.Module, tuple | None]]:
+    """The input and output of each of ``mods`` on its calls in the block (an instance-level ``forward``
+    wrapper, removed after it); GhostFallback if one was called twice, without a positional tensor
+    input, or had its input or output changed in place (no ghost rule then). A wrapper rather than
+    a forward hook: a module with hooks runs ``Module._call_impl``'s slow path (~25 µs per call, and
+    registering/removing hooks costs as much again), a wrapper keeps the fast path. It also sees
+    the layer's own output, before any output hook of the user's."""
+    records: dict[nn.Module, tuple | None] = {}
+    patched: list[tuple[nn.Module, bool, object]] = []
 
-    A wrapper rather than a forward hook: a module with hooks runs ``Module._call_impl``'s
-    slow path (~25 µs per call, and registering/removing hooks costs as much again), a
-    wrapper keeps the fast path. It also sees the layer's own output, before any output hook
-    of the user's. A second call, or a call whose input is not a positional tensor, is
-    recorded as None (the ghost rule does not apply: fall back).
-    """
-    had = "forward" in mod.__dict__
-    old = mod.__dict__.get("forward")
-    inner = mod.forward
+    def wrap(mod: nn.Module, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def forward(*args: object, **kwargs: object) -> torch.Tensor:
+            out = inner(*args, **kwargs)
+            a = args[0] if args else None
+            if mod in records or not isinstance(a, torch.Tensor) or not isinstance(out, torch.Tensor):
+                records[mod] = None
+            else:
+                records[mod] = (a, out, a._version, out._version)
+            return out
 
-    def forward(*args: object, **kwargs: object) -> torch.Tensor:
-        out = inner(*args, **kwargs)
-        a = args[0] if args else None
-        if mod in records or not isinstance(a, torch.Tensor) or not isinstance(out, torch.Tensor):
-            records[mod] = None
-        else:
-            records[mod] = (a, out, a._version, out._version)
-        return out
+        return forward
 
-    mod.__dict__["forward"] = forward
-    return mod, had, old
+    try:
+        for mod in mods:
+            patched.append((mod, "forward" in mod.__dict__, mod.__dict__.get("forward")))
+            mod.__dict__["forward"] = wrap(mod, mod.forward)
+        yield records
+    finally:
+        for mod, had, old in patched:
+            if had:
+                mod.__dict__["forward"] = old
+            else:
+                del mod.__dict__["forward"]
+    for rec in records.values():
+        if rec is None or rec[0]._version != rec[2] or rec[1]._version != rec[3]:
+            raise GhostFallback("a layer was called twice or its input/output was modified in place")
 
 
 class LayerGrads(MaterializedGrads):
