@@ -5,18 +5,22 @@ Every user error is printed as one red line naming the fix (exit code 2); no tra
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from dptune.accounting_text import PLD_EPSILON_CAP  # noqa: F401 (a public name of this module)
 from dptune.errors import ConfigError, DPTuneError
+from dptune.outputs import DIAGNOSTICS_DIR, NOT_DP_LABEL, diagnostics_dir, train_outputs, train_table_rows
+from dptune.paths import check_data_dir, check_output_dir, check_output_file, train_output_paths
 
 app = typer.Typer(
     add_completion=False,
@@ -60,8 +64,6 @@ def _main(
 
 
 def _fail(msg: str) -> None:
-    from rich.markup import escape
-
     # escape: a message's "[budget]" is text, not rich markup (it was swallowed); soft_wrap: one
     # line however narrow the terminal (rich folds at 80 columns when it cannot ask).
     err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
@@ -70,7 +72,6 @@ def _fail(msg: str) -> None:
 
 def _guard(fn):
     """Turn dptune's own errors (and bad values) into one clear line."""
-    import functools
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -159,185 +160,84 @@ def train(
     evaluations on a public test split, ledger totals) and, apart, the diagnostics JSON (history
     with the training loss and realised batch sizes, metrics on a private test split: not
     differentially private)."""
+    _train(SimpleNamespace(**locals()))  # the options, by name
+
+
+def _train(o: SimpleNamespace) -> None:
+    """``dptune train``'s work: every check before any data is read, the run, its files, its table."""
     from dptune.devices import resolve_device
-    from dptune.outputs import diagnostics_dir, train_outputs
     from dptune.train import checkpoint_rule
     from dptune.train import train as run_train
+    from dptune.train_inputs import load_train_inputs
 
     # A built-in dataset's standard test split is public benchmark data; the user's is private unless declared.
-    eval_public = eval_public or data is None
-    checkpoint = checkpoint_rule(checkpoint, True, eval_public)  # before any data is read: one clear error
-    device = str(resolve_device(device, "--device"))
-    _check_seed(seed)
-    _check_data_dir(data_dir)
-    diag_path = _train_paths(out, diagnostics_out, save)
-    train_part, test_part, net, model_id = _train_inputs(data, dataset, model, data_dir, seed)
-    dataset, model_name = data or dataset, model_id.get("factory", model_id.get("name"))  # "auto" resolved
-    target = None if noise_multiplier else epsilon
+    eval_public = o.eval_public or o.data is None
+    checkpoint = checkpoint_rule(o.checkpoint, True, eval_public)  # before any data is read: one clear error
+    device = str(resolve_device(o.device, "--device"))
+    _check_seed(o.seed)
+    check_data_dir(o.data_dir)
+    diag_path = train_output_paths(o.out, o.diagnostics_out, o.save)
+    train_part, test_part, net, model_id = load_train_inputs(o.data, o.dataset, o.model, o.data_dir, o.seed)
+    dataset, model_name = o.data or o.dataset, model_id.get("factory", model_id.get("name"))  # "auto" resolved
+    target = None if o.noise_multiplier else o.epsilon
     result = run_train(
         net,
         train_part,
-        strategy,
-        epochs=epochs,
-        expected_batch_size=None if full_batch else batch_size,
-        full_batch=full_batch,
-        noise_multiplier=noise_multiplier,
+        o.strategy,
+        epochs=o.epochs,
+        expected_batch_size=None if o.full_batch else o.batch_size,
+        full_batch=o.full_batch,
+        noise_multiplier=o.noise_multiplier,
         target_epsilon=target,
-        delta=delta,
-        accountant=accountant,
+        delta=o.delta,
+        accountant=o.accountant,
         eval_data=test_part,
         eval_public=eval_public,
         checkpoint=checkpoint,
-        allow_large_delta=allow_large_delta,
-        eval_every=eval_every,
-        seed=seed,
+        allow_large_delta=o.allow_large_delta,
+        eval_every=o.eval_every,
+        seed=o.seed,
         device=device,
-        progress=progress,
-        secure_mode=secure,
-        **parse_hyperparameters(hp),
+        progress=o.progress,
+        secure_mode=o.secure,
+        **parse_hyperparameters(o.hp),
     )
     # The seed goes to the diagnostics only, and so do the metrics on a private test split.
-    release, diag = train_outputs(result, dataset=dataset, model=model_name, seed=seed, selection_split="test")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(release, default=str))
-    if diagnostics_out is None:
+    release, diag = train_outputs(result, dataset=dataset, model=model_name, seed=o.seed, selection_split="test")
+    o.out.parent.mkdir(parents=True, exist_ok=True)
+    o.out.write_text(json.dumps(release, default=str))
+    if o.diagnostics_out is None:
         diagnostics_dir(diag_path.parent.parent)  # the folder with its README (the label)
     diag_path.parent.mkdir(parents=True, exist_ok=True)
     diag_path.write_text(json.dumps(diag, default=str))
-    if save is not None:  # the deliverable: post-processing of the run, no release
+    if o.save is not None:  # the deliverable: post-processing of the run, no release
         from dptune.deliverable import save_trained
 
-        save_trained(result, save, model_id=model_id, data_id={"name": dataset})  # not the seed: a secret key
-    _print_train(result, release, strategy, target, {"result": out, "saved model": save, "diagnostics": diag_path})
+        save_trained(result, o.save, model_id=model_id, data_id={"name": dataset})  # not the seed: a secret key
+    files = {"result": o.out, "saved model": o.save, "diagnostics": diag_path}
+    _print_train(result, release, o.strategy, target, files)
 
 
 def _print_train(
     result: Any, release: dict[str, Any], strategy: str, target: float | None, files: dict[str, Any]
 ) -> None:
     """``dptune train``'s table, the seed warning and where the diagnostics are (``files``)."""
-    from dptune import accounting
-    from dptune.outputs import NOT_DP_LABEL
-
-    summary, plan, delta, secure = result.summary(), result.plan, result.delta, result.secure_mode
-
-    def eps_of(v: float) -> float:
-        return accounting.epsilon(
-            plan.strategy.planned_event(v, plan.sampling_rate, plan.steps), delta, plan.accountant
-        )
-
-    # ν rounded up (copied back with --noise-multiplier it cannot overshoot); ε by the
-    # accountant ν was calibrated with, named and rounded up (it is a privacy claim).
-    eps = f"{accounting.round_up(summary['epsilon'], 6):.6g}" if plan.strategy.private else "∞"
-    owner = "" if result.eval_public else f" ({NOT_DP_LABEL})"  # metrics on a private test split
-    split = release["selection_split"]
-    rows = [
-        ("steps T", summary["steps"]),
-        ("sampling rate q", f"{summary['sampling_rate']:.4g}"),
-        ("noise multiplier ν", accounting.noise_multiplier_text(plan.noise_multiplier, eps_of, target)[0]),
-        (f"best {result.metric}{owner}", "-" if result.best_metric is None else f"{result.best_metric:.4f}"),
-        (f"best step{owner}", result.best_step),
-        ("diverged", result.diverged),
-        (f"ε spent ({plan.accountant.upper()})", eps),
-        ("δ", delta),
-        ("randomness", summary["randomness"]),
-        ("model", release["model"]),
-        ("selection", f"best checkpoint on the {split} split (public)" if split else "final parameters"),
-        ("seed", "in the diagnostics JSON only" + ("" if secure else " (a secret key)")),
-        ("dptune", release["dptune_version"]),
-        *((k, v) for k, v in files.items() if k != "diagnostics" and v is not None),
-    ]
-    nodp = "" if plan.strategy.private else f" ({NOT_DP_LABEL}: no privacy)"
+    rows = train_table_rows(result, release, target)
+    rows += [(k, v) for k, v in files.items() if k != "diagnostics" and v is not None]
+    nodp = "" if result.plan.strategy.private else f" ({NOT_DP_LABEL}: no privacy)"
     t = Table("quantity", "value", title=f"dptune train: {strategy} on {release['dataset']}{nodp}")
     t.columns[1].justify = "right"
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
-    if not secure:  # a known seed voids the guarantee: say so on every seeded run
-        console.print(f"[yellow]warning[/]: {summary['randomness_note']}", highlight=False)
+    if not result.secure_mode:  # a known seed voids the guarantee: say so on every seeded run
+        console.print(f"[yellow]warning[/]: {release['randomness_note']}", highlight=False)
     # The run time grows with the realised batch sizes: a diagnostic, like the loss.
     console.print(
         f"[red]diagnostics ({NOT_DP_LABEL})[/]: {files['diagnostics']} (training loss on the private batch, "
-        f"realised batch sizes; {summary['seconds']:.1f} s)",
+        f"realised batch sizes; {result.seconds:.1f} s)",
         highlight=False,
     )
-
-
-def _train_paths(out: Path, diagnostics_out: Path | None, save: Path | None) -> Path:
-    """The diagnostics JSON's path (default: diagnostics/<out name> beside --out, or beside the release/
-    folder holding it: it holds the seed). Every output path is checked before training; none is created."""
-    from dptune.outputs import DIAGNOSTICS_DIR, RELEASE_DIR
-    from dptune.paths import check_output_dir, check_output_file
-
-    beside = out.parent.parent if out.parent.resolve().name == RELEASE_DIR else out.parent
-    diag_path = diagnostics_out or beside / DIAGNOSTICS_DIR / out.name
-    if RELEASE_DIR in diag_path.resolve().parent.parts:
-        raise DPTuneError(
-            f"--diagnostics-out {diag_path} is inside a '{RELEASE_DIR}' folder: the diagnostics (the seed, the "
-            "training loss) are not differentially private and must not be published with the release. "
-            "Fix: name a file outside it (default: diagnostics/ beside the release folder)."
-        )
-    if diag_path.resolve() == out.resolve():
-        raise DPTuneError(
-            "--diagnostics-out must differ from --out: the diagnostics are not differentially private. "
-            "Fix: leave out --diagnostics-out (default: diagnostics/<out name> beside --out), or name another file."
-        )
-    check_output_file(out, "--out")  # a bad path once failed after training, losing the result
-    check_output_file(diag_path, "--diagnostics-out")
-    check_output_dir(save, "--save")
-    return diag_path
-
-
-def _train_inputs(data: str | None, dataset: str, model: str, data_dir: str | None, seed: int) -> tuple[Any, ...]:
-    """(train, test, the model built at ``seed``, how ``load_model`` rebuilds it); the user's code is
-    imported first: a wrong path is one clear error before any data is read."""
-    import math
-
-    import torch
-
-    from dptune import data as dpdata
-    from dptune import factories, models, own
-    from dptune.deliverable import factory_identity
-
-    yours = factories.is_factory_path(model)
-    if yours:
-        factories.import_factory(model, "--model")
-    if data is not None:
-        factories.import_factory(data, "--data")
-        if not yours:
-            raise DPTuneError("--data needs your own model too: --model pkg.module:factory.")
-        train_part, test_part = own.load_data(data)
-        dims = own.data_shape(train_part)
-    else:
-        ds = dpdata.load(dataset, data_dir=data_dir, seed=seed)
-        train_part, test_part = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test)
-        dims = (math.prod(ds.input_shape), ds.num_classes)
-    torch.manual_seed(seed)
-    if yours:  # with the arguments the factory was given, for load_model
-        net, ident = own.build_model(model, *dims), factory_identity(model, *dims)
-    else:
-        name = models.default_model_name(ds) if model == "auto" else model
-        ident = {"name": name, "kwargs": models.kwargs_for(name, ds)}
-        net = models.build(name, **ident["kwargs"])
-    _check_model_fits(net, train_part, model, data or dataset, data is None)
-    return train_part, test_part, net, ident
-
-
-def _check_model_fits(net: Any, train_part: Any, model: str, dataset: str, builtin: bool) -> None:
-    """One forward pass on one training example before training: a model that cannot take the
-    dataset's inputs is one clear line here, not a shape error inside the first step."""
-    from dptune import models, own
-
-    pair = train_part if isinstance(train_part, tuple | list) and len(train_part) == 2 else own.tensors_of(train_part)
-    if pair is None:  # a map-style dataset read by index: its loader decides the shape
-        return
-    if builtin:
-        fix = (
-            f"choose a model for the inputs of {dataset!r}, e.g. --model auto (the dataset's default); "
-            f"built-in models: {', '.join(sorted(models.MODELS))}."
-        )
-    else:
-        fix = "make your model factory build a model for these inputs (or pick the data it was written for)."
-    models.check_fits(net, pair[0], pair[1], f"--model {model}", fix)
 
 
 SEED_MAX = 2**63 - 1  # torch.manual_seed takes at most a 64-bit integer; the data splits need ≥ 0
@@ -346,19 +246,6 @@ SEED_MAX = 2**63 - 1  # torch.manual_seed takes at most a 64-bit integer; the da
 def _check_seed(seed: int) -> None:
     if not 0 <= seed <= SEED_MAX:  # -1 gave "expected non-negative integer", 10**24 "Overflow when unpacking"
         raise ConfigError(f"--seed must be an integer in [0, 2**63 - 1], got {seed}. Fix: e.g. --seed 0.")
-
-
-def _check_data_dir(data_dir: str | None) -> None:
-    """A --data-dir that is not a folder was silently ignored (the data came from the cache or a download)."""
-    if data_dir is None:
-        return
-    p = Path(data_dir)
-    if not p.is_dir():
-        what = "is a file" if p.exists() else "does not exist"
-        raise ConfigError(
-            f"--data-dir {data_dir!r} {what}: it names the folder holding the datasets (<data-dir>/<name>/...). "
-            "Fix: pass that folder, or leave out --data-dir to use $DPTUNE_DATA_DIR or the download cache."
-        )
 
 
 @app.command()
@@ -373,51 +260,20 @@ def account(
 ) -> None:
     """ε(δ) of T Poisson-sampled Gaussian steps (× runs)."""
     from dptune import accounting  # not dptune.train: that would import torch for a table of ε
+    from dptune.accounting_text import epsilon_rows
 
     accounting.check_sampling_rate(sampling_rate)
     accounting.check_noise_multiplier(noise_multiplier)  # nan, 0, negative: one clear error
     if steps < 1 or runs < 1:
         raise DPTuneError(f"--steps and --runs must be ≥ 1, got {steps} and {runs}. Fix: e.g. --steps 1000 --runs 1.")
     accounting.check_delta(delta)
-    event = accounting.dpsgd_event(noise_multiplier, sampling_rate, steps, runs)
-    names = ["rdp", "pld"] + (["gdp"] if sampling_rate >= 1 else []) if accountant == "all" else [accountant]
     # ν and q exactly as used (not rounded); ε rounded up: it is a privacy claim.
     t = Table(title=f"ν={noise_multiplier!r}, q={sampling_rate!r}, T={steps}, runs={runs}, δ={delta:g}")
     t.add_column("accountant")
     t.add_column("ε", justify="right")
-    with _numeric_range(f"ν = {noise_multiplier!r}, q = {sampling_rate!r}"):
-        rdp_eps = accounting.epsilon(event, delta, "rdp")
-        for name in names:
-            if name == "pld" and rdp_eps > PLD_EPSILON_CAP:
-                # PLD ≤ RDP, but its grid grows with ε (35 PiB at ν = 1e-6): no guarantee worth a table.
-                t.add_row(
-                    name, f"not computed (RDP gives {accounting.round_up(rdp_eps, 6):.6g}: no meaningful privacy)"
-                )
-                continue
-            problem = accounting.pld_cost_problem(noise_multiplier, accounting.releases_of(event))
-            if name == "pld" and problem is not None:  # minutes and gigabytes: RDP's row stands
-                t.add_row(name, f"not computed ({problem}; see RDP)")
-                continue
-            eps = rdp_eps if name == "rdp" else accounting.epsilon(event, delta, name)
-            t.add_row(name, f"{accounting.round_up(eps, 6):.6g}")
+    for row in epsilon_rows(noise_multiplier, sampling_rate, steps, delta, runs, accountant):
+        t.add_row(*row)
     console.print(t)
-
-
-@contextmanager
-def _numeric_range(what: str) -> Iterator[None]:
-    """dp_accounting's float arithmetic overflows or divides by zero at extreme ν and q (found by
-    the CLI fuzz test: ν = 1e154 with q = 1e-179): one clear line instead of a traceback."""
-    try:
-        yield
-    except ArithmeticError as exc:
-        raise ConfigError(
-            f"the accountant cannot evaluate {what}: numerically out of range ({exc}). Fix: use a "
-            "noise multiplier in [1e-3, 1e4] and a sampling rate ≥ 1e-12 (beyond them ε is ≈ 0 "
-            "or unbounded)."
-        ) from None
-
-
-PLD_EPSILON_CAP = 1000.0  # above this RDP ε, PLD's discretised privacy-loss grid is not built
 
 
 @app.command()
@@ -431,19 +287,9 @@ def calibrate(
     accountant: str = typer.Option("auto", help="auto (PLD, or exact GDP at q = 1), rdp, pld or gdp"),
 ) -> None:
     """Smallest noise multiplier ν meeting (ε, δ): never overshoots the target."""
-    from dptune import accounting
+    from dptune.accounting_text import calibrated_noise
 
-    if accountant == "auto":
-        accountant = accounting.tightest_accountant(sampling_rate)
-    with _numeric_range(f"ε = {epsilon!r}, q = {sampling_rate!r}"):
-        nu = accounting.calibrate(epsilon, delta, sampling_rate, steps, runs, accountant).noise_multiplier
-
-    def eps_of(v: float) -> float:
-        return accounting.epsilon(accounting.dpsgd_event(v, sampling_rate, steps, runs), delta, accountant)
-
-    # The printed ν is rounded up (never to nearest) and ε is that of the printed value.
-    text, shown = accounting.noise_multiplier_text(nu, eps_of, epsilon)
-    achieved = accounting.round_up(eps_of(shown), 6)
+    text, achieved, accountant = calibrated_noise(epsilon, delta, sampling_rate, steps, runs, accountant)
     console.print(f"ν = [bold]{text}[/]  (ε achieved {achieved:.6g} ≤ {epsilon:g} at δ = {delta:g}, {accountant})")
 
 
@@ -488,8 +334,6 @@ def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
     """Runs that did not finish (e.g. a killed worker) are said, with exit code 1: never a silent success."""
     if outcome.complete:
         return
-    from dptune.outputs import NOT_DP_LABEL
-
     # Failed-run counts are not covered by the guarantee: the owner's view, labelled.
     left = sum(n for s, n in outcome.counts.items() if s not in ("done", "diverged"))
     console.print(
@@ -507,7 +351,6 @@ def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
 def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> None:
     """Progress and budget of a (possibly running or interrupted) study (for the data owner:
     run counts are not differentially private)."""
-    from dptune.outputs import NOT_DP_LABEL
     from dptune.tune import study_status
 
     st = study_status(study_dir)
@@ -532,11 +375,9 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
             f"({a.get('spent_epsilon', 0.0):.3f}, {a.get('spent_delta', 0.0):.0e})",
         )
     console.print(t)
-    rest = {
-        k: v for k, v in st.items() if k not in ("arms", "counts", "name", "total", "complete", "eta", "eta_seconds")
-    }
-    for k, v in rest.items():
-        console.print(f"{k}: {json.dumps(v, default=str) if isinstance(v, dict | list) else v}")
+    for k, v in st.items():  # the rest of the status
+        if k not in ("arms", "counts", "name", "total", "complete", "eta", "eta_seconds"):
+            console.print(f"{k}: {json.dumps(v, default=str) if isinstance(v, dict | list) else v}")
 
 
 @app.command()
@@ -588,19 +429,15 @@ def report(
 ) -> None:
     """Write CSVs, figures and a self-contained HTML report of a study: release/ (publishable:
     covered by the guarantee) and diagnostics/ (not differentially private)."""
-    from dptune.outputs import DIAGNOSTICS_DIR, NOT_DP_LABEL
-    from dptune.paths import check_output_dir
     from dptune.report import report_study
-    from dptune.tune.results import render, write_csvs
+    from dptune.tune.export import export_study
+    from dptune.tune.results import render, study_status, write_csvs
 
     check_output_dir(out, "--out")  # before anything is printed or written
     render(study_dir, console, diagnostics=include_diagnostics)
     write_csvs(study_dir)
     html = report_study(study_dir, out, include_diagnostics=include_diagnostics)
     console.print(f"report: {html}")
-    from dptune.tune.export import export_study
-    from dptune.tune.results import study_status
-
     if study_status(study_dir)["complete"]:  # the selected models + cards (no retraining, no release)
         for d in export_study(study_dir, out=out, skip_missing=True):
             console.print(f"model: {d}")
@@ -622,7 +459,6 @@ def export(
     """Write the selected model of a finished study with its model card (model.pt, model_card.json,
     model_card.md) into release/models/<arm>/, from the stored checkpoint: no retraining, so no new
     release. Reload it with dptune.load_model(DIR)."""
-    from dptune.paths import check_output_dir
     from dptune.tune.export import export_study
 
     check_output_dir(out, "--out")  # a file there was a NotADirectoryError traceback
@@ -668,14 +504,13 @@ def reproduce(
 
         check_steps(steps, f"--steps {steps}")
     out_dir = out or Path("runs") / f"{name}-{scale}"
-    from dptune.paths import check_output_dir
 
     check_output_dir(out_dir, "--out")  # below a file: a NotADirectoryError traceback
     if device is not None:  # '' was read as "not given"
         from dptune.devices import check_device_name
 
         check_device_name(device, "--device")
-    _check_data_dir(data_dir)
+    check_data_dir(data_dir)
     presets.reproduce(
         name,
         scale,
@@ -699,7 +534,6 @@ def demo(
     """The main job: an honest study on embedded MNIST (5k) comparing online / dpsgd /
     quantile / adamwosm at two ε values; prints the table and writes the HTML report."""
     from dptune import presets
-    from dptune.paths import check_output_dir
 
     check_output_dir(out, "--out")  # below a file: a NotADirectoryError traceback
     presets.demo(out, progress=progress, console=console)
@@ -723,8 +557,6 @@ def audit(
     from dptune.audit import run_audit
 
     if out is not None:  # a bad path once failed after the audit, losing its result
-        from dptune.paths import check_output_file
-
         check_output_file(out, "--out")
     res = run_audit(
         strategy,

@@ -292,3 +292,21 @@ def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
                 f"{what} outputs shape {tuple(out.shape[1:])} per example, but the labels need "
                 f"{classes} logits (classes 0..{classes - 1}). Fix: {fix}"
             )
+
+
+def check_fits_data(net: nn.Module, train_part: Any, model: str, dataset: str, builtin: bool) -> None:
+    """``check_fits`` on ``dptune train``'s training data (``--model``, ``--dataset`` or ``--data``):
+    a model that cannot take the dataset's inputs is one clear line, not a shape error in the first step."""
+    from dptune import own
+
+    pair = train_part if isinstance(train_part, tuple | list) and len(train_part) == 2 else own.tensors_of(train_part)
+    if pair is None:  # a map-style dataset read by index: its loader decides the shape
+        return
+    if builtin:
+        fix = (
+            f"choose a model for the inputs of {dataset!r}, e.g. --model auto (the dataset's default); "
+            f"built-in models: {', '.join(sorted(MODELS))}."
+        )
+    else:
+        fix = "make your model factory build a model for these inputs (or pick the data it was written for)."
+    check_fits(net, pair[0], pair[1], f"--model {model}", fix)

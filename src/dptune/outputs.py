@@ -245,3 +245,37 @@ def train_outputs(
         }
     )
     return release, diagnostics
+
+
+def train_table_rows(result: Any, release: Mapping[str, Any], target: float | None) -> list[tuple[str, Any]]:
+    """``dptune train``'s table of one ``TrainResult`` and its ``train_outputs`` release: what the
+    release says, with the rows on a private test split labelled."""
+    from dptune import accounting
+
+    plan, delta = result.plan, result.delta
+
+    def eps_of(v: float) -> float:
+        return accounting.epsilon(
+            plan.strategy.planned_event(v, plan.sampling_rate, plan.steps), delta, plan.accountant
+        )
+
+    # ν rounded up (copied back with --noise-multiplier it cannot overshoot); ε by the
+    # accountant ν was calibrated with, named and rounded up (it is a privacy claim).
+    eps = f"{accounting.round_up(release['epsilon'], 6):.6g}" if plan.strategy.private else "∞"
+    owner = "" if result.eval_public else f" ({NOT_DP_LABEL})"  # metrics on a private test split
+    split = release["selection_split"]
+    return [
+        ("steps T", release["steps"]),
+        ("sampling rate q", f"{release['sampling_rate']:.4g}"),
+        ("noise multiplier ν", accounting.noise_multiplier_text(plan.noise_multiplier, eps_of, target)[0]),
+        (f"best {result.metric}{owner}", "-" if result.best_metric is None else f"{result.best_metric:.4f}"),
+        (f"best step{owner}", result.best_step),
+        ("diverged", result.diverged),
+        (f"ε spent ({plan.accountant.upper()})", eps),
+        ("δ", delta),
+        ("randomness", release["randomness"]),
+        ("model", release["model"]),
+        ("selection", f"best checkpoint on the {split} split (public)" if split else "final parameters"),
+        ("seed", "in the diagnostics JSON only" + ("" if result.secure_mode else " (a secret key)")),
+        ("dptune", release["dptune_version"]),
+    ]

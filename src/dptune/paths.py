@@ -1,5 +1,5 @@
-"""Output paths checked before any work: a bad ``--out`` is one clear error, not a result lost
-after training (nothing is created by these checks)."""
+"""Paths checked before any work: a bad ``--out`` is one clear error, not a result lost after
+training (nothing is created by these checks); ``dptune train``'s output paths; ``--data-dir``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from dptune.errors import ConfigError
+from dptune.outputs import DIAGNOSTICS_DIR, RELEASE_DIR
 
 
 def _refuse_dangling_link(p: Path, what: str, path: Path) -> None:
@@ -64,3 +65,38 @@ def check_output_dir(path: str | os.PathLike[str] | None, what: str) -> None:
             "Fix: give a directory (new or existing), or remove that file."
         )
     _check_creatable(p, what, p)
+
+
+def train_output_paths(out: Path, diagnostics_out: Path | None, save: Path | None) -> Path:
+    """The diagnostics JSON's path (default: diagnostics/<out name> beside --out, or beside the release/
+    folder holding it: it holds the seed). Every output path is checked before training; none is created."""
+    beside = out.parent.parent if out.parent.resolve().name == RELEASE_DIR else out.parent
+    diag_path = diagnostics_out or beside / DIAGNOSTICS_DIR / out.name
+    if RELEASE_DIR in diag_path.resolve().parent.parts:
+        raise ConfigError(
+            f"--diagnostics-out {diag_path} is inside a '{RELEASE_DIR}' folder: the diagnostics (the seed, the "
+            "training loss) are not differentially private and must not be published with the release. "
+            "Fix: name a file outside it (default: diagnostics/ beside the release folder)."
+        )
+    if diag_path.resolve() == out.resolve():
+        raise ConfigError(
+            "--diagnostics-out must differ from --out: the diagnostics are not differentially private. "
+            "Fix: leave out --diagnostics-out (default: diagnostics/<out name> beside --out), or name another file."
+        )
+    check_output_file(out, "--out")  # a bad path once failed after training, losing the result
+    check_output_file(diag_path, "--diagnostics-out")
+    check_output_dir(save, "--save")
+    return diag_path
+
+
+def check_data_dir(data_dir: str | None) -> None:
+    """A --data-dir that is not a folder was silently ignored (the data came from the cache or a download)."""
+    if data_dir is None:
+        return
+    p = Path(data_dir)
+    if not p.is_dir():
+        what = "is a file" if p.exists() else "does not exist"
+        raise ConfigError(
+            f"--data-dir {data_dir!r} {what}: it names the folder holding the datasets (<data-dir>/<name>/...). "
+            "Fix: pass that folder, or leave out --data-dir to use $DPTUNE_DATA_DIR or the download cache."
+        )
