@@ -337,7 +337,7 @@ def test_ordinary_inputs_convolutions(keep: bool, monkeypatch: pytest.MonkeyPatc
     w = torch.linspace(-1.0, 2.0, 7, device=DEVICE)
     rows = torch.tensor([1, 4, 5], device=DEVICE)  # a subset (OSO's residual, non-finite rows)
     g.reset_reuse()
-    for ws, wv in ((g.weighted_sum(w), v.weighted_sum(w)), (g._sum(w[rows], rows), v._sum(w[rows], rows))):
+    for ws, wv in ((g.weighted_sum(w), v.weighted_sum(w)), (g.rows_sum(w[rows], rows), v.rows_sum(w[rows], rows))):
         for k in wv:
             torch.testing.assert_close(ws[k], wv[k], rtol=1e-4, atol=1e-6, msg=k)
     for k in v.grads:

@@ -196,7 +196,7 @@ class LayerGrads(MaterializedGrads):
             }
         return self._grads
 
-    def _sum(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
+    def rows_sum(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
         got: Tensors = {}
         for layer in self._layers:
             got.update(layer.weighted(w, rows))
@@ -207,12 +207,12 @@ class LayerGrads(MaterializedGrads):
         with ieee_matmul(w.device):
             out = self._residual(w)
             if out is None:
-                out = self._sum(w)
+                out = self.rows_sum(w)
             bad = nonfinite_rows(self, out) if drop_nonfinite else None
             if bad is not None:  # leave non-finite rows out (grads.nonfinite_rows says why)
                 w = torch.where(bad, torch.zeros_like(w), w)
                 keep = (~bad).nonzero().squeeze(1)
-                out = self._sum(w[keep], keep)
+                out = self.rows_sum(w[keep], keep)
         self._last = (w, out)
         return Accumulated(out, {k: p.dtype for k, p in self._params.items()})
 
@@ -258,6 +258,6 @@ class LayerGrads(MaterializedGrads):
         a = float(alpha)
         out = {k: v * a for k, v in prev_sum.items()}  # float64 (docs/privacy.md, item 1b)
         if rows.numel():
-            extra = self._sum(r[rows].to(w.dtype), rows)
+            extra = self.rows_sum(r[rows].to(w.dtype), rows)
             out = {k: out[k] + extra[k] for k in out}
         return out

@@ -228,7 +228,7 @@ class GradientOracle:
     def _swap_state(self, dev: torch.device, state: Any = None) -> tuple[RngState, Tensors]:
         """What a forward reads besides its inputs (torch's random streams, the buffers updated in
         place: spectral norm's vectors): returns the current one, then installs ``state`` if given."""
-        now = rng_state(dev), {k: self._scratch.originals[k].clone() for k in self._scratch._passthrough}
+        now = rng_state(dev), {k: self._scratch.originals[k].clone() for k in self._scratch.passthrough}
         if state is not None:
             set_rng_state(dev, state[0])
             for k, v in state[1].items():
@@ -367,11 +367,11 @@ class GradientOracle:
 
 def _row_values(result: torch.Tensor | MaterializedGrads, i: int) -> list[torch.Tensor]:
     """What is released for row i: its loss (DP-ZO), or its norm bound N_i and its gradient g_i
-    (formed as the weighted sums form it, from row i alone: ``_sum`` over that row)."""
+    (formed as the weighted sums form it, from row i alone: ``rows_sum`` over that row)."""
     if isinstance(result, torch.Tensor):
         return [result[i : i + 1]]
     one = torch.ones(1, dtype=result.losses.dtype, device=result.losses.device)
-    return [result.norms[i : i + 1], *result._sum(one, torch.tensor([i], device=one.device)).values()]
+    return [result.norms[i : i + 1], *result.rows_sum(one, torch.tensor([i], device=one.device)).values()]
 
 
 def _kept(result: torch.Tensor | MaterializedGrads, kept: torch.Tensor) -> torch.Tensor:

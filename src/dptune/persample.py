@@ -235,7 +235,7 @@ class ScratchBuffers:
         self._generation = _BUFFER_GENERATION[0]
         self.originals: Tensors = dict(self.model.named_buffers())
         self._slots = [(mod, b, t) for mod in self.model.modules() for b, t in mod._buffers.items() if t is not None]
-        self._passthrough = _data_independent_buffers(self.model) if self.originals else set()
+        self.passthrough = _data_independent_buffers(self.model) if self.originals else set()
         self._frozen = [p for p in self.model.parameters() if not p.requires_grad]
 
     def _current(self) -> None:
@@ -253,13 +253,13 @@ class ScratchBuffers:
             yield self.originals
         else:
             before = {k: _version(v) for k, v in self.originals.items()}
-            copies = {k: v if k in self._passthrough else v.detach().clone() for k, v in self.originals.items()}
+            copies = {k: v if k in self.passthrough else v.detach().clone() for k, v in self.originals.items()}
             versions = {k: _version(v) for k, v in copies.items()}
             yield copies
             written = [
                 k
                 for k, v in copies.items()
-                if k not in self._passthrough
+                if k not in self.passthrough
                 and (_version(v) != versions[k] or _version(self.originals[k]) != before[k] or versions[k] < 0)
             ]
             if written and not _same_values(self.originals, copies, written):
@@ -399,15 +399,15 @@ class MaterializedGrads:
         """Σ_i w_i g_i, accumulated in float64 (``wide_sum``). Rows with a non-finite gradient are
         left out (``nonfinite_rows``) unless ``drop_nonfinite=False`` (a non-private gradient)."""
         with ieee_matmul(weights.device):
-            out = self._sum(weights, None)
+            out = self.rows_sum(weights, None)
             bad = nonfinite_rows(self, out) if drop_nonfinite else None
             if bad is not None:
                 keep = (~bad).nonzero().squeeze(1)
-                out = self._sum(weights[keep], keep)
+                out = self.rows_sum(weights[keep], keep)
         return Accumulated(out, {k: g.dtype for k, g in self.grads.items()})
 
-    def _sum(self, weights: torch.Tensor, rows: torch.Tensor | None) -> Tensors:
-        """Σ_j weights_j g_{rows_j} in float64 (all rows when ``rows`` is None), as ``GhostGrads._sum``."""
+    def rows_sum(self, weights: torch.Tensor, rows: torch.Tensor | None) -> Tensors:
+        """Σ_j weights_j g_{rows_j} in float64 (all rows when ``rows`` is None), as ``GhostGrads.rows_sum``."""
         return {
             k: wide_sum(weights, flat_rows(g) if rows is None else flat_rows(g)[rows]).reshape(g.shape[1:])
             for k, g in self.grads.items()
