@@ -73,11 +73,14 @@ class MapSource:
         if idx.numel() == 0:
             return self.empty_batch
         items = [self.dataset[i] for i in idx.tolist()]
+        # A collate_fn never sees two examples, so none can change another's row; default_collate
+        # only stacks, row by row (one call, as fast as ever). Only the stacking is guarded below:
+        # an error of your collate_fn itself stays yours.
+        rows = None if self.collate is default_collate else [self.collate([item]) for item in items]
         try:
-            if self.collate is default_collate:  # it stacks, row by row: one call, as fast as ever
+            if rows is None:
                 x, y = default_collate(items)
-            else:  # a collate_fn never sees two examples, so none can change another's row
-                rows = [self.collate([item]) for item in items]
+            else:
                 x, y = inputs.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
         except RuntimeError:  # torch.stack / torch.cat: rows of different shapes
             raise ConfigError(
