@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import batch_for, build_model, check_device, device_sync, interleaved_medians, machine, table  # noqa: E402
 
-from dptune import ghost  # noqa: E402
-from dptune.grads import GradientOracle  # noqa: E402
+from dptune.gradients import ghost  # noqa: E402
+from dptune.gradients.oracle import GradientOracle  # noqa: E402
 
 
 def _private_part(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str) -> Callable[[], torch.Tensor]:

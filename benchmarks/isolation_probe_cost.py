@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_throughput as st  # noqa: E402
 from common import batch_for, build_model, interleaved_medians  # noqa: E402
 
-from dptune.grads import GradientOracle  # noqa: E402
+from dptune.gradients.oracle import GradientOracle  # noqa: E402
 
 
 def main(rounds: int) -> None:

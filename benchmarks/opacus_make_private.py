@@ -30,7 +30,7 @@ from torch import nn
 
 import dptune
 import dptune.data
-from dptune.privatizers import FixedClip, OSOClip
+from dptune.release.privatizers import FixedClip, OSOClip
 
 
 def small_cnn(classes: int = 10) -> nn.Module:

@@ -77,8 +77,13 @@ def _nus() -> dict[str, str]:
         for eps in [0.5, 3.0]:
             full = name == "dpgd"
             plan = dptune.plan_run(
-                dptune.make_strategy(name), 5000, expected_batch_size=None if full else 128, full_batch=full,
-                epochs=3, target_epsilon=eps, delta=1e-5,
+                dptune.make_strategy(name),
+                5000,
+                expected_batch_size=None if full else 128,
+                full_batch=full,
+                epochs=3,
+                target_epsilon=eps,
+                delta=1e-5,
             )
             out[f"{name}@{eps}"] = float(plan.noise_multiplier).hex()
     return out

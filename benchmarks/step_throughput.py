@@ -87,10 +87,10 @@ def torch_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str):
 
 def dptune_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, strategy: str, method: str):
     """One ``strategy.step`` exactly as ``dptune.train`` runs it (real gateway and ledger)."""
-    from dptune.grads import GradientOracle
-    from dptune.ledger import Ledger
-    from dptune.mechanisms import NoiseSource, NoisyRelease
-    from dptune.steps import RunInfo, StepContext
+    from dptune.gradients.oracle import GradientOracle
+    from dptune.release.context import RunInfo, StepContext
+    from dptune.release.ledger import Ledger
+    from dptune.release.mechanisms import NoiseSource, NoisyRelease
     from dptune.strategies import make_strategy
 
     m = copy.deepcopy(model)

@@ -27,7 +27,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import CLOCKS, check_device, device_sync, machine, table  # noqa: E402
 
-from dptune.grads import default_method  # noqa: E402
+from dptune.gradients.oracle import default_method  # noqa: E402
 from dptune.train import train  # noqa: E402
 from dptune.vectorized import train_many  # noqa: E402
 

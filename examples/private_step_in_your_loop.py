@@ -29,7 +29,7 @@ from torch import nn
 
 import dptune
 import dptune.data
-from dptune.privatizers import OSOClip
+from dptune.release.privatizers import OSOClip
 
 
 def small_cnn(classes: int = 10) -> nn.Module:

@@ -36,9 +36,9 @@ from torch import nn
 
 import dptune
 import dptune.devices
-from dptune import ghost
 from dptune.data.formats import read_enron_csv
 from dptune.data.text import tokenize
+from dptune.gradients import ghost
 
 # -- data: hashed tokens ---------------------------------------------------------------------
 
@@ -206,7 +206,7 @@ def core_times(data, args, reps: int) -> dict[str, float]:
     """Median seconds of the gradient part of one step on one batch of ``args.batch`` examples,
     the four variants interleaved ``reps`` times (so a machine whose load drifts slows all alike):
     non-private (one backward), and DP (per-sample norms + the clipped weighted sum)."""
-    from dptune.grads import GradientOracle
+    from dptune.gradients.oracle import GradientOracle
 
     device = dptune.devices.resolve_device(args.device)
     x, y = data[0][: int(args.batch)].to(device), data[1][: int(args.batch)].to(device)

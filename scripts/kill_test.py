@@ -76,7 +76,7 @@ def _start(cfg: Path, study_dir: Path) -> subprocess.Popen:
 
 def snapshot(study_dir: Path) -> dict:
     """Everything that must not depend on interruptions (attempt counts and timings excluded)."""
-    from dptune.ledger import event_to_dict
+    from dptune.release.ledger import event_to_dict
     from dptune.tune import study_table
     from dptune.tune.store import Store
 

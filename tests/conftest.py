@@ -28,9 +28,9 @@ import torch
 from scipy import stats
 from torch import nn
 
-from dptune.grads import GradientOracle, MaterializedGrads
-from dptune.ledger import Ledger
-from dptune.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
+from dptune.gradients.oracle import GradientOracle, MaterializedGrads
+from dptune.release.ledger import Ledger
+from dptune.release.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
 from dptune.strategies.base import RunInfo, StepContext, Strategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from conftest import ...` in test files
@@ -129,7 +129,7 @@ def released_zero_grad_noise(device: str) -> tuple[torch.Tensor, float]:
     """One ``make_private`` step (FixedClip, ν = 1.3, C = 0.7, L = 16) on ``zero_grad_problem``:
     the released ``.grad`` of the weight (pure noise) and the std it should have, νC/L."""
     import dptune
-    from dptune.privatizers import FixedClip
+    from dptune.release.privatizers import FixedClip
 
     model, x, y = zero_grad_problem(inputs=300, classes=100, n=64)
     nu, clip, L = 1.3, 0.7, 16.0

@@ -20,9 +20,9 @@ from scipy import optimize, stats
 
 from dptune import accounting, train
 from dptune.errors import ConfigError
-from dptune.ledger import Ledger
-from dptune.mechanisms import SumQuery
-from dptune.steps import RunInfo
+from dptune.release.context import RunInfo
+from dptune.release.ledger import Ledger
+from dptune.release.mechanisms import SumQuery
 from dptune.strategies import make_strategy
 
 DELTA = 1e-5

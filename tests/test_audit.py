@@ -47,7 +47,7 @@ from dptune.audit.harness import (
     spy_on_releases,
 )
 from dptune.errors import BudgetExceededError, ConfigError
-from dptune.grads import GradientOracle
+from dptune.gradients.oracle import GradientOracle
 from dptune.train import train
 
 DELTA = 1e-5
@@ -181,7 +181,7 @@ def test_spy_sees_the_real_noisy_releases() -> None:
     se = nu * clip / math.sqrt(inn.size)
     assert abs(inn.mean() - q * clip) < 4 * se  # each present canary adds C w.p. q
     # the spy is removed afterwards
-    from dptune.mechanisms import NoisyRelease
+    from dptune.release.mechanisms import NoisyRelease
 
     assert NoisyRelease.release.__qualname__ == "NoisyRelease.release"
 
@@ -264,8 +264,8 @@ def test_split_bug_alone_is_stopped_by_the_ledger_plan() -> None:
 
 
 def test_mutants_restore_the_real_code() -> None:
-    from dptune import privatizers
-    from dptune.mechanisms import NoiseSource, NoisyRelease
+    from dptune.release import privatizers
+    from dptune.release.mechanisms import NoiseSource, NoisyRelease
 
     def patched() -> tuple:
         return (

@@ -16,9 +16,9 @@ from conftest import gateway, params_of
 from torch import nn
 
 import dptune
-from dptune.grads import GradientOracle
-from dptune.sampling import stream_seed
-from dptune.steps import RunInfo, StepContext
+from dptune.gradients.oracle import GradientOracle
+from dptune.release.context import RunInfo, StepContext
+from dptune.release.sampling import stream_seed
 from dptune.strategies import make_strategy
 from dptune.train import evaluate
 from dptune.tree import clone

@@ -169,7 +169,7 @@ def test_ghost_norms_of_the_galli_cnn_hold_on_the_gpu_in_exact_float32() -> None
     import warnings
 
     from dptune import models
-    from dptune.grads import GradientOracle
+    from dptune.gradients.oracle import GradientOracle
 
     torch.manual_seed(0)
     model = models.build("galli_cnn").cuda()
@@ -210,7 +210,7 @@ def test_gemm_per_sample_convolutions_equal_vmap_on_the_gpu() -> None:
     as vmap, norms never below."""
     import warnings
 
-    from dptune.grads import GradientOracle
+    from dptune.gradients.oracle import GradientOracle
 
     model = _asymmetric_convs()
     params = {k: p.detach() for k, p in model.named_parameters()}
@@ -233,8 +233,8 @@ def test_gemm_per_sample_convolutions_equal_vmap_on_the_gpu() -> None:
 def test_recomputed_convolutions_release_at_most_their_norm_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Case (e) on CUDA (per-sample gradients too big to keep, recomputed for the release) with
     cuDNN's autotuner on: each example released alone has norm ≤ its N_i."""
-    from dptune import ghost
-    from dptune.grads import GradientOracle
+    from dptune.gradients import ghost
+    from dptune.gradients.oracle import GradientOracle
 
     monkeypatch.setattr(ghost, "MATERIALIZE_LIMIT_BYTES", 4096)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)

@@ -16,13 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dptune.cli import app
-from dptune.steps import (
-    ADAM_STEP_BUDGET,
-    OSO_LOG_RANGE,
-    SGD_STEP_BUDGET,
-    RunInfo,
-    noise_scaled_budget,
-)
+from dptune.release.context import RunInfo
+from dptune.release.hypergradient import OSO_LOG_RANGE
+from dptune.updates.defaults import ADAM_STEP_BUDGET, SGD_STEP_BUDGET, noise_scaled_budget
 
 
 @pytest.mark.parametrize("strategy", ["oso", "dpsgd"])
@@ -42,7 +38,7 @@ def _run(steps: int, nu: float = 1.0) -> RunInfo:
 
 
 def test_default_rates_and_learning_rates_follow_the_horizon() -> None:
-    from dptune.privatizers import OSOClip
+    from dptune.release.privatizers import OSOClip
     from dptune.updates import SGD, Adam, OSORate
 
     for T in (29, 79, 1172):
@@ -56,7 +52,7 @@ def test_default_rates_and_learning_rates_follow_the_horizon() -> None:
     # SGD: lr·C/(1 − μ)·T = r, with C from the first release.
     import torch
 
-    from dptune.privatizers import Released
+    from dptune.release.privatizers import Released
 
     sgd = SGD(lr=None, momentum=0.9)
     state = sgd.init({"w": torch.zeros(2)}, _run(50))

@@ -29,11 +29,12 @@ from mutants import _release_accounting_first_query_only, noise_scaled, q_noise_
 from scipy import stats
 from torch import nn
 
-from dptune import accounting, mechanisms
+from dptune import accounting
 from dptune.errors import BudgetExceededError
-from dptune.ledger import Ledger
-from dptune.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
-from dptune.privatizers import OSOClip
+from dptune.release import mechanisms
+from dptune.release.ledger import Ledger
+from dptune.release.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
+from dptune.release.privatizers import OSOClip
 from dptune.strategies.oso import OSO
 from dptune.train import train
 

@@ -23,13 +23,13 @@ import dptune
 from dptune import deliverable
 from dptune.cli import app
 from dptune.errors import ConfigError
-from dptune.ledger import Ledger
+from dptune.release.ledger import Ledger
 from dptune.strategies import make_strategy
 from dptune.train import RunPlan
 from dptune.tune import SelectionSpec, run_study
 from dptune.tune.data import build_model, study_data
 from dptune.tune.export import export_study, study_ledger_digest
-from dptune.tune.planners import StudyPlan
+from dptune.tune.records import StudyPlan
 from dptune.tune.results import study_table
 from dptune.tune.store import Store
 

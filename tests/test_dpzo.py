@@ -31,12 +31,12 @@ from torch import nn
 import dptune
 from dptune import accounting
 from dptune.errors import ConfigError
-from dptune.grads import GradientOracle
-from dptune.ledger import Ledger
-from dptune.mechanisms import NoiseSource
-from dptune.privatizers import ZerothOrderClip
-from dptune.sampling import stream_seed
-from dptune.steps import RunInfo, StepContext
+from dptune.gradients.oracle import GradientOracle
+from dptune.release.context import RunInfo, StepContext
+from dptune.release.ledger import Ledger
+from dptune.release.mechanisms import NoiseSource
+from dptune.release.privatizers import ZerothOrderClip
+from dptune.release.sampling import stream_seed
 from dptune.strategies import DPZO, make_strategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

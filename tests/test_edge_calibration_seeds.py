@@ -28,8 +28,8 @@ from typer.testing import CliRunner
 from dptune import accounting, vectorized
 from dptune.cli import app
 from dptune.errors import ConfigError
-from dptune.mechanisms import NoisyRelease
-from dptune.sampling import PoissonSampler, stream_seed
+from dptune.release.mechanisms import NoisyRelease
+from dptune.release.sampling import PoissonSampler, stream_seed
 from dptune.train import train
 from dptune.vectorized import train_many
 
@@ -335,7 +335,7 @@ def test_stream_seed_uses_all_64_bits() -> None:
     assert not torch.equal(a, b)
     # end to end, through the generator that draws the noise (torch's CPU Mersenne Twister
     # would keep only the low 32 bits of its seed: this fails if the noise goes back to it)
-    from dptune.mechanisms import NoiseSource
+    from dptune.release.mechanisms import NoiseSource
 
     za = NoiseSource(stream_seed(7, "noise")).normal(torch.zeros(8), 1.0)
     zb = NoiseSource(stream_seed(7 + 2**40, "noise")).normal(torch.zeros(8), 1.0)

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from mutants import NORM_MUTANTS, ghost_gram_float32, norms_rounded_to_nearest
 from torch import nn
 
-from dptune import ghost, grads
-from dptune.grads import GradientOracle, MaterializedGrads
-from dptune.privatizers import clip_weights
+from dptune.gradients import ghost
+from dptune.gradients import oracle as grads
+from dptune.gradients.oracle import GradientOracle, MaterializedGrads
+from dptune.release.privatizers import clip_weights
 
 TOL = 1e-6  # the bound: released single-example contribution ≤ C·(1 + 1e-6)
 # DPTUNE_TEST_DEVICE=cuda runs the same checks on a GPU (data drawn on the CPU, then moved).

@@ -39,10 +39,11 @@ from mutants import (
     seeds_masked_to_32_bits,
 )
 
-from dptune import accounting, mechanisms, sampling, vectorized
+from dptune import accounting, vectorized
 from dptune.accounting import calibration as accounting_calibration
 from dptune.accounting import gdp as accounting_gdp
-from dptune.sampling import PoissonSampler
+from dptune.release import mechanisms, sampling
+from dptune.release.sampling import PoissonSampler
 from dptune.tune import data as tune_data
 
 # item 6's fixtures: ``spy`` records every release per gateway; one thread (as in its own file).

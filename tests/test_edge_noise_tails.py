@@ -26,10 +26,10 @@ import pytest
 import torch
 from scipy import stats
 
-from dptune import mechanisms
-from dptune.ledger import Ledger
-from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
-from dptune.sampling import LN2, WORD_BITS, RandomBits, exponentials
+from dptune.release import mechanisms
+from dptune.release.ledger import Ledger
+from dptune.release.mechanisms import NoiseSource, NoisyRelease, SumQuery
+from dptune.release.sampling import LN2, WORD_BITS, RandomBits, exponentials
 
 OLD_FLOAT32_CUTOFF = math.sqrt(48 * LN2)  # 5.77: torch.randn float32, 24-bit uniforms
 OLD_SECURE_CUTOFF = math.sqrt(106 * LN2)  # 8.57: the old secure sampler, 53-bit uniforms

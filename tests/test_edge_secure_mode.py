@@ -30,7 +30,7 @@ from scipy import stats
 from tune_helpers import tiny_dpsgd_study
 
 from dptune.errors import ConfigError
-from dptune.sampling import PoissonSampler
+from dptune.release.sampling import PoissonSampler
 from dptune.train import train
 from dptune.tune import SelectionSpec, run_study
 from dptune.tune.spec import study_from_dict

@@ -36,7 +36,7 @@ from dptune.tune import (
     run_study,
     theory,
 )
-from dptune.tune.planners import StudyPlan
+from dptune.tune.records import StudyPlan
 from dptune.tune.store import Store
 from dptune.tune.worker import Scorer
 

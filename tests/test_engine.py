@@ -15,7 +15,7 @@ from torch import nn
 
 from dptune import plan_run, train
 from dptune.errors import ConfigError
-from dptune.sampling import PoissonSampler, steps_for_epochs
+from dptune.release.sampling import PoissonSampler, steps_for_epochs
 from dptune.strategies import make_strategy
 
 
@@ -234,9 +234,9 @@ def test_poisson_sampler_has_the_exact_subset_law(q: float) -> None:
 
 def test_poisson_sampler_over_many_chunks(monkeypatch) -> None:
     """Batches that need several draws of skips keep the exact law (forced: 2 skips per draw)."""
-    import dptune.sampling
+    import dptune.release.sampling
 
-    monkeypatch.setattr(dptune.sampling, "_chunk_size", lambda left: 2)
+    monkeypatch.setattr(dptune.release.sampling, "_chunk_size", lambda left: 2)
     assert _subset_law_pvalue(PoissonSampler(5, 0.6, seed=4).sample, 5, 0.6, 20_000) > 1e-4
     n, q = 200_000, 0.4
     idx = PoissonSampler(n, q, seed=2).sample()

@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import load_example
 
-from dptune import ghost
-from dptune.grads import GradientOracle
+from dptune.gradients import ghost
+from dptune.gradients.oracle import GradientOracle
 
 
 def _example():

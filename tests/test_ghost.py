@@ -1,4 +1,4 @@
-"""The ghost-norm / book-keeping path (``dptune.ghost``) against the vmap path.
+"""The ghost-norm / book-keeping path (``dptune.gradients.ghost``) against the vmap path.
 
 Every optimisation has an equivalence test against the straightforward path: per-batch
 norms, losses, weighted sums and materialised gradients on the paper models and on small
@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptune import ghost, models
+from dptune import models
 from dptune.errors import ConfigError
-from dptune.grads import GradientOracle, MaterializedGrads, default_method, set_default_method
-from dptune.privatizers import clip_weights
+from dptune.gradients import ghost
+from dptune.gradients.oracle import GradientOracle, MaterializedGrads, default_method, set_default_method
+from dptune.release.privatizers import clip_weights
 from dptune.strategies import STRATEGIES
 from dptune.train import train
 

@@ -162,16 +162,16 @@ def test_no_module_imports_another_modules_private_names() -> None:
 def test_the_private_name_finder_finds_planted_uses() -> None:
     """Each way of naming another module finds its private attribute; public names, dunders and
     the module's own private names are not reported."""
-    mods = {"dptune", "dptune.ghost", "dptune.tune", "dptune.tune.spec", "dptune.tune.study", "dptune.train"}
+    mods = {"dptune", "dptune.gradients.ghost", "dptune.tune", "dptune.tune.spec", "dptune.tune.study", "dptune.train"}
     src = """
 import dptune.train
-import dptune.ghost as G
+import dptune.gradients.ghost as G
 from dptune.tune import spec
 from . import study as S
 
 
 def f():
-    from dptune import ghost
+    from dptune.gradients import ghost
 
     ghost._lazy()
 
@@ -182,8 +182,8 @@ dptune.tune.spec.__doc__
 """
     found = _private_attributes("dptune.tune.study", "dptune.tune", ast.parse(src), mods)
     assert sorted(found) == [
-        "dptune.tune.study uses dptune.ghost._engine",
-        "dptune.tune.study uses dptune.ghost._lazy",
+        "dptune.tune.study uses dptune.gradients.ghost._engine",
+        "dptune.tune.study uses dptune.gradients.ghost._lazy",
         "dptune.tune.study uses dptune.train._empty",
         "dptune.tune.study uses dptune.tune.spec._err",
     ]

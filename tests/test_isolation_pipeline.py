@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 import dptune
 from dptune.errors import ConfigError
 from dptune.own import MapSource
-from dptune.sampling import PoissonSampler
+from dptune.release.sampling import PoissonSampler
 
 MAXLEN, VOCAB, N = 12, 30, 80
 TRAIN = {"steps": 3, "expected_batch_size": 20, "noise_multiplier": 1.0, "seed": 1, "device": "cpu"}

@@ -32,10 +32,10 @@ from mutants import MUTANTS
 from torch import nn
 
 import dptune
-from dptune import ghost
 from dptune.errors import ConfigError
-from dptune.grads import GradientOracle
-from dptune.mechanisms import NoisyRelease
+from dptune.gradients import ghost
+from dptune.gradients.oracle import GradientOracle
+from dptune.release.mechanisms import NoisyRelease
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

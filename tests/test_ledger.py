@@ -12,10 +12,10 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dptune import train
 from dptune.errors import BudgetExceededError
-from dptune.ledger import Ledger, atoms, event_from_dict, event_to_dict
-from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
-from dptune.privatizers import FixedClip
-from dptune.steps import StepContext
+from dptune.release.context import StepContext
+from dptune.release.ledger import Ledger, atoms, event_from_dict, event_to_dict
+from dptune.release.mechanisms import NoiseSource, NoisyRelease, SumQuery
+from dptune.release.privatizers import FixedClip
 from dptune.strategies.dpsgd import DPSGD
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import dptune
 from dptune.errors import ConfigError
-from dptune.privatizers import FixedClip
+from dptune.release.privatizers import FixedClip
 
 KW = {"steps": 3, "expected_batch_size": 30, "noise_multiplier": 1.0, "delta": 1e-5, "device": "cpu"}
 

@@ -12,7 +12,7 @@ import torch
 import dptune
 from dptune import metrics, own
 from dptune.errors import ConfigError
-from dptune.grads import GradientOracle
+from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import ACCURACY, BUILTINS, HIGHER_IS_BETTER, MSE, Metric
 from dptune.train import evaluate
 

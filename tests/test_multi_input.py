@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 import dptune
 from dptune.errors import ConfigError
-from dptune.grads import GradientOracle
+from dptune.gradients.oracle import GradientOracle
 from dptune.vectorized import train_many
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from dptune.grads import GradientOracle
-from dptune.privatizers import clip_weights
+from dptune.gradients.oracle import GradientOracle
+from dptune.release.privatizers import clip_weights
 from dptune.train import train
 
 

@@ -1,4 +1,4 @@
-"""Per-sample gradients (vmap(grad) in ``dptune.grads``) against a naive per-example loop."""
+"""Per-sample gradients (vmap(grad) in ``dptune.gradients.oracle``) against a naive per-example loop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from conftest import ConvAutoencoder, SmallCNN, mlp, params_of
 from torch import nn
 
 from dptune.errors import ConfigError
-from dptune.grads import GradientOracle, MaterializedGrads, per_example_loss
+from dptune.gradients.oracle import GradientOracle, MaterializedGrads, per_example_loss
 
 
 def naive_per_sample(model: nn.Module, loss: str, x: torch.Tensor, y: torch.Tensor):

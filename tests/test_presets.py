@@ -37,7 +37,7 @@ from dptune.presets import (
     reproduce,
 )
 from dptune.presets._demo import EPSILONS, demo_study
-from dptune.sampling import steps_for_epochs
+from dptune.release.sampling import steps_for_epochs
 from dptune.tune import plan_only, run_study, study_from_dict, study_status, study_table
 
 TRAINING_PRESETS = [n for n in PRESETS if n != "mohapatra-lt-vs-ma"]

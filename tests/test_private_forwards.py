@@ -21,9 +21,9 @@ from torch import nn
 import dptune
 from dptune import own
 from dptune.errors import ConfigError
-from dptune.grads import GradientOracle
-from dptune.privatizers import FixedClip, ZerothOrderClip
-from dptune.steps import RunInfo, StepContext
+from dptune.gradients.oracle import GradientOracle
+from dptune.release.context import RunInfo, StepContext
+from dptune.release.privatizers import FixedClip, ZerothOrderClip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -222,7 +222,7 @@ def test_a_buffer_registered_between_steps_is_guarded_too() -> None:
 def test_buffers_rebound_or_moved_between_steps_are_read_fresh() -> None:
     """A buffer re-bound (``layer.scale = t``) or converted (``model.double()``) between forwards is
     the one the next forward reads: the scratch copies are never of a stale tensor."""
-    from dptune.persample import ScratchBuffers
+    from dptune.gradients.persample import ScratchBuffers
 
     model = nn.Sequential(nn.Flatten(), Constant(4))
     scratch = ScratchBuffers(model)

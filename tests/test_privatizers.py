@@ -3,7 +3,7 @@
 * every privatizer composes with every update rule, and the executed ledger is the planned one;
 * the named strategies are compositions (``parts``) and ``make_strategy('a+b')`` routes
   hyperparameters to the right part;
-* the privacy boundary is structural: only ``dptune/privatizers.py`` reads per-sample
+* the privacy boundary is structural: only ``dptune/release/privatizers.py`` reads per-sample
   gradients or calls the gateway among the step code;
 * ``make_private``: the same run as ``dptune.train`` for the same seed (bit for bit with a
   dptune update rule, to float tolerance with the equivalent torch optimizer), the noise of
@@ -27,7 +27,7 @@ from torch import nn
 import dptune
 from dptune import accounting
 from dptune.errors import BudgetExceededError, ConfigError
-from dptune.privatizers import PRIVATIZERS, FixedClip, NonPrivate, OSOClip, QuantileClip, ZerothOrderClip
+from dptune.release.privatizers import PRIVATIZERS, FixedClip, NonPrivate, OSOClip, QuantileClip, ZerothOrderClip
 from dptune.strategies import STRATEGIES, Composed, make_strategy, strategy_signature
 from dptune.updates import ADADP, SGD, UPDATES, Adam, AdamWOSM, OSORate
 
@@ -182,7 +182,7 @@ def _calls_and_imports(path: Path) -> tuple[set[str], set[str]]:
 
 
 def test_only_privatizers_read_per_sample_gradients_or_release() -> None:
-    step_code = [SRC / "updates.py", SRC / "loop.py", *sorted((SRC / "strategies").glob("*.py"))]
+    step_code = [*sorted((SRC / "updates").glob("*.py")), SRC / "loop.py", *sorted((SRC / "strategies").glob("*.py"))]
     for path in step_code:
         calls, names = _calls_and_imports(path)
         assert not calls & {
@@ -197,9 +197,9 @@ def test_only_privatizers_read_per_sample_gradients_or_release() -> None:
         assert not names & {"PerSampleGrads", "GradientOracle", "SumQuery", "NoisyRelease"} or path.name == "loop.py", (
             path
         )
-    calls, names = _calls_and_imports(SRC / "updates.py")
+    calls, names = _calls_and_imports(SRC / "updates" / "rules.py")
     assert "StepContext" not in names  # update rules never see the batch
-    calls, _ = _calls_and_imports(SRC / "privatizers.py")
+    calls, _ = _calls_and_imports(SRC / "release" / "privatizers.py")
     assert {"grads", "release"} <= calls
 
 

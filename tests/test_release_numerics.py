@@ -23,13 +23,14 @@ import torch
 from scipy import stats
 from torch import nn
 
-from dptune import ghost, tree
-from dptune.ghost import GhostGrads, LinearRule, _Embedding
-from dptune.grads import GradientOracle
-from dptune.ledger import Ledger
-from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
-from dptune.persample import MaterializedGrads
-from dptune.privatizers import clipped_sum
+from dptune import tree
+from dptune.gradients import ghost
+from dptune.gradients.ghost import GhostGrads, LinearRule, _Embedding
+from dptune.gradients.oracle import GradientOracle
+from dptune.gradients.persample import MaterializedGrads
+from dptune.release.ledger import Ledger
+from dptune.release.mechanisms import NoiseSource, NoisyRelease, SumQuery
+from dptune.release.privatizers import clipped_sum
 
 C = 1.0
 
@@ -231,7 +232,7 @@ def test_secure_release_lies_on_the_grid_and_has_the_snapped_gaussian_law() -> N
 
 
 def test_snap_is_exact_far_from_zero_and_on_plain_tensors() -> None:
-    from dptune.mechanisms import snap
+    from dptune.release.mechanisms import snap
 
     lam = 0.125  # std = 1: Λ = 2^(⌊log₂ 1⌋ − 3)
     v = torch.tensor([1e12 + 0.3 * lam, -1e12 + 0.3 * lam, 0.0], dtype=torch.float64)

@@ -27,8 +27,8 @@ from torch import nn
 
 from dptune import accounting
 from dptune.errors import ConfigError
-from dptune.ledger import Ledger
 from dptune.outputs import NOT_DP_LABEL, read_csv_rows
+from dptune.release.ledger import Ledger
 from dptune.report import (
     FigureRef,
     LinearScalingFit,

@@ -16,8 +16,8 @@ import torch
 from conftest import assert_gaussian_std, gaussian_std_accepts
 from scipy import stats
 
-from dptune.ledger import Ledger
-from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
+from dptune.release.ledger import Ledger
+from dptune.release.mechanisms import NoiseSource, NoisyRelease, SumQuery
 from dptune.train import train
 
 SIGMA = 0.73

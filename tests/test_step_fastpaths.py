@@ -25,11 +25,11 @@ from torch import nn
 from torch.func import functional_call
 
 from dptune import tree
-from dptune.grads import GradientOracle, ParamSwap
-from dptune.ledger import Ledger
-from dptune.mechanisms import NoiseSource, NoisyRelease
-from dptune.privatizers import clip_weights
-from dptune.steps import RunInfo, StepContext
+from dptune.gradients.oracle import GradientOracle, ParamSwap
+from dptune.release.context import RunInfo, StepContext
+from dptune.release.ledger import Ledger
+from dptune.release.mechanisms import NoiseSource, NoisyRelease
+from dptune.release.privatizers import clip_weights
 from dptune.strategies import make_strategy
 from dptune.updates import heavy_ball
 
@@ -265,7 +265,7 @@ class _Scripted(NoisyRelease):
 
 def _steps(name: str, **hp) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
     """Parameters after each of 4 steps, and the released sums, with a fixed per-sample batch."""
-    from dptune.grads import MaterializedGrads
+    from dptune.gradients.oracle import MaterializedGrads
 
     strat = make_strategy(name, **hp)
     g = torch.Generator().manual_seed(0)

@@ -26,9 +26,9 @@ from torch import nn
 
 from dptune import accounting, train
 from dptune.errors import ConfigError
-from dptune.grads import MaterializedGrads
-from dptune.privatizers import clip_weights
-from dptune.steps import RunInfo, StepContext
+from dptune.gradients.oracle import MaterializedGrads
+from dptune.release.context import RunInfo, StepContext
+from dptune.release.privatizers import clip_weights
 from dptune.strategies import STRATEGIES, make_strategy
 from dptune.strategies.adadp import ADADP, extrapolation_error
 from dptune.strategies.oso import OSO

@@ -24,7 +24,7 @@ from torch import nn
 
 import dptune
 from dptune.errors import ConfigError
-from dptune.mechanisms import NoisyRelease
+from dptune.release.mechanisms import NoisyRelease
 from dptune.strategies import STRATEGIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,10 +65,10 @@ class StrategyContract:
 
     def test_empty_batches_work(self, name: str) -> None:
         """A Poisson batch can be empty: the step still releases (noise only) and keeps params finite."""
-        from dptune.grads import GradientOracle
-        from dptune.ledger import Ledger
-        from dptune.mechanisms import NoiseSource
-        from dptune.steps import RunInfo, StepContext
+        from dptune.gradients.oracle import GradientOracle
+        from dptune.release.context import RunInfo, StepContext
+        from dptune.release.ledger import Ledger
+        from dptune.release.mechanisms import NoiseSource
         from dptune.strategies import make_strategy
 
         strat = make_strategy(name)

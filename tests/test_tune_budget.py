@@ -9,14 +9,14 @@ import pytest
 from tune_helpers import tiny_dpsgd_study
 
 from dptune.errors import BudgetExceededError, ConfigError
-from dptune.ledger import Ledger
+from dptune.release.ledger import Ledger
 from dptune.tune import (
     Coordinator,
     SelectionSpec,
     Study,
     run_study,
 )
-from dptune.tune.planners import StudyPlan
+from dptune.tune.records import StudyPlan
 from dptune.tune.store import Store
 from dptune.tune.worker import execute_run
 
@@ -100,7 +100,7 @@ def test_more_steps_than_planned_are_refused(finished):
 def test_the_run_itself_cannot_release_beyond_its_plan():
     # The worker's run ledger is created from the planned event: one release too many raises
     # before any noise is drawn.
-    from dptune.tune.planners import RunSpec
+    from dptune.tune.records import RunSpec
 
     study = _study(seeds=(0,))
     from dptune.tune import plan_study

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 from tune_helpers import tiny_study_toml
 
-from dptune.ledger import event_to_dict
+from dptune.release.ledger import event_to_dict
 from dptune.tune import resume_study, run_study, study_status, study_table
 from dptune.tune.store import Store
 

@@ -30,7 +30,7 @@ from dptune.tune import (
 from dptune.tune import space as S
 from dptune.tune.builder import Builder, guarantee_scope, make_arm_id
 from dptune.tune.methods import TuningMethod, canonical_method, get_method
-from dptune.tune.planners import ArmPlan, StudyPlan, calibrate_nu, choose_accountant
+from dptune.tune.records import ArmPlan, StudyPlan, calibrate_nu, choose_accountant
 from dptune.tune.results import budget_rows, study_table
 from dptune.tune.shapes import make_shape, snap
 from dptune.tune.study import run_study
@@ -240,7 +240,7 @@ def test_the_methods_that_hide_the_number_of_runs_are_declared_to_the_outputs():
     """Whatever holds a study plan has imported the tuner, which registers the built-in methods:
     the release/diagnostics split then knows which guarantees keep K secret."""
     code = (
-        "from dptune.tune.planners import StudyPlan\n"
+        "from dptune.tune.records import StudyPlan\n"
         "from dptune.outputs import hides_run_count\n"
         "print([hides_run_count(k) for k in ('liu-talwar', 'repeat-and-select', 'composition', 'nonprivate')])"
     )

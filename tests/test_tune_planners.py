@@ -11,8 +11,8 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dptune import accounting
-from dptune.ledger import atoms
-from dptune.sampling import steps_for_epochs
+from dptune.release.ledger import atoms
+from dptune.release.sampling import steps_for_epochs
 from dptune.tune import (
     BudgetSpec,
     MethodSpec,
@@ -23,7 +23,7 @@ from dptune.tune import (
     plan_study,
     theory,
 )
-from dptune.tune.planners import StudyPlan, group_events
+from dptune.tune.records import StudyPlan, group_events
 
 N, DELTA = 60000, 1e-5
 Q = 512 / N

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from dptune.ledger import atoms
+from dptune.release.ledger import atoms
 from dptune.report import report_study
 from dptune.tune import (
     BudgetSpec,
@@ -29,7 +29,7 @@ from dptune.tune import (
     study_table,
 )
 from dptune.tune.methods.linear_scaling import resolve_final_config
-from dptune.tune.planners import EVAL_LABEL, StudyPlan
+from dptune.tune.records import EVAL_LABEL, StudyPlan
 from dptune.tune.store import Store
 from dptune.tune.study import Coordinator
 

@@ -13,7 +13,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from dptune._version import __version__ as __version__
 
 # public name → (module, attribute in it)
 _LAZY: dict[str, tuple[str, str]] = {
@@ -27,7 +27,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "epsilon": ("dptune.accounting", "epsilon"),
     "joint_noise_multiplier": ("dptune.accounting", "joint_noise_multiplier"),
     "oso_q_noise_multiplier": ("dptune.accounting", "oso_q_noise_multiplier"),
-    "Ledger": ("dptune.ledger", "Ledger"),
+    "Ledger": ("dptune.release.ledger", "Ledger"),
     "make_strategy": ("dptune.strategies", "make_strategy"),
     "STRATEGIES": ("dptune.strategies", "STRATEGIES"),
     "chain": ("dptune.strategies", "chain"),
@@ -79,10 +79,10 @@ if TYPE_CHECKING:  # static tools see the eager imports
         DivergedError,
         DPTuneError,
     )
-    from dptune.ledger import Ledger
     from dptune.loop import PrivateTraining, make_private
     from dptune.metrics import Metric
     from dptune.own import from_dataloader
+    from dptune.release.ledger import Ledger
     from dptune.strategies import STRATEGIES, chain, make_strategy
     from dptune.train import RunPlan, TrainResult, plan_run, train
 

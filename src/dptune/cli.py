@@ -41,7 +41,7 @@ def package_version() -> str:
     try:
         return version("dptune")
     except PackageNotFoundError:  # run from a source tree that was not pip-installed
-        from dptune import __version__
+        from dptune._version import __version__
 
         return __version__
 
@@ -500,7 +500,7 @@ def reproduce(
         return
     opts = {key: v for key, v in {"k": k, "steps": steps, "limit": limit, "average": average}.items() if v is not None}
     if steps is not None and steps >= 1:  # planned only after the output folder is made: refused here first
-        from dptune.sampling import check_steps
+        from dptune.release.sampling import check_steps
 
         check_steps(steps, f"--steps {steps}")
     out_dir = out or Path("runs") / f"{name}-{scale}"

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-import dptune
 from dptune import models
+from dptune._version import __version__
 from dptune.errors import ConfigError
 from dptune.factories import import_factory
 from dptune.outputs import labelled_json, randomness_statement
@@ -189,7 +189,7 @@ def card_markdown(card: Mapping[str, Any]) -> str:
 
 def dptune_version() -> str:
     """The installed dptune's version, for the cards."""
-    return getattr(dptune, "__version__", "unknown")
+    return __version__
 
 
 # ----------------------------------------------------------------------------- dptune.train

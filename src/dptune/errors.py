@@ -1,4 +1,6 @@
-"""Exceptions with messages that name the fix."""
+"""Exceptions with messages that name the fix, and the small validators that raise them."""
+
+import math
 
 
 class DPTuneError(Exception):
@@ -24,3 +26,16 @@ class DivergedError(DPTuneError):
 
 class DataError(DPTuneError):
     """A dataset is missing, corrupted or unreachable."""
+
+
+def check_positive(name: str, value: float) -> float:
+    if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}.")
+    return float(value)
+
+
+def check_unit_interval(name: str, value: float, closed_left: bool = True) -> float:
+    ok = (0 <= value < 1) if closed_left else (0 < value < 1)
+    if not ok:
+        raise ConfigError(f"{name} must lie in {'[' if closed_left else '('}0, 1), got {value!r}.")
+    return float(value)

@@ -25,9 +25,9 @@ from torch import nn
 
 from dptune import inputs
 from dptune.errors import BudgetExceededError, ConfigError
-from dptune.grads import GradientOracle
-from dptune.privatizers import FixedClip, Privatizer, Released
-from dptune.steps import RunInfo, StepContext
+from dptune.gradients.oracle import GradientOracle
+from dptune.release.context import RunInfo, StepContext
+from dptune.release.privatizers import FixedClip, Privatizer, Released
 from dptune.strategies.base import Chain
 from dptune.train import OwnTask, RunPlan, TrainResult, open_run, plan_run
 from dptune.tree import Tensors, clone, differs
@@ -127,7 +127,7 @@ class PrivateTraining:
         privatizer = FixedClip(1.0) if privatizer is None else privatizer
         if not isinstance(privatizer, Privatizer):
             raise ConfigError(
-                f"privatizer must be a dptune.privatizers.Privatizer (e.g. FixedClip(1.0)), got {privatizer!r}."
+                f"privatizer must be a dptune.release.privatizers.Privatizer (e.g. FixedClip(1.0)), got {privatizer!r}."
             )
         if not privatizer.private and (
             plan_kwargs.get("target_epsilon") is not None or plan_kwargs.get("noise_multiplier") is not None

@@ -264,7 +264,7 @@ def _isolated_scores(forward: Callable[[Any], torch.Tensor], x: Any, y: torch.Te
 def eval_mode(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
     """``model`` in eval mode for an evaluation (dropout off: a score of the parameters, not of one
     dropout draw), each module's own mode restored afterwards (``persample.eval_mode``)."""
-    from dptune.persample import eval_mode as model_eval_mode  # torch: loaded only when evaluating
+    from dptune.gradients.persample import eval_mode as model_eval_mode  # torch: loaded only when evaluating
 
     return model_eval_mode(model)
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import dptune
+from dptune._version import __version__
 
 NOT_DP_LABEL = "not differentially private: for the data owner only"
 NOT_DP_NOTICE = (
@@ -218,7 +218,7 @@ def train_outputs(
     release = {
         **context,
         **summary,
-        "dptune_version": dptune.__version__,
+        "dptune_version": __version__,
         "selection_split": selection_split if result.checkpoint == "best" else None,
         "seed_note": SEED_NOTE,
         **({"evals": result.evals} if result.eval_public else {}),
@@ -237,7 +237,7 @@ def train_outputs(
             **context,
             "seed": seed,
             "randomness": summary.get("randomness"),
-            "dptune_version": dptune.__version__,
+            "dptune_version": __version__,
             "seconds": seconds,
             **({"private_evaluation": {**owner_evals, "evals": result.evals}} if owner_evals else {}),
             "history": result.history,

@@ -26,7 +26,7 @@ from torch.func import functional_call
 from dptune import inputs, metrics
 from dptune.errors import ConfigError
 from dptune.factories import import_factory
-from dptune.persample import ScratchBuffers, check_model
+from dptune.gradients.persample import ScratchBuffers, check_model
 
 
 # ----------------------------------------------------------------------------- data

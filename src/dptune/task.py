@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from dptune import inputs, metrics, own
 from dptune.devices import resolve_device
 from dptune.errors import ConfigError
-from dptune.grads import GradientOracle
+from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
 from dptune.tree import Tensors
 

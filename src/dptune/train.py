@@ -24,13 +24,13 @@ from torch import nn
 from dptune import accounting, metrics
 from dptune.accounting.events import check_delta_for_n
 from dptune.errors import ConfigError
-from dptune.grads import GradientOracle
-from dptune.ledger import Ledger
-from dptune.mechanisms import NoiseSource, NoisyRelease
+from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
 from dptune.outputs import randomness_statement
-from dptune.sampling import PoissonSampler, check_steps, sampling_rate_for, steps_for_epochs, stream_seed
-from dptune.steps import RunInfo, StepContext
+from dptune.release.context import RunInfo, StepContext
+from dptune.release.ledger import Ledger
+from dptune.release.mechanisms import NoiseSource, NoisyRelease
+from dptune.release.sampling import PoissonSampler, check_steps, sampling_rate_for, steps_for_epochs, stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.task import OwnTask, TaskTensors, resolve_task  # noqa: F401 - re-exported (vectorized, loop)
 from dptune.tree import Tensors, clone, finite_flag

@@ -28,10 +28,10 @@ from torch import nn
 
 from dptune import inputs, metrics
 from dptune.errors import ConfigError
-from dptune.ghost import GhostGrads, LinearRule, rank_one_parts
-from dptune.grads import GradientOracle, MaterializedGrads, batched_loss, check_model, upper_norms
+from dptune.gradients.ghost import GhostGrads, LinearRule, rank_one_parts
+from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_loss, check_model, upper_norms
 from dptune.metrics import Metric
-from dptune.sampling import stream_seed
+from dptune.release.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.train import RunLoop, RunPlan, TaskTensors, TrainResult, checkpoint_rule, plan_run, resolve_task, train
 from dptune.tree import Tensors

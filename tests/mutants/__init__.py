@@ -29,9 +29,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from dptune import accounting, privatizers
-from dptune.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
-from dptune.privatizers import OSOClip
+from dptune import accounting
+from dptune.release import privatizers
+from dptune.release.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
+from dptune.release.privatizers import OSOClip
 
 
 @contextlib.contextmanager
@@ -131,7 +132,7 @@ def isolation_check_skipped() -> Iterator[None]:
     """The ghost path's and DP-ZO's isolation probe always passes (``GradientOracle._probe`` only
     schedules the next one, ``_compare_alone`` and ``_loss_alone`` do nothing): a pipeline that mixes examples is
     released from the batched forward (issue 23)."""
-    from dptune.grads import GradientOracle
+    from dptune.gradients.oracle import GradientOracle
 
     def probe(self, kind, x, y, before, again, got):  # noqa: ANN001, ANN202, ARG001
         self._next_probe[kind] = self._calls[kind] + self.PROBE_EVERY
@@ -220,7 +221,7 @@ def coins_from_study_seed() -> Iterator[None]:
     (the planner before issue 10, item 7): anyone with the config can recompute K."""
     import numpy as np
 
-    from dptune.sampling import stream_seed
+    from dptune.release.sampling import stream_seed
     from dptune.tune import builder
 
     original = builder.Builder.__dict__["__init__"]
@@ -247,7 +248,7 @@ TUNER_MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] 
 def ghost_gram_float32() -> Iterator[None]:
     """The Gram forms of the ghost path (Linear over tokens, small-output convolutions, repeated
     Embedding tokens) evaluated in float32 with no rounding bound: the code before issue 10."""
-    from dptune import ghost
+    from dptune.gradients import ghost
 
     def gram_bound(chunks, d, p, T, u_release):  # noqa: ANN001, ARG001 - the bug ignores them
         S = []
@@ -270,7 +271,9 @@ def ghost_gram_float32() -> Iterator[None]:
 def norms_rounded_to_nearest() -> Iterator[None]:
     """Per-sample norms as the plain float √(Σ s) (rounded to nearest, no slack): about half of
     them fall below the exact norm, so fl(C/N)·g can exceed C."""
-    from dptune import ghost, grads, persample, vectorized
+    from dptune import vectorized
+    from dptune.gradients import ghost, persample
+    from dptune.gradients import oracle as grads
 
     def plain(parts, like, dtype=None, release_dtypes=()):  # noqa: ANN001, ANN202
         sq = None
@@ -305,7 +308,7 @@ def noise_tail_cut_off(bits: int = 53) -> Iterator[None]:
     float32 layout's 38 radius bits). Host (numpy) and CUDA (torch) transforms alike."""
     import numpy as np
 
-    from dptune import mechanisms
+    from dptune.release import mechanisms
 
     def capped(words, a, width, precision, scale=1.0, depth=0):  # noqa: ANN001, ANN202, ARG001
         if width > bits:
@@ -325,7 +328,7 @@ def noise_tail_cut_off(bits: int = 53) -> Iterator[None]:
 def secure_sampler_seeded() -> Iterator[None]:
     """``PoissonSampler(..., secure=True)`` draws its batches from the public seed (item 3, the code
     before issue 10); it still says ``secure`` and the noise stays secure."""
-    from dptune.sampling import PoissonSampler
+    from dptune.release.sampling import PoissonSampler
 
     original = PoissonSampler.__dict__["__init__"]
 
@@ -358,7 +361,7 @@ def one_seed_for_all_trials() -> Iterator[None]:
 def holdout_by_permutation() -> Iterator[None]:
     """The holdout is the first round(f·n) of a permutation seeded by the study seed (item 8, the
     code before issue 10): removing one example changes n and reshuffles both sets."""
-    from dptune.sampling import stream_seed
+    from dptune.release.sampling import stream_seed
     from dptune.tune import data
 
     def holdout_mask(x, y, fraction, study_seed):  # noqa: ANN001, ANN202, ARG001
@@ -451,7 +454,7 @@ def seeds_masked_to_32_bits() -> Iterator[None]:
     """Every stream seed derived from the low 32 bits of the seed (item 9d, the code before issue
     10): seeds that differ only above bit 31 share their Poisson batches and their noise. Patched
     in every dptune module that imported ``stream_seed``."""
-    from dptune import sampling
+    from dptune.release import sampling
 
     original = sampling.stream_seed
 

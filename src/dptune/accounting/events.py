@@ -18,7 +18,7 @@ from dptune.errors import ConfigError
 AccountantName = Literal["rdp", "pld", "gdp"]
 ACCOUNTANTS: tuple[str, ...] = ("rdp", "pld", "gdp")
 
-MIN_SAMPLING_RATE = 1e-12  # below it the accountants' float arithmetic breaks down (dptune.sampling too)
+MIN_SAMPLING_RATE = 1e-12  # below it the accountants' float arithmetic breaks down (dptune.release.sampling too)
 NU_FLOOR = 1e-6  # below this ν every target is treated as reachable (nothing to calibrate)
 NU_CEILING = 1e9
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dptune.mechanisms import DeferredSum, NoisyRelease, SumQuery
+from dptune.release.mechanisms import DeferredSum, NoisyRelease, SumQuery
 
 CANARY_NORM_FACTOR = 1e4  # M = factor × (largest clipping threshold the run may use)
 

@@ -34,8 +34,8 @@ from dptune.audit.harness import (
     spy_on_releases,
 )
 from dptune.errors import ConfigError
-from dptune.ledger import Ledger, compose
-from dptune.sampling import stream_seed
+from dptune.release.ledger import Ledger, compose
+from dptune.release.sampling import stream_seed
 from dptune.train import train
 from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec, run_study
 from dptune.tune.data import forget_cached

@@ -11,7 +11,6 @@ from typing import Any
 from dp_accounting import dp_event
 
 from dptune import accounting
-from dptune.ledger import Ledger, compose
 from dptune.outputs import (
     NOT_DP_LABEL,
     diagnostics_dir,
@@ -20,6 +19,7 @@ from dptune.outputs import (
     write_csv_rows,
     write_labelled_csv,
 )
+from dptune.release.ledger import Ledger, compose
 from dptune.report import figures as F
 from dptune.report.data import (
     LedgerRow,

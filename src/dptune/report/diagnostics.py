@@ -2,7 +2,7 @@
 
 Everything here reads the user's raw data and is meant for the user's own eyes, on
 their own machine. Nothing here is a differentially private release and nothing is
-recorded in a ledger. The Gaussian draws go through ``dptune.mechanisms.NoiseSource``
+recorded in a ledger. The Gaussian draws go through ``dptune.release.mechanisms.NoiseSource``
 (the project's single sanctioned noise source) only so that no second noise
 generator exists in the code base; they *simulate* the mechanism, they protect nothing.
 """
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from dptune.errors import ConfigError
-from dptune.grads import GradientOracle
-from dptune.mechanisms import NoiseSource
-from dptune.privatizers import clip_weights
-from dptune.sampling import PoissonSampler, stream_seed
+from dptune.gradients.oracle import GradientOracle
+from dptune.release.mechanisms import NoiseSource
+from dptune.release.privatizers import clip_weights
+from dptune.release.sampling import PoissonSampler, stream_seed
 from dptune.tree import Tensors
 
 

@@ -40,7 +40,7 @@ from dptune.report.html import FigureRef, Section, Table
 from dptune.report.tables import fmt_mean_std
 from dptune.tune import theory
 from dptune.tune.methods import get_method
-from dptune.tune.planners import StudyPlan
+from dptune.tune.records import StudyPlan
 from dptune.tune.results import budget_rows, load_study, private_rows, study_table
 from dptune.tune.space import config_key
 

@@ -1,6 +1,6 @@
 """Training strategies (privatizer × update rule), one small module each.
 
-Each named strategy is a composition of a privatizer (``dptune.privatizers``) and an update
+Each named strategy is a composition of a privatizer (``dptune.release.privatizers``) and an update
 rule (``dptune.updates``); any other pair is available by name as ``"<privatizer>+<update>"``
 (``make_strategy("oso+adam", lr=1e-3)``) or as ``chain(OSOClip(), Adam(lr=1e-3))``."""
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dptune.privatizers import FixedClip
-from dptune.steps import RunInfo
+from dptune.release.context import RunInfo
+from dptune.release.privatizers import FixedClip
 from dptune.strategies.base import Composed
 from dptune.updates import ADADP as ADADPRule
 from dptune.updates import extrapolation_error

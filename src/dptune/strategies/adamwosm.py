@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dptune.privatizers import FixedClip
-from dptune.steps import RunInfo, default_adam_lr
+from dptune.release.context import RunInfo
+from dptune.release.privatizers import FixedClip
 from dptune.strategies.base import Composed
 from dptune.updates import AdamWOSM as AdamWOSMRule
+from dptune.updates.defaults import default_adam_lr
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ A strategy is an immutable bundle of hyperparameters with two pure-ish methods:
 run will make; the run's ledger is created with that plan, so a strategy that
 tried to release more would be stopped by ``BudgetExceededError``.
 
-Every built-in strategy is a ``Composed`` one: a privatizer (``dptune.privatizers``, the
+Every built-in strategy is a ``Composed`` one: a privatizer (``dptune.release.privatizers``, the
 only code that reads per-sample gradients and the only caller of the gateway) followed by
 an update rule (``dptune.updates``, which sees released values only). ``chain(privatizer,
 update)`` composes any pair, e.g. OSO's online C with Adam.
@@ -31,9 +31,9 @@ from typing import Any, ClassVar
 from dp_accounting import dp_event
 
 from dptune import accounting
-from dptune.errors import ConfigError
-from dptune.privatizers import PRIVATIZERS, Privatizer
-from dptune.steps import RunInfo, StepContext, check_positive, check_unit_interval
+from dptune.errors import ConfigError, check_positive, check_unit_interval
+from dptune.release.context import RunInfo, StepContext
+from dptune.release.privatizers import PRIVATIZERS, Privatizer
 from dptune.tree import Tensors
 from dptune.updates import UPDATES, UpdateRule
 
@@ -170,7 +170,9 @@ class Chain(Composed):
 
     def __post_init__(self) -> None:
         if not isinstance(self.privatizer_part, Privatizer):
-            raise ConfigError(f"chain() takes a privatizer first (dptune.privatizers), got {self.privatizer_part!r}.")
+            raise ConfigError(
+                f"chain() takes a privatizer first (dptune.release.privatizers), got {self.privatizer_part!r}."
+            )
         if not isinstance(self.update_part, UpdateRule):
             raise ConfigError(f"chain() takes an update rule second (dptune.updates), got {self.update_part!r}.")
         if self.update_part.needs_noisy_release and not self.privatizer_part.private:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from dptune.errors import ConfigError
-from dptune.privatizers import FixedClip
-from dptune.steps import RunInfo
+from dptune.release.context import RunInfo
+from dptune.release.privatizers import FixedClip
 from dptune.strategies.base import Composed
 from dptune.tree import Tensors
 from dptune.updates import SGD, Average, Averaged, check_average

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dptune.privatizers import FixedClip
+from dptune.release.privatizers import FixedClip
 from dptune.strategies.base import Composed
 from dptune.updates import SGD
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dptune.privatizers import NonPrivate
+from dptune.release.privatizers import NonPrivate
 from dptune.strategies.base import Composed
 from dptune.updates import SGD
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dptune.privatizers import MIN_CLIP, OSOClip
-from dptune.steps import Rule
+from dptune.release.hypergradient import Rule
+from dptune.release.privatizers import MIN_CLIP, OSOClip
 from dptune.strategies.base import Composed
 from dptune.updates import OSORate
 

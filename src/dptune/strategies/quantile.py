@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dptune.privatizers import QuantileClip
-from dptune.steps import RunInfo
+from dptune.release.context import RunInfo
+from dptune.release.privatizers import QuantileClip
 from dptune.strategies.base import Composed
 from dptune.updates import SGD
 

@@ -11,7 +11,7 @@ resumable after a crash (``resume_study``). See ``docs/tuning.md``.
 """
 
 from dptune.tune.plan import plan_study
-from dptune.tune.planners import ArmPlan, RunSpec, StudyPlan
+from dptune.tune.records import ArmPlan, RunSpec, StudyPlan
 from dptune.tune.results import budget_rows, render, report_text, rerr_rows, study_status, study_table, write_csvs
 from dptune.tune.spec import (
     BudgetSpec,

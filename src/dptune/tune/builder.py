@@ -13,9 +13,9 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dptune.sampling import stream_seed
+from dptune.release.sampling import stream_seed
 from dptune.tune import theory
-from dptune.tune.planners import RunSpec
+from dptune.tune.records import RunSpec
 from dptune.tune.shapes import Context, Shape
 
 if TYPE_CHECKING:  # types only: the study spec validates methods, which plan with this module

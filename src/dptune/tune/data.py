@@ -23,7 +23,7 @@ from dptune.errors import ConfigError
 from dptune.factories import import_factory
 from dptune.models import MODELS
 from dptune.own import as_pair, load_data
-from dptune.sampling import stream_seed
+from dptune.release.sampling import stream_seed
 from dptune.tune.spec import DataSpec, ModelSpec, SelectionSpec
 
 

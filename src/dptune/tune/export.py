@@ -23,10 +23,10 @@ from dptune.deliverable import (
     write_model,
 )
 from dptune.errors import ConfigError
-from dptune.ledger import Ledger
 from dptune.outputs import DIAGNOSTICS_DIR, hides_run_count, labelled_json, randomness_statement, release_dir
+from dptune.release.ledger import Ledger
 from dptune.tune import results
-from dptune.tune.planners import ArmPlan, RunSpec
+from dptune.tune.records import ArmPlan, RunSpec
 from dptune.tune.store import Store
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from dptune.tune.planners import StudyPlan
+from dptune.tune.records import StudyPlan
 
 
 def plan_groups(plan: StudyPlan, size: int, unresolved: Collection[str] | None = None) -> dict[str, tuple[str, ...]]:

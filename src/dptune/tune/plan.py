@@ -15,7 +15,7 @@ from dptune.strategies import make_strategy
 from dptune.tune import theory
 from dptune.tune.builder import Builder, make_arm_id
 from dptune.tune.methods import get_method
-from dptune.tune.planners import ArmPlan, StudyPlan, group_events
+from dptune.tune.records import ArmPlan, StudyPlan, group_events
 from dptune.tune.shapes import Context, make_shape, split_config
 
 if TYPE_CHECKING:

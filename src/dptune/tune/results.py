@@ -19,7 +19,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dptune.ledger import LedgerEntry
 from dptune.metrics import clip_to_range, finite_number, mean_std
 from dptune.outputs import (
     DIAGNOSTICS_DIR,
@@ -31,10 +30,11 @@ from dptune.outputs import (
     write_csv_rows,
     write_labelled_csv,
 )
+from dptune.release.ledger import LedgerEntry
 from dptune.tune import theory
 from dptune.tune.groups import plan_groups
 from dptune.tune.methods import get_method
-from dptune.tune.planners import ArmPlan, StudyPlan, entries_epsilon, event_epsilon
+from dptune.tune.records import ArmPlan, StudyPlan, entries_epsilon, event_epsilon
 from dptune.tune.space import config_key
 from dptune.tune.store import Store
 

@@ -17,11 +17,11 @@ from dp_accounting import dp_event
 
 from dptune import accounting
 from dptune.errors import ConfigError
-from dptune.ledger import compose
-from dptune.sampling import check_steps, sampling_rate_for, steps_for_epochs
-from dptune.steps import RunInfo
+from dptune.release.context import RunInfo
+from dptune.release.ledger import compose
+from dptune.release.sampling import check_steps, sampling_rate_for, steps_for_epochs
 from dptune.strategies import Strategy, make_strategy
-from dptune.tune.planners import canonical, group_events
+from dptune.tune.records import canonical, group_events
 from dptune.tune.space import TRAINING_KEYS
 
 if TYPE_CHECKING:  # types only: the study spec validates methods, which plan with this module

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dptune.sampling import stream_seed
+from dptune.release.sampling import stream_seed
 
 if TYPE_CHECKING:
     from dptune.tune.theory import SecretCoins

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dptune.errors import ConfigError
-from dptune.ledger import Ledger, LedgerEntry, event_to_dict
+from dptune.release.ledger import Ledger, LedgerEntry, event_to_dict
 
 DB_NAME = "study.sqlite"
 SCHEMA_VERSION = "1"

@@ -21,10 +21,10 @@ from typing import Any
 from dptune.deliverable import save_checkpoint
 from dptune.devices import check_device_name, resolve_device
 from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
-from dptune.grads import check_model
-from dptune.ledger import Ledger
+from dptune.gradients.oracle import check_model
 from dptune.outputs import NOT_DP_LABEL, hides_run_count
 from dptune.paths import check_output_dir
+from dptune.release.ledger import Ledger
 from dptune.tune import results
 from dptune.tune.data import build_model, study_data
 from dptune.tune.executors import Executor, check_executor, check_workers, make_executor, require_ray
@@ -32,7 +32,7 @@ from dptune.tune.export import export_study, prune_checkpoints
 from dptune.tune.groups import plan_groups
 from dptune.tune.methods import get_method
 from dptune.tune.plan import plan_study
-from dptune.tune.planners import RunSpec, StudyPlan
+from dptune.tune.records import RunSpec, StudyPlan
 from dptune.tune.spec import Study, load_study_config, study_from_dict
 from dptune.tune.store import Store
 from dptune.tune.worker import check_run_ledger, execute_task

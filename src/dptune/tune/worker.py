@@ -25,16 +25,16 @@ from torch.func import functional_call
 from dptune.deliverable import full_state, model_identity
 from dptune.devices import resolve_device
 from dptune.errors import BudgetExceededError, DPTuneError
-from dptune.ledger import Ledger, atoms, compose
-from dptune.mechanisms import NoiseSource, NoisyRelease, SumQuery
+from dptune.gradients.persample import ScratchBuffers
 from dptune.metrics import MSE, eval_mode, resolve, score_sums
-from dptune.persample import ScratchBuffers
-from dptune.sampling import stream_seed
+from dptune.release.ledger import Ledger, atoms, compose
+from dptune.release.mechanisms import NoiseSource, NoisyRelease, SumQuery
+from dptune.release.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.train import RunPlan, TrainResult, is_better, train
 from dptune.tree import Tensors, clone, is_finite
 from dptune.tune.data import StudyData, build_model, study_data
-from dptune.tune.planners import EVAL_LABEL, RunSpec
+from dptune.tune.records import EVAL_LABEL, RunSpec
 from dptune.tune.space import TRAINING_KEYS
 from dptune.tune.spec import Study
 from dptune.vectorized import train_many

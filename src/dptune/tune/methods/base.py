@@ -15,12 +15,12 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dptune.errors import config_error
-from dptune.ledger import LedgerEntry
 from dptune.metrics import better
+from dptune.release.ledger import LedgerEntry
 from dptune.tune import space as S
 from dptune.tune import theory
 from dptune.tune.builder import Builder, make_arm_id, procedures
-from dptune.tune.planners import ArmPlan, StudyPlan, entries_epsilon, group_events
+from dptune.tune.records import ArmPlan, StudyPlan, entries_epsilon, group_events
 
 if TYPE_CHECKING:  # types only: the study spec validates through the methods
     from dptune.tune.spec import StrategyArm, Study

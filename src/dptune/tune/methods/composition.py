@@ -14,7 +14,7 @@ from dptune import accounting
 from dptune.errors import config_error
 from dptune.tune.builder import Builder, guarantee_scope, make_arm_id, seed_note
 from dptune.tune.methods.base import TuningMethod, random_configurations
-from dptune.tune.planners import ArmPlan, calibrate_nu, choose_accountant, group_events
+from dptune.tune.records import ArmPlan, calibrate_nu, choose_accountant, group_events
 from dptune.tune.shapes import Shape, check_selection_budget, make_shape, snap, validate_shape
 
 if TYPE_CHECKING:  # types only: the study spec validates through the methods

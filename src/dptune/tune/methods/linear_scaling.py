@@ -22,7 +22,7 @@ from dptune.metrics import better
 from dptune.tune import space as S
 from dptune.tune.builder import Builder, guarantee_scope, make_arm_id, procedures, seed_note
 from dptune.tune.methods.base import Row, TuningMethod
-from dptune.tune.planners import ArmPlan, StudyPlan, calibrate_nu, choose_accountant, group_events
+from dptune.tune.records import ArmPlan, StudyPlan, calibrate_nu, choose_accountant, group_events
 from dptune.tune.shapes import Shape, check_selection_budget, make_shape, snap, validate_shape
 
 if TYPE_CHECKING:  # types only: the study spec validates through the methods

@@ -15,12 +15,12 @@ from dp_accounting import dp_event
 
 from dptune import accounting
 from dptune.errors import ConfigError, config_error
-from dptune.ledger import LedgerEntry
+from dptune.release.ledger import LedgerEntry
 from dptune.tune import space as S
 from dptune.tune import theory
 from dptune.tune.builder import Builder, guarantee_scope, make_arm_id, procedures, seed_note
 from dptune.tune.methods.base import TuningMethod, released_procedures, secret_draws
-from dptune.tune.planners import ArmPlan, StudyPlan, calibrate_nu, choose_accountant, group_events
+from dptune.tune.records import ArmPlan, StudyPlan, calibrate_nu, choose_accountant, group_events
 from dptune.tune.shapes import Shape, make_shape, snap, validate_shape
 
 if TYPE_CHECKING:  # types only: the study spec validates through the methods

@@ -15,12 +15,12 @@ from dp_accounting import dp_event
 
 from dptune import accounting
 from dptune.errors import ConfigError, config_error
-from dptune.ledger import LedgerEntry, event_from_dict, event_to_dict
+from dptune.release.ledger import LedgerEntry, event_from_dict, event_to_dict
 from dptune.tune import space as S
 from dptune.tune import theory
 from dptune.tune.builder import Builder, guarantee_scope, make_arm_id, procedures, seed_note
 from dptune.tune.methods.base import TuningMethod, released_procedures, secret_draws
-from dptune.tune.planners import ArmPlan, StudyPlan, calibrate_nu, canonical, group_events
+from dptune.tune.records import ArmPlan, StudyPlan, calibrate_nu, canonical, group_events
 from dptune.tune.shapes import make_shape, snap, validate_shape
 from dptune.tune.space import TRAINING_KEYS
 

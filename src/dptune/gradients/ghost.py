@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptune.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTED, unsupported_reason: re-exported
+from dptune.gradients.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTED, unsupported_reason: re-exported
     CONV,
     REUSE_RTOL,
     SUPPORTED,
@@ -73,7 +73,7 @@ from dptune.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTED, unsuppo
     recording,
     unsupported_reason,
 )
-from dptune.norm_bounds import (  # noqa: F401 - rank_one_parts: re-exported (``vectorized``)
+from dptune.gradients.norm_bounds import (  # noqa: F401 - rank_one_parts: re-exported (``vectorized``)
     gamma,
     ieee_matmul,
     rank_one_parts,
@@ -84,7 +84,7 @@ from dptune.norm_bounds import (  # noqa: F401 - rank_one_parts: re-exported (``
     wide_mm,
     wide_sum,
 )
-from dptune.persample import ParamSwap
+from dptune.gradients.persample import ParamSwap
 from dptune.tree import Tensors
 
 # Per-sample gradients of a layer are kept (B x #layer-params floats) when at most this big;

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptune.norm_bounds import ieee_matmul, sq_rows_upper, unit_roundoff, wide_sum
-from dptune.persample import MaterializedGrads, nonfinite_rows
+from dptune.gradients.norm_bounds import ieee_matmul, sq_rows_upper, unit_roundoff, wide_sum
+from dptune.gradients.persample import MaterializedGrads, nonfinite_rows
 from dptune.tree import Accumulated, Tensors
 
 # Rows whose weights are proportional to the previous weighted sum's, within this relative

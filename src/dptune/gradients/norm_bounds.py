@@ -121,7 +121,7 @@ def upper_norms(
 
     ``parts``: (s_l, ρ_l) pairs, one per parameter (or per layer part), with ‖part_l of g_i‖²
     ≤ s_li·(1+ρ_l) and ‖released part_l of w·g_i‖ ≤ |w|·(1+γ_2)·(s_li(1+ρ_l))^½ (see
-    ``sq_rows_upper`` and the layer rules of ``dptune.ghost``). Cost: the sum, a root and one
+    ``sq_rows_upper`` and the layer rules of ``dptune.gradients.ghost``). Cost: the sum, a root and one
     multiplication per batch, as for the plain Euclidean norm.
     """
     out_dt = dtype if dtype is not None else like.dtype

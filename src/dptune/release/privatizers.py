@@ -31,22 +31,13 @@ from typing import Any, ClassVar
 import torch
 
 from dptune import accounting, inputs, tree
-from dptune.errors import ConfigError
-from dptune.grads import PerSampleGrads
-from dptune.mechanisms import DeferredSum, NoiseSource, SumQuery, random_direction, record_nonprivate
-from dptune.persample import rng_state, set_rng_state
-from dptune.sampling import stream_seed
-from dptune.steps import (
-    RULES,
-    Rule,
-    RunInfo,
-    StepContext,
-    check_positive,
-    check_rate,
-    check_rule,
-    horizon_rate,
-    hypergradient_step,
-)
+from dptune.errors import ConfigError, check_positive
+from dptune.gradients.oracle import PerSampleGrads
+from dptune.gradients.persample import rng_state, set_rng_state
+from dptune.release.context import RunInfo, StepContext
+from dptune.release.hypergradient import RULES, Rule, check_rate, check_rule, horizon_rate, hypergradient_step
+from dptune.release.mechanisms import DeferredSum, NoiseSource, SumQuery, random_direction, record_nonprivate
+from dptune.release.sampling import stream_seed
 from dptune.tree import Tensors, dot, norm
 
 MIN_CLIP = 1e-8  # the additive rule can cross zero; C must stay a valid (positive) sensitivity

@@ -7,7 +7,7 @@ ghost-norm / book-keeping implementation (no materialised per-sample gradients)
 replaces the vmap one without touching any strategy.
 
 ``GradientOracle(..., method=)`` picks the implementation: ``'vmap'`` (materialised
-per-sample gradients, any model), ``'ghost'`` (``dptune.ghost``: ghost norms and
+per-sample gradients, any model), ``'ghost'`` (``dptune.gradients.ghost``: ghost norms and
 book-keeping from one backward pass; Linear, Conv1d/2d, ConvTranspose2d, Embedding,
 LayerNorm, GroupNorm) or ``'auto'`` (ghost when the model allows it, else vmap). The
 default comes from ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_METHOD``; ``set_default_method``).
@@ -27,9 +27,10 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from dptune import ghost, inputs
+from dptune import inputs
 from dptune.errors import ConfigError
-from dptune.persample import (  # noqa: F401 - re-exported: ``dptune.grads`` is where users look
+from dptune.gradients import ghost
+from dptune.gradients.persample import (  # noqa: F401 - re-exported: ``dptune.gradients.oracle`` is where users look
     NORM_BLOCK,
     NORM_FLOOR,
     LossFn,

@@ -1,6 +1,6 @@
 """Update rules: how released gradients move the parameters (pure post-processing).
 
-An update rule sees ``Released`` values only (``dptune.privatizers``), never the batch or a
+An update rule sees ``Released`` values only (``dptune.release.privatizers``), never the batch or a
 per-sample gradient, so whatever it does costs no privacy. Each is an optax-style transform
 with explicit state: ``init(params, run) -> state``, ``update(params, state, released) ->
 (params, state, metrics)``, ``rate(state)`` (its current learning rate, public) and an
@@ -27,21 +27,12 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from dptune import tree
-from dptune.errors import ConfigError
-from dptune.privatizers import Released
-from dptune.steps import (
-    Rule,
-    RunInfo,
-    check_positive,
-    check_rate,
-    check_rule,
-    check_unit_interval,
-    default_adam_lr,
-    default_sgd_lr,
-    horizon_rate,
-    hypergradient_step,
-)
+from dptune.errors import ConfigError, check_positive, check_unit_interval
+from dptune.release.context import RunInfo
+from dptune.release.hypergradient import Rule, check_rate, check_rule, horizon_rate, hypergradient_step
+from dptune.release.privatizers import Released
 from dptune.tree import Tensors, add_scaled, dot, ema, lincomb, norm, zeros_like
+from dptune.updates.defaults import default_adam_lr, default_sgd_lr
 
 
 def heavy_ball(
@@ -522,17 +513,3 @@ class Averaged(UpdateRule):
 
 
 UPDATES: dict[str, type[UpdateRule]] = {c.name: c for c in (SGD, Adam, AdamWOSM, OSORate, ADADP)}
-
-__all__ = [
-    "UpdateRule",
-    "SGD",
-    "Adam",
-    "AdamWOSM",
-    "OSORate",
-    "ADADP",
-    "Averaged",
-    "AVERAGES",
-    "UPDATES",
-    "heavy_ball",
-    "extrapolation_error",
-]

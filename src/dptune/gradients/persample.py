@@ -21,7 +21,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as _HookSpectralNorm
 
 from dptune import inputs
 from dptune.errors import ConfigError
-from dptune.norm_bounds import (  # noqa: F401 - the float bounds, re-exported: they were defined here
+from dptune.gradients.norm_bounds import (  # noqa: F401 - the float bounds, re-exported: they were defined here
     NORM_BLOCK,
     NORM_FLOOR,
     WIDE_BLOCK,

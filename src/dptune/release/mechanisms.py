@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from dptune import accounting
-from dptune.ledger import Ledger
-from dptune.sampling import (
+from dptune.release.ledger import Ledger
+from dptune.release.sampling import (
     LN2,
     MAX_REFINEMENTS,
     WORD_BITS,

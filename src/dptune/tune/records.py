@@ -18,7 +18,7 @@ from dp_accounting import dp_event
 
 from dptune import accounting
 from dptune.errors import ConfigError
-from dptune.ledger import LedgerEntry, atoms, compose, event_from_dict, event_to_dict
+from dptune.release.ledger import LedgerEntry, atoms, compose, event_from_dict, event_to_dict
 
 EVAL_LABEL = "selection/validation_score"
 PLD_MAX_DISTINCT_ATOMS = 8

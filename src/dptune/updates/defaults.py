@@ -1,0 +1,45 @@
+"""Default learning rates by Panda et al.'s linear scaling rule (public: from the plan only)."""
+
+from __future__ import annotations
+
+import math
+
+from dptune.release.context import RunInfo
+
+# Default learning rates by Panda et al.'s linear scaling rule: what matters is r = η·T, the
+# step size times the number of steps (docs/strategies.md, "Defaults", with the measurements).
+# For SGD on clipped means, η is the effective step lr·C/(1 − μ) (the length of one update of
+# a fully clipped batch); for Adam, lr itself (Adam normalises the gradient's scale).
+SGD_STEP_BUDGET = 200.0  # r = lr·C/(1 − μ)·T
+ADAM_STEP_BUDGET = 0.8  # r = lr·T
+
+
+# The best r grows as the noise shrinks (Panda et al.: r grows with ε). The noise that matters is
+# that of the mean gradient per unit of C, s = ν/L; below S_REF the budget grows as (S_REF/s)^1.5,
+# at most ×3 (measured: best r ≈ 150–250 at ε = 1, ≈ 500–600 at ε = 8).
+S_REF = 0.005
+MAX_BUDGET_GROWTH = 3.0
+
+
+def noise_scaled_budget(budget: float, run: RunInfo) -> float:
+    """r for this run's noise level s = ν/L (public: the plan's ν and L)."""
+    s = run.noise_multiplier / run.expected_batch_size
+    if not math.isfinite(s) or s <= 0:
+        return budget
+    return budget * min(MAX_BUDGET_GROWTH, max(1.0, (S_REF / s) ** 1.5))
+
+
+def scaled_lr(budget: float, run: RunInfo, clip: float = 1.0, momentum: float = 0.0) -> float:
+    """The linear-scaling default: lr = r·(1 − μ)/(C·T) (public: T, C and μ are planned)."""
+    return budget * (1.0 - momentum) / (clip * max(run.steps, 1))
+
+
+def default_adam_lr(run: RunInfo) -> float:
+    """Adam-type default (lr, or AdamWOSM's α): r/T, r = ADAM_STEP_BUDGET."""
+    return scaled_lr(ADAM_STEP_BUDGET, run)
+
+
+def default_sgd_lr(run: RunInfo, clip: float | None, momentum: float) -> float:
+    """SGD-type default: lr = r·(1 − μ)/(C·T), r = SGD_STEP_BUDGET grown at low noise; C = 1
+    for an unclipped (non-private) release."""
+    return scaled_lr(noise_scaled_budget(SGD_STEP_BUDGET, run), run, 1.0 if clip is None else clip, momentum)
