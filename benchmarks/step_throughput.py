@@ -88,7 +88,7 @@ def torch_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str):
 def dptune_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, strategy: str, method: str):
     """One ``strategy.step`` exactly as ``dptune.train`` runs it (real gateway and ledger)."""
     from dptune.gradients.oracle import GradientOracle
-    from dptune.release.context import RunInfo, StepContext
+    from dptune.release.context import RunPlan, StepContext
     from dptune.release.ledger import Ledger
     from dptune.release.mechanisms import NoiseSource, NoisyRelease
     from dptune.strategies import make_strategy
@@ -100,7 +100,7 @@ def dptune_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, s
     B = x.shape[0]
     q = B / N_TRAIN
     nu = NOISE_MULTIPLIER if strat.private else float("inf")
-    run = RunInfo(nu, q, float(B), 10_000, sum(p.numel() for p in params.values()))
+    run = RunPlan(strat, N_TRAIN, q, 10_000, nu)
     state = {"params": params, "state": strat.init(params, run), "t": 0}
     gateway = NoisyRelease(Ledger(), q, NoiseSource(0, x.device))
 

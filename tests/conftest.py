@@ -29,9 +29,10 @@ from scipy import stats
 from torch import nn
 
 from dptune.gradients.oracle import GradientOracle, MaterializedGrads
+from dptune.release.context import RunPlan
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
-from dptune.strategies.base import RunInfo, StepContext, Strategy
+from dptune.strategies.base import StepContext, Strategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from conftest import ...` in test files
 
@@ -234,6 +235,18 @@ def flat(v: Any) -> torch.Tensor:
     return torch.as_tensor(v).reshape(-1).double()
 
 
+def run_plan(nu: float, q: float, L: float, steps: int, strategy: Any = None) -> RunPlan:
+    """A ``RunPlan`` for unit tests that drive a strategy or privatizer by hand: n = L/q examples.
+    ``strategy``: a strategy, a privatizer (chained with SGD) or None (DP-SGD)."""
+    from dptune.release.privatizers import FixedClip, Privatizer
+    from dptune.strategies import chain
+    from dptune.updates import SGD
+
+    if strategy is None or isinstance(strategy, Privatizer):
+        strategy = chain(strategy or FixedClip(), SGD(0.1))
+    return RunPlan(strategy, round(L / q), q, steps, nu)
+
+
 @dataclass
 class StepRun:
     params: Tensors
@@ -268,7 +281,7 @@ def run_strategy_steps(
     p = strategy.prepare(p)
     n = int(x.shape[0])
     L = float(expected_batch_size if expected_batch_size is not None else n)
-    run = RunInfo(noise_multiplier, release.sampling_rate, L, total_steps or steps, sum(v.numel() for v in p.values()))
+    run = run_plan(noise_multiplier, release.sampling_rate, L, total_steps or steps, strategy)
     strategy.validate_run(run)
     state = strategy.init(p, run)
     out = StepRun(p, state)

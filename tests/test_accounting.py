@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import CaptureRelease, zero_grad_problem
+from conftest import CaptureRelease, run_plan, zero_grad_problem
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
@@ -20,7 +20,6 @@ from scipy import optimize, stats
 
 from dptune import accounting, train
 from dptune.errors import ConfigError
-from dptune.release.context import RunInfo
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import SumQuery
 from dptune.strategies import make_strategy
@@ -156,15 +155,20 @@ def test_gdp_calibration_hits_the_target() -> None:
 
 
 # ----------------------------------------------------------------------------- the noise split
+def oso_split(nu: float) -> tuple[float, float]:
+    s = make_strategy("oso")
+    return s.multipliers(run_plan(nu, 0.01, 100.0, 100, s))
+
+
 def quantile_split(nu: float, L: float) -> tuple[float, float]:
     s = make_strategy("quantile")
-    return s.split(RunInfo(nu, 0.01, L, 100, 10))
+    return s.multipliers(run_plan(nu, 0.01, L, 100, s))
 
 
 @pytest.mark.parametrize("nu", [0.8, 1.0, 3.0])
 def test_joint_noise_multiplier_of_the_split_equals_the_target(nu: float) -> None:
     oso = make_strategy("oso")
-    nu_g, nu_q = oso.split(nu)
+    nu_g, nu_q = oso.multipliers(run_plan(nu, 0.01, 100.0, 100, oso))
     assert (nu_g**-2 + nu_q**-2) ** -0.5 == pytest.approx(nu, rel=1e-12)
     assert nu_q / nu == pytest.approx(7.124, abs=0.01)  # the 1% rule
     assert nu_g / nu == pytest.approx(1.01, rel=1e-12)
@@ -177,7 +181,7 @@ def test_joint_noise_multiplier_of_the_split_equals_the_target(nu: float) -> Non
 def test_split_at_full_batch_is_exactly_one_gaussian(which: str) -> None:
     """q = 1: the two component Gaussians composed separately ARE one Gaussian of ν."""
     nu, T = 1.2, 10
-    nu_g, nu_aux = make_strategy("oso").split(nu) if which == "oso" else quantile_split(nu, 256)
+    nu_g, nu_aux = oso_split(nu) if which == "oso" else quantile_split(nu, 256)
     separate = dp_event.SelfComposedDpEvent(
         dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(nu_g), dp_event.GaussianDpEvent(nu_aux)]), T
     )
@@ -196,7 +200,7 @@ def test_sampled_split_must_be_accounted_jointly(which: str, q: float) -> None:
     batch and it reports LESS ε than the joint event (checked here with RDP and PLD), so
     dptune must (and does) record the joint event."""
     nu, T = 1.0, 50
-    nu_g, nu_aux = make_strategy("oso").split(nu) if which == "oso" else quantile_split(nu, 256)
+    nu_g, nu_aux = oso_split(nu) if which == "oso" else quantile_split(nu, 256)
     joint = dp_event.SelfComposedDpEvent(sampled(nu, q), T)
     independent = dp_event.SelfComposedDpEvent(dp_event.ComposedDpEvent([sampled(nu_g, q), sampled(nu_aux, q)]), T)
     assert rdp_eps(independent) < rdp_eps(joint)
@@ -214,7 +218,7 @@ def test_accounting_only_the_gradient_query_under_reports_epsilon() -> None:
     The ε it reports is smaller than the true ε of the joint release, i.e. it under-reports."""
     q, T, nu = 256 / 60000, 500, 1.0
     for which in ("oso", "quantile"):
-        nu_g, _ = make_strategy("oso").split(nu) if which == "oso" else quantile_split(nu, 256)
+        nu_g, _ = oso_split(nu) if which == "oso" else quantile_split(nu, 256)
         ours = dp_event.SelfComposedDpEvent(sampled(nu, q), T)
         gradient_only = dp_event.SelfComposedDpEvent(sampled(nu_g, q), T)
         for eps_of in (rdp_eps, pld_eps):

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gateway, params_of
+from conftest import gateway, params_of, run_plan
 from torch import nn
 
 import dptune
 from dptune.gradients.oracle import GradientOracle
-from dptune.release.context import RunInfo, StepContext
+from dptune.release.context import StepContext
 from dptune.release.sampling import stream_seed
 from dptune.strategies import make_strategy
 from dptune.train import evaluate
@@ -42,7 +42,7 @@ def _iterates(strategy, seed: int = 5):
     what ``evaluated`` gave after each step, the finalised parameters, the last state, gateway)."""
     model, x, y = _problem()
     params = params_of(model)
-    run = RunInfo(NU, 1.0, float(x.shape[0]), T, sum(v.numel() for v in params.values()))
+    run = run_plan(NU, 1.0, float(x.shape[0]), T)
     state = strategy.init(params, run)
     gw = gateway(1.0, seed=seed, plan=strategy.planned_event(NU, 1.0, T))
     oracle = GradientOracle(model)
@@ -102,9 +102,9 @@ def test_swa_averages_the_iterates_from_its_start() -> None:
 
 
 def test_default_decay_is_horizon_aware_and_public() -> None:
-    run = RunInfo(NU, 1.0, 60.0, 100, 10)
+    run = run_plan(NU, 1.0, 60.0, 100)
     assert default_ema_decay(run) == pytest.approx(0.9)  # window T/10 = 10 steps
-    assert default_ema_decay(RunInfo(NU, 1.0, 60.0, 5, 10)) == 0.0  # T ≤ 10: the last iterate
+    assert default_ema_decay(run_plan(NU, 1.0, 60.0, 5)) == 0.0  # T ≤ 10: the last iterate
     cfg = make_strategy("dpgd", average="ema").config()
     assert cfg.pop("strategy") == "dpgd" and cfg["ema_decay"] is None
     assert make_strategy("dpgd", **cfg) == make_strategy("dpgd", average="ema")  # the config round-trips

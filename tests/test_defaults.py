@@ -13,10 +13,11 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import run_plan
 from typer.testing import CliRunner
 
 from dptune.cli import app
-from dptune.release.context import RunInfo
+from dptune.release.context import RunPlan
 from dptune.release.hypergradient import OSO_LOG_RANGE
 from dptune.updates.defaults import ADAM_STEP_BUDGET, SGD_STEP_BUDGET, noise_scaled_budget
 
@@ -33,8 +34,8 @@ def test_cli_defaults_train_a_useful_model_on_mnist5k(strategy: str, tmp_path: P
     assert release["best_metric"] >= 0.80, release["best_metric"]
 
 
-def _run(steps: int, nu: float = 1.0) -> RunInfo:
-    return RunInfo(nu, 0.064, 256.0, steps, 1000)
+def _run(steps: int, nu: float = 1.0) -> RunPlan:
+    return run_plan(nu, 0.064, 256.0, steps)
 
 
 def test_default_rates_and_learning_rates_follow_the_horizon() -> None:
@@ -68,7 +69,7 @@ def test_the_step_budget_grows_as_the_noise_shrinks() -> None:
     privacy) keeps 200. Monotone in s: more noise never gets a larger step."""
 
     def r(nu: float, L: float = 256.0) -> float:
-        return noise_scaled_budget(SGD_STEP_BUDGET, RunInfo(nu, 0.06, L, 79, 10))
+        return noise_scaled_budget(SGD_STEP_BUDGET, run_plan(nu, 0.06, L, 79))
 
     assert r(2.5) == SGD_STEP_BUDGET and r(float("inf")) == SGD_STEP_BUDGET
     assert r(0.05) == 3 * SGD_STEP_BUDGET

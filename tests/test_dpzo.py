@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CaptureRelease, RecordingRelease, params_of, run_strategy_steps, zero_grad_problem
+from conftest import CaptureRelease, RecordingRelease, params_of, run_plan, run_strategy_steps, zero_grad_problem
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 from scipy import stats
@@ -32,7 +32,7 @@ import dptune
 from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
-from dptune.release.context import RunInfo, StepContext
+from dptune.release.context import StepContext
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource
 from dptune.release.privatizers import ZerothOrderClip
@@ -60,7 +60,7 @@ def _full_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
 
 def _ctx(model: nn.Module, x, y, release, nu: float = NU, n: int | None = None) -> StepContext:
     n = int(y.shape[0]) if n is None else n
-    run = RunInfo(nu, release.sampling_rate, float(n) * release.sampling_rate, 1, 0)
+    run = run_plan(nu, release.sampling_rate, float(n) * release.sampling_rate, 1)
     return StepContext(t=1, x=x, y=y, oracle=GradientOracle(model), release=release, run=run)
 
 
@@ -73,7 +73,7 @@ def _released_noise() -> tuple[float, ...]:
     plan = dp_event.SelfComposedDpEvent(accounting.gaussian_step_event(NU, q), KS_SAMPLES)
     gw = RecordingRelease(Ledger.with_plan(plan), q, NoiseSource(11))
     priv = ZerothOrderClip(CLIP)
-    state = priv.init(RunInfo(NU, q, L, KS_SAMPLES, 4))
+    state = priv.init(run_plan(NU, q, L, KS_SAMPLES))
     params = params_of(model)
     ctx = _ctx(model, x[:4], y[:4], gw, n=8)
     out = []
@@ -116,7 +116,7 @@ def _released_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: floa
     stub gateway's direction stream is fixed, so every call uses the same z."""
     gw = CaptureRelease()
     priv = ZerothOrderClip(clip)
-    priv.privatize(params_of(model), priv.init(RunInfo(NU, 1.0, 1.0, 1, 0)), _ctx(model, x, y, gw), lr=0.1, label="t")
+    priv.privatize(params_of(model), priv.init(run_plan(NU, 1.0, 1.0, 1)), _ctx(model, x, y, gw), lr=0.1, label="t")
     (call,) = gw.calls
     (query,) = call.queries
     assert query.sensitivity == clip and query.noise_multiplier == NU
@@ -178,7 +178,7 @@ def test_directions_do_not_consume_the_noise_stream() -> None:
 
     ledger, gw, _ = open_run(r.plan, seed=3, device=torch.device("cpu"), secure_mode=False, run_id="")
     priv = ZerothOrderClip()
-    state = priv.init(RunInfo(1.0, 1 / 3, 20.0, 5, 10))
+    state = priv.init(run_plan(1.0, 1 / 3, 20.0, 5))
     ctx = _ctx(model, x[:20], y[:20], gw, nu=1.0, n=60)
     for _ in range(5):
         _, state, _ = priv.privatize(params_of(model), state, ctx, lr=1e-3, label="dpzo")
@@ -241,7 +241,7 @@ def test_a_loss_that_mixes_examples_is_refused_before_the_release(fn) -> None:
     gw = CaptureRelease()
     priv = ZerothOrderClip(CLIP)
     ctx = StepContext(
-        t=1, x=x, y=y, oracle=GradientOracle(model, user_loss(fn)), release=gw, run=RunInfo(NU, 1, 40, 1, 10)
+        t=1, x=x, y=y, oracle=GradientOracle(model, user_loss(fn)), release=gw, run=run_plan(NU, 1, 40, 1)
     )
     with pytest.raises(ConfigError, match="depends on other examples") as exc:
         priv.privatize(params_of(model), priv.init(ctx.run), ctx, lr=0.1, label="t")
@@ -278,7 +278,7 @@ def test_both_perturbed_passes_draw_the_same_dropout_masks() -> None:
     x = torch.randn(50, 10, generator=g)
     y = (x[:, 0] > 0).long()
     params = params_of(model)
-    ctx = StepContext(t=1, x=x, y=y, oracle=GradientOracle(model), release=None, run=RunInfo(1.0, 1.0, 50.0, 1, 0))
+    ctx = StepContext(t=1, x=x, y=y, oracle=GradientOracle(model), release=None, run=run_plan(1.0, 1.0, 50.0, 1))
     priv = ZerothOrderClip(clip=100.0, perturbation=1e-2)
     zero = {k: torch.zeros_like(v) for k, v in params.items()}
     assert not priv.differences(params, zero, ctx).any()

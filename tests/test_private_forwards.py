@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CaptureRelease, params_of
+from conftest import CaptureRelease, params_of, run_plan
 from torch import nn
 
 import dptune
 from dptune import own
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
-from dptune.release.context import RunInfo, StepContext
+from dptune.release.context import StepContext
 from dptune.release.privatizers import FixedClip, ZerothOrderClip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,7 +117,7 @@ def test_a_buffer_write_is_refused_before_the_release() -> None:
     for priv in (ZerothOrderClip(), FixedClip()):
         model = nn.Sequential(nn.Flatten(), Writer(48), nn.Linear(48, 2))
         gw = CaptureRelease()
-        run = RunInfo(1.0, 1.0, 8.0, 1, 98)
+        run = run_plan(1.0, 1.0, 8.0, 1)
         ctx = StepContext(t=1, x=x, y=y, oracle=GradientOracle(model, method="vmap"), release=gw, run=run)
         with pytest.raises(ConfigError, match="buffer"):
             priv.privatize(params_of(model), priv.init(run), ctx, lr=0.1, label="t")

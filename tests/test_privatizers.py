@@ -409,7 +409,7 @@ def test_adamwosm_step_size_uses_the_gradient_noise_of_the_privatizer() -> None:
     nu, L = 1.3, 30.0
     r = dptune.train(model, (x, y), dptune.chain(OSOClip(initial_clip=0.4), AdamWOSM(1e-3)), steps=2,
                      expected_batch_size=L, noise_multiplier=nu, device="cpu")  # fmt: skip
-    nu_g, _ = OSOClip().split(nu)
+    nu_g, _ = OSOClip().multipliers(r.plan)
     assert nu_g > nu
     assert r.history[0]["lr"] == pytest.approx(1e-3 / (nu_g * 0.4 / L + 1e-8), rel=1e-12)
     fixed = make_strategy("adamwosm", clip=0.4, alpha=1e-3)

@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+from conftest import run_plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -26,7 +27,7 @@ from torch.func import functional_call
 
 from dptune import tree
 from dptune.gradients.oracle import GradientOracle, ParamSwap
-from dptune.release.context import RunInfo, StepContext
+from dptune.release.context import StepContext
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
 from dptune.release.privatizers import clip_weights
@@ -271,7 +272,7 @@ def _steps(name: str, **hp) -> tuple[list[dict[str, torch.Tensor]], list[dict[st
     g = torch.Generator().manual_seed(0)
     per = {"w": torch.randn(6, 4, 3, generator=g), "b": torch.randn(6, 4, generator=g)}
     p = {"w": torch.randn(4, 3, generator=g), "b": torch.zeros(4)}
-    run = RunInfo(1.0, 0.1, 5.0, 10, 16)
+    run = run_plan(1.0, 0.1, 5.0, 10)
     state, gate, out, sums = strat.init(p, run), _Scripted(), [], []
     for t in range(1, 5):
         ctx = StepContext(t=t, x=torch.zeros(6, 1), y=torch.zeros(6), oracle=None, release=gate, run=run)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from conftest import (
     flat,
     flat_state,
     params_of,
+    run_plan,
     run_strategy_steps,
     zero_grad_problem,
 )
@@ -27,7 +28,7 @@ from torch import nn
 from dptune import accounting, train
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import MaterializedGrads
-from dptune.release.context import RunInfo, StepContext
+from dptune.release.context import StepContext
 from dptune.release.privatizers import clip_weights
 from dptune.strategies import STRATEGIES, make_strategy
 from dptune.strategies.adadp import ADADP, extrapolation_error
@@ -40,7 +41,7 @@ def inject(strategy, per_sample: torch.Tensor, *, L: float = 10.0, nu: float = 1
     through a noise-free capture gateway; returns (gateway, params, state, metrics)."""
     d = per_sample.shape[1]
     p = params if params is not None else {"w": torch.zeros(d, dtype=per_sample.dtype)}
-    run = RunInfo(nu, 0.1, L, max(steps, 10), d)
+    run = run_plan(nu, 0.1, L, max(steps, 10))
     gate = CaptureRelease(0.1, script=script)
     state = strategy.init(p, run)
     metrics = []
@@ -250,7 +251,7 @@ def test_oso_momentum_variant() -> None:
 
 def test_oso_one_percent_rule_and_disabled_lr_adaptation() -> None:
     for nu in (0.5, 1.0, 4.0):
-        nu_g, nu_q = OSO().split(nu)
+        nu_g, nu_q = OSO().multipliers(run_plan(nu, 0.1, 10.0, 10))
         assert nu_q / nu == pytest.approx(7.124, abs=0.01)
         assert nu_g == pytest.approx(1.01 * nu, rel=1e-12)
         assert accounting.joint_noise_multiplier([nu_g, nu_q]) == pytest.approx(nu, rel=1e-12)
@@ -284,9 +285,9 @@ def test_adamwosm_learning_rate_is_the_effective_step_size(nu: float, clip: floa
 
 # ----------------------------------------------------------------------------- ADADP
 def test_adadp_default_tolerance() -> None:
-    run = RunInfo(1.0, 0.01, 100.0, 500, 12345)
-    assert ADADP().tau(run) == pytest.approx(math.sqrt(12345 / (2 * 500)))
-    assert ADADP(tolerance=0.3).tau(run) == 0.3
+    run = run_plan(1.0, 0.01, 100.0, 500)
+    assert ADADP().tau(run, 12345) == pytest.approx(math.sqrt(12345 / (2 * 500)))
+    assert ADADP(tolerance=0.3).tau(run, 12345) == 0.3
     assert ADADP().releases_per_run(7) == 7
 
 

@@ -65,8 +65,10 @@ class StrategyContract:
 
     def test_empty_batches_work(self, name: str) -> None:
         """A Poisson batch can be empty: the step still releases (noise only) and keeps params finite."""
+        from conftest import run_plan
+
         from dptune.gradients.oracle import GradientOracle
-        from dptune.release.context import RunInfo, StepContext
+        from dptune.release.context import StepContext
         from dptune.release.ledger import Ledger
         from dptune.release.mechanisms import NoiseSource
         from dptune.strategies import make_strategy
@@ -75,7 +77,7 @@ class StrategyContract:
         model = _model()
         params = {k: p.detach().clone() for k, p in model.named_parameters()}
         q = 1.0 if name == "dpgd" else 0.25
-        run = RunInfo(1.1 if strat.private else float("inf"), q, 16.0 * q / 0.25, 5, 50)
+        run = run_plan(1.1 if strat.private else float("inf"), q, 16.0 * q / 0.25, 5, strat)
         state = strat.init(params, run)
         ledger = Ledger()
         gateway = NoisyRelease(ledger, q, NoiseSource(0))

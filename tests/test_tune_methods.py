@@ -64,7 +64,7 @@ class FirstOnly(TuningMethod):
         shape = make_shape(ctx, arm, config, f"{path}.space")
         arm_id, delta = make_arm_id(arm.key, eps), study.budget.delta
         acc = choose_accountant(study.budget.accountant, shape.event(1.0))
-        nu = snap(calibrate_nu(shape.event, eps, delta, acc, arm_id), [shape], ctx.n_train)
+        nu = snap(calibrate_nu(shape.event, eps, delta, acc, arm_id), [shape])
         run_ids = [
             r for p in range(len(study.seeds)) for r in b.add_candidate(arm, arm_id, "main", 0, p, config, shape, nu)
         ]

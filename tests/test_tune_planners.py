@@ -244,7 +244,7 @@ def test_split_strategies_get_a_noise_multiplier_they_release_exactly(strategy):
     # OSO and the quantile rule split ν over two queries; the gateway recomputes the joint ν from
     # the parts, and the ledger compares events exactly: the planner snaps ν (a few ulps up) so
     # that the round trip is exact — otherwise ~1 run in 5 would be refused mid-training.
-    from dptune.tune.shapes import Shape, release_multiplier
+    from dptune.release.context import RunPlan
 
     space = {"lr": [0.1, 1.0]}
     s = Study(
@@ -257,8 +257,9 @@ def test_split_strategies_get_a_noise_multiplier_they_release_exactly(strategy):
     )
     plan = plan_study(s, N, 10000, "accuracy")
     for run in plan.runs.values():
-        shape = Shape(__import__("dptune").make_strategy(strategy, **run.config), run.sampling_rate, run.steps, 0, None)
-        assert release_multiplier(shape, run.noise_multiplier, N) == run.noise_multiplier
+        strat = __import__("dptune").make_strategy(strategy, **run.config)
+        plan = RunPlan(strat, N, run.sampling_rate, run.steps, run.noise_multiplier)
+        assert plan.released_multiplier() == run.noise_multiplier
     for arm in plan.arms:
         assert arm.guarantee["epsilon"] <= arm.epsilon
 

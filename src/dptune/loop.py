@@ -26,7 +26,7 @@ from torch import nn
 from dptune import inputs
 from dptune.errors import BudgetExceededError, ConfigError
 from dptune.gradients.oracle import GradientOracle
-from dptune.release.context import RunInfo, StepContext
+from dptune.release.context import StepContext
 from dptune.release.privatizers import FixedClip, Privatizer, Released
 from dptune.strategies.base import Chain
 from dptune.train import OwnTask, RunPlan, TrainResult, open_run, plan_run
@@ -43,7 +43,7 @@ class YourOptimizer(UpdateRule):
     name = "external"
     hyperparameters = ("description",)
 
-    def init(self, params: Tensors, run: RunInfo) -> dict[str, Any]:
+    def init(self, params: Tensors, run: RunPlan) -> dict[str, Any]:
         return {}
 
     def update(self, params, state, released):
@@ -149,17 +149,10 @@ class PrivateTraining:
         self.plan: RunPlan = plan_run(self.strategy, self.task.n, delta=delta, **plan_kwargs)
         self.delta = delta
         params = self._params()
-        self.run = RunInfo(
-            self.plan.noise_multiplier,
-            self.plan.sampling_rate,
-            self.plan.expected_batch_size,
-            self.plan.steps,
-            sum(p.numel() for p in params.values()),
-        )
-        self.strategy.validate_run(self.run)
+        self.strategy.validate_run(self.plan)
         self.privatizer = privatizer
-        self._p_state = privatizer.init(self.run)
-        self._u_state = self.update.init(params, self.run) if self.optimizer is None else {}
+        self._p_state = privatizer.init(self.plan)
+        self._u_state = self.update.init(params, self.plan) if self.optimizer is None else {}
         self.ledger, self.gateway, self.sampler = open_run(
             self.plan, seed=seed, device=self.task.device, secure_mode=secure_mode, run_id=run_id
         )
@@ -188,7 +181,7 @@ class PrivateTraining:
         return {k: p.detach() for k, p in self._named.items()}
 
     def _check_trainable(self) -> None:
-        """The trainable set is the plan's (RunInfo's d, the released gradient's keys): a parameter
+        """The trainable set is fixed at make_private (the released gradient's keys): a parameter
         unfrozen later would get no released gradient, and a loss.backward() would train it exactly."""
         now = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
         changed = sorted(k for k in now.keys() | self._named.keys() if now.get(k) is not self._named.get(k))
@@ -271,7 +264,7 @@ class PrivateTraining:
         t = self.t + 1
         releases = self.ledger.releases
         try:
-            ctx = StepContext(t=t, x=x, y=y, oracle=self.oracle, release=self.gateway, run=self.run)
+            ctx = StepContext(t=t, x=x, y=y, oracle=self.oracle, release=self.gateway, run=self.plan)
             lr = self._lr()
             released, self._p_state, info = self.privatizer.privatize(
                 self._params(), self._p_state, ctx, lr=lr, label=self.strategy.name

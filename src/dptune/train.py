@@ -13,12 +13,11 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import torch
-from dp_accounting import dp_event
 from torch import nn
 
 from dptune import accounting, metrics
@@ -27,34 +26,13 @@ from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
 from dptune.outputs import randomness_statement
-from dptune.release.context import RunInfo, StepContext
+from dptune.release.context import RunPlan, StepContext, snap_noise
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
 from dptune.release.sampling import PoissonSampler, check_steps, sampling_rate_for, steps_for_epochs, stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.task import OwnTask, TaskTensors, resolve_task  # noqa: F401 - re-exported (vectorized, loop)
 from dptune.tree import Tensors, clone, finite_flag
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """Everything the accountant needs to know about a run, fixed before it starts."""
-
-    strategy: Strategy
-    n: int
-    sampling_rate: float
-    steps: int
-    noise_multiplier: float
-    # The accountant ν was calibrated with (or that reports a given ν): the run's ε is its ε.
-    # Another accountant's ε of the same run can exceed the target (RDP vs a PLD calibration).
-    accountant: str = "rdp"
-
-    @property
-    def expected_batch_size(self) -> float:
-        return self.sampling_rate * self.n
-
-    def event(self) -> dp_event.DpEvent:
-        return self.strategy.planned_event(self.noise_multiplier, self.sampling_rate, self.steps)
 
 
 def plan_run(
@@ -110,7 +88,8 @@ def plan_run(
         nu = accounting.calibrate(target_epsilon, delta, q, releases, accountant=accountant).noise_multiplier
     else:
         raise ConfigError(f"strategy {strategy.name!r} is private: give noise_multiplier or target_epsilon (+ delta).")
-    return RunPlan(strategy, n, q, T, nu, accountant)
+    plan = RunPlan(strategy, n, q, T, nu, accountant)
+    return replace(plan, noise_multiplier=snap_noise(nu, [plan]))
 
 
 @dataclass
@@ -262,15 +241,8 @@ class RunLoop:
         self.keep_best, self.eval_public = keep_best, eval_public
         params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
         self.params = strategy.prepare(params)
-        self.run = RunInfo(
-            plan.noise_multiplier,
-            plan.sampling_rate,
-            plan.expected_batch_size,
-            plan.steps,
-            sum(p.numel() for p in self.params.values()),
-        )
-        strategy.validate_run(self.run)
-        self.state = strategy.init(self.params, self.run)
+        strategy.validate_run(plan)
+        self.state = strategy.init(self.params, plan)
         self.ledger, self.gateway, self.sampler = open_run(
             plan, seed=seed, device=device, secure_mode=secure_mode, run_id=run_id
         )
@@ -289,7 +261,7 @@ class RunLoop:
         A row that made the parameters non-finite is recorded here and sets ``diverged``: the
         caller stops the run. Otherwise the caller evaluates if ``eval_due`` and ``record``s it.
         """
-        ctx = StepContext(t=t, x=x, y=y, oracle=oracle, release=self.gateway, run=self.run)
+        ctx = StepContext(t=t, x=x, y=y, oracle=oracle, release=self.gateway, run=self.plan)
         self.params, self.state, info = self.strategy.step(self.params, self.state, ctx)
         row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
         computed = ctx.computed_grads

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -114,14 +115,15 @@ def split_accounted_at_nu_g(fool_ledger: bool = True) -> Iterator[None]:
     first release (BudgetExceededError). That guard is why the bug needs a second one (the
     accountant ignoring the extra query) to go unnoticed.
     """
-    original: Callable[[OSOClip, float], tuple[float, float]] = OSOClip.__dict__["split"]
+    original: Callable[[OSOClip, Any], tuple[float, float]] = OSOClip.__dict__["multipliers"]
 
-    def split(self: OSOClip, nu: float) -> tuple[float, float]:
+    def split(self: OSOClip, run: Any) -> tuple[float, float]:
         # ν_g = ν exactly (so the fooled ledger matches the plan), ν_q with the usual ν_q/ν_g ratio.
-        return nu, original(self, nu / (1.0 + self.relative_increase))[1]
+        nu = run.noise_multiplier
+        return nu, original(self, dataclasses.replace(run, noise_multiplier=nu / (1.0 + self.relative_increase)))[1]
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(OSOClip, "split", split))
+        stack.enter_context(_patched(OSOClip, "multipliers", split))
         if fool_ledger:
             stack.enter_context(_patched(NoisyRelease, "release", _release_accounting_first_query_only))
         yield

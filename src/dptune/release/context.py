@@ -1,27 +1,69 @@
-"""What one private step sees: the run's public facts (``RunInfo``) and the step's inputs
-(``StepContext``), shared by privatizers, update rules and strategies."""
+"""What one private step sees: the run's plan (``RunPlan``, public, fixed before the run) and the
+step's inputs (``StepContext``), shared by privatizers, update rules and strategies; ``snap_noise``,
+the one place a planned ν is rounded (up) to one the strategy's releases carry exactly."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
+from dp_accounting import dp_event
 
+from dptune import accounting
+from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle, PerSampleGrads
 from dptune.release.mechanisms import NoisyRelease
 from dptune.tree import Tensors
 
+if TYPE_CHECKING:  # types only: strategies import this module
+    from dptune.strategies.base import Strategy
+
 
 @dataclass(frozen=True)
-class RunInfo:
-    """What a strategy may know about its run (all public)."""
+class RunPlan:
+    """One run, from plan to step: everything the accountant and the strategy may know about it
+    (all public), fixed before it starts (``dptune.plan_run``; a study's planner)."""
 
-    noise_multiplier: float  # joint per-release ν (inf for non-private)
+    strategy: Strategy
+    n: int
     sampling_rate: float  # q
-    expected_batch_size: float  # L = q·n
     steps: int  # T
-    num_params: int  # d
+    noise_multiplier: float  # the joint per-release ν (inf for non-private), snapped (``snap_noise``)
+    # The accountant ν was calibrated with (or that reports a given ν): the run's ε is its ε.
+    # Another accountant's ε of the same run can exceed the target (RDP vs a PLD calibration).
+    accountant: str = "rdp"
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sampling_rate * self.n  # L = q·n
+
+    def event(self) -> dp_event.DpEvent:
+        return self.strategy.planned_event(self.noise_multiplier, self.sampling_rate, self.steps)
+
+    def released_multiplier(self) -> float:
+        """The joint ν that the strategy's per-query multipliers recombine to, (Σ ν_i⁻²)^(-1/2)."""
+        return accounting.joint_noise_multiplier(self.strategy.multipliers(self))
+
+
+def snap_noise(nu: float, plans: Iterable[RunPlan]) -> float:
+    """The smallest ν' ≥ ν whose per-query parts recombine exactly to ν' for every plan (``plans``
+    with ν replaced), so that the gateway records the planned event bit for bit. Split strategies
+    (OSO, quantile) recompute (Σ ν_i⁻²)^(-1/2) from their parts, a few ulps off ν; more noise only
+    lowers ε, so the snapped ν still meets the budget. A strategy refusing ν raises its ConfigError."""
+    if not math.isfinite(nu):
+        return nu
+    plans = list(plans)
+    v = nu
+    for _ in range(100_000):
+        if all(not p.strategy.private or replace(p, noise_multiplier=v).released_multiplier() == v for p in plans):
+            return v
+        v = math.nextafter(v, math.inf)
+    raise ConfigError(
+        f"could not find a noise multiplier near {nu} that the strategy releases exactly"
+    )  # pragma: no cover
 
 
 @dataclass
@@ -35,7 +77,7 @@ class StepContext:
     y: torch.Tensor
     oracle: GradientOracle
     release: NoisyRelease | None
-    run: RunInfo
+    run: RunPlan
     _grads: PerSampleGrads | None = None
 
     def grads(self, params: Tensors) -> PerSampleGrads:

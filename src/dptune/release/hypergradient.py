@@ -7,7 +7,7 @@ import math
 from typing import Literal
 
 from dptune.errors import ConfigError
-from dptune.release.context import RunInfo
+from dptune.release.context import RunPlan
 
 # OSO's hyperparameter rates, horizon-aware (docs/strategies.md, "Horizon-aware rates"): under the
 # sign rule C and ρ move by a factor of at most exp(ρ_c·T); Galli et al.'s ρ_c = ρ_r = 2.5e-3 at
@@ -16,7 +16,7 @@ from dptune.release.context import RunInfo
 OSO_LOG_RANGE = 2.5e-3 * 1172
 
 
-def horizon_rate(rate: float | None, run: RunInfo) -> float:
+def horizon_rate(rate: float | None, run: RunPlan) -> float:
     """An OSO rate: the given one, or OSO_LOG_RANGE / T (public: T is planned)."""
     return float(rate) if rate is not None else OSO_LOG_RANGE / max(run.steps, 1)
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from dptune import accounting
+from dptune.errors import BudgetExceededError
 from dptune.release.ledger import Ledger
 from dptune.release.sampling import (
     LN2,
@@ -395,15 +396,14 @@ class NoisyRelease:
         self.sampling_rate = accounting.check_sampling_rate(sampling_rate)
         self.noise = noise
         self.run = run
-        # Split queries recombine (Σν_i⁻²)^-½ in floating point; the result can differ from
-        # the planned ν in the last bits. Within this relative tolerance it IS the planned
-        # mechanism, so it is recorded as such (the plan compares events exactly).
+        # The run's planned ν (``RunPlan.noise_multiplier``, snapped so that the strategy's parts
+        # recombine to it exactly: ``context.snap_noise``): a release that recombines to any other
+        # ν is refused before anything is recorded or drawn.
         self.planned_multiplier = planned_multiplier
         # Secure mode: Σ over released coordinates of 2·SNAP_XI, the proven bound on how far the
         # snapped float sampler's privacy loss may be from the ideal one (docs/privacy.md, item 1b).
         self.snap_slack = 0.0
 
-    SNAP_RTOL = 1e-9
     SNAP_XI = 2e-11
 
     def event_for(self, *noise_multipliers: float):
@@ -416,9 +416,11 @@ class NoisyRelease:
         if not queries:
             raise ValueError("release() needs at least one query")
         nu = accounting.joint_noise_multiplier(q.noise_multiplier for q in queries)
-        planned = self.planned_multiplier
-        if planned is not None and abs(nu - planned) <= self.SNAP_RTOL * planned:
-            nu = planned
+        if self.planned_multiplier is not None and nu != self.planned_multiplier:
+            raise BudgetExceededError(
+                f"{label}: the queries recombine to ν = {nu!r}, not the planned ν = {self.planned_multiplier!r}; "
+                "nothing was released (plan the run with dptune.plan_run, which snaps ν)."
+            )
         if not math.isfinite(nu):
             raise ValueError("a private release needs finite noise; use the 'nodp' strategy for no noise")
         event = accounting.gaussian_step_event(nu, self.sampling_rate)

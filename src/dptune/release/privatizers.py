@@ -34,7 +34,7 @@ from dptune import accounting, inputs, tree
 from dptune.errors import ConfigError, check_positive
 from dptune.gradients.oracle import PerSampleGrads
 from dptune.gradients.persample import rng_state, set_rng_state
-from dptune.release.context import RunInfo, StepContext
+from dptune.release.context import RunPlan, StepContext
 from dptune.release.hypergradient import RULES, Rule, check_rate, check_rule, horizon_rate, hypergradient_step
 from dptune.release.mechanisms import DeferredSum, NoiseSource, SumQuery, random_direction, record_nonprivate
 from dptune.release.sampling import stream_seed
@@ -91,10 +91,17 @@ class Privatizer(ABC):
     private: ClassVar[bool] = True
     hyperparameters: ClassVar[tuple[str, ...]] = ()
 
-    def validate_run(self, run: RunInfo) -> None:
-        """Raise ConfigError if this privatizer cannot run with these run settings."""
+    def multipliers(self, run: RunPlan) -> tuple[float, ...]:
+        """The per-query noise multipliers of one step's joint release, in query order: together
+        (Σ ν_i⁻²)^(-1/2) = the run's ν (``RunPlan.released_multiplier``; ``context.snap_noise``
+        makes that exact). Raises ConfigError if this privatizer cannot split the run's ν."""
+        return (run.noise_multiplier,)
 
-    def init(self, run: RunInfo) -> dict[str, Any]:
+    def validate_run(self, run: RunPlan) -> None:
+        """Raise ConfigError if this privatizer cannot run with these run settings."""
+        self.multipliers(run)
+
+    def init(self, run: RunPlan) -> dict[str, Any]:
         return {}
 
     @abstractmethod
@@ -126,16 +133,10 @@ class FixedClip(Privatizer):
 
     def privatize(self, params, state, ctx, *, lr, label):
         assert ctx.release is not None
+        (nu,) = self.multipliers(ctx.run)
         (noisy,) = ctx.release.release(
-            SumQuery(
-                "gradient",
-                clipped_sum(ctx.grads(params), self.clip),
-                self.clip,
-                ctx.run.noise_multiplier,
-            ),
-            label=f"{label}/gradient",
+            SumQuery("gradient", clipped_sum(ctx.grads(params), self.clip), self.clip, nu), label=f"{label}/gradient"
         )
-        nu = ctx.run.noise_multiplier
         return (
             Released(noisy, ctx.run.expected_batch_size, self.clip, nu * self.clip),
             state,
@@ -169,25 +170,19 @@ class QuantileClip(Privatizer):
         if self.count_noise_std is not None:
             check_positive("count_noise_std (σ_b)", self.count_noise_std)
 
-    def sigma_b(self, run: RunInfo) -> float:
-        return self.count_noise_std if self.count_noise_std is not None else run.expected_batch_size / 20.0
-
-    def split(self, run: RunInfo) -> tuple[float, float]:
+    def multipliers(self, run: RunPlan) -> tuple[float, float]:
         """(ν_g, ν_b) for the gradient and the count, with ν_b = 2σ_b (sensitivity ½)."""
-        nu_b = 2.0 * self.sigma_b(run)
-        if run.noise_multiplier >= nu_b:
+        sigma_b = self.count_noise_std if self.count_noise_std is not None else run.expected_batch_size / 20.0
+        if run.noise_multiplier >= 2.0 * sigma_b:
             raise ConfigError(
                 f"quantile clipping needs ν < 2σ_b, got ν = {run.noise_multiplier:.4g} and σ_b = "
-                f"{self.sigma_b(run):.4g}: the count query would use the whole budget. Raise "
+                f"{sigma_b:.4g}: the count query would use the whole budget. Raise "
                 "count_noise_std (σ_b), use a larger expected batch size, or spend more ε."
             )
-        return accounting.split_noise_multiplier(run.noise_multiplier, nu_b), nu_b
+        return accounting.split_noise_multiplier(run.noise_multiplier, 2.0 * sigma_b), 2.0 * sigma_b
 
-    def validate_run(self, run: RunInfo) -> None:
-        self.split(run)
-
-    def init(self, run: RunInfo) -> dict[str, Any]:
-        nu_g, nu_b = self.split(run)
+    def init(self, run: RunPlan) -> dict[str, Any]:
+        nu_g, nu_b = self.multipliers(run)
         return {"clip": self.initial_clip, "nu_g": nu_g, "nu_b": nu_b}
 
     def privatize(self, params, state, ctx, *, lr, label):
@@ -252,16 +247,14 @@ class OSOClip(Privatizer):
             check_positive("q_noise_multiplier (ν_q)", self.q_noise_multiplier)
         check_positive("relative_increase", self.relative_increase)
 
-    def split(self, nu: float) -> tuple[float, float]:
-        """(ν_g, ν_q) for a joint per-step multiplier ν."""
+    def multipliers(self, run: RunPlan) -> tuple[float, float]:
+        """(ν_g, ν_q) for the run's joint per-step multiplier ν."""
+        nu = run.noise_multiplier
         nu_q = self.q_noise_multiplier or accounting.oso_q_noise_multiplier(nu, self.relative_increase)
         return accounting.split_noise_multiplier(nu, nu_q), nu_q
 
-    def validate_run(self, run: RunInfo) -> None:
-        self.split(run.noise_multiplier)
-
-    def init(self, run: RunInfo) -> dict[str, Any]:
-        nu_g, nu_q = self.split(run.noise_multiplier)
+    def init(self, run: RunPlan) -> dict[str, Any]:
+        nu_g, nu_q = self.multipliers(run)
         return {
             "clip": self.initial_clip,
             "nu_g": nu_g,
@@ -338,7 +331,7 @@ class ZerothOrderClip(Privatizer):
         check_positive("clip (C)", self.clip)
         check_positive("perturbation (μ)", self.perturbation)
 
-    def init(self, run: RunInfo) -> dict[str, Any]:
+    def init(self, run: RunPlan) -> dict[str, Any]:
         return {"directions": None}
 
     @staticmethod
@@ -374,7 +367,7 @@ class ZerothOrderClip(Privatizer):
             z = random_direction(src, params)
             d = self.differences(params, z, ctx)
         total = torch.tensor(math.fsum(d.tolist()), dtype=torch.float64)
-        nu = ctx.run.noise_multiplier
+        (nu,) = self.multipliers(ctx.run)
         (noisy,) = ctx.release.release(
             SumQuery("zo_directional_derivative", total, self.clip, nu), label=f"{label}/zo_derivative"
         )
@@ -393,6 +386,9 @@ class NonPrivate(Privatizer):
 
     name = "none"
     private = False
+
+    def multipliers(self, run: RunPlan) -> tuple[float, ...]:
+        return (math.inf,)  # no noise: a non-private event
 
     def privatize(self, params, state, ctx, *, lr, label):
         assert ctx.release is not None

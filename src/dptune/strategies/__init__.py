@@ -15,7 +15,7 @@ from dptune.strategies.adamwosm import AdamWOSM
 from dptune.strategies.base import (
     Chain,
     Composed,
-    RunInfo,
+    RunPlan,
     StepContext,
     Strategy,
     canonical_chain_name,
@@ -124,7 +124,7 @@ __all__ = [
     "Composed",
     "Chain",
     "chain",
-    "RunInfo",
+    "RunPlan",
     "StepContext",
     "make_strategy",
     "strategy_signature",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dptune.release.context import RunInfo
+from dptune.release.context import RunPlan
 from dptune.release.privatizers import FixedClip
 from dptune.strategies.base import Composed
 from dptune.updates import ADADP as ADADPRule
@@ -80,8 +80,8 @@ class ADADP(Composed):
     def rule(self) -> ADADPRule:
         return ADADPRule(self.lr, self.tolerance, self.min_factor, self.max_factor, self.safety, self.reject)
 
-    def tau(self, run: RunInfo) -> float:
-        return self.rule().tau(run)
+    def tau(self, run: RunPlan, num_params: int) -> float:
+        return self.rule().tau(run, num_params)
 
     def lr_factor(self, err: float, tau: float) -> float:
         return self.rule().lr_factor(err, tau)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dptune.release.context import RunInfo
+from dptune.release.context import RunPlan
 from dptune.release.privatizers import FixedClip
 from dptune.strategies.base import Composed
 from dptune.updates import AdamWOSM as AdamWOSMRule
@@ -33,7 +33,7 @@ class AdamWOSM(Composed):
     def parts(self):
         return FixedClip(self.clip), AdamWOSMRule(self.alpha, self.beta1)
 
-    def effective_step_size(self, run: RunInfo) -> float:
+    def effective_step_size(self, run: RunPlan) -> float:
         rule = AdamWOSMRule(self.alpha, self.beta1)
         alpha = self.alpha if self.alpha is not None else default_adam_lr(run)
         return rule.effective_step_size(run.noise_multiplier * self.clip, run.expected_batch_size, alpha)

@@ -17,8 +17,9 @@ update)`` composes any pair, e.g. OSO's online C with Adam.
 
 Noise multiplier convention: ``run.noise_multiplier`` (ν) is the *joint* per-step
 multiplier that the accountant sees. Privatizers that release several queries per
-step (OSO, quantile) split ν internally so that the joint release is exactly one
-Gaussian of multiplier ν.
+step (OSO, quantile) split ν (``multipliers(run)``) so that the joint release is exactly
+one Gaussian of multiplier ν; the plan's ν is snapped so that the parts recombine to it
+bit for bit (``release.context.snap_noise``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dp_accounting import dp_event
 
 from dptune import accounting
 from dptune.errors import ConfigError, check_positive, check_unit_interval
-from dptune.release.context import RunInfo, StepContext
+from dptune.release.context import RunPlan, StepContext
 from dptune.release.privatizers import PRIVATIZERS, Privatizer
 from dptune.tree import Tensors
 from dptune.updates import UPDATES, UpdateRule
@@ -42,7 +43,7 @@ __all__ = [
     "Composed",
     "Chain",
     "chain",
-    "RunInfo",
+    "RunPlan",
     "StepContext",
     "check_positive",
     "check_unit_interval",
@@ -66,11 +67,16 @@ class Strategy(ABC):
         ev = accounting.gaussian_step_event(noise_multiplier, sampling_rate)
         return dp_event.SelfComposedDpEvent(ev, self.releases_per_run(steps))
 
-    def validate_run(self, run: RunInfo) -> None:
+    def multipliers(self, run: RunPlan) -> tuple[float, ...]:
+        """The per-query noise multipliers of one step's joint release (they recombine to the
+        run's ν: ``RunPlan.released_multiplier``). Default: one query at ν."""
+        return (run.noise_multiplier,)
+
+    def validate_run(self, run: RunPlan) -> None:
         """Raise ConfigError if this strategy cannot run with these run settings."""
 
     @abstractmethod
-    def init(self, params: Tensors, run: RunInfo) -> Any: ...
+    def init(self, params: Tensors, run: RunPlan) -> Any: ...
 
     @abstractmethod
     def step(self, params: Tensors, state: Any, ctx: StepContext) -> tuple[Tensors, Any, dict[str, float]]: ...
@@ -127,11 +133,14 @@ class Composed(Strategy):
     def update_rule(self) -> UpdateRule:
         return self._parts[1]
 
-    def validate_run(self, run: RunInfo) -> None:
+    def multipliers(self, run: RunPlan) -> tuple[float, ...]:
+        return self._parts[0].multipliers(run)
+
+    def validate_run(self, run: RunPlan) -> None:
         self._parts[0].validate_run(run)
         self._parts[1].validate_run(run)
 
-    def init(self, params: Tensors, run: RunInfo) -> dict[str, Any]:
+    def init(self, params: Tensors, run: RunPlan) -> dict[str, Any]:
         privatizer, update = self._parts
         return {"privatizer": privatizer.init(run), "update": update.init(params, run)}
 

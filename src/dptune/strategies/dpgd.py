@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dptune.errors import ConfigError
-from dptune.release.context import RunInfo
+from dptune.release.context import RunPlan
 from dptune.release.privatizers import FixedClip
 from dptune.strategies.base import Composed
 from dptune.tree import Tensors
@@ -59,14 +59,14 @@ class DPGD(Composed):
             rule = Averaged(rule, self.average, self.ema_decay, self.swa_start)
         return FixedClip(self.clip), rule
 
-    def validate_run(self, run: RunInfo) -> None:
+    def validate_run(self, run: RunPlan) -> None:
         if run.sampling_rate < 1.0:
             raise ConfigError(
                 f"dpgd is full-batch DP-GD: it needs q = 1, got q = {run.sampling_rate:.4g}. "
                 "Set full_batch=True (or expected_batch_size = n), or use 'dpsgd' with momentum."
             )
 
-    def init(self, params: Tensors, run: RunInfo):
+    def init(self, params: Tensors, run: RunPlan):
         self.validate_run(run)
         return super().init(params, run)
 

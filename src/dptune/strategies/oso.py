@@ -73,7 +73,3 @@ class OSO(Composed):
             ),
             OSORate(self.lr, self.lr_lr, self.rule, self.momentum, self.adapt_lr),
         )
-
-    def split(self, nu: float) -> tuple[float, float]:
-        """(ν_g, ν_q) for a joint per-step multiplier ν (``OSOClip.split``)."""
-        return self.privatizer.split(nu)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dptune.release.context import RunInfo
 from dptune.release.privatizers import QuantileClip
 from dptune.strategies.base import Composed
 from dptune.updates import SGD
@@ -49,10 +48,3 @@ class FixedQuantile(Composed):
             QuantileClip(self.target_quantile, self.clip_lr, self.initial_clip, self.count_noise_std),
             SGD(self.lr, self.momentum),
         )
-
-    def sigma_b(self, run: RunInfo) -> float:
-        return self.privatizer.sigma_b(run)
-
-    def split(self, run: RunInfo) -> tuple[float, float]:
-        """(ν_g, ν_b) for the gradient and the count (``QuantileClip.split``)."""
-        return self.privatizer.split(run)

@@ -12,13 +12,17 @@ import copy
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dp_accounting import dp_event
 
 from dptune import accounting
 from dptune.errors import ConfigError
+from dptune.release.context import RunPlan
 from dptune.release.ledger import LedgerEntry, atoms, compose, event_from_dict, event_to_dict
+
+if TYPE_CHECKING:
+    from dptune.strategies import Strategy
 
 EVAL_LABEL = "selection/validation_score"
 PLD_MAX_DISTINCT_ATOMS = 8
@@ -97,6 +101,12 @@ class RunSpec(JsonRecord):
     eval_final: bool
     eval_noise_multiplier: float | None  # private selection: std of the noise on the score's sum
     planned_event: dp_event.DpEvent = field(metadata=EVENT)
+
+    def run_plan(self, strategy: Strategy, n: int, accountant: str) -> RunPlan:
+        """The run's ``RunPlan`` (the worker's): the planned ν, q and T of this record, and the
+        study's accountant ('auto': the tightest for q, as ``dptune.plan_run`` resolves it)."""
+        acc = accounting.tightest_accountant(self.sampling_rate) if accountant == "auto" else accountant
+        return RunPlan(strategy, n, self.sampling_rate, self.steps, self.noise_multiplier, acc)
 
 
 @dataclass

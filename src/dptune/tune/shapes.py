@@ -2,13 +2,12 @@
 
 ``make_shape``: a configuration → its strategy, q, T (``run_geometry``) and evaluation schedule
 (private selection: each evaluation a Gaussian release); ``Shape.event(ν)`` is the run's planned
-``DpEvent``, ``snap`` makes the strategy's releases carry exactly the calibrated ν.
+``DpEvent`` and ``Shape.plan(ν)`` its ``RunPlan``; ``snap`` makes the strategy's releases carry exactly the
+calibrated ν (``release.context.snap_noise``, as ``dptune.plan_run``).
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,7 @@ from dp_accounting import dp_event
 
 from dptune import accounting
 from dptune.errors import ConfigError
-from dptune.release.context import RunInfo
+from dptune.release.context import RunPlan, snap_noise
 from dptune.release.ledger import compose
 from dptune.release.sampling import check_steps, sampling_rate_for, steps_for_epochs
 from dptune.strategies import Strategy, make_strategy
@@ -42,6 +41,7 @@ class Shape:
     """What the accountant needs to know about a run (apart from ν), and its evaluation schedule."""
 
     strategy: Strategy
+    n: int  # the training examples
     sampling_rate: float
     steps: int
     n_evals: int  # accounted evaluations (0 unless selection is private)
@@ -49,8 +49,12 @@ class Shape:
     eval_steps: tuple[int, ...] = ()  # the steps evaluated during training (``eval_schedule``)
     eval_final: bool = False  # whether the finalised parameters are evaluated too
 
+    def plan(self, nu: float) -> RunPlan:
+        """The plan of a run of this shape at ν (its accountant: the arm's, not the run's)."""
+        return RunPlan(self.strategy, self.n, self.sampling_rate, self.steps, nu)
+
     def event(self, nu: float) -> dp_event.DpEvent:
-        train = self.strategy.planned_event(nu, self.sampling_rate, self.steps)
+        train = self.plan(nu).event()
         if self.eval_nu is None or self.n_evals == 0:
             return canonical(train)
         return canonical(compose([(train, 1), (dp_event.GaussianDpEvent(self.eval_nu), self.n_evals)]))
@@ -121,6 +125,7 @@ def make_shape(ctx: Context, arm: StrategyArm, config: Mapping[str, Any], path: 
     private_eval = sel.mode == "private"
     return Shape(
         strategy,
+        ctx.n_train,
         q,
         steps,
         len(ev_steps) + int(ev_final) if private_eval else 0,
@@ -130,43 +135,19 @@ def make_shape(ctx: Context, arm: StrategyArm, config: Mapping[str, Any], path: 
     )
 
 
-def release_multiplier(shape: Shape, nu: float, n: int) -> float:
-    """The joint multiplier the strategy's releases will carry for a planned ν: a strategy that splits
-    ν over several queries recomputes (Σ ν_i⁻²)^(-1/2) from the parts, which can differ from ν in
-    the last bits, and the ledger compares events exactly."""
-    split = getattr(shape.strategy, "split", None)
-    if split is None or not math.isfinite(nu):
-        return accounting.joint_noise_multiplier([nu]) if math.isfinite(nu) else nu
-    if "run" in inspect.signature(split).parameters:
-        parts = split(RunInfo(nu, shape.sampling_rate, shape.sampling_rate * n, shape.steps, 1))
-    else:
-        parts = split(nu)
-    return accounting.joint_noise_multiplier(parts)
-
-
-def snap(nu: float, shapes: Iterable[Shape], n: int) -> float:
-    """The smallest ν' ≥ ν (a few ulps up) whose releases round-trip exactly for every shape.
-
-    More noise only lowers ε, so the snapped ν still meets the budget."""
-    shapes = list({s: None for s in shapes})
-    v = nu
-    for _ in range(100_000):
-        try:
-            if all(release_multiplier(s, v, n) == v for s in shapes):
-                return v
-        except ConfigError:
-            return nu  # validate_shape reports the real problem with a clear message
-        v = math.nextafter(v, math.inf)
-    raise ConfigError(
-        f"could not find a noise multiplier near {nu} that the strategy releases exactly"
-    )  # pragma: no cover
-
-
-def validate_shape(shape: Shape, nu: float, n: int, path: str) -> None:
-    """Let the strategy refuse impossible settings (e.g. OSO's ν_q ≤ ν) before any training."""
-    run = RunInfo(nu, shape.sampling_rate, shape.sampling_rate * n, shape.steps, 1)
+def snap(nu: float, shapes: Iterable[Shape]) -> float:
+    """``context.snap_noise`` for runs of these shapes: the smallest ν' ≥ ν their releases carry
+    exactly. A strategy that refuses ν leaves it as is: ``validate_shape`` reports it with its path."""
     try:
-        shape.strategy.validate_run(run)
+        return snap_noise(nu, [s.plan(nu) for s in dict.fromkeys(shapes)])
+    except ConfigError:
+        return nu
+
+
+def validate_shape(shape: Shape, nu: float, path: str) -> None:
+    """Let the strategy refuse impossible settings (e.g. OSO's ν_q ≤ ν) before any training."""
+    try:
+        shape.strategy.validate_run(shape.plan(nu))
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 

@@ -31,7 +31,7 @@ from dptune.release.ledger import Ledger, atoms, compose
 from dptune.release.mechanisms import NoiseSource, NoisyRelease, SumQuery
 from dptune.release.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
-from dptune.train import RunPlan, TrainResult, is_better, train
+from dptune.train import TrainResult, is_better, train
 from dptune.tree import Tensors, clone, is_finite
 from dptune.tune.data import StudyData, build_model, study_data
 from dptune.tune.records import EVAL_LABEL, RunSpec
@@ -185,7 +185,7 @@ class _RunJob:
         self.evals: list[dict[str, Any]] = []
         self.best: dict[str, Any] = {"score": None, "step": None, "params": None}
         self.strategy = _with_checkpoints(base, set(run.eval_steps), self.consider)
-        self.plan = RunPlan(self.strategy, data.n_train, run.sampling_rate, run.steps, run.noise_multiplier)
+        self.plan = run.run_plan(self.strategy, data.n_train, study.budget.accountant)
         if self.plan.event() != base.planned_event(run.noise_multiplier, run.sampling_rate, run.steps):
             raise BudgetExceededError(f"run {run.run_id}: the strategy's planned event differs from the study plan")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from dptune.release.context import RunInfo
+from dptune.release.context import RunPlan
 
 # Default learning rates by Panda et al.'s linear scaling rule: what matters is r = η·T, the
 # step size times the number of steps (docs/strategies.md, "Defaults", with the measurements).
@@ -21,7 +21,7 @@ S_REF = 0.005
 MAX_BUDGET_GROWTH = 3.0
 
 
-def noise_scaled_budget(budget: float, run: RunInfo) -> float:
+def noise_scaled_budget(budget: float, run: RunPlan) -> float:
     """r for this run's noise level s = ν/L (public: the plan's ν and L)."""
     s = run.noise_multiplier / run.expected_batch_size
     if not math.isfinite(s) or s <= 0:
@@ -29,17 +29,17 @@ def noise_scaled_budget(budget: float, run: RunInfo) -> float:
     return budget * min(MAX_BUDGET_GROWTH, max(1.0, (S_REF / s) ** 1.5))
 
 
-def scaled_lr(budget: float, run: RunInfo, clip: float = 1.0, momentum: float = 0.0) -> float:
+def scaled_lr(budget: float, run: RunPlan, clip: float = 1.0, momentum: float = 0.0) -> float:
     """The linear-scaling default: lr = r·(1 − μ)/(C·T) (public: T, C and μ are planned)."""
     return budget * (1.0 - momentum) / (clip * max(run.steps, 1))
 
 
-def default_adam_lr(run: RunInfo) -> float:
+def default_adam_lr(run: RunPlan) -> float:
     """Adam-type default (lr, or AdamWOSM's α): r/T, r = ADAM_STEP_BUDGET."""
     return scaled_lr(ADAM_STEP_BUDGET, run)
 
 
-def default_sgd_lr(run: RunInfo, clip: float | None, momentum: float) -> float:
+def default_sgd_lr(run: RunPlan, clip: float | None, momentum: float) -> float:
     """SGD-type default: lr = r·(1 − μ)/(C·T), r = SGD_STEP_BUDGET grown at low noise; C = 1
     for an unclipped (non-private) release."""
     return scaled_lr(noise_scaled_budget(SGD_STEP_BUDGET, run), run, 1.0 if clip is None else clip, momentum)

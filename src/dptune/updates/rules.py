@@ -28,7 +28,7 @@ import torch
 
 from dptune import tree
 from dptune.errors import ConfigError, check_positive, check_unit_interval
-from dptune.release.context import RunInfo
+from dptune.release.context import RunPlan
 from dptune.release.hypergradient import Rule, check_rate, check_rule, horizon_rate, hypergradient_step
 from dptune.release.privatizers import Released
 from dptune.tree import Tensors, add_scaled, dot, ema, lincomb, norm, zeros_like
@@ -69,11 +69,11 @@ class UpdateRule(ABC):
     finalizes: ClassVar[bool] = False  # does ``finalize`` change the parameters?
     needs_noisy_release: ClassVar[bool] = False  # refuses the NonPrivate privatizer
 
-    def validate_run(self, run: RunInfo) -> None:
+    def validate_run(self, run: RunPlan) -> None:
         """Raise ConfigError if this rule cannot run with these run settings."""
 
     @abstractmethod
-    def init(self, params: Tensors, run: RunInfo) -> dict[str, Any]: ...
+    def init(self, params: Tensors, run: RunPlan) -> dict[str, Any]: ...
 
     @abstractmethod
     def update(
@@ -348,11 +348,11 @@ class ADADP(UpdateRule):
                 "the defaults are 0.9 and 1.1."
             )
 
-    def tau(self, run: RunInfo) -> float:
-        """τ: the given tolerance, or sqrt(d / (2T)) (Mohapatra et al. A.1)."""
+    def tau(self, run: RunPlan, num_params: int) -> float:
+        """τ: the given tolerance, or sqrt(d / (2T)) with d = ``num_params`` (Mohapatra et al. A.1)."""
         if self.tolerance is not None:
             return float(self.tolerance)
-        return math.sqrt(run.num_params / (2.0 * run.steps))
+        return math.sqrt(num_params / (2.0 * run.steps))
 
     def lr_factor(self, err: float, tau: float) -> float:
         """min(max(s·sqrt(τ/err), α_min), α_max); err = 0 → α_max."""
@@ -365,7 +365,7 @@ class ADADP(UpdateRule):
     def init(self, params, run):
         return {
             "lr": float(self.lr),
-            "tau": self.tau(run),
+            "tau": self.tau(run, sum(v.numel() for v in params.values())),
             "theta0": None,
             "theta_full": None,
             "accepted": 0,
@@ -416,7 +416,7 @@ def check_average(average: str, ema_decay: float | None, swa_start: float) -> No
     check_unit_interval("swa_start", swa_start)
 
 
-def default_ema_decay(run: RunInfo) -> float:
+def default_ema_decay(run: RunPlan) -> float:
     """β = 1 − 1/(T/10), at least 0: the EMA's effective window (1/(1 − β)) is the last tenth of
     the run (a function of the planned T: public)."""
     return max(0.0, 1.0 - 1.0 / (EMA_WINDOW_FRACTION * max(run.steps, 1)))
@@ -465,7 +465,7 @@ class Averaged(UpdateRule):
     def finalizes(self) -> bool:  # type: ignore[override]
         return self.average != "none" or bool(self.rule.finalizes)
 
-    def validate_run(self, run: RunInfo) -> None:
+    def validate_run(self, run: RunPlan) -> None:
         self.rule.validate_run(run)
 
     def init(self, params, run):

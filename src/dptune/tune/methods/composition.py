@@ -56,7 +56,7 @@ class Composition(TuningMethod):
             def alone_nu(s: Shape) -> float:
                 return calibrate_nu(s.event, eps, delta, acc, f"{arm_id} (oracle run)")
 
-            nus = {p: [snap(alone_nu(s), [s], ctx.n_train) for s in ss] for p, ss in shapes.items()}
+            nus = {p: [snap(alone_nu(s), [s]) for s in ss] for p, ss in shapes.items()}
         else:
             by_shapes: dict[tuple[Shape, ...], float] = {}  # groups with the same runs share one ν
             for g in groups:
@@ -68,12 +68,12 @@ class Composition(TuningMethod):
                         return accounted(g, lambda p, j: v)
 
                     nu = calibrate_nu(group_at, eps, delta, acc, arm_id)
-                    by_shapes[key] = snap(nu, list(key), ctx.n_train)
+                    by_shapes[key] = snap(nu, list(key))
                 for p in set(g):
                     nus[p] = [by_shapes[key]] * len(shapes[p])
         for p, ss in shapes.items():
             for s, nu in zip(ss, nus[p], strict=True):
-                validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
+                validate_shape(s, nu, f"{path} ({arm_id})")
         run_ids = []
         for r, p in enumerate(proc_of):
             for j, (c, s, nu) in enumerate(zip(configs[p], shapes[p], nus[p], strict=True)):

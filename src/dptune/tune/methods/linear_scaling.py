@@ -138,7 +138,7 @@ class LinearScaling(TuningMethod):
             s = make_shape(ctx, arm, c, f"{path}.space")
             if (s, e) not in per_run:
                 nu = calibrate_nu(s.event, e, delta, acc, f"{arm_id} (sweep run at ε = {e:g})")
-                per_run[(s, e)] = snap(nu, [s], ctx.n_train)
+                per_run[(s, e)] = snap(nu, [s])
             return c, s, per_run[(s, e)]
 
         sweeps: list[_Sweeps] = []
@@ -147,14 +147,14 @@ class LinearScaling(TuningMethod):
             sweeps.append([[sweep_run(rng, e) for _ in range(n)] for e in sweep_eps])
         final_shape = make_shape(ctx, arm, {"lr": lr_lo, "steps": t_final}, f"{path}.space")
         groups = [list(range(P))] if P_acc == P else [[p] for p in range(P)]
-        final_nu = _final_multipliers(sweeps, final_shape, groups, eps, delta, acc, arm_id, ctx.n_train)
+        final_nu = _final_multipliers(sweeps, final_shape, groups, eps, delta, acc, arm_id)
         run_ids = []
         for p in range(P):
             for i, runs in enumerate(sweeps[p]):
                 for j, (c, s, nu) in enumerate(runs):
-                    validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
+                    validate_shape(s, nu, f"{path} ({arm_id})")
                     run_ids += b.add_candidate(arm, arm_id, f"sweep{i}", j, p, c, s, nu)
-            validate_shape(final_shape, final_nu[p], ctx.n_train, f"{path} ({arm_id})")
+            validate_shape(final_shape, final_nu[p], f"{path} ({arm_id})")
             run_ids += b.add_candidate(arm, arm_id, "final", 0, p, None, final_shape, final_nu[p])  # resolve()
         eps_final = {str(p): accounting.epsilon(final_shape.event(final_nu[p]), delta, acc) for p in range(P)}
         total = max(
@@ -233,7 +233,6 @@ def _final_multipliers(
     delta: float,
     acc: str,
     arm_id: str,
-    n_train: int,
 ) -> dict[int, float]:
     """Procedure → the final run's ν: calibrated so that each accounted group meets ε."""
     first = groups[0]
@@ -248,7 +247,7 @@ def _final_multipliers(
                 "or method.runs_per_sweep, or raise budget.epsilon."
             )
         nu = calibrate_nu(partial(_total_event, sweeps, final, g), eps, delta, acc, f"{arm_id} (final run)")
-        v = snap(nu, [final], n_train)
+        v = snap(nu, [final])
         for p in g:
             final_nu[p] = v
     return final_nu

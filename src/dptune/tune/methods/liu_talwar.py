@@ -108,7 +108,6 @@ class LiuTalwar(TuningMethod):
                         f"{arm_id} (Liu–Talwar run at ε₁ = {lt.eps1:.4g}, δ₁ = {lt.delta1:.3g})",
                     ),
                     [shape],
-                    ctx.n_train,
                 )
             return cache[shape]
 
@@ -117,7 +116,7 @@ class LiuTalwar(TuningMethod):
         for p, j, c in drawn:
             s = make_shape(ctx, arm, c, f"{path}.space")
             nu = nu_for(s)
-            validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
+            validate_shape(s, nu, f"{path} ({arm_id})")
             run_ids += b.add_candidate(arm, arm_id, "main", j, p, c, s, nu)
         total = (lt.total[0] * P_acc, lt.total[1] * P_acc)
         acc = choose_accountant(study.budget.accountant, next(iter(cache)).event(1.0), auto="rdp") if cache else "rdp"

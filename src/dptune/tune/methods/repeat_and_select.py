@@ -110,11 +110,11 @@ class RepeatAndSelect(TuningMethod):
 
         ks, drawn = secret_draws(b, arm, P, lambda coins: theory.sample_repetitions(mean, shape_param, coins))
         shapes = [make_shape(ctx, arm, c, f"{path}.space") for _, _, c in drawn]
-        nu = snap(calibrate_nu(event, eps, delta, acc, arm_id), [shape0, *shapes], ctx.n_train)
+        nu = snap(calibrate_nu(event, eps, delta, acc, arm_id), [shape0, *shapes])
         total = accounting.epsilon(event(nu), delta, acc)
         run_ids = []
         for (p, j, c), s in zip(drawn, shapes, strict=True):
-            validate_shape(s, nu, ctx.n_train, f"{path} ({arm_id})")
+            validate_shape(s, nu, f"{path} ({arm_id})")
             run_ids += b.add_candidate(arm, arm_id, "main", j, p, c, s, nu)
         guarantee = {
             "kind": self.name,
