@@ -69,7 +69,7 @@ def test_the_step_budget_grows_as_the_noise_shrinks() -> None:
     privacy) keeps 200. Monotone in s: more noise never gets a larger step."""
 
     def r(nu: float, L: float = 256.0) -> float:
-        return noise_scaled_budget(SGD_STEP_BUDGET, run_plan(nu, 0.06, L, 79))
+        return noise_scaled_budget(SGD_STEP_BUDGET, run_plan(nu, 0.0625, L, 79))
 
     assert r(2.5) == SGD_STEP_BUDGET and r(float("inf")) == SGD_STEP_BUDGET
     assert r(0.05) == 3 * SGD_STEP_BUDGET

@@ -258,8 +258,8 @@ def test_split_strategies_get_a_noise_multiplier_they_release_exactly(strategy):
     plan = plan_study(s, N, 10000, "accuracy")
     for run in plan.runs.values():
         strat = __import__("dptune").make_strategy(strategy, **run.config)
-        plan = RunPlan(strat, N, run.sampling_rate, run.steps, run.noise_multiplier)
-        assert plan.released_multiplier() == run.noise_multiplier
+        run_plan = RunPlan(strat, N, run.sampling_rate, run.steps, run.noise_multiplier)
+        assert run_plan.released_multiplier() == run.noise_multiplier
     for arm in plan.arms:
         assert arm.guarantee["epsilon"] <= arm.epsilon
 
