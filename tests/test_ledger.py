@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -66,6 +67,32 @@ def test_budget_guard_refuses_a_looser_release_than_planned() -> None:
     nu_g = (nu**-2 - nu_q**-2) ** -0.5
     gate.release(SumQuery("gradient", torch.zeros(3), 1.0, nu_g), SumQuery("q", torch.zeros(3), 1.0, nu_q), label="gq")
     assert ledger.releases == 1 and noise.draws == 2
+
+
+def test_the_gateway_refuses_a_release_one_ulp_off_the_planned_multiplier() -> None:
+    """No tolerance: a release whose parts recombine to a ν one ulp from the plan's is refused
+    before anything is recorded or drawn, above (more noise) as below."""
+    q, nu = 0.01, 1.3
+    for off in (math.nextafter(nu, 0.0), math.nextafter(nu, math.inf)):
+        ledger = Ledger.with_plan(dp_event.SelfComposedDpEvent(step_event(off, q), 10))
+        noise = SpyNoise()
+        gate = NoisyRelease(ledger, q, noise, planned_multiplier=nu)
+        with pytest.raises(BudgetExceededError, match="planned"):
+            gate.release(SumQuery("gradient", torch.zeros(3), 1.0, off), label="g")
+        assert noise.draws == 0 and ledger.releases == 0
+
+
+@pytest.mark.parametrize("name", ["oso", "quantile", "oso+adam", "quantile+adam"])
+@pytest.mark.parametrize("eps", [0.5, 1.0, 3.0])
+def test_a_planned_split_run_recombines_exactly_to_its_noise_multiplier(name: str, eps: float) -> None:
+    """plan_run snaps ν (a few ulps up at most) so that the split parts recombine to it bit for bit."""
+    from dptune import accounting, make_strategy, plan_run
+
+    strategy = make_strategy(name)
+    plan = plan_run(strategy, 10_000, expected_batch_size=256, steps=300, target_epsilon=eps, delta=1e-5)
+    assert accounting.joint_noise_multiplier(strategy.multipliers(plan)) == plan.noise_multiplier
+    calibrated = accounting.calibrate(eps, 1e-5, plan.sampling_rate, 300, accountant=plan.accountant)
+    assert calibrated.noise_multiplier <= plan.noise_multiplier <= calibrated.noise_multiplier * (1 + 1e-12)
 
 
 def test_a_strategy_releasing_more_than_it_planned_is_stopped_inside_train() -> None:
