@@ -94,6 +94,13 @@ def test_a_planned_split_run_recombines_exactly_to_its_noise_multiplier(name: st
     calibrated = accounting.calibrate(eps, 1e-5, plan.sampling_rate, 300, accountant=plan.accountant)
     assert calibrated.noise_multiplier <= plan.noise_multiplier <= calibrated.noise_multiplier * (1 + 1e-12)
 
+    # A given ν whose parts do not recombine to it (0.52 for OSO, 0.6 for quantile: a few ulps off)
+    # is snapped up, never down, to one that does; the run's ledger then matches its plan.
+    for nu in (0.52, 0.6):
+        plan = plan_run(strategy, 10_000, expected_batch_size=256, steps=300, noise_multiplier=nu)
+        assert nu <= plan.noise_multiplier <= nu * (1 + 1e-15)
+        assert accounting.joint_noise_multiplier(strategy.multipliers(plan)) == plan.noise_multiplier
+
 
 def test_a_strategy_releasing_more_than_it_planned_is_stopped_inside_train() -> None:
     class Greedy(DPSGD):
