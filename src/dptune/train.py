@@ -81,9 +81,7 @@ def plan_run(
                 )
     elif target_epsilon is not None:
         if delta is None:
-            raise ConfigError("target_epsilon needs delta too, e.g. delta=1e-5.")
-        accounting.check_epsilon(target_epsilon)
-        accounting.check_delta(delta)
+            raise ConfigError("target_epsilon needs delta too, e.g. delta=1e-5.")  # δ < 1/n: checked above
         releases = strategy.releases_per_run(T)
         nu = accounting.calibrate(target_epsilon, delta, q, releases, accountant=accountant).noise_multiplier
     else:
@@ -115,6 +113,9 @@ class TrainResult:
     # Secure mode: the proven worst-case ε slack of the snapped float sampler (docs/privacy.md,
     # item 1b; NoisyRelease.snap_slack), stated beside ε, not included in it.
     float_slack: float = 0.0
+    # ε per (δ, accountant, releases so far): a run's ε is accounted once, whoever asks (the summary,
+    # its JSON and table, the deliverable).
+    _epsilons: dict[tuple[float, str, int], float] = field(default_factory=dict, repr=False, compare=False)
 
     # * train_loss is the mean loss on the private batch: a diagnostic for the user's own
     #   eyes, NOT differentially private. dptune never selects on it.
@@ -124,7 +125,10 @@ class TrainResult:
         d = delta if delta is not None else self.delta
         if d is None:
             raise ConfigError("epsilon() needs a delta.")
-        return self.ledger.epsilon(d, accountant or self.plan.accountant)
+        key = (d, accountant or self.plan.accountant, self.ledger.releases)
+        if key not in self._epsilons:
+            self._epsilons[key] = self.ledger.epsilon(key[0], key[1])
+        return self._epsilons[key]
 
     @property
     def checkpoint(self) -> str:

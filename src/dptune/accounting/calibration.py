@@ -80,12 +80,16 @@ def calibrate(
     optional starting region (a hint: it need not contain the root).
     """
     span = _check_bracket(bracket)
+    if make_event is not None and (sampling_rate is not None or steps is not None or runs != 1):
+        raise ConfigError(
+            f"calibrate got both make_event and a run (sampling_rate={sampling_rate!r}, steps={steps!r}, "
+            f"runs={runs!r}). Fix: pass one of them; make_event(ν) must return the whole event, runs included."
+        )
+    # The one check of (ε, δ) and the accountant on the way to a calibration.
+    check_epsilon(target_epsilon, "target_epsilon")
+    check_delta(delta)
+    check_accountant(accountant)
     if make_event is not None:
-        if sampling_rate is not None or steps is not None or runs != 1:
-            raise ConfigError(
-                f"calibrate got both make_event and a run (sampling_rate={sampling_rate!r}, steps={steps!r}, "
-                f"runs={runs!r}). Fix: pass one of them; make_event(ν) must return the whole event, runs included."
-            )
         return _calibrate_event(make_event, target_epsilon, delta, accountant, rel_tol, span)
     if sampling_rate is None:
         raise ConfigError(
@@ -98,7 +102,6 @@ def calibrate(
         raise ConfigError(
             f"steps and runs must be integers ≥ 1, got steps={steps!r}, runs={runs!r}. Fix: e.g. steps=1000, runs=1."
         )
-    check_accountant(accountant)
     return _calibrate_dpsgd_cached(
         float(target_epsilon), float(delta), float(sampling_rate), steps_i, runs_i, accountant, float(rel_tol), span
     )
@@ -139,8 +142,6 @@ def _calibrate_gdp_closed_form(eps: float, delta: float, q: float, steps: int, r
     """μ_total = sqrt(runs·steps)/ν, nudged up until both reporting forms confirm the target
     (docs/accounting.md, "Calibration with μ-GDP")."""
     t0 = time.perf_counter()
-    check_epsilon(eps)
-    check_delta(delta)
     if q < 1:
         raise ConfigError("accountant='gdp' needs full batch (q = 1); use 'pld' or 'rdp'.")
     mu = gdp.gdp_mu_for_epsilon(eps, delta)
@@ -182,9 +183,6 @@ def _calibrate_event(
     rel_tol: float,
     bracket: tuple[float, float] | None,
 ) -> Calibration:
-    check_epsilon(target_epsilon, "target epsilon")
-    check_delta(delta)
-    check_accountant(accountant)
     if not (rel_tol > 0):
         raise ConfigError(f"rel_tol must be > 0, got {rel_tol!r}. Fix: e.g. rel_tol=1e-4.")
     t0 = time.perf_counter()
