@@ -46,7 +46,7 @@ from dptune.audit.harness import (
     make_data,
     spy_on_releases,
 )
-from dptune.errors import BudgetExceededError, ConfigError
+from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.train import train
 
@@ -253,13 +253,10 @@ def test_black_box_audit_passes_and_catches_unclipped_dpsgd() -> None:
     assert r.lower_bound > ONE_RUN_EPS
 
 
-def test_split_bug_alone_is_stopped_by_the_ledger_plan() -> None:
-    """Without also fooling the accountant, the wrong split releases at a joint ν that is not in
-    the run's plan: the ledger refuses the first release, before any noise is drawn."""
-    with (
-        split_accounted_at_nu_g(fool_ledger=False),
-        pytest.raises(BudgetExceededError, match="not in the privacy plan"),
-    ):
+def test_split_bug_alone_is_stopped_by_the_plan() -> None:
+    """Without also fooling the accountant, the wrong split's parts never recombine to the planned
+    ν: planning the run refuses it, before any release."""
+    with split_accounted_at_nu_g(fool_ledger=False), pytest.raises(ConfigError, match="recombine"):
         run_audit("oso", ONE_RUN_EPS, DELTA, canaries=100)
 
 
@@ -269,7 +266,7 @@ def test_mutants_restore_the_real_code() -> None:
 
     def patched() -> tuple:
         return (
-            NoiseSource.normal, NoisyRelease.release, privatizers.clip_weights, privatizers.OSOClip.split,
+            NoiseSource.normal, NoisyRelease.release, privatizers.clip_weights, privatizers.OSOClip.multipliers,
             GradientOracle._probe, GradientOracle._compare_alone, GradientOracle._loss_alone,
         )  # fmt: skip
 

@@ -32,6 +32,7 @@ import torch
 
 from dptune import accounting
 from dptune.release import privatizers
+from dptune.release.context import RunPlan
 from dptune.release.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
 from dptune.release.privatizers import OSOClip
 
@@ -106,14 +107,19 @@ def _release_accounting_first_query_only(self: NoisyRelease, *queries: SumQuery,
     return self._noisy_outputs(queries)  # the real noise (and deferred handles) of every query
 
 
+def _first_query_multiplier(self: RunPlan) -> float:
+    """The same accounting bug at plan time: the recombined ν is the first query's."""
+    return self.strategy.multipliers(self)[0]
+
+
 @contextlib.contextmanager
 def split_accounted_at_nu_g(fool_ledger: bool = True) -> Iterator[None]:
     """OSO's (ν_g, ν_q) computed as if the calibrated ν were ν_g (see module docstring).
 
-    With ``fool_ledger=False`` only the split is wrong: the real gateway then charges the true
-    joint multiplier, which is not in the run's plan, and the ledger's plan guard refuses the
-    first release (BudgetExceededError). That guard is why the bug needs a second one (the
-    accountant ignoring the extra query) to go unnoticed.
+    With ``fool_ledger=False`` only the split is wrong: its parts never recombine to the planned
+    ν, so planning the run refuses it (``context.snap_noise``: ConfigError), before any release.
+    That check is why the bug needs a second one (the accountant ignoring the extra query: the
+    plan's recombination and the gateway's charge both count the first query only) to go unnoticed.
     """
     original: Callable[[OSOClip, Any], tuple[float, float]] = OSOClip.__dict__["multipliers"]
 
@@ -126,6 +132,7 @@ def split_accounted_at_nu_g(fool_ledger: bool = True) -> Iterator[None]:
         stack.enter_context(_patched(OSOClip, "multipliers", split))
         if fool_ledger:
             stack.enter_context(_patched(NoisyRelease, "release", _release_accounting_first_query_only))
+            stack.enter_context(_patched(RunPlan, "released_multiplier", _first_query_multiplier))
         yield
 
 

@@ -57,13 +57,11 @@ def snap_noise(nu: float, plans: Iterable[RunPlan]) -> float:
         return nu
     plans = list(plans)
     v = nu
-    for _ in range(100_000):
+    for _ in range(1_000):  # a few ulps in practice
         if all(not p.strategy.private or replace(p, noise_multiplier=v).released_multiplier() == v for p in plans):
             return v
         v = math.nextafter(v, math.inf)
-    raise ConfigError(
-        f"could not find a noise multiplier near {nu} that the strategy releases exactly"
-    )  # pragma: no cover
+    raise ConfigError(f"the strategy's per-query noise multipliers do not recombine to any ν near {nu}")
 
 
 @dataclass

@@ -418,8 +418,8 @@ class NoisyRelease:
         nu = accounting.joint_noise_multiplier(q.noise_multiplier for q in queries)
         if self.planned_multiplier is not None and nu != self.planned_multiplier:
             raise BudgetExceededError(
-                f"{label}: the queries recombine to ν = {nu!r}, not the planned ν = {self.planned_multiplier!r}; "
-                "nothing was released (plan the run with dptune.plan_run, which snaps ν)."
+                f"{label}: the queries recombine to ν = {nu!r}, not the planned ν = {self.planned_multiplier!r}: "
+                "not in the privacy plan, nothing released (dptune.plan_run snaps ν to one the parts recombine to)."
             )
         if not math.isfinite(nu):
             raise ValueError("a private release needs finite noise; use the 'nodp' strategy for no noise")
