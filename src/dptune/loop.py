@@ -29,7 +29,7 @@ from dptune.gradients.oracle import GradientOracle
 from dptune.release.context import RunInfo, StepContext
 from dptune.release.privatizers import FixedClip, Privatizer, Released
 from dptune.strategies.base import Chain
-from dptune.train import OwnTask, RunPlan, TrainResult, open_run, plan_run
+from dptune.train import OwnTask, RunPlan, TrainResult, plan_run, start_run
 from dptune.tree import Tensors, clone, differs
 from dptune.updates import UpdateRule
 
@@ -149,20 +149,12 @@ class PrivateTraining:
         self.plan: RunPlan = plan_run(self.strategy, self.task.n, delta=delta, **plan_kwargs)
         self.delta = delta
         params = self._params()
-        self.run = RunInfo(
-            self.plan.noise_multiplier,
-            self.plan.sampling_rate,
-            self.plan.expected_batch_size,
-            self.plan.steps,
-            sum(p.numel() for p in params.values()),
+        self.run, self.ledger, self.gateway, self.sampler = start_run(  # RunLoop's set-up
+            self.strategy, self.plan, params, seed=seed, device=self.task.device, secure_mode=secure_mode, run_id=run_id
         )
-        self.strategy.validate_run(self.run)
         self.privatizer = privatizer
         self._p_state = privatizer.init(self.run)
         self._u_state = self.update.init(params, self.run) if self.optimizer is None else {}
-        self.ledger, self.gateway, self.sampler = open_run(
-            self.plan, seed=seed, device=self.task.device, secure_mode=secure_mode, run_id=run_id
-        )
         self.oracle = GradientOracle(self.model, self.task.loss, chunk_size=chunk_size, method=grad_method)
         self.secure_mode = secure_mode
         self.t = 0  # steps taken (releases made)
