@@ -29,7 +29,8 @@ from dptune.gradients.oracle import GradientOracle
 from dptune.release.context import RunInfo, StepContext
 from dptune.release.privatizers import FixedClip, Privatizer, Released
 from dptune.strategies.base import Chain
-from dptune.train import OwnTask, RunPlan, TrainResult, plan_run, start_run
+from dptune.task import OwnTask
+from dptune.train import RunPlan, TrainResult, plan_run, start_run
 from dptune.tree import Tensors, clone, differs
 from dptune.updates import UpdateRule
 

@@ -32,7 +32,7 @@ from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
 from dptune.release.sampling import PoissonSampler, check_steps, sampling_rate_for, steps_for_epochs, stream_seed
 from dptune.strategies import Strategy, make_strategy
-from dptune.task import OwnTask, TaskTensors, resolve_task  # noqa: F401 - re-exported (vectorized, loop)
+from dptune.task import OwnTask
 from dptune.tree import Tensors, clone, finite_flag
 
 

@@ -33,18 +33,8 @@ from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_l
 from dptune.metrics import Metric
 from dptune.release.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
-from dptune.task import OwnTask
-from dptune.train import (
-    EvalSchedule,
-    RunLoop,
-    RunPlan,
-    TaskTensors,
-    TrainResult,
-    checkpoint_rule,
-    plan_run,
-    resolve_task,
-    train,
-)
+from dptune.task import OwnTask, TaskTensors, resolve_task
+from dptune.train import EvalSchedule, RunLoop, RunPlan, TrainResult, checkpoint_rule, plan_run, train
 from dptune.tree import Tensors
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
@@ -414,6 +404,8 @@ def train_loops(loops: Sequence[RunLoop], task: OwnTask, block_size: int | None 
     try:
         if not isinstance(task.train, tuple) or not isinstance(task.train[0], torch.Tensor):
             raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
+        if not isinstance(task.loss, str):
+            raise Unsupported("a loss callable cannot be stacked")
         stacked = _Stacked(_stack_ops([lp.strategy for lp in loops], [lp.model for lp in loops]))
     except Unsupported as exc:
         _warn_sequential(exc)
