@@ -203,11 +203,6 @@ def evaluate(
         return metrics.mean_scores(forward, metrics.batches(x, y, batch), metrics.resolve(metric))[0]
 
 
-def is_better(value: float, best: float | None, higher: bool) -> bool:
-    """Is ``value`` a finite improvement on ``best`` (None: nothing yet)?"""
-    return math.isfinite(value) and (best is None or metrics.better(value, best, higher))
-
-
 @dataclass(frozen=True)
 class EvalSchedule:
     """When a run is scored: after the steps in ``steps``, and on the finalised parameters if ``final``."""
@@ -263,11 +258,10 @@ def start_run(
 
 
 class RunLoop:
-    """One run: its plan-bound pieces (parameters, strategy state, the ledger made from the plan, the
-    ``NoisyRelease`` gateway, the ``PoissonSampler``: ``start_run``), its evaluation schedule and score
-    callback, and its bookkeeping with the one best-checkpoint rule. ``drive`` drives it; a caller that
-    owns the batch and gradients (``dptune.vectorized``, K trials) goes per step ``step`` → (``diverged``?
-    stop) → ``eval_due`` → ``record``, and at the end ``finish``."""
+    """One run: its plan-bound pieces (parameters, strategy state; ledger, gateway and sampler from
+    ``start_run``), its ``EvalSchedule`` and score callback, its bookkeeping and best checkpoint
+    (``consider``). ``drive`` runs it; ``dptune.vectorized`` (K runs, its own batches and gradients)
+    per step: ``step`` → (``diverged``? stop) → ``eval_due`` → ``record``; at the end ``finish``."""
 
     def __init__(
         self,
@@ -287,10 +281,9 @@ class RunLoop:
         keep_best: bool = True,
         eval_public: bool = True,
     ):
-        """``score(params)``: the evaluation metric of one parameter set (None: no evaluation), at the
-        steps of ``schedule`` (the tuner's: private selection scores released through their own
-        gateway); best checkpoint kept only when ``keep_best`` (on public evaluation data, or on
-        released scores). The model must be on ``device``."""
+        """``score(params)``: the metric of one parameter set (None: no evaluation; the tuner's: scores
+        released through their own gateway). ``keep_best``: only on public evaluation data or on
+        released scores. The model must be on ``device``."""
         self.model, self.strategy, self.plan = model, strategy, plan
         # ``metric``: the evaluations' name, or a ``dptune.Metric`` (its name and direction).
         self.higher = metrics.higher_is_better(metric) if higher is None else higher
@@ -382,8 +375,10 @@ class RunLoop:
             self.on_step(t, row)
 
     def consider(self, value: float, t: int, params: Tensors) -> None:
-        """The best-checkpoint rule: keep ``params`` (scored ``value`` after step ``t``) if they are best."""
-        if is_better(value, self.best_metric, self.higher):
+        """The best-checkpoint rule: keep ``params`` (scored ``value`` after step ``t``) if ``value`` is a
+        finite improvement on the best so far."""
+        best = self.best_metric
+        if math.isfinite(value) and (best is None or metrics.better(value, best, self.higher)):
             self.best_metric, self.best_step = value, t
             self.best_params = clone(params) if self.keep_best else None
 

@@ -148,8 +148,7 @@ class _RunJob:
         self.t0 = time.perf_counter()
         self.run, self.data = run, data
         model = build_model(study.model, data, run.seed)
-        self.model_spec = study.model
-        self.test_public = study.data.test_public
+        self.model_spec, self.test_public = study.model, study.data.test_public
         strategy = make_strategy(strategy_name, **{k: v for k, v in run.config.items() if k not in TRAINING_KEYS})
         self.scorer = Scorer(model, data, metric, run, study, task.device)
         plan = RunPlan(strategy, data.n_train, run.sampling_rate, run.steps, run.noise_multiplier)
@@ -173,8 +172,8 @@ class _RunJob:
         ledger = Ledger()
         ledger.extend(result.ledger)
         ledger.extend(self.scorer.ledger)
-        test = None
         # An exact metric on a private test split (the user's, not declared public) would be published.
+        test = None
         if data.x_test is not None and best is not None and self.test_public:
             test = self.scorer.exact(best, data.x_test, data.y_test)
         # The selected checkpoint's weights (CPU), for the coordinator to keep owner-only under
