@@ -20,7 +20,8 @@ from dptune.gradients.oracle import GradientOracle
 from dptune.release.context import StepContext
 from dptune.release.sampling import stream_seed
 from dptune.strategies import make_strategy
-from dptune.train import evaluate
+from dptune.task import OwnTask
+from dptune.train import EvalSchedule, RunLoop, evaluate
 from dptune.tree import clone
 from dptune.updates import default_ema_decay, swa_first_step
 
@@ -137,7 +138,6 @@ def test_train_spends_exactly_the_plan_and_returns_the_average(average: str) -> 
 
 
 def test_train_many_and_the_tuners_checkpoints_score_the_average() -> None:
-    from dptune.tune.worker import _with_checkpoints
     from dptune.vectorized import train_many
 
     model, x, y = _problem()
@@ -147,11 +147,23 @@ def test_train_many_and_the_tuners_checkpoints_score_the_average() -> None:
     one = dptune.train(_problem()[0], (x, y), "dpgd", seed=9, eval_every=1, **cfg, **kw)
     assert [e["accuracy"] for e in many.evals] == pytest.approx([e["accuracy"] for e in one.evals])
     _close(many.final_params, {k: v.double() for k, v in one.final_params.items()})
-    # The tuner's checkpoint hook sees what the strategy evaluates: the running EMA.
-    seen = {}
-    hooked = _with_checkpoints(make_strategy("dpgd", **cfg), {3, 5}, lambda t, p: seen.setdefault(t, clone(p)))
-    iterates, evaluated, _, _, _ = _iterates(hooked)
-    assert set(seen) == {3, 5}
+    # The tuner's scores (a RunLoop's score callback at its EvalSchedule) see what the strategy
+    # evaluates: the running EMA.
+    seen, iterates = {}, []
+    task = OwnTask.resolve((x, y), None, "cpu", None, None)
+    model, oracle = task.prepare(_problem()[0])
+    strategy = make_strategy("dpgd", **cfg)
+    plan = dptune.plan_run(strategy, x.shape[0], full_batch=True, steps=T, noise_multiplier=NU)
+
+    def score(params):
+        seen[len(loop.history) + 1] = clone(params)
+        return 0.0
+
+    loop = RunLoop(
+        model, strategy, plan, seed=9, device=task.device, secure_mode=False, run_id="", metric="score", higher=True,
+        schedule=EvalSchedule((3, 5)), score=score, on_step=lambda t, row: iterates.append(clone(loop.params)),
+    )  # fmt: skip
+    loop.drive(task, oracle, None)
+    assert set(seen) == {3, 5} and len(iterates) == T
     for t in (3, 5):
-        _close(seen[t], {k: v.double() for k, v in evaluated[t - 1].items()})
         _close(seen[t], _ema(iterates[:t], 0.6))

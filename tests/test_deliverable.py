@@ -120,8 +120,8 @@ def test_vectorized_group_saves_each_trials_own_selected_parameters(tmp_path: Pa
     original = worker._RunJob.finish
 
     def spy(self, result, seconds=None):
-        if self.best["params"] is not None:
-            seen[self.run.run_id] = {k: v.detach().clone() for k, v in self.best["params"].items()}
+        if result.best_params is not None:
+            seen[self.run.run_id] = {k: v.detach().clone() for k, v in result.best_params.items()}
         return original(self, result, seconds)
 
     monkeypatch.setattr(worker._RunJob, "finish", spy)

@@ -29,7 +29,8 @@ from dptune.gradients.oracle import GradientOracle
 from dptune.release.context import StepContext
 from dptune.release.privatizers import FixedClip, Privatizer, Released
 from dptune.strategies.base import Chain
-from dptune.train import OwnTask, RunPlan, TrainResult, open_run, plan_run
+from dptune.task import OwnTask
+from dptune.train import RunPlan, TrainResult, open_run, plan_run
 from dptune.tree import Tensors, clone, differs
 from dptune.updates import UpdateRule
 
@@ -149,7 +150,6 @@ class PrivateTraining:
         self.plan: RunPlan = plan_run(self.strategy, self.task.n, delta=delta, **plan_kwargs)
         self.delta = delta
         params = self._params()
-        self.strategy.validate_run(self.plan)
         self.privatizer = privatizer
         self._p_state = privatizer.init(self.plan)
         self._u_state = self.update.init(params, self.plan) if self.optimizer is None else {}

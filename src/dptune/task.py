@@ -143,6 +143,14 @@ class OwnTask:
         if self.user_loss_fn is not None:
             own.check_loss(self.user_loss_fn, model, *self.batch(torch.arange(min(2, self.n))))
 
+    def prepare(
+        self, model: nn.Module, chunk_size: int | None = None, method: str | None = None
+    ) -> tuple[nn.Module, GradientOracle]:
+        """The model on the task's device (its loss checked) and its gradient oracle."""
+        model = model.to(self.device)
+        self.check_loss(model)
+        return model, GradientOracle(model, self.loss, chunk_size=chunk_size, method=method)
+
     def evaluate(self, oracle: GradientOracle, params: Tensors) -> float:
         # In-memory tensors are sliced, a map-style dataset is read chunk by chunk: the same batches.
         ev = self.evald

@@ -1,10 +1,10 @@
 """``dptune.train``: one DP training run, from a model and tensors to a result with its ledger.
 
 The loop is small: sample a Poisson batch, let the strategy step (it releases through the run's
-gateway), evaluate every ``eval_every`` steps, keep the best checkpoint when the evaluation data
-is public. The ledger is created with the run's *plan* first: the run cannot release more than it
-declared. ``RunLoop`` is what one step means; ``train`` drives one, ``dptune.vectorized.train_many``
-K of them in lockstep, so the two cannot drift apart.
+gateway), score the parameters at the steps of its ``EvalSchedule``, keep the best checkpoint. The
+ledger is created with the run's *plan* first: the run cannot release more than it declared.
+``RunLoop`` is the one run loop: ``train`` and the tuner's worker drive one (``RunLoop.drive``),
+``dptune.vectorized`` K of them in lockstep, ``make_private`` shares its set-up (``open_run``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
 from dptune.release.sampling import PoissonSampler, check_steps, sampling_rate_for, steps_for_epochs, stream_seed
 from dptune.strategies import Strategy, make_strategy
-from dptune.task import OwnTask, TaskTensors, resolve_task  # noqa: F401 - re-exported (vectorized, loop)
+from dptune.task import OwnTask
 from dptune.tree import Tensors, clone, finite_flag
 
 
@@ -186,16 +186,37 @@ def evaluate(
         return metrics.mean_scores(forward, metrics.batches(x, y, batch), metrics.resolve(metric))[0]
 
 
-def is_better(value: float, best: float | None, higher: bool) -> bool:
-    """Is ``value`` a finite improvement on ``best`` (None: nothing yet)?"""
-    return math.isfinite(value) and (best is None or metrics.better(value, best, higher))
+@dataclass(frozen=True)
+class EvalSchedule:
+    """When a run is scored: after the steps in ``steps``, and on the finalised parameters if ``final``."""
+
+    steps: tuple[int, ...] = ()
+    final: bool = False
+
+    @classmethod
+    def every(cls, steps: int, every: int, finalizes: bool, checkpoint: str = "best") -> EvalSchedule:
+        """``best``: every ``every`` steps and the last (Galli: every 50), plus the finalised parameters
+        when the strategy post-processes them (DP-GD's free step); ``final``: what the run ends with."""
+        if checkpoint == "final":
+            return cls((), True) if finalizes else cls((steps,), False)
+        ts = tuple(range(every, steps + 1, every))
+        return cls(ts if ts and ts[-1] == steps else (*ts, steps), finalizes)
+
+    @cached_property
+    def _due(self) -> frozenset[int]:
+        return frozenset(self.steps)
+
+    def due(self, t: int) -> bool:
+        return t in self._due
 
 
 def open_run(
     plan: RunPlan, *, seed: int, device: torch.device, secure_mode: bool, run_id: str
 ) -> tuple[Ledger, NoisyRelease, PoissonSampler]:
-    """A run's ledger (created with the plan: no release beyond it), its privacy gateway (own
-    noise stream) and its Poisson sampler at the plan's q."""
+    """A run's set-up (``RunLoop``, ``make_private``): the plan checked by its strategy, its ledger
+    (created with the plan: no release beyond it), its privacy gateway (own noise stream) and its
+    Poisson sampler at the plan's q."""
+    plan.strategy.validate_run(plan)
     ledger = Ledger.with_plan(plan.event())
     gateway = NoisyRelease(
         ledger,
@@ -211,10 +232,10 @@ def open_run(
 
 
 class RunLoop:
-    """One run's plan-bound pieces (parameters, strategy state, the ledger made from the plan, the
-    ``NoisyRelease`` gateway, the ``PoissonSampler``) and per-step bookkeeping. The caller owns the
-    loop, the batch, the gradients and evaluations (``train``; ``dptune.vectorized`` for K trials):
-    per step ``step`` → (``diverged``? stop) → ``eval_due`` → ``record``; at the end ``finish``."""
+    """One run: its plan-bound pieces (parameters, strategy state; ledger, gateway and sampler from
+    ``open_run``), its ``EvalSchedule`` and score callback, its bookkeeping and best checkpoint
+    (``consider``). ``drive`` runs it; ``dptune.vectorized`` (K runs, its own batches and gradients)
+    per step: ``step`` → (``diverged``? stop) → ``eval_due`` → ``record``; at the end ``finish``."""
 
     def __init__(
         self,
@@ -226,30 +247,29 @@ class RunLoop:
         device: torch.device,
         secure_mode: bool,
         run_id: str,
-        metric: str,
-        eval_every: int,
+        metric: str | Metric,
+        schedule: EvalSchedule,
         score: Callable[[Tensors], float] | None,
-        on_step: Callable[[int, dict[str, Any]], None] | None,
+        on_step: Callable[[int, dict[str, Any]], None] | None = None,
         higher: bool | None = None,
         keep_best: bool = True,
         eval_public: bool = True,
     ):
-        """``score(params)``: the evaluation metric of one parameter set (None: no evaluation
-        data); ``finish`` uses it after an overridden ``finalize``. ``keep_best``: keep the best
-        evaluated parameters (only on public evaluation data). The model must be on ``device``."""
+        """``score(params)``: the metric of one parameter set (None: no evaluation; the tuner's: scores
+        released through their own gateway). ``keep_best``: only on public evaluation data or on
+        released scores. The model must be on ``device``."""
         self.model, self.strategy, self.plan = model, strategy, plan
-        # ``higher``: the direction of a user metric (dptune.Metric); built-in names know theirs.
+        # ``metric``: the evaluations' name, or a ``dptune.Metric`` (its name and direction).
         self.higher = metrics.higher_is_better(metric) if higher is None else higher
-        self.metric, self.eval_every = metric, eval_every
+        self.metric, self.schedule = metric if isinstance(metric, str) else metric.name, schedule
         self.score, self.on_step = score, on_step
         self.keep_best, self.eval_public = keep_best, eval_public
         params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
         self.params = strategy.prepare(params)
-        strategy.validate_run(plan)
-        self.state = strategy.init(self.params, plan)
         self.ledger, self.gateway, self.sampler = open_run(
             plan, seed=seed, device=device, secure_mode=secure_mode, run_id=run_id
         )
+        self.state = strategy.init(self.params, plan)
         self.secure_mode = secure_mode
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, float]] = []
@@ -258,6 +278,22 @@ class RunLoop:
         self.best_params: Tensors | None = None
         self.diverged = False
         self.started = time.perf_counter()
+
+    def drive(self, task: OwnTask, oracle: GradientOracle, delta: float | None, progress: bool = False) -> TrainResult:
+        """Drive the run to its end (or its divergence) on ``task``'s Poisson batches; ``finish``."""
+        bar = _Bar(self.plan.steps, self.strategy.name) if progress else None
+        try:
+            for t in range(1, self.plan.steps + 1):
+                row = self.step(t, *task.batch(self.sampler.sample()), oracle)
+                if self.diverged:
+                    break
+                self.record(t, row, self.scored() if self.eval_due(t) else None)
+                if bar is not None:
+                    bar.update(1, row)
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.finish(delta)
 
     def step(self, t: int, x: torch.Tensor, y: torch.Tensor, oracle: GradientOracle) -> dict[str, Any]:
         """The strategy's step ``t`` on the batch (x, y); returns the step's history row.
@@ -291,9 +327,14 @@ class RunLoop:
         strategy averages its iterates (``Strategy.evaluated``: post-processing)."""
         return self.strategy.evaluated(self.params, self.state)
 
+    def scored(self) -> float:
+        """The score of ``eval_params`` (when an evaluation is due)."""
+        assert self.score is not None
+        return self.score(self.eval_params)
+
     def eval_due(self, t: int) -> bool:
-        """Is an evaluation due after step ``t`` (every ``eval_every`` steps and at the last)?"""
-        return self.score is not None and (t % self.eval_every == 0 or t == self.plan.steps)
+        """Is an evaluation due after step ``t`` (a step of the schedule)?"""
+        return self.score is not None and self.schedule.due(t)
 
     def record(self, t: int, row: dict[str, Any], value: float | None = None) -> None:
         """Record step ``t``'s row, with the evaluation ``value`` of the current parameters
@@ -302,25 +343,28 @@ class RunLoop:
         if value is not None:
             row["eval_" + self.metric] = value
             self.evals.append({"step": t, self.metric: value})
-            self._consider(value, t, self.eval_params)
+            self.consider(value, t, self.eval_params)
         self.history.append(row)
         if self.on_step is not None:
             self.on_step(t, row)
 
-    def _consider(self, value: float, t: int, params: Tensors) -> None:
-        if is_better(value, self.best_metric, self.higher):
+    def consider(self, value: float, t: int, params: Tensors) -> None:
+        """The best-checkpoint rule: keep ``params`` (scored ``value`` after step ``t``) if ``value`` is a
+        finite improvement on the best so far."""
+        best = self.best_metric
+        if math.isfinite(value) and (best is None or metrics.better(value, best, self.higher)):
             self.best_metric, self.best_step = value, t
             self.best_params = clone(params) if self.keep_best else None
 
     def finish(self, delta: float | None, seconds: float | None = None) -> TrainResult:
-        """``finalize`` (unless diverged) and its evaluation when the strategy overrides it;
-        load the final parameters into the model. ``seconds``: default, since construction."""
+        """``finalize`` (unless diverged) and its evaluation when the schedule has it; load the
+        final parameters into the model. ``seconds``: default, since construction."""
         if not self.diverged:
             self.params = self.strategy.finalize(self.params, self.state)
-            if self.score is not None and self.strategy.finalizes:
+            if self.score is not None and self.schedule.final:
                 value = self.score(self.params)
                 self.evals.append({"step": self.plan.steps, self.metric: value, "finalized": 1.0})
-                self._consider(value, self.plan.steps, self.params)
+                self.consider(value, self.plan.steps, self.params)
         self.model.load_state_dict({**self.model.state_dict(), **self.params})
         return TrainResult(
             history=self.history,
@@ -385,20 +429,14 @@ def train(
     the owner's only; ``checkpoint='best'`` (the default when public) keeps the best evaluated parameters.
     """
     checkpoint = checkpoint_rule(checkpoint, eval_data is not None, eval_public)
-    if isinstance(strategy, str):
-        strategy = make_strategy(strategy, **hyperparameters)
-    elif hyperparameters:
-        raise ConfigError(
-            f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy)."
-        )
+    strategy = _strategy(strategy, hyperparameters)
     task = OwnTask.resolve(data, eval_data, device, metric, loss)
-    dev, metric, loss, n = task.device, task.metric_name, task.loss, task.n
     if eval_every < 1:
         raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}. Fix: e.g. eval_every=50.")
     if plan is None:
         plan = plan_run(
             strategy,
-            n,
+            task.n,
             expected_batch_size=expected_batch_size,
             full_batch=full_batch,
             epochs=epochs,
@@ -409,44 +447,35 @@ def train(
             accountant=accountant,
             allow_large_delta=allow_large_delta,
         )
-    elif plan.n != n:
-        raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {n}.")
-    model = model.to(dev)
-    task.check_loss(model)
-    oracle = GradientOracle(model, loss, chunk_size=chunk_size, method=grad_method)
-
-    def score(params: Tensors) -> float:
-        return task.evaluate(oracle, params)
-
+    elif plan.n != task.n:
+        raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {task.n}.")
+    model, oracle = task.prepare(model, chunk_size, grad_method)
     loop = RunLoop(
         model,
         strategy,
         plan,
         seed=seed,
-        device=dev,
+        device=task.device,
         secure_mode=secure_mode,
         run_id=run_id,
-        metric=metric,
-        eval_every=eval_every,
-        score=score if eval_data is not None else None,
+        metric=task.metric,
+        schedule=EvalSchedule.every(plan.steps, eval_every, strategy.finalizes),
+        score=partial(task.evaluate, oracle) if eval_data is not None else None,
         on_step=on_step,
-        higher=task.metric.higher_is_better,
         keep_best=checkpoint == "best",
         eval_public=eval_public,
     )
-    bar = _Bar(plan.steps, strategy.name) if progress else None
-    try:
-        for t in range(1, plan.steps + 1):
-            row = loop.step(t, *task.batch(loop.sampler.sample()), oracle)
-            if loop.diverged:
-                break
-            loop.record(t, row, score(loop.eval_params) if loop.eval_due(t) else None)
-            if bar is not None:
-                bar.update(1, row)
-    finally:
-        if bar is not None:
-            bar.close()
-    return loop.finish(delta)
+    return loop.drive(task, oracle, delta, progress)
+
+
+def _strategy(strategy: Strategy | str, hyperparameters: dict[str, Any]) -> Strategy:
+    if isinstance(strategy, str):
+        return make_strategy(strategy, **hyperparameters)
+    if hyperparameters:
+        raise ConfigError(
+            f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy)."
+        )
+    return strategy
 
 
 def checkpoint_rule(checkpoint: str | None, has_eval: bool, eval_public: bool) -> str:

@@ -33,7 +33,8 @@ from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_l
 from dptune.metrics import Metric
 from dptune.release.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
-from dptune.train import RunLoop, RunPlan, TaskTensors, TrainResult, checkpoint_rule, plan_run, resolve_task, train
+from dptune.task import OwnTask, TaskTensors, resolve_task
+from dptune.train import EvalSchedule, RunLoop, RunPlan, TrainResult, checkpoint_rule, plan_run, train
 from dptune.tree import Tensors
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
@@ -337,10 +338,14 @@ class _Settings:
     hooks: list[Callable[[int, dict[str, Any]], None] | None]
 
 
+def _warn_sequential(reason: object) -> None:
+    warnings.warn(f"dptune.train_many: running the trials sequentially ({reason}).", RuntimeWarning, stacklevel=4)
+
+
 def _sequentially(reason: object, trials: _Settings, data: Any, **common: Any) -> list[TrainResult]:
     """The trials one by one through ``dptune.train``, which plans each run itself (after reading
     the data, whatever its kind)."""
-    warnings.warn(f"dptune.train_many: running the trials sequentially ({reason}).", RuntimeWarning, stacklevel=3)
+    _warn_sequential(reason)
     return [
         train(model, data, strategy, seed=seed, run_id=run_id, on_step=hook, **run, **common)
         for model, strategy, seed, run_id, run, hook in zip(
@@ -359,43 +364,74 @@ def _train_stacked(
     block_size: int | None,
     selection: tuple[str, bool],  # (checkpoint, eval_public)
 ) -> list[TrainResult]:
-    x, y, ex, ey, metric = task.x, task.y, task.ex, task.ey, task.metric
+    x, ex, ey, metric = task.x, task.ex, task.ey, task.metric
     assert isinstance(x, torch.Tensor)
     n = int(x.shape[0])
+    scores = partial(_evaluate, stacked, x=ex, y=ey, metric=metric) if ex is not None and ey is not None else None
 
     def score(params: Tensors) -> float:
-        assert ex is not None and ey is not None
-        return _evaluate(stacked, [params], ex, ey, metric)[0]
+        assert scores is not None
+        return scores([params])[0]
 
-    runs: list[_Trial] = []
+    loops: list[RunLoop] = []
     for k, run in enumerate(trials.runs):
         strategy = trials.strategies[k]
         plan = run["plan"] if "plan" in run else plan_run(strategy, n, delta=delta, **run)
         if plan.n != n:
             raise ConfigError(f"trial {k}: the plan is for n = {plan.n} examples but the data has {n}.")
-        model = trials.models[k].to(task.device)
         loop = RunLoop(
-            model,
+            trials.models[k].to(task.device),
             strategy,
             plan,
             seed=trials.seeds[k],
             device=task.device,
             secure_mode=secure_mode,
             run_id=trials.run_ids[k],
-            metric=metric.name,
-            eval_every=eval_every,
-            score=score if ex is not None else None,
+            metric=metric,
+            schedule=EvalSchedule.every(plan.steps, eval_every, strategy.finalizes),
+            score=score if scores is not None else None,
             on_step=trials.hooks[k],
-            higher=metric.higher_is_better,
             keep_best=selection[0] == "best",
             eval_public=selection[1],
         )
-        runs.append(_Trial(loop, _TrialOracle(lambda m=model: GradientOracle(m, task.loss))))
-    lossfn = batched_loss(task.loss)
+        loops.append(loop)
+    return _lockstep(loops, stacked, x, task.y, task.loss, block_size, delta, scores)
+
+
+def train_loops(loops: Sequence[RunLoop], task: OwnTask, block_size: int | None = None) -> list[TrainResult]:
+    """Prepared runs on in-memory tensors, each with its own score callback (the tuner's trials), in
+    lockstep when their models can be stacked, else one after the other (``RunLoop.drive``)."""
+    try:
+        if not isinstance(task.train, tuple) or not isinstance(task.train[0], torch.Tensor):
+            raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
+        if not isinstance(task.loss, str):
+            raise Unsupported("a loss callable cannot be stacked")
+        stacked = _Stacked(_stack_ops([lp.strategy for lp in loops], [lp.model for lp in loops]))
+    except Unsupported as exc:
+        _warn_sequential(exc)
+        return [lp.drive(task, GradientOracle(lp.model, task.loss), None) for lp in loops]
+    x, y = task.train
+    return _lockstep(list(loops), stacked, x, y, task.loss, block_size, None, None)
+
+
+def _lockstep(
+    loops: list[RunLoop],
+    stacked: _Stacked,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss: str,
+    block_size: int | None,
+    delta: float | None,
+    scores: Callable[[list[Tensors]], list[float]] | None,
+) -> list[TrainResult]:
+    """The runs in blocks of ``block_size``, each block in lockstep; ``scores``: the due evaluations
+    of a step at once (else each run's own ``score``). The time is shared equally."""
+    runs = [_Trial(lp, _TrialOracle(lambda m=lp.model: GradientOracle(m, loss))) for lp in loops]
+    lossfn = batched_loss(loss)
     size = block_size or len(runs)
     t0 = time.perf_counter()
     for start in range(0, len(runs), size):
-        _run_block(runs[start : start + size], stacked, lossfn, x, y, ex, ey, metric)
+        _run_block(runs[start : start + size], stacked, lossfn, x, y, scores)
     seconds = (time.perf_counter() - t0) / len(runs)
     return [tr.loop.finish(delta, seconds) for tr in runs]
 
@@ -477,12 +513,10 @@ def _run_block(
     lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     x: torch.Tensor,
     y: torch.Tensor,
-    ex: torch.Tensor | None,
-    ey: torch.Tensor | None,
-    metric: Metric,
+    scores: Callable[[list[Tensors]], list[float]] | None,
 ) -> None:
     """Step the trials in lockstep: one batched forward/backward per step, then each trial's
-    ``RunLoop`` step; the evaluations due at a step run as one stacked forward."""
+    ``RunLoop`` step; the evaluations due at a step run as one stacked forward (``scores``)."""
     buffers = _Buffers()
     T = max(tr.loop.plan.steps for tr in trials)
     for t in range(1, T + 1):
@@ -502,7 +536,10 @@ def _run_block(
             else:
                 tr.loop.record(t, row)
         if to_eval:
-            values = _evaluate(stacked, [tr.loop.eval_params for tr, _ in to_eval], ex, ey, metric)  # type: ignore[arg-type]
+            if scores is not None:
+                values = scores([tr.loop.eval_params for tr, _ in to_eval])
+            else:
+                values = [tr.loop.scored() for tr, _ in to_eval]
             for (tr, row), value in zip(to_eval, values, strict=True):
                 tr.loop.record(t, row, value)
 

@@ -20,6 +20,7 @@ from dptune.release.context import RunPlan, snap_noise
 from dptune.release.ledger import compose
 from dptune.release.sampling import check_steps, sampling_rate_for, steps_for_epochs
 from dptune.strategies import Strategy, make_strategy
+from dptune.train import EvalSchedule
 from dptune.tune.records import canonical, group_events
 from dptune.tune.space import TRAINING_KEYS
 
@@ -46,7 +47,7 @@ class Shape:
     steps: int
     n_evals: int  # accounted evaluations (0 unless selection is private)
     eval_nu: float | None
-    eval_steps: tuple[int, ...] = ()  # the steps evaluated during training (``eval_schedule``)
+    eval_steps: tuple[int, ...] = ()  # the steps evaluated during training (``EvalSchedule``)
     eval_final: bool = False  # whether the finalised parameters are evaluated too
 
     def plan(self, nu: float) -> RunPlan:
@@ -58,19 +59,6 @@ class Shape:
         if self.eval_nu is None or self.n_evals == 0:
             return canonical(train)
         return canonical(compose([(train, 1), (dp_event.GaussianDpEvent(self.eval_nu), self.n_evals)]))
-
-
-def eval_schedule(steps: int, every: int, checkpoint: str, strategy: Strategy) -> tuple[tuple[int, ...], bool]:
-    """(steps evaluated during training, whether the finalised parameters are evaluated too):
-    ``best``, every ``every`` steps and the last (Galli: every 50), plus the finalised parameters
-    when the strategy post-processes them (DP-GD's free step); ``final``, only what the run ends with."""
-    finalizes = strategy.finalizes
-    if checkpoint == "final":
-        return ((), True) if finalizes else ((steps,), False)
-    ts = tuple(range(every, steps + 1, every))
-    if not ts or ts[-1] != steps:
-        ts += (steps,)
-    return ts, finalizes
 
 
 def split_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -121,17 +109,17 @@ def make_shape(ctx: Context, arm: StrategyArm, config: Mapping[str, Any], path: 
         raise ConfigError(f"{path}: {exc}") from None
     q, steps = run_geometry(ctx, {**arm.fixed, **config}, path)
     sel = ctx.study.selection
-    ev_steps, ev_final = eval_schedule(steps, sel.eval_every, sel.checkpoint, strategy)
+    ev = EvalSchedule.every(steps, sel.eval_every, strategy.finalizes, sel.checkpoint)
     private_eval = sel.mode == "private"
     return Shape(
         strategy,
         ctx.n_train,
         q,
         steps,
-        len(ev_steps) + int(ev_final) if private_eval else 0,
+        len(ev.steps) + int(ev.final) if private_eval else 0,
         sel.noise_multiplier if private_eval else None,
-        ev_steps,
-        ev_final,
+        ev.steps,
+        ev.final,
     )
 
 

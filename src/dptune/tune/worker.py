@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields
 from typing import Any
 
 import torch
@@ -25,35 +24,21 @@ from torch.func import functional_call
 from dptune.deliverable import full_state, model_identity
 from dptune.devices import resolve_device
 from dptune.errors import BudgetExceededError, DPTuneError
+from dptune.gradients.oracle import GradientOracle
 from dptune.gradients.persample import ScratchBuffers
 from dptune.metrics import MSE, eval_mode, resolve, score_sums
 from dptune.release.ledger import Ledger, atoms, compose
 from dptune.release.mechanisms import NoiseSource, NoisyRelease, SumQuery
 from dptune.release.sampling import stream_seed
-from dptune.strategies import Strategy, make_strategy
-from dptune.train import TrainResult, is_better, train
-from dptune.tree import Tensors, clone, is_finite
+from dptune.strategies import make_strategy
+from dptune.task import OwnTask
+from dptune.train import EvalSchedule, RunLoop, TrainResult
+from dptune.tree import Tensors, is_finite
 from dptune.tune.data import StudyData, build_model, study_data
 from dptune.tune.records import EVAL_LABEL, RunSpec
 from dptune.tune.space import TRAINING_KEYS
 from dptune.tune.spec import Study
-from dptune.vectorized import train_many
-
-
-def _with_checkpoints(strategy: Strategy, steps: set[int], hook: Callable[[int, Tensors], None]) -> Strategy:
-    """The same strategy (same class behaviour, same hyperparameters) with a callback
-    after the steps in ``steps``: it sees the parameters there (those the strategy evaluates:
-    the running average of an averaging strategy), without touching the loop."""
-    base = type(strategy)
-
-    def step(self, params, state, ctx):  # noqa: ANN001
-        params, state, info = base.step(self, params, state, ctx)
-        if ctx.t in steps:
-            hook(ctx.t, self.evaluated(params, state))
-        return params, state, info
-
-    cls = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
-    return cls(**{f.name: getattr(strategy, f.name) for f in fields(strategy)})  # type: ignore[arg-type]
+from dptune.vectorized import train_loops
 
 
 class Scorer:
@@ -120,7 +105,7 @@ class Scorer:
 def _eval_event(run: RunSpec):
     from dp_accounting import dp_event
 
-    n = len(run.eval_steps) + int(run.eval_final)
+    n = len(run.eval_steps) + int(run.eval_final)  # the steps of the run's EvalSchedule
     if run.eval_noise_multiplier is None or n == 0:
         return dp_event.NoOpDpEvent()
     return compose([(dp_event.GaussianDpEvent(run.eval_noise_multiplier), n)])
@@ -131,23 +116,9 @@ def execute_run(study: Study, strategy_name: str, run_dict: dict[str, Any], metr
     its arguments on any executor, except in secure mode (OS-CSPRNG noise and batches)."""
     run = _configured(run_dict)
     with _threads(study.threads_per_run):
-        device = resolve_device(study.training.device, "training.device")
-        data = study_data(study.data, study.selection, study.seed)
-        job = _RunJob(study, strategy_name, run, metric, data, device)
-        result = train(
-            job.model,
-            (data.x_train, data.y_train),
-            job.strategy,
-            plan=job.plan,
-            seed=run.run_seed,
-            device=device,
-            loss=study.training.loss,
-            eval_data=None,
-            progress=False,
-            run_id="",
-            secure_mode=study.secure,
-        )
-        return job.finish(result)
+        job, task = _jobs(study, [strategy_name], [run], metric)
+        loop = job[0].loop
+        return job[0].finish(loop.drive(task, GradientOracle(loop.model, task.loss), None))
 
 
 def _configured(run_dict: dict[str, Any]) -> RunSpec:
@@ -169,89 +140,83 @@ def _threads(n: int) -> Iterator[None]:
 
 
 class _RunJob:
-    """One planned run on the worker side: its checkpoint-hooked strategy, its plan and its
-    scorer before training; its result dict after."""
+    """One planned run on the worker side: its ``RunLoop`` (the study's plan, scored by its
+    ``Scorer`` at the run's ``EvalSchedule``, best checkpoint kept) before training; its result
+    dict after."""
 
-    def __init__(self, study: Study, strategy_name: str, run: RunSpec, metric: str, data: StudyData, device):
+    def __init__(self, study: Study, strategy_name: str, run: RunSpec, metric: str, data: StudyData, task: OwnTask):
         self.t0 = time.perf_counter()
         self.run, self.data = run, data
-        self.model = build_model(study.model, data, run.seed)
-        self.model_spec = study.model
-        self.test_public = study.data.test_public
-        hp = {k: v for k, v in run.config.items() if k not in TRAINING_KEYS}
-        base = make_strategy(strategy_name, **hp)
-        self.scorer = Scorer(self.model, data, metric, run, study, device)
-        self.higher = self.scorer.measure.higher_is_better
-        self.evals: list[dict[str, Any]] = []
-        self.best: dict[str, Any] = {"score": None, "step": None, "params": None}
-        self.strategy = _with_checkpoints(base, set(run.eval_steps), self.consider)
-        self.plan = run.run_plan(self.strategy, data.n_train, study.budget.accountant)
-        if self.plan.event() != base.planned_event(run.noise_multiplier, run.sampling_rate, run.steps):
-            raise BudgetExceededError(f"run {run.run_id}: the strategy's planned event differs from the study plan")
-
-    def consider(self, t: int, params: Tensors, finalized: bool = False) -> None:
-        s = self.scorer.score(params)
-        self.evals.append({"step": t, "score": s, **({"finalized": True} if finalized else {})})
-        if is_better(s, self.best["score"], self.higher):  # the rule of train.RunLoop's best checkpoint
-            self.best.update(score=s, step=t, params=clone(params))
+        model = build_model(study.model, data, run.seed)
+        self.model_spec, self.test_public = study.model, study.data.test_public
+        strategy = make_strategy(strategy_name, **{k: v for k, v in run.config.items() if k not in TRAINING_KEYS})
+        self.scorer = Scorer(model, data, metric, run, study, task.device)
+        plan = run.run_plan(strategy, data.n_train, study.budget.accountant)
+        model, _ = task.prepare(model)
+        self.loop = RunLoop(
+            model,
+            strategy,
+            plan,
+            seed=run.run_seed,
+            device=task.device,
+            secure_mode=study.secure,
+            run_id="",
+            metric="score",
+            schedule=EvalSchedule(tuple(run.eval_steps), run.eval_final),
+            score=self.scorer.score,
+            higher=self.scorer.measure.higher_is_better,
+        )
 
     def finish(self, result: TrainResult, seconds: float | None = None) -> dict[str, Any]:
-        run, data = self.run, self.data
-        if run.eval_final and not result.diverged:
-            self.consider(run.steps, result.final_params, finalized=True)
+        run, data, best = self.run, self.data, result.best_params
         ledger = Ledger()
         ledger.extend(result.ledger)
         ledger.extend(self.scorer.ledger)
-        test = None
         # An exact metric on a private test split (the user's, not declared public) would be published.
-        if data.x_test is not None and self.best["params"] is not None and self.test_public:
-            test = self.scorer.exact(self.best["params"], data.x_test, data.y_test)
+        test = None
+        if data.x_test is not None and best is not None and self.test_public:
+            test = self.scorer.exact(best, data.x_test, data.y_test)
         # The selected checkpoint's weights (CPU), for the coordinator to keep owner-only under
         # checkpoints/: the study's model is exported from them, never retrained (no new release).
         checkpoint = None
-        if self.best["params"] is not None:
+        if best is not None:
             checkpoint = {
-                "state_dict": full_state(self.model, self.best["params"]),
+                "state_dict": full_state(self.loop.model, best),
                 "model": model_identity(self.model_spec, data),
             }
         return {
             "run_id": run.run_id,
             "status": "diverged" if result.diverged else "done",
             "checkpoint": checkpoint,
-            "score": self.best["score"],
-            "best_step": self.best["step"],
+            "score": result.best_metric,
+            "best_step": result.best_step,
             "test_metric": test,
-            "evals": self.evals,
-            "history": result.history,
+            # The store's formats: scores in evals only, a finalised one marked True.
+            "evals": [{**e, "finalized": True} if "finalized" in e else e for e in result.evals],
+            "history": [{k: v for k, v in row.items() if k != "eval_score"} for row in result.history],
             "ledger": ledger.to_dict(),
             "seconds": time.perf_counter() - self.t0 if seconds is None else seconds,
         }
 
 
+def _jobs(study: Study, names: list[str], runs: list[RunSpec], metric: str) -> tuple[list[_RunJob], OwnTask]:
+    device = resolve_device(study.training.device, "training.device")
+    data = study_data(study.data, study.selection, study.seed)
+    task = OwnTask.resolve((data.x_train, data.y_train), None, device, None, study.training.loss)
+    return [_RunJob(study, name, run, metric, data, task) for name, run in zip(names, runs, strict=True)], task
+
+
 def execute_group(
     study: Study, strategy_names: list[str], run_dicts: list[dict[str, Any]], metric: str
 ) -> dict[str, Any]:
-    """Train a group of planned runs together with ``dptune.train_many``: ``{"results": [...]}``, each
-    what ``execute_run`` would return up to float rounding (every run keeps its own seeds, streams,
-    gateway, ledger and scorer)."""
+    """Train a group of planned runs together (``dptune.vectorized.train_loops``): ``{"results": [...]}``,
+    each what ``execute_run`` would return up to float rounding (every run keeps its own seeds,
+    streams, gateway, ledger and scorer)."""
     runs = [_configured(d) for d in run_dicts]
     with _threads(study.threads_per_run):
         t0 = time.perf_counter()
-        device = resolve_device(study.training.device, "training.device")
-        data = study_data(study.data, study.selection, study.seed)
-        jobs = [_RunJob(study, name, run, metric, data, device) for name, run in zip(strategy_names, runs, strict=True)]
-        results = train_many(
-            [j.model for j in jobs],
-            (data.x_train, data.y_train),
-            [j.strategy for j in jobs],
-            plans=[j.plan for j in jobs],
-            seeds=[r.run_seed for r in runs],
-            device=device,
-            loss=study.training.loss,
-            run_ids=[""] * len(jobs),
-            fallback="sequential",
-            secure_mode=study.secure,
-        )
+        jobs, task = _jobs(study, strategy_names, runs, metric)
+        results = train_loops([j.loop for j in jobs], task)
         seconds = (time.perf_counter() - t0) / len(jobs)  # the group's time, shared equally
         return {"results": [j.finish(r, seconds) for j, r in zip(jobs, results, strict=True)]}
 
