@@ -29,9 +29,8 @@ from dptune.errors import ConfigError
 from dptune.gradients.oracle import MaterializedGrads
 from dptune.release.context import RunInfo, StepContext
 from dptune.release.privatizers import clip_weights
-from dptune.strategies import STRATEGIES, make_strategy
-from dptune.strategies.adadp import ADADP, extrapolation_error
-from dptune.strategies.oso import OSO
+from dptune.strategies import ADADP, OSO, STRATEGIES, make_strategy
+from dptune.updates import extrapolation_error
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -250,7 +249,7 @@ def test_oso_momentum_variant() -> None:
 
 def test_oso_one_percent_rule_and_disabled_lr_adaptation() -> None:
     for nu in (0.5, 1.0, 4.0):
-        nu_g, nu_q = OSO().split(nu)
+        nu_g, nu_q = OSO().privatizer.split(nu)
         assert nu_q / nu == pytest.approx(7.124, abs=0.01)
         assert nu_g == pytest.approx(1.01 * nu, rel=1e-12)
         assert accounting.joint_noise_multiplier([nu_g, nu_q]) == pytest.approx(nu, rel=1e-12)
@@ -285,8 +284,8 @@ def test_adamwosm_learning_rate_is_the_effective_step_size(nu: float, clip: floa
 # ----------------------------------------------------------------------------- ADADP
 def test_adadp_default_tolerance() -> None:
     run = RunInfo(1.0, 0.01, 100.0, 500, 12345)
-    assert ADADP().tau(run) == pytest.approx(math.sqrt(12345 / (2 * 500)))
-    assert ADADP(tolerance=0.3).tau(run) == 0.3
+    assert ADADP().update_rule.tau(run) == pytest.approx(math.sqrt(12345 / (2 * 500)))
+    assert ADADP(tolerance=0.3).update_rule.tau(run) == 0.3
     assert ADADP().releases_per_run(7) == 7
 
 
