@@ -35,7 +35,7 @@ from dptune.release import mechanisms
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
 from dptune.release.privatizers import OSOClip
-from dptune.strategies.oso import OSO
+from dptune.strategies import OSO
 from dptune.train import train
 
 # A fixed sum Q (two tensors, like a model's parameters) and direction V, chosen so that the

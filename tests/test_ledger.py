@@ -17,7 +17,7 @@ from dptune.release.context import StepContext
 from dptune.release.ledger import Ledger, atoms, event_from_dict, event_to_dict
 from dptune.release.mechanisms import NoiseSource, NoisyRelease, SumQuery
 from dptune.release.privatizers import FixedClip
-from dptune.strategies.dpsgd import DPSGD
+from dptune.strategies import DPSGD
 
 
 class SpyNoise(NoiseSource):

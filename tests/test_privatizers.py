@@ -126,6 +126,37 @@ def test_named_strategies_are_compositions_of_their_parts() -> None:
         assert (s.privatizer.name, s.update_rule.name) == (p, u)
 
 
+def test_a_named_strategy_is_a_recipe_over_chain() -> None:
+    """Issue 26: dpadam is fixed+adam apart from its name (same parts, hyperparameters, run), and
+    every named strategy's signature is its parts' fields: a default not re-set by the recipe is
+    the part's, and each hyperparameter reaches the part that takes it."""
+    kw = {"lr": 0.01, "clip": 0.5, "beta2": 0.99}
+    named, chained = make_strategy("dpadam", **kw), make_strategy("fixed+adam", **kw)
+    assert named.parts() == chained.parts() and named.name == "dpadam"
+    assert {k: v for k, v in named.config().items() if k != "strategy"} == {
+        k: v for k, v in chained.config().items() if k != "strategy"
+    }
+    torch.manual_seed(0)
+    x, y = torch.randn(60, 4), torch.randint(0, 2, (60,))
+    runs = []
+    for s in (named, chained):
+        torch.manual_seed(1)  # the same initial model
+        runs.append(dptune.train(nn.Linear(4, 2), (x, y), s, steps=3, expected_batch_size=20,
+                                 noise_multiplier=1.0, seed=1, device="cpu", progress=False))  # fmt: skip
+    torch.testing.assert_close(runs[0].final_params, runs[1].final_params, rtol=0, atol=0)
+    for name, cls in STRATEGIES.items():
+        s = cls()
+        for part in s.parts():
+            for k, v in part.config().items():
+                if k in cls.hyperparameters:
+                    assert getattr(s, k) == v, (name, k)
+    # one alias table, read in each place for the name that exists there
+    assert strategy_signature("fixed_threshold")[0] == "dpsgd"
+    assert strategy_signature("fixed_threshold+momentum")[0] == "fixed+sgd"
+    assert strategy_signature(" Online ")[0] == "oso" and strategy_signature("online+oso_rho")[0] == "oso+oso_rate"
+    assert strategy_signature("sgd")[0] == "nodp" and strategy_signature("nodp+sgd")[0] == "none+sgd"
+
+
 def test_composition_by_name_routes_each_hyperparameter_to_its_part() -> None:
     s = make_strategy("oso+oso_rate", lr=0.3, initial_clip=0.7, rule="additive", lr_lr=0.01)
     assert s.privatizer == OSOClip(initial_clip=0.7, rule="additive")

@@ -30,9 +30,8 @@ from dptune.errors import ConfigError
 from dptune.gradients.oracle import MaterializedGrads
 from dptune.release.context import StepContext
 from dptune.release.privatizers import clip_weights
-from dptune.strategies import STRATEGIES, make_strategy
-from dptune.strategies.adadp import ADADP, extrapolation_error
-from dptune.strategies.oso import OSO
+from dptune.strategies import ADADP, OSO, STRATEGIES, make_strategy
+from dptune.updates import extrapolation_error
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -286,8 +285,8 @@ def test_adamwosm_learning_rate_is_the_effective_step_size(nu: float, clip: floa
 # ----------------------------------------------------------------------------- ADADP
 def test_adadp_default_tolerance() -> None:
     run = run_plan(1.0, 0.01, 100.0, 500)
-    assert ADADP().tau(run, 12345) == pytest.approx(math.sqrt(12345 / (2 * 500)))
-    assert ADADP(tolerance=0.3).tau(run, 12345) == 0.3
+    assert ADADP().update_rule.tau(run, 12345) == pytest.approx(math.sqrt(12345 / (2 * 500)))
+    assert ADADP(tolerance=0.3).update_rule.tau(run, 12345) == 0.3
     assert ADADP().releases_per_run(7) == 7
 
 

@@ -1,8 +1,7 @@
-"""Training strategies (privatizer × update rule), one small module each.
-
-Each named strategy is a composition of a privatizer (``dptune.release.privatizers``) and an update
-rule (``dptune.updates``); any other pair is available by name as ``"<privatizer>+<update>"``
-(``make_strategy("oso+adam", lr=1e-3)``) or as ``chain(OSOClip(), Adam(lr=1e-3))``."""
+"""Training strategies: a privatizer (``dptune.release.privatizers``) followed by an update rule
+(``dptune.updates``). The named ones (``named``) are recipes over ``chain``; any other pair is
+available by name as ``"<privatizer>+<update>"`` (``make_strategy("oso+adam", lr=1e-3)``) or as
+``chain(OSOClip(), Adam(lr=1e-3))``. Adding a named strategy: one ``@recipe`` class in ``named``."""
 
 from __future__ import annotations
 
@@ -11,48 +10,34 @@ import numbers
 from typing import Any
 
 from dptune.errors import ConfigError
-from dptune.strategies.adamwosm import AdamWOSM
 from dptune.strategies.base import (
+    ALIASES,
     Chain,
     Composed,
     RunPlan,
     StepContext,
     Strategy,
+    canonical,
     canonical_chain_name,
     chain,
+    chain_hyperparameters,
     chain_parts,
     make_chain,
 )
-from dptune.strategies.dpadam import DPAdam
-from dptune.strategies.dpgd import DPGD
-from dptune.strategies.dpsgd import DPSGD
-from dptune.strategies.dpzo import DPZO
-from dptune.strategies.nodp import NoDP
-from dptune.strategies.oso import OSO
-from dptune.strategies.quantile import FixedQuantile
-
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (NoDP, DPSGD, FixedQuantile, OSO, DPAdam, AdamWOSM, DPGD, DPZO)
-}
-
-try:  # ADADP lives in its own module (Koskela & Honkela 2020)
-    from dptune.strategies.adadp import ADADP
-
-    STRATEGIES[ADADP.name] = ADADP
-except ImportError:  # pragma: no cover - only while the module is being written
-    pass
-
-ALIASES = {
-    "online": "oso",
-    "fixed_threshold": "dpsgd",
-    "fixedquantile": "quantile",
-    "fixed_quantile": "quantile",
-    "dpmomentum": "dpsgd",
-    "dpadamwosm": "adamwosm",
-    "sgd": "nodp",
-    "dp-zo": "dpzo",
-    "dp_zo": "dpzo",
-}
+from dptune.strategies.named import (
+    ADADP,
+    DPGD,
+    DPSGD,
+    DPZO,
+    OSO,
+    STRATEGIES,
+    AdamWOSM,
+    DPAdam,
+    FixedQuantile,
+    NoDP,
+    Recipe,
+    recipe,
+)
 
 
 def strategy_signature(name: str) -> tuple[str, tuple[str, ...], bool]:
@@ -60,7 +45,7 @@ def strategy_signature(name: str) -> tuple[str, tuple[str, ...], bool]:
     ``"<privatizer>+<update>"`` composition; an unknown name is one clear ConfigError."""
     if not isinstance(name, str):
         raise ConfigError(f"a strategy name must be a string, got {name!r}.")
-    key = ALIASES.get(name.strip().lower(), name.strip().lower())
+    key = canonical(name, STRATEGIES)
     if key in STRATEGIES:
         cls = STRATEGIES[key]
         return key, cls.hyperparameters, cls.private
@@ -74,7 +59,7 @@ def strategy_signature(name: str) -> tuple[str, tuple[str, ...], bool]:
     if u_cls.needs_noisy_release and not p_cls.private:
         raise ConfigError(f"the update rule {u_cls.name!r} needs a private (noisy) release; use 'none+adam'.")
     key = canonical_chain_name(key)
-    return key, tuple(dict.fromkeys(p_cls.hyperparameters + u_cls.hyperparameters)), p_cls.private
+    return key, chain_hyperparameters(p_cls, u_cls), p_cls.private
 
 
 _KINDS = {"bool": (bool,), "float": (numbers.Real,), "int": (numbers.Integral,), "str": (str,)}
@@ -119,15 +104,19 @@ def make_strategy(name: str, **hyperparameters: Any) -> Strategy:
 
 
 __all__ = [
+    "ALIASES",
     "STRATEGIES",
     "Strategy",
     "Composed",
     "Chain",
+    "Recipe",
     "chain",
     "RunPlan",
+    "recipe",
     "StepContext",
     "make_strategy",
     "strategy_signature",
+    "canonical_chain_name",
     "NoDP",
     "DPSGD",
     "FixedQuantile",
@@ -136,4 +125,5 @@ __all__ = [
     "AdamWOSM",
     "DPGD",
     "DPZO",
+    "ADADP",
 ]

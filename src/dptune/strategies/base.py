@@ -223,23 +223,39 @@ def chain_hyperparameters(p: type[Privatizer], u: type[UpdateRule]) -> tuple[str
     return tuple(dict.fromkeys(p.hyperparameters + u.hyperparameters))
 
 
-PART_ALIASES = {
-    "fixed_threshold": "fixed",
+# The one table of other names, for a strategy and for a part alike: in each place (a strategy
+# name, a privatizer, an update rule) an alias stands for its target that is a name there.
+ALIASES: dict[str, str | tuple[str, ...]] = {
+    "online": "oso",
+    "fixed_threshold": ("dpsgd", "fixed"),
     "fixedthreshold": "fixed",
     "fixed_quantile": "quantile",
-    "online": "oso",
+    "fixedquantile": "quantile",
+    "dpmomentum": "dpsgd",
+    "dpadamwosm": "adamwosm",
+    "sgd": "nodp",
     "nodp": "none",
     "nonprivate": "none",
+    "dp-zo": "dpzo",
+    "dp_zo": "dpzo",
     "momentum": "sgd",
     "oso_rho": "oso_rate",
 }
 
 
+def canonical(name: str, names: dict[str, Any]) -> str:
+    """``name`` stripped, lower-cased and, unless it is one of ``names``, its alias among them."""
+    key = name.strip().lower()
+    if key in names:
+        return key
+    targets = ALIASES.get(key, ())
+    return next((t for t in ((targets,) if isinstance(targets, str) else targets) if t in names), key)
+
+
 def canonical_chain_name(name: str) -> str:
     """``" Online + Adam "`` → ``"oso+adam"``: parts stripped, lower-cased, aliases resolved."""
     p_name, _, u_name = name.partition("+")
-    p_name, u_name = p_name.strip().lower(), u_name.strip().lower()
-    return f"{PART_ALIASES.get(p_name, p_name)}+{PART_ALIASES.get(u_name, u_name)}"
+    return f"{canonical(p_name, PRIVATIZERS)}+{canonical(u_name, UPDATES)}"
 
 
 def chain_parts(name: str) -> tuple[type[Privatizer], type[UpdateRule]] | None:

@@ -323,7 +323,7 @@ class ADADP(UpdateRule):
         θ ← θ₂ if err ≤ τ (or ``reject=False``), else θ ← θ₀ (the pair of half steps is undone)
 
     τ defaults to sqrt(d / (2T)) (Mohapatra et al. A.1). The choices where the sources are
-    loose follow the authors' code; ``dptune.strategies.adadp`` lists them.
+    loose follow the authors' code; ``dptune.strategies.ADADP`` lists them.
     """
 
     lr: float = 1e-3  # η₀
