@@ -283,13 +283,13 @@ def for_training(data: str | None, dataset: str, model: str, data_dir: str | Non
     torch.manual_seed(seed)
     if yours:  # with the arguments the factory was given, for load_model
         kwargs = own.factory_kwargs(factories.import_factory(model, "model factory"), *dims)
-        net, ident = own.build_model(model, *dims), {"factory": model, "kwargs": kwargs}
+        net, ident = own.build_model(model, *dims), {"factory": model}
     else:
         name = default_model_name(ds) if model == "auto" else model
-        ident = {"name": name, "kwargs": kwargs_for(name, ds)}
-        net = build(name, **ident["kwargs"])
+        kwargs, ident = kwargs_for(name, ds), {"name": name}
+        net = build(name, **kwargs)
     check_fits_data(net, train_part, model, data or dataset, data is None)
-    return TrainInputs(train_part, test_part, net, ident)
+    return TrainInputs(train_part, test_part, net, {**ident, "kwargs": kwargs})
 
 
 def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
