@@ -263,8 +263,8 @@ def _trajectories(p: _Pages, best: list[SummaryRow], baseline: list[SummaryRow])
 def _budget_and_ledger(p: _Pages) -> None:
     """The ledger's totals are the budget (release); its rows per run are diagnostics: they list
     the losing candidates and, for LT/RS, the number of runs drawn."""
-    planned, budgets, lrows = p.r.planned, p.r.budgets, list(p.r.ledger)
-    budget_rows = _budget_rows(planned, p.r.spent, p.r.accountant, budgets)
+    lrows: list[LedgerRow] = list(p.r.ledger)
+    budget_rows = _budget_rows(p.r)
     if budget_rows:
         text = (
             "The (ε, δ) each tuning procedure planned and spent (search and selection included), "
@@ -278,7 +278,7 @@ def _budget_and_ledger(p: _Pages) -> None:
         return
     led_csv = write_labelled_csv(p.diag / "ledger.csv", ledger_csv_rows(lrows))
     if p.include_diagnostics:
-        lines = planned[0] if planned else _planned_lines(budgets)
+        lines = p.r.planned[0] if p.r.planned else _planned_lines(p.r.budgets)
         fig = F.ledger(lrows, p.diag / "figures" / "ledger.png", planned_epsilon=lines)
         text = (
             f"{len({r.run for r in lrows})} runs, {sum(int(r.releases) for r in lrows)} noisy "
@@ -362,16 +362,11 @@ def _planned_lines(budgets: Sequence[Mapping[str, Any]]) -> list[tuple[float, st
     return sorted((max(v), f"planned, {len(v)} procedure{'s' if len(v) > 1 else ''}") for v in by_eps.values())
 
 
-def _budget_rows(
-    planned: tuple[float, float] | None,
-    spent: tuple[float, float] | None,
-    accountant: str | None,
-    budgets: Sequence[Mapping[str, Any]],
-) -> list[dict[str, Any]]:
+def _budget_rows(r: ReportInputs) -> list[dict[str, Any]]:
     """The guarantee and the ledger's totals: one row for the study and/or one per procedure."""
-    procedures = [(b.get("label", ""), b.get("planned"), b.get("spent"), b.get("note", "")) for b in budgets]
-    if planned is not None or spent is not None:
-        procedures.insert(0, ("whole study", planned, spent, "study"))
+    procedures = [(b.get("label", ""), b.get("planned"), b.get("spent"), b.get("note", "")) for b in r.budgets]
+    if r.planned is not None or r.spent is not None:
+        procedures.insert(0, ("whole study", r.planned, r.spent, "study"))
     return [
         {
             "procedure": name,
@@ -379,7 +374,7 @@ def _budget_rows(
             "planned_delta": pl[1] if pl else None,
             "spent_epsilon": sp[0] if sp else None,
             "spent_delta": sp[1] if sp else None,
-            "accountant": accountant,
+            "accountant": r.accountant,
             "scope": scope,
         }
         for name, pl, sp, scope in procedures

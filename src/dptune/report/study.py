@@ -83,7 +83,8 @@ def study_inputs(s: StudyRows, results: Sequence[Any], **fields: Any) -> ReportI
     (ε, δ): each procedure has its own), the metric, the conclusions and OSO's noise split;
     ``fields``: the rest of the ``ReportInputs``."""
     sel, plan = s.cfg.get("selection", {}), s.plan
-    table = display_table(private_rows(s.table), plan.metric)
+    # selection scores clipped to the metric's range (noisy private scores can leave it; post-processing)
+    table = [{**r, "value_mean": clip_to_range(r.get("value_mean"), plan.metric)} for r in private_rows(s.table)]
     said = conclusions(table, arm_costs(plan), plan.higher_is_better, plan.metric, s.hides_k)
     return ReportInputs(
         results,
@@ -267,12 +268,6 @@ def _reachable_note(fit: Mapping[str, Any]) -> str:
     if rf is None or rs is None or math.isclose(rf, rs, rel_tol=1e-9):
         return ""
     return f" — outside [η_min·T_f, η_max·T_f], so the final run used r = η_f·T_f = {rf:.4g}"
-
-
-def display_table(table: Sequence[Mapping[str, Any]], metric: str) -> list[dict[str, Any]]:
-    """The tuner's table with selection scores clipped to the metric's range, for display (noisy
-    private scores can leave it; post-processing)."""
-    return [{**r, "value_mean": clip_to_range(r.get("value_mean"), metric)} for r in table]
 
 
 def budget_entries(table: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
