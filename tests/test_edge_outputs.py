@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 
 from dptune.cli import app
 from dptune.errors import ConfigError
-from dptune.report import Section, build_report, report_study, write_report
+from dptune.report import ReportInputs, Section, build_report, report_study, write_report
 from dptune.tune import (
     BudgetSpec,
     MethodSpec,
@@ -191,15 +191,9 @@ def test_build_report_publishes_only_selected_histories_without_loss(tmp_path: P
         {"run": "winner", "strategy": "dpsgd", "rows": rows},
         {"run": "loser-run", "strategy": "dpsgd", "rows": rows, "selected": False},
     ]
-    page = build_report(
-        tmp_path,
-        trials,
-        histories,
-        [{"run": "loser-run", "label": "dpsgd/gradient", "releases": 5}],
-        selection_mode="public",
-        planned=(1.0, 1e-5),
-        spent=(1.0, 1e-5),
-    )
+    ledger = [{"run": "loser-run", "label": "dpsgd/gradient", "releases": 5}]
+    inputs = ReportInputs(trials, "public", (1.0, 1e-5), (1.0, 1e-5), histories=histories, ledger=ledger)
+    page = build_report(tmp_path, inputs)
     text = _page_text(page)
     _assert_release_clean(text, ["loser-run"], "build_report's page")
     assert "0.7" not in read_csv_rows(page.parent / "results_best.csv")[0].values()

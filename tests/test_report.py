@@ -32,6 +32,7 @@ from dptune.release.ledger import Ledger
 from dptune.report import (
     FigureRef,
     LinearScalingFit,
+    ReportInputs,
     RunHistory,
     Section,
     TrialResult,
@@ -137,11 +138,10 @@ def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
         out / "extra" / "my_extra.png",
         title="an extra figure",
     )
-    return build_report(
-        out,
+    inputs = ReportInputs(
         synthetic_trials(),
-        synthetic_histories(),
-        synthetic_ledger(),
+        histories=synthetic_histories(),
+        ledger=synthetic_ledger(),
         selection_mode="private",
         planned=(8.0, 1e-5),
         spent=(7.93, 1e-5),
@@ -152,8 +152,8 @@ def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
         lt_ma=[(k, 1.8 + 0.01 * k, 0.5 * math.sqrt(k)) for k in range(1, 31)],
         linear_scaling={"points": [(0.1, 2.0), (0.2, 3.5)], "slope": 15.0, "intercept": 0.5, "target_epsilon": 1.0},
         extra_figures=[(extra, "an extra figure passed by the caller")],
-        include_diagnostics=True,
     )
+    return build_report(out, inputs, include_diagnostics=True)
 
 
 # the publishable page's figures (release/); the per-run ledger is a diagnostic (diagnostics/)
@@ -314,13 +314,14 @@ def test_large_attachments_stay_beside_the_page(tmp_path: Path, monkeypatch: pyt
 
 def test_bad_inputs_raise_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="selection_mode"):
-        build_report(tmp_path, synthetic_trials(), selection_mode="test-set", planned=(1, 1e-5), spent=(1, 1e-5))
+        ReportInputs(synthetic_trials(), selection_mode="test-set", planned=(1, 1e-5), spent=(1, 1e-5))
     with pytest.raises(ConfigError, match="planned"):
-        build_report(tmp_path, [], selection_mode="public", planned=(1.0,), spent=None)
+        ReportInputs([], selection_mode="public", planned=(1.0,), spent=None)
     with pytest.raises(ConfigError, match="higher_is_better"):
-        build_report(tmp_path, [], selection_mode="public", planned=None, spent=None, metric="auc")
+        ReportInputs([], selection_mode="public", planned=None, spent=None, metric="auc")
     with pytest.raises(ConfigError, match="lacks"):
-        build_report(tmp_path, [{"strategy": "oso", "value": 0.9}], selection_mode="public", planned=None, spent=None)
+        rows = [{"strategy": "oso", "value": 0.9}]
+        build_report(tmp_path, ReportInputs(rows, selection_mode="public", planned=None, spent=None))
     with pytest.raises(ConfigError, match="does not exist"):
         write_report(tmp_path, "t", [Section("s", figures=[FigureRef(tmp_path / "nope.png")])])
     with pytest.raises(ConfigError, match=".png"):
@@ -333,9 +334,8 @@ def test_mse_report_says_lower_is_better(tmp_path: Path) -> None:
         for e in (1.0, 2.0)
         for s in range(2)
     ]
-    page = build_report(
-        tmp_path, trials, selection_mode="public", planned=(2.0, 1e-5), spent=(2.0, 1e-5), metric="mse"
-    ).read_text()
+    inputs = ReportInputs(trials, selection_mode="public", planned=(2.0, 1e-5), spent=(2.0, 1e-5), metric="mse")
+    page = build_report(tmp_path, inputs).read_text()
     assert "MSE (lower is better)" in page and "higher is better" not in page
     assert metric_label("mse", False) == "MSE (lower is better)"
 

@@ -19,8 +19,16 @@ from rich.table import Table
 
 from dptune.accounting_text import PLD_EPSILON_CAP  # noqa: F401 (a public name of this module)
 from dptune.errors import ConfigError, DPTuneError
-from dptune.outputs import DIAGNOSTICS_DIR, NOT_DP_LABEL, diagnostics_dir, train_outputs, train_table_rows
-from dptune.paths import check_data_dir, check_output_dir, check_output_file, train_output_paths
+from dptune.outputs import (
+    DIAGNOSTICS_DIR,
+    NOT_DP_LABEL,
+    check_data_dir,
+    check_output_dir,
+    check_output_file,
+    train_output_paths,
+    train_table_rows,
+    write_train_outputs,
+)
 
 app = typer.Typer(
     add_completion=False,
@@ -166,9 +174,9 @@ def train(
 def _train(o: SimpleNamespace) -> None:
     """``dptune train``'s work: every check before any data is read, the run, its files, its table."""
     from dptune.devices import resolve_device
+    from dptune.models import for_training
     from dptune.train import checkpoint_rule
     from dptune.train import train as run_train
-    from dptune.train_inputs import load_train_inputs
 
     # A built-in dataset's standard test split is public benchmark data; the user's is private unless declared.
     eval_public = o.eval_public or o.data is None
@@ -177,7 +185,7 @@ def _train(o: SimpleNamespace) -> None:
     _check_seed(o.seed)
     check_data_dir(o.data_dir)
     diag_path = train_output_paths(o.out, o.diagnostics_out, o.save)
-    train_part, test_part, net, model_id = load_train_inputs(o.data, o.dataset, o.model, o.data_dir, o.seed)
+    train_part, test_part, net, model_id = for_training(o.data, o.dataset, o.model, o.data_dir, o.seed)
     dataset, model_name = o.data or o.dataset, model_id.get("factory", model_id.get("name"))  # "auto" resolved
     target = None if o.noise_multiplier else o.epsilon
     result = run_train(
@@ -203,13 +211,8 @@ def _train(o: SimpleNamespace) -> None:
         **parse_hyperparameters(o.hp),
     )
     # The seed goes to the diagnostics only, and so do the metrics on a private test split.
-    release, diag = train_outputs(result, dataset=dataset, model=model_name, seed=o.seed, selection_split="test")
-    o.out.parent.mkdir(parents=True, exist_ok=True)
-    o.out.write_text(json.dumps(release, default=str))
-    if o.diagnostics_out is None:
-        diagnostics_dir(diag_path.parent.parent)  # the folder with its README (the label)
-    diag_path.parent.mkdir(parents=True, exist_ok=True)
-    diag_path.write_text(json.dumps(diag, default=str))
+    context = dict(dataset=dataset, model=model_name, seed=o.seed, selection_split="test")
+    release = write_train_outputs(result, o.out, diag_path, label_folder=o.diagnostics_out is None, **context)
     if o.save is not None:  # the deliverable: post-processing of the run, no release
         from dptune.deliverable import save_trained
 

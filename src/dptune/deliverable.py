@@ -29,6 +29,7 @@ from dptune._version import __version__
 from dptune.errors import ConfigError
 from dptune.factories import import_factory
 from dptune.outputs import labelled_json, randomness_statement
+from dptune.own import factory_kwargs
 
 CHECKPOINTS_DIR = "checkpoints"
 MODELS_DIR = "models"
@@ -301,37 +302,13 @@ def load_checkpoint(study_dir: str | Path, run_id: str) -> dict[str, Any] | None
 def model_identity(spec: Any, data: Any) -> dict[str, Any]:
     """How ``tune.data.build_model`` built the study's model: a built-in with its resolved
     keyword arguments (``load_model`` rebuilds it), or the user's builder (pass ``model=``)."""
-    import inspect
-
-    opts: dict[str, Any] = dict(spec.options)
+    dims = (math.prod(data.input_shape), data.num_classes)
     if getattr(spec, "name", None) is not None:
-        params = inspect.signature(models.MODELS[spec.name]).parameters
-        if "input_dim" in params and "input_dim" not in opts:
-            opts["input_dim"] = math.prod(data.input_shape)
-        if "classes" in params and "classes" not in opts and data.num_classes is not None:
-            opts["classes"] = int(data.num_classes)
-        return {"name": spec.name, "kwargs": opts}
+        return {"name": spec.name, "kwargs": factory_kwargs(models.MODELS[spec.name], *dims, spec.options)}
     if getattr(spec, "factory", None) is not None:
-        return factory_identity(spec.factory, math.prod(data.input_shape), data.num_classes, opts)
-    return {**spec.describe(), "options": opts}
-
-
-def factory_identity(
-    path: str, input_dim: int | None, classes: int | None, options: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """``{"factory": "pkg.module:fn", "kwargs": ...}`` with ``input_dim``/``classes`` filled in as
-    ``dptune.own.build_model`` fills them (when the factory takes them): ``load_model`` calls it."""
-    import inspect
-
-    kwargs = dict(options or {})
-    try:
-        params = inspect.signature(import_factory(path, "model factory")).parameters
-    except (TypeError, ValueError):
-        params = {}  # type: ignore[assignment]
-    for k, v in (("input_dim", input_dim), ("classes", classes)):
-        if k in params and k not in kwargs and v is not None:
-            kwargs[k] = int(v)
-    return {"factory": path, "kwargs": kwargs}
+        fn = import_factory(spec.factory, "model factory")
+        return {"factory": spec.factory, "kwargs": factory_kwargs(fn, *dims, spec.options)}
+    return {**spec.describe(), "options": dict(spec.options)}
 
 
 # ----------------------------------------------------------------------------- loading

@@ -12,17 +12,18 @@ per-example gradients, which batch statistics would make undefined).
 | mlp                 | benchmarks                  | 784-128-128-10: 118,282        |
 
 ``kwargs_for(name, ds)`` fills ``input_dim`` / ``classes`` from a ``dptune.data.Dataset``;
-``for_dataset(ds)`` builds the default model of a dataset (``DEFAULT_MODELS``).
+``for_dataset(ds)`` builds the default model of a dataset (``DEFAULT_MODELS``);
+``for_training`` loads the data and builds the model ``dptune train``'s options name, checked to fit.
 See ``docs/data_and_models.md`` for the choices the papers leave open.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 from torch import nn
 
 from dptune import inputs
@@ -217,18 +218,13 @@ def kwargs_for(name: str, ds: Any) -> dict[str, Any]:
     Only the arguments the constructor takes are filled: e.g. ``galli_cnn`` gets none,
     ``two_layer_nn`` gets ``input_dim = prod(ds.input_shape)`` and ``classes = ds.num_classes``.
     """
-    try:
-        params = inspect.signature(MODELS[name]).parameters
-    except KeyError:
+    from dptune.own import factory_kwargs
+
+    if name not in MODELS:
         raise ConfigError(
             f"unknown model {name!r}. Fix: choose one of {', '.join(sorted(MODELS))}, or your own pkg.module:factory."
-        ) from None
-    out: dict[str, Any] = {}
-    if "input_dim" in params:
-        out["input_dim"] = math.prod(tuple(ds.input_shape))
-    if "classes" in params and getattr(ds, "num_classes", None) is not None:
-        out["classes"] = int(ds.num_classes)
-    return out
+        )
+    return factory_kwargs(MODELS[name], math.prod(tuple(ds.input_shape)), getattr(ds, "num_classes", None))
 
 
 def default_model_name(ds: Any) -> str:
@@ -253,6 +249,49 @@ def for_dataset(ds: Any, **overrides: Any) -> nn.Module:
     return build(name, **{**kwargs_for(name, ds), **overrides})
 
 
+class TrainInputs(NamedTuple):
+    """What ``dptune train`` trains: its data, its model and how ``load_model`` rebuilds the model."""
+
+    train: Any
+    test: Any
+    model: nn.Module
+    identity: dict[str, Any]  # {"name" or "factory": ..., "kwargs": ...}
+
+
+def for_training(data: str | None, dataset: str, model: str, data_dir: str | None, seed: int) -> TrainInputs:
+    """The data (a built-in ``dataset``, or your ``data`` loader ``pkg.module:fn``) and the model
+    (a built-in by name, ``auto`` for the dataset's default, or your ``pkg.module:factory``, given
+    the data's input_dim/classes when it takes them) of ``dptune train``'s options, built at ``seed``
+    and checked to fit. Your code is imported first: a wrong path is one clear error before any
+    data is read."""
+    from dptune import data as dpdata
+    from dptune import factories, own
+
+    yours = factories.is_factory_path(model)
+    if yours:
+        factories.import_factory(model, "--model")
+    if data is not None:
+        factories.import_factory(data, "--data")
+        if not yours:
+            raise ConfigError("--data needs your own model too: --model pkg.module:factory.")
+        train_part, test_part = own.load_data(data)
+        dims = own.data_shape(train_part)
+    else:
+        ds = dpdata.load(dataset, data_dir=data_dir, seed=seed)
+        train_part, test_part = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test)
+        dims = (math.prod(ds.input_shape), ds.num_classes)
+    torch.manual_seed(seed)
+    if yours:  # with the arguments the factory was given, for load_model
+        kwargs = own.factory_kwargs(factories.import_factory(model, "model factory"), *dims)
+        net, ident = own.build_model(model, *dims), {"factory": model}
+    else:
+        name = default_model_name(ds) if model == "auto" else model
+        kwargs, ident = kwargs_for(name, ds), {"name": name}
+        net = build(name, **kwargs)
+    check_fits_data(net, train_part, model, data or dataset, data is None)
+    return TrainInputs(train_part, test_part, net, {**ident, "kwargs": kwargs})
+
+
 def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
     """One forward pass on one training example before training (nothing is released): a model
     that cannot take the data's inputs, or gives fewer logits than there are classes, is one
@@ -260,8 +299,6 @@ def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
 
     ``x``: the training inputs (a tensor, or a tuple/dict of tensors); ``y``: the targets. The
     global RNG and the model's train/eval mode are left as they were (same run, same seed)."""
-    import torch
-
     x1 = inputs.rows(x, 0, 1)
     shape = tuple(x1.shape[1:]) if isinstance(x1, torch.Tensor) else "several inputs"
     was_training = model.training

@@ -235,20 +235,29 @@ def as_pair(part: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return materialize(part)
 
 
-def build_model(path: str, input_dim: int | None, classes: int | None, **options: Any) -> torch.nn.Module:
-    """``factory(**options)``, given ``input_dim``/``classes`` when it takes them and they are known."""
+def factory_kwargs(
+    fn: Callable[..., Any], input_dim: int | None, classes: int | None, options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """``options`` with ``input_dim``/``classes`` added where the model constructor ``fn`` takes them
+    and they are known: how a model is built for its data, and how ``load_model`` rebuilds it."""
     import inspect
 
-    fn = import_factory(path, "model factory")
+    kwargs = dict(options or {})
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        params = {}
+        params = {}  # type: ignore[assignment]
     for k, v in (("input_dim", input_dim), ("classes", classes)):
-        if k in params and k not in options and v is not None:
-            options[k] = v
+        if k in params and k not in kwargs and v is not None:
+            kwargs[k] = int(v)
+    return kwargs
+
+
+def build_model(path: str, input_dim: int | None, classes: int | None, **options: Any) -> torch.nn.Module:
+    """``factory(**options)``, given ``input_dim``/``classes`` when it takes them and they are known."""
+    fn = import_factory(path, "model factory")
     try:
-        net = fn(**options)
+        net = fn(**factory_kwargs(fn, input_dim, classes, options))
     except TypeError as exc:
         raise ConfigError(f"model factory {path!r} failed ({exc}). Fix: give it defaults or options.") from None
     if not isinstance(net, torch.nn.Module):

@@ -14,22 +14,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dptune.outputs import hides_run_count, public_run_name, split_arm_notes
+from dptune.outputs import public_run_name, split_arm_notes
 from dptune.report import LinearScalingFit, RunHistory, build_report
 from dptune.report.html import FigureRef, Section
 from dptune.report.study import (
-    arm_costs,
-    budget_entries,
-    conclusions,
-    display_table,
     every_configuration,
     every_run_section,
-    grid_heatmaps,
-    heatmap_section,
-    oso_joint_noise,
     randomness_note,
     read_study,
-    study_ledger_rows,
+    study_heatmaps,
+    study_inputs,
     write_runs_csv,
 )
 
@@ -95,60 +89,29 @@ def study_report(
     diagnostics folder beside it for a stored study; return the HTML path."""
     d = Path(study_dir)
     out = Path(out_dir) if out_dir is not None else d
-    cfg, plan, rows, entries, table, per_run, arm_of = read_study(d)
-    runs = {r["run_id"]: r for r in rows}
-    label_of = {a.arm: a.label for a in plan.arms}
-    sel = cfg.get("selection", {})
-
-    def _name(a: Any) -> str:
-        return f"{label_of.get(a.arm, a.arm)} @ {a.arm.split('@')[-1]}"
-
+    s = read_study(d)
+    cfg, plan, table, arm_of = s.cfg, s.plan, s.table, s.arm_of
+    runs = {r["run_id"]: r for r in s.runs}
     # Notes of LT/RS arms state K (runs drawn): diagnostics; the release says K is secret.
-    arm_notes, secret_notes = split_arm_notes(plan.arms, _name)
+    arm_notes, secret_notes = split_arm_notes(plan.arms, lambda a: f"{a.label} @ {a.arm.split('@')[-1]}")
     accountants = sorted({a.accountant for a in plan.arms if a.accountant != "none"})
-    hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
-    heatmaps = (
-        grid_heatmaps(list(runs.values()), arm_of, out, plan.metric, plan.higher_is_better)
-        if include_diagnostics
-        else []
-    )
-    if heatmaps:
-        extra_sections = [*extra_sections, heatmap_section(heatmaps)]
+    heatmaps = study_heatmaps(s, out) if include_diagnostics else []
     # Every run and every configuration: diagnostics, as in ``dptune report`` (report_study).
-    runs_section = every_run_section(table, write_runs_csv(out, list(runs.values()), arm_of))
-    # The selection score, as in this page's results table.
-    every = every_configuration(
-        list(runs.values()),
-        arm_of,
-        {rid for r in table for rid in r["selected_runs"]},
-        use_test=False,
-        name=lambda a: a.label,
-    )
-    return build_report(
-        out,
+    runs_section = every_run_section(table, write_runs_csv(out, s.runs, arm_of))
+    inputs = study_inputs(
+        s,
         _results(table, runs),
-        _histories(table, runs, arm_of),
-        study_ledger_rows(plan, entries, per_run),
-        selection_mode=sel.get("mode", "public"),
-        selection_split=sel.get("split"),
-        planned=None,
-        spent=None,
-        metric=plan.metric,
-        higher_is_better=plan.higher_is_better,
+        histories=_histories(table, runs, arm_of),
         title=title or cfg.get("study", {}).get("name", "study"),
         subtitle=subtitle,
         accountant=", ".join(accountants) or None,
-        budgets=budget_entries(table),
         notes=[*notes, *dict.fromkeys(arm_notes), randomness_note(cfg)],
-        pareto=oso_joint_noise(plan) or None,
         linear_scaling=_linear_fit(table),
-        conclusions=conclusions(
-            display_table(table, plan.metric), arm_costs(plan), plan.higher_is_better, plan.metric, hidden_k
-        ),
         extra_figures=extra_figures,
-        extra_sections=extra_sections,
+        extra_sections=[*extra_sections, *heatmaps],
         diagnostic_notes=list(dict.fromkeys(secret_notes)),
-        include_diagnostics=include_diagnostics,
         diagnostic_sections=[runs_section],
-        all_results=every,
+        # the selection score, as in this page's results table
+        all_results=every_configuration(s.runs, arm_of, s.chosen, use_test=False, name=lambda a: a.label),
     )
+    return build_report(out, inputs, include_diagnostics=include_diagnostics)

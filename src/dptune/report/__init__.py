@@ -2,12 +2,12 @@
 
 The page builder takes plain data (lists of small dataclasses or dicts) and writes files; it
 never needs the tuner. ``report_study(study_dir)`` reports a study stored by ``dptune.tune``;
-``build_report`` builds the page from your own rows; ``figures`` has one function per figure
-(docs/reports.md).
+``build_report`` builds the page from your own rows (one ``ReportInputs``); ``figures`` has one
+function per figure (docs/reports.md).
 """
 
 from dptune.report import figures
-from dptune.report.build import build_report, ledger_rows_from_ledger
+from dptune.report.build import ReportInputs, build_report, ledger_rows_from_ledger
 from dptune.report.data import (
     LedgerRow,
     LinearScalingFit,
@@ -25,6 +25,7 @@ from dptune.report.tables import render_terminal_table
 
 __all__ = [
     "build_report",
+    "ReportInputs",
     "report_study",
     "ledger_rows_from_ledger",
     "figures",

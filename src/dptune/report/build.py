@@ -1,9 +1,10 @@
-"""``build_report``: plain study data in, figures + CSVs + one self-contained HTML page out."""
+"""``build_report``: plain study data in (one ``ReportInputs``), figures + CSVs + one
+self-contained HTML page out."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -45,14 +46,74 @@ from dptune.report.tables import (
 )
 
 
+@dataclass(frozen=True)
+class ReportInputs:
+    """What ``build_report`` shows (docs/reports.md), checked when made: a malformed field is one
+    ConfigError naming the fix before anything is written. Dicts are accepted for the rows
+    (``RunHistory``, ``LedgerRow``, ``LtMaRow``) and (path, caption) pairs for ``extra_figures``.
+
+    Release (covered by the guarantee): the best (or selected) configuration per strategy and ε
+    (``results``: per-seed trial rows, aggregated, or summary rows with ``mean``), the C_t/ρ_t of
+    the ``selected`` histories, the budget (``planned``, ``spent``, ``budgets``), the plan-derived
+    figures (``pareto``, ``lt_ma``, ``linear_scaling``) and ``conclusions`` (first), ``notes``,
+    ``extra_figures``, ``extra_sections``. Diagnostics: every configuration (``all_results``,
+    default all of ``results``), every history with every column, the per-run ``ledger``, the
+    non-private baseline (ε = ∞), ``cosine``, ``diagnostic_notes``, ``diagnostic_sections`` and the
+    extra sections marked ``diagnostic``."""
+
+    results: Sequence[Any]
+    selection_mode: str  # public | private: where the validation data that picked the hyperparameters came from
+    planned: tuple[float, float] | None  # the whole study's (ε, δ); None: per procedure in ``budgets``
+    spent: tuple[float, float] | None
+    histories: Sequence[Any] = ()
+    ledger: Sequence[Any] = ()
+    metric: str = "accuracy"
+    higher_is_better: bool | None = None  # None: the metric's own direction
+    title: str = "dptune study report"
+    subtitle: str = ""
+    accountant: str | None = None
+    selection_split: str | None = None
+    budgets: Sequence[Mapping[str, Any]] = ()  # label, planned=(ε, δ), spent=(ε, δ), note: one per procedure
+    conclusions: Sequence[str] = ()
+    notes: Sequence[str] = ()
+    pareto: Mapping[float, float] | Sequence[tuple[float, float]] | None = None  # ε → OSO's joint ν
+    relative_increase: float = 0.01
+    lt_ma: Sequence[Any] | None = None
+    linear_scaling: LinearScalingFit | Mapping[str, Any] | None = None
+    cosine: CosineResult | None = None
+    extra_figures: Sequence[FigureRef | tuple[str | Path, str]] = ()
+    extra_sections: Sequence[Section] = ()
+    diagnostic_notes: Sequence[str] = ()
+    diagnostic_sections: Sequence[Section] = ()
+    all_results: Sequence[Any] | None = None
+
+    def __post_init__(self) -> None:
+        check_selection_mode(self.selection_mode)
+        resolve_direction(self.metric, self.higher_is_better)  # an unknown metric needs the direction
+        checked = {
+            "planned": check_budget("planned", self.planned),
+            "spent": check_budget("spent", self.spent),
+            "results": tuple(self.results),
+            "histories": tuple(coerce_histories(self.histories)),
+            "ledger": tuple(coerce_ledger_rows(self.ledger)),
+            "lt_ma": None if self.lt_ma is None else tuple(coerce_lt_ma(self.lt_ma)),
+            "all_results": None if self.all_results is None else tuple(self.all_results),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def higher(self) -> bool:
+        return resolve_direction(self.metric, self.higher_is_better)
+
+
 @dataclass
 class _Pages:
     """The two pages ``build_report`` fills: the release (``out``) and the diagnostics (``diag``)."""
 
+    r: ReportInputs
     out: Path
     diag: Path
-    metric: str
-    higher: bool
     include_diagnostics: bool
     sections: list[Section] = field(default_factory=list)
     dsections: list[Section] = field(default_factory=list)  # not DP: only on diagnostics/report.html
@@ -62,113 +123,71 @@ def _diagnostic(title: str, paragraph: str, **parts: Any) -> Section:
     return Section(title, diagnostic=True, paragraphs=[paragraph], **parts)
 
 
-def build_report(
-    out_dir: str | Path,
-    results_rows: Iterable[Any],
-    histories: Iterable[Any] = (),
-    ledger_rows: Iterable[Any] = (),
-    *,
-    selection_mode: str,
-    planned: tuple[float, float] | None,
-    spent: tuple[float, float] | None,
-    metric: str = "accuracy",
-    higher_is_better: bool | None = None,
-    title: str = "dptune study report",
-    subtitle: str = "",
-    accountant: str | None = None,
-    selection_split: str | None = None,
-    budgets: Sequence[Mapping[str, Any]] = (),
-    notes: Sequence[str] = (),
-    conclusions: Sequence[str] = (),
-    pareto: Mapping[float, float] | Sequence[tuple[float, float]] | None = None,
-    relative_increase: float = 0.01,
-    lt_ma: Sequence[Any] | None = None,
-    linear_scaling: LinearScalingFit | Mapping[str, Any] | None = None,
-    cosine: CosineResult | None = None,
-    extra_figures: Sequence[FigureRef | tuple[str | Path, str]] = (),
-    extra_sections: Sequence[Section] = (),
-    diagnostic_notes: Sequence[str] = (),
-    diagnostic_sections: Sequence[Section] = (),
-    include_diagnostics: bool = False,
-    all_results: Iterable[Any] | None = None,
-) -> Path:
-    """Write the publishable report into ``out_dir/release/`` and the diagnostics into
-    ``out_dir/diagnostics/``; return the path of ``release/report.html`` (docs/reports.md).
-
-    ``release/`` holds only what the guarantee covers: the best (or selected) configuration per
-    strategy and ε (``results_rows``: per-seed trial rows, aggregated here, or summary rows with
-    ``mean``), the C_t/ρ_t of the ``selected`` histories, the budget (``planned``, ``spent``,
-    ``budgets``), the plan-derived figures and the caller's ``conclusions`` (first), ``notes``,
-    ``extra_figures`` and ``extra_sections``. ``diagnostics/`` (labelled "not differentially
-    private: for the data owner only") holds every configuration (``all_results``, default all of
-    ``results_rows``), every history with every column, the per-run ledger, the non-private
-    baseline (ε = ∞), the ``cosine`` diagnostic, ``diagnostic_notes`` and ``diagnostic_sections``;
-    ``include_diagnostics=True`` also writes them as the page ``diagnostics/report.html``.
-    """
-    check_selection_mode(selection_mode)  # before anything is written
-    planned_b, spent_b = check_budget("planned", planned), check_budget("spent", spent)
-    higher = resolve_direction(metric, higher_is_better)
+def build_report(out_dir: str | Path, inputs: ReportInputs, *, include_diagnostics: bool = False) -> Path:
+    """Write the publishable report of ``inputs`` into ``out_dir/release/`` and the diagnostics
+    into ``out_dir/diagnostics/`` (``ReportInputs`` says what goes where); return the path of
+    ``release/report.html`` (docs/reports.md). ``include_diagnostics=True`` also writes the
+    diagnostics as the page ``diagnostics/report.html``, under a red banner."""
+    r = inputs
     # release_dir: everything written there is publishable
-    p = _Pages(release_dir(out_dir), diagnostics_dir(out_dir), metric, higher, include_diagnostics)
-    if conclusions:  # first: what the results say, computed from them (covered by the guarantee)
-        p.sections.append(Section("Conclusions", paragraphs=list(conclusions)))
-    if notes:
-        p.sections.append(Section("Notes", paragraphs=list(notes)))
-    if diagnostic_notes:
-        p.dsections.append(Section("Notes (diagnostics)", paragraphs=list(diagnostic_notes), diagnostic=True))
-    best, baseline = _results(p, results_rows, all_results)
-    _trajectories(p, coerce_histories(histories), best, baseline)
-    _budget_and_ledger(p, planned_b, spent_b, accountant, budgets, coerce_ledger_rows(ledger_rows))
-    if cosine is not None:
-        _cosine(p, cosine)
-    if pareto is not None:
-        p.sections.append(_pareto_section(p, pareto, relative_increase))
-    if lt_ma is not None:
-        p.sections.append(_lt_ma_section(p, coerce_lt_ma(lt_ma)))
-    if linear_scaling is not None:
-        p.sections.append(_linear_scaling_section(p, linear_scaling))
-    if extra_figures:
-        figs = [f if isinstance(f, FigureRef) else FigureRef(Path(f[0]), str(f[1])) for f in extra_figures]
+    p = _Pages(r, release_dir(out_dir), diagnostics_dir(out_dir), include_diagnostics)
+    if r.conclusions:  # first: what the results say, computed from them (covered by the guarantee)
+        p.sections.append(Section("Conclusions", paragraphs=list(r.conclusions)))
+    if r.notes:
+        p.sections.append(Section("Notes", paragraphs=list(r.notes)))
+    if r.diagnostic_notes:
+        p.dsections.append(Section("Notes (diagnostics)", paragraphs=list(r.diagnostic_notes), diagnostic=True))
+    best, baseline = _results(p)
+    _trajectories(p, best, baseline)
+    _budget_and_ledger(p)
+    if r.cosine is not None:
+        _cosine(p, r.cosine)
+    if r.pareto is not None:
+        p.sections.append(_pareto_section(p, r.pareto))
+    if r.lt_ma is not None:
+        p.sections.append(_lt_ma_section(p, list(r.lt_ma)))
+    if r.linear_scaling is not None:
+        p.sections.append(_linear_scaling_section(p, r.linear_scaling))
+    if r.extra_figures:
+        figs = [f if isinstance(f, FigureRef) else FigureRef(Path(f[0]), str(f[1])) for f in r.extra_figures]
         p.sections.append(Section("Additional figures", figures=figs))
-    for s in extra_sections:
+    for s in r.extra_sections:
         (p.dsections if s.diagnostic else p.sections).append(s)
-    p.dsections.extend(replace(s, diagnostic=True) for s in diagnostic_sections)
-    head: dict[str, Any] = dict(selection_mode=selection_mode, planned=planned_b, spent=spent_b, budgets=budgets)
-    head.update(accountant=accountant, selection_split=selection_split)
-    page = write_report(p.out, title, p.sections, subtitle=subtitle, **head)
+    p.dsections.extend(replace(s, diagnostic=True) for s in r.diagnostic_sections)
+    head: dict[str, Any] = dict(selection_mode=r.selection_mode, planned=r.planned, spent=r.spent, budgets=r.budgets)
+    head.update(accountant=r.accountant, selection_split=r.selection_split)
+    page = write_report(p.out, r.title, p.sections, subtitle=r.subtitle, **head)
     if include_diagnostics:
-        sub = NOT_DP_LABEL + (f" · {subtitle}" if subtitle else "")
-        write_report(
-            p.diag, f"{title}: diagnostics", [*p.sections, *p.dsections], diagnostics=True, subtitle=sub, **head
-        )
+        sub = NOT_DP_LABEL + (f" · {r.subtitle}" if r.subtitle else "")
+        title = f"{r.title}: diagnostics"
+        write_report(p.diag, title, [*p.sections, *p.dsections], diagnostics=True, subtitle=sub, **head)
     return page
 
 
-def _results(
-    p: _Pages, results_rows: Iterable[Any], all_results: Iterable[Any] | None
-) -> tuple[list[SummaryRow], list[SummaryRow]]:
+def _results(p: _Pages) -> tuple[list[SummaryRow], list[SummaryRow]]:
     """The results section; returns (the private best rows, the non-private baseline rows).
 
     Per-seed trial rows are aggregated; summary rows (e.g. the tuner's own selection table,
     hyperparameters as text) are shown as given."""
-    summary = as_summary_rows(results_rows, higher=p.higher, best_only=False)
-    ranked = best_per_strategy(summary, p.higher)
+    higher, all_results = p.r.higher, p.r.all_results
+    summary = as_summary_rows(p.r.results, higher=higher, best_only=False)
+    ranked = best_per_strategy(summary, higher)
     # Non-private rows (ε = ∞, the nodp baseline): exact functions of the private data, covered by
     # no guarantee; never in release/ (table, CSV, figure), only in the diagnostics.
     baseline = [r for r in ranked if not math.isfinite(r.epsilon)]
     best = [r for r in ranked if math.isfinite(r.epsilon)]
     # Every configuration (the losing candidates too) is a diagnostic: Liu–Talwar and
     # repeat-and-select cover only the selected one.
-    every = summary if all_results is None else as_summary_rows(all_results, higher=p.higher, best_only=False)
+    every = summary if all_results is None else as_summary_rows(all_results, higher=higher, best_only=False)
     all_csv = write_labelled_csv(p.diag / "results_all.csv", summary_csv_rows(every))
     best_csv = write_csv_rows(p.out / "results_best.csv", summary_csv_rows(best))
     if p.include_diagnostics and every:
-        table = results_table(every, p.metric, p.higher, "All configurations (diagnostics).")
+        table = results_table(every, p.r.metric, higher, "All configurations (diagnostics).")
         text = "Every candidate of the search with its metric, selected or not."
         p.dsections.append(_diagnostic("Every configuration tried", text, tables=[table], attachments=[all_csv]))
     if baseline:
         base_csv = write_labelled_csv(p.diag / "results_nonprivate.csv", summary_csv_rows(baseline))
-        table = results_table(baseline, p.metric, p.higher, "Non-private baseline (diagnostics).")
+        table = results_table(baseline, p.r.metric, higher, "Non-private baseline (diagnostics).")
         text = (
             "Trained without noise (ε = ∞): its scores are exact functions of the private data, "
             f"covered by no guarantee ({NOT_DP_LABEL}). The release shows the private arms only."
@@ -177,8 +196,8 @@ def _results(
     if not best:
         p.sections.append(Section("Results", paragraphs=["No results were recorded."]))
         return best, baseline
-    metric, direction = p.metric, "higher" if p.higher else "lower"
-    fig = F.metric_vs_epsilon(best, p.out / "figures" / "metric_vs_epsilon.png", metric=metric, higher=p.higher)
+    metric, direction = p.r.metric, "higher" if higher else "lower"
+    fig = F.metric_vs_epsilon(best, p.out / "figures" / "metric_vs_epsilon.png", metric=metric, higher=higher)
     if all(r.selected for r in best):
         text = f"Each point is the {metric} of the configuration the tuner selected for a strategy at that ε "
     else:
@@ -195,17 +214,18 @@ def _results(
             "Results",
             paragraphs=[text + f"({direction} is better), averaged over seeds; bars are ± one standard deviation."],
             figures=[FigureRef(fig, f"{metric} vs ε per strategy, mean ± std over seeds ({direction} is better).")],
-            tables=[results_table(best, metric, p.higher, caption)],
+            tables=[results_table(best, metric, higher, caption)],
             attachments=[best_csv],
         )
     )
     return best, baseline
 
 
-def _trajectories(p: _Pages, hs: list[RunHistory], best: list[SummaryRow], baseline: list[SummaryRow]) -> None:
+def _trajectories(p: _Pages, best: list[SummaryRow], baseline: list[SummaryRow]) -> None:
     """The selected runs' C_t and ρ_t are post-processing of their noisy releases (release);
     train_loss and batch_size are computed in the clear, and losing candidates are not covered
     by LT/RS (diagnostics)."""
+    hs: list[RunHistory] = list(p.r.histories)
     if not hs:
         return
     full_rows = [{"selected": h.selected, **row} for h in hs for row in history_csv_rows([h])]
@@ -240,17 +260,11 @@ def _trajectories(p: _Pages, hs: list[RunHistory], best: list[SummaryRow], basel
         p.dsections.append(_diagnostic("Every run's history", text, figures=[figure], attachments=[diag_traj]))
 
 
-def _budget_and_ledger(
-    p: _Pages,
-    planned: tuple[float, float] | None,
-    spent: tuple[float, float] | None,
-    accountant: str | None,
-    budgets: Sequence[Mapping[str, Any]],
-    lrows: list[LedgerRow],
-) -> None:
+def _budget_and_ledger(p: _Pages) -> None:
     """The ledger's totals are the budget (release); its rows per run are diagnostics: they list
     the losing candidates and, for LT/RS, the number of runs drawn."""
-    budget_rows = _budget_rows(planned, spent, accountant, budgets)
+    lrows: list[LedgerRow] = list(p.r.ledger)
+    budget_rows = _budget_rows(p.r)
     if budget_rows:
         text = (
             "The (ε, δ) each tuning procedure planned and spent (search and selection included), "
@@ -264,7 +278,7 @@ def _budget_and_ledger(
         return
     led_csv = write_labelled_csv(p.diag / "ledger.csv", ledger_csv_rows(lrows))
     if p.include_diagnostics:
-        lines = planned[0] if planned else _planned_lines(budgets)
+        lines = p.r.planned[0] if p.r.planned else _planned_lines(p.r.budgets)
         fig = F.ledger(lrows, p.diag / "figures" / "ledger.png", planned_epsilon=lines)
         text = (
             f"{len({r.run for r in lrows})} runs, {sum(int(r.releases) for r in lrows)} noisy "
@@ -296,9 +310,8 @@ def _cosine(p: _Pages, cosine: CosineResult) -> None:
     p.dsections.append(_diagnostic(title, text, figures=[FigureRef(fig, caption)], attachments=[cos_csv]))
 
 
-def _pareto_section(
-    p: _Pages, pareto: Mapping[float, float] | Sequence[tuple[float, float]], relative_increase: float
-) -> Section:
+def _pareto_section(p: _Pages, pareto: Mapping[float, float] | Sequence[tuple[float, float]]) -> Section:
+    relative_increase = p.r.relative_increase
     fig = F.noise_pareto(pareto, p.out / "figures" / "noise_pareto.png", relative_increase=relative_increase)
     choice_rows = []
     for e, nu in F.noise_pairs(pareto):
@@ -349,16 +362,11 @@ def _planned_lines(budgets: Sequence[Mapping[str, Any]]) -> list[tuple[float, st
     return sorted((max(v), f"planned, {len(v)} procedure{'s' if len(v) > 1 else ''}") for v in by_eps.values())
 
 
-def _budget_rows(
-    planned: tuple[float, float] | None,
-    spent: tuple[float, float] | None,
-    accountant: str | None,
-    budgets: Sequence[Mapping[str, Any]],
-) -> list[dict[str, Any]]:
+def _budget_rows(r: ReportInputs) -> list[dict[str, Any]]:
     """The guarantee and the ledger's totals: one row for the study and/or one per procedure."""
-    procedures = [(b.get("label", ""), b.get("planned"), b.get("spent"), b.get("note", "")) for b in budgets]
-    if planned is not None or spent is not None:
-        procedures.insert(0, ("whole study", planned, spent, "study"))
+    procedures = [(b.get("label", ""), b.get("planned"), b.get("spent"), b.get("note", "")) for b in r.budgets]
+    if r.planned is not None or r.spent is not None:
+        procedures.insert(0, ("whole study", r.planned, r.spent, "study"))
     return [
         {
             "procedure": name,
@@ -366,7 +374,7 @@ def _budget_rows(
             "planned_delta": pl[1] if pl else None,
             "spent_epsilon": sp[0] if sp else None,
             "spent_delta": sp[1] if sp else None,
-            "accountant": accountant,
+            "accountant": r.accountant,
             "scope": scope,
         }
         for name, pl, sp, scope in procedures

@@ -2,8 +2,9 @@
 
 A thin adapter: it reads the study directory (``study.sqlite``) through the tuner's own
 readers (``load_study``, ``study_table``, ``budget_rows``) and hands plain rows to
-``build_report``. The tuner is the authority on what was selected and what was spent;
-the report never re-selects.
+``build_report`` (one ``ReportInputs``; ``study_inputs`` fills what every report of a study
+shares). The tuner is the authority on what was selected and what was spent; the report never
+re-selects.
 
 Release vs diagnostics (``dptune.outputs``): ``<out>/release/`` shows the selected
 configurations, their metrics, the budgets, the selected runs' C_t/ρ_t (named by procedure
@@ -34,7 +35,7 @@ from dptune.outputs import (
     write_labelled_csv,
 )
 from dptune.report import figures as F
-from dptune.report.build import build_report, nu_q
+from dptune.report.build import ReportInputs, build_report, nu_q
 from dptune.report.data import LedgerRow, LinearScalingFit, RunHistory, SummaryRow
 from dptune.report.html import FigureRef, Section, Table
 from dptune.report.tables import fmt_mean_std
@@ -58,12 +59,47 @@ class StudyRows(NamedTuple):
     per_run: list[dict[str, Any]]  # budget_rows
     arm_of: dict[str, Any]  # arm id → ArmPlan
 
+    @property
+    def hides_k(self) -> bool:
+        """Does an arm's guarantee need the number of runs K kept secret (Liu–Talwar, repeat-and-select)?"""
+        return any(hides_run_count(a.guarantee.get("kind")) for a in self.plan.arms)
+
+    @property
+    def chosen(self) -> set[str]:
+        """The selected runs of every arm, the non-private baseline's too (diagnostics)."""
+        return {rid for r in self.table for rid in r["selected_runs"]}
+
 
 def read_study(study_dir: Path) -> StudyRows:
     """Read ``study_dir``; raises ConfigError naming the fix if there is no study."""
     cfg, plan, runs, entries = load_study(study_dir)
     per_run, _ = budget_rows(study_dir)
     return StudyRows(cfg or {}, plan, runs, entries, study_table(study_dir), per_run, {a.arm: a for a in plan.arms})
+
+
+def study_inputs(s: StudyRows, results: Sequence[Any], **fields: Any) -> ReportInputs:
+    """What every report of a stored study shows alike, from the tuner's own records: its selection
+    mode and split, the per-run ledger, one budget per private tuning procedure (no study-wide
+    (ε, δ): each procedure has its own), the metric, the conclusions and OSO's noise split;
+    ``fields``: the rest of the ``ReportInputs``."""
+    sel, plan = s.cfg.get("selection", {}), s.plan
+    # selection scores clipped to the metric's range (noisy private scores can leave it; post-processing)
+    table = [{**r, "value_mean": clip_to_range(r.get("value_mean"), plan.metric)} for r in private_rows(s.table)]
+    said = conclusions(table, arm_costs(plan), plan.higher_is_better, plan.metric, s.hides_k)
+    return ReportInputs(
+        results,
+        selection_mode=sel.get("mode", "public"),
+        selection_split=sel.get("split"),
+        planned=None,
+        spent=None,
+        ledger=study_ledger_rows(plan, s.entries, s.per_run),
+        budgets=budget_entries(s.table),
+        metric=plan.metric,
+        higher_is_better=plan.higher_is_better,
+        conclusions=said,
+        pareto=oso_joint_noise(plan) or None,
+        **fields,
+    )
 
 
 def report_study(
@@ -83,47 +119,31 @@ def report_study(
     """
     study_dir = Path(study_dir)
     out = Path(out_dir) if out_dir is not None else study_dir
-    cfg, plan, runs, entries, table, per_run, arm_of = read_study(study_dir)
-    sel = cfg.get("selection", {})
+    s = read_study(study_dir)
+    cfg, plan, runs, table, arm_of = s.cfg, s.plan, s.runs, s.table, s.arm_of
     # The non-private baseline (nodp, ε = ∞) is in no release table, figure or sentence: its exact
     # scores go to the diagnostics (build_report's "Non-private baseline" section).
     released = private_rows(table)
     has_test = any(r["test_mean"] is not None for r in table)  # else the selection score is shown
-    hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
-    chosen = {rid for r in table for rid in r["selected_runs"]}  # the nodp baseline's too (diagnostics)
     # The tuner's own table and every run: diagnostics (counts of runs reveal K under LT/RS).
     notes, secret_notes = split_arm_notes(plan.arms)
     dsections = [every_run_section(table, write_runs_csv(out, runs, arm_of), secret_notes)]
-    if include_diagnostics and (heatmaps := grid_heatmaps(runs, arm_of, out, plan.metric, plan.higher_is_better)):
-        dsections.append(heatmap_section(heatmaps))
-    said = conclusions(
-        display_table(released, plan.metric), arm_costs(plan), plan.higher_is_better, plan.metric, hidden_k
-    )
-    subtitle = f"{len(plan.arms)} tuning procedures, " + ("" if hidden_k else f"{len(runs)} runs, ")
-    return build_report(
-        out,
+    dsections += study_heatmaps(s, out) if include_diagnostics else []
+    subtitle = f"{len(plan.arms)} tuning procedures, " + ("" if s.hides_k else f"{len(runs)} runs, ")
+    inputs = study_inputs(
+        s,
         [_selected_row(r, has_test) for r in table],  # every arm: build_report keeps ε = ∞ in the diagnostics
-        _histories(runs, arm_of, chosen, {rid for r in released for rid in r["selected_runs"]}),
-        study_ledger_rows(plan, entries, per_run),
-        selection_mode=sel.get("mode", "public"),
-        selection_split=sel.get("split"),
-        planned=None,
-        spent=None,
-        budgets=budget_entries(released),
-        metric=plan.metric,
-        higher_is_better=plan.higher_is_better,
+        histories=_histories(runs, arm_of, s.chosen, {rid for r in released for rid in r["selected_runs"]}),
         title=title or f"Study report: {cfg.get('study', {}).get('name') or study_dir.name}",
         subtitle=f"{subtitle}n_train = {plan.n_train}",
-        notes=_progress(runs, hidden_k),
-        conclusions=said,
-        pareto=oso_joint_noise(plan) or None,
+        notes=_progress(runs, s.hides_k),
         lt_ma=_lt_ma_rows(plan),
         extra_figures=_linear_scaling_figures(plan, runs, out),
         extra_sections=[_selection_section(cfg, released, plan.metric, has_test, notes)],
         diagnostic_sections=dsections,
-        include_diagnostics=include_diagnostics,
-        all_results=every_configuration(runs, arm_of, chosen, has_test),
+        all_results=every_configuration(runs, arm_of, s.chosen, has_test),
     )
+    return build_report(out, inputs, include_diagnostics=include_diagnostics)
 
 
 def _selected_row(r: Mapping[str, Any], use_test: bool) -> SummaryRow:
@@ -248,12 +268,6 @@ def _reachable_note(fit: Mapping[str, Any]) -> str:
     if rf is None or rs is None or math.isclose(rf, rs, rel_tol=1e-9):
         return ""
     return f" — outside [η_min·T_f, η_max·T_f], so the final run used r = η_f·T_f = {rf:.4g}"
-
-
-def display_table(table: Sequence[Mapping[str, Any]], metric: str) -> list[dict[str, Any]]:
-    """The tuner's table with selection scores clipped to the metric's range, for display (noisy
-    private scores can leave it; post-processing)."""
-    return [{**r, "value_mean": clip_to_range(r.get("value_mean"), metric)} for r in table]
 
 
 def budget_entries(table: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -477,15 +491,18 @@ def arm_costs(plan: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def heatmap_section(figures: list[FigureRef]) -> Section:
-    """The diagnostics section holding ``grid_heatmaps``' figures."""
+def study_heatmaps(s: StudyRows, out: Path) -> list[Section]:
+    """The diagnostics section of ``grid_heatmaps``' figures, if the study has a two-axis grid."""
+    figures = grid_heatmaps(s.runs, s.arm_of, out, s.plan.metric, s.plan.higher_is_better)
+    if not figures:
+        return []
     text = (
         "The score of every configuration (mean over seed replicates), the best outlined: "
         "the shape of the search space (Mohapatra et al.'s lr × C inverse relation, Panda et "
         "al.'s η × T). It shows the losing candidates, which the guarantee of a private "
         "selection does not cover."
     )
-    return Section("Every configuration of each two-axis grid", diagnostic=True, figures=figures, paragraphs=[text])
+    return [Section("Every configuration of each two-axis grid", diagnostic=True, figures=figures, paragraphs=[text])]
 
 
 def grid_heatmaps(

@@ -22,8 +22,7 @@ from dptune.deliverable import save_checkpoint
 from dptune.devices import check_device_name, resolve_device
 from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
 from dptune.gradients.oracle import check_model
-from dptune.outputs import NOT_DP_LABEL, hides_run_count
-from dptune.paths import check_output_dir
+from dptune.outputs import NOT_DP_LABEL, check_output_dir, hides_run_count
 from dptune.release.ledger import Ledger
 from dptune.tune import results
 from dptune.tune.data import build_model, study_data
