@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from dptune.errors import ConfigError
+from dptune.gradients.stacked import stack_plan
 from dptune.train import train
-from dptune.vectorized import stack_plan, train_many
+from dptune.vectorized import train_many
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -2,7 +2,7 @@
 ``dptune.train`` would make with its own hyperparameters, seed, Poisson batches, noise stream,
 gateway and ledger (design: docs/performance.md, "Vectorised trials").
 
-Only the identical-shape work is batched: forward, backward to every Linear output, per-sample
+Only the identical-shape work is batched (``gradients.stacked``): forward, backward to every Linear output, per-sample
 ghost norms and evaluation (parameters stacked to [K, p, d], batches padded to the largest;
 padded rows carry zero loss weight, so zero output gradient). Everything with privacy meaning
 stays per trial: each trial is stepped by its own ``dptune.train.RunLoop`` (own sampler,
@@ -28,137 +28,14 @@ from torch import nn
 
 from dptune import inputs, metrics
 from dptune.errors import ConfigError
-from dptune.gradients.ghost import GhostGrads, LinearRule, rank_one_parts
-from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_loss, check_model, upper_norms
+from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_loss, check_model
+from dptune.gradients.stacked import PaddedBuffers, Stacked, StackOp, Unsupported, stack_plan
 from dptune.metrics import Metric
 from dptune.release.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.task import OwnTask, TaskTensors, resolve_task
 from dptune.train import EvalSchedule, RunLoop, RunPlan, TrainResult, checkpoint_rule, plan_run, train
 from dptune.tree import Tensors
-
-ELEMENTWISE: tuple[type[nn.Module], ...] = (
-    nn.ReLU,
-    nn.LeakyReLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.GELU,
-    nn.ELU,
-    nn.SiLU,
-    nn.Softplus,
-    nn.Identity,
-    nn.Hardtanh,
-    nn.ReLU6,
-    nn.Mish,
-    nn.CELU,
-    nn.SELU,
-    nn.Softsign,
-    nn.Tanhshrink,
-)
-
-
-class Unsupported(ConfigError):
-    """The model cannot be stacked; the message says why."""
-
-
-@dataclass(frozen=True)
-class _Op:
-    kind: str  # 'linear' | 'fn' | 'flatten'
-    module: nn.Module
-    prefix: str  # parameter-name prefix of a Linear ('' at top level)
-
-    def signature(self) -> tuple[Any, ...]:
-        """What the trials' models must share, op by op, to be stacked."""
-        m = self.module
-        if self.kind == "linear":
-            return ("linear", self.prefix, tuple(m.weight.shape), m.bias is not None)
-        return (self.kind, type(m).__name__, repr(m))
-
-
-def stack_plan(model: nn.Module) -> list[_Op]:
-    """The model as a flat list of stackable operations; raises ``Unsupported`` otherwise."""
-    ops: list[_Op] = []
-
-    def visit(mod: nn.Module, prefix: str) -> None:
-        if type(mod) is nn.Sequential:
-            for name, child in mod.named_children():
-                visit(child, f"{prefix}{name}.")
-            return
-        where = f"'{prefix[:-1] or type(mod).__name__}' ({type(mod).__name__})"
-        if isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward:
-            if not mod.weight.requires_grad or (mod.bias is not None and not mod.bias.requires_grad):
-                raise Unsupported(f"layer {where} has frozen parameters")
-            ops.append(_Op("linear", mod, prefix))
-        elif type(mod) in ELEMENTWISE:
-            if getattr(mod, "inplace", False):
-                raise Unsupported(f"layer {where} is in-place")
-            ops.append(_Op("fn", mod, prefix))
-        elif type(mod) is nn.Flatten:
-            if mod.start_dim != 1 or mod.end_dim != -1:
-                raise Unsupported(f"layer {where} flattens other dimensions than all but the batch")
-            ops.append(_Op("flatten", mod, prefix))
-        elif isinstance(mod, nn.Dropout) and (mod.p == 0 or not mod.training):
-            return
-        else:
-            raise Unsupported(
-                f"layer {where} cannot be stacked: vectorised trials support nn.Sequential models of "
-                "Linear layers, element-wise activations, Flatten and inactive Dropout"
-            )
-
-    visit(model, "")
-    if not any(op.kind == "linear" for op in ops):
-        raise Unsupported("the model has no Linear layer")
-    return ops
-
-
-class _Stacked:
-    """Forward/backward of K copies of one architecture with stacked parameters."""
-
-    def __init__(self, ops: list[_Op]):
-        self.ops = ops
-        self.linears = [op for op in ops if op.kind == "linear"]
-
-    def names(self, op: _Op) -> dict[str, str]:
-        names = {"weight": f"{op.prefix}weight"}
-        if op.module.bias is not None:
-            names["bias"] = f"{op.prefix}bias"
-        return names
-
-    def stack(self, params: Sequence[Tensors]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        out = []
-        for op in self.linears:
-            nm = self.names(op)
-            W = torch.stack([p[nm["weight"]] for p in params])
-            b = torch.stack([p[nm["bias"]] for p in params]) if "bias" in nm else None
-            out.append((W, b))
-        return out
-
-    def forward(
-        self, weights: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, record: bool
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """x: [K, B, *in] → out [K, B, *]; with ``record``, the (input, output) of each Linear."""
-        h = x
-        recs = []
-        li = 0
-        for op in self.ops:
-            if op.kind == "flatten":
-                h = h.reshape(h.shape[0], h.shape[1], -1)
-            elif op.kind == "fn":
-                h = op.module(h)
-            else:
-                W, b = weights[li]
-                li += 1
-                if h.dim() != 3:
-                    raise Unsupported("a Linear layer receives per-example inputs of more than one dimension")
-                z = (
-                    torch.baddbmm(b.unsqueeze(1), h, W.transpose(1, 2))
-                    if b is not None
-                    else torch.bmm(h, W.transpose(1, 2))
-                )
-                if record:
-                    recs.append((h, z))
-                h = z
-        return h, recs
 
 
 class _TrialOracle:
@@ -313,7 +190,7 @@ def train_many(
     common = dict(delta=delta, eval_data=eval_data, eval_every=eval_every, metric=metric, loss=loss, device=device)
     common.update(eval_public=eval_public, checkpoint=checkpoint)
     try:
-        stacked = _Stacked(_stack_ops(trials.strategies, trials.models))
+        stacked = Stacked(_stack_ops(trials.strategies, trials.models))
     except Unsupported as exc:
         if fallback == "error":
             raise
@@ -356,7 +233,7 @@ def _sequentially(reason: object, trials: _Settings, data: Any, **common: Any) -
 
 def _train_stacked(
     trials: _Settings,
-    stacked: _Stacked,
+    stacked: Stacked,
     task: TaskTensors,
     delta: float | None,
     eval_every: int,
@@ -406,7 +283,7 @@ def train_loops(loops: Sequence[RunLoop], task: OwnTask, block_size: int | None 
             raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
         if not isinstance(task.loss, str):
             raise Unsupported("a loss callable cannot be stacked")
-        stacked = _Stacked(_stack_ops([lp.strategy for lp in loops], [lp.model for lp in loops]))
+        stacked = Stacked(_stack_ops([lp.strategy for lp in loops], [lp.model for lp in loops]))
     except Unsupported as exc:
         _warn_sequential(exc)
         return [lp.drive(task, GradientOracle(lp.model, task.loss), None) for lp in loops]
@@ -416,7 +293,7 @@ def train_loops(loops: Sequence[RunLoop], task: OwnTask, block_size: int | None 
 
 def _lockstep(
     loops: list[RunLoop],
-    stacked: _Stacked,
+    stacked: Stacked,
     x: torch.Tensor,
     y: torch.Tensor,
     loss: str,
@@ -488,7 +365,7 @@ def _trial_strategies(
     return [strategy] * K if isinstance(strategy, Strategy) else list(strategy)
 
 
-def _stack_ops(strategies: list[Strategy], models: list[nn.Module]) -> list[_Op]:
+def _stack_ops(strategies: list[Strategy], models: list[nn.Module]) -> list[StackOp]:
     """The shared stack plan of the trials' models; ``Unsupported`` when they cannot be stacked."""
     for s in strategies:
         parts = s.parts() if hasattr(s, "parts") else ()
@@ -509,7 +386,7 @@ def _stack_ops(strategies: list[Strategy], models: list[nn.Module]) -> list[_Op]
 
 def _run_block(
     trials: list[_Trial],
-    stacked: _Stacked,
+    stacked: Stacked,
     lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     x: torch.Tensor,
     y: torch.Tensor,
@@ -517,7 +394,7 @@ def _run_block(
 ) -> None:
     """Step the trials in lockstep: one batched forward/backward per step, then each trial's
     ``RunLoop`` step; the evaluations due at a step run as one stacked forward (``scores``)."""
-    buffers = _Buffers()
+    buffers = PaddedBuffers()
     T = max(tr.loop.plan.steps for tr in trials)
     for t in range(1, T + 1):
         active = [tr for tr in trials if not tr.loop.diverged and t <= tr.loop.plan.steps]
@@ -544,83 +421,27 @@ def _run_block(
                 tr.loop.record(t, row, value)
 
 
-class _Buffers(dict[int, torch.Tensor]):
-    """Padded batch buffers per source tensor (by id), reused across steps (grown when needed)."""
-
-    def padded(self, src: torch.Tensor, K: int, B: int) -> torch.Tensor:
-        buf = self.get(id(src))
-        if buf is None or buf.shape[0] < K or buf.shape[1] < B:
-            cap_k = max(K, buf.shape[0] if buf is not None else 0)
-            cap_b = max(int(B * 1.1) + 1, buf.shape[1] if buf is not None else 0)
-            buf = self[id(src)] = src.new_zeros((cap_k, cap_b, *src.shape[1:]))
-        return buf[:K, :B]
-
-
 def _batched_grads(
     active: list[_Trial],
     idxs: list[torch.Tensor],
-    stacked: _Stacked,
+    stacked: Stacked,
     lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     x: torch.Tensor,
     y: torch.Tensor,
-    buffers: _Buffers,
+    buffers: PaddedBuffers,
 ) -> None:
     """One forward/backward for all active trials; hand each trial's oracle its view."""
-    K = len(active)
-    sizes = [int(i.numel()) for i in idxs]
-    B = max(sizes)
-    if B == 0:
+    if not any(int(i.numel()) for i in idxs):
         for tr in active:
             xi = x[:0]
             tr.oracle.serve(tr.loop.params, xi, tr.oracle.base(tr.loop.params, xi, y[:0]))
         return
-    # Gather each trial's batch straight into a padded [K, B, ...] buffer kept across steps
-    # (allocating and zeroing ~K·B·d floats per step cost more than the forward pass). Rows
-    # past a trial's batch hold stale real examples: finite, masked out of the loss, unread.
-    X, Y = buffers.padded(x, K, B), buffers.padded(y, K, B)
-    mask = torch.zeros(K, B, dtype=torch.bool, device=x.device)
-    xs = []
-    for k, i in enumerate(idxs):
-        torch.index_select(x, 0, i, out=X[k, : sizes[k]])
-        torch.index_select(y, 0, i, out=Y[k, : sizes[k]])
-        mask[k, : sizes[k]] = True
-        xs.append(X[k, : sizes[k]])
-    weights = stacked.stack([tr.loop.params for tr in active])
-    leaves = [(W.requires_grad_(True), b.requires_grad_(True) if b is not None else None) for W, b in weights]
-    out, recs = stacked.forward(leaves, X, record=True)
-    losses = lossfn(out.reshape(K * B, *out.shape[2:]), Y.reshape(K * B, *Y.shape[2:])).reshape(K, B)
-    losses = torch.where(mask, losses, torch.zeros_like(losses))
-    zs = [z for _, z in recs]
-    bs = torch.autograd.grad(losses.sum(), zs)
-    losses = losses.detach()
-    # Per-sample norms of all trials at once: Σ_layers ‖a‖²‖b‖² (+ ‖b‖² for the bias), as the
-    # upper bounds of the ghost path (ghost.rank_one_parts, grads.upper_norms).
-    parts: list[tuple[torch.Tensor, float]] = []
-    acts = []
-    for op, (h, _), b in zip(stacked.linears, recs, bs, strict=True):
-        a = h.detach()
-        acts.append(a)
-        parts += rank_one_parts(a, b, op.module.bias is not None)
-    norms = upper_norms(parts, losses, release_dtypes=[W.dtype for W, _ in weights])
-    for k, tr in enumerate(active):
-        Bk = sizes[k]
-        layers = [
-            LinearRule(stacked.names(op), a[k, :Bk], b[k, :Bk], tr.loop.params[f"{op.prefix}weight"])
-            for op, a, b in zip(stacked.linears, acts, bs, strict=True)
-        ]
-        if Bk == 0:
-            g: MaterializedGrads = MaterializedGrads(
-                {kk: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for kk, p in tr.loop.params.items()},
-                torch.zeros(0, device=x.device),
-            )
-        else:
-            g = GhostGrads(layers, losses[k, :Bk], tr.loop.params, norms=norms[k, :Bk])
-        tr.oracle.serve(tr.loop.params, xs[k], g)
+    views = stacked.grads([tr.loop.params for tr in active], idxs, lossfn, x, y, buffers)
+    for tr, (xk, g) in zip(active, views, strict=True):
+        tr.oracle.serve(tr.loop.params, xk, g)
 
 
-def _evaluate(
-    stacked: _Stacked, params: list[Tensors], x: torch.Tensor, y: torch.Tensor, metric: Metric
-) -> list[float]:
+def _evaluate(stacked: Stacked, params: list[Tensors], x: torch.Tensor, y: torch.Tensor, metric: Metric) -> list[float]:
     """``dptune.train.evaluate`` for several parameter sets at once: ``metrics.score_sums`` with
     the stacked forward (one pass of every batch for all K sets)."""
     K = len(params)

@@ -22,6 +22,7 @@ from dptune.deliverable import save_checkpoint
 from dptune.devices import check_device_name, resolve_device
 from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
 from dptune.gradients.oracle import check_model
+from dptune.gradients.stacked import stack_plan
 from dptune.outputs import NOT_DP_LABEL, check_output_dir, hides_run_count
 from dptune.release.ledger import Ledger
 from dptune.tune import results
@@ -35,7 +36,6 @@ from dptune.tune.records import RunSpec, StudyPlan
 from dptune.tune.spec import Study, load_study_config, study_from_dict
 from dptune.tune.store import Store
 from dptune.tune.worker import check_run_ledger, execute_task
-from dptune.vectorized import stack_plan
 
 
 def study_metric(study: Study, task: str) -> str:
