@@ -70,17 +70,7 @@ def _imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]]:
         pkg = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]
         tree = ast.parse(p.read_text())
         private += _private_attributes(m, pkg, tree, mods)
-        # Imports for types only (``if TYPE_CHECKING:``) are no edge: they never run.
-        typing_only = {
-            id(n)
-            for block in ast.walk(tree)
-            if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
-            for stmt in block.body
-            for n in ast.walk(stmt)
-        }
         for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -357,7 +357,7 @@ def _trial_strategies(
     K: int,
 ) -> list[Strategy]:
     if plans is not None:
-        return [p.strategy for p in plans]
+        return [p.strategy for p in plans]  # type: ignore[misc]  # a plan's strategy is a Strategy
     if isinstance(strategy, str):
         return [make_strategy(strategy, **dict(c)) for c in (configs if configs is not None else [{}] * K)]
     if configs is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from dp_accounting import dp_event
@@ -18,8 +18,19 @@ from dptune.gradients.oracle import GradientOracle, PerSampleGrads
 from dptune.release.mechanisms import NoisyRelease
 from dptune.tree import Tensors
 
-if TYPE_CHECKING:  # types only: strategies import this module
-    from dptune.strategies.base import Strategy
+
+class PlannedStrategy(Protocol):
+    """What a plan needs of its strategy (``dptune.strategies.Strategy`` is one; typed structurally
+    because strategies import this module)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def private(self) -> bool: ...
+    def config(self) -> dict[str, Any]: ...
+    def planned_event(self, noise_multiplier: float, sampling_rate: float, steps: int) -> dp_event.DpEvent: ...
+    def multipliers(self, run: RunPlan) -> tuple[float, ...]: ...
+    def validate_run(self, run: RunPlan) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -27,7 +38,7 @@ class RunPlan:
     """One run, from plan to step: everything the accountant and the strategy may know about it
     (all public), fixed before it starts (``dptune.plan_run``; a study's planner)."""
 
-    strategy: Strategy
+    strategy: PlannedStrategy
     n: int
     sampling_rate: float  # q
     steps: int  # T
