@@ -69,37 +69,43 @@ def test_budget_guard_refuses_a_looser_release_than_planned() -> None:
     assert ledger.releases == 1 and noise.draws == 2
 
 
-def test_the_gateway_refuses_a_release_one_ulp_off_the_planned_multiplier() -> None:
-    """No tolerance: a release whose parts recombine to a ν one ulp from the plan's is refused
-    before anything is recorded or drawn, above (more noise) as below."""
+def test_the_gateway_refuses_a_release_below_its_planned_multiplier() -> None:
+    """One-sided: parts recombining to one ulp less noise than planned are refused before anything
+    is recorded or drawn; one ulp more (rounding) is the planned event; far more is refused too."""
     q, nu = 0.01, 1.3
-    for off in (math.nextafter(nu, 0.0), math.nextafter(nu, math.inf)):
-        ledger = Ledger.with_plan(dp_event.SelfComposedDpEvent(step_event(off, q), 10))
+    cases = [(math.nextafter(nu, 0.0), False), (math.nextafter(nu, math.inf), True), (nu * 1.01, False)]
+    for actual, accepted in cases:
+        ledger = Ledger.with_plan(dp_event.SelfComposedDpEvent(step_event(nu, q), 10))
         noise = SpyNoise()
         gate = NoisyRelease(ledger, q, noise, planned_multiplier=nu)
+        if accepted:
+            gate.release(SumQuery("gradient", torch.zeros(3), 1.0, actual), label="g")
+            assert ledger.releases == 1 and ledger.matches(dp_event.SelfComposedDpEvent(step_event(nu, q), 1))
+            continue
         with pytest.raises(BudgetExceededError, match="planned"):
-            gate.release(SumQuery("gradient", torch.zeros(3), 1.0, off), label="g")
+            gate.release(SumQuery("gradient", torch.zeros(3), 1.0, actual), label="g")
         assert noise.draws == 0 and ledger.releases == 0
 
 
 @pytest.mark.parametrize("name", ["oso", "quantile", "oso+adam", "quantile+adam"])
 @pytest.mark.parametrize("eps", [0.5, 1.0, 3.0])
 def test_a_planned_split_run_recombines_exactly_to_its_noise_multiplier(name: str, eps: float) -> None:
-    """plan_run snaps ν (a few ulps up at most) so that the split parts recombine to it bit for bit."""
+    """plan_run snaps ν (a few ulps up at most) so that the split parts recombine to at least it."""
     from dptune import accounting, make_strategy, plan_run
 
     strategy = make_strategy(name)
     plan = plan_run(strategy, 10_000, expected_batch_size=256, steps=300, target_epsilon=eps, delta=1e-5)
-    assert accounting.joint_noise_multiplier(strategy.multipliers(plan)) == plan.noise_multiplier
+    assert plan.noise_multiplier <= accounting.joint_noise_multiplier(strategy.multipliers(plan))
     calibrated = accounting.calibrate(eps, 1e-5, plan.sampling_rate, 300, accountant=plan.accountant)
     assert calibrated.noise_multiplier <= plan.noise_multiplier <= calibrated.noise_multiplier * (1 + 1e-12)
 
-    # A given ν whose parts do not recombine to it (0.52 for OSO, 0.6 for quantile: a few ulps off)
-    # is snapped up, never down, to one that does; the run's ledger then matches its plan.
-    for nu in (0.52, 0.6):
+    # A given ν whose parts recombine below it (0.52 for OSO, 0.6 for quantile: an ulp off) is
+    # snapped up, never down; 0.5 (a binade edge, where they round above it for every ν' near it:
+    # no exact fixed point exists) is kept.
+    for nu in (0.52, 0.6, 0.5):
         plan = plan_run(strategy, 10_000, expected_batch_size=256, steps=300, noise_multiplier=nu)
         assert nu <= plan.noise_multiplier <= nu * (1 + 1e-15)
-        assert accounting.joint_noise_multiplier(strategy.multipliers(plan)) == plan.noise_multiplier
+        assert plan.noise_multiplier <= accounting.joint_noise_multiplier(strategy.multipliers(plan))
 
 
 def test_a_strategy_releasing_more_than_it_planned_is_stopped_inside_train() -> None:

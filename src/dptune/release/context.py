@@ -60,8 +60,8 @@ class RunPlan:
 
 
 def snap_noise(nu: float, plans: Iterable[RunPlan]) -> float:
-    """The smallest ν' ≥ ν whose per-query parts recombine exactly to ν' for every plan (``plans``
-    with ν replaced), so that the gateway records the planned event bit for bit. Split strategies
+    """The smallest ν' ≥ ν whose per-query parts recombine to at least ν' for every plan (``plans``
+    with ν replaced): the noise drawn is never below the planned event the gateway records. Split strategies
     (OSO, quantile) recompute (Σ ν_i⁻²)^(-1/2) from their parts, a few ulps off ν; more noise only
     lowers ε, so the snapped ν still meets the budget. A strategy refusing ν raises its ConfigError."""
     if not math.isfinite(nu):
@@ -69,7 +69,7 @@ def snap_noise(nu: float, plans: Iterable[RunPlan]) -> float:
     plans = list(plans)
     v = nu
     for _ in range(1_000):  # a few ulps in practice
-        if all(not p.strategy.private or replace(p, noise_multiplier=v).released_multiplier() == v for p in plans):
+        if all(not p.strategy.private or replace(p, noise_multiplier=v).released_multiplier() >= v for p in plans):
             return v
         v = math.nextafter(v, math.inf)
     raise ConfigError(f"the strategy's per-query noise multipliers do not recombine to any ν near {nu}")

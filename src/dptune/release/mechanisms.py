@@ -381,6 +381,9 @@ def random_direction(source: NoiseSource, like: Tensors) -> Tensors:
     return {k: source.normal(v, 1.0) for k, v in like.items()}
 
 
+ROUNDING = 1e-12  # how far above the planned ν a split release's recombined ν may round
+
+
 class NoisyRelease:
     """The privacy gateway of one run: every noisy statistic passes through ``release``."""
 
@@ -397,8 +400,8 @@ class NoisyRelease:
         self.noise = noise
         self.run = run
         # The run's planned ν (``RunPlan.noise_multiplier``, snapped so that the strategy's parts
-        # recombine to it exactly: ``context.snap_noise``): a release that recombines to any other
-        # ν is refused before anything is recorded or drawn.
+        # recombine to at least it: ``context.snap_noise``): a release recombining to less noise, or
+        # to a ν beyond rounding above it, is refused before anything is recorded or drawn.
         self.planned_multiplier = planned_multiplier
         # Secure mode: Σ over released coordinates of 2·SNAP_XI, the proven bound on how far the
         # snapped float sampler's privacy loss may be from the ideal one (docs/privacy.md, item 1b).
@@ -416,11 +419,16 @@ class NoisyRelease:
         if not queries:
             raise ValueError("release() needs at least one query")
         nu = accounting.joint_noise_multiplier(q.noise_multiplier for q in queries)
-        if self.planned_multiplier is not None and nu != self.planned_multiplier:
-            raise BudgetExceededError(
-                f"{label}: the queries recombine to ν = {nu!r}, not the planned ν = {self.planned_multiplier!r}: "
-                "not in the privacy plan, nothing released (dptune.plan_run snaps ν to one the parts recombine to)."
-            )
+        planned = self.planned_multiplier
+        if planned is not None:
+            # The parts' (Σ ν_i⁻²)^-½ is exact up to rounding, which may land an ulp above the plan:
+            # at least the planned noise is drawn, so the planned (smaller) ν is what is recorded.
+            if not planned <= nu <= planned * (1 + ROUNDING):
+                raise BudgetExceededError(
+                    f"{label}: the queries recombine to ν = {nu!r}, not the planned ν = {planned!r}: not in "
+                    "the privacy plan, nothing released (dptune.plan_run snaps ν to one the parts recombine to)."
+                )
+            nu = planned
         if not math.isfinite(nu):
             raise ValueError("a private release needs finite noise; use the 'nodp' strategy for no noise")
         event = accounting.gaussian_step_event(nu, self.sampling_rate)
