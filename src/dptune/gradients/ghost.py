@@ -4,7 +4,7 @@ materialising a [B, #params] tensor, from one forward and one backward pass.
 Every supported layer computes ``out = f(a; θ)`` and its per-sample parameter gradient is a
 bilinear function of the layer input a_i and the output gradient b_i = ∂ℓ_i/∂out_i, which
 one ordinary backward pass of Σ_i ℓ_i yields for all i at once (ℓ_i depends on example i
-only: no layer mixes examples, see ``grads.check_model``). Notation: a_i ∈ R^{T×d},
+only: no layer mixes examples, see ``oracle.check_model``). Notation: a_i ∈ R^{T×d},
 b_i ∈ R^{T×p} with T the number of positions (tokens, pixels) sharing the weight.
 
 * Linear, W ∈ R^{p×d}: G_i = b_iᵀ a_i.
@@ -26,7 +26,7 @@ b_i ∈ R^{T×p} with T the number of positions (tokens, pixels) sharing the wei
 
 Anything else with trainable parameters (or a supported layer called twice per forward,
 or an in-place change of a captured tensor) makes the whole model fall back to vmap; see
-``unsupported_reason`` and ``grads.GradientOracle``. The rest of the path (support check, capture
+``unsupported_reason`` and ``oracle.GradientOracle``. The rest of the path (support check, capture
 of a forward, the rules' interface, the kept rules, the sums' reuse) is in ``ghost_layers``.
 
 **Norms are upper bounds** (derivation: docs/privacy.md, items 1 and 1b). ``GhostGrads.norms``

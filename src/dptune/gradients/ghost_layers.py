@@ -66,7 +66,7 @@ class LayerRule:
 
     def sq_norms(self) -> list[tuple[torch.Tensor, float]]:
         """(s, ρ) parts: the layer's released part of w·g_i has norm ≤ |w|(1+γ_2)·(Σ s_i(1+ρ))^½
-        (``ghost``'s docstring, "Norms are upper bounds"); ``grads.upper_norms`` combines them."""
+        (``ghost``'s docstring, "Norms are upper bounds"); ``norm_bounds.upper_norms`` combines them."""
         raise NotImplementedError
 
     def release_err(self) -> torch.Tensor | None:

@@ -2,7 +2,7 @@
 ``ghost`` for ghost norms): the ``PerSampleGrads`` interface (norms ‖g_i‖ and weighted sums Σ_i w_i
 g_i, all a privatizer reads), the vmap path's materialised container, the model checks, the built-in
 losses, ``ParamSwap`` (functional calls without the module walk), the buffer, mode and random-stream
-guards of a private pass; the float bounds are in ``norm_bounds``. ``grads.GradientOracle`` chooses
+guards of a private pass; the float bounds are in ``norm_bounds``. ``oracle.GradientOracle`` chooses
 the path; this module imports neither, so neither imports the other.
 """
 
