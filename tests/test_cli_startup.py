@@ -14,12 +14,12 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from typer.testing import CliRunner
 
 import dptune
 from dptune.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
 SRC = Path(dptune.__file__).resolve().parents[1]  # the dptune actually under test
 HEAVY = ("torch", "scipy", "dp_accounting", "ray", "matplotlib", "sklearn", "pandas", "mlxtend")
 
@@ -151,12 +151,11 @@ def test_the_tree_is_ruff_formatted_and_lint_clean() -> None:
     """ruff format (line length 120) and ruff check hold for the whole tree, as pre-commit keeps them."""
     import shutil
     import subprocess
-    from pathlib import Path
 
     ruff = shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is in the dev extra")
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     dirs = ["src", "tests", "benchmarks", "examples"]
     fmt = subprocess.run([ruff, "format", "--check", *dirs], cwd=root, capture_output=True, text=True)
     assert fmt.returncode == 0, fmt.stdout[-3000:]

@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA
 
 from dptune import data
 from dptune.data import DATASETS, text
 from dptune.errors import ConfigError, DataError
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED = SHARED_DATA
 needs_shared = pytest.mark.skipif(
     not (SHARED / "README.md").is_file(),
     reason=f"shared data folder not found at {SHARED} (CI clones the repo next to shared/)",

@@ -7,7 +7,6 @@ and ``dptune export`` write model.pt + model_card.json/.md; ``dptune.load_model`
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import sqlite3
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import OWN_FACTORIES, invoke_train
-from tune_helpers import tiny_dpsgd_study
+from tune_helpers import linear_data, make_study, tiny_dpsgd_study
 from typer.testing import CliRunner
 
 import dptune
@@ -37,7 +36,7 @@ from dptune.tune.store import Store
 def _study(name: str = "deliver", trials_per_group: int = 1, seeds: tuple[int, ...] = (0,), **sel):
     # data seed and learning rates chosen so that the selected run's best checkpoint (step 8) is
     # not its final one (step 12): saving the final parameters would fail the bit-for-bit test
-    st = tiny_dpsgd_study(
+    return tiny_dpsgd_study(
         data_seed=4,
         n=260,
         dim=6,
@@ -49,8 +48,8 @@ def _study(name: str = "deliver", trials_per_group: int = 1, seeds: tuple[int, .
         selection=SelectionSpec(eval_every=4, **sel),
         seeds=seeds,
         name=name,
+        trials_per_group=trials_per_group,
     )
-    return dataclasses.replace(st, trials_per_group=trials_per_group)
 
 
 def _ledger_rows(d: Path) -> list[tuple]:
@@ -358,15 +357,11 @@ def test_hidden_k_study_withholds_the_digest_from_published_cards(tmp_path: Path
     """With a Liu–Talwar arm the ledger is a function of K (secret): hashing guesses of K would
     find it, so the published cards carry no digest; the owner's copy is in diagnostics/."""
     from dptune.outputs import NOT_DP_LABEL
-    from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec
+    from dptune.tune import MethodSpec, StrategyArm, TrainingSpec
 
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(140, 5, generator=g)
-    y = (x @ torch.randn(5, 3, generator=g)).argmax(1)
-    study = Study(
-        data=(x[:100], y[:100], x[100:], y[100:]),
-        model="logistic_regression",
-        strategies=(
+    study = make_study(
+        linear_data(5, n=140, dim=5, n_train=100),
+        arms=(
             StrategyArm(
                 "dpsgd",
                 space={"lr": [0.05, 1.0]},
@@ -376,10 +371,8 @@ def test_hidden_k_study_withholds_the_digest_from_published_cards(tmp_path: Path
             ),
         ),
         training=TrainingSpec(steps=4, expected_batch_size=20),
-        budget=BudgetSpec(epsilon=(4.0,), delta=1e-5, accountant="rdp"),
-        method=MethodSpec("grid"),
+        eps=4.0,
         selection=SelectionSpec(eval_every=2),
-        seeds=(0,),
         name="lt-card",
     )
     run_study(study, tmp_path, progress=False)
@@ -453,23 +446,17 @@ def test_a_non_private_arm_is_never_published(tmp_path: Path) -> None:
     """The nodp baseline's weights are covered by no guarantee: they go to diagnostics/models/
     with the label, never to release/ (the demo has such an arm)."""
     from dptune.outputs import NOT_DP_LABEL
-    from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec
+    from dptune.tune import StrategyArm, TrainingSpec
 
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(140, 5, generator=g)
-    y = (x @ torch.randn(5, 3, generator=g)).argmax(1)
-    study = Study(
-        data=(x[:100], y[:100], x[100:], y[100:]),
-        model="logistic_regression",
-        strategies=(
+    study = make_study(
+        linear_data(6, n=140, dim=5, n_train=100),
+        arms=(
             StrategyArm("dpsgd", space={"lr": [0.5]}, fixed={"clip": 1.0}),
             StrategyArm("nodp", space={"lr": [0.5]}),
         ),
         training=TrainingSpec(steps=4, expected_batch_size=20),
-        budget=BudgetSpec(epsilon=(4.0,), delta=1e-5, accountant="rdp"),
-        method=MethodSpec("grid"),
+        eps=4.0,
         selection=SelectionSpec(eval_every=2),
-        seeds=(0,),
         name="with-nodp",
     )
     run_study(study, tmp_path, progress=False)

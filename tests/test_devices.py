@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from tune_helpers import tiny_dpsgd_study
+from tune_helpers import linear_data, make_study
 from typer.testing import CliRunner
 
 from dptune import devices
@@ -21,22 +21,13 @@ from dptune.tune.executors import ProcessExecutor, make_executor
 
 
 def _study(device: str):
-    from dataclasses import replace
-
-    st = tiny_dpsgd_study(
-        data_seed=0,
-        n=60,
-        dim=3,
-        n_train=40,
-        lrs=[0.5],
-        steps=3,
-        batch=10,
-        eps=2.0,
+    return make_study(
+        linear_data(0, n=60, dim=3, n_train=40),
+        fixed={"clip": 1.0},
+        training=TrainingSpec(steps=3, expected_batch_size=10, device=device),
         selection=SelectionSpec(mode="public", split="test"),
-        seeds=(0,),
         name="dev",
     )
-    return replace(st, training=TrainingSpec(steps=3, expected_batch_size=10, device=device))
 
 
 def _no_cuda(monkeypatch):

@@ -11,15 +11,14 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import typer
+from conftest import ROOT
 
 from dptune.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 FENCE = re.compile(r"^\s*(```|~~~)")

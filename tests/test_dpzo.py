@@ -27,6 +27,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 from scipy import stats
 from torch import nn
+from tune_helpers import make_study
 
 import dptune
 from dptune import accounting
@@ -200,17 +201,14 @@ def test_dpzo_lowers_the_loss_on_a_convex_problem() -> None:
 
 
 def test_a_study_with_a_dpzo_arm_trains_within_its_plan(tmp_path: Path) -> None:
-    from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec, run_study
+    from dptune.tune import TrainingSpec, run_study
 
     _, x, y = _logistic(n=200)
-    study = Study(
-        data=(x[:150], y[:150], x[150:], y[150:]),
-        model="logistic_regression",
-        strategies=(StrategyArm("dpzo", space={"lr": [0.03, 0.1]}),),
+    study = make_study(
+        (x[:150], y[:150], x[150:], y[150:]),
+        strategy="dpzo",
+        space={"lr": [0.03, 0.1]},
         training=TrainingSpec(steps=10, expected_batch_size=30),
-        budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant="rdp"),
-        method=MethodSpec("grid"),
-        seeds=(0,),
         name="dpzo",
     )
     out = run_study(study, tmp_path / "s", progress=False)

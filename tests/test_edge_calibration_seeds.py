@@ -352,16 +352,27 @@ def test_stream_seed_uses_all_64_bits() -> None:
 
 
 def test_planned_run_seeds_are_63_bit_and_distinct(monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_tune_planners import N, _study
+    from tune_helpers import make_study, planning_data
 
-    from dptune.tune import builder, plan_study
+    from dptune.tune import SelectionSpec, TrainingSpec, builder, plan_study
 
+    def _study(space: dict, seeds: tuple[int, ...] = (0,)):
+        return make_study(
+            planning_data(),
+            space=space,
+            training=TrainingSpec(epochs=10, expected_batch_size=512),
+            eps=3.0,
+            selection=SelectionSpec(eval_every=100, across_seeds="per-seed"),
+            seeds=seeds,
+        )
+
+    N = 60000
     space = {"lr": [10.0 ** (-k / 10) for k in range(40)], "clip": [0.1, 0.3, 1.0, 3.0, 10.0]}
-    plan = plan_study(_study(method="grid", space=space, seeds=(0, 1, 2)), N, 10000, "accuracy")
+    plan = plan_study(_study(space, seeds=(0, 1, 2)), N, 10000, "accuracy")
     seeds = [r.run_seed for r in plan.runs.values()]
     assert len(seeds) == 600 and len(set(seeds)) == 600
     assert all(0 <= s < 2**63 for s in seeds) and max(seeds) >= 2**32  # 32-bit before
     # a collision would be caught at planning time, not shared silently
     monkeypatch.setattr(builder, "stream_seed", lambda seed, stream: 42)
     with pytest.raises(RuntimeError, match="same run_seed"):
-        plan_study(_study(method="grid", space={"lr": [0.1, 1.0]}), N, 10000, "accuracy")
+        plan_study(_study({"lr": [0.1, 1.0]}), N, 10000, "accuracy")

@@ -23,19 +23,17 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from cli_helpers import invoke_train
+from tune_helpers import linear_data, make_study
 from typer.testing import CliRunner
 
 from dptune.cli import app
 from dptune.errors import ConfigError
 from dptune.report import Section, build_report, report_study, write_report
 from dptune.tune import (
-    BudgetSpec,
     MethodSpec,
     SelectionSpec,
     StrategyArm,
-    Study,
     TrainingSpec,
     run_study,
     study_table,
@@ -78,13 +76,9 @@ def _assert_release_clean(text: str, losers: list[str], where: str) -> None:
 @pytest.fixture(scope="module")
 def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A grid arm (2 candidates: one loses) and a Liu–Talwar arm, public selection."""
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(140, 5, generator=g)
-    y = (x @ torch.randn(5, 3, generator=g)).argmax(1)
-    study = Study(
-        data=(x[:100], y[:100], x[100:], y[100:]),
-        model="logistic_regression",
-        strategies=(
+    study = make_study(
+        linear_data(5, n=140, dim=5, n_train=100),
+        arms=(
             StrategyArm("dpsgd", space={"lr": [0.05, 1.0]}, fixed={"clip": 1.0}, label="dpsgd-grid"),
             StrategyArm(
                 "dpsgd",
@@ -95,10 +89,8 @@ def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             ),
         ),
         training=TrainingSpec(steps=6, expected_batch_size=20),
-        budget=BudgetSpec(epsilon=(4.0,), delta=1e-5, accountant="rdp"),
-        method=MethodSpec("grid"),
+        eps=4.0,
         selection=SelectionSpec(eval_every=3),
-        seeds=(0,),
         name="edge-outputs",
     )
     d = tmp_path_factory.mktemp("edge") / "study"

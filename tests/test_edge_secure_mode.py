@@ -16,7 +16,6 @@ the seed could regenerate every batch, and amplification by subsampling was lost
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections import Counter
@@ -184,7 +183,7 @@ def test_study_secure_field_parses_validates_and_keeps_old_fingerprints() -> Non
 
 
 def _tiny(secure: bool, name: str):
-    s = tiny_dpsgd_study(
+    return tiny_dpsgd_study(
         data_seed=0,
         n=300,
         dim=5,
@@ -196,8 +195,8 @@ def _tiny(secure: bool, name: str):
         selection=SelectionSpec(mode="private", eval_every=6, noise_multiplier=30.0),
         seeds=(0,),
         name=name,
+        secure=secure,
     )
-    return dataclasses.replace(s, secure=secure)
 
 
 def test_secure_study_reaches_the_workers_and_its_report_states_the_mode(

@@ -21,15 +21,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import SHARED_DATA
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 from mutants import coins_from_study_seed, mean_mode_seeds_unaccounted, mse_nonfinite_rule_removed
+from tune_helpers import make_study, planning_data
 
 from dptune.tune import (
-    BudgetSpec,
-    MethodSpec,
     SelectionSpec,
-    StrategyArm,
     Study,
     TrainingSpec,
     plan_study,
@@ -41,12 +40,6 @@ from dptune.tune.store import Store
 from dptune.tune.worker import Scorer
 
 N, DELTA = 60000, 1e-5
-
-
-def _tiny():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(20, 4, generator=g)
-    return (x, torch.randint(0, 2, (20,), generator=g), x, torch.randint(0, 2, (20,), generator=g))
 
 
 def _study(
@@ -62,13 +55,15 @@ def _study(
     training=None,
     eval_every=100,
 ) -> Study:
-    return Study(
-        data=data if data is not None else _tiny(),
-        model="logistic_regression",
-        strategies=(StrategyArm("dpsgd", space=space if space is not None else {"lr": [0.01, 0.1, 1.0]}),),
+    return make_study(
+        data if data is not None else planning_data(),
+        space=space if space is not None else {"lr": [0.01, 0.1, 1.0]},
         training=training or TrainingSpec(epochs=10, expected_batch_size=512),
-        budget=BudgetSpec(epsilon=(eps,), delta=DELTA, accountant="rdp", account_seeds=account_seeds),
-        method=MethodSpec(method, opts or {}),
+        eps=eps,
+        delta=DELTA,
+        account_seeds=account_seeds,
+        method=method,
+        opts=opts,
         selection=SelectionSpec(eval_every=eval_every, across_seeds=across),
         seeds=seeds,
     )
@@ -190,7 +185,7 @@ def test_lt_mean_mode_study_runs_and_its_ledger_equals_the_plan(tmp_path):
 
 @pytest.fixture
 def data_env(monkeypatch):
-    path = Path(os.environ.get("DPTUNE_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
+    path = Path(os.environ.get("DPTUNE_DATA_DIR") or SHARED_DATA)
     if not (path / "adult").is_dir():
         pytest.skip(f"shared data directory not found at {path}")
     monkeypatch.setenv("DPTUNE_DATA_DIR", str(path))

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA
 from tune_helpers import tiny_dpsgd_study
 
 from dptune import data
@@ -26,7 +27,7 @@ from dptune.tune.data import _CACHE, study_data
 from dptune.tune.spec import DataSpec
 from dptune.tune.study import plan_only
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = SHARED_DATA
 needs_shared = pytest.mark.skipif(not (SHARED / "README.md").is_file(), reason=f"no shared data at {SHARED}")
 
 

@@ -4,18 +4,15 @@ TOML file with ``module:factory`` — runs on small data, from Python and from `
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
-from conftest import load_example
+from conftest import EXAMPLES, load_example
 from typer.testing import CliRunner
 
 from dptune import ConfigError
 from dptune.cli import app
 from dptune.tune import load_study_config
 from dptune.tune.store import Store
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _example():

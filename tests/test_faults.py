@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tune_helpers import tiny_study_toml
 
 from dptune.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- study configs
 BASE: dict[str, Any] = {

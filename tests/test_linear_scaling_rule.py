@@ -10,34 +10,32 @@ from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from conftest import SHARED_DATA
+from tune_helpers import make_study, planning_data
 
 from dptune import accounting
 from dptune.errors import ConfigError
-from dptune.tune import BudgetSpec, MethodSpec, SelectionSpec, StrategyArm, Study, TrainingSpec, plan_study
+from dptune.tune import MethodSpec, SelectionSpec, TrainingSpec, plan_study
 from dptune.tune.methods.linear_scaling import _decompose, resolve_final_config, split_r
 
 DELTA = 1e-5
 
 
-def _tiny():
-    x = torch.randn(20, 4)
-    return (x, torch.randint(0, 2, (20,)), x, torch.randint(0, 2, (20,)))
-
-
 def _study(opts=None, eps=(1.0,), space=None, seeds=(0,)):
     space = space or {"lr": {"log_uniform": [0.05, 5.0]}, "steps": {"int_uniform": [10, 200]}}
-    return Study(
-        data=_tiny(),
-        model="logistic_regression",
-        strategies=(StrategyArm("dpgd", space=space),),
+    return make_study(
+        planning_data(),
+        strategy="dpgd",
+        space=space,
         training=TrainingSpec(steps=10, full_batch=True),
-        budget=BudgetSpec(epsilon=tuple(eps), delta=DELTA, accountant="auto"),
-        method=MethodSpec("linear-scaling", opts or {}),
+        eps=eps,
+        delta=DELTA,
+        accountant="auto",
+        method="linear-scaling",
+        opts=opts,
         selection=SelectionSpec(eval_every=10),
         seeds=seeds,
     )
@@ -185,7 +183,7 @@ def test_a_decreasing_fit_is_clipped_and_the_final_r_is_recorded():
 
 # ----------------------------------------------------------------------------- the presets
 def test_panda_small_presets_size_their_sweeps_for_small_n(monkeypatch):
-    path = Path(__file__).resolve().parents[2] / "shared" / "data"
+    path = SHARED_DATA
     if not path.is_dir():
         pytest.skip(f"shared data directory not found at {path}")
     monkeypatch.setenv("DPTUNE_DATA_DIR", str(path))

@@ -25,10 +25,10 @@ from typing import Any
 
 import matplotlib.axes
 import pytest
-import torch
 from cli_helpers import invoke_train
 from rich.cells import cell_len
 from rich.console import Console
+from tune_helpers import linear_data, make_study
 from typer.testing import CliRunner
 
 import dptune
@@ -38,8 +38,6 @@ from dptune.outputs import NOT_DP_LABEL, read_csv_rows
 from dptune.report import figures as F
 from dptune.report.data import RunHistory
 from dptune.tune import (
-    BudgetSpec,
-    MethodSpec,
     SelectionSpec,
     StrategyArm,
     Study,
@@ -113,23 +111,17 @@ def test_train_json_and_table_record_model_accountant_version_split_and_mode(
 
 # ----------------------------------------------------------------------------- a stored study
 def _study() -> Study:
-    g = torch.Generator().manual_seed(3)
-    x = torch.rand(240, 6, generator=g) * 2 - 1
-    y = (x @ torch.rand(6, 3, generator=g)).argmax(1)
-    return Study(
-        data=(x[:180], y[:180], x[180:], y[180:]),
-        model="logistic_regression",
-        strategies=(
+    return make_study(
+        linear_data(3, n=240, dim=6, n_train=180, uniform=True),
+        arms=(
             StrategyArm("dpsgd", space={"lr": [0.3, 1.0]}, fixed={"clip": 1.0}),
             StrategyArm("oso", space={"lr": [0.5]}),
             StrategyArm("nodp", space={"lr": [0.5]}),
         ),
         training=TrainingSpec(steps=12, expected_batch_size=30),
-        budget=BudgetSpec(epsilon=(2.0, 4.0), delta=1e-5, accountant="rdp"),
-        method=MethodSpec("grid"),
+        eps=(2.0, 4.0),
         # Much noise on the scores of a 36-example holdout: noisy accuracies leave [0, 1].
         selection=SelectionSpec(mode="private", split="holdout", eval_every=6, noise_multiplier=20.0),
-        seeds=(0,),
         name="outputs",
     )
 

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tune_helpers import make_study
 from typer.testing import CliRunner
 
 from dptune.cli import app
 from dptune.errors import ConfigError
 from dptune.outputs import NOT_DP_LABEL
 from dptune.presets import panda, preset_parts
-from dptune.tune import BudgetSpec, MethodSpec, SelectionSpec, StrategyArm, Study, TrainingSpec, run_study
+from dptune.tune import MethodSpec, SelectionSpec, StrategyArm, Study, TrainingSpec, run_study
 from dptune.tune.results import study_table
 from dptune.tune.store import Store
 
@@ -35,17 +36,15 @@ def _study(mode: str) -> Study:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(160, 5, generator=g)
     y = (x[:, 0] + x[:, 1] > 0).long()
-    return Study(
-        data=(x[:120], y[:120], x[120:], y[120:]),
-        model="logistic_regression",
-        strategies=(
+    return make_study(
+        (x[:120], y[:120], x[120:], y[120:]),
+        arms=(
             StrategyArm("dpgd", label="grid-oracle", space={"lr": LRS, "steps": STEPS}, method=MethodSpec("oracle")),
         ),
         training=TrainingSpec(steps=6, full_batch=True),
-        budget=BudgetSpec(epsilon=EPS, delta=1e-5, accountant="auto"),
-        method=MethodSpec("grid"),
+        eps=EPS,
+        accountant="auto",
         selection=SelectionSpec(mode=mode, split="test", checkpoint="final"),
-        seeds=(0,),
         name=f"heatmap-{mode}",
     )
 

@@ -23,6 +23,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 from scipy import stats
 from torch import nn
+from tune_helpers import make_study
 
 import dptune
 from dptune import accounting
@@ -146,19 +147,15 @@ def test_composition_by_name_routes_each_hyperparameter_to_its_part() -> None:
 def test_a_study_runs_a_composition_arm_end_to_end(tmp_path: Path) -> None:
     """The tuner builds on the same block: an arm named 'OSO+Adam' is validated, trained and
     accounted like any strategy, and a hyperparameter of neither part is one clear error."""
-    from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec, run_study
+    from dptune.tune import StrategyArm, Study, TrainingSpec, run_study
 
     _, x, y = _problem(n=200)
 
     def study(arm: StrategyArm) -> Study:
-        return Study(
-            data=(x[:150], y[:150], x[150:], y[150:]),
-            model="logistic_regression",
-            strategies=(arm,),
+        return make_study(
+            (x[:150], y[:150], x[150:], y[150:]),
+            arms=(arm,),
             training=TrainingSpec(steps=8, expected_batch_size=30),
-            budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant="rdp"),
-            method=MethodSpec("grid"),
-            seeds=(0,),
             name="composed",
         )
 

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from tune_helpers import own_factories_study_toml
 from typer.testing import CliRunner
 
 from dptune.cli import app
 from dptune.errors import ConfigError
 from dptune.tune.executors import make_executor
-
-ROOT = Path(__file__).resolve().parents[1]
 
 STUDY = own_factories_study_toml("no-ray")
 

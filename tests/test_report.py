@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 from dp_accounting import dp_event
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,6 +25,7 @@ from PIL import Image
 from rich.cells import cell_len
 from rich.console import Console
 from torch import nn
+from tune_helpers import linear_data, make_study
 
 from dptune import accounting
 from dptune.errors import ConfigError
@@ -46,7 +48,7 @@ from dptune.report import (
 )
 from dptune.report.data import metric_label
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "dptune"
+SRC = ROOT / "src" / "dptune"
 
 
 # ----------------------------------------------------------------------------- synthetic study
@@ -598,28 +600,18 @@ def test_trajectories_skip_missing_and_nonpositive_values(tmp_path: Path) -> Non
 def test_report_study_reads_a_stored_study(tmp_path: Path) -> None:
     from dptune.report import report_study
     from dptune.tune import (
-        BudgetSpec,
-        MethodSpec,
         SelectionSpec,
-        StrategyArm,
-        Study,
         TrainingSpec,
         run_study,
     )
     from dptune.tune import study_table as tuner_table
 
-    g = torch.Generator().manual_seed(3)
-    x = torch.rand(240, 6, generator=g) * 2 - 1
-    y = (x @ torch.rand(6, 3, generator=g)).argmax(1)
-    study = Study(
-        data=(x[:180], y[:180], x[180:], y[180:]),
-        model="logistic_regression",
-        strategies=(StrategyArm("dpsgd", space={"lr": [0.3, 1.0]}, fixed={"clip": 1.0}),),
+    study = make_study(
+        linear_data(3, n=240, dim=6, n_train=180, uniform=True),
+        space={"lr": [0.3, 1.0]},
+        fixed={"clip": 1.0},
         training=TrainingSpec(steps=12, expected_batch_size=30),
-        budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant="rdp"),
-        method=MethodSpec("grid"),
         selection=SelectionSpec(mode="private", split="holdout", eval_every=6, noise_multiplier=20.0),
-        seeds=(0,),
         name="tiny-dpsgd",
     )
     sdir = tmp_path / "study"

@@ -8,16 +8,15 @@ import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from tune_helpers import tiny_dpsgd_study
+from conftest import TESTS
+from tune_helpers import make_study, tiny_dpsgd_study
 
 from dptune import accounting
 from dptune.errors import ConfigError, config_error
 from dptune.tune import (
-    BudgetSpec,
     MethodSpec,
     SelectionSpec,
     StrategyArm,
@@ -35,7 +34,7 @@ from dptune.tune.results import budget_rows, study_table
 from dptune.tune.shapes import make_shape, snap
 from dptune.tune.study import run_study
 
-REFERENCE = Path(__file__).parent / "data" / "method_plans.json"
+REFERENCE = TESTS / "data" / "method_plans.json"
 BUILT_IN = ("grid", "random", "online", "oracle", "liu-talwar", "repeat-and-select", "linear-scaling")
 
 
@@ -313,13 +312,13 @@ def method_study(method: str) -> Study:
         arms = (StrategyArm("dpgd", space=space),)
         training = TrainingSpec(steps=10, full_batch=True)
         opts, accountant = {"runs_per_sweep": 2}, "auto"
-    return Study(
-        data=_tensors(),
-        model="logistic_regression",
-        strategies=arms,
+    return make_study(
+        _tensors(),
+        arms=arms,
         training=training,
-        budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant=accountant),
-        method=MethodSpec(method, opts),
+        accountant=accountant,
+        method=method,
+        opts=opts,
         selection=selection or SelectionSpec(eval_every=10, across_seeds=across),
         seeds=seeds,
         name=f"ref-{method}",

@@ -5,20 +5,16 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+from tune_helpers import make_study, planning_data
 
 from dptune import accounting
 from dptune.release.ledger import atoms
 from dptune.release.sampling import steps_for_epochs
 from dptune.tune import (
-    BudgetSpec,
-    MethodSpec,
     SelectionSpec,
-    StrategyArm,
-    Study,
     TrainingSpec,
     plan_study,
     theory,
@@ -29,11 +25,6 @@ N, DELTA = 60000, 1e-5
 Q = 512 / N
 T = steps_for_epochs(10, Q)
 GRID = {"lr": [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0], "clip": [0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]}
-
-
-def _tiny():
-    x = torch.randn(20, 4)
-    return (x, torch.randint(0, 2, (20,)), x, torch.randint(0, 2, (20,)))
 
 
 def _study(
@@ -50,13 +41,17 @@ def _study(
     across="per-seed",
 ):
     sel = selection or SelectionSpec(eval_every=100, across_seeds=across)
-    return Study(
-        data=_tiny(),
-        model="logistic_regression",
-        strategies=(StrategyArm(strategy, space=space if space is not None else GRID),),
+    return make_study(
+        planning_data(),
+        strategy=strategy,
+        space=space if space is not None else GRID,
         training=training or TrainingSpec(epochs=10, expected_batch_size=512),
-        budget=BudgetSpec(epsilon=(eps,), delta=DELTA, accountant=accountant, account_seeds=account_seeds),
-        method=MethodSpec(method, opts or {}),
+        eps=eps,
+        delta=DELTA,
+        accountant=accountant,
+        account_seeds=account_seeds,
+        method=method,
+        opts=opts,
         selection=sel,
         seeds=seeds,
     )
@@ -247,12 +242,13 @@ def test_split_strategies_get_a_noise_multiplier_they_release_exactly(strategy):
     from dptune.tune.shapes import Shape, release_multiplier
 
     space = {"lr": [0.1, 1.0]}
-    s = Study(
-        data=_tiny(),
-        model="logistic_regression",
-        strategies=(StrategyArm(strategy, space=space),),
+    s = make_study(
+        planning_data(),
+        strategy=strategy,
+        space=space,
         training=TrainingSpec(steps=50, expected_batch_size=512),
-        budget=BudgetSpec(epsilon=(0.7, 1.0, 1.3, 2.0, 3.0, 5.0), delta=DELTA, accountant="rdp"),
+        eps=(0.7, 1.0, 1.3, 2.0, 3.0, 5.0),
+        delta=DELTA,
         selection=SelectionSpec(eval_every=50),
     )
     plan = plan_study(s, N, 10000, "accuracy")

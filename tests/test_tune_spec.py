@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 import yaml
+from conftest import ROOT
 
 from dptune.errors import ConfigError
 from dptune.tune import load_study_config, study_from_dict
@@ -138,10 +139,9 @@ def test_strategy_hyperparameters_are_validated_early(tmp_path):
 
 
 def test_the_documented_example_is_a_valid_study(tmp_path):
-    import pathlib
     import re
 
-    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "tuning.md").read_text()
+    doc = (ROOT / "docs" / "tuning.md").read_text()
     block = re.search(r"```toml\n(.*?)```", doc, re.S).group(1)
     s = load_study_config(_write(tmp_path, block))
     assert [a.name for a in s.strategies] == ["dpsgd", "oso", "nodp"]

@@ -9,13 +9,12 @@ import math
 from collections import Counter
 
 import pytest
-import torch
 from torch import nn
+from tune_helpers import linear_data, make_study
 
 from dptune.release.ledger import atoms
 from dptune.report import report_study
 from dptune.tune import (
-    BudgetSpec,
     MethodSpec,
     SelectionSpec,
     StrategyArm,
@@ -33,28 +32,21 @@ from dptune.tune.records import EVAL_LABEL, StudyPlan
 from dptune.tune.store import Store
 from dptune.tune.study import Coordinator
 
-
-def _data(n=360, d=8, k=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g)
-    y = (x @ torch.randn(d, k, generator=g)).argmax(1)
-    m = int(n * 0.75)
-    return (x[:m], y[:m], x[m:], y[m:])
-
-
-DATA = _data()
+DATA = linear_data(0, n=360, dim=8, n_train=270)
 
 
 def _study(
     method="grid", opts=None, strategies=None, selection=None, training=None, eps=(2.0,), seeds=(0, 1), **kw
 ) -> Study:
-    return Study(
-        data=DATA,
-        model="logistic_regression",
-        strategies=strategies or (StrategyArm("dpsgd", space={"lr": [0.2, 1.0]}, fixed={"clip": 1.0}),),
+    return make_study(
+        DATA,
+        arms=strategies,
+        space={"lr": [0.2, 1.0]},
+        fixed={"clip": 1.0},
         training=training or TrainingSpec(steps=20, expected_batch_size=40),
-        budget=BudgetSpec(epsilon=eps, delta=1e-5, accountant=kw.pop("accountant", "rdp")),
-        method=MethodSpec(method, opts or {}),
+        eps=eps,
+        method=method,
+        opts=opts,
         selection=selection or SelectionSpec(eval_every=10),
         seeds=seeds,
         name=kw.pop("name", method),
@@ -273,14 +265,13 @@ def make_autoencoder() -> nn.Module:
 def test_reconstruction_metric_private(tmp_path):
     x = DATA[0].clamp(-1, 1)
     xt = DATA[2].clamp(-1, 1)
-    s = Study(
-        data=(x, x, xt, xt),
+    s = make_study(
+        (x, x, xt, xt),
         model=make_autoencoder,
-        strategies=(StrategyArm("dpsgd", space={"lr": [0.1, 0.5]}, fixed={"clip": 1.0}),),
-        training=TrainingSpec(steps=10, expected_batch_size=40),
-        budget=BudgetSpec(epsilon=(3.0,), delta=1e-5, accountant="rdp"),
+        space={"lr": [0.1, 0.5]},
+        fixed={"clip": 1.0},
+        eps=3.0,
         selection=SelectionSpec(mode="private", eval_every=5, noise_multiplier=40.0),
-        seeds=(0,),
     )
     out = run_study(s, tmp_path / "ae", progress=False)
     assert out.ledger_matches_plan and out.rows[0]["metric"] == "mse"
@@ -302,14 +293,7 @@ def test_failed_runs_are_recorded_and_retried_on_resume(tmp_path):
     from dptune.errors import ConfigError
     from dptune.tune import resume_study
 
-    s = Study(
-        data=DATA,
-        model=flaky_model,
-        strategies=(StrategyArm("dpsgd", space={"lr": [0.5]}, fixed={"clip": 1.0}),),
-        training=TrainingSpec(steps=10, expected_batch_size=40),
-        budget=BudgetSpec(epsilon=(2.0,), delta=1e-5, accountant="rdp"),
-        seeds=(0,),
-    )
+    s = make_study(DATA, model=flaky_model, fixed={"clip": 1.0})
     FAIL["on"] = True
     out = run_study(s, tmp_path / "f", progress=False)
     assert not out.complete and out.counts == {"failed": 1} and out.ledger_matches_plan is None

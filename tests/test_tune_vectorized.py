@@ -4,7 +4,6 @@ equals the one-run-per-task study up to float rounding."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -21,7 +20,7 @@ from dptune.tune.study import Coordinator
 
 
 def _study(group: int, **kw) -> Study:
-    s = tiny_dpsgd_study(
+    return tiny_dpsgd_study(
         data_seed=3,
         n=400,
         dim=10,
@@ -33,8 +32,9 @@ def _study(group: int, **kw) -> Study:
         selection=SelectionSpec(mode="private", eval_every=10, noise_multiplier=20.0),
         seeds=(0, 1),
         name="vec",
+        trials_per_group=group,
+        **kw,
     )
-    return dataclasses.replace(s, trials_per_group=group, **kw)
 
 
 def _rows(d):

