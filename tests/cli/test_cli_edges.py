@@ -350,7 +350,7 @@ def test_study_sqlite_of_the_fixture_is_a_real_database(study_dir: Path) -> None
 
 
 # ----------------------------------------------------------------------------- 9. found by the CLI fuzzer
-# tests/test_faults.py::test_fuzzed_cli_arguments_never_raise_tracebacks feeds every command wrong file
+# tests/cli/test_faults.py::test_fuzzed_cli_arguments_never_raise_tracebacks feeds every command wrong file
 # types, paths, devices, booleans, huge numbers, damaged stores and unreachable clusters; each case
 # below was a traceback, a silent acceptance, a late refusal or a message without a fix.
 def _junk_files(tmp_path: Path) -> None:

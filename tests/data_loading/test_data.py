@@ -244,7 +244,7 @@ def test_ag_news_bow_embedding() -> None:
     assert ds.input_shape == (25 * 50,)
     assert _counts(torch.cat([ds.y_train, ds.y_test]), 4) == [1900] * 4
     assert "test split" in ds.notes
-    assert "MiniLM word vectors" in ds.notes  # the default; more in tests/test_word_vectors.py
+    assert "MiniLM word vectors" in ds.notes  # the default; more in tests/data_loading/test_word_vectors.py
     hashed = _load("ag_news", word_vectors="hashed", limit=500)
     bound = (3.0 / 50) ** 0.5 + 1e-6
     assert float(hashed.x_train.abs().max()) <= bound

@@ -176,7 +176,7 @@ def test_private_release_of_a_metric_needs_its_sensitivity():
 
 
 def test_inputs_that_are_not_tensors_are_refused_with_a_clear_error():
-    """Several tensor inputs are supported (tests/test_multi_input.py); raw strings are not."""
+    """Several tensor inputs are supported (tests/gradients/test_multi_input.py); raw strings are not."""
     x, y = _data()
 
     class RawText(Dataset):

@@ -1,4 +1,4 @@
-"""The CUDA path end to end (skipped without a GPU; run on a GPU machine with ``pytest tests/test_cuda.py``).
+"""The CUDA path end to end (skipped without a GPU; run on a GPU machine with ``pytest tests/gradients/test_cuda.py``).
 
 * every registered strategy trains on the GPU with ghost norms and with vmap, keeps its weights
   there, and spends exactly its plan;
