@@ -32,6 +32,8 @@ import dptune
 from dptune import train
 from dptune.strategies import make_strategy
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NU = 1.3
 L = 32.0  # expected batch size of the stub runs (the batch itself is the whole zero data)
 Q = 0.5

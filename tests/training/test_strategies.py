@@ -33,6 +33,8 @@ from dptune.strategies import STRATEGIES, make_strategy
 from dptune.strategies.adadp import ADADP, extrapolation_error
 from dptune.strategies.oso import OSO
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 # ----------------------------------------------------------------------------- helpers
 def inject(strategy, per_sample: torch.Tensor, *, L: float = 10.0, nu: float = 1.0, script=None, params=None, steps=1):
