@@ -20,6 +20,9 @@ from dptune.own import MapSource, materialize
 N = 200
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(N, 5, generator=g)
