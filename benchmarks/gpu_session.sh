@@ -43,8 +43,8 @@ kill "$UTIL_PID" 2>/dev/null
 "$PY" -m dptune status /tmp/gpu-slice-new/study >> "$OUT/slice.log" 2>&1
 tar czf "$OUT/slice.tgz" --exclude=checkpoints -C /tmp gpu-slice-new 2>/dev/null
 
-timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-  "tests/test_edge_noise_tails.py::test_cuda_noise_law_determinism_and_tail" >> "$OUT/tests.log" 2>&1
+timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider tests/gradients/test_cuda.py \
+  "tests/privacy/test_edge_noise_tails.py::test_cuda_noise_law_determinism_and_tail" >> "$OUT/tests.log" 2>&1
 echo "tests rc=$?" >> "$OUT/tests.log"
 
 LEFT=$(( TOTAL_S - ($(date +%s) - T_START) ))

@@ -2,7 +2,7 @@
 """SIGKILL a study at random points; after each kill, re-running it must give the uninterrupted study.
 
     python scripts/kill_test.py                 # 20 random kill points (≈ 3 min on 2 cores)
-    python scripts/kill_test.py --points 3      # the reduced version run in CI (tests/test_faults.py)
+    python scripts/kill_test.py --points 3      # the reduced version run in CI (tests/cli/test_faults.py)
 
 For each point: start ``run_study`` in a fresh process, SIGKILL it after a random delay drawn
 uniformly over the duration of one uninterrupted study (planning, SQLite writes, training,

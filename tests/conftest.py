@@ -43,7 +43,7 @@ Tensors = dict[str, torch.Tensor]
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
     """X/shared/data for a repository checked out at X/main; skip the test when absent."""
-    path = Path(__file__).resolve().parents[2] / "shared" / "data"
+    path = SHARED_DATA
     if not path.is_dir():
         pytest.skip(f"shared data directory not found at {path}")
     return path
@@ -343,7 +343,10 @@ def assert_gaussian_std(samples: torch.Tensor | np.ndarray, sigma: float, what: 
         )
 
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TESTS = Path(__file__).resolve().parent  # tests/ (test files may sit in subfolders of it)
+ROOT = TESTS.parent  # the repository
+EXAMPLES = ROOT / "examples"
+SHARED_DATA = ROOT.parent / "shared" / "data"  # X/shared/data for a checkout at X/main
 
 
 def load_example(file: str, module: str | None = None) -> Any:

@@ -1,5 +1,5 @@
 """A user's own model and data, imported as ``own_factories:make_model`` / ``own_factories:load_data``
-by the CLI and study tests (tests/test_factory_cli.py): the module:factory contract."""
+by the CLI and study tests (tests/cli/test_factory_cli.py): the module:factory contract."""
 
 from __future__ import annotations
 

@@ -13,11 +13,10 @@ import re
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "mypy-baseline.txt"
 LINE = re.compile(r"^(?P<path>[^:]+):\d+:(?:\d+:)? error: (?P<msg>.*?)\s+\[(?P<code>[a-z0-9-]+)\]$")
 

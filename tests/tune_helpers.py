@@ -1,14 +1,87 @@
-"""Tiny dpsgd grid studies shared by the tests: on seeded random data (the tuner's executor/budget
-tests), as a study file on the embedded digits data (the CLI edge, store-safety, fuzz and crash
-tests) and as a study file on the user's own data and model (tests/own_factories.py)."""
+"""Tiny studies shared by the tests: one parametrised builder (``make_study``) on small seeded
+data (``linear_data``, ``planning_data``), the tuner's executor/budget grid (``tiny_dpsgd_study``),
+a study file on the embedded digits data (the CLI edge, store-safety, fuzz and crash tests) and a
+study file on the user's own data and model (tests/own_factories.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from dptune.tune import BudgetSpec, MethodSpec, SelectionSpec, StrategyArm, Study, TrainingSpec
+
+Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def linear_data(seed: int = 0, n: int = 360, dim: int = 8, n_train: int = 270, *, uniform: bool = False) -> Data:
+    """(x, y, x_test, y_test): ``n`` seeded rows (standard normal, or uniform in [-1, 1]) labelled
+    by the argmax of a random linear map to 3 classes; the first ``n_train`` rows train."""
+    g = torch.Generator().manual_seed(seed)
+    if uniform:
+        x = torch.rand(n, dim, generator=g) * 2 - 1
+        y = (x @ torch.rand(dim, 3, generator=g)).argmax(1)
+    else:
+        x = torch.randn(n, dim, generator=g)
+        y = (x @ torch.randn(dim, 3, generator=g)).argmax(1)
+    return (x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+
+
+def planning_data(seed: int = 0) -> Data:
+    """20 rows of 4 features with coin-flip labels, the same rows as train and test: for studies
+    that are only planned (the planners read the data's size, not its values)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(20, 4, generator=g)
+    return (x, torch.randint(0, 2, (20,), generator=g), x, torch.randint(0, 2, (20,), generator=g))
+
+
+def make_study(
+    data: Any = None,
+    *,
+    arms: Sequence[StrategyArm] | None = None,
+    strategy: str = "dpsgd",
+    space: Mapping[str, Any] | None = None,
+    fixed: Mapping[str, Any] | None = None,
+    model: Any = "logistic_regression",
+    training: TrainingSpec | None = None,
+    eps: float | Sequence[float] = 2.0,
+    delta: float = 1e-5,
+    accountant: str = "rdp",
+    account_seeds: bool = False,
+    method: str = "grid",
+    opts: Mapping[str, Any] | None = None,
+    selection: SelectionSpec | None = None,
+    seeds: Sequence[int] = (0,),
+    name: str = "study",
+    **fields: Any,
+) -> Study:
+    """A study for the tests; every part can be overridden. By default: one DP-SGD arm (``strategy``
+    with ``space``, lr 0.5, and ``fixed``) of logistic regression on ``linear_data()``, 10 steps of
+    batch 40, ε = 2 (one value or several), δ = 1e-5, RDP, a grid, default selection, seed 0.
+    ``arms`` replaces the single arm; ``fields`` are further ``Study`` fields (trials_per_group,
+    secure, seed, ...)."""
+    if arms is None:
+        arms = (
+            StrategyArm(strategy, space=dict(space) if space is not None else {"lr": [0.5]}, fixed=dict(fixed or {})),
+        )
+    return Study(
+        data=data if data is not None else linear_data(),
+        model=model,
+        strategies=tuple(arms),
+        training=training or TrainingSpec(steps=10, expected_batch_size=40),
+        budget=BudgetSpec(
+            epsilon=tuple(eps) if isinstance(eps, Sequence) else (eps,),
+            delta=delta,
+            accountant=accountant,
+            account_seeds=account_seeds,
+        ),
+        method=MethodSpec(method, dict(opts or {})),
+        selection=selection or SelectionSpec(),
+        seeds=tuple(seeds),
+        name=name,
+        **fields,
+    )
 
 
 def tiny_dpsgd_study(
@@ -25,20 +98,21 @@ def tiny_dpsgd_study(
     seeds: tuple[int, ...],
     name: str,
     account_seeds: bool = False,
+    **fields: Any,
 ) -> Study:
-    g = torch.Generator().manual_seed(data_seed)
-    x = torch.randn(n, dim, generator=g)
-    y = (x @ torch.randn(dim, 3, generator=g)).argmax(1)
-    return Study(
-        data=(x[:n_train], y[:n_train], x[n_train:], y[n_train:]),
-        model="logistic_regression",
-        strategies=(StrategyArm("dpsgd", space={"lr": list(lrs)}, fixed={"clip": 1.0}),),
+    """The executor/budget tests' grid: DP-SGD (clip 1) over ``lrs`` on ``linear_data``; ``fields``
+    are further ``Study`` fields."""
+    return make_study(
+        linear_data(data_seed, n, dim, n_train),
+        space={"lr": list(lrs)},
+        fixed={"clip": 1.0},
         training=TrainingSpec(steps=steps, expected_batch_size=batch),
-        budget=BudgetSpec(epsilon=(eps,), delta=1e-5, accountant="rdp", account_seeds=account_seeds),
-        method=MethodSpec("grid"),
+        eps=eps,
+        account_seeds=account_seeds,
         selection=selection,
         seeds=seeds,
         name=name,
+        **fields,
     )
 
 

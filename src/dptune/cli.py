@@ -67,7 +67,7 @@ def _main(
     ),
 ) -> None:
     # Commands import torch, scipy and dp_accounting in their bodies, never here: --help and
-    # --version start in well under a second (tests/test_cli_startup.py).
+    # --version start in well under a second (tests/cli/test_cli_startup.py).
     pass
 
 

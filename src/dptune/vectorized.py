@@ -8,7 +8,7 @@ padded rows carry zero loss weight, so zero output gradient). Everything with pr
 stays per trial: each trial is stepped by its own ``dptune.train.RunLoop`` (own sampler,
 strategy step on a view of its rows, ``NoisyRelease`` and plan-bound ledger), so "all noise via
 the gateway, recorded first" holds trial by trial. Results equal K sequential ``train`` calls up
-to float rounding (``tests/test_vectorized.py``). Scope: (nested) ``nn.Sequential`` of
+to float rounding (``tests/training/test_vectorized.py``). Scope: (nested) ``nn.Sequential`` of
 ``nn.Linear``, element-wise activations, ``Flatten`` and inactive ``Dropout``; anything else
 runs through ``train`` (``fallback='sequential'``) or raises (``fallback='error'``).
 """

@@ -17,7 +17,7 @@ lower bound above the ε that dptune claims for the broken run.
   multiplier is ν/(1+r) (r = relative_increase): a factor 4 too little noise at r = 3.
 * ``isolation_check_skipped()``: the isolation probe of the ghost path and of DP-ZO always
   passes; not in ``APPLICABLE`` (the audits' canary models do not mix examples), caught by
-  ``tests/test_isolation_probe.py``, which measures ‖S(D ∪ {x}) − S(D)‖ > C through the gateway.
+  ``tests/privacy/test_isolation_probe.py``, which measures ‖S(D ∪ {x}) − S(D)‖ > C through the gateway.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "no clipping": clipping_disabled,
     "q-query noise removed": q_noise_removed,
     "split accounted at ν_g": split_accounted_at_nu_g,
-    # No audited strategy's canaries mix examples: tests/test_isolation_probe.py measures its
+    # No audited strategy's canaries mix examples: tests/privacy/test_isolation_probe.py measures its
     # sensitivity (one added example moves the released sum by > C) instead of an ε bound.
     "isolation check skipped": isolation_check_skipped,
 }
@@ -180,7 +180,7 @@ APPLICABLE: dict[str, tuple[str, ...]] = {
 
 
 # ----------------------------------------------------------------------------- tuner mutants (issue 10)
-# Selection-level bugs that no one-run audit can see; ``tests/test_edge_selection.py`` checks that
+# Selection-level bugs that no one-run audit can see; ``tests/tuning/test_edge_selection.py`` checks that
 # its independent checks flag each of them. Not in ``MUTANTS`` (those are audited per strategy).
 @contextlib.contextmanager
 def mean_mode_seeds_unaccounted() -> Iterator[None]:
@@ -251,7 +251,7 @@ TUNER_MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] 
 
 # ----------------------------------------------------------------------------- norm mutants (issue 10)
 # Per-sample norms that under-estimate what is released for an example (item 1). No audit
-# canary exercises these layers; ``tests/test_edge_ghost_norms.py`` checks that its independent
+# canary exercises these layers; ``tests/gradients/test_edge_ghost_norms.py`` checks that its independent
 # checks flag each of them. Not in ``MUTANTS`` (those are audited per strategy).
 @contextlib.contextmanager
 def ghost_gram_float32() -> Iterator[None]:
@@ -308,7 +308,7 @@ NORM_MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] =
 # state. No one-run audit can see them (a tail event of probability ~2⁻⁵³, batches an adversary
 # regenerates from a known seed, noise shared between two runs, a split that moves with n, a ν
 # printed a few 1e-6 too small, an ε one ulp over its target, seeds sharing their low 32 bits);
-# ``tests/test_edge_mutants.py`` checks that each item's regression test flags its mutant and
+# ``tests/privacy/test_edge_mutants.py`` checks that each item's regression test flags its mutant and
 # passes without it. Not in ``MUTANTS`` (those are audited per strategy).
 @contextlib.contextmanager
 def noise_tail_cut_off(bits: int = 53) -> Iterator[None]:

@@ -3,7 +3,7 @@
 Private and version-pinned: it subclasses ``privacy_loss_mechanism.GaussianPrivacyLoss`` and
 calls two private functions of ``privacy_loss_distribution``, mirroring
 ``PLDAccountant._maybe_compose``. It runs only on the dp_accounting versions in
-``CHECKED_VERSIONS`` (tests/test_fast_pld.py checks the internals and the equality with the
+``CHECKED_VERSIONS`` (tests/privacy/test_fast_pld.py checks the internals and the equality with the
 public ``PLDAccountant``) and with every internal it needs present. Anywhere else
 ``pld_epsilon_at`` uses the public ``PLDAccountant``, logging once why: the calibration is
 slower, its guarantee is the same, because every ν calibration returns is re-checked by
@@ -24,8 +24,8 @@ from dp_accounting.pld import pld_privacy_accountant, privacy_loss_distribution,
 
 from dptune.accounting.events import is_hashable
 
-# dp_accounting releases whose internals this module was checked against (tests/test_fast_pld.py).
-# To add one: install it, run tests/test_fast_pld.py with the version added here; all must pass.
+# dp_accounting releases whose internals this module was checked against (tests/privacy/test_fast_pld.py).
+# To add one: install it, run tests/privacy/test_fast_pld.py with the version added here; all must pass.
 CHECKED_VERSIONS: tuple[str, ...] = ("0.6.0",)
 
 _log = logging.getLogger(__name__)
