@@ -482,14 +482,14 @@ def test_mutant_round_to_nearest_is_caught() -> None:
 
 
 def test_norm_mutants_restore_the_real_code() -> None:
-    from dptune import vectorized
+    from dptune.gradients import stacked
 
     before = (
         ghost._gram_bound,
         ghost._Embedding._grouped,
         grads.upper_norms,
         ghost.upper_norms,
-        vectorized.upper_norms,
+        stacked.upper_norms,
     )
     for make in NORM_MUTANTS.values():
         with make():
@@ -499,7 +499,7 @@ def test_norm_mutants_restore_the_real_code() -> None:
         ghost._Embedding._grouped,
         grads.upper_norms,
         ghost.upper_norms,
-        vectorized.upper_norms,
+        stacked.upper_norms,
     ) == before
 
 

@@ -280,8 +280,7 @@ def ghost_gram_float32() -> Iterator[None]:
 def norms_rounded_to_nearest() -> Iterator[None]:
     """Per-sample norms as the plain float √(Σ s) (rounded to nearest, no slack): about half of
     them fall below the exact norm, so fl(C/N)·g can exceed C."""
-    from dptune import vectorized
-    from dptune.gradients import ghost, persample
+    from dptune.gradients import ghost, persample, stacked
     from dptune.gradients import oracle as grads
 
     def plain(parts, like, dtype=None, release_dtypes=()):  # noqa: ANN001, ANN202
@@ -292,7 +291,7 @@ def norms_rounded_to_nearest() -> Iterator[None]:
         return (sq if sq is not None else torch.zeros_like(like, dtype=dtype)).sqrt()
 
     with contextlib.ExitStack() as stack:
-        for owner in (persample, grads, ghost, vectorized):
+        for owner in (persample, grads, ghost, stacked):
             stack.enter_context(_patched(owner, "upper_norms", plain))
         yield
 

@@ -206,23 +206,23 @@ def test_secure_study_reaches_the_workers_and_its_report_states_the_mode(
     from dptune.tune import worker
     from dptune.tune.store import Store
 
-    seen: dict[str, list[bool]] = {"train_many": [], "train": [], "selection_noise": []}
-    real_many, real_noise = worker.train_many, worker.NoiseSource
+    seen: dict[str, list[bool]] = {"runs": [], "selection_noise": []}
+    real_loop, real_noise = worker.RunLoop, worker.NoiseSource
 
-    def spy_many(*args, **kwargs):
-        seen["train_many"].append(kwargs.get("secure_mode", False))
-        return real_many(*args, **kwargs)
+    def spy_loop(*args, **kwargs):  # every run of the worker is a RunLoop
+        seen["runs"].append(kwargs["secure_mode"])
+        return real_loop(*args, **kwargs)
 
     def spy_noise(*args, **kwargs):
         seen["selection_noise"].append(kwargs.get("secure", False))
         return real_noise(*args, **kwargs)
 
-    monkeypatch.setattr(worker, "train_many", spy_many)
+    monkeypatch.setattr(worker, "RunLoop", spy_loop)
     monkeypatch.setattr(worker, "NoiseSource", spy_noise)
     dirs = [tmp_path / "a", tmp_path / "b"]
     for d in dirs:
         run_study(_tiny(True, "sec"), d, progress=False)
-    assert seen["train_many"] == [True, True] and seen["selection_noise"] == [True] * 4
+    assert seen["runs"] and all(seen["runs"]) and seen["selection_noise"] == [True] * 4
     with Store(dirs[0]) as st:  # what resume rebuilds the study from (study_from_dict: tested above)
         assert st.get_meta("config")["study"]["secure"] is True
 
@@ -236,7 +236,7 @@ def test_secure_study_reaches_the_workers_and_its_report_states_the_mode(
 
     seeded = tmp_path / "seeded"
     run_study(_tiny(False, "plain"), seeded, progress=False)
-    assert seen["train_many"][-1] is False
+    assert seen["runs"][-1] is False
     page = report_study(seeded).read_text()
     assert "secret key" in page
     # The presets' page (dptune demo / reproduce) and the terminal table state the mode too.

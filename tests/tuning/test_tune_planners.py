@@ -235,10 +235,10 @@ def test_private_selection_events_are_planned():
 
 
 @pytest.mark.parametrize("strategy", ["oso", "quantile"])
-def test_split_strategies_get_a_noise_multiplier_they_release_exactly(strategy):
+def test_split_strategies_get_a_noise_multiplier_they_release(strategy):
     # OSO and the quantile rule split ν over two queries; the gateway recomputes the joint ν from
-    # the parts, and the ledger compares events exactly: the planner snaps ν (a few ulps up) so
-    # that the round trip is exact — otherwise ~1 run in 5 would be refused mid-training.
+    # the parts and refuses less noise than planned: the planner snaps ν (a few ulps up) so that
+    # the parts recombine to at least it — otherwise ~1 run in 5 would be refused mid-training.
     from dptune.release.context import RunPlan
 
     space = {"lr": [0.1, 1.0]}
@@ -255,7 +255,8 @@ def test_split_strategies_get_a_noise_multiplier_they_release_exactly(strategy):
     for run in plan.runs.values():
         strat = __import__("dptune").make_strategy(strategy, **run.config)
         run_plan = RunPlan(strat, N, run.sampling_rate, run.steps, run.noise_multiplier)
-        assert run_plan.released_multiplier() == run.noise_multiplier
+        # at least the planned noise is drawn, at most a rounding above it (the gateway's rule)
+        assert run.noise_multiplier <= run_plan.released_multiplier() <= run.noise_multiplier * (1 + 1e-12)
     for arm in plan.arms:
         assert arm.guarantee["epsilon"] <= arm.epsilon
 
