@@ -23,7 +23,7 @@ import dptune
 from dptune import ConfigError
 from dptune.factories import call_factory, import_factory
 
-PROJECT = '''
+PROJECT = """
 import torch
 from torch import nn
 
@@ -54,7 +54,7 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.fc(x)
-'''
+"""
 
 
 def _project(tmp_path: Path, name: str) -> Path:
@@ -128,7 +128,9 @@ def test_an_exception_of_your_factory_is_one_line_naming_it(tmp_path, monkeypatc
 def test_call_factory_names_options_the_factory_does_not_take(tmp_path, monkeypatch):
     monkeypatch.chdir(_project(tmp_path, "myproj_h8d"))
     fn = import_factory("myproj_h8d:build")
-    with pytest.raises(ConfigError, match="your model factory 'myproj_h8d:build': got an unexpected keyword argument 'depth'"):
+    with pytest.raises(
+        ConfigError, match="your model factory 'myproj_h8d:build': got an unexpected keyword argument 'depth'"
+    ):
         call_factory(fn, "myproj_h8d:build", "model factory", input_dim=6, classes=3, depth=2)
     assert isinstance(call_factory(fn, "myproj_h8d:build", "model factory", input_dim=6, classes=3), torch.nn.Module)
 
