@@ -121,3 +121,20 @@ def test_snippet_runs_as_written(snippet, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ns = {"__name__": "__doc_snippet__", **yours()}
     exec(compile(snippet.code, snippet.id, "exec"), ns)  # a failure names the file and line
+
+
+def test_the_smoke_scale_billed_as_offline_reads_only_embedded_data(tmp_path, monkeypatch):
+    """docs/reproduce.md bills `dptune reproduce galli-mnist --scale smoke` as offline: its data is
+    an embedded dataset (it read the full MNIST), and planning it reads nothing else."""
+    from dptune.data.registry import DATASETS
+    from dptune.presets import plan_preset, preset_parts
+
+    (tmp_path / "no-data").mkdir()
+    monkeypatch.setenv("DPTUNE_DATA_DIR", str(tmp_path / "no-data"))
+    monkeypatch.setenv("DPTUNE_OFFLINE", "1")
+    (part,) = preset_parts("galli-mnist", "smoke")
+    assert DATASETS[part.study["data"]["name"]].embedded
+    (plan,) = plan_preset("galli-mnist", "smoke").values()
+    assert plan.runs and list(tmp_path.joinpath("no-data").iterdir()) == []
+    text = (ROOT / "docs" / "reproduce.md").read_text(encoding="utf-8")
+    assert "galli-mnist --scale smoke              # ≈ 1 min, offline" in text
