@@ -95,13 +95,19 @@ def test_cli_finds_your_module_in_the_current_folder_and_the_card_reload_code_ru
         sys.path.remove(str(d))
 
 
-def test_a_study_file_in_the_current_folder_runs_on_the_process_executor(tmp_path):
-    d = _project(tmp_path, "myproj_h8b")
-    toml = own_factories_study_toml("cwd", "myproj_h8b:build").replace("own_factories:load_data", "myproj_h8b:load")
+@pytest.mark.parametrize("executor", ["process", pytest.param("ray", marks=pytest.mark.slow)])
+def test_a_study_file_in_the_current_folder_runs_on_other_executors(tmp_path, executor):
+    if executor == "ray":
+        pytest.importorskip("ray")
+    d = _project(tmp_path, f"myproj_h8b_{executor}")
+    mod = f"myproj_h8b_{executor}"
+    toml = own_factories_study_toml("cwd", f"{mod}:build").replace("own_factories:load_data", f"{mod}:load")
     (d / "study.toml").write_text(toml)
-    res = _dptune(d, "tune", "study.toml", "--out", "s", "--executor", "process", "--workers", "1", "--no-progress")
+    res = _dptune(d, "tune", "study.toml", "--out", "s", "--executor", executor, "--workers", "1", "--no-progress")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert (d / "s" / "release").is_dir()
+    from dptune.tune import study_table
+
+    assert [(r["runs_done"], r["runs_total"]) for r in study_table(d / "s")] == [(2, 2)]
 
 
 @pytest.mark.parametrize(
