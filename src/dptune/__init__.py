@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from dptune._version import __version__ as __version__
 
+_PRIVATIZERS = ("Privatizer", "FixedClip", "QuantileClip", "OSOClip", "ZerothOrderClip", "NonPrivate")
+_UPDATES = ("UpdateRule", "SGD", "Adam", "AdamWOSM", "OSORate", "ADADP", "Averaged")
 # public name → (module, attribute in it)
 _LAZY: dict[str, tuple[str, str]] = {
     "train": ("dptune.train", "train"),
@@ -41,6 +43,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     "make_private": ("dptune.loop", "make_private"),
     "PrivateTraining": ("dptune.loop", "PrivateTraining"),
 }
+# the parts of ``chain(privatizer, update)`` and ``make_private(..., privatizer=...)``
+_LAZY.update({n: ("dptune.release.privatizers", n) for n in _PRIVATIZERS})
+_LAZY.update({n: ("dptune.updates", n) for n in _UPDATES})
 
 __all__ = [
     "train",
@@ -66,6 +71,19 @@ __all__ = [
     "make_private",
     "PrivateTraining",
     "chain",
+    "Privatizer",
+    "FixedClip",
+    "QuantileClip",
+    "OSOClip",
+    "ZerothOrderClip",
+    "NonPrivate",
+    "UpdateRule",
+    "SGD",
+    "Adam",
+    "AdamWOSM",
+    "OSORate",
+    "ADADP",
+    "Averaged",
 ]
 
 if TYPE_CHECKING:  # static tools see the eager imports
@@ -83,8 +101,17 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from dptune.metrics import Metric
     from dptune.own import from_dataloader
     from dptune.release.ledger import Ledger
+    from dptune.release.privatizers import (
+        FixedClip,
+        NonPrivate,
+        OSOClip,
+        Privatizer,
+        QuantileClip,
+        ZerothOrderClip,
+    )
     from dptune.strategies import STRATEGIES, chain, make_strategy
     from dptune.train import RunPlan, TrainResult, plan_run, train
+    from dptune.updates import ADADP, SGD, Adam, AdamWOSM, Averaged, OSORate, UpdateRule
 
 
 def __getattr__(name: str) -> Any:

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from torch import nn
 from dptune import models
 from dptune._version import __version__
 from dptune.errors import ConfigError
-from dptune.factories import import_factory
+from dptune.factories import call_factory, import_factory
 from dptune.outputs import labelled_json, randomness_statement
 from dptune.own import factory_kwargs
 
@@ -107,12 +108,30 @@ def write_model(directory: str | Path, state: Mapping[str, torch.Tensor], card: 
         "weights": {"file": WEIGHTS_FILE, "format": "torch.save(state_dict)", "sha256": file_sha256(weights)},
     }
     # The folder's own name only: an absolute path would publish the owner's file system layout.
-    full["load"] = f"import dptune; model, card = dptune.load_model({d.name!r})" + (
-        "" if {"name", "factory"} & set(full.get("model", {})) else "  # model=YourModule(...): user code"
-    )
+    full["load"] = reload_code(d.name, full.get("model", {}))
     save_text(d / CARD_JSON, json.dumps(_finite_json(full), indent=2, default=str) + "\n")
     save_text(d / CARD_MD, card_markdown(full))
     return d
+
+
+def reload_code(folder: str, ident: Mapping[str, Any]) -> str:
+    """The card's code that loads the model back: a built-in is rebuilt from the card; your model
+    is built by your code, shown as ``model=`` (``trust_factory=True`` would run the code the card
+    names, which anyone who can edit the card chooses)."""
+    if "name" in ident:
+        return f"import dptune\nmodel, card = dptune.load_model({folder!r})"
+    path, args = ident.get("factory") or ident.get("builder") or ident.get("class") or "", ident.get("kwargs")
+    if "factory" in ident:
+        mod, _, attr = path.partition(":")
+    else:  # "module.qualname": the longest prefix that is a loaded module
+        parts = path.split(".")
+        k = next((k for k in range(len(parts) - 1, 0, -1) if ".".join(parts[:k]) in sys.modules), len(parts) - 1)
+        mod, attr = ".".join(parts[:k]), ".".join(parts[k:])
+    args = ident.get("options") if args is None else args
+    call = f"{attr}({', '.join(f'{k}={v!r}' for k, v in (args or {}).items())})"
+    head = "import dptune\n" + ("" if mod in ("", "__main__") else f"from {mod} import {attr.split('.')[0]}\n")
+    note = "" if args is not None else "  # your class, built as for training"
+    return f"{head}model, card = dptune.load_model({folder!r}, model={call}){note}"
 
 
 def _finite_json(x: Any) -> Any:
@@ -340,21 +359,16 @@ def load_model(
         )
     if model is None:
         ident = card.get("model", {})
-        if "factory" in ident:  # your module:factory, importable here (the card names it)
-            if not trust_factory:
-                raise ConfigError(
-                    f"this card names user code ({ident['factory']!r}), which loading would run. "
-                    "Fix: pass model=an instance of the same architecture, or trust_factory=True "
-                    "if you trust where the card comes from."
-                )
-
-            model = import_factory(ident["factory"], "model factory")(**ident.get("kwargs", {}))
-        elif "name" in ident:
+        if "name" in ident:
             model = models.build(ident["name"], **ident.get("kwargs", {}))
+        elif "factory" in ident and trust_factory:  # your module:factory, named by the card
+            fn = import_factory(ident["factory"], "model factory")
+            model = call_factory(fn, ident["factory"], "model factory", **ident.get("kwargs", {}))
         else:
+            trust = "\n(or trust_factory=True: runs the factory this card names; only for a card you trust)"
             raise ConfigError(
-                f"this model was built by user code ({ident or 'unknown'}): pass model=an instance "
-                "of the same architecture, e.g. dptune.load_model(DIR, model=MyNet())."
+                f"this model was built by your code ({ident or 'unknown'}): build it and pass it as "
+                f"model=, as the model card shows:\n{reload_code(d.name, ident)}" + trust * ("factory" in ident)
             )
     state = torch.load(weights, map_location="cpu", weights_only=True)
     try:

@@ -3,11 +3,19 @@
 One importer for every user-code path (``--model``/``--data``, ``[model]``/``[data] factory``, a
 study's ``selection.metric``), with one clear error when the path is wrong. Torch-free, so the
 metric table (``dptune.metrics``) and the report layer can use it without loading torch.
+
+The current folder is searched too (last, so it never shadows an installed package): ``--model
+myproj:build`` finds ``./myproj.py`` as ``python -c`` would. Spawned workers inherit ``sys.path``,
+and a local Ray gets it as PYTHONPATH (``tune.executors``). ``call_factory`` calls what was
+imported, so that an exception of your code is one error naming your factory.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
+import sys
 from typing import Any
 
 from dptune.errors import ConfigError
@@ -21,12 +29,14 @@ def import_factory(path: str, what: str = "factory", require_callable: bool = Tr
             "'mypkg.models:build' (the module must be importable: on sys.path or PYTHONPATH)."
         )
     mod_name, attr = path.split(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         obj: Any = importlib.import_module(mod_name)
     except ImportError as exc:
         raise ConfigError(
             f"{what} {path!r}: cannot import module {mod_name!r} ({exc}). Fix: install the "
-            "package or put its folder on PYTHONPATH (every worker needs it too)."
+            "package, run from its folder, or put the folder on PYTHONPATH (every worker needs it too)."
         ) from None
     except Exception as exc:  # the user's module raised while importing
         raise ConfigError(
@@ -41,6 +51,22 @@ def import_factory(path: str, what: str = "factory", require_callable: bool = Tr
     if require_callable and not callable(obj):
         raise ConfigError(f"{what} {path!r} is not callable. Fix: point at a function or class.")
     return obj
+
+
+def call_factory(fn: Any, path: str, what: str, **kwargs: Any) -> Any:
+    """``fn(**kwargs)`` for your factory ``path``: options it does not take, and any exception it
+    raises, are one ConfigError naming it (``your data factory 'mypkg:load' raised
+    FileNotFoundError: ...``); the original exception is chained for the traceback."""
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"your {what} {path!r}: {exc}. Fix its options.") from None
+    except ValueError:  # no signature to check (a builtin): the call says
+        pass
+    try:
+        return fn(**kwargs)
+    except Exception as exc:
+        raise ConfigError(f"your {what} {path!r} raised {type(exc).__name__}: {exc}") from exc
 
 
 def is_factory_path(s: Any) -> bool:

@@ -25,7 +25,7 @@ from torch.func import functional_call
 
 from dptune import inputs, metrics
 from dptune.errors import ConfigError
-from dptune.factories import import_factory
+from dptune.factories import call_factory, import_factory
 from dptune.gradients.persample import ScratchBuffers, check_model
 
 
@@ -201,11 +201,7 @@ def load_data(path: str, options: dict[str, Any] | None = None) -> tuple[Any, An
     pair ``(train, test)`` whose parts are map-style datasets or ``(x, y)`` tensor pairs
     (``test`` may be None). ``train``/``test`` come back as given (map-style or pairs).
     """
-    fn = import_factory(path, "data factory")
-    try:
-        out = fn(**dict(options or {}))
-    except TypeError as exc:
-        raise ConfigError(f"data factory {path!r} failed ({exc}). Fix its options.") from None
+    out = call_factory(import_factory(path, "data factory"), path, "data factory", **dict(options or {}))
     if hasattr(out, "x_train"):
         test = (out.x_test, out.y_test) if getattr(out, "x_test", None) is not None else None
         return (out.x_train, out.y_train), test
@@ -256,10 +252,7 @@ def factory_kwargs(
 def build_model(path: str, input_dim: int | None, classes: int | None, **options: Any) -> torch.nn.Module:
     """``factory(**options)``, given ``input_dim``/``classes`` when it takes them and they are known."""
     fn = import_factory(path, "model factory")
-    try:
-        net = fn(**factory_kwargs(fn, input_dim, classes, options))
-    except TypeError as exc:
-        raise ConfigError(f"model factory {path!r} failed ({exc}). Fix: give it defaults or options.") from None
+    net = call_factory(fn, path, "model factory", **factory_kwargs(fn, input_dim, classes, options))
     if not isinstance(net, torch.nn.Module):
         raise ConfigError(f"model factory {path!r} returned a {type(net).__name__}, not a torch nn.Module.")
     return net

@@ -121,7 +121,7 @@ SMALL_NODP_LR_RANGE: dict[str, tuple[float, float]] = {
     "agnews": (-0.5, 0.5),
 }
 SMOKE: dict[str, dict[str, Any]] = {
-    "mnist": {"limit": 200, "batch": 32, "steps": 4, "eval_every": 2},
+    "mnist": {"data": "mnist5k", "limit": 200, "batch": 32, "steps": 4, "eval_every": 2},  # embedded: offline
     "fmnist-ae": {"limit": 120, "batch": 16, "steps": 3, "eval_every": 2},
     "agnews": {"limit": 300, "batch": 64, "steps": 6, "eval_every": 3},
 }
@@ -195,7 +195,7 @@ def build(dataset: str, scale: str, options: Mapping[str, Any]) -> list[Part]:
     spec = DATASETS[dataset]
     s = _settings(dataset, scale)
     k = check_k(options.get("k", s["k"]), scale)
-    data = {"name": spec["data"]["name"], "options": dict(spec["data"].get("options", {}))}
+    data = {"name": s.get("data", spec["data"]["name"]), "options": dict(spec["data"].get("options", {}))}
     if s.get("limit") is not None:
         data["options"]["limit"] = s["limit"]
     length = {"steps": s["steps"]} if "steps" in s else {"epochs": s["epochs"]}

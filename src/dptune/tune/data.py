@@ -20,7 +20,7 @@ import torch
 
 from dptune import data as datasets
 from dptune.errors import ConfigError
-from dptune.factories import import_factory
+from dptune.factories import call_factory, import_factory
 from dptune.models import MODELS
 from dptune.own import as_pair, load_data
 from dptune.release.sampling import stream_seed
@@ -154,6 +154,8 @@ def build_model(spec: ModelSpec, data: StudyData, seed: int) -> torch.nn.Module:
         if "classes" in params and "classes" not in opts and data.num_classes is not None:
             opts["classes"] = data.num_classes
     torch.manual_seed(int(seed))
+    if spec.factory is not None:
+        return call_factory(ctor, spec.factory, "model factory", **opts)
     try:
         return ctor(**opts)
     except (TypeError, ValueError) as exc:
