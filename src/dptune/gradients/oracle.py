@@ -127,6 +127,7 @@ class GradientOracle:
         self.requested_method = _check_method(method if method is not None else DEFAULT_METHOD)
         self._ghost = None
         self.fallback_reason: str | None = None
+        self.alone_reason: str | None = None  # why vmap cannot run the model (then: ``_one_at_a_time``)
         if self.requested_method != "vmap":
             reason = ghost.unsupported_reason(model)
             if reason is None:
@@ -198,15 +199,46 @@ class GradientOracle:
             return self._ghost(params, x, y, buffers)
 
     def _vmap(self, params: Tensors, x: Any, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
-        with self._scratch() as buffers:
+        if self.alone_reason is None:
             try:
-                return self._per_sample(params, buffers, x, y)
-            except RuntimeError:
+                with self._scratch() as buffers:
+                    return self._per_sample(params, buffers, x, y)
+            except RuntimeError as exc:
                 # functorch refuses most in-place writes to a buffer (a batched value into an
                 # unbatched tensor); a plain forward tells whether that was it, in one line.
                 if self.buffers:
                     self._probe_buffers(params, x)
-                raise
+                if "vmap" not in str(exc):
+                    raise
+                self.alone_reason = str(exc).split(". ")[0]
+                warnings.warn(
+                    f"dptune: torch.func.vmap cannot run this model ({self.alone_reason}); per-example "
+                    "gradients are computed one example at a time (exact, slower).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        with self._scratch() as buffers:
+            return self._one_at_a_time(params, buffers, x, y)
+
+    def _one_at_a_time(
+        self, params: Tensors, buffers: Tensors, x: Any, y: torch.Tensor
+    ) -> tuple[Tensors, torch.Tensor]:
+        """What ``_per_sample`` computes, by a forward and a backward pass of each example alone
+        (a batch of one): for models vmap refuses, e.g. a Python branch on a tensor's value such as
+        Hugging Face's ``if attention_mask.all():`` (docs/privacy.md, "vmap per-sample gradients")."""
+        ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        B = inputs.batch_len(x)
+        grads = {k: torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()}
+        losses = []
+        for j in range(B):
+            out = self._call(ps, buffers, inputs.rows(x, j, j + 1))
+            loss = self.loss_fn(out.squeeze(0), y[j])
+            gs = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
+            for k, g in zip(ps, gs, strict=True):
+                if g is not None:
+                    grads[k][j] = g
+            losses.append(loss.detach())
+        return grads, torch.stack(losses)
 
     def _probe_buffers(self, params: Tensors, x: Any) -> None:
         """Raise ``ScratchBuffers``' ConfigError if a plain forward of one example writes a buffer."""
