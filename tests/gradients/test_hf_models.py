@@ -127,6 +127,24 @@ def test_train_full_and_frozen_trunk_ledger_equals_plan(family: str) -> None:
             assert moved == (k in trainable), (last, k)  # frozen: bit for bit untouched
 
 
+def test_make_private_frozen_trunk_touches_only_the_trainable_part() -> None:
+    model = tiny_classifier("distilbert", layers=2)
+    names = set(freeze_trunk(model, 1))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    x, y = token_batch(40, T, seed=6)
+    private = dptune.make_private(
+        model, (x, y), torch.optim.AdamW(model.parameters(), lr=1e-2), steps=3, expected_batch_size=8,
+        noise_multiplier=1.0, device="cpu", grad_method="vmap",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for xb, yb in private.batches():
+            private.step(xb, yb)
+    assert private.ledger.releases == 3
+    for k, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[k]) == (k not in names), k
+
+
 @pytest.mark.parametrize(
     "family",
     [
