@@ -96,3 +96,35 @@ def test_models_vmap_can_run_stay_on_vmap() -> None:
     oracle = GradientOracle(model, method="vmap")
     oracle({k: p.detach() for k, p in model.named_parameters()}, torch.randn(5, 4), torch.zeros(5, dtype=torch.long))
     assert oracle.alone_reason is None
+
+
+class BroadcastPositions(nn.Module):
+    """Token plus position embeddings, the positions looked up once as ids [1, T] and broadcast
+    over the batch (BERT's and DistilBERT's ``position_ids`` buffer): the ghost path records one
+    output gradient for the whole batch."""
+
+    def __init__(self, T: int = 6) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(20, 8), nn.Embedding(T, 8), nn.Linear(8, 3)
+        self.register_buffer("position_ids", torch.arange(T).unsqueeze(0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.tok(ids) + self.pos(self.position_ids)).mean(1))
+
+
+def test_auto_moves_to_vmap_when_only_the_ghost_path_mixes_and_forced_ghost_refuses() -> None:
+    torch.manual_seed(0)
+    model = BroadcastPositions()
+    ids, y = torch.randint(0, 20, (8, 6)), torch.randint(0, 3, (8,))
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    oracle = GradientOracle(model, method="auto")
+    with pytest.warns(RuntimeWarning, match="mixes examples"):
+        g = oracle(params, ids, y)
+    assert oracle.method == "vmap"
+    for i in range(8):
+        model.zero_grad()
+        F.cross_entropy(model(ids[i : i + 1]), y[i : i + 1]).backward()
+        exact = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().norm()
+        assert exact <= g.norms[i] <= exact * (1 + 1e-3)
+    with pytest.raises(ConfigError, match="depends on other examples"):
+        GradientOracle(model, method="ghost")(params, ids, y)

@@ -176,18 +176,20 @@ class GradientOracle:
         due = self._ghost is not None and self._due("grads", B)
         if self._ghost is not None and (due or self._next_probe["grads"]):
             before = self._swap_state(inputs.device_of(x)) if due else None
+            first = due and not self._next_probe["grads"]
             try:
                 got = self._run_ghost(params, x, y)
-            except ghost.GhostFallback as exc:
-                self._fall_back(str(exc))
-            else:
                 if due:
-                    first = not self._next_probe["grads"]
                     self._probe("grads", x, y, before, lambda xs, ys: self._run_ghost(params, xs, ys), got)
-                    if first and self.requested_method == "auto":
-                        self._compare_alone(params, x, y)
-                    elif first:  # forced ghost: no vmap comparison (rounding), the loss alone at least
-                        self._loss_alone(params, x, y, "grads")
+            except (ghost.GhostFallback, RuntimeError) as exc:  # nothing of this batch was released
+                if not isinstance(exc, ghost.GhostFallback) and self.requested_method != "auto":
+                    raise
+                self._fall_back(str(exc).split("\n")[0])
+            else:
+                if first and self.requested_method == "auto":
+                    self._compare_alone(params, x, y)
+                elif first:  # forced ghost: no vmap comparison (rounding), the loss alone at least
+                    self._loss_alone(params, x, y, "grads")
                 if self._ghost is not None:
                     return got
         grads, losses = self._vmap(params, x, y)
@@ -228,15 +230,14 @@ class GradientOracle:
         Hugging Face's ``if attention_mask.all():`` (docs/privacy.md, "vmap per-sample gradients")."""
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         B = inputs.batch_len(x)
-        grads = {k: torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()}
+        grads = {k: torch.empty((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()}
         losses = []
         for j in range(B):
             out = self._call(ps, buffers, inputs.rows(x, j, j + 1))
             loss = self.loss_fn(out.squeeze(0), y[j])
             gs = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
             for k, g in zip(ps, gs, strict=True):
-                if g is not None:
-                    grads[k][j] = g
+                grads[k][j] = 0.0 if g is None else g  # memory touched once (zeros first: twice)
             losses.append(loss.detach())
         return grads, torch.stack(losses)
 
@@ -287,6 +288,12 @@ class GradientOracle:
             self._same_rows(mine, other, _scale(got))
             and self._same(_row_values(got, i), _row_values(theirs, i), _scale(got))
         ):
+            # `auto`'s first probe, before any ghost release: when the forward isolates the kept rows
+            # (their losses did not move), only the ghost path mixes (a parameter applied across the
+            # batch, e.g. position embeddings of ids [1, T]): vmap runs each example alone.
+            first_auto = kind == "grads" and self.requested_method == "auto" and not self._next_probe[kind]
+            if first_auto and self._same_rows(got.losses[kept], theirs.losses[kept], _scale(got.losses)):
+                raise ghost.GhostFallback("a parameter's ghost gradient mixes examples (used across the batch?)")
             self._refuse(kind)
         self._next_probe[kind] = self._calls[kind] + self.PROBE_EVERY
 
