@@ -7,9 +7,9 @@ Models (tests/hf_models.py): a tiny random BERT (2 layers, d = 16) and the pretr
 pooling and a linear head, dict batches padded to ``--tokens``. Per model and batch, interleaved in
 one process (``common.interleaved_medians``): a non-private AdamW step (one batched forward and
 backward), and one ``dpadam`` step as ``dptune.train`` runs it (real gateway and ledger), full
-fine-tuning and with only the last encoder layer and the head trainable (frozen trunk). Both paths
-are named by what runs: these models take the oracle's one-example-at-a-time path (vmap refuses
-them). One thread and the process's CPU clock by default: on a shared machine wall times with
+fine-tuning and with only the last encoder layer and the head trainable (frozen trunk), with
+``grad_method`` 'vmap' and 'auto', each named by what runs: vmap refuses these models, so the
+oracle computes one example at a time; 'auto' takes the ghost path where its first probe passes. One thread and the process's CPU clock by default: on a shared machine wall times with
 two threads measure the other jobs (``common.interleaved_medians``). Prints a markdown table of medians and ratios non-private / private.
 """
 
@@ -47,7 +47,7 @@ def torch_step(model: nn.Module, x: dict, y: torch.Tensor):
     return step
 
 
-def dptune_step(model: nn.Module, x: dict, y: torch.Tensor) -> tuple[Any, str]:
+def dptune_step(model: nn.Module, x: dict, y: torch.Tensor, method: str) -> tuple[Any, str]:
     from dptune.gradients.oracle import GradientOracle
     from dptune.release.context import RunPlan, StepContext
     from dptune.release.ledger import Ledger
@@ -56,7 +56,7 @@ def dptune_step(model: nn.Module, x: dict, y: torch.Tensor) -> tuple[Any, str]:
 
     m = copy.deepcopy(model)
     strat = make_strategy("dpadam", lr=1e-4, clip=1.0)
-    oracle = GradientOracle(m, "cross_entropy", method="vmap")
+    oracle = GradientOracle(m, "cross_entropy", method=method)
     params = {k: p.detach().clone() for k, p in m.named_parameters() if p.requires_grad}
     q = inputs.batch_len(x) / N_TRAIN
     run = RunPlan(strat, N_TRAIN, q, 10_000, 1.0)
@@ -71,7 +71,7 @@ def dptune_step(model: nn.Module, x: dict, y: torch.Tensor) -> tuple[Any, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         step()
-    return step, "one at a time" if oracle.alone_reason else "vmap"
+    return step, "ghost" if oracle.method == "ghost" else "one at a time" if oracle.alone_reason else "vmap"
 
 
 def main() -> None:
@@ -93,22 +93,23 @@ def main() -> None:
         for B in args.batches:
             x, y = token_batch(B, args.tokens, vocab=vocab, cls=101 % vocab, sep=102 % vocab, seed=B)
             for mode, model in (("full", full), ("last layer", frozen)):
-                dp, path = dptune_step(model, x, y)
-                med = interleaved_medians(
-                    {"nodp": torch_step(model, x, y), "dp": dp}, rounds=args.rounds, warmup=1, clock=args.clock
-                )
-                rows.append(
-                    {
-                        "model": name,
-                        "trainable": mode,
-                        "batch": B,
-                        "path": path,
-                        "non-private ms": 1e3 * med["nodp"],
-                        "dpadam ms": 1e3 * med["dp"],
-                        "ratio": med["nodp"] / med["dp"],
-                    }
-                )
-                print(rows[-1], flush=True)
+                fns, paths = {"nodp": torch_step(model, x, y)}, {}
+                for method in ("vmap", "auto"):
+                    fns[method], paths[method] = dptune_step(model, x, y, method)
+                med = interleaved_medians(fns, rounds=args.rounds, warmup=1, clock=args.clock)
+                for method in ("vmap", "auto"):
+                    rows.append(
+                        {
+                            "model": name,
+                            "trainable": mode,
+                            "batch": B,
+                            "grad_method": f"{method} ({paths[method]})",
+                            "non-private ms": 1e3 * med["nodp"],
+                            "dpadam ms": 1e3 * med[method],
+                            "ratio": med["nodp"] / med[method],
+                        }
+                    )
+                    print(rows[-1], flush=True)
     print(f"\n{machine()}, {args.tokens} tokens, {args.clock} clock, medians of {args.rounds} interleaved rounds\n")
     print(table(rows, list(rows[0])))
 
