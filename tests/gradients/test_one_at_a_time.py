@@ -128,3 +128,23 @@ def test_auto_moves_to_vmap_when_only_the_ghost_path_mixes_and_forced_ghost_refu
         assert exact <= g.norms[i] <= exact * (1 + 1e-3)
     with pytest.raises(ConfigError, match="depends on other examples"):
         GradientOracle(model, method="ghost")(params, ids, y)
+
+
+def test_a_runtime_error_of_the_ghost_path_moves_auto_to_vmap_and_is_raised_when_forced(monkeypatch) -> None:
+    """E.g. a layer rule that cannot handle the shapes it recorded (MiniLM's position embedding
+    once gave "index_add_(): Number of indices (64) should be equal to source.size(dim)")."""
+    from dptune.gradients import ghost
+
+    def broken(self, *args):  # noqa: ANN001, ANN002, ANN202, ARG001
+        raise RuntimeError("index_add_(): Number of indices (64) should be equal to source.size(dim): (4352)")
+
+    monkeypatch.setattr(ghost.GhostEngine, "__call__", broken)
+    model = nn.Sequential(nn.Linear(4, 3))
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    oracle = GradientOracle(model, method="auto")
+    with pytest.warns(RuntimeWarning, match="index_add_"):
+        g = oracle(params, x, y)
+    assert oracle.method == "vmap" and g.norms.shape == (6,)
+    with pytest.raises(RuntimeError, match="index_add_"):
+        GradientOracle(model, method="ghost")(params, x, y)
