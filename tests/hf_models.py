@@ -8,6 +8,7 @@ RoBERTa and DistilBERT; the real pretrained MiniLM (``all-MiniLM-L6-v2``, a ``Be
 from __future__ import annotations
 
 import torch
+import torch.utils.data
 from torch import nn
 
 FAMILIES = ("bert", "roberta", "distilbert")
@@ -107,3 +108,28 @@ def token_batch(
     ids[torch.arange(n), lens - 1] = sep
     ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad))
     return {"input_ids": ids, "attention_mask": mask}, y
+
+
+# ----------------------------------------------------------------------------- CLI factories
+def make_tiny(family: str = "bert", classes: int = 2) -> PooledClassifier:
+    """``--model hf_models:make_tiny`` (``dptune train``): a tiny random ``family`` classifier."""
+    return tiny_classifier(family, classes=classes)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Map-style: item i is ({'input_ids': [T], 'attention_mask': [T]}, y_i), as a tokenizer with
+    ``padding="max_length"`` gives it."""
+
+    def __init__(self, n: int, length: int, seed: int, pad: int):
+        self.x, self.y = token_batch(n, length, seed=seed, pad=pad)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return {k: v[i] for k, v in self.x.items()}, self.y[i]
+
+
+def load_tokens(n: int = 120, n_test: int = 40, length: int = 16, family: str = "bert") -> tuple[Tokens, Tokens]:
+    """``--data hf_models:load_tokens``: (train, test) token datasets for ``make_tiny(family)``."""
+    return Tokens(n, length, 1, PAD[family]), Tokens(n_test, length, 2, PAD[family])

@@ -192,3 +192,19 @@ def test_minilm_trains_with_frozen_trunk(minilm) -> None:
     finally:
         for p in minilm.parameters():
             p.requires_grad_(True)
+
+
+def test_cli_trains_a_hugging_face_model_from_factories(tmp_path) -> None:
+    """``dptune train --model hf_models:make_tiny --data hf_models:load_tokens`` (a data factory that
+    returns tokenised dict examples padded to a fixed length), the default grad_method."""
+    import json
+
+    from cli_helpers import invoke_train
+
+    out = tmp_path / "r.json"
+    data = ["--model", "hf_models:make_tiny", "--data", "hf_models:load_tokens"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = invoke_train(out, data=data, epochs="0.3", batch_size="20", eval_every=None, hps=["lr=0.01"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["steps"] == 2  # 120 examples, L = 20, 0.3 epochs
