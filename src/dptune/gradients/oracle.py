@@ -7,7 +7,7 @@ ghost-norm / book-keeping implementation (no materialised per-sample gradients)
 replaces the vmap one without touching any strategy.
 
 ``GradientOracle(..., method=)`` picks the implementation: ``'vmap'`` (materialised
-per-sample gradients, any model), ``'ghost'`` (``dptune.gradients.ghost``: ghost norms and
+per-sample gradients, any model; one example at a time where vmap cannot run it), ``'ghost'`` (``dptune.gradients.ghost``: ghost norms and
 book-keeping from one backward pass; Linear, Conv1d/2d, ConvTranspose2d, Embedding,
 LayerNorm, GroupNorm) or ``'auto'`` (ghost when the model allows it, else vmap). The
 default comes from ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_METHOD``; ``set_default_method``).
