@@ -7,7 +7,7 @@ ghost-norm / book-keeping implementation (no materialised per-sample gradients)
 replaces the vmap one without touching any strategy.
 
 ``GradientOracle(..., method=)`` picks the implementation: ``'vmap'`` (materialised
-per-sample gradients, any model), ``'ghost'`` (``dptune.gradients.ghost``: ghost norms and
+per-sample gradients, any model; one example at a time where vmap cannot run it), ``'ghost'`` (``dptune.gradients.ghost``: ghost norms and
 book-keeping from one backward pass; Linear, Conv1d/2d, ConvTranspose2d, Embedding,
 LayerNorm, GroupNorm) or ``'auto'`` (ghost when the model allows it, else vmap). The
 default comes from ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_METHOD``; ``set_default_method``).
@@ -127,6 +127,7 @@ class GradientOracle:
         self.requested_method = _check_method(method if method is not None else DEFAULT_METHOD)
         self._ghost = None
         self.fallback_reason: str | None = None
+        self.alone_reason: str | None = None  # why vmap cannot run the model (then: ``_one_at_a_time``)
         if self.requested_method != "vmap":
             reason = ghost.unsupported_reason(model)
             if reason is None:
@@ -175,18 +176,20 @@ class GradientOracle:
         due = self._ghost is not None and self._due("grads", B)
         if self._ghost is not None and (due or self._next_probe["grads"]):
             before = self._swap_state(inputs.device_of(x)) if due else None
+            first = due and not self._next_probe["grads"]
             try:
                 got = self._run_ghost(params, x, y)
-            except ghost.GhostFallback as exc:
-                self._fall_back(str(exc))
-            else:
                 if due:
-                    first = not self._next_probe["grads"]
                     self._probe("grads", x, y, before, lambda xs, ys: self._run_ghost(params, xs, ys), got)
-                    if first and self.requested_method == "auto":
-                        self._compare_alone(params, x, y)
-                    elif first:  # forced ghost: no vmap comparison (rounding), the loss alone at least
-                        self._loss_alone(params, x, y, "grads")
+            except (ghost.GhostFallback, RuntimeError) as exc:  # nothing of this batch was released
+                if not isinstance(exc, ghost.GhostFallback) and self.requested_method != "auto":
+                    raise
+                self._fall_back(str(exc).split("\n")[0])
+            else:
+                if first and self.requested_method == "auto":
+                    self._compare_alone(params, x, y)
+                elif first:  # forced ghost: no vmap comparison (rounding), the loss alone at least
+                    self._loss_alone(params, x, y, "grads")
                 if self._ghost is not None:
                     return got
         grads, losses = self._vmap(params, x, y)
@@ -198,15 +201,45 @@ class GradientOracle:
             return self._ghost(params, x, y, buffers)
 
     def _vmap(self, params: Tensors, x: Any, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
-        with self._scratch() as buffers:
+        if self.alone_reason is None:
             try:
-                return self._per_sample(params, buffers, x, y)
-            except RuntimeError:
+                with self._scratch() as buffers:
+                    return self._per_sample(params, buffers, x, y)
+            except RuntimeError as exc:
                 # functorch refuses most in-place writes to a buffer (a batched value into an
                 # unbatched tensor); a plain forward tells whether that was it, in one line.
                 if self.buffers:
                     self._probe_buffers(params, x)
-                raise
+                if "vmap" not in str(exc):
+                    raise
+                self.alone_reason = str(exc).split(". ")[0]
+                warnings.warn(
+                    f"dptune: torch.func.vmap cannot run this model ({self.alone_reason}); per-example "
+                    "gradients are computed one example at a time (exact, slower).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        with self._scratch() as buffers:
+            return self._one_at_a_time(params, buffers, x, y)
+
+    def _one_at_a_time(
+        self, params: Tensors, buffers: Tensors, x: Any, y: torch.Tensor
+    ) -> tuple[Tensors, torch.Tensor]:
+        """What ``_per_sample`` computes, by a forward and a backward pass of each example alone
+        (a batch of one): for models vmap refuses, e.g. a Python branch on a tensor's value such as
+        Hugging Face's ``if attention_mask.all():`` (docs/privacy.md, "vmap per-sample gradients")."""
+        ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        B = inputs.batch_len(x)
+        grads = {k: torch.empty((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()}
+        losses = []
+        for j in range(B):
+            out = self._call(ps, buffers, inputs.rows(x, j, j + 1))
+            loss = self.loss_fn(out.squeeze(0), y[j])
+            gs = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
+            for k, g in zip(ps, gs, strict=True):
+                grads[k][j] = 0.0 if g is None else g  # memory touched once (zeros first: twice)
+            losses.append(loss.detach())
+        return grads, torch.stack(losses)
 
     def _probe_buffers(self, params: Tensors, x: Any) -> None:
         """Raise ``ScratchBuffers``' ConfigError if a plain forward of one example writes a buffer."""
@@ -255,6 +288,12 @@ class GradientOracle:
             self._same_rows(mine, other, _scale(got))
             and self._same(_row_values(got, i), _row_values(theirs, i), _scale(got))
         ):
+            # `auto`'s first probe, before any ghost release: when the forward isolates the kept rows
+            # (their losses did not move), only the ghost path mixes (a parameter applied across the
+            # batch, e.g. position embeddings of ids [1, T]): vmap runs each example alone.
+            first_auto = kind == "grads" and self.requested_method == "auto" and not self._next_probe[kind]
+            if first_auto and self._same_rows(got.losses[kept], theirs.losses[kept], _scale(got.losses)):
+                raise ghost.GhostFallback("a parameter's ghost gradient mixes examples (used across the batch?)")
             self._refuse(kind)
         self._next_probe[kind] = self._calls[kind] + self.PROBE_EVERY
 
