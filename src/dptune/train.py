@@ -10,6 +10,8 @@ ledger is created with the run's *plan* first: the run cannot release more than 
 from __future__ import annotations
 
 import copy
+import difflib
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -30,7 +32,7 @@ from dptune.release.context import RunPlan, StepContext, snap_noise
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
 from dptune.release.sampling import PoissonSampler, check_steps, sampling_rate_for, steps_for_epochs, stream_seed
-from dptune.strategies import Strategy, make_strategy
+from dptune.strategies import Strategy, make_strategy, strategy_signature
 from dptune.task import OwnTask
 from dptune.tree import Tensors, clone, finite_flag
 
@@ -469,6 +471,12 @@ def train(
 
 
 def _strategy(strategy: Strategy | str, hyperparameters: dict[str, Any]) -> Strategy:
+    own = [p for p in inspect.signature(train).parameters if p != "hyperparameters"]
+    hps = strategy_signature(strategy)[1] if isinstance(strategy, str) else ()
+    for k in hyperparameters:  # a misspelt argument of train() (target_eps) is not a hyperparameter
+        close = difflib.get_close_matches(k, [*own, *hps], n=1, cutoff=0.6) if k not in hps else []
+        if close and close[0] in own:
+            raise ConfigError(f"train() has no argument {k!r}. Fix: did you mean {close[0]}=...?")
     if isinstance(strategy, str):
         return make_strategy(strategy, **hyperparameters)
     if hyperparameters:
