@@ -27,7 +27,7 @@ from dptune.accounting.events import check_delta_for_n
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
-from dptune.outputs import randomness_statement
+from dptune.outputs import checkpoint_rule, randomness_statement
 from dptune.release.context import RunPlan, StepContext, snap_noise
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
@@ -484,18 +484,6 @@ def _strategy(strategy: Strategy | str, hyperparameters: dict[str, Any]) -> Stra
             f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy)."
         )
     return strategy
-
-
-def checkpoint_rule(checkpoint: str | None, has_eval: bool, eval_public: bool) -> str:
-    """``"best"`` (the default) only on evaluation data declared public: selecting on private data
-    is an unaccounted release. Without evaluation data "best" keeps the final parameters."""
-    if checkpoint not in (None, "best", "final") or (checkpoint == "best" and has_eval and not eval_public):
-        raise ConfigError(
-            f"checkpoint must be 'final', or 'best' on evaluation data declared public (got {checkpoint!r}). "
-            "Fix: eval_public=True (--eval-public) if that data truly is public, or checkpoint='final' "
-            "(--checkpoint final)."
-        )
-    return checkpoint or ("best" if has_eval and eval_public else "final")
 
 
 class _Bar:
