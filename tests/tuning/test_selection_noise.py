@@ -18,9 +18,9 @@ from tests.tune_helpers import make_study
 N_TRAIN = 1000
 
 
-def _plan(n_val: int, nu: float = 20.0, mode: str = "private", metric: str = "accuracy"):
+def _plan(n_val: int, nu: float = 20.0, mode: str = "private", metric: str = "accuracy", eps: float = 2.0):
     # 10 steps, eval_every 5: evaluations at steps 5 and 10 → 2 private score releases per run.
-    study = make_study(selection=SelectionSpec(mode=mode, noise_multiplier=nu, eval_every=5), eps=2.0)
+    study = make_study(selection=SelectionSpec(mode=mode, noise_multiplier=nu, eval_every=5), eps=eps)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = plan_study(study, N_TRAIN, n_val, metric)
@@ -48,8 +48,11 @@ def test_the_issue_case_warns_with_the_three_fixes():
     # ... at its ε cost: the 2 releases of a run at ν = 4.05 are μ-GDP with μ = √2/4.05.
     k = sum(len(r.eval_steps) + r.eval_final for r in plan.runs.values())
     assert k == 2
-    assert f"spend ε = {_gaussian_eps(math.sqrt(k) / 4.05, 1e-5):.3g} of the ε = 2" in msg
-    assert f"(now {_gaussian_eps(math.sqrt(k) / 20, 1e-5):.3g})" in msg
+    e_ok, e_now = _gaussian_eps(math.sqrt(k) / 4.05, 1e-5), _gaussian_eps(math.sqrt(k) / 20, 1e-5)
+    assert (
+        f"the 2 validation scores of a procedure of dpsgd@eps=2 then spend ε = {e_ok:.3g} of its 2, now {e_now:.3g}"
+        in msg
+    )
     assert "selection.mode = 'public'" in msg  # public validation data
     # The plan itself is unchanged by the warning: the selection ν still rounds nothing down.
     assert all(r.eval_noise_multiplier == 20.0 for r in plan.runs.values())
@@ -62,6 +65,15 @@ def test_no_warning_when_the_noise_is_at_most_the_spread(n_val, nu):
 
 def test_just_above_the_spread_warns():
     assert len(_plan(399)[1]) == 1  # 20/399 = 0.0501 > 0.05
+
+
+def test_when_a_lower_nu_would_spend_the_budget_it_says_evaluate_less_often():
+    # ε = 0.5: at ν = 4.05 the 2 scores alone would spend ε ≈ 1.5 ≥ 0.5, so a lower ν is no fix.
+    (warning,) = _plan(81, eps=0.5)[1]
+    msg = str(warning.message)
+    e_ok = _gaussian_eps(math.sqrt(2) / 4.05, 1e-5)
+    assert e_ok >= 0.5 and f"would spend ε = {e_ok:.3g} ≥ 0.5" in msg
+    assert "fewer evaluations (selection.eval_every, checkpoint = 'final'" in msg and "then spend" not in msg
 
 
 def test_public_selection_never_warns():

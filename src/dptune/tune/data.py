@@ -20,11 +20,11 @@ import torch
 
 from dptune import data as datasets
 from dptune.errors import ConfigError
-from dptune.task import check_labels
 from dptune.factories import import_factory
 from dptune.models import MODELS
 from dptune.own import as_pair, load_data
 from dptune.release.sampling import stream_seed
+from dptune.task import check_labels
 from dptune.tune.spec import DataSpec, ModelSpec, SelectionSpec
 
 

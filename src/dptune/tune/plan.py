@@ -87,16 +87,21 @@ def selection_noise_note(plan: StudyPlan, nu: float) -> str | None:
     def eps(v: float) -> float:  # the k Gaussian score releases alone (exact: μ-GDP)
         return accounting.epsilon(dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(v), k), arm.delta, "gdp")
 
-    cost = f"its {k} validation scores then spend ε = {eps(nu_ok):.3g} of the ε = {arm.epsilon:g} of {arm.arm} "
+    e_ok, e_now = eps(nu_ok), eps(nu)
+    lower = (
+        f"a lower selection.noise_multiplier (≤ {nu_ok:.3g}: the {k} validation scores of a procedure of {arm.arm} "
+        f"then spend ε = {e_ok:.3g} of its {arm.epsilon:g}, now {e_now:.3g}; the rest goes to training)"
+        if e_ok < arm.epsilon
+        else f"fewer evaluations (selection.eval_every, checkpoint = 'final'; at ν ≤ {nu_ok:.3g} the {k} "
+        f"validation scores of a procedure of {arm.arm} would spend ε = {e_ok:.3g} ≥ {arm.epsilon:g})"
+    )
     acc = f" (±{nu / plan.n_val:.2f} accuracy)" if plan.metric == "accuracy" else ""
     return (
         f"private selection cannot select: selection.noise_multiplier = {nu:g} on m = {plan.n_val} validation "
-        f"examples puts noise of std {nu / plan.n_val:.3g} of the metric's range on every released score"
-        f"{acc}, more than the {SELECTION_SPREAD:g} that separates configurations: "
-        f"the pick is close to random. Fix: a bigger holdout (m ≥ {math.ceil(nu / SELECTION_SPREAD)}: "
-        f"selection.holdout_fraction, or more data), a lower selection.noise_multiplier (≤ {nu_ok:.3g}: {cost}"
-        f"(now {eps(nu):.3g}), the rest goes to training), or public validation data (selection.mode = "
-        "'public' with split = 'test', if that split really is public)."
+        f"examples puts noise of std {nu / plan.n_val:.3g} of the metric's range on every released score{acc}, "
+        f"more than the {SELECTION_SPREAD:g} that separates configurations: the pick is close to random. Fix: a "
+        f"bigger holdout (m ≥ {math.ceil(nu / SELECTION_SPREAD)}: selection.holdout_fraction, or more data), {lower}, "
+        "or public validation data (selection.mode = 'public' with split = 'test', if that split really is public)."
     )
 
 
