@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -71,7 +72,7 @@ def _main(
 ) -> None:
     # Commands import torch, scipy and dp_accounting in their bodies, never here: --help and
     # --version start in well under a second (tests/cli/test_cli_startup.py).
-    pass
+    warnings.formatwarning = lambda msg, *_a, **_k: f"warning: {msg}\n"  # a line of text, not a source line
 
 
 def _fail(msg: str) -> None:

@@ -6,14 +6,19 @@ planning warns with the fixes and their ε cost. The reference values are comput
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 from scipy.stats import norm
+from tune_helpers import make_study, tiny_study_toml
 
+import dptune
 from dptune.tune import SelectionSpec
 from dptune.tune.plan import SELECTION_SPREAD, SelectionNoiseWarning, plan_study
-from tests.tune_helpers import make_study
 
 N_TRAIN = 1000
 
@@ -50,7 +55,7 @@ def test_the_issue_case_warns_with_the_three_fixes():
     assert k == 2
     e_ok, e_now = _gaussian_eps(math.sqrt(k) / 4.05, 1e-5), _gaussian_eps(math.sqrt(k) / 20, 1e-5)
     assert (
-        f"the 2 validation scores of a procedure of dpsgd@eps=2 then spend ε = {e_ok:.3g} of its 2, now {e_now:.3g}"
+        f"(≤ 4.05: ε = {e_ok:.3g} of the 2 of dpsgd@eps=2 for its 2 validation scores per procedure, now {e_now:.3g};"
         in msg
     )
     assert "selection.mode = 'public'" in msg  # public validation data
@@ -72,8 +77,8 @@ def test_when_a_lower_nu_would_spend_the_budget_it_says_evaluate_less_often():
     (warning,) = _plan(81, eps=0.5)[1]
     msg = str(warning.message)
     e_ok = _gaussian_eps(math.sqrt(2) / 4.05, 1e-5)
-    assert e_ok >= 0.5 and f"would spend ε = {e_ok:.3g} ≥ 0.5" in msg
-    assert "fewer evaluations (selection.eval_every, checkpoint = 'final'" in msg and "then spend" not in msg
+    assert e_ok >= 0.5 and f"at ν ≤ 4.05, ε = {e_ok:.3g} ≥ the 0.5 of dpsgd@eps=0.5 for its 2 validation scores" in msg
+    assert "fewer evaluations (selection.eval_every, checkpoint = 'final'" in msg and "lower selection" not in msg
 
 
 def test_public_selection_never_warns():
@@ -84,3 +89,23 @@ def test_mse_names_no_accuracy():
     _, caught = _plan(50, nu=20.0, metric="mse")
     msg = str(caught[0].message)
     assert "accuracy" not in msg and "std 0.4 of the metric's range" in msg
+
+
+def test_dptune_tune_prints_the_warning_as_one_line_before_training(tmp_path):
+    """On digits a 0.2 holdout has ~267 examples: std 20/267 = 0.075 > 0.05."""
+    (tmp_path / "s.toml").write_text(
+        tiny_study_toml("s", steps=2, selection='[selection]\nmode = "private"\nsplit = "holdout"\n')
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(dptune.__file__).parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dptune", "tune", "s.toml", "-o", "d", "--no-progress"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if "cannot select" in ln]
+    assert line.startswith("warning: private selection cannot select: selection.noise_multiplier = 20 on m = ")
+    assert "SelectionNoiseWarning" not in proc.stderr and "plan_study(" not in proc.stderr  # no source line

@@ -87,13 +87,13 @@ def selection_noise_note(plan: StudyPlan, nu: float) -> str | None:
     def eps(v: float) -> float:  # the k Gaussian score releases alone (exact: μ-GDP)
         return accounting.epsilon(dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(v), k), arm.delta, "gdp")
 
-    e_ok, e_now = eps(nu_ok), eps(nu)
+    e_ok, e_now, scores = eps(nu_ok), eps(nu), f"{k} validation score{'s' if k > 1 else ''}"
     lower = (
-        f"a lower selection.noise_multiplier (≤ {nu_ok:.3g}: the {k} validation scores of a procedure of {arm.arm} "
-        f"then spend ε = {e_ok:.3g} of its {arm.epsilon:g}, now {e_now:.3g}; the rest goes to training)"
+        f"a lower selection.noise_multiplier (≤ {nu_ok:.3g}: ε = {e_ok:.3g} of the {arm.epsilon:g} of {arm.arm} "
+        f"for its {scores} per procedure, now {e_now:.3g}; the rest goes to training)"
         if e_ok < arm.epsilon
-        else f"fewer evaluations (selection.eval_every, checkpoint = 'final'; at ν ≤ {nu_ok:.3g} the {k} "
-        f"validation scores of a procedure of {arm.arm} would spend ε = {e_ok:.3g} ≥ {arm.epsilon:g})"
+        else f"fewer evaluations (selection.eval_every, checkpoint = 'final'; at ν ≤ {nu_ok:.3g}, ε = {e_ok:.3g} "
+        f"≥ the {arm.epsilon:g} of {arm.arm} for its {scores} per procedure)"
     )
     acc = f" (±{nu / plan.n_val:.2f} accuracy)" if plan.metric == "accuracy" else ""
     return (
