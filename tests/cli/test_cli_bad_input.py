@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 import dptune
 from dptune.cli import app
 from dptune.errors import ConfigError
+from dptune.vectorized import train_many
 
 PROC = Path("/proc/self").exists()  # a folder where no file can be made, even by root
 
@@ -185,7 +186,7 @@ def test_bad_class_labels_are_refused_before_training(y: torch.Tensor, message: 
     with pytest.raises(ConfigError, match="class labels"):  # the same in an evaluation split
         _train((X, Y), eval_data=(X, y))
     with pytest.raises(ConfigError, match="class labels"):  # and for train_many
-        dptune.train_many(
+        train_many(
             lambda s: nn.Linear(3, 3),
             (X, y),
             "dpsgd",
@@ -224,3 +225,14 @@ def test_a_misspelt_argument_of_train_suggests_the_argument(wrong: str, right: s
 def test_a_misspelt_hyperparameter_still_lists_the_strategys() -> None:
     with pytest.raises(ConfigError, match=r"no hyperparameter\(s\) \['clp'\]. Fix: use those it takes: \['clip'"):
         _train((X, Y), clp=1.0)
+
+
+def test_a_study_on_your_tensors_checks_the_labels_before_planning() -> None:
+    from tune_helpers import make_study
+
+    from dptune.tune import plan_only
+
+    with pytest.raises(ConfigError, match=r"data \(training split\): class labels must be integers 0..C-1, got -1"):
+        plan_only(make_study(data=(X, Y - 1, X, Y)))
+    with pytest.raises(ConfigError, match="the training set is empty"):  # refused when the study is built
+        plan_only(make_study(data=(X[:0], Y[:0], X, Y)))
