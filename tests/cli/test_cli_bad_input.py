@@ -14,7 +14,7 @@ import pytest
 import torch
 from cli_helpers import invoke_train
 from conftest import ROOT
-from test_cli_startup import RUN_CLI, _heavy_loaded, _python
+from test_cli_startup import HEAVY, RUN_CLI
 from torch import nn
 from tune_helpers import tiny_study_toml
 from typer.testing import CliRunner
@@ -24,7 +24,19 @@ from dptune.cli import app
 from dptune.errors import ConfigError
 from dptune.vectorized import train_many
 
-PROC = Path("/proc/self").exists()  # a folder where no file can be made, even by root
+PROC = Path("/proc/self").exists()
+
+
+def _cli_in_fresh_python(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``dptune *argv`` in a fresh interpreter, and the heavy modules it imported (RUN_CLI prints them)."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(Path(dptune.__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", RUN_CLI, *argv], capture_output=True, text=True, timeout=120, env=env)
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("HEAVY=")][-1]
+    return proc, {m for m in line.removeprefix("HEAVY=").split(",") if m} & set(
+        HEAVY
+    )  # a folder where no file can be made, even by root
 
 
 def _nonempty(tmp_path: Path) -> Path:
@@ -57,12 +69,12 @@ def test_train_argument_errors_come_before_torch_and_the_data(tmp_path: Path, ar
     fresh interpreter's sys.modules is the deterministic guard, not a wall clock on a shared machine)."""
     argv = [str(_nonempty(tmp_path)) if a == "NONEMPTY" else a for a in argv]
     out = [] if "--out" in argv else ["--out", str(tmp_path / "r.json")]
-    proc = _python(RUN_CLI, "train", "--dataset", "digits", *out, *argv)
+    proc, heavy = _cli_in_fresh_python("train", "--dataset", "digits", *out, *argv)
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if not ln.startswith("HEAVY=")]
     assert len(lines) == 1 and lines[0].startswith("error:") and "Fix:" in lines[0], lines
     assert message in lines[0], lines[0]
-    assert _heavy_loaded(proc) == set()
+    assert heavy == set()
     assert not (tmp_path / "r.json").exists()
 
 
