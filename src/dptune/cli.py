@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,13 +19,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from dptune.accounting_text import PLD_EPSILON_CAP  # noqa: F401 (a public name of this module)
-from dptune.errors import ConfigError, DPTuneError
+from dptune.errors import DPTuneError
 from dptune.outputs import (
     DIAGNOSTICS_DIR,
     NOT_DP_LABEL,
     check_data_dir,
     check_output_dir,
     check_output_file,
+    check_train_options,
+    checkpoint_rule,
+    resume_hint,
     train_output_paths,
     train_table_rows,
     write_train_outputs,
@@ -68,7 +72,7 @@ def _main(
 ) -> None:
     # Commands import torch, scipy and dp_accounting in their bodies, never here: --help and
     # --version start in well under a second (tests/cli/test_cli_startup.py).
-    pass
+    warnings.formatwarning = lambda msg, *_a, **_k: f"warning: {msg}\n"  # a line of text, not a source line
 
 
 def _fail(msg: str) -> None:
@@ -76,6 +80,10 @@ def _fail(msg: str) -> None:
     # line however narrow the terminal (rich folds at 80 columns when it cannot ask).
     err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def _say_interrupted(msg: str) -> None:  # Ctrl-C in a study (outputs.resume_hint)
+    err_console.print(f"[bold yellow]interrupted[/]: {escape(msg)}", highlight=False, soft_wrap=True)
 
 
 def _guard(fn):
@@ -163,6 +171,7 @@ def train(
         help="folder for the model (see --checkpoint): model.pt + model_card.json/.md; "
         "reload with dptune.load_model(DIR)",
     ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="let --save write into a folder that is not empty"),
 ) -> None:
     """Train one model with differential privacy; write the release JSON (guarantee, configuration,
     evaluations on a public test split, ledger totals) and, apart, the diagnostics JSON (history
@@ -173,18 +182,19 @@ def train(
 
 def _train(o: SimpleNamespace) -> None:
     """``dptune train``'s work: every check before any data is read, the run, its files, its table."""
-    from dptune.devices import resolve_device
-    from dptune.models import for_training
-    from dptune.train import checkpoint_rule
-    from dptune.train import train as run_train
-
+    check_train_options(o)  # first the checks that need neither torch nor the data: an error in < 1 s
     # A built-in dataset's standard test split is public benchmark data; the user's is private unless declared.
     eval_public = o.eval_public or o.data is None
-    checkpoint = checkpoint_rule(o.checkpoint, True, eval_public)  # before any data is read: one clear error
-    device = str(resolve_device(o.device, "--device"))
-    _check_seed(o.seed)
+    checkpoint = checkpoint_rule(o.checkpoint, True, eval_public)
     check_data_dir(o.data_dir)
-    diag_path = train_output_paths(o.out, o.diagnostics_out, o.save)
+    diag_path = train_output_paths(o.out, o.diagnostics_out, o.save, o.overwrite)
+    from dptune.devices import resolve_device  # torch from here on
+    from dptune.models import for_training
+    from dptune.strategies import make_strategy
+    from dptune.train import train as run_train
+
+    device = str(resolve_device(o.device, "--device"))
+    make_strategy(o.strategy, **parse_hyperparameters(o.hp))  # still before the data load
     train_part, test_part, net, model_id = for_training(o.data, o.dataset, o.model, o.data_dir, o.seed)
     dataset, model_name = o.data or o.dataset, model_id.get("factory", model_id.get("name"))  # "auto" resolved
     target = None if o.noise_multiplier else o.epsilon
@@ -241,14 +251,6 @@ def _print_train(
         f"realised batch sizes; {result.seconds:.1f} s)",
         highlight=False,
     )
-
-
-SEED_MAX = 2**63 - 1  # torch.manual_seed takes at most a 64-bit integer; the data splits need ≥ 0
-
-
-def _check_seed(seed: int) -> None:
-    if not 0 <= seed <= SEED_MAX:  # -1 gave "expected non-negative integer", 10**24 "Overflow when unpacking"
-        raise ConfigError(f"--seed must be an integer in [0, 2**63 - 1], got {seed}. Fix: e.g. --seed 0.")
 
 
 @app.command()
@@ -315,15 +317,16 @@ def tune(
 
     study = load_study_config(config)
     study_dir = out or Path("studies") / study.name
-    outcome = run_study(
-        study,
-        study_dir,
-        executor=executor,
-        address=address,
-        progress=progress,
-        workers=workers,
-        gpus_per_run=gpus_per_run,
-    )
+    with resume_hint(study_dir, _say_interrupted):
+        outcome = run_study(
+            study,
+            study_dir,
+            executor=executor,
+            address=address,
+            progress=progress,
+            workers=workers,
+            gpus_per_run=gpus_per_run,
+        )
     study_dir = outcome.study_dir  # "e/m/.." is stored in e
     render(study_dir, console)
     console.print(
@@ -411,9 +414,10 @@ def resume(
             soft_wrap=True,
         )
         return
-    outcome = resume_study(
-        study_dir, executor=executor, address=address, progress=progress, workers=workers, gpus_per_run=gpus_per_run
-    )
+    with resume_hint(study_dir, _say_interrupted):
+        outcome = resume_study(
+            study_dir, executor=executor, address=address, progress=progress, workers=workers, gpus_per_run=gpus_per_run
+        )
     render(study_dir, console)
     _exit_if_incomplete(study_dir, outcome)
 
@@ -444,6 +448,9 @@ def report(
     if study_status(study_dir)["complete"]:  # the selected models + cards (no retraining, no release)
         for d in export_study(study_dir, out=out, skip_missing=True):
             console.print(f"model: {d}")
+    else:  # said here, not only inside the HTML (no run count: K may be secret)
+        msg = f"the study is unfinished: this report shows its finished runs; `dptune resume {study_dir}` finishes it."
+        console.print(f"[bold yellow]warning[/]: {escape(msg)}", highlight=False, soft_wrap=True)
     diag = html.parent.parent / DIAGNOSTICS_DIR
     console.print(
         f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag}"

@@ -22,11 +22,13 @@ banner; the folder has a ``README.txt``. Output paths are checked before any wor
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,11 +112,16 @@ def _check_creatable(folder: Path, what: str, path: Path) -> None:
             f"{what} {str(path)!r} cannot be created: {str(anc)!r} is a file, not a directory. "
             "Fix: choose a path whose parent folders are directories (or remove that file)."
         )
-    if not os.access(anc, os.W_OK | os.X_OK):
+    try:  # os.access says yes to root, and to /proc: a file really made (and removed) says what will work
+        if not os.access(anc, os.W_OK | os.X_OK):
+            raise PermissionError("no write permission")
+        with tempfile.TemporaryFile(dir=anc):
+            pass
+    except OSError as exc:
         raise ConfigError(
-            f"{what} {str(path)!r} cannot be written: no write permission in {str(anc)!r}. "
+            f"{what} {str(path)!r} cannot be written: {exc.strerror or exc} in {str(anc)!r}. "
             "Fix: choose a folder you can write to."
-        )
+        ) from None
 
 
 def check_output_file(path: str | os.PathLike[str], what: str) -> None:
@@ -145,9 +152,10 @@ def check_output_dir(path: str | os.PathLike[str] | None, what: str) -> None:
     _check_creatable(p, what, p)
 
 
-def train_output_paths(out: Path, diagnostics_out: Path | None, save: Path | None) -> Path:
+def train_output_paths(out: Path, diagnostics_out: Path | None, save: Path | None, overwrite: bool = False) -> Path:
     """The diagnostics JSON's path (default: diagnostics/<out name> beside --out, or beside the release/
-    folder holding it: it holds the seed). Every output path is checked before training; none is created."""
+    folder holding it: it holds the seed). Every output path is checked before training; none is created.
+    A ``save`` folder that holds anything is refused unless ``overwrite`` (it was merged into)."""
     beside = out.parent.parent if out.parent.resolve().name == RELEASE_DIR else out.parent
     diag_path = diagnostics_out or beside / DIAGNOSTICS_DIR / out.name
     if RELEASE_DIR in diag_path.resolve().parent.parts:
@@ -164,7 +172,60 @@ def train_output_paths(out: Path, diagnostics_out: Path | None, save: Path | Non
     check_output_file(out, "--out")  # a bad path once failed after training, losing the result
     check_output_file(diag_path, "--diagnostics-out")
     check_output_dir(save, "--save")
+    if save is not None and save.is_dir() and not overwrite and (held := sorted(p.name for p in save.iterdir())):
+        raise ConfigError(
+            f"--save {str(save)!r} is not empty (it holds {', '.join(held[:3])}{', …' if len(held) > 3 else ''}): "
+            "saving there would overwrite or mix with those files. Fix: choose a new or empty folder, or pass "
+            "--overwrite."
+        )
     return diag_path
+
+
+def checkpoint_rule(checkpoint: str | None, has_eval: bool, eval_public: bool) -> str:
+    """``"best"`` (the default) only on evaluation data declared public: selecting on private data
+    is an unaccounted release. Without evaluation data "best" keeps the final parameters."""
+    if checkpoint not in (None, "best", "final") or (checkpoint == "best" and has_eval and not eval_public):
+        raise ConfigError(
+            f"checkpoint must be 'final', or 'best' on evaluation data declared public (got {checkpoint!r}). "
+            "Fix: eval_public=True (--eval-public) if that data truly is public, or checkpoint='final' "
+            "(--checkpoint final)."
+        )
+    return checkpoint or ("best" if has_eval and eval_public else "final")
+
+
+def check_train_options(o: Any) -> None:
+    """``dptune train``'s options (``o``: them by name) that need neither torch nor the data, checked
+    first: an argument error in well under a second, not after seconds of imports and data loading."""
+    numbers = [
+        ("--epsilon", None if o.noise_multiplier is not None else o.epsilon, "3"),
+        ("--noise-multiplier", o.noise_multiplier, "1.0"),
+        ("--epochs", o.epochs, "5"),
+        ("--batch-size", None if o.full_batch else o.batch_size, "256"),
+    ]
+    for flag, v, example in numbers:
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ConfigError(f"{flag} must be a finite number > 0, got {v!r}. Fix: e.g. {flag} {example}.")
+    if not 0 < o.delta < 1:
+        raise ConfigError(f"--delta must lie in (0, 1), got {o.delta!r}. Fix: e.g. --delta 1e-5 (below 1/n).")
+    if o.eval_every < 1:
+        raise ConfigError(f"--eval-every must be ≥ 1, got {o.eval_every}. Fix: e.g. --eval-every 50.")
+    if o.accountant not in ("auto", "rdp", "pld", "gdp"):
+        raise ConfigError(f"unknown --accountant {o.accountant!r}. Fix: choose auto, rdp, pld or gdp.")
+    # torch.manual_seed takes at most a 64-bit integer; the data splits need ≥ 0 (-1 and 10**24 were tracebacks).
+    if not 0 <= o.seed <= 2**63 - 1:
+        raise ConfigError(f"--seed must be an integer in [0, 2**63 - 1], got {o.seed}. Fix: e.g. --seed 0.")
+
+
+@contextlib.contextmanager
+def resume_hint(study_dir: Path, say: Callable[[str], None]) -> Iterator[None]:
+    """Ctrl-C in ``dptune tune`` or ``resume``: ``say`` how to continue (finished runs are kept), then
+    exit with 130, the shell's code for SIGINT."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        stored = (Path(study_dir) / "study.sqlite").exists()  # else stopped while planning: nothing to resume
+        say(f"continue with `dptune resume {study_dir}`." if stored else "nothing stored: run `dptune tune` again.")
+        raise SystemExit(130) from None
 
 
 def check_data_dir(data_dir: str | None) -> None:

@@ -43,8 +43,32 @@ def resolve_task(
     recon = isinstance(x, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype and x.dtype.is_floating_point
     m = metrics.resolve(metric, "mse" if recon else "accuracy")
     loss = loss or ("mse" if recon else "cross_entropy")
+    check_labels(y, loss, int(y.shape[0]))
     ex, ey = _as_tensors(eval_data, dev) if eval_data is not None else (None, None)
     return TaskTensors(dev, x, y, ex, ey, m, loss)
+
+
+def check_labels(y: torch.Tensor, loss: Any, n: int, what: str = "data") -> None:
+    """Before any training: ``n`` > 0 examples and, for the cross-entropy loss, class labels ``y``
+    that are integers 0..C-1 (else torch fails mid-run: "Target -1 is out of bounds", a dtype
+    error). A map-style dataset's ``y`` is its empty batch: its dtype is checked."""
+    if n == 0:
+        raise ConfigError(f"{what} has no examples. Fix: check your loader (did a filter drop every row?).")
+    if loss != "cross_entropy":
+        return
+    # Float targets of several dims may be class probabilities, and -100 is cross_entropy's ignore_index.
+    if y.ndim == 1 and (y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool):
+        whole = y.dtype.is_floating_point and bool((y == y.round()).all())
+        fix = "y.long() (whole numbers stored as floats)" if whole else "loss='mse' for regression targets"
+        raise ConfigError(
+            f"{what}: class labels must be integers 0..C-1 for the cross-entropy loss, got dtype {y.dtype}. Fix: {fix}."
+        )
+    bad = y[(y < 0) & (y != -100)] if y.numel() and not y.dtype.is_floating_point else y[:0]
+    if bad.numel():
+        raise ConfigError(
+            f"{what}: class labels must be integers 0..C-1, got {int(bad.min())}. "
+            "Fix: map them to 0..C-1 (e.g. y - y.min(): labels -1..1 become 0..2)."
+        )
 
 
 def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +146,11 @@ class OwnTask:
             user_fn, loss = loss, own.user_loss(loss)
         elif loss is None:
             loss = "mse" if recon else "cross_entropy"
-        return cls(dev, tr, ev, m, loss, user_fn)
+        task = cls(dev, tr, ev, m, loss, user_fn)
+        check_labels(y, loss, task.n)
+        if isinstance(ev, tuple):
+            check_labels(ev[1], loss, 1, "eval_data")  # an empty evaluation split scores NaN, as before
+        return task
 
     @property
     def n(self) -> int:

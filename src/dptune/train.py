@@ -10,6 +10,8 @@ ledger is created with the run's *plan* first: the run cannot release more than 
 from __future__ import annotations
 
 import copy
+import difflib
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -25,12 +27,12 @@ from dptune.accounting.events import check_delta_for_n
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
-from dptune.outputs import randomness_statement
+from dptune.outputs import checkpoint_rule, randomness_statement
 from dptune.release.context import RunPlan, StepContext, snap_noise
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
 from dptune.release.sampling import PoissonSampler, check_steps, sampling_rate_for, steps_for_epochs, stream_seed
-from dptune.strategies import Strategy, make_strategy
+from dptune.strategies import Strategy, make_strategy, strategy_signature
 from dptune.task import OwnTask
 from dptune.tree import Tensors, clone, finite_flag
 
@@ -469,6 +471,12 @@ def train(
 
 
 def _strategy(strategy: Strategy | str, hyperparameters: dict[str, Any]) -> Strategy:
+    own = [p for p in inspect.signature(train).parameters if p != "hyperparameters"]
+    hps = strategy_signature(strategy)[1] if isinstance(strategy, str) else ()
+    for k in hyperparameters:  # a misspelt argument of train() (target_eps) is not a hyperparameter
+        close = difflib.get_close_matches(k, [*own, *hps], n=1, cutoff=0.6) if k not in hps else []
+        if close and close[0] in own:
+            raise ConfigError(f"train() has no argument {k!r}. Fix: did you mean {close[0]}=...?")
     if isinstance(strategy, str):
         return make_strategy(strategy, **hyperparameters)
     if hyperparameters:
@@ -476,18 +484,6 @@ def _strategy(strategy: Strategy | str, hyperparameters: dict[str, Any]) -> Stra
             f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy)."
         )
     return strategy
-
-
-def checkpoint_rule(checkpoint: str | None, has_eval: bool, eval_public: bool) -> str:
-    """``"best"`` (the default) only on evaluation data declared public: selecting on private data
-    is an unaccounted release. Without evaluation data "best" keeps the final parameters."""
-    if checkpoint not in (None, "best", "final") or (checkpoint == "best" and has_eval and not eval_public):
-        raise ConfigError(
-            f"checkpoint must be 'final', or 'best' on evaluation data declared public (got {checkpoint!r}). "
-            "Fix: eval_public=True (--eval-public) if that data truly is public, or checkpoint='final' "
-            "(--checkpoint final)."
-        )
-    return checkpoint or ("best" if has_eval and eval_public else "final")
 
 
 class _Bar:

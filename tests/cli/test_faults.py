@@ -302,7 +302,9 @@ def _cli_args(draw: st.DrawFn) -> tuple[list[str], bool, tuple[str, str] | None]
                 "device": [["--device", d] for d in devices],
                 "out": [["--out", "adir"], ["--out", "afile.txt/r.json"]],
                 "diagnostics": [["--diagnostics-out", "adir"], ["--diagnostics-out", "afile.txt/d.json"]],
-                "save": [["--save", "afile.txt"], ["--save", "afile.txt/model"]],
+                # a file; below a file; a folder that is not empty (no --overwrite); a folder no file can be made in
+                "save": [["--save", "afile.txt"], ["--save", "afile.txt/model"], ["--save", "S-ok"]]
+                + ([["--save", "/proc/x"]] if Path("/proc/self").exists() else []),
                 "hp": [
                     ["--strategy", "oso", "--hp", "adapt_lr=maybe"],
                     ["--strategy", "oso", "--hp", "adapt_lr=2"],

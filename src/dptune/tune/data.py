@@ -24,6 +24,7 @@ from dptune.factories import call_factory, import_factory
 from dptune.models import MODELS
 from dptune.own import as_pair, load_data
 from dptune.release.sampling import stream_seed
+from dptune.task import check_labels
 from dptune.tune.spec import DataSpec, ModelSpec, SelectionSpec
 
 
@@ -110,6 +111,7 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
     if spec.tensors is not None or spec.factory is not None:
         recon = x_tr.shape == y_tr.shape and x_tr.dtype.is_floating_point and y_tr.dtype.is_floating_point
         task = "reconstruction" if recon else "classification"
+        check_labels(y_tr, "mse" if recon else "cross_entropy", int(y_tr.shape[0]), "data (training split)")
         num_classes = None if recon else int(torch.max(torch.cat([y_tr.reshape(-1), y_te.reshape(-1)])).item()) + 1
         input_shape = tuple(x_tr.shape[1:])
     else:

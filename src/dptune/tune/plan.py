@@ -7,8 +7,12 @@ non-private arm (e.g. ``nodp``) is planned once, as the baseline.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING
 
+from dp_accounting import dp_event
+
+from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.metrics import higher_is_better
 from dptune.strategies import make_strategy
@@ -49,7 +53,56 @@ def plan_study(
                 )
             arms.append(planned)
     release = group_events(r.planned_event for r in b.runs.values())
-    return StudyPlan(arms, b.runs, release, n_train, n_val, metric, higher_is_better(metric))
+    plan = StudyPlan(arms, b.runs, release, n_train, n_val, metric, higher_is_better(metric))
+    sel = study.selection
+    if sel.mode == "private" and (note := selection_noise_note(plan, sel.noise_multiplier)) is not None:
+        warnings.warn(note, SelectionNoiseWarning, stacklevel=2)
+    return plan
+
+
+class SelectionNoiseWarning(UserWarning):
+    """Private selection whose noise swamps the differences it is meant to find (``selection_noise_note``)."""
+
+
+# The spread that matters, as a fraction of the metric's range [0, sensitivity]: 0.05 accuracy, or
+# 5 % of selection.mse_clip. A released mean score is (Σ clamped scores + N(0, (ν·s)²)) / m, so its
+# noise std is ν·s/m: the fraction ν/m of the range, whatever the metric (docs/tuning.md §3).
+SELECTION_SPREAD = 0.05
+
+
+def selection_noise_note(plan: StudyPlan, nu: float) -> str | None:
+    """Why private selection (at ν = ``nu``) on this plan would pick at random, and the fixes with their
+    ε cost; None when the noise on a released score is at most ``SELECTION_SPREAD`` of the metric's range."""
+    evals = [  # a procedure's score releases, per private arm (procedure 0: they are all alike)
+        (sum(len(r.eval_steps) + r.eval_final for r in map(plan.runs.get, a.runs) if r and r.procedure == 0), i)
+        for i, a in enumerate(plan.arms)
+        if math.isfinite(a.epsilon)
+    ]
+    if not plan.n_val or not evals or nu / plan.n_val <= SELECTION_SPREAD:
+        return None
+    k, i = max(evals)
+    arm = plan.arms[i]
+    nu_ok = SELECTION_SPREAD * plan.n_val
+
+    def eps(v: float) -> float:  # the k Gaussian score releases alone (exact: μ-GDP)
+        return accounting.epsilon(dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(v), k), arm.delta, "gdp")
+
+    e_ok, e_now, scores = eps(nu_ok), eps(nu), f"{k} validation score{'s' if k > 1 else ''}"
+    lower = (
+        f"a lower selection.noise_multiplier (≤ {nu_ok:.3g}: ε = {e_ok:.3g} of the {arm.epsilon:g} of {arm.arm} "
+        f"for its {scores} per procedure, now {e_now:.3g}; the rest goes to training)"
+        if e_ok < arm.epsilon
+        else f"fewer evaluations (selection.eval_every, checkpoint = 'final'; at ν ≤ {nu_ok:.3g}, ε = {e_ok:.3g} "
+        f"≥ the {arm.epsilon:g} of {arm.arm} for its {scores} per procedure)"
+    )
+    acc = f" (±{nu / plan.n_val:.2f} accuracy)" if plan.metric == "accuracy" else ""
+    return (
+        f"private selection cannot select: selection.noise_multiplier = {nu:g} on m = {plan.n_val} validation "
+        f"examples puts noise of std {nu / plan.n_val:.3g} of the metric's range on every released score{acc}, "
+        f"more than the {SELECTION_SPREAD:g} that separates configurations: the pick is close to random. Fix: a "
+        f"bigger holdout (m ≥ {math.ceil(nu / SELECTION_SPREAD)}: selection.holdout_fraction, or more data), {lower}, "
+        "or public validation data (selection.mode = 'public' with split = 'test', if that split really is public)."
+    )
 
 
 def _plan_nonprivate(b: Builder, arm: StrategyArm, path: str) -> ArmPlan:

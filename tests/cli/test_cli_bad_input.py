@@ -1,0 +1,252 @@
+"""Bad input, refused early and clearly (issue 27, item 5): `dptune train`'s argument errors before
+torch or the data load; --save into a folder that is not empty; unwritable paths before training;
+Ctrl-C in `dptune tune` says how to resume; `dptune report` says when a study is unfinished; labels,
+an empty dataset and a misspelt argument of `dptune.train` in Python."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import invoke_train
+from conftest import ROOT
+from test_cli_startup import HEAVY, RUN_CLI
+from torch import nn
+from tune_helpers import tiny_study_toml
+from typer.testing import CliRunner
+
+import dptune
+from dptune.cli import app
+from dptune.errors import ConfigError
+from dptune.vectorized import train_many
+
+PROC = Path("/proc/self").exists()
+
+
+def _cli_in_fresh_python(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``dptune *argv`` in a fresh interpreter, and the heavy modules it imported (RUN_CLI prints them)."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(Path(dptune.__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", RUN_CLI, *argv], capture_output=True, text=True, timeout=120, env=env)
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("HEAVY=")][-1]
+    return proc, {m for m in line.removeprefix("HEAVY=").split(",") if m} & set(
+        HEAVY
+    )  # a folder where no file can be made, even by root
+
+
+def _nonempty(tmp_path: Path) -> Path:
+    d = tmp_path / "saved"
+    d.mkdir()
+    (d / "model.pt").write_bytes(b"an earlier model")
+    return d
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--epsilon", "0"], "--epsilon must be a finite number > 0, got 0.0. Fix: e.g. --epsilon 3"),
+        (["--epsilon", "nan"], "--epsilon must be a finite number > 0"),
+        (["--epochs", "-1"], "--epochs must be a finite number > 0"),
+        (["--batch-size", "0"], "--batch-size must be a finite number > 0"),
+        (["--noise-multiplier", "inf"], "--noise-multiplier must be a finite number > 0"),
+        (["--delta", "1"], "--delta must lie in (0, 1)"),
+        (["--eval-every", "0"], "--eval-every must be ≥ 1"),
+        (["--accountant", "rpd"], "unknown --accountant 'rpd'"),
+        (["--seed", "-1"], "--seed must be an integer in [0, 2**63 - 1]"),
+        (["--save", "NONEMPTY"], "is not empty (it holds model.pt)"),
+        (["--checkpoint", "best", "--data", "m:f"], "checkpoint must be 'final'"),
+        *([(["--save", "/proc/x"], "--save '/proc/x' cannot be written")] if PROC else []),
+        *([(["--out", "/proc/r.json"], "--out '/proc/r.json' cannot be written")] if PROC else []),
+    ],
+)
+def test_train_argument_errors_come_before_torch_and_the_data(tmp_path: Path, argv: list[str], message: str) -> None:
+    """Each error is one line, with neither torch nor dp_accounting imported (they took 3–9 s; a
+    fresh interpreter's sys.modules is the deterministic guard, not a wall clock on a shared machine)."""
+    argv = [str(_nonempty(tmp_path)) if a == "NONEMPTY" else a for a in argv]
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "r.json")]
+    proc, heavy = _cli_in_fresh_python("train", "--dataset", "digits", *out, *argv)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if not ln.startswith("HEAVY=")]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Fix:" in lines[0], lines
+    assert message in lines[0], lines[0]
+    assert heavy == set()
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_bad_strategy_is_refused_before_the_data_load(tmp_path: Path, monkeypatch) -> None:
+    import dptune.models
+
+    def no_load(*a, **k):
+        raise AssertionError("the data was loaded before the strategy was checked")
+
+    monkeypatch.setattr(dptune.models, "for_training", no_load)
+    for hp, message in [("lr=0.1", "unknown strategy 'dpsgdd'"), ("nope=3", "no hyperparameter(s) ['nope']")]:
+        strategy = "dpsgdd" if hp == "lr=0.1" else "dpsgd"
+        argv = ["train", "--strategy", strategy, "--hp", hp, "--out", str(tmp_path / "r")]
+        res = CliRunner().invoke(app, argv)
+        assert res.exit_code == 2 and "Traceback" not in res.output and message in res.output, res.output
+
+
+def test_save_into_a_folder_that_is_not_empty_needs_overwrite(tmp_path: Path) -> None:
+    saved = _nonempty(tmp_path)
+    res = invoke_train(tmp_path / "r.json", "--save", str(saved))
+    assert res.exit_code == 2 and "--overwrite" in res.output
+    assert (saved / "model.pt").read_bytes() == b"an earlier model"  # untouched
+    res = invoke_train(tmp_path / "r.json", "--save", str(saved), "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert (saved / "model.pt").read_bytes() != b"an earlier model" and (saved / "model_card.json").exists()
+    # An empty folder, or a new one, needs no --overwrite.
+    (tmp_path / "empty").mkdir()
+    assert invoke_train(tmp_path / "r2.json", "--save", str(tmp_path / "empty")).exit_code == 0
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_ctrl_c_in_tune_says_how_to_resume(tmp_path: Path, monkeypatch, stored: bool) -> None:
+    import dptune.tune
+
+    study_dir = tmp_path / "s"
+
+    def interrupted(study, d, **kw):
+        if stored:  # interrupted while running: the store exists
+            Path(d).mkdir(parents=True)
+            (Path(d) / "study.sqlite").write_bytes(b"")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dptune.tune, "run_study", interrupted)
+    (tmp_path / "s.toml").write_text(tiny_study_toml("s"))
+    res = CliRunner().invoke(app, ["tune", str(tmp_path / "s.toml"), "-o", str(study_dir), "--no-progress"])
+    assert res.exit_code == 130 and "Traceback" not in res.output
+    assert "interrupted" in res.output
+    assert (f"dptune resume {study_dir}" in res.output) == stored
+    assert ("nothing stored" in res.output) != stored
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process")
+def test_ctrl_c_in_a_real_tune_exits_130_with_the_resume_command(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    from dptune.tune import study_status
+
+    (tmp_path / "s.toml").write_text(tiny_study_toml("s", steps=100000))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(dptune.__file__).parents[1]), str(ROOT / "tests")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dptune", "tune", str(tmp_path / "s.toml"), "-o", str(tmp_path / "d"), "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the plan is stored (Ctrl-C while planning stores nothing)
+        try:
+            if study_status(tmp_path / "d").get("total"):
+                break
+        except Exception:
+            pass
+        time.sleep(0.3)
+    time.sleep(1.0)  # into the run
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    # 130, or killed by SIGINT (-2, which a shell also reports as $? = 130): about 1 run in 5 here, the
+    # interpreter ends by re-raising SIGINT after the hint was printed (not understood; seen with torch loaded).
+    assert proc.returncode in (130, -signal.SIGINT), out
+    assert f"dptune resume {tmp_path / 'd'}" in out and "Traceback" not in out
+
+
+def test_report_of_an_unfinished_study_says_so(tmp_path: Path) -> None:
+    from dptune.tune import load_study_config, run_study
+
+    (tmp_path / "s.toml").write_text(tiny_study_toml("s", steps=2, lrs=(0.5, 0.1)))
+    d = tmp_path / "d"
+    run_study(load_study_config(tmp_path / "s.toml"), d, progress=False)
+    res = CliRunner().invoke(app, ["report", str(d)])
+    assert res.exit_code == 0 and "the study is unfinished" not in res.output, res.output
+    with sqlite3.connect(d / "study.sqlite") as con:
+        con.execute("UPDATE runs SET status = 'planned' WHERE run_id = (SELECT run_id FROM runs LIMIT 1)")
+    res = CliRunner().invoke(app, ["report", str(d)])
+    assert res.exit_code == 0, res.output
+    assert "the study is unfinished" in res.output and f"dptune resume {d}" in res.output
+
+
+# ----------------------------------------------------------------------------- Python: labels, empty data, names
+X = torch.randn(40, 3, generator=torch.Generator().manual_seed(0))
+Y = torch.arange(40) % 3
+
+
+def _train(data, **kw):
+    return dptune.train(nn.Linear(3, 3), data, "dpsgd", epochs=1, expected_batch_size=10, noise_multiplier=1.0, **kw)
+
+
+@pytest.mark.parametrize(
+    ("y", "message"),
+    [
+        (Y - 1, "class labels must be integers 0..C-1, got -1. Fix: map them to 0..C-1"),  # labels -1..1
+        (Y.float(), "got dtype torch.float32. Fix: y.long()"),  # whole numbers stored as floats
+        (Y.float() + 0.5, "Fix: loss='mse' for regression targets"),
+        (Y == 1, "got dtype torch.bool"),
+    ],
+)
+def test_bad_class_labels_are_refused_before_training(y: torch.Tensor, message: str) -> None:
+    with pytest.raises(ConfigError, match="class labels") as err:
+        _train((X, y))
+    assert message in str(err.value)
+    with pytest.raises(ConfigError, match="class labels"):  # the same in an evaluation split
+        _train((X, Y), eval_data=(X, y))
+    with pytest.raises(ConfigError, match="class labels"):  # and for train_many
+        train_many(
+            lambda s: nn.Linear(3, 3),
+            (X, y),
+            "dpsgd",
+            [{"lr": 0.1}],
+            epochs=1,
+            expected_batch_size=10,
+            noise_multiplier=1.0,
+        )
+
+
+def test_labels_torch_accepts_are_accepted() -> None:
+    """-100 is cross_entropy's ignore_index; float targets of several dims are class probabilities."""
+    y = Y.clone()
+    y[0] = -100
+    assert _train((X, y)).plan.n == 40
+    probs = torch.nn.functional.one_hot(Y, 3).float()
+    assert _train((X, probs)).plan.n == 40
+
+
+def test_an_empty_dataset_is_one_clear_error() -> None:
+    with pytest.raises(ConfigError, match="data has no examples. Fix") as err:
+        _train((X[:0], Y[:0]))
+    assert "batch of at most 0" not in str(err.value)
+    with pytest.raises(ConfigError, match="has no examples"):  # a map-style dataset too
+        _train(torch.utils.data.TensorDataset(X[:0], Y[:0]))
+
+
+@pytest.mark.parametrize(
+    ("wrong", "right"), [("target_eps", "target_epsilon"), ("epoch", "epochs"), ("dleta", "delta")]
+)
+def test_a_misspelt_argument_of_train_suggests_the_argument(wrong: str, right: str) -> None:
+    with pytest.raises(ConfigError, match=f"train\\(\\) has no argument '{wrong}'. Fix: did you mean {right}="):
+        dptune.train(nn.Linear(3, 3), (X, Y), "dpsgd", epochs=1, expected_batch_size=10, **{wrong: 3})
+
+
+def test_a_misspelt_hyperparameter_still_lists_the_strategys() -> None:
+    with pytest.raises(ConfigError, match=r"no hyperparameter\(s\) \['clp'\]. Fix: use those it takes: \['clip'"):
+        _train((X, Y), clp=1.0)
+
+
+def test_a_study_on_your_tensors_checks_the_labels_before_planning() -> None:
+    from tune_helpers import make_study
+
+    from dptune.tune import plan_only
+
+    with pytest.raises(ConfigError, match=r"data \(training split\): class labels must be integers 0..C-1, got -1"):
+        plan_only(make_study(data=(X, Y - 1, X, Y)))
+    with pytest.raises(ConfigError, match="the training set is empty"):  # refused when the study is built
+        plan_only(make_study(data=(X[:0], Y[:0], X, Y)))
