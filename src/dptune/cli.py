@@ -13,7 +13,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -25,6 +24,8 @@ from dptune.outputs import (
     check_data_dir,
     check_output_dir,
     check_output_file,
+    publish_note,
+    terminal_console,
     train_output_paths,
     train_table_rows,
     write_train_outputs,
@@ -36,10 +37,9 @@ app = typer.Typer(
     help="Differentially private training and honest hyperparameter tuning.",
     pretty_exceptions_enable=False,
 )
-# Tables are laid out for 100 columns; when piped (no terminal to ask), use that width
-# instead of rich's 80-column fallback, which would fold every cell.
-console = Console() if sys.stdout.isatty() else Console(width=100)
-err_console = Console(stderr=True)
+# The terminal's width or COLUMNS; when piped without COLUMNS, 100 columns (not rich's 80).
+console = terminal_console()
+err_console = terminal_console(stderr=True)
 
 
 def package_version() -> str:
@@ -326,10 +326,8 @@ def tune(
     )
     study_dir = outcome.study_dir  # "e/m/.." is stored in e
     render(study_dir, console)
-    console.print(
-        f"study directory: {study_dir}  (publishable: {study_dir / 'release'}; "
-        f"dptune report {study_dir} for the HTML report)"
-    )
+    console.print(f"study directory: {study_dir}  (`dptune report {study_dir}` writes the HTML report)")
+    console.print(publish_note(study_dir), highlight=False)
     _exit_if_incomplete(study_dir, outcome)
 
 

@@ -26,6 +26,7 @@ import csv
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -393,3 +394,48 @@ def train_table_rows(result: Any, release: Mapping[str, Any], target: float | No
         ("seed", "in the diagnostics JSON only" + ("" if result.secure_mode else " (a secret key)")),
         ("dptune", release["dptune_version"]),
     ]
+
+
+def publish_note(out: str | Path) -> str:
+    """What may be published from an output folder, printed by ``tune`` and ``demo``."""
+    return f"publish {Path(out) / RELEASE_DIR}/ only; {Path(out) / DIAGNOSTICS_DIR}/ is for the data owner ({NOT_DP_LABEL})."
+
+
+def terminal_console(stderr: bool = False, file: Any = None) -> Any:
+    """A rich console that fits where it prints: the terminal's width (``COLUMNS`` when set); when
+    piped to a file without ``COLUMNS``, 100 columns and no colour. Tables fold their cells to fit."""
+    from rich.console import Console
+
+    stream = file or (sys.stderr if stderr else sys.stdout)
+    tty = stream.isatty()
+    width = None if tty or os.environ.get("COLUMNS", "").isdigit() else 100
+    return Console(file=file, stderr=stderr, width=width, color_system="auto" if tty else None)
+
+
+class Progress:
+    """A progress bar on a terminal (tqdm on stderr); when stderr is not a terminal, no ``\\r`` bars:
+    one plain line per update if ``lines``, else nothing (a log file gets no control characters)."""
+
+    def __init__(self, total: int, desc: str, unit: str, initial: int = 0, *, lines: bool = False, leave: bool = True):
+        from tqdm.auto import tqdm
+
+        self.n, self.total, self.desc, self.unit, self.lines = initial, total, desc, unit, lines
+        self.bar = (
+            tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave) if sys.stderr.isatty() else None
+        )
+
+    def update(self, n: int = 1, postfix: str = "") -> None:
+        self.n += n
+        if self.bar is not None:
+            self.bar.set_postfix_str(postfix, refresh=False)
+            self.bar.update(n)
+        elif self.lines:
+            print(
+                f"{self.desc}: {self.n}/{self.total} {self.unit}s" + (f" ({postfix})" if postfix else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

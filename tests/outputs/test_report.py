@@ -681,7 +681,7 @@ def test_study_conclusions_state_the_winner_the_margin_and_the_noise_cost() -> N
     lines = conclusions(table, noise, True, "accuracy", hidden_k=False)
     assert lines[0] == (
         "At ε = 3, oso (online, 3 runs) is best: accuracy 0.852, ahead of dpsgd (grid, 9 runs) at "
-        "0.798 by 5.4 points. Splitting the budget over its runs cost dpsgd 2.3× the noise per run "
+        "0.798 by 0.054. Splitting the budget over its runs cost dpsgd 2.3× the noise per run "
         "of oso (ν = 2.99 against 1.3)."
     )
     # The non-private baseline (ε = ∞, exact scores) is in no published sentence.

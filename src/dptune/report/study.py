@@ -409,9 +409,8 @@ def conclusions(
     def value(r: Mapping[str, Any]) -> float:
         return float(r[key])
 
-    def gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
-        d = abs(value(a) - value(b))
-        return f"{100 * d:.1f} points" if metric == "accuracy" else f"{d:.3g}"
+    def gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:  # in the metric's unit, like the scores
+        return f"{abs(value(a) - value(b)):.2g}"
 
     def tied(a: float, b: float) -> bool:  # accuracy: half a tenth of a point; else relative
         return abs(a - b) < (5e-4 if metric == "accuracy" else 5e-4 * max(abs(a), abs(b)))
