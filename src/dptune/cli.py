@@ -24,6 +24,7 @@ from dptune.outputs import (
     check_data_dir,
     check_output_dir,
     check_output_file,
+    print_table,
     publish_note,
     terminal_console,
     train_output_paths,
@@ -232,7 +233,7 @@ def _print_train(
     t.columns[1].justify = "right"
     for k, v in rows:
         t.add_row(k, str(v))
-    console.print(t)
+    print_table(console, t)
     if not result.secure_mode:  # a known seed voids the guarantee: say so on every seeded run
         console.print(f"[yellow]warning[/]: {release['randomness_note']}", highlight=False)
     # The run time grows with the realised batch sizes: a diagnostic, like the loss.
@@ -276,7 +277,7 @@ def account(
     t.add_column("ε", justify="right")
     for row in epsilon_rows(noise_multiplier, sampling_rate, steps, delta, runs, accountant):
         t.add_row(*row)
-    console.print(t)
+    print_table(console, t)
 
 
 @app.command()
@@ -375,7 +376,7 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
             f"({a.get('planned_epsilon', float('nan')):.3f}, {a.get('planned_delta', float('nan')):.0e})",
             f"({a.get('spent_epsilon', 0.0):.3f}, {a.get('spent_delta', 0.0):.0e})",
         )
-    console.print(t)
+    print_table(console, t)
     for k, v in st.items():  # the rest of the status
         if k not in ("arms", "counts", "name", "total", "complete", "eta", "eta_seconds"):
             console.print(f"{k}: {json.dumps(v, default=str) if isinstance(v, dict | list) else v}")
@@ -497,7 +498,7 @@ def reproduce(
     from dptune import presets
 
     if name in ("list", "--list"):
-        console.print(presets.presets_table())
+        print_table(console, presets.presets_table())
         return
     opts = {key: v for key, v in {"k": k, "steps": steps, "limit": limit, "average": average}.items() if v is not None}
     if steps is not None and steps >= 1:  # planned only after the output folder is made: refused here first

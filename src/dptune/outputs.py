@@ -412,6 +412,27 @@ def terminal_console(stderr: bool = False, file: Any = None) -> Any:
     return Console(file=file, stderr=stderr, width=width, color_system="auto" if tty else None)
 
 
+def print_table(console: Any, table: Any) -> None:
+    """Print a rich table; stacked instead (the title, then per row one ``column: value`` line per
+    cell) when its columns cannot fit the console without cutting a word (e.g. ``COLUMNS=60``)."""
+    from rich.cells import cell_len
+
+    def widest(texts: Iterable[Any]) -> int:
+        return max((cell_len(w) for t in texts for w in str(t).split()), default=1)
+
+    cols = table.columns
+    if sum(widest([c.header, *c.cells]) + 3 for c in cols) + 1 <= console.width:
+        console.print(table)
+        return
+    if table.title:
+        console.print(table.title, style="bold", highlight=False)
+    for row in zip(*(list(c.cells) for c in cols), strict=True):
+        console.print()
+        for c, v in zip(cols, row, strict=True):
+            if str(v):
+                console.print(f"{c.header}: {v}", highlight=False)  # markup, as in the table
+
+
 class Progress:
     """A progress bar on a terminal (tqdm on stderr); when stderr is not a terminal, no ``\\r`` bars:
     one plain line per update if ``lines``, else nothing (a log file gets no control characters)."""

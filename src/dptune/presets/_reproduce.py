@@ -15,6 +15,7 @@ from dptune.errors import ConfigError
 from dptune.outputs import (
     NOT_DP_LABEL,
     diagnostics_dir,
+    print_table,
     publish_note,
     terminal_console,
     write_csv_rows,
@@ -202,7 +203,7 @@ def _print_table(console: Any, title: str, t: Any) -> None:
         rt.add_column(str(c), overflow="fold")
     for r in t.rows:
         rt.add_row(*(str(v) for v in r))
-    console.print(rt)
+    print_table(console, rt)
 
 
 def paper_comparison(part: Part, rows: list[dict[str, Any]]) -> Any:

@@ -24,6 +24,7 @@ from dptune.outputs import (
     DIAGNOSTICS_DIR,
     NOT_DP_LABEL,
     diagnostics_dir,
+    print_table,
     randomness_statement,
     release_dir,
     split_arm_notes,
@@ -400,7 +401,7 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
         f"[bold]{cfg.get('study', {}).get('name', 'study')}[/bold] — selection on the "
         f"{sel.get('split', 'test')} split, {mode_txt}; across seeds: {sel.get('across_seeds', 'per-seed')}"
     )
-    console.print(_results_table(rows, metric))
+    print_table(console, _results_table(rows, metric))
     if any(r["value_mean"] is not None and clip_to_range(r["value_mean"], metric) != r["value_mean"] for r in rows):
         console.print(
             f"[dim]Noisy selection scores outside the range of {metric} are shown clipped to it; "
@@ -437,7 +438,7 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
         b.add_column(col, overflow="fold")
     for r in per_label:
         b.add_row(r["arm"], r["label"], str(r["releases"]), _e(r["epsilon_alone"]), r["scope"])
-    console.print(b)
+    print_table(console, b)
     for note in split_arm_notes(plan.arms)[1]:
         console.print(f"[dim]• {note}[/dim]")
 
@@ -472,7 +473,7 @@ def render_nonprivate(study_dir: str | Path, console: Any = None, *, table: list
     if not rows:
         return False
     metric = rows[0]["metric"]
-    console.print(_results_table(rows, metric, title=f"non-private baseline — {NOT_DP_LABEL}"))
+    print_table(console, _results_table(rows, metric, title=f"non-private baseline — {NOT_DP_LABEL}"))
     return True
 
 
