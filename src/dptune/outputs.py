@@ -401,15 +401,14 @@ def publish_note(out: str | Path) -> str:
     return f"publish {Path(out) / RELEASE_DIR}/ only; {Path(out) / DIAGNOSTICS_DIR}/ is for the data owner ({NOT_DP_LABEL})."
 
 
-def terminal_console(stderr: bool = False, file: Any = None) -> Any:
+def terminal_console(stderr: bool = False) -> Any:
     """A rich console that fits where it prints: the terminal's width (``COLUMNS`` when set); when
     piped to a file without ``COLUMNS``, 100 columns and no colour. Tables fold their cells to fit."""
     from rich.console import Console
 
-    stream = file or (sys.stderr if stderr else sys.stdout)
-    tty = stream.isatty()
+    tty = (sys.stderr if stderr else sys.stdout).isatty()
     width = None if tty or os.environ.get("COLUMNS", "").isdigit() else 100
-    return Console(file=file, stderr=stderr, width=width, color_system="auto" if tty else None)
+    return Console(stderr=stderr, width=width, color_system="auto" if tty else None)
 
 
 def print_table(console: Any, table: Any) -> None:
@@ -441,9 +440,8 @@ class Progress:
         from tqdm.auto import tqdm
 
         self.n, self.total, self.desc, self.unit, self.lines = initial, total, desc, unit, lines
-        self.bar = (
-            tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave) if sys.stderr.isatty() else None
-        )
+        tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave) if tty else None
 
     def update(self, n: int = 1, postfix: str = "") -> None:
         self.n += n
@@ -451,11 +449,8 @@ class Progress:
             self.bar.set_postfix_str(postfix, refresh=False)
             self.bar.update(n)
         elif self.lines:
-            print(
-                f"{self.desc}: {self.n}/{self.total} {self.unit}s" + (f" ({postfix})" if postfix else ""),
-                file=sys.stderr,
-                flush=True,
-            )
+            tail = f" ({postfix})" if postfix else ""
+            print(f"{self.desc}: {self.n}/{self.total} {self.unit}s{tail}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -452,7 +452,7 @@ def test_demo_writes_report_and_prints_table(monkeypatch, tmp_path):
     assert base.startswith(f"# {NOT_DP_LABEL}") and "nodp" in base
     # The terminal: the release table has no nodp row; its table and the run time come under the label.
     head, _, labelled = printed.partition(f"non-private baseline — {NOT_DP_LABEL}")
-    assert labelled and "nodp" in labelled and f"{100 * v:.2f}" in labelled
+    assert labelled and "nodp" in labelled and f"{v:.4g}" in labelled  # accuracy as a fraction, as in the CSV
     assert f"run time ({NOT_DP_LABEL})" in printed
     assert not any(line.startswith("│ nodp") for line in head.splitlines())
     assert not re.search(r"report: .*\(\d+ s\)", printed)

@@ -147,3 +147,23 @@ def test_no_internal_issue_numbers_in_strings() -> None:
             if re.search(r"\bissue #?\d+", text, re.I):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found
+
+
+def test_paper_comparison_in_our_unit() -> None:
+    """The paper's accuracy in % is shown ÷ 100, beside ours and the difference, all fractions."""
+    from dptune.presets._common import Part
+
+    part = Part("p", "t", {}, paper_scores={("oso", 3.0): (91.19, 0.5), ("dpsgd", 3.0): (89.2, 1.0)}, paper_source="x")
+    row = {
+        "optimizer": "oso",
+        "strategy": "oso",
+        "epsilon": 3.0,
+        "method": "grid",
+        "value_mean": 0.9,
+        "value_std": 0.01,
+    }
+    table = _reproduce.paper_comparison(part, [row])
+    assert table.rows == [
+        ["dpsgd", "3", "not run", "0.892 ± 0.01", "—", "—"],
+        ["oso", "3", "0.9 ± 0.01", "0.9119 ± 0.005", "-0.0119", "no"],  # |−0.0119| > 2 × 0.005
+    ]

@@ -56,12 +56,6 @@ def data_dir_env(data_dir: str | os.PathLike[str] | None) -> Iterator[None]:
             os.environ["DPTUNE_DATA_DIR"] = old
 
 
-def _console(console: Any) -> Any:
-    if console is not None:
-        return console
-    return terminal_console()
-
-
 def _default_device(scale: str) -> str:
     if scale not in ("paper", "gpu-slice"):
         return "cpu"
@@ -138,7 +132,7 @@ def reproduce(
     created = not os.path.lexists(out_dir)
     out = ensure_dir(out_dir)
     try:
-        console = _console(console)
+        console = console or terminal_console()
         t0 = time.perf_counter()
         with data_dir_env(data_dir):
             parts = preset.parts(scale, **options)
@@ -285,7 +279,7 @@ def demo(
     (the study directory: ``dptune status``/``resume``/``report`` work on it)."""
     check_workers(workers)  # before the folder is made
     out = ensure_dir(out_dir)
-    console = _console(console)
+    console = console or terminal_console()
     t0 = time.perf_counter()
     study = study_from_dict(demo_study())
     console.print(

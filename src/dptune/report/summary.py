@@ -15,17 +15,13 @@ from dptune.report.html import Section, Table
 from dptune.tune.results import metric_text, private_rows
 
 
-def learning_curves(
-    runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any], selected: set[str]
-) -> list[RunHistory]:
+def learning_curves(runs: Sequence[Any], arm_of: Mapping[str, Any], selected: set[str]) -> list[RunHistory]:
     """The selected runs' selection-split scores over training (their stored evaluations)."""
     out = []
-    for r in runs:
-        evals = json.loads(r["evals"]) if isinstance(r.get("evals"), str) else r.get("evals") or []
-        rows = [{"step": e["step"], "score": e["score"]} for e in evals if e.get("score") is not None]
-        if r["run_id"] in selected and rows:
-            arm = arm_of[r["arm"]]
-            out.append(RunHistory(public_run_name(arm, r), arm.label, rows, selected=True, epsilon=float(arm.epsilon)))
+    for r in (r for r in runs if r["run_id"] in selected and r["evals"]):
+        rows = [{"step": e["step"], "score": e["score"]} for e in json.loads(r["evals"]) if e.get("score") is not None]
+        arm = arm_of[r["arm"]]
+        out.append(RunHistory(public_run_name(arm, r), arm.label, rows, selected=True, epsilon=float(arm.epsilon)))
     return out
 
 
@@ -57,12 +53,12 @@ def tried_section(cfg: Mapping[str, Any], plan: Any) -> Section:
         spec = spaces.get(a.label, {})
         grid = ", ".join(f"{k} ∈ {v}" for k, v in sorted(spec.get("space", {}).items()))
         fixed = ", ".join(f"{k}={v}" for k, v in sorted(spec.get("fixed", {}).items()))
-        run = plan.runs[a.runs[0]] if a.runs else None
-        secret = hides_run_count(a.guarantee.get("kind"))
-        nu = "—" if run is None or run.noise_multiplier is None else f"{run.noise_multiplier:.4g}"
-        steps = "—" if run is None else str(run.steps)
-        count = "secret (K)" if secret else str(a.guarantee.get("runs_accounted", len(a.runs)))
-        rows.append([a.label, epsilon_text(a.epsilon), a.method, grid or "defaults", fixed or "—", count, steps, nu])
+        run = plan.runs[a.runs[0]]  # the plan's first run: its T and ν
+        count = "secret (K)" if hides_run_count(a.guarantee.get("kind")) else a.guarantee.get("runs_accounted", "—")
+        nu = f"{run.noise_multiplier:.4g}" if run.noise_multiplier is not None else "—"
+        rows.append(
+            [a.label, epsilon_text(a.epsilon), a.method, grid or "defaults", fixed or "—", count, run.steps, nu]
+        )
     caption = (
         "The search space and plan of each procedure (data-independent). The score of every configuration "
         "tried is for the data owner only: `dptune report DIR --include-diagnostics` (diagnostics/report.html)."
