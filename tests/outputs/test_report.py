@@ -627,8 +627,11 @@ def test_report_study_reads_a_stored_study(tmp_path: Path) -> None:
     assert "optimistically" not in text  # holdout split
     assert f"{row['planned_epsilon']:.4g}" in text and "dpsgd @ ε = 2 (grid)" in text
     assert row["selected"] in text
-    for name in ("metric_vs_epsilon", "trajectories"):
-        assert (page.parent / "figures" / f"{name}.png").stat().st_size > 10_000, name
+    for name in ("metric_vs_epsilon", "trajectories"):  # one ε, fixed C and ρ: no single dot, no flat lines
+        assert not (page.parent / "figures" / f"{name}.png").exists(), name
+    assert "kept C and ρ fixed over training" in text
+    # private selection: the learning curve is computed on private data, so it is a diagnostic
+    assert (sdir / "diagnostics" / "figures" / "learning_curves.png").stat().st_size > 10_000
     assert (sdir / "diagnostics" / "figures" / "ledger.png").stat().st_size > 10_000
     with (page.parent / "results_best.csv").open() as fh:
         (best,) = list(csv.DictReader(fh))
