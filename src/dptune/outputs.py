@@ -413,21 +413,24 @@ def terminal_console(stderr: bool = False) -> Any:
 
 def print_table(console: Any, table: Any) -> None:
     """Print a rich table; stacked instead (the title, then per row one ``column: value`` line per
-    cell) when its columns cannot fit the console without cutting a word (e.g. ``COLUMNS=60``)."""
+    cell) when it cannot fit the console without cutting a word (e.g. ``COLUMNS=60``)."""
+    import io
+
     from rich.cells import cell_len
+    from rich.console import Console
 
-    def widest(texts: Iterable[Any]) -> int:
-        return max((cell_len(w) for t in texts for w in str(t).split()), default=1)
-
-    cols = table.columns
-    if sum(widest([c.header, *c.cells]) + 3 for c in cols) + 1 <= console.width:
+    for c in table.columns:  # rich would rather cut a word with "…" than overflow: never cut
+        c.min_width = max([c.min_width or 0] + [cell_len(w) for t in (c.header, *c.cells) for w in str(t).split()])
+    probe = Console(file=io.StringIO(), width=console.width, color_system=None)
+    probe.print(table, crop=False)
+    if all(cell_len(line) <= console.width for line in probe.file.getvalue().splitlines()):
         console.print(table)
         return
     if table.title:
         console.print(table.title, style="bold", highlight=False)
-    for row in zip(*(list(c.cells) for c in cols), strict=True):
+    for row in zip(*(list(c.cells) for c in table.columns), strict=True):
         console.print()
-        for c, v in zip(cols, row, strict=True):
+        for c, v in zip(table.columns, row, strict=True):
             if str(v):
                 console.print(f"{c.header}: {v}", highlight=False)  # markup, as in the table
 
