@@ -421,9 +421,9 @@ def print_table(console: Any, table: Any) -> None:
 
     for c in table.columns:  # rich would rather cut a word with "…" than overflow: never cut
         c.min_width = max([c.min_width or 0] + [cell_len(w) for t in (c.header, *c.cells) for w in str(t).split()])
-    probe = Console(file=io.StringIO(), width=console.width, color_system=None)
-    probe.print(table, crop=False)
-    if all(cell_len(line) <= console.width for line in probe.file.getvalue().splitlines()):
+    buf = io.StringIO()
+    Console(file=buf, width=console.width, color_system=None).print(table, crop=False)
+    if all(cell_len(line) <= console.width for line in buf.getvalue().splitlines()):
         console.print(table)
         return
     if table.title:
