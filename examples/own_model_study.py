@@ -1,4 +1,4 @@
-"""A study of your own model and data from a TOML file, with ``module:factory`` (issue 11, example c).
+"""A study of your own model and data from a TOML file, with ``module:factory``.
 
     python examples/own_model_study.py                       # examples/own_model_study.toml
     python examples/own_model_study.py --n 400 --steps 10    # a few seconds

@@ -1,4 +1,4 @@
-"""A small transformer text classifier trained with DP on Enron spam (issue 11, example d).
+"""A small transformer text classifier trained with DP on Enron spam.
 
 What it shows:
 1. which layers get ghost norms and which fall back: a transformer written from ``nn.Linear``,

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -28,7 +27,10 @@ from dptune.outputs import (
     check_output_file,
     check_train_options,
     checkpoint_rule,
+    print_table,
+    publish_note,
     resume_hint,
+    terminal_console,
     train_output_paths,
     train_table_rows,
     write_train_outputs,
@@ -40,10 +42,9 @@ app = typer.Typer(
     help="Differentially private training and honest hyperparameter tuning.",
     pretty_exceptions_enable=False,
 )
-# Tables are laid out for 100 columns; when piped (no terminal to ask), use that width
-# instead of rich's 80-column fallback, which would fold every cell.
-console = Console() if sys.stdout.isatty() else Console(width=100)
-err_console = Console(stderr=True)
+# The terminal's width or COLUMNS; when piped without COLUMNS, 100 columns (not rich's 80).
+console = terminal_console()
+err_console = terminal_console(stderr=True)
 
 
 def package_version() -> str:
@@ -242,7 +243,7 @@ def _print_train(
     t.columns[1].justify = "right"
     for k, v in rows:
         t.add_row(k, str(v))
-    console.print(t)
+    print_table(console, t)
     if not result.secure_mode:  # a known seed voids the guarantee: say so on every seeded run
         console.print(f"[yellow]warning[/]: {release['randomness_note']}", highlight=False)
     # The run time grows with the realised batch sizes: a diagnostic, like the loss.
@@ -278,7 +279,7 @@ def account(
     t.add_column("ε", justify="right")
     for row in epsilon_rows(noise_multiplier, sampling_rate, steps, delta, runs, accountant):
         t.add_row(*row)
-    console.print(t)
+    print_table(console, t)
 
 
 @app.command()
@@ -329,10 +330,8 @@ def tune(
         )
     study_dir = outcome.study_dir  # "e/m/.." is stored in e
     render(study_dir, console)
-    console.print(
-        f"study directory: {study_dir}  (publishable: {study_dir / 'release'}; "
-        f"dptune report {study_dir} for the HTML report)"
-    )
+    console.print(f"study directory: {study_dir}  (`dptune report {study_dir}` writes the HTML report)")
+    console.print(publish_note(study_dir), highlight=False)
     _exit_if_incomplete(study_dir, outcome)
 
 
@@ -380,7 +379,7 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
             f"({a.get('planned_epsilon', float('nan')):.3f}, {a.get('planned_delta', float('nan')):.0e})",
             f"({a.get('spent_epsilon', 0.0):.3f}, {a.get('spent_delta', 0.0):.0e})",
         )
-    console.print(t)
+    print_table(console, t)
     for k, v in st.items():  # the rest of the status
         if k not in ("arms", "counts", "name", "total", "complete", "eta", "eta_seconds"):
             console.print(f"{k}: {json.dumps(v, default=str) if isinstance(v, dict | list) else v}")
@@ -506,7 +505,7 @@ def reproduce(
     from dptune import presets
 
     if name in ("list", "--list"):
-        console.print(presets.presets_table())
+        print_table(console, presets.presets_table())
         return
     opts = {key: v for key, v in {"k": k, "steps": steps, "limit": limit, "average": average}.items() if v is not None}
     if steps is not None and steps >= 1:  # planned only after the output folder is made: refused here first

@@ -7,7 +7,7 @@
   with its card (no retraining: no new release). This module never reads a study.
 * ``load_model(DIR)``: the ``nn.Module`` with the weights loaded, and the card — one call.
 
-What the files reveal about one example: docs/privacy.md, "Your model and data (issue 11)".
+What the files reveal about one example: docs/privacy.md, "Your model and data".
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ WEIGHTS_FILE = "model.pt"
 CARD_JSON = "model_card.json"
 CARD_MD = "model_card.md"
 CARD_FORMAT = "dptune-model-card/1"
-PRIVACY_DOC = "docs/privacy.md, section 'Your model and data (issue 11)'"
+PRIVACY_DOC = "docs/privacy.md, section 'Your model and data'"
 
 COVERED = (
     "the weights in model.pt: post-processing of the noisy releases recorded in the ledger",

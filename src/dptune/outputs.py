@@ -27,6 +27,7 @@ import csv
 import json
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -454,3 +455,67 @@ def train_table_rows(result: Any, release: Mapping[str, Any], target: float | No
         ("seed", "in the diagnostics JSON only" + ("" if result.secure_mode else " (a secret key)")),
         ("dptune", release["dptune_version"]),
     ]
+
+
+def publish_note(out: str | Path) -> str:
+    """What may be published from an output folder, printed by ``tune`` and ``demo``."""
+    return f"publish {Path(out) / RELEASE_DIR}/ only; {Path(out) / DIAGNOSTICS_DIR}/ is for the data owner ({NOT_DP_LABEL})."
+
+
+def terminal_console(stderr: bool = False) -> Any:
+    """A rich console that fits where it prints: the terminal's width (``COLUMNS`` when set); when
+    piped to a file without ``COLUMNS``, 100 columns and no colour. Tables fold their cells to fit."""
+    from rich.console import Console
+
+    tty = (sys.stderr if stderr else sys.stdout).isatty()
+    width = None if tty or os.environ.get("COLUMNS", "").isdigit() else 100
+    return Console(stderr=stderr, width=width, color_system="auto" if tty else None)
+
+
+def print_table(console: Any, table: Any) -> None:
+    """Print a rich table; stacked instead (the title, then per row one ``column: value`` line per
+    cell) when it cannot fit the console without cutting a word (e.g. ``COLUMNS=60``)."""
+    import io
+
+    from rich.cells import cell_len
+    from rich.console import Console
+
+    for c in table.columns:  # rich would rather cut a word with "…" than overflow: never cut
+        c.min_width = max([c.min_width or 0] + [cell_len(w) for t in (c.header, *c.cells) for w in str(t).split()])
+    buf = io.StringIO()
+    Console(file=buf, width=console.width, color_system=None).print(table, crop=False)
+    if all(cell_len(line) <= console.width for line in buf.getvalue().splitlines()):
+        console.print(table)
+        return
+    if table.title:
+        console.print(table.title, style="bold", highlight=False)
+    for row in zip(*(list(c.cells) for c in table.columns), strict=True):
+        console.print()
+        for c, v in zip(table.columns, row, strict=True):
+            if str(v):
+                console.print(f"{c.header}: {v}", highlight=False)  # markup, as in the table
+
+
+class Progress:
+    """A progress bar on a terminal (tqdm on stderr); when stderr is not a terminal, no ``\\r`` bars:
+    one plain line per update if ``lines``, else nothing (a log file gets no control characters)."""
+
+    def __init__(self, total: int, desc: str, unit: str, initial: int = 0, *, lines: bool = False, leave: bool = True):
+        from tqdm.auto import tqdm
+
+        self.n, self.total, self.desc, self.unit, self.lines = initial, total, desc, unit, lines
+        tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave) if tty else None
+
+    def update(self, n: int = 1, postfix: str = "") -> None:
+        self.n += n
+        if self.bar is not None:
+            self.bar.set_postfix_str(postfix, refresh=False)
+            self.bar.update(n)
+        elif self.lines:
+            tail = f" ({postfix})" if postfix else ""
+            print(f"{self.desc}: {self.n}/{self.total} {self.unit}s{tail}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -27,7 +27,7 @@ from dptune.accounting.events import check_delta_for_n
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
-from dptune.outputs import checkpoint_rule, randomness_statement
+from dptune.outputs import Progress, checkpoint_rule, randomness_statement
 from dptune.release.context import RunPlan, StepContext, snap_noise
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
@@ -291,7 +291,7 @@ class RunLoop:
                     break
                 self.record(t, row, self.scored() if self.eval_due(t) else None)
                 if bar is not None:
-                    bar.update(1, row)
+                    bar.step(row)
         finally:
             if bar is not None:
                 bar.close()
@@ -486,17 +486,12 @@ def _strategy(strategy: Strategy | str, hyperparameters: dict[str, Any]) -> Stra
     return strategy
 
 
-class _Bar:
+class _Bar(Progress):
+    """Steps of one run: a bar on a terminal, nothing when stderr is a file (no ``\\r`` in logs)."""
+
     def __init__(self, total: int, desc: str):
-        from tqdm.auto import tqdm
+        super().__init__(total, desc, "step", leave=False)
 
-        self._bar = tqdm(total=total, desc=desc, unit="step", leave=False)
-
-    def update(self, n: int, row: dict[str, Any]) -> None:
+    def step(self, row: dict[str, Any]) -> None:
         # C_t and ρ_t only: train_loss (the private batch's loss) and batch_size are not DP.
-        post = {k: f"{row[k]:.3g}" for k in ("clip", "lr") if k in row and isinstance(row[k], float)}
-        self._bar.set_postfix(post, refresh=False)
-        self._bar.update(n)
-
-    def close(self) -> None:
-        self._bar.close()
+        self.update(1, ", ".join(f"{k}={row[k]:.3g}" for k in ("clip", "lr") if isinstance(row.get(k), float)))

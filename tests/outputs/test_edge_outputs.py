@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import base64
 import csv
+import io
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -218,13 +220,18 @@ def test_train_cli_release_json_has_no_history_and_diagnostics_are_labelled(tmp_
     assert NOT_DP_LABEL in res.output.lower()
 
 
-def test_progress_bar_shows_no_private_batch_loss() -> None:
+def test_progress_bar_shows_no_private_batch_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     from dptune.train import _Bar
 
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Tty())  # a terminal: the bar is drawn
     bar = _Bar(10, "dpsgd")
     try:
-        bar.update(1, {"step": 1, "train_loss": 2.345, "batch_size": 19, "clip": 0.5, "lr": 0.25})
-        post = str(bar._bar.postfix)
+        bar.step({"step": 1, "train_loss": 2.345, "batch_size": 19, "clip": 0.5, "lr": 0.25})
+        post = str(bar.bar.postfix)
     finally:
         bar.close()
     assert "clip" in post and "lr" in post

@@ -12,8 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from dptune.errors import ConfigError
-from dptune.metrics import clip_to_range
-from dptune.outputs import NOT_DP_LABEL, diagnostics_dir, write_csv_rows, write_labelled_csv
+from dptune.outputs import (
+    NOT_DP_LABEL,
+    diagnostics_dir,
+    print_table,
+    publish_note,
+    terminal_console,
+    write_csv_rows,
+    write_labelled_csv,
+)
 from dptune.presets import _report, panda
 from dptune.presets._catalog import get_preset
 from dptune.presets._common import Part, check_scale, ensure_dir, eps_text
@@ -21,7 +28,7 @@ from dptune.presets._demo import demo_study
 from dptune.report.html import FigureRef, Section, Table, write_report
 from dptune.tune import run_study, study_from_dict
 from dptune.tune.executors import check_workers
-from dptune.tune.results import private_rows, release_rows, render, render_nonprivate
+from dptune.tune.results import metric_text, private_rows, release_rows, render, render_nonprivate
 from dptune.tune.store import Store
 from dptune.tune.study import check_study_device
 
@@ -47,14 +54,6 @@ def data_dir_env(data_dir: str | os.PathLike[str] | None) -> Iterator[None]:
             os.environ.pop("DPTUNE_DATA_DIR", None)
         else:
             os.environ["DPTUNE_DATA_DIR"] = old
-
-
-def _console(console: Any) -> Any:
-    if console is not None:
-        return console
-    from rich.console import Console
-
-    return Console(width=100)
 
 
 def _default_device(scale: str) -> str:
@@ -133,7 +132,7 @@ def reproduce(
     created = not os.path.lexists(out_dir)
     out = ensure_dir(out_dir)
     try:
-        console = _console(console)
+        console = console or terminal_console()
         t0 = time.perf_counter()
         with data_dir_env(data_dir):
             parts = preset.parts(scale, **options)
@@ -198,23 +197,13 @@ def _print_table(console: Any, title: str, t: Any) -> None:
         rt.add_column(str(c), overflow="fold")
     for r in t.rows:
         rt.add_row(*(str(v) for v in r))
-    console.print(rt)
-
-
-def _fmt_metric(value: float | None, s: float | None, metric: str) -> str:
-    m = clip_to_range(value, metric)  # a noisy private score can leave the metric's range: shown clipped
-    if m is None:
-        return "—"
-    scale = 100.0 if metric == "accuracy" else 1.0
-    out = f"{m * scale:.2f}" if metric == "accuracy" else f"{m:.4g}"
-    if s is not None:
-        out += f" ± {s * scale:.2f}" if metric == "accuracy" else f" ± {s:.2g}"
-    return out
+    print_table(console, rt)
 
 
 def paper_comparison(part: Part, rows: list[dict[str, Any]]) -> Any:
     """Ours beside the paper's published number for every (strategy, ε) cell the paper reports
-    (``Part.paper_scores``), with the difference in the paper's unit; None if it reports none."""
+    (``Part.paper_scores``, in its unit: ÷ ``paper_unit`` gives ours), with the difference, all in
+    our unit (accuracy as a fraction); None if it reports none."""
     if not part.paper_scores:
         return None
     unit = part.paper_unit
@@ -222,36 +211,35 @@ def paper_comparison(part: Part, rows: list[dict[str, Any]]) -> Any:
     ours = {(r["optimizer"], float(r["epsilon"])): r for r in private_rows(rows) if r.get("method") != "random"}
     body = []
     for (arm, eps), (p_mean, p_std) in sorted(part.paper_scores.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        r = ours.get((arm, eps))
+        r, p_mean, p_std = ours.get((arm, eps)), p_mean / unit, p_std / unit
+        paper = f"{p_mean:.4g} ± {p_std:.2g}"
         if r is None or r.get("value_mean") is None:
-            body.append([arm, f"{eps:g}", "not run", f"{p_mean:.2f} ± {p_std:.2f}", "—", "—"])
+            body.append([arm, f"{eps:g}", "not run", paper, "—", "—"])
             continue
-        m = float(r["value_mean"]) * unit
-        s = r.get("value_std")
-        ours_txt = f"{m:.2f}" + (f" ± {float(s) * unit:.2f}" if s is not None else "")
+        m, s = float(r["value_mean"]), r.get("value_std")
         diff = m - p_mean
         within = "yes" if abs(diff) <= 2 * p_std else "no"
-        body.append([r["strategy"], f"{eps:g}", ours_txt, f"{p_mean:.2f} ± {p_std:.2f}", f"{diff:+.2f}", within])
+        ours_txt = f"{m:.4g}" + (f" ± {float(s):.2g}" if s is not None else "")
+        body.append([r["strategy"], f"{eps:g}", ours_txt, paper, f"{diff:+.3g}", within])
     return Table(
         ["strategy", "ε", "ours", "paper", "ours − paper", "within 2 paper std"],
         body,
-        caption=f"Paper: {part.paper_source}. Both are the selected configuration's score "
-        f"(×{unit:g}); ours from this run's seeds.",
+        caption=f"Paper: {part.paper_source} (its numbers ÷ {unit:g}, in our unit). Both are the selected "
+        "configuration's score; ours from this run's seeds.",
     )
 
 
 def _part_section(part: Part, rows: list[dict[str, Any]], html: Path, out: Path, comparison: Any) -> Section:
     metric = rows[0]["metric"] if rows else "accuracy"
-    value = metric + (" (%)" if metric == "accuracy" else "")
     table = Table(
-        ["strategy", "ε", "method", "selected configuration", value, "planned ε", "spent ε"],
+        ["strategy", "ε", "method", "selected configuration", metric, "planned ε", "spent ε"],
         [
             [
                 r["strategy"],
                 eps_text(r["epsilon"]),
                 r["method"],
                 r["selected"] or "—",
-                _fmt_metric(r["value_mean"], r["value_std"], metric),
+                metric_text(r["value_mean"], r["value_std"], metric),
                 eps_text(r["planned_epsilon"]),
                 eps_text(r["spent_epsilon"]),
             ]
@@ -291,7 +279,7 @@ def demo(
     (the study directory: ``dptune status``/``resume``/``report`` work on it)."""
     check_workers(workers)  # before the folder is made
     out = ensure_dir(out_dir)
-    console = _console(console)
+    console = console or terminal_console()
     t0 = time.perf_counter()
     study = study_from_dict(demo_study())
     console.print(
@@ -312,6 +300,7 @@ def demo(
         ],
     )
     console.print(f"\nreport: {html}")
+    console.print(publish_note(out), highlight=False)
     # The run time grows with the realised batch sizes: a diagnostic, printed under the label.
     console.print(f"[dim]run time ({NOT_DP_LABEL}): {time.perf_counter() - t0:.0f} s[/dim]", highlight=False)
     return out

@@ -101,7 +101,7 @@ TEXT_DATASETS = {"agnews": ("ag_news", "AG News"), "enron": ("enron_spam", "Enro
 
 
 def _rule_notes(scale: str, s: Mapping[str, Any], probe: bool) -> tuple[str, ...]:
-    """What to expect of the rule at this scale (issue 15; measurements in docs/reproduce.md)."""
+    """What to expect of the rule at this scale (measurements in docs/reproduce.md)."""
     span = (s["lr"][1] * s["steps"][1]) / (s["lr"][0] * s["steps"][0])
     notes = (
         f"r = η·T is drawn log-uniformly (Alg. 3 says uniformly; over this {span:,.0f}-fold r range uniform "

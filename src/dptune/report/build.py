@@ -32,6 +32,7 @@ from dptune.report.data import (
     coerce_histories,
     coerce_ledger_rows,
     coerce_lt_ma,
+    metric_label,
 )
 from dptune.report.data import higher_is_better as resolve_direction
 from dptune.report.diagnostics import CosineResult
@@ -86,6 +87,8 @@ class ReportInputs:
     diagnostic_notes: Sequence[str] = ()
     diagnostic_sections: Sequence[Section] = ()
     all_results: Sequence[Any] | None = None
+    lead_sections: Sequence[Section] = ()  # release, right after the conclusions (the selected model)
+    curves: Sequence[Any] = ()  # RunHistory of {"step", "score"}: the selected runs' metric on the selection split
 
     def __post_init__(self) -> None:
         check_selection_mode(self.selection_mode)
@@ -95,6 +98,7 @@ class ReportInputs:
             "spent": check_budget("spent", self.spent),
             "results": tuple(self.results),
             "histories": tuple(coerce_histories(self.histories)),
+            "curves": tuple(coerce_histories(self.curves)),
             "ledger": tuple(coerce_ledger_rows(self.ledger)),
             "lt_ma": None if self.lt_ma is None else tuple(coerce_lt_ma(self.lt_ma)),
             "all_results": None if self.all_results is None else tuple(self.all_results),
@@ -133,11 +137,13 @@ def build_report(out_dir: str | Path, inputs: ReportInputs, *, include_diagnosti
     p = _Pages(r, release_dir(out_dir), diagnostics_dir(out_dir), include_diagnostics)
     if r.conclusions:  # first: what the results say, computed from them (covered by the guarantee)
         p.sections.append(Section("Conclusions", paragraphs=list(r.conclusions)))
+    p.sections.extend(r.lead_sections)
     if r.notes:
         p.sections.append(Section("Notes", paragraphs=list(r.notes)))
     if r.diagnostic_notes:
         p.dsections.append(Section("Notes (diagnostics)", paragraphs=list(r.diagnostic_notes), diagnostic=True))
     best, baseline = _results(p)
+    _learning_curves(p)
     _trajectories(p, best, baseline)
     _budget_and_ledger(p)
     if r.cosine is not None:
@@ -197,12 +203,15 @@ def _results(p: _Pages) -> tuple[list[SummaryRow], list[SummaryRow]]:
         p.sections.append(Section("Results", paragraphs=["No results were recorded."]))
         return best, baseline
     metric, direction = p.r.metric, "higher" if higher else "lower"
-    fig = F.metric_vs_epsilon(best, p.out / "figures" / "metric_vs_epsilon.png", metric=metric, higher=higher)
+    figures = []  # a curve over ε needs two ε at least: one ε would be a single dot per strategy
+    if len({r.epsilon for r in best}) > 1:
+        fig = F.metric_vs_epsilon(best, p.out / "figures" / "metric_vs_epsilon.png", metric=metric, higher=higher)
+        figures.append(FigureRef(fig, f"{metric} vs ε per strategy, mean ± std over seeds ({direction} is better)."))
     if all(r.selected for r in best):
-        text = f"Each point is the {metric} of the configuration the tuner selected for a strategy at that ε "
+        text = f"Each row is the {metric} of the configuration the tuner selected for a strategy at that ε "
     else:
         text = (
-            f"Each point is the {metric} of the best configuration of a strategy at that ε (or of the "
+            f"Each row is the {metric} of the best configuration of a strategy at that ε (or of the "
             "one the tuner selected, where it marked one) "
         )
     caption = (
@@ -212,8 +221,8 @@ def _results(p: _Pages) -> tuple[list[SummaryRow], list[SummaryRow]]:
     p.sections.append(
         Section(
             "Results",
-            paragraphs=[text + f"({direction} is better), averaged over seeds; bars are ± one standard deviation."],
-            figures=[FigureRef(fig, f"{metric} vs ε per strategy, mean ± std over seeds ({direction} is better).")],
+            paragraphs=[text + f"({direction} is better), averaged over seeds (± one standard deviation)."],
+            figures=figures,
             tables=[results_table(best, metric, higher, caption)],
             attachments=[best_csv],
         )
@@ -240,6 +249,16 @@ def _trajectories(p: _Pages, best: list[SummaryRow], baseline: list[SummaryRow])
     ]
     if public:
         traj_csv = write_csv_rows(p.out / "trajectories.csv", history_csv_rows(public))
+        title = "Clipping threshold and learning rate over training"
+        fixed = [h for h in public if all(len({row.get(k) for row in h.rows}) <= 1 for k in ("clip", "lr"))]
+        if len(fixed) == len(public):  # flat lines say nothing a sentence cannot
+            said = "; ".join(
+                f"{h.run}: C = {h.rows[0].get('clip', '—')}, ρ = {h.rows[0].get('lr', '—')}" for h in public
+            )
+            text = f"The selected runs kept C and ρ fixed over training ({said})."
+            p.sections.append(Section(title, paragraphs=[text], attachments=[traj_csv]))
+            public = []
+    if public:
         fig = F.trajectories(public, p.out / "figures" / "trajectories.png")
         text = (
             "C_t and ρ_t per iteration (log scale) of the selected runs, one line per run. Flat "
@@ -247,7 +266,6 @@ def _trajectories(p: _Pages, best: list[SummaryRow], baseline: list[SummaryRow])
             "training, from noisy releases only."
         )
         figure = FigureRef(fig, "C_t (top) and ρ_t (bottom) against the iteration t.")
-        title = "Clipping threshold and learning rate over training"
         p.sections.append(Section(title, paragraphs=[text], figures=[figure], attachments=[traj_csv]))
     if p.include_diagnostics:
         fig = F.trajectories(hs, p.diag / "figures" / "trajectories_all.png", title="C_t and ρ_t of every run")
@@ -258,6 +276,25 @@ def _trajectories(p: _Pages, best: list[SummaryRow], baseline: list[SummaryRow])
         )
         figure = FigureRef(fig, "C_t (top) and ρ_t (bottom) of every run.")
         p.dsections.append(_diagnostic("Every run's history", text, figures=[figure], attachments=[diag_traj]))
+
+
+def _learning_curves(p: _Pages) -> None:
+    """The selected runs' metric over training on the selection split: release when that split is
+    public; computed on private data otherwise, so diagnostics only (docs/privacy.md)."""
+    if not p.r.curves:
+        return
+    public = p.r.selection_mode == "public"
+    folder, write = (p.out, write_csv_rows) if public else (p.diag, write_labelled_csv)
+    csv = write(folder / "learning_curves.csv", history_csv_rows(p.r.curves))
+    if not (public or p.include_diagnostics):
+        return
+    label, split = metric_label(p.r.metric, p.r.higher), p.r.selection_split or "evaluation"
+    path, title = folder / "figures" / "learning_curves.png", f"Learning curve: {split} split"
+    fig = F.trajectories(p.r.curves, path, panels=(("score", label),), log=False, title=title)
+    text = f"{label} of the selected runs on the {split} split at each evaluation during training."
+    figure = FigureRef(fig, f"{label} against the iteration t, one line per selected run.")
+    section = Section("Learning curve", [text], [figure], attachments=[csv], diagnostic=not public)
+    (p.sections if public else p.dsections).append(section)
 
 
 def _budget_and_ledger(p: _Pages) -> None:

@@ -180,17 +180,24 @@ _LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
 
 
 def trajectories(
-    histories: Sequence[RunHistory | Mapping[str, Any]], path: str | Path, *, title: str | None = None
+    histories: Sequence[RunHistory | Mapping[str, Any]],
+    path: str | Path,
+    *,
+    title: str | None = None,
+    panels: Sequence[tuple[str, str]] = (("clip", "clipping threshold $C_t$"), ("lr", "learning rate $ρ_t$")),
+    log: bool = True,
 ) -> Path:
     """C_t (clipping threshold) and ρ_t (learning rate) against the iteration t, log y-axis.
 
     One line per run, coloured by strategy, with one line style per ε (``RunHistory.epsilon``)
     when the runs have several, named in the legend. Fixed-threshold strategies are flat lines;
     OSO (Galli Alg. 1), the quantile rule (Andrew et al.) and ADADP move them. Rows lacking a
-    key (e.g. ``nodp`` has no clip) or with non-positive values are skipped.
+    key (e.g. ``nodp`` has no clip) or with non-positive values are skipped. ``panels``: (row key,
+    y label) per panel, e.g. the learning curve ``(("score", "accuracy"),)`` with ``log=False``.
     """
     hs = coerce_histories(histories)
-    fig, axes = _figure(7.0, 6.0, nrows=2)
+    fig, axes = _figure(7.0, max(3.6, 3.0 * len(panels)), nrows=len(panels))
+    axes = np.atleast_1d(axes)
     colors = strategy_colors(h.strategy for h in hs)
     # ε as the line style: runs of one strategy at two budgets would otherwise be the same line.
     epsilons = sorted({float(h.epsilon) for h in hs if h.epsilon is not None})
@@ -202,7 +209,7 @@ def trajectories(
         return f"{h.strategy}, ε = {_eps_text(float(h.epsilon))}"
 
     seen: set[tuple[str, str]] = set()
-    for key, ax, label_y in (("clip", axes[0], "clipping threshold $C_t$"), ("lr", axes[1], "learning rate $ρ_t$")):
+    for (key, label_y), ax in zip(panels, axes, strict=True):
         drawn = 0
         for h in hs:
             x, y = _series(h.rows, key)
@@ -211,17 +218,19 @@ def trajectories(
             label = name(h) if (key, name(h)) not in seen else None
             seen.add((key, name(h)))
             ls = style.get(float(h.epsilon), "-") if h.epsilon is not None else "-"
-            ax.plot(x, y, lw=1.3, alpha=0.85, color=colors[h.strategy], ls=ls, label=label)
+            mark = "o" if len(x) < 30 else None  # a few evaluations: dots, so that one alone shows
+            ax.plot(x, y, lw=1.3, alpha=0.85, color=colors[h.strategy], ls=ls, label=label, marker=mark, ms=3)
             drawn += 1
-        if drawn:
+        if drawn and log:
             ax.set_yscale("log")
             _plain_log_ticks(ax)
+        if drawn:
             ax.legend(fontsize=8, loc="best", ncol=2 if len({name(h) for h in hs}) > 6 else 1)
         else:
             _empty(ax, f"no run recorded '{key}'")
         ax.set_ylabel(label_y)
         ax.grid(alpha=0.3, which="both")
-    axes[1].set_xlabel("iteration t")
+    axes[-1].set_xlabel("iteration t")
     styles = "; line style: ε)" if len(epsilons) > 1 else ")"
     axes[0].set_title(title or "Trajectories of $C_t$ and $ρ_t$ (one line per run" + styles)
     return _save(fig, path)

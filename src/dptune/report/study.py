@@ -38,6 +38,7 @@ from dptune.report import figures as F
 from dptune.report.build import ReportInputs, build_report, nu_q
 from dptune.report.data import LedgerRow, LinearScalingFit, RunHistory, SummaryRow
 from dptune.report.html import FigureRef, Section, Table
+from dptune.report.summary import learning_curves, selected_model_section, tried_section
 from dptune.report.tables import fmt_mean_std
 from dptune.tune import theory
 from dptune.tune.methods import get_method
@@ -139,7 +140,11 @@ def report_study(
         notes=_progress(runs, s.hides_k),
         lt_ma=_lt_ma_rows(plan),
         extra_figures=_linear_scaling_figures(plan, runs, out),
-        extra_sections=[_selection_section(cfg, released, plan.metric, has_test, notes)],
+        extra_sections=[_selection_section(cfg, released, plan.metric, has_test, notes), tried_section(cfg, plan)],
+        lead_sections=[
+            selected_model_section(table, plan.metric, cfg.get("selection", {}).get("split", "test"), has_test)
+        ],
+        curves=learning_curves(runs, arm_of, {rid for r in released for rid in r["selected_runs"]}),
         diagnostic_sections=dsections,
         all_results=every_configuration(runs, arm_of, s.chosen, has_test),
     )
@@ -199,13 +204,11 @@ def _selection_section(
     paragraphs.append(randomness_note(cfg))
     rows = [
         [r["strategy"], r["epsilon"], r["method"], r["selected"] or "—"]
-        + [
-            fmt_mean_std(clip_to_range(r["value_mean"], metric), r["value_std"]),
-            fmt_mean_std(r["test_mean"], r["test_std"]),
-        ]
+        + [fmt_mean_std(clip_to_range(r["value_mean"], metric), r["value_std"])]
+        + ([fmt_mean_std(r["test_mean"], r["test_std"])] if has_test else [])  # no empty column
         for r in released
     ]
-    columns = ["strategy", "ε", "method", "selected configuration", "selection score", "test"]
+    columns = ["strategy", "ε", "method", "selected configuration", "selection score"] + ["test"] * has_test
     caption = "[k/P]: the configuration was selected by k of the P seed replicates (per-seed selection)."
     return Section("Tuner's selection table", paragraphs=paragraphs + notes, tables=[Table(columns, rows, caption)])
 
@@ -409,9 +412,8 @@ def conclusions(
     def value(r: Mapping[str, Any]) -> float:
         return float(r[key])
 
-    def gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
-        d = abs(value(a) - value(b))
-        return f"{100 * d:.1f} points" if metric == "accuracy" else f"{d:.3g}"
+    def gap(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:  # in the metric's unit, like the scores
+        return f"{abs(value(a) - value(b)):.2g}"
 
     def tied(a: float, b: float) -> bool:  # accuracy: half a tenth of a point; else relative
         return abs(a - b) < (5e-4 if metric == "accuracy" else 5e-4 * max(abs(a), abs(b)))

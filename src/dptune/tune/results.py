@@ -1,5 +1,5 @@
 """Results of a stored study: the selection table, the budget (planned vs spent, and where it
-went), the status, CSV files and a terminal rendering (rich, 100 columns). Everything here reads
+went), the status, CSV files and a terminal rendering (rich, the terminal's width). Everything here reads
 the study directory only (no Study object, no training); selection per procedure
 (``selection.across_seeds``) is the arm's method's (``TuningMethod.select``; docs/tuning.md).
 
@@ -24,9 +24,11 @@ from dptune.outputs import (
     DIAGNOSTICS_DIR,
     NOT_DP_LABEL,
     diagnostics_dir,
+    print_table,
     randomness_statement,
     release_dir,
     split_arm_notes,
+    terminal_console,
     write_csv_rows,
     write_labelled_csv,
 )
@@ -363,13 +365,14 @@ def write_csvs(study_dir: str | Path) -> list[Path]:
     ]
 
 
-def _pm(m: float | None, s: float | None, metric: str) -> str:
+def metric_text(m: float | None, s: float | None, metric: str) -> str:
+    """``mean ± std`` in the metric's own unit (accuracy as a fraction in [0, 1], as in the CSV,
+    JSON and HTML outputs: docs/reports.md), the mean clipped to the metric's range (a noisy
+    private score can leave it)."""
+    m = clip_to_range(m, metric)
     if m is None:
         return "—"
-    m = clip_to_range(m, metric)  # a noisy private score can leave the metric's range: shown clipped
-    scale, fmt = (100.0, "{:.2f}") if metric == "accuracy" else (1.0, "{:.4g}")
-    out = fmt.format(m * scale)
-    return out + (f" ± {fmt.format(s * scale)}" if s is not None else "")
+    return f"{m:.4g}" + (f" ± {s:.2g}" if s is not None else "")
 
 
 def _e(x: float) -> str:
@@ -377,14 +380,13 @@ def _e(x: float) -> str:
 
 
 def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = False) -> None:
-    """Print the private arms' results table and the notes the guarantee covers (100 columns).
+    """Print the private arms' results table and the notes the guarantee covers (the terminal's width).
     ``diagnostics``: also, under the "not differentially private" label, the non-private baseline,
     the failed/diverged counts, the budget per query label and the notes that state K; else one
     line saying where they are."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(width=TERMINAL_WIDTH)
+    console = console or terminal_console()
     cfg, plan, _, _ = load_study(study_dir)
     every = study_table(study_dir)
     rows = private_rows(every)  # the non-private baseline only under the label (diagnostics)
@@ -399,7 +401,7 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
         f"[bold]{cfg.get('study', {}).get('name', 'study')}[/bold] — selection on the "
         f"{sel.get('split', 'test')} split, {mode_txt}; across seeds: {sel.get('across_seeds', 'per-seed')}"
     )
-    console.print(_results_table(rows, metric))
+    print_table(console, _results_table(rows, metric))
     if any(r["value_mean"] is not None and clip_to_range(r["value_mean"], metric) != r["value_mean"] for r in rows):
         console.print(
             f"[dim]Noisy selection scores outside the range of {metric} are shown clipped to it; "
@@ -436,7 +438,7 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
         b.add_column(col, overflow="fold")
     for r in per_label:
         b.add_row(r["arm"], r["label"], str(r["releases"]), _e(r["epsilon_alone"]), r["scope"])
-    console.print(b)
+    print_table(console, b)
     for note in split_arm_notes(plan.arms)[1]:
         console.print(f"[dim]• {note}[/dim]")
 
@@ -445,30 +447,19 @@ def _results_table(rows: Iterable[Mapping[str, Any]], metric: str, title: str | 
     from rich.table import Table
 
     t = Table(title=title, show_lines=False)
-    for col in (
-        "strategy",
-        "ε",
-        "method",
-        "selected configuration",
-        f"{metric} (%)" if metric == "accuracy" else metric,
-        "test",
-        "planned (ε, δ)",
-        "spent ε",
-    ):
-        t.add_column(col, overflow="fold")
+    rows = list(rows)
+    test = any(r["test_mean"] is not None for r in rows)  # no empty "test" column
+    cols = ("strategy", "ε", "method", "selected configuration", metric, "test", "planned (ε, δ)", "spent ε")
+    for col in cols:
+        if col != "test" or test:
+            t.add_column(col, overflow="fold")
     for r in rows:
-        test = _pm(r["test_mean"], r["test_std"], metric) if r["test_mean"] is not None else ""
-        t.add_row(
-            r["strategy"],
-            _e(r["epsilon"]),
-            r["method"],
-            r["selected"] or "—",
-            _pm(r["value_mean"], r["value_std"], metric),
-            test,
-            f"({_e(r['planned_epsilon'])}, {r['planned_delta']:.0e})"
-            + (" per seed" if r["guarantee_per"] == "seed replicate" else ""),
-            _e(r["spent_epsilon"]),
-        )
+        planned = f"({_e(r['planned_epsilon'])}, {r['planned_delta']:.0e})"
+        cells = [r["strategy"], _e(r["epsilon"]), r["method"], r["selected"] or "—"]
+        cells.append(metric_text(r["value_mean"], r["value_std"], metric))
+        cells += [metric_text(r["test_mean"], r["test_std"], metric)] if test else []
+        cells.append(planned + (" per seed" if r["guarantee_per"] == "seed replicate" else ""))
+        t.add_row(*cells, _e(r["spent_epsilon"]))
     return t
 
 
@@ -476,14 +467,13 @@ def render_nonprivate(study_dir: str | Path, console: Any = None, *, table: list
     """Print the non-private baseline arms' table (nodp, ε = ∞: exact scores of the private data)
     under the label "not differentially private: for the data owner only"; nothing if the study
     has none. Returns whether it printed."""
-    from rich.console import Console
 
-    console = console or Console(width=TERMINAL_WIDTH)
+    console = console or terminal_console()
     rows = [r for r in (table if table is not None else study_table(study_dir)) if is_nonprivate(r)]
     if not rows:
         return False
     metric = rows[0]["metric"]
-    console.print(_results_table(rows, metric, title=f"non-private baseline — {NOT_DP_LABEL}"))
+    print_table(console, _results_table(rows, metric, title=f"non-private baseline — {NOT_DP_LABEL}"))
     return True
 
 

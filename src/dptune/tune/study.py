@@ -23,7 +23,7 @@ from dptune.devices import check_device_name, resolve_device
 from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
 from dptune.gradients.oracle import check_model
 from dptune.gradients.stacked import stack_plan
-from dptune.outputs import NOT_DP_LABEL, check_output_dir, hides_run_count
+from dptune.outputs import NOT_DP_LABEL, Progress, check_output_dir, hides_run_count
 from dptune.release.ledger import Ledger
 from dptune.tune import results
 from dptune.tune.data import build_model, study_data
@@ -290,14 +290,12 @@ class Coordinator:
         total = len(self.plan.runs)
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-
             done = sum(n for s, n in self.store.counts().items() if s in ("done", "diverged"))
             desc = self.study.name
             if any(hides_run_count(a.guarantee.get("kind")) for a in self.plan.arms):
                 # Its counts show K, which a Liu–Talwar / repeat-and-select guarantee keeps secret.
                 desc += f" ({NOT_DP_LABEL}: shows the number of runs)"
-            bar = tqdm(total=total, initial=done, desc=desc, unit="run")
+            bar = Progress(total, desc, "run", done, lines=True)
         try:
             while True:
                 self.resolve()
@@ -324,8 +322,7 @@ class Coordinator:
                                 self.store.fail(rid, f"refused by the coordinator: {exc}")
                                 raise
                         if bar is not None:
-                            bar.update(1)
-                            bar.set_postfix_str(rid.split("/")[0], refresh=False)
+                            bar.update(1, rid.split("/")[0])
         finally:
             if bar is not None:
                 bar.close()
