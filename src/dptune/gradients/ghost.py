@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dptune import inputs
 from dptune.gradients.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTED, unsupported_reason: re-exported
     CONV,
     REUSE_RTOL,
@@ -69,6 +70,7 @@ from dptune.gradients.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTE
     LayerGrads,
     LayerRule,
     base_type,
+    is_conv1d,
     norm_layer_rule,
     recording,
     unsupported_reason,
@@ -107,10 +109,14 @@ def use_unfold_products(device: torch.device, transposed: bool, patch_bytes: int
 
 class LinearRule(LayerRule):
     """a, b are kept as [B, d], [B, p] when T = 1 (no position axis: fewer view ops on the
-    hot path of small dense models), as [B, T, d], [B, T, p] otherwise."""
+    hot path of small dense models), as [B, T, d], [B, T, p] otherwise. ``transposed``: the weight
+    is stored [d, p] (GPT-2's Conv1D): the same G_i, handed out transposed (``_layout``)."""
 
-    def __init__(self, names: dict[str, str], a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor):
+    def __init__(
+        self, names: dict[str, str], a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, transposed: bool = False
+    ):
         super().__init__(names)
+        self.transposed = transposed
         B = a.shape[0]
         d, p = a.shape[-1], b.shape[-1]
         self.T = math.prod(a.shape[1:-1])
@@ -120,7 +126,7 @@ class LinearRule(LayerRule):
         else:
             self.a = a.reshape(B, -1, d)
             self.b = b.reshape(B, -1, p)
-        self.shape = weight.shape
+        self.shape = torch.Size((p, d))  # G_i's, in nn.Linear's layout
         self.G: torch.Tensor | None = None
         if "weight" in names and self.T > 1:
             direct = self.T * p * d
@@ -171,9 +177,14 @@ class LinearRule(LayerRule):
                 for i in range(0, a.shape[0], c):
                     total += wide_sum(w[i : i + c], torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c]).flatten(1))
                 out[self.names["weight"]] = total.reshape(self.shape)
+            out[self.names["weight"]] = self._layout(out[self.names["weight"]])
         if self.gb is not None:
             out[self.names["bias"]] = wide_sum(w, self.gb if rows is None else self.gb[rows])
         return out
+
+    def _layout(self, G: torch.Tensor) -> torch.Tensor:
+        """[..., p, d] → the weight's layout ([..., d, p] for Conv1D)."""
+        return G.transpose(-1, -2).contiguous() if self.transposed else G
 
     def per_sample(self) -> Tensors:
         out: Tensors = {}
@@ -184,7 +195,7 @@ class LinearRule(LayerRule):
                 G = torch.bmm(self.b.unsqueeze(2), self.a.unsqueeze(1))
             else:
                 G = torch.bmm(self.b.transpose(1, 2), self.a)
-            out[self.names["weight"]] = G
+            out[self.names["weight"]] = self._layout(G)
         if self.gb is not None:
             out[self.names["bias"]] = self.gb
         return out
@@ -526,7 +537,7 @@ class GhostEngine:
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, buffers: Tensors) -> GhostGrads:
         """``buffers``: the model's buffers for this forward (``persample.ScratchBuffers``' copies)."""
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        with recording(mod for mod, _, _ in self.layers) as records:
+        with recording((mod for mod, _, _ in self.layers), inputs.batch_len(x)) as records:
             losses = self._loss(self._call(ps, buffers, x), y)
         used = [(m, c, n) for m, c, n in self.layers if m in records]
         zs = [records[m][1] for m, _, _ in used]
@@ -539,8 +550,8 @@ class GhostEngine:
             b = bs[i] if bs[i] is not None else torch.zeros_like(z)
             bs[i] = None  # free as we go
             weight = ps.get(names.get("weight", ""), getattr(m, "weight", None))
-            if cls is nn.Linear:
-                layers.append(LinearRule(names, a, b, weight))
+            if cls is nn.Linear or is_conv1d(m):
+                layers.append(LinearRule(names, a, b, weight, transposed=cls is not nn.Linear))
             elif cls in CONV:
                 layers.append(_Conv(names, m, a, b, weight.detach()))
             elif cls is nn.Embedding:

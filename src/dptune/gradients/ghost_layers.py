@@ -28,7 +28,15 @@ CONV = (nn.Conv1d, nn.Conv2d, nn.ConvTranspose2d)
 SUPPORTED: tuple[type[nn.Module], ...] = (nn.Linear, *CONV, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
 
 
+def is_conv1d(mod: nn.Module) -> bool:
+    """``transformers.pytorch_utils.Conv1D`` itself (GPT-2): ``x @ W + b`` with W [d_in, d_out], a Linear
+    with its weight transposed (matched by name: dptune does not import transformers)."""
+    return type(mod).__name__ == "Conv1D" and type(mod).__module__ == "transformers.pytorch_utils"
+
+
 def base_type(mod: nn.Module) -> type[nn.Module] | None:
+    if is_conv1d(mod):
+        return type(mod)
     for cls in SUPPORTED:
         if isinstance(mod, cls) and type(mod).forward is cls.forward:
             return cls
@@ -121,23 +129,30 @@ def norm_layer_rule(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: t
 
 
 @contextmanager
-def recording(mods: Iterable[nn.Module]) -> Iterator[dict[nn.Module, tuple | None]]:
+def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module, tuple | None]]:
     """The input and output of each of ``mods`` on its calls in the block (an instance-level ``forward``
     wrapper, removed after it); GhostFallback if one was called twice, without a positional tensor
-    input, or had its input or output changed in place (no ghost rule then). A wrapper rather than
-    a forward hook: a module with hooks runs ``Module._call_impl``'s slow path (~25 µs per call, and
-    registering/removing hooks costs as much again), a wrapper keeps the fast path. It also sees
-    the layer's own output, before any output hook of the user's."""
+    input whose first dimension is the ``batch``, or had its input or output changed in place (no
+    ghost rule then). An input of batch 1 shared by a batch of several (HF's position ids [1, T]) is
+    expanded to the batch first, so that each example's output, and its output gradient, are its
+    own (the output then broadcasts as before). A wrapper rather than a forward hook: a module with
+    hooks runs ``Module._call_impl``'s slow path (~25 µs per call, and registering/removing hooks
+    costs as much again), a wrapper keeps the fast path. It also sees the layer's own output, before
+    any output hook of the user's."""
     records: dict[nn.Module, tuple | None] = {}
     patched: list[tuple[nn.Module, bool, object]] = []
 
     def wrap(mod: nn.Module, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def forward(*args: object, **kwargs: object) -> torch.Tensor:
-            out = inner(*args, **kwargs)
             a = args[0] if args else None
-            if mod in records or not isinstance(a, torch.Tensor) or not isinstance(out, torch.Tensor):
-                records[mod] = None
-            else:
+            if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == 1 < batch:
+                a = a.expand(batch, *a.shape[1:])
+                args = (a, *args[1:])
+            out = inner(*args, **kwargs)
+            first, records[mod] = mod not in records, None
+            if not (first and isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
+                return out
+            if a.dim() and out.dim() and a.shape[0] == batch == out.shape[0]:
                 records[mod] = (a, out, a._version, out._version)
             return out
 
@@ -156,7 +171,10 @@ def recording(mods: Iterable[nn.Module]) -> Iterator[dict[nn.Module, tuple | Non
                 del mod.__dict__["forward"]
     for rec in records.values():
         if rec is None or rec[0]._version != rec[2] or rec[1]._version != rec[3]:
-            raise GhostFallback("a layer was called twice or its input/output was modified in place")
+            raise GhostFallback(
+                "a layer was called twice, on an input whose first dimension is not the batch, or its "
+                "input/output was modified in place"
+            )
 
 
 class LayerGrads(MaterializedGrads):
