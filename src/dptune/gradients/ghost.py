@@ -38,10 +38,12 @@ G_i = Σ_t b_t a_tᵀ exact from the stored operands and M_i = Σ_t ‖a_t‖‖
 (a) stored per-sample tensors Ĝ_i (LayerNorm/GroupNorm, biases, kept Linear/Conv gradients):
     the release is w·Ĝ_i itself; ‖Ĝ_i‖² ≤ s(1+ρ) by ``persample.sq_rows_upper``.
 (b) Linear, T = 1: ‖a‖‖b‖ from two ``vector_norm``s; the release rounds each entry at most twice.
-(c) Gram forms (Linear over tokens, small-T convolutions): S = ‖G_i‖² in float64 with its bound
-    γ⁶⁴_{d+p+T²}·M̂², plus the release error of a per-example float32 product over T positions,
-    γ_{T+1}·M̂: N_l = √(S bound) + γ_{T+1}·M̂ (``_gram_bound``). Under cancellation this term
-    dominates: the norm says how inexact that example's release is.
+(c) Gram forms (Linear or Conv1D over tokens, small-T convolutions): S = ‖G_i‖² from float32
+    Gram matrices (row sums in float32, their sum in float64) with its bound γ_{d+p+2T+2}·M̂²
+    (again in float64 where that slack is > GRAM_TIGHT·S),
+    plus the release error of a per-example float32 product over T positions, γ_{T+1}·M̂:
+    N_l = √(S bound) + γ_{T+1}·M̂ (``_gram_bound``). Under cancellation these terms dominate:
+    the norm says how inexact that example's release is.
 (d) Embedding with repeated tokens: S = Σ_v ‖Σ_{t∈v} b_t‖² in float64, plus γ_T·Σ_{n_v ≥ 2} m_v.
 (e) convolutions too big to keep: the release recomputes the very chunks whose norms were taken.
 
@@ -98,6 +100,9 @@ UNFOLD_CHUNK_BYTES = 32 * 2**20
 # Bound on the patch copy of a kept convolution's GEMM path (``use_unfold_products``): B_chunk x T x d
 # floats (a layer whose single example exceeds it takes the grouped kernel instead).
 UNFOLD_PRODUCT_BYTES = 256 * 2**20
+# Gram norms (case (c)) are formed in float32; an example whose rounding slack² exceeds this
+# fraction of its squared norm (cancellation across positions) is formed again in float64.
+GRAM_TIGHT = 1e-3
 
 
 def use_unfold_products(device: torch.device, transposed: bool, patch_bytes: int) -> bool:
@@ -147,12 +152,12 @@ class LinearRule(LayerRule):
         return parts
 
     def _ghost(self) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
-        """Case (c): the float64 Gram bound and the book-keeping release's error, once."""
+        """Case (c): the Gram bound and the book-keeping release's error, once."""
         if self._gram is None:
             a, b = self.a, self.b
             B, T, d, p = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
             chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, 8 * (T * (d + p) + 2 * T * T)))
-            chunks = ((a[i : i + chunk].double(), b[i : i + chunk].double()) for i in range(0, B, chunk))
+            chunks = ((a[i : i + chunk], b[i : i + chunk]) for i in range(0, B, chunk))
             self._gram = _gram_bound(chunks, d, p, T, unit_roundoff(a.dtype))
         return self._gram
 
@@ -204,22 +209,42 @@ class LinearRule(LayerRule):
 def _gram_bound(
     chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], d: int, p: int, T: int, u_release: float
 ) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
-    """Case (c) of the module docstring, from float64 chunks A [c, T, d], Bm [c, T, p] of the
-    operands (G_i = Bm_iᵀ A_i): ((s, ρ), e) with e = γ_{T+1}·M̂ (γ of the release's dtype,
-    unit roundoff ``u_release``) and s = (√(max(Ŝ, 0) + γ⁶⁴_{d+p+T²}·M̂²) + e)².
-
-    Ŝ = Σ_{t,s}(A Aᵀ)_{ts}(Bm Bmᵀ)_{ts} and M̂ = Σ_t ‖A_t‖‖B_t‖ in float64; M̂ is scaled by
-    1/(1 − γ⁶⁴_{d+p+T+8}) (its own roundings: two norms, a product, T − 1 additions) so that
-    M̂ ≥ M; ρ (``_assemble``) covers the few float64 operations that assemble s.
-    """
-    S, M = [], []
+    """Case (c) of the module docstring, from chunks A [c, T, d], Bm [c, T, p] of the operands
+    (G_i = Bm_iᵀ A_i): ((s, ρ), e) with e = γ_{T+1}·M̂ (γ of the release's dtype, unit roundoff
+    ``u_release``) and s = (√(max(Ŝ, 0) + slack²) + e)² (``_gram_parts``), in float32; the examples
+    whose slack² exceeds GRAM_TIGHT·Ŝ (cancellation: M ≫ ‖G‖) again in float64, so that their
+    norm stays within GRAM_TIGHT/2 of exact (within the oracle's vmap comparison, 1e-3). ρ (``_assemble``) covers the float64 assembly."""
+    parts = []
     for A, Bm in chunks:
-        S.append((torch.bmm(A, A.transpose(1, 2)) * torch.bmm(Bm, Bm.transpose(1, 2))).sum((1, 2)))
-        M.append((torch.linalg.vector_norm(A, dim=2) * torch.linalg.vector_norm(Bm, dim=2)).sum(1))
-    u = unit_roundoff(torch.float64)
-    m = torch.cat(M).mul_(1.0 / (1.0 - gamma(d + p + T + 8, u)))
-    e = m * gamma(T + 1, u_release)
-    return _assemble(torch.cat(S), m.square_().mul_(gamma(d + p + T * T, u)), e, T), e
+        s, q, m = _gram_parts(A, Bm, torch.promote_types(A.dtype, torch.float32))
+        loose = (q > GRAM_TIGHT * s).nonzero().squeeze(1)
+        if loose.numel() and A.dtype != torch.float64:
+            s[loose], q[loose], m[loose] = _gram_parts(A[loose], Bm[loose], torch.float64)
+        parts.append(torch.stack([s, q, m]))
+    S, Q, M = torch.cat(parts, 1)
+    e = M.mul_(gamma(T + 1, u_release))
+    return _assemble(S, Q, e, T), e
+
+
+def _gram_parts(A: torch.Tensor, Bm: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(Ŝ, slack², M̂), float64 [c], from Gram matrices in ``dt`` (u its unit roundoff).
+
+    Ŝ = Σ_t fl(Σ_s X̂_ts Ŷ_ts) with X̂ = fl(A Aᵀ), Ŷ = fl(Bm Bmᵀ), the sum over t in float64:
+    |Ŝ − ‖G‖²| ≤ γ_{d+p+2T}·M² (docs/privacy.md, item 1), so slack² = γ_{d+p+2T+2}·M̂² plus the
+    absolute underflow error η·(d·(Σ_t‖B_t‖)² + p·(Σ_t‖A_t‖)² + 2T²), η the smallest subnormal.
+    M̂ = Σ_t n̂(A_t)·n̂(B_t) ≥ M = Σ_t ‖A_t‖‖B_t‖, n̂ = ``vector_norm`` plus √(n·η), scaled by
+    1/(1 − γ_{d+p+T+8}) (its own roundings and underflow). An overflow makes the norm inf or NaN,
+    never a finite under-estimate."""
+    T, d, p = A.shape[1], A.shape[2], Bm.shape[2]
+    A, Bm = A.to(dt), Bm.to(dt)
+    S = torch.bmm(A, A.transpose(1, 2)).mul_(torch.bmm(Bm, Bm.transpose(1, 2))).sum(2).double().sum(1)
+    u, tiny = unit_roundoff(dt), torch.finfo(dt).tiny * torch.finfo(dt).eps
+    na = torch.linalg.vector_norm(A, dim=2).double().add_(math.sqrt(d * tiny))
+    nb = torch.linalg.vector_norm(Bm, dim=2).double().add_(math.sqrt(p * tiny))
+    c2 = (1.0 / (1.0 - gamma(d + p + T + 8, u))) ** 2
+    m = (na * nb).sum(1).mul_(c2)
+    under = (nb.sum(1).square_().mul_(d) + na.sum(1).square_().mul_(p)).mul_(c2).add_(2 * T * T)
+    return S, m.square().mul_(gamma(d + p + 2 * T + 2, u)).add_(under.mul_(tiny * (1 + gamma(T + 8, u)))), m
 
 
 def _assemble(S: torch.Tensor, slack2: torch.Tensor, e: torch.Tensor, T: int) -> tuple[torch.Tensor, float]:
@@ -262,7 +287,7 @@ class _Conv(LayerRule):
         p = small.shape[1]
         keep = B * p * d * a.element_size() <= MATERIALIZE_LIMIT_BYTES
         if T * T * (p + d) < T * p * d and not keep:
-            # Ghost norm (case (c)): float64 Gram matrices of the unfolded operands, T x T per
+            # Ghost norm (case (c)): Gram matrices of the unfolded operands, T x T per
             # example; the weighted sums are the same product over unfolded chunks.
             self._gram_rule = True
             self._chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, 8 * (d * T + p * T + 2 * T * T)))
@@ -273,7 +298,7 @@ class _Conv(LayerRule):
                     if U.shape[2] != T:
                         raise GhostFallback("unfold geometry does not match the layer's output")
                     V = small[i : i + self._chunk].reshape(U.shape[0], p, T)
-                    yield U.transpose(1, 2).double(), V.transpose(1, 2).double()
+                    yield U.transpose(1, 2), V.transpose(1, 2)
 
             self._wpart, self._err = _gram_bound(chunks(), d, p, T, unit_roundoff(a.dtype))
             return
