@@ -213,7 +213,8 @@ def _gram_bound(
     (G_i = Bm_iᵀ A_i): ((s, ρ), e) with e = γ_{T+1}·M̂ (γ of the release's dtype, unit roundoff
     ``u_release``) and s = (√(max(Ŝ, 0) + slack²) + e)² (``_gram_parts``), in float32; the examples
     whose slack² exceeds GRAM_TIGHT·Ŝ (cancellation: M ≫ ‖G‖) again in float64, so that their
-    norm stays within GRAM_TIGHT/2 of exact (within the oracle's vmap comparison, 1e-3). ρ (``_assemble``) covers the float64 assembly."""
+    norm stays within ~GRAM_TIGHT/2 of exact (the oracle's vmap comparison allows 1e-3).
+    ρ (``_assemble``) covers the float64 assembly."""
     parts = []
     for A, Bm in chunks:
         s, q, m = _gram_parts(A, Bm, torch.promote_types(A.dtype, torch.float32))
