@@ -246,3 +246,21 @@ def test_cancelling_examples_go_back_to_float64_and_ordinary_ones_do_not(monkeyp
     g = GradientOracle(model, method="ghost")(_params(model), x, y)
     assert g.norms.shape == (B,)
     assert seen and {dt for dt, _ in seen} == {torch.float32}  # BERT's Linear layers over tokens
+
+
+@pytest.mark.parametrize("c", [1 - 1e-4, 1 - 1e-6])
+def test_direct_norms_too_big_to_keep_bound_the_release(c: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bu et al.'s choice: T = 16 > p·d/(p+d), so per-example products beat the Gram form; with no room
+    to keep them their norms come chunk by chunk and the release forms them again: still ≤ C(1 + 1e-6)."""
+    from test_edge_ghost_norms import _check_upper, _linear_batch, clipping_violations, exact_sq
+
+    monkeypatch.setattr(ghost, "MATERIALIZE_LIMIT_BYTES", 3 * 4 * 8 * 4)  # three examples per chunk
+    gram = []
+    monkeypatch.setattr(ghost, "_gram_parts", lambda *a: gram.append(1))
+    g = _linear_batch(16, 4, 8, c, seed=2)
+    lin = g._layers[0]
+    assert lin._direct and lin.G is None
+    assert clipping_violations(g) == []
+    assert not gram  # no Gram form
+    ordinary = _linear_batch(16, 4, 8, 0.5, seed=3)
+    _check_upper(ordinary, exact_sq(ordinary).sqrt(), 1e-4)

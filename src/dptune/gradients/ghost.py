@@ -133,11 +133,11 @@ class LinearRule(LayerRule):
             self.b = b.reshape(B, -1, p)
         self.shape = torch.Size((p, d))  # G_i's, in nn.Linear's layout
         self.G: torch.Tensor | None = None
-        if "weight" in names and self.T > 1:
-            direct = self.T * p * d
-            ghost = self.T * self.T * (p + d)
-            if direct <= ghost and B * p * d * a.element_size() <= MATERIALIZE_LIMIT_BYTES:
-                self.G = torch.bmm(self.b.transpose(1, 2), self.a)
+        # Bu et al.'s mixed ghost clipping: per-example products (~T·p·d) where cheaper than the Gram
+        # form (~T²·(p+d)): kept when they fit, else their norms chunk by chunk (``_direct``).
+        self._direct = "weight" in names and self.T > 1 and p * d <= self.T * (p + d)
+        if self._direct and B * p * d * a.element_size() <= MATERIALIZE_LIMIT_BYTES:
+            self.G, self._direct = torch.bmm(self.b.transpose(1, 2), self.a), False
         self.gb = (self.b if self.T == 1 else self.b.sum(1)) if "bias" in names else None
         self._gram: tuple[tuple[torch.Tensor, float], torch.Tensor] | None = None
 
@@ -153,6 +153,8 @@ class LinearRule(LayerRule):
 
     def _ghost(self) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
         """Case (c): the Gram bound and the book-keeping release's error, once."""
+        if self._gram is None and self._direct:
+            self._gram = self._direct_bound()
         if self._gram is None:
             a, b = self.a, self.b
             B, T, d, p = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
@@ -160,6 +162,18 @@ class LinearRule(LayerRule):
             chunks = ((a[i : i + chunk], b[i : i + chunk]) for i in range(0, B, chunk))
             self._gram = _gram_bound(chunks, d, p, T, unit_roundoff(a.dtype))
         return self._gram
+
+    def _direct_bound(self) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
+        """Ĝ_i = fl(b_iᵀ a_i) chunk by chunk, their norms only (too big to keep). The release forms
+        b_iᵀ a_i again, maybe rounded otherwise; each is within γ_{T+1}·M of G_i (Frobenius, as
+        case (c)), so the norm is ‖Ĝ_i‖ + 2γ_{T+1}·M̂ (docs/privacy.md, item 1)."""
+        a, b = self.a, self.b
+        c = max(1, MATERIALIZE_LIMIT_BYTES // (self.shape.numel() * a.element_size()))
+        sqs = [sq_rows_upper(torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c])) for i in range(0, a.shape[0], c)]
+        na, nb, c2 = _token_norms(a, b)
+        e = (na * nb).sum(1).mul_(c2 * gamma(self.T + 1, unit_roundoff(a.dtype)))
+        s = torch.cat([sq.double().mul_(1.0 + rho) for sq, rho in sqs])
+        return _assemble(s, torch.zeros_like(s), 2 * e, self.T), e
 
     def release_err(self) -> torch.Tensor | None:
         if self.T == 1 or self.G is not None or "weight" not in self.names:
@@ -240,12 +254,20 @@ def _gram_parts(A: torch.Tensor, Bm: torch.Tensor, dt: torch.dtype) -> tuple[tor
     A, Bm = A.to(dt), Bm.to(dt)
     S = torch.bmm(A, A.transpose(1, 2)).mul_(torch.bmm(Bm, Bm.transpose(1, 2))).sum(2).double().sum(1)
     u, tiny = unit_roundoff(dt), torch.finfo(dt).tiny * torch.finfo(dt).eps
-    na = torch.linalg.vector_norm(A, dim=2).double().add_(math.sqrt(d * tiny))
-    nb = torch.linalg.vector_norm(Bm, dim=2).double().add_(math.sqrt(p * tiny))
-    c2 = (1.0 / (1.0 - gamma(d + p + T + 8, u))) ** 2
+    na, nb, c2 = _token_norms(A, Bm)
     m = (na * nb).sum(1).mul_(c2)
     under = (nb.sum(1).square_().mul_(d) + na.sum(1).square_().mul_(p)).mul_(c2).add_(2 * T * T)
     return S, m.square().mul_(gamma(d + p + 2 * T + 2, u)).add_(under.mul_(tiny * (1 + gamma(T + 8, u)))), m
+
+
+def _token_norms(A: torch.Tensor, Bm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(n̂(A_t), n̂(B_t), c²), float64 [c, T]: ``vector_norm``s plus √(n·η) (underflow, η the smallest
+    subnormal) with c·n̂ ≥ ‖·‖ exactly, c = 1/(1 − γ_{d+p+T+8}) (their roundings, and T float64 ones)."""
+    T, d, p = A.shape[1], A.shape[2], Bm.shape[2]
+    u, tiny = unit_roundoff(A.dtype), torch.finfo(A.dtype).tiny * torch.finfo(A.dtype).eps
+    na = torch.linalg.vector_norm(A, dim=2).double().add_(math.sqrt(d * tiny))
+    nb = torch.linalg.vector_norm(Bm, dim=2).double().add_(math.sqrt(p * tiny))
+    return na, nb, (1.0 / (1.0 - gamma(d + p + T + 8, u))) ** 2
 
 
 def _assemble(S: torch.Tensor, slack2: torch.Tensor, e: torch.Tensor, T: int) -> tuple[torch.Tensor, float]:
