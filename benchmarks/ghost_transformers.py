@@ -3,7 +3,7 @@
 Times ``GradientOracle(model, method=m)(params, x, y).norms`` (a forward, a backward and the norms:
 what clipping needs) next to the non-private step's ``loss_and_grad``, interleaved in one process:
 
-* ``ghost``: the ghost / book-keeping path with float32 Gram forms (``ghost._gram_parts``);
+* ``ghost``: the ghost / book-keeping path with float32 Gram forms (``norm_bounds.gram_parts``);
 * ``ghost-f64``: the same with every Gram form in float64 (issue 10's rule, for comparison);
 * ``vmap``: materialised per-sample gradients (an error is printed where vmap cannot run).
 
@@ -74,12 +74,12 @@ def example_transformer(batch: int, T: int) -> tuple[nn.Module, object, torch.Te
 
 @contextmanager
 def gram_in_float64():
-    real = ghost._gram_parts
-    ghost._gram_parts = lambda A, Bm, dt: real(A, Bm, torch.float64)
+    real = ghost.gram_parts
+    ghost.gram_parts = lambda A, Bm, dt: real(A, Bm, torch.float64)
     try:
         yield
     finally:
-        ghost._gram_parts = real
+        ghost.gram_parts = real
 
 
 def measure(build, args: argparse.Namespace, dev: str) -> dict[str, object]:  # noqa: ANN001 - a builder above

@@ -79,10 +79,12 @@ from dptune.gradients.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTE
 )
 from dptune.gradients.norm_bounds import (  # noqa: F401 - rank_one_parts: re-exported (``vectorized``)
     gamma,
+    gram_parts,
     ieee_matmul,
     rank_one_parts,
     same_kernel,
     sq_rows_upper,
+    token_norms,
     unit_roundoff,
     upper_norms,
     wide_mm,
@@ -170,7 +172,7 @@ class LinearRule(LayerRule):
         a, b = self.a, self.b
         c = max(1, MATERIALIZE_LIMIT_BYTES // (self.shape.numel() * a.element_size()))
         sqs = [sq_rows_upper(torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c])) for i in range(0, a.shape[0], c)]
-        na, nb, c2 = _token_norms(a, b)
+        na, nb, c2 = token_norms(a, b)
         e = (na * nb).sum(1).mul_(c2 * gamma(self.T + 1, unit_roundoff(a.dtype)))
         s = torch.cat([sq.double().mul_(1.0 + rho) for sq, rho in sqs])
         return _assemble(s, torch.zeros_like(s), 2 * e, self.T), e
@@ -225,49 +227,20 @@ def _gram_bound(
 ) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
     """Case (c) of the module docstring, from chunks A [c, T, d], Bm [c, T, p] of the operands
     (G_i = Bm_iᵀ A_i): ((s, ρ), e) with e = γ_{T+1}·M̂ (γ of the release's dtype, unit roundoff
-    ``u_release``) and s = (√(max(Ŝ, 0) + slack²) + e)² (``_gram_parts``), in float32; the examples
+    ``u_release``) and s = (√(max(Ŝ, 0) + slack²) + e)² (``gram_parts``), in float32; the examples
     whose slack² exceeds GRAM_TIGHT·Ŝ (cancellation: M ≫ ‖G‖) again in float64, so that their
     norm stays within ~GRAM_TIGHT/2 of exact (the oracle's vmap comparison allows 1e-3).
     ρ (``_assemble``) covers the float64 assembly."""
     parts = []
     for A, Bm in chunks:
-        s, q, m = _gram_parts(A, Bm, torch.promote_types(A.dtype, torch.float32))
+        s, q, m = gram_parts(A, Bm, torch.promote_types(A.dtype, torch.float32))
         loose = (q > GRAM_TIGHT * s).nonzero().squeeze(1)
         if loose.numel() and A.dtype != torch.float64:
-            s[loose], q[loose], m[loose] = _gram_parts(A[loose], Bm[loose], torch.float64)
+            s[loose], q[loose], m[loose] = gram_parts(A[loose], Bm[loose], torch.float64)
         parts.append(torch.stack([s, q, m]))
     S, Q, M = torch.cat(parts, 1)
     e = M.mul_(gamma(T + 1, u_release))
     return _assemble(S, Q, e, T), e
-
-
-def _gram_parts(A: torch.Tensor, Bm: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """(Ŝ, slack², M̂), float64 [c], from Gram matrices in ``dt`` (u its unit roundoff).
-
-    Ŝ = Σ_t fl(Σ_s X̂_ts Ŷ_ts) with X̂ = fl(A Aᵀ), Ŷ = fl(Bm Bmᵀ), the sum over t in float64:
-    |Ŝ − ‖G‖²| ≤ γ_{d+p+2T}·M² (docs/privacy.md, item 1), so slack² = γ_{d+p+2T+2}·M̂² plus the
-    absolute underflow error η·(d·(Σ_t‖B_t‖)² + p·(Σ_t‖A_t‖)² + 2T²), η the smallest subnormal.
-    M̂ = Σ_t n̂(A_t)·n̂(B_t) ≥ M = Σ_t ‖A_t‖‖B_t‖, n̂ = ``vector_norm`` plus √(n·η), scaled by
-    1/(1 − γ_{d+p+T+8}) (its own roundings and underflow). An overflow makes the norm inf or NaN,
-    never a finite under-estimate."""
-    T, d, p = A.shape[1], A.shape[2], Bm.shape[2]
-    A, Bm = A.to(dt), Bm.to(dt)
-    S = torch.bmm(A, A.transpose(1, 2)).mul_(torch.bmm(Bm, Bm.transpose(1, 2))).sum(2).double().sum(1)
-    u, tiny = unit_roundoff(dt), torch.finfo(dt).tiny * torch.finfo(dt).eps
-    na, nb, c2 = _token_norms(A, Bm)
-    m = (na * nb).sum(1).mul_(c2)
-    under = (nb.sum(1).square_().mul_(d) + na.sum(1).square_().mul_(p)).mul_(c2).add_(2 * T * T)
-    return S, m.square().mul_(gamma(d + p + 2 * T + 2, u)).add_(under.mul_(tiny * (1 + gamma(T + 8, u)))), m
-
-
-def _token_norms(A: torch.Tensor, Bm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(n̂(A_t), n̂(B_t), c²), float64 [c, T]: ``vector_norm``s plus √(n·η) (underflow, η the smallest
-    subnormal) with c·n̂ ≥ ‖·‖ exactly, c = 1/(1 − γ_{d+p+T+8}) (their roundings, and T float64 ones)."""
-    T, d, p = A.shape[1], A.shape[2], Bm.shape[2]
-    u, tiny = unit_roundoff(A.dtype), torch.finfo(A.dtype).tiny * torch.finfo(A.dtype).eps
-    na = torch.linalg.vector_norm(A, dim=2).double().add_(math.sqrt(d * tiny))
-    nb = torch.linalg.vector_norm(Bm, dim=2).double().add_(math.sqrt(p * tiny))
-    return na, nb, (1.0 / (1.0 - gamma(d + p + T + 8, u))) ** 2
 
 
 def _assemble(S: torch.Tensor, slack2: torch.Tensor, e: torch.Tensor, T: int) -> tuple[torch.Tensor, float]:
