@@ -1,7 +1,8 @@
 """Per-example gradient norms on transformers: the ghost path against vmap (issue 24, item 2).
 
-Times ``GradientOracle(model, method=m)(params, x, y).norms`` (a forward, a backward and the norms:
-what clipping needs) next to the non-private step's ``loss_and_grad``, interleaved in one process:
+Times ``GradientOracle(model, method=m)(params, x, y)``, its ``norms`` and the clipped sum
+``weighted_sum(min(1, C/N))`` (the gradient part of a DP step) next to the non-private step's
+``loss_and_grad`` (forward, backward), interleaved in one process:
 
 * ``ghost``: the ghost / book-keeping path with float32 Gram forms (``norm_bounds.gram_parts``);
 * ``ghost-f64``: the same with every Gram form in float64 (issue 10's rule, for comparison);
@@ -11,6 +12,7 @@ Models: a tiny stock HF BERT (``BertModel.from_config``, dict inputs, mean-pool 
 ``examples/transformer_text.py``'s ``GhostTransformer`` at its default size.
 
     python benchmarks/ghost_transformers.py            # CPU, about a minute
+    python benchmarks/ghost_transformers.py --minilm --tokens 128 --rounds 2
     python benchmarks/ghost_transformers.py --device cuda
 """
 
@@ -44,19 +46,24 @@ class Pooled(nn.Module):
         return self.head((h * m).sum(1) / m.sum(1))
 
 
-def tiny_bert(batch: int, T: int) -> tuple[nn.Module, object, torch.Tensor, str]:
+def tiny_bert(batch: int, T: int, d: int = 128, layers: int = 2) -> tuple[nn.Module, object, torch.Tensor, str]:
     import transformers
 
     cfg = transformers.BertConfig(
-        vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512
+        vocab_size=1000, hidden_size=d, num_hidden_layers=layers, num_attention_heads=d // 32, intermediate_size=4 * d
     )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = Pooled(transformers.AutoModel.from_config(cfg), 128).eval()
+    model = Pooled(transformers.AutoModel.from_config(cfg), d).eval()
     ids = torch.randint(2, 1000, (batch, T))
     mask = torch.ones(batch, T, dtype=torch.long)
     mask[::2, T // 2 :] = 0
-    return model, {"input_ids": ids, "attention_mask": mask}, torch.randint(0, 2, (batch,)), f"BERT d=128 L=2 T={T}"
+    return (
+        model,
+        {"input_ids": ids, "attention_mask": mask},
+        torch.randint(0, 2, (batch,)),
+        f"BERT d={d} L={layers} T={T}",
+    )
 
 
 def example_transformer(batch: int, T: int) -> tuple[nn.Module, object, torch.Tensor, str]:
@@ -89,9 +96,10 @@ def measure(build, args: argparse.Namespace, dev: str) -> dict[str, object]:  # 
     y = y.to(dev)
     params = {k: v.detach() for k, v in model.named_parameters()}
 
-    def norms(oracle: GradientOracle, f64: bool = False) -> torch.Tensor:
+    def norms(oracle: GradientOracle, f64: bool = False) -> object:
         with gram_in_float64() if f64 else nullcontext():
-            return oracle(params, x, y).norms
+            g = oracle(params, x, y)
+            return g.weighted_sum(torch.clamp(1.0 / g.norms, max=1.0))  # clipped at C = 1
 
     fns, errors = {}, {}
     for method in ("ghost", "vmap"):
@@ -121,12 +129,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--minilm", action="store_true", help="also MiniLM-L6's shape (d = 384, 6 layers)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: CPU time is wall time minus preemption)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dev = check_device(args.device)
     print(machine(dev))
-    rows = [measure(build, args, dev) for build in (tiny_bert, example_transformer)]
+    builds = [tiny_bert, example_transformer]
+    if args.minilm:  # MiniLM-L6's shape (d = 384, 6 layers, 1536 FFN), random weights
+        builds.append(partial(tiny_bert, d=384, layers=6))
+    rows = [measure(build, args, dev) for build in builds]
     print(table(rows, ["model", "B", "non-private", "ghost", "ghost-f64", "vmap", "vmap/ghost"]))
 
 

@@ -264,3 +264,32 @@ def test_direct_norms_too_big_to_keep_bound_the_release(c: float, monkeypatch: p
     assert not gram  # no Gram form
     ordinary = _linear_batch(16, 4, 8, 0.5, seed=3)
     _check_upper(ordinary, exact_sq(ordinary).sqrt(), 1e-4)
+
+
+class ViewedPositions(nn.Module):
+    """Position ids [1, T] whose embedding the model views as [T, d]: expanding them to the batch breaks
+    the forward, which must then fall back to vmap rather than fail; and a Linear on a shared [1, d]
+    float input is not expanded (it falls back: its output is shared by the batch)."""
+
+    def __init__(self, linear: bool):
+        super().__init__()
+        self.tok, self.pos, self.fc = nn.Embedding(20, 6), nn.Embedding(T, 6), nn.Linear(6, 2)
+        self.q, self.proj, self.linear = nn.Parameter(torch.randn(1, 6), requires_grad=False), nn.Linear(6, 6), linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = self.pos(torch.arange(x.shape[1]).unsqueeze(0))
+        h = self.tok(x) + (pos * self.proj(self.q).unsqueeze(1) if self.linear else pos.view(x.shape[1], 6))
+        return self.fc(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize(("linear", "why"), [(False, "expanded to the batch"), (True, "not the batch")])
+def test_shared_inputs_that_cannot_be_expanded_fall_back(linear: bool, why: str) -> None:
+    torch.manual_seed(0)
+    model = ViewedPositions(linear)
+    x, y = torch.randint(0, 20, (6, T)), torch.randint(0, 2, (6,))
+    with pytest.warns(RuntimeWarning, match=why):
+        oracle = GradientOracle(model, method="auto")
+        got = oracle(_params(model), x, y)
+    assert oracle.method == "vmap"
+    v = GradientOracle(model, method="vmap")(_params(model), x, y)
+    assert torch.allclose(got.norms, v.norms)

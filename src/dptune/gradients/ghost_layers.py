@@ -133,21 +133,23 @@ def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module,
     """The input and output of each of ``mods`` on its calls in the block (an instance-level ``forward``
     wrapper, removed after it); GhostFallback if one was called twice, without a positional tensor
     input whose first dimension is the ``batch``, or had its input or output changed in place (no
-    ghost rule then). An input of batch 1 shared by a batch of several (HF's position ids [1, T]) is
+    ghost rule then). Ids of batch 1 shared by a batch of several (HF's position ids [1, T]) are
     expanded to the batch first, so that each example's output, and its output gradient, are its
-    own (the output then broadcasts as before). A wrapper rather than a forward hook: a module with
+    own (the output then broadcasts as before; a forward that the expansion breaks falls back). A wrapper rather than a forward hook: a module with
     hooks runs ``Module._call_impl``'s slow path (~25 µs per call, and registering/removing hooks
     costs as much again), a wrapper keeps the fast path. It also sees the layer's own output, before
     any output hook of the user's."""
     records: dict[nn.Module, tuple | None] = {}
     patched: list[tuple[nn.Module, bool, object]] = []
+    expanded: list[nn.Module] = []
 
     def wrap(mod: nn.Module, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def forward(*args: object, **kwargs: object) -> torch.Tensor:
             a = args[0] if args else None
-            if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == 1 < batch:
+            if isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dim() and a.shape[0] == 1 < batch:
                 a = a.expand(batch, *a.shape[1:])
                 args = (a, *args[1:])
+                expanded.append(mod)
             out = inner(*args, **kwargs)
             first, records[mod] = mod not in records, None
             if not (first and isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
@@ -163,6 +165,10 @@ def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module,
             patched.append((mod, "forward" in mod.__dict__, mod.__dict__.get("forward")))
             mod.__dict__["forward"] = wrap(mod, mod.forward)
         yield records
+    except (RuntimeError, ValueError) as exc:  # the expanded output did not fit where the shared one did
+        if expanded:
+            raise GhostFallback(f"a layer's input of batch 1, expanded to the batch, broke the forward: {exc}") from exc
+        raise
     finally:
         for mod, had, old in patched:
             if had:
