@@ -6,8 +6,8 @@ position ids, LayerNorm and Linear over tokens, GPT-2's ``Conv1D``):
 
 * the ghost norms are ≥ the exact norm of each example's gradient, computed alone (a single-example
   backward pass, float64), and within a tight factor of it; in float64 they are ≥ it outright;
-* what ``weighted_sum`` releases equals Σ w_i g_i of the one-at-a-time reference, and one example's
-  release alone (weight 1, others 0) is ≤ its norm;
+* what ``weighted_sum`` releases equals Σ w_i g_i of the one-at-a-time reference, one example's
+  release alone (weight 1, others 0) is ≤ its norm, and clipped at C < ‖g_i‖ it is ≤ C(1 + 1e-6);
 * the oracle's isolation probe passes on these models (first call, forced ghost) and still refuses
   a head that mixes the examples of a batch;
 * an input without the batch as its first dimension falls back (no silent mis-attribution).
@@ -136,6 +136,10 @@ def test_ghost_norms_bound_each_example_alone(family: str) -> None:
         g.reset_reuse()
         out = g.weighted_sum(one).wide
         assert math.sqrt(sum(float(v.double().square().sum()) for v in out.values())) <= float(g.norms[i])
+    # clipped at C below each example's norm: w·‖g_i‖ and the release alone ≤ C(1 + 1e-6)
+    from test_edge_ghost_norms import clipping_violations
+
+    assert clipping_violations(g) == []
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
