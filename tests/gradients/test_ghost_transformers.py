@@ -297,3 +297,21 @@ def test_shared_inputs_that_cannot_be_expanded_fall_back(linear: bool, why: str)
     assert oracle.method == "vmap"
     v = GradientOracle(model, method="vmap")(_params(model), x, y)
     assert torch.allclose(got.norms, v.norms)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_train_runs_on_the_ghost_path_with_dropout_and_dict_inputs(family: str) -> None:
+    """``dptune.train`` (DP-Adam) in training mode (HF's dropout on: the probe replays the masks):
+    no fallback, every planned release made."""
+    import dptune
+
+    torch.manual_seed(0)
+    model = Pooled(family).train()
+    x, y = _batch(40, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to vmap
+        r = dptune.train(
+            model, (x, y), "dpadam", steps=2, expected_batch_size=10, noise_multiplier=1.0, seed=0, device="cpu",
+            grad_method="ghost",
+        )  # fmt: skip
+    assert r.ledger.releases == 2
