@@ -7,10 +7,11 @@ one ordinary backward pass of Σ_i ℓ_i yields for all i at once (ℓ_i depends
 only: no layer mixes examples, see ``oracle.check_model``). Notation: a_i ∈ R^{T×d},
 b_i ∈ R^{T×p} with T the number of positions (tokens, pixels) sharing the weight.
 
-* Linear, W ∈ R^{p×d}: G_i = b_iᵀ a_i.
+* Linear, W ∈ R^{p×d}: G_i = b_iᵀ a_i (GPT-2's Conv1D: the same, transposed).
     - T = 1: ‖G_i‖² = ‖a_i‖²‖b_i‖² (rank one).
     - ghost norm (Goodfellow 2015; Li et al. 2022): ‖G_i‖² = Σ_{t,s} (a_i a_iᵀ)_{ts}(b_i b_iᵀ)_{ts},
-      O(T²(d+p)) per example, used when cheaper than the direct O(Tpd) product.
+      O(T²(d+p)) per example, used when cheaper than the direct O(Tpd) product (Bu et al.'s
+      mixed choice; the direct Ĝ_i kept when they fit, else their norms chunk by chunk).
     - book-keeping (Bu et al. 2023): Σ_i w_i G_i = (diag(w) b)ᵀ a over all rows: ONE matrix
       product, the cost of an ordinary weight gradient; no second backward pass.
   Bias: g_i = Σ_t b_{i,t}.
@@ -24,8 +25,8 @@ b_i ∈ R^{T×p} with T the number of positions (tokens, pixels) sharing the wei
 * LayerNorm / GroupNorm: G_i = Σ_positions b_i ∘ x̂_i (x̂ the normalised input), kept
   per sample (they are C numbers per example).
 
-Anything else with trainable parameters (or a supported layer called twice per forward,
-or an in-place change of a captured tensor) makes the whole model fall back to vmap; see
+Anything else with trainable parameters (or a supported layer called twice per forward, on
+an input without the batch first, or an in-place change of a captured tensor) makes the whole model fall back to vmap; see
 ``unsupported_reason`` and ``oracle.GradientOracle``. The rest of the path (support check, capture
 of a forward, the rules' interface, the kept rules, the sums' reuse) is in ``ghost_layers``.
 
