@@ -1,8 +1,9 @@
 """Issue 24, item 2: the ghost path on stock Hugging Face transformers (tiny ``from_config`` models,
 dict inputs ``{input_ids, attention_mask}``, a mean-pool + linear head).
 
-Per family (BERT, RoBERTa, DistilBERT, GPT-2) and per new rule (Embedding on HF's shared [1, T]
-position ids, LayerNorm and Linear over tokens, GPT-2's ``Conv1D``):
+Per family (BERT, RoBERTa, DistilBERT, GPT-2, Llama with rotary embeddings) and per new rule
+(Embedding on HF's shared [1, T] position ids, LayerNorm, RMSNorm and Linear over tokens, GPT-2's
+``Conv1D``):
 
 * the ghost norms are ≥ the exact norm of each example's gradient, computed alone (a single-example
   backward pass, float64), and within a tight factor of it; in float64 they are ≥ it outright;
@@ -43,6 +44,11 @@ def _config(family: str):  # noqa: ANN202 - a transformers config
         )
     if family == "distilbert":
         return transformers.DistilBertConfig(dim=D, n_layers=1, n_heads=2, hidden_dim=48, **small)
+    if family == "llama":  # a decoder with rotary position embeddings (no parameters) and RMSNorm
+        return transformers.LlamaConfig(
+            hidden_size=D, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            bos_token_id=0, eos_token_id=0, **small,
+        )  # fmt: skip
     return transformers.GPT2Config(  # Conv1D everywhere, position ids [1, T]
         vocab_size=VOCAB, n_embd=D, n_layer=1, n_head=2, n_positions=T, bos_token_id=0, eos_token_id=0
     )
@@ -106,7 +112,7 @@ def _norms(grads: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     )
 
 
-FAMILIES = ["bert", "roberta", "distilbert", "gpt2"]
+FAMILIES = ["bert", "roberta", "distilbert", "gpt2", "llama"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -315,3 +321,15 @@ def test_train_runs_on_the_ghost_path_with_dropout_and_dict_inputs(family: str) 
             grad_method="ghost",
         )  # fmt: skip
     assert r.ledger.releases == 2
+
+
+@pytest.mark.parametrize("eps", [None, 1e-5])
+def test_torch_rmsnorm_over_tokens_equals_vmap(eps: float | None) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 6), nn.RMSNorm(6, eps=eps), nn.Flatten(), nn.Linear(6 * T, 2))
+    x, y = torch.randn(6, T, 7), torch.randint(0, 2, (6,))
+    g = GradientOracle(model, method="ghost")(_params(model), x, y)
+    v = GradientOracle(model, method="vmap")(_params(model), x, y)
+    assert isinstance(g, ghost.GhostGrads)
+    assert torch.allclose(g.norms, v.norms, rtol=1e-5)
+    assert torch.allclose(g.grads["1.weight"], v.grads["1.weight"], rtol=1e-4, atol=1e-6)

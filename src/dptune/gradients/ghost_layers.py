@@ -25,17 +25,19 @@ from dptune.tree import Accumulated, Tensors
 REUSE_RTOL = 1e-6
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.ConvTranspose2d)
-SUPPORTED: tuple[type[nn.Module], ...] = (nn.Linear, *CONV, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
+SUPPORTED: tuple[type[nn.Module], ...] = (nn.Linear, *CONV, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+# transformers' own layers with a ghost rule, matched by module and class name (dptune does not import it):
+# GPT-2's Conv1D (a transposed Linear), Llama's RMSNorm (as nn.RMSNorm, computed in float32).
+HF_LAYERS = {("transformers.pytorch_utils", "Conv1D"), ("transformers.models.llama.modeling_llama", "LlamaRMSNorm")}
 
 
 def is_conv1d(mod: nn.Module) -> bool:
-    """``transformers.pytorch_utils.Conv1D`` itself (GPT-2): ``x @ W + b`` with W [d_in, d_out], a Linear
-    with its weight transposed (matched by name: dptune does not import transformers)."""
-    return type(mod).__name__ == "Conv1D" and type(mod).__module__ == "transformers.pytorch_utils"
+    """``transformers.pytorch_utils.Conv1D`` itself (GPT-2): ``x @ W + b`` with W [d_in, d_out]."""
+    return (type(mod).__module__, type(mod).__name__) == ("transformers.pytorch_utils", "Conv1D")
 
 
 def base_type(mod: nn.Module) -> type[nn.Module] | None:
-    if is_conv1d(mod):
+    if (type(mod).__module__, type(mod).__name__) in HF_LAYERS:
         return type(mod)
     for cls in SUPPORTED:
         if isinstance(mod, cls) and type(mod).forward is cls.forward:
@@ -111,15 +113,19 @@ class KeptRule(LayerRule):
 
 
 def norm_layer_rule(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> KeptRule:
-    """LayerNorm / GroupNorm: per-sample affine gradients Σ_positions b ∘ x̂ and Σ_positions b."""
+    """LayerNorm / GroupNorm / RMSNorm: per-sample affine gradients Σ_positions b ∘ x̂ and Σ_positions b."""
     with torch.no_grad():
         if isinstance(mod, nn.LayerNorm):
             xhat = F.layer_norm(a, mod.normalized_shape, None, None, mod.eps)
             dims = tuple(range(1, a.ndim - len(mod.normalized_shape)))
-        else:
-            assert isinstance(mod, nn.GroupNorm)  # ``base_type``: LayerNorm or GroupNorm
+        elif isinstance(mod, nn.GroupNorm):
             xhat = F.group_norm(a, mod.num_groups, None, None, mod.eps)
             dims = tuple(range(2, a.ndim))
+        else:  # nn.RMSNorm, or Llama's: x·rsqrt(mean(x²) + eps) in float32, back to the input's dtype
+            shape = getattr(mod, "normalized_shape", a.shape[-1:])
+            eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+            xhat = F.rms_norm(a.float(), shape, None, eps).to(a.dtype)
+            dims = tuple(range(1, a.ndim - len(shape)))
         grads: Tensors = {}
         if "weight" in names:
             grads[names["weight"]] = (b * xhat).sum(dims) if dims else b * xhat
