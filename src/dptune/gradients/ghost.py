@@ -7,10 +7,11 @@ one ordinary backward pass of Σ_i ℓ_i yields for all i at once (ℓ_i depends
 only: no layer mixes examples, see ``oracle.check_model``). Notation: a_i ∈ R^{T×d},
 b_i ∈ R^{T×p} with T the number of positions (tokens, pixels) sharing the weight.
 
-* Linear, W ∈ R^{p×d}: G_i = b_iᵀ a_i.
+* Linear, W ∈ R^{p×d}: G_i = b_iᵀ a_i (GPT-2's Conv1D: the same, transposed).
     - T = 1: ‖G_i‖² = ‖a_i‖²‖b_i‖² (rank one).
     - ghost norm (Goodfellow 2015; Li et al. 2022): ‖G_i‖² = Σ_{t,s} (a_i a_iᵀ)_{ts}(b_i b_iᵀ)_{ts},
-      O(T²(d+p)) per example, used when cheaper than the direct O(Tpd) product.
+      O(T²(d+p)) per example, used when cheaper than the direct O(Tpd) product (Bu et al.'s
+      mixed choice; the direct Ĝ_i kept when they fit, else their norms chunk by chunk).
     - book-keeping (Bu et al. 2023): Σ_i w_i G_i = (diag(w) b)ᵀ a over all rows: ONE matrix
       product, the cost of an ordinary weight gradient; no second backward pass.
   Bias: g_i = Σ_t b_{i,t}.
@@ -24,8 +25,8 @@ b_i ∈ R^{T×p} with T the number of positions (tokens, pixels) sharing the wei
 * LayerNorm / GroupNorm: G_i = Σ_positions b_i ∘ x̂_i (x̂ the normalised input), kept
   per sample (they are C numbers per example).
 
-Anything else with trainable parameters (or a supported layer called twice per forward,
-or an in-place change of a captured tensor) makes the whole model fall back to vmap; see
+Anything else with trainable parameters (or a supported layer called twice per forward, on
+an input without the batch first, or an in-place change of a captured tensor) makes the whole model fall back to vmap; see
 ``unsupported_reason`` and ``oracle.GradientOracle``. The rest of the path (support check, capture
 of a forward, the rules' interface, the kept rules, the sums' reuse) is in ``ghost_layers``.
 
@@ -38,10 +39,12 @@ G_i = Σ_t b_t a_tᵀ exact from the stored operands and M_i = Σ_t ‖a_t‖‖
 (a) stored per-sample tensors Ĝ_i (LayerNorm/GroupNorm, biases, kept Linear/Conv gradients):
     the release is w·Ĝ_i itself; ‖Ĝ_i‖² ≤ s(1+ρ) by ``persample.sq_rows_upper``.
 (b) Linear, T = 1: ‖a‖‖b‖ from two ``vector_norm``s; the release rounds each entry at most twice.
-(c) Gram forms (Linear over tokens, small-T convolutions): S = ‖G_i‖² in float64 with its bound
-    γ⁶⁴_{d+p+T²}·M̂², plus the release error of a per-example float32 product over T positions,
-    γ_{T+1}·M̂: N_l = √(S bound) + γ_{T+1}·M̂ (``_gram_bound``). Under cancellation this term
-    dominates: the norm says how inexact that example's release is.
+(c) Gram forms (Linear or Conv1D over tokens, small-T convolutions): S = ‖G_i‖² from float32
+    Gram matrices (row sums in float32, their sum in float64) with its bound γ_{d+p+2T+2}·M̂²
+    (again in float64 where that slack is > GRAM_TIGHT·S),
+    plus the release error of a per-example float32 product over T positions, γ_{T+1}·M̂:
+    N_l = √(S bound) + γ_{T+1}·M̂ (``_gram_bound``). Under cancellation these terms dominate:
+    the norm says how inexact that example's release is.
 (d) Embedding with repeated tokens: S = Σ_v ‖Σ_{t∈v} b_t‖² in float64, plus γ_T·Σ_{n_v ≥ 2} m_v.
 (e) convolutions too big to keep: the release recomputes the very chunks whose norms were taken.
 
@@ -61,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dptune import inputs
 from dptune.gradients.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTED, unsupported_reason: re-exported
     CONV,
     REUSE_RTOL,
@@ -69,16 +73,19 @@ from dptune.gradients.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTE
     LayerGrads,
     LayerRule,
     base_type,
+    is_conv1d,
     norm_layer_rule,
     recording,
     unsupported_reason,
 )
 from dptune.gradients.norm_bounds import (  # noqa: F401 - rank_one_parts: re-exported (``vectorized``)
     gamma,
+    gram_parts,
     ieee_matmul,
     rank_one_parts,
     same_kernel,
     sq_rows_upper,
+    token_norms,
     unit_roundoff,
     upper_norms,
     wide_mm,
@@ -96,6 +103,9 @@ UNFOLD_CHUNK_BYTES = 32 * 2**20
 # Bound on the patch copy of a kept convolution's GEMM path (``use_unfold_products``): B_chunk x T x d
 # floats (a layer whose single example exceeds it takes the grouped kernel instead).
 UNFOLD_PRODUCT_BYTES = 256 * 2**20
+# Gram norms (case (c)) are formed in float32; an example whose rounding slack² exceeds this
+# fraction of its squared norm (cancellation across positions) is formed again in float64.
+GRAM_TIGHT = 1e-3
 
 
 def use_unfold_products(device: torch.device, transposed: bool, patch_bytes: int) -> bool:
@@ -107,10 +117,14 @@ def use_unfold_products(device: torch.device, transposed: bool, patch_bytes: int
 
 class LinearRule(LayerRule):
     """a, b are kept as [B, d], [B, p] when T = 1 (no position axis: fewer view ops on the
-    hot path of small dense models), as [B, T, d], [B, T, p] otherwise."""
+    hot path of small dense models), as [B, T, d], [B, T, p] otherwise. ``transposed``: the weight
+    is stored [d, p] (GPT-2's Conv1D): the same G_i, handed out transposed (``_layout``)."""
 
-    def __init__(self, names: dict[str, str], a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor):
+    def __init__(
+        self, names: dict[str, str], a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, transposed: bool = False
+    ):
         super().__init__(names)
+        self.transposed = transposed
         B = a.shape[0]
         d, p = a.shape[-1], b.shape[-1]
         self.T = math.prod(a.shape[1:-1])
@@ -120,13 +134,13 @@ class LinearRule(LayerRule):
         else:
             self.a = a.reshape(B, -1, d)
             self.b = b.reshape(B, -1, p)
-        self.shape = weight.shape
+        self.shape = torch.Size((p, d))  # G_i's, in nn.Linear's layout
         self.G: torch.Tensor | None = None
-        if "weight" in names and self.T > 1:
-            direct = self.T * p * d
-            ghost = self.T * self.T * (p + d)
-            if direct <= ghost and B * p * d * a.element_size() <= MATERIALIZE_LIMIT_BYTES:
-                self.G = torch.bmm(self.b.transpose(1, 2), self.a)
+        # Bu et al.'s mixed ghost clipping: per-example products (~T·p·d) where cheaper than the Gram
+        # form (~T²·(p+d)): kept when they fit, else their norms chunk by chunk (``_direct``).
+        self._direct = "weight" in names and self.T > 1 and p * d <= self.T * (p + d)
+        if self._direct and B * p * d * a.element_size() <= MATERIALIZE_LIMIT_BYTES:
+            self.G, self._direct = torch.bmm(self.b.transpose(1, 2), self.a), False
         self.gb = (self.b if self.T == 1 else self.b.sum(1)) if "bias" in names else None
         self._gram: tuple[tuple[torch.Tensor, float], torch.Tensor] | None = None
 
@@ -141,14 +155,28 @@ class LinearRule(LayerRule):
         return parts
 
     def _ghost(self) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
-        """Case (c): the float64 Gram bound and the book-keeping release's error, once."""
+        """Case (c): the Gram bound and the book-keeping release's error, once."""
+        if self._gram is None and self._direct:
+            self._gram = self._direct_bound()
         if self._gram is None:
             a, b = self.a, self.b
             B, T, d, p = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
             chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, 8 * (T * (d + p) + 2 * T * T)))
-            chunks = ((a[i : i + chunk].double(), b[i : i + chunk].double()) for i in range(0, B, chunk))
+            chunks = ((a[i : i + chunk], b[i : i + chunk]) for i in range(0, B, chunk))
             self._gram = _gram_bound(chunks, d, p, T, unit_roundoff(a.dtype))
         return self._gram
+
+    def _direct_bound(self) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
+        """Ĝ_i = fl(b_iᵀ a_i) chunk by chunk, their norms only (too big to keep). The release forms
+        b_iᵀ a_i again, maybe rounded otherwise; each is within γ_{T+1}·M of G_i (Frobenius, as
+        case (c)), so the norm is ‖Ĝ_i‖ + 2γ_{T+1}·M̂ (docs/privacy.md, item 1)."""
+        a, b = self.a, self.b
+        c = max(1, MATERIALIZE_LIMIT_BYTES // (self.shape.numel() * a.element_size()))
+        sqs = [sq_rows_upper(torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c])) for i in range(0, a.shape[0], c)]
+        na, nb, c2 = token_norms(a, b)
+        e = (na * nb).sum(1).mul_(c2 * gamma(self.T + 1, unit_roundoff(a.dtype)))
+        s = torch.cat([sq.double().mul_(1.0 + rho) for sq, rho in sqs])
+        return _assemble(s, torch.zeros_like(s), 2 * e, self.T), e
 
     def release_err(self) -> torch.Tensor | None:
         if self.T == 1 or self.G is not None or "weight" not in self.names:
@@ -171,9 +199,14 @@ class LinearRule(LayerRule):
                 for i in range(0, a.shape[0], c):
                     total += wide_sum(w[i : i + c], torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c]).flatten(1))
                 out[self.names["weight"]] = total.reshape(self.shape)
+            out[self.names["weight"]] = self._layout(out[self.names["weight"]])
         if self.gb is not None:
             out[self.names["bias"]] = wide_sum(w, self.gb if rows is None else self.gb[rows])
         return out
+
+    def _layout(self, G: torch.Tensor) -> torch.Tensor:
+        """[..., p, d] → the weight's layout ([..., d, p] for Conv1D)."""
+        return G.transpose(-1, -2).contiguous() if self.transposed else G
 
     def per_sample(self) -> Tensors:
         out: Tensors = {}
@@ -184,7 +217,7 @@ class LinearRule(LayerRule):
                 G = torch.bmm(self.b.unsqueeze(2), self.a.unsqueeze(1))
             else:
                 G = torch.bmm(self.b.transpose(1, 2), self.a)
-            out[self.names["weight"]] = G
+            out[self.names["weight"]] = self._layout(G)
         if self.gb is not None:
             out[self.names["bias"]] = self.gb
         return out
@@ -193,22 +226,22 @@ class LinearRule(LayerRule):
 def _gram_bound(
     chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], d: int, p: int, T: int, u_release: float
 ) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
-    """Case (c) of the module docstring, from float64 chunks A [c, T, d], Bm [c, T, p] of the
-    operands (G_i = Bm_iᵀ A_i): ((s, ρ), e) with e = γ_{T+1}·M̂ (γ of the release's dtype,
-    unit roundoff ``u_release``) and s = (√(max(Ŝ, 0) + γ⁶⁴_{d+p+T²}·M̂²) + e)².
-
-    Ŝ = Σ_{t,s}(A Aᵀ)_{ts}(Bm Bmᵀ)_{ts} and M̂ = Σ_t ‖A_t‖‖B_t‖ in float64; M̂ is scaled by
-    1/(1 − γ⁶⁴_{d+p+T+8}) (its own roundings: two norms, a product, T − 1 additions) so that
-    M̂ ≥ M; ρ (``_assemble``) covers the few float64 operations that assemble s.
-    """
-    S, M = [], []
+    """Case (c) of the module docstring, from chunks A [c, T, d], Bm [c, T, p] of the operands
+    (G_i = Bm_iᵀ A_i): ((s, ρ), e) with e = γ_{T+1}·M̂ (γ of the release's dtype, unit roundoff
+    ``u_release``) and s = (√(max(Ŝ, 0) + slack²) + e)² (``gram_parts``), in float32; the examples
+    whose slack² exceeds GRAM_TIGHT·Ŝ (cancellation: M ≫ ‖G‖) again in float64, so that their
+    norm stays within ~GRAM_TIGHT/2 of exact (the oracle's vmap comparison allows 1e-3).
+    ρ (``_assemble``) covers the float64 assembly."""
+    parts = []
     for A, Bm in chunks:
-        S.append((torch.bmm(A, A.transpose(1, 2)) * torch.bmm(Bm, Bm.transpose(1, 2))).sum((1, 2)))
-        M.append((torch.linalg.vector_norm(A, dim=2) * torch.linalg.vector_norm(Bm, dim=2)).sum(1))
-    u = unit_roundoff(torch.float64)
-    m = torch.cat(M).mul_(1.0 / (1.0 - gamma(d + p + T + 8, u)))
-    e = m * gamma(T + 1, u_release)
-    return _assemble(torch.cat(S), m.square_().mul_(gamma(d + p + T * T, u)), e, T), e
+        s, q, m = gram_parts(A, Bm, torch.promote_types(A.dtype, torch.float32))
+        loose = (q > GRAM_TIGHT * s).nonzero().squeeze(1)
+        if loose.numel() and A.dtype != torch.float64:
+            s[loose], q[loose], m[loose] = gram_parts(A[loose], Bm[loose], torch.float64)
+        parts.append(torch.stack([s, q, m]))
+    S, Q, M = torch.cat(parts, 1)
+    e = M.mul_(gamma(T + 1, u_release))
+    return _assemble(S, Q, e, T), e
 
 
 def _assemble(S: torch.Tensor, slack2: torch.Tensor, e: torch.Tensor, T: int) -> tuple[torch.Tensor, float]:
@@ -251,7 +284,7 @@ class _Conv(LayerRule):
         p = small.shape[1]
         keep = B * p * d * a.element_size() <= MATERIALIZE_LIMIT_BYTES
         if T * T * (p + d) < T * p * d and not keep:
-            # Ghost norm (case (c)): float64 Gram matrices of the unfolded operands, T x T per
+            # Ghost norm (case (c)): Gram matrices of the unfolded operands, T x T per
             # example; the weighted sums are the same product over unfolded chunks.
             self._gram_rule = True
             self._chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, 8 * (d * T + p * T + 2 * T * T)))
@@ -262,7 +295,7 @@ class _Conv(LayerRule):
                     if U.shape[2] != T:
                         raise GhostFallback("unfold geometry does not match the layer's output")
                     V = small[i : i + self._chunk].reshape(U.shape[0], p, T)
-                    yield U.transpose(1, 2).double(), V.transpose(1, 2).double()
+                    yield U.transpose(1, 2), V.transpose(1, 2)
 
             self._wpart, self._err = _gram_bound(chunks(), d, p, T, unit_roundoff(a.dtype))
             return
@@ -526,7 +559,7 @@ class GhostEngine:
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, buffers: Tensors) -> GhostGrads:
         """``buffers``: the model's buffers for this forward (``persample.ScratchBuffers``' copies)."""
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        with recording(mod for mod, _, _ in self.layers) as records:
+        with recording((mod for mod, _, _ in self.layers), inputs.batch_len(x)) as records:
             losses = self._loss(self._call(ps, buffers, x), y)
         used = [(m, c, n) for m, c, n in self.layers if m in records]
         zs = [records[m][1] for m, _, _ in used]
@@ -539,8 +572,8 @@ class GhostEngine:
             b = bs[i] if bs[i] is not None else torch.zeros_like(z)
             bs[i] = None  # free as we go
             weight = ps.get(names.get("weight", ""), getattr(m, "weight", None))
-            if cls is nn.Linear:
-                layers.append(LinearRule(names, a, b, weight))
+            if cls is nn.Linear or is_conv1d(m):
+                layers.append(LinearRule(names, a, b, weight, transposed=cls is not nn.Linear))
             elif cls in CONV:
                 layers.append(_Conv(names, m, a, b, weight.detach()))
             elif cls is nn.Embedding:

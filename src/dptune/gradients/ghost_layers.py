@@ -25,10 +25,20 @@ from dptune.tree import Accumulated, Tensors
 REUSE_RTOL = 1e-6
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.ConvTranspose2d)
-SUPPORTED: tuple[type[nn.Module], ...] = (nn.Linear, *CONV, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
+SUPPORTED: tuple[type[nn.Module], ...] = (nn.Linear, *CONV, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+# transformers' own layers with a ghost rule, matched by module and class name (dptune does not import it):
+# GPT-2's Conv1D (a transposed Linear), Llama's RMSNorm (as nn.RMSNorm, computed in float32).
+HF_LAYERS = {("transformers.pytorch_utils", "Conv1D"), ("transformers.models.llama.modeling_llama", "LlamaRMSNorm")}
+
+
+def is_conv1d(mod: nn.Module) -> bool:
+    """``transformers.pytorch_utils.Conv1D`` itself (GPT-2): ``x @ W + b`` with W [d_in, d_out]."""
+    return (type(mod).__module__, type(mod).__name__) == ("transformers.pytorch_utils", "Conv1D")
 
 
 def base_type(mod: nn.Module) -> type[nn.Module] | None:
+    if (type(mod).__module__, type(mod).__name__) in HF_LAYERS:
+        return type(mod)
     for cls in SUPPORTED:
         if isinstance(mod, cls) and type(mod).forward is cls.forward:
             return cls
@@ -103,15 +113,19 @@ class KeptRule(LayerRule):
 
 
 def norm_layer_rule(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> KeptRule:
-    """LayerNorm / GroupNorm: per-sample affine gradients Σ_positions b ∘ x̂ and Σ_positions b."""
+    """LayerNorm / GroupNorm / RMSNorm: per-sample affine gradients Σ_positions b ∘ x̂ and Σ_positions b."""
     with torch.no_grad():
         if isinstance(mod, nn.LayerNorm):
             xhat = F.layer_norm(a, mod.normalized_shape, None, None, mod.eps)
             dims = tuple(range(1, a.ndim - len(mod.normalized_shape)))
-        else:
-            assert isinstance(mod, nn.GroupNorm)  # ``base_type``: LayerNorm or GroupNorm
+        elif isinstance(mod, nn.GroupNorm):
             xhat = F.group_norm(a, mod.num_groups, None, None, mod.eps)
             dims = tuple(range(2, a.ndim))
+        else:  # nn.RMSNorm, or Llama's: x·rsqrt(mean(x²) + eps) in float32, back to the input's dtype
+            shape = getattr(mod, "normalized_shape", a.shape[-1:])
+            eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+            xhat = F.rms_norm(a.float(), shape, None, eps).to(a.dtype)
+            dims = tuple(range(1, a.ndim - len(shape)))
         grads: Tensors = {}
         if "weight" in names:
             grads[names["weight"]] = (b * xhat).sum(dims) if dims else b * xhat
@@ -121,23 +135,32 @@ def norm_layer_rule(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: t
 
 
 @contextmanager
-def recording(mods: Iterable[nn.Module]) -> Iterator[dict[nn.Module, tuple | None]]:
+def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module, tuple | None]]:
     """The input and output of each of ``mods`` on its calls in the block (an instance-level ``forward``
     wrapper, removed after it); GhostFallback if one was called twice, without a positional tensor
-    input, or had its input or output changed in place (no ghost rule then). A wrapper rather than
-    a forward hook: a module with hooks runs ``Module._call_impl``'s slow path (~25 µs per call, and
-    registering/removing hooks costs as much again), a wrapper keeps the fast path. It also sees
-    the layer's own output, before any output hook of the user's."""
+    input whose first dimension is the ``batch``, or had its input or output changed in place (no
+    ghost rule then). Ids of batch 1 shared by a batch of several (HF's position ids [1, T]) are
+    expanded to the batch first, so that each example's output, and its output gradient, are its
+    own (the output then broadcasts as before; a forward that the expansion breaks falls back). A wrapper rather than a forward hook: a module with
+    hooks runs ``Module._call_impl``'s slow path (~25 µs per call, and registering/removing hooks
+    costs as much again), a wrapper keeps the fast path. It also sees the layer's own output, before
+    any output hook of the user's."""
     records: dict[nn.Module, tuple | None] = {}
     patched: list[tuple[nn.Module, bool, object]] = []
+    expanded: list[nn.Module] = []
 
     def wrap(mod: nn.Module, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def forward(*args: object, **kwargs: object) -> torch.Tensor:
-            out = inner(*args, **kwargs)
             a = args[0] if args else None
-            if mod in records or not isinstance(a, torch.Tensor) or not isinstance(out, torch.Tensor):
-                records[mod] = None
-            else:
+            if isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dim() and a.shape[0] == 1 < batch:
+                a = a.expand(batch, *a.shape[1:])
+                args = (a, *args[1:])
+                expanded.append(mod)
+            out = inner(*args, **kwargs)
+            first, records[mod] = mod not in records, None
+            if not (first and isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
+                return out
+            if a.dim() and out.dim() and a.shape[0] == batch == out.shape[0]:
                 records[mod] = (a, out, a._version, out._version)
             return out
 
@@ -148,6 +171,10 @@ def recording(mods: Iterable[nn.Module]) -> Iterator[dict[nn.Module, tuple | Non
             patched.append((mod, "forward" in mod.__dict__, mod.__dict__.get("forward")))
             mod.__dict__["forward"] = wrap(mod, mod.forward)
         yield records
+    except (RuntimeError, ValueError) as exc:  # the expanded output did not fit where the shared one did
+        if expanded:
+            raise GhostFallback(f"a layer's input of batch 1, expanded to the batch, broke the forward: {exc}") from exc
+        raise
     finally:
         for mod, had, old in patched:
             if had:
@@ -156,7 +183,10 @@ def recording(mods: Iterable[nn.Module]) -> Iterator[dict[nn.Module, tuple | Non
                 del mod.__dict__["forward"]
     for rec in records.values():
         if rec is None or rec[0]._version != rec[2] or rec[1]._version != rec[3]:
-            raise GhostFallback("a layer was called twice or its input/output was modified in place")
+            raise GhostFallback(
+                "a layer was called twice, on an input whose first dimension is not the batch, or its "
+                "input/output was modified in place"
+            )
 
 
 class LayerGrads(MaterializedGrads):

@@ -1,7 +1,7 @@
 """Norms as upper bounds of what is released, and the float arithmetic that keeps them so: γ_n,
 row norms with their slack (``sq_rows_upper``, ``rank_one_parts``), per-sample norms (``upper_norms``),
 float64 sums across examples (``wide_sum``, ``wide_mm``), the kernels a release assumes (``ieee_matmul``,
-``same_kernel``). Shared by ``persample`` and ``ghost``; derivation: docs/privacy.md, "Norm bounds".
+``same_kernel``), Gram-form norms over tokens with their slack (``gram_parts``, ``token_norms``). Shared by ``persample`` and ``ghost``; derivation: docs/privacy.md, "Norm bounds".
 """
 
 from __future__ import annotations
@@ -281,3 +281,32 @@ def wide_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     for i in range(0, x.shape[0], WIDE_BLOCK):
         out += x[i : i + WIDE_BLOCK].t() @ y[i : i + WIDE_BLOCK].double()
     return out
+
+
+def gram_parts(A: torch.Tensor, Bm: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(Ŝ, slack², M̂), float64 [c], from Gram matrices in ``dt`` (u its unit roundoff).
+
+    Ŝ = Σ_t fl(Σ_s X̂_ts Ŷ_ts) with X̂ = fl(A Aᵀ), Ŷ = fl(Bm Bmᵀ), the sum over t in float64:
+    |Ŝ − ‖G‖²| ≤ γ_{d+p+2T}·M² (docs/privacy.md, item 1), so slack² = γ_{d+p+2T+2}·M̂² plus the
+    absolute underflow error η·(d·(Σ_t‖B_t‖)² + p·(Σ_t‖A_t‖)² + 2T²), η the smallest subnormal.
+    M̂ = Σ_t n̂(A_t)·n̂(B_t) ≥ M = Σ_t ‖A_t‖‖B_t‖, n̂ = ``vector_norm`` plus √(n·η), scaled by
+    1/(1 − γ_{d+p+T+8}) (its own roundings and underflow). An overflow makes the norm inf or NaN,
+    never a finite under-estimate."""
+    T, d, p = A.shape[1], A.shape[2], Bm.shape[2]
+    A, Bm = A.to(dt), Bm.to(dt)
+    S = torch.bmm(A, A.transpose(1, 2)).mul_(torch.bmm(Bm, Bm.transpose(1, 2))).sum(2).double().sum(1)
+    u, tiny = unit_roundoff(dt), torch.finfo(dt).tiny * torch.finfo(dt).eps
+    na, nb, c2 = token_norms(A, Bm)
+    m = (na * nb).sum(1).mul_(c2)
+    under = (nb.sum(1).square_().mul_(d) + na.sum(1).square_().mul_(p)).mul_(c2).add_(2 * T * T)
+    return S, m.square().mul_(gamma(d + p + 2 * T + 2, u)).add_(under.mul_(tiny * (1 + gamma(T + 8, u)))), m
+
+
+def token_norms(A: torch.Tensor, Bm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(n̂(A_t), n̂(B_t), c²), float64 [c, T]: ``vector_norm``s plus √(n·η) (underflow, η the smallest
+    subnormal) with c·n̂ ≥ ‖·‖ exactly, c = 1/(1 − γ_{d+p+T+8}) (their roundings, and T float64 ones)."""
+    T, d, p = A.shape[1], A.shape[2], Bm.shape[2]
+    u, tiny = unit_roundoff(A.dtype), torch.finfo(A.dtype).tiny * torch.finfo(A.dtype).eps
+    na = torch.linalg.vector_norm(A, dim=2).double().add_(math.sqrt(d * tiny))
+    nb = torch.linalg.vector_norm(Bm, dim=2).double().add_(math.sqrt(p * tiny))
+    return na, nb, (1.0 / (1.0 - gamma(d + p + T + 8, u))) ** 2

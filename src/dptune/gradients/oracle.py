@@ -344,7 +344,7 @@ class GradientOracle:
         e = 2 * float(err[i]) if err is not None else 0.0
         ok = bool((n - r).abs() <= 1e-3 * r + 1e-6 + e) or bool(n.isnan() & r.isnan())
         if not ok or not all(
-            torch.allclose(a, b, rtol=1e-3, atol=1e-6 * (1 + float(b.abs().nan_to_num().max())) + e, equal_nan=True)
+            torch.allclose(a, b, rtol=1e-3, atol=1e-6 + 1e-3 * float(b.abs().nan_to_num().max()) + e, equal_nan=True)
             for a, b in zip(mine, theirs, strict=True)
         ):
             self._fall_back(
