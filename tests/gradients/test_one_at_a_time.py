@@ -99,14 +99,15 @@ def test_models_vmap_can_run_stay_on_vmap() -> None:
 
 
 class BroadcastPositions(nn.Module):
-    """Token plus position embeddings, the positions looked up once as ids [1, T] and broadcast
-    over the batch (BERT's and DistilBERT's ``position_ids`` buffer): the ghost path records one
-    output gradient for the whole batch."""
+    """Token plus position embeddings, the positions looked up once as ids [T] and broadcast over
+    the batch. With T equal to the batch size, the position embedding's rows look like one per
+    example to the ghost path, which files the batch's summed gradient of position j under example
+    j: only the ghost path mixes (shared ids [1, T], BERT's, are expanded to the batch instead)."""
 
-    def __init__(self, T: int = 6) -> None:
+    def __init__(self, T: int = 8) -> None:
         super().__init__()
         self.tok, self.pos, self.head = nn.Embedding(20, 8), nn.Embedding(T, 8), nn.Linear(8, 3)
-        self.register_buffer("position_ids", torch.arange(T).unsqueeze(0))
+        self.register_buffer("position_ids", torch.arange(T))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.tok(ids) + self.pos(self.position_ids)).mean(1))
@@ -115,7 +116,7 @@ class BroadcastPositions(nn.Module):
 def test_auto_moves_to_vmap_when_only_the_ghost_path_mixes_and_forced_ghost_refuses() -> None:
     torch.manual_seed(0)
     model = BroadcastPositions()
-    ids, y = torch.randint(0, 20, (8, 6)), torch.randint(0, 3, (8,))
+    ids, y = torch.randint(0, 20, (8, 8)), torch.randint(0, 3, (8,))
     params = {k: p.detach() for k, p in model.named_parameters()}
     oracle = GradientOracle(model, method="auto")
     with pytest.warns(RuntimeWarning, match="mixes examples"):
