@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from dptune.data.dataset import Dataset, features_tensor, labels_tensor
-from dptune.errors import DataError
+from dptune.errors import ConfigError, DataError
 
 log = logging.getLogger("dptune")
 
@@ -121,7 +121,7 @@ def _classes(values: list[str], declared: Any) -> list[str]:
 
 
 def load_csv(
-    path: str,
+    csv: str,
     *,
     label: str,
     test: str | None = None,
@@ -130,7 +130,7 @@ def load_csv(
     categories: Mapping[str, Sequence[str]] | None = None,
     labels: Sequence[str] | None = None,
 ) -> Dataset:
-    """``path`` (and ``test``, a CSV file with the same header) as a classification ``Dataset``.
+    """The file ``csv`` (and ``test``, a CSV file with the same header) as a classification ``Dataset``.
 
     ``schema``: a TOML file with the declarations ``numeric``, ``categories`` and ``labels``;
     the keyword arguments of the same names take precedence. Without a ``test`` file the test
@@ -144,6 +144,7 @@ def load_csv(
             raise DataError(f"cannot read the schema file {schema}: {exc}") from exc
     given = {"numeric": numeric, "categories": categories, "labels": labels}
     options.update({k: v for k, v in given.items() if v is not None})
+    path = csv
     header, rows = _read(Path(path))
     spec = _schema(header, label, options, Path(path))
     parts = [(Path(path), rows)]
@@ -179,3 +180,24 @@ def load_csv(
         class_names=tuple(classes),
         files=tuple(str(p) for p, _ in parts),
     )
+
+
+CSV_KEYS = ("csv", "label", "test", "schema", "numeric", "categories", "labels")
+
+
+def as_factory_table(table: Mapping[str, Any], base_dir: str | Path | None) -> dict[str, Any]:
+    """A study's ``[data]`` with ``csv = "FILE.csv"`` as the factory form that calls ``load_csv``
+    (relative file names are relative to the study file's folder); any other table as it is."""
+    out = dict(table)
+    if "csv" not in out:
+        stray = sorted(set(CSV_KEYS) & set(out))
+        if stray:
+            raise ConfigError(f'data.{stray[0]} goes with data.csv. Fix: add csv = "FILE.csv" to [data].')
+        return out
+    if "label" not in out:
+        raise ConfigError('data.csv needs its label column. Fix: add label = "COLUMN" to [data].')
+    options = {k: out.pop(k) for k in CSV_KEYS if k in out}
+    for k in ("csv", "test", "schema"):
+        if k in options and base_dir is not None:
+            options[k] = str(Path(base_dir) / Path(options[k]).expanduser())
+    return {**out, "factory": "dptune.data.tabular:load_csv", "options": {**out.get("options", {}), **options}}
