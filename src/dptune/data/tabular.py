@@ -36,7 +36,7 @@ def _read(path: Path) -> tuple[list[str], list[list[str]]]:
         raise DataError(f"{path} holds no data rows. Fix: a header line, then one line per example.")
     for i, row in enumerate(table[1:], 2):
         if len(row) != len(table[0]):
-            raise DataError(f"{path}, line {i}: {len(row)} fields, the header has {len(table[0])}. Fix that line.")
+            raise DataError(f"{path}, line {i}: {len(row)} fields, the header has {len(table[0])}. Fix: that line.")
     return table[0], table[1:]
 
 
@@ -63,7 +63,9 @@ def _encode(path: Path, header: list[str], rows: list[list[str]], schema: dict[s
             cats = [str(c) for c in schema["categories"][col]]
             bad = next((v for v in values if v not in cats), None)
             if bad is not None:
-                raise DataError(f"{path}: column {col!r} holds {bad!r}, not one of its declared categories {cats}.")
+                raise DataError(
+                    f"{path}: column {col!r} holds {bad!r}, not one of its declared categories {cats}. Fix: add it."
+                )
             blocks.append(np.asarray([[v == c for c in cats] for v in values], dtype=np.float64))
             continue
         x = np.asarray([_number(v, f"{path}, line {i}", col) for i, v in enumerate(values, 2)])
@@ -81,13 +83,13 @@ def _schema(header: list[str], label: str, options: Mapping[str, Any], path: Pat
     numeric, categories = dict(options.get("numeric") or {}), dict(options.get("categories") or {})
     for col in [*numeric, *categories]:
         if col not in header or col == label:
-            raise DataError(f"the schema declares column {col!r}, which is not a feature column of {path}.")
+            raise DataError(f"the schema declares column {col!r}, not a feature column of {path}. Fix: the schema.")
     for col, b in numeric.items():
         if not (isinstance(b, Sequence) and len(b) == 2 and float(b[0]) < float(b[1])):
-            raise DataError(f"numeric.{col} = {b!r}: declare public bounds [lo, hi] with lo < hi.")
+            raise DataError(f"numeric.{col} = {b!r}: Fix: declare public bounds [lo, hi], lo < hi.")
     for col, cats in categories.items():
         if col in numeric or not isinstance(cats, Sequence) or isinstance(cats, str) or not cats:
-            raise DataError(f"categories.{col} = {cats!r}: declare a non-empty list of values (and no bounds).")
+            raise DataError(f"categories.{col} = {cats!r}: Fix: a non-empty list of values, no bounds.")
     labels = options.get("labels")
     return {"label": label, "numeric": numeric, "categories": categories, "labels": labels}
 
@@ -141,7 +143,7 @@ def load_csv(
         try:
             options.update(tomllib.loads(Path(schema).read_text(encoding="utf-8")))
         except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise DataError(f"cannot read the schema file {schema}: {exc}") from exc
+            raise DataError(f"cannot read the schema file {schema}: {exc}. Fix: pass a TOML file.") from exc
     given = {"numeric": numeric, "categories": categories, "labels": labels}
     options.update({k: v for k, v in given.items() if v is not None})
     path = csv
@@ -159,7 +161,7 @@ def load_csv(
     for p, part in parts:
         bad = next((r[j] for r in part if r[j] not in classes), None)
         if bad is not None:
-            raise DataError(f"{p}: label {bad!r} is not one of the declared labels {classes}.")
+            raise DataError(f"{p}: label {bad!r} is not one of the declared labels {classes}. Fix: add it.")
         xs.append(_encode(p, header, part, spec))
         ys.append(np.asarray([classes.index(r[j]) for r in part], dtype=np.int64))
     if len(parts) == 1:
