@@ -40,7 +40,7 @@ def test_numeric_categorical_and_string_labels(tmp_path: Path) -> None:
     assert ds.y_train.tolist() == [1, 0, 1] and ds.class_names == ("neg", "pos") and ds.num_classes == 2
     assert ds.n_test == 0 and ds.input_shape == (4,)
     assert "x1: numeric, as it is (no declared bounds: no scaling)" in ds.notes
-    assert "not a public declaration" in ds.notes
+    assert "(the sorted distinct values of the files: not declared)" in ds.notes
     # declared labels: their order, even with a class absent from the file
     ds = load_csv(str(f), label="y", categories={"shape": ["round", "square"]}, labels=["pos", "neg", "maybe"])
     assert ds.y_train.tolist() == [0, 1, 0] and ds.num_classes == 3 and "(declared)" in ds.notes
@@ -115,7 +115,7 @@ def test_bad_csv_is_one_clear_error(tmp_path: Path, text: str, label: str, needl
 
 
 def test_csv_options_go_together(tmp_path: Path) -> None:
-    assert "needs its label column" in one_error_line(["train", "--data", "f.csv"])
-    assert "go with --data FILE.csv" in one_error_line(["train", "--label", "y"])
+    assert "go together" in one_error_line(["train", "--data", "f.csv"])
+    assert "go together" in one_error_line(["train", "--label", "y"])
     with pytest.raises(DataError, match="not one of its declared categories"):
         load_csv(str(write_csv(tmp_path / "f.csv", 5, 0)), label="y", categories={"shape": ["round"]})
