@@ -117,5 +117,16 @@ def test_bad_csv_is_one_clear_error(tmp_path: Path, text: str, label: str, needl
 def test_csv_options_go_together(tmp_path: Path) -> None:
     assert "go together" in one_error_line(["train", "--data", "f.csv"])
     assert "go together" in one_error_line(["train", "--label", "y"])
+    missing = one_error_line(["train", "--data", str(tmp_path / "none.csv"), "--label", "y"])
+    assert "cannot read the CSV file" in missing and "none.csv" in missing
+    with pytest.raises(DataError, match="not one of the declared labels"):
+        load_csv(
+            str(write_csv(tmp_path / "g.csv", 5, 0)),
+            label="y",
+            labels=["pos"],
+            categories={"shape": ["round", "square"]},
+        )
+    with pytest.raises(DataError, match="not a feature column"):
+        load_csv(str(write_csv(tmp_path / "h.csv", 5, 0)), label="y", numeric={"y": [0, 1]})
     with pytest.raises(DataError, match="not one of its declared categories"):
         load_csv(str(write_csv(tmp_path / "f.csv", 5, 0)), label="y", categories={"shape": ["round"]})
