@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from dptune.cli import app
 from dptune.data.tabular import load_csv
-from dptune.errors import DataError
+from dptune.errors import ConfigError, DataError
 from dptune.tune.data import study_data
 from dptune.tune.spec import load_study_config
 
@@ -117,6 +117,9 @@ def test_bad_csv_is_one_clear_error(tmp_path: Path, text: str, label: str, needl
 def test_csv_options_go_together(tmp_path: Path) -> None:
     assert "go together" in one_error_line(["train", "--data", "f.csv"])
     assert "go together" in one_error_line(["train", "--label", "y"])
+    (tmp_path / "typo.toml").write_text('categoires = { shape = ["round", "square"] }\n')
+    with pytest.raises(ConfigError, match=r"unknown schema declaration\(s\) \['categoires'\]"):
+        load_csv(str(write_csv(tmp_path / "t.csv", 5, 0)), label="y", schema=str(tmp_path / "typo.toml"))
     missing = one_error_line(["train", "--data", str(tmp_path / "none.csv"), "--label", "y"])
     assert "cannot read the CSV file" in missing and "none.csv" in missing
     with pytest.raises(DataError, match="not one of the declared labels"):

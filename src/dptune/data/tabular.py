@@ -92,13 +92,12 @@ def load_csv(csv: str, *, label: str, test: str | None = None, schema: str | Non
     ``declared``: ``numeric`` ({col: [lo, hi]}), ``categories`` ({col: [...]}) and ``labels`` ([...]), over
     those of the TOML file ``schema``. Without ``test`` the test split is empty. A bad file is a ``DataError``.
     """
-    unknown = sorted(set(declared) - {"numeric", "categories", "labels"})
-    if unknown:
-        raise ConfigError(f"load_csv got {unknown}. Fix: declare numeric, categories or labels.")
     try:
         decl = {**(tomllib.loads(Path(schema).read_text(encoding="utf-8")) if schema else {}), **declared}
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise DataError(f"cannot read the schema file {schema}: {exc}. Fix: pass a TOML file.") from exc
+    if unknown := sorted(set(decl) - {"numeric", "categories", "labels"}):
+        raise ConfigError(f"unknown schema declaration(s) {unknown}. Fix: declare numeric, categories or labels.")
     header, rows = _read(Path(csv))
     decl = _declarations(header, label, decl, Path(csv))
     parts: list[tuple[Any, ...]] = [(Path(csv), rows)] + ([(Path(test), *_read(Path(test))[::-1])] if test else [])
