@@ -121,9 +121,12 @@ def train(
     data: str | None = typer.Option(
         None,
         "--data",
-        help="your own data instead of --dataset: pkg.module:loader, "
+        help="your own data instead of --dataset: FILE.csv (with --label), or pkg.module:loader, "
         "loader() -> (train, test) (docs/your_data.md); the module must be importable",
     ),
+    label: str | None = typer.Option(None, help="--data FILE.csv: the label column"),
+    test: str | None = typer.Option(None, help="--data FILE.csv: a test CSV with the same columns (private)"),
+    schema: str | None = typer.Option(None, help="--data FILE.csv: TOML of numeric bounds, categories, labels"),
     eval_public: bool = typer.Option(False, "--eval-public", help="declare --data's test split public (else private)"),
     checkpoint: str | None = typer.Option(None, help="final, or best on a public test split (its default)"),
     model: str = typer.Option(
@@ -196,7 +199,9 @@ def _train(o: SimpleNamespace) -> None:
 
     device = str(resolve_device(o.device, "--device"))
     make_strategy(o.strategy, **parse_hyperparameters(o.hp))  # still before the data load
-    train_part, test_part, net, model_id = for_training(o.data, o.dataset, o.model, o.data_dir, o.seed)
+    train_part, test_part, net, model_id = for_training(
+        o.data, o.dataset, o.model, o.data_dir, o.seed, dict(label=o.label, test=o.test, schema=o.schema)
+    )
     dataset, model_name = o.data or o.dataset, model_id.get("factory", model_id.get("name"))  # "auto" resolved
     target = None if o.noise_multiplier else o.epsilon
     result = run_train(

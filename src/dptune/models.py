@@ -258,27 +258,31 @@ class TrainInputs(NamedTuple):
     identity: dict[str, Any]  # {"name" or "factory": ..., "kwargs": ...}
 
 
-def for_training(data: str | None, dataset: str, model: str, data_dir: str | None, seed: int) -> TrainInputs:
-    """The data (a built-in ``dataset``, or your ``data`` loader ``pkg.module:fn``) and the model
+def for_training(
+    data: str | None, dataset: str, model: str, data_dir: str | None, seed: int, csv: Any = None
+) -> TrainInputs:
+    """The data (a built-in ``dataset``, your ``data`` loader ``pkg.module:fn``, or your ``FILE.csv``
+    read by ``dptune.data.tabular.load_csv(data, **csv)``) and the model
     (a built-in by name, ``auto`` for the dataset's default, or your ``pkg.module:factory``, given
     the data's input_dim/classes when it takes them) of ``dptune train``'s options, built at ``seed``
     and checked to fit. Your code is imported first: a wrong path is one clear error before any
     data is read."""
     from dptune import data as dpdata
     from dptune import factories, own
+    from dptune.data import tabular
 
     yours = factories.is_factory_path(model)
     if yours:
         factories.import_factory(model, "--model")
-    if data is not None:
+    if data is not None and not data.lower().endswith(".csv"):
         factories.import_factory(data, "--data")
         if not yours:
             raise ConfigError("--data needs your own model too: --model pkg.module:factory.")
         train_part, test_part = own.load_data(data)
         dims = own.data_shape(train_part)
     else:
-        ds = dpdata.load(dataset, data_dir=data_dir, seed=seed)
-        train_part, test_part = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test)
+        ds = tabular.load_csv(data, **(csv or {})) if data else dpdata.load(dataset, data_dir=data_dir, seed=seed)
+        train_part, test_part = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test) if ds.n_test else None
         dims = (math.prod(ds.input_shape), ds.num_classes)
     torch.manual_seed(seed)
     if yours:  # with the arguments the factory was given, for load_model

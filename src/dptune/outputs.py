@@ -212,6 +212,8 @@ def check_train_options(o: Any) -> None:
         raise ConfigError(f"--eval-every must be ≥ 1, got {o.eval_every}. Fix: e.g. --eval-every 50.")
     if o.accountant not in ("auto", "rdp", "pld", "gdp"):
         raise ConfigError(f"unknown --accountant {o.accountant!r}. Fix: choose auto, rdp, pld or gdp.")
+    if (bool(o.data) and str(o.data).lower().endswith(".csv")) != (getattr(o, "label", None) is not None):
+        raise ConfigError("--data FILE.csv and --label COLUMN go together. Fix: pass both (or neither).")
     # torch.manual_seed takes at most a 64-bit integer; the data splits need ≥ 0 (-1 and 10**24 were tracebacks).
     if not 0 <= o.seed <= 2**63 - 1:
         raise ConfigError(f"--seed must be an integer in [0, 2**63 - 1], got {o.seed}. Fix: e.g. --seed 0.")

@@ -10,6 +10,7 @@ File form (TOML; YAML has the same keys)::
 
     [study]     name, seed (the study seed), seeds (training replicate seeds), secure (OS CSPRNG)
     [data]      name | factory, options, test_public (a factory's test split: private by default)
+                | csv, label, test, schema, numeric, categories, labels (docs/your_data.md)
     [model]     name + options   (dptune.models.build(name, **options))
     [training]  epochs | steps, expected_batch_size | full_batch, device
     [budget]    epsilon (number or list), delta (< 1/n), accountant, account_seeds, allow_large_delta
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dptune.data import tabular
 from dptune.errors import ConfigError, config_error
 from dptune.strategies import STRATEGIES, make_strategy, strategy_signature
 from dptune.tune.methods.registry import get_method
@@ -356,7 +358,8 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
     st = _table(d, "study")
     _only(st, "study", {"name", "seed", "seeds", "threads_per_run", "trials_per_group", "secure"})
     data_t = _table(d, "data")
-    _only(data_t, "data", {"name", "options", "factory", "test_public"})
+    _only(data_t, "data", {"name", "options", "factory", "test_public", *tabular.CSV_KEYS})
+    data_t = tabular.as_factory_table(data_t, base_dir)
     model_t = _table(d, "model")
     _only(model_t, "model", {"name", "options", "factory"})
     training = _build(TrainingSpec, _table(d, "training"), "training")

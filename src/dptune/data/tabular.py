@@ -1,0 +1,135 @@
+"""Your own CSV file as a ``Dataset`` through a public schema: a function of the header and of your
+declarations only, never fitted on the rows (docs/your_data.md; the label set: docs/privacy.md)."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dptune.data.dataset import Dataset, features_tensor, labels_tensor
+from dptune.errors import ConfigError, DataError
+
+log = logging.getLogger("dptune")
+CSV_KEYS = ("csv", "label", "test", "schema", "numeric", "categories", "labels")
+
+
+def _read(path: Path) -> tuple[list[str], list[list[str]]]:
+    """(header, rows of strings); a missing, empty or ragged file is one ``DataError``."""
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as fh:
+            table = [[v.strip() for v in row] for row in csv.reader(fh) if any(v.strip() for v in row)]
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise DataError(f"cannot read the CSV file {path}: {exc}. Fix: pass a readable UTF-8 CSV file.") from exc
+    if len(table) < 2:
+        raise DataError(f"{path} holds no data rows. Fix: a header line, then one line per example.")
+    bad = next((i for i, row in enumerate(table, 1) if len(row) != len(table[0])), None)
+    if bad is not None:
+        raise DataError(f"{path}, line {bad}: {len(table[bad - 1])} fields, the header has {len(table[0])}. Fix: it.")
+    return table[0], table[1:]
+
+
+def _float(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return float("nan")
+
+
+def _column(path: Path, col: str, values: list[str], decl: Mapping[str, Any]) -> np.ndarray:
+    """One feature column encoded by the declarations ``decl`` ([N, 1] numeric or [N, k] one-hot)."""
+    if col in decl["categories"]:
+        cats = [str(c) for c in decl["categories"][col]]
+        bad = next((v for v in values if v not in cats), None)
+        if bad is not None:
+            raise DataError(f"{path}: column {col!r} holds {bad!r}, not one of its declared categories. Fix: add it.")
+        return np.asarray([[v == c for c in cats] for v in values], dtype=np.float64)
+    x = np.asarray([_float(v) for v in values])
+    bad_i = next((i for i, v in enumerate(x) if not np.isfinite(v)), None)
+    if bad_i is not None:
+        msg = f"{path}, line {bad_i + 2}: column {col!r} holds {values[bad_i]!r}, not a finite number. Fix: correct"
+        raise DataError(
+            f"{msg} it, or declare the column's categories (categories.{col} = [...], --schema in the CLI)."
+        )
+    if col in decl["numeric"]:
+        lo, hi = (float(b) for b in decl["numeric"][col])
+        x = (np.clip(x, lo, hi) - lo) / (hi - lo)
+    return x[:, None]
+
+
+def _declarations(header: list[str], label: str, decl: dict[str, Any], path: Path) -> dict[str, Any]:
+    if label not in header:
+        raise DataError(f"{path} has no label column {label!r}; its columns are {header}. Fix: --label COLUMN.")
+    decl = {**decl, "numeric": dict(decl.get("numeric") or {}), "categories": dict(decl.get("categories") or {})}
+    for col in [*decl["numeric"], *decl["categories"]]:
+        if col not in header or col == label:
+            raise DataError(f"the schema declares column {col!r}, not a feature column of {path}. Fix: the schema.")
+    for col, b in decl["numeric"].items():
+        if not (isinstance(b, Sequence) and len(b) == 2 and float(b[0]) < float(b[1])) or col in decl["categories"]:
+            raise DataError(f"numeric.{col} = {b!r}. Fix: declare public bounds [lo, hi], lo < hi (or categories).")
+    return decl
+
+
+def describe_schema(header: list[str], label: str, decl: Mapping[str, Any], classes: list[str]) -> str:
+    """The schema in words, one column a line (what ``load_csv`` logs and keeps in ``Dataset.notes``)."""
+    how = {c: "numeric, as it is (no declared bounds: no scaling)" for c in header}
+    how.update({c: f"numeric, clipped to the declared {list(b)}, scaled to [0, 1]" for c, b in decl["numeric"].items()})
+    how.update({c: f"one-hot over the declared categories {list(v)}" for c, v in decl["categories"].items()})
+    source = "declared" if decl.get("labels") else "the sorted distinct values of the files: not declared"
+    how[label] = f"label: {len(classes)} classes {classes} ({source})"
+    head = "CSV schema (public: from the header and your declarations, not fitted on the rows):"
+    return "\n  ".join([head, *(f"{c}: {how[c]}" for c in header)])
+
+
+def load_csv(csv: str, *, label: str, test: str | None = None, schema: str | None = None, **declared: Any) -> Dataset:
+    """The file ``csv`` (and ``test``, a CSV with the same header) as a classification ``Dataset``.
+
+    ``declared``: ``numeric`` ({col: [lo, hi]}), ``categories`` ({col: [...]}) and ``labels`` ([...]), over
+    those of the TOML file ``schema``. Without ``test`` the test split is empty. A bad file is a ``DataError``.
+    """
+    try:
+        decl = {**(tomllib.loads(Path(schema).read_text(encoding="utf-8")) if schema else {}), **declared}
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise DataError(f"cannot read the schema file {schema}: {exc}. Fix: pass a TOML file.") from exc
+    if unknown := sorted(set(decl) - {"numeric", "categories", "labels"}):
+        raise ConfigError(f"unknown schema declaration(s) {unknown}. Fix: declare numeric, categories or labels.")
+    header, rows = _read(Path(csv))
+    decl = _declarations(header, label, decl, Path(csv))
+    parts: list[tuple[Any, ...]] = [(Path(csv), rows)] + ([(Path(test), *_read(Path(test))[::-1])] if test else [])
+    if test and parts[1][2] != header:
+        raise DataError(f"{test} and {csv} have different columns. Fix: use the same header.")
+    j = header.index(label)
+    values = sorted({r[j] for _, part, *_ in parts for r in part})
+    by = _float if all(np.isfinite(_float(v)) for v in values) else None
+    classes = [str(v) for v in decl["labels"]] if decl.get("labels") else sorted(values, key=by)
+    xs, ys = [], []
+    for p, part, *_ in parts:
+        bad = next((r[j] for r in part if r[j] not in classes), None)
+        if bad is not None:
+            raise DataError(f"{p}: label {bad!r} is not one of the declared labels {classes}. Fix: add it.")
+        cols = [_column(p, c, [r[i] for r in part], decl) for i, c in enumerate(header) if c != label]
+        xs.append(np.concatenate(cols, axis=1) if cols else np.zeros((len(part), 0)))
+        ys.append(np.asarray([classes.index(r[j]) for r in part], dtype=np.int64))
+    xs, ys = (xs, ys) if test else ([xs[0], xs[0][:0]], [ys[0], ys[0][:0]])
+    log.warning("%s", notes := describe_schema(header, label, decl, classes))
+    tensors = (features_tensor(xs[0]), labels_tensor(ys[0]), features_tensor(xs[1]), labels_tensor(ys[1]))
+    files = tuple(str(p[0]) for p in parts)
+    return Dataset(csv, *tensors, "classification", len(classes), (xs[0].shape[1],), notes, tuple(classes), files)
+
+
+def as_factory_table(table: Mapping[str, Any], base_dir: Any) -> dict[str, Any]:
+    """A study's ``[data]`` with ``csv = "FILE.csv"`` as the factory form that calls ``load_csv``
+    (relative file names are relative to the study file's folder); any other table as it is."""
+    out = dict(table)
+    if not {"csv", "label"} <= set(out):
+        if set(CSV_KEYS) & set(out):
+            raise ConfigError('data.csv and data.label go together. Fix: csv = "FILE.csv", label = "COLUMN".')
+        return out
+    options = {k: out.pop(k) for k in CSV_KEYS if k in out}
+    options.update({k: str(Path(base_dir or ".") / options[k]) for k in ("csv", "test", "schema") if k in options})
+    return {**out, "factory": "dptune.data.tabular:load_csv", "options": {**out.get("options", {}), **options}}
