@@ -140,7 +140,9 @@ def train(
     allow_large_delta: bool = typer.Option(False, "--allow-large-delta", help="accept δ ≥ 1/n (not advised)"),
     noise_multiplier: float | None = typer.Option(None, help="use this ν instead of calibrating to ε"),
     epochs: float = typer.Option(5.0, help="epochs (T = epochs / q steps)"),
-    batch_size: float = typer.Option(256, help="expected batch size L (Poisson rate q = L/n)"),
+    batch_size: float | None = typer.Option(
+        None, help="expected batch size L (Poisson rate q = L/n); default min(256, n/10) rounded"
+    ),
     full_batch: bool = typer.Option(False, help="full-batch training (q = 1)"),
     hp: list[str] = typer.Option([], "--hp", help="strategy hyperparameter key=value (repeatable), e.g. --hp lr=0.5"),
     accountant: str = typer.Option(
