@@ -27,6 +27,7 @@ from dptune.outputs import (
     check_output_file,
     check_train_options,
     checkpoint_rule,
+    parse_hyperparameters,
     print_table,
     publish_note,
     resume_hint,
@@ -100,20 +101,6 @@ def _guard(fn):
     return wrapper
 
 
-def parse_hyperparameters(pairs: list[str]) -> dict[str, Any]:
-    """``key=value`` pairs; values parsed as JSON when possible (numbers, true/false, null)."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise DPTuneError(f"hyperparameter {pair!r} is not key=value. Fix: write e.g. --hp lr=0.1.")
-        k, v = pair.split("=", 1)
-        try:
-            out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k.strip()] = v
-    return out
-
-
 @app.command()
 @_guard
 def train(
@@ -135,13 +122,18 @@ def train(
         "oso",
         help="nodp, dpsgd, quantile, oso, dpadam, adamwosm, adadp, dpgd, or a composition <privatizer>+<update> (privatizer: fixed, quantile, oso; update: sgd, adam, adamwosm, oso_rate, adadp), e.g. oso+adam",
     ),
-    epsilon: float | None = typer.Option(3.0, help="target ε of this run (ignored with --noise-multiplier)"),
+    epsilon: float | None = typer.Option(
+        3.0, "--target-epsilon", "--epsilon", help="target ε of this run (ignored with --noise-multiplier)"
+    ),
     delta: float = typer.Option(1e-5, help="target δ (below 1/n)"),
     allow_large_delta: bool = typer.Option(False, "--allow-large-delta", help="accept δ ≥ 1/n (not advised)"),
     noise_multiplier: float | None = typer.Option(None, help="use this ν instead of calibrating to ε"),
     epochs: float = typer.Option(5.0, help="epochs (T = epochs / q steps)"),
     batch_size: float | None = typer.Option(
-        None, help="expected batch size L (Poisson rate q = L/n); default min(256, n/10) rounded"
+        None,
+        "--expected-batch-size",
+        "--batch-size",
+        help="expected batch size L (Poisson rate q = L/n); default min(256, n/10) rounded",
     ),
     full_batch: bool = typer.Option(False, help="full-batch training (q = 1)"),
     hp: list[str] = typer.Option([], "--hp", help="strategy hyperparameter key=value (repeatable), e.g. --hp lr=0.5"),
@@ -164,6 +156,7 @@ def train(
     progress: bool = typer.Option(True, help="show a progress bar (no loss on the private batch)"),
     secure: bool = typer.Option(
         False,
+        "--secure-mode",
         "--secure",
         help="secure mode: noise and Poisson batches from the OS CSPRNG, "
         "not from --seed (not reproducible; use it for a model you will publish)",
@@ -287,7 +280,7 @@ def account(
 @app.command()
 @_guard
 def calibrate(
-    epsilon: float = typer.Option(..., help="target total ε"),
+    epsilon: float = typer.Option(..., "--target-epsilon", "--epsilon", help="target total ε"),
     delta: float = typer.Option(1e-5),
     sampling_rate: float = typer.Option(..., help="q = L/n (1 = full batch)"),
     steps: int = typer.Option(..., help="steps per run"),

@@ -217,6 +217,20 @@ def check_train_options(o: Any) -> None:
         raise ConfigError(f"--seed must be an integer in [0, 2**63 - 1], got {o.seed}. Fix: e.g. --seed 0.")
 
 
+def parse_hyperparameters(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs; values parsed as JSON when possible (numbers, true/false, null)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"hyperparameter {pair!r} is not key=value. Fix: write e.g. --hp lr=0.1.")
+        k, v = pair.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
 @contextlib.contextmanager
 def resume_hint(study_dir: Path, say: Callable[[str], None]) -> Iterator[None]:
     """Ctrl-C in ``dptune tune`` or ``resume``: ``say`` how to continue (finished runs are kept), then

@@ -28,6 +28,7 @@ from dptune.accounting.events import check_delta_for_n
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
+from dptune.names import aliased
 from dptune.outputs import Progress, checkpoint_rule, randomness_statement
 from dptune.release.context import RunPlan, StepContext, snap_noise
 from dptune.release.ledger import Ledger
@@ -58,12 +59,17 @@ def plan_run(
     delta: float | None = None,
     accountant: str = "auto",
     allow_large_delta: bool = False,
+    **aliases: Any,
 ) -> RunPlan:
     """Resolve q, T and ν for one run; calibrate ν to (ε, δ) when a target is given.
 
     ``accountant='auto'``: the tightest valid one, exact μ-GDP at full batch, else PLD
     (``accounting.tightest_accountant``). δ ≥ 1/n is refused unless ``allow_large_delta``. No
-    ``expected_batch_size``: ``default_batch_size(n)``. Warns (``SamplingWarning``) on q > 0.5 or T < 20."""
+    ``expected_batch_size``: ``default_batch_size(n)``. Warns (``SamplingWarning``) on q > 0.5 or T < 20.
+    ``aliases``: ``epsilon``, ``batch_size`` (``dptune.names``)."""
+    target_epsilon, expected_batch_size = aliased(
+        aliases, "plan_run", True, target_epsilon=target_epsilon, expected_batch_size=expected_batch_size
+    )
     if not full_batch and expected_batch_size is None:
         expected_batch_size = default_batch_size(n)
     q = sampling_rate_for(n, expected_batch_size, full_batch)
@@ -452,6 +458,10 @@ def train(
     the owner's only; ``checkpoint='best'`` (the default when public) keeps the best evaluated parameters.
     """
     checkpoint = checkpoint_rule(checkpoint, eval_data is not None, eval_public)
+    target_epsilon, expected_batch_size, secure_mode = aliased(  # epsilon=, batch_size=, secure=: dptune.names
+        hyperparameters, "train", target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,
+        secure_mode=secure_mode,
+    )  # fmt: skip
     strategy = _strategy(strategy, hyperparameters)
     task = OwnTask.resolve(data, eval_data, device, metric, loss)
     if eval_every < 1:

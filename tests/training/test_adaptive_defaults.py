@@ -7,20 +7,28 @@ T < 20 warn (``SamplingWarning``), printed by the CLI as one line.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
 import sys
+import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TESTS
+from tune_helpers import tiny_study_toml
+from typer.testing import CliRunner
 
 import dptune
+from dptune.cli import app
+from dptune.errors import ConfigError
 from dptune.release.sampling import default_batch_size
 from dptune.strategies import make_strategy
 from dptune.train import SamplingWarning, plan_run
+from dptune.tune.spec import study_from_dict
 
 
 def _plan(n: int, **kw):
@@ -77,3 +85,59 @@ def test_dptune_train_on_n_240_adapts_the_batch_and_prints_the_warning_as_one_li
     (line,) = [ln for ln in proc.stderr.splitlines() if "samples q =" in ln]
     assert line.startswith("warning: the run samples q = 0.1 of the data per step for T = 10 steps")
     assert "SamplingWarning" not in proc.stderr and "warnings.warn" not in proc.stderr
+
+
+# --- one name per concept (dptune.names): target_epsilon, expected_batch_size, secure_mode ---
+
+
+def test_plan_run_takes_the_aliases_with_a_note_and_refuses_both_spellings_or_unknown_keys():
+    canonical = plan_run(make_strategy("dpsgd"), 455, target_epsilon=3.0, delta=1e-5, expected_batch_size=46, epochs=5)
+    with pytest.warns(DeprecationWarning, match="epsilon= is an alias of target_epsilon="):
+        alias = plan_run(make_strategy("dpsgd"), 455, epsilon=3.0, delta=1e-5, batch_size=46, epochs=5)
+    assert alias == canonical
+    with pytest.raises(ConfigError, match="epsilon= and target_epsilon= name one setting"):
+        plan_run(make_strategy("dpsgd"), 455, epsilon=3.0, target_epsilon=3.0, delta=1e-5, epochs=5)
+    with pytest.raises(ConfigError, match="unexpected keyword arguments \\['epsilonn'\\]"):
+        plan_run(make_strategy("dpsgd"), 455, epsilonn=3.0, noise_multiplier=1.0, epochs=5)
+
+
+def test_dptune_train_and_make_private_take_the_aliases():
+    from own_factories import load_data, make_model
+
+    data = load_data()[0]
+    with pytest.warns(DeprecationWarning, match="secure= is an alias of secure_mode="):
+        res = dptune.train(make_model(), data, "dpsgd", steps=2, epsilon=3.0, delta=1e-3, batch_size=30, secure=True)
+    assert res.secure_mode and res.plan.expected_batch_size == 30 and res.epsilon() <= 3.0
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(DeprecationWarning, match="make_private: batch_size= is an alias"):
+        pt = dptune.make_private(model, data, opt, steps=2, epsilon=3.0, delta=1e-3, batch_size=30, secure=True)
+    assert pt.secure_mode and pt.plan.expected_batch_size == 30 and pt.plan.steps == 2
+
+
+def test_the_cli_takes_the_canonical_spellings_and_the_short_ones(tmp_path: Path):
+    base = ["train", "--data", "own_factories:load_data", "--model", "own_factories:make_model", "--epochs", "0.5"]
+    releases = []
+    for i, spell in enumerate([("--target-epsilon", "--expected-batch-size", "--secure-mode"),
+                               ("--epsilon", "--batch-size", "--secure")]):  # fmt: skip
+        out = tmp_path / f"r{i}.json"
+        args = [*base, spell[0], "2", spell[1], "30", spell[2], "--no-progress", "--out", str(out)]
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+        releases.append(json.loads(out.read_text()))
+    for r in releases:
+        assert r["expected_batch_size"] == 30 and r["steps"] == 4 and r["randomness"] == "secure"
+    assert releases[0]["noise_multiplier"] == releases[1]["noise_multiplier"]
+
+
+def test_a_study_file_takes_the_python_names_as_aliases():
+    stored = tomllib.loads(tiny_study_toml("s"))
+    alias = copy.deepcopy(stored)
+    alias["budget"]["target_epsilon"] = alias["budget"].pop("epsilon")
+    alias["training"]["batch_size"] = alias["training"].pop("expected_batch_size")
+    alias["study"]["secure_mode"] = True
+    stored["study"]["secure"] = True
+    assert study_from_dict(alias).fingerprint() == study_from_dict(stored).fingerprint()
+    alias["budget"]["epsilon"] = 2.0
+    with pytest.raises(ConfigError, match="budget.target_epsilon: and budget.epsilon name one setting"):
+        study_from_dict(alias)
