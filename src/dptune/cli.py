@@ -34,6 +34,7 @@ from dptune.outputs import (
     terminal_console,
     train_output_paths,
     train_table_rows,
+    wrap_to_terminal,
     write_train_outputs,
 )
 
@@ -74,7 +75,8 @@ def _main(
 ) -> None:
     # Commands import torch, scipy and dp_accounting in their bodies, never here: --help and
     # --version start in well under a second (tests/cli/test_cli_startup.py).
-    warnings.formatwarning = lambda msg, *_a, **_k: f"warning: {msg}\n"  # a line of text, not a source line
+    # text wrapped to the terminal (COLUMNS in a log), not a source line
+    warnings.formatwarning = lambda msg, *_a, **_k: wrap_to_terminal(f"warning: {msg}") + "\n"
 
 
 def _fail(msg: str) -> None:
@@ -119,7 +121,7 @@ def train(
         "own pkg.module:factory (factory() -> nn.Module; input_dim/classes passed if taken)",
     ),
     strategy: str = typer.Option(
-        "oso",
+        "dpsgd",
         help="nodp, dpsgd, quantile, oso, dpadam, adamwosm, adadp, dpgd, or a composition <privatizer>+<update> (privatizer: fixed, quantile, oso; update: sgd, adam, adamwosm, oso_rate, adadp), e.g. oso+adam",
     ),
     epsilon: float | None = typer.Option(

@@ -27,8 +27,10 @@ import csv
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
+import textwrap
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -229,6 +231,11 @@ def parse_hyperparameters(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[k.strip()] = v
     return out
+
+
+def wrap_to_terminal(text: str) -> str:
+    """``text`` in lines that fit the terminal, or ``COLUMNS`` when stderr is a file (a warning)."""
+    return textwrap.fill(text, shutil.get_terminal_size().columns, break_on_hyphens=False)
 
 
 @contextlib.contextmanager

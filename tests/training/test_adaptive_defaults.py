@@ -8,6 +8,7 @@ T < 20 warn (``SamplingWarning``), printed by the CLI as one line.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import subprocess
@@ -18,11 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer
 from conftest import TESTS
 from tune_helpers import tiny_study_toml
 from typer.testing import CliRunner
 
 import dptune
+from dptune import accounting
 from dptune.cli import app
 from dptune.errors import ConfigError
 from dptune.release.sampling import default_batch_size
@@ -73,7 +76,11 @@ def test_a_non_private_run_plans_without_warning():
 
 def test_dptune_train_on_n_240_adapts_the_batch_and_prints_the_warning_as_one_line(tmp_path: Path):
     """The issue's case: `dptune train` with no --batch-size on the user's 240 examples failed."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(dptune.__file__).parents[1]), str(TESTS)])}
+    env = {
+        **os.environ,
+        "COLUMNS": "60",
+        "PYTHONPATH": os.pathsep.join([str(Path(dptune.__file__).parents[1]), str(TESTS)]),
+    }
     args = ["train", "--data", "own_factories:load_data", "--model", "own_factories:make_model", "--epochs", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "dptune", *args, "--no-progress", "--out", "r.json"],
@@ -82,8 +89,9 @@ def test_dptune_train_on_n_240_adapts_the_batch_and_prints_the_warning_as_one_li
     assert proc.returncode == 0, proc.stderr
     release = json.loads((tmp_path / "r.json").read_text())
     assert release["expected_batch_size"] == 24 and release["steps"] == 10
-    (line,) = [ln for ln in proc.stderr.splitlines() if "samples q =" in ln]
-    assert line.startswith("warning: the run samples q = 0.1 of the data per step for T = 10 steps")
+    flat = " ".join(proc.stderr.splitlines())  # wrapped to the terminal's width (COLUMNS=60 here)
+    assert "warning: the run samples q = 0.1 of the data per step for T = 10 steps" in flat
+    assert max(map(len, proc.stderr.splitlines())) <= 60
     assert "SamplingWarning" not in proc.stderr and "warnings.warn" not in proc.stderr
 
 
@@ -141,3 +149,29 @@ def test_a_study_file_takes_the_python_names_as_aliases():
     alias["budget"]["epsilon"] = 2.0
     with pytest.raises(ConfigError, match="budget.target_epsilon: and budget.epsilon name one setting"):
         study_from_dict(alias)
+
+
+# --- one default strategy (dpsgd) and one default accountant (auto: PLD, exact GDP at q = 1) ---
+
+
+@pytest.mark.parametrize(("q", "accountant"), [(0.01, "pld"), (1.0, "gdp")])
+def test_calibrate_gives_the_same_nu_from_the_cli_and_from_python(q: float, accountant: str):
+    """The issue's call: ν = 0.814 on the CLI (PLD) against 0.865 in Python (RDP)."""
+    args = ["calibrate", "--epsilon", "3", "--sampling-rate", str(q), "--steps", "300"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert f", {accountant})" in res.output
+    cal = dptune.calibrate(3.0, 1e-5, q, 300)
+    assert cal.noise_multiplier == accounting.calibrate(3.0, 1e-5, q, 300, accountant=accountant).noise_multiplier
+    printed = float(res.output.split("ν = ")[1].split()[0])
+    assert cal.noise_multiplier <= printed <= cal.noise_multiplier * (1 + 1e-5)  # printed rounded up
+    if q < 1:
+        assert cal.noise_multiplier < accounting.calibrate(3.0, 1e-5, q, 300, accountant="rdp").noise_multiplier
+
+
+def test_the_cli_and_python_train_default_to_the_same_strategy():
+    default = inspect.signature(dptune.train).parameters["strategy"].default
+    cli_train = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
+    (option,) = [p for p in cli_train.params if p.name == "strategy"]
+    assert default == option.default == "dpsgd"
+    assert inspect.signature(accounting.calibrate).parameters["accountant"].default == "auto"
