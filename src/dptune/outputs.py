@@ -465,6 +465,7 @@ def train_table_rows(result: Any, release: Mapping[str, Any], target: float | No
         ("steps T", release["steps"]),
         ("sampling rate q", f"{release['sampling_rate']:.4g}"),
         ("noise multiplier ν", accounting.noise_multiplier_text(plan.noise_multiplier, eps_of, target)[0]),
+        *effective_hyperparameters(plan.strategy.config(), result.history[:1]).items(),
         (f"best {result.metric}{owner}", "-" if result.best_metric is None else f"{result.best_metric:.4f}"),
         (f"best step{owner}", result.best_step),
         ("diverged", result.diverged),
@@ -476,6 +477,17 @@ def train_table_rows(result: Any, release: Mapping[str, Any], target: float | No
         ("seed", "in the diagnostics JSON only" + ("" if result.secure_mode else " (a secret key)")),
         ("dptune", release["dptune_version"]),
     ]
+
+
+def effective_hyperparameters(config: Mapping[str, Any], first: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """A run's hyperparameters as used: ``config`` with the defaults computed at the start (lr, clip of
+    the ``first`` step's history row, a function of public quantities), and SGD's effective step
+    η = lr·C/(1 − μ): a clipped batch moves θ by lr·C, momentum multiplies it by 1/(1 − μ)."""
+    hp: dict[str, Any] = {k: first[0].get(k) if v is None and first else v for k, v in config.items()}
+    hp.pop("strategy", None)
+    if all(isinstance(hp.get(k), int | float) for k in ("lr", "clip", "momentum")) and hp["momentum"] < 1:
+        hp["effective step lr·C/(1−μ)"] = hp["lr"] * hp["clip"] / (1 - hp["momentum"])
+    return {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in hp.items() if v is not None}
 
 
 def publish_note(out: str | Path) -> str:

@@ -509,7 +509,13 @@ def _strategy(strategy: Strategy | str, hyperparameters: dict[str, Any]) -> Stra
         if close and close[0] in own:
             raise ConfigError(f"train() has no argument {k!r}. Fix: did you mean {close[0]}=...?")
     if isinstance(strategy, str):
-        return make_strategy(strategy, **hyperparameters)
+        built = make_strategy(strategy, **hyperparameters)
+        mu = getattr(built, "momentum", 0.0)
+        if "lr" in hyperparameters and "momentum" not in hyperparameters and mu:  # a ported run's trap
+            warnings.warn(f"lr = {hyperparameters['lr']} with {strategy}'s default momentum μ = {mu}: the effective "
+                          f"step is lr·C/(1−μ), {1 / (1 - mu):.3g}× lr·C. Fix: momentum=0 for plain SGD (Opacus's).",
+                          UserWarning, stacklevel=3)  # fmt: skip
+        return built
     if hyperparameters:
         raise ConfigError(
             f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy)."

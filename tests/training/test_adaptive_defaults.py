@@ -28,6 +28,7 @@ import dptune
 from dptune import accounting
 from dptune.cli import app
 from dptune.errors import ConfigError
+from dptune.outputs import effective_hyperparameters
 from dptune.release.sampling import default_batch_size
 from dptune.strategies import make_strategy
 from dptune.train import SamplingWarning, plan_run
@@ -175,3 +176,40 @@ def test_the_cli_and_python_train_default_to_the_same_strategy():
     (option,) = [p for p in cli_train.params if p.name == "strategy"]
     assert default == option.default == "dpsgd"
     assert inspect.signature(accounting.calibrate).parameters["accountant"].default == "auto"
+
+
+# --- lr and coupled defaults: the effective step is stated, a given lr under default momentum warned ---
+
+
+def test_an_lr_given_with_the_default_momentum_warns_of_the_tenfold_step():
+    """The issue's Opacus port: lr = 1, C = 1 silently stepped 10× (80.1 % against Opacus's 84.4 %)."""
+    from own_factories import load_data, make_model
+
+    kw = dict(steps=20, noise_multiplier=1.0, delta=1e-3, expected_batch_size=24)
+    with pytest.warns(UserWarning, match=r"lr = 1.0 with dpsgd's default momentum μ = 0.9: .* 10× lr·C"):
+        res = dptune.train(make_model(), load_data()[0], "dpsgd", lr=1.0, clip=1.0, **kw)
+    assert effective_hyperparameters(res.plan.strategy.config(), res.history[:1]) == {
+        "lr": "1", "clip": "1", "momentum": "0.9", "effective step lr·C/(1−μ)": "10"
+    }  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # momentum given: no note
+        dptune.train(make_model(), load_data()[0], "dpsgd", lr=1.0, clip=1.0, momentum=0.0, **kw)
+
+
+def test_the_defaults_computed_at_the_start_are_shown_with_their_effective_step():
+    cfg = {"strategy": "dpsgd", "lr": None, "clip": 1.0, "momentum": 0.9}
+    hp = effective_hyperparameters(cfg, [{"step": 1, "lr": 0.253, "clip": 1.0}])
+    assert hp == {"lr": "0.253", "clip": "1", "momentum": "0.9", "effective step lr·C/(1−μ)": "2.53"}
+    oso = effective_hyperparameters({"strategy": "oso", "lr": None, "initial_clip": 1.0, "momentum": 0.0}, [])
+    assert oso == {"initial_clip": "1", "momentum": "0"}  # no lr known, no step claimed
+
+
+def test_dptune_train_prints_the_effective_hyperparameters(tmp_path: Path):
+    args = ["train", "--data", "own_factories:load_data", "--model", "own_factories:make_model", "--epochs", "2"]
+    res = CliRunner(env={"COLUMNS": "60"}).invoke(  # stacked rows: "quantity: …" then "value: …"
+        app, [*args, "--hp", "lr=1", "--no-progress", "--out", str(tmp_path / "r.json")]
+    )
+    assert res.exit_code == 0, res.output
+    for key, value in [("lr", "1"), ("momentum", "0.9"), ("effective step lr·C/(1−μ)", "10")]:
+        assert f"quantity: {key}\nvalue: {value}\n" in res.output, res.output
+    assert json.loads((tmp_path / "r.json").read_text())["strategy"]["momentum"] == 0.9
