@@ -27,12 +27,14 @@ from dptune.outputs import (
     check_output_file,
     check_train_options,
     checkpoint_rule,
+    parse_hyperparameters,
     print_table,
     publish_note,
     resume_hint,
     terminal_console,
     train_output_paths,
     train_table_rows,
+    wrap_to_terminal,
     write_train_outputs,
 )
 
@@ -73,7 +75,8 @@ def _main(
 ) -> None:
     # Commands import torch, scipy and dp_accounting in their bodies, never here: --help and
     # --version start in well under a second (tests/cli/test_cli_startup.py).
-    warnings.formatwarning = lambda msg, *_a, **_k: f"warning: {msg}\n"  # a line of text, not a source line
+    # text wrapped to the terminal (COLUMNS in a log), not a source line
+    warnings.formatwarning = lambda msg, *_a, **_k: wrap_to_terminal(f"warning: {msg}") + "\n"
 
 
 def _fail(msg: str) -> None:
@@ -100,20 +103,6 @@ def _guard(fn):
     return wrapper
 
 
-def parse_hyperparameters(pairs: list[str]) -> dict[str, Any]:
-    """``key=value`` pairs; values parsed as JSON when possible (numbers, true/false, null)."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise DPTuneError(f"hyperparameter {pair!r} is not key=value. Fix: write e.g. --hp lr=0.1.")
-        k, v = pair.split("=", 1)
-        try:
-            out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k.strip()] = v
-    return out
-
-
 @app.command()
 @_guard
 def train(
@@ -135,15 +124,22 @@ def train(
         "own pkg.module:factory (factory() -> nn.Module; input_dim/classes passed if taken)",
     ),
     strategy: str = typer.Option(
-        "oso",
+        "dpsgd",
         help="nodp, dpsgd, quantile, oso, dpadam, adamwosm, adadp, dpgd, or a composition <privatizer>+<update> (privatizer: fixed, quantile, oso; update: sgd, adam, adamwosm, oso_rate, adadp), e.g. oso+adam",
     ),
-    epsilon: float | None = typer.Option(3.0, help="target ε of this run (ignored with --noise-multiplier)"),
+    epsilon: float | None = typer.Option(
+        3.0, "--target-epsilon", "--epsilon", help="target ε of this run (ignored with --noise-multiplier)"
+    ),
     delta: float = typer.Option(1e-5, help="target δ (below 1/n)"),
     allow_large_delta: bool = typer.Option(False, "--allow-large-delta", help="accept δ ≥ 1/n (not advised)"),
     noise_multiplier: float | None = typer.Option(None, help="use this ν instead of calibrating to ε"),
     epochs: float = typer.Option(5.0, help="epochs (T = epochs / q steps)"),
-    batch_size: float = typer.Option(256, help="expected batch size L (Poisson rate q = L/n)"),
+    batch_size: float | None = typer.Option(
+        None,
+        "--expected-batch-size",
+        "--batch-size",
+        help="expected batch size L (Poisson rate q = L/n); default min(256, n/10) rounded",
+    ),
     full_batch: bool = typer.Option(False, help="full-batch training (q = 1)"),
     hp: list[str] = typer.Option([], "--hp", help="strategy hyperparameter key=value (repeatable), e.g. --hp lr=0.5"),
     accountant: str = typer.Option(
@@ -165,6 +161,7 @@ def train(
     progress: bool = typer.Option(True, help="show a progress bar (no loss on the private batch)"),
     secure: bool = typer.Option(
         False,
+        "--secure-mode",
         "--secure",
         help="secure mode: noise and Poisson batches from the OS CSPRNG, "
         "not from --seed (not reproducible; use it for a model you will publish)",
@@ -290,7 +287,7 @@ def account(
 @app.command()
 @_guard
 def calibrate(
-    epsilon: float = typer.Option(..., help="target total ε"),
+    epsilon: float = typer.Option(..., "--target-epsilon", "--epsilon", help="target total ε"),
     delta: float = typer.Option(1e-5),
     sampling_rate: float = typer.Option(..., help="q = L/n (1 = full batch)"),
     steps: int = typer.Option(..., help="steps per run"),

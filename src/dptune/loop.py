@@ -26,6 +26,7 @@ from torch import nn
 from dptune import inputs
 from dptune.errors import BudgetExceededError, ConfigError
 from dptune.gradients.oracle import GradientOracle
+from dptune.names import aliased
 from dptune.release.context import StepContext
 from dptune.release.privatizers import FixedClip, Privatizer, Released
 from dptune.strategies.base import Chain
@@ -390,6 +391,7 @@ def make_private(
     chunk_size: int | None = None,
     run_id: str = "",
     allow_large_delta: bool = False,
+    **aliases: Any,
 ) -> PrivateTraining:
     """Plan a private run of ``model`` on ``data`` and return the object your loop drives.
 
@@ -400,7 +402,12 @@ def make_private(
     q, ν) is fixed here and the ledger refuses anything beyond it. ``data``: tensors (x, y),
     a map-style dataset or a DataLoader (its dataset only: docs/your_data.md). The seed is a
     secret key in seeded mode; ``secure_mode=True`` draws noise and batches from the OS CSPRNG.
+    ``aliases``: ``epsilon``, ``batch_size``, ``secure`` (``dptune.names``).
     """
+    target_epsilon, expected_batch_size, secure_mode = aliased(
+        aliases, "make_private", True, target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,
+        secure_mode=secure_mode,
+    )  # fmt: skip
     plan_kwargs = {
         "epochs": epochs,
         "steps": steps,

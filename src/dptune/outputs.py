@@ -27,8 +27,10 @@ import csv
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
+import textwrap
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -217,6 +219,25 @@ def check_train_options(o: Any) -> None:
     # torch.manual_seed takes at most a 64-bit integer; the data splits need ≥ 0 (-1 and 10**24 were tracebacks).
     if not 0 <= o.seed <= 2**63 - 1:
         raise ConfigError(f"--seed must be an integer in [0, 2**63 - 1], got {o.seed}. Fix: e.g. --seed 0.")
+
+
+def parse_hyperparameters(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs; values parsed as JSON when possible (numbers, true/false, null)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"hyperparameter {pair!r} is not key=value. Fix: write e.g. --hp lr=0.1.")
+        k, v = pair.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
+def wrap_to_terminal(text: str) -> str:
+    """``text`` in lines that fit the terminal, or ``COLUMNS`` when stderr is a file (a warning)."""
+    return textwrap.fill(text, shutil.get_terminal_size().columns, break_on_hyphens=False)
 
 
 @contextlib.contextmanager
@@ -446,6 +467,7 @@ def train_table_rows(result: Any, release: Mapping[str, Any], target: float | No
         ("steps T", release["steps"]),
         ("sampling rate q", f"{release['sampling_rate']:.4g}"),
         ("noise multiplier ν", accounting.noise_multiplier_text(plan.noise_multiplier, eps_of, target)[0]),
+        *effective_hyperparameters(plan.strategy.config(), result.history[:1]).items(),
         (f"best {result.metric}{owner}", "-" if result.best_metric is None else f"{result.best_metric:.4f}"),
         (f"best step{owner}", result.best_step),
         ("diverged", result.diverged),
@@ -457,6 +479,17 @@ def train_table_rows(result: Any, release: Mapping[str, Any], target: float | No
         ("seed", "in the diagnostics JSON only" + ("" if result.secure_mode else " (a secret key)")),
         ("dptune", release["dptune_version"]),
     ]
+
+
+def effective_hyperparameters(config: Mapping[str, Any], first: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """A run's hyperparameters as used: ``config`` with the defaults computed at the start (lr, clip of
+    the ``first`` step's history row, a function of public quantities), and SGD's effective step
+    η = lr·C/(1 − μ): a clipped batch moves θ by lr·C, momentum multiplies it by 1/(1 − μ)."""
+    hp: dict[str, Any] = {k: first[0].get(k) if v is None and first else v for k, v in config.items()}
+    hp.pop("strategy", None)
+    if all(isinstance(hp.get(k), int | float) for k in ("lr", "clip", "momentum")) and hp["momentum"] < 1:
+        hp["effective step lr·C/(1−μ)"] = hp["lr"] * hp["clip"] / (1 - hp["momentum"])
+    return {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in hp.items() if v is not None}
 
 
 def publish_note(out: str | Path) -> str:

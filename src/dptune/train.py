@@ -14,6 +14,7 @@ import difflib
 import inspect
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
@@ -27,11 +28,19 @@ from dptune.accounting.events import check_delta_for_n
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
+from dptune.names import aliased
 from dptune.outputs import Progress, checkpoint_rule, randomness_statement
 from dptune.release.context import RunPlan, StepContext, snap_noise
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
-from dptune.release.sampling import PoissonSampler, check_steps, sampling_rate_for, steps_for_epochs, stream_seed
+from dptune.release.sampling import (
+    PoissonSampler,
+    check_steps,
+    default_batch_size,
+    sampling_rate_for,
+    steps_for_epochs,
+    stream_seed,
+)
 from dptune.strategies import Strategy, make_strategy, strategy_signature
 from dptune.task import OwnTask
 from dptune.tree import Tensors, clone, finite_flag
@@ -50,13 +59,19 @@ def plan_run(
     delta: float | None = None,
     accountant: str = "auto",
     allow_large_delta: bool = False,
+    **aliases: Any,
 ) -> RunPlan:
     """Resolve q, T and ν for one run; calibrate ν to (ε, δ) when a target is given.
 
     ``accountant='auto'``: the tightest valid one, exact μ-GDP at full batch, else PLD
-    (``accounting.tightest_accountant``). δ ≥ 1/n is refused unless ``allow_large_delta``."""
-    if full_batch is False and expected_batch_size is None:
-        raise ConfigError("give expected_batch_size (Poisson sampling rate q = L/n) or full_batch=True.")
+    (``accounting.tightest_accountant``). δ ≥ 1/n is refused unless ``allow_large_delta``. No
+    ``expected_batch_size``: ``default_batch_size(n)``. Warns (``SamplingWarning``) on q > 0.5 or T < 20.
+    ``aliases``: ``epsilon``, ``batch_size`` (``dptune.names``)."""
+    target_epsilon, expected_batch_size = aliased(
+        aliases, "plan_run", True, target_epsilon=target_epsilon, expected_batch_size=expected_batch_size
+    )
+    if not full_batch and expected_batch_size is None:
+        expected_batch_size = default_batch_size(n)
     q = sampling_rate_for(n, expected_batch_size, full_batch)
     if (epochs is None) == (steps is None):
         raise ConfigError("give exactly one of epochs or steps.")
@@ -64,6 +79,8 @@ def plan_run(
     if T < 1:
         raise ConfigError(f"steps must be ≥ 1, got {steps}. Fix: e.g. steps=500.")
     check_steps(T, f"steps = {T}")
+    if (0.5 < q < 1 or T < 20) and strategy.private:
+        warnings.warn(SamplingWarning(q, T), stacklevel=3)
     accountant = accounting.tightest_accountant(q) if accountant == "auto" else accountant
     accounting.check_accountant(accountant)
     if accountant == "gdp" and q < 1 and strategy.private:
@@ -90,6 +107,16 @@ def plan_run(
         raise ConfigError(f"strategy {strategy.name!r} is private: give noise_multiplier or target_epsilon (+ delta).")
     plan = RunPlan(strategy, n, q, T, nu, accountant)
     return replace(plan, noise_multiplier=snap_noise(nu, [plan]))
+
+
+class SamplingWarning(UserWarning):
+    """A plan whose sampling rate q > 0.5 (little amplification by subsampling) or T < 20 steps."""
+
+    def __init__(self, q: float, steps: int):
+        super().__init__(
+            f"the run samples q = {q:.3g} of the data per step for T = {steps} steps (advised: q ≤ 0.5, T ≥ 20). "
+            "Fix: a smaller batch (--batch-size, expected_batch_size) or more epochs."
+        )
 
 
 @dataclass
@@ -431,6 +458,10 @@ def train(
     the owner's only; ``checkpoint='best'`` (the default when public) keeps the best evaluated parameters.
     """
     checkpoint = checkpoint_rule(checkpoint, eval_data is not None, eval_public)
+    target_epsilon, expected_batch_size, secure_mode = aliased(  # epsilon=, batch_size=, secure=: dptune.names
+        hyperparameters, "train", target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,
+        secure_mode=secure_mode,
+    )  # fmt: skip
     strategy = _strategy(strategy, hyperparameters)
     task = OwnTask.resolve(data, eval_data, device, metric, loss)
     if eval_every < 1:
@@ -478,7 +509,13 @@ def _strategy(strategy: Strategy | str, hyperparameters: dict[str, Any]) -> Stra
         if close and close[0] in own:
             raise ConfigError(f"train() has no argument {k!r}. Fix: did you mean {close[0]}=...?")
     if isinstance(strategy, str):
-        return make_strategy(strategy, **hyperparameters)
+        built = make_strategy(strategy, **hyperparameters)
+        mu = getattr(built, "momentum", 0.0)
+        if "lr" in hyperparameters and "momentum" not in hyperparameters and mu:  # a ported run's trap
+            warnings.warn(f"lr = {hyperparameters['lr']} with {strategy}'s default momentum μ = {mu}: the effective "
+                          f"step is lr·C/(1−μ), {1 / (1 - mu):.3g}× lr·C. Fix: momentum=0 for plain SGD (Opacus's).",
+                          UserWarning, stacklevel=3)  # fmt: skip
+        return built
     if hyperparameters:
         raise ConfigError(
             f"unexpected keyword arguments {sorted(hyperparameters)} (hyperparameters go into the strategy)."

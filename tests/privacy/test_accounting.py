@@ -102,7 +102,7 @@ def test_train_with_target_epsilon_spends_at_most_the_target() -> None:
     steps=st.integers(1, 3000),
 )
 def test_calibration_never_overshoots_and_is_tight(eps: float, q: float, steps: int) -> None:
-    nu = accounting.calibrate(eps, DELTA, q, steps).noise_multiplier
+    nu = accounting.calibrate(eps, DELTA, q, steps, accountant="rdp").noise_multiplier
     event = lambda v: dp_event.SelfComposedDpEvent(sampled(v, q), steps)  # noqa: E731
     assert rdp_eps(event(nu)) <= eps
     assert rdp_eps(event(nu * (1 - 1e-3))) > eps
@@ -117,10 +117,10 @@ def test_pld_calibration_never_overshoots_and_is_tight() -> None:
 
 
 def test_calibration_of_several_runs_composes_them() -> None:
-    nu = accounting.calibrate(3.0, DELTA, 0.02, 200, runs=4).noise_multiplier
+    nu = accounting.calibrate(3.0, DELTA, 0.02, 200, runs=4, accountant="rdp").noise_multiplier
     ev = dp_event.SelfComposedDpEvent(dp_event.SelfComposedDpEvent(sampled(nu, 0.02), 200), 4)
     assert rdp_eps(ev) <= 3.0
-    assert nu > accounting.calibrate(3.0, DELTA, 0.02, 200, runs=1).noise_multiplier
+    assert nu > accounting.calibrate(3.0, DELTA, 0.02, 200, runs=1, accountant="rdp").noise_multiplier
 
 
 # ----------------------------------------------------------------------------- GDP

@@ -19,7 +19,14 @@ from dp_accounting import dp_event
 from scipy import optimize
 
 from dptune.accounting import _fast_pld, gdp
-from dptune.accounting.accountants import PLD_DISCRETIZATION, PLD_MIN_NOISE, epsilon, epsilon_cached, pld_cost_problem
+from dptune.accounting.accountants import (
+    PLD_DISCRETIZATION,
+    PLD_MIN_NOISE,
+    epsilon,
+    epsilon_cached,
+    pld_cost_problem,
+    tightest_accountant,
+)
 from dptune.accounting.events import (
     check_accountant,
     check_delta,
@@ -63,7 +70,7 @@ def calibrate(
     sampling_rate: float | None = None,
     steps: int | None = None,
     runs: int = 1,
-    accountant: str = "rdp",
+    accountant: str = "auto",
     *,
     make_event: Callable[[float], dp_event.DpEvent] | None = None,
     rel_tol: float = 1e-4,
@@ -77,8 +84,12 @@ def calibrate(
     ``Calibration.noise_multiplier`` was checked feasible by ``epsilon(event, delta,
     accountant)`` itself and ``Calibration.lower`` ≥ ν/(1 + rel_tol) checked infeasible, so ν
     cannot exceed the target whatever the accountant's numerical noise. ``bracket`` is an
-    optional starting region (a hint: it need not contain the root).
+    optional starting region (a hint: it need not contain the root). ``accountant='auto'`` (the
+    default, as ``dptune train`` and ``dptune calibrate``): the tightest, ``tightest_accountant(q)``
+    (PLD; exact GDP at q = 1; PLD for ``make_event``).
     """
+    if accountant == "auto":
+        accountant = "pld" if sampling_rate is None else tightest_accountant(sampling_rate)
     span = _check_bracket(bracket)
     if make_event is not None and (sampling_rate is not None or steps is not None or runs != 1):
         raise ConfigError(

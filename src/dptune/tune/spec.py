@@ -355,15 +355,16 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
     for req in ("data", "model", "training", "strategies"):
         if req not in d:
             raise config_error(req, "section missing", f"add a [{req}] section (see docs/tuning.md)")
-    st = _table(d, "study")
+    st = _stored_keys(_table(d, "study"), "study", {"secure_mode": "secure"})
     _only(st, "study", {"name", "seed", "seeds", "threads_per_run", "trials_per_group", "secure"})
     data_t = _table(d, "data")
     _only(data_t, "data", {"name", "options", "factory", "test_public", *tabular.CSV_KEYS})
     data_t = tabular.as_factory_table(data_t, base_dir)
     model_t = _table(d, "model")
     _only(model_t, "model", {"name", "options", "factory"})
-    training = _build(TrainingSpec, _table(d, "training"), "training")
-    budget_t = dict(_table(d, "budget"))
+    training_t = _stored_keys(_table(d, "training"), "training", {"batch_size": "expected_batch_size"})
+    training = _build(TrainingSpec, training_t, "training")
+    budget_t = _stored_keys(_table(d, "budget"), "budget", {"target_epsilon": "epsilon"})
     if isinstance(budget_t.get("epsilon"), list):
         budget_t["epsilon"] = tuple(budget_t["epsilon"])
     budget = _build(BudgetSpec, budget_t, "budget")
@@ -445,6 +446,17 @@ def _unknown_name(path: str, what: str, name: Any, allowed: set[str], listing: s
             f"{path}: unknown {what}; did you mean {close[0]}? Fix: rename it to {close[0]!r} ({listing}: {names})."
         )
     return ConfigError(f"{path}: unknown {what}. Fix: remove it, or use one of {listing}: {names}.")
+
+
+def _stored_keys(t: Mapping[str, Any], path: str, aliases: dict[str, str]) -> dict[str, Any]:
+    """[path] with the Python API's names (``dptune.names``) under the keys a study stores."""
+    out = dict(t)
+    for alias, key in aliases.items():
+        if alias in out:
+            if key in out:
+                raise config_error(f"{path}.{alias}", f"and {path}.{key} name one setting", f"keep {key} only")
+            out[key] = out.pop(alias)
+    return out
 
 
 def _only(t: Mapping[str, Any], path: str, allowed: set[str]) -> None:
