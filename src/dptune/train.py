@@ -464,24 +464,11 @@ def train(
     )  # fmt: skip
     strategy = _strategy(strategy, hyperparameters)
     task = OwnTask.resolve(data, eval_data, device, metric, loss)
-    if eval_every < 1:
-        raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}. Fix: e.g. eval_every=50.")
-    if plan is None:
-        plan = plan_run(
-            strategy,
-            task.n,
-            expected_batch_size=expected_batch_size,
-            full_batch=full_batch,
-            epochs=epochs,
-            steps=steps,
-            noise_multiplier=noise_multiplier,
-            target_epsilon=target_epsilon,
-            delta=delta,
-            accountant=accountant,
-            allow_large_delta=allow_large_delta,
-        )
-    elif plan.n != task.n:
-        raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {task.n}.")
+    plan = _run_plan(
+        plan, strategy, task.n, eval_every, expected_batch_size=expected_batch_size, full_batch=full_batch,
+        epochs=epochs, steps=steps, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta,
+        accountant=accountant, allow_large_delta=allow_large_delta,
+    )  # fmt: skip
     model, oracle = task.prepare(model, chunk_size, grad_method)
     loop = RunLoop(
         model,
@@ -499,6 +486,17 @@ def train(
         eval_public=eval_public,
     )
     return loop.drive(task, oracle, delta, progress)
+
+
+def _run_plan(plan: RunPlan | None, strategy: Strategy, n: int, eval_every: int, **planning: Any) -> RunPlan:
+    """``train``'s plan: the one given (for these n examples), else ``plan_run(strategy, n, **planning)``."""
+    if eval_every < 1:
+        raise ConfigError(f"eval_every must be ≥ 1, got {eval_every}. Fix: e.g. eval_every=50.")
+    if plan is None:
+        return plan_run(strategy, n, **planning)
+    if plan.n != n:
+        raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {n}.")
+    return plan
 
 
 def _strategy(strategy: Strategy | str, hyperparameters: dict[str, Any]) -> Strategy:
