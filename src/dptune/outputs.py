@@ -488,7 +488,7 @@ def effective_hyperparameters(config: Mapping[str, Any], first: Sequence[Mapping
     hp: dict[str, Any] = {k: first[0].get(k) if v is None and first else v for k, v in config.items()}
     hp.pop("strategy", None)
     if all(isinstance(hp.get(k), int | float) for k in ("lr", "clip", "momentum")) and hp["momentum"] < 1:
-        hp["effective step lr·C/(1−μ)"] = hp["lr"] * hp["clip"] / (1 - hp["momentum"])
+        hp["step lr·C/(1−μ)"] = hp["lr"] * hp["clip"] / (1 - hp["momentum"])
     return {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in hp.items() if v is not None}
 
 

@@ -189,7 +189,7 @@ def test_an_lr_given_with_the_default_momentum_warns_of_the_tenfold_step():
     with pytest.warns(UserWarning, match=r"lr = 1.0 with dpsgd's default momentum μ = 0.9: .* 10× lr·C"):
         res = dptune.train(make_model(), load_data()[0], "dpsgd", lr=1.0, clip=1.0, **kw)
     assert effective_hyperparameters(res.plan.strategy.config(), res.history[:1]) == {
-        "lr": "1", "clip": "1", "momentum": "0.9", "effective step lr·C/(1−μ)": "10"
+        "lr": "1", "clip": "1", "momentum": "0.9", "step lr·C/(1−μ)": "10"
     }  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # momentum given: no note
@@ -199,7 +199,7 @@ def test_an_lr_given_with_the_default_momentum_warns_of_the_tenfold_step():
 def test_the_defaults_computed_at_the_start_are_shown_with_their_effective_step():
     cfg = {"strategy": "dpsgd", "lr": None, "clip": 1.0, "momentum": 0.9}
     hp = effective_hyperparameters(cfg, [{"step": 1, "lr": 0.253, "clip": 1.0}])
-    assert hp == {"lr": "0.253", "clip": "1", "momentum": "0.9", "effective step lr·C/(1−μ)": "2.53"}
+    assert hp == {"lr": "0.253", "clip": "1", "momentum": "0.9", "step lr·C/(1−μ)": "2.53"}
     oso = effective_hyperparameters({"strategy": "oso", "lr": None, "initial_clip": 1.0, "momentum": 0.0}, [])
     assert oso == {"initial_clip": "1", "momentum": "0"}  # no lr known, no step claimed
 
@@ -210,6 +210,6 @@ def test_dptune_train_prints_the_effective_hyperparameters(tmp_path: Path):
         app, [*args, "--hp", "lr=1", "--no-progress", "--out", str(tmp_path / "r.json")]
     )
     assert res.exit_code == 0, res.output
-    for key, value in [("lr", "1"), ("momentum", "0.9"), ("effective step lr·C/(1−μ)", "10")]:
+    for key, value in [("lr", "1"), ("momentum", "0.9"), ("step lr·C/(1−μ)", "10")]:
         assert f"quantity: {key}\nvalue: {value}\n" in res.output, res.output
     assert json.loads((tmp_path / "r.json").read_text())["strategy"]["momentum"] == 0.9
