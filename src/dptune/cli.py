@@ -25,6 +25,7 @@ from dptune.outputs import (
     check_data_dir,
     check_output_dir,
     check_output_file,
+    check_study_options,
     check_train_options,
     checkpoint_rule,
     parse_hyperparameters,
@@ -315,6 +316,7 @@ def tune(
     ),
 ) -> None:
     """Plan a whole study inside its budget, run it, print the results table and budget."""
+    check_study_options(executor, workers, address)  # before torch loads: an error in < 1 s
     from dptune.tune import load_study_config, run_study
     from dptune.tune.results import render
 
@@ -399,11 +401,11 @@ def resume(
 ) -> None:
     """Continue an interrupted study: finished runs are kept, interrupted runs re-execute
     with the same seeds and noise streams (nothing is released or spent twice)."""
+    check_study_options(executor, workers, address)  # before torch loads
     from dptune.tune import resume_study, study_status
-    from dptune.tune.executors import check_executor, check_workers
+    from dptune.tune.executors import check_executor
     from dptune.tune.results import render
 
-    check_workers(workers)
     check_executor(executor, address)  # a wrong name or address is refused even when nothing is left to run
     st = study_status(study_dir)
     if st["complete"]:  # nothing to run: say so rather than print the table as if it had resumed

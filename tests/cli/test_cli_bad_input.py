@@ -78,6 +78,26 @@ def test_train_argument_errors_come_before_torch_and_the_data(tmp_path: Path, ar
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["tune", "STUDY", "--workers", "0"], "workers must be an integer ≥ 1, got 0"),
+        (["tune", "STUDY", "--executor", "bogus"], "unknown executor 'bogus'"),
+        (["tune", "STUDY", "--address", "1.2.3.4:6379"], "does not use one"),
+        (["resume", "DIR", "--executor", "bogus"], "unknown executor 'bogus'"),
+        (["resume", "DIR", "--workers", "-2"], "workers must be an integer ≥ 1, got -2"),
+    ],
+)
+def test_tune_and_resume_argument_errors_come_before_torch(tmp_path: Path, argv: list[str], message: str) -> None:
+    """Their executor options are checked before ``dptune.tune`` (and torch) is imported."""
+    (tmp_path / "s.toml").write_text('[study]\nname = "x"\n')
+    argv = [str(tmp_path / "s.toml") if a == "STUDY" else str(tmp_path / "d") if a == "DIR" else a for a in argv]
+    proc, heavy = _cli_in_fresh_python(*argv)
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if not ln.startswith("HEAVY=")]
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], lines
+    assert heavy == set() and not (tmp_path / "d").exists()
+
+
 def test_a_bad_strategy_is_refused_before_the_data_load(tmp_path: Path, monkeypatch) -> None:
     import dptune.models
 
