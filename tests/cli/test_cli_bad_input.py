@@ -231,6 +231,15 @@ def test_bad_class_labels_are_refused_before_training(y: torch.Tensor, message: 
         )
 
 
+def test_a_label_beyond_the_models_outputs_is_refused_before_training() -> None:
+    """torch would fail mid-run ("Target 5 is out of bounds") after releases were made."""
+    y = Y.clone()
+    y[7] = 5
+    with pytest.raises(ConfigError, match=r"class label 5 but the model has 3 outputs .* Fix: build the model with 6"):
+        _train((X, y))
+    assert _train((X, Y)).plan.n == 40  # labels 0..2 on 3 outputs pass
+
+
 def test_labels_torch_accepts_are_accepted() -> None:
     """-100 is cross_entropy's ignore_index; float targets of several dims are class probabilities."""
     y = Y.clone()
