@@ -224,10 +224,27 @@ def check_executor_name(name: str, address: str | None = None) -> None:
         )
 
 
-def check_study_options(executor: str, workers: Any, address: str | None) -> None:
-    """``dptune tune``/``resume``'s executor options, before torch loads."""
+def no_study(study_dir: Path) -> ConfigError:
+    return ConfigError(
+        f"{str(study_dir)!r} holds no study (study.sqlite is missing). Fix: pass the directory given to "
+        "`dptune tune CONFIG --out DIR` (or run the study first)."
+    )
+
+
+def check_study_path(study: Path, is_file: bool = False) -> None:
+    """A study file (``tune``) or folder (the other study commands), before torch loads; a folder
+    without its database but with a coordinator's lock is left to the store (a study being made)."""
+    if is_file and not study.exists():  # a folder is the spec's error (it names `dptune resume`)
+        raise ConfigError(f"study file {str(study)!r} does not exist. Fix: pass the path of a .toml or .yaml file.")
+    if not is_file and not (study / "study.sqlite").exists() and not (study / ".lock").exists():
+        raise no_study(study)
+
+
+def check_study_options(executor: str, workers: Any, address: str | None, study: Path, is_file: bool) -> None:
+    """``dptune tune``/``resume``'s arguments, before torch loads."""
     check_workers(workers)
     check_executor_name(executor, address)
+    check_study_path(study, is_file)
 
 
 def check_train_options(o: Any) -> None:

@@ -86,12 +86,19 @@ def test_train_argument_errors_come_before_torch_and_the_data(tmp_path: Path, ar
         (["tune", "STUDY", "--address", "1.2.3.4:6379"], "does not use one"),
         (["resume", "DIR", "--executor", "bogus"], "unknown executor 'bogus'"),
         (["resume", "DIR", "--workers", "-2"], "workers must be an integer ≥ 1, got -2"),
+        (["tune", "MISSING"], "does not exist. Fix: pass the path of a .toml or .yaml file"),
+        *[
+            ([cmd, "DIR"], "holds no study (study.sqlite is missing)")
+            for cmd in ("status", "report", "export", "resume")
+        ],
     ],
 )
-def test_tune_and_resume_argument_errors_come_before_torch(tmp_path: Path, argv: list[str], message: str) -> None:
-    """Their executor options are checked before ``dptune.tune`` (and torch) is imported."""
+def test_study_command_argument_errors_come_before_torch(tmp_path: Path, argv: list[str], message: str) -> None:
+    """Their executor options and the study's path are checked before ``dptune.tune`` (and torch)
+    is imported: an error in a fraction of a second, not 3 s."""
     (tmp_path / "s.toml").write_text('[study]\nname = "x"\n')
-    argv = [str(tmp_path / "s.toml") if a == "STUDY" else str(tmp_path / "d") if a == "DIR" else a for a in argv]
+    paths = {"STUDY": tmp_path / "s.toml", "DIR": tmp_path / "d", "MISSING": tmp_path / "no.toml"}
+    argv = [str(paths[a]) if a in paths else a for a in argv]
     proc, heavy = _cli_in_fresh_python(*argv)
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if not ln.startswith("HEAVY=")]
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], lines
