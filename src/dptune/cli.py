@@ -25,6 +25,8 @@ from dptune.outputs import (
     check_data_dir,
     check_output_dir,
     check_output_file,
+    check_study_options,
+    check_study_path,
     check_train_options,
     checkpoint_rule,
     parse_hyperparameters,
@@ -315,6 +317,7 @@ def tune(
     ),
 ) -> None:
     """Plan a whole study inside its budget, run it, print the results table and budget."""
+    check_study_options(executor, workers, address, config, is_file=True)  # before torch: an error in < 1 s
     from dptune.tune import load_study_config, run_study
     from dptune.tune.results import render
 
@@ -322,14 +325,9 @@ def tune(
     study_dir = out or Path("studies") / study.name
     with resume_hint(study_dir, _say_interrupted):
         outcome = run_study(
-            study,
-            study_dir,
-            executor=executor,
-            address=address,
-            progress=progress,
-            workers=workers,
+            study, study_dir, executor=executor, address=address, progress=progress, workers=workers,
             gpus_per_run=gpus_per_run,
-        )
+        )  # fmt: skip
     study_dir = outcome.study_dir  # "e/m/.." is stored in e
     render(study_dir, console)
     console.print(f"study directory: {study_dir}  (`dptune report {study_dir}` writes the HTML report)")
@@ -358,6 +356,7 @@ def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
 def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> None:
     """Progress and budget of a (possibly running or interrupted) study (for the data owner:
     run counts are not differentially private)."""
+    check_study_path(study_dir)  # before torch loads
     from dptune.tune import study_status
 
     st = study_status(study_dir)
@@ -399,12 +398,12 @@ def resume(
 ) -> None:
     """Continue an interrupted study: finished runs are kept, interrupted runs re-execute
     with the same seeds and noise streams (nothing is released or spent twice)."""
+    check_study_options(executor, workers, address, study_dir, is_file=False)  # before torch loads
     from dptune.tune import resume_study, study_status
-    from dptune.tune.executors import check_executor, check_workers
+    from dptune.tune.executors import check_executor
     from dptune.tune.results import render
 
-    check_workers(workers)
-    check_executor(executor, address)  # a wrong name or address is refused even when nothing is left to run
+    check_executor(executor, address)  # Ray and its address, even when nothing is left to run
     st = study_status(study_dir)
     if st["complete"]:  # nothing to run: say so rather than print the table as if it had resumed
         # No run count: under Liu–Talwar / repeat-and-select it is not covered by the guarantee.
@@ -437,6 +436,7 @@ def report(
 ) -> None:
     """Write CSVs, figures and a self-contained HTML report of a study: release/ (publishable:
     covered by the guarantee) and diagnostics/ (not differentially private)."""
+    check_study_path(study_dir)  # before torch loads
     from dptune.report import report_study
     from dptune.tune.export import export_study
     from dptune.tune.results import render, study_status, write_csvs
@@ -470,6 +470,7 @@ def export(
     """Write the selected model of a finished study with its model card (model.pt, model_card.json,
     model_card.md) into release/models/<arm>/, from the stored checkpoint: no retraining, so no new
     release. Reload it with dptune.load_model(DIR)."""
+    check_study_path(study_dir)  # before torch loads
     from dptune.tune.export import export_study
 
     check_output_dir(out, "--out")  # a file there was a NotADirectoryError traceback

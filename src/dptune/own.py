@@ -173,6 +173,23 @@ def user_loss(
     return one
 
 
+def check_classes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Cross-entropy class labels below the model's number of outputs (else torch fails mid-run:
+    "Target 5 is out of bounds"): one example's forward, on scratch copies of the buffers."""
+    if not y.numel() or y.dtype.is_floating_point:
+        return
+    check_model(model)
+    args, kwargs = inputs.args_kwargs(inputs.rows(x, 0, 1))
+    with torch.no_grad(), ScratchBuffers(model)() as buffers:
+        out = functional_call(model, buffers, args, kwargs)
+    top = int(y.max())
+    if isinstance(out, torch.Tensor) and out.ndim >= 2 and top >= out.shape[1]:
+        raise ConfigError(
+            f"data: class label {top} but the model has {out.shape[1]} outputs (classes 0..{out.shape[1] - 1}). "
+            f"Fix: build the model with {top + 1} classes (or more), or map the labels to 0..{out.shape[1] - 1}."
+        )
+
+
 def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     """The per-example contract on a tiny batch: ``fn(model(x), y)`` has shape [B].
 

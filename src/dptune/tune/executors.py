@@ -22,24 +22,10 @@ from typing import Any
 
 from dptune.devices import gpus_per_task, process_gpu_plan
 from dptune.errors import ConfigError
+from dptune.outputs import EXECUTORS, check_executor_name, check_workers
 
 Task = tuple[str, tuple[Any, ...]]  # (task id, args of execute_task)
 Outcome = tuple[str, dict[str, Any] | None, str | None]  # (run_id, result, error text)
-
-EXECUTORS = ("local", "process", "ray")
-
-
-def check_workers(workers: Any) -> int | None:
-    """``workers`` as given (None: the executor's default), or a ``ConfigError`` (0 or less would
-    fail deep in a run, or leave one silent worker)."""
-    if workers is None:
-        return None
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ConfigError(
-            f"workers must be an integer ≥ 1, got {workers!r}. Fix: pass e.g. --workers 2, or leave it "
-            "out (default: one per CPU core up to 4, or one per GPU on CUDA)."
-        )
-    return workers
 
 
 def _call(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> tuple[dict[str, Any] | None, str | None]:
@@ -261,13 +247,7 @@ def check_executor(name: str | Executor, address: str | None = None) -> None:
     name, 'ray' without Ray installed, or a Ray address where nothing answers."""
     if isinstance(name, Executor):
         return
-    if name not in EXECUTORS:
-        raise ConfigError(f"unknown executor {name!r}. Fix: choose one of {', '.join(EXECUTORS)}.")
-    if address is not None and name != "ray":  # it was silently ignored
-        raise ConfigError(
-            f"address {address!r} is a Ray cluster's, but executor {name!r} does not use one. "
-            "Fix: add --executor ray, or drop --address."
-        )
+    check_executor_name(name, address)
     if name == "ray":
         require_ray()
         if address is not None:  # '' once started a local Ray instead

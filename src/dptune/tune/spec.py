@@ -36,6 +36,7 @@ from typing import Any
 
 from dptune.data import tabular
 from dptune.errors import ConfigError, config_error
+from dptune.outputs import check_study_path
 from dptune.strategies import STRATEGIES, make_strategy, strategy_signature
 from dptune.tune.methods.registry import get_method
 from dptune.tune.sections import ACCOUNTANT_CHOICES as ACCOUNTANT_CHOICES  # re-exported, as are the next two
@@ -506,7 +507,7 @@ def load_study_config(path: str | os.PathLike[str] | Study) -> Study:
             "a .yaml file (to continue a study directory: dptune resume DIR)."
         )
     if not p.is_file():
-        raise ConfigError(f"study file {str(p)!r} does not exist. Fix: pass the path of a .toml or .yaml file.")
+        check_study_path(p, is_file=True)
     if p.suffix.lower() not in (".toml", ".yaml", ".yml"):  # before reading: an image is not decoded as text
         raise ConfigError(f"{p}: unknown file type {p.suffix!r}. Fix: use a .toml or .yaml file.")
     try:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dptune.errors import ConfigError
+from dptune.outputs import no_study
 from dptune.release.ledger import Ledger, LedgerEntry, event_to_dict
 
 DB_NAME = "study.sqlite"
@@ -122,10 +123,7 @@ class Store:
         if not create and not self.path.exists():
             if lock_held(self.dir):
                 raise self._busy()
-            raise ConfigError(
-                f"{str(self.dir)!r} holds no study ({DB_NAME} is missing). Fix: pass the directory given to "
-                "`dptune tune CONFIG --out DIR` (or run the study first)."
-            )
+            raise no_study(self.dir)
         try:
             # Checked on a read-only connection first: a read-write one to a damaged file lets
             # SQLite rewrite it and delete its -wal, which after a crash holds the last commits.
