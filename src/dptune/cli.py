@@ -25,8 +25,6 @@ from dptune.outputs import (
     check_data_dir,
     check_output_dir,
     check_output_file,
-    check_study_options,
-    check_study_path,
     check_train_options,
     checkpoint_rule,
     parse_hyperparameters,
@@ -39,6 +37,7 @@ from dptune.outputs import (
     wrap_to_terminal,
     write_train_outputs,
 )
+from dptune.study_args import check_study_options, check_study_path
 
 app = typer.Typer(
     add_completion=False,

@@ -22,7 +22,7 @@ from typing import Any
 
 from dptune.devices import gpus_per_task, process_gpu_plan
 from dptune.errors import ConfigError
-from dptune.outputs import EXECUTORS, check_executor_name, check_workers
+from dptune.study_args import EXECUTORS, check_executor_name, check_workers
 
 Task = tuple[str, tuple[Any, ...]]  # (task id, args of execute_task)
 Outcome = tuple[str, dict[str, Any] | None, str | None]  # (run_id, result, error text)

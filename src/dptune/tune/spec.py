@@ -36,8 +36,8 @@ from typing import Any
 
 from dptune.data import tabular
 from dptune.errors import ConfigError, config_error
-from dptune.outputs import check_study_path
 from dptune.strategies import STRATEGIES, make_strategy, strategy_signature
+from dptune.study_args import check_study_path
 from dptune.tune.methods.registry import get_method
 from dptune.tune.sections import ACCOUNTANT_CHOICES as ACCOUNTANT_CHOICES  # re-exported, as are the next two
 from dptune.tune.sections import METRICS as METRICS

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from dptune.errors import ConfigError
-from dptune.outputs import no_study
 from dptune.release.ledger import Ledger, LedgerEntry, event_to_dict
+from dptune.study_args import no_study
 
 DB_NAME = "study.sqlite"
 SCHEMA_VERSION = "1"
