@@ -1,19 +1,6 @@
-"""Evaluation metrics: one ``Metric`` type, the built-ins, one resolver, one batched evaluation.
-
-* ``Metric``: ``fn(output [B, ...], target [B, ...]) -> per-example scores [B]``; the metric of a
-  parameter set is the mean score over the evaluation data. A private release clamps each score
-  to [0, sensitivity] (a non-finite score counts as the worst one), so Σ scores moves by at most
-  the sensitivity when one example is added or removed (docs/privacy.md).
-* ``ACCURACY`` (sensitivity 1) and ``MSE`` (its clip is the study's ``selection.mse_clip``) are
-  ``Metric`` objects; ``HIGHER_IS_BETTER`` is the one direction table.
-* ``resolve``: a built-in name, ``"pkg.module:NAME"``, a ``Metric`` or a bare callable → ``Metric``.
-* ``score_sums``: Σ scores in batches of ``EVAL_BATCH`` rows, for one parameter set or for K
-  stacked ones (``dptune.vectorized``); ``dptune.train``, the vectorised trials and the tuner's
-  checkpoint scorer all evaluate through it.
-
-Torch is imported when a score is computed, not with this module: ``import dptune.metrics`` (and
-``from dptune import Metric`` in a user's metric module) does not load torch.
-"""
+"""Evaluation metrics: one ``Metric`` type, the built-ins (``ACCURACY``, ``MSE``), one resolver
+(``resolve``) and one batched evaluation (``score_sums``, used by train, train_many and the tuner).
+Torch is imported only when a score is computed, so a user's metric module loads without it."""
 
 from __future__ import annotations
 
@@ -38,13 +25,10 @@ EVAL_BATCH = 4096
 
 @dataclass(frozen=True)
 class Metric:
-    """An evaluation metric: ``fn(output [B, ...], target [B, ...]) -> per-example scores [B]``.
+    """An evaluation metric: ``fn(output [B, ...], target [B, ...]) -> per-example scores [B]``, averaged.
 
-    The metric of a parameter set is the mean score over the evaluation data. For private
-    selection, ``sensitivity`` must bound how much one example's score can move the SUM of
-    scores (e.g. 1 for a score in [0, 1]); it is trusted, and scores are clamped to
-    [0, sensitivity] so that the bound holds for any output (docs/privacy.md).
-    """
+    For private selection ``sensitivity`` (trusted) bounds one example's move of the SUM of scores;
+    scores are clamped to [0, sensitivity] so the bound holds for any output (docs/privacy.md)."""
 
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     higher_is_better: bool = True
@@ -203,14 +187,9 @@ def score_sums(
     clip: bool = False,
     trials: int | None = None,
 ) -> tuple[list[float], int]:
-    """Σ over the examples of ``metric``'s per-example scores, and the number of examples.
-
-    ``data``: an ``(x, y)`` tuple, cut into ``batches`` of ``EVAL_BATCH`` rows, or an iterable of
-    ``(x, y)`` batches (``dptune.own.MapSource.chunks``). ``forward(x_batch)``: the outputs
-    [B, ...] of one parameter set (one sum), or with ``trials=K`` those of K parameter sets at
-    once, [K, B, ...] (one sum per set). ``clip``: each score clamped to [0, sensitivity] for a
-    private release (``Metric.scores``). Each batch's sum is added as a Python float, in order.
-    """
+    """(Σ of ``metric``'s per-example scores, number of examples) over ``data`` (an ``(x, y)``
+    tuple cut into ``EVAL_BATCH`` rows, or an iterable of batches); with ``trials=K``, one sum per
+    parameter set of ``forward``'s [K, B, ...]. ``clip``: scores clamped for a private release."""
     import torch
 
     parts = batches(*data) if isinstance(data, tuple) else data
@@ -240,12 +219,8 @@ def score_sums(
 
 
 def _isolated_scores(forward: Callable[[Any], torch.Tensor], x: Any, y: torch.Tensor, metric: Metric) -> torch.Tensor:
-    """The clamped scores of a batch, each computed by the forward and the metric of its row alone.
-
-    A released per-example score may depend on its example only (docs/privacy.md, the unit of
-    privacy): a batched forward or metric could mix rows (batch statistics, a score normalised
-    over the batch). vmap runs one row at a time; where it cannot (data-dependent control flow),
-    a plain loop over rows does."""
+    """The clamped scores of a batch, each from its row alone (a released score may depend on its
+    example only: docs/privacy.md): vmap, or a loop over rows where vmap cannot run."""
     import torch
 
     from dptune import inputs

@@ -1,11 +1,5 @@
-"""Noise calibration: the smallest ν whose ε meets a target, never above it; and printing ν.
-
-One entry point, ``calibrate``, for a DP-SGD run (sampling rate, steps, runs) or any event
-family (``make_event``). It returns a ``Calibration``: the noise multiplier with its
-certificate. The returned ν is always a point where ``accountants.epsilon(event(ν), δ,
-accountant)`` — the reporting accountant at its default precision — was evaluated and found
-≤ target. How the search is made fast: docs/performance.md, "3. Calibration".
-"""
+"""Noise calibration: the smallest ν whose ε meets a target, never above it (``calibrate``), and
+printing ν (never rounded down). Speed: docs/performance.md, "3. Calibration"."""
 
 from __future__ import annotations
 
@@ -46,13 +40,8 @@ PLD_MID_RATIO = 0.3  # a second level at 0.3x the coarse one extrapolates ε to 
 
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
-    """Result of a calibration with its certificate.
-
-    ``noise_multiplier`` (hi) was checked to give ``epsilon`` ≤ target, and ``lower`` (lo) to
-    give ε > target, both at ``delta`` by ``accountants.epsilon(event, delta, accountant)`` at
-    its default precision; so ν* ∈ (lo, hi] and hi/lo ≤ 1 + rel_tol. ``lower`` is 0 when
-    ν → 0 stays feasible.
-    """
+    """Result of a calibration with its certificate: ``noise_multiplier`` (hi) checked to give
+    ``epsilon`` ≤ target and ``lower`` (lo; 0 when ν → 0 stays feasible) ε > target, so hi/lo ≤ 1 + rel_tol."""
 
     noise_multiplier: float
     epsilon: float  # ε at noise_multiplier, ≤ the target
@@ -78,16 +67,10 @@ def calibrate(
 ) -> Calibration:
     """Smallest noise multiplier ν with ε(event(ν), δ) ≤ ``target_epsilon``. Never overshoots.
 
-    The event is either ``runs`` runs of ``steps`` Poisson-sampled Gaussian releases at rate
-    ``sampling_rate`` (``dpsgd_event``; results cached per argument tuple), or
-    ``make_event(ν)`` for any event family (e.g. a tuning plan's composed runs). The returned
-    ``Calibration.noise_multiplier`` was checked feasible by ``epsilon(event, delta,
-    accountant)`` itself and ``Calibration.lower`` ≥ ν/(1 + rel_tol) checked infeasible, so ν
-    cannot exceed the target whatever the accountant's numerical noise. ``bracket`` is an
-    optional starting region (a hint: it need not contain the root). ``accountant='auto'`` (the
-    default, as ``dptune train`` and ``dptune calibrate``): the tightest, ``tightest_accountant(q)``
-    (PLD; exact GDP at q = 1; PLD for ``make_event``).
-    """
+    The event is ``runs`` runs of ``steps`` Poisson-sampled Gaussians at ``sampling_rate`` (cached), or
+    ``make_event(ν)``. The returned ν was checked feasible by ``epsilon(event, delta, accountant)`` itself,
+    whatever the accountant's numerical noise. ``bracket``: a starting hint. ``accountant='auto'``: the
+    tightest (PLD; exact GDP at q = 1)."""
     if accountant == "auto":
         accountant = "pld" if sampling_rate is None else tightest_accountant(sampling_rate)
     span = _check_bracket(bracket)
@@ -309,11 +292,7 @@ def _search_pld(
 
 
 def _clt_mu(event: dp_event.DpEvent) -> float | None:
-    """μ of the Gaussian-DP central-limit approximation of ``event`` (None if unsupported).
-
-    Poisson-subsampled Gaussian steps: μ² = Σ q²(e^{1/ν²} − 1) (Bu, Dong, Long & Su 2020,
-    Thm. 5; Dong et al. 2019, §5.2); plain Gaussians: μ = 1/ν (exact). Only a starting guess.
-    """
+    """μ of the Gaussian-DP CLT approximation of ``event`` (Bu et al. 2020, Thm. 5), or None: a start."""
     if isinstance(event, dp_event.NoOpDpEvent):
         return 0.0
     if isinstance(event, dp_event.GaussianDpEvent):
@@ -356,12 +335,8 @@ def clear_caches() -> None:
 
 # ----------------------------------------------------------------------------- printing ν
 def round_up(nu: float, digits: int = 6) -> float:
-    """The smallest float ≥ ``nu`` that prints with ``digits`` significant digits.
-
-    Rounding ν to nearest for display can round it *down*, and a smaller ν spends more than
-    the target (docs/accounting.md, "Printing ν"). The ceiling is exact: Decimal holds the
-    float's exact value.
-    """
+    """The smallest float ≥ ``nu`` that prints with ``digits`` significant digits (a ν rounded down
+    spends more: docs/accounting.md, "Printing ν")."""
     from decimal import ROUND_CEILING, Decimal
 
     if not math.isfinite(nu) or nu <= 0:
@@ -373,13 +348,8 @@ def round_up(nu: float, digits: int = 6) -> float:
 def noise_multiplier_text(
     nu: float, eps_of: Callable[[float], float] | None = None, target: float | None = None, digits: int = 6
 ) -> tuple[str, float]:
-    """(text, value) to print for a noise multiplier: never below ``nu``.
-
-    ``nu`` rounded up to ``digits`` significant digits; with ``eps_of`` and ``target``, the
-    rounded value is re-checked (ε(value) ≤ target), and when an accountant's numerical
-    noise makes it fail, the full ``repr`` of ``nu`` (the calibrated, verified value) is
-    printed instead. Copying the text back (``--noise-multiplier``) thus never overshoots.
-    """
+    """(text, value) to print for a noise multiplier, never below ``nu``: rounded up, and with
+    ``eps_of``/``target`` re-checked (else the full ``repr``), so copying it back never overshoots."""
     up = round_up(nu, digits)
     if not math.isfinite(up):
         return repr(up), up

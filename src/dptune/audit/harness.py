@@ -1,14 +1,6 @@
-"""Gradient canaries, a spy on the noise gateway, and membership scores (docs/reliability.md).
-
-The audit model's per-example loss is ℓ(θ; x) = θᵀx, so an example's gradient is its input. A
-*Dirac canary* x = M·e_j puts its whole gradient on a coordinate of its own, with M far above any
-clipping threshold: it saturates every query's sensitivity (its clipped gradient is C_t·e_j; its
-direction e_j enters OSO's q-query too). Everything else is the real code path (``dptune.train``
-with a real ``Strategy``). ``ReleaseRecorder`` keeps every release's noisy output at the canary
-coordinates (the adversary of DP-SGD's analysis sees every iterate) and scores canary j by the
-Neyman–Pearson statistic Σ_t log(1 − q + q·e^{Λ_t}), Λ_t = Σ_Q (y_Q,t[j]/s_Q − ½)/ν_Q²; the
-black-box score is −ℓ(θ_final; canary).
-"""
+"""Gradient canaries (Dirac canaries on the linear audit loss), a spy on the noise gateway, and
+membership scores; everything else is the real code path. Model and statistics: docs/reliability.md,
+"Privacy audits"."""
 
 from __future__ import annotations
 
@@ -28,10 +20,7 @@ CANARY_NORM_FACTOR = 1e4  # M = factor × (largest clipping threshold the run ma
 
 # ----------------------------------------------------------------------------- model and data
 def linear_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """ℓ(θ; x) = θᵀx for the audit model: the per-example gradient is the input itself.
-
-    Per example over the last axis: [B, 1] → [B] (the batched contract of ``dptune.train``'s
-    loss callables), and [1] → a scalar for one example (``GradientOracle``'s vmap path)."""
+    """ℓ(θ; x) = θᵀx per example over the last axis ([B, 1] → [B], [1] → scalar): the gradient is x."""
     return out.sum(-1)
 
 
@@ -43,12 +32,8 @@ def audit_model(dim: int) -> nn.Module:
 
 
 class LinearLossUnderMSE(nn.Module):
-    """The audit model for code paths that only take a named loss (a tuner study: loss='mse').
-
-    out = sqrt(θᵀx + K) against target 0 gives the squared error θᵀx + K: the same linear
-    per-example loss (gradient x) up to the constant K, which keeps the root's argument
-    positive (|θᵀx| stays ≪ K at the audited settings).
-    """
+    """The audit model for paths that take only a named loss (loss='mse'): sqrt(θᵀx + K) against 0
+    is the linear loss up to the constant K (|θᵀx| ≪ K)."""
 
     OFFSET = 1e9  # K
 
@@ -72,12 +57,8 @@ class CanaryData:
 
 
 def make_data(present: np.ndarray, background: int, background_dim: int, canary_norm: float, seed: int) -> CanaryData:
-    """Rows for the canaries with ``present[j]`` true, plus ``background`` rows.
-
-    Coordinates 0..background_dim−1 hold the background gradients: Gaussian directions with
-    log-normal norms around 1 (so adaptive clipping has something to adapt to); coordinate
-    ``background_dim + j`` is canary j's, whether or not it is present.
-    """
+    """Rows for the canaries with ``present[j]`` true, plus ``background`` rows of Gaussian directions with
+    log-normal norms (coordinates < background_dim); canary j owns coordinate ``background_dim + j``."""
     rng = np.random.default_rng(seed)
     m = int(present.shape[0])
     dim = background_dim + m
@@ -157,11 +138,8 @@ class ReleaseRecorder:
 
 @contextlib.contextmanager
 def spy_on_releases(recorder: ReleaseRecorder) -> Iterator[ReleaseRecorder]:
-    """Wrap ``NoisyRelease.release`` (whatever version is installed) to feed ``recorder``.
-
-    Patching the class attribute (not a module name) catches every gateway however the
-    training loop imports it; the previous attribute is restored on exit.
-    """
+    """Wrap ``NoisyRelease.release`` to feed ``recorder``: the class attribute, so every gateway is
+    caught however it is imported; restored on exit."""
     previous = NoisyRelease.__dict__["release"]
 
     def release(self: NoisyRelease, *queries: SumQuery, label: str):

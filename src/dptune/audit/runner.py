@@ -1,13 +1,6 @@
-"""``run_audit``: an empirical ε lower bound for one of dptune's strategies at a claimed (ε, δ).
-
-Each audit trains the audit model (``harness``) with the REAL strategy through ``dptune.train``
-(``grid``: a whole study through ``dptune.tune.run_study``), calibrated by dptune's own accountant
-to the claim, and turns the auditor's membership scores into a lower bound (``bounds``): one run
-(Steinke, Nasr & Jagielski 2023: m canaries, each present with probability ½) or two worlds
-(Jagielski et al. 2020: N trials with and N without the canary, vectorised exactly over Dirac
-canaries' coordinates, hence white-box only). Threat models, scores and why the vectorised
-trials are exact: docs/reliability.md, "Privacy audits".
-"""
+"""``run_audit``: an empirical ε lower bound for one of dptune's strategies at a claimed (ε, δ), from
+the REAL strategy calibrated to the claim: one run (Steinke et al. 2023) or two worlds (Jagielski et al.
+2020, white-box only). docs/reliability.md, "Privacy audits"."""
 
 from __future__ import annotations
 
@@ -222,12 +215,8 @@ class _Audit:
         return make_data(present, self.background, BACKGROUND_DIM, self.canary_norm, stream_seed(self.seed, stream))
 
     def train(self, data: CanaryData, seed: int, recorder: ReleaseRecorder, via_study: bool = True) -> _Training:
-        """Train every run of the scenario on ``data``.
-
-        A grid scenario runs as one study of ``dptune.tune`` when ``via_study`` (white-box
-        audits); black-box audits need the final weights of every run, which a study does not
-        keep, so they train the same grid run by run, calibrated jointly with calibrate(runs=K).
-        """
+        """Train every run of the scenario on ``data``: a grid as one study when ``via_study`` (white-box);
+        black-box needs every run's final weights, so run by run, calibrated jointly (calibrate(runs=K))."""
         scenario = self.scenario
         if scenario.grid and via_study:
             return self._grid_study(data, seed, recorder)
@@ -267,12 +256,8 @@ class _Audit:
         return _Training(losses, ledger, clips, nu)
 
     def _grid_study(self, data: CanaryData, seed: int, recorder: ReleaseRecorder) -> _Training:
-        """The whole grid study through ``dptune.tune.run_study`` (planner, executor, store, ledger).
-
-        The study's budget is the claim; the planner calibrates the K runs jointly. Selection is
-        'public' on a tiny test split (free, as in the papers), so every private release of the
-        study is a training release, all observed by the spy.
-        """
+        """The grid study through ``dptune.tune.run_study``: budget = the claim; 'public' selection on a
+        tiny test split, so every private release is a training release seen by the spy."""
         import tempfile
 
         import torch
@@ -352,13 +337,9 @@ def run_audit(
     background: int = 500,
     on_progress: Callable[[str], None] | None = None,
 ) -> AuditResult:
-    """Audit ``strategy`` (one of ``AUDITABLE``) at the claimed (``eps``, ``delta``): an ε lower bound
-    holding with probability ≥ ``confidence``; one above ``eps`` refutes the claim (``flagged``).
-
-    ``canaries``: m for one run (default 5,000), or trials per world (20,000). ``accountant``
-    calibrates ν to the claim ('pld', the tightest: the strongest claim dptune makes).
-    ``steps``/``sampling_rate``/``hyperparameters`` override the scenario (``SCENARIOS``).
-    """
+    """Audit ``strategy`` (one of ``AUDITABLE``) at the claimed (``eps``, ``delta``): an ε lower bound holding
+    with probability ≥ ``confidence``; one above ``eps`` refutes the claim. ``canaries``: m for one run
+    (5,000) or trials per world (20,000); overrides of ``SCENARIOS`` are checked."""
     scenario, n_canaries = _check_args(strategy, eps, delta, method, confidence, threat_model, canaries)
     scenario = _overridden(scenario, steps, sampling_rate, hyperparameters)
     t0 = time.perf_counter()

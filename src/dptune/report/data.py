@@ -1,11 +1,6 @@
-"""Plain data the report layer consumes: small dataclasses, each also accepted as a dict.
-
-``coerce_*`` turn dicts into records and reject malformed input early with a ``ConfigError``
-that names the fix. Aggregation over seeds (``summarize``) follows Galli et al. (AAAI 2024),
-Tables 2–4: mean ± std over seeds, and the best configuration per (strategy, ε) — unless the
-tuner marked the one it *selected*: an honest report states what the tuner chose, not what
-hindsight would choose.
-"""
+"""Plain data the report layer consumes: small dataclasses, each also accepted as a dict (``coerce_*``
+reject malformed input early). ``summarize``: mean ± std over seeds (Galli et al. 2024, Tables 2–4), and
+the configuration the tuner *selected* where marked, not the one hindsight would choose."""
 
 from __future__ import annotations
 
@@ -43,11 +38,8 @@ def metric_label(metric: str, higher: bool) -> str:
 
 @dataclass(frozen=True)
 class TrialResult:
-    """One training run of the search: a configuration of one strategy at one ε and seed.
-
-    ``value`` is the run's metric (e.g. best validation accuracy); ``None`` or NaN means
-    the run diverged. ``selected`` marks the configuration the tuner chose.
-    """
+    """One training run of the search (strategy, ε, seed); ``value`` None or NaN: diverged;
+    ``selected``: the tuner's choice."""
 
     strategy: str
     epsilon: float  # the ε of the whole study/run this row belongs to (math.inf for non-private)
@@ -77,12 +69,8 @@ class SummaryRow:
 
 @dataclass(frozen=True)
 class RunHistory:
-    """Per-step rows of one run (``TrainResult.history``): dicts with step, clip, lr, ...
-
-    ``selected``: the run is one the tuner selected (its step/C_t/ρ_t go into the release);
-    False: a losing candidate, shown only in the diagnostics. Name selected runs without the
-    tuner's run id (it numbers the candidates, which Liu–Talwar keeps secret). ``epsilon``: the
-    ε of the run's tuning procedure (public, part of the plan), drawn as the line style."""
+    """Per-step rows of one run (``TrainResult.history``). ``selected``: in the release (named without the
+    run id, which numbers the candidates), else diagnostics only; ``epsilon``: its procedure's (public) ε."""
 
     run: str
     strategy: str
@@ -93,11 +81,8 @@ class RunHistory:
 
 @dataclass(frozen=True)
 class LedgerRow:
-    """Releases and privacy spent by one run (or by one query label of a run).
-
-    ``epsilon`` is the ε of that run *alone* at the study's δ. Per-run ε values do not
-    add up to the study's ε: composition (RDP/PLD) is sub-additive.
-    """
+    """Releases and ε of one run (or query label) *alone* at the study's δ: these do not add up (composition
+    is sub-additive)."""
 
     run: str
     label: str
@@ -110,11 +95,8 @@ class LedgerRow:
 
 @dataclass(frozen=True)
 class LinearScalingFit:
-    """Panda et al. (2024) linear scaling rule: r = η·T ≈ slope·ε + intercept.
-
-    ``points`` are the (ε_i, r_i) found by the cheap searches; ``target`` the ε_f the rule
-    extrapolates to (its r_f = slope·ε_f + intercept is drawn as a star).
-    """
+    """Panda et al. (2024) linear scaling rule r = η·T ≈ slope·ε + intercept, fitted on ``points``
+    (ε_i, r_i) and extrapolated to ``target``."""
 
     points: Sequence[tuple[float, float]]
     slope: float
@@ -235,11 +217,8 @@ def _hp_key(hp: Mapping[str, Any]) -> tuple:
 
 
 def summarize(trials: Iterable[Any], higher: bool = True) -> list[SummaryRow]:
-    """Every configuration's mean ± std over seeds, sorted by strategy, ε, then rank.
-
-    A configuration is (strategy, ε, hyperparameters). Diverged seeds are excluded from
-    the mean and counted in ``n_diverged``.
-    """
+    """Every configuration's mean ± std over seeds (diverged seeds excluded, counted in ``n_diverged``),
+    sorted by strategy, ε, then rank."""
     groups: dict[tuple, list[TrialResult]] = {}
     for t in coerce_trials(trials):
         groups.setdefault((t.strategy, t.epsilon, _hp_key(t.hyperparameters)), []).append(t)
@@ -262,10 +241,8 @@ def _rank_key(r: SummaryRow, higher: bool) -> tuple:
 
 
 def best_per_strategy(summary: Iterable[SummaryRow], higher: bool = True) -> list[SummaryRow]:
-    """One row per (strategy, ε): the configuration the tuner selected, else the best one.
-
-    "Best" ranks fewer diverged seeds first, then the better mean (Galli Tables 2–4).
-    """
+    """One row per (strategy, ε): the tuner's selected configuration, else the best (fewer diverged
+    seeds, then better mean)."""
     groups: dict[tuple[str, float], list[SummaryRow]] = {}
     for r in summary:
         groups.setdefault((r.strategy, r.epsilon), []).append(r)

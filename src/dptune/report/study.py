@@ -1,18 +1,6 @@
-"""``report_study(study_dir)``: the report of a study stored by ``dptune.tune``.
-
-A thin adapter: it reads the study directory (``study.sqlite``) through the tuner's own
-readers (``load_study``, ``study_table``, ``budget_rows``) and hands plain rows to
-``build_report`` (one ``ReportInputs``; ``study_inputs`` fills what every report of a study
-shares). The tuner is the authority on what was selected and what was spent; the report never
-re-selects.
-
-Release vs diagnostics (``dptune.outputs``): ``<out>/release/`` shows the selected
-configurations, their metrics, the budgets, the selected runs' C_t/ρ_t (named by procedure
-and replicate, never by run id: the id numbers the candidates) and the plan-derived figures.
-Every run, the per-run ledger, run counts, diverged counts over all candidates and the notes
-of Liu–Talwar / repeat-and-select arms (they state K, the number of runs drawn) go to
-``<out>/diagnostics/``.
-"""
+"""``report_study(study_dir)``: a thin adapter from a stored study (the tuner's own readers) to
+``build_report``; the tuner is the authority on what was selected and spent, the report never re-selects.
+What goes to ``release/`` vs ``diagnostics/``: docs/reports.md."""
 
 from __future__ import annotations
 
@@ -79,10 +67,8 @@ def read_study(study_dir: Path) -> StudyRows:
 
 
 def study_inputs(s: StudyRows, results: Sequence[Any], **fields: Any) -> ReportInputs:
-    """What every report of a stored study shows alike, from the tuner's own records: its selection
-    mode and split, the per-run ledger, one budget per private tuning procedure (no study-wide
-    (ε, δ): each procedure has its own), the metric, the conclusions and OSO's noise split;
-    ``fields``: the rest of the ``ReportInputs``."""
+    """What every report of a stored study shows alike, from the tuner's records (one budget per
+    private procedure: no study-wide (ε, δ)); ``fields``: the rest of the ``ReportInputs``."""
     sel, plan = s.cfg.get("selection", {}), s.plan
     # selection scores clipped to the metric's range (noisy private scores can leave it; post-processing)
     table = [{**r, "value_mean": clip_to_range(r.get("value_mean"), plan.metric)} for r in private_rows(s.table)]
@@ -110,14 +96,9 @@ def report_study(
     title: str | None = None,
     include_diagnostics: bool = False,
 ) -> Path:
-    """Write the report of a stored study; return the path of ``<out>/release/report.html``.
-
-    ``out_dir`` defaults to ``study_dir``: the publishable page, figures and CSVs go to
-    ``<out>/release/``, the diagnostics (labelled "not differentially private: for the data
-    owner only") to ``<out>/diagnostics/``; ``include_diagnostics=True`` also writes the page
-    ``<out>/diagnostics/report.html`` with the diagnostics under a red banner. Works on an
-    unfinished study too.
-    """
+    """Write the report of a stored study (finished or not); return ``<out>/release/report.html``.
+    ``out_dir`` defaults to ``study_dir``; ``include_diagnostics=True`` also writes
+    ``<out>/diagnostics/report.html``."""
     study_dir = Path(study_dir)
     out = Path(out_dir) if out_dir is not None else study_dir
     s = read_study(study_dir)
@@ -318,10 +299,8 @@ def every_configuration(
     use_test: bool,
     name: Callable[[Any], str] = arm_name,
 ) -> list[SummaryRow]:
-    """One row per configuration tried (arm, stage, configuration) over its finished runs: the
-    test metric (``use_test``) or the selection score, mean ± std over seed replicates, and
-    whether one of its runs is ``selected``. For ``diagnostics/results_all.csv`` only: the losing
-    candidates are not covered by Liu–Talwar / repeat-and-select."""
+    """One row per configuration tried: test metric (``use_test``) or selection score, mean ± std
+    over seeds, ``selected``. Diagnostics only: losing candidates are not covered by LT / repeat-and-select."""
     chosen = set(selected)
     groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = defaultdict(list)
     for r in runs:
@@ -395,14 +374,9 @@ def conclusions(
     metric: str,
     hidden_k: bool,
 ) -> list[str]:
-    """One sentence per ε from the tuner's table: the best procedure, its margin over the next,
-    and, where the number of runs is public, what the runs cost each procedure in noise.
-
-    ``costs``: arm → {"runs": runs accounted, "nu": the one ν of its runs, or None when its runs
-    differ (linear scaling, T searched) or do not split a budget (oracle)} (``arm_costs``: the
-    public plan). Oracle arms, whose search is not accounted, are left out of the ranking, and
-    non-private arms (ε = ∞: exact scores, in the diagnostics only) of every sentence.
-    Everything used is on the release page already (selected configurations' metrics, ν)."""
+    """One sentence per ε: the best procedure, its margin over the next and, where the number of
+    runs is public, its noise cost (``costs``: arm → {"runs", "nu"}, from ``arm_costs``). Oracle and
+    non-private arms are left out; everything used is on the release page already."""
     key = "test_mean" if any(r.get("test_mean") is not None for r in table) else "value_mean"
     by_eps: dict[float, list[Mapping[str, Any]]] = defaultdict(list)
     for r in private_rows(table):

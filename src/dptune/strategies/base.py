@@ -1,26 +1,9 @@
-"""The strategy contract: small stateful transforms with explicit state (optax-style).
-
-A strategy is an immutable bundle of hyperparameters with two pure-ish methods:
-
-* ``init(params, run) -> state`` builds the explicit state (momentum buffers, an
-  adaptive clipping threshold C_t, a learning rate ρ_t, ...);
-* ``step(params, state, ctx) -> (params, state, metrics)`` performs one iteration.
-
-``planned_event(nu, q, steps)`` says, before training, exactly which releases the
-run will make; the run's ledger is created with that plan, so a strategy that
-tried to release more would be stopped by ``BudgetExceededError``.
-
-Every built-in strategy is a ``Composed`` one: a privatizer (``dptune.release.privatizers``, the
-only code that reads per-sample gradients and the only caller of the gateway) followed by
-an update rule (``dptune.updates``, which sees released values only). ``chain(privatizer,
-update)`` composes any pair, e.g. OSO's online C with Adam.
-
-Noise multiplier convention: ``run.noise_multiplier`` (ν) is the *joint* per-step
-multiplier that the accountant sees. Privatizers that release several queries per
-step (OSO, quantile) split ν (``multipliers(run)``) so that the joint release is exactly
-one Gaussian of multiplier ν; the plan's ν is snapped so that the parts recombine to it
-bit for bit (``release.context.snap_noise``).
-"""
+"""The strategy contract (optax-style): ``init(params, run) -> state`` and ``step(params, state, ctx)
+-> (params, state, metrics)``; ``planned_event(nu, q, steps)`` is what the run's ledger is created with,
+so releasing more raises ``BudgetExceededError``. Every built-in strategy is ``Composed``: a privatizer
+(the only reader of per-sample gradients and caller of the gateway) then an update rule (released values
+only). ``run.noise_multiplier`` is the *joint* per-step ν; privatizers releasing several queries split it
+exactly (``release.context.snap_noise``)."""
 
 from __future__ import annotations
 
@@ -107,13 +90,8 @@ class Strategy(ABC):
 
 
 class Composed(Strategy):
-    """A strategy made of one privatizer and one update rule (``parts``).
-
-    Per step: the privatizer releases this step's gradient through the gateway (its own
-    state: C_t, q̃_{t−1}); the update rule moves the parameters from the released value (its
-    own state: momentum, moments, ρ_t). The update rule's current learning rate is passed to
-    the privatizer (public), for rules that scale by it (OSO's additive C rule).
-    """
+    """A strategy made of one privatizer and one update rule (``parts``), each with its own state; the
+    update rule's current (public) learning rate is passed to the privatizer (OSO's additive C rule)."""
 
     @abstractmethod
     def parts(self) -> tuple[Privatizer, UpdateRule]: ...
@@ -169,10 +147,8 @@ class Composed(Strategy):
 
 @dataclass(frozen=True)
 class Chain(Composed):
-    """Any privatizer followed by any update rule: ``chain(OSOClip(), Adam(lr=1e-3))``.
-
-    Its name is ``"<privatizer>+<update>"`` (e.g. ``oso+adam``); ``make_strategy`` accepts
-    such names with the parts' hyperparameters given flat."""
+    """Any privatizer followed by any update rule: ``chain(OSOClip(), Adam(lr=1e-3))``, named
+    ``"<privatizer>+<update>"`` (``make_strategy`` takes such names, hyperparameters flat)."""
 
     privatizer_part: Privatizer
     update_part: UpdateRule

@@ -1,12 +1,7 @@
-"""The named strategies, each a recipe over ``chain(privatizer, update)`` as in optax
-(``adam = chain(scale_by_adam(...), scale(-lr))``), not a class that repeats its parts.
-
-A recipe names its parts (template instances, whose values are its defaults), its public name,
-what it hides or re-orders, and its docstring (paper and equations). Its hyperparameters (names,
-defaults, types for ``check_types``, order) are the parts' fields; only what is really special
-(DP-GD's full batch, ``zero_init`` and averaging) is code. Adding a strategy touches ONE entry:
-a ``@recipe`` class here (``make_strategy``, the CLI and studies then know it by name; list it in
-``strategies/__init__`` to export the class too)."""
+"""The named strategies, each a recipe over ``chain(privatizer, update)`` as in optax, not a class
+that repeats its parts. Hyperparameters (names, defaults, types, order) are the parts' fields; only
+what is really special is code. Adding a strategy is ONE ``@recipe`` class here. Equations, sources
+and defaults of each: docs/strategies.md."""
 
 from __future__ import annotations
 
@@ -56,12 +51,9 @@ def recipe(
     order: tuple[str, ...] | None = None,
     average: bool = False,
 ) -> Callable[[type[Recipe]], type[Recipe]]:
-    """Make the decorated class the named strategy ``chain(privatizer, update)``.
-
-    Its hyperparameters are the parts' fields (less ``hide``, which keep the template's value;
-    plus ``Averaged``'s with ``average``, and the class's own), with the templates' values as
-    defaults; a default re-set to a value takes that type only (nodp's ``lr``: no ``None``).
-    Order: ``lr`` first, then the privatizer's, the update rule's, the class's own; or ``order``."""
+    """Make the decorated class the named strategy ``chain(privatizer, update)``: its hyperparameters
+    are the parts' fields (less ``hide``; plus ``Averaged``'s with ``average``, and the class's own) with the
+    templates' values as defaults, ``lr`` first (or ``order``)."""
 
     def make(cls: type[Recipe]) -> type[Recipe]:
         found: dict[str, tuple[str, Any]] = {}  # hyperparameter → (type, default)
@@ -89,25 +81,17 @@ def recipe(
 
 @recipe("nodp", NonPrivate(), SGD(lr=0.3), hide=("final_step",))
 class NoDP(Recipe):
-    """Galli's NoDP baseline = chain(NonPrivate(), SGD(lr, μ)): (momentum) SGD on the Poisson
-    batch's mean loss, each step a ``NonPrivateDpEvent`` (ε = ∞). lr = 0.3 (measured)."""
+    """Galli's NoDP baseline: (momentum) SGD on the Poisson batch's mean loss (ε = ∞)."""
 
 
 @recipe("dpsgd", FixedClip(), SGD(lr=None, momentum=0.9), hide=("final_step",))
 class DPSGD(Recipe):
-    """FixedThreshold DP-SGD (Abadi et al. 2016; μ > 0: DP-Momentum, Mohapatra et al. 2022 A.1) =
-    chain(FixedClip(C), SGD(lr, μ)), one Gaussian release of multiplier ν per step:
-      g̃_t = (Σ_{i∈B_t} clip_C(g_i) + N(0, ν²C²I)) / L;   m_t = μ·m_{t−1} + g̃_t;   θ_{t+1} = θ_t − lr·m_t
-    (Galli eqs. 4, 18; L = expected batch). Defaults C = 1, μ = 0.9, lr by Panda et al.'s linear
-    scaling r·(1 − μ)/(C·T), r = 200 grown at low noise (docs/strategies.md, "Defaults")."""
+    """FixedThreshold DP-SGD / DP-Momentum (Abadi et al. 2016; Mohapatra et al. 2022) (docs/strategies.md)."""
 
 
 @recipe("quantile", QuantileClip(), SGD(lr=None, momentum=0.9), hide=("final_step",))
 class FixedQuantile(Recipe):
-    """FixedQuantile (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021) = chain(QuantileClip(γ, η_C,
-    C₀, σ_b), SGD(lr, μ)): C_{t+1} = C_t · exp(−η_C (b̃_t − γ)), b̃_t a noisy unclipped fraction
-    released with g̃_t as ONE Gaussian of multiplier ν (equations: ``QuantileClip``). Defaults
-    γ = 0.5, η_C = 0.2, σ_b = L/20 (Andrew et al.), C₀ = 1, μ = 0.9, lr_t = 200·(1 − μ)/(C_t·T)."""
+    """FixedQuantile adaptive clipping (Andrew et al., NeurIPS 2021) (docs/strategies.md)."""
 
 
 _OSO_ORDER = ("lr", "initial_clip", "clip_lr", "lr_lr", "q_noise_multiplier", "relative_increase", "rule")
@@ -115,30 +99,18 @@ _OSO_ORDER = ("lr", "initial_clip", "clip_lr", "lr_lr", "q_noise_multiplier", "r
 
 @recipe("oso", OSOClip(), OSORate(), order=(*_OSO_ORDER, "momentum", "adapt_lr"))
 class OSO(Recipe):
-    """OSO-DPSGD (Galli, Palamidessi, Cucinotta, AAAI 2024, Algorithm 1, typos corrected) =
-    chain(OSOClip(C₀, ρ_c, ν_q, rule), OSORate(ρ₀, ρ_r, rule, μ)). Per step t:
-      g̃_t = (Σ clip_{C_t}(g_i) + N(0, ν_g² C_t² I)) / L                            (eq. 18, line 11)
-      q̃_t = (Σ 1[‖g_i‖ > C_t] g_i/‖g_i‖ + N(0, ν_q² I)) / L    (eqs. 11, 17; line 13 writes ν_g: typo)
-      θ_{t+1} = θ_t − ρ_t g̃_t                                  (line 12 writes ĝ_t: it is g̃_t)
-      C_{t+1} = C_t · exp(ρ_c · sign(g̃_tᵀ q̃_{t−1}))                                (eq. 20)
-      ρ_{t+1} = ρ_t · exp(ρ_r · sign(g̃_tᵀ g̃_{t−1}))            (line 15; eq. 21 writes q̃: typo)
-    with q̃_0 = g̃_0 = 0 and ν_g = (ν⁻² − ν_q⁻²)^(−½) (Proposition 1: one Gaussian of multiplier
-    ν), ν_q by the 1% rule (ν_g = 1.01ν). ``rule`` (both parts): ``additive`` (eqs. 13, 16) or
-    ``normalized`` (eq. 19); with momentum the ρ rule uses g̃_tᵀm_{t−1} (``OSOClip``, ``OSORate``)."""
+    """OSO-DPSGD (Galli, Palamidessi, Cucinotta, AAAI 2024, Algorithm 1, typos corrected): one Gaussian
+    release of multiplier ν split between g̃ and q̃ (docs/strategies.md)."""
 
 
 @recipe("dpadam", FixedClip(), Adam(lr=None))
 class DPAdam(Recipe):
-    """DP-Adam (Mohapatra et al. 2022, A.1) = chain(FixedClip(C), Adam(lr, β₁, β₂, ε)), i.e.
-    ``"fixed+adam"`` with lr = None: Adam (Kingma & Ba) on DP-SGD's g̃_t, post-processing of one
-    Gaussian release per step. Default lr = 0.8/T (linear scaling for Adam)."""
+    """DP-Adam (Mohapatra et al. 2022, A.1): Adam on DP-SGD's g̃_t, lr = None (docs/strategies.md)."""
 
 
 @recipe("adamwosm", FixedClip(), AdamWOSMRule(alpha=None))
 class AdamWOSM(Recipe):
-    """DPAdamWOSM, DP-Adam without second moment (Mohapatra et al. 2022, Algorithm 2) =
-    chain(FixedClip(C), updates.AdamWOSM(α, β₁)): the bias-corrected first moment at the effective
-    step size α/(νC/L + 10⁻⁸), L the expected batch (not the private |L_t|). Default α = 0.8/T."""
+    """DPAdamWOSM, DP-Adam without second moment (Mohapatra et al. 2022, Algorithm 2) (docs/strategies.md)."""
 
 
 _DPGD_ORDER = ("lr", "clip", "momentum", "zero_init", "final_step", "average", "ema_decay", "swa_start")
@@ -146,13 +118,8 @@ _DPGD_ORDER = ("lr", "clip", "momentum", "zero_init", "final_step", "average", "
 
 @recipe("dpgd", FixedClip(), SGD(lr=None, momentum=0.9, final_step=True), average=True, order=_DPGD_ORDER)
 class DPGD(Recipe):
-    """Full-batch DP-GD with momentum (Panda et al. 2024, Algorithm 1) = chain(FixedClip(C), SGD(η,
-    μ, final_step)) at q = 1 (each step a plain Gaussian); with Panda's unit clipping C = 1:
-      ∇_t = (Σ_{i∈D} clip_1(g_i) + N(0, ν²I)) / n;   v_t = μ v_{t−1} + ∇_t;   w_t = w_{t−1} − η v_t
-    divided by n, unlike Panda, so that η is comparable across strategies (η = n·η_Panda).
-    ``zero_init``: parameters 0 before training (Table 1); ``final_step``: one free step
-    w ← w − η v_T after it (§A.3); ``average`` (§A.5): the run evaluates and returns the EMA or
-    SWA of the iterates (``updates.Averaged``, post-processing). Default η = 200·(1 − μ)/(C·T)."""
+    """Full-batch DP-GD with momentum (Panda et al. 2024, Algorithm 1) at q = 1, divided by n; ``zero_init``,
+    ``final_step`` and iterate ``average`` (docs/strategies.md)."""
 
     zero_init: bool = False
 
@@ -173,21 +140,9 @@ class DPGD(Recipe):
 
 @recipe("dpzo", ZerothOrderClip(), SGD(lr=None), hide=("final_step",))
 class DPZO(Recipe):
-    """DP-ZO (Tang, Panda, Nasr, Mahloujifar & Mittal 2024; Panda et al. 2024 §A.4) =
-    chain(ZerothOrderClip(C, μ), SGD(η, momentum)): a step along z_t ~ N(0, I_d) scaled by the
-    privatized s̃_t = Σ clip_C(d_i) + N(0, ν²C²), d_i = (ℓ(θ + μz_t; x_i) − ℓ(θ − μz_t; x_i))/(2μ),
-    since E[(∇ℓ·z)z] = ∇ℓ: one scalar release of sensitivity C per step, DP-SGD's event (privacy:
-    ``ZerothOrderClip``). Defaults C = 1, μ = 10⁻³ (after MeZO), η = 200/(C·T) (Panda Table 14)."""
+    """DP-ZO (Tang et al. 2024; Panda et al. 2024 §A.4): one privatized scalar per step (docs/strategies.md)."""
 
 
 @recipe("adadp", FixedClip(), ADADPRule(lr=0.5))
 class ADADP(Recipe):
-    """ADADP (Koskela & Honkela, "Learning Rate Adaptation for Differentially Private Learning",
-    AISTATS 2020, arXiv:1809.03832; Mohapatra et al. 2022 A.1) = chain(FixedClip(C),
-    updates.ADADP(η₀, τ, α_min, α_max, s)): every other step, one full step against two half steps,
-    err = ‖(θ₁ − θ₂)/max(1, |θ₁|)‖₂, η ← η·min(max(s·sqrt(τ/err), α_min), α_max), the pair undone
-    if err > τ (equations: ``updates.ADADP``). Where the sources are loose, the authors' code
-    (DPBayes/ADADP, d3p): each gradient is a fresh Poisson batch and one step (one release of
-    multiplier ν: ``releases_per_run(T) = T``); rejection on; err = 0 gives α_max; with T odd the
-    last half step is kept. Defaults α_min = 0.9, α_max = 1.1, s = 1, τ = sqrt(d/(2T)) (Mohapatra
-    A.1), η₀ = 0.5 (measured: the authors' 1e-3 grows ×1.1 per cycle, too slow for short runs)."""
+    """ADADP (Koskela & Honkela, AISTATS 2020) as in the authors' code (docs/strategies.md)."""
