@@ -1,14 +1,6 @@
-"""The deliverable: the selected model's weights and its model card, and loading them back.
-
-* ``dptune.train`` → ``save_trained(result, DIR)`` (``dptune train --save DIR``): the run's
-  selected checkpoint (best on evaluation data declared public; else the final parameters).
-* A study: workers return each run's selected checkpoint, kept owner-only in ``<study>/checkpoints/``;
-  ``tune.export.export_study`` writes the selected run's of every arm to ``release/models/<arm>/``
-  with its card (no retraining: no new release). This module never reads a study.
-* ``load_model(DIR)``: the ``nn.Module`` with the weights loaded, and the card — one call.
-
-What the files reveal about one example: docs/privacy.md, "Your model and data".
-"""
+"""The deliverable: the selected model's weights and its model card (``save_trained``, used by
+``dptune train --save`` and ``tune.export``), and loading them back (``load_model``). This module never
+reads a study. What the files reveal about one example: docs/privacy.md, "Your model and data"."""
 
 from __future__ import annotations
 
@@ -220,12 +212,9 @@ def save_trained(
     model_id: Mapping[str, Any] | None = None,
     data_id: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write the selected checkpoint of a ``TrainResult`` (best on evaluation data declared
-    public, else the final parameters) with its card into ``directory``.
-
-    ``model_id``: how to rebuild the model, e.g. ``{"name": "mlp", "kwargs": {...}}`` (a built-in:
-    ``load_model`` rebuilds it) or ``{"class": "pkg.Net"}`` (user code: pass ``model=``).
-    Saving reads the result only: nothing is released and the ledger is unchanged."""
+    """Write a ``TrainResult``'s selected checkpoint (best on public evaluation data, else final) and its
+    card into ``directory``; ``model_id`` says how to rebuild the model (``{"name": ..., "kwargs": ...}`` or
+    ``{"class": ...}``). Reads the result only: nothing is released."""
     if result.model is None:
         raise ConfigError("this result carries no model to save")
     best = result.best_params is not None
@@ -334,14 +323,9 @@ def model_identity(spec: Any, data: Any) -> dict[str, Any]:
 def load_model(
     path: str | Path, model: nn.Module | None = None, *, trust_factory: bool = False
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """``(module, card)`` from a folder written by ``dptune train --save``, a study's
-    ``release/models/<arm>/`` or ``dptune export`` (or its ``model.pt``).
-
-    Built-in models are rebuilt from the card; for your own module pass ``model=`` (an instance
-    of the same architecture), which is loaded in place. A card that names a ``module:factory``
-    is rebuilt from it only with ``trust_factory=True``: the card is a file anyone can edit, and
-    the factory it names (with its arguments) is arbitrary code. The weights' SHA-256 is checked
-    against the card."""
+    """``(module, card)`` from a saved folder (or its ``model.pt``), the weights' SHA-256 checked. Built-ins
+    are rebuilt from the card; your own module: pass ``model=`` (loaded in place). A card's ``module:factory``
+    is arbitrary code anyone can edit: rebuilt only with ``trust_factory=True``."""
     p = Path(path)
     d = p.parent if p.is_file() else p
     weights, card_path = (p if p.is_file() else d / WEIGHTS_FILE), d / CARD_JSON

@@ -1,15 +1,7 @@
 """A faster twin of dp_accounting's PLD construction, used only to SEARCH for a noise multiplier.
-
-Private and version-pinned: it subclasses ``privacy_loss_mechanism.GaussianPrivacyLoss`` and
-calls two private functions of ``privacy_loss_distribution``, mirroring
-``PLDAccountant._maybe_compose``. It runs only on the dp_accounting versions in
-``CHECKED_VERSIONS`` (tests/privacy/test_fast_pld.py checks the internals and the equality with the
-public ``PLDAccountant``) and with every internal it needs present. Anywhere else
-``pld_epsilon_at`` uses the public ``PLDAccountant``, logging once why: the calibration is
-slower, its guarantee is the same, because every ν calibration returns is re-checked by
-``accountants.epsilon`` (the public accountant) whichever path searched. See
-docs/accounting.md, "The fast PLD search".
-"""
+Version-pinned (``CHECKED_VERSIONS``) because it uses dp_accounting internals; elsewhere the public
+``PLDAccountant`` is used. Either way every calibrated ν is re-checked by ``accountants.epsilon``
+(docs/accounting.md, "The fast PLD search")."""
 
 from __future__ import annotations
 
@@ -96,12 +88,8 @@ def fast_path_enabled() -> bool:
 
 
 class _VectorizedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
-    """dp_accounting's Gaussian privacy loss with ``get_delta_for_epsilon`` vectorised.
-
-    dp_accounting inverts the privacy loss one grid point at a time in Python (84k calls per
-    subsampled PLD at discretisation 1e-4: > 90% of an evaluation); the inverse has a closed
-    form (docs/accounting.md, "The fast PLD search"), evaluated here on the whole grid at once.
-    """
+    """dp_accounting's Gaussian privacy loss with ``get_delta_for_epsilon`` in closed form on the
+    whole grid at once (the per-point Python inverse is > 90% of an evaluation)."""
 
     def get_delta_for_epsilon(self, epsilon):  # type: ignore[override]
         import numpy as np
@@ -143,10 +131,8 @@ class _VectorizedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
 
 
 def search_pld(event: dp_event.DpEvent, d: float, count: int = 1):
-    """PLD of ``event`` at discretisation ``d`` built as ``PLDAccountant`` does, with the vectorised
-    Gaussian loss. Mirrors ``PLDAccountant._maybe_compose`` for the events dptune emits
-    (self/composed Poisson-sampled Gaussians, plain Gaussians, no-ops); None for anything else.
-    Ignores the version pin (tests call it directly); ``pld_epsilon_at`` applies it."""
+    """PLD of ``event`` at discretisation ``d`` as ``PLDAccountant._maybe_compose`` builds it for dptune's
+    events, with the vectorised loss; None for anything else. Ignores the version pin."""
     PLD = privacy_loss_distribution
 
     def single(std: float, q: float):

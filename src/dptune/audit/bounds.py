@@ -1,15 +1,6 @@
-"""Statistics of privacy audits: membership guesses → ε lower bounds at confidence ``1 − α``,
-valid for ANY (ε, δ)-DP mechanism (statements: docs/reliability.md, "Privacy audits").
-
-* one run (Steinke, Nasr & Jagielski 2023, Thm 5.2): m canaries, each included with probability
-  ½; W correct of r guesses has P[W ≥ v] ≤ f(v) + 2mδ·max_i (f(v − i) − f(v))/i with
-  f(v) = P[Binomial(r, e^ε/(1 + e^ε)) ≥ v] (``one_run_p_value``);
-* two worlds (Jagielski, Ullman & Oprea 2020): Clopper–Pearson bounds on a threshold test's FPR
-  and FNR, and FPR + e^ε FNR ≥ 1 − δ (``two_world_epsilon``).
-
-Choices made from the data (guesses, threshold, score) would void the confidence level, so they
-are Bonferroni-corrected or made on a held-out selection split.
-"""
+"""Statistics of privacy audits: membership guesses → ε lower bounds at confidence ``1 − α``, valid for
+ANY (ε, δ)-DP mechanism: one run (Steinke, Nasr & Jagielski 2023, Thm 5.2) and two worlds (Jagielski et
+al. 2020). Data-driven choices are Bonferroni-corrected or made on a held-out split (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -110,14 +101,9 @@ def one_run_bound(
     seed: int = 0,
     fractions: Sequence[tuple[float, float]] = GUESS_FRACTIONS,
 ) -> OneRunBound:
-    """ε lower bound of a one-run audit; ``scores``: one array (higher = "member") or several.
-
-    The guess policy (score × fraction guessed) is chosen on a random ``selection_fraction`` of
-    the canaries, whose membership is then revealed, and the bound is Steinke et al.'s test on
-    the OTHER canaries at the full significance (valid: given the revealed memberships the run is
-    still (ε, δ)-DP for each remaining canary). ``selection_fraction=0``: every policy on all
-    canaries at a Bonferroni-corrected significance (costly: 2mδ then competes with α/K).
-    """
+    """ε lower bound of a one-run audit; ``scores``: one array (higher = "member") or several. The guess
+    policy is chosen on a revealed ``selection_fraction`` of the canaries and the test run on the others at
+    full significance; ``selection_fraction=0``: every policy, Bonferroni-corrected."""
     check_confidence(confidence)
     score_list = _score_arrays(scores)
     inc = np.asarray(included, dtype=bool)

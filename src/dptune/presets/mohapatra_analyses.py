@@ -1,8 +1,6 @@
-"""Mohapatra et al. (AAAI 2022)'s analyses of the DP-SGD arm's (α, C) grid, from the stored runs of
-a preset's studies: appendix G's count of how often each (α, C) was best and the pruned grid it
-implies (Fig. 7), the best α for each C (the LR–C inverse relation of Sec. 4.1) and Theorem 4's
-optimal step beside the selected one. What each shows and its privacy: docs/reproduce.md.
-"""
+"""Mohapatra et al. (AAAI 2022)'s analyses of the DP-SGD arm's (α, C) grid from a preset's stored runs:
+appendix G's best counts (Fig. 7), the best α per C (Sec. 4.1), Theorem 4's optimal step. What each shows
+and its privacy: docs/reproduce.md."""
 
 from __future__ import annotations
 
@@ -61,12 +59,8 @@ def _tied_best(scores: Mapping[Any, list[float]], higher: bool, rtol: float) -> 
 
 
 def best_counts(rows: Iterable[Mapping[str, Any]], higher_is_better: bool = True, rtol: float = 1e-12) -> BestCounts:
-    """Mohapatra et al. (2022), appendix G: each (α, C) pair scores a point every time it is the
-    best candidate; the score is taken "across all iterations (at a granularity of every 100
-    iterations)", so a *contest* is one (part, ε, checkpoint step). Within a contest a cell's score
-    is the mean over its runs (the seed replicates: the paper averages 3 runs). Tied best cells
-    each score a point (each "performed the best"); non-finite scores (diverged runs) do not compete.
-
+    """Appendix G: each (α, C) cell scores a point each time it is best in a *contest* (one part, ε,
+    checkpoint step), by its mean over seed replicates; ties each score, diverged runs do not compete.
     ``rows``: dicts with ``part``, ``epsilon``, ``step``, ``lr``, ``clip``, ``score``."""
     scores: dict[tuple[str, float, int], dict[tuple[float, float], list[float]]] = defaultdict(
         lambda: defaultdict(list)
@@ -100,11 +94,8 @@ def pruned_grid(counts: Mapping[tuple[float, float], int], min_count: int = 1) -
 def best_lr_per_clip(
     rows: Iterable[Mapping[str, Any]], higher_is_better: bool = True, rtol: float = 1e-12
 ) -> dict[tuple[str, float], list[tuple[float, tuple[float, ...], float]]]:
-    """The LR–C relation (Mohapatra et al. Sec. 4.1): for each (part, ε) and each clipping threshold
-    C, the learning rates α with the best mean score over runs (ties: all of them) and that score.
-
-    ``rows``: dicts with ``part``, ``epsilon``, ``lr``, ``clip``, ``score`` (a run's selection
-    score). Returns (part, ε) → [(C, (best α, …), best mean score)], C ascending."""
+    """The LR–C relation (Sec. 4.1): (part, ε) → [(C, (best α, …), best mean score)], C ascending;
+    ``rows``: dicts with ``part``, ``epsilon``, ``lr``, ``clip``, ``score``."""
     cells: dict[tuple[str, float, float], dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         s = r.get("score")
@@ -153,14 +144,9 @@ def dpsgd_rows(
 
 
 def analyses(out_dir: Path, parts: Sequence[Part]) -> list[Section]:
-    """Report sections of Mohapatra et al.'s (α, C) analyses from the stored DP-SGD runs of every part:
-    appendix G's best-count heatmap and pruned grid (Fig. 7), the LR–C inverse relation (Sec. 4.1)
-    and Theorem 4's optimal step beside the selected one (logistic regression parts).
-
-    Release or diagnostics (docs/privacy.md): the count and the per-C best α show every candidate, so
-    they are published only when every DP-SGD run is covered by the guarantee (composition); with a
-    Liu–Talwar / repeat-and-select arm they go to ``diagnostics/`` (labelled, own HTML page) and the
-    release says only where they are. The Theorem 4 table uses the selected runs only: release."""
+    """Report sections of the (α, C) analyses. The count and the per-C best α show every candidate: published
+    only when every DP-SGD run is covered by the guarantee, else in ``diagnostics/`` (docs/privacy.md); the
+    Theorem 4 table uses the selected runs only."""
     evals: list[dict[str, Any]] = []
     finals: list[dict[str, Any]] = []
     stored: list[tuple[Part, Any, list[dict[str, Any]]]] = []

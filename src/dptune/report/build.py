@@ -49,18 +49,9 @@ from dptune.report.tables import (
 
 @dataclass(frozen=True)
 class ReportInputs:
-    """What ``build_report`` shows (docs/reports.md), checked when made: a malformed field is one
-    ConfigError naming the fix before anything is written. Dicts are accepted for the rows
-    (``RunHistory``, ``LedgerRow``, ``LtMaRow``) and (path, caption) pairs for ``extra_figures``.
-
-    Release (covered by the guarantee): the best (or selected) configuration per strategy and ε
-    (``results``: per-seed trial rows, aggregated, or summary rows with ``mean``), the C_t/ρ_t of
-    the ``selected`` histories, the budget (``planned``, ``spent``, ``budgets``), the plan-derived
-    figures (``pareto``, ``lt_ma``, ``linear_scaling``) and ``conclusions`` (first), ``notes``,
-    ``extra_figures``, ``extra_sections``. Diagnostics: every configuration (``all_results``,
-    default all of ``results``), every history with every column, the per-run ``ledger``, the
-    non-private baseline (ε = ∞), ``cosine``, ``diagnostic_notes``, ``diagnostic_sections`` and the
-    extra sections marked ``diagnostic``."""
+    """What ``build_report`` shows, checked when made (one ConfigError naming the fix before anything is
+    written); dicts accepted for rows, (path, caption) pairs for ``extra_figures``. What goes to the release
+    (covered by the guarantee) and what to the diagnostics: docs/reports.md."""
 
     results: Sequence[Any]
     selection_mode: str  # public | private: where the validation data that picked the hyperparameters came from
@@ -128,10 +119,8 @@ def _diagnostic(title: str, paragraph: str, **parts: Any) -> Section:
 
 
 def build_report(out_dir: str | Path, inputs: ReportInputs, *, include_diagnostics: bool = False) -> Path:
-    """Write the publishable report of ``inputs`` into ``out_dir/release/`` and the diagnostics
-    into ``out_dir/diagnostics/`` (``ReportInputs`` says what goes where); return the path of
-    ``release/report.html`` (docs/reports.md). ``include_diagnostics=True`` also writes the
-    diagnostics as the page ``diagnostics/report.html``, under a red banner."""
+    """Write the publishable report of ``inputs`` into ``out_dir/release/`` and the diagnostics into
+    ``out_dir/diagnostics/`` (also as a page with ``include_diagnostics=True``); return ``release/report.html``."""
     r = inputs
     # release_dir: everything written there is publishable
     p = _Pages(r, release_dir(out_dir), diagnostics_dir(out_dir), include_diagnostics)
@@ -171,10 +160,8 @@ def build_report(out_dir: str | Path, inputs: ReportInputs, *, include_diagnosti
 
 
 def _results(p: _Pages) -> tuple[list[SummaryRow], list[SummaryRow]]:
-    """The results section; returns (the private best rows, the non-private baseline rows).
-
-    Per-seed trial rows are aggregated; summary rows (e.g. the tuner's own selection table,
-    hyperparameters as text) are shown as given."""
+    """The results section (per-seed rows aggregated, summary rows as given); returns (the private best
+    rows, the non-private baseline rows)."""
     higher, all_results = p.r.higher, p.r.all_results
     summary = as_summary_rows(p.r.results, higher=higher, best_only=False)
     ranked = best_per_strategy(summary, higher)
@@ -433,11 +420,8 @@ def ledger_rows_from_ledger(
     accountant: str = "rdp",
     planned_epsilon: Mapping[str, float] | None = None,
 ) -> list[LedgerRow]:
-    """One ``LedgerRow`` per (run, query label, event) of ``ledger``, with each run's own ε.
-
-    The ε of a run composes that run's entries only (at ``delta`` with ``accountant``);
-    the study's ε composes everything and is smaller than the sum of the runs' ε.
-    """
+    """One ``LedgerRow`` per (run, query label, event) of ``ledger``, each with its run's own ε
+    (at ``delta``): these do not add up to the study's ε."""
     accounting.check_delta(delta)
     by_run: dict[str, list] = {}
     for e in ledger.entries:

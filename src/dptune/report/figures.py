@@ -1,10 +1,6 @@
-"""Figures of a study, one function per figure; each saves a PNG and returns its Path.
-
-Matplotlib is used through ``matplotlib.figure.Figure`` with the Agg canvas, never
-through ``pyplot``: no global state, no GUI backend, safe in threads and on headless
-machines. Strategies keep the same colour in every figure (``strategy_colors``). Each
-function names the paper figure it reproduces.
-"""
+"""Figures of a study, one function per figure (each names the paper figure it reproduces); each saves
+a PNG and returns its Path. Matplotlib's ``Figure`` with the Agg canvas, never ``pyplot``: no global
+state, safe in threads and headless."""
 
 from __future__ import annotations
 
@@ -126,13 +122,9 @@ def metric_vs_epsilon(
     higher: bool = True,
     title: str | None = None,
 ) -> Path:
-    """Metric of the best (or selected) configuration per strategy vs ε, with error bars.
-
-    One line per strategy; each point is the mean over seeds, the bar ± one sample std
-    (Galli et al. 2024, Figs 3–5). Non-private rows (ε = ∞, e.g. the NoDP baseline) are not
-    drawn: their exact scores are covered by no guarantee and this figure is published
-    (docs/privacy.md). Configurations whose seeds all diverged have no point (Galli: "not included").
-    """
+    """Metric of the best (or selected) configuration per strategy vs ε: mean over seeds ± one std
+    (Galli et al. 2024, Figs 3–5). Non-private rows (ε = ∞) are not drawn: this figure is published
+    (docs/privacy.md); configurations whose seeds all diverged have no point."""
     fig, ax = _figure()
     rows = [r for r in rows if math.isfinite(r.epsilon)]
     colors = strategy_colors(r.strategy for r in rows)
@@ -187,14 +179,9 @@ def trajectories(
     panels: Sequence[tuple[str, str]] = (("clip", "clipping threshold $C_t$"), ("lr", "learning rate $ρ_t$")),
     log: bool = True,
 ) -> Path:
-    """C_t (clipping threshold) and ρ_t (learning rate) against the iteration t, log y-axis.
-
-    One line per run, coloured by strategy, with one line style per ε (``RunHistory.epsilon``)
-    when the runs have several, named in the legend. Fixed-threshold strategies are flat lines;
-    OSO (Galli Alg. 1), the quantile rule (Andrew et al.) and ADADP move them. Rows lacking a
-    key (e.g. ``nodp`` has no clip) or with non-positive values are skipped. ``panels``: (row key,
-    y label) per panel, e.g. the learning curve ``(("score", "accuracy"),)`` with ``log=False``.
-    """
+    """C_t and ρ_t against the iteration t, log y-axis: one line per run, coloured by strategy, one line
+    style per ε. Rows lacking a key or with non-positive values are skipped. ``panels``: (row key, y label)
+    per panel, e.g. ``(("score", "accuracy"),)`` with ``log=False``."""
     hs = coerce_histories(histories)
     fig, axes = _figure(7.0, max(3.6, 3.0 * len(panels)), nrows=len(panels))
     axes = np.atleast_1d(axes)
@@ -238,13 +225,8 @@ def trajectories(
 
 # ----------------------------------------------------------------------------- cosine (Galli Fig. 1)
 def cosine_similarity(result: Any, path: str | Path, *, title: str | None = None) -> Path:
-    """cos(sanitized mean gradient, true mean gradient) vs C, one line per iteration t.
-
-    ``result`` is a ``dptune.report.diagnostics.CosineResult``. The band is ± one std
-    over the realizations. Small C: clipping bias; large C: noise ν·C dominates (Galli
-    et al. 2024, Fig. 1). Negative values mean the sanitized gradient points away from
-    the true one.
-    """
+    """cos(sanitized mean gradient, true mean gradient) vs C, one line per iteration t, ± one std band
+    (Galli et al. 2024, Fig. 1); ``result``: a ``dptune.report.diagnostics.CosineResult``."""
     fig, ax = _figure()
     clips = np.asarray(result.clips, dtype=float)
     for color, t in zip(_sequential(len(result.iterations)), result.iterations, strict=True):
@@ -303,13 +285,8 @@ def noise_pareto(
     relative_increase: float = 0.01,
     title: str | None = None,
 ) -> Path:
-    """The ν_g–ν_q Pareto front of OSO's joint release, one curve per ε (Galli Fig. 2).
-
-    ``noise_multipliers`` maps ε → the joint per-step ν calibrated for it. Every point on a
-    curve is a split (ν_q, ν_g) with the same privacy as one Gaussian of multiplier ν:
-    ν_g = (ν⁻² − ν_q⁻²)^(−½). The marker is the chosen split, ν_g = (1 + r)ν with
-    r = ``relative_increase`` (r = 1 %: ν_q ≈ 7.124ν); the dotted line is the asymptote ν_g → ν.
-    """
+    """The ν_g–ν_q Pareto front of OSO's joint release, one curve per ε (Galli Fig. 2): splits with
+    ν_g = (ν⁻² − ν_q⁻²)^(−½); the marker is the chosen split ν_g = (1 + r)ν, the dotted line ν_g → ν."""
     pairs = noise_pairs(noise_multipliers)
     fig, ax = _figure()
     for color, (eps, nu) in zip(_sequential(len(pairs)), pairs, strict=True):
@@ -337,12 +314,8 @@ def ma_break_even(rows: Sequence[Any]) -> int | None:
 
 
 def lt_vs_ma(rows: Sequence[Any], path: str | Path, *, title: str | None = None) -> Path:
-    """ε of the whole tuning vs the number of candidates k: Liu–Talwar vs moments accountant.
-
-    Rows are (k, eps_LT, eps_MA) (Mohapatra et al. 2022, App. F, Fig. 6). MA composes all k
-    runs, so it grows with k; LT (γ = 1/k, random stopping) is almost flat. The dashed line
-    marks the largest k up to which MA is no more expensive.
-    """
+    """ε of the whole tuning vs the number of candidates k: Liu–Talwar vs moments accountant (Mohapatra
+    et al. 2022, App. F, Fig. 6); rows (k, eps_LT, eps_MA), dashed line at the break-even k."""
     rs = coerce_lt_ma(rows)
     if not rs:
         raise ConfigError("lt_vs_ma needs at least one (k, eps_LT, eps_MA) row.")
@@ -361,13 +334,8 @@ def lt_vs_ma(rows: Sequence[Any], path: str | Path, *, title: str | None = None)
 
 # ----------------------------------------------------------------------------- linear scaling (Panda Fig. 3)
 def linear_scaling(fit: LinearScalingFit | Mapping[str, Any], path: str | Path, *, title: str | None = None) -> Path:
-    """r = η·T against ε: the searched points, the fitted line r = m·ε + b and its extrapolation.
-
-    Panda et al. (2024), Alg. 2 / Fig. 3: r is found at small ε_1, ε_2, a line is fitted, and
-    r_f = m·ε_f + b is used at the target ε_f (star). With ``fit.coefficients`` the curve is
-    that polynomial (e.g. the quadratic fit of Panda's Table 15); with ``fit.axis == "mu"`` the
-    x-axis is the μ of μ-GDP instead of ε.
-    """
+    """r = η·T against ε (Panda et al. 2024, Alg. 2 / Fig. 3): searched points, the fitted line (or
+    ``fit.coefficients`` polynomial; x = μ with ``fit.axis == "mu"``) and r_f at the target (star)."""
     if isinstance(fit, Mapping):
         try:
             fit = LinearScalingFit(**fit)
@@ -403,13 +371,8 @@ def ledger(
     max_bars: int = 40,
     title: str | None = None,
 ) -> Path:
-    """Left: ε spent by each run alone (bars; a histogram beyond ``max_bars`` runs) with the
-    run's planned ε if known (a black tick). Right: releases per query label, summed over runs.
-
-    Per-run ε values do not add up to the study's total: composition is sub-additive. The
-    planned ε of the study (a number), or of each tuning procedure (``(ε, label)`` pairs), is a
-    red line across the bars. A non-private run (ε = ∞) has no bar: it is marked "ε = ∞".
-    """
+    """Left: ε spent by each run alone (bars, a histogram beyond ``max_bars``; planned ε as a black tick;
+    the planned total or per-procedure ε as red lines; ε = ∞ marked). Right: releases per query label."""
     rs = coerce_ledger_rows(rows)
     fig, (ax_eps, ax_rel) = _figure(10.0, 4.4, ncols=2)
     _epsilon_per_run(ax_eps, rs, planned_epsilon, max_bars)
@@ -554,10 +517,8 @@ def best_count_heatmap(
     x_name: str = "learning rate α",
     y_name: str = "clipping threshold C",
 ) -> Path:
-    """How many times each (α, C) cell was the best candidate (Mohapatra et al. 2022, App. G, Fig. 7).
-
-    ``counts`` maps (α, C) → count, with 0 for cells that ran but never won; cells that never ran
-    are blank. Cells with a count ≥ 1 (appendix G's pruned grid) are outlined in red."""
+    """How many times each (α, C) cell won (Mohapatra et al. 2022, App. G, Fig. 7); never-run cells
+    blank, winners outlined in red."""
     if not counts:
         raise ConfigError("best_count_heatmap needs at least one (α, C) cell.")
     xs, ys, grid = cell_grid(counts)
@@ -574,11 +535,8 @@ def best_count_heatmap(
 
 
 def lr_vs_clip(series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, *, title: str) -> Path:
-    """The best learning rate for each clipping threshold, one line per series, log–log, with a
-    dashed α ∝ 1/C reference through each series' geometric mean (Mohapatra et al. 2022, Sec. 4.1:
-    "LR and C have inverse relation" for DP-SGD; Theorem 4: α_opt·C does not depend on C).
-
-    ``series`` maps a label to (C, α) points."""
+    """The best learning rate per clipping threshold, log–log, with a dashed α ∝ 1/C reference per series
+    (Mohapatra et al. 2022, Sec. 4.1); ``series`` maps a label to (C, α) points."""
     pts = {k: sorted((float(c), float(a)) for c, a in v) for k, v in series.items() if v}
     if not pts:
         raise ConfigError("lr_vs_clip needs at least one series with a (C, α) point.")

@@ -58,11 +58,8 @@ def _one_source(section: str, sources: Sequence[Any], choices: str, fix: str, fa
 
 @dataclass(frozen=True)
 class DataSpec:
-    """Where the data comes from: a registered dataset (``name`` + ``options``) or tensors.
-
-    ``tensors`` = (x_train, y_train, x_test, y_test) for studies built in Python; a
-    ``dptune.data.Dataset`` passed as ``Study(data=...)`` is converted to this form.
-    """
+    """Where the data comes from: a registered dataset (``name`` + ``options``), a factory, a CSV, or
+    ``tensors`` = (x_train, y_train, x_test, y_test) (a ``dptune.data.Dataset`` is converted to these)."""
 
     name: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -133,11 +130,8 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """``dptune.models.build(name, **options)`` or a picklable callable ``builder(**options)``.
-
-    For registered models, ``input_dim`` and ``classes`` are filled in from the dataset
-    when the builder takes them and they are not given.
-    """
+    """``dptune.models.build(name, **options)`` or a picklable ``builder(**options)``; ``input_dim`` and
+    ``classes`` are filled in from the data where the constructor takes them."""
 
     name: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -305,16 +299,9 @@ class MethodSpec:
 
 @dataclass(frozen=True)
 class SelectionSpec:
-    """How the best configuration (and checkpoint) is chosen, and at what privacy cost.
-
-    * ``mode='public'``: the validation split is treated as public (what the papers do);
-      only ``split='test'`` (a holdout is carved from the private training data: refused).
-    * ``mode='private'``: every validation score is released by the Gaussian mechanism
-      (count of correct predictions, sensitivity 1, noise std ``noise_multiplier``) through
-      ``NoisyRelease``; its events are in the plan and the ledger. ``split='holdout'`` assigns
-      each training example to the holdout by a keyed hash of its own content
-      (``tune.data.holdout_mask``), so adding or removing one example moves no other one.
-    """
+    """How the best configuration (and checkpoint) is chosen, and at what privacy cost: ``mode='public'``
+    (the test split treated as public, as in the papers) or ``'private'`` (every score a Gaussian release
+    in the plan and the ledger; a ``'holdout'`` split by a keyed hash of each example: docs/privacy.md)."""
 
     mode: str = "public"
     split: str = "test"  # "test" (papers: select on the test split) or "holdout" (carved from train)
@@ -382,13 +369,9 @@ class SelectionSpec:
 
 @dataclass(frozen=True)
 class StrategyArm:
-    """One strategy compared in the study, with its own search space (and optionally method).
-
-    ``space`` maps a hyperparameter (or ``steps``/``epochs``/``expected_batch_size``) to a
-    list of values (a grid axis) or to a distribution ``{"log_uniform": [lo, hi]}``,
-    ``{"uniform": [lo, hi]}``, ``{"int_uniform": [lo, hi]}``, ``{"int_log_uniform": [lo, hi]}``
-    (random draws only). ``fixed`` holds hyperparameters that are not searched.
-    """
+    """One strategy compared in the study, with its own search space (and optionally method): ``space``
+    maps a hyperparameter (or steps/epochs/expected_batch_size) to a list (grid axis) or a distribution
+    (log_uniform, uniform, int_uniform, int_log_uniform); ``fixed``: not searched."""
 
     name: str
     space: Mapping[str, Any] = field(default_factory=dict)

@@ -1,25 +1,6 @@
-"""The study specification: a ``Study`` of sections (``tune.sections``), built in Python or loaded from TOML/YAML.
-
-A *study* is: a dataset + a model + one or more training strategies (each with its own
-search space, like Galli et al.'s per-strategy grids) + a tuning method + a total
-budget (ε, δ) per tuning procedure + seeds + a selection rule. Every field is
-validated when the object is built; every error is a ``ConfigError`` that names the
-field (``budget.delta``, ``strategies[1].space.lr``, ...) and says how to fix it.
-
-File form (TOML; YAML has the same keys)::
-
-    [study]     name, seed (the study seed), seeds (training replicate seeds), secure (OS CSPRNG)
-    [data]      name | factory, options, test_public (a factory's test split: private by default)
-                | csv, label, test, schema, numeric, categories, labels (docs/your_data.md)
-    [model]     name + options   (dptune.models.build(name, **options))
-    [training]  epochs | steps, expected_batch_size | full_batch, device
-    [budget]    epsilon (number or list), delta (< 1/n), accountant, account_seeds, allow_large_delta
-    [method]    name + method options
-    [selection] mode, split, metric, checkpoint, eval_every, across_seeds, noise_multiplier
-    [[strategies]] name, space, fixed, (method)
-
-See ``docs/tuning.md`` for the full reference and an example.
-"""
+"""The study specification: a ``Study`` of sections (``tune.sections``: data, model, strategies with
+their search spaces, tuning method, budget per procedure, seeds, selection), built in Python or loaded
+from TOML/YAML; every error is a ``ConfigError`` naming the field and the fix. Reference: docs/tuning.md."""
 
 from __future__ import annotations
 
