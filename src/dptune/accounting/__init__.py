@@ -1,19 +1,7 @@
-"""Privacy accounting on top of ``dp_accounting``: ε(δ) of events, noise calibration, μ-GDP.
-
-Everything here is a pure function of immutable ``DpEvent``s; no accountant is hand-rolled.
-RDP and PLD come from ``dp_accounting``; μ-GDP (Dong, Roth & Su 2019, Corollary 2.13) is used
-only for unsampled (full-batch) Gaussian mechanisms, where it is exact. Neighbouring relation:
-add/remove one example. One idea per module:
-
-* ``events``: argument checks, the DP-SGD events, the split-noise algebra;
-* ``gdp``: exact μ-GDP;
-* ``accountants``: ε(δ) of an event (``epsilon``), the tightest accountant, PLD's cost guards;
-* ``calibration``: ``calibrate`` (→ ``Calibration``) and printing ν (``noise_multiplier_text``);
-* ``solver``: the root finder ``calibration`` uses;
-* ``_fast_pld``: the private, version-pinned fast PLD used only to search.
-
-Derivations: docs/accounting.md.
-"""
+"""Privacy accounting on ``dp_accounting`` (no hand-rolled accountant): pure functions of ``DpEvent``s,
+add/remove neighbours. ``events`` (checks, DP-SGD events, split noise), ``gdp`` (exact μ-GDP, full batch
+only), ``accountants`` (``epsilon``), ``calibration`` (``calibrate``, printing ν), ``solver``, ``_fast_pld``
+(search only). Derivations: docs/accounting.md."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""``dptune.presets``: every experiment of the three papers in one command, at three scales.
-
->>> from dptune.presets import list_presets, reproduce, demo
->>> [p["name"] for p in list_presets()][:3]
-['galli-mnist', 'galli-fmnist-ae', 'galli-agnews']
->>> reproduce("galli-agnews", "smoke", "runs/galli-agnews")      # doctest: +SKIP
->>> demo("runs/demo")                                             # doctest: +SKIP
-
-Scales (``SCALES``): ``paper`` (the papers' settings; ``plan_preset`` plans it without
-training), ``small`` (real data, reduced grids, ≤ 60 min on a 2-core CPU) and ``smoke`` (CI).
-Each preset is one or more tuner studies (every run's privacy planned before training and
-counted in the study ledger) plus, where the paper has them, theory tables and figures:
-``reproduce`` writes each study's directory (``<part>/``, resumable, with its ``release/`` and
-labelled ``diagnostics/``), one ``report.html`` and one ``results.csv`` for the preset. The
-output layout, each preset's settings, deviations and time estimates: ``docs/reproduce.md``.
-"""
+"""``dptune.presets``: every experiment of the three papers in one command (``reproduce``), at the
+scales ``paper`` (``plan_preset`` plans it without training), ``small`` and ``smoke``. Each preset is
+one or more tuner studies plus, where the paper has them, theory tables and figures. Layout, settings,
+deviations and times: ``docs/reproduce.md``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Non-private diagnostics for figures: the clipping bias/noise trade-off (Galli Fig. 1).
-
-Everything here reads the user's raw data and is meant for the user's own eyes, on
-their own machine. Nothing here is a differentially private release and nothing is
-recorded in a ledger. The Gaussian draws go through ``dptune.release.mechanisms.NoiseSource``
-(the project's single sanctioned noise source) only so that no second noise
-generator exists in the code base; they *simulate* the mechanism, they protect nothing.
-"""
+"""Non-private diagnostics for figures: the clipping bias/noise trade-off (Galli Fig. 1). They read raw
+data, for the owner's eyes only; nothing is released or recorded in a ledger. The Gaussian draws go through
+``NoiseSource`` only so that no second noise generator exists: they *simulate* the mechanism."""
 
 from __future__ import annotations
 
@@ -63,17 +58,9 @@ def cosine_vs_clip(
     loss: str | None = None,
     chunk_size: int | None = None,
 ) -> CosineResult:
-    """Cosine similarity between the sanitized and the true mean gradient, per C and iteration
-    (Galli et al. 2024, Fig. 1; the quantities are defined in docs/reports.md).
-
-    NON-PRIVATE DIAGNOSTIC. It reads per-example gradients of ``data`` in the clear and
-    its output is not differentially private; use it on your own machine to see the
-    clipping trade-off, never publish it as a DP result. The noise is a simulation.
-
-    Within one realization every C shares the Poisson batch and the standard normal draw z
-    (noise = ν·C·z): common random numbers make the curve over C smooth and isolate the effect
-    of C. The same ``seed`` gives the same numbers.
-    """
+    """Cosine similarity between the sanitized and the true mean gradient, per C and iteration (Galli
+    et al. 2024, Fig. 1; docs/reports.md). NON-PRIVATE DIAGNOSTIC: never publish it as a DP result. Every C
+    of a realization shares the batch and the draw z (noise = ν·C·z), so the curve over C is smooth."""
     x, y = _tensors(data)
     n = int(x.shape[0])
     clip_list = [_positive(c, "each clip C") for c in clips]

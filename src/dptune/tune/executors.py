@@ -1,17 +1,7 @@
-"""Executors: where runs execute. The budget is planned centrally; executors only run tasks.
-
-* ``local``: sequentially, in this process.
-* ``process``: a ``concurrent.futures.ProcessPoolExecutor`` with the *spawn* context
-  (fresh interpreters: no forked torch state, same behaviour on every OS); on CUDA one worker
-  per visible GPU by default, each pinned to its GPU.
-* ``ray``: Ray tasks, on a local Ray started here (``ray.init(num_cpus=workers)``) or on
-  an existing cluster (``address``); on CUDA each task requests ``num_gpus`` (``gpus_per_run``).
-
-Every executor calls the same pure function ``worker.execute_task`` (one run, or a group trained
-together as vectorised trials) with torch pinned to ``study.threads_per_run`` threads, so the same
-seeds give bit-identical results on every executor (except in secure mode: OS-CSPRNG draws).
-Results come back in completion order; the coordinator makes the outcome independent of it.
-"""
+"""Executors: where runs execute (``local``; ``process``: a spawn-context pool, one worker per GPU on CUDA;
+``ray``). The budget is planned centrally; every executor calls the pure ``worker.execute_task`` with
+torch pinned to ``study.threads_per_run`` threads, so the same seeds give the same results anywhere
+(except secure mode). Completion order does not matter: the coordinator orders the outcome."""
 
 from __future__ import annotations
 
@@ -72,10 +62,8 @@ def _ray_call(
 
 
 class _Starts:
-    """Turns the workers' start reports of one batch of tasks into ``on_start`` calls: at most
-    ``limit`` (the pool's size) running at once (a start reported beyond it waits for a result on
-    its way), a result whose start report lags is started first, an earlier batch's reports are
-    ignored."""
+    """Turns the workers' start reports of one batch into ``on_start`` calls: at most ``limit`` running at
+    once, a result whose start report lags started first, an earlier batch's reports ignored."""
 
     def __init__(self, task_ids: Iterable[str], on_start: Callable[[list[str]], None], limit: int | None):
         self.ids, self.on_start, self.limit = set(task_ids), on_start, limit

@@ -1,11 +1,6 @@
-"""The coordinator: plan, persist, dispatch runs to an executor, check and merge their ledgers.
-
-``run_study(config, dir)`` plans the whole study before any training and stores it in
-``dir/study.sqlite``; each returned run is checked against its plan, merged into the study ledger
-(``Ledger.with_plan``: nothing outside the plan) and committed with its status. ``resume_study``
-re-executes interrupted runs with the same seeds; adaptive stages are resolved from stored
-results only, so a resumed study resolves them identically.
-"""
+"""The coordinator: plan the whole study before training, persist it (``study.sqlite``), dispatch runs to
+an executor, check each against its plan and merge its ledger (nothing outside the plan). ``resume_study``
+reruns interrupted runs with the same seeds; adaptive stages resolve from stored results only."""
 
 from __future__ import annotations
 
@@ -43,11 +38,9 @@ def study_metric(study: Study, task: str) -> str:
 
 
 class _StudyClaim:
-    """Claims ``study_dir`` for one coordinator: makes the missing folders, takes the study's lock
-    (an flock on ``.lock``: released by the OS even on SIGKILL) and, if the study fails before any
-    run starts (``started``), removes exactly what THIS process made (store files created under
-    the lock, its ``.lock``, its folders innermost first while empty): never anything that
-    appeared meanwhile, nor a study that existed before."""
+    """Claims ``study_dir`` for one coordinator: makes the missing folders, takes an flock on ``.lock``
+    (released even on SIGKILL) and, if the study fails before any run starts, removes exactly what THIS
+    process made, never anything that appeared meanwhile or existed before."""
 
     FILES = ("study.sqlite", "study.sqlite-wal", "study.sqlite-shm", "study.sqlite-journal")
 
@@ -251,11 +244,8 @@ class Coordinator:
         return True
 
     def tasks(self, ready: list[RunSpec]) -> tuple[list[tuple[str, tuple[Any, ...]]], dict[str, list[str]]]:
-        """Executor tasks for the ready runs, and task id → the ready runs it finishes.
-
-        A group whose other members finished in an earlier session is trained whole again (same
-        seeds, same composition, so the same numbers) and only the missing runs are merged: no
-        release is recorded twice, and the result equals that of an uninterrupted study."""
+        """Executor tasks for the ready runs, and task id → the ready runs it finishes. A partly finished
+        group is retrained whole (same seeds, same numbers) and only its missing runs merged: no release twice."""
         groups = self.groups()
         tasks: list[tuple[str, tuple[Any, ...]]] = []
         members: dict[str, list[str]] = {}
@@ -400,10 +390,8 @@ def run_study(
     retry_failed: bool = False,
     gpus_per_run: float | None = None,
 ) -> StudyOutcome:
-    """Plan (or re-open) the study in ``study_dir``, execute every planned run and write the results.
-
-    ``executor``: 'local', 'process' (``workers`` processes) or 'ray' (a local Ray with ``workers``
-    CPUs, or the cluster at ``address``; on CUDA ``gpus_per_run`` GPUs per task, docs/tuning.md)."""
+    """Plan (or re-open) the study in ``study_dir``, execute every planned run and write the results;
+    ``executor``: 'local', 'process' or 'ray' (docs/tuning.md)."""
     study = load_study_config(config)
     device = study.training.device
     check_workers(workers)  # before any directory is made

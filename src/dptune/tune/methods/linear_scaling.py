@@ -1,9 +1,5 @@
-"""Linear scaling (Panda et al. 2024, Algorithms 1–3): sweeps of r = η·T, a fit, one final run.
-
-``runs_per_sweep`` runs at each sweep ε (r drawn in [η_min·T_min, η_max·T_max], split into (η, T)),
-then a final run configured (``resolve``) from a fit of the sweeps' best r against ε (or μ).
-Guarantee: the composition of all of them (exact μ-GDP at q = 1). One procedure per seed.
-"""
+"""Linear scaling (Panda et al. 2024, Algorithms 1–3): sweeps of r = η·T, a fit of the best r against ε
+(or μ), one final run; the guarantee composes all of them. One procedure per seed."""
 
 from __future__ import annotations
 
@@ -262,14 +258,9 @@ def _decompose(
     lr_hi: float,
     sampling: str,
 ) -> dict[str, Any]:
-    """Draw r (uniform or log-uniform in [r_min, r_max]) and split it into (η, T) with η·T = r,
-    η_min ≤ η ≤ η_max and T on the steps axis (Panda Alg. 1, "decompose r into η, T without
-    exceeding T_max or η_max"; §A.3, method 2: T from the steps axis, η = r/T).
-
-    T is drawn from the steps axis conditioned on η = r/T being in range: by rejection first
-    (the draws of earlier versions, so existing plans keep their configurations), then, when
-    the feasible T are too rare for rejection, directly from them. Only when no integer T on
-    the axis gives η in range is η clamped (r then moves to the nearest reachable product)."""
+    """Draw r in [r_min, r_max] and split it into (η, T) with η·T = r, η in range and T on the steps axis
+    (Panda Alg. 1; §A.3, method 2). T by rejection first (so existing plans keep their configurations), then
+    directly from the feasible T; η clamped only when no T on the axis fits."""
     r = rng.uniform(r_lo, r_hi) if sampling == "uniform" else math.exp(rng.uniform(math.log(r_lo), math.log(r_hi)))
     for _ in range(100):
         T = int(S.draw_value(space["steps"], rng))
@@ -316,11 +307,8 @@ def split_r(r: float, steps_axis: Any, lr_lo: float, lr_hi: float, rng: np.rando
 def resolve_final_config(
     plan: StudyPlan, arm: ArmPlan, procedure: int, scores: Mapping[str, float | None]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Panda Alg. 2: best r per sweep → polynomial fit r(x) → r* at the final run's x → (η_f, T_f).
-
-    ``scores``: run_id → selection score (None/NaN for diverged runs). Returns (config,
-    fit record). Deterministic in the stored scores, so a resumed study resolves the same
-    configuration."""
+    """Panda Alg. 2: best r per sweep → fit r(x) → r* at the final x → (η_f, T_f); returns (config,
+    fit record), deterministic in the stored ``scores`` (run_id → score) so a resumed study agrees."""
     ex = arm.extra
     higher = plan.higher_is_better
     xs, rs = [], []
