@@ -1,14 +1,6 @@
-"""Tiny helpers over dicts of tensors (a model's parameters, gradients, optimiser buffers).
-
-The arithmetic helpers run one ``torch._foreach_*`` call per operation over all the dict's
-tensors instead of one Python-level op per tensor, and return NEW tensors (never touching
-their inputs, which strategies may keep in their state). ``scale``, ``axpy`` and
-``lincomb`` round exactly like the per-tensor expressions they replace (each documents its
-expression): the same kernels, in the same order. ``add_scaled`` and ``ema`` are fused
-(y + α·x in one pass with one rounding, torch's ``add(..., alpha=)``): they read and write
-each tensor once instead of two or three times, and differ from the unfused expressions in
-the last bits only.
-"""
+"""Tiny helpers over dicts of tensors. Arithmetic runs one ``torch._foreach_*`` call over all tensors and
+returns NEW tensors (strategies may keep the inputs). ``scale``, ``axpy``, ``lincomb`` round exactly like
+the per-tensor expressions; ``add_scaled`` and ``ema`` are fused (one rounding, last bits differ)."""
 
 from __future__ import annotations
 
@@ -54,11 +46,7 @@ def scale(a: Tensors, s: float) -> Tensors:
 
 
 def axpy(alpha: float, x: Tensors, y: Tensors) -> Tensors:
-    """alpha·x + y: {k: y[k] + alpha * x[k]} (keys in y's order).
-
-    With alpha = −lr this is the update θ − lr·g exactly: fl(−lr·g) = −fl(lr·g) and
-    θ + (−z) = θ − z in IEEE arithmetic.
-    """
+    """alpha·x + y: {k: y[k] + alpha * x[k]} (keys in y's order); with alpha = −lr exactly θ − lr·g."""
     if not y:
         return {}
     ys = list(y.values())

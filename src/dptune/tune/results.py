@@ -1,13 +1,6 @@
-"""Results of a stored study: the selection table, the budget (planned vs spent, and where it
-went), the status, CSV files and a terminal rendering (rich, the terminal's width). Everything here reads
-the study directory only (no Study object, no training); selection per procedure
-(``selection.across_seeds``) is the arm's method's (``TuningMethod.select``; docs/tuning.md).
-
-Release vs diagnostics (``dptune.outputs``, docs/privacy.md): ``release/results.csv`` holds
-``RELEASE_COLUMNS`` of the private arms only; the rest (run counts, selected run ids, the budget
-per run and per label, the non-private baseline's exact scores) is in ``diagnostics/``, labelled
-"not differentially private: for the data owner only", as is ``render(diagnostics=True)``.
-"""
+"""Results of a stored study, read from its directory only: the selection table (per procedure, by the
+arm's method), the budget, the status, CSVs and a terminal rendering. ``release/results.csv`` holds
+``RELEASE_COLUMNS`` of the private arms only; the rest is in ``diagnostics/`` (docs/privacy.md)."""
 
 from __future__ import annotations
 
@@ -324,10 +317,8 @@ def _duration(seconds: float) -> str:
 def eta(
     rows: Iterable[Mapping[str, Any]], groups: Mapping[str, tuple[str, ...]] | None = None
 ) -> tuple[float | None, str]:
-    """(seconds, text): runs left × mean seconds per finished run ÷ tasks running now (at least 1).
-    Run times grow with the realised batch sizes: for the data owner only. ``groups`` (run_id →
-    its group): a group is ONE task whose members each store its time ÷ its size, so its running
-    members (same ``started``) count once."""
+    """(seconds, text): runs left × mean seconds per finished run ÷ tasks running (≥ 1); for the data owner
+    only. ``groups`` (run_id → group): a group is one task, its running members count once."""
     rows = list(rows)
     groups = groups or {}
     left = sum(1 for r in rows if r["status"] in ("planned", "running"))
@@ -380,10 +371,8 @@ def _e(x: float) -> str:
 
 
 def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = False) -> None:
-    """Print the private arms' results table and the notes the guarantee covers (the terminal's width).
-    ``diagnostics``: also, under the "not differentially private" label, the non-private baseline,
-    the failed/diverged counts, the budget per query label and the notes that state K; else one
-    line saying where they are."""
+    """Print the private arms' results and the notes the guarantee covers; ``diagnostics``: also the labelled
+    non-private parts, else one line saying where they are."""
     from rich.table import Table
 
     console = console or terminal_console()

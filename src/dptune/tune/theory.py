@@ -1,10 +1,5 @@
-"""Closed forms of the tuning methods' privacy: Liu–Talwar, repeat-and-select, Panda's GDP sum.
-
-The statements, and the misprints of the papers that these functions correct (Mohapatra et al.'s
-δ_f with γ for T_max, Panda et al.'s Theorem 4.1, Mohapatra's Theorem 4 step), are in
-docs/tuning.md ("Liu–Talwar, verified", "Theorem 4", "Linear scaling"), with the tests that
-reproduce the papers' numbers.
-"""
+"""Closed forms of the tuning methods' privacy: Liu–Talwar, repeat-and-select, Panda's GDP sum. Statements
+and the papers' misprints corrected here: docs/tuning.md."""
 
 from __future__ import annotations
 
@@ -74,11 +69,8 @@ def lt_solve(eps: float, delta: float, gamma: float, delta2_fraction: float = 0.
 
 
 class SecretCoins:
-    """The random draws of Liu–Talwar and repeat-and-select (K and each candidate's configuration),
-    from the OS CSPRNG: both theorems hide K and the winner's index, which draws from the public
-    study seed would reveal (docs/privacy.md). ``seed``: a SECRET seed for a reproducible search
-    (never stored or printed). The subset of ``numpy.random.Generator`` that ``space.draw``,
-    ``lt_stops`` and ``sample_repetitions`` use."""
+    """The random draws of Liu–Talwar and repeat-and-select (K, each candidate) from the OS CSPRNG: both
+    theorems hide K and the winner, which the public seed would reveal. ``seed``: a SECRET seed (never stored)."""
 
     def __init__(self, seed: int | None = None):
         import random
@@ -233,10 +225,8 @@ def lt_vs_ma(
     delta2_fraction: float = 0.5,
     conversion: str = "tight",
 ) -> LtVsMa:
-    """Mohapatra et al. (2022), appendix F / Figure 6: ε of k candidates by LT (γ = 1/k) and by
-    composing them (MA, RDP), and ``k_max``, the largest k with ε_MA(k) ≤ ε_LT(k) (docs/tuning.md).
-    ``conversion``: RDP→(ε, δ) by dp_accounting (``tight``) or min_α RDP(α) + ln(1/δ)/(α − 1)
-    (``classic``, the 2019-era libraries')."""
+    """Mohapatra et al. (2022), App. F / Fig. 6: ε of k candidates by LT (γ = 1/k) and by composition (MA),
+    and ``k_max`` (docs/tuning.md); ``conversion``: ``tight`` (dp_accounting) or ``classic`` RDP→(ε, δ)."""
     if conversion not in ("tight", "classic"):
         raise ConfigError(f"conversion must be 'tight' or 'classic', got {conversion!r}.")
     delta = delta_for_n(n) if delta is None else float(delta)
@@ -294,10 +284,8 @@ def convex_dpsgd_bound(alpha: float, radius: float, clip: float, sigma: float, s
 
 
 def convex_dpsgd_step(radius: float, clip: float, sigma: float, steps: int) -> ConvexDPSGDStep:
-    """Mohapatra et al. (2022), appendix D, Theorem 4: the step minimising Eq. (1),
-    α_opt = R / (C·√(T·(1 + σ²))), the bound there R·C·√(1 + σ²)/√T, and α_opt·C, which does not
-    depend on C. The appendix prints T for √T (and C/‖∇f‖² for C/‖∇f‖): docs/tuning.md, "Theorem 4",
-    with the assumptions the proof uses."""
+    """Mohapatra et al. (2022), App. D, Theorem 4 (misprints corrected: docs/tuning.md): α_opt =
+    R / (C·√(T·(1 + σ²))), the bound R·C·√(1 + σ²)/√T, and α_opt·C."""
     _theorem4_args(radius, clip, sigma, steps)
     root = math.sqrt(steps * (1.0 + sigma**2))
     alpha = radius / (clip * root)

@@ -1,14 +1,7 @@
-"""The worker side: execute one planned run (or a group of them) and return its result with its
-own ledger. A worker receives the study (to rebuild data and model) and planned ``RunSpec``s; it
-cannot change the budget: a run's ledger is created from its planned event, and the coordinator
-checks the returned ledger against the plan again before merging it.
-
-Checkpoint selection (Galli et al.: evaluate every 50 iterations, keep the best) scores the
-selection split here, at the planned steps: exactly in public mode (the split is assumed public,
-as in the papers); in private mode each score's sum (per-example scores clamped to [0, c]) is
-released through ``NoisyRelease`` and divided by the split size m, so the best checkpoint is
-chosen on noisy scores (post-processing) and exact validation scores never leave the worker.
-"""
+"""The worker side: execute one planned run (or a group) and return it with its own ledger, created from
+the planned event (the coordinator re-checks it). Checkpoint selection scores the selection split at the
+planned steps: exactly in public mode; in private mode each clamped score sum is released through
+``NoisyRelease``, so exact validation scores never leave the worker."""
 
 from __future__ import annotations
 
@@ -67,11 +60,8 @@ class Scorer:
         self.nu = run.eval_noise_multiplier
 
     def total(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, clip: float | None) -> float:
-        """Σ over examples of the per-example score (correct predictions, squared error, yours).
-
-        ``clip`` (= the sensitivity c, private release): each score clamped to [0, c], a
-        non-finite one counting as the worst (``Metric.scores``), so one example moves the sum by
-        ≤ c; a non-finite prediction is a wrong one (``dptune.metrics.ACCURACY``)."""
+        """Σ over examples of the per-example score; ``clip`` (the sensitivity c): each score clamped to
+        [0, c], a non-finite one the worst, so one example moves the sum by ≤ c."""
         if not is_finite(params):
             return math.nan
         with eval_mode(self.model), self.scratch() as buffers:
