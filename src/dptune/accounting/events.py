@@ -1,9 +1,5 @@
-"""Argument checks, the DP-SGD events dptune emits, and the split-noise algebra.
-
-Neighbouring relation: add/remove one example, everywhere (sensitivities in the engine are
-stated for that relation too). Imports dp_accounting's event classes only (no accountant, no
-scipy).
-"""
+"""Argument checks, the DP-SGD events dptune emits, and the split-noise algebra (add/remove neighbours);
+dp_accounting's event classes only (no accountant, no scipy)."""
 
 from __future__ import annotations
 
@@ -97,10 +93,7 @@ def count_or_none(value: object) -> int | None:
 
 # ----------------------------------------------------------------------------- events
 def gaussian_step_event(noise_multiplier: float, sampling_rate: float) -> dp_event.DpEvent:
-    """One release of a Gaussian sum query over a Poisson sample of rate ``sampling_rate``.
-
-    With q = 1 (full batch) the event is a plain Gaussian: there is no sampling to amplify.
-    """
+    """One Gaussian sum query over a Poisson sample of rate ``sampling_rate`` (q = 1: a plain Gaussian)."""
     g = dp_event.GaussianDpEvent(float(noise_multiplier))
     if sampling_rate >= 1.0:
         return g
@@ -135,10 +128,8 @@ def is_hashable(event: dp_event.DpEvent) -> bool:
 
 # ----------------------------------------------------------------------------- split noise
 def joint_noise_multiplier(component_multipliers: Iterable[float]) -> float:
-    """Noise multiplier (Σ ν_i⁻²)^(-1/2) of several Gaussian queries released together on the
-    same batch: together they are ONE Gaussian mechanism (Galli et al.'s Proposition 1, Andrew
-    et al.'s Theorem 1; derivation in docs/accounting.md, "Split noise"). Infinite components
-    (no noise budget spent) are left out."""
+    """(Σ ν_i⁻²)^(-1/2): several Gaussian queries on the same batch are ONE Gaussian (Galli Prop. 1;
+    docs/accounting.md, "Split noise"); infinite components are left out."""
     inv = 0.0
     for nu in component_multipliers:
         if nu <= 0:
@@ -163,10 +154,7 @@ def split_noise_multiplier(nu: float, nu_aux: float) -> float:
 
 
 def oso_q_noise_multiplier(nu: float, relative_increase: float = 0.01) -> float:
-    """ν_q that raises the gradient's ν_g by ``relative_increase`` over ν (Galli §Privacy Analysis).
-
-    From ν_g = (1 + r)ν and Proposition 1: ν_q = ν / sqrt(1 − (1 + r)⁻²); r = 1% → ν_q ≈ 7.124ν.
-    """
+    """ν_q raising ν_g to (1 + r)ν (Galli): ν_q = ν / sqrt(1 − (1 + r)⁻²); r = 1% → ν_q ≈ 7.124ν."""
     if relative_increase <= 0:
         raise ConfigError(f"relative_increase must be > 0, got {relative_increase}")
     return nu / math.sqrt(1.0 - (1.0 + relative_increase) ** -2)

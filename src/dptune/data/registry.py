@@ -1,16 +1,6 @@
-"""Where each dataset comes from: canonical URLs, file names and checksums.
-
-Every dataset lives in one folder ``<root>/<name>/`` whose layout is the one of the
-shared data folder (``<root>`` is ``data_dir`` / ``$DPTUNE_DATA_DIR`` for local copies,
-or the download cache). A dataset may be stored in several *variants* (e.g. MNIST as
-the shared ``train.npz``/``test.npz`` pair or as the four original gzipped IDX files);
-the loader uses the first variant whose files are all present, and downloads the first
-variant that has URLs when none is.
-
-Checksums: ``sha256`` is checked whenever it is known. ``alt_sha256`` lists other
-known-good copies (e.g. a lossless repack). Where no SHA-256 is known, the published
-``md5`` is checked instead when there is one; otherwise a warning is logged.
-"""
+"""Where each dataset comes from: canonical URLs, file names and checksums. A dataset's folder
+``<root>/<name>/`` may hold one of several *variants*: the first complete one is used, the first with
+URLs downloaded. ``sha256`` (or ``alt_sha256``) is checked when known, else ``md5``, else a warning."""
 
 from __future__ import annotations
 

@@ -112,15 +112,9 @@ def reproduce(
     console: Any = None,
     **options: Any,
 ) -> Path:
-    """Run preset ``name`` at ``scale`` into ``out_dir``; print its tables; return ``out_dir``.
-
-    ``data_dir``: the datasets folder (else ``DPTUNE_DATA_DIR``, else downloads);
-    ``executor``: local | process | ray (``workers`` processes); ``device``: torch device of
-    every run (default: cuda at the paper scale when available, else cpu); ``options``:
-    preset options (Galli presets: ``k``, the grid granularity, paper default 7; Panda presets:
-    ``average`` = "ema" | "swa", the iterate-averaging ablation arm).
-    Re-running with the same ``out_dir`` resumes: finished runs are kept, failed ones retried.
-    """
+    """Run preset ``name`` at ``scale`` into ``out_dir`` (resumable), print its tables, return ``out_dir``.
+    ``data_dir``: else ``DPTUNE_DATA_DIR``, else downloads; ``device``: default cuda at the paper scale
+    when available; ``options``: the preset's (Galli: ``k``; Panda: ``average``)."""
     preset = get_preset(name)
     scale = check_scale(scale, preset.scales)
     if executor not in ("local", "process", "ray"):
@@ -273,10 +267,8 @@ def demo(
     workers: int | None = None,
     console: Any = None,
 ) -> Path:
-    """The README's main job: an honest study on embedded MNIST (5k) comparing Online,
-    FixedThreshold, FixedQuantile and AdamWOSM at ε ∈ {3, 8} with per-grid budgets (plus a
-    NoDP ceiling). Prints the table, writes ``out_dir/release/report.html``; returns ``out_dir``
-    (the study directory: ``dptune status``/``resume``/``report`` work on it)."""
+    """The README's main job (``presets._demo``): prints the table, writes ``out_dir/release/report.html``,
+    returns ``out_dir`` (a study directory)."""
     check_workers(workers)  # before the folder is made
     out = ensure_dir(out_dir)
     console = console or terminal_console()

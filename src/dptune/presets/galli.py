@@ -1,14 +1,7 @@
-"""Galli, Palamidessi & Cucinotta (AAAI 2024), "Online Sensitivity Optimization in
-Differentially Private Learning": Online (OSO-DPSGD) vs FixedThreshold (DP-SGD) vs
-FixedQuantile (Andrew et al.) vs AdamWOSM vs NoDP, with per-grid privacy budgets (RDP), on
-MNIST (CNN), Fashion-MNIST (autoencoder) and AG News (bag-of-words FC network).
-
-Grids are k log-spaced values (k ∈ {5, 7, 9}; the tables report k = 7) over the paper's ranges;
-5 seeds, not accounted, averaged; the best checkpoint on the test set, treated as public, as in
-the paper. The ``gpu-slice`` scale (MNIST) is one cell of the paper scale at full size; options
-``steps`` and ``limit`` shorten any scale (a pipeline check, not comparable with the paper).
-Settings per scale, deviations (δ, AG News, NoDP's grid at the small scale): docs/reproduce.md.
-"""
+"""Galli, Palamidessi & Cucinotta (AAAI 2024), "Online Sensitivity Optimization in Differentially
+Private Learning": five strategies with per-grid budgets on MNIST, Fashion-MNIST (autoencoder) and AG
+News; k log-spaced grid values, 5 unaccounted seeds, best checkpoint on the public test set. Settings
+per scale and deviations: docs/reproduce.md."""
 
 from __future__ import annotations
 

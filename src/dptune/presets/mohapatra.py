@@ -1,15 +1,7 @@
-"""Mohapatra, Sasy, He, Kamath & Thakkar (AAAI 2022), "The Role of Adaptive Optimizers for
-Honest Private Hyperparameter Selection": DPSGD, DPMomentum, DPAdam, ADADP and DPAdamWOSM
-tuned honestly on MNIST, Adult and ENRON with logistic regression (LR) and a two-layer
-network (TLNN); and appendix F, the cost of Liu–Talwar (LT) vs the moments accountant (MA).
-
-The paper fixes the noise σ; the tuner plans from a budget, so each σ becomes the ε it costs the
-adaptive optimizers' 4-candidate grid under MA (``epsilon_for_sigma``): those arms train at exactly
-ν = σ, while DPSGD (40 candidates) and DPMomentum (280) pay for their larger grids with more noise
-at the same ε. The paper's own view (fixed σ, each grid's ε under MA and LT) is ``sigma_costs``;
-the (α, C) analyses of appendix G, Sec. 4.1 and Theorem 4 are ``mohapatra_analyses``. Settings per scale,
-deviations and the derivations: docs/reproduce.md.
-"""
+"""Mohapatra, Sasy, He, Kamath & Thakkar (AAAI 2022), "The Role of Adaptive Optimizers for Honest Private
+Hyperparameter Selection": five optimizers on MNIST, Adult and ENRON (LR and TLNN), and appendix F (LT vs
+MA). Each fixed σ of the paper becomes the ε the adaptive arms' grid costs (``epsilon_for_sigma``), so
+larger grids pay with more noise. Settings, deviations, derivations: docs/reproduce.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""One self-contained HTML page per study: figures as base64 data URIs, inline CSS, no scripts.
-
-The page references nothing outside itself (no external ``src``/``href``), so it can be
-mailed, archived or opened offline. CSV files are attached as ``data:`` download links.
-All text is HTML-escaped; callers pass plain strings, never markup.
-"""
+"""One self-contained HTML page per study (base64 figures, inline CSS, no scripts, nothing external), so
+it can be mailed or opened offline. All text is HTML-escaped: callers pass plain strings."""
 
 from __future__ import annotations
 
@@ -247,13 +243,8 @@ def write_report(
     filename: str = "report.html",
     diagnostics: bool = False,
 ) -> Path:
-    """Write ``out_dir/filename``: one self-contained page (header, then the sections).
-
-    The header states the selection mode, the study's planned vs spent (ε, δ) and ``budgets``
-    (dicts with label, planned=(ε, δ), spent=(ε, δ) and a note: one row per tuning procedure).
-    ``diagnostics=True``: a page for the data owner under a red banner; only such a page may
-    hold sections marked ``diagnostic`` (a publishable page refuses them).
-    """
+    """Write ``out_dir/filename``: the header (selection mode, planned vs spent, one ``budgets`` row per
+    procedure), then the sections. Only a ``diagnostics=True`` page (red banner) may hold diagnostic sections."""
     leaked = [s.title for s in sections if s.diagnostic]
     if leaked and not diagnostics:
         raise ConfigError(

@@ -1,14 +1,6 @@
-"""``dptune.tune``: honest hyperparameter tuning — the privacy of the search is planned and counted.
-
->>> from dptune.tune import run_study, study_table
->>> run_study("study.toml", "runs/my-study", executor="local")     # doctest: +SKIP
->>> study_table("runs/my-study")                                    # doctest: +SKIP
-
-A study (``Study`` / a TOML or YAML file) is planned in full before any training (``plan_study``);
-runs execute on an executor (local, process pool, Ray), each checked against the plan and merged
-into the study ledger, which must end equal to the plan. Stored in ``<dir>/study.sqlite``,
-resumable after a crash (``resume_study``). See ``docs/tuning.md``.
-"""
+"""``dptune.tune``: honest hyperparameter tuning. A study is planned in full before training
+(``plan_study``), run on an executor, each run checked against the plan and merged into the study
+ledger (stored in ``<dir>/study.sqlite``, resumable). See ``docs/tuning.md``."""
 
 from dptune.tune.plan import plan_study
 from dptune.tune.records import ArmPlan, RunSpec, StudyPlan

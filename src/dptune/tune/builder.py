@@ -1,11 +1,6 @@
-"""The run builder: every planned run gets its id, seed and own noise streams here, and the rules
-that map a study's seeds onto tuning procedures (which runs a procedure holds, which are accounted,
-and whether the guarantee is per study or per seed replicate).
-
-By default seed repetitions are NOT accounted (as in the papers: an evaluation device), so the
-guarantee holds per seed replicate; ``account_seeds = true`` composes them. All runs get distinct
-noise streams: runs that shared noise would not compose as independent mechanisms.
-"""
+"""The run builder: each planned run's id, seed and own noise streams (runs sharing noise would not
+compose as independent mechanisms), and how seeds map onto tuning procedures: seed repetitions are not
+accounted by default (per-replicate guarantee, as in the papers); ``account_seeds = true`` composes them."""
 
 from __future__ import annotations
 
@@ -99,12 +94,9 @@ def make_arm_id(label: str, eps: float) -> str:
 
 
 def procedures(study: Study, composite: bool = False) -> tuple[int, int, int]:
-    """(procedures P, accounted procedures P_acc, runs per candidate that are accounted).
-
-    ``composite`` (Liu–Talwar, repeat-and-select): with ``across_seeds = "mean"`` a candidate
-    IS its S seed runs (the selection reads their mean), so it is accounted as their composite
-    whatever ``account_seeds`` says. These theorems bound the selected candidate only; there is
-    no per-seed reading of them (one run per candidate would understate ε: 2 → 3.3 for S = 3)."""
+    """(procedures P, accounted procedures P_acc, accounted runs per candidate). ``composite`` (LT,
+    repeat-and-select): with ``across_seeds = "mean"`` a candidate IS its S seed runs, accounted as their
+    composite whatever ``account_seeds`` says (one run would understate ε: 2 → 3.3 for S = 3)."""
     S_ = len(study.seeds)
     if study.selection.across_seeds == "mean":
         return 1, 1, (S_ if study.budget.account_seeds or composite else 1)

@@ -1,10 +1,5 @@
-"""Materialise a study's data and model, identically in the coordinator and in every worker.
-
-``study_data`` is a pure function of the ``DataSpec`` and the study seed, cached per process (a
-pool worker loads it once). The holdout goes by a keyed hash of each example (``holdout_mask``):
-adding or removing one example changes one of the two sets by that example only, as the
-composed guarantee of training + selection assumes (docs/privacy.md).
-"""
+"""Materialise a study's data and model, identically in the coordinator and every worker; ``study_data``
+is a pure function of the ``DataSpec`` and seed, cached per process."""
 
 from __future__ import annotations
 
@@ -66,12 +61,8 @@ def _rows(t: torch.Tensor) -> np.ndarray:
 
 
 def holdout_mask(x: torch.Tensor, y: torch.Tensor | None, fraction: float, study_seed: int) -> torch.Tensor:
-    """Bool [n]: example i is in the holdout iff BLAKE2b(key, bytes of x_i and y_i) / 2⁶⁴ < fraction.
-
-    A function of the example alone (and the seed): removing or adding one example leaves every
-    other example on its side, so neighbouring datasets give neighbouring training sets OR
-    neighbouring holdouts, never two reshuffled ones. Identical examples land on the same side.
-    """
+    """Bool [n]: example i is in the holdout iff BLAKE2b(key, bytes of x_i and y_i) / 2⁶⁴ < fraction: a
+    function of the example alone, so neighbouring datasets give neighbouring training sets OR holdouts."""
     key = stream_seed(study_seed, "holdout").to_bytes(8, "little")
     xs, ys = _rows(x), (None if y is None else _rows(y))
     limit = int(fraction * 2.0**64)
