@@ -1,14 +1,6 @@
-"""``"pkg.module:name"`` → the object it names: how dptune imports your code.
-
-One importer for every user-code path (``--model``/``--data``, ``[model]``/``[data] factory``, a
-study's ``selection.metric``), with one clear error when the path is wrong. Torch-free, so the
-metric table (``dptune.metrics``) and the report layer can use it without loading torch.
-
-The current folder is searched too (last, so it never shadows an installed package): ``--model
-myproj:build`` finds ``./myproj.py`` as ``python -c`` would. Spawned workers inherit ``sys.path``,
-and a local Ray gets it as PYTHONPATH (``tune.executors``). ``call_factory`` calls what was
-imported, so that an exception of your code is one error naming your factory.
-"""
+"""``"pkg.module:name"`` → the object it names: the one importer of user code, with one clear error.
+Torch-free. The current folder is searched last (never shadowing an installed package), as ``python -c``
+would; spawned workers and a local Ray inherit the path."""
 
 from __future__ import annotations
 
@@ -54,9 +46,8 @@ def import_factory(path: str, what: str = "factory", require_callable: bool = Tr
 
 
 def call_factory(fn: Any, path: str, what: str, **kwargs: Any) -> Any:
-    """``fn(**kwargs)`` for your factory ``path``: options it does not take, and any exception it
-    raises, are one ConfigError naming it (``your data factory 'mypkg:load' raised
-    FileNotFoundError: ...``); the original exception is chained for the traceback."""
+    """``fn(**kwargs)`` for your factory ``path``: options it does not take, and its exceptions, are one
+    ConfigError naming it (the original chained)."""
     try:
         inspect.signature(fn).bind(**kwargs)
     except TypeError as exc:

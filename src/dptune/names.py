@@ -1,12 +1,7 @@
-"""One name per concept across Python, the CLI and study files; the other spellings are aliases.
-
-The canonical names are the Python API's, which are Opacus's (a ported run keeps its arguments) and
-say what is meant: ``target_epsilon`` (the target, not the ε spent that results report),
-``expected_batch_size`` (the Poisson mean L, not a realised batch) and ``secure_mode``. The CLI
-spells them ``--target-epsilon``, ``--expected-batch-size``, ``--secure-mode``; study files keep
-their stored keys (``[budget] epsilon``, ``[study] secure``: a study's fingerprint) and accept the
-canonical names (``tune/spec.py``). Every alias below is accepted with a note (docs/your_data.md).
-"""
+"""One name per concept across Python, the CLI and study files; the other spellings are aliases. The
+canonical names are the Python API's (Opacus's): ``target_epsilon``, ``expected_batch_size``,
+``secure_mode``; study files keep their stored keys (a study's fingerprint) and accept the canonical
+names. Every alias below is accepted with a note (docs/your_data.md)."""
 
 from __future__ import annotations
 

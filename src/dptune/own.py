@@ -36,11 +36,8 @@ def is_map_style(data: Any) -> bool:
 
 
 class MapSource:
-    """Examples of a map-style dataset, gathered by index into (x, y) batches.
-
-    Each item must be an ``(x, y)`` pair; x is a tensor, or a tuple/dict of tensors for a model
-    with several inputs (``dptune.inputs``: a tuple is passed positionally, a dict as keywords).
-    """
+    """Examples of a map-style dataset, gathered by index into (x, y) batches; x a tensor, or a tuple/dict of
+    tensors for several inputs (``dptune.inputs``)."""
 
     def __init__(self, dataset: Any, device: torch.device, collate_fn: Callable[[list], Any] | None = None):
         from torch.utils.data import default_collate
@@ -120,14 +117,9 @@ def materialize(dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def from_dataloader(loader: Any) -> Any:
-    """The dataset behind a ``torch.utils.data.DataLoader``, for ``dptune.train``.
-
-    dptune replaces the loader's sampler, shuffling and ``batch_size`` by Poisson sampling at
-    q = expected_batch_size / n: every example joins each batch independently with
-    probability q, which is what the privacy accountant assumes (a shuffled fixed-size batch
-    is a different mechanism, with a weaker guarantee than the one reported). The loader's
-    ``collate_fn`` is kept (when it is not the default) and applied to each example alone.
-    """
+    """The dataset behind a ``DataLoader``, for ``dptune.train``: its sampler, shuffling and batch size
+    are replaced by Poisson sampling at q = expected_batch_size / n (the accountant's assumption; a shuffled
+    fixed-size batch is a weaker mechanism); a non-default ``collate_fn`` is kept, applied to each example."""
     from torch.utils.data import DataLoader
 
     if not isinstance(loader, DataLoader):
@@ -194,10 +186,8 @@ def check_classes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> N
 
 
 def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    """The per-example contract on a tiny batch: ``fn(model(x), y)`` has shape [B].
-
-    The model is checked first and run on scratch copies of its buffers (``ScratchBuffers``):
-    this forward sees private examples too, and must not leave their statistics in the model."""
+    """The per-example contract on a tiny batch: ``fn(model(x), y)`` has shape [B]; run on scratch buffers
+    (``ScratchBuffers``) so private examples leave no statistics in the model."""
     check_model(model)
     b = min(2, int(y.shape[0]))
     args, kwargs = inputs.args_kwargs(inputs.rows(x, 0, b))
@@ -214,13 +204,8 @@ def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.T
 
 # ----------------------------------------------------------------------------- data factories
 def load_data(path: str, options: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """Call the data factory ``path`` (``"pkg.module:loader"``) and return ``(train, test)``.
-
-    The loader's contract (docs/your_data.md): ``loader(**options)`` returns a
-    ``dptune.data.Dataset``, a 4-tuple ``(x_train, y_train, x_test, y_test)`` of tensors, or a
-    pair ``(train, test)`` whose parts are map-style datasets or ``(x, y)`` tensor pairs
-    (``test`` may be None). ``train``/``test`` come back as given (map-style or pairs).
-    """
+    """Call the data factory ``path`` (``"pkg.module:loader"``) and return ``(train, test)`` as given (map-style
+    or pairs; contract: docs/your_data.md)."""
     out = call_factory(import_factory(path, "data factory"), path, "data factory", **dict(options or {}))
     if hasattr(out, "x_train"):
         test = (out.x_test, out.y_test) if getattr(out, "x_test", None) is not None else None

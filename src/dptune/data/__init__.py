@@ -1,12 +1,5 @@
-"""Datasets used by the papers dptune reproduces, with verified files and documented preprocessing.
-
->>> from dptune import data
->>> ds = data.load("mnist")                  # $DPTUNE_DATA_DIR/mnist/... or download + cache
->>> ds.x_train.shape, ds.y_train.dtype
-(torch.Size([60000, 1, 28, 28]), torch.int64)
-
-See ``docs/data_and_models.md`` for sources, checksums, preprocessing and caveats.
-"""
+"""Datasets used by the papers dptune reproduces, with verified files and documented preprocessing
+(``data.load("mnist")``); sources, checksums and caveats: ``docs/data_and_models.md``."""
 
 from __future__ import annotations
 
@@ -68,16 +61,9 @@ def load(
 ) -> Dataset:
     """Load dataset ``name`` as float32 features and int64 labels.
 
-    Files are read from ``data_dir`` (else ``$DPTUNE_DATA_DIR``) in the layout of the
-    shared data folder (``<data_dir>/<name>/...``), else from the cache (``cache_dir``,
-    else ``$DPTUNE_CACHE``, else ``~/.cache/dptune``), else downloaded there from the
-    canonical URLs. Every file's SHA-256 is verified (``verify=False`` skips it).
-    ``seed`` fixes every random split and subset. Dataset-specific options: see
-    :func:`options` and ``docs/data_and_models.md``.
-
-    Raises ``dptune.errors.DataError`` for missing, unreachable or corrupted files and
-    ``dptune.errors.ConfigError`` for bad options.
-    """
+    Files come from ``data_dir`` (else ``$DPTUNE_DATA_DIR``), else the cache (``cache_dir``, ``$DPTUNE_CACHE``,
+    ``~/.cache/dptune``), else are downloaded there; SHA-256 verified unless ``verify=False``. ``seed`` fixes
+    every split and subset; options: :func:`options`. Raises ``DataError`` (files) or ``ConfigError``."""
     loader = _loader(name)
     verify = bool(opts.pop("verify", True))
     accepted = options(name)

@@ -1,17 +1,7 @@
-"""Locating, verifying and downloading dataset files.
-
-Search order for a dataset's files (``<name>`` is the dataset's folder):
-
-1. ``<data_dir>/<name>/`` where ``data_dir`` is the argument, else ``$DPTUNE_DATA_DIR``;
-2. the cache ``<cache_dir>/<name>/`` (argument, else ``$DPTUNE_CACHE``, else
-   ``$XDG_CACHE_HOME/dptune`` or ``~/.cache/dptune``);
-3. a download of the canonical URLs into the cache (``urllib``, 10 s timeout, set
-   ``$DPTUNE_DOWNLOAD_TIMEOUT`` to change it; ``$DPTUNE_OFFLINE=1`` disables downloads).
-
-Every file read is checked against the registry's SHA-256 (or MD5 where only that is
-published). A successful check is remembered in ``<cache_dir>/verified.json`` keyed by
-absolute path, size and mtime, so repeated loads do not re-hash large files.
-"""
+"""Locating, verifying and downloading dataset files: ``<data_dir>/<name>/`` (argument, else
+``$DPTUNE_DATA_DIR``), else the cache ``<cache_dir>/<name>/``, else a download into the cache
+(``$DPTUNE_DOWNLOAD_TIMEOUT``, ``$DPTUNE_OFFLINE=1``). Every file is checked against the registry; a
+successful check is remembered in ``<cache_dir>/verified.json`` (path, size, mtime)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Results tables (Galli et al. 2024, Tables 2–4) for HTML, CSV and the terminal.
-
-A row is the best (or tuner-selected) configuration of one strategy at one ε: its
-hyperparameters and the metric as mean ± std over seeds.
-"""
+"""Results tables (Galli et al. 2024, Tables 2–4) for HTML, CSV and the terminal: per strategy and ε the
+best (or selected) configuration and its metric, mean ± std over seeds."""
 
 from __future__ import annotations
 
@@ -97,12 +94,8 @@ def render_terminal_table(
     higher_is_better: bool | None = None,
     title: str | None = None,
 ) -> RichTable:
-    """A ``rich`` table of the best configuration per strategy and ε that fits 100 columns.
-
-    ``rows``: SummaryRows, summary dicts (keys strategy, epsilon, hyperparameters, mean,
-    std[, n_seeds, n_diverged, selected]) or per-seed trial rows (aggregated here). Long
-    hyperparameter lists wrap inside their column instead of widening the table.
-    """
+    """A ``rich`` table of the best configuration per strategy and ε that fits 100 columns;
+    ``rows``: SummaryRows, summary dicts or per-seed trial rows (aggregated here)."""
     higher = resolve_direction(metric, higher_is_better)
     srows = as_summary_rows(rows, higher=higher)
     name = {"accuracy": "Accuracy", "mse": "MSE", "loss": "Loss"}.get(metric, metric)

@@ -1,10 +1,5 @@
-"""Plan records and the events they hold: what a study's plan stores, and the ε of its events.
-
-The methods (``tune.methods``) plan with these: ``plan_study`` (``tune.plan``) collects their
-``ArmPlan``s and ``RunSpec``s into a ``StudyPlan``, whose release event becomes the study ledger's
-plan (``Ledger.with_plan``: the runner refuses anything outside it, and the final ledger must
-equal it).
-"""
+"""Plan records (``RunSpec``, ``ArmPlan``, ``StudyPlan``) and the ε of their events; a ``StudyPlan``'s event
+is the study ledger's plan (``Ledger.with_plan``)."""
 
 from __future__ import annotations
 
@@ -160,9 +155,8 @@ class StudyPlan(JsonRecord):
 
 # ----------------------------------------------------------------------------- events and their ε
 def canonical(event: dp_event.DpEvent) -> dp_event.DpEvent:
-    """The same composition regrouped by atomic event (each atom once, self-composed ``count``
-    times, in a fixed order), built with tuples: K identical runs become one
-    ``SelfComposedDpEvent`` (fast PLD), and a hashable event lets calibration cache evaluations."""
+    """The same composition regrouped by atomic event (each atom once, self-composed ``count`` times, fixed
+    order): K identical runs become one ``SelfComposedDpEvent`` (fast PLD), hashable for caching."""
     counts = atoms(event)
     items = sorted(counts.items(), key=lambda kv: repr(kv[0]))
     evs = [e if n == 1 else dp_event.SelfComposedDpEvent(e, n) for e, n in items if n > 0]
@@ -180,9 +174,8 @@ def group_events(events: Iterable[dp_event.DpEvent]) -> dp_event.DpEvent:
 
 
 def event_epsilon(event: dp_event.DpEvent, delta: float, acc: str) -> float:
-    """ε of ``event`` at δ (∞ with a non-private release, 0 with none), on its canonical form and
-    cached (``accounting.epsilon_cached``; ``accounting.clear_caches`` forgets it): identical runs
-    are accounted once."""
+    """ε of ``event`` at δ (∞ if non-private, 0 if empty), on its canonical form, cached
+    (``accounting.clear_caches`` forgets it)."""
     found = atoms(event)
     if any(isinstance(e, dp_event.NonPrivateDpEvent) for e in found):
         return math.inf
@@ -195,10 +188,8 @@ def entries_epsilon(entries: Iterable[LedgerEntry], delta: float, acc: str) -> f
 
 
 def choose_accountant(requested: str, event: dp_event.DpEvent, auto: str | None = None) -> str:
-    """Resolve ``auto`` deterministically: GDP when every release is an unsampled Gaussian (exact),
-    else PLD (tightest) up to ``PLD_MAX_DISTINCT_ATOMS`` distinct atoms (calibration stays
-    fast), else RDP. ``auto``: what a method needs "auto" to mean whatever the event (Liu–Talwar:
-    ``"rdp"``, as PLD's tail truncation is unreliable at its δ₁ ~ 1e-15)."""
+    """Resolve ``auto`` deterministically: GDP when exact (unsampled Gaussians), else PLD up to
+    ``PLD_MAX_DISTINCT_ATOMS`` atoms, else RDP; ``auto``: a method's own meaning (Liu–Talwar: ``"rdp"``)."""
     a = atoms(event)
     unsampled = all(isinstance(e, dp_event.GaussianDpEvent) for e in a)
     if requested == "gdp" and not unsampled:

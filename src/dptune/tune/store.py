@@ -1,11 +1,6 @@
-"""The study store: one SQLite database (``study.sqlite``) per study directory (tables: ``_SCHEMA``;
-WAL journal, ``synchronous=FULL``, one writer: the coordinator).
-
-Crash safety: a run's ledger rows are inserted in the SAME transaction that marks it
-``done``/``diverged`` — after a SIGKILL either both are there or neither. A run left
-``running`` was interrupted: ``resume`` re-executes it with the same seeds, hence the
-same noise, so nothing new is released and nothing is paid twice.
-"""
+"""The study store: one SQLite database (``study.sqlite``; WAL, ``synchronous=FULL``, one writer). A run's
+ledger rows are inserted in the SAME transaction that marks it done, so after a SIGKILL both or neither
+are there; ``resume`` reruns a ``running`` run with the same seeds, so nothing is paid twice."""
 
 from __future__ import annotations
 

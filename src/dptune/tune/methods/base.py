@@ -1,9 +1,5 @@
-"""The interface of a tuning method: one stateless ``TuningMethod`` subclass per file of
-``tune/methods/`` (docs/tuning.md, "Adding a tuning method"). ``Options`` is a frozen dataclass
-whose fields ARE the options it accepts; ``check_arm``, ``plan`` (with ``tune.shapes``,
-``tune.planners`` and ``tune.builder``), and where the defaults do not fit, ``spent``, ``select``
-and ``resolve``.
-"""
+"""The interface of a tuning method: one stateless ``TuningMethod`` subclass per file of ``tune/methods/``
+(docs/tuning.md, "Adding a tuning method"); its ``Options`` dataclass's fields ARE its options."""
 
 from __future__ import annotations
 
@@ -38,9 +34,8 @@ def _scored(r: Row) -> bool:
 
 
 def random_configurations(study: Study, arm: StrategyArm, n: int, procedure: int = 0) -> list[dict[str, Any]]:
-    """``n`` configurations drawn from the arm's space with the study seed (lists or distributions),
-    a fresh draw per tuning procedure (procedure 0 keeps the stream plans had before per-procedure
-    draws: stored single-procedure plans are unchanged)."""
+    """``n`` configurations drawn from the arm's space with the study seed, fresh per procedure
+    (procedure 0 keeps the stream of older single-procedure plans)."""
     rng = S.rng_for(study.seed, f"random/{arm.key}" + (f"/p{procedure}" if procedure else ""))
     return [S.draw(arm.space, rng) for _ in range(n)]
 
@@ -48,9 +43,8 @@ def random_configurations(study: Study, arm: StrategyArm, n: int, procedure: int
 def secret_draws(
     b: Builder, arm: StrategyArm, procedures: int, draw_k: Callable[[theory.SecretCoins], int]
 ) -> tuple[list[int], list[tuple[int, int, dict[str, Any]]]]:
-    """Liu–Talwar's and repeat-and-select's search, from the secret coins (``b.coins``): per
-    procedure its number of runs K (``draw_k``), then K configurations from the arm's space.
-    Returns (each procedure's K, (procedure, index, configuration) of every run)."""
+    """Liu–Talwar's and repeat-and-select's search from the secret coins: (each procedure's K, (procedure,
+    index, configuration) of every run)."""
     ks, drawn = [], []
     for p in range(procedures):
         k = draw_k(b.coins)
@@ -98,9 +92,8 @@ class TuningMethod:
         return {name: getattr(options, name) for name in allowed}
 
     def check_arm(self, study: Study, arm: StrategyArm, path: str, private: bool) -> None:
-        """Refuse an arm this method cannot tune (after ``spec``'s checks of its names and values;
-        ``private``: the strategy is differentially private). By default: a private arm needs a
-        non-empty search space."""
+        """Refuse an arm this method cannot tune (``private``: a DP strategy); by default a private arm
+        needs a non-empty search space."""
         if not arm.space and private:
             raise config_error(
                 f"{path}.space",
@@ -109,9 +102,8 @@ class TuningMethod:
             )
 
     def configurations(self, study: Study, arm: StrategyArm, procedure: int = 0) -> list[dict[str, Any]]:
-        """The candidate configurations of tuning procedure ``procedure`` when they are fixed before any
-        run (``Composition``), and those of the arm's non-private baseline (``tune.plan``): by default
-        the grid of the space, or 10 draws from it when it has distributions."""
+        """The candidates of procedure ``procedure`` when fixed before any run, and of the arm's
+        non-private baseline: by default the grid, or 10 draws when the space has distributions."""
         return S.grid(arm.space) if S.is_finite(arm.space) else random_configurations(study, arm, 10)
 
     def plan(self, b: Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
@@ -153,9 +145,8 @@ class TuningMethod:
         )
 
     def spent(self, arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[float, float]:
-        """(ε, δ) spent so far under the arm's guarantee, from its ledger entries (not empty). By
-        default the composition of the released runs: all of them when the guarantee is per
-        study, else the costliest seed replicate."""
+        """(ε, δ) spent so far under the arm's guarantee, from its ledger entries: by default all released
+        runs composed (per study) or the costliest seed replicate."""
         if arm.guarantee.get("per") == "study":
             return entries_epsilon(entries, arm.delta, arm.accountant), arm.delta
         by_rep: dict[int, list[LedgerEntry]] = defaultdict(list)
@@ -164,9 +155,8 @@ class TuningMethod:
         return max(entries_epsilon(v, arm.delta, arm.accountant) for v in by_rep.values()), arm.delta
 
     def select(self, arm: ArmPlan, plan: StudyPlan, runs: list[Row], across: str) -> tuple[list[Row], list[Any]]:
-        """(the runs that are the arm's result, one per procedure, or the seeds of the best
-        candidate; fit records shown with them). By default the best scored run of each procedure
-        (``across = "per-seed"``), or the candidate with the best mean over seeds (``"mean"``)."""
+        """(the arm's result runs, one per procedure, or the best candidate's seeds; fit records): by
+        default the best run per procedure (``"per-seed"``) or the best mean over seeds (``"mean"``)."""
         higher = plan.higher_is_better
         usable = [r for r in runs if _scored(r)]
         if across == "mean":
@@ -194,7 +184,6 @@ class TuningMethod:
     def resolve(
         self, plan: StudyPlan, arm: ArmPlan, rows: Mapping[str, Any], scores: Mapping[str, float | None]
     ) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
-        """Adaptive methods: run_id → (config, fit record) for each unresolved run (config None in
-        ``rows``) whose inputs are all finished. Deterministic in the stored results, so a resumed
-        study resolves the same configurations. By default nothing."""
+        """Adaptive methods: run_id → (config, fit record) for each unresolved run whose inputs are all
+        finished, deterministic in the stored results. By default nothing."""
         return {}
