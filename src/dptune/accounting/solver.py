@@ -1,9 +1,5 @@
-"""The root of a decreasing ε(ν) = target on x = log ν, keeping "hi feasible, lo infeasible".
-
-Generic (no DP in here): ``calibration`` feeds it ε evaluations. The algorithm (Newton jumps to
-bracket, then regula falsi with the Illinois modification) is described in
-docs/performance.md, "3. Calibration".
-"""
+"""The root of a decreasing ε(ν) = target on x = log ν, keeping "hi feasible, lo infeasible". Generic (no DP
+here); the algorithm (Newton bracketing, Illinois regula falsi): docs/performance.md, "3. Calibration"."""
 
 from __future__ import annotations
 
@@ -51,11 +47,8 @@ class LogEps:
 
 
 def solve(f: LogEps, guess: float, tol: float, target: float, slope: float = -1.0) -> tuple[float | None, float]:
-    """Bracket and shrink the root of f to hi − lo ≤ tol (log space). Returns (lo, hi).
-
-    ``slope`` is the starting estimate of d log ε / d log ν (ε ∝ 1/ν gives −1). ``lo`` is None
-    when even ν = NU_FLOOR is feasible. Raises ConfigError when ν = NU_CEILING is not.
-    """
+    """Bracket and shrink the root of f to hi − lo ≤ tol (log space); returns (lo, hi), lo None when ν =
+    NU_FLOOR is feasible; ConfigError when ν = NU_CEILING is not. ``slope``: the start d log ε / d log ν."""
     lo, hi = f.bounds()
     if lo is None and hi is None:
         f(guess)

@@ -1,11 +1,6 @@
-"""``dptune.audit``: empirical evidence that the privacy claims hold.
-
-``run_audit(strategy, eps, delta, method='one-run'|'two-world')`` trains the real strategy code
-on canaries and returns an ``AuditResult`` whose ``lower_bound`` holds with probability ≥
-``confidence``; one above the claimed ε refutes the claim. ``runner``: what is trained;
-``harness``: canaries, the release spy, scores; ``bounds``: the statistics. The broken variants
-that show the audits have power are in ``tests/mutants`` (docs/reliability.md).
-"""
+"""``dptune.audit``: empirical evidence that the privacy claims hold. ``run_audit`` trains the real
+strategy on canaries and returns an ``AuditResult`` whose ``lower_bound`` holds with probability ≥
+``confidence``. Broken variants showing the audits' power: ``tests/mutants`` (docs/reliability.md)."""
 
 from dptune.audit.bounds import (
     clopper_pearson_upper,

@@ -1,11 +1,6 @@
-"""A stored study directory → ``dptune.report.build_report`` (figures, CSVs, one HTML page).
-
-``dptune.report`` takes plain rows and never reads the tuner's store; ``dptune.tune.results``
-reads the store and prints tables; this module joins the two for the presets. Results show the
-*selected* configuration (what the honest procedure chose, not hindsight's best). The page, its
-figures and the release CSVs go to ``<out>/release/``; the per-run ledger, the full histories and
-the notes of Liu–Talwar / repeat-and-select arms (they state K) to ``<out>/diagnostics/``.
-"""
+"""A stored study directory → ``dptune.report.build_report`` for the presets (``report`` never reads the
+store; ``tune.results`` does). Results show the *selected* configuration; what goes to ``release/`` and
+``diagnostics/``: docs/reports.md."""
 
 from __future__ import annotations
 

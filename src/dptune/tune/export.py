@@ -1,7 +1,5 @@
-"""A finished study's deliverable: each arm's selected model with its card in ``release/models/<arm>/``
-(at the end of a complete study and ``dptune export``), then the other runs' checkpoints pruned.
-The weights are the checkpoints the coordinator kept: no retraining, hence no new release.
-"""
+"""A finished study's deliverable: each arm's selected model and card in ``release/models/<arm>/``, from
+the kept checkpoints (no retraining, no new release); then the other checkpoints are pruned."""
 
 from __future__ import annotations
 
@@ -51,9 +49,8 @@ def _saved_run(row: Mapping[str, Any], plan: Any) -> str | None:
 def export_study(
     study_dir: str | Path, arm: str | None = None, out: str | Path | None = None, *, skip_missing: bool = False
 ) -> list[Path]:
-    """Write ``release/models/<arm>/`` (model.pt + model_card.json + model_card.md) for ``arm``
-    (default: every arm) of a finished study, from the stored checkpoints: no training, no
-    release. ``out``: another folder for the release (default: the study directory)."""
+    """Write ``release/models/<arm>/`` for ``arm`` (default every arm) of a finished study, from the stored
+    checkpoints; ``out``: another folder for the release."""
     d = Path(study_dir)
     base = Path(out) if out is not None else d
     cfg, plan, rows, _ = results.load_study(d)
@@ -163,9 +160,8 @@ def _card(
 
 
 def _public_data_id(desc: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The study's data description without the fingerprint of in-memory tensors: a hash of
-    the private training set would let anyone who knows every other example test whether one
-    example is in it (that voids differential privacy); it stays in the owner-only store."""
+    """The data description without the in-memory tensors' fingerprint: a hash of the private training
+    set would allow membership tests; it stays in the owner-only store."""
     out = dict(desc or {})
     if "python_tensors" in out:
         out["python_tensors"] = "in-memory tensors (not identified: their hash would reveal the data)"

@@ -1,8 +1,5 @@
-"""``plan_study``: every run of a study, planned before any training by the arms' tuning methods.
-
-Each private strategy arm is planned at each ε of the budget by its method (``tune.methods``); a
-non-private arm (e.g. ``nodp``) is planned once, as the baseline.
-"""
+"""``plan_study``: every run of a study, planned before any training by the arms' tuning methods (each
+private arm at each ε, a non-private arm once as the baseline)."""
 
 from __future__ import annotations
 
@@ -29,10 +26,8 @@ if TYPE_CHECKING:
 def plan_study(
     study: Study, n_train: int, n_val: int, metric: str, coins: theory.SecretCoins | None = None
 ) -> StudyPlan:
-    """Plan every run of ``study``: a pure function of the study and the data sizes, except
-    Liu–Talwar's and repeat-and-select's secret draws (K and the candidates' configurations),
-    which come from ``coins`` (default: the OS CSPRNG; ``theory.SecretCoins(seed)`` for a
-    reproducible search with a secret seed). The store keeps the plan, so resume reuses them."""
+    """Plan every run of ``study``: a pure function of the study and data sizes, except LT's and
+    repeat-and-select's secret draws from ``coins`` (default the OS CSPRNG), kept by the store for resume."""
     study.budget.check_delta(n_train)  # δ < 1/n: where a study's δ and n first meet
     b = Builder(Context(study, n_train, n_val), coins)
     arms: list[ArmPlan] = []

@@ -1,10 +1,6 @@
-"""Liu–Talwar random stopping (Liu & Talwar 2019, Thm 3.4; Mohapatra et al.'s "LT").
-
-Candidates are drawn from the space until a γ-coin stops the search (at most T_max runs); each
-run is (ε₁, δ₁)-DP, and releasing ONLY the best candidate is (3ε₁ + 3√(2δ₁), √(2δ₁)·T_max + δ₂)-DP,
-a closed form. K and the candidates are secret draws (``theory.SecretCoins``). Accountant of the
-runs: RDP under "auto" (δ₁ ~ 1e-15 is where PLD's tail truncation is unreliable).
-"""
+"""Liu–Talwar random stopping (Liu & Talwar 2019, Thm 3.4; Mohapatra et al.'s "LT"): candidates until a
+γ-coin stops (≤ T_max), each run (ε₁, δ₁)-DP, releasing only the best. K and the candidates are secret
+draws; the runs' accountant is RDP under "auto" (PLD's tails are unreliable at δ₁ ~ 1e-15)."""
 
 from __future__ import annotations
 
@@ -46,9 +42,8 @@ class LiuTalwarOptions:
 
 
 def check_lt_selection_budget(shape: Shape, unit: int, lt: theory.LTParams, acc: str, what: str) -> None:
-    """Liu–Talwar with private selection: each candidate gets only (ε₁, δ₁) (ε₁ ≈ ε/3), and its
-    noisy validation scores are part of it. Scores that alone spend ε₁ leave no ν that works; say
-    so, with a noise level for the scores that leaves half of ε₁ to training."""
+    """Private selection under LT: a candidate's noisy scores share its (ε₁, δ₁); if they alone
+    spend ε₁, say so, with a score noise that leaves half of ε₁ to training."""
     if shape.eval_nu is None or shape.n_evals == 0:
         return
 

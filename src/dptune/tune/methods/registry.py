@@ -1,9 +1,5 @@
-"""The table of tuning methods: name → method, and the aliases of each name.
-
-It imports nothing of ``tune`` (``tune.spec`` validates a study through it, and the methods plan
-with modules that name ``Study``), so its entries are typed loosely. A method whose guarantee
-keeps the number of runs secret is declared to ``dptune.outputs`` here.
-"""
+"""The table of tuning methods: name → method, and aliases. Imports nothing of ``tune`` (``tune.spec``
+validates through it), so entries are typed loosely."""
 
 from __future__ import annotations
 
@@ -23,9 +19,8 @@ def names() -> tuple[str, ...]:
 
 
 def register(cls: type, *, builtin: bool = False) -> type:
-    """Make a ``TuningMethod`` subclass available under ``cls.name`` (and ``cls.aliases``) to study
-    files, ``MethodSpec`` and the planner. Returns ``cls``: usable as a class decorator.
-    ``builtin``: dptune's own methods, which ``unregister`` refuses to remove."""
+    """Make a ``TuningMethod`` subclass available under ``cls.name`` and ``cls.aliases``; returns ``cls`` (a class
+    decorator). ``builtin``: dptune's own, which ``unregister`` refuses to remove."""
     name = getattr(cls, "name", "")
     aliases = tuple(getattr(cls, "aliases", ()))
     for key in (name, *aliases):  # looked up lower-cased and stripped
