@@ -1,24 +1,7 @@
-"""What dptune publishes: **release** (covered by the guarantee) vs **diagnostics** (not DP).
-
-Every output folder of dptune has two parts (derivation and the per-output table in
-docs/privacy.md, "What the published outputs contain"):
-
-* ``release/``: what the (ε, δ) guarantee covers and may be published: the selected
-  configuration of each tuning procedure, its metrics (selection score on the public split,
-  or noisy through the gateway in private mode; the metric on the public test split), the
-  guarantee (ε, δ, accountant, selection mode, scope), the ledger's totals (spent ε, δ), the
-  C_t/ρ_t trajectories of the *selected* runs (post-processing of their noisy releases), and
-  data-independent theory (noise split, LT-vs-MA cost);
-* ``diagnostics/``: everything else, each file labelled ``NOT_DP_LABEL``: every candidate's
-  result (the losers of a Liu–Talwar / repeat-and-select search are not covered), per-run
-  ledgers and run counts (they reveal K, the number of runs drawn), the realised Poisson batch
-  sizes and the loss on the private batch (computed in the clear), run times.
-
-Labels: a diagnostics CSV starts with the comment line ``# NOT_DP_LABEL ...``; a diagnostics
-JSON has a top-level ``"privacy"`` field; a diagnostics HTML page and section carry a red
-banner; the folder has a ``README.txt``. Output paths are checked before any work
-(``check_output_file``, ``check_output_dir``, ``train_output_paths``, ``check_data_dir``).
-"""
+"""What dptune publishes: **release** (covered by the guarantee) vs **diagnostics** (not DP, each file
+labelled ``NOT_DP_LABEL``: a CSV comment line, a JSON ``"privacy"`` field, a red HTML banner, a folder
+README.txt). What each holds: docs/privacy.md, "What the published outputs contain". Output paths are
+checked before any work."""
 
 from __future__ import annotations
 
@@ -403,11 +386,8 @@ SEED_NOTE = (
 def train_outputs(
     result: Any, *, seed: int | None = None, selection_split: str | None = None, **context: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(release, diagnostics) dicts of one ``TrainResult`` (``dptune train``'s JSON files; the field
-    list: docs/privacy.md, "Private by default"). Release (labelled for a non-private run): the
-    summary, ledger totals and C_t/ρ_t trajectory, the evaluations only on public evaluation data,
-    no run time, no seed. Diagnostics: the seed, the full history and ledger, the run time and the
-    metrics on private evaluation data. ``context`` (e.g. dataset, model) goes to both."""
+    """(release, diagnostics) dicts of one ``TrainResult`` (fields: docs/privacy.md, "Private by default"):
+    evaluations in the release only on public evaluation data, no run time, no seed; ``context`` goes to both."""
     summary = dict(result.summary())
     seconds = summary.pop("seconds", None)  # timing: a side channel on the realised batch sizes
     # Metrics on evaluation data not declared public were computed in the clear: the owner's only.

@@ -4,7 +4,6 @@ is a pure function of the ``DataSpec`` and seed, cached per process."""
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from dptune import data as datasets
 from dptune.errors import ConfigError
 from dptune.factories import call_factory, import_factory
 from dptune.models import MODELS
-from dptune.own import as_pair, load_data
+from dptune.own import as_pair, factory_kwargs, load_data
 from dptune.release.sampling import stream_seed
 from dptune.task import check_labels
 from dptune.tune.spec import DataSpec, ModelSpec, SelectionSpec
@@ -141,11 +140,7 @@ def build_model(spec: ModelSpec, data: StudyData, seed: int) -> torch.nn.Module:
     else:
         # A factory is imported in this process (every executor's worker): its module must be on the path.
         ctor = import_factory(spec.factory, "model.factory") if spec.factory is not None else MODELS[spec.name]
-        params = inspect.signature(ctor).parameters
-        if "input_dim" in params and "input_dim" not in opts:
-            opts["input_dim"] = math.prod(data.input_shape)
-        if "classes" in params and "classes" not in opts and data.num_classes is not None:
-            opts["classes"] = data.num_classes
+        opts = factory_kwargs(ctor, math.prod(data.input_shape), data.num_classes, opts)
     torch.manual_seed(int(seed))
     if spec.factory is not None:
         return call_factory(ctor, spec.factory, "model factory", **opts)

@@ -1,21 +1,7 @@
-"""Update rules: how released gradients move the parameters (pure post-processing).
-
-An update rule sees ``Released`` values only (``dptune.release.privatizers``), never the batch or a
-per-sample gradient, so whatever it does costs no privacy. Each is an optax-style transform
-with explicit state: ``init(params, run) -> state``, ``update(params, state, released) ->
-(params, state, metrics)``, ``rate(state)`` (its current learning rate, public) and an
-optional ``finalize`` (a free step after training).
-
-* ``SGD(lr, momentum)``: heavy ball m ← μm + g̃, θ ← θ − lr·m (PyTorch convention);
-* ``Adam(lr, β₁, β₂, ε)``: Kingma & Ba with bias correction;
-* ``AdamWOSM(α, β₁)``: Adam without second moment at the effective step size
-  α/(νC/L + 1e-8) (Mohapatra et al. 2022, Algorithm 2);
-* ``OSORate(lr, lr_lr, rule)``: heavy ball whose ρ is learned online by the hypergradient
-  sign rule (Galli et al. 2024, Alg. 1 line 15);
-* ``ADADP``: step size adapted by one full step against two half steps (Koskela & Honkela 2020);
-* ``Averaged(rule, average)``: any rule, evaluated and returned as the EMA or SWA of its iterates
-  (post-processing of the iterates: no privacy cost). Not a named part: DP-GD exposes it.
-"""
+"""Update rules: how released gradients move the parameters (pure post-processing: a rule sees
+``Released`` values only, never the batch). Optax-style: ``init(params, run) -> state``,
+``update(params, state, released) -> (params, state, metrics)``, ``rate(state)`` (public) and an optional
+``finalize`` (a free step after training). Equations and sources: docs/strategies.md."""
 
 from __future__ import annotations
 
@@ -101,13 +87,9 @@ class UpdateRule(ABC):
 
 @dataclass(frozen=True)
 class SGD(UpdateRule):
-    """m_t = μ·m_{t−1} + g̃_t;  θ_{t+1} = θ_t − lr·m_t  (μ = 0: SGD). ``final_step``: one more
-    step θ ← θ − lr·m_T after training (Panda et al. §A.3, "a step for free").
-
-    ``lr=None``: the linear-scaling default lr_t = r·(1 − μ)/(C_t·T), r = ``SGD_STEP_BUDGET``
-    grown at low noise (``noise_scaled_budget``), with C_t the release's clipping threshold (1
-    without clipping) and T the planned steps: the
-    effective step lr_t·C_t/(1 − μ) = r/T stays fixed when an adaptive privatizer moves C_t."""
+    """m_t = μ·m_{t−1} + g̃_t;  θ_{t+1} = θ_t − lr·m_t; ``final_step``: θ ← θ − lr·m_T after training
+    (Panda §A.3). ``lr=None``: the linear-scaling default lr_t = r·(1 − μ)/(C_t·T) (``SGD_STEP_BUDGET``, grown
+    at low noise), so the effective step r/T stays fixed when an adaptive privatizer moves C_t."""
 
     lr: float | None = 0.1
     momentum: float = 0.0
@@ -204,13 +186,8 @@ class Adam(UpdateRule):
 
 @dataclass(frozen=True)
 class AdamWOSM(UpdateRule):
-    """First moment only, with bias correction, at the effective step size (ESS):
-      lr = α / (σ/L + 10⁻⁸),  σ = ν_g·C        (Algorithm 2 line 3: the std of g̃'s noise, which
-                                               is ν·C for a fixed C; of the first step's release)
-      m_t = β₁ m_{t−1} + (1−β₁) g̃_t;  θ_t = θ_{t−1} − lr · m_t / (1−β₁ᵗ)
-    Algorithm 2 line 8 divides by the realised |L_t|; dptune divides by the expected L.
-    With an adaptive privatizer (quantile, oso) σ is that of the first step (ν_g·C₀): the ESS is
-    fixed for the run, as in the paper, where C is."""
+    """Adam's bias-corrected first moment at the effective step size lr = α / (ν_g·C/L + 10⁻⁸)
+    (Mohapatra et al. 2022, Algorithm 2), σ of the first step's release: fixed for the run."""
 
     alpha: float | None = 1e-3  # None: the linear-scaling default α = r/T, r = ADAM_STEP_BUDGET
     beta1: float = 0.9
@@ -255,11 +232,8 @@ MIN_RATE = 1e-12  # ρ stays a valid (positive) learning rate under the additive
 
 @dataclass(frozen=True)
 class OSORate(UpdateRule):
-    """Heavy ball with ρ learned online (Galli et al. 2024, Alg. 1 line 15; eq. 21 writes q̃: typo):
-      θ_{t+1} = θ_t − ρ_t m_t,  m_t = μ m_{t−1} + g̃_t
-      ρ_{t+1} = ρ_t · exp(ρ_r · sign(g̃_tᵀ m_{t−1}))     (= g̃_tᵀ g̃_{t−1} at μ = 0)
-    ∂θ_t/∂ρ_{t−1} = −m_{t−1}, hence m in the rule. ``additive``: ρ + ρ_r ρ g̃ᵀm (floored at
-    1e-12); ``normalized``: ρ(1 + ρ_r cos(g̃_t, m_{t−1})). ``adapt_lr=False``: ρ stays ρ₀."""
+    """Heavy ball with ρ learned online (Galli et al. 2024, Alg. 1 line 15): ρ_{t+1} = ρ_t · exp(ρ_r ·
+    sign(g̃_tᵀ m_{t−1})); ``additive``/``normalized`` variants; ``adapt_lr=False``: ρ stays ρ₀."""
 
     lr: float | None = None  # ρ₀; None → linear scaling, 200·(1 − μ)/(C₀·T) (C₀: the first release's C)
     lr_lr: float | None = None  # ρ_r; None → OSO_LOG_RANGE / T (horizon-aware)
@@ -314,17 +288,8 @@ def extrapolation_error(full: Tensors, halves: Tensors) -> float:
 
 @dataclass(frozen=True)
 class ADADP(UpdateRule):
-    """Step size η adapted by comparing one full step with two half steps (Koskela & Honkela,
-    AISTATS 2020); each gradient is a fresh release, so a cycle takes two steps:
-
-    odd step, released g₀ at θ₀:   θ₁ = θ₀ − η g₀ (kept aside);  θ_{½} = θ₀ − (η/2) g₀ (applied)
-    even step, released g_{½} at θ_{½}:   θ₂ = θ_{½} − (η/2) g_{½}
-        err = ‖(θ₁ − θ₂) / max(1, |θ₁|)‖₂;   η ← η · min(max(s·sqrt(τ/err), α_min), α_max)
-        θ ← θ₂ if err ≤ τ (or ``reject=False``), else θ ← θ₀ (the pair of half steps is undone)
-
-    τ defaults to sqrt(d / (2T)) (Mohapatra et al. A.1). The choices where the sources are
-    loose follow the authors' code; ``dptune.strategies.ADADP`` lists them.
-    """
+    """Step size η adapted by one full step against two half steps (Koskela & Honkela, AISTATS 2020), each
+    gradient a fresh release; τ defaults to sqrt(d / (2T)). Equations and choices: docs/strategies.md."""
 
     lr: float = 1e-3  # η₀
     tolerance: float | None = None  # τ; None → sqrt(d / (2T))
@@ -429,22 +394,9 @@ def swa_first_step(swa_start: float, steps: int) -> int:
 
 @dataclass(frozen=True)
 class Averaged(UpdateRule):
-    """Any update rule, with the *average of its iterates* as the parameters a run evaluates and
-    returns (De et al. 2022: EMA; Izmailov et al. 2018: SWA; Panda et al. 2024 §A.5, Fig. 11):
-
-      ``ema``: θ̄_t = Σ_{s≤t} β^{t−s} θ_s / Σ_{s≤t} β^{t−s}   (bias-corrected EMA, θ̄_1 = θ_1;
-               computed as θ̄_t = θ̄_{t−1} + w_t (θ_t − θ̄_{t−1}), w_t = (1 − β)/(1 − β^t))
-      ``swa``: θ̄_t = mean(θ_s : s₀ ≤ s ≤ t),  s₀ = ⌊swa_start·T⌋ + 1  (before s₀: θ̄_t = θ_t)
-
-    θ_t is the rule's iterate after step t; the iterates keep following the rule (the gradient is
-    always taken at θ_t, never at θ̄_t). A rule whose ``finalize`` moves the parameters (SGD's
-    free step, Panda §A.3) yields one more iterate θ_{T+1}, averaged like the others.
-
-    Privacy: none spent. θ̄ is a deterministic function of the iterates θ_1..θ_T, and each θ_t
-    is a function of the released (noisy) values only (an update rule never sees the data), so
-    θ̄ is post-processing of the run's releases: same ledger, same (ε, δ). The weights (β, s₀)
-    are functions of the planned T (public).
-    """
+    """Any update rule, with the EMA or SWA *of its iterates* as the parameters a run evaluates and returns
+    (Panda et al. 2024 §A.5); the iterates keep following the rule. No privacy spent: post-processing of the
+    run's releases, with weights a function of the planned T (docs/strategies.md)."""
 
     rule: UpdateRule
     average: Average = "ema"
