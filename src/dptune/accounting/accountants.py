@@ -1,8 +1,5 @@
-"""ε(δ) of an event: RDP and PLD from ``dp_accounting``, exact μ-GDP from ``gdp``; PLD's cost guards.
-
-No accountant is hand-rolled. Every ε dptune reports comes from ``epsilon`` (or its memoised
-``epsilon_cached``) at the accountant's default precision.
-"""
+"""ε(δ) of an event: RDP and PLD from ``dp_accounting``, exact μ-GDP from ``gdp``, PLD's cost guards.
+Every ε dptune reports comes from ``epsilon`` (or ``epsilon_cached``)."""
 
 from __future__ import annotations
 

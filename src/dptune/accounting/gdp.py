@@ -1,8 +1,5 @@
-"""Exact μ-GDP: the trade-off of Dong, Roth & Su (2019), Corollary 2.13.
-
-Used only for unsampled (full-batch, q = 1) Gaussian mechanisms, where it is exact: a
-composition of Gaussians of multipliers ν_i is μ-GDP with μ = sqrt(Σ ν_i⁻²).
-"""
+"""Exact μ-GDP (Dong, Roth & Su 2019, Cor. 2.13), used only for unsampled Gaussians: a composition of
+multipliers ν_i is μ-GDP with μ = sqrt(Σ ν_i⁻²)."""
 
 from __future__ import annotations
 

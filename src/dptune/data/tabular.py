@@ -87,11 +87,8 @@ def describe_schema(header: list[str], label: str, decl: Mapping[str, Any], clas
 
 
 def load_csv(csv: str, *, label: str, test: str | None = None, schema: str | None = None, **declared: Any) -> Dataset:
-    """The file ``csv`` (and ``test``, a CSV with the same header) as a classification ``Dataset``.
-
-    ``declared``: ``numeric`` ({col: [lo, hi]}), ``categories`` ({col: [...]}) and ``labels`` ([...]), over
-    those of the TOML file ``schema``. Without ``test`` the test split is empty. A bad file is a ``DataError``.
-    """
+    """The file ``csv`` (and ``test``, same header; else an empty test split) as a classification ``Dataset``;
+    ``declared`` ``numeric``/``categories``/``labels`` over the TOML ``schema``'s. A bad file is a ``DataError``."""
     try:
         decl = {**(tomllib.loads(Path(schema).read_text(encoding="utf-8")) if schema else {}), **declared}
     except (OSError, tomllib.TOMLDecodeError) as exc:

@@ -1,10 +1,5 @@
-"""``dptune.report``: figures, CSVs and one self-contained HTML page per study.
-
-The page builder takes plain data (lists of small dataclasses or dicts) and writes files; it
-never needs the tuner. ``report_study(study_dir)`` reports a study stored by ``dptune.tune``;
-``build_report`` builds the page from your own rows (one ``ReportInputs``); ``figures`` has one
-function per figure (docs/reports.md).
-"""
+"""``dptune.report``: figures, CSVs and one self-contained HTML page per study, from plain rows (never the
+tuner): ``report_study(study_dir)``, ``build_report`` (one ``ReportInputs``), ``figures`` (docs/reports.md)."""
 
 from dptune.report import figures
 from dptune.report.build import ReportInputs, build_report, ledger_rows_from_ledger

@@ -1,7 +1,5 @@
-"""What a team reads first in a study's report (release): the selected model with its guarantee,
-its learning curve and what was tried. Everything here is the tuner's selection and metric, the
-public plan (search space, runs, ν) and the ledger's totals; the score of every candidate stays in
-the diagnostics (docs/privacy.md)."""
+"""What a team reads first in a study's report: the selected model with its guarantee, its learning curve
+and what was tried; candidates' scores stay in the diagnostics (docs/privacy.md)."""
 
 from __future__ import annotations
 

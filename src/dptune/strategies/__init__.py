@@ -1,7 +1,5 @@
-"""Training strategies: a privatizer (``dptune.release.privatizers``) followed by an update rule
-(``dptune.updates``). The named ones (``named``) are recipes over ``chain``; any other pair is
-available by name as ``"<privatizer>+<update>"`` (``make_strategy("oso+adam", lr=1e-3)``) or as
-``chain(OSOClip(), Adam(lr=1e-3))``. Adding a named strategy: one ``@recipe`` class in ``named``."""
+"""Training strategies: a privatizer then an update rule. The named ones are ``@recipe`` classes over
+``chain`` (``named``); any other pair by name, ``"<privatizer>+<update>"``, or ``chain(OSOClip(), Adam())``."""
 
 from __future__ import annotations
 

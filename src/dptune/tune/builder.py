@@ -81,9 +81,8 @@ class Builder:
         nu: float,
         replicates: Iterable[int] | None = None,
     ) -> list[str]:
-        """Add one candidate's runs, one per seed of ``replicates`` (default: the procedure's,
-        ``replicates_for``), with the arm's fixed values added to ``config`` (None: configured
-        later, ``TuningMethod.resolve``). Returns their run ids."""
+        """Add one candidate's runs, one per seed of ``replicates`` (default ``replicates_for``), the arm's
+        fixed values added to ``config`` (None: resolved later); returns their run ids."""
         reps = replicates_for(self.ctx.study, procedure) if replicates is None else replicates
         full = None if config is None else {**dict(arm.fixed), **config}
         return [self.add(arm_id, stage, index, procedure, r, full, shape, nu).run_id for r in reps]

@@ -11,10 +11,8 @@ from dptune.tune.records import StudyPlan
 
 
 def plan_groups(plan: StudyPlan, size: int, unresolved: Collection[str] | None = None) -> dict[str, tuple[str, ...]]:
-    """run_id → its group: the runs of one arm and stage in plan order (adaptive stages: of one
-    procedure), in chunks of ``size``. ``unresolved``: the runs planned without a configuration
-    (default: those still without one); a coordinator passes the set it was planned with, so a
-    resumed study is grouped as a fresh one."""
+    """run_id → its group: the runs of one arm and stage (adaptive: of one procedure) in plan order, in chunks
+    of ``size``; ``unresolved``: the set planned without a configuration, so a resumed study groups alike."""
     out: dict[str, tuple[str, ...]] = {}
     keyed: dict[tuple[Any, ...], list[str]] = {}
     for rid, r in plan.runs.items():

@@ -1,10 +1,5 @@
-"""Run shapes: what the accountant needs to know about a planned run, apart from its ν.
-
-``make_shape``: a configuration → its strategy, q, T (``run_geometry``) and evaluation schedule
-(private selection: each evaluation a Gaussian release); ``Shape.event(ν)`` is the run's planned
-``DpEvent`` and ``Shape.plan(ν)`` its ``RunPlan``; ``snap`` makes the strategy's releases carry exactly the
-calibrated ν (``release.context.snap_noise``, as ``dptune.plan_run``).
-"""
+"""Run shapes: what the accountant needs to know about a planned run apart from its ν (``make_shape``:
+strategy, q, T, evaluation schedule); ``Shape.event(ν)``, ``Shape.plan(ν)`` and ``snap`` (as ``plan_run``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Search spaces: grids (cartesian products of lists) and seeded random draws.
-
-The tuner's random draws come from ``rng_for(study_seed, name)``, so planning is a pure function
-of the study (never of the data), the same on every machine; except Liu–Talwar's and
-repeat-and-select's, which must be secret (``theory.SecretCoins``).
-"""
+"""Search spaces: grids and seeded random draws (``rng_for(study_seed, name)``: planning is a pure function
+of the study, never of the data), except Liu–Talwar's and repeat-and-select's, which are secret."""
 
 from __future__ import annotations
 

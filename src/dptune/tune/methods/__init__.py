@@ -1,8 +1,5 @@
-"""Tuning methods as plug-ins: one ``TuningMethod`` subclass per file, registered by name: grid,
-random, online and oracle (``composition``), liu-talwar, repeat-and-select, linear-scaling. Their
-runs and guarantees: the table in docs/tuning.md. Adding a method ("Adding a tuning method"):
-subclass ``base.TuningMethod`` in a file of your own and ``register`` the class.
-"""
+"""Tuning methods as plug-ins, one ``TuningMethod`` subclass per file, registered by name (table and how to
+add one: docs/tuning.md)."""
 
 from __future__ import annotations
 

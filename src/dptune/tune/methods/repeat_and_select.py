@@ -1,9 +1,5 @@
-"""Repeat-and-select (Papernot & Steinke 2022): a random number K of runs, only the best released.
-
-K is drawn from a truncated negative binomial family (Poisson, geometric, logarithmic, or a
-shape η), K and the candidates secretly (``theory.SecretCoins``); the guarantee is dp_accounting's
-``RepeatAndSelectDpEvent(run, mean, shape)``, which only RDP accounts.
-"""
+"""Repeat-and-select (Papernot & Steinke 2022): a secret random number K of runs from a truncated negative
+binomial family, only the best released; ``RepeatAndSelectDpEvent``, which only RDP accounts."""
 
 from __future__ import annotations
 
