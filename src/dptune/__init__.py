@@ -1,9 +1,5 @@
-"""dptune: differentially private training and honest hyperparameter tuning.
-
-The public API is imported lazily (PEP 562): ``import dptune`` (and so the ``dptune`` command,
-``--help`` included) does not pay for torch, scipy or dp_accounting until a name that needs them
-is used. ``dptune.train``, ``from dptune import make_private`` etc. work as before.
-"""
+"""dptune: differentially private training and honest hyperparameter tuning. The public API is imported
+lazily (PEP 562): ``import dptune`` and ``dptune --help`` do not load torch, scipy or dp_accounting."""
 
 from __future__ import annotations
 
@@ -132,12 +128,8 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """``dptune.train`` is the function, not the submodule of the same name.
-
-    Importing a submodule sets it as an attribute of its package; ``import dptune.train`` (done
-    inside dptune) would then shadow the public function. The eager package won that race by
-    importing first; the lazy one drops that one assignment instead.
-    """
+    """``dptune.train`` is the function, not the submodule: importing a submodule would set it as the
+    package's attribute; this lazy package drops that one assignment."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(value, types.ModuleType) and name in _LAZY and value.__name__ == f"{__name__}.{name}":

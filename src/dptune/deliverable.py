@@ -107,9 +107,8 @@ def write_model(directory: str | Path, state: Mapping[str, torch.Tensor], card: 
 
 
 def reload_code(folder: str, ident: Mapping[str, Any]) -> str:
-    """The card's code that loads the model back: a built-in is rebuilt from the card; your model
-    is built by your code, shown as ``model=`` (``trust_factory=True`` would run the code the card
-    names, which anyone who can edit the card chooses)."""
+    """The card's code that loads the model back: a built-in from the card, your model via ``model=`` (never
+    ``trust_factory=True``: the card, and so the code it names, can be edited by anyone)."""
     if "name" in ident:
         return f"import dptune\nmodel, card = dptune.load_model({folder!r})"
     path, args = ident.get("factory") or ident.get("builder") or ident.get("class") or "", ident.get("kwargs")

@@ -132,9 +132,8 @@ def named(path: str, what: str = "selection.metric") -> Metric:
 
 
 def resolve(metric: Any, default: str | None = None, what: str = "metric") -> Metric:
-    """``metric`` as a ``Metric``: a built-in name (``accuracy``, ``mse``), ``"pkg.module:NAME"``
-    naming a ``dptune.Metric``, a ``Metric``, or a bare callable (higher is better, no
-    sensitivity). None means ``default``."""
+    """``metric`` as a ``Metric``: a built-in name, ``"pkg.module:NAME"``, a ``Metric``, or a bare callable
+    (higher is better, no sensitivity); None means ``default``."""
     if metric is None and default is not None:
         metric = default
     if isinstance(metric, Metric):

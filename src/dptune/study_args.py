@@ -1,6 +1,5 @@
-"""A study command's arguments checked before torch loads (``dptune tune``/``resume``/``status``/
-``report``/``export``): the executor, its workers and address, the study file or folder. Imports
-nothing heavy: an error in a fraction of a second."""
+"""A study command's arguments (executor, workers, address, study file or folder) checked before torch
+loads: an error in a fraction of a second."""
 
 from __future__ import annotations
 

@@ -12,9 +12,8 @@ Tensors = dict[str, torch.Tensor]
 
 
 class Accumulated(dict[str, torch.Tensor]):
-    """A weighted sum over examples: its values in the parameters' dtypes (rounded to nearest),
-    ``wide`` the float64 accumulators they were rounded from. The gateway adds the noise to
-    ``wide`` and rounds only then (docs/privacy.md, item 1b)."""
+    """A weighted sum over examples in the parameters' dtypes, with ``wide`` the float64 accumulators: the
+    gateway adds the noise to ``wide`` and rounds only then (docs/privacy.md, item 1b)."""
 
     def __init__(self, wide: Tensors, dtypes: dict[str, torch.dtype]):
         super().__init__({k: v if v.dtype == dtypes[k] else v.to(dtypes[k]) for k, v in wide.items()})
@@ -89,9 +88,8 @@ def ema(beta: float, m: Tensors, alpha: float, x: Tensors) -> Tensors:
 
 
 def finite_flag(a: Tensors) -> torch.Tensor:
-    """A 0-dim bool tensor: are all entries of every tensor finite? Computed where the tensors
-    are, so reading it is one host sync on a GPU (``bool(...)``), not one per tensor: each sync
-    empties the kernel queue, and eight of them a step made one run's loop host-bound."""
+    """A 0-dim bool tensor: are all entries finite? Computed on the tensors' device, so reading it is one
+    host sync per step, not one per tensor."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for v in a.values():
         by_device.setdefault(v.device, []).append(torch.isfinite(v).all())

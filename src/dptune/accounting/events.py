@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Literal
 
 from dp_accounting import dp_event
 
 from dptune.errors import ConfigError
 
-AccountantName = Literal["rdp", "pld", "gdp"]
 ACCOUNTANTS: tuple[str, ...] = ("rdp", "pld", "gdp")
 
 MIN_SAMPLING_RATE = 1e-12  # below it the accountants' float arithmetic breaks down (dptune.release.sampling too)

@@ -216,9 +216,8 @@ def two_world_bound(
     selection_fraction: float = 0.5,
     seed: int = 0,
 ) -> TwoWorldBound:
-    """Two-world ε lower bound: (score, threshold) chosen on a random ``selection_fraction`` of each
-    world's trials, the Clopper–Pearson bound at ``confidence`` on the others. ``out_scores`` /
-    ``in_scores``: trials without / with the canary (higher = "member"), one array per candidate."""
+    """Two-world ε lower bound: (score, threshold) chosen on a ``selection_fraction`` of each world's
+    trials, the Clopper–Pearson bound on the others; ``out_scores``/``in_scores``: one array per candidate."""
     check_confidence(confidence)
     outs, ins = _score_arrays(out_scores), _score_arrays(in_scores)
     if len(outs) != len(ins) or not outs:

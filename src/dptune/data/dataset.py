@@ -15,12 +15,8 @@ Task = Literal["classification", "reconstruction"]
 
 @dataclass(frozen=True, eq=False, repr=False)
 class Dataset:
-    """A loaded, preprocessed dataset: float32 features, int64 labels (or ``y is x``).
-
-    For ``task == 'reconstruction'`` the targets are the inputs (``y_train is x_train``)
-    and ``num_classes`` is ``None``. ``notes`` lists the preprocessing and its caveats (every
-    built-in loader maps each example alone, with public constants: no statistic of the data).
-    """
+    """A loaded, preprocessed dataset: float32 features, int64 labels (``y_train is x_train`` and
+    ``num_classes`` None for reconstruction); ``notes``: preprocessing, each example mapped alone."""
 
     name: str
     x_train: torch.Tensor
@@ -57,11 +53,8 @@ def check_fraction(test_fraction: float) -> float:
 
 
 def split_indices(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """A seeded random train/test partition of ``range(n)``.
-
-    ``n_test = round(n * test_fraction)``; both index arrays are sorted so that the
-    examples keep their file order inside each split. Uses ``np.random.default_rng([seed, 0])``.
-    """
+    """A seeded (``default_rng([seed, 0])``) train/test partition of ``range(n)``, ``round(n * test_fraction)``
+    test examples, both sorted (file order kept)."""
     test_fraction = check_fraction(test_fraction)
     n_test = int(round(n * test_fraction))
     if n_test == 0 or n_test == n:

@@ -85,8 +85,7 @@ def best_counts(rows: Iterable[Mapping[str, Any]], higher_is_better: bool = True
 
 
 def pruned_grid(counts: Mapping[tuple[float, float], int], min_count: int = 1) -> list[tuple[float, float]]:
-    """Appendix G's pruned DP-SGD grid: the (α, C) cells that were the best candidate at least
-    ``min_count`` times (the paper keeps every cell that won at least once: "a generous pruning"),
+    """Appendix G's pruned DP-SGD grid: the (α, C) cells best at least ``min_count`` times (the paper: once),
     sorted by C then α."""
     return sorted((c for c, k in counts.items() if k >= min_count), key=lambda c: (c[1], c[0]))
 
@@ -343,9 +342,8 @@ def _theorem4_rows(
 
 
 def theorem4_section(out_dir: Path, stored: Sequence[tuple[Part, Any, list[dict[str, Any]]]]) -> list[Section]:
-    """Theorem 4 (appendix D) beside the selected DP-SGD step, for the convex (logistic regression)
-    parts: the theorem's α_opt·C per unit R at each ε's noise, the selected runs' α·C and the R that
-    makes them equal. Selected runs only (released by every tuning method): a release section."""
+    """Theorem 4 (appendix D) beside the selected DP-SGD step for the convex parts: α_opt·C per unit R, the
+    selected α·C and the R that equates them. Selected runs only: a release section."""
     rows, body = _theorem4_rows(out_dir, stored)
     if not rows:
         return []

@@ -218,9 +218,8 @@ def _results(p: _Pages) -> tuple[list[SummaryRow], list[SummaryRow]]:
 
 
 def _trajectories(p: _Pages, best: list[SummaryRow], baseline: list[SummaryRow]) -> None:
-    """The selected runs' C_t and ρ_t are post-processing of their noisy releases (release);
-    train_loss and batch_size are computed in the clear, and losing candidates are not covered
-    by LT/RS (diagnostics)."""
+    """Selected runs' C_t and ρ_t are post-processing (release); train_loss, batch_size and losing
+    candidates go to the diagnostics."""
     hs: list[RunHistory] = list(p.r.histories)
     if not hs:
         return
@@ -375,9 +374,8 @@ def _linear_scaling_section(p: _Pages, fit: LinearScalingFit | Mapping[str, Any]
 
 
 def _planned_lines(budgets: Sequence[Mapping[str, Any]]) -> list[tuple[float, str]]:
-    """The ledger figure's planned-ε lines of a study of several procedures: one per planned ε
-    (equal to 3 significant digits: calibrated plans differ in the last digits), at the largest,
-    naming how many procedures planned it."""
+    """The ledger figure's planned-ε lines: one per distinct planned ε (to 3 significant digits), naming how
+    many procedures planned it."""
     by_eps: dict[str, list[float]] = {}
     for b in budgets:
         pl = b.get("planned")

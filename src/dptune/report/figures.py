@@ -306,9 +306,7 @@ def noise_pareto(
 
 # ----------------------------------------------------------------------------- LT vs MA (Mohapatra Fig. 6)
 def ma_break_even(rows: Sequence[Any]) -> int | None:
-    """Largest k with ε_MA(k) ≤ ε_LT(k): the most candidates that composing every run (MA)
-    affords for the price of Liu–Talwar (Mohapatra App. F: 14 at n = 5k, 26 at n = 60k).
-    Same definition as ``dptune.tune.theory.lt_vs_ma(...).k_max``; None if MA never wins."""
+    """Largest k with ε_MA(k) ≤ ε_LT(k) (as ``theory.lt_vs_ma(...).k_max``; Mohapatra App. F), or None."""
     ks = [r.k for r in coerce_lt_ma(rows) if r.eps_ma <= r.eps_lt]
     return max(ks) if ks else None
 

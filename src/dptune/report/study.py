@@ -316,9 +316,8 @@ def every_configuration(
 
 
 def study_ledger_rows(plan: Any, entries: Iterable[Any], per_run: Sequence[Mapping[str, Any]]) -> list[LedgerRow]:
-    """Releases per (run, query label), with the run's ε alone and its planned ε alone
-    (``dptune.tune.results.budget_rows``; ε = ∞ for a non-private run), and the label's ν and q
-    (from its event; else the run's)."""
+    """Releases per (run, query label), with the run's ε and planned ε alone (``budget_rows``) and the
+    label's ν and q."""
     eps_alone = {r["run_id"]: r["epsilon_alone"] for r in per_run}
     planned = {r["run_id"]: r.get("planned_epsilon") for r in per_run}
     releases: dict[tuple[str, str], int] = defaultdict(int)
@@ -444,9 +443,8 @@ def _noise_cost(first: Mapping[str, Any], second: Mapping[str, Any], costs: Mapp
 
 
 def oso_joint_noise(plan: Any) -> dict[float, float]:
-    """ε → the joint ν at which the ν_g–ν_q Pareto figure (Galli Fig. 2) is drawn: the smallest ν
-    among the runs of the OSO arms at that ε (one value when they share it, as a grid's runs do;
-    the least noisy one when runs differ, e.g. per-procedure random draws). Part of the public plan."""
+    """ε → the joint ν of the Pareto figure (Galli Fig. 2): the smallest ν among the OSO arms' runs at that
+    ε. Part of the public plan."""
     out: dict[float, float] = {}
     for arm in plan.arms:
         if arm.strategy != "oso" or not math.isfinite(arm.epsilon):

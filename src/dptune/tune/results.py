@@ -117,9 +117,8 @@ def spent(arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[fl
 
 
 def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(per-run rows, per-(arm, query label) rows): where the budget went. Per run: its releases,
-    its ε *alone* and the ε its plan allows it alone (these do not add up to the study's ε); per
-    label: that query type's releases in the arm's accounted scope and their composed ε alone."""
+    """(per-run rows, per-(arm, query label) rows): each run's releases and its ε *alone* against its
+    planned ε alone (these do not add up); per label, its releases in the arm's scope and their ε alone."""
     _, plan, rows, entries = load_study(study_dir)
     status = {r["run_id"]: r["status"] for r in rows}
     by_run: dict[str, list[LedgerEntry]] = defaultdict(list)
@@ -243,9 +242,8 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def rerr_rows(rows: list[dict[str, Any]], higher: bool = True) -> list[dict[str, Any]]:
-    """Panda's RERR of every linear-scaling row against a ``random`` row (Panda's random search:
-    n = 1 at the full budget) and an ``oracle``/``grid`` row of the same optimizer and ε in the
-    same study (arms with distinct labels), when both exist."""
+    """Panda's RERR of every linear-scaling row against a ``random`` and an ``oracle``/``grid`` row of the same
+    optimizer and ε in the study, when both exist."""
     out = []
     for r in rows:
         if r["method"] != "linear-scaling" or r["value_mean"] is None:
@@ -357,9 +355,7 @@ def write_csvs(study_dir: str | Path) -> list[Path]:
 
 
 def metric_text(m: float | None, s: float | None, metric: str) -> str:
-    """``mean ± std`` in the metric's own unit (accuracy as a fraction in [0, 1], as in the CSV,
-    JSON and HTML outputs: docs/reports.md), the mean clipped to the metric's range (a noisy
-    private score can leave it)."""
+    """``mean ± std`` in the metric's unit (accuracy as a fraction), the mean clipped to the metric's range."""
     m = clip_to_range(m, metric)
     if m is None:
         return "—"
@@ -453,9 +449,8 @@ def _results_table(rows: Iterable[Mapping[str, Any]], metric: str, title: str | 
 
 
 def render_nonprivate(study_dir: str | Path, console: Any = None, *, table: list[dict[str, Any]] | None = None) -> bool:
-    """Print the non-private baseline arms' table (nodp, ε = ∞: exact scores of the private data)
-    under the label "not differentially private: for the data owner only"; nothing if the study
-    has none. Returns whether it printed."""
+    """Print the non-private baseline arms' table (exact scores) under the not-DP label; returns whether
+    it printed."""
 
     console = console or terminal_console()
     rows = [r for r in (table if table is not None else study_table(study_dir)) if is_nonprivate(r)]

@@ -20,9 +20,6 @@ from dptune.errors import ConfigError, config_error
 from dptune.strategies import STRATEGIES, make_strategy, strategy_signature
 from dptune.study_args import check_study_path
 from dptune.tune.methods.registry import get_method
-from dptune.tune.sections import ACCOUNTANT_CHOICES as ACCOUNTANT_CHOICES  # re-exported, as are the next two
-from dptune.tune.sections import METRICS as METRICS
-from dptune.tune.sections import SELECTION_MODES as SELECTION_MODES
 from dptune.tune.sections import BudgetSpec, DataSpec, MethodSpec, ModelSpec, SelectionSpec, StrategyArm, TrainingSpec
 from dptune.tune.space import TRAINING_KEYS
 

@@ -130,9 +130,7 @@ def _threads(n: int) -> Iterator[None]:
 
 
 class _RunJob:
-    """One planned run on the worker side: its ``RunLoop`` (the study's plan, scored by its
-    ``Scorer`` at the run's ``EvalSchedule``, best checkpoint kept) before training; its result
-    dict after."""
+    """One planned run on the worker side: its scored ``RunLoop`` before training, its result dict after."""
 
     def __init__(self, study: Study, strategy_name: str, run: RunSpec, metric: str, data: StudyData, task: OwnTask):
         self.t0 = time.perf_counter()
@@ -199,9 +197,8 @@ def _jobs(study: Study, names: list[str], runs: list[RunSpec], metric: str) -> t
 def execute_group(
     study: Study, strategy_names: list[str], run_dicts: list[dict[str, Any]], metric: str
 ) -> dict[str, Any]:
-    """Train a group of planned runs together (``dptune.vectorized.train_loops``): ``{"results": [...]}``,
-    each what ``execute_run`` would return up to float rounding (every run keeps its own seeds,
-    streams, gateway, ledger and scorer)."""
+    """Train a group of planned runs together (``train_loops``): ``{"results": [...]}``, each what
+    ``execute_run`` returns up to float rounding (own seeds, streams, gateway, ledger, scorer)."""
     runs = [_configured(d) for d in run_dicts]
     with _threads(study.threads_per_run):
         t0 = time.perf_counter()
