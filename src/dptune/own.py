@@ -1,17 +1,7 @@
-"""Your own data, loss and code: map-style datasets, DataLoaders and ``module:factory``.
-
-* ``MapSource``: any map-style dataset (``__len__`` + ``__getitem__``, e.g. a torch
-  ``Dataset``) read by index. A Poisson batch is the sorted indices of the sampler; each
-  example ``ds[i]`` is collated alone and the rows are concatenated, so no example changes
-  another's row (docs/your_data.md, "The collate contract"). A ``TensorDataset`` of two
-  tensors takes the in-memory fast path (``index_select``): the same batches for a seed.
-* ``from_dataloader``: the ``.dataset`` (and ``collate_fn``) of a ``DataLoader``; its sampler
-  and batch size are replaced by Poisson sampling (the accountant's assumption).
-* ``user_loss`` and ``check_loss``: the per-example loss contract, checked early on a tiny batch.
-* ``load_data`` and ``build_model``: call the user's data or model factory
-  (``"pkg.module:fn"``, imported by ``dptune.factories.import_factory``); ``as_pair`` and
-  ``data_shape`` read what the data factory returned.
-"""
+"""Your own data, loss and code: map-style datasets read by index (``MapSource``: each example collated
+alone, so no example changes another's row: docs/your_data.md, "The collate contract"), DataLoaders
+(``from_dataloader``: Poisson sampling replaces their sampler), the per-example loss contract
+(``user_loss``, ``check_loss``) and the user's data and model factories (``load_data``, ``build_model``)."""
 
 from __future__ import annotations
 

@@ -55,9 +55,31 @@ _UCI = "https://archive.ics.uci.edu/ml/machine-learning-databases/"
 _AG_NEWS = "https://raw.githubusercontent.com/mhjabreel/CharCnn_Keras/master/data/ag_news_csv/"
 
 
-def _idx_files(bases: tuple[str, ...], digests: dict[str, tuple[str, str]]) -> tuple[FileSpec, ...]:
-    """The original gzipped IDX files, each at every mirror of ``bases``: name -> (sha256, md5)."""
-    return tuple(FileSpec(n, tuple(b + n for b in bases), sha256=sha, md5=md5) for n, (sha, md5) in digests.items())
+_IDX_NAMES = (
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+)
+# (sha256, md5) of each of _IDX_NAMES
+_MNIST_IDX = (
+    ("440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609", "f68b3c2dcbeaaa9fbdd348bbdeb94873"),
+    ("3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c", "d53e105ee54ea40749a09fcbcd1e9432"),
+    ("8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6", "9fb629c4189551a2d022fa330f9573f3"),
+    ("f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6", "ec29112dd5afa0611ce80d1b7f02629c"),
+)
+_FASHION_IDX = (
+    ("3aede38d61863908ad78613f6a32ed271626dd12800ba2636569512369268a84", "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
+    ("a04f17134ac03560a47e3764e11b92fc97de4d1bfaf8ba1a3aa29af54cc90845", "25c81989df183df01b3e8a0aad5dffbe"),
+    ("346e55b948d973a97e58d2351dde16a484bd415d4595297633bb08f03db6a073", "bef4ecab320f06d8554ea6380940ec79"),
+    ("67da17c76eaffca5446c3361aaab5c3cd6d1c2608764d35dfb1850b086bf8dd5", "bb300cfdad3c16e7a12a480ee83cd310"),
+)
+
+
+def _idx_files(bases: tuple[str, ...], digests: tuple[tuple[str, str], ...]) -> tuple[FileSpec, ...]:
+    """The original gzipped IDX files (``_IDX_NAMES``), each at every mirror of ``bases``."""
+    names = zip(_IDX_NAMES, digests, strict=True)
+    return tuple(FileSpec(n, tuple(b + n for b in bases), sha256=sha, md5=md5) for n, (sha, md5) in names)
 
 
 _AG_NEWS_TEST = FileSpec(
@@ -88,24 +110,7 @@ DATASETS: dict[str, DatasetSpec] = {
             ),
             "idx": _idx_files(
                 _MNIST_BASES,
-                {
-                    "train-images-idx3-ubyte.gz": (
-                        "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
-                        "f68b3c2dcbeaaa9fbdd348bbdeb94873",
-                    ),
-                    "train-labels-idx1-ubyte.gz": (
-                        "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",
-                        "d53e105ee54ea40749a09fcbcd1e9432",
-                    ),
-                    "t10k-images-idx3-ubyte.gz": (
-                        "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
-                        "9fb629c4189551a2d022fa330f9573f3",
-                    ),
-                    "t10k-labels-idx1-ubyte.gz": (
-                        "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
-                        "ec29112dd5afa0611ce80d1b7f02629c",
-                    ),
-                },
+                _MNIST_IDX,
             ),
         },
     ),
@@ -128,24 +133,7 @@ DATASETS: dict[str, DatasetSpec] = {
             ),
             "idx": _idx_files(
                 _FASHION_BASES,
-                {
-                    "train-images-idx3-ubyte.gz": (
-                        "3aede38d61863908ad78613f6a32ed271626dd12800ba2636569512369268a84",
-                        "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
-                    ),
-                    "train-labels-idx1-ubyte.gz": (
-                        "a04f17134ac03560a47e3764e11b92fc97de4d1bfaf8ba1a3aa29af54cc90845",
-                        "25c81989df183df01b3e8a0aad5dffbe",
-                    ),
-                    "t10k-images-idx3-ubyte.gz": (
-                        "346e55b948d973a97e58d2351dde16a484bd415d4595297633bb08f03db6a073",
-                        "bef4ecab320f06d8554ea6380940ec79",
-                    ),
-                    "t10k-labels-idx1-ubyte.gz": (
-                        "67da17c76eaffca5446c3361aaab5c3cd6d1c2608764d35dfb1850b086bf8dd5",
-                        "bb300cfdad3c16e7a12a480ee83cd310",
-                    ),
-                },
+                _FASHION_IDX,
             ),
         },
     ),
