@@ -28,8 +28,7 @@ def numeric_range(what: str) -> Iterator[None]:
 def epsilon_rows(
     nu: float, q: float, steps: int, delta: float, runs: int, accountant: str
 ) -> Iterator[tuple[str, str]]:
-    """(accountant, ε) of T Poisson-sampled Gaussian steps (× runs), ε rounded up; ``accountant``:
-    rdp, pld, gdp or all (gdp at full batch only)."""
+    """(accountant, ε rounded up) of T Poisson-sampled Gaussian steps (× runs); ``accountant``: rdp|pld|gdp|all."""
     from dptune import accounting
 
     event = accounting.dpsgd_event(nu, q, steps, runs)

@@ -46,8 +46,7 @@ NOT_COVERED = (
 
 # ----------------------------------------------------------------------------- files
 def _atomic(path: Path, write: Any) -> Path:
-    """Write through a temporary file in the same folder, then ``os.replace``: a crash leaves
-    the old file or the new one, never half a file under the final name."""
+    """Write through a temporary file then ``os.replace``: a crash never leaves half a file under the name."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

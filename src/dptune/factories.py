@@ -46,8 +46,7 @@ def import_factory(path: str, what: str = "factory", require_callable: bool = Tr
 
 
 def call_factory(fn: Any, path: str, what: str, **kwargs: Any) -> Any:
-    """``fn(**kwargs)`` for your factory ``path``: options it does not take, and its exceptions, are one
-    ConfigError naming it (the original chained)."""
+    """``fn(**kwargs)`` for your factory ``path``: any error of it is one ConfigError naming it (chained)."""
     try:
         inspect.signature(fn).bind(**kwargs)
     except TypeError as exc:

@@ -161,16 +161,14 @@ def better(a: float, b: float, higher: bool) -> bool:
 
 
 def higher_is_better(metric: Any) -> bool:
-    """The direction of a metric: a name of the table (``loss`` included), ``"pkg.module:NAME"``,
-    a ``Metric`` or a callable."""
+    """The direction of a metric: a table name (``loss`` too), a ``"pkg.module:NAME"``, a ``Metric``, a callable."""
     if isinstance(metric, str) and metric in HIGHER_IS_BETTER:
         return HIGHER_IS_BETTER[metric]
     return resolve(metric).higher_is_better
 
 
 def batches(x: Any, y: torch.Tensor, size: int | None = None) -> Iterator[tuple[Any, torch.Tensor]]:
-    """(x, y) in consecutive batches of ``size`` rows (default ``EVAL_BATCH``); x may be a
-    tuple/dict of tensors (``dptune.inputs``)."""
+    """(x, y) in consecutive batches of ``size`` rows (default ``EVAL_BATCH``); x may be a tuple/dict of tensors."""
     from dptune import inputs
 
     size = size or EVAL_BATCH
@@ -250,8 +248,7 @@ def mean_scores(
     *,
     trials: int | None = None,
 ) -> list[float]:
-    """The metric (mean score) of one parameter set, or of each of ``trials`` stacked ones; NaN
-    without data."""
+    """The metric (mean score) of one parameter set, or of each of ``trials`` stacked ones; NaN without data."""
     sums, n = score_sums(forward, data, metric, trials=trials)
     return [s / n if n else math.nan for s in sums]
 

@@ -225,8 +225,7 @@ def wrap_to_terminal(text: str) -> str:
 
 @contextlib.contextmanager
 def resume_hint(study_dir: Path, say: Callable[[str], None]) -> Iterator[None]:
-    """Ctrl-C in ``dptune tune`` or ``resume``: ``say`` how to continue (finished runs are kept), then
-    exit with 130, the shell's code for SIGINT."""
+    """Ctrl-C in ``dptune tune``/``resume``: ``say`` how to continue, then exit with 130 (SIGINT's code)."""
     try:
         yield
     except KeyboardInterrupt:
@@ -281,8 +280,7 @@ def epsilon_text(eps: float) -> str:
 
 
 def public_run_name(arm: Any, run: Mapping[str, Any]) -> str:
-    """A selected run's name in the release: procedure and seed replicate, not the run id
-    (whose candidate index bounds K from below)."""
+    """A selected run's release name: procedure and seed replicate, never the run id (it bounds K from below)."""
     return f"{arm.label} @ ε = {epsilon_text(arm.epsilon)}, procedure {run['procedure']}, replicate {run['replicate']}"
 
 
@@ -427,8 +425,7 @@ def train_outputs(
 
 
 def train_table_rows(result: Any, release: Mapping[str, Any], target: float | None) -> list[tuple[str, Any]]:
-    """``dptune train``'s table of one ``TrainResult`` and its ``train_outputs`` release: what the
-    release says, with the rows on a private test split labelled."""
+    """``dptune train``'s table: what the ``train_outputs`` release says, rows on a private test split labelled."""
     from dptune import accounting
 
     plan, delta = result.plan, result.delta

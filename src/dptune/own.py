@@ -26,8 +26,7 @@ def is_map_style(data: Any) -> bool:
 
 
 class MapSource:
-    """Examples of a map-style dataset, gathered by index into (x, y) batches; x a tensor, or a tuple/dict of
-    tensors for several inputs (``dptune.inputs``)."""
+    """Examples of a map-style dataset gathered by index into (x, y) batches (x may be a tuple/dict of tensors)."""
 
     def __init__(self, dataset: Any, device: torch.device, collate_fn: Callable[[list], Any] | None = None):
         from torch.utils.data import default_collate
@@ -145,8 +144,7 @@ class CollatedDataset:
 def user_loss(
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """A batched user loss ``fn(output [B, ...], target [B, ...]) -> [B]`` as the per-example
-    (unbatched) loss the gradient oracles differentiate."""
+    """A batched user loss ``fn(out [B, ...], y [B, ...]) -> [B]`` as the per-example loss the oracles differentiate."""
 
     def one(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return fn(out.unsqueeze(0), y.unsqueeze(0)).reshape(())
@@ -194,8 +192,7 @@ def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.T
 
 # ----------------------------------------------------------------------------- data factories
 def load_data(path: str, options: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """Call the data factory ``path`` (``"pkg.module:loader"``) and return ``(train, test)`` as given (map-style
-    or pairs; contract: docs/your_data.md)."""
+    """Call the data factory ``path`` and return ``(train, test)`` as given (contract: docs/your_data.md)."""
     out = call_factory(import_factory(path, "data factory"), path, "data factory", **dict(options or {}))
     if hasattr(out, "x_train"):
         test = (out.x_test, out.y_test) if getattr(out, "x_test", None) is not None else None

@@ -12,8 +12,7 @@ EXECUTORS = ("local", "process", "ray")
 
 
 def check_workers(workers: Any) -> int | None:
-    """``workers`` as given (None: the executor's default), or a ``ConfigError`` (0 or less would
-    fail deep in a run, or leave one silent worker)."""
+    """``workers`` as given (None: the executor's default), or a ``ConfigError`` for 0 or less."""
     if workers is None:
         return None
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -25,8 +24,7 @@ def check_workers(workers: Any) -> int | None:
 
 
 def check_executor_name(name: str, address: str | None = None) -> None:
-    """An executor's name and a Ray address, checked without importing torch (``tune.executors``
-    checks the rest: Ray installed, its address answering)."""
+    """An executor's name and Ray address checked without torch (``tune.executors`` checks the rest)."""
     if name not in EXECUTORS:
         raise ConfigError(f"unknown executor {name!r}. Fix: choose one of {', '.join(EXECUTORS)}.")
     if address is not None and name != "ray":  # it was silently ignored

@@ -88,8 +88,7 @@ def ema(beta: float, m: Tensors, alpha: float, x: Tensors) -> Tensors:
 
 
 def finite_flag(a: Tensors) -> torch.Tensor:
-    """A 0-dim bool tensor: are all entries finite? Computed on the tensors' device, so reading it is one
-    host sync per step, not one per tensor."""
+    """A 0-dim bool tensor, on the tensors' device: all entries finite? One host sync when read."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for v in a.values():
         by_device.setdefault(v.device, []).append(torch.isfinite(v).all())

@@ -58,8 +58,7 @@ def _epsilon_cached(event: dp_event.DpEvent, delta: float, accountant: str) -> f
 
 
 def epsilon_cached(event: dp_event.DpEvent, delta: float, accountant: str) -> float:
-    """``epsilon`` memoised on the (immutable) event when it is hashable: the same ledger's ε
-    is asked for by the summary, the release JSON and the model card."""
+    """``epsilon`` memoised on the (immutable, hashable) event: summary, JSON and card ask for it alike."""
     return _epsilon_cached(event, delta, accountant) if is_hashable(event) else epsilon(event, delta, accountant)
 
 

@@ -133,8 +133,7 @@ def _calibrate_dpsgd_cached(
 
 
 def _calibrate_gdp_closed_form(eps: float, delta: float, q: float, steps: int, runs: int) -> Calibration:
-    """μ_total = sqrt(runs·steps)/ν, nudged up until both reporting forms confirm the target
-    (docs/accounting.md, "Calibration with μ-GDP")."""
+    """μ = sqrt(runs·steps)/ν, nudged up until both reporting forms confirm the target (docs/accounting.md)."""
     t0 = time.perf_counter()
     if q < 1:
         raise ConfigError("accountant='gdp' needs full batch (q = 1); use 'pld' or 'rdp'.")
@@ -335,8 +334,7 @@ def clear_caches() -> None:
 
 # ----------------------------------------------------------------------------- printing ν
 def round_up(nu: float, digits: int = 6) -> float:
-    """The smallest float ≥ ``nu`` that prints with ``digits`` significant digits (a ν rounded down
-    spends more: docs/accounting.md, "Printing ν")."""
+    """The smallest float ≥ ``nu`` printed with ``digits`` significant digits (docs/accounting.md, "Printing ν")."""
     from decimal import ROUND_CEILING, Decimal
 
     if not math.isfinite(nu) or nu <= 0:

@@ -40,8 +40,7 @@ def one_run_p_value(m: int, guesses: int, correct: int, eps: float, delta: float
 
 
 def one_run_epsilon(m: int, guesses: int, correct: int, delta: float, significance: float) -> float:
-    """Largest ε ≥ 0 that ``correct`` of ``guesses`` rejects at ``significance`` (a root search: the
-    p-value increases with ε); 0 when even ε = 0 is not rejected."""
+    """Largest ε ≥ 0 that ``correct`` of ``guesses`` rejects at ``significance`` (0 if even ε = 0 is not)."""
 
     def excess(eps: float) -> float:
         return significance - one_run_p_value(m, guesses, correct, eps, delta)

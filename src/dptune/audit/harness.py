@@ -32,8 +32,7 @@ def audit_model(dim: int) -> nn.Module:
 
 
 class LinearLossUnderMSE(nn.Module):
-    """The audit model for paths that take only a named loss (loss='mse'): sqrt(θᵀx + K) against 0
-    is the linear loss up to the constant K (|θᵀx| ≪ K)."""
+    """The linear audit loss under loss='mse': sqrt(θᵀx + K) against 0 is θᵀx up to the constant K."""
 
     OFFSET = 1e9  # K
 
@@ -138,8 +137,7 @@ class ReleaseRecorder:
 
 @contextlib.contextmanager
 def spy_on_releases(recorder: ReleaseRecorder) -> Iterator[ReleaseRecorder]:
-    """Wrap ``NoisyRelease.release`` to feed ``recorder``: the class attribute, so every gateway is
-    caught however it is imported; restored on exit."""
+    """Patch ``NoisyRelease.release`` (the class attribute: every gateway) to feed ``recorder``; restored on exit."""
     previous = NoisyRelease.__dict__["release"]
 
     def release(self: NoisyRelease, *queries: SumQuery, label: str):

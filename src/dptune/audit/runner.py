@@ -299,8 +299,7 @@ class _Audit:
 
 
 def ledger_epsilon(ledger: Ledger, delta: float, accountant: str) -> float:
-    """ε of everything the ledger recorded, identical releases grouped (one self-composed event
-    per distinct release, whatever their labels: fast PLD)."""
+    """ε of everything the ledger recorded, identical releases grouped as one self-composed event."""
     return _event_epsilon(compose(ledger.atoms().items()), delta, accountant)
 
 

@@ -53,8 +53,7 @@ def check_fraction(test_fraction: float) -> float:
 
 
 def split_indices(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """A seeded (``default_rng([seed, 0])``) train/test partition of ``range(n)``, ``round(n * test_fraction)``
-    test examples, both sorted (file order kept)."""
+    """A seeded train/test partition of ``range(n)``: ``round(n * test_fraction)`` test rows, both sorted."""
     test_fraction = check_fraction(test_fraction)
     n_test = int(round(n * test_fraction))
     if n_test == 0 or n_test == n:

@@ -111,8 +111,7 @@ def study_dict(
     strategies: Sequence[Mapping[str, Any]],
     seeds: Sequence[int],
 ) -> dict[str, Any]:
-    """A study in the ``study_from_dict`` form (see ``dptune.tune.spec``); a grid over each arm's
-    space unless the arm names its own method."""
+    """A study in the ``study_from_dict`` form: a grid over each arm's space unless the arm names its method."""
     return {
         "study": {"name": name, "seed": 0, "seeds": [int(s) for s in seeds]},
         "data": dict(data),

@@ -80,8 +80,7 @@ def study_report(
     extra_sections: Sequence[Section] = (),
     include_diagnostics: bool = False,
 ) -> Path:
-    """Write ``<out_dir or study_dir>/release/report.html`` (+ figures/ and CSVs) and the
-    diagnostics folder beside it for a stored study; return the HTML path."""
+    """Write a stored study's ``release/report.html`` (+ figures, CSVs) and diagnostics; return the HTML path."""
     d = Path(study_dir)
     out = Path(out_dir) if out_dir is not None else d
     s = read_study(d)

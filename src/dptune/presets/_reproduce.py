@@ -161,8 +161,7 @@ def reproduce(
 
 
 def _run_parts(parts: list[Part], out: Path, console: Any, run: Any) -> list[Section]:
-    """Run every part (``run``: ``_run_part`` with the run options), write the preset's results
-    CSVs and return one report section per part."""
+    """Run every part (``run``), write the preset's results CSVs, return one report section per part."""
     all_rows: list[dict[str, Any]] = []
     sections = []
     for part in parts:
@@ -267,8 +266,7 @@ def demo(
     workers: int | None = None,
     console: Any = None,
 ) -> Path:
-    """The README's main job (``presets._demo``): prints the table, writes ``out_dir/release/report.html``,
-    returns ``out_dir`` (a study directory)."""
+    """The README's main job (``presets._demo``): print the table, write the report, return the study directory."""
     check_workers(workers)  # before the folder is made
     out = ensure_dir(out_dir)
     console = console or terminal_console()

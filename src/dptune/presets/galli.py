@@ -121,8 +121,7 @@ SMOKE: dict[str, dict[str, Any]] = {
 
 
 def strategies(k: int, gammas: list[float], nodp_lrs: list[float] | None = None) -> list[dict[str, Any]]:
-    """Galli's five grids over the k-point log ranges; ``nodp_lrs`` replaces NoDP's ρ grid (the
-    small scale's, ``SMALL_NODP_LR_RANGE``)."""
+    """Galli's five grids over the k-point log ranges; ``nodp_lrs`` replaces NoDP's ρ grid (small scale)."""
     lrs = log_grid(*LR_RANGE, k)
     clips = log_grid(*CLIP_RANGE, k)
     return [

@@ -85,8 +85,7 @@ def best_counts(rows: Iterable[Mapping[str, Any]], higher_is_better: bool = True
 
 
 def pruned_grid(counts: Mapping[tuple[float, float], int], min_count: int = 1) -> list[tuple[float, float]]:
-    """Appendix G's pruned DP-SGD grid: the (α, C) cells best at least ``min_count`` times (the paper: once),
-    sorted by C then α."""
+    """Appendix G's pruned grid: the (α, C) cells best ≥ ``min_count`` times (paper: once), by C then α."""
     return sorted((c for c, k in counts.items() if k >= min_count), key=lambda c: (c[1], c[0]))
 
 
@@ -108,8 +107,7 @@ def best_lr_per_clip(
 
 
 def loglog_slope(points: Sequence[tuple[float, float]]) -> float | None:
-    """Least-squares slope of log α against log C over (C, α) points; −1 is the inverse relation
-    α ∝ 1/C. None with fewer than two distinct C."""
+    """Least-squares slope of log α on log C (−1: α ∝ 1/C); None with fewer than two distinct C."""
     xs = [math.log(c) for c, _ in points]
     ys = [math.log(a) for _, a in points]
     if len(set(xs)) < 2:

@@ -160,8 +160,7 @@ def build_report(out_dir: str | Path, inputs: ReportInputs, *, include_diagnosti
 
 
 def _results(p: _Pages) -> tuple[list[SummaryRow], list[SummaryRow]]:
-    """The results section (per-seed rows aggregated, summary rows as given); returns (the private best
-    rows, the non-private baseline rows)."""
+    """The results section; returns (the private best rows, the non-private baseline rows)."""
     higher, all_results = p.r.higher, p.r.all_results
     summary = as_summary_rows(p.r.results, higher=higher, best_only=False)
     ranked = best_per_strategy(summary, higher)
@@ -218,8 +217,7 @@ def _results(p: _Pages) -> tuple[list[SummaryRow], list[SummaryRow]]:
 
 
 def _trajectories(p: _Pages, best: list[SummaryRow], baseline: list[SummaryRow]) -> None:
-    """Selected runs' C_t and ρ_t are post-processing (release); train_loss, batch_size and losing
-    candidates go to the diagnostics."""
+    """Selected runs' C_t, ρ_t: release (post-processing); train_loss, batch_size, losers: diagnostics."""
     hs: list[RunHistory] = list(p.r.histories)
     if not hs:
         return
@@ -284,8 +282,7 @@ def _learning_curves(p: _Pages) -> None:
 
 
 def _budget_and_ledger(p: _Pages) -> None:
-    """The ledger's totals are the budget (release); its rows per run are diagnostics: they list
-    the losing candidates and, for LT/RS, the number of runs drawn."""
+    """The ledger's totals are the budget (release); its per-run rows list the candidates (diagnostics)."""
     lrows: list[LedgerRow] = list(p.r.ledger)
     budget_rows = _budget_rows(p.r)
     if budget_rows:
@@ -374,8 +371,7 @@ def _linear_scaling_section(p: _Pages, fit: LinearScalingFit | Mapping[str, Any]
 
 
 def _planned_lines(budgets: Sequence[Mapping[str, Any]]) -> list[tuple[float, str]]:
-    """The ledger figure's planned-ε lines: one per distinct planned ε (to 3 significant digits), naming how
-    many procedures planned it."""
+    """The ledger figure's planned-ε lines: one per distinct planned ε (3 digits), naming its procedures."""
     by_eps: dict[str, list[float]] = {}
     for b in budgets:
         pl = b.get("planned")
@@ -418,8 +414,7 @@ def ledger_rows_from_ledger(
     accountant: str = "rdp",
     planned_epsilon: Mapping[str, float] | None = None,
 ) -> list[LedgerRow]:
-    """One ``LedgerRow`` per (run, query label, event) of ``ledger``, each with its run's own ε
-    (at ``delta``): these do not add up to the study's ε."""
+    """One ``LedgerRow`` per (run, query label, event) of ``ledger``, each with its run's own ε at ``delta``."""
     accounting.check_delta(delta)
     by_run: dict[str, list] = {}
     for e in ledger.entries:

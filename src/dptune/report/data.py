@@ -17,8 +17,7 @@ from dptune.metrics import higher_is_better as metric_direction  # the one resol
 
 
 def higher_is_better(metric: str, override: bool | None = None) -> bool:
-    """Direction of ``metric`` (``dptune.metrics.higher_is_better``); ``override`` wins. Unknown
-    metrics need the override."""
+    """Direction of ``metric`` (``metrics.higher_is_better``); ``override`` wins (needed if unknown)."""
     if override is not None:
         return bool(override)
     try:
@@ -38,8 +37,7 @@ def metric_label(metric: str, higher: bool) -> str:
 
 @dataclass(frozen=True)
 class TrialResult:
-    """One training run of the search (strategy, ε, seed); ``value`` None or NaN: diverged;
-    ``selected``: the tuner's choice."""
+    """One run of the search (strategy, ε, seed); ``value`` None/NaN: diverged; ``selected``: the tuner's."""
 
     strategy: str
     epsilon: float  # the ε of the whole study/run this row belongs to (math.inf for non-private)
@@ -81,8 +79,7 @@ class RunHistory:
 
 @dataclass(frozen=True)
 class LedgerRow:
-    """Releases and ε of one run (or query label) *alone* at the study's δ: these do not add up (composition
-    is sub-additive)."""
+    """Releases and ε of one run (or query label) *alone* at the study's δ (sub-additive: no sum)."""
 
     run: str
     label: str
@@ -95,8 +92,7 @@ class LedgerRow:
 
 @dataclass(frozen=True)
 class LinearScalingFit:
-    """Panda et al. (2024) linear scaling rule r = η·T ≈ slope·ε + intercept, fitted on ``points``
-    (ε_i, r_i) and extrapolated to ``target``."""
+    """Panda et al.'s rule r = η·T ≈ slope·ε + intercept, fitted on ``points``, extrapolated to ``target``."""
 
     points: Sequence[tuple[float, float]]
     slope: float
@@ -217,8 +213,7 @@ def _hp_key(hp: Mapping[str, Any]) -> tuple:
 
 
 def summarize(trials: Iterable[Any], higher: bool = True) -> list[SummaryRow]:
-    """Every configuration's mean ± std over seeds (diverged seeds excluded, counted in ``n_diverged``),
-    sorted by strategy, ε, then rank."""
+    """Every configuration's mean ± std over seeds (diverged excluded, counted), by strategy, ε, rank."""
     groups: dict[tuple, list[TrialResult]] = {}
     for t in coerce_trials(trials):
         groups.setdefault((t.strategy, t.epsilon, _hp_key(t.hyperparameters)), []).append(t)
@@ -241,8 +236,7 @@ def _rank_key(r: SummaryRow, higher: bool) -> tuple:
 
 
 def best_per_strategy(summary: Iterable[SummaryRow], higher: bool = True) -> list[SummaryRow]:
-    """One row per (strategy, ε): the tuner's selected configuration, else the best (fewer diverged
-    seeds, then better mean)."""
+    """One row per (strategy, ε): the selected configuration, else the best (fewest diverged, best mean)."""
     groups: dict[tuple[str, float], list[SummaryRow]] = {}
     for r in summary:
         groups.setdefault((r.strategy, r.epsilon), []).append(r)

@@ -89,8 +89,7 @@ def _log_axes(ax: Any, which: str) -> None:
 
 
 def _plain_log_ticks(ax: Any, which: str = "y") -> None:
-    """Log-axis tick labels as plain numbers (0.3, 1, 20) instead of mathtext powers: easier
-    to read and several times faster to lay out."""
+    """Log-axis ticks as plain numbers (0.3, 1, 20), not mathtext: easier to read, faster to lay out."""
     axis = ax.yaxis if which == "y" else ax.xaxis
     lo, hi = ax.get_ylim() if which == "y" else ax.get_xlim()
     # Enough significant digits to tell neighbouring ticks apart on a narrow range.
@@ -442,8 +441,7 @@ def _epsilon_per_run(
 
 # ----------------------------------------------------------------------------- heatmaps
 def cell_grid(cells: Mapping[tuple[Any, Any], float | None]) -> tuple[list[Any], list[Any], np.ndarray]:
-    """(x values, y values, grid [y, x]) of the cells keyed (x, y), each axis in numeric order; a
-    cell that did not run, or whose value is None, is NaN."""
+    """(x values, y values, grid [y, x]) of the cells keyed (x, y) in numeric order; missing cells NaN."""
     xs = sorted({x for x, _ in cells}, key=float)
     ys = sorted({y for _, y in cells}, key=float)
     grid = np.full((len(ys), len(xs)), np.nan)
@@ -515,8 +513,7 @@ def best_count_heatmap(
     x_name: str = "learning rate α",
     y_name: str = "clipping threshold C",
 ) -> Path:
-    """How many times each (α, C) cell won (Mohapatra et al. 2022, App. G, Fig. 7); never-run cells
-    blank, winners outlined in red."""
+    """How often each (α, C) cell won (Mohapatra et al. 2022, App. G, Fig. 7); winners outlined in red."""
     if not counts:
         raise ConfigError("best_count_heatmap needs at least one (α, C) cell.")
     xs, ys, grid = cell_grid(counts)

@@ -269,8 +269,7 @@ def budget_entries(table: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def randomness_note(cfg: Mapping[str, Any]) -> str:
-    """The study's randomness mode (docs/privacy.md, item 3): secure (OS CSPRNG) or seeded (the
-    seeds are a secret key)."""
+    """The study's randomness mode (docs/privacy.md, item 3): secure (OS CSPRNG) or seeded."""
     return "Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"]
 
 
@@ -316,8 +315,7 @@ def every_configuration(
 
 
 def study_ledger_rows(plan: Any, entries: Iterable[Any], per_run: Sequence[Mapping[str, Any]]) -> list[LedgerRow]:
-    """Releases per (run, query label), with the run's ε and planned ε alone (``budget_rows``) and the
-    label's ν and q."""
+    """Releases per (run, query label): the run's ε and planned ε alone, the label's ν and q."""
     eps_alone = {r["run_id"]: r["epsilon_alone"] for r in per_run}
     planned = {r["run_id"]: r.get("planned_epsilon") for r in per_run}
     releases: dict[tuple[str, str], int] = defaultdict(int)
@@ -341,8 +339,7 @@ RUNS_CSV_COLUMNS = _RUN_IDENTITY + _RUN_PLAN_AND_RESULTS
 
 
 def write_runs_csv(out: str | Path, runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any]) -> Path:
-    """``diagnostics/runs.csv``: every run of the study (labelled not DP: it lists the losing
-    candidates and, under Liu–Talwar / repeat-and-select, reveals K)."""
+    """``diagnostics/runs.csv``: every run (not DP: it lists the losers and, under LT/RS, reveals K)."""
     rows = []
     for r in runs:
         arm, cfg = arm_of[r["arm"]], r["config"]
@@ -429,8 +426,7 @@ def conclusions(
 
 
 def _noise_cost(first: Mapping[str, Any], second: Mapping[str, Any], costs: Mapping[str, Mapping[str, Any]]) -> str:
-    """How much more noise per run splitting its budget cost one procedure than the other, where
-    each has one ν for all its runs."""
+    """How much more noise per run splitting its budget cost one procedure than the other."""
     n1, n2 = costs.get(first["arm"], {}).get("nu"), costs.get(second["arm"], {}).get("nu")
     if not (n1 and n2 and math.isfinite(n1) and math.isfinite(n2) and n1 != n2):
         return ""
@@ -443,8 +439,7 @@ def _noise_cost(first: Mapping[str, Any], second: Mapping[str, Any], costs: Mapp
 
 
 def oso_joint_noise(plan: Any) -> dict[float, float]:
-    """ε → the joint ν of the Pareto figure (Galli Fig. 2): the smallest ν among the OSO arms' runs at that
-    ε. Part of the public plan."""
+    """ε → the joint ν of the Pareto figure: the smallest ν of the OSO arms' runs (public plan)."""
     out: dict[float, float] = {}
     for arm in plan.arms:
         if arm.strategy != "oso" or not math.isfinite(arm.epsilon):

@@ -24,8 +24,7 @@ def learning_curves(runs: Sequence[Any], arm_of: Mapping[str, Any], selected: se
 
 
 def selected_model_section(table: Sequence[Mapping[str, Any]], metric: str, split: str, use_test: bool) -> Section:
-    """One paragraph per private tuning procedure: its selected configuration, metric, guarantee
-    and where its model is."""
+    """One paragraph per private procedure: selected configuration, metric, guarantee, model."""
     said = []
     for r in private_rows(table):
         m, s = (r["test_mean"], r["test_std"]) if use_test else (r["value_mean"], r["value_std"])

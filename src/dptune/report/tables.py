@@ -45,15 +45,13 @@ def fmt_mean_std(mean: float | None, std: float | None, missing: str = "—") ->
 
 
 def fmt_metric(r: SummaryRow, metric: str | None = None) -> str:
-    """mean ± std; with ``metric``, the mean clipped to the metric's range (a noisy private
-    selection score can leave it: ``clip_to_range``)."""
+    """mean ± std; with ``metric``, the mean clipped to its range (``clip_to_range``: noisy scores)."""
     mean = clip_to_range(r.mean, metric) if metric else r.mean
     return fmt_mean_std(mean, r.std, missing="diverged")
 
 
 def as_summary_rows(rows: Iterable[Any], *, higher: bool = True, best_only: bool = True) -> list[SummaryRow]:
-    """SummaryRows from SummaryRows, summary dicts (with 'mean') or per-seed trial rows;
-    ``best_only``: only the best (or selected) row per (strategy, ε)."""
+    """SummaryRows from rows, summary dicts or trial rows; ``best_only``: the best per (strategy, ε)."""
     rows = list(rows)
     if all(isinstance(r, SummaryRow) or (isinstance(r, Mapping) and "mean" in r) for r in rows):
         srows = [r if isinstance(r, SummaryRow) else _summary_from_dict(r) for r in rows]

@@ -34,8 +34,7 @@ _STARTED: Any = None  # in a pool worker: the queue its task starts are reported
 
 
 def _pool_init(started: Any, counter: Any = None, masks: list[str] | None = None) -> None:
-    """Process-pool initializer: the start-report queue; with ``masks``, worker k sees only GPU
-    ``masks[k mod n]`` (set before CUDA starts)."""
+    """Process-pool initializer: the start-report queue; worker k sees only GPU ``masks[k mod n]``."""
     global _STARTED
     _STARTED = started
     if masks:
@@ -243,8 +242,7 @@ def check_executor(name: str | Executor, address: str | None = None) -> None:
 
 
 class RayExecutor(Executor):
-    """Ray tasks. Starts a small local Ray unless ``address`` names an existing cluster;
-    shuts down only the Ray it started."""
+    """Ray tasks on a small local Ray, or the cluster at ``address``; shuts down only a Ray it started."""
 
     name = "ray"
 

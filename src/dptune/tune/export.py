@@ -49,8 +49,7 @@ def _saved_run(row: Mapping[str, Any], plan: Any) -> str | None:
 def export_study(
     study_dir: str | Path, arm: str | None = None, out: str | Path | None = None, *, skip_missing: bool = False
 ) -> list[Path]:
-    """Write ``release/models/<arm>/`` for ``arm`` (default every arm) of a finished study, from the stored
-    checkpoints; ``out``: another folder for the release."""
+    """Write ``release/models/<arm>/`` for ``arm`` (default all) from the stored checkpoints (``out``)."""
     d = Path(study_dir)
     base = Path(out) if out is not None else d
     cfg, plan, rows, _ = results.load_study(d)

@@ -55,8 +55,7 @@ R = TypeVar("R", bound="JsonRecord")
 
 
 class JsonRecord:
-    """``to_dict``/``from_dict`` of a dataclass, field by field in field order (the stored JSON's
-    key order), through each field's ``"json"`` codec."""
+    """``to_dict``/``from_dict`` of a dataclass in field order, through each field's ``"json"`` codec."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
@@ -174,8 +173,7 @@ def group_events(events: Iterable[dp_event.DpEvent]) -> dp_event.DpEvent:
 
 
 def event_epsilon(event: dp_event.DpEvent, delta: float, acc: str) -> float:
-    """ε of ``event`` at δ (∞ if non-private, 0 if empty), on its canonical form, cached
-    (``accounting.clear_caches`` forgets it)."""
+    """ε of ``event`` at δ (∞ non-private, 0 empty), on its canonical form, cached."""
     found = atoms(event)
     if any(isinstance(e, dp_event.NonPrivateDpEvent) for e in found):
         return math.inf

@@ -242,8 +242,7 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def rerr_rows(rows: list[dict[str, Any]], higher: bool = True) -> list[dict[str, Any]]:
-    """Panda's RERR of every linear-scaling row against a ``random`` and an ``oracle``/``grid`` row of the same
-    optimizer and ε in the study, when both exist."""
+    """Panda's RERR of each linear-scaling row against same-ε ``random`` and ``oracle``/``grid`` rows."""
     out = []
     for r in rows:
         if r["method"] != "linear-scaling" or r["value_mean"] is None:
@@ -449,8 +448,7 @@ def _results_table(rows: Iterable[Mapping[str, Any]], metric: str, title: str | 
 
 
 def render_nonprivate(study_dir: str | Path, console: Any = None, *, table: list[dict[str, Any]] | None = None) -> bool:
-    """Print the non-private baseline arms' table (exact scores) under the not-DP label; returns whether
-    it printed."""
+    """Print the non-private arms' table (exact scores) under the not-DP label; True if printed."""
 
     console = console or terminal_console()
     rows = [r for r in (table if table is not None else study_table(study_dir)) if is_nonprivate(r)]

@@ -48,8 +48,7 @@ def _check_flag_options(name: str, options: Mapping[str, Any]) -> None:
 
 
 def _one_source(section: str, sources: Sequence[Any], choices: str, fix: str, factory: str | None) -> None:
-    """Exactly one of a section's ``sources`` is given; a ``"pkg.module:name"`` factory must import
-    here, so that a typo fails before any run starts."""
+    """Exactly one of ``sources`` is given; a ``"pkg.module:name"`` factory must import here (fail early)."""
     if sum(v is not None for v in sources) != 1:
         raise config_error(section, f"give exactly one of {choices}", fix)
     if factory is not None:
@@ -175,8 +174,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class TrainingSpec:
-    """Run length and batching shared by every run (a search space may override
-    ``steps``/``epochs``/``expected_batch_size`` per configuration)."""
+    """Run length and batching of every run (a space may search steps/epochs/expected_batch_size)."""
 
     epochs: float | None = None
     steps: int | None = None

@@ -63,8 +63,7 @@ def draw_value(spec: Any, rng: np.random.Generator | SecretCoins) -> Any:
 
 
 def draw(space: Mapping[str, Any], rng: np.random.Generator | SecretCoins) -> dict[str, Any]:
-    """One configuration drawn uniformly: each axis independently (a uniform draw from the
-    grid when every axis is a list)."""
+    """One configuration drawn uniformly, each axis independently (from the grid if all are lists)."""
     return {k: draw_value(space[k], rng) for k in sorted(space)}
 
 

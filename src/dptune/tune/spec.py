@@ -217,8 +217,7 @@ def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
 
 
 def _check_strategy_name(arm: StrategyArm, path: str) -> tuple[str, tuple[str, ...], bool]:
-    """(the strategy's canonical name, its hyperparameters, whether it is private); the arm's
-    name becomes the canonical one."""
+    """(canonical strategy name, hyperparameters, private?); the arm's name becomes the canonical one."""
     if not isinstance(arm, StrategyArm):
         raise config_error(path, "must be a StrategyArm", "StrategyArm(name='dpsgd', space={'lr': [0.1, 1.0]})")
     try:
@@ -250,8 +249,7 @@ def _check_keys(arm: StrategyArm, key: str, hyperparameters: Sequence[str], path
 
 
 def _check_space_values(space: Mapping[str, Any], method: str, needs_lists: bool, path: str) -> None:
-    """Each axis: a non-empty list of values, or one distribution with valid bounds (not for
-    methods that need lists, such as a grid)."""
+    """Each axis: a non-empty list, or one distribution with valid bounds (not for grids)."""
     for k, v in space.items():
         vpath = f"{path}.space.{k}"
         if isinstance(v, Mapping):

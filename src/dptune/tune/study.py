@@ -179,8 +179,7 @@ class Coordinator:
         return run.run_id, (self.study, self.strategy_of[run.run_id], run.to_dict(), self.plan.metric)
 
     def merge(self, run_id: str, result: dict[str, Any]) -> None:
-        """Check a returned run against the plan, add its ledger to the study ledger and commit
-        status + metrics + ledger entries in one transaction."""
+        """Check a run against the plan, add its ledger and commit it all in one transaction."""
         run = self.plan.runs.get(run_id)
         if run is None:
             raise BudgetExceededError(f"result for unplanned run {run_id!r} refused.")
@@ -201,8 +200,7 @@ class Coordinator:
 
     # -- adaptive stages
     def resolve(self) -> None:
-        """Configure the adaptive runs whose inputs have finished (``TuningMethod.resolve``), from
-        stored results only: a resumed study resolves them identically."""
+        """Configure adaptive runs whose inputs finished, from stored results only (resume-safe)."""
         rows = {r["run_id"]: r for r in self.store.runs()}
         scores = {rid: r["score"] for rid, r in rows.items()}
         for arm in self.plan.arms:
@@ -390,8 +388,7 @@ def run_study(
     retry_failed: bool = False,
     gpus_per_run: float | None = None,
 ) -> StudyOutcome:
-    """Plan (or re-open) the study in ``study_dir``, execute every planned run and write the results;
-    ``executor``: 'local', 'process' or 'ray' (docs/tuning.md)."""
+    """Plan (or re-open) the study in ``study_dir``, run every planned run, write the results (docs/tuning.md)."""
     study = load_study_config(config)
     device = study.training.device
     check_workers(workers)  # before any directory is made

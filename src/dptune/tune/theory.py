@@ -43,8 +43,7 @@ class LTParams:
 
 
 def lt_solve(eps: float, delta: float, gamma: float, delta2_fraction: float = 0.5) -> LTParams:
-    """Solve Theorem 3.4 for (ε₁, δ₁): δ₂ = fraction·δ, √(2δ₁) = (δ − δ₂)/T_max,
-    ε₁ = ε/3 − √(2δ₁). Raises ``ConfigError`` if nothing is left for ε₁."""
+    """Theorem 3.4 solved for (ε₁, δ₁): δ₂ = fraction·δ, √(2δ₁) = (δ − δ₂)/T_max, ε₁ = ε/3 − √(2δ₁)."""
     accounting.check_epsilon(eps)
     accounting.check_delta(delta)
     delta2 = delta2_fraction * delta
@@ -172,8 +171,7 @@ def repeat_and_select_event(event, mean: float, shape: float):
 
 # ----------------------------------------------------------------------------- Panda (GDP)
 def panda_total_epsilon(runs: Sequence[tuple[int, float]], delta: float) -> float:
-    """Total ε at δ of Panda's HPO: ``runs`` = [(count, per-run ε at δ), ...] composed as μ-GDP,
-    μ = √(Σ count·μ_i²) (appendix A.7, not the main text's typo)."""
+    """ε at δ of Panda's HPO: ``runs`` [(count, ε_i)] composed as μ-GDP (appendix A.7)."""
     mus = [accounting.gdp_mu_for_epsilon(e, delta) for _, e in runs]
     mu = math.sqrt(sum(c * m * m for (c, _), m in zip(runs, mus, strict=True)))
     return accounting.gdp_epsilon(mu, delta)

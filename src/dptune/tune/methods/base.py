@@ -34,8 +34,7 @@ def _scored(r: Row) -> bool:
 
 
 def random_configurations(study: Study, arm: StrategyArm, n: int, procedure: int = 0) -> list[dict[str, Any]]:
-    """``n`` configurations drawn from the arm's space with the study seed, fresh per procedure
-    (procedure 0 keeps the stream of older single-procedure plans)."""
+    """``n`` configurations drawn with the study seed, fresh per procedure (procedure 0: the old stream)."""
     rng = S.rng_for(study.seed, f"random/{arm.key}" + (f"/p{procedure}" if procedure else ""))
     return [S.draw(arm.space, rng) for _ in range(n)]
 
@@ -43,8 +42,7 @@ def random_configurations(study: Study, arm: StrategyArm, n: int, procedure: int
 def secret_draws(
     b: Builder, arm: StrategyArm, procedures: int, draw_k: Callable[[theory.SecretCoins], int]
 ) -> tuple[list[int], list[tuple[int, int, dict[str, Any]]]]:
-    """Liu–Talwar's and repeat-and-select's search from the secret coins: (each procedure's K, (procedure,
-    index, configuration) of every run)."""
+    """LT's and RS's search from the secret coins: (each procedure's K, (procedure, index, config) per run)."""
     ks, drawn = [], []
     for p in range(procedures):
         k = draw_k(b.coins)
@@ -78,8 +76,7 @@ class TuningMethod:
     shared_noise: ClassVar[bool] = False
 
     def parse_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
-        """``given`` checked against ``Options`` and completed with its defaults, as a plain dict
-        (in field order: plans store it)."""
+        """``given`` checked against ``Options``, defaults filled, as a dict in field order."""
         allowed = [f.name for f in fields(self.Options)]
         unknown = sorted(set(given) - set(allowed))
         if unknown:
@@ -92,8 +89,7 @@ class TuningMethod:
         return {name: getattr(options, name) for name in allowed}
 
     def check_arm(self, study: Study, arm: StrategyArm, path: str, private: bool) -> None:
-        """Refuse an arm this method cannot tune (``private``: a DP strategy); by default a private arm
-        needs a non-empty search space."""
+        """Refuse an arm this method cannot tune; by default a private arm needs a search space."""
         if not arm.space and private:
             raise config_error(
                 f"{path}.space",

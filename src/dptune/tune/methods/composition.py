@@ -130,8 +130,7 @@ class Random(Composition):
 
 
 class Online(Composition):
-    """The learning-rate grid of OSO-DPSGD, whose clipping threshold is learned online (Galli et
-    al.'s "one hyperparameter fewer")."""
+    """The learning-rate grid of OSO-DPSGD, C learned online (Galli: "one hyperparameter fewer")."""
 
     name = "online"
     aliases = ("oso",)

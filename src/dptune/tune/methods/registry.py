@@ -76,6 +76,5 @@ def canonical_method(name: Any, path: str = "method.name") -> str:
 
 
 def get_method(name: str) -> Any:
-    """The ``TuningMethod`` registered as ``name`` (or an alias of it, any case); a ``ConfigError``
-    naming the registered ones otherwise."""
+    """The ``TuningMethod`` registered as ``name`` or an alias (any case), else a ``ConfigError``."""
     return _METHODS[canonical_method(name)]
