@@ -128,8 +128,7 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """``dptune.train`` is the function, not the submodule: importing a submodule would set it as the
-    package's attribute; this lazy package drops that one assignment."""
+    """``dptune.train`` is the function: the submodule import's attribute assignment is dropped."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(value, types.ModuleType) and name in _LAZY and value.__name__ == f"{__name__}.{name}":

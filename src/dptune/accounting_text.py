@@ -13,8 +13,7 @@ PLD_EPSILON_CAP = 1000.0  # above this RDP ε, PLD's discretised privacy-loss gr
 
 @contextmanager
 def numeric_range(what: str) -> Iterator[None]:
-    """dp_accounting's float arithmetic overflows or divides by zero at extreme ν and q (found by
-    the CLI fuzz test: ν = 1e154 with q = 1e-179): one clear line instead of a traceback."""
+    """One clear line where dp_accounting's floats overflow at extreme ν and q (ν = 1e154, q = 1e-179)."""
     try:
         yield
     except ArithmeticError as exc:
@@ -50,8 +49,7 @@ def epsilon_rows(
 def calibrated_noise(
     epsilon: float, delta: float, q: float, steps: int, runs: int, accountant: str
 ) -> tuple[str, float, str]:
-    """(ν as printed, the ε achieved by that printed value, the accountant): the smallest ν meeting
-    (ε, δ), rounded up (never to nearest), so the printed value never overshoots the target."""
+    """(ν as printed, rounded up, the ε that printed value achieves, the accountant) for (ε, δ)."""
     from dptune import accounting
 
     if accountant == "auto":

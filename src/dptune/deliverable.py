@@ -89,8 +89,7 @@ def full_state(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str
 
 # ----------------------------------------------------------------------------- the card
 def write_model(directory: str | Path, state: Mapping[str, torch.Tensor], card: Mapping[str, Any]) -> Path:
-    """Write ``model.pt`` (state dict), ``model_card.json`` and ``model_card.md`` into
-    ``directory``; the card records the weights' SHA-256. Returns the directory."""
+    """Write ``model.pt``, ``model_card.json`` (with the weights' SHA-256) and ``model_card.md``; return the folder."""
     d = Path(directory)
     weights = save_state_dict(state, d / WEIGHTS_FILE)
     full = {
@@ -125,8 +124,7 @@ def reload_code(folder: str, ident: Mapping[str, Any]) -> str:
 
 
 def _finite_json(x: Any) -> Any:
-    """Strict JSON: a non-finite float (ε = ∞ of a non-private run) as the string "inf"/"nan"
-    (``json.dumps`` would write the non-standard ``Infinity`` and never call ``default``)."""
+    """Strict JSON: a non-finite float as the string "inf"/"nan" (not ``Infinity``)."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, Mapping):
@@ -306,8 +304,7 @@ def load_checkpoint(study_dir: str | Path, run_id: str) -> dict[str, Any] | None
 
 
 def model_identity(spec: Any, data: Any) -> dict[str, Any]:
-    """How ``tune.data.build_model`` built the study's model: a built-in with its resolved
-    keyword arguments (``load_model`` rebuilds it), or the user's builder (pass ``model=``)."""
+    """How ``tune.data.build_model`` built the model: a built-in with its kwargs, or the user's builder."""
     dims = (math.prod(data.input_shape), data.num_classes)
     if getattr(spec, "name", None) is not None:
         return {"name": spec.name, "kwargs": factory_kwargs(models.MODELS[spec.name], *dims, spec.options)}

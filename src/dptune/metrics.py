@@ -86,8 +86,7 @@ class Metric:
 
 @dataclass(frozen=True)
 class _Builtin(Metric):
-    """A built-in metric: the name is its own, and its scores keep the output's dtype (summed per
-    batch in float32 for a float32 model, as dptune always did: the same runs bit for bit)."""
+    """A built-in metric: its own name; scores keep the output's dtype (the same runs bit for bit)."""
 
     def __post_init__(self) -> None:
         self._validate()
@@ -97,8 +96,7 @@ class _Builtin(Metric):
 
 
 def _correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """1 per correct prediction: argmax over the classes, or ``out > 0`` for a single logit. A
-    prediction with any non-finite output is wrong (the argmax of a NaN row is arbitrary)."""
+    """1 per correct prediction (argmax, or ``out > 0`` for one logit); any non-finite output is wrong."""
     import torch
 
     b = int(out.shape[0])
@@ -132,8 +130,7 @@ def named(path: str, what: str = "selection.metric") -> Metric:
 
 
 def resolve(metric: Any, default: str | None = None, what: str = "metric") -> Metric:
-    """``metric`` as a ``Metric``: a built-in name, ``"pkg.module:NAME"``, a ``Metric``, or a bare callable
-    (higher is better, no sensitivity); None means ``default``."""
+    """``metric`` as a ``Metric`` (built-in name, ``"pkg.module:NAME"``, ``Metric`` or callable); None: ``default``."""
     if metric is None and default is not None:
         metric = default
     if isinstance(metric, Metric):
@@ -234,8 +231,7 @@ def _isolated_scores(forward: Callable[[Any], torch.Tensor], x: Any, y: torch.Te
 
 
 def eval_mode(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-    """``model`` in eval mode for an evaluation (dropout off: a score of the parameters, not of one
-    dropout draw), each module's own mode restored afterwards (``persample.eval_mode``)."""
+    """``model`` in eval mode for an evaluation (dropout off), each module's own mode restored afterwards."""
     from dptune.gradients.persample import eval_mode as model_eval_mode  # torch: loaded only when evaluating
 
     return model_eval_mode(model)
@@ -278,8 +274,7 @@ def finite_number(x: Any) -> bool:
 
 
 def mean_std(values: Iterable[Any]) -> tuple[float | None, float | None]:
-    """Mean ± sample std over seed replicates of the finite numbers in ``values`` (None and NaN,
-    e.g. diverged runs, left out): (None, None) with none, std None with one."""
+    """Mean ± sample std of the finite numbers in ``values``: (None, None) with none, std None with one."""
     xs = [float(x) for x in values if finite_number(x)]
     if not xs:
         return None, None

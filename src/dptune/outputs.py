@@ -77,8 +77,7 @@ def diagnostics_dir(out: str | Path) -> Path:
 # A bad ``--out`` is one clear error before any work, not a result lost after training (nothing is
 # created by these checks); ``dptune train``'s output paths; ``--data-dir``.
 def _refuse_dangling_link(p: Path, what: str, path: Path) -> None:
-    """A symbolic link whose target does not exist looks creatable (``exists()`` follows links)
-    but fails when written: a FileExistsError for a folder, a result lost after training."""
+    """Refuse a dangling symbolic link: it looks creatable but fails when written (after training)."""
     if p.is_symlink() and not p.exists():
         raise ConfigError(
             f"{what} {str(path)!r} cannot be created: {str(p)!r} is a symbolic link to {os.readlink(p)!r}, "
@@ -87,8 +86,7 @@ def _refuse_dangling_link(p: Path, what: str, path: Path) -> None:
 
 
 def _check_creatable(folder: Path, what: str, path: Path) -> None:
-    """``folder`` (existing or not) can hold ``path``: its nearest existing ancestor is a directory
-    we may write in."""
+    """``folder`` can hold ``path``: its nearest existing ancestor is a writable directory."""
     anc = folder
     while not os.path.lexists(anc) and anc != anc.parent:
         anc = anc.parent
@@ -291,8 +289,7 @@ def write_csv_rows(
     *,
     comment: str | None = None,
 ) -> Path:
-    """The one CSV writer of the reports: optional first line ``# <comment>``, then header and rows
-    (columns: given, else the union of keys in first-seen order; list/dict cells as JSON)."""
+    """The one CSV writer of the reports: optional ``# <comment>`` line, header, rows (list/dict cells as JSON)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if columns is None:
@@ -485,8 +482,7 @@ def terminal_console(stderr: bool = False) -> Any:
 
 
 def print_table(console: Any, table: Any) -> None:
-    """Print a rich table; stacked instead (the title, then per row one ``column: value`` line per
-    cell) when it cannot fit the console without cutting a word (e.g. ``COLUMNS=60``)."""
+    """Print a rich table, stacked (one ``column: value`` line per cell) when it cannot fit without cutting."""
     import io
 
     from rich.cells import cell_len

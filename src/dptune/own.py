@@ -154,8 +154,7 @@ def user_loss(
 
 
 def check_classes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Cross-entropy class labels below the model's number of outputs (else torch fails mid-run:
-    "Target 5 is out of bounds"): one example's forward, on scratch copies of the buffers."""
+    """Cross-entropy labels below the model's output count (one forward, scratch buffers): no mid-run torch error."""
     if not y.numel() or y.dtype.is_floating_point:
         return
     check_model(model)
@@ -174,8 +173,7 @@ def check_classes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> N
 
 
 def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    """The per-example contract on a tiny batch: ``fn(model(x), y)`` has shape [B]; run on scratch buffers
-    (``ScratchBuffers``) so private examples leave no statistics in the model."""
+    """``fn(model(x), y)`` has shape [B] on a tiny batch, run on scratch buffers (no statistics kept)."""
     check_model(model)
     b = min(2, int(y.shape[0]))
     args, kwargs = inputs.args_kwargs(inputs.rows(x, 0, b))
@@ -226,8 +224,7 @@ def as_pair(part: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def factory_kwargs(
     fn: Callable[..., Any], input_dim: int | None, classes: int | None, options: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """``options`` with ``input_dim``/``classes`` added where the model constructor ``fn`` takes them
-    and they are known: how a model is built for its data, and how ``load_model`` rebuilds it."""
+    """``options`` plus ``input_dim``/``classes`` where ``fn`` takes them and they are known (build and reload)."""
     import inspect
 
     kwargs = dict(options or {})
@@ -251,8 +248,7 @@ def build_model(path: str, input_dim: int | None, classes: int | None, **options
 
 
 def data_shape(train: Any) -> tuple[int | None, int | None]:
-    """(input_dim, classes) of a training part: classes only when the targets are in memory;
-    input_dim None for a model with several inputs (a tuple/dict x: no single width)."""
+    """(input_dim, classes) of a training part: classes only for in-memory targets, input_dim None for tuple/dict x."""
     if (
         isinstance(train, tuple | list)
         and len(train) == 2

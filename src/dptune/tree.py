@@ -62,8 +62,7 @@ def lincomb(alpha: float, x: Tensors, beta: float, y: Tensors) -> Tensors:
 
 
 def _fits(alpha: float, t: torch.Tensor) -> bool:
-    """Can ``alpha`` be a fused ``alpha=`` argument for tensors like ``t``? torch refuses a
-    scalar beyond the dtype's range (RuntimeError) where ``t * alpha`` just gives ±inf."""
+    """Can ``alpha`` be a fused ``alpha=`` for tensors like ``t``? (torch refuses out-of-range scalars.)"""
     return not t.is_floating_point() or abs(alpha) <= torch.finfo(t.dtype).max
 
 

@@ -88,8 +88,7 @@ def fast_path_enabled() -> bool:
 
 
 class _VectorizedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
-    """dp_accounting's Gaussian privacy loss with ``get_delta_for_epsilon`` in closed form on the
-    whole grid at once (the per-point Python inverse is > 90% of an evaluation)."""
+    """dp_accounting's Gaussian privacy loss with ``get_delta_for_epsilon`` in closed form, on the grid."""
 
     def get_delta_for_epsilon(self, epsilon):  # type: ignore[override]
         import numpy as np
@@ -131,8 +130,7 @@ class _VectorizedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
 
 
 def search_pld(event: dp_event.DpEvent, d: float, count: int = 1):
-    """PLD of ``event`` at discretisation ``d`` as ``PLDAccountant._maybe_compose`` builds it for dptune's
-    events, with the vectorised loss; None for anything else. Ignores the version pin."""
+    """PLD of ``event`` at ``d`` built as ``PLDAccountant`` does, with the vectorised loss; None if unsupported."""
     PLD = privacy_loss_distribution
 
     def single(std: float, q: float):
@@ -175,8 +173,7 @@ def public_pld_epsilon(event: dp_event.DpEvent, delta: float, discretization: fl
 
 
 def pld_epsilon_at(event: dp_event.DpEvent, delta: float, discretization: float) -> float:
-    """ε(δ) at a given PLD discretisation, for the search: the twin where enabled and supported,
-    else the public accountant. Cached per (event, δ, discretisation) when the event is hashable."""
+    """ε(δ) at a PLD discretisation for the search: the twin where supported, else the public one; cached."""
     if is_hashable(event):
         return _pld_epsilon_at_cached(event, delta, discretization)
     return _pld_epsilon_at_cached.__wrapped__(event, delta, discretization)

@@ -219,8 +219,7 @@ def _unbounded(nu: float) -> float:
 def _pld_cost_guard(
     make_event: Callable[[float], dp_event.DpEvent], target_epsilon: float, delta: float, guess: float
 ) -> Callable[[float], float]:
-    """ν ↦ ν, refusing, before any PLD is built, a ν or a release count where it would take
-    minutes and gigabytes. Checks the count (and a tiny CLT guess) up front."""
+    """ν ↦ ν, refusing up front a ν or release count whose PLD would take minutes and gigabytes."""
     releases = releases_of(make_event(1.0))
 
     def bounded(nu: float) -> float:
@@ -346,8 +345,7 @@ def round_up(nu: float, digits: int = 6) -> float:
 def noise_multiplier_text(
     nu: float, eps_of: Callable[[float], float] | None = None, target: float | None = None, digits: int = 6
 ) -> tuple[str, float]:
-    """(text, value) to print for a noise multiplier, never below ``nu``: rounded up, and with
-    ``eps_of``/``target`` re-checked (else the full ``repr``), so copying it back never overshoots."""
+    """(text, value) to print for ν, never below it: rounded up, re-checked against ``target`` (else ``repr``)."""
     up = round_up(nu, digits)
     if not math.isfinite(up):
         return repr(up), up

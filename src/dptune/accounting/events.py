@@ -59,8 +59,7 @@ def check_sampling_rate(q: float) -> float:
 
 
 def check_noise_multiplier(nu: float) -> float:
-    """ν in [NU_FLOOR, NU_CEILING]: beyond them the accountants overflow or divide by zero
-    (ν = 1e-320, ν = 1e308 were tracebacks) and ε is ≈ 0 or unbounded anyway."""
+    """ν in [NU_FLOOR, NU_CEILING]: beyond, the accountants overflow (and ε is ≈ 0 or unbounded)."""
     if not isinstance(nu, int | float) or not (nu > 0) or math.isnan(nu):
         raise ConfigError(f"noise_multiplier must be > 0, got {nu!r}. Fix: e.g. noise_multiplier=1.0.")
     if not (NU_FLOOR <= nu <= NU_CEILING):
@@ -126,8 +125,7 @@ def is_hashable(event: dp_event.DpEvent) -> bool:
 
 # ----------------------------------------------------------------------------- split noise
 def joint_noise_multiplier(component_multipliers: Iterable[float]) -> float:
-    """(Σ ν_i⁻²)^(-1/2): several Gaussian queries on the same batch are ONE Gaussian (Galli Prop. 1;
-    docs/accounting.md, "Split noise"); infinite components are left out."""
+    """(Σ ν_i⁻²)^(-1/2): Gaussian queries on one batch are ONE Gaussian (docs/accounting.md); ∞ left out."""
     inv = 0.0
     for nu in component_multipliers:
         if nu <= 0:

@@ -256,8 +256,7 @@ class _Audit:
         return _Training(losses, ledger, clips, nu)
 
     def _grid_study(self, data: CanaryData, seed: int, recorder: ReleaseRecorder) -> _Training:
-        """The grid study through ``dptune.tune.run_study``: budget = the claim; 'public' selection on a
-        tiny test split, so every private release is a training release seen by the spy."""
+        """The grid study via ``run_study`` (budget = the claim, public selection: every release is training's)."""
         import tempfile
 
         import torch

@@ -120,8 +120,7 @@ def load_csv(csv: str, *, label: str, test: str | None = None, schema: str | Non
 
 
 def as_factory_table(table: Mapping[str, Any], base_dir: Any) -> dict[str, Any]:
-    """A study's ``[data]`` with ``csv = "FILE.csv"`` as the factory form that calls ``load_csv``
-    (relative file names are relative to the study file's folder); any other table as it is."""
+    """A study's ``[data]`` with ``csv = FILE`` as the factory form calling ``load_csv`` (paths: the study's)."""
     out = dict(table)
     if not {"csv", "label"} <= set(out):
         if set(CSV_KEYS) & set(out):

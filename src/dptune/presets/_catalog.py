@@ -120,8 +120,7 @@ def list_presets() -> list[dict[str, Any]]:
 
 
 def presets_table() -> Any:
-    """``dptune reproduce list``: a ``rich`` table of the presets (name, paper and summary, time
-    estimate per scale) that fits 100 columns whatever the console width (long cells fold)."""
+    """``dptune reproduce list``: a ``rich`` table of the presets that fits 100 columns (long cells fold)."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -202,8 +201,7 @@ def _sizes(data: Mapping[str, Any], seed: int, selection: Any) -> tuple[int, int
 
 
 def plan_preset(name: str, scale: str, **options: Any) -> dict[str, Any]:
-    """``{part name: dptune.tune.StudyPlan}``: every run's noise multiplier, steps and planned
-    privacy event, computed without training (``paper`` scale included)."""
+    """``{part name: StudyPlan}``: every run's ν, steps and planned event, without training (paper scale too)."""
     plans = {}
     for p in preset_parts(name, scale, **options):
         st = study_from_dict(p.study_dict())

@@ -88,8 +88,7 @@ SCALES: dict[str, dict[str, Any]] = {
 
 
 def epsilon_for_sigma(sigma: float, n: int, lot: float, steps: int, candidates: int, delta: float) -> float:
-    """ε of ``candidates`` runs of ``steps`` Poisson-sampled Gaussian steps (q = lot/n, ν = σ)
-    composed with the moments accountant (RDP): the budget that σ implies for a grid."""
+    """ε under RDP of ``candidates`` runs of ``steps`` Gaussian steps at q = lot/n, ν = σ: σ's budget."""
     q = min(1.0, lot / n)
     return accounting.epsilon(accounting.dpsgd_event(sigma, q, steps, runs=candidates), delta, "rdp")
 
@@ -171,8 +170,7 @@ def build(dataset: str, scale: str, options: Mapping[str, Any]) -> list[Part]:
 
 
 def sigma_costs(out_dir: Path, scale: str, parts: list[Part]) -> list[Section]:
-    """The paper's view: at fixed σ, the ε each optimizer's grid costs under MA and under LT
-    (γ = 1/K). Written to ``sigma_costs.csv``; returns one report section."""
+    """The paper's view: at fixed σ, each optimizer's grid's ε under MA and LT (``sigma_costs.csv``)."""
     if not parts:
         return []
     st = parts[0].study

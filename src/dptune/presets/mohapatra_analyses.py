@@ -92,8 +92,7 @@ def pruned_grid(counts: Mapping[tuple[float, float], int], min_count: int = 1) -
 def best_lr_per_clip(
     rows: Iterable[Mapping[str, Any]], higher_is_better: bool = True, rtol: float = 1e-12
 ) -> dict[tuple[str, float], list[tuple[float, tuple[float, ...], float]]]:
-    """The LR–C relation (Sec. 4.1): (part, ε) → [(C, (best α, …), best mean score)], C ascending;
-    ``rows``: dicts with ``part``, ``epsilon``, ``lr``, ``clip``, ``score``."""
+    """The LR–C relation (Sec. 4.1): (part, ε) → [(C, (best α, …), best mean score)], C ascending."""
     cells: dict[tuple[str, float, float], dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         s = r.get("score")
@@ -123,8 +122,7 @@ def _geomean(values: Sequence[float]) -> float:
 def dpsgd_rows(
     part: str, plan: Any, runs: Sequence[Mapping[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(checkpoint rows, final rows) of a study's DP-SGD arm: one row per (run, evaluation) with the
-    score at that step, and one per run with its selection score (its best checkpoint)."""
+    """(checkpoint rows, final rows) of a study's DP-SGD arm: per (run, evaluation), and per run."""
     arms = {a.arm: a for a in plan.arms if a.label == SGD_LABEL}
     evals: list[dict[str, Any]] = []
     finals: list[dict[str, Any]] = []

@@ -263,8 +263,7 @@ def _trajectories(p: _Pages, best: list[SummaryRow], baseline: list[SummaryRow])
 
 
 def _learning_curves(p: _Pages) -> None:
-    """The selected runs' metric over training on the selection split: release when that split is
-    public; computed on private data otherwise, so diagnostics only (docs/privacy.md)."""
+    """The selected runs' metric over training: release on a public split, else diagnostics only."""
     if not p.r.curves:
         return
     public = p.r.selection_mode == "public"

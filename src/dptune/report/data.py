@@ -146,8 +146,7 @@ def _number(value: Any, name: str, *, allow_inf: bool = False) -> float:
 
 
 def coerce_trials(rows: Iterable[Any]) -> list[TrialResult]:
-    """TrialResult records from records/dicts. Extra dict keys that are not fields become
-    hyperparameters when no ``hyperparameters`` key is given (flat CSV rows)."""
+    """TrialResults from records or dicts; a flat dict's extra keys become the hyperparameters."""
     out = []
     reserved = {f.name for f in fields(TrialResult)}
     for r in rows:

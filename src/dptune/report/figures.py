@@ -224,8 +224,7 @@ def trajectories(
 
 # ----------------------------------------------------------------------------- cosine (Galli Fig. 1)
 def cosine_similarity(result: Any, path: str | Path, *, title: str | None = None) -> Path:
-    """cos(sanitized mean gradient, true mean gradient) vs C, one line per iteration t, ± one std band
-    (Galli et al. 2024, Fig. 1); ``result``: a ``dptune.report.diagnostics.CosineResult``."""
+    """cos(sanitized, true mean gradient) vs C per iteration t, ± one std (Galli et al. 2024, Fig. 1)."""
     fig, ax = _figure()
     clips = np.asarray(result.clips, dtype=float)
     for color, t in zip(_sequential(len(result.iterations)), result.iterations, strict=True):
@@ -311,8 +310,7 @@ def ma_break_even(rows: Sequence[Any]) -> int | None:
 
 
 def lt_vs_ma(rows: Sequence[Any], path: str | Path, *, title: str | None = None) -> Path:
-    """ε of the whole tuning vs the number of candidates k: Liu–Talwar vs moments accountant (Mohapatra
-    et al. 2022, App. F, Fig. 6); rows (k, eps_LT, eps_MA), dashed line at the break-even k."""
+    """ε of the whole tuning vs k candidates: Liu–Talwar vs MA (Mohapatra et al. 2022, App. F, Fig. 6)."""
     rs = coerce_lt_ma(rows)
     if not rs:
         raise ConfigError("lt_vs_ma needs at least one (k, eps_LT, eps_MA) row.")
@@ -453,8 +451,7 @@ def cell_grid(cells: Mapping[tuple[Any, Any], float | None]) -> tuple[list[Any],
 def annotate_cells(
     ax: Any, grid: np.ndarray, lo: float, hi: float, higher: bool, *, fontsize: float = 7, missing: str | None = None
 ) -> None:
-    """Write each cell's value (3 significant digits) on a heatmap drawn with lighter = better:
-    black on light cells, white on dark ones. A NaN cell shows ``missing`` (None: nothing)."""
+    """Each heatmap cell's value (3 digits), black on light cells, white on dark; NaN shows ``missing``."""
     for i in range(grid.shape[0]):
         for j in range(grid.shape[1]):
             v = grid[i, j]
@@ -489,8 +486,7 @@ def grid_heatmap(
     metric: str = "accuracy",
     higher: bool = True,
 ) -> Path:
-    """Every configuration's score on a two-axis grid (e.g. lr × C: Mohapatra's inverse relation;
-    η × T: Panda's heatmaps), the best cell outlined. Shows losing candidates: a diagnostic."""
+    """Every configuration's score on a two-axis grid, the best outlined. Shows losers: a diagnostic."""
     xs, ys, grid = cell_grid(scores)
     cmap = "viridis" if higher else "viridis_r"
     fig, ax = _figure(1.1 * len(xs) + 2.4, 0.55 * len(ys) + 1.8)
@@ -530,8 +526,7 @@ def best_count_heatmap(
 
 
 def lr_vs_clip(series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, *, title: str) -> Path:
-    """The best learning rate per clipping threshold, log–log, with a dashed α ∝ 1/C reference per series
-    (Mohapatra et al. 2022, Sec. 4.1); ``series`` maps a label to (C, α) points."""
+    """The best learning rate per C, log–log, with α ∝ 1/C references (Mohapatra et al. 2022, Sec. 4.1)."""
     pts = {k: sorted((float(c), float(a)) for c, a in v) for k, v in series.items() if v}
     if not pts:
         raise ConfigError("lr_vs_clip needs at least one series with a (C, α) point.")

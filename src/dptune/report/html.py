@@ -150,8 +150,7 @@ def render_header(
     selection_split: str | None = None,
     budgets: Sequence[Mapping[str, Any]] = (),
 ) -> str:
-    """Selection-mode banner and the planned vs spent (ε, δ) table; a red warning if
-    the spent budget exceeds the plan (which the ledger should have made impossible)."""
+    """Selection-mode banner and planned vs spent (ε, δ); a red warning if spent exceeds planned."""
     parts = []
     if selection_mode is not None:
         check_selection_mode(selection_mode)

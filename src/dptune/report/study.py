@@ -67,8 +67,7 @@ def read_study(study_dir: Path) -> StudyRows:
 
 
 def study_inputs(s: StudyRows, results: Sequence[Any], **fields: Any) -> ReportInputs:
-    """What every report of a stored study shows alike, from the tuner's records (one budget per
-    private procedure: no study-wide (ε, δ)); ``fields``: the rest of the ``ReportInputs``."""
+    """What every report of a stored study shows alike (one budget per private procedure); ``fields``: the rest."""
     sel, plan = s.cfg.get("selection", {}), s.plan
     # selection scores clipped to the metric's range (noisy private scores can leave it; post-processing)
     table = [{**r, "value_mean": clip_to_range(r.get("value_mean"), plan.metric)} for r in private_rows(s.table)]
@@ -255,8 +254,7 @@ def _reachable_note(fit: Mapping[str, Any]) -> str:
 
 
 def budget_entries(table: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The header's budget rows, one per private tuning procedure (arm) of ``study_table``: planned
-    vs spent (ε, δ), the guarantee's scope and accountant (the non-private baseline has none)."""
+    """The header's budget rows, one per private procedure: planned vs spent (ε, δ), scope, accountant."""
     return [
         {
             "label": f"{r['strategy']} @ ε = {epsilon_text(r['epsilon'])} ({r['method']})",
@@ -450,8 +448,7 @@ def oso_joint_noise(plan: Any) -> dict[float, float]:
 
 
 def arm_costs(plan: Any) -> dict[str, dict[str, Any]]:
-    """Arm → {"runs": runs its budget is split over, "nu": the one ν of its runs or None}
-    (part of the public plan; ν only where one ν is shared by a split budget)."""
+    """Arm → {"runs": runs its budget is split over, "nu": their one ν or None} (public plan)."""
     out: dict[str, dict[str, Any]] = {}
     for arm in plan.arms:
         nus = {plan.runs[rid].noise_multiplier for rid in arm.runs}

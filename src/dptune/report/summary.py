@@ -40,8 +40,7 @@ def selected_model_section(table: Sequence[Mapping[str, Any]], metric: str, spli
 
 
 def tried_section(cfg: Mapping[str, Any], plan: Any) -> Section:
-    """What was tried, from the public plan: each private procedure's search space, runs and ν
-    (the number of runs only where the guarantee does not keep it secret)."""
+    """What was tried, from the public plan: each private procedure's space, runs (unless secret) and ν."""
     spaces = {s.get("label") or s["name"]: s for s in cfg.get("strategies", [])}
     rows = []
     for a in plan.arms:

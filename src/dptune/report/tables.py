@@ -92,8 +92,7 @@ def render_terminal_table(
     higher_is_better: bool | None = None,
     title: str | None = None,
 ) -> RichTable:
-    """A ``rich`` table of the best configuration per strategy and ε that fits 100 columns;
-    ``rows``: SummaryRows, summary dicts or per-seed trial rows (aggregated here)."""
+    """A ``rich`` table of the best configuration per strategy and ε that fits 100 columns."""
     higher = resolve_direction(metric, higher_is_better)
     srows = as_summary_rows(rows, higher=higher)
     name = {"accuracy": "Accuracy", "mse": "MSE", "loss": "Loss"}.get(metric, metric)

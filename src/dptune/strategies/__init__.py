@@ -39,8 +39,7 @@ from dptune.strategies.named import (
 
 
 def strategy_signature(name: str) -> tuple[str, tuple[str, ...], bool]:
-    """(canonical name, hyperparameters, private) of a strategy name, a named one or a
-    ``"<privatizer>+<update>"`` composition; an unknown name is one clear ConfigError."""
+    """(canonical name, hyperparameters, private) of a strategy name or composition; else ConfigError."""
     if not isinstance(name, str):
         raise ConfigError(f"a strategy name must be a string, got {name!r}.")
     key = canonical(name, STRATEGIES)

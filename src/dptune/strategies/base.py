@@ -147,8 +147,7 @@ class Composed(Strategy):
 
 @dataclass(frozen=True)
 class Chain(Composed):
-    """Any privatizer followed by any update rule: ``chain(OSOClip(), Adam(lr=1e-3))``, named
-    ``"<privatizer>+<update>"`` (``make_strategy`` takes such names, hyperparameters flat)."""
+    """Any privatizer then any update rule: ``chain(OSOClip(), Adam(lr=1e-3))``, named ``"<privatizer>+<update>"``."""
 
     privatizer_part: Privatizer
     update_part: UpdateRule
@@ -248,8 +247,7 @@ def chain_parts(name: str) -> tuple[type[Privatizer], type[UpdateRule]] | None:
 
 
 def make_chain(name: str, **hyperparameters: Any) -> Chain:
-    """``make_chain("oso+adam", initial_clip=0.5, lr=1e-3)``: each hyperparameter goes to every
-    part that has it (OSO's ``rule`` is shared by OSOClip and OSORate)."""
+    """``make_chain("oso+adam", lr=1e-3)``: each hyperparameter goes to every part that has it."""
     parts = chain_parts(name)
     assert parts is not None
     p_cls, u_cls = parts

@@ -99,8 +99,7 @@ _OSO_ORDER = ("lr", "initial_clip", "clip_lr", "lr_lr", "q_noise_multiplier", "r
 
 @recipe("oso", OSOClip(), OSORate(), order=(*_OSO_ORDER, "momentum", "adapt_lr"))
 class OSO(Recipe):
-    """OSO-DPSGD (Galli, Palamidessi, Cucinotta, AAAI 2024, Algorithm 1, typos corrected): one Gaussian
-    release of multiplier ν split between g̃ and q̃ (docs/strategies.md)."""
+    """OSO-DPSGD (Galli et al., AAAI 2024, Alg. 1, typos corrected) (docs/strategies.md)."""
 
 
 @recipe("dpadam", FixedClip(), Adam(lr=None))
@@ -118,8 +117,7 @@ _DPGD_ORDER = ("lr", "clip", "momentum", "zero_init", "final_step", "average", "
 
 @recipe("dpgd", FixedClip(), SGD(lr=None, momentum=0.9, final_step=True), average=True, order=_DPGD_ORDER)
 class DPGD(Recipe):
-    """Full-batch DP-GD with momentum (Panda et al. 2024, Algorithm 1) at q = 1, divided by n; ``zero_init``,
-    ``final_step`` and iterate ``average`` (docs/strategies.md)."""
+    """Full-batch DP-GD with momentum (Panda et al. 2024, Alg. 1), divided by n (docs/strategies.md)."""
 
     zero_init: bool = False
 

@@ -81,8 +81,7 @@ class Builder:
         nu: float,
         replicates: Iterable[int] | None = None,
     ) -> list[str]:
-        """Add one candidate's runs, one per seed of ``replicates`` (default ``replicates_for``), the arm's
-        fixed values added to ``config`` (None: resolved later); returns their run ids."""
+        """Add a candidate's runs, one per seed of ``replicates``, with the arm's fixed values; their ids."""
         reps = replicates_for(self.ctx.study, procedure) if replicates is None else replicates
         full = None if config is None else {**dict(arm.fixed), **config}
         return [self.add(arm_id, stage, index, procedure, r, full, shape, nu).run_id for r in reps]

@@ -47,8 +47,7 @@ _CACHE: dict[str, StudyData] = {}
 
 
 def forget_cached(y_train: torch.Tensor) -> None:
-    """Drop the cached study data whose training labels are ``y_train`` (the audit's in-memory
-    datasets: each trial's canaries differ, so a cached copy must not be reused)."""
+    """Drop the cached study data with training labels ``y_train`` (the audit's single-use datasets)."""
     for key in [k for k, v in _CACHE.items() if v.y_train is y_train]:
         _CACHE.pop(key, None)
 

@@ -318,8 +318,7 @@ class RayExecutor(Executor):
             starts.reported(self._drain())
 
     def close(self) -> None:
-        """Shuts down the queue's actor (on a cluster that outlives this study) and the Ray this
-        executor started. The executor may be used again: ``run`` makes a new queue (and Ray)."""
+        """Shut down the queue's actor and the Ray this executor started (``run`` can start anew)."""
         queue, self.started_queue = self.started_queue, None
         if queue is not None:
             with contextlib.suppress(Exception):  # already gone with its cluster: nothing to shut down
@@ -336,8 +335,7 @@ def make_executor(
     device: str | None = None,
     gpus_per_run: float | None = None,
 ) -> Executor:
-    """``device``: the runs' training device (places CUDA runs on GPUs); ``gpus_per_run``: Ray's
-    GPU share of one task (default 1 on CUDA; only with executor 'ray')."""
+    """``device``: the runs' device (CUDA runs placed on GPUs); ``gpus_per_run``: Ray's GPUs per task."""
     if isinstance(name, Executor):
         return name
     check_workers(workers)

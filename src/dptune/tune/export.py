@@ -168,8 +168,7 @@ def _public_data_id(desc: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def prune_checkpoints(study_dir: str | Path) -> int:
-    """Delete the checkpoints of runs that no arm selected (a finished study; thousands of runs
-    would otherwise keep thousands of weight files). Returns how many were deleted."""
+    """Delete the checkpoints of runs no arm selected (a finished study); return how many."""
     d = Path(study_dir)
     keep = {checkpoint_path(d, rid).name for r in results.study_table(d) for rid in r["selected_runs"]}
     n = 0

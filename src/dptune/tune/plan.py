@@ -101,8 +101,7 @@ def selection_noise_note(plan: StudyPlan, nu: float) -> str | None:
 
 
 def _plan_nonprivate(b: Builder, arm: StrategyArm, path: str) -> ArmPlan:
-    """The non-private baseline: the configurations of the arm's method (the grid, or its random
-    draws: ``TuningMethod.configurations``), every run at ν = ∞, once."""
+    """The non-private baseline: the method's configurations, every run at ν = ∞, once."""
     study, ctx = b.ctx.study, b.ctx
     configs = get_method(study.method_for(arm).name).configurations(study, arm)
     arm_id = make_arm_id(arm.key, math.inf)

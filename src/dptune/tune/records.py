@@ -97,8 +97,7 @@ class RunSpec(JsonRecord):
     planned_event: dp_event.DpEvent = field(metadata=EVENT)
 
     def run_plan(self, strategy: Strategy, n: int, accountant: str) -> RunPlan:
-        """The run's ``RunPlan`` (the worker's): the planned ν, q and T of this record, and the
-        study's accountant ('auto': the tightest for q, as ``dptune.plan_run`` resolves it)."""
+        """The run's ``RunPlan``: planned ν, q, T and the study's accountant (as ``plan_run``)."""
         acc = accounting.tightest_accountant(self.sampling_rate) if accountant == "auto" else accountant
         return RunPlan(strategy, n, self.sampling_rate, self.steps, self.noise_multiplier, acc)
 
@@ -207,8 +206,7 @@ def choose_accountant(requested: str, event: dp_event.DpEvent, auto: str | None 
 def calibrate_nu(
     make_event: Callable[[float], dp_event.DpEvent], eps: float, delta: float, acc: str, what: str
 ) -> float:
-    """Smallest ν meeting the target (``accounting.calibrate``: it starts from the Gaussian-DP
-    approximation, so an RDP pre-bracket would only add time: 0.4–0.6 s per 49-run grid)."""
+    """Smallest ν meeting the target (``accounting.calibrate``; no RDP pre-bracket: it only adds time)."""
     try:
         return accounting.calibrate(eps, delta, accountant=acc, make_event=make_event).noise_multiplier
     except ConfigError as exc:

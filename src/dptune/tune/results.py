@@ -83,8 +83,7 @@ def private_rows(table: Iterable[_Row]) -> list[_Row]:
 
 
 def release_rows(table: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """``study_table`` rows reduced to ``RELEASE_COLUMNS`` (what may be published); non-private
-    arms (``is_nonprivate``) are left out: they are in the diagnostics only."""
+    """``study_table`` rows reduced to ``RELEASE_COLUMNS``, non-private arms left out."""
     return [{k: r.get(k) for k in RELEASE_COLUMNS} for r in private_rows(table)]
 
 
@@ -339,8 +338,7 @@ def eta(
 
 # ----------------------------------------------------------------------------- files and terminal
 def write_csvs(study_dir: str | Path) -> list[Path]:
-    """``release/results.csv`` (publishable) and, labelled not DP, ``diagnostics/results.csv``
-    (every column), ``diagnostics/budget_runs.csv``, ``diagnostics/budget_labels.csv``."""
+    """``release/results.csv`` and, labelled not DP, ``diagnostics/`` results and budget CSVs."""
     d = Path(study_dir)
     per_run, per_label = budget_rows(d)
     table = study_table(d)

@@ -129,8 +129,7 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """``dptune.models.build(name, **options)`` or a picklable ``builder(**options)``; ``input_dim`` and
-    ``classes`` are filled in from the data where the constructor takes them."""
+    """``models.build(name, **options)`` or a picklable ``builder``; ``input_dim``/``classes`` filled in."""
 
     name: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -282,8 +281,7 @@ class BudgetSpec:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A tuning method (``tune.methods``: its name or an alias) and its options; ``options`` becomes
-    the method's full set of options (defaults filled in), checked by the method's ``Options``."""
+    """A tuning method (name or alias) and its options, completed and checked by the method's ``Options``."""
 
     name: str = "grid"
     options: Mapping[str, Any] = field(default_factory=dict)

@@ -200,8 +200,7 @@ def _check_test_split(study: Study) -> None:
 
 
 def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
-    """One strategy arm: its strategy, the names and values of its space, then what its tuning
-    method requires of it (``TuningMethod.check_arm``), then that the strategy builds."""
+    """One arm: its strategy, its space's names and values, its method's checks, that it builds."""
     path = f"strategies[{i}]"
     key, hyperparameters, private = _check_strategy_name(arm, path)
     if not isinstance(arm.space, Mapping) or not isinstance(arm.fixed, Mapping):

@@ -102,8 +102,7 @@ def _eval_event(run: RunSpec):
 
 
 def execute_run(study: Study, strategy_name: str, run_dict: dict[str, Any], metric: str) -> dict[str, Any]:
-    """Train one planned run; return its metrics, history and ledger (as a dict). A pure function of
-    its arguments on any executor, except in secure mode (OS-CSPRNG noise and batches)."""
+    """Train one planned run; return its metrics, history and ledger: pure on any executor (but secure mode)."""
     run = _configured(run_dict)
     with _threads(study.threads_per_run):
         job, task = _jobs(study, [strategy_name], [run], metric)
@@ -209,8 +208,7 @@ def execute_group(
 
 
 def execute_task(kind: str, *args: Any) -> dict[str, Any]:
-    """The executors' entry point: ``("run", study, strategy, run, metric)`` → ``execute_run``;
-    ``("group", study, strategies, runs, metric)`` → ``execute_group``."""
+    """The executors' entry point: a ``"run"`` or ``"group"`` task → ``execute_run``/``execute_group``."""
     if kind == "run":
         return execute_run(*args)
     if kind == "group":

@@ -103,8 +103,7 @@ class TuningMethod:
         return S.grid(arm.space) if S.is_finite(arm.space) else random_configurations(study, arm, 10)
 
     def plan(self, b: Builder, arm: StrategyArm, eps: float, path: str) -> ArmPlan:
-        """Plan the runs of ``arm`` at target ε (``b.add_candidate`` each candidate) and return the
-        arm's plan (``arm_plan``): its guarantee, release event and notes."""
+        """Plan the runs of ``arm`` at target ε (``b.add_candidate``) and return ``arm_plan``."""
         raise NotImplementedError
 
     def arm_plan(
@@ -120,8 +119,7 @@ class TuningMethod:
         extra: Mapping[str, Any] | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> ArmPlan:
-        """The plan of ``arm`` at ε with this method: ``runs`` (added to ``b``), their composed
-        release event, the study's δ and procedures, and the method's options (``options``: others)."""
+        """The plan of ``arm`` at ε: ``runs``, their composed release event, δ, procedures, options."""
         study = b.ctx.study
         return ArmPlan(
             make_arm_id(arm.key, eps),

@@ -22,8 +22,7 @@ if TYPE_CHECKING:  # types only: the study spec validates through the methods
 
 
 class Composition(TuningMethod):
-    """The shared planner: the candidates' runs, one ν for all of them calibrated so that their
-    composition (one seed's runs, or all with ``account_seeds``) meets the target ε."""
+    """The shared planner: one ν for all candidates' runs, calibrated so their composition meets ε."""
 
     needs_value_lists = True
     shared_noise = True  # oracle: False, each run is calibrated alone at ε (the search's cost not included)
