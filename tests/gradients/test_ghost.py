@@ -154,11 +154,15 @@ def test_ghost_equals_vmap_in_float64(name: str) -> None:
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # a fallback to vmap would hide a wrong path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", ["galli_cnn", "galli_autoencoder", "seq", "geometry"])
-def test_unfold_products_equal_vmap(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype) -> None:
-    """Kept convolutions by im2col + batched GEMM (the CUDA path), forced on the CPU: the same
-    norms, sums and per-sample gradients as vmap (float64: to 1e-12, the same maths), in chunks of
-    one example, across padding, stride, dilation, Conv1d and a model that also has transposed
-    convolutions (which keep the grouped kernel)."""
+@pytest.mark.parametrize("kept", [True, False])
+def test_unfold_products_equal_vmap(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype, kept: bool) -> None:
+    """Convolutions by im2col + batched GEMM (the CUDA path), forced on the CPU, kept (case (a))
+    or recomputed for the release (case (e), the large-batch path): the same norms, sums and
+    per-sample gradients as vmap (float64: to 1e-12, the same maths), in chunks of one example,
+    across padding, stride, dilation, Conv1d and a model that also has transposed convolutions
+    (which keep the grouped kernel)."""
+    if not kept:
+        monkeypatch.setattr(ghost, "MATERIALIZE_LIMIT_BYTES", 256)
     asked: list[bool] = []
 
     def unfold_everywhere(device: torch.device, transposed: bool, patch_bytes: int) -> bool:

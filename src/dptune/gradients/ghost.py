@@ -306,12 +306,15 @@ class _Conv(LayerRule):
         per_example_patches = d * T * a.element_size()
         per_sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._per_sample_weight
         step, kernel = self._chunk, same_kernel(a.device) if not keep else nullcontext()
-        if keep and use_unfold_products(a.device, self.transposed, per_example_patches):
-            # Kept (case (a)): Ĝ is computed once and is itself what is released, so any kernel
-            # will do; on CUDA patches + one batched GEMM per chunk beat cuDNN's grouped
-            # convolution with B groups 5-12x (docs/performance.md, "Convolutions on a GPU").
+        if use_unfold_products(a.device, self.transposed, per_example_patches):
+            # On CUDA patches + one batched GEMM per chunk beat cuDNN's grouped convolution with B
+            # groups 5-12x, and its deterministic kernel (case (e)) ~30x at B = 4096 (docs/
+            # performance.md, "Convolutions on a GPU"). cuBLAS repeats a GEMM of the same shape bit
+            # for bit on one GPU, so case (e)'s recomputation releases the Ĝ_i whose norms were taken.
             step = max(1, UNFOLD_PRODUCT_BYTES // per_example_patches)
+            step = step if keep else min(step, self._chunk)
             per_sample = self._unfolded_weight
+        self._chunk, self._per_sample = step, per_sample
         # Not kept: weighted sums recompute the same chunks (case (e)), so they release exactly
         # the Ĝ_i whose norms were taken; cuDNN must then pick the same kernel both times.
         with kernel:
@@ -419,7 +422,7 @@ class _Conv(LayerRule):
                     if lo == hi:
                         continue
                     wi, sel = w[lo:hi], rows[lo:hi] - i
-                G = self._per_sample_weight(self.a[i:j], self.b[i:j]).reshape(j - i, -1)
+                G = self._per_sample(self.a[i:j], self.b[i:j]).reshape(j - i, -1)
                 part = wide_sum(wi, G if sel is None else G[sel])
                 total = part if total is None else total + part
         return total if total is not None else self.weight.new_zeros(self.weight.numel(), dtype=torch.float64)
@@ -435,7 +438,7 @@ class _Conv(LayerRule):
                 with same_kernel(self.a.device):
                     G = torch.cat(
                         [
-                            self._per_sample_weight(self.a[i : i + self._chunk], self.b[i : i + self._chunk])
+                            self._per_sample(self.a[i : i + self._chunk], self.b[i : i + self._chunk])
                             for i in range(0, self.a.shape[0], self._chunk)
                         ]
                     )
