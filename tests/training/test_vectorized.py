@@ -11,6 +11,7 @@ from scipy import stats
 from torch import nn
 
 from dptune.errors import ConfigError
+from dptune.gradients import stacked as stacked_module
 from dptune.gradients.persample import batched_loss
 from dptune.gradients.stacked import PaddedBuffers, Stacked, stack_plan
 from dptune.train import train
@@ -107,9 +108,12 @@ def test_stacked_cnn_trials_equal_sequential_train(strategy: str) -> None:
     assert not torch.allclose(got[0].final_params["0.weight"], got[1].final_params["0.weight"])
 
 
-def test_stacked_conv_grads_are_each_rows_own() -> None:
+@pytest.mark.parametrize("gemm", [False, True])
+def test_stacked_conv_grads_are_each_rows_own(gemm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Per trial and row, the stacked norm bounds that example's own gradient (vmap at the trial's
-    parameters) tightly and the weighted sum is Σ w_i g_i: no row or trial reads another's."""
+    parameters) tightly and the weighted sum is Σ w_i g_i: no row or trial reads another's. Both
+    kernels: the grouped backward (CPU) and patches + batched GEMM (CUDA's, forced here)."""
+    monkeypatch.setattr(stacked_module, "gemm_patches", lambda device: gemm)
     models = [small_cnn(s) for s in (1, 2, 3)]
     params = [params_of(m) for m in models]
     idxs = [torch.tensor([3, 7, 20, 21]), torch.tensor([], dtype=torch.long), torch.arange(40, 50)]
