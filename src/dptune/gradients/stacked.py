@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -110,19 +111,24 @@ def trials_first(h: torch.Tensor, K: int) -> torch.Tensor:
     return h.view(h.shape[0], K, -1, *h.shape[2:]).transpose(0, 1)
 
 
+def geometry(mod: nn.Module) -> tuple[tuple[int, int], ...]:
+    """A Conv2d's kernel size, stride, padding and dilation (``stack_plan`` refuses string padding)."""
+    return cast(tuple[tuple[int, int], ...], (mod.kernel_size, mod.stride, mod.padding, mod.dilation))
+
+
 def gemm_patches(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def conv_per_sample(mod: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def conv_per_sample(mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-example weight gradients [N, C_out, C_in·k_h·k_w] of a Conv2d from its inputs a [N, C_in, H, W]
     and output gradients b [N, C_out, H', W'], each from its own row alone. CPU: the convolution backward
     with the rows as groups (Rochette et al. 2019), 64 at a time; CUDA: b_i times the row's patches
     (strided views of its padded input, copied in chunks into GEMM layout), one batched product a chunk
     (the ghost path's kernels, ``ghost.use_unfold_products``: 10x faster on a CPU, resp. on a GPU)."""
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = mod.kernel_size, mod.stride, mod.padding, mod.dilation  # type: ignore[misc]
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry(mod)
     N, C, ho, wo = a.shape[0], a.shape[1], b.shape[2], b.shape[3]
-    w, out = mod.weight.detach(), []
+    w, out = cast(torch.Tensor, mod.weight).detach(), []
     cuda = gemm_patches(a.device)
     step = max(1, PATCH_BYTES // (C * kh * kw * ho * wo * a.element_size())) if cuda else 64
     for i in range(0, N, step):
@@ -131,7 +137,7 @@ def conv_per_sample(mod: nn.Conv2d, a: torch.Tensor, b: torch.Tensor) -> torch.T
         if not cuda:
             g = torch.ops.aten.convolution_backward(
                 *(bi.reshape(1, -1, ho, wo), ai.reshape(1, -1, *ai.shape[2:]), w.repeat(c, 1, 1, 1), None),
-                *(mod.stride, mod.padding, mod.dilation, False, [0, 0], c, [False, True, False]),
+                *([sh, sw], [ph, pw], [dh, dw], False, [0, 0], c, [False, True, False]),
             )[1]
             out.append(g.view(c, w.shape[0], -1))
             continue
@@ -181,10 +187,10 @@ class Stacked:
             elif op.kind == "conv":
                 W, b = weights[li]
                 li += 1
-                m = op.module
+                _, stride, padding, dilation = geometry(op.module)
                 xg = h.transpose(0, 1).flatten(1, 2)  # [B, K·C_in, H, W]: trial k's channels are group k
                 bias = b.flatten() if b is not None else None
-                z = trials_first(F.conv2d(xg, W.flatten(0, 1), bias, m.stride, m.padding, m.dilation, K), K)
+                z = trials_first(F.conv2d(xg, W.flatten(0, 1), bias, stride, padding, dilation, K), K)
                 if record:
                     recs.append((h, z))
                 h = z
@@ -245,11 +251,11 @@ class Stacked:
             a, nm = h.detach(), self.names(op)
             if op.kind == "linear":
                 parts += rank_one_parts(a, b, op.module.bias is not None)
-                rules.append(lambda k, n, p, a=a, b=b, nm=nm: LinearRule(nm, a[k, :n], b[k, :n], p[nm["weight"]]))
+                rules.append(partial(linear_rule, nm, a, b))
                 continue
             kept = conv_grads(op.module, nm, a, b)
             parts += [(s.view(K, B), r) for s, r in (sq_rows_upper(g.flatten(0, 1)) for g in kept.values())]
-            rules.append(lambda k, n, p, kept=kept, nm=nm: KeptRule(nm, {q: g[k, :n] for q, g in kept.items()}))
+            rules.append(partial(kept_rule, nm, kept))
         norms = upper_norms(parts, losses, release_dtypes=[W.dtype for W, _ in weights])
         out_views: list[tuple[torch.Tensor, MaterializedGrads]] = []
         for k, p in enumerate(params):
@@ -266,12 +272,20 @@ class Stacked:
         return out_views
 
 
+def linear_rule(nm: dict[str, str], a: torch.Tensor, b: torch.Tensor, k: int, n: int, p: Tensors) -> LayerRule:
+    return LinearRule(nm, a[k, :n], b[k, :n], p[nm["weight"]])
+
+
+def kept_rule(nm: dict[str, str], kept: Tensors, k: int, n: int, p: Tensors) -> LayerRule:
+    return KeptRule(nm, {q: g[k, :n] for q, g in kept.items()})
+
+
 def conv_grads(mod: nn.Module, names: dict[str, str], a: torch.Tensor, b: torch.Tensor) -> Tensors:
     """A stacked Conv2d's kept per-example gradients [K, B, *shape] from its inputs a [K, B, C, H, W] and
     output gradients b [K, B, C_out, H', W']: each row from its own input and output gradient alone."""
     K, B = a.shape[:2]
-    rows = conv_per_sample(mod, a.transpose(0, 1).flatten(0, 1), b.transpose(0, 1).flatten(0, 1))  # type: ignore[arg-type]
-    out = {names["weight"]: rows.view(B, K, *mod.weight.shape).transpose(0, 1).contiguous()}
+    rows = conv_per_sample(mod, a.transpose(0, 1).flatten(0, 1), b.transpose(0, 1).flatten(0, 1))
+    out = {names["weight"]: rows.view(B, K, *cast(torch.Tensor, mod.weight).shape).transpose(0, 1).contiguous()}
     if "bias" in names:
         out[names["bias"]] = b.sum((3, 4))
     return out
