@@ -443,7 +443,7 @@ def _batched_grads(
 
 def _evaluate(stacked: Stacked, params: list[Tensors], x: torch.Tensor, y: torch.Tensor, metric: Metric) -> list[float]:
     """``dptune.train.evaluate`` for several parameter sets at once: ``metrics.score_sums`` with
-    the stacked forward (one pass of every batch for all K sets)."""
+    the stacked forward (one pass of every batch for all K sets, EVAL_BATCH / K rows a batch)."""
     K = len(params)
     with torch.no_grad():
         weights = stacked.stack(params)
@@ -451,4 +451,4 @@ def _evaluate(stacked: Stacked, params: list[Tensors], x: torch.Tensor, y: torch
     def forward(xb: torch.Tensor) -> torch.Tensor:
         return stacked.forward(weights, xb.unsqueeze(0).expand(K, *xb.shape), record=False)[0]
 
-    return metrics.mean_scores(forward, (x, y), metric, trials=K)
+    return metrics.mean_scores(forward, metrics.batches(x, y, max(1, metrics.EVAL_BATCH // K)), metric, trials=K)
