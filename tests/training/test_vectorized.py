@@ -252,6 +252,19 @@ def test_unstackable_models_run_sequentially_or_refuse() -> None:
         stack_plan(Custom())
     with pytest.raises(ConfigError, match="in-place"):
         stack_plan(nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True)))
+    for conv in (
+        nn.Conv2d(2, 4, 3, groups=2),
+        nn.Conv2d(1, 4, 3, padding="same"),
+        nn.Conv2d(1, 4, 3, padding_mode="circular"),
+    ):
+        with pytest.raises(ConfigError, match="only groups=1 and numeric zero padding"):
+            stack_plan(nn.Sequential(conv, nn.Flatten(), nn.Linear(4, 2)))
+    with pytest.raises(ConfigError, match="cannot be stacked"):
+        stack_plan(nn.Sequential(nn.Conv2d(1, 4, 3), nn.MaxPool2d(2, return_indices=True)))
+    frozen = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4, 2))
+    frozen[0].bias.requires_grad_(False)
+    with pytest.raises(ConfigError, match="frozen"):
+        stack_plan(frozen)
     with pytest.raises(ConfigError, match="cannot be stacked"):
         train_many(
             lambda s: Custom(),

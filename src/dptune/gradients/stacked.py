@@ -23,7 +23,7 @@ from torch import nn
 from dptune.errors import ConfigError
 from dptune.gradients.ghost import GhostGrads, LinearRule
 from dptune.gradients.ghost_layers import KeptRule, LayerRule
-from dptune.gradients.norm_bounds import rank_one_parts, sq_rows_upper, upper_norms
+from dptune.gradients.norm_bounds import ieee_matmul, rank_one_parts, sq_rows_upper, upper_norms
 from dptune.gradients.persample import MaterializedGrads
 from dptune.tree import Tensors
 
@@ -82,7 +82,7 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
             if not linear and (mod.groups != 1 or mod.padding_mode != "zeros" or isinstance(mod.padding, str)):
                 raise Unsupported(f"layer {where} cannot be stacked: only groups=1 and numeric zero padding")
             ops.append(StackOp("linear" if linear else "conv", mod, prefix))
-        elif type(mod) in POOLS:
+        elif type(mod) in POOLS and not getattr(mod, "return_indices", False):
             ops.append(StackOp("pool", mod, prefix))
         elif type(mod) in ELEMENTWISE:
             if getattr(mod, "inplace", False):
@@ -182,6 +182,8 @@ class Stacked:
                 h = h.reshape(h.shape[0], h.shape[1], -1)
             elif op.kind == "fn":
                 h = op.module(h)
+            elif op.kind in ("pool", "conv") and h.dim() != 5:
+                raise Unsupported(f"a {type(op.module).__name__} receives per-example inputs other than [C, H, W]")
             elif op.kind == "pool":  # per channel: the [B, K·C, H, W] layout of the convolutions
                 h = trials_first(op.module(h.transpose(0, 1).flatten(1, 2)), K)
             elif op.kind == "conv":
@@ -284,7 +286,8 @@ def conv_grads(mod: nn.Module, names: dict[str, str], a: torch.Tensor, b: torch.
     """A stacked Conv2d's kept per-example gradients [K, B, *shape] from its inputs a [K, B, C, H, W] and
     output gradients b [K, B, C_out, H', W']: each row from its own input and output gradient alone."""
     K, B = a.shape[:2]
-    rows = conv_per_sample(mod, a.transpose(0, 1).flatten(0, 1), b.transpose(0, 1).flatten(0, 1))
+    with ieee_matmul(a.device):  # exact float32, as every private computation (norm_bounds.ieee_matmul)
+        rows = conv_per_sample(mod, a.transpose(0, 1).flatten(0, 1), b.transpose(0, 1).flatten(0, 1))
     out = {names["weight"]: rows.view(B, K, *cast(torch.Tensor, mod.weight).shape).transpose(0, 1).contiguous()}
     if "bias" in names:
         out[names["bias"]] = b.sum((3, 4))
