@@ -2,11 +2,16 @@
 
     python benchmarks/vectorized_trials.py --quick      # a couple of minutes on 2 cores
     python benchmarks/vectorized_trials.py              # K = 49, 40 steps, three models
+    python benchmarks/vectorized_trials.py --models galli_cnn --trials 25 --seq-trials 5 \
+        --n 6000 --batch 64 --steps 4 --clock cpu --threads 1          # the stacked CNN on a CPU
+    python benchmarks/vectorized_trials.py --models galli_cnn --trials 25 --seq-trials 5 \
+        --batch 256 --steps 20 --device cuda --json out.json           # the same on a GPU (< 60 s)
 
 A 7 × 7 grid (learning rate × clipping threshold, DP-SGD; or OSO's ρ₀ × C₀) of K = 49
 trials, each with its own seed, on synthetic data of the paper's shapes: Galli's BoW FC
 (750 → 128 → 128 → 4, n = 120,000 like AG News) and Mohapatra's LR and TLNN on
-MNIST-shaped data (784 → 10, 784 → 100 → 10, n = 60,000); expected batch 512; one
+MNIST-shaped data (784 → 10, 784 → 100 → 10, n = 60,000), and the Galli CNN (Conv2d, MaxPool,
+Conv2d, two Linear layers; 1×28×28 inputs, n = 60,000; ``--models galli_cnn``); expected batch 512; one
 evaluation on 2,000 held-out examples at the end. Throughput = trained examples per
 second over all trials. The sequential baseline is timed on ``--seq-trials`` of the K
 trials (each trial is independent, so examples/s is the same for any subset); it runs
@@ -17,6 +22,7 @@ Rounds alternate vectorised and sequential so load from other processes hits bot
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,7 +31,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CLOCKS, check_device, device_sync, machine, table  # noqa: E402
+from common import CLOCKS, build_model, check_device, device_sync, machine, table  # noqa: E402
 
 from dptune.gradients.oracle import default_method  # noqa: E402
 from dptune.train import train  # noqa: E402
@@ -35,11 +41,15 @@ SHAPES = {  # name: (input dim, hidden widths, classes, n)
     "galli_bow_fc": (750, (128, 128), 4, 120_000),
     "logistic_regression": (784, (), 10, 60_000),
     "two_layer_nn": (784, (100,), 10, 60_000),
+    "galli_cnn": (784, (), 10, 60_000),  # inputs reshaped to 1×28×28
 }
+DENSE = ["galli_bow_fc", "logistic_regression", "two_layer_nn"]
 
 
 def model_fn(name: str):
     d, hidden, k, _ = SHAPES[name]
+    if name == "galli_cnn":
+        return lambda seed: build_model("galli_cnn", seed)
 
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
@@ -62,6 +72,8 @@ def data_for(name: str, n: int | None = None):
     w = torch.randn(d, k, generator=g)
     x = torch.randn(n + 2000, d, generator=g)
     y = (x @ w + 2.0 * torch.randn(n + 2000, k, generator=g)).argmax(1)
+    if name == "galli_cnn":
+        x = x.view(-1, 1, 28, 28)
     return (x[:n], y[:n]), (x[n:], y[n:])
 
 
@@ -78,7 +90,7 @@ def grid(strategy: str, K: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--models", nargs="+", default=DENSE, choices=list(SHAPES))
     ap.add_argument("--strategy", default="dpsgd", choices=["dpsgd", "oso", "quantile", "adamwosm", "nodp"])
     ap.add_argument("--trials", type=int, default=49)
     ap.add_argument("--seq-trials", type=int, default=49, help="sequential trials timed (throughput per example)")
@@ -90,6 +102,7 @@ def main() -> None:
     ap.add_argument("--vmap", action="store_true", help="also time sequential runs on the vmap path")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: process CPU time (busy machine)")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--quick", action="store_true", help="K = 49, 10 steps, 7 sequential trials, BoW FC and LR")
     args = ap.parse_args()
     check_device(args.device)
@@ -152,6 +165,8 @@ def main() -> None:
             rows.append(row)
             print(f"  {label:22s} {t:8.3f} s/trial  {sps:10.0f} examples/s  {base / t:6.2f}x")
     print("\n" + table(rows, ["model", "mode", "s/trial", "examples/s", "vs sequential (ghost)"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(args.device), "args": vars(args), "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -152,6 +152,40 @@ def released_zero_grad_noise(device: str) -> tuple[torch.Tensor, float]:
     return model.weight.grad, nu * clip / L
 
 
+def small_cnn(seed: int) -> nn.Sequential:
+    """A Galli-shaped CNN on 1×10×10 inputs (Conv2d, MaxPool2d, strided Conv2d, AvgPool2d, two Linear)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 1)),
+        *(nn.Conv2d(4, 6, 3, stride=2), nn.Tanh(), nn.AvgPool2d(2)),
+        *(nn.Flatten(), nn.Linear(24, 5), nn.ReLU(), nn.Linear(5, 2)),
+    )
+
+
+def stacked_cnn_noise(device: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One step of 3 stacked CNN trials (a bias-free Conv2d(8, 32, 5) on all-zero images: every
+    per-example conv gradient is exactly 0) with their own ν, C and lr: each trial's 6,400 conv
+    weights move by its released noise alone. Returns that noise divided by its planned std
+    lr·ν·C/L (N(0, 1) if right), and the raw moves per trial."""
+    from dptune.vectorized import train_many
+
+    nus, clips, lrs, L = [0.8, 1.5, 3.0], [0.5, 1.0, 2.0], [1.0, 0.5, 2.0], 16.0
+    x, y = torch.zeros(64, 8, 8, 8), torch.arange(64) % 2
+    cfgs = [{"lr": lr, "clip": c, "momentum": 0.0} for lr, c in zip(lrs, clips, strict=True)]
+    torch.manual_seed(0)
+    models = [
+        nn.Sequential(nn.Conv2d(8, 32, 5, bias=False), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(128, 2))
+        for _ in range(3)
+    ]
+    start = [m[0].weight.detach().clone() for m in models]
+    runs = train_many(
+        models, (x, y), "dpsgd", cfgs, [4, 5, 6], noise_multiplier=nus, steps=1, expected_batch_size=L, device=device
+    )
+    moves = [r.final_params["0.weight"].cpu() - w0 for r, w0 in zip(runs, start, strict=True)]
+    scaled = [m.flatten() / (lr * nu * c / L) for m, lr, nu, c in zip(moves, lrs, nus, clips, strict=True)]
+    return torch.cat(scaled).double(), moves
+
+
 def params_of(model: nn.Module) -> Tensors:
     return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
 

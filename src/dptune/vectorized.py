@@ -2,15 +2,15 @@
 ``dptune.train`` would make with its own hyperparameters, seed, Poisson batches, noise stream,
 gateway and ledger (design: docs/performance.md, "Vectorised trials").
 
-Only the identical-shape work is batched (``gradients.stacked``): forward, backward to every Linear output, per-sample
-ghost norms and evaluation (parameters stacked to [K, p, d], batches padded to the largest;
+Only the identical-shape work is batched (``gradients.stacked``): forward, backward to every layer output, per-sample
+norms and evaluation (parameters stacked to [K, p, d], convolutions grouped, batches padded to the largest;
 padded rows carry zero loss weight, so zero output gradient). Everything with privacy meaning
 stays per trial: each trial is stepped by its own ``dptune.train.RunLoop`` (own sampler,
 strategy step on a view of its rows, ``NoisyRelease`` and plan-bound ledger), so "all noise via
 the gateway, recorded first" holds trial by trial. Results equal K sequential ``train`` calls up
 to float rounding (``tests/training/test_vectorized.py``). Scope: (nested) ``nn.Sequential`` of
-``nn.Linear``, element-wise activations, ``Flatten`` and inactive ``Dropout``; anything else
-runs through ``train`` (``fallback='sequential'``) or raises (``fallback='error'``).
+``nn.Linear``, ``nn.Conv2d``, pooling, element-wise activations, ``Flatten`` and inactive ``Dropout``;
+anything else runs through ``train`` (``fallback='sequential'``) or raises (``fallback='error'``).
 """
 
 from __future__ import annotations
@@ -443,7 +443,7 @@ def _batched_grads(
 
 def _evaluate(stacked: Stacked, params: list[Tensors], x: torch.Tensor, y: torch.Tensor, metric: Metric) -> list[float]:
     """``dptune.train.evaluate`` for several parameter sets at once: ``metrics.score_sums`` with
-    the stacked forward (one pass of every batch for all K sets)."""
+    the stacked forward (one pass of every batch for all K sets, EVAL_BATCH / K rows a batch)."""
     K = len(params)
     with torch.no_grad():
         weights = stacked.stack(params)
@@ -451,4 +451,4 @@ def _evaluate(stacked: Stacked, params: list[Tensors], x: torch.Tensor, y: torch
     def forward(xb: torch.Tensor) -> torch.Tensor:
         return stacked.forward(weights, xb.unsqueeze(0).expand(K, *xb.shape), record=False)[0]
 
-    return metrics.mean_scores(forward, (x, y), metric, trials=K)
+    return metrics.mean_scores(forward, metrics.batches(x, y, max(1, metrics.EVAL_BATCH // K)), metric, trials=K)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import released_zero_grad_noise
+from conftest import released_zero_grad_noise, small_cnn, stacked_cnn_noise
 from scipy import stats
 from torch import nn
 
@@ -140,6 +140,32 @@ def test_vectorised_trials_equal_sequential_runs_on_the_gpu() -> None:
         one = dptune.train(build(k), (x, y), "dpsgd", seed=k, **kw, **cfg)
         for name in one.final_params:
             torch.testing.assert_close(res.final_params[name], one.final_params[name], rtol=1e-4, atol=1e-5)
+
+
+def test_stacked_cnn_trials_equal_sequential_runs_on_the_gpu() -> None:
+    """Conv2d/MaxPool2d/AvgPool2d trials stacked on the GPU (grouped convolution, patches + GEMM
+    per-example gradients) give each trial's own ``dptune.train`` run: ledger, parameters."""
+    from dptune.vectorized import train_many
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 1, 10, 10, generator=g)
+    y = (x[:, 0, :5].sum((1, 2)) > x[:, 0, 5:].sum((1, 2))).long()
+    cfgs = [{"lr": 0.1, "clip": 0.5}, {"lr": 0.3, "clip": 1.0}, {"lr": 0.05, "clip": 2.0}]
+    kw = {"steps": 6, "expected_batch_size": 32, "noise_multiplier": 1.0, "device": "cuda"}
+    many = train_many(small_cnn, (x, y), "dpsgd", cfgs, [0, 1, 2], fallback="error", **kw)
+    for k, (cfg, res) in enumerate(zip(cfgs, many, strict=True)):
+        one = dptune.train(small_cnn(k), (x, y), "dpsgd", seed=k, **kw, **cfg)
+        assert res.ledger.to_dict() == one.ledger.to_dict()
+        assert [r["batch_size"] for r in res.history] == [r["batch_size"] for r in one.history]
+        for name in one.final_params:
+            torch.testing.assert_close(res.final_params[name], one.final_params[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("factor", "accept"), [(1.0, True), (0.9, False), (1.1, False)])
+def test_stacked_conv_noise_on_the_gpu_has_each_trials_own_std(factor: float, accept: bool) -> None:
+    z, _ = stacked_cnn_noise("cuda")
+    p = stats.kstest(z.numpy(), stats.norm(scale=factor).cdf).pvalue
+    assert (p > 1e-3) if accept else (p < 1e-6)
 
 
 def test_a_study_trains_on_the_gpu_with_the_process_executor(tmp_path: Path) -> None:

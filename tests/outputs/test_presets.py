@@ -532,6 +532,24 @@ def test_gpu_slice_plans_one_paper_cell_at_full_size(data_env):
         preset_parts("galli-agnews", "gpu-slice")
 
 
+@pytest.mark.parametrize("scale", ["gpu-slice", "paper"])
+def test_the_tuner_stacks_the_galli_cnn_trials(scale, data_env):
+    """The CNN stacks (``gradients.stacked``), so the coordinator groups every arm's runs by 16
+    (``study.trials_per_group``) and a worker trains each group with ``train_loops``."""
+    from types import SimpleNamespace
+
+    from dptune.presets import preset_studies
+    from dptune.tune.study import Coordinator
+
+    studies, plans = preset_studies("galli-mnist", scale, k=5), plan_preset("galli-mnist", scale, k=5)
+    for name, plan in plans.items():
+        groups = Coordinator(studies[name], SimpleNamespace(ledger_entries=lambda: []), plan).groups()
+        assert set(groups) == set(plan.runs)  # every arm has ≥ 5 runs a stage: all grouped
+        assert {len(g) for g in groups.values()} <= set(range(2, 17))
+        for g in groups.values():
+            assert len({(plan.runs[r].arm, plan.runs[r].stage) for r in g}) == 1
+
+
 def test_gpu_slice_without_a_gpu_is_refused_before_any_folder(data_env, tmp_path, monkeypatch):
     import torch
 

@@ -1,22 +1,29 @@
 """K models of one architecture as one: stacked parameters [K, p, d], one batched forward and
 backward, per-example ghost norms of all K at once (``dptune.vectorized``'s trials).
 
-Scope: (nested) ``nn.Sequential`` of ``nn.Linear``, element-wise activations, ``Flatten`` and
-inactive ``Dropout`` (``stack_plan``); anything else raises ``Unsupported``.
+Scope: (nested) ``nn.Sequential`` of ``nn.Linear``, ``nn.Conv2d`` (groups 1, zero padding),
+``MaxPool2d``/``AvgPool2d``, element-wise activations, ``Flatten`` and inactive ``Dropout``
+(``stack_plan``); anything else raises ``Unsupported``. The K trials' convolutions run as one
+grouped convolution (groups = K, activations [B, K·C, H, W]: trial k's channels are group k, so
+no trial sees another's); their per-example gradients are kept ([K, B, C_out, C_in·k_h·k_w],
+patches times output gradients, row by row) and released as they are (ghost case (a)).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dptune.errors import ConfigError
 from dptune.gradients.ghost import GhostGrads, LinearRule
-from dptune.gradients.norm_bounds import rank_one_parts, upper_norms
+from dptune.gradients.ghost_layers import KeptRule, LayerRule
+from dptune.gradients.norm_bounds import ieee_matmul, rank_one_parts, sq_rows_upper, upper_norms
 from dptune.gradients.persample import MaterializedGrads
 from dptune.tree import Tensors
 
@@ -38,6 +45,8 @@ ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.Softsign,
     nn.Tanhshrink,
 )
+POOLS = (nn.MaxPool2d, nn.AvgPool2d)
+PATCH_BYTES = 256 * 2**20  # bound on one chunk's patch copy (``conv_per_sample``)
 
 
 class Unsupported(ConfigError):
@@ -46,16 +55,14 @@ class Unsupported(ConfigError):
 
 @dataclass(frozen=True)
 class StackOp:
-    kind: str  # 'linear' | 'fn' | 'flatten'
+    kind: str  # 'linear' | 'conv' | 'pool' | 'fn' | 'flatten'
     module: nn.Module
-    prefix: str  # parameter-name prefix of a Linear ('' at top level)
+    prefix: str  # parameter-name prefix of a Linear or Conv2d ('' at top level)
 
     def signature(self) -> tuple[Any, ...]:
         """What the trials' models must share, op by op, to be stacked."""
         m = self.module
-        if self.kind == "linear":
-            return ("linear", self.prefix, tuple(m.weight.shape), m.bias is not None)
-        return (self.kind, type(m).__name__, repr(m))
+        return (self.kind, self.prefix, type(m).__name__, repr(m), tuple(p.shape for p in m.parameters()))
 
 
 def stack_plan(model: nn.Module) -> list[StackOp]:
@@ -68,10 +75,15 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
                 visit(child, f"{prefix}{name}.")
             return
         where = f"'{prefix[:-1] or type(mod).__name__}' ({type(mod).__name__})"
-        if isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward:
-            if not mod.weight.requires_grad or (mod.bias is not None and not mod.bias.requires_grad):
+        linear = isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward
+        if linear or type(mod) is nn.Conv2d:
+            if not all(p.requires_grad for p in mod.parameters()):
                 raise Unsupported(f"layer {where} has frozen parameters")
-            ops.append(StackOp("linear", mod, prefix))
+            if not linear and (mod.groups != 1 or mod.padding_mode != "zeros" or isinstance(mod.padding, str)):
+                raise Unsupported(f"layer {where} cannot be stacked: only groups=1 and numeric zero padding")
+            ops.append(StackOp("linear" if linear else "conv", mod, prefix))
+        elif type(mod) in POOLS and not getattr(mod, "return_indices", False):
+            ops.append(StackOp("pool", mod, prefix))
         elif type(mod) in ELEMENTWISE:
             if getattr(mod, "inplace", False):
                 raise Unsupported(f"layer {where} is in-place")
@@ -85,13 +97,54 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
         else:
             raise Unsupported(
                 f"layer {where} cannot be stacked: vectorised trials support nn.Sequential models of "
-                "Linear layers, element-wise activations, Flatten and inactive Dropout"
+                "Linear and Conv2d layers, MaxPool2d/AvgPool2d, element-wise activations, Flatten and inactive Dropout"
             )
 
     visit(model, "")
-    if not any(op.kind == "linear" for op in ops):
-        raise Unsupported("the model has no Linear layer")
+    if not any(op.kind in ("linear", "conv") for op in ops):
+        raise Unsupported("the model has no Linear or Conv2d layer")
     return ops
+
+
+def trials_first(h: torch.Tensor, K: int) -> torch.Tensor:
+    """[B, K·C, ...] (a grouped convolution's or a pool's output) → a [K, B, C, ...] view."""
+    return h.view(h.shape[0], K, -1, *h.shape[2:]).transpose(0, 1)
+
+
+def geometry(mod: nn.Module) -> tuple[tuple[int, int], ...]:
+    """A Conv2d's kernel size, stride, padding and dilation (``stack_plan`` refuses string padding)."""
+    return cast(tuple[tuple[int, int], ...], (mod.kernel_size, mod.stride, mod.padding, mod.dilation))
+
+
+def gemm_patches(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def conv_per_sample(mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-example weight gradients [N, C_out, C_in·k_h·k_w] of a Conv2d from its inputs a [N, C_in, H, W]
+    and output gradients b [N, C_out, H', W'], each from its own row alone. CPU: the convolution backward
+    with the rows as groups (Rochette et al. 2019), 64 at a time; CUDA: b_i times the row's patches
+    (strided views of its padded input, copied in chunks into GEMM layout), one batched product a chunk
+    (the ghost path's kernels, ``ghost.use_unfold_products``: 10x faster on a CPU, resp. on a GPU)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry(mod)
+    N, C, ho, wo = a.shape[0], a.shape[1], b.shape[2], b.shape[3]
+    w, out = cast(torch.Tensor, mod.weight).detach(), []
+    cuda = gemm_patches(a.device)
+    step = max(1, PATCH_BYTES // (C * kh * kw * ho * wo * a.element_size())) if cuda else 64
+    for i in range(0, N, step):
+        ai, bi = a[i : i + step], b[i : i + step]
+        c = ai.shape[0]
+        if not cuda:
+            g = torch.ops.aten.convolution_backward(
+                *(bi.reshape(1, -1, ho, wo), ai.reshape(1, -1, *ai.shape[2:]), w.repeat(c, 1, 1, 1), None),
+                *([sh, sw], [ph, pw], [dh, dw], False, [0, 0], c, [False, True, False]),
+            )[1]
+            out.append(g.view(c, w.shape[0], -1))
+            continue
+        U = F.pad(ai, (pw, pw, ph, ph)).unfold(2, (kh - 1) * dh + 1, sh).unfold(3, (kw - 1) * dw + 1, sw)
+        U = U[..., ::dh, ::dw].permute(0, 2, 3, 1, 4, 5).reshape(c, ho * wo, C * kh * kw)
+        out.append(torch.bmm(bi.reshape(c, b.shape[1], ho * wo), U))
+    return torch.cat(out)
 
 
 class Stacked:
@@ -99,7 +152,7 @@ class Stacked:
 
     def __init__(self, ops: list[StackOp]):
         self.ops = ops
-        self.linears = [op for op in ops if op.kind == "linear"]
+        self.layers = [op for op in ops if op.kind in ("linear", "conv")]
 
     def names(self, op: StackOp) -> dict[str, str]:
         names = {"weight": f"{op.prefix}weight"}
@@ -109,7 +162,7 @@ class Stacked:
 
     def stack(self, params: Sequence[Tensors]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         out = []
-        for op in self.linears:
+        for op in self.layers:
             nm = self.names(op)
             W = torch.stack([p[nm["weight"]] for p in params])
             b = torch.stack([p[nm["bias"]] for p in params]) if "bias" in nm else None
@@ -119,15 +172,30 @@ class Stacked:
     def forward(
         self, weights: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, record: bool
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """x: [K, B, *in] → out [K, B, *]; with ``record``, the (input, output) of each Linear."""
+        """x: [K, B, *in] → out [K, B, *]; with ``record``, the (input, output) of each Linear/Conv2d."""
         h = x
         recs = []
         li = 0
+        K = x.shape[0]
         for op in self.ops:
             if op.kind == "flatten":
                 h = h.reshape(h.shape[0], h.shape[1], -1)
             elif op.kind == "fn":
                 h = op.module(h)
+            elif op.kind in ("pool", "conv") and h.dim() != 5:
+                raise Unsupported(f"a {type(op.module).__name__} receives per-example inputs other than [C, H, W]")
+            elif op.kind == "pool":  # per channel: the [B, K·C, H, W] layout of the convolutions
+                h = trials_first(op.module(h.transpose(0, 1).flatten(1, 2)), K)
+            elif op.kind == "conv":
+                W, b = weights[li]
+                li += 1
+                _, stride, padding, dilation = geometry(op.module)
+                xg = h.transpose(0, 1).flatten(1, 2)  # [B, K·C_in, H, W]: trial k's channels are group k
+                bias = b.flatten() if b is not None else None
+                z = trials_first(F.conv2d(xg, W.flatten(0, 1), bias, stride, padding, dilation, K), K)
+                if record:
+                    recs.append((h, z))
+                h = z
             else:
                 W, b = weights[li]
                 li += 1
@@ -177,21 +245,24 @@ class Stacked:
         bs = torch.autograd.grad(losses.sum(), zs)
         losses = losses.detach()
         # Per-sample norms of all trials at once: Σ_layers ‖a‖²‖b‖² (+ ‖b‖² for the bias), as the
-        # upper bounds of the ghost path (ghost.rank_one_parts, grads.upper_norms).
+        # upper bounds of the ghost path (ghost.rank_one_parts, grads.upper_norms); a Conv2d's kept
+        # per-example gradients by ``sq_rows_upper``, as the ghost path's kept convolutions.
         parts: list[tuple[torch.Tensor, float]] = []
-        acts = []
-        for op, (h, _), b in zip(self.linears, recs, bs, strict=True):
-            a = h.detach()
-            acts.append(a)
-            parts += rank_one_parts(a, b, op.module.bias is not None)
+        rules: list[Callable[[int, int, Tensors], LayerRule]] = []
+        for op, (h, _), b in zip(self.layers, recs, bs, strict=True):
+            a, nm = h.detach(), self.names(op)
+            if op.kind == "linear":
+                parts += rank_one_parts(a, b, op.module.bias is not None)
+                rules.append(partial(linear_rule, nm, a, b))
+                continue
+            kept = conv_grads(op.module, nm, a, b)
+            parts += [(s.view(K, B), r) for s, r in (sq_rows_upper(g.flatten(0, 1)) for g in kept.values())]
+            rules.append(partial(kept_rule, nm, kept))
         norms = upper_norms(parts, losses, release_dtypes=[W.dtype for W, _ in weights])
         out_views: list[tuple[torch.Tensor, MaterializedGrads]] = []
         for k, p in enumerate(params):
             Bk = sizes[k]
-            layers = [
-                LinearRule(self.names(op), a[k, :Bk], b[k, :Bk], p[f"{op.prefix}weight"])
-                for op, a, b in zip(self.linears, acts, bs, strict=True)
-            ]
+            layers = [rule(k, Bk, p) for rule in rules]
             if Bk == 0:
                 g: MaterializedGrads = MaterializedGrads(
                     {kk: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for kk, p in p.items()},
@@ -201,6 +272,26 @@ class Stacked:
                 g = GhostGrads(layers, losses[k, :Bk], p, norms=norms[k, :Bk])
             out_views.append((xs[k], g))
         return out_views
+
+
+def linear_rule(nm: dict[str, str], a: torch.Tensor, b: torch.Tensor, k: int, n: int, p: Tensors) -> LayerRule:
+    return LinearRule(nm, a[k, :n], b[k, :n], p[nm["weight"]])
+
+
+def kept_rule(nm: dict[str, str], kept: Tensors, k: int, n: int, p: Tensors) -> LayerRule:
+    return KeptRule(nm, {q: g[k, :n] for q, g in kept.items()})
+
+
+def conv_grads(mod: nn.Module, names: dict[str, str], a: torch.Tensor, b: torch.Tensor) -> Tensors:
+    """A stacked Conv2d's kept per-example gradients [K, B, *shape] from its inputs a [K, B, C, H, W] and
+    output gradients b [K, B, C_out, H', W']: each row from its own input and output gradient alone."""
+    K, B = a.shape[:2]
+    with ieee_matmul(a.device):  # exact float32, as every private computation (norm_bounds.ieee_matmul)
+        rows = conv_per_sample(mod, a.transpose(0, 1).flatten(0, 1), b.transpose(0, 1).flatten(0, 1))
+    out = {names["weight"]: rows.view(B, K, *cast(torch.Tensor, mod.weight).shape).transpose(0, 1).contiguous()}
+    if "bias" in names:
+        out[names["bias"]] = b.sum((3, 4))
+    return out
 
 
 class PaddedBuffers(dict[int, torch.Tensor]):
