@@ -28,7 +28,7 @@ class PooledClassifier(nn.Module):
     def __init__(self, encoder: nn.Module, classes: int):
         super().__init__()
         self.encoder = encoder
-        cfg = encoder.config
+        cfg: Any = encoder.config
         self.head = nn.Linear(getattr(cfg, "hidden_size", None) or cfg.dim, classes)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,8 @@ def _add_lora(encoder: nn.Module, rank: int, alpha: float) -> nn.Module:
     except ImportError as exc:
         raise ConfigError(f"mode='lora' needs peft ({exc}). Fix: {TEXT_FIX}.") from None
     targets = LORA_TARGETS.get(getattr(encoder.config, "model_type", ""), ["query", "value"])
-    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
+    # peft types lora_alpha as an int but scales by the float alpha / r
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)  # type: ignore[arg-type]
     return peft.inject_adapter_in_model(cfg, encoder)
 
 
@@ -135,7 +136,7 @@ def hf_classifier(
     _check(mode, k, lora_rank, lora_alpha, classes)
     enc = load_encoder(encoder)
     if getattr(enc, "pooler", None) is not None:
-        enc.pooler = None
+        setattr(enc, "pooler", None)  # noqa: B010 - a module attribute, typed as one
     if mode == "lora":
         enc = _add_lora(enc, lora_rank, lora_alpha)
     with torch.random.fork_rng(devices=[]):

