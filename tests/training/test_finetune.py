@@ -64,6 +64,30 @@ def test_each_mode_trains_exactly_its_own_parameters() -> None:
     assert not any("query.base_layer" in n or "key" in n for n in _trainable(lora))
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_lora_on_gpt2_and_llama_trains_only_the_adapters_and_head(family: str) -> None:
+    import transformers
+
+    small = {"vocab_size": 100, "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 32}
+    cfg = (
+        transformers.GPT2Config(n_embd=16, n_positions=32, bos_token_id=0, eos_token_id=0, **small)
+        if family == "gpt2"
+        else transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_key_value_heads=2, **small)
+    )
+    model = hf_classifier(cfg, mode="lora")
+    adapters = {"gpt2": ("c_attn.lora_",), "llama": ("q_proj.lora_", "v_proj.lora_")}[family]
+    names = [n for n, _ in model.named_parameters()]
+    assert _trainable(model) == {n for n in names if n.startswith("head.") or any(a in n for a in adapters)}
+    assert len(_trainable(model)) == 2 + 2 * 2 * len(adapters)  # head + (A, B) per adapted projection per layer
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = token_batch(30, T, seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = dptune.train(model, (x, y), "dpadam", grad_method="auto", **KW)
+    assert res.ledger.matches(res.plan.event())
+    assert {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])} == _trainable(model)
+
+
 @pytest.mark.parametrize("family", ["bert", "distilbert"])
 def test_lora_per_example_norms_bound_the_exact_ones_and_the_clipped_sum(family: str) -> None:
     model = _model("lora", family).eval()
