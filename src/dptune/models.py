@@ -10,6 +10,7 @@ per-example gradients, which batch statistics would make undefined).
 | two_layer_nn        | Mohapatra et al. 2022 (TLNN)| (d+1)·h + (h+1)·k              |
 | linear_probe        | Panda et al. 2024           | d·k (no bias, zero init)       |
 | mlp                 | benchmarks                  | 784-128-128-10: 118,282        |
+| hf_classifier       | Hugging Face fine-tuning    | MiniLM: 22.7M (``finetune``)   |
 
 ``kwargs_for(name, ds)`` fills ``input_dim`` / ``classes`` from a ``dptune.data.Dataset``;
 ``for_dataset(ds)`` builds the default model of a dataset (``DEFAULT_MODELS``);
@@ -28,6 +29,7 @@ from torch import nn
 
 from dptune import inputs
 from dptune.errors import ConfigError
+from dptune.finetune import hf_classifier, token_options
 
 GALLI_CNN_PARAMS = 551_322
 GALLI_AUTOENCODER_PARAMS = 48_705
@@ -181,6 +183,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "two_layer_nn": two_layer_nn,
     "linear_probe": linear_probe,
     "mlp": mlp,
+    "hf_classifier": hf_classifier,
 }
 
 
@@ -281,7 +284,12 @@ def for_training(
         train_part, test_part = own.load_data(data)
         dims = own.data_shape(train_part)
     else:
-        ds = tabular.load_csv(data, **(csv or {})) if data else dpdata.load(dataset, data_dir=data_dir, seed=seed)
+        opts = {} if data else token_options(model, dataset)
+        ds = (
+            tabular.load_csv(data, **(csv or {}))
+            if data
+            else dpdata.load(dataset, data_dir=data_dir, seed=seed, **opts)
+        )
         train_part, test_part = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test) if ds.n_test else None
         dims = (math.prod(ds.input_shape), ds.num_classes)
     torch.manual_seed(seed)

@@ -19,9 +19,9 @@ class Dataset:
     ``num_classes`` None for reconstruction); ``notes``: preprocessing, each example mapped alone."""
 
     name: str
-    x_train: torch.Tensor
+    x_train: torch.Tensor | dict[str, torch.Tensor]  # a dict: representation='tokens'
     y_train: torch.Tensor
-    x_test: torch.Tensor
+    x_test: torch.Tensor | dict[str, torch.Tensor]
     y_test: torch.Tensor
     task: Task
     num_classes: int | None
@@ -32,11 +32,11 @@ class Dataset:
 
     @property
     def n_train(self) -> int:
-        return int(self.x_train.shape[0])
+        return int(self.y_train.shape[0])
 
     @property
     def n_test(self) -> int:
-        return int(self.x_test.shape[0])
+        return int(self.y_test.shape[0])
 
     def __repr__(self) -> str:
         return (

