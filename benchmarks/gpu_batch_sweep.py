@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[256, 512, 1024, 2048, 4096])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline-src", help="a folder holding another dptune package (its src/): timed too")
-    ap.add_argument("--child-seconds", type=float, default=100.0, help="time limit of each side's subprocess")
+    ap.add_argument("--child-seconds", type=float, default=70.0, help="time limit of each side's subprocess")
     ap.add_argument("--no-opacus", action="store_true")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
