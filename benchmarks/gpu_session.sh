@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session, ≤ 10 minutes: the galli-mnist gpu-slice from scratch (timed; first, as the
 # measurement that matters most, with the GPU's utilisation logged), the CUDA tests and, in what
-# time is left, the per-sample convolution benchmark, one run's host syncs and dptune against
-# Opacus. Everything it prints or writes goes under $OUT (default runs/gpu-session).
+# time is left, the batch sweep (gpu_batch_sweep.py), the per-sample convolution benchmark, one
+# run's host syncs and dptune against Opacus. Everything it prints or writes goes under $OUT (default runs/gpu-session).
 #
 #   DPTUNE_DATA_DIR=/path/to/data bash benchmarks/gpu_session.sh
 #
@@ -13,6 +13,7 @@ OUT=${OUT:-runs/gpu-session}
 TESTS_S=${TESTS_S:-70}
 SLICE_S=${SLICE_S:-490}
 BENCH_S=${BENCH_S:-30}
+SWEEP_S=${SWEEP_S:-150}
 WORKERS=${WORKERS:-8}
 PY=${PYTHON:-python3}
 TOTAL_S=${TOTAL_S:-570}  # the whole script; the benchmarks run only in what is left
@@ -47,6 +48,12 @@ timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider tests/gradients/test_c
   "tests/privacy/test_edge_noise_tails.py::test_cuda_noise_law_determinism_and_tail" >> "$OUT/tests.log" 2>&1
 echo "tests rc=$?" >> "$OUT/tests.log"
 
+LEFT=$(( TOTAL_S - ($(date +%s) - T_START) ))
+if [ "$LEFT" -gt "$SWEEP_S" ]; then  # batch 256 … 4096 against Opacus; before/after with BASELINE_SRC=DIR/src
+  timeout "$SWEEP_S" "$PY" benchmarks/gpu_batch_sweep.py --device cuda ${BASELINE_SRC:+--baseline-src "$BASELINE_SRC"} \
+    --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
+  echo "sweep rc=$?" >> "$OUT/sweep.log"
+fi
 LEFT=$(( TOTAL_S - ($(date +%s) - T_START) ))
 if [ "$LEFT" -gt "$BENCH_S" ]; then
   timeout "$BENCH_S" "$PY" benchmarks/conv_per_sample.py --device cuda --json "$OUT/conv.json" > "$OUT/conv.log" 2>&1

@@ -414,3 +414,27 @@ def test_active_dropout_keeps_the_ghost_path() -> None:
         warnings.simplefilter("error")
         g = oracle(params_of(model), torch.randn(5, 6), torch.randint(0, 2, (5,)))
     assert oracle.method == "ghost" and isinstance(g, ghost.GhostGrads)
+
+
+def test_large_batches_keep_what_fits_per_example(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25's collapse: a fixed cap sent a layer of 32 KiB per example to the recomputing
+    rules above 2,048 examples (two passes per sum). The cap now grows with the batch: at 2,100
+    examples the layer keeps its per-sample gradients, with the norms and the sum of the old rule."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 32, 4), nn.Flatten(), nn.Linear(32 * 4, 3))
+    x, y = torch.randn(2100, 16, 5, 5), torch.randint(0, 3, (2100,))
+    engine = ghost.GhostEngine(model, lambda out, t: F.cross_entropy(out, t, reduction="none"))
+    params = params_of(model)
+    kept = engine(params, x, y, {})
+    assert 2100 * 8192 * 4 > ghost.MATERIALIZE_LIMIT_BYTES == 64 * 2**20  # over the old cap
+    assert kept._layers[0].G is not None and ghost.keep_limit(2100) == 64 * 2**20 * 2100 // 1024
+    monkeypatch.setattr(ghost, "keep_limit", lambda batch: ghost.MATERIALIZE_LIMIT_BYTES)  # the old rule
+    old = engine(params, x, y, {})
+    assert old._layers[0].G is None
+    # The old rule here is the Gram form (T = 4), whose bound adds its rounding slack on top.
+    torch.testing.assert_close(kept.norms, old.norms, rtol=1e-4, atol=0)
+    assert bool((old.norms >= kept.norms * (1 - 1e-6)).all())
+    w = clip_weights(kept.norms, 0.1)
+    new_sum, old_sum = kept.weighted_sum(w), old.weighted_sum(w)
+    for k in new_sum:
+        torch.testing.assert_close(new_sum[k], old_sum[k], rtol=1e-5, atol=1e-7)

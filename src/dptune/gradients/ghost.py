@@ -94,10 +94,13 @@ from dptune.gradients.norm_bounds import (  # noqa: F401 - rank_one_parts: re-ex
 from dptune.gradients.persample import ParamSwap
 from dptune.tree import Tensors
 
-# Per-sample gradients of a layer are kept (B x #layer-params floats) when at most this big;
-# otherwise only their norms are computed (chunk by chunk) and weighted sums use the
-# layer's native weight-gradient kernel.
+# Per-sample gradients of a layer are kept (B x #layer-params floats) when at most this big for
+# KEEP_BATCH examples, proportionally more for larger batches (``keep_limit``: flat per example,
+# as the activations a pass stores anyway; a fixed cap made a layer past it recompute its per-sample
+# gradients for every sum, the collapse above batch 1,024 of issue 25); otherwise only their norms
+# are computed (chunk by chunk) and weighted sums recompute them.
 MATERIALIZE_LIMIT_BYTES = 64 * 2**20
+KEEP_BATCH = 1024
 # Bound on the transient im2col buffers (B_chunk x d x T floats).
 UNFOLD_CHUNK_BYTES = 32 * 2**20
 # Bound on the patch copy of a kept convolution's GEMM path (``use_unfold_products``): B_chunk x T x d
@@ -106,6 +109,11 @@ UNFOLD_PRODUCT_BYTES = 256 * 2**20
 # Gram norms (case (c)) are formed in float32; an example whose rounding slack² exceeds this
 # fraction of its squared norm (cancellation across positions) is formed again in float64.
 GRAM_TIGHT = 1e-3
+
+
+def keep_limit(batch: int) -> int:
+    """The bytes of per-sample gradients a layer may keep for a batch of ``batch`` examples."""
+    return MATERIALIZE_LIMIT_BYTES * max(batch, KEEP_BATCH) // KEEP_BATCH
 
 
 def use_unfold_products(device: torch.device, transposed: bool, patch_bytes: int) -> bool:
@@ -139,7 +147,7 @@ class LinearRule(LayerRule):
         # Bu et al.'s mixed ghost clipping: per-example products (~T·p·d) where cheaper than the Gram
         # form (~T²·(p+d)): kept when they fit, else their norms chunk by chunk (``_direct``).
         self._direct = "weight" in names and self.T > 1 and p * d <= self.T * (p + d)
-        if self._direct and B * p * d * a.element_size() <= MATERIALIZE_LIMIT_BYTES:
+        if self._direct and B * p * d * a.element_size() <= keep_limit(B):
             self.G, self._direct = torch.bmm(self.b.transpose(1, 2), self.a), False
         self.gb = (self.b if self.T == 1 else self.b.sum(1)) if "bias" in names else None
         self._gram: tuple[tuple[torch.Tensor, float], torch.Tensor] | None = None
@@ -282,7 +290,7 @@ class _Conv(LayerRule):
         T = small.shape[2] * small.shape[3]
         d = big.shape[1] * math.prod(self.geom["kernel_size"])
         p = small.shape[1]
-        keep = B * p * d * a.element_size() <= MATERIALIZE_LIMIT_BYTES
+        keep = B * p * d * a.element_size() <= keep_limit(B)
         if T * T * (p + d) < T * p * d and not keep:
             # Ghost norm (case (c)): Gram matrices of the unfolded operands, T x T per
             # example; the weighted sums are the same product over unfolded chunks.

@@ -269,12 +269,14 @@ class LayerGrads(MaterializedGrads):
             return None
         prev_w, prev_sum = self._last
         both = (w != 0) & (prev_w != 0)
-        if int(both.sum()) * 2 < w.shape[0]:
-            return None
-        alpha = (w[both].double() / prev_w[both].double()).median()
+        # One host read (the rows' nonzero): a batch where fewer than half the rows have both
+        # weights non-zero marks every row, which the size check below refuses.
+        ratio = torch.where(both, w.double() / prev_w.double(), torch.nan)
+        alpha = ratio.nanmedian().nan_to_num(0.0)  # the median of the rows of ``both``
         r = w.double() - alpha * prev_w.double()
         scale = torch.maximum(w.double().abs(), (alpha * prev_w.double()).abs())
-        rows = (r.abs() > REUSE_RTOL * scale).nonzero().squeeze(1)
+        few = both.sum() * 2 < w.shape[0]
+        rows = ((r.abs() > REUSE_RTOL * scale) | few).nonzero().squeeze(1)
         if rows.numel() * 2 > w.shape[0]:
             return None
         err = self.release_err() if rows.numel() else None
@@ -285,8 +287,7 @@ class LayerGrads(MaterializedGrads):
             need = w.double()[rows].abs() * n[rows] + ((alpha * prev_w.double()[rows]).abs() + r[rows].abs()) * ea
             if bool((need > (1 + REUSE_RTOL) * (w.double().abs() * n).max()).any()):
                 return None
-        a = float(alpha)
-        out = {k: v * a for k, v in prev_sum.items()}  # float64 (docs/privacy.md, item 1b)
+        out = {k: v * alpha for k, v in prev_sum.items()}  # float64 (docs/privacy.md, item 1b)
         if rows.numel():
             extra = self.rows_sum(r[rows].to(w.dtype), rows)
             out = {k: out[k] + extra[k] for k in out}

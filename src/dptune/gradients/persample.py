@@ -379,6 +379,7 @@ class MaterializedGrads:
         self.grads = grads
         self.losses = losses
         self._norms: torch.Tensor | None = None
+        self._finite_norms: bool | None = None  # ``nonfinite_rows``' verdict on the norms
 
     @property
     def batch_size(self) -> int:
@@ -425,8 +426,10 @@ def nonfinite_rows(grads: MaterializedGrads, out: Tensors) -> torch.Tensor | Non
     (when computed) or of the sum; the norms are only computed when something is wrong.
     """
     norms = grads._norms
-    if norms is not None:
-        ok = bool(torch.isfinite(norms).all())
+    if norms is not None:  # the verdict is kept with the norms: OSO's second sum reads nothing
+        ok = getattr(grads, "_finite_norms", None)
+        if ok is None:
+            ok = grads._finite_norms = bool(torch.isfinite(norms).all())
     else:
         total = sum((v.sum() for v in out.values()), torch.zeros((), dtype=grads.losses.dtype))
         ok = bool(torch.isfinite(total))

@@ -322,25 +322,23 @@ class DeferredSum:
         return replace(self, scale=self.scale * float(factor))
 
 
-def _dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> float:
-    """Σ over tensors of native-precision dot products (as ``tree.dot``), as a Python float.
-
-    The per-tensor products are summed on the device, so there is one host sync per call."""
+def _dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> torch.Tensor | float:
+    """Σ over tensors of native-precision dot products (as ``tree.dot``), on the device (no host read)."""
     if not isinstance(a, dict):
         assert isinstance(b, torch.Tensor)
-        return float(_dot1(a, b))
+        return _dot1(a, b)
     assert isinstance(b, dict)
     if a.keys() != b.keys():
         raise ValueError(f"projection direction has keys {sorted(b)}, the sum has {sorted(a)}")
     total: torch.Tensor | float = 0.0
     for k in a:
         total = total + _dot1(a[k], b[k])
-    return float(total)
+    return total
 
 
-def _wide_dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> float:
+def _wide_dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> torch.Tensor:
     """⟨a, b⟩ in float64: products summed by blocks of 1,024, then the block sums, on the device
-    (one host read): error ≤ γ⁶⁴_k·Σ|a_i b_i|, k = 1,024 + ⌈d/1,024⌉ for d coordinates in all
+    (a 0-d tensor): error ≤ γ⁶⁴_k·Σ|a_i b_i|, k = 1,024 + ⌈d/1,024⌉ for d coordinates in all
     (a deferred release's mean; docs/privacy.md, item 1b)."""
     if isinstance(a, dict):
         assert isinstance(b, dict)
@@ -352,7 +350,7 @@ def _wide_dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> float:
     for x, y in pairs:
         prod = x.reshape(-1).double() * y.reshape(-1).to(x.device, torch.float64)
         blocks.append(torch.nn.functional.pad(prod, (0, -prod.numel() % 1024)).view(-1, 1024).sum(1))
-    return float(torch.cat(blocks).sum())
+    return torch.cat(blocks).sum()
 
 
 def snap(value: torch.Tensor, noise: torch.Tensor, std: float) -> torch.Tensor:
@@ -484,7 +482,7 @@ class NoisyRelease:
         """
         draw = self._draw_of(handle)
         if draw.noisy is not None:
-            return _dot(draw.noisy, direction) * handle.scale
+            return float(_dot(draw.noisy, direction)) * handle.scale
         if draw.projected:
             raise RuntimeError(
                 f"deferred release {handle.name!r} was already projected once; a second projection "
@@ -492,12 +490,16 @@ class NoisyRelease:
             )
         draw.projected = True  # before drawing: a failed draw must not leave a retry open
         mean = _wide_dot(getattr(handle._value, "wide", handle._value), direction)
-        spread = handle.std * math.sqrt(_dot(direction, direction))
-        if self.noise.secure:
-            m = torch.tensor(mean, dtype=torch.float64)
+        dd = torch.as_tensor(_dot(direction, direction), dtype=torch.float64, device=mean.device)
+        if self.noise.secure:  # the snapping grid needs the spread on the host
+            mean_f, dd_f = torch.stack([mean, dd]).tolist()
+            spread = handle.std * math.sqrt(dd_f)
+            m = torch.tensor(mean_f, dtype=torch.float64)
             self.snap_slack += 2 * self.SNAP_XI
             return float(snap(m, torch.tensor(self.noise.scalar(spread), dtype=torch.float64), spread)) * handle.scale
-        return (mean + self.noise.scalar(spread)) * handle.scale
+        # mean + spread·Z, Z ~ N(0, 1) drawn on the device: the same draw as ``scalar(spread)``, one host read.
+        z = self.noise.normal(torch.zeros_like(mean), 1.0)
+        return float(mean + z * (dd.sqrt() * handle.std)) * handle.scale
 
     def materialize(self, handle: DeferredSum) -> torch.Tensor | Tensors:
         """(value + Z)·scale with the full noise vector Z (drawn once, then kept by the handle,
