@@ -341,7 +341,9 @@ class ZerothOrderClip(Privatizer):
         noise = getattr(ctx.release, "noise", None)
         if noise is None:  # a test stub without a noise source: a fixed seed (never a real run's gateway)
             return NoiseSource(stream_seed(0, "zo-directions"))
-        return NoiseSource(stream_seed(noise.seed, "zo-directions"), noise.device, noise.secure)
+        return type(noise)(
+            stream_seed(noise.seed, "zo-directions"), noise.device, noise.secure
+        )  # distributed: broadcast
 
     def differences(self, params: Tensors, z: Tensors, ctx: StepContext) -> torch.Tensor:
         """The clipped per-example finite differences clip_C(d_i) (float64, [B]).
