@@ -107,3 +107,21 @@ def test_a_study_under_torchrun_is_refused(monkeypatch, tmp_path):
 
     with pytest.raises(ConfigError, match="does not run under torchrun"):
         run_study(tmp_path / "missing.toml", tmp_path / "study")
+
+
+@pytest.mark.slow
+def test_dptune_train_under_torchrun_writes_once_what_one_process_writes(tmp_path):
+    from cli_helpers import invoke_train
+
+    argv = ["--dataset", "digits", "--strategy", "dpsgd", "--epochs", "0.2", "--batch-size", "64", "--hp", "lr=0.5",
+            "--hp", "clip=1.0", "--eval-every", "2", "--no-progress", "--out", str(tmp_path / "two.json")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DPTUNE_DIST_TIMEOUT": "60"}
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "dptune"]
+    proc = subprocess.run([*run, "train", *argv], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("dptune train: dpsgd on digits") == 1  # rank 0 prints and writes
+    assert invoke_train(tmp_path / "one.json").exit_code == 0
+    two, one = (json.loads((tmp_path / f"{k}.json").read_text()) for k in ("two", "one"))
+    for key in ("steps", "noise_multiplier", "epsilon", "best_step", "checkpoint"):
+        assert two[key] == one[key], key
+    assert two["best_metric"] == pytest.approx(one["best_metric"], abs=0.01)  # float32 sums, reassociated

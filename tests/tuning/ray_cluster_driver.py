@@ -10,7 +10,7 @@ import sys
 import time
 
 import ray
-from test_tune_ray import _study
+from test_ray_cluster import study
 
 from dptune.tune import resume_study, run_study
 
@@ -22,7 +22,7 @@ while mode == "run" and sum(n["Alive"] for n in ray.nodes()) < 2:
         sys.exit("the worker node never joined")
     time.sleep(0.5)
 if mode == "run":
-    out = run_study(_study(), study_dir, executor="ray", address=address, progress=False)
+    out = run_study(study(), study_dir, executor="ray", address=address, progress=False)
 else:
-    out = resume_study(study_dir, executor="ray", address=address, progress=False, study=_study())
+    out = resume_study(study_dir, executor="ray", address=address, progress=False, study=study())
 print(json.dumps({"counts": out.counts, "complete": out.complete, "ledger": out.ledger_matches_plan}))

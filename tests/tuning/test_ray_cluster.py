@@ -19,14 +19,24 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tune_ray import _runs, _study
+from test_tune_ray import _runs
+from tune_helpers import tiny_dpsgd_study
 
-from dptune.tune import budget_rows, run_study, study_table
+from dptune.tune import SelectionSpec, Study, budget_rows, run_study, study_table
 from dptune.tune.store import Store
 
 pytest.importorskip("ray")
 HERE = Path(__file__).resolve().parent
 HEAD, WORKER = "127.0.0.2", "127.0.0.3"
+
+
+def study() -> Study:
+    """8 runs, one task each (``trials_per_group = 1``), long enough for the kill to land mid-study."""
+    return tiny_dpsgd_study(
+        data_seed=3, n=400, dim=8, n_train=300, lrs=[0.1, 0.3, 1.0, 3.0], steps=300, batch=40, eps=2.0,
+        selection=SelectionSpec(mode="private", split="holdout", eval_every=100, noise_multiplier=30.0),
+        seeds=(0, 1), name="ray-cluster", trials_per_group=1,
+    )  # fmt: skip
 
 
 def _node(env: dict, *args: str) -> subprocess.Popen:
@@ -65,7 +75,7 @@ def _done(study_dir: Path) -> int:
 
 @pytest.mark.slow
 def test_worker_node_killed_mid_study_then_resumed(tmp_path):
-    local = run_study(_study(), tmp_path / "local", executor="local", progress=False)
+    local = run_study(study(), tmp_path / "local", executor="local", progress=False)
     with socket.socket() as s:
         s.bind((HEAD, 0))
         port = s.getsockname()[1]
@@ -99,6 +109,7 @@ def test_worker_node_killed_mid_study_then_resumed(tmp_path):
                 _stop(node)
         shutil.rmtree(temp, ignore_errors=True)
     print("after the worker node was killed:", after_kill["counts"], "resumed:", final["counts"])
+    assert after_kill["counts"].get("done", 0) < 8  # the kill landed mid-study
     assert final["complete"] and final["ledger"], final
     assert sum(final["counts"].values()) == sum(local.counts.values()), (after_kill, final)
     assert _runs(tmp_path / "local") == _runs(study_dir)  # same seeds: bit-identical runs
