@@ -191,7 +191,7 @@ def _train(o: SimpleNamespace) -> None:
     check_data_dir(o.data_dir)
     diag_path = train_output_paths(o.out, o.diagnostics_out, o.save, o.overwrite)
     from dptune.devices import resolve_device  # torch from here on
-    from dptune.distributed import launched, writes
+    from dptune.distributed import writes
     from dptune.models import for_training
     from dptune.strategies import make_strategy
     from dptune.train import train as run_train
@@ -223,10 +223,9 @@ def _train(o: SimpleNamespace) -> None:
         device=device,
         progress=o.progress,
         secure_mode=o.secure,
-        distributed=launched(),  # under torchrun: one run on every process, rank 0 writes (dptune.distributed)
         **parse_hyperparameters(o.hp),
     )
-    if not writes():
+    if not writes():  # under torchrun: one run on every process (dptune.distributed), rank 0 writes
         return
     # The seed goes to the diagnostics only, and so do the metrics on a private test split.
     context = dict(dataset=dataset, model=model_name, seed=o.seed, selection_split="test")

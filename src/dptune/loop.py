@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dptune import inputs
-from dptune.distributed import join, sync_model
+from dptune.distributed import join, launched, sync_model
 from dptune.errors import BudgetExceededError, ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.names import aliased
@@ -400,7 +400,7 @@ def make_private(
     chunk_size: int | None = None,
     run_id: str = "",
     allow_large_delta: bool = False,
-    distributed: bool = False,
+    distributed: bool | None = None,
     **aliases: Any,
 ) -> PrivateTraining:
     """Plan a private run of ``model`` on ``data`` and return the object your loop drives.
@@ -412,8 +412,8 @@ def make_private(
     q, ν) is fixed here and the ledger refuses anything beyond it. ``data``: tensors (x, y),
     a map-style dataset or a DataLoader (its dataset only: docs/your_data.md). The seed is a
     secret key in seeded mode; ``secure_mode=True`` draws noise and batches from the OS CSPRNG.
-    ``aliases``: ``epsilon``, ``batch_size``, ``secure`` (``dptune.names``). ``distributed=True`` (under
-    ``torchrun``): each rank's ``batches()`` are its shard of one Poisson batch (``dptune.distributed``).
+    ``aliases``: ``epsilon``, ``batch_size``, ``secure`` (``dptune.names``). ``distributed`` (default: on
+    under ``torchrun``): each rank's ``batches()`` are its shard of one Poisson batch (``dptune.distributed``).
     """
     target_epsilon, expected_batch_size, secure_mode = aliased(
         aliases, "make_private", True, target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,
@@ -442,5 +442,5 @@ def make_private(
         grad_method=grad_method,
         chunk_size=chunk_size,
         run_id=run_id,
-        distributed=distributed,
+        distributed=launched() if distributed is None else distributed,
     )

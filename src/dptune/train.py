@@ -25,7 +25,7 @@ from torch import nn
 
 from dptune import accounting, metrics
 from dptune.accounting.events import check_delta_for_n
-from dptune.distributed import join, parts, sync_model
+from dptune.distributed import join, launched, parts, sync_model
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
@@ -449,7 +449,7 @@ def train(
     chunk_size: int | None = None,
     grad_method: str | None = None,
     allow_large_delta: bool = False,
-    distributed: bool = False,
+    distributed: bool | None = None,
     **hyperparameters: Any,
 ) -> TrainResult:
     """Train ``model`` privately with ``strategy`` and return a ``TrainResult``.
@@ -462,15 +462,15 @@ def train(
     norms where every layer is supported, else vmap), 'ghost' or 'vmap'. ``eval_data`` is private unless
     ``eval_public=True``: then the model is the final iterate (``checkpoint='final'``) and the evaluations are
     the owner's only; ``checkpoint='best'`` (the default when public) keeps the best evaluated parameters.
-    ``distributed=True`` (under ``torchrun``): one run on every process, each clipping its shard of the
-    batch (``dptune.distributed``); every rank returns the same result, rank 0 writes it.
+    ``distributed`` (default: on when ``torchrun`` started several processes): one run on every process,
+    each clipping its shard of the batch (``dptune.distributed``); every rank returns the same result.
     """
     checkpoint = checkpoint_rule(checkpoint, eval_data is not None, eval_public)
     target_epsilon, expected_batch_size, secure_mode = aliased(  # epsilon=, batch_size=, secure=: dptune.names
         hyperparameters, "train", target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,
         secure_mode=secure_mode,
     )  # fmt: skip
-    strategy = _strategy(strategy, hyperparameters)
+    strategy, distributed = _strategy(strategy, hyperparameters), launched() if distributed is None else distributed
     task = OwnTask.resolve(data, eval_data, join(device) if distributed else device, metric, loss)
     plan = _run_plan(
         plan, strategy, task.n, eval_every, expected_batch_size=expected_batch_size, full_batch=full_batch,
