@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from dptune.devices import resolve_device
 from dptune.errors import ConfigError, DPTuneError
+from dptune.release.context import RunPlan
 from dptune.release.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
 from dptune.release.sampling import PoissonSampler
 from dptune.tree import Accumulated, Tensors
@@ -143,11 +144,20 @@ class ShardedSampler(PoissonSampler):
         return _collective(dist.broadcast, idx, "broadcast of the batch")[rank::world]
 
 
-def parts(private: bool) -> tuple[type[NoiseSource], type[NoisyRelease], type[PoissonSampler]]:
-    """``open_run``'s classes of one rank of a distributed run (private strategies only)."""
+def parts(plan: RunPlan, secure: bool) -> tuple[type[NoiseSource], type[NoisyRelease], type[PoissonSampler]]:
+    """``open_run``'s classes of one rank of a distributed run (private strategies only), once every
+    rank has the same plan (n, q, T, ν, strategy) and randomness: the same command on every rank."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("a distributed run needs the process group first. Fix: dptune.distributed.join().")
-    if not private:
+    mine = repr((plan.n, plan.sampling_rate, plan.steps, plan.noise_multiplier, plan.strategy.config(), secure))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if any(e != mine for e in every):
+        raise ConfigError(
+            f"the ranks of this distributed run planned different runs ({sorted(set(every))}). Fix: start "
+            "every rank with the same command, data, strategy and options (torchrun does)."
+        )
+    if not plan.strategy.private:
         raise ConfigError(
             "the non-private baseline ('nodp', NonPrivate) has no gateway to all-reduce through, so it "
             "does not run distributed. Fix: run it on one process, or use a private strategy."

@@ -248,7 +248,7 @@ def open_run(
     Poisson sampler at the plan's q. ``distributed``: this rank's parts (``dptune.distributed``)."""
     plan.strategy.validate_run(plan)
     noise, gateway_cls, sampler_cls = (
-        parts(plan.strategy.private) if distributed else (NoiseSource, NoisyRelease, PoissonSampler)
+        parts(plan, secure_mode) if distributed else (NoiseSource, NoisyRelease, PoissonSampler)
     )
     ledger = Ledger.with_plan(plan.event())
     gateway = gateway_cls(

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import dptune
 from dptune.distributed import BroadcastNoise, RankLost, ReducingRelease, ShardedSampler, join
+from dptune.errors import ConfigError
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import SumQuery
 from dptune.release.sampling import PoissonSampler
@@ -64,6 +65,21 @@ def batches(rank: int, world: int) -> dict:
     return {"steps": steps}
 
 
+def secure_and_mismatch(rank: int, world: int) -> dict:
+    """Secure mode (rank 0's OS CSPRNG, broadcast): every rank ends with the same parameters. Then ranks
+    that planned different runs (T = 3 vs 4) are refused, on every rank, before anything is released."""
+    kw = dict(expected_batch_size=40, noise_multiplier=1.3, distributed=True, clip=0.5, lr=0.5, momentum=0.0)
+    r = dptune.train(model(rank), data(), "dpsgd", steps=4, secure_mode=True, **kw)
+    every: list = [None] * world
+    dist.all_gather_object(every, {k: v.tolist() for k, v in r.final_params.items()})
+    try:
+        dptune.train(model(rank), data(), "dpsgd", steps=3 + rank, **kw)
+        refused = ""
+    except ConfigError as e:
+        refused = str(e)
+    return {"secure_same_on_every_rank": all(e == every[0] for e in every), "refused": refused}
+
+
 def noise(rank: int, world: int) -> dict:
     """Two releases of a zero sum (1,000 coordinates) through the rank's gateway: noise drawn once has std ν·s."""
     ledger = Ledger()
@@ -99,7 +115,8 @@ def main() -> None:
     if mode == "die":
         result = die(rank, world)
     else:  # one start of two processes for the rest
-        result = {"train": train_runs(rank, world), "batches": batches(rank, world), "noise": noise(rank, world)}
+        result = {"train": train_runs(rank, world), "batches": batches(rank, world), "noise": noise(rank, world),
+                  "secure": secure_and_mismatch(rank, world)}  # fmt: skip
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

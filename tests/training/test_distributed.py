@@ -85,6 +85,14 @@ def test_noise_is_drawn_once(ranks):
     assert abs(z.var() / 4.0 - 1) < 0.15
 
 
+def test_secure_mode_gives_every_rank_the_same_model(ranks):
+    assert ranks["secure"]["secure_same_on_every_rank"]
+
+
+def test_ranks_with_different_plans_are_refused(ranks):
+    assert "planned different runs" in ranks["secure"]["refused"]
+
+
 @pytest.mark.slow
 def test_a_lost_rank_stops_the_run_cleanly(tmp_path):
     got, codes = two_ranks("die", tmp_path, timeout=60)
