@@ -33,8 +33,8 @@ HEAD, WORKER = "127.0.0.2", "127.0.0.3"
 def study() -> Study:
     """8 runs, one task each (``trials_per_group = 1``), long enough for the kill to land mid-study."""
     return tiny_dpsgd_study(
-        data_seed=3, n=400, dim=8, n_train=300, lrs=[0.1, 0.3, 1.0, 3.0], steps=300, batch=40, eps=2.0,
-        selection=SelectionSpec(mode="private", split="holdout", eval_every=100, noise_multiplier=30.0),
+        data_seed=3, n=400, dim=8, n_train=300, lrs=[0.1, 0.3, 1.0, 3.0], steps=150, batch=40, eps=2.0,
+        selection=SelectionSpec(mode="private", split="holdout", eval_every=50, noise_multiplier=30.0),
         seeds=(0, 1), name="ray-cluster", trials_per_group=1,
     )  # fmt: skip
 
