@@ -191,6 +191,7 @@ def _train(o: SimpleNamespace) -> None:
     check_data_dir(o.data_dir)
     diag_path = train_output_paths(o.out, o.diagnostics_out, o.save, o.overwrite)
     from dptune.devices import resolve_device  # torch from here on
+    from dptune.distributed import writes
     from dptune.models import for_training
     from dptune.strategies import make_strategy
     from dptune.train import train as run_train
@@ -224,6 +225,8 @@ def _train(o: SimpleNamespace) -> None:
         secure_mode=o.secure,
         **parse_hyperparameters(o.hp),
     )
+    if not writes():  # under torchrun: one run on every process (dptune.distributed), rank 0 writes
+        return
     # The seed goes to the diagnostics only, and so do the metrics on a private test split.
     context = dict(dataset=dataset, model=model_name, seed=o.seed, selection_split="test")
     release = write_train_outputs(result, o.out, diag_path, label_folder=o.diagnostics_out is None, **context)

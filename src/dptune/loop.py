@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dptune import inputs
+from dptune.distributed import join, launched, sync_model
 from dptune.errors import BudgetExceededError, ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.names import aliased
@@ -125,6 +126,7 @@ class PrivateTraining:
         grad_method: str | None,
         chunk_size: int | None,
         run_id: str,
+        distributed: bool = False,
     ):
         privatizer = FixedClip(1.0) if privatizer is None else privatizer
         if not isinstance(privatizer, Privatizer):
@@ -141,8 +143,10 @@ class PrivateTraining:
         self.optimizer, self.update = _optimizer_and_rule(optimizer)
         if device is None:  # keep the model where it is (e.g. cuda:1), rather than the default device
             device = next((p.device for p in model.parameters()), None)
-        self.task = OwnTask.resolve(data, None, device, None, loss)
+        self.task = OwnTask.resolve(data, None, join(device) if distributed else device, None, loss)
         self.model = model.to(self.task.device)
+        if distributed:
+            sync_model(self.model)
         self._named = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
         if self.optimizer is not None:
             self._check_optimizer_params()
@@ -155,7 +159,12 @@ class PrivateTraining:
         self._p_state = privatizer.init(self.plan)
         self._u_state = self.update.init(params, self.plan) if self.optimizer is None else {}
         self.ledger, self.gateway, self.sampler = open_run(
-            self.plan, seed=seed, device=self.task.device, secure_mode=secure_mode, run_id=run_id
+            self.plan,
+            seed=seed,
+            device=self.task.device,
+            secure_mode=secure_mode,
+            run_id=run_id,
+            distributed=distributed,
         )
         self.oracle = GradientOracle(self.model, self.task.loss, chunk_size=chunk_size, method=grad_method)
         self.secure_mode = secure_mode
@@ -391,6 +400,7 @@ def make_private(
     chunk_size: int | None = None,
     run_id: str = "",
     allow_large_delta: bool = False,
+    distributed: bool | None = None,
     **aliases: Any,
 ) -> PrivateTraining:
     """Plan a private run of ``model`` on ``data`` and return the object your loop drives.
@@ -402,7 +412,8 @@ def make_private(
     q, ν) is fixed here and the ledger refuses anything beyond it. ``data``: tensors (x, y),
     a map-style dataset or a DataLoader (its dataset only: docs/your_data.md). The seed is a
     secret key in seeded mode; ``secure_mode=True`` draws noise and batches from the OS CSPRNG.
-    ``aliases``: ``epsilon``, ``batch_size``, ``secure`` (``dptune.names``).
+    ``aliases``: ``epsilon``, ``batch_size``, ``secure`` (``dptune.names``). ``distributed`` (default: on
+    under ``torchrun``): each rank's ``batches()`` are its shard of one Poisson batch (``dptune.distributed``).
     """
     target_epsilon, expected_batch_size, secure_mode = aliased(
         aliases, "make_private", True, target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,
@@ -431,4 +442,5 @@ def make_private(
         grad_method=grad_method,
         chunk_size=chunk_size,
         run_id=run_id,
+        distributed=launched() if distributed is None else distributed,
     )

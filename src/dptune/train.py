@@ -25,6 +25,7 @@ from torch import nn
 
 from dptune import accounting, metrics
 from dptune.accounting.events import check_delta_for_n
+from dptune.distributed import join, launched, parts, sync_model
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
@@ -240,23 +241,26 @@ class EvalSchedule:
 
 
 def open_run(
-    plan: RunPlan, *, seed: int, device: torch.device, secure_mode: bool, run_id: str
+    plan: RunPlan, *, seed: int, device: torch.device, secure_mode: bool, run_id: str, distributed: bool = False
 ) -> tuple[Ledger, NoisyRelease, PoissonSampler]:
     """A run's set-up (``RunLoop``, ``make_private``): the plan checked by its strategy, its ledger
     (created with the plan: no release beyond it), its privacy gateway (own noise stream) and its
-    Poisson sampler at the plan's q."""
+    Poisson sampler at the plan's q. ``distributed``: this rank's parts (``dptune.distributed``)."""
     plan.strategy.validate_run(plan)
+    noise, gateway_cls, sampler_cls = (
+        parts(plan, secure_mode) if distributed else (NoiseSource, NoisyRelease, PoissonSampler)
+    )
     ledger = Ledger.with_plan(plan.event())
-    gateway = NoisyRelease(
+    gateway = gateway_cls(
         ledger,
         plan.sampling_rate,
-        NoiseSource(stream_seed(seed, "noise"), device, secure_mode),
+        noise(stream_seed(seed, "noise"), device, secure_mode),
         run_id,
         planned_multiplier=plan.noise_multiplier if plan.strategy.private else None,
     )
     # Secure mode covers the batches too: a seeded sampler lets anyone holding the seed
     # regenerate every batch, which voids the amplification by subsampling.
-    sampler = PoissonSampler(plan.n, plan.sampling_rate, seed, secure=secure_mode)
+    sampler = sampler_cls(plan.n, plan.sampling_rate, seed, secure=secure_mode)
     return ledger, gateway, sampler
 
 
@@ -283,6 +287,7 @@ class RunLoop:
         higher: bool | None = None,
         keep_best: bool = True,
         eval_public: bool = True,
+        distributed: bool = False,
     ):
         """``score(params)``: the metric of one parameter set (None: no evaluation; the tuner's: scores
         released through their own gateway). ``keep_best``: only on public evaluation data or on
@@ -296,7 +301,7 @@ class RunLoop:
         params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
         self.params = strategy.prepare(params)
         self.ledger, self.gateway, self.sampler = open_run(
-            plan, seed=seed, device=device, secure_mode=secure_mode, run_id=run_id
+            plan, seed=seed, device=device, secure_mode=secure_mode, run_id=run_id, distributed=distributed
         )
         self.state = strategy.init(self.params, plan)
         self.secure_mode = secure_mode
@@ -444,6 +449,7 @@ def train(
     chunk_size: int | None = None,
     grad_method: str | None = None,
     allow_large_delta: bool = False,
+    distributed: bool | None = None,
     **hyperparameters: Any,
 ) -> TrainResult:
     """Train ``model`` privately with ``strategy`` and return a ``TrainResult``.
@@ -456,20 +462,24 @@ def train(
     norms where every layer is supported, else vmap), 'ghost' or 'vmap'. ``eval_data`` is private unless
     ``eval_public=True``: then the model is the final iterate (``checkpoint='final'``) and the evaluations are
     the owner's only; ``checkpoint='best'`` (the default when public) keeps the best evaluated parameters.
+    ``distributed`` (default: on when ``torchrun`` started several processes): one run on every process,
+    each clipping its shard of the batch (``dptune.distributed``); every rank returns the same result.
     """
     checkpoint = checkpoint_rule(checkpoint, eval_data is not None, eval_public)
     target_epsilon, expected_batch_size, secure_mode = aliased(  # epsilon=, batch_size=, secure=: dptune.names
         hyperparameters, "train", target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,
         secure_mode=secure_mode,
     )  # fmt: skip
-    strategy = _strategy(strategy, hyperparameters)
-    task = OwnTask.resolve(data, eval_data, device, metric, loss)
+    strategy, distributed = _strategy(strategy, hyperparameters), launched() if distributed is None else distributed
+    task = OwnTask.resolve(data, eval_data, join(device) if distributed else device, metric, loss)
     plan = _run_plan(
         plan, strategy, task.n, eval_every, expected_batch_size=expected_batch_size, full_batch=full_batch,
         epochs=epochs, steps=steps, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta,
         accountant=accountant, allow_large_delta=allow_large_delta,
     )  # fmt: skip
     model, oracle = task.prepare(model, chunk_size, grad_method)
+    if distributed:
+        sync_model(model)
     loop = RunLoop(
         model,
         strategy,
@@ -484,6 +494,7 @@ def train(
         on_step=on_step,
         keep_best=checkpoint == "best",
         eval_public=eval_public,
+        distributed=distributed,
     )
     return loop.drive(task, oracle, delta, progress)
 

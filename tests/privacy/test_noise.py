@@ -260,6 +260,9 @@ ALLOWED = {
     # the cosine-similarity diagnostic (Galli Fig. 1 style) simulates g̃ = Σclip + νC·z to study C;
     # its output is a non-private analysis of the data by design, never a training release
     "report/diagnostics.py": re.compile(r"z = noise\.normal\(true, 1\.0\)"),
+    # a data-parallel rank: rank 0 calls the gateway's own NoiseSource.normal (drawn in mechanisms.py)
+    # and broadcasts it; the other ranks draw nothing (docs/privacy.md, item 10)
+    "distributed.py": re.compile(r"z = super\(\)\.normal\(like, std\) if dist\.get_rank\(\) == 0 else"),
 }
 ALLOWED_ANYWHERE = re.compile(r"nn\.init\.|init\.(normal_|trunc_normal_|kaiming|xavier)")  # weight init
 

@@ -337,11 +337,11 @@ class ZerothOrderClip(Privatizer):
     @staticmethod
     def _direction_source(ctx: StepContext) -> NoiseSource:
         """z's stream: its own, derived from the gateway's noise seed (secure mode: the OS CSPRNG),
-        so that drawing z never shifts the privacy noise."""
+        so that drawing z never shifts the privacy noise; of its class (distributed: rank 0's, broadcast)."""
         noise = getattr(ctx.release, "noise", None)
         if noise is None:  # a test stub without a noise source: a fixed seed (never a real run's gateway)
             return NoiseSource(stream_seed(0, "zo-directions"))
-        return NoiseSource(stream_seed(noise.seed, "zo-directions"), noise.device, noise.secure)
+        return type(noise)(stream_seed(noise.seed, "zo-directions"), noise.device, noise.secure)
 
     def differences(self, params: Tensors, z: Tensors, ctx: StepContext) -> torch.Tensor:
         """The clipped per-example finite differences clip_C(d_i) (float64, [B]).

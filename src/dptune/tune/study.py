@@ -15,6 +15,7 @@ from typing import Any
 
 from dptune.deliverable import save_checkpoint
 from dptune.devices import check_device_name, resolve_device
+from dptune.distributed import refuse_in_study
 from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
 from dptune.gradients.oracle import check_model
 from dptune.gradients.stacked import stack_plan
@@ -389,6 +390,7 @@ def run_study(
     gpus_per_run: float | None = None,
 ) -> StudyOutcome:
     """Plan (or re-open) the study in ``study_dir``, run every planned run, write the results (docs/tuning.md)."""
+    refuse_in_study()  # under torchrun: N copies of every trial
     study = load_study_config(config)
     device = study.training.device
     check_workers(workers)  # before any directory is made

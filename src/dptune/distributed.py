@@ -1,0 +1,176 @@
+"""Data-parallel private training on ``torch.distributed``: one run on N processes, the same algorithm.
+
+``dptune.train(..., distributed=True)`` and ``make_private(..., distributed=True)`` under ``torchrun``
+(``dptune train`` under ``torchrun`` detects it: ``launched``). The privacy boundary stays where it
+is: ``train.open_run`` swaps the run's three random or private parts for these, and nothing else
+changes.
+
+- ``ShardedSampler``: rank 0 draws the ONE Poisson batch of the global dataset (seeded, or the OS
+  CSPRNG in secure mode) and broadcasts it; rank r keeps the indices ``r::N``, so every example is in
+  at most one rank's shard and each rank clips its own examples.
+- ``ReducingRelease``: the gateway all-reduces every query's exact sum (float64 accumulators, the
+  gradient, quantile's count, OSO's second query alike) BEFORE it records the event; then each rank
+  records the same event in its ledger (rank 0's is the one written) and asks for the noise.
+- ``BroadcastNoise``: the noise is drawn once, on rank 0, by the gateway's own sampler, and broadcast:
+  every rank adds the same Z to the same sum, so the release, hence the update and the parameters,
+  are identical on every rank. With the same seed the run equals the one-process run up to the
+  float reassociation of the all-reduced sums.
+
+A rank that stops (or a collective that outlasts ``DPTUNE_DIST_TIMEOUT`` seconds) raises ``RankLost``
+on the others at their next collective: the all-reduce precedes the ledger record, so a step whose
+sums were not all gathered records and draws nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dptune.devices import resolve_device
+from dptune.errors import ConfigError, DPTuneError
+from dptune.release.context import RunPlan
+from dptune.release.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
+from dptune.release.sampling import PoissonSampler
+from dptune.tree import Accumulated, Tensors
+
+TIMEOUT_S = 300.0  # default of DPTUNE_DIST_TIMEOUT: how long a collective waits for a lost rank
+
+
+class RankLost(DPTuneError):
+    """A process of a distributed run stopped or timed out: the run stops on every rank."""
+
+
+def launched() -> bool:
+    """Is this process one of several started by ``torchrun`` (its WORLD_SIZE and MASTER_ADDR)?"""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ
+
+
+def writes() -> bool:
+    """Does this process write a run's files (rank 0, or no process group)?"""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def join(device: Any = None) -> torch.device:
+    """Join the process group ``torchrun`` describes (env://) unless one is already initialised;
+    return this rank's device (``cuda`` → ``cuda:LOCAL_RANK``, modulo the GPUs present). Backend:
+    NCCL on CUDA, gloo on the CPU; ``DPTUNE_DIST_BACKEND`` overrides (gloo where NCCL refuses two
+    ranks on one GPU)."""
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if dist.is_available() and dist.is_initialized():
+        return dev
+    if not dist.is_available() or "MASTER_ADDR" not in os.environ:
+        raise ConfigError(
+            "distributed=True needs a process group: none is initialised and no torchrun environment "
+            "(MASTER_ADDR, RANK, WORLD_SIZE) is set. Fix: launch with `torchrun --nproc-per-node N script.py`, "
+            "or call torch.distributed.init_process_group first."
+        )
+    backend = os.environ.get("DPTUNE_DIST_BACKEND") or ("nccl" if dev.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=float(os.environ.get("DPTUNE_DIST_TIMEOUT", TIMEOUT_S)))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, timeout=timeout)
+    return dev
+
+
+def _collective(op: Any, t: torch.Tensor, what: str) -> torch.Tensor:
+    """``op`` (all_reduce or broadcast from rank 0) on ``t``, on the backend's device; ``RankLost`` when
+    a peer is gone. Returns the result on ``t``'s device."""
+    comm = t.to(torch.device("cuda", torch.cuda.current_device())) if dist.get_backend() == "nccl" else t.cpu()
+    comm = comm.clone() if comm is t else comm
+    try:
+        op(comm) if op is dist.all_reduce else op(comm, src=0)
+    except RuntimeError as e:  # gloo/NCCL: a closed connection or a timeout (DistBackendError too)
+        raise RankLost(
+            f"a process of the distributed run stopped or timed out during the {what} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). Nothing of this step was released; the run stops. "
+            "Fix: find why that rank stopped (its own error output), then start the run again."
+        ) from e
+    return comm.to(t.device)
+
+
+def sync_model(model: torch.nn.Module) -> None:
+    """Every rank starts from rank 0's parameters and buffers (public: the model before training)."""
+    for v in model.state_dict().values():
+        v.copy_(_collective(dist.broadcast, v, "start (parameters from rank 0)"))
+
+
+def _all_sum(value: torch.Tensor | Tensors) -> torch.Tensor | Tensors:
+    """The sum over ranks of one query's value: one all-reduce of the flattened (float64 where it
+    is an ``Accumulated``) tensors."""
+    if not isinstance(value, dict):
+        return _collective(dist.all_reduce, value, "all-reduce of the clipped sums")
+    wide = getattr(value, "wide", value)
+    flat = torch.cat([v.reshape(-1).to(torch.float64) for v in wide.values()])
+    flat = _collective(dist.all_reduce, flat, "all-reduce of the clipped sums")
+    out, o = {}, 0
+    for k, v in wide.items():
+        out[k], o = flat[o : o + v.numel()].view_as(v).to(v.dtype), o + v.numel()
+    return Accumulated(out, {k: v.dtype for k, v in value.items()}) if value is not wide else out
+
+
+class ReducingRelease(NoisyRelease):
+    """The gateway of one rank: each query's sum over all ranks' shards, then the ordinary release
+    (record first, then the noise, which ``BroadcastNoise`` draws once on rank 0)."""
+
+    def release(self, *queries: SumQuery, label: str) -> list[torch.Tensor | Tensors | DeferredSum]:
+        return super().release(*(replace(q, value=_all_sum(q.value)) for q in queries), label=label)
+
+
+class BroadcastNoise(NoiseSource):
+    """Rank 0's noise (its seeded or secure stream), broadcast: drawn once per release, the same on
+    every rank. The other ranks' streams never advance."""
+
+    def normal(self, like: torch.Tensor, std: float) -> torch.Tensor:
+        z = super().normal(like, std) if dist.get_rank() == 0 else torch.empty_like(like)
+        return _collective(dist.broadcast, z, "broadcast of the noise")
+
+
+class ShardedSampler(PoissonSampler):
+    """Rank 0's Poisson batch of the whole dataset, broadcast; this rank's share: indices ``rank::N``."""
+
+    def sample(self) -> torch.Tensor:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        idx = super().sample() if rank == 0 else torch.empty(0, dtype=torch.int64)
+        size = _collective(dist.broadcast, torch.tensor([idx.numel()]), "broadcast of the batch")
+        if rank:
+            idx = torch.empty(int(size), dtype=torch.int64)
+        return _collective(dist.broadcast, idx, "broadcast of the batch")[rank::world]
+
+
+def parts(plan: RunPlan, secure: bool) -> tuple[type[NoiseSource], type[NoisyRelease], type[PoissonSampler]]:
+    """``open_run``'s classes of one rank of a distributed run (private strategies only), once every
+    rank has the same plan (n, q, T, ν, strategy) and randomness: the same command on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("a distributed run needs the process group first. Fix: dptune.distributed.join().")
+    mine = repr((plan.n, plan.sampling_rate, plan.steps, plan.noise_multiplier, plan.strategy.config(), secure))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if any(e != mine for e in every):
+        raise ConfigError(
+            f"the ranks of this distributed run planned different runs ({sorted(set(every))}). Fix: start "
+            "every rank with the same command, data, strategy and options (torchrun does)."
+        )
+    if not plan.strategy.private:
+        raise ConfigError(
+            "the non-private baseline ('nodp', NonPrivate) has no gateway to all-reduce through, so it "
+            "does not run distributed. Fix: run it on one process, or use a private strategy."
+        )
+    return BroadcastNoise, ReducingRelease, ShardedSampler
+
+
+def refuse_in_study() -> None:
+    """A study under torchrun would run N copies of every trial against one store: refused."""
+    if launched():
+        raise ConfigError(
+            "a study does not run under torchrun: each process would run every trial and spend its "
+            "budget again, and a study's runs are not distributed one by one. Fix: run `dptune tune` "
+            "without torchrun (trials in parallel: --executor process or ray, --gpus-per-run), then "
+            "train the chosen configuration on several GPUs with `torchrun ... dptune train`."
+        )
