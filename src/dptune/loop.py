@@ -34,6 +34,7 @@ from dptune.task import OwnTask
 from dptune.train import RunPlan, TrainResult, open_run, plan_run
 from dptune.tree import Tensors, clone, differs
 from dptune.updates import UpdateRule
+from dptune.updates.defaults import starts_pretrained
 
 
 @dataclass(frozen=True)
@@ -391,6 +392,7 @@ def make_private(
     chunk_size: int | None = None,
     run_id: str = "",
     allow_large_delta: bool = False,
+    pretrained: bool | None = None,
     **aliases: Any,
 ) -> PrivateTraining:
     """Plan a private run of ``model`` on ``data`` and return the object your loop drives.
@@ -402,7 +404,7 @@ def make_private(
     q, ν) is fixed here and the ledger refuses anything beyond it. ``data``: tensors (x, y),
     a map-style dataset or a DataLoader (its dataset only: docs/your_data.md). The seed is a
     secret key in seeded mode; ``secure_mode=True`` draws noise and batches from the OS CSPRNG.
-    ``aliases``: ``epsilon``, ``batch_size``, ``secure`` (``dptune.names``).
+    ``aliases``: ``epsilon``, ``batch_size``, ``secure`` (``dptune.names``). ``pretrained``: as in ``dptune.train``.
     """
     target_epsilon, expected_batch_size, secure_mode = aliased(
         aliases, "make_private", True, target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,
@@ -416,6 +418,7 @@ def make_private(
         "target_epsilon": target_epsilon,
         "accountant": accountant,
         "allow_large_delta": allow_large_delta,  # δ ≥ 1/n is refused by plan_run unless this
+        "pretrained": starts_pretrained(model) if pretrained is None else pretrained,  # the fine-tuning defaults
     }
     return PrivateTraining(
         model,
