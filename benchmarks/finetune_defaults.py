@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--epochs", type=float, default=2)
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3, 3e-3])
+    ap.add_argument("--eps", type=float, nargs="+", default=[1.0, 8.0])
     ap.add_argument("--modes", nargs="+", default=["last-1", "full"])
     ap.add_argument("--extras", type=float, nargs="*", default=[1.0, 8.0], help="ε of the clip and batch cells")
     ap.add_argument("--defaults", action="store_true", help="also one run at dptune's defaults per mode and ε")
@@ -88,7 +89,7 @@ def main() -> None:
     rows = []
     kw = {"epochs": args.epochs}
     for mode in args.modes:
-        cells = [(lr, 1.0, eps, None) for eps in (1.0, 8.0) for lr in args.lrs]
+        cells = [(lr, 1.0, eps, None) for eps in args.eps for lr in args.lrs]
         cells += [(1e-3, c, eps, None) for eps in args.extras for c in (0.1, 10.0)]
         cells += [(1e-3, 1.0, eps, args.n // 5) for eps in args.extras]
         if args.defaults:
