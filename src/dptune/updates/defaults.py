@@ -16,7 +16,7 @@ SGD_STEP_BUDGET = 200.0  # r = lr·C/(1 − μ)·T
 ADAM_STEP_BUDGET = 0.8  # r = lr·T
 # Fine-tuning (``run.pretrained``): a smaller r, as 0.8 moves pretrained weights too far
 # (docs/strategies.md, "Defaults for fine-tuning", measured with MiniLM on AG News).
-PRETRAINED_ADAM_STEP_BUDGET = 0.2
+PRETRAINED_ADAM_STEP_BUDGET = 0.06
 
 
 # The best r grows as the noise shrinks (Panda et al.: r grows with ε). The noise that matters is
