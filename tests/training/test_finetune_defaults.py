@@ -1,6 +1,6 @@
 """Fine-tuning defaults (issue 24, item 4): a model that starts from pretrained weights (a Hugging Face
 ``PreTrainedModel`` loaded by ``from_pretrained``, or ``pretrained=True``) gets Adam's default lr
-r/T with the smaller r = 0.06; a model from scratch keeps the linear-scaling 0.8/T. With the defaults, a
+capped at 3e-3; a model from scratch keeps the linear-scaling 0.8/T. With the defaults, a
 short private fine-tune of the pretrained MiniLM learns a separable toy."""
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ def _adam_lr(steps: int, pretrained: bool) -> float:
     return Adam(lr=None).init({}, plan)["lr"]
 
 
-def test_adam_default_is_smaller_on_pretrained_weights_only() -> None:
-    # r/T: from scratch r = 0.8 (T = 100 → 8e-3, T = 20 → 4e-2); pretrained r = 0.06 (6e-4, 3e-3).
+def test_adam_default_is_capped_on_pretrained_weights_only() -> None:
+    # 0.8/T from scratch (T = 100 → 8e-3, T = 20 → 4e-2); pretrained at most 3e-3; T = 1000 → 8e-4 both.
     assert _adam_lr(100, False) == pytest.approx(8e-3) and _adam_lr(20, False) == pytest.approx(4e-2)
-    assert _adam_lr(100, True) == pytest.approx(6e-4) and _adam_lr(20, True) == pytest.approx(3e-3)
+    assert _adam_lr(100, True) == pytest.approx(3e-3) == _adam_lr(20, True)
+    assert _adam_lr(1000, True) == pytest.approx(8e-4) == _adam_lr(1000, False)
     # AdamWOSM's α follows the same rule; a given lr is kept.
     osm = run_plan(1.0, 0.1, 100.0, 100)
     assert AdamWOSM(alpha=None).init({}, osm)["alpha"] == pytest.approx(8e-3)
-    assert AdamWOSM(alpha=None).init({}, replace(osm, pretrained=True))["alpha"] == pytest.approx(6e-4)
+    assert AdamWOSM(alpha=None).init({}, replace(osm, pretrained=True))["alpha"] == pytest.approx(3e-3)
     plan = dptune.plan_run(make_strategy("dpadam", lr=0.05), 1000, steps=100, noise_multiplier=1.0, pretrained=True)
     assert plan.strategy.init({}, plan)["update"]["lr"] == 0.05
     with pytest.raises(ConfigError, match="pretrained must be True or False"):
@@ -75,7 +76,7 @@ def _toy(n: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
 
 
 def test_minilm_fine_tune_with_the_defaults_learns(minilm: torch.nn.Module) -> None:
-    """No lr, clip or batch given: the fine-tuning defaults (lr 0.06/T = 6e-3, L = 12 of n = 120, T = 10) at ε = 8,
+    """No lr, clip or batch given: the fine-tuning defaults (lr min(0.8/T, 3e-3) = 3e-3, L = 12 of n = 120, T = 10) at ε = 8,
     the encoder frozen. Chance is 0.5 (measured: 1.0)."""
     import copy
 
@@ -85,5 +86,5 @@ def test_minilm_fine_tune_with_the_defaults_learns(minilm: torch.nn.Module) -> N
         warnings.simplefilter("ignore")
         res = dptune.train(model, _toy(120, 0), "dpadam", epochs=1, target_epsilon=8.0, delta=1e-3,
                            eval_data=_toy(60, 1), eval_public=True, checkpoint="final", seed=0, device="cpu")  # fmt: skip
-    assert res.plan.pretrained and res.history[0]["lr"] == pytest.approx(6e-3)
+    assert res.plan.pretrained and res.history[0]["lr"] == pytest.approx(3e-3)
     assert res.evals[-1]["accuracy"] >= 0.75, res.evals

@@ -14,9 +14,9 @@ from dptune.release.context import RunPlan
 # a fully clipped batch); for Adam, lr itself (Adam normalises the gradient's scale).
 SGD_STEP_BUDGET = 200.0  # r = lr·C/(1 − μ)·T
 ADAM_STEP_BUDGET = 0.8  # r = lr·T
-# Fine-tuning (``run.pretrained``): a smaller r, as 0.8 moves pretrained weights too far
-# (docs/strategies.md, "Defaults for fine-tuning", measured with MiniLM on AG News).
-PRETRAINED_ADAM_STEP_BUDGET = 0.06
+# Fine-tuning (``run.pretrained``): lr at most this, as r/T moves pretrained weights too far in a
+# short run (docs/strategies.md, "Defaults for fine-tuning", measured with MiniLM on AG News).
+PRETRAINED_ADAM_LR = 3e-3
 
 
 # The best r grows as the noise shrinks (Panda et al.: r grows with ε). The noise that matters is
@@ -40,9 +40,10 @@ def scaled_lr(budget: float, run: RunPlan, clip: float = 1.0, momentum: float = 
 
 
 def default_adam_lr(run: RunPlan) -> float:
-    """Adam-type default (lr, or AdamWOSM's α): r/T, r = ADAM_STEP_BUDGET, or
-    PRETRAINED_ADAM_STEP_BUDGET when the run fine-tunes pretrained weights (``run.pretrained``)."""
-    return scaled_lr(PRETRAINED_ADAM_STEP_BUDGET if run.pretrained else ADAM_STEP_BUDGET, run)
+    """Adam-type default (lr, or AdamWOSM's α): r/T, r = ADAM_STEP_BUDGET; at most PRETRAINED_ADAM_LR
+    when the run fine-tunes pretrained weights (``run.pretrained``)."""
+    lr = scaled_lr(ADAM_STEP_BUDGET, run)
+    return min(lr, PRETRAINED_ADAM_LR) if run.pretrained else lr
 
 
 def starts_pretrained(model: Any) -> bool:
