@@ -1,6 +1,7 @@
 """DP-Adam on a pretrained encoder: accuracy across lr, clip, ε and batch (issue 24, item 4).
 
-    python benchmarks/finetune_defaults.py [--n 300] [--tokens 32] [--epochs 2] [--modes last-1 full] [--extras 1 8] [--json out.json]
+    python benchmarks/finetune_defaults.py [--n 300] [--tokens 32] [--epochs 2] [--modes last-1 full]
+        [--eps 1 8] [--lrs 1e-4 3e-4 1e-3 3e-3 1e-2 4e-2] [--extras 1 8] [--defaults] [--json out.json]
 
 Public data only: the AG News test split (the one we have), as a public proxy, shuffled with a fixed
 seed into ``--n`` training and ``--n`` evaluation examples, tokenised by MiniLM's own tokenizer to
@@ -8,9 +9,11 @@ seed into ``--n`` training and ``--n`` evaluation examples, tokenised by MiniLM'
 (tests/hf_models.py ``minilm_classifier``, 4 classes), trained by ``dptune.train(..., "dpadam")``
 in two modes: full fine-tuning and the last encoder layer + head (``freeze_trunk(model, 1)``).
 Each run: ε at δ = 1e-4, ``--epochs`` epochs at the expected batch L (default: dptune's default for
-n), the final iterate's accuracy. One thread; the CPU seconds of each run are printed. The grid is
-small on purpose (the machine is shared): lr ∈ {1e-4, 3e-4, 1e-3, 3e-3} at C = 1, then C ∈ {0.1, 10}
-and L = n/5 at lr = 1e-3. Prints a markdown table (docs/strategies.md, "Defaults for fine-tuning").
+n), the final iterate's accuracy; one seed. One thread; the CPU seconds of each run are printed.
+Cells: ``--lrs`` × ``--eps`` at C = 1, then C ∈ {0.1, 10} and L = n/5 at lr = 1e-3 for each ε of
+``--extras`` (none: ``--extras`` alone); ``--defaults``: one run at dptune's defaults per mode and ε.
+The whole default grid is about 35 runs (20 CPU-minutes); docs/strategies.md ("Defaults for
+fine-tuning") lists the subsets measured. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--epochs", type=float, default=2)
-    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3, 3e-3])
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 4e-2])
     ap.add_argument("--eps", type=float, nargs="+", default=[1.0, 8.0])
     ap.add_argument("--modes", nargs="+", default=["last-1", "full"])
     ap.add_argument("--extras", type=float, nargs="*", default=[1.0, 8.0], help="ε of the clip and batch cells")
