@@ -51,11 +51,10 @@ def starts_pretrained(model: Any) -> bool:
     ``config.name_or_path``, which ``from_pretrained`` sets and ``from_config`` leaves empty): the
     fine-tuning defaults' test (public: the model, not the data). transformers is not imported here:
     such a module exists only once ``transformers.modeling_utils`` is loaded."""
-    hf = sys.modules.get("transformers.modeling_utils")
-    base = getattr(hf, "PreTrainedModel", None)
-    return base is not None and any(
-        isinstance(m, base) and bool(getattr(m.config, "name_or_path", "")) for m in model.modules()
-    )
+    base = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if base is None or not callable(getattr(model, "modules", None)):  # not a torch module: refused later
+        return False
+    return any(isinstance(m, base) and bool(getattr(m.config, "name_or_path", "")) for m in model.modules())
 
 
 def default_sgd_lr(run: RunPlan, clip: float | None, momentum: float) -> float:
