@@ -246,6 +246,7 @@ def save_trained(
             "steps": plan.steps,
             "steps_taken": taken,
             "n": plan.n,
+            **({"defaults": "fine-tuning: pretrained model"} if plan.pretrained else {}),
         },
         "checkpoint": {"rule": "best" if best else "final", "step": result.best_step if best else taken},
         "evaluation_data": ("declared public" if result.eval_public else "private") if result.evals else None,

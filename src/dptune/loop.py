@@ -35,6 +35,7 @@ from dptune.task import OwnTask
 from dptune.train import RunPlan, TrainResult, open_run, plan_run
 from dptune.tree import Tensors, clone, differs
 from dptune.updates import UpdateRule
+from dptune.updates.defaults import starts_pretrained
 
 
 @dataclass(frozen=True)
@@ -401,6 +402,7 @@ def make_private(
     run_id: str = "",
     allow_large_delta: bool = False,
     distributed: bool | None = None,
+    pretrained: bool | None = None,
     **aliases: Any,
 ) -> PrivateTraining:
     """Plan a private run of ``model`` on ``data`` and return the object your loop drives.
@@ -414,6 +416,7 @@ def make_private(
     secret key in seeded mode; ``secure_mode=True`` draws noise and batches from the OS CSPRNG.
     ``aliases``: ``epsilon``, ``batch_size``, ``secure`` (``dptune.names``). ``distributed`` (default: on
     under ``torchrun``): each rank's ``batches()`` are its shard of one Poisson batch (``dptune.distributed``).
+    ``pretrained``: as in ``dptune.train``.
     """
     target_epsilon, expected_batch_size, secure_mode = aliased(
         aliases, "make_private", True, target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,
@@ -427,6 +430,7 @@ def make_private(
         "target_epsilon": target_epsilon,
         "accountant": accountant,
         "allow_large_delta": allow_large_delta,  # δ ≥ 1/n is refused by plan_run unless this
+        "pretrained": starts_pretrained(model) if pretrained is None else pretrained,  # the fine-tuning defaults
     }
     return PrivateTraining(
         model,

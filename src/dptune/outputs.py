@@ -442,6 +442,7 @@ def train_table_rows(result: Any, release: Mapping[str, Any], target: float | No
         ("sampling rate q", f"{release['sampling_rate']:.4g}"),
         ("noise multiplier ν", accounting.noise_multiplier_text(plan.noise_multiplier, eps_of, target)[0]),
         *effective_hyperparameters(plan.strategy.config(), result.history[:1]).items(),
+        *([("defaults", "fine-tuning: pretrained model")] if plan.pretrained else []),
         (f"best {result.metric}{owner}", "-" if result.best_metric is None else f"{result.best_metric:.4f}"),
         (f"best step{owner}", result.best_step),
         ("diverged", result.diverged),

@@ -45,6 +45,7 @@ from dptune.release.sampling import (
 from dptune.strategies import Strategy, make_strategy, strategy_signature
 from dptune.task import OwnTask
 from dptune.tree import Tensors, clone, finite_flag
+from dptune.updates.defaults import starts_pretrained
 
 
 def plan_run(
@@ -60,6 +61,7 @@ def plan_run(
     delta: float | None = None,
     accountant: str = "auto",
     allow_large_delta: bool = False,
+    pretrained: bool = False,
     **aliases: Any,
 ) -> RunPlan:
     """Resolve q, T and ν for one run; calibrate ν to (ε, δ) when a target is given.
@@ -67,10 +69,13 @@ def plan_run(
     ``accountant='auto'``: the tightest valid one, exact μ-GDP at full batch, else PLD
     (``accounting.tightest_accountant``). δ ≥ 1/n is refused unless ``allow_large_delta``. No
     ``expected_batch_size``: ``default_batch_size(n)``. Warns (``SamplingWarning``) on q > 0.5 or T < 20.
+    ``pretrained``: the model starts from pretrained weights (the fine-tuning defaults, ``updates.defaults``).
     ``aliases``: ``epsilon``, ``batch_size`` (``dptune.names``)."""
     target_epsilon, expected_batch_size = aliased(
         aliases, "plan_run", True, target_epsilon=target_epsilon, expected_batch_size=expected_batch_size
     )
+    if not isinstance(pretrained, bool):
+        raise ConfigError(f"pretrained must be True or False, got {pretrained!r}. Fix: e.g. pretrained=True.")
     if not full_batch and expected_batch_size is None:
         expected_batch_size = default_batch_size(n)
     q = sampling_rate_for(n, expected_batch_size, full_batch)
@@ -106,7 +111,7 @@ def plan_run(
         nu = accounting.calibrate(target_epsilon, delta, q, releases, accountant=accountant).noise_multiplier
     else:
         raise ConfigError(f"strategy {strategy.name!r} is private: give noise_multiplier or target_epsilon (+ delta).")
-    plan = RunPlan(strategy, n, q, T, nu, accountant)
+    plan = RunPlan(strategy, n, q, T, nu, accountant, pretrained)
     return replace(plan, noise_multiplier=snap_noise(nu, [plan]))
 
 
@@ -450,6 +455,7 @@ def train(
     grad_method: str | None = None,
     allow_large_delta: bool = False,
     distributed: bool | None = None,
+    pretrained: bool | None = None,
     **hyperparameters: Any,
 ) -> TrainResult:
     """Train ``model`` privately with ``strategy`` and return a ``TrainResult``.
@@ -464,6 +470,8 @@ def train(
     the owner's only; ``checkpoint='best'`` (the default when public) keeps the best evaluated parameters.
     ``distributed`` (default: on when ``torchrun`` started several processes): one run on every process,
     each clipping its shard of the batch (``dptune.distributed``); every rank returns the same result.
+    ``pretrained`` (default: ``updates.defaults.starts_pretrained(model)``, a Hugging Face model loaded by
+    ``from_pretrained``): the fine-tuning defaults (docs/strategies.md, "Defaults for fine-tuning").
     """
     checkpoint = checkpoint_rule(checkpoint, eval_data is not None, eval_public)
     target_epsilon, expected_batch_size, secure_mode = aliased(  # epsilon=, batch_size=, secure=: dptune.names
@@ -476,6 +484,7 @@ def train(
         plan, strategy, task.n, eval_every, expected_batch_size=expected_batch_size, full_batch=full_batch,
         epochs=epochs, steps=steps, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta,
         accountant=accountant, allow_large_delta=allow_large_delta,
+        pretrained=starts_pretrained(model) if pretrained is None else pretrained,
     )  # fmt: skip
     model, oracle = task.prepare(model, chunk_size, grad_method)
     if distributed:

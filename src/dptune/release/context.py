@@ -46,6 +46,7 @@ class RunPlan:
     # The accountant ν was calibrated with (or that reports a given ν): the run's ε is its ε.
     # Another accountant's ε of the same run can exceed the target (RDP vs a PLD calibration).
     accountant: str = "rdp"
+    pretrained: bool = False  # the model starts from pretrained weights: fine-tuning defaults (updates.defaults)
 
     @property
     def expected_batch_size(self) -> float:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from typing import Any
 
 from dptune.release.context import RunPlan
 
@@ -12,6 +14,9 @@ from dptune.release.context import RunPlan
 # a fully clipped batch); for Adam, lr itself (Adam normalises the gradient's scale).
 SGD_STEP_BUDGET = 200.0  # r = lr·C/(1 − μ)·T
 ADAM_STEP_BUDGET = 0.8  # r = lr·T
+# Fine-tuning (``run.pretrained``): lr at most this, as r/T moves pretrained weights too far in a
+# short run (docs/strategies.md, "Defaults for fine-tuning", measured with MiniLM on AG News).
+PRETRAINED_ADAM_LR = 3e-3
 
 
 # The best r grows as the noise shrinks (Panda et al.: r grows with ε). The noise that matters is
@@ -35,8 +40,21 @@ def scaled_lr(budget: float, run: RunPlan, clip: float = 1.0, momentum: float = 
 
 
 def default_adam_lr(run: RunPlan) -> float:
-    """Adam-type default (lr, or AdamWOSM's α): r/T, r = ADAM_STEP_BUDGET."""
-    return scaled_lr(ADAM_STEP_BUDGET, run)
+    """Adam-type default (lr, or AdamWOSM's α): r/T, r = ADAM_STEP_BUDGET; at most PRETRAINED_ADAM_LR
+    when the run fine-tunes pretrained weights (``run.pretrained``)."""
+    lr = scaled_lr(ADAM_STEP_BUDGET, run)
+    return min(lr, PRETRAINED_ADAM_LR) if run.pretrained else lr
+
+
+def starts_pretrained(model: Any) -> bool:
+    """Whether ``model`` holds a Hugging Face ``PreTrainedModel`` loaded from a checkpoint (its
+    ``config.name_or_path``, which ``from_pretrained`` sets and ``from_config`` leaves empty): the
+    fine-tuning defaults' test (public: the model, not the data). transformers is not imported here:
+    such a module exists only once ``transformers.modeling_utils`` is loaded."""
+    base = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if base is None or not callable(getattr(model, "modules", None)):  # not a torch module: refused later
+        return False
+    return any(isinstance(m, base) and bool(getattr(m.config, "name_or_path", "")) for m in model.modules())
 
 
 def default_sgd_lr(run: RunPlan, clip: float | None, momentum: float) -> float:

@@ -131,7 +131,7 @@ class SGD(UpdateRule):
 class Adam(UpdateRule):
     """m_t = β₁ m_{t−1} + (1−β₁) g̃_t,  v_t = β₂ v_{t−1} + (1−β₂) g̃_t²
     θ_{t+1} = θ_t − lr · m̂_t / (√v̂_t + ε),  m̂_t = m_t/(1−β₁ᵗ), v̂_t = v_t/(1−β₂ᵗ).
-    ``lr=None``: the linear-scaling default lr = r/T, r = ``ADAM_STEP_BUDGET``."""
+    ``lr=None``: the linear-scaling default lr = r/T, r = ``ADAM_STEP_BUDGET`` (≤ ``PRETRAINED_ADAM_LR`` fine-tuning)."""
 
     lr: float | None = 1e-3
     beta1: float = 0.9
