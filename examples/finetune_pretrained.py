@@ -25,8 +25,10 @@ builds such classifiers (full, last-k, LoRA) for you; this example shows the pla
     DPTUNE_DATA_DIR=/work/shared/data python examples/finetune_pretrained.py --last-k 0 --own-loop
     python examples/finetune_pretrained.py --tiny --data-dir DIR
 
-What is printed: ε (the guarantee of the trained model) and the test accuracy on the public test split.
-The training loss is never printed (it is not differentially private).
+What is printed: ε (the guarantee of the trained model; the model's size and the number of training
+mails are public in dptune's accounting) and the accuracy on the held-out mails, which are as private
+as the training ones: that line is not differentially private, for the data owner only. The
+training loss is never printed.
 """
 
 from __future__ import annotations
@@ -177,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + (f" ({why_not_ghost})" if why_not_ghost else "")
     )
     print(
-        f"(ε, δ) = ({res.epsilon():.2f}, 1e-05) after {res.ledger.releases} steps; test accuracy {acc:.3f} (majority {majority:.3f})"
+        f"(ε, δ) = ({res.epsilon():.2f}, 1e-05) after {res.ledger.releases} steps; held-out accuracy {acc:.3f} "
+        f"(majority {majority:.3f}; not differentially private: for the data owner only)"
     )
     return {
         "model": name, "trainable": trainable, "epsilon": res.epsilon(), "accuracy": acc, "majority": majority,
