@@ -23,7 +23,7 @@ batch, interleaved in one process (``common.interleaved_medians``):
 Time: one thread and the process's CPU clock on the CPU (a shared machine's wall time measures the
 other jobs); wall clock with ``cuda.synchronize`` on a GPU. Ratio = non-private time / private time
 (higher is better, 1 = free). Peak memory: what the step's own model copy, its optimizer or strategy
-state and two steps allocate above what was allocated before (CPU: peak resident memory of a fresh
+state and its first steps allocate above what was allocated before (CPU: peak resident memory of a fresh
 child process per row, above its resident memory with the base model loaded; CUDA:
 ``max_memory_allocated`` above ``memory_allocated`` before the copy). Prints a markdown table;
 ``--json PATH`` writes the rows and the machine.
@@ -175,7 +175,7 @@ def peak_rss_bytes() -> int:
 
 
 def peak_child(args: argparse.Namespace) -> None:
-    """``--peak-child KIND``: a fresh process building one row's step and running it twice; prints
+    """``--peak-child KIND``: a fresh process building one row's step and running it; prints
     {peak bytes above the loaded base model}."""
     torch.set_num_threads(args.threads)
     model, _ = build(args.models[0], args.modes[0])
@@ -203,7 +203,7 @@ def cpu_peak(kind: str, name: str, mode: str, B: int, args: argparse.Namespace) 
 
 
 def cuda_peak(kind: str, model: nn.Module, x: dict, y: torch.Tensor) -> tuple[Any, float]:
-    """The step (built here) and its peak allocation over its build and two calls, above what was allocated before."""
+    """The step (built here) and its peak allocation over its build and a call, above what was allocated before."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
