@@ -14,7 +14,7 @@ Models: a tiny stock HF BERT (``BertModel.from_config``, dict inputs, mean-pool 
     python benchmarks/ghost_transformers.py            # CPU, about a minute
     python benchmarks/ghost_transformers.py --minilm --tokens 128 --rounds 2
     python benchmarks/ghost_transformers.py --device cuda
-    python benchmarks/ghost_transformers.py --device cuda --batch 256 --tokens 128 --example 256 4   # issue 24's H200 shape
+    python benchmarks/ghost_transformers.py --device cuda --batch 256 --tokens 128 --example 256 4 --models example  # issue 24's shape
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--minilm", action="store_true", help="also MiniLM-L6's shape (d = 384, 6 layers)")
+    p.add_argument("--models", nargs="+", default=["bert", "example"], choices=["bert", "example"])
     p.add_argument(
         "--example", type=int, nargs=2, default=(64, 2), metavar=("D", "LAYERS"), help="transformer_text's size"
     )
@@ -141,7 +142,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dev = check_device(args.device)
     print(machine(dev))
-    builds = [tiny_bert, partial(example_transformer, d=args.example[0], layers=args.example[1])]
+    builds = [tiny_bert] if "bert" in args.models else []
+    if "example" in args.models:
+        builds.append(partial(example_transformer, d=args.example[0], layers=args.example[1]))
     if args.minilm:  # MiniLM-L6's shape (d = 384, 6 layers, 1536 FFN), random weights
         builds.append(partial(tiny_bert, d=384, layers=6))
     rows = [measure(build, args, dev) for build in builds]
