@@ -23,9 +23,10 @@ batch, interleaved in one process (``common.interleaved_medians``):
 Time: one thread and the process's CPU clock on the CPU (a shared machine's wall time measures the
 other jobs); wall clock with ``cuda.synchronize`` on a GPU. Ratio = non-private time / private time
 (higher is better, 1 = free). Peak memory: what the step's own model copy, its optimizer or strategy
-state and its first steps allocate above what was allocated before (CPU: peak resident memory of a fresh
-child process per row, above its resident memory with the base model loaded; CUDA:
-``max_memory_allocated`` above ``memory_allocated`` before the copy). Prints a markdown table;
+state and a steady-state step allocate above what was allocated before (after two steps: dptune's first
+batch runs one example at a time for the isolation probe; CPU: peak resident memory of a fresh child
+process per row during its third step, above its resident memory with the base model loaded; CUDA:
+``max_memory_allocated`` during the third call above ``memory_allocated`` before the copy). Prints a markdown table;
 ``--json PATH`` writes the rows and the machine.
 """
 
@@ -175,8 +176,8 @@ def peak_rss_bytes() -> int:
 
 
 def peak_child(args: argparse.Namespace) -> None:
-    """``--peak-child KIND``: a fresh process building one row's step and running it; prints
-    {peak bytes above the loaded base model}."""
+    """``--peak-child KIND``: a fresh process building one row's step; prints the peak of its third
+    call (after two), in bytes above the resident memory with the base model loaded."""
     torch.set_num_threads(args.threads)
     model, _ = build(args.models[0], args.modes[0])
     x, y = batch(model, args.batches[0], args.tokens)
@@ -188,6 +189,9 @@ def peak_child(args: argparse.Namespace) -> None:
     base = rss_bytes()
     try:
         step = make_step(args.peak_child, model, x, y)
+        step()  # dptune's first calls compute the probe's batch one example at a time: not the steady state
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := the resident memory now (Linux ≥ 4.0)
         step()
         print(json.dumps({"peak": peak_rss_bytes() - base}))
     except Exception as exc:  # noqa: BLE001 - reported as the row
@@ -197,17 +201,20 @@ def peak_child(args: argparse.Namespace) -> None:
 def cpu_peak(kind: str, name: str, mode: str, B: int, args: argparse.Namespace) -> float | None:
     cmd = [sys.executable, __file__, "--peak-child", kind, "--models", name, "--modes", mode]
     cmd += ["--batches", str(B), "--tokens", str(args.tokens), "--threads", str(args.threads)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip().splitlines()
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 17)}  # big blocks mmapped, so freed ones leave the RSS
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env).stdout.strip().splitlines()
     res = json.loads(out[-1]) if out else {}
     return res.get("peak")
 
 
 def cuda_peak(kind: str, model: nn.Module, x: dict, y: torch.Tensor) -> tuple[Any, float]:
-    """The step (built here) and its peak allocation over its build and a call, above what was allocated before."""
+    """The step (built here) and the peak allocation of a steady-state call, above what was allocated before the build."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
     step = make_step(kind, model, x, y)
+    step()  # dptune's first calls compute the probe's batch one example at a time: not the steady state
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
     return step, torch.cuda.max_memory_allocated() - base
