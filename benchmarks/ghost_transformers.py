@@ -14,6 +14,7 @@ Models: a tiny stock HF BERT (``BertModel.from_config``, dict inputs, mean-pool 
     python benchmarks/ghost_transformers.py            # CPU, about a minute
     python benchmarks/ghost_transformers.py --minilm --tokens 128 --rounds 2
     python benchmarks/ghost_transformers.py --device cuda
+    python benchmarks/ghost_transformers.py --device cuda --batch 256 --tokens 128 --example 256 4 --models example  # issue 24's shape
 """
 
 from __future__ import annotations
@@ -66,17 +67,19 @@ def tiny_bert(batch: int, T: int, d: int = 128, layers: int = 2) -> tuple[nn.Mod
     )
 
 
-def example_transformer(batch: int, T: int) -> tuple[nn.Module, object, torch.Tensor, str]:
+def example_transformer(
+    batch: int, T: int, d: int = 64, layers: int = 2
+) -> tuple[nn.Module, object, torch.Tensor, str]:
     spec = importlib.util.spec_from_file_location("transformer_text", ROOT / "examples" / "transformer_text.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules["transformer_text"] = mod
     spec.loader.exec_module(mod)
     torch.manual_seed(0)
-    model = mod.GhostTransformer(4096, T, 64, 4, 2)
+    model = mod.GhostTransformer(4096, T, d, 4, layers)
     x = torch.randint(1, 4096, (batch, T))
     x[::2, T // 2 :] = 0
-    return model, x, torch.randint(0, 2, (batch,)), f"transformer_text d=64 L=2 T={T}"
+    return model, x, torch.randint(0, 2, (batch,)), f"transformer_text d={d} L={layers} T={T}"
 
 
 @contextmanager
@@ -130,12 +133,18 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--minilm", action="store_true", help="also MiniLM-L6's shape (d = 384, 6 layers)")
+    p.add_argument("--models", nargs="+", default=["bert", "example"], choices=["bert", "example"])
+    p.add_argument(
+        "--example", type=int, nargs=2, default=(64, 2), metavar=("D", "LAYERS"), help="transformer_text's size"
+    )
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: CPU time is wall time minus preemption)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dev = check_device(args.device)
     print(machine(dev))
-    builds = [tiny_bert, example_transformer]
+    builds = [tiny_bert] if "bert" in args.models else []
+    if "example" in args.models:
+        builds.append(partial(example_transformer, d=args.example[0], layers=args.example[1]))
     if args.minilm:  # MiniLM-L6's shape (d = 384, 6 layers, 1536 FFN), random weights
         builds.append(partial(tiny_bert, d=384, layers=6))
     rows = [measure(build, args, dev) for build in builds]

@@ -23,6 +23,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mutants import NORM_MUTANTS, ghost_gram_float32, norms_rounded_to_nearest
 from torch import nn
 
@@ -528,3 +530,43 @@ def test_mixed_precision_release_is_bounded_by_the_model_dtype() -> None:
             s = g.weighted_sum(torch.clamp(c / g.norms, max=1.0))
             worst = max(worst, math.sqrt(sum(float(v.double().pow(2).sum()) for v in s.values())) / c)
     assert worst <= 1.0 + 1e-6
+
+
+# ----------------------------------------------------------------------------- property: a token block
+class TokenBlock(nn.Module):
+    """A transformer's parameter layers over tokens: Embedding (ids drawn from a small vocabulary, so
+    tokens repeat) → LayerNorm → Linear or GPT-2's Conv1D at every position → mean over tokens → head."""
+
+    def __init__(self, vocab: int, d: int, p: int, conv1d: bool, scale: float):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.emb, self.ln = nn.Embedding(vocab, d), nn.LayerNorm(d)
+        self.lin = Conv1D(p, d) if conv1d else nn.Linear(d, p)
+        self.head, self.scale = nn.Linear(p, 2), scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.lin(self.ln(self.emb(ids)) * self.scale)).mean(1))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    T=st.integers(1, 12), d=st.integers(1, 10), p=st.integers(1, 10), vocab=st.integers(2, 6),
+    conv1d=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 1e3]), keep=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_token_block_norms_bound_every_example(
+    T: int, d: int, p: int, vocab: int, conv1d: bool, scale: float, keep: bool, seed: int
+) -> None:
+    """Any shape (Bu et al.'s choice takes the per-example products where p·d ≤ T(p + d), kept or, with
+    no room to keep them, chunked; else the float32 Gram form), any scale: each norm ≥ the exact
+    float64 norm from the stored operands, and clipping at C below it releases ≤ C(1 + 1e-6)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = TokenBlock(vocab, d, p, conv1d, scale)
+    x, y = torch.randint(0, vocab, (6, T)), torch.randint(0, 2, (6,))
+    with pytest.MonkeyPatch.context() as mp:
+        if not keep:
+            mp.setattr(ghost, "MATERIALIZE_LIMIT_BYTES", 0)
+        g = run(model, x, y)
+        assert isinstance(g, ghost.GhostGrads)
+        assert clipping_violations(g) == []
