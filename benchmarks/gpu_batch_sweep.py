@@ -34,11 +34,16 @@ DP = ["dpsgd/ghost", "oso/ghost"]
 
 def child(args: argparse.Namespace) -> None:
     """Time every (model, batch) cell of this side; one JSON line per cell, as it finishes."""
-    sys.path[:0] = [args.src, str(HERE)]
-    from common import batch_for, build_model, device_sync, interleaved_medians
+    sys.path.insert(0, str(HERE))
+    from common import batch_for, build_model, device_sync, interleaved_medians  # puts this tree's src first
     from step_throughput import have_opacus, make_step
 
+    src = Path(args.src).resolve()
+    sys.path.insert(0, str(src))  # after common's insert: this side's dptune is the one imported
     import dptune
+
+    if not Path(dptune.__file__).resolve().is_relative_to(src):
+        raise SystemExit(f"{args.side}: imported {dptune.__file__}, not the dptune under {src}")
 
     cfgs = ["torch", *DP]
     if args.side == "new" and not args.no_opacus and have_opacus():
