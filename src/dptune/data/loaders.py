@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from dptune.data.files import cache_root, reading, resolve
 from dptune.data.registry import DATASETS
 from dptune.errors import ConfigError, DataError
 
-Representation = Literal["bow_embedding", "minilm", "counts"]
+Representation = Literal["bow_embedding", "minilm", "counts", "tokens"]
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,14 @@ def _flat_dataset(
     files: Iterable[Path],
     class_names: tuple[str, ...] | None = None,
 ) -> Dataset:
-    """A classification dataset of flat feature vectors (x_train, y_train, x_test, y_test)."""
+    """A classification dataset of flat feature vectors (x_train, y_train, x_test, y_test), or of
+    token dicts {input_ids, attention_mask} (``representation='tokens'``, kept int64)."""
     xtr, ytr, xte, yte = splits
+    feats = (lambda a: {k: labels_tensor(v) for k, v in a.items()}) if isinstance(xtr, dict) else features_tensor
+    width = next(iter(xtr.values())) if isinstance(xtr, dict) else xtr
     return Dataset(
-        name, features_tensor(xtr), labels_tensor(ytr), features_tensor(xte), labels_tensor(yte),
-        "classification", num_classes, (xtr.shape[1],), "; ".join(notes), class_names, tuple(map(str, files)),
+        name, feats(xtr), labels_tensor(ytr), feats(xte), labels_tensor(yte),
+        "classification", num_classes, (width.shape[1],), "; ".join(notes), class_names, tuple(map(str, files)),
     )  # fmt: skip
 
 
@@ -400,7 +403,8 @@ def _text_features(
     vocab_size: int,
     scale: bool,
     word_vectors: str = "auto",
-) -> tuple[np.ndarray, np.ndarray, str]:
+    max_tokens: int = 64,
+) -> tuple[Any, Any, str]:
     """Train and test features of one fixed representation (each text's features depend on it alone)."""
     texts = [*texts_tr, *texts_te]
     if representation == "bow_embedding":
@@ -420,8 +424,12 @@ def _text_features(
         )
     elif representation == "counts":
         both, note = _counts(texts, vocab_size, scale)
+    elif representation == "tokens":
+        ids, note = text.tokens(texts, max_tokens)
+        n = len(texts_tr)
+        return {k: v[:n] for k, v in ids.items()}, {k: v[n:] for k, v in ids.items()}, note
     else:
-        raise ConfigError(f"representation={representation!r}: choose 'bow_embedding', 'minilm' or 'counts'.")
+        raise ConfigError(f"representation={representation!r}: choose 'bow_embedding', 'minilm', 'counts' or 'tokens'.")
     return both[: len(texts_tr)], both[len(texts_tr) :], note
 
 
@@ -442,6 +450,7 @@ def load_ag_news(
     vocab_size: int = 5512,
     scale: bool = True,
     word_vectors: str = "auto",
+    max_tokens: int = 64,
 ) -> Dataset:
     notes: list[str] = ["text = title + ' ' + description ('\\' line marks and #NN; entities undone)"]
     if official_split:
@@ -465,6 +474,7 @@ def load_ag_news(
         "ag_news", ctx, [t_tr[i] for i in i_tr], [t_te[i] for i in i_te], representation=representation,
         max_words=max_words, embed_dim=embed_dim, glove_path=glove_path,
         embedding_salt=embedding_salt, vocab_size=vocab_size, scale=scale, word_vectors=word_vectors,
+        max_tokens=max_tokens,
     )  # fmt: skip
     notes.append(note)
     if limit is not None:
@@ -485,6 +495,7 @@ def load_enron_spam(
     glove_path: str | os.PathLike[str] | None = None,
     embedding_salt: int = 0,
     word_vectors: str = "auto",
+    max_tokens: int = 64,
 ) -> Dataset:
     variant, p = ctx.resolve("enron_spam", ("csv", "tar"))
     if variant == "csv":
@@ -496,7 +507,7 @@ def load_enron_spam(
         "enron_spam", ctx, [texts[i] for i in i_tr], [texts[i] for i in i_te],
         representation=representation, max_words=max_words, embed_dim=embed_dim,
         glove_path=glove_path, embedding_salt=embedding_salt, vocab_size=vocab_size,
-        scale=scale, word_vectors=word_vectors,
+        scale=scale, word_vectors=word_vectors, max_tokens=max_tokens,
     )  # fmt: skip
     notes = [
         "Enron1 only (3,672 ham + 1,500 spam, messages sorted by file name), spam = 1",

@@ -1,6 +1,7 @@
 """Fixed (data-independent) text representations for ``ag_news`` and ``enron_spam``:
 ``bow_embedding`` (Galli et al.'s concatenated word vectors: GloVe, MiniLM's word-piece table or
-hashed), ``minilm`` (all-MiniLM-L6-v2 sentence embeddings, offline, cached on disk); ``counts``
+hashed), ``minilm`` (all-MiniLM-L6-v2 sentence embeddings, offline, cached on disk), ``tokens``
+(MiniLM's WordPiece ids and mask, for fine-tuning the encoder: ``dptune.finetune``); ``counts``
 (hashed token counts) is in ``dptune.data.loaders``. Each document's features are a function of
 that document alone (and public tables/models), so they read nothing about the other (private)
 documents. Details: docs/data_and_models.md.
@@ -228,6 +229,26 @@ def minilm_word_vectors(
         if ids:
             out[word] = table[ids].mean(axis=0)
     return out
+
+
+def tokens(texts: Sequence[str], max_tokens: int = 64) -> tuple[dict[str, np.ndarray], str]:
+    """{input_ids, attention_mask}: int64 [N, max_tokens], all-MiniLM-L6-v2's WordPiece ids
+    ``[CLS] pieces [SEP]`` of each text alone, cut to ``max_tokens`` (the last kept piece then
+    ``[SEP]``) and padded with ``[PAD]`` (mask 0) to that public length; and a note."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 3 <= max_tokens <= 512:
+        raise ConfigError(f"max_tokens={max_tokens!r}: choose an integer in 3..512 (MiniLM reads 512 positions).")
+    tok = _minilm_tokenizer()
+    sep, pad = tok.token_to_id("[SEP]"), tok.token_to_id("[PAD]")
+    ids = np.full((len(texts), max_tokens), pad, dtype=np.int64)
+    mask = np.zeros((len(texts), max_tokens), dtype=np.int64)
+    for i, enc in enumerate(tok.encode_batch(list(texts), add_special_tokens=True)):
+        row = enc.ids if len(enc.ids) <= max_tokens else [*enc.ids[: max_tokens - 1], sep]
+        ids[i, : len(row)], mask[i, : len(row)] = row, 1
+    note = (
+        f"all-MiniLM-L6-v2 WordPiece tokens (lower-cased, the public vocabulary of 30,522): [CLS] text [SEP], "
+        f"cut and padded to {max_tokens} tokens (a public length) with an attention mask; for hf_classifier"
+    )
+    return {"input_ids": ids, "attention_mask": mask}, note
 
 
 WORD_VECTORS = ("auto", "minilm", "hashed", "glove")
