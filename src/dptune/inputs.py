@@ -63,18 +63,18 @@ def check(x: Any, what: str = "x") -> Inputs:
     )
 
 
-def _leaves(x: Inputs) -> list[torch.Tensor]:
+def leaves(x: Inputs) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
     return list(x.values()) if isinstance(x, Mapping) else list(x)
 
 
 def batch_len(x: Inputs) -> int:
-    return int(_leaves(x)[0].shape[0])
+    return int(leaves(x)[0].shape[0])
 
 
 def device_of(x: Inputs) -> torch.device:
-    return _leaves(x)[0].device
+    return leaves(x)[0].device
 
 
 def tmap(fn: Callable[[torch.Tensor], torch.Tensor], x: Inputs) -> Inputs:

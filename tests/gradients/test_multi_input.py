@@ -143,19 +143,32 @@ def test_nested_python_lists_are_still_one_input() -> None:
     assert r.ledger.releases == 3
 
 
-def test_a_study_with_several_inputs_is_one_clear_error(tmp_path, monkeypatch) -> None:
-    """Studies hash tensor rows for the holdout split: several inputs are refused with the fix
-    (they work with dptune.train and make_private)."""
-    from dptune.tune.data import study_data
+def test_a_study_holds_out_examples_of_several_inputs_by_each_example_alone(tmp_path, monkeypatch) -> None:
+    """Studies take several inputs: the holdout hashes every input of an example and nothing else
+    (one example's change moves that example only), and the splits keep the inputs together."""
+    from dptune.tune.data import holdout_mask, study_data
     from dptune.tune.spec import DataSpec, SelectionSpec
 
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(200, 3, generator=g), torch.randn(200, 2, generator=g)
+    y = (a[:, 0] > 0).long()
+    m = holdout_mask((a, b), y, 0.3, 0)
+    b2 = b.clone()
+    b2[7] += 1.0
+    others = torch.arange(200) != 7
+    assert torch.equal(m[others], holdout_mask((a, b2), y, 0.3, 0)[others])
+    assert not torch.equal(m, holdout_mask(a, y, 0.3, 0))  # the second input is hashed too
     (tmp_path / "two_inputs_data.py").write_text(
         "import torch\n"
         "def load():\n"
-        "    a, b = torch.randn(30, 3), torch.randn(30, 2)\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    a, b = torch.randn(200, 3, generator=g), torch.randn(200, 2, generator=g)\n"
         "    y = (a[:, 0] > 0).long()\n"
         "    return ((a, b), y), ((a[:10], b[:10]), y[:10])\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError, match="studies take one input tensor"):
-        study_data(DataSpec(factory="two_inputs_data:load"), SelectionSpec(), 0)
+    d = study_data(
+        DataSpec(factory="two_inputs_data:load"), SelectionSpec("private", "holdout", holdout_fraction=0.3), 0
+    )
+    assert d.n_val == int(m.sum()) and d.n_train == 200 - d.n_val and d.input_shape == (3,)
+    assert torch.equal(d.x_val[0], a[m]) and torch.equal(d.x_val[1], b[m]) and torch.equal(d.x_train[1], b[~m])

@@ -21,6 +21,7 @@ import torch
 from dptune import data as datasets
 from dptune.errors import ConfigError
 from dptune.factories import call_factory, import_factory
+from dptune.inputs import Inputs, leaves, rows, take
 from dptune.models import MODELS
 from dptune.own import as_pair, load_data
 from dptune.release.sampling import stream_seed
@@ -30,11 +31,11 @@ from dptune.tune.spec import DataSpec, ModelSpec, SelectionSpec
 
 @dataclass(frozen=True)
 class StudyData:
-    x_train: torch.Tensor
+    x_train: Inputs  # a tensor, or a dict/tuple of tensors (e.g. tokens: dptune.inputs)
     y_train: torch.Tensor
-    x_val: torch.Tensor  # the selection split (test split, or a holdout carved from train)
+    x_val: Inputs  # the selection split (test split, or a holdout carved from train)
     y_val: torch.Tensor
-    x_test: torch.Tensor | None  # reported separately when the selection split is a holdout
+    x_test: Inputs | None  # reported separately when the selection split is a holdout
     y_test: torch.Tensor | None
     task: str  # classification | reconstruction
     num_classes: int | None
@@ -42,11 +43,11 @@ class StudyData:
 
     @property
     def n_train(self) -> int:
-        return int(self.x_train.shape[0])
+        return int(self.y_train.shape[0])
 
     @property
     def n_val(self) -> int:
-        return int(self.x_val.shape[0])
+        return int(self.y_val.shape[0])
 
 
 _CACHE: dict[str, StudyData] = {}
@@ -65,7 +66,7 @@ def _rows(t: torch.Tensor) -> np.ndarray:
     return a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(-1, 1)
 
 
-def holdout_mask(x: torch.Tensor, y: torch.Tensor | None, fraction: float, study_seed: int) -> torch.Tensor:
+def holdout_mask(x: Inputs, y: torch.Tensor | None, fraction: float, study_seed: int) -> torch.Tensor:
     """Bool [n]: example i is in the holdout iff BLAKE2b(key, bytes of x_i and y_i) / 2⁶⁴ < fraction.
 
     A function of the example alone (and the seed): removing or adding one example leaves every
@@ -73,7 +74,8 @@ def holdout_mask(x: torch.Tensor, y: torch.Tensor | None, fraction: float, study
     neighbouring holdouts, never two reshuffled ones. Identical examples land on the same side.
     """
     key = stream_seed(study_seed, "holdout").to_bytes(8, "little")
-    xs, ys = _rows(x), (None if y is None else _rows(y))
+    xs = _rows(x) if isinstance(x, torch.Tensor) else np.concatenate([_rows(t).view(np.uint8) for t in leaves(x)], 1)
+    ys = None if y is None else _rows(y)
     limit = int(fraction * 2.0**64)
     out = np.empty(xs.shape[0], dtype=bool)
     for i in range(xs.shape[0]):
@@ -98,28 +100,22 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
         # The user's loader, read into memory: the holdout split hashes each example.
         train, test = load_data(spec.factory, dict(spec.options))
         (x_tr, y_tr) = as_pair(train)
-        x_te, y_te = as_pair(test) if test is not None else (x_tr[:0], y_tr[:0])
-        if not (isinstance(x_tr, torch.Tensor) and isinstance(x_te, torch.Tensor)):
-            raise ConfigError(
-                f"data.factory {spec.factory!r} gives a model several inputs (tuple/dict batches): studies take "
-                "one input tensor for now (the holdout split hashes tensor rows). Fix: concatenate the inputs "
-                "into one tensor and split them in forward(), or train with dptune.train / make_private, "
-                "which accept several inputs."
-            )
+        x_te, y_te = as_pair(test) if test is not None else (rows(x_tr, 0, 0), y_tr[:0])
     if spec.tensors is not None:
         x_tr, y_tr, x_te, y_te = spec.tensors
     if spec.tensors is not None or spec.factory is not None:
-        recon = x_tr.shape == y_tr.shape and x_tr.dtype.is_floating_point and y_tr.dtype.is_floating_point
+        recon = isinstance(x_tr, torch.Tensor) and x_tr.shape == y_tr.shape and x_tr.dtype.is_floating_point
+        recon = recon and y_tr.dtype.is_floating_point
         task = "reconstruction" if recon else "classification"
         check_labels(y_tr, "mse" if recon else "cross_entropy", int(y_tr.shape[0]), "data (training split)")
         num_classes = None if recon else int(torch.max(torch.cat([y_tr.reshape(-1), y_te.reshape(-1)])).item()) + 1
-        input_shape = tuple(x_tr.shape[1:])
+        input_shape = tuple(leaves(x_tr)[0].shape[1:])
     else:
         ds = datasets.load(spec.name, seed=study_seed, **dict(spec.options))
         x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
         task, num_classes, input_shape = ds.task, ds.num_classes, tuple(ds.input_shape)
     if selection.split == "holdout":
-        n = int(x_tr.shape[0])
+        n = int(y_tr.shape[0])
         same = x_tr is y_tr
         mask = holdout_mask(x_tr, None if same else y_tr, selection.holdout_fraction, study_seed)
         m = int(mask.sum())
@@ -129,8 +125,8 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
                 f"holdout examples out of {n}. Fix: pick a fraction that keeps both non-empty."
             )
         val_idx, tr_idx = torch.nonzero(mask).reshape(-1), torch.nonzero(~mask).reshape(-1)
-        x_val, y_val = x_tr[val_idx], (x_tr[val_idx] if same else y_tr[val_idx])
-        x_tr, y_tr = x_tr[tr_idx], (x_tr[tr_idx] if same else y_tr[tr_idx])
+        x_val, y_val = take(x_tr, val_idx), (x_tr[val_idx] if same else y_tr[val_idx])
+        x_tr, y_tr = take(x_tr, tr_idx), (x_tr[tr_idx] if same else y_tr[tr_idx])
         out = StudyData(x_tr, y_tr, x_val, y_val, x_te, y_te, task, num_classes, input_shape)
     else:
         out = StudyData(x_tr, y_tr, x_te, y_te, None, None, task, num_classes, input_shape)

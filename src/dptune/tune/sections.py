@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from dptune import data as datasets
-from dptune import models
+from dptune import inputs, models
 from dptune.accounting.events import check_delta_for_n
 from dptune.devices import check_device_name
 from dptune.errors import ConfigError, config_error
 from dptune.factories import import_factory
+from dptune.inputs import batch_len
 from dptune.metrics import named as named_metric
 from dptune.tune.methods.registry import canonical_method, get_method
 
@@ -66,7 +67,7 @@ class DataSpec:
 
     name: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    tensors: tuple[Any, torch.Tensor, Any, torch.Tensor] | None = None  # x: a tensor or a dict (tokens)
     # "pkg.module:loader": the user's data, loader(**options) (contract: docs/your_data.md).
     factory: str | None = None
     # A registered dataset's standard test split is public; the user's (factory) is private unless declared.
@@ -101,10 +102,10 @@ class DataSpec:
             t = self.tensors
             if not isinstance(t, tuple | list) or len(t) != 4:
                 raise config_error("data.tensors", "must be (x_train, y_train, x_test, y_test)", "pass four tensors")
-            ts = tuple(torch.as_tensor(v) for v in t)
-            if ts[0].shape[0] != ts[1].shape[0] or ts[2].shape[0] != ts[3].shape[0]:
+            ts = tuple(inputs.as_inputs(v, "data.tensors") for v in t)  # x: a tensor, or a dict of tensors
+            if batch_len(ts[0]) != batch_len(ts[1]) or batch_len(ts[2]) != batch_len(ts[3]):
                 raise config_error("data.tensors", "x and y lengths differ", "pass matching x/y tensors")
-            if ts[0].shape[0] == 0:
+            if batch_len(ts[0]) == 0:
                 raise config_error("data.tensors", "the training set is empty", "pass at least one example")
             object.__setattr__(self, "tensors", ts)
 
@@ -115,7 +116,7 @@ class DataSpec:
         if memo is not None:
             return memo
         h = hashlib.sha256()
-        for t in self.tensors:
+        for t in (leaf for part in self.tensors for leaf in inputs.leaves(part)):
             h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
         object.__setattr__(self, "_fingerprint", h.hexdigest())  # tensors are immutable by contract

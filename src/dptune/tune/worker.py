@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from dptune import inputs
 from dptune.deliverable import full_state, model_identity
 from dptune.devices import resolve_device
 from dptune.errors import BudgetExceededError, DPTuneError
@@ -47,8 +48,8 @@ class Scorer:
     def __init__(self, model: torch.nn.Module, data: StudyData, metric: str, run: RunSpec, study: Study, device):
         self.model, self.metric, self.device = model, metric, device
         self.scratch = ScratchBuffers(model)  # the selection split may be private: no buffer writes
-        self.x, self.y = data.x_val.to(device), data.y_val.to(device)
-        self.m = int(self.x.shape[0])
+        self.x, self.y = inputs.to(data.x_val, device), data.y_val.to(device)
+        self.m = int(self.y.shape[0])
         self.private = run.eval_noise_multiplier is not None
         # Per-example scores, clamped to [0, s] when released: accuracy s = 1, MSE s = the study's
         # mse_clip, your own dptune.Metric ("pkg.module:NAME") the sensitivity it declares.
@@ -76,7 +77,7 @@ class Scorer:
             return math.nan
         with eval_mode(self.model), self.scratch() as buffers:
             (total,), _ = score_sums(
-                lambda xb: functional_call(self.model, (params, buffers), (xb,)),
+                lambda xb: functional_call(self.model, (params, buffers), *inputs.args_kwargs(xb)),
                 (x, y),
                 self.measure,
                 clip=clip is not None,
@@ -99,7 +100,7 @@ class Scorer:
         return float(noisy) / self.m
 
     def exact(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> float:
-        return self.total(params, x.to(self.device), y.to(self.device), None) / int(x.shape[0])
+        return self.total(params, inputs.to(x, self.device), y.to(self.device), None) / int(y.shape[0])
 
 
 def _eval_event(run: RunSpec):

@@ -1,0 +1,146 @@
+"""``dptune.finetune.hf_classifier`` (issue 24): a Hugging Face encoder + mean pooling + head in three
+modes (full, last-k, LoRA through peft), on tiny random BERT/DistilBERT configs (no download); the
+tokenized text datasets (``representation='tokens'``); a study over dict inputs.
+
+References are independent: each example's gradient from its own backward pass through
+``model(**row)``; the parameters that move are read off the model before and after training."""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("peft")
+
+from conftest import SHARED_DATA  # noqa: E402
+from hf_models import tiny_encoder, token_batch  # noqa: E402
+
+import dptune  # noqa: E402
+from dptune.errors import ConfigError  # noqa: E402
+from dptune.finetune import hf_classifier  # noqa: E402
+from dptune.gradients.oracle import GradientOracle  # noqa: E402
+from dptune.release.privatizers import clip_weights  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+T = 12
+KW = {"steps": 2, "expected_batch_size": 6, "noise_multiplier": 1.0, "seed": 3, "device": "cpu", "lr": 1e-2}
+
+
+def _model(mode: str, family: str = "bert", **kw: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return hf_classifier(tiny_encoder(family, layers=3, dropout=0.0), mode=mode, k=1, **kw)  # type: ignore[arg-type]
+
+
+def _trainable(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_each_mode_trains_exactly_its_own_parameters() -> None:
+    expected = {
+        "full": lambda n: "embeddings" not in n or "LayerNorm" in n,  # the tables stay frozen
+        "last-k": lambda n: n.startswith("head.") or ".layer.2." in n,
+        "lora": lambda n: n.startswith("head.") or "lora_A" in n or "lora_B" in n,
+    }
+    x, y = token_batch(30, T, seed=4)
+    for mode, rule in expected.items():
+        model = _model(mode)
+        names = {n for n, _ in model.named_parameters()}
+        assert _trainable(model) == {n for n in names if rule(n)}, mode
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            res = dptune.train(model, (x, y), "dpadam", grad_method="ghost", **KW)
+        assert res.ledger.releases == KW["steps"] and res.ledger.matches(res.plan.event())
+        moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+        assert moved == _trainable(model), mode  # frozen: bit for bit untouched
+    full = _model("full", train_embeddings=True)
+    assert "encoder.embeddings.word_embeddings.weight" in _trainable(full)
+    lora = _model("lora")
+    assert not any("query.base_layer" in n or "key" in n for n in _trainable(lora))
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert"])
+def test_lora_per_example_norms_bound_the_exact_ones_and_the_clipped_sum(family: str) -> None:
+    model = _model("lora", family).eval()
+    with torch.no_grad():  # peft starts lora_B at zero: move it so every adapter has a gradient
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    x, y = token_batch(5, T, seed=1)
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    for method in ("ghost", "vmap"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            g = GradientOracle(model, method=method)(params, x, y)
+        exact = []
+        for i in range(5):
+            loss = F.cross_entropy(model(**{k: v[i : i + 1] for k, v in x.items()}), y[i : i + 1])
+            grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+            exact.append(math.sqrt(sum(float(t.double().square().sum()) for t in grads)))
+            assert exact[i] > 0 and exact[i] <= float(g.norms[i]) <= exact[i] * (1 + 1e-3), (method, i)
+        C = 0.5 * min(exact)
+        w = clip_weights(g.norms, C)
+        for i in range(5):
+            one = g.rows_sum(w[i : i + 1], torch.tensor([i]))
+            assert math.sqrt(sum(float(t.double().square().sum()) for t in one.values())) <= C * (1 + 1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "prefix"}, "choose one of"),
+        ({"mode": "last-k", "k": 9}, "1 <= k <= 3"),
+        ({"mode": "lora", "lora_rank": 0}, "lora_rank=0"),
+        ({"encoder": "/no/such/encoder"}, "could not be loaded"),
+    ],
+)
+def test_bad_options_are_one_config_error(kwargs: dict, message: str) -> None:
+    enc = kwargs.pop("encoder", None) or tiny_encoder("bert", layers=3)
+    with pytest.raises(ConfigError, match=message):
+        hf_classifier(enc, **kwargs)
+
+
+def test_a_study_over_token_dicts_runs_two_trials(tmp_path) -> None:
+    from tune_helpers import make_study
+
+    from dptune.tune import ModelSpec, TrainingSpec, run_study
+
+    x, y = token_batch(80, T, seed=5)
+    xt, yt = token_batch(30, T, seed=6)
+    cfg = tiny_encoder("bert", layers=1, dropout=0.0).config
+    study = make_study(
+        (x, y, xt, yt),
+        model=ModelSpec(builder=functools.partial(hf_classifier, cfg, mode="lora")),
+        strategy="dpadam",
+        space={"lr": [1e-3, 1e-2]},
+        training=TrainingSpec(steps=2, expected_batch_size=10),
+    )
+    out = run_study(study, tmp_path / "s", progress=False)
+    assert out.complete and out.ledger_matches_plan
+    assert out.counts == {"done": 2} and out.rows[0]["runs_done"] == 2
+    score = out.rows[0]["value_mean"] * 30  # accuracy on the 30 test rows (public: exact)
+    assert 0 <= score <= 30 and abs(score - round(score)) < 1e-9
+
+
+def test_dptune_train_cli_model_hf_classifier_needs_a_text_dataset() -> None:
+    from dptune.models import for_training
+
+    with pytest.raises(ConfigError, match="--dataset ag_news or enron_spam"):
+        for_training(None, "digits", "hf_classifier", None, 0)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "enron_spam").exists(), reason="no shared Enron data")
+def test_enron_tokens_are_padded_to_the_public_length() -> None:
+    ds = dptune.data.load("enron_spam", data_dir=SHARED_DATA, representation="tokens", limit=60, max_tokens=16)
+    ids, mask = ds.x_train["input_ids"], ds.x_train["attention_mask"]
+    assert ids.shape == mask.shape == (48, 16) and ids.dtype == torch.int64 and ds.input_shape == (16,)
+    assert (ids[:, 0] == 101).all()  # [CLS]
+    last = mask.sum(1) - 1
+    assert (ids[torch.arange(48), last] == 102).all()  # [SEP] closes every text, cut or not
+    assert ((ids == 0) == (mask == 0)).all()  # [PAD] exactly where the mask is 0
+    assert ds.n_train == 48 and ds.n_test == 12
