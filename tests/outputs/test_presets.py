@@ -338,7 +338,10 @@ def galli_mnist_smoke(shared_data_dir: Path, tmp_path_factory: pytest.TempPathFa
     return out, console
 
 
-@pytest.mark.parametrize("name", TRAINING_PRESETS)
+# panda-finetune: 24 runs of MiniLM (≈ 40 CPU s; minutes on a loaded 2-core VM)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "panda-finetune" else n for n in TRAINING_PRESETS]
+)
 def test_smoke_scale_runs_end_to_end(name, data_env, tmp_path, request):
     # galli-agnews: its default word vectors are MiniLM's (docs/data_and_models.md, ag_news)
     if name in ("panda-linear-scaling-text", "galli-agnews", "panda-finetune") and not _minilm_available():
