@@ -28,8 +28,8 @@ MODES: dict[str, tuple[dict[str, Any], str]] = {
     "lora": ({"mode": "lora", "lora_rank": 8, "lora_alpha": 16}, "LoRA r = 8 on query/value + head"),
 }
 # Sizing (docs/reproduce.md, "panda-finetune"): CPU seconds per example and full-batch step of one
-# torch thread at 32 tokens, measured: full 64 ms (embeddings trained; ≈ 45 without), last-2 21 ms,
-# LoRA 19 ms, evaluation 8.6 ms. ``limit`` examples are pooled and split (1 − test_fraction)/test_fraction.
+# torch thread at 16 tokens, measured: full 50 ms, last-2 19 ms, LoRA 10 ms, evaluation 4.7 ms (at 32
+# tokens 58 / 25 / 20 / 9.2). ``limit`` examples are pooled and split (1 − test_fraction)/test_fraction.
 _PAPER: dict[str, Any] = {
     "limit": None,  # AG News: the 7,600-row test split → 6,080 / 1,520; Enron1: 4,137 / 1,035
     "test_fraction": 0.2,
@@ -48,14 +48,15 @@ FINETUNE: dict[str, dict[str, Any]] = {
     # Enron at n = 2,048, 64 tokens: ≈ 2.3M example-steps, ≈ 10 PFLOP (docs/reproduce.md)
     "gpu-slice": {
         **_PAPER,
-        **{"limit": 2560, "tokens": 64, "steps": (4, 16), "grid_lr": [0.03, 0.3], "grid_steps": [8, 16]},
+        **{"limit": 2560, "tokens": 64, "steps": (4, 16), "grid_lr": [0.1, 1.0], "grid_steps": [8, 16]},
         **{"seeds": [0], "sweeps": SMALL_N_SWEEPS, "datasets": ("enron",)},
     },
-    # 64 training and 192 test examples, 32 tokens: ≈ 2 × 38 runs × 4.3 steps × 64 examples per mode
+    # 40 training and 120 test examples, 16 tokens, T ∈ [4, 10] (momentum 0.9 needs ≈ 10 steps to move the
+    # head): ≈ 33 CPU min of planned work for the 6 parts (test_panda_finetune.py), ≈ 20 min at 2 workers
     "small": {
         **_PAPER,
-        **{"limit": 256, "test_fraction": 0.75, "tokens": 32, "steps": (2, 6)},
-        **{"grid_lr": [0.03, 0.3], "grid_steps": [3, 6], "seeds": [0], "sweeps": SMALL_N_SWEEPS},
+        **{"limit": 160, "test_fraction": 0.75, "tokens": 16, "lr": (0.03, 1.0), "steps": (4, 10)},
+        **{"grid_lr": [0.1, 1.0], "grid_steps": [5, 10], "seeds": [0], "sweeps": SMALL_N_SWEEPS},
     },
     "smoke": {
         **_PAPER,
@@ -67,7 +68,7 @@ FINETUNE: dict[str, dict[str, Any]] = {
 
 
 SMALL_N = (
-    "Small n (CPU sizing): at n = 64 a sweep at 0.1·ε has μ·n ≈ 3–30 and DP-GD's noise per step of the averaged "
+    "Small n (CPU sizing): at n = 40 a sweep at 0.1·ε has μ·n ≈ 2–25 and DP-GD's noise per step of the averaged "
     "gradient (std √T/(μ·n) per coordinate, over millions of trainable coordinates) hides most of its signal: "
     "the sweeps' best r is close to a random draw (docs/reproduce.md, 'panda-finetune')."
 )
