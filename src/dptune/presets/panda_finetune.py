@@ -83,8 +83,8 @@ def build(scale: str, options: Mapping[str, Any]) -> list[Part]:
     for key in s["datasets"]:
         dataset, title = TEXT_DATASETS[key]
         for mode, (model_opts, what) in MODES.items():
-            data = {"name": dataset, "options": {"representation": "tokens", "max_tokens": s["tokens"]}}
-            data["options"]["test_fraction"] = s["test_fraction"]
+            tokens = {"representation": "tokens", "max_tokens": s["tokens"], "test_fraction": s["test_fraction"]}
+            data: dict[str, Any] = {"name": dataset, "options": tokens}
             model = {"name": "hf_classifier", "options": {"encoder": "minilm", **model_opts}}
             study = panda_study(f"panda-finetune-{key}-{mode}-{scale}", data, model, s, fixed)
             study["strategies"].append(nodp)
