@@ -588,7 +588,8 @@ def test_small_scale_nodp_grid_is_the_documented_one(name, data_env):
     """Every small-scale preset with a NoDP arm searches the documented NoDP ρ grid, which holds
     the ρ measured to learn best at that scale; the private arms keep the paper's ρ grid; the
     report's notes and docs/reproduce.md state the NoDP grid. The presets without a NoDP arm
-    (Mohapatra, Panda) have none at any scale, so nothing there is left undocumented."""
+    (Mohapatra, Panda's probes) have none at any scale, so nothing there is left undocumented;
+    panda-finetune's non-private fine-tune searches the grid oracle's η at every scale."""
     parts = preset_parts(name, "small")
     nodp = [a for p in parts for a in _nodp_arms(p)]
     if name == "panda-finetune":  # the non-private fine-tune: the grid oracle's η at every scale (no deviation)
