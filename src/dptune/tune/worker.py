@@ -67,7 +67,7 @@ class Scorer:
         )
         self.nu = run.eval_noise_multiplier
 
-    def total(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, clip: float | None) -> float:
+    def total(self, params: Tensors, x: inputs.Inputs, y: torch.Tensor, clip: float | None) -> float:
         """Σ over examples of the per-example score (correct predictions, squared error, yours).
 
         ``clip`` (= the sensitivity c, private release): each score clamped to [0, c], a
@@ -99,7 +99,7 @@ class Scorer:
         )
         return float(noisy) / self.m
 
-    def exact(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> float:
+    def exact(self, params: Tensors, x: inputs.Inputs, y: torch.Tensor) -> float:
         return self.total(params, inputs.to(x, self.device), y.to(self.device), None) / int(y.shape[0])
 
 
