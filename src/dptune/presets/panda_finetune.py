@@ -113,7 +113,7 @@ def modes_table(out_dir: Path, scale: str, options: Mapping[str, Any], parts: li
             body.setdefault(p.name, {})[(r["strategy"], float(r["epsilon"]))] = "—" if v is None else f"{v:.4g}"
     if not body:
         return []
-    order = sorted(cols, key=lambda c: (c[1] if math.isfinite(c[1]) else math.inf, c[0]))
+    order = sorted(cols, key=lambda c: c[1] if math.isfinite(c[1]) else math.inf)  # stable: arms in plan order
     rows = [[name, *(cells.get(c, "—") for c in order)] for name, cells in body.items()]
     caption = (
         "The selected configuration's test score of each private arm (mean over seeds), per part and ε; the "
