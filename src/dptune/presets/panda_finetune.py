@@ -87,13 +87,13 @@ def build(scale: str, options: Mapping[str, Any]) -> list[Part]:
             data: dict[str, Any] = {"name": dataset, "options": tokens}
             model = {"name": "hf_classifier", "options": {"encoder": "minilm", **model_opts}}
             study = panda_study(f"panda-finetune-{key}-{mode}-{scale}", data, model, s, fixed)
-            study["strategies"].append(nodp)
+            study["strategies"].append(dict(nodp))
             notes = (
                 f"all-MiniLM-L6-v2 fine-tuned, {what}; token ids padded/truncated to {s['tokens']} (a public "
                 f"length); full-batch DP-GD (momentum 0.9, C = 1, head from seed 0, no zero init); sweeps at "
                 f"{sweeps_text(s['sweeps'])}, targets ε ∈ {s['epsilons']}, δ = {DELTA:g}.",
                 rule_notes(scale, s, probe=False)[0],
-                *((SMALL_N,) if scale in ("small", "smoke") else ()),
+                *((SMALL_N,) if scale == "small" else ()),
                 "non-private: the same fine-tune without clipping or noise on the grid oracle's learning rates "
                 "at T_max (the ceiling; not differentially private, diagnostics only).",
             )
