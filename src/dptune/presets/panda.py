@@ -100,7 +100,7 @@ TEXT: dict[str, dict[str, Any]] = {
 TEXT_DATASETS = {"agnews": ("ag_news", "AG News"), "enron": ("enron_spam", "Enron1 spam")}
 
 
-def _rule_notes(scale: str, s: Mapping[str, Any], probe: bool) -> tuple[str, ...]:
+def rule_notes(scale: str, s: Mapping[str, Any], probe: bool) -> tuple[str, ...]:
     """What to expect of the rule at this scale (measurements in docs/reproduce.md)."""
     span = (s["lr"][1] * s["steps"][1]) / (s["lr"][0] * s["steps"][0])
     notes = (
@@ -128,7 +128,7 @@ def _rule_notes(scale: str, s: Mapping[str, Any], probe: bool) -> tuple[str, ...
     )
 
 
-def _sweeps_text(sweeps: Any) -> str:
+def sweeps_text(sweeps: Any) -> str:
     if isinstance(sweeps, Mapping):
         shares = " and ".join(f"{f:g}·ε" for f in sweeps["fraction"])
         return f"{shares} of each target ε (Panda's ε = 1 split at every ε; sized for small n)"
@@ -140,7 +140,7 @@ def _arms(s: Mapping[str, Any], fixed: Mapping[str, Any]) -> list[dict[str, Any]
     rule = {
         "name": "linear-scaling",
         "sweep_epsilons": dict(s["sweeps"]) if isinstance(s["sweeps"], Mapping) else list(s["sweeps"]),
-        "runs_per_sweep": 3,
+        "runs_per_sweep": s.get("runs_per_sweep", 3),
         "fit": "linear",
         "fit_axis": "epsilon",
         "r_sampling": R_SAMPLING,
@@ -155,7 +155,7 @@ def _arms(s: Mapping[str, Any], fixed: Mapping[str, Any]) -> list[dict[str, Any]
     return [{"name": "dpgd", "label": label, "space": sp, "fixed": dict(fixed), "method": m} for label, sp, m in arms]
 
 
-def _study(
+def panda_study(
     name: str, data: dict[str, Any], model: dict[str, Any], s: Mapping[str, Any], fixed: Mapping[str, Any]
 ) -> dict[str, Any]:
     if s["limit"] is not None:
@@ -211,12 +211,12 @@ def _with_averaging(study: dict[str, Any], avg: str | None) -> tuple[dict[str, A
 def build_mnist(scale: str, options: Mapping[str, Any]) -> list[Part]:
     s = MNIST[scale]
     fixed = {"clip": 1.0, "momentum": 0.9, "zero_init": False}
-    study = _study(f"panda-linear-scaling-mnist-{scale}", {"name": "mnist"}, {"name": "galli_cnn"}, s, fixed)
+    study = panda_study(f"panda-linear-scaling-mnist-{scale}", {"name": "mnist"}, {"name": "galli_cnn"}, s, fixed)
     study, ablation = _with_averaging(study, _averaging(options))
     notes = (
-        f"full-batch DP-GD (momentum 0.9, C = 1), CNN from scratch; sweeps at {_sweeps_text(s['sweeps'])}, "
+        f"full-batch DP-GD (momentum 0.9, C = 1), CNN from scratch; sweeps at {sweeps_text(s['sweeps'])}, "
         f"targets ε ∈ {s['epsilons']}, δ = {DELTA:g}, μ-GDP accounting.",
-        *_rule_notes(scale, s, probe=False),
+        *rule_notes(scale, s, probe=False),
         *ablation,
     )
     return [Part("study", "MNIST, CNN from scratch (full-batch DP-GD, linear scaling)", study, notes)]
@@ -229,12 +229,12 @@ def build_text(scale: str, options: Mapping[str, Any]) -> list[Part]:
     for key, (dataset, title) in TEXT_DATASETS.items():
         data = {"name": dataset, "options": {"representation": "minilm"}}
         model = {"name": "linear_probe", "options": {"zero_init": True, "bias": False}}
-        study = _study(f"panda-linear-scaling-{key}-{scale}", data, model, s, fixed)
+        study = panda_study(f"panda-linear-scaling-{key}-{scale}", data, model, s, fixed)
         study, ablation = _with_averaging(study, _averaging(options))
         notes = (
             f"zero-initialised linear probe without bias on all-MiniLM-L6-v2 embeddings (384-d), full-batch "
-            f"DP-GD; sweeps at {_sweeps_text(s['sweeps'])}, targets ε ∈ {s['epsilons']}, δ = {DELTA:g}.",
-            *_rule_notes(scale, s, probe=True),
+            f"DP-GD; sweeps at {sweeps_text(s['sweeps'])}, targets ε ∈ {s['epsilons']}, δ = {DELTA:g}.",
+            *rule_notes(scale, s, probe=True),
             *ablation,
         )
         parts.append(Part(key, f"{title}, MiniLM features + linear probe (linear scaling)", study, notes))

@@ -1,0 +1,123 @@
+"""``panda-finetune``: Panda et al.'s linear scaling rule in its own setting (issue 24, item 5), a
+pretrained transformer fine-tuned privately instead of a probe on frozen features.
+
+all-MiniLM-L6-v2 (``finetune.hf_classifier``, the ``text`` extra) on AG News and Enron1 token ids
+(``representation = "tokens"``), one part per (dataset, mode): full fine-tuning (all but the
+embedding tables), the last k = 2 blocks + head, LoRA (rank 8 on query and value) + head. Each part
+has panda-linear-scaling-text's arms (the rule, Algorithms 1–3; random search; the grid oracle; full-
+batch DP-GD, momentum 0.9, C = 1, ``panda.panda_study``) plus a non-private fine-tune on the oracle's
+grid (the ceiling, diagnostics only). The frozen-feature linear probe is ``panda-linear-scaling-text``.
+Settings and sizing per scale, deviations and results: docs/reproduce.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dptune.presets._common import Part, eps_text
+from dptune.presets.panda import DELTA, SMALL_N_SWEEPS, TEXT_DATASETS, panda_study, rule_notes, sweeps_text
+from dptune.report.html import Section, Table
+from dptune.tune.results import private_rows, study_table
+
+MODES: dict[str, tuple[dict[str, Any], str]] = {
+    "full": ({"mode": "full"}, "full fine-tuning (embedding tables frozen)"),
+    "last-k": ({"mode": "last-k", "k": 2}, "last 2 blocks + head"),
+    "lora": ({"mode": "lora", "lora_rank": 8, "lora_alpha": 16}, "LoRA r = 8 on query/value + head"),
+}
+# Sizing (docs/reproduce.md, "panda-finetune"): CPU seconds per example and full-batch step of one
+# torch thread at 16 tokens, measured: full 50 ms, last-2 19 ms, LoRA 10 ms, evaluation 4.7 ms (at 32
+# tokens 58 / 25 / 20 / 9.2). ``limit`` examples are pooled and split (1 − test_fraction)/test_fraction.
+_PAPER: dict[str, Any] = {
+    "limit": None,  # AG News: the 7,600-row test split → 6,080 / 1,520; Enron1: 4,137 / 1,035
+    "test_fraction": 0.2,
+    "tokens": 128,
+    "lr": (0.01, 1.0),
+    "steps": (10, 100),
+    "grid_lr": [0.01, 0.03, 0.1, 0.3, 1.0],
+    "grid_steps": [25, 50, 100],
+    "epsilons": [1.0, 3.0, 8.0],
+    "seeds": [0, 1, 2],
+    "sweeps": [0.1, 0.2],
+    "datasets": tuple(TEXT_DATASETS),
+}
+FINETUNE: dict[str, dict[str, Any]] = {
+    "paper": _PAPER,
+    # Enron at n = 2,048, 64 tokens: ≈ 2.3M example-steps, ≈ 10 PFLOP (docs/reproduce.md)
+    "gpu-slice": {
+        **_PAPER,
+        **{"limit": 2560, "tokens": 64, "steps": (4, 16), "grid_lr": [0.1, 1.0], "grid_steps": [8, 16]},
+        **{"seeds": [0], "sweeps": SMALL_N_SWEEPS, "datasets": ("enron",)},
+    },
+    # 40 training and 120 test examples, 16 tokens, T ∈ [4, 10] (momentum 0.9 needs ≈ 10 steps to move the
+    # head): ≈ 33 CPU min of planned work for the 6 parts (test_panda_finetune.py), ≈ 20 min at 2 workers
+    "small": {
+        **_PAPER,
+        **{"limit": 160, "test_fraction": 0.75, "tokens": 16, "lr": (0.03, 1.0), "steps": (4, 10)},
+        **{"grid_lr": [0.1, 1.0], "grid_steps": [5, 10], "seeds": [0], "sweeps": SMALL_N_SWEEPS},
+    },
+    "smoke": {
+        **_PAPER,
+        **{"limit": 24, "test_fraction": 0.5, "tokens": 8, "lr": (0.05, 0.5), "steps": (1, 2)},
+        **{"grid_lr": [0.1, 0.3], "grid_steps": [2], "epsilons": [1.0], "seeds": [0], "runs_per_sweep": 1},
+        "datasets": ("enron",),
+    },
+}
+
+
+SMALL_N = (
+    "Small n (CPU sizing): at n = 40 a sweep at 0.1·ε has μ·n ≈ 2–25 and DP-GD's noise per step of the averaged "
+    "gradient (std √T/(μ·n) per coordinate, over millions of trainable coordinates) hides most of its signal: "
+    "the sweeps' best r is close to a random draw (docs/reproduce.md, 'panda-finetune')."
+)
+
+
+def build(scale: str, options: Mapping[str, Any]) -> list[Part]:
+    """One part per (dataset, mode): the panda-linear-scaling-text arms + a non-private fine-tune."""
+    s = FINETUNE[scale]
+    fixed = {"clip": 1.0, "momentum": 0.9, "zero_init": False}  # pretrained weights: no zero init
+    nodp = {"name": "nodp", "label": "non-private", "space": {"lr": list(s["grid_lr"])}, "fixed": {"momentum": 0.9}}
+    parts = []
+    for key in s["datasets"]:
+        dataset, title = TEXT_DATASETS[key]
+        for mode, (model_opts, what) in MODES.items():
+            tokens = {"representation": "tokens", "max_tokens": s["tokens"], "test_fraction": s["test_fraction"]}
+            data: dict[str, Any] = {"name": dataset, "options": tokens}
+            model = {"name": "hf_classifier", "options": {"encoder": "minilm", **model_opts}}
+            study = panda_study(f"panda-finetune-{key}-{mode}-{scale}", data, model, s, fixed)
+            study["strategies"].append(dict(nodp))
+            notes = (
+                f"all-MiniLM-L6-v2 fine-tuned, {what}; token ids padded/truncated to {s['tokens']} (a public "
+                f"length); full-batch DP-GD (momentum 0.9, C = 1, head from seed 0, no zero init); sweeps at "
+                f"{sweeps_text(s['sweeps'])}, targets ε ∈ {s['epsilons']}, δ = {DELTA:g}.",
+                rule_notes(scale, s, probe=False)[0],
+                *((SMALL_N,) if scale == "small" else ()),
+                "non-private: the same fine-tune without clipping or noise on the grid oracle's learning rates "
+                "at T_max (the ceiling; not differentially private, diagnostics only).",
+            )
+            parts.append(Part(f"{key}-{mode}", f"{title}, MiniLM fine-tuned: {what}", study, notes))
+    return parts
+
+
+def modes_table(out_dir: Path, scale: str, options: Mapping[str, Any], parts: list[Part], console: Any) -> list[Any]:
+    """The preset page's comparison across parts (full vs last-k vs LoRA per dataset): each private
+    arm's selected score per ε, as in each part's results (released: the selected runs' scores)."""
+    cols: dict[tuple[str, float], None] = {}
+    body: dict[str, dict[tuple[str, float], str]] = {}
+    for p in parts:
+        for r in private_rows(study_table(Path(out_dir) / p.name)):
+            cols[(r["strategy"], float(r["epsilon"]))] = None
+            v = r["value_mean"]
+            body.setdefault(p.name, {})[(r["strategy"], float(r["epsilon"]))] = "—" if v is None else f"{v:.4g}"
+    if not body:
+        return []
+    order = sorted(cols, key=lambda c: c[1] if math.isfinite(c[1]) else math.inf)  # stable: arms in plan order
+    rows = [[name, *(cells.get(c, "—") for c in order)] for name, cells in body.items()]
+    caption = (
+        "The selected configuration's test score of each private arm (mean over seeds), per part and ε; the "
+        "frozen-feature linear probe on the same data is panda-linear-scaling-text (docs/reproduce.md)."
+    )
+    table = Table(["part", *(f"{a} @ ε = {eps_text(e)}" for a, e in order)], rows, caption=caption)
+    return [Section("Full fine-tuning vs last-k vs LoRA", tables=[table])]
