@@ -97,11 +97,19 @@ def test_study_toml_csv(tmp_path: Path) -> None:
     ("text", "label", "needle"),
     [
         ("x1,y\n1,a\n", "z", "no label column 'z'"),
-        ("x1,y\n1,a\nabc,b\n", "y", "line 3: column 'x1' holds 'abc', not a finite number"),
+        (
+            "x1,y\n1,a\nabc,b\n",
+            "y",
+            "line 3: column 'x1' holds 'abc' (a value of your data: not differentially private: for the data owner only), not a finite number",
+        ),
         ("", "y", "holds no data rows"),
         ("x1,y\n", "y", "holds no data rows"),
         ("x1,y\n1,a\n2\n", "y", "line 3: 1 fields"),
-        ("x1,c,y\n1,red,a\n", "y", "column 'c' holds 'red', not a finite number"),  # undeclared categories: refused
+        (
+            "x1,c,y\n1,red,a\n",
+            "y",
+            "column 'c' holds 'red' (a value of your data: not differentially private: for the data owner only), not a finite number",
+        ),  # undeclared categories: refused
     ],
 )
 def test_bad_csv_is_one_clear_error(tmp_path: Path, text: str, label: str, needle: str) -> None:

@@ -34,6 +34,10 @@ def _read(path: Path) -> tuple[list[str], list[list[str]]]:
     return table[0], table[1:]
 
 
+# A bad cell is quoted so that its owner can find it; the message is about one example.
+OWNER = " (a value of your data: not differentially private: for the data owner only)"
+
+
 def _float(value: str) -> float:
     try:
         return float(value)
@@ -47,12 +51,14 @@ def _column(path: Path, col: str, values: list[str], decl: Mapping[str, Any]) ->
         cats = [str(c) for c in decl["categories"][col]]
         bad = next((v for v in values if v not in cats), None)
         if bad is not None:
-            raise DataError(f"{path}: column {col!r} holds {bad!r}, not one of its declared categories. Fix: add it.")
+            raise DataError(
+                f"{path}: column {col!r} holds {bad!r}{OWNER}, not one of its declared categories. Fix: add it."
+            )
         return np.asarray([[v == c for c in cats] for v in values], dtype=np.float64)
     x = np.asarray([_float(v) for v in values])
     bad_i = next((i for i, v in enumerate(x) if not np.isfinite(v)), None)
     if bad_i is not None:
-        msg = f"{path}, line {bad_i + 2}: column {col!r} holds {values[bad_i]!r}, not a finite number. Fix: correct"
+        msg = f"{path}, line {bad_i + 2}: column {col!r} holds {values[bad_i]!r}{OWNER}, not a finite number. Fix: correct"
         raise DataError(
             f"{msg} it, or declare the column's categories (categories.{col} = [...], --schema in the CLI)."
         )
@@ -108,7 +114,7 @@ def load_csv(csv: str, *, label: str, test: str | None = None, schema: str | Non
     for p, part, *_ in parts:
         bad = next((r[j] for r in part if r[j] not in classes), None)
         if bad is not None:
-            raise DataError(f"{p}: label {bad!r} is not one of the declared labels {classes}. Fix: add it.")
+            raise DataError(f"{p}: label {bad!r}{OWNER} is not one of the declared labels {classes}. Fix: add it.")
         cols = [_column(p, c, [r[i] for r in part], decl) for i, c in enumerate(header) if c != label]
         xs.append(np.concatenate(cols, axis=1) if cols else np.zeros((len(part), 0)))
         ys.append(np.asarray([classes.index(r[j]) for r in part], dtype=np.int64))
