@@ -1,4 +1,4 @@
-"""``panda-finetune``: Panda et al.'s linear scaling rule in its own setting (issue 24, item 5), a
+"""``panda-finetune``: Panda et al.'s linear scaling rule in its own setting, a
 pretrained transformer fine-tuned privately instead of a probe on frozen features.
 
 all-MiniLM-L6-v2 (``finetune.hf_classifier``, the ``text`` extra) on AG News and Enron1 token ids
