@@ -36,7 +36,6 @@ from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
 from dptune.release.sampling import (
     PoissonSampler,
-    SamplingWarning,
     check_steps,
     default_batch_size,
     sampling_rate_for,
@@ -114,6 +113,16 @@ def plan_run(
         raise ConfigError(f"strategy {strategy.name!r} is private: give noise_multiplier or target_epsilon (+ delta).")
     plan = RunPlan(strategy, n, q, T, nu, accountant, pretrained)
     return replace(plan, noise_multiplier=snap_noise(nu, [plan]))
+
+
+class SamplingWarning(UserWarning):
+    """A plan whose sampling rate q > 0.5 (little amplification by subsampling) or T < 20 steps."""
+
+    def __init__(self, q: float, steps: int):
+        super().__init__(
+            f"the run samples q = {q:.3g} of the data per step for T = {steps} steps (advised: q ≤ 0.5, T ≥ 20). "
+            "Fix: a smaller batch (--batch-size, expected_batch_size) or more epochs."
+        )
 
 
 @dataclass

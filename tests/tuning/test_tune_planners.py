@@ -280,18 +280,3 @@ def test_random_search_draws_per_procedure_and_each_procedure_meets_epsilon():
         assert max(eps) <= 3.0 * (1 + 1e-9) and max(eps) == pytest.approx(arm.guarantee["epsilon"])
         if not account:  # calibrated per procedure: the tightest one sits at ε
             assert max(eps) == pytest.approx(3.0, rel=1e-3)
-
-
-def test_a_study_warns_once_when_planned_runs_sample_badly() -> None:
-    """plan_run warns per run on q > 0.5 or T < 20; a study plans without it, so plan_study warns once,
-    naming how many runs and the worst; a study of well-sampled runs does not warn."""
-    import warnings
-
-    from dptune.release.sampling import SamplingWarning
-
-    with pytest.warns(SamplingWarning, match=r"49 of the study.s 49 planned runs .* T = 5 steps") as got:
-        plan_study(_study(training=TrainingSpec(steps=5, expected_batch_size=512)), N, 10000, "accuracy")
-    assert len([w for w in got if issubclass(w.category, SamplingWarning)]) == 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", SamplingWarning)
-        plan_study(_study(), N, 10000, "accuracy")  # 10 epochs at q = 512 / N: T ≥ 20

@@ -242,13 +242,3 @@ def steps_for_epochs(epochs: float, sampling_rate: float) -> int:
     steps = epochs / sampling_rate - 1e-9
     check_steps(steps, f"epochs = {epochs:g} at q = {sampling_rate:.3g}")
     return max(1, int(np.ceil(steps)))
-
-
-class SamplingWarning(UserWarning):
-    """A plan whose sampling rate q > 0.5 (little amplification by subsampling) or T < 20 steps."""
-
-    def __init__(self, q: float, steps: int, what: str = "the run"):
-        super().__init__(
-            f"{what} samples q = {q:.3g} of the data per step for T = {steps} steps (advised: q ≤ 0.5, T ≥ 20). "
-            "Fix: a smaller batch (--batch-size, expected_batch_size) or more epochs."
-        )

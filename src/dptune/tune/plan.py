@@ -12,7 +12,6 @@ from dp_accounting import dp_event
 from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.metrics import higher_is_better
-from dptune.release.sampling import SamplingWarning
 from dptune.strategies import make_strategy
 from dptune.tune import theory
 from dptune.tune.builder import Builder, make_arm_id
@@ -50,11 +49,6 @@ def plan_study(
             arms.append(planned)
     release = group_events(r.planned_event for r in b.runs.values())
     plan = StudyPlan(arms, b.runs, release, n_train, n_val, metric, higher_is_better(metric))
-    odd = [r for r in b.runs.values() if math.isfinite(r.noise_multiplier) and (r.sampling_rate > 0.5 or r.steps < 20)]
-    if odd:  # one warning per study (sweeps of a few steps are often on purpose), as plan_run's per run
-        worst = max(odd, key=lambda r: (r.sampling_rate, -r.steps))
-        what = f"{len(odd)} of the study's {len(b.runs)} planned runs sample badly; e.g. run {worst.run_id}"
-        warnings.warn(SamplingWarning(worst.sampling_rate, worst.steps, what), stacklevel=2)
     sel = study.selection
     if sel.mode == "private" and (note := selection_noise_note(plan, sel.noise_multiplier)) is not None:
         warnings.warn(note, SelectionNoiseWarning, stacklevel=2)
