@@ -165,12 +165,12 @@ def parts(plan: RunPlan, secure: bool) -> tuple[type[NoiseSource], type[NoisyRel
     return BroadcastNoise, ReducingRelease, ShardedSampler
 
 
-def refuse_in_study() -> None:
-    """A study under torchrun would run N copies of every trial against one store: refused."""
+def refuse_in_study(what: str = "a study", how: str = "`dptune tune`") -> None:
+    """A study (or train_many) under torchrun would run N copies of every trial: refused."""
     if launched():
         raise ConfigError(
-            "a study does not run under torchrun: each process would run every trial and spend its "
-            "budget again, and a study's runs are not distributed one by one. Fix: run `dptune tune` "
-            "without torchrun (trials in parallel: --executor process or ray, --gpus-per-run), then "
+            f"{what} does not run under torchrun: each process would run every trial and spend its "
+            "budget again, and its runs are not distributed one by one. Fix: run "
+            f"{how} without torchrun (trials in parallel: --executor process or ray, --gpus-per-run), then "
             "train the chosen configuration on several GPUs with `torchrun ... dptune train`."
         )

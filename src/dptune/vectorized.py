@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dptune import inputs, metrics
+from dptune.distributed import refuse_in_study
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_loss, check_model
 from dptune.gradients.stacked import PaddedBuffers, Stacked, StackOp, Unsupported, stack_plan
@@ -166,6 +167,7 @@ def train_many(
     raise ``ConfigError`` (``'error'``). ``eval_data`` is private unless ``eval_public``: as in
     ``train``, the final iterates then (``checkpoint``)."""
     _check_arguments(fallback, eval_every, loss)
+    refuse_in_study("train_many", "train_many")
     checkpoint = checkpoint_rule(checkpoint, eval_data is not None, eval_public)
     K = _trial_count(configs, seeds, noise_multiplier, target_epsilon, plans, run_ids, strategy, models)
     if K == 0:

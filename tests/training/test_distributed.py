@@ -115,6 +115,11 @@ def test_a_study_under_torchrun_is_refused(monkeypatch, tmp_path):
 
     with pytest.raises(ConfigError, match="does not run under torchrun"):
         run_study(tmp_path / "missing.toml", tmp_path / "study")
+    from dptune.vectorized import train_many
+
+    x, y = dist_worker.data()
+    with pytest.raises(ConfigError, match="train_many does not run under torchrun"):
+        train_many(dist_worker.model, (x, y), "dpsgd", [{}, {}], steps=2, noise_multiplier=1.0)
 
 
 @pytest.mark.slow
