@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dptune.errors import ConfigError
-from dptune.gradients import ghost
+from dptune.gradients import ghost, norm_bounds
 from dptune.gradients.oracle import GradientOracle
 
 transformers = pytest.importorskip("transformers")
@@ -235,8 +235,8 @@ def test_float32_gram_bound_alone_holds_under_cancellation(
     from test_edge_ghost_norms import _linear_batch, clipping_violations
 
     seen = []
-    real = ghost.gram_parts
-    monkeypatch.setattr(ghost, "gram_parts", lambda A, Bm, dt: seen.append(dt) or real(A, Bm, torch.float32))
+    real = norm_bounds.gram_parts
+    monkeypatch.setattr(norm_bounds, "gram_parts", lambda A, Bm, dt: seen.append(dt) or real(A, Bm, torch.float32))
     g = _linear_batch(T, p, d, c, seed=1)
     assert clipping_violations(g) == []
     assert seen
@@ -246,8 +246,8 @@ def test_cancelling_examples_go_back_to_float64_and_ordinary_ones_do_not(monkeyp
     from test_edge_ghost_norms import _linear_batch
 
     seen: list[tuple[torch.dtype, int]] = []
-    real = ghost.gram_parts
-    monkeypatch.setattr(ghost, "gram_parts", lambda A, Bm, dt: seen.append((dt, A.shape[0])) or real(A, Bm, dt))
+    real = norm_bounds.gram_parts
+    monkeypatch.setattr(norm_bounds, "gram_parts", lambda A, Bm, dt: seen.append((dt, A.shape[0])) or real(A, Bm, dt))
     assert _linear_batch(4, 8, 16, 1 - 1e-6, seed=0).norms.shape == (8,)
     assert (torch.float32, 8) in seen and (torch.float64, 8) in seen  # every example cancels
     seen.clear()
@@ -266,7 +266,7 @@ def test_direct_norms_too_big_to_keep_bound_the_release(c: float, monkeypatch: p
 
     monkeypatch.setattr(ghost, "MATERIALIZE_LIMIT_BYTES", 3 * 4 * 8 * 4)  # three examples per chunk
     gram = []
-    monkeypatch.setattr(ghost, "gram_parts", lambda *a: gram.append(1))
+    monkeypatch.setattr(norm_bounds, "gram_parts", lambda *a: gram.append(1))
     g = _linear_batch(16, 4, 8, c, seed=2)
     lin = g._layers[0]
     assert lin._direct and lin.G is None

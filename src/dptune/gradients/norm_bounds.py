@@ -7,7 +7,7 @@ float64 sums across examples (``wide_sum``, ``wide_mm``), the kernels a release 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,6 +27,9 @@ def flat_rows(g: torch.Tensor) -> torch.Tensor:
 # summed in blocks (torch's fused vector_norm), the block sums in float64; ``upper_norms`` applies
 # one slack to all, γ_{2056}: every float32 norm is ≈ 6.1e-5 above exact (float64: 1.1e-13).
 NORM_BLOCK = 1024
+# Gram norms (case (c)) are formed in float32; an example whose rounding slack² exceeds this
+# fraction of its squared norm (cancellation across positions) is formed again in float64.
+GRAM_TIGHT = 1e-3
 # Added (squared) to every squared norm: covers the absolute underflow error of float32
 # products (≤ n·2⁻¹⁴⁹ ≈ 1e-36 for n ≤ 2³¹ terms) and changes no norm above ~1e-12.
 NORM_FLOOR = 1e-16
@@ -310,3 +313,80 @@ def token_norms(A: torch.Tensor, Bm: torch.Tensor) -> tuple[torch.Tensor, torch.
     na = torch.linalg.vector_norm(A, dim=2).double().add_(math.sqrt(d * tiny))
     nb = torch.linalg.vector_norm(Bm, dim=2).double().add_(math.sqrt(p * tiny))
     return na, nb, (1.0 / (1.0 - gamma(d + p + T + 8, u))) ** 2
+
+
+Bound = tuple[tuple[torch.Tensor, float], torch.Tensor]
+
+
+def gram_stacks(pairs: list[tuple[torch.Tensor, torch.Tensor]], budget: int) -> list[Bound]:
+    """``gram_bound`` of several layers' operands (a [B, T, d], b [B, T, p]) at once, one Bound each:
+    the rows (examples) of layers of one shape and dtype are stacked, ≤ ``budget`` bytes of
+    temporaries a stack, each row still one example of one layer (every step below is per row)."""
+    stacks: dict[tuple, list[list[tuple[int, int, int]]]] = {}  # shape → stacks of (pair, lo, hi)
+    for k, (a, b) in enumerate(pairs):
+        (B, T, d), p = a.shape, b.shape[2]
+        rows = max(1, budget // max(1, 8 * (T * (d + p) + 2 * T * T)))
+        sts = stacks.setdefault((T, d, p, a.dtype, a.device), [[]])
+        for lo in range(0, B, rows):
+            hi = min(lo + rows, B)
+            if sts[-1] and sum(j - i for _, i, j in sts[-1]) + hi - lo > rows:
+                sts.append([])
+            sts[-1].append((k, lo, hi))
+    flat = [st for sts in stacks.values() for st in sts]
+
+    def make(st: list[tuple[int, int, int]]) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        if len(st) == 1:
+            ((k, i, j),) = st
+            return lambda: (pairs[k][0][i:j], pairs[k][1][i:j])
+        return lambda: tuple(torch.cat([pairs[k][n][i:j] for k, i, j in st]) for n in (0, 1))  # type: ignore[return-value]
+
+    if not flat:
+        return []
+    (s, rho), e = gram_bound([make(st) for st in flat], unit_roundoff(pairs[0][0].dtype))
+    got: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    o = 0
+    for k, i, j in (piece for st in flat for piece in st):
+        got.setdefault(k, []).append((s[o : o + j - i], e[o : o + j - i]))
+        o += j - i
+    out = []
+    for k in range(len(pairs)):
+        sk, ek = (torch.cat(x) for x in zip(*got[k], strict=True)) if len(got[k]) > 1 else got[k][0]
+        out.append(((sk, rho), ek))
+    return out
+
+
+def gram_bound(chunks: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor]]], u_release: float) -> Bound:
+    """Case (c) of ``ghost``'s docstring, from chunks A [c, T, d], Bm [c, T, p] of the operands
+    (G_i = Bm_iᵀ A_i; shapes may differ between chunks; each made on demand by a call): ((s, ρ), e)
+    with e = γ_{T+1}·M̂ (γ of the release's dtype, unit roundoff ``u_release``) and
+    s = (√(max(Ŝ, 0) + slack²) + e)² (``gram_parts``), in float32; the examples whose slack² exceeds
+    GRAM_TIGHT·Ŝ (cancellation: M ≫ ‖G‖) again in float64, so that their norm stays within
+    ~GRAM_TIGHT/2 of exact (the oracle's vmap comparison allows 1e-3): found by ONE host read for
+    all chunks, whose chunks are then made again. ρ (``assemble``, the largest T) covers the float64
+    assembly."""
+    parts, loose, T = [], [], 1
+    for make in chunks:
+        A, Bm = make()
+        s, q, m = gram_parts(A, Bm, torch.promote_types(A.dtype, torch.float32))
+        parts.append([s, q, m.mul_(gamma(A.shape[1] + 1, u_release))])
+        loose.append((q > GRAM_TIGHT * s) & (A.dtype != torch.float64))
+        T = max(T, A.shape[1])
+    flags = torch.cat(loose).tolist() if loose else []  # the one host read
+    o = 0
+    for make, got in zip(chunks, parts, strict=True):
+        rows = [i for i, f in enumerate(flags[o : o + got[0].shape[0]]) if f]
+        o += got[0].shape[0]
+        if rows:
+            A, Bm = make()
+            ix = torch.tensor(rows, device=A.device)
+            s, q, m = gram_parts(A[ix], Bm[ix], torch.float64)
+            got[0][ix], got[1][ix], got[2][ix] = s, q, m.mul_(gamma(A.shape[1] + 1, u_release))
+    S, Q, E = (torch.cat(x) for x in zip(*parts, strict=True)) if len(parts) != 1 else parts[0]
+    return assemble(S, Q, E, T), E
+
+
+def assemble(S: torch.Tensor, slack2: torch.Tensor, e: torch.Tensor, T: int) -> tuple[torch.Tensor, float]:
+    """(s, ρ) with s = (√(max(Ŝ, 0) + slack²) + e)², all float64 [B]. ρ = γ⁶⁴_{T+32} covers the
+    float64 roundings of this assembly and of the ≤ T-term sums inside slack² and e.
+    NaN stays NaN (``clamp_min`` propagates it): a non-finite example keeps a non-finite norm."""
+    return S.clamp_min_(0.0).add_(slack2).sqrt_().add_(e).square_(), gamma(T + 32, unit_roundoff(torch.float64))

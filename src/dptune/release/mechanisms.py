@@ -406,6 +406,7 @@ class NoisyRelease:
         self.snap_slack = 0.0
 
     SNAP_XI = 2e-11
+    FLAT_NOISE = 1 << 24
 
     def event_for(self, *noise_multipliers: float):
         nu = accounting.joint_noise_multiplier(noise_multipliers)
@@ -446,10 +447,29 @@ class NoisyRelease:
         return out
 
     def _add_noise(self, value: torch.Tensor | Tensors, std: float) -> torch.Tensor | Tensors:
-        if isinstance(value, dict):
-            wide = getattr(value, "wide", value)  # an ``Accumulated`` sum: noise before rounding
+        if not isinstance(value, dict):
+            return self._noisy(value, std, value.dtype)
+        wide = getattr(value, "wide", value)  # an ``Accumulated`` sum: noise before rounding
+        if self.noise.secure:
             return {k: self._noisy(wide[k], std, v.dtype) for k, v in value.items()}
-        return self._noisy(value, std, value.dtype)
+        # Seeded: consecutive tensors of one kind flattened together (≤ FLAT_NOISE elements), one draw and
+        # one addition each instead of one per tensor; the stream serves the same normals in the same order.
+        groups: list[list[str]] = []
+        for k, v in value.items():
+            g = groups[-1] if groups else []
+            kind = (v.dtype, wide[k].dtype, wide[k].device)
+            same = g and kind == (value[g[0]].dtype, wide[g[0]].dtype, wide[g[0]].device)
+            if same and sum(wide[j].numel() for j in g) + v.numel() <= self.FLAT_NOISE:
+                g.append(k)
+            else:
+                groups.append([k])
+        out: Tensors = {}
+        for g in groups:
+            vs = [wide[k] for k in g]
+            flat = torch.cat([v.reshape(-1) for v in vs]) if len(vs) > 1 else vs[0].reshape(-1)
+            flat = self._noisy(flat, std, value[g[0]].dtype)
+            out.update((k, z.view_as(v)) for k, z, v in zip(g, flat.split([v.numel() for v in vs]), vs, strict=True))
+        return out
 
     def _noisy(self, v: torch.Tensor, std: float, dtype: torch.dtype) -> torch.Tensor:
         """v + N(0, std²), rounded to ``dtype`` only after the noise is added. Seeded mode: the
