@@ -205,10 +205,13 @@ class LinearRule(LayerRule):
                 out[self.names["weight"]] = wide_mm(b.double() * w.double().view(-1, 1), a)
             else:  # per-example G_i = b_iᵀ a_i (T products: case (c)'s release error), then across examples
                 c = max(1, MATERIALIZE_LIMIT_BYTES // (self.shape.numel() * a.element_size()))
-                total = torch.zeros(self.shape.numel(), dtype=torch.float64, device=a.device)
+                total = None
                 for i in range(0, a.shape[0], c):
-                    total += wide_sum(w[i : i + c], torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c]).flatten(1))
-                out[self.names["weight"]] = total.reshape(self.shape)
+                    part = wide_sum(w[i : i + c], torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c]).flatten(1))
+                    total = part if total is None else total + part
+                out[self.names["weight"]] = (
+                    total if total is not None else a.new_zeros(self.shape, dtype=torch.float64)
+                ).reshape(self.shape)
             out[self.names["weight"]] = self._layout(out[self.names["weight"]])
         if self.gb is not None:
             out[self.names["bias"]] = wide_sum(w, self.gb if rows is None else self.gb[rows])

@@ -134,11 +134,13 @@ def upper_norms(
     # (rows of ≤ NORM_BLOCK, or two of them multiplied: ‖a‖²‖b‖²), so that the ghost, vmap
     # and vectorised paths give the same norms up to their own float differences (~1e-7).
     rho = 1.0 / (1.0 - gamma(2 * NORM_BLOCK + 8, unit_roundoff(dt))) - 1.0
-    for s, r in parts:
-        if s.dtype != dt:
-            s = s.to(dt)
-        sq = s if sq is None else sq + s
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for s, r in parts:  # summed per dtype and shape in one reduction each (any order: the same γ)
+        groups.setdefault((s.dtype, s.shape), []).append(s)
         rho = max(rho, r)
+    for g in groups.values():
+        s = (torch.stack(g).sum(0) if len(g) > 1 else g[0]).to(dt)
+        sq = s if sq is None else sq + s
     if sq is None:
         sq = torch.zeros(like.shape, dtype=dt, device=like.device)
     rel_dt = max(release_dtypes, key=unit_roundoff, default=out_dt)
@@ -233,8 +235,10 @@ def same_kernel(device: torch.device) -> Iterator[None]:
         cudnn.deterministic, cudnn.benchmark = old
 
 
-# Rows per float64 block of ``wide_sum`` at most (fewer for long rows: ≤ 2²² floats per block).
+# Rows per float64 block of ``wide_sum`` at most (fewer for long rows: ≤ WIDE_FLOATS floats per block,
+# 128 MB of float64: a kept layer's float32 chunk, ``ghost.MATERIALIZE_LIMIT_BYTES``, in one block).
 WIDE_BLOCK = 2048
+WIDE_FLOATS = 1 << 24
 
 
 def wide_sum(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -246,10 +250,13 @@ def wide_sum(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     is ≤ γ⁶⁴_{m+⌈B/m⌉}·Σ_i |w_i g_i| entrywise, whatever the order (docs/privacy.md, item
     1b), instead of γ³²_B for a float32 product."""
     B, n = g.shape
-    m = max(1, min(WIDE_BLOCK, (1 << 22) // max(1, n)))
+    m = max(1, min(WIDE_BLOCK, WIDE_FLOATS // max(1, n)))
+    w = w.double()
+    if 0 < B <= m:  # one block (the usual case): no accumulator
+        return w @ g.double()
     out = torch.zeros(n, dtype=torch.float64, device=g.device)
     for i in range(0, B, m):
-        out += w[i : i + m].double() @ g[i : i + m].double()
+        out += w[i : i + m] @ g[i : i + m].double()
     return out
 
 
