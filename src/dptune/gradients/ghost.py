@@ -56,7 +56,6 @@ term is formed from it alone and the terms are added across examples in float64
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -109,8 +108,8 @@ UNFOLD_CHUNK_BYTES = 32 * 2**20
 # Bound on the patch copy of a kept convolution's GEMM path (``use_unfold_products``): B_chunk x T x d
 # floats (a layer whose single example exceeds it takes the grouped kernel instead).
 UNFOLD_PRODUCT_BYTES = 256 * 2**20
-# Linear layers' Gram forms are stacked (``gram_rules``) up to this many UNFOLD_CHUNK_BYTES of temporaries.
-GRAM_STACK = 8
+# Bound on the temporaries of Linear layers' Gram forms, stacked across layers (``norm_bounds.gram_stacks``).
+GRAM_STACK_BYTES = 256 * 2**20
 
 
 def keep_limit(batch: int) -> int:
@@ -169,11 +168,11 @@ class LinearRule(LayerRule):
         if self._gram is None and self._direct:
             self._gram = self._direct_bound()
         if self._gram is None:
-            gram_rules([self])
-        return self._gram  # type: ignore[return-value]
+            self._gram = gram_stacks([(self.a, self.b)], GRAM_STACK_BYTES)[0]
+        return self._gram
 
     def gram_pending(self) -> bool:
-        """Whether the norms still need case (c)'s Gram form (``gram_rules``)."""
+        """Whether the norms still need case (c)'s Gram form (``GhostGrads.norms`` forms them together)."""
         return self._gram is None and self.G is None and not self._direct and self.T > 1 and "weight" in self.names
 
     def _direct_bound(self) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
@@ -205,13 +204,11 @@ class LinearRule(LayerRule):
                 out[self.names["weight"]] = wide_mm(b.double() * w.double().view(-1, 1), a)
             else:  # per-example G_i = b_iᵀ a_i (T products: case (c)'s release error), then across examples
                 c = max(1, MATERIALIZE_LIMIT_BYTES // (self.shape.numel() * a.element_size()))
-                total = None
-                for i in range(0, a.shape[0], c):
-                    part = wide_sum(w[i : i + c], torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c]).flatten(1))
-                    total = part if total is None else total + part
-                out[self.names["weight"]] = (
-                    total if total is not None else a.new_zeros(self.shape, dtype=torch.float64)
-                ).reshape(self.shape)
+                parts = [
+                    wide_sum(w[i : i + c], torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c]).flatten(1))
+                    for i in range(0, max(a.shape[0], 1), c)
+                ]
+                out[self.names["weight"]] = sum(parts[1:], parts[0]).reshape(self.shape)
             out[self.names["weight"]] = self._layout(out[self.names["weight"]])
         if self.gb is not None:
             out[self.names["bias"]] = wide_sum(w, self.gb if rows is None else self.gb[rows])
@@ -234,13 +231,6 @@ class LinearRule(LayerRule):
         if self.gb is not None:
             out[self.names["bias"]] = self.gb
         return out
-
-
-def gram_rules(rules: list[LinearRule]) -> None:
-    """Case (c) for all of ``rules`` at once (``norm_bounds.gram_stacks``: rows of one shape stacked,
-    one host read): a transformer's Linear layers cost a few products, not a few per layer."""
-    for r, got in zip(rules, gram_stacks([(r.a, r.b) for r in rules], GRAM_STACK * UNFOLD_CHUNK_BYTES), strict=True):
-        r._gram = got
 
 
 class _Conv(LayerRule):
@@ -288,7 +278,7 @@ class _Conv(LayerRule):
                 V = small[i : i + self._chunk].reshape(U.shape[0], p, T)
                 return U.transpose(1, 2), V.transpose(1, 2)
 
-            chunks = [functools.partial(chunk, i) for i in range(0, B, self._chunk)]
+            chunks = [lambda i=i: chunk(i) for i in range(0, B, self._chunk)]
             self._wpart, self._err = gram_bound(chunks, unit_roundoff(a.dtype))
             return
         # Direct: per-sample weight gradients, kept (B ≥ 1 here: grads returns before the ghost
@@ -525,7 +515,9 @@ class GhostGrads(LayerGrads):
         """Upper bounds: the released w·g_i has norm ≤ |w|·N_i (module docstring)."""
         if self._norms is None:
             with ieee_matmul(self.losses.device):
-                gram_rules([r for r in self._layers if isinstance(r, LinearRule) and r.gram_pending()])
+                rules = [r for r in self._layers if isinstance(r, LinearRule) and r.gram_pending()]
+                for r, got in zip(rules, gram_stacks([(r.a, r.b) for r in rules], GRAM_STACK_BYTES), strict=True):
+                    r._gram = got  # case (c) of all Linear layers at once: one host read
                 self._norms = upper_norms(
                     [part for layer in self._layers for part in layer.sq_norms()],
                     self.losses,

@@ -334,43 +334,33 @@ def gram_stacks(pairs: list[tuple[torch.Tensor, torch.Tensor]], budget: int) -> 
         (B, T, d), p = a.shape, b.shape[2]
         rows = max(1, budget // max(1, 8 * (T * (d + p) + 2 * T * T)))
         sts = stacks.setdefault((T, d, p, a.dtype, a.device), [[]])
-        for lo in range(0, B, rows):
-            hi = min(lo + rows, B)
-            if sts[-1] and sum(j - i for _, i, j in sts[-1]) + hi - lo > rows:
+        for lo in range(0, max(B, 1), rows):
+            if sts[-1] and sum(j - i for _, i, j in sts[-1]) + min(rows, B - lo) > rows:
                 sts.append([])
-            sts[-1].append((k, lo, hi))
+            sts[-1].append((k, lo, min(lo + rows, B)))
     flat = [st for sts in stacks.values() for st in sts]
-
-    def make(st: list[tuple[int, int, int]]) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        if len(st) == 1:
-            ((k, i, j),) = st
-            return lambda: (pairs[k][0][i:j], pairs[k][1][i:j])
-        return lambda: tuple(torch.cat([pairs[k][n][i:j] for k, i, j in st]) for n in (0, 1))  # type: ignore[return-value]
-
     if not flat:
         return []
-    (s, rho), e = gram_bound([make(st) for st in flat], unit_roundoff(pairs[0][0].dtype))
-    got: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    made = [lambda st=st: tuple(_cat([pairs[k][n][i:j] for k, i, j in st]) for n in (0, 1)) for st in flat]
+    (s, rho), e = gram_bound(made, unit_roundoff(pairs[0][0].dtype))  # type: ignore[arg-type]
+    at: list[list[slice]] = [[] for _ in pairs]
     o = 0
     for k, i, j in (piece for st in flat for piece in st):
-        got.setdefault(k, []).append((s[o : o + j - i], e[o : o + j - i]))
+        at[k].append(slice(o, o + j - i))
         o += j - i
-    out = []
-    for k in range(len(pairs)):
-        sk, ek = (torch.cat(x) for x in zip(*got[k], strict=True)) if len(got[k]) > 1 else got[k][0]
-        out.append(((sk, rho), ek))
-    return out
+    return [((_cat([s[x] for x in r]), rho), _cat([e[x] for x in r])) for r in at]
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
 
 
 def gram_bound(chunks: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor]]], u_release: float) -> Bound:
-    """Case (c) of ``ghost``'s docstring, from chunks A [c, T, d], Bm [c, T, p] of the operands
-    (G_i = Bm_iᵀ A_i; shapes may differ between chunks; each made on demand by a call): ((s, ρ), e)
-    with e = γ_{T+1}·M̂ (γ of the release's dtype, unit roundoff ``u_release``) and
-    s = (√(max(Ŝ, 0) + slack²) + e)² (``gram_parts``), in float32; the examples whose slack² exceeds
-    GRAM_TIGHT·Ŝ (cancellation: M ≫ ‖G‖) again in float64, so that their norm stays within
-    ~GRAM_TIGHT/2 of exact (the oracle's vmap comparison allows 1e-3): found by ONE host read for
-    all chunks, whose chunks are then made again. ρ (``assemble``, the largest T) covers the float64
-    assembly."""
+    """Case (c) of ``ghost``'s docstring from chunks (A [c, T, d], Bm [c, T, p], G_i = Bm_iᵀ A_i; any
+    shapes; made by calls): ((s, ρ), e), e = γ_{T+1}·M̂ (``u_release``: the release's dtype), s =
+    (√(max(Ŝ, 0) + slack²) + e)² (``gram_parts``) in float32; examples with slack² > GRAM_TIGHT·Ŝ
+    (cancellation) again in float64, within ~GRAM_TIGHT/2 of exact (the oracle's vmap comparison
+    allows 1e-3), found by ONE host read for all chunks. ρ (``assemble``, the largest T)."""
     parts, loose, T = [], [], 1
     for make in chunks:
         A, Bm = make()

@@ -406,7 +406,7 @@ class NoisyRelease:
         self.snap_slack = 0.0
 
     SNAP_XI = 2e-11
-    FLAT_NOISE = 1 << 24
+    FLAT_NOISE = 1 << 16
 
     def event_for(self, *noise_multipliers: float):
         nu = accounting.joint_noise_multiplier(noise_multipliers)
@@ -452,8 +452,7 @@ class NoisyRelease:
         wide = getattr(value, "wide", value)  # an ``Accumulated`` sum: noise before rounding
         if self.noise.secure:
             return {k: self._noisy(wide[k], std, v.dtype) for k, v in value.items()}
-        # Seeded: consecutive tensors of one kind flattened together (≤ FLAT_NOISE elements), one draw and
-        # one addition each instead of one per tensor; the stream serves the same normals in the same order.
+        # Seeded: runs of small tensors of one kind flattened (one draw and addition each), in the stream's order.
         groups: list[list[str]] = []
         for k, v in value.items():
             g = groups[-1] if groups else []
