@@ -171,8 +171,7 @@ class LinearRule(LayerRule):
             self._gram = gram_stacks([(self.a, self.b)], GRAM_STACK_BYTES)[0]
         return self._gram
 
-    def gram_pending(self) -> bool:
-        """Whether the norms still need case (c)'s Gram form (``GhostGrads.norms`` forms them together)."""
+    def gram_pending(self) -> bool:  # case (c) still to form (``GhostGrads.norms`` forms them together)
         return self._gram is None and self.G is None and not self._direct and self.T > 1 and "weight" in self.names
 
     def _direct_bound(self) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:

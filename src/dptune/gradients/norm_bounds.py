@@ -326,9 +326,8 @@ Bound = tuple[tuple[torch.Tensor, float], torch.Tensor]
 
 
 def gram_stacks(pairs: list[tuple[torch.Tensor, torch.Tensor]], budget: int) -> list[Bound]:
-    """``gram_bound`` of several layers' operands (a [B, T, d], b [B, T, p]) at once, one Bound each:
-    the rows (examples) of layers of one shape and dtype are stacked, ≤ ``budget`` bytes of
-    temporaries a stack, each row still one example of one layer (every step below is per row)."""
+    """``gram_bound`` of several layers' (a [B, T, d], b [B, T, p]) at once, one Bound each: rows of layers of
+    one shape stacked (≤ ``budget`` bytes of temporaries a stack), each one example of one layer."""
     stacks: dict[tuple, list[list[tuple[int, int, int]]]] = {}  # shape → stacks of (pair, lo, hi)
     for k, (a, b) in enumerate(pairs):
         (B, T, d), p = a.shape, b.shape[2]
@@ -339,7 +338,7 @@ def gram_stacks(pairs: list[tuple[torch.Tensor, torch.Tensor]], budget: int) -> 
                 sts.append([])
             sts[-1].append((k, lo, min(lo + rows, B)))
     flat = [st for sts in stacks.values() for st in sts]
-    if not flat:
+    if not flat:  # no pairs
         return []
     made = [lambda st=st: tuple(_cat([pairs[k][n][i:j] for k, i, j in st]) for n in (0, 1)) for st in flat]
     (s, rho), e = gram_bound(made, unit_roundoff(pairs[0][0].dtype))  # type: ignore[arg-type]

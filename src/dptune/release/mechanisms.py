@@ -406,7 +406,6 @@ class NoisyRelease:
         self.snap_slack = 0.0
 
     SNAP_XI = 2e-11
-    FLAT_NOISE = 1 << 16
 
     def event_for(self, *noise_multipliers: float):
         nu = accounting.joint_noise_multiplier(noise_multipliers)
@@ -447,28 +446,10 @@ class NoisyRelease:
         return out
 
     def _add_noise(self, value: torch.Tensor | Tensors, std: float) -> torch.Tensor | Tensors:
-        if not isinstance(value, dict):
-            return self._noisy(value, std, value.dtype)
-        wide = getattr(value, "wide", value)  # an ``Accumulated`` sum: noise before rounding
-        if self.noise.secure:
+        if isinstance(value, dict):
+            wide = getattr(value, "wide", value)  # an ``Accumulated`` sum: noise before rounding
             return {k: self._noisy(wide[k], std, v.dtype) for k, v in value.items()}
-        # Seeded: runs of small tensors of one kind flattened (one draw and addition each), in the stream's order.
-        groups: list[list[str]] = []
-        for k, v in value.items():
-            g = groups[-1] if groups else []
-            kind = (v.dtype, wide[k].dtype, wide[k].device)
-            same = g and kind == (value[g[0]].dtype, wide[g[0]].dtype, wide[g[0]].device)
-            if same and sum(wide[j].numel() for j in g) + v.numel() <= self.FLAT_NOISE:
-                g.append(k)
-            else:
-                groups.append([k])
-        out: Tensors = {}
-        for g in groups:
-            vs = [wide[k] for k in g]
-            flat = torch.cat([v.reshape(-1) for v in vs]) if len(vs) > 1 else vs[0].reshape(-1)
-            flat = self._noisy(flat, std, value[g[0]].dtype)
-            out.update((k, z.view_as(v)) for k, z, v in zip(g, flat.split([v.numel() for v in vs]), vs, strict=True))
-        return out
+        return self._noisy(value, std, value.dtype)
 
     def _noisy(self, v: torch.Tensor, std: float, dtype: torch.dtype) -> torch.Tensor:
         """v + N(0, std²), rounded to ``dtype`` only after the noise is added. Seeded mode: the
