@@ -341,7 +341,8 @@ def gram_stacks(pairs: list[tuple[torch.Tensor, torch.Tensor]], budget: int) -> 
     if not flat:  # no pairs
         return []
     made = [lambda st=st: tuple(_cat([pairs[k][n][i:j] for k, i, j in st]) for n in (0, 1)) for st in flat]
-    (s, rho), e = gram_bound(made, unit_roundoff(pairs[0][0].dtype))  # type: ignore[arg-type]
+    u = max(unit_roundoff(a.dtype) for a, _ in pairs)  # the least precise release (mixed dtypes: for all)
+    (s, rho), e = gram_bound(made, u)  # type: ignore[arg-type]
     at: list[list[slice]] = [[] for _ in pairs]
     o = 0
     for k, i, j in (piece for st in flat for piece in st):
