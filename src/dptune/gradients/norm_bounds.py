@@ -235,8 +235,8 @@ def same_kernel(device: torch.device) -> Iterator[None]:
         cudnn.deterministic, cudnn.benchmark = old
 
 
-# Rows per float64 block of ``wide_sum`` at most (fewer for long rows: ≤ WIDE_FLOATS floats per block,
-# 128 MB of float64: a kept layer's float32 chunk, ``ghost.MATERIALIZE_LIMIT_BYTES``, in one block).
+# Rows per float64 block of ``wide_sum`` at most (fewer for long rows: ≤ WIDE_FLOATS floats per block
+# on CUDA, a kept layer's chunk in one block; 2²² on the host, where a bigger fresh buffer costs 2-3×).
 WIDE_BLOCK = 2048
 WIDE_FLOATS = 1 << 24
 
@@ -250,7 +250,7 @@ def wide_sum(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     is ≤ γ⁶⁴_{m+⌈B/m⌉}·Σ_i |w_i g_i| entrywise, whatever the order (docs/privacy.md, item
     1b), instead of γ³²_B for a float32 product."""
     B, n = g.shape
-    m = max(1, min(WIDE_BLOCK, WIDE_FLOATS // max(1, n)))
+    m = max(1, min(WIDE_BLOCK, (WIDE_FLOATS if g.is_cuda else 1 << 22) // max(1, n)))
     w = w.double()
     if 0 < B <= m:  # one block (the usual case): no accumulator
         return w @ g.double()
