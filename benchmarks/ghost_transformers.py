@@ -30,7 +30,7 @@ import torch
 from common import check_device, device_sync, interleaved_medians, machine, table
 from torch import nn
 
-from dptune.gradients import ghost
+from dptune.gradients import norm_bounds
 from dptune.gradients.oracle import GradientOracle
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,12 +84,12 @@ def example_transformer(
 
 @contextmanager
 def gram_in_float64():
-    real = ghost.gram_parts
-    ghost.gram_parts = lambda A, Bm, dt: real(A, Bm, torch.float64)
+    real = norm_bounds.gram_parts
+    norm_bounds.gram_parts = lambda A, Bm, dt: real(A, Bm, torch.float64)
     try:
         yield
     finally:
-        ghost.gram_parts = real
+        norm_bounds.gram_parts = real
 
 
 def measure(build, args: argparse.Namespace, dev: str) -> dict[str, object]:  # noqa: ANN001 - a builder above

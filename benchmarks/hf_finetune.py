@@ -26,7 +26,8 @@ other jobs); wall clock with ``cuda.synchronize`` on a GPU. Ratio = non-private 
 state and a steady-state step allocate above what was allocated before (after two steps: dptune's first
 batch runs one example at a time for the isolation probe; CPU: peak resident memory of a fresh child
 process per row during its third step, above its resident memory with the base model loaded; CUDA:
-``max_memory_allocated`` during the third call above ``memory_allocated`` before the copy). Prints a markdown table;
+``max_memory_allocated`` during the third call above ``memory_allocated`` before the copy). ``--ops``: aten ops,
+CUDA kernel launches and host syncs per step (``op_counts``, torch profiler). Prints a markdown table;
 ``--json PATH`` writes the rows and the machine.
 """
 
@@ -220,6 +221,29 @@ def cuda_peak(kind: str, model: nn.Module, x: dict, y: torch.Tensor) -> tuple[An
     return step, torch.cuda.max_memory_allocated() - base
 
 
+def op_counts(fn: Any, device: str, calls: int = 3) -> dict[str, float]:
+    """Per call of ``fn``, from the torch profiler: aten ops (views and nested ops included), kernel
+    launches (CUDA) and host syncs (CUDA: stream/device synchronisations; CPU: ``nonzero`` and
+    ``item``'s ``_local_scalar_dense``, whose GPU versions sync; ``tolist``/``bool`` reads of a CPU
+    tensor are not seen there: ``tests/gradients/test_host_reads.py`` counts those)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    device_sync(device)()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        for _ in range(calls):
+            fn()
+    ev = [(e.key, e.count / calls) for e in prof.key_averages()]
+    syncs = (
+        ("cudaStreamSynchronize", "cudaDeviceSynchronize") if cuda else ("aten::nonzero", "aten::_local_scalar_dense")
+    )
+    return {
+        "aten ops": sum(c for k, c in ev if k.startswith("aten::")),
+        **({"launches": sum(c for k, c in ev if k.startswith("cudaLaunchKernel"))} if cuda else {}),
+        "syncs": sum(c for k, c in ev if k in syncs),
+    }
+
+
 def measure(name: str, mode: str, B: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     model, label = build(name, mode)
     x, y = batch(model, B, args.tokens)
@@ -244,6 +268,8 @@ def measure(name: str, mode: str, B: int, args: argparse.Namespace) -> list[dict
     for kind, row in rows.items():
         if kind in med:
             row |= {"ms": 1e3 * med[kind], "time ratio": med["nodp"] / med[kind]}
+        if args.ops and kind in fns:
+            row |= op_counts(fns[kind], args.device)
         if peaks.get(kind) is not None and peaks.get("nodp"):
             row |= {"peak MiB": peaks[kind] / 2**20, "memory ratio": peaks[kind] / peaks["nodp"]}
         print(row, flush=True)
@@ -264,6 +290,7 @@ def main() -> None:
     ap.add_argument("--opacus", nargs="*", default=["hooks", "ghost"], help="Opacus grad_sample_modes ('' for none)")
     ap.add_argument("--no-opacus", dest="opacus", action="store_const", const=[])
     ap.add_argument("--no-memory", dest="memory", action="store_false")
+    ap.add_argument("--ops", action="store_true", help="also aten ops, CUDA launches and host syncs per step")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -277,7 +304,8 @@ def main() -> None:
         f"{machine(args.device)}, {args.tokens} tokens, {args.clock} clock, medians of {args.rounds} interleaved rounds"
     )
     print(f"\n{where}\n")
-    cols = ["model", "trainable", "batch", "step", "ms", "time ratio", "peak MiB", "memory ratio", "error"]
+    cols = ["model", "trainable", "batch", "step", "ms", "time ratio", "aten ops", "launches", "syncs", "peak MiB"]
+    cols += ["memory ratio", "error"]
     print(table(rows, [c for c in cols if any(c in r for r in rows)]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dptune.errors import ConfigError
-from dptune.gradients import ghost
+from dptune.gradients import ghost, norm_bounds
 from dptune.gradients.oracle import GradientOracle
 
 transformers = pytest.importorskip("transformers")
@@ -235,8 +235,8 @@ def test_float32_gram_bound_alone_holds_under_cancellation(
     from test_edge_ghost_norms import _linear_batch, clipping_violations
 
     seen = []
-    real = ghost.gram_parts
-    monkeypatch.setattr(ghost, "gram_parts", lambda A, Bm, dt: seen.append(dt) or real(A, Bm, torch.float32))
+    real = norm_bounds.gram_parts
+    monkeypatch.setattr(norm_bounds, "gram_parts", lambda A, Bm, dt: seen.append(dt) or real(A, Bm, torch.float32))
     g = _linear_batch(T, p, d, c, seed=1)
     assert clipping_violations(g) == []
     assert seen
@@ -246,8 +246,8 @@ def test_cancelling_examples_go_back_to_float64_and_ordinary_ones_do_not(monkeyp
     from test_edge_ghost_norms import _linear_batch
 
     seen: list[tuple[torch.dtype, int]] = []
-    real = ghost.gram_parts
-    monkeypatch.setattr(ghost, "gram_parts", lambda A, Bm, dt: seen.append((dt, A.shape[0])) or real(A, Bm, dt))
+    real = norm_bounds.gram_parts
+    monkeypatch.setattr(norm_bounds, "gram_parts", lambda A, Bm, dt: seen.append((dt, A.shape[0])) or real(A, Bm, dt))
     assert _linear_batch(4, 8, 16, 1 - 1e-6, seed=0).norms.shape == (8,)
     assert (torch.float32, 8) in seen and (torch.float64, 8) in seen  # every example cancels
     seen.clear()
@@ -266,7 +266,7 @@ def test_direct_norms_too_big_to_keep_bound_the_release(c: float, monkeypatch: p
 
     monkeypatch.setattr(ghost, "MATERIALIZE_LIMIT_BYTES", 3 * 4 * 8 * 4)  # three examples per chunk
     gram = []
-    monkeypatch.setattr(ghost, "gram_parts", lambda *a: gram.append(1))
+    monkeypatch.setattr(norm_bounds, "gram_parts", lambda *a: gram.append(1))
     g = _linear_batch(16, 4, 8, c, seed=2)
     lin = g._layers[0]
     assert lin._direct and lin.G is None
@@ -333,3 +333,34 @@ def test_torch_rmsnorm_over_tokens_equals_vmap(eps: float | None) -> None:
     assert isinstance(g, ghost.GhostGrads)
     assert torch.allclose(g.norms, v.norms, rtol=1e-5)
     assert torch.allclose(g.grads["1.weight"], v.grads["1.weight"], rtol=1e-4, atol=1e-6)
+
+
+def test_gram_forms_stacked_across_layers_equal_each_layer_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BERT's feed-forward layers over tokens take the Gram rule; those of one shape share one stack
+    (``norm_bounds.gram_stacks``: fewer products, one host read). Each layer's bound is the one it
+    has alone, and with one example a stack."""
+    model, (x, y) = _model("bert"), _batch()
+    calls: list[int] = []  # rows of the float32 Gram forms (cancelling rows go on to float64)
+    real = norm_bounds.gram_parts
+    monkeypatch.setattr(
+        norm_bounds,
+        "gram_parts",
+        lambda A, Bm, dt: (dt == torch.float32 and calls.append(A.shape[0])) or real(A, Bm, dt),
+    )
+
+    def gram_rules() -> list[ghost.LinearRule]:
+        g = GradientOracle(model, method="ghost")(_params(model), x, y)
+        assert g.norms.shape == (B,)
+        return [r for r in g._layers if isinstance(r, ghost.LinearRule) and r._gram is not None]
+
+    rules = gram_rules()
+    assert len(rules) == 4 and set(calls) == {2 * B}  # two shapes, two layers each (the probe: twice)
+    stacked = [r._gram[0][0] for r in rules]  # type: ignore[index]
+    alone = [norm_bounds.gram_stacks([(r.a, r.b)], 2**30)[0][0][0] for r in rules]
+    monkeypatch.setattr(ghost, "GRAM_STACK_BYTES", 1)
+    calls.clear()
+    one_row = [r._gram[0][0] for r in gram_rules()]  # type: ignore[index]
+    assert set(calls) == {1}
+    for s, t, u in zip(stacked, alone, one_row, strict=True):
+        torch.testing.assert_close(s, t, rtol=1e-6, atol=0)
+        torch.testing.assert_close(s, u, rtol=1e-6, atol=0)

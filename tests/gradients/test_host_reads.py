@@ -36,7 +36,14 @@ def _model() -> nn.Module:
     )
 
 
-def _count_reads(monkeypatch: pytest.MonkeyPatch, strategy: str, steps: int = 6) -> collections.Counter[str]:
+def _count_reads(
+    monkeypatch: pytest.MonkeyPatch,
+    strategy: str,
+    steps: int = 6,
+    model: nn.Module | None = None,
+    data: tuple = (),
+    **kw: object,
+) -> collections.Counter[str]:
     counts: collections.Counter[str] = collections.Counter()
     counting = [False]
 
@@ -58,9 +65,9 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch, strategy: str, steps: int = 6)
         counting[0] = 1 <= t < steps  # after step 1's record until step T's: steps 2 … T
 
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(512, 1, 8, 8, generator=g), torch.randint(0, 3, (512,), generator=g)
+    x, y = data or (torch.randn(512, 1, 8, 8, generator=g), torch.randint(0, 3, (512,), generator=g))
     dptune.train(
-        _model(),
+        model or _model(),
         (x, y),
         strategy,
         steps=steps,
@@ -70,6 +77,7 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch, strategy: str, steps: int = 6)
         eval_every=10**9,
         on_step=window,
         **HP[strategy],
+        **kw,
     )
     return counts
 
@@ -80,6 +88,21 @@ def test_a_training_step_reads_few_tensor_values(monkeypatch: pytest.MonkeyPatch
     counts = _count_reads(monkeypatch, strategy, steps)
     per_step = sum(counts.values()) / (steps - 1)
     assert per_step <= LIMIT[strategy], f"{per_step} reads a step: {dict(counts)}"
+
+
+def test_a_transformer_step_reads_as_few(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny BERT on the ghost path, 6 tokens: its 12 Linear layers over tokens take the Gram rule
+    (T(p + d) < p·d), whose float64 re-check of cancelling examples is decided for all of them by
+    one read (``norm_bounds.gram_bound``; before: one ``nonzero`` per layer): DP-SGD's 2 + 1, and
+    transformers' own attention-mask check (``masking_utils``, in a non-private step too)."""
+    pytest.importorskip("transformers")
+    from hf_models import tiny_classifier, token_batch
+
+    model = tiny_classifier("bert")
+    counts = _count_reads(monkeypatch, "dpsgd", model=model, data=token_batch(512, 6), grad_method="ghost")
+    ours = sum(v for k, v in counts.items() if "masking_utils" not in k)
+    assert ours / 5 <= LIMIT["dpsgd"] + 1, dict(counts)
+    assert any("norm_bounds" in k for k in counts), dict(counts)  # the Gram rule ran
 
 
 def test_the_counter_sees_a_per_tensor_divergence_check(monkeypatch: pytest.MonkeyPatch) -> None:

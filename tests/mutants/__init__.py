@@ -257,12 +257,12 @@ TUNER_MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] 
 def ghost_gram_float32() -> Iterator[None]:
     """The Gram forms of the ghost path (Linear over tokens, small-output convolutions, repeated
     Embedding tokens) evaluated in float32 with no rounding bound: the code before issue 10."""
-    from dptune.gradients import ghost
+    from dptune.gradients import ghost, norm_bounds
 
-    def gram_bound(chunks, d, p, T, u_release):  # noqa: ANN001, ARG001 - the bug ignores them
+    def gram_bound(chunks, u_release):  # noqa: ANN001, ARG001 - the bug ignores it
         S = []
-        for A, Bm in chunks:
-            A, Bm = A.float(), Bm.float()
+        for make in chunks:
+            A, Bm = (x.float() for x in make())
             S.append((torch.bmm(A, A.transpose(1, 2)) * torch.bmm(Bm, Bm.transpose(1, 2))).sum((1, 2)))
         s = torch.cat(S)
         return (s, 0.0), torch.zeros_like(s, dtype=torch.float64)
@@ -272,7 +272,11 @@ def ghost_gram_float32() -> Iterator[None]:
         s = (torch.bmm(self.b, self.b.transpose(1, 2)) * same).sum((1, 2))
         return (s, 0.0), torch.zeros_like(s, dtype=torch.float64)
 
-    with _patched(ghost, "_gram_bound", gram_bound), _patched(ghost._Embedding, "_grouped", grouped):
+    with (
+        _patched(norm_bounds, "gram_bound", gram_bound),
+        _patched(ghost, "gram_bound", gram_bound),
+        _patched(ghost._Embedding, "_grouped", grouped),
+    ):
         yield
 
 

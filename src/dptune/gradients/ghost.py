@@ -43,7 +43,7 @@ G_i = Σ_t b_t a_tᵀ exact from the stored operands and M_i = Σ_t ‖a_t‖‖
     Gram matrices (row sums in float32, their sum in float64) with its bound γ_{d+p+2T+2}·M̂²
     (again in float64 where that slack is > GRAM_TIGHT·S),
     plus the release error of a per-example float32 product over T positions, γ_{T+1}·M̂:
-    N_l = √(S bound) + γ_{T+1}·M̂ (``_gram_bound``). Under cancellation these terms dominate:
+    N_l = √(S bound) + γ_{T+1}·M̂ (``norm_bounds.gram_bound``). Under cancellation these terms dominate:
     the norm says how inexact that example's release is.
 (d) Embedding with repeated tokens: S = Σ_v ‖Σ_{t∈v} b_t‖² in float64, plus γ_T·Σ_{n_v ≥ 2} m_v.
 (e) convolutions too big to keep: the release recomputes the very chunks whose norms were taken.
@@ -57,7 +57,7 @@ term is formed from it alone and the terms are added across examples in float64
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -79,8 +79,10 @@ from dptune.gradients.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTE
     unsupported_reason,
 )
 from dptune.gradients.norm_bounds import (  # noqa: F401 - rank_one_parts: re-exported (``vectorized``)
+    assemble,
     gamma,
-    gram_parts,
+    gram_bound,
+    gram_stacks,
     ieee_matmul,
     rank_one_parts,
     same_kernel,
@@ -106,9 +108,8 @@ UNFOLD_CHUNK_BYTES = 32 * 2**20
 # Bound on the patch copy of a kept convolution's GEMM path (``use_unfold_products``): B_chunk x T x d
 # floats (a layer whose single example exceeds it takes the grouped kernel instead).
 UNFOLD_PRODUCT_BYTES = 256 * 2**20
-# Gram norms (case (c)) are formed in float32; an example whose rounding slack² exceeds this
-# fraction of its squared norm (cancellation across positions) is formed again in float64.
-GRAM_TIGHT = 1e-3
+# Bound on the temporaries of Linear layers' Gram forms, stacked across layers (``norm_bounds.gram_stacks``).
+GRAM_STACK_BYTES = 256 * 2**20
 
 
 def keep_limit(batch: int) -> int:
@@ -167,12 +168,11 @@ class LinearRule(LayerRule):
         if self._gram is None and self._direct:
             self._gram = self._direct_bound()
         if self._gram is None:
-            a, b = self.a, self.b
-            B, T, d, p = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
-            chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, 8 * (T * (d + p) + 2 * T * T)))
-            chunks = ((a[i : i + chunk], b[i : i + chunk]) for i in range(0, B, chunk))
-            self._gram = _gram_bound(chunks, d, p, T, unit_roundoff(a.dtype))
+            self._gram = gram_stacks([(self.a, self.b)], GRAM_STACK_BYTES)[0]
         return self._gram
+
+    def gram_pending(self) -> bool:  # case (c) still to form (``GhostGrads.norms`` forms them together)
+        return self._gram is None and self.G is None and not self._direct and self.T > 1 and "weight" in self.names
 
     def _direct_bound(self) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
         """Ĝ_i = fl(b_iᵀ a_i) chunk by chunk, their norms only (too big to keep). The release forms
@@ -184,7 +184,7 @@ class LinearRule(LayerRule):
         na, nb, c2 = token_norms(a, b)
         e = (na * nb).sum(1).mul_(c2 * gamma(self.T + 1, unit_roundoff(a.dtype)))
         s = torch.cat([sq.double().mul_(1.0 + rho) for sq, rho in sqs])
-        return _assemble(s, torch.zeros_like(s), 2 * e, self.T), e
+        return assemble(s, torch.zeros_like(s), 2 * e, self.T), e
 
     def release_err(self) -> torch.Tensor | None:
         if self.T == 1 or self.G is not None or "weight" not in self.names:
@@ -203,10 +203,11 @@ class LinearRule(LayerRule):
                 out[self.names["weight"]] = wide_mm(b.double() * w.double().view(-1, 1), a)
             else:  # per-example G_i = b_iᵀ a_i (T products: case (c)'s release error), then across examples
                 c = max(1, MATERIALIZE_LIMIT_BYTES // (self.shape.numel() * a.element_size()))
-                total = torch.zeros(self.shape.numel(), dtype=torch.float64, device=a.device)
-                for i in range(0, a.shape[0], c):
-                    total += wide_sum(w[i : i + c], torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c]).flatten(1))
-                out[self.names["weight"]] = total.reshape(self.shape)
+                parts = [
+                    wide_sum(w[i : i + c], torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c]).flatten(1))
+                    for i in range(0, max(a.shape[0], 1), c)
+                ]
+                out[self.names["weight"]] = sum(parts[1:], parts[0]).reshape(self.shape)
             out[self.names["weight"]] = self._layout(out[self.names["weight"]])
         if self.gb is not None:
             out[self.names["bias"]] = wide_sum(w, self.gb if rows is None else self.gb[rows])
@@ -229,34 +230,6 @@ class LinearRule(LayerRule):
         if self.gb is not None:
             out[self.names["bias"]] = self.gb
         return out
-
-
-def _gram_bound(
-    chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], d: int, p: int, T: int, u_release: float
-) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
-    """Case (c) of the module docstring, from chunks A [c, T, d], Bm [c, T, p] of the operands
-    (G_i = Bm_iᵀ A_i): ((s, ρ), e) with e = γ_{T+1}·M̂ (γ of the release's dtype, unit roundoff
-    ``u_release``) and s = (√(max(Ŝ, 0) + slack²) + e)² (``gram_parts``), in float32; the examples
-    whose slack² exceeds GRAM_TIGHT·Ŝ (cancellation: M ≫ ‖G‖) again in float64, so that their
-    norm stays within ~GRAM_TIGHT/2 of exact (the oracle's vmap comparison allows 1e-3).
-    ρ (``_assemble``) covers the float64 assembly."""
-    parts = []
-    for A, Bm in chunks:
-        s, q, m = gram_parts(A, Bm, torch.promote_types(A.dtype, torch.float32))
-        loose = (q > GRAM_TIGHT * s).nonzero().squeeze(1)
-        if loose.numel() and A.dtype != torch.float64:
-            s[loose], q[loose], m[loose] = gram_parts(A[loose], Bm[loose], torch.float64)
-        parts.append(torch.stack([s, q, m]))
-    S, Q, M = torch.cat(parts, 1)
-    e = M.mul_(gamma(T + 1, u_release))
-    return _assemble(S, Q, e, T), e
-
-
-def _assemble(S: torch.Tensor, slack2: torch.Tensor, e: torch.Tensor, T: int) -> tuple[torch.Tensor, float]:
-    """(s, ρ) with s = (√(max(Ŝ, 0) + slack²) + e)², all float64 [B]. ρ = γ⁶⁴_{T+32} covers the
-    float64 roundings of this assembly and of the ≤ T-term sums inside slack² and e.
-    NaN stays NaN (``clamp_min`` propagates it): a non-finite example keeps a non-finite norm."""
-    return S.clamp_min_(0.0).add_(slack2).sqrt_().add_(e).square_(), gamma(T + 32, unit_roundoff(torch.float64))
 
 
 class _Conv(LayerRule):
@@ -297,15 +270,15 @@ class _Conv(LayerRule):
             self._gram_rule = True
             self._chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, 8 * (d * T + p * T + 2 * T * T)))
 
-            def chunks() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-                for i in range(0, B, self._chunk):
-                    U = F.unfold(big[i : i + self._chunk], **self.geom)  # [c, d, T]
-                    if U.shape[2] != T:
-                        raise GhostFallback("unfold geometry does not match the layer's output")
-                    V = small[i : i + self._chunk].reshape(U.shape[0], p, T)
-                    yield U.transpose(1, 2), V.transpose(1, 2)
+            def chunk(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+                U = F.unfold(big[i : i + self._chunk], **self.geom)  # [c, d, T]
+                if U.shape[2] != T:
+                    raise GhostFallback("unfold geometry does not match the layer's output")
+                V = small[i : i + self._chunk].reshape(U.shape[0], p, T)
+                return U.transpose(1, 2), V.transpose(1, 2)
 
-            self._wpart, self._err = _gram_bound(chunks(), d, p, T, unit_roundoff(a.dtype))
+            chunks = [lambda i=i: chunk(i) for i in range(0, B, self._chunk)]
+            self._wpart, self._err = gram_bound(chunks, unit_roundoff(a.dtype))
             return
         # Direct: per-sample weight gradients, kept (B ≥ 1 here: grads returns before the ghost
         # path for an empty batch) or recomputed chunk by chunk.
@@ -505,7 +478,7 @@ class _Embedding(LayerRule):
             cm = 1.0 / (1.0 - gamma(p + T + 4, u))  # m̂_v·cm ≥ m_v (a norm, then n_v additions)
             slack2 = torch.cat(mm).mul_(cm * cm * gamma((p + 2) * T, u))
             e = torch.cat(rep).mul_(cm * gamma(T, unit_roundoff(self.b.dtype)))
-            self._cache = (_assemble(torch.cat(S), slack2, e, T), e)
+            self._cache = (assemble(torch.cat(S), slack2, e, T), e)
         return self._cache
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
@@ -541,6 +514,9 @@ class GhostGrads(LayerGrads):
         """Upper bounds: the released w·g_i has norm ≤ |w|·N_i (module docstring)."""
         if self._norms is None:
             with ieee_matmul(self.losses.device):
+                rules = [r for r in self._layers if isinstance(r, LinearRule) and r.gram_pending()]
+                for r, got in zip(rules, gram_stacks([(r.a, r.b) for r in rules], GRAM_STACK_BYTES), strict=True):
+                    r._gram = got  # case (c) of all Linear layers at once: one host read
                 self._norms = upper_norms(
                     [part for layer in self._layers for part in layer.sq_norms()],
                     self.losses,

@@ -227,6 +227,7 @@ class LayerGrads(MaterializedGrads):
         return self._grads
 
     def rows_sum(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
+        w = w.double()  # exact (w is in the model's dtype): once, not in every layer's sum
         got: Tensors = {}
         for layer in self._layers:
             got.update(layer.weighted(w, rows))

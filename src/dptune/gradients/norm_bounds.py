@@ -7,7 +7,7 @@ float64 sums across examples (``wide_sum``, ``wide_mm``), the kernels a release 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,6 +27,9 @@ def flat_rows(g: torch.Tensor) -> torch.Tensor:
 # summed in blocks (torch's fused vector_norm), the block sums in float64; ``upper_norms`` applies
 # one slack to all, γ_{2056}: every float32 norm is ≈ 6.1e-5 above exact (float64: 1.1e-13).
 NORM_BLOCK = 1024
+# Gram norms (case (c)) are formed in float32; an example whose rounding slack² exceeds this
+# fraction of its squared norm (cancellation across positions) is formed again in float64.
+GRAM_TIGHT = 1e-3
 # Added (squared) to every squared norm: covers the absolute underflow error of float32
 # products (≤ n·2⁻¹⁴⁹ ≈ 1e-36 for n ≤ 2³¹ terms) and changes no norm above ~1e-12.
 NORM_FLOOR = 1e-16
@@ -131,11 +134,13 @@ def upper_norms(
     # (rows of ≤ NORM_BLOCK, or two of them multiplied: ‖a‖²‖b‖²), so that the ghost, vmap
     # and vectorised paths give the same norms up to their own float differences (~1e-7).
     rho = 1.0 / (1.0 - gamma(2 * NORM_BLOCK + 8, unit_roundoff(dt))) - 1.0
-    for s, r in parts:
-        if s.dtype != dt:
-            s = s.to(dt)
-        sq = s if sq is None else sq + s
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for s, r in parts:  # summed per dtype and shape in one reduction each (any order: the same γ)
+        groups.setdefault((s.dtype, s.shape), []).append(s)
         rho = max(rho, r)
+    for g in groups.values():
+        s = (torch.stack(g).sum(0) if len(g) > 1 else g[0]).to(dt)
+        sq = s if sq is None else sq + s
     if sq is None:
         sq = torch.zeros(like.shape, dtype=dt, device=like.device)
     rel_dt = max(release_dtypes, key=unit_roundoff, default=out_dt)
@@ -230,8 +235,10 @@ def same_kernel(device: torch.device) -> Iterator[None]:
         cudnn.deterministic, cudnn.benchmark = old
 
 
-# Rows per float64 block of ``wide_sum`` at most (fewer for long rows: ≤ 2²² floats per block).
+# Rows per float64 block of ``wide_sum`` at most (fewer for long rows: ≤ WIDE_FLOATS floats per block
+# on CUDA, a kept layer's chunk in one block; 2²² on the host, where a bigger fresh buffer costs 2-3×).
 WIDE_BLOCK = 2048
+WIDE_FLOATS = 1 << 24
 
 
 def wide_sum(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -243,10 +250,13 @@ def wide_sum(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     is ≤ γ⁶⁴_{m+⌈B/m⌉}·Σ_i |w_i g_i| entrywise, whatever the order (docs/privacy.md, item
     1b), instead of γ³²_B for a float32 product."""
     B, n = g.shape
-    m = max(1, min(WIDE_BLOCK, (1 << 22) // max(1, n)))
+    m = max(1, min(WIDE_BLOCK, (WIDE_FLOATS if g.is_cuda else 1 << 22) // max(1, n)))
+    w = w.double()
+    if 0 < B <= m:  # one block (the usual case): no accumulator
+        return w @ g.double()
     out = torch.zeros(n, dtype=torch.float64, device=g.device)
     for i in range(0, B, m):
-        out += w[i : i + m].double() @ g[i : i + m].double()
+        out += w[i : i + m] @ g[i : i + m].double()
     return out
 
 
@@ -310,3 +320,70 @@ def token_norms(A: torch.Tensor, Bm: torch.Tensor) -> tuple[torch.Tensor, torch.
     na = torch.linalg.vector_norm(A, dim=2).double().add_(math.sqrt(d * tiny))
     nb = torch.linalg.vector_norm(Bm, dim=2).double().add_(math.sqrt(p * tiny))
     return na, nb, (1.0 / (1.0 - gamma(d + p + T + 8, u))) ** 2
+
+
+Bound = tuple[tuple[torch.Tensor, float], torch.Tensor]
+
+
+def gram_stacks(pairs: list[tuple[torch.Tensor, torch.Tensor]], budget: int) -> list[Bound]:
+    """``gram_bound`` of several layers' (a [B, T, d], b [B, T, p]) at once, one Bound each: rows of layers of
+    one shape stacked (≤ ``budget`` bytes of temporaries a stack), each one example of one layer."""
+    stacks: dict[tuple, list[list[tuple[int, int, int]]]] = {}  # shape → stacks of (pair, lo, hi)
+    for k, (a, b) in enumerate(pairs):
+        (B, T, d), p = a.shape, b.shape[2]
+        rows = max(1, budget // max(1, 8 * (T * (d + p) + 2 * T * T)))
+        sts = stacks.setdefault((T, d, p, a.dtype, a.device), [[]])
+        for lo in range(0, max(B, 1), rows):
+            if sts[-1] and sum(j - i for _, i, j in sts[-1]) + min(rows, B - lo) > rows:
+                sts.append([])
+            sts[-1].append((k, lo, min(lo + rows, B)))
+    flat = [st for sts in stacks.values() for st in sts]
+    if not flat:  # no pairs
+        return []
+    made = [lambda st=st: tuple(_cat([pairs[k][n][i:j] for k, i, j in st]) for n in (0, 1)) for st in flat]
+    u = max(unit_roundoff(a.dtype) for a, _ in pairs)  # the least precise release (mixed dtypes: for all)
+    (s, rho), e = gram_bound(made, u)  # type: ignore[arg-type]
+    at: list[list[slice]] = [[] for _ in pairs]
+    o = 0
+    for k, i, j in (piece for st in flat for piece in st):
+        at[k].append(slice(o, o + j - i))
+        o += j - i
+    return [((_cat([s[x] for x in r]), rho), _cat([e[x] for x in r])) for r in at]
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
+def gram_bound(chunks: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor]]], u_release: float) -> Bound:
+    """Case (c) of ``ghost``'s docstring from chunks (A [c, T, d], Bm [c, T, p], G_i = Bm_iᵀ A_i; any
+    shapes; made by calls): ((s, ρ), e), e = γ_{T+1}·M̂ (``u_release``: the release's dtype), s =
+    (√(max(Ŝ, 0) + slack²) + e)² (``gram_parts``) in float32; examples with slack² > GRAM_TIGHT·Ŝ
+    (cancellation) again in float64, within ~GRAM_TIGHT/2 of exact (the oracle's vmap comparison
+    allows 1e-3), found by ONE host read for all chunks. ρ (``assemble``, the largest T)."""
+    parts, loose, T = [], [], 1
+    for make in chunks:
+        A, Bm = make()
+        s, q, m = gram_parts(A, Bm, torch.promote_types(A.dtype, torch.float32))
+        parts.append([s, q, m.mul_(gamma(A.shape[1] + 1, u_release))])
+        loose.append((q > GRAM_TIGHT * s) & (A.dtype != torch.float64))
+        T = max(T, A.shape[1])
+    flags = torch.cat(loose).tolist() if loose else []  # the one host read
+    o = 0
+    for make, got in zip(chunks, parts, strict=True):
+        rows = [i for i, f in enumerate(flags[o : o + got[0].shape[0]]) if f]
+        o += got[0].shape[0]
+        if rows:
+            A, Bm = make()
+            ix = torch.tensor(rows, device=A.device)
+            s, q, m = gram_parts(A[ix], Bm[ix], torch.float64)
+            got[0][ix], got[1][ix], got[2][ix] = s, q, m.mul_(gamma(A.shape[1] + 1, u_release))
+    S, Q, E = (torch.cat(x) for x in zip(*parts, strict=True)) if len(parts) != 1 else parts[0]
+    return assemble(S, Q, E, T), E
+
+
+def assemble(S: torch.Tensor, slack2: torch.Tensor, e: torch.Tensor, T: int) -> tuple[torch.Tensor, float]:
+    """(s, ρ) with s = (√(max(Ŝ, 0) + slack²) + e)², all float64 [B]. ρ = γ⁶⁴_{T+32} covers the
+    float64 roundings of this assembly and of the ≤ T-term sums inside slack² and e.
+    NaN stays NaN (``clamp_min`` propagates it): a non-finite example keeps a non-finite norm."""
+    return S.clamp_min_(0.0).add_(slack2).sqrt_().add_(e).square_(), gamma(T + 32, unit_roundoff(torch.float64))
