@@ -33,7 +33,7 @@ HEAD, WORKER = "127.0.0.2", "127.0.0.3"
 def study() -> Study:
     """8 runs, one task each (``trials_per_group = 1``), long enough for the kill to land mid-study."""
     return tiny_dpsgd_study(
-        data_seed=3, n=400, dim=8, n_train=300, lrs=[0.1, 0.3, 1.0, 3.0], steps=150, batch=40, eps=2.0,
+        data_seed=3, n=400, dim=8, n_train=300, lrs=[0.1, 0.3, 1.0, 3.0], steps=800, batch=40, eps=2.0,
         selection=SelectionSpec(mode="private", split="holdout", eval_every=50, noise_multiplier=30.0),
         seeds=(0, 1), name="ray-cluster", trials_per_group=1,
     )  # fmt: skip
@@ -65,12 +65,17 @@ def _listening(port: int, head: subprocess.Popen, timeout: float = 90) -> None:
     pytest.skip(f"`ray start --head --node-ip-address={HEAD}` did not listen within {timeout:.0f} s")
 
 
-def _done(study_dir: Path) -> int:
+def _last_json(out: str) -> dict:
+    """The driver's last JSON line (Ray may print its own log lines, some starting with '[')."""
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def _planned(study_dir: Path) -> bool:
     try:
         with Store(study_dir, readonly=True) as st:
-            return st.counts().get("done", 0)
+            return sum(st.counts().values()) > 0
     except Exception:  # not planned yet
-        return 0
+        return False
 
 
 @pytest.mark.slow
@@ -93,16 +98,17 @@ def test_worker_node_killed_mid_study_then_resumed(tmp_path):
         driver = [sys.executable, str(HERE / "ray_cluster_driver.py"), address, str(study_dir)]
         first = subprocess.Popen([*driver, "run"], env=env, stdout=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 240
-        while first.poll() is None and time.monotonic() < deadline:  # kill the worker node after a run is done
-            if _done(study_dir) >= 1:
+        while first.poll() is None and time.monotonic() < deadline:  # kill the worker node once runs are under way
+            if _planned(study_dir):
+                time.sleep(3.0)  # the worker node has imported dptune and taken tasks (runs of 800 steps)
                 break
-            time.sleep(0.2)
+            time.sleep(0.05)
         _stop(worker)
         out, _ = first.communicate(timeout=300)
-        after_kill = json.loads(out.strip().splitlines()[-1])
+        after_kill = _last_json(out)
         resumed = subprocess.run([*driver, "resume"], env=env, capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stderr[-2000:]
-        final = json.loads(resumed.stdout.strip().splitlines()[-1])
+        final = _last_json(resumed.stdout)
     finally:
         for node in (worker, head):
             if node is not None:
