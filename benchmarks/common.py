@@ -167,3 +167,33 @@ def table(rows: list[dict[str, object]], cols: list[str]) -> str:
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     out += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(out)
+
+
+def strategy_step(
+    model: nn.Module, x: object, y: torch.Tensor, loss: str, strategy: object, n: int, q: float, nu: float, method: str
+) -> tuple[Callable[[], None], object]:
+    """One ``strategy.step`` exactly as ``dptune.train`` runs it (real gateway, ledger and noise), on
+    ``model``'s own parameters; the first call (the oracle's probe, lazy initialisation) runs here,
+    outside any timing. Returns (step, oracle)."""
+    import warnings
+
+    from dptune.gradients.oracle import GradientOracle
+    from dptune.release.context import RunPlan, StepContext
+    from dptune.release.ledger import Ledger
+    from dptune.release.mechanisms import NoiseSource, NoisyRelease
+
+    oracle = GradientOracle(model, loss, method=method)
+    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}  # updates are out of place
+    run = RunPlan(strategy, n, q, 10_000, nu)  # type: ignore[arg-type]
+    state = {"params": params, "state": strategy.init(params, run), "t": 0}  # type: ignore[attr-defined]
+    gateway = NoisyRelease(Ledger(), q, NoiseSource(0, y.device))
+
+    def step() -> None:
+        state["t"] += 1
+        ctx = StepContext(t=state["t"], x=x, y=y, oracle=oracle, release=gateway, run=run)
+        state["params"], state["state"], _ = strategy.step(state["params"], state["state"], ctx)  # type: ignore[attr-defined]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the one-at-a-time notice of HF models
+        step()
+    return step, oracle

@@ -48,7 +48,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import check_device, device_sync, interleaved_medians, machine, table  # noqa: E402
+from common import check_device, device_sync, interleaved_medians, machine, strategy_step, table  # noqa: E402
 from hf_models import PooledClassifier, freeze_trunk, minilm_classifier, tiny_classifier, token_batch  # noqa: E402
 
 from dptune import inputs  # noqa: E402
@@ -96,28 +96,10 @@ def torch_step(m: nn.Module, x: dict, y: torch.Tensor) -> Any:
 
 
 def dptune_step(m: nn.Module, x: dict, y: torch.Tensor, method: str) -> Any:
-    from dptune.gradients.oracle import GradientOracle
-    from dptune.release.context import RunPlan, StepContext
-    from dptune.release.ledger import Ledger
-    from dptune.release.mechanisms import NoiseSource, NoisyRelease
     from dptune.strategies import make_strategy
 
     strat = make_strategy("dpadam", lr=LR, clip=1.0)
-    oracle = GradientOracle(m, "cross_entropy", method=method)
-    params = {k: p.detach() for k, p in m.named_parameters() if p.requires_grad}
-    q = inputs.batch_len(x) / N_TRAIN
-    run = RunPlan(strat, N_TRAIN, q, 10_000, 1.0)
-    state = {"params": params, "state": strat.init(params, run), "t": 0}
-    gateway = NoisyRelease(Ledger(), q, NoiseSource(0, y.device))
-
-    def step() -> None:
-        state["t"] += 1
-        ctx = StepContext(t=state["t"], x=x, y=y, oracle=oracle, release=gateway, run=run)
-        state["params"], state["state"], _ = strat.step(state["params"], state["state"], ctx)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        step()
+    step, oracle = strategy_step(m, x, y, "cross_entropy", strat, N_TRAIN, inputs.batch_len(x) / N_TRAIN, 1.0, method)
     step.path = "ghost" if oracle.method == "ghost" else "one at a time" if oracle.alone_reason else "vmap"  # type: ignore[attr-defined]
     return step
 

@@ -16,41 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import check_device, device_sync, interleaved_medians, machine, table  # noqa: E402
+from common import check_device, device_sync, interleaved_medians, machine, strategy_step, table  # noqa: E402
 
 MODES = {"full": {"mode": "full"}, "last-k": {"mode": "last-k", "k": 2}, "lora": {"mode": "lora"}}
 
 
 def dpgd_step(model: torch.nn.Module, x: dict, y: torch.Tensor, device: str):
-    from dptune.gradients.oracle import GradientOracle
-    from dptune.release.context import RunPlan, StepContext
-    from dptune.release.ledger import Ledger
-    from dptune.release.mechanisms import NoiseSource, NoisyRelease
+    """One full-batch DP-GD step (q = 1) as the preset's runs take it."""
     from dptune.strategies import make_strategy
 
     strat = make_strategy("dpgd", lr=0.1, clip=1.0)
-    oracle = GradientOracle(model, "cross_entropy", method="auto")
-    params = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
-    n = int(y.shape[0])
-    run = RunPlan(strat, n, 1.0, 10_000, 1.0)
-    st = {"params": params, "state": strat.init(params, run), "t": 0}
-    gateway = NoisyRelease(Ledger(), 1.0, NoiseSource(0, torch.device(device)))
-
-    def step() -> None:
-        st["t"] += 1
-        ctx = StepContext(t=st["t"], x=x, y=y, oracle=oracle, release=gateway, run=run)
-        st["params"], st["state"], _ = strat.step(st["params"], st["state"], ctx)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        step()  # the oracle's first probe
-    return step
+    return strategy_step(model, x, y, "cross_entropy", strat, int(y.shape[0]), 1.0, 1.0, "auto")[0]
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ from common import (  # noqa: E402
     device_sync,
     interleaved_medians,
     machine,
+    strategy_step,
     table,
 )
 
@@ -87,30 +88,11 @@ def torch_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str):
 
 def dptune_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, strategy: str, method: str):
     """One ``strategy.step`` exactly as ``dptune.train`` runs it (real gateway and ledger)."""
-    from dptune.gradients.oracle import GradientOracle
-    from dptune.release.context import RunPlan, StepContext
-    from dptune.release.ledger import Ledger
-    from dptune.release.mechanisms import NoiseSource, NoisyRelease
     from dptune.strategies import make_strategy
 
-    m = copy.deepcopy(model)
     strat = make_strategy(strategy, **STRATEGY_HP.get(strategy, {}))
-    oracle = GradientOracle(m, loss, method=method)
-    params = {k: p.detach().clone() for k, p in m.named_parameters() if p.requires_grad}
-    B = x.shape[0]
-    q = B / N_TRAIN
     nu = NOISE_MULTIPLIER if strat.private else float("inf")
-    run = RunPlan(strat, N_TRAIN, q, 10_000, nu)
-    state = {"params": params, "state": strat.init(params, run), "t": 0}
-    gateway = NoisyRelease(Ledger(), q, NoiseSource(0, x.device))
-
-    def step() -> None:
-        state["t"] += 1
-        ctx = StepContext(t=state["t"], x=x, y=y, oracle=oracle, release=gateway, run=run)
-        state["params"], state["state"], _ = strat.step(state["params"], state["state"], ctx)
-
-    step()  # the 'auto' self-check and lazy initialisation happen outside the timing
-    return step, oracle
+    return strategy_step(copy.deepcopy(model), x, y, loss, strat, N_TRAIN, x.shape[0] / N_TRAIN, nu, method)
 
 
 def opacus_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str, ghost: bool):
