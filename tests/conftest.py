@@ -126,9 +126,9 @@ def zero_grad_problem(inputs: int = 50, classes: int = 40, n: int = 64) -> tuple
     return model, x, y
 
 
-def released_zero_grad_noise(device: str) -> tuple[torch.Tensor, float]:
-    """One ``make_private`` step (FixedClip, ν = 1.3, C = 0.7, L = 16) on ``zero_grad_problem``:
-    the released ``.grad`` of the weight (pure noise) and the std it should have, νC/L."""
+def released_zero_grad_noise(device: str, steps: int = 1) -> tuple[torch.Tensor, float]:
+    """``steps`` ``make_private`` steps (FixedClip, ν = 1.3, C = 0.7, L = 16) on ``zero_grad_problem``:
+    the last released ``.grad`` of the weight (pure noise) and the std it should have, νC/L."""
     import dptune
     from dptune.release.privatizers import FixedClip
 
@@ -140,7 +140,7 @@ def released_zero_grad_noise(device: str) -> tuple[torch.Tensor, float]:
         (x, y),
         torch.optim.SGD(model.parameters(), lr=0.0),
         privatizer=FixedClip(clip),
-        steps=1,
+        steps=steps,
         expected_batch_size=L,
         noise_multiplier=nu,
         seed=3,

@@ -5,6 +5,8 @@
 * ghost and vmap give the same run on the GPU (same seed, same batches, same noise);
 * the released gradient's noise on the GPU has std νC/L, and not 0.9× or 1.1× that (KS);
 * vectorised trials (``train_many``) on the GPU equal the sequential runs;
+* CUDA graphs (``gradients.graphed``): a run replaying them equals the eager run, and the noise of a
+  replayed step's release has std νC/L (KS, rejecting 0.9× and 1.1×);
 * a study with ``training.device = "cuda"`` trains on the GPU with the process executor;
 * the queued (pinned, non-blocking) copy of each batch's indices gives the same run as a blocking
   copy, also when batches are empty, and the divergence flag sees a bad entry on either device.
@@ -277,3 +279,40 @@ def test_recomputed_convolutions_release_at_most_their_norm_on_the_gpu(monkeypat
         released = got.weighted_sum(w)
         total = torch.sqrt(sum((v.double() ** 2).sum() for v in released.values()))
         assert float(total) <= float(norms[i]), i
+
+
+def test_a_run_replaying_cuda_graphs_equals_the_eager_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dptune.gradients import graphed
+
+    replays: list[int] = []
+    real = graphed.Graphs.__call__
+
+    def counting(self: graphed.Graphs, *a: object) -> object:
+        got = real(self, *a)
+        replays.append(got is not None)
+        return got
+
+    monkeypatch.setattr(graphed.Graphs, "__call__", counting)
+    x, y = _images(160)
+    kw = {"steps": 10, "expected_batch_size": 24, "device": "cuda", "seed": 4, "noise_multiplier": 1.0}
+    for name, hp in (("dpsgd", {"clip": 0.5}), ("oso", {"initial_clip": 0.5}), ("dpadam", {"clip": 0.5})):
+        kw.update(hp)
+        replays.clear()
+        a = dptune.train(_cnn(), (x, y), name, **kw)
+        assert sum(replays) >= 8, replays  # the first step is probed (eager); the others replay
+        with monkeypatch.context() as m:
+            m.setattr(graphed, "ENABLED", False)
+            b = dptune.train(_cnn(), (x, y), name, **kw)
+        kw.pop(next(iter(hp)))
+        assert a.ledger.matches(a.plan.event()) and [r["batch_size"] for r in a.history] == [
+            r["batch_size"] for r in b.history
+        ]
+        for k in a.final_params:
+            torch.testing.assert_close(a.final_params[k], b.final_params[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("factor", "accept"), [(1.0, True), (0.9, False), (1.1, False)])
+def test_a_replayed_steps_noise_has_std_nu_c_over_l(factor: float, accept: bool) -> None:
+    grad, std = released_zero_grad_noise("cuda", steps=3)  # steps 2 and 3 replay the graphs
+    p = stats.kstest(grad.flatten().double().cpu().numpy(), stats.norm(scale=factor * std).cdf).pvalue
+    assert (p > 1e-3) if accept else (p < 1e-6)

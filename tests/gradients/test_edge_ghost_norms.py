@@ -302,7 +302,9 @@ def _check_upper(g: ghost.GhostGrads | MaterializedGrads, exact: torch.Tensor, r
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_ordinary_inputs_every_rule(seed: int) -> None:
+def test_ordinary_inputs_every_rule(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    if seed == 2:  # Gram forms in float64 directly, as on a data-centre GPU (``norm_bounds.fast_fp64``)
+        monkeypatch.setattr(norm_bounds, "fast_fp64", lambda device: True)
     torch.manual_seed(seed)
     model = AllRules()
     x = torch.randint(0, 30, (12, 8))
@@ -311,7 +313,8 @@ def test_ordinary_inputs_every_rule(seed: int) -> None:
     y = torch.randint(0, 3, (12,))
     g = run(model, x, y)
     assert isinstance(g, ghost.GhostGrads)
-    assert g._layers[3].T == 8 and g._layers[3].G is None  # 'wide' uses the ghost rule
+    wide = [r for r in g._layers if isinstance(r, ghost.LinearRule) and r.T == 8]
+    assert any(r.G is None for r in wide)  # "wide" uses the ghost rule
     _check_upper(g, exact_sq(g).sqrt(), 1e-4)
     v = run(model, x, y, "vmap")
     _check_upper(v, torch.cat([t.double().flatten(1) for t in v.grads.values()], 1).norm(dim=1), 1e-4)

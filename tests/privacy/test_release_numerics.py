@@ -288,3 +288,18 @@ def test_secure_runs_state_their_float_slack_beside_epsilon() -> None:
     assert secure["epsilon_float_slack"] == pytest.approx(10 * 12 * 2 * NoisyRelease.SNAP_XI)
     assert "epsilon_float_slack" in secure["randomness_note"]
     assert "epsilon_float_slack" not in dptune.train(torch.nn.Linear(5, 2), (x, y), "dpsgd", **kw).summary()
+
+
+def test_a_sums_noise_drawn_at_once_equals_the_per_tensor_draws() -> None:
+    """The seeded gateway draws a sum's noise per dtype as one vector: bitwise the per-tensor
+    release (same normals, same order; added in float64, rounded once), mixed dtypes included."""
+    wide = {"a": torch.randn(3, 4, dtype=torch.float64), "b": torch.randn(5, dtype=torch.float64)}
+    wide["c"] = torch.randn(2, 2, dtype=torch.float64)
+    value = tree.Accumulated(wide, {"a": torch.float32, "b": torch.float64, "c": torch.float32})
+    assert all(torch.equal(value[k], v.to(value[k].dtype)) for k, v in wide.items())  # the fused cast
+    got = NoisyRelease(Ledger(), 0.1, NoiseSource(seed=3))._add_noise(value, 0.7)
+    one = NoisyRelease(Ledger(), 0.1, NoiseSource(seed=3))
+    want = {k: one._noisy(wide[k], 0.7, v.dtype) for k, v in value.items()}
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    wrong = NoisyRelease(Ledger(), 0.1, NoiseSource(seed=4))._add_noise(value, 0.7)
+    assert not torch.equal(wrong["a"], want["a"])

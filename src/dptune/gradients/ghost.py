@@ -70,10 +70,12 @@ from dptune.gradients.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTE
     REUSE_RTOL,
     SUPPORTED,
     GhostFallback,
+    KeptRule,
     LayerGrads,
     LayerRule,
     base_type,
     is_conv1d,
+    merge_kept,
     norm_layer_rule,
     recording,
     unsupported_reason,
@@ -212,6 +214,15 @@ class LinearRule(LayerRule):
         if self.gb is not None:
             out[self.names["bias"]] = wide_sum(w, self.gb if rows is None else self.gb[rows])
         return out
+
+    def split_bias(self) -> KeptRule | None:
+        """Over tokens the bias gradient is a kept [B, p] (``merge_kept`` takes it with the others);
+        T = 1 keeps it here, where its norm comes with the weight's (case (b))."""
+        if self.T == 1 or self.gb is None:
+            return None
+        kept, self.gb = KeptRule({"bias": self.names["bias"]}, {self.names["bias"]: self.gb}), None
+        self.names = {k: v for k, v in self.names.items() if k != "bias"}
+        return kept
 
     def _layout(self, G: torch.Tensor) -> torch.Tensor:
         """[..., p, d] → the weight's layout ([..., d, p] for Conv1D)."""
@@ -470,7 +481,7 @@ class _Embedding(LayerRule):
                 b64 = b.reshape(c * T, p).double()
                 sums = b64.new_zeros(c * T, p).index_add_(0, seg, b64)
                 m = b64.new_zeros(c * T).index_add_(0, seg, torch.linalg.vector_norm(b64, dim=1))  # m_v
-                n = torch.bincount(seg, minlength=c * T)
+                n = torch.zeros_like(seg).index_add_(0, seg, torch.ones_like(seg))  # counts; bincount syncs
                 S.append(sums.square_().sum(1).reshape(c, T).sum(1))
                 mm.append(m.square().reshape(c, T).sum(1))
                 rep.append(torch.where(n >= 2, m, 0.0).reshape(c, T).sum(1))
@@ -488,10 +499,15 @@ class _Embedding(LayerRule):
         B, T = idx.shape
         vocab, p = self.shape
         key = (idx + vocab * torch.arange(B, device=idx.device).unsqueeze(1)).reshape(-1)
-        seg, inv = torch.unique(key, return_inverse=True) if T > 1 else (key, None)
         rows64 = b.reshape(B * T, p).double()
-        if inv is not None:
-            rows64 = rows64.new_zeros(seg.numel(), p).index_add_(0, inv, rows64)
+        seg = key
+        if T > 1:  # (example, token) segments by sorting: fixed shapes (no ``unique``: a CUDA graph can hold it)
+            ks, order = key.sort()
+            new = torch.ones_like(ks, dtype=torch.bool)
+            new[1:] = ks[1:] != ks[:-1]
+            inv = torch.empty_like(order).scatter_(0, order, new.cumsum(0) - 1)
+            rows64 = torch.zeros_like(rows64).index_add_(0, inv, rows64)  # unused segments stay 0
+            seg = torch.zeros_like(key).scatter_(0, inv, key)
         rows64 *= w.double()[seg // vocab].unsqueeze(1)
         out = torch.zeros(self.shape, dtype=torch.float64, device=b.device).index_add_(0, seg % vocab, rows64)
         return {self.names["weight"]: out}
@@ -560,11 +576,12 @@ class GhostEngine:
             bs[i] = None  # free as we go
             weight = ps.get(names.get("weight", ""), getattr(m, "weight", None))
             if cls is nn.Linear or is_conv1d(m):
-                layers.append(LinearRule(names, a, b, weight, transposed=cls is not nn.Linear))
+                rule = LinearRule(names, a, b, weight, transposed=cls is not nn.Linear)
+                layers.extend(r for r in (rule, rule.split_bias()) if r is not None and r.names)
             elif cls in CONV:
                 layers.append(_Conv(names, m, a, b, weight.detach()))
             elif cls is nn.Embedding:
                 layers.append(_Embedding(names, m, a, b, weight))
             else:
                 layers.append(norm_layer_rule(names, m, a, b))
-        return GhostGrads(layers, losses.detach(), params)
+        return GhostGrads(merge_kept(layers), losses.detach(), params)

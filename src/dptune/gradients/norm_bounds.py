@@ -6,6 +6,7 @@ float64 sums across examples (``wide_sum``, ``wide_mm``), the kernels a release 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -355,20 +356,36 @@ def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
     return ts[0] if len(ts) == 1 else torch.cat(ts)
 
 
+def fast_fp64(device: torch.device) -> bool:
+    """Does ``device`` multiply float64 as fast as float32 (data-centre GPUs: A100, H100, H200, B200)? Gram
+    forms are then formed in float64 directly: no float32 pass, no host read for cancellation, no recompute."""
+    return device.type == "cuda" and _fp64_rate_is_fp32s(
+        torch.cuda.current_device() if device.index is None else device.index
+    )
+
+
+@functools.cache
+def _fp64_rate_is_fp32s(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) in ((8, 0), (9, 0), (10, 0))
+
+
 def gram_bound(chunks: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor]]], u_release: float) -> Bound:
     """Case (c) of ``ghost``'s docstring from chunks (A [c, T, d], Bm [c, T, p], G_i = Bm_iᵀ A_i; any
     shapes; made by calls): ((s, ρ), e), e = γ_{T+1}·M̂ (``u_release``: the release's dtype), s =
-    (√(max(Ŝ, 0) + slack²) + e)² (``gram_parts``) in float32; examples with slack² > GRAM_TIGHT·Ŝ
+    (√(max(Ŝ, 0) + slack²) + e)² (``gram_parts``) in float32 (float64 where ``fast_fp64``); examples with slack² > GRAM_TIGHT·Ŝ
     (cancellation) again in float64, within ~GRAM_TIGHT/2 of exact (the oracle's vmap comparison
     allows 1e-3), found by ONE host read for all chunks. ρ (``assemble``, the largest T)."""
     parts, loose, T = [], [], 1
     for make in chunks:
         A, Bm = make()
-        s, q, m = gram_parts(A, Bm, torch.promote_types(A.dtype, torch.float32))
+        s, q, m = gram_parts(
+            A, Bm, torch.float64 if fast_fp64(A.device) else torch.promote_types(A.dtype, torch.float32)
+        )
         parts.append([s, q, m.mul_(gamma(A.shape[1] + 1, u_release))])
-        loose.append((q > GRAM_TIGHT * s) & (A.dtype != torch.float64))
+        if not fast_fp64(A.device):
+            loose.append((q > GRAM_TIGHT * s) & (A.dtype != torch.float64))
         T = max(T, A.shape[1])
-    flags = torch.cat(loose).tolist() if loose else []  # the one host read
+    flags = torch.cat(loose).tolist() if loose else []  # the one host read (none in float64)
     o = 0
     for make, got in zip(chunks, parts, strict=True):
         rows = [i for i, f in enumerate(flags[o : o + got[0].shape[0]]) if f]

@@ -29,7 +29,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from dptune import inputs
 from dptune.errors import ConfigError
-from dptune.gradients import ghost
+from dptune.gradients import ghost, graphed
 from dptune.gradients.persample import (  # noqa: F401 - re-exported: ``dptune.gradients.oracle`` is where users look
     NORM_BLOCK,
     NORM_FLOOR,
@@ -126,6 +126,7 @@ class GradientOracle:
         self.param_names = [k for k, p in model.named_parameters() if p.requires_grad]
         self.requested_method = _check_method(method if method is not None else DEFAULT_METHOD)
         self._ghost = None
+        self._graphs: graphed.Graphs | None = None  # CUDA graphs of the ghost path, made on the first replayable step
         self.fallback_reason: str | None = None
         self.alone_reason: str | None = None  # why vmap cannot run the model (then: ``_one_at_a_time``)
         if self.requested_method != "vmap":
@@ -174,6 +175,11 @@ class GradientOracle:
                 torch.zeros(0, device=inputs.device_of(x)),
             )
         due = self._ghost is not None and self._due("grads", B)
+        if self._ghost is not None and not due and self._next_probe["grads"] and inputs.device_of(x).type == "cuda":
+            if self._graphs is None and graphed.ENABLED:
+                self._graphs = graphed.Graphs(self._run_ghost, self.model)
+            if self._graphs is not None and (got := self._graphs(params, x, y)) is not None:
+                return got
         if self._ghost is not None and (due or self._next_probe["grads"]):
             before = self._swap_state(inputs.device_of(x)) if due else None
             first = due and not self._next_probe["grads"]

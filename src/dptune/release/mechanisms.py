@@ -47,7 +47,7 @@ from dptune.release.sampling import (
     exponentials,
     stream_seed,
 )
-from dptune.tree import Tensors
+from dptune.tree import Tensors, cast
 
 
 @dataclass(frozen=True)
@@ -446,10 +446,23 @@ class NoisyRelease:
         return out
 
     def _add_noise(self, value: torch.Tensor | Tensors, std: float) -> torch.Tensor | Tensors:
-        if isinstance(value, dict):
-            wide = getattr(value, "wide", value)  # an ``Accumulated`` sum: noise before rounding
+        if not isinstance(value, dict):
+            return self._noisy(value, std, value.dtype)
+        wide = getattr(value, "wide", value)  # an ``Accumulated`` sum: noise before rounding
+        if self.noise.secure or len(value) < 2 or len({v.device for v in wide.values()}) > 1:
             return {k: self._noisy(wide[k], std, v.dtype) for k, v in value.items()}
-        return self._noisy(value, std, value.dtype)
+        # Seeded: each dtype's noise drawn as one tensor (its stream serves the same normals in the same
+        # order as per tensor), added and rounded by foreach kernels: ~3 launches, not 3 per tensor.
+        dtypes = {k: v.dtype for k, v in value.items()}
+        out: Tensors = {}
+        for dt in dict.fromkeys(dtypes.values()):
+            ks = [k for k in value if dtypes[k] == dt]
+            z = self.noise.normal(
+                torch.empty(sum(wide[k].numel() for k in ks), dtype=dt, device=wide[ks[0]].device), std
+            )
+            zs = [v.view(wide[k].shape) for v, k in zip(z.split([wide[k].numel() for k in ks]), ks, strict=True)]
+            out.update(zip(ks, torch._foreach_add([wide[k] for k in ks], zs), strict=True))
+        return cast(out, dtypes)
 
     def _noisy(self, v: torch.Tensor, std: float, dtype: torch.dtype) -> torch.Tensor:
         """v + N(0, std²), rounded to ``dtype`` only after the noise is added. Seeded mode: the

@@ -17,7 +17,7 @@ from dptune.errors import ConfigError, check_positive, check_unit_interval
 from dptune.release.context import RunPlan
 from dptune.release.hypergradient import Rule, check_rate, check_rule, horizon_rate, hypergradient_step
 from dptune.release.privatizers import Released
-from dptune.tree import Tensors, add_scaled, dot, ema, lincomb, norm, zeros_like
+from dptune.tree import Tensors, add_scaled, dot, ema, norm, zeros_like
 from dptune.updates.defaults import default_adam_lr, default_sgd_lr
 
 
@@ -155,33 +155,20 @@ class Adam(UpdateRule):
         return state["lr"]
 
     def update(self, params, state, released):
-        g = released.gradient()
         t = state["t"] + 1
-        b1, b2 = self.beta1, self.beta2
-        keys = list(g)
-        gs = list(g.values())
-        m = lincomb(b1, state["m"], 1 - b1, g)
-        # v ← β₂ v + ((1−β₂)·g)·g, rounded in that order.
-        g2 = torch._foreach_mul(gs, 1 - b2)
-        torch._foreach_mul_(g2, gs)
-        v = dict(
-            zip(
-                keys,
-                torch._foreach_add(torch._foreach_mul([state["v"][k] for k in keys], b2), g2),
-                strict=True,
-            )
-        )
+        b1, b2, eps, lr = self.beta1, self.beta2, self.eps, state["lr"]
         c1, c2 = 1 - b1**t, 1 - b2**t
-        # θ − lr·(m/c1) / (sqrt(v/c2) + ε); −lr folds the subtraction into an addition exactly
-        # (negation commutes with every rounding here).
-        num = torch._foreach_div([m[k] for k in params], c1)
-        torch._foreach_mul_(num, -state["lr"])
-        den = torch._foreach_div([v[k] for k in params], c2)
-        torch._foreach_sqrt_(den)
-        torch._foreach_add_(den, self.eps)
-        torch._foreach_div_(num, den)
-        params = dict(zip(params, torch._foreach_add(list(params.values()), num), strict=True))
-        return params, {**state, "m": m, "v": v, "t": t}, {"lr": state["lr"]}
+
+        def adam(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            m = m * b1 + g * (1 - b1)
+            v = v * b2 + (g * (1 - b2)) * g  # v ← β₂ v + ((1−β₂)·g)·g, rounded in that order
+            # θ − lr·(m/c1) / (sqrt(v/c2) + ε); −lr folds the subtraction into an addition exactly
+            # (negation commutes with every rounding here).
+            return p + (m / c1).mul_(-lr).div_((v / c2).sqrt_().add_(eps)), m, v
+
+        # One kernel per operation over all parameters (``tree.flat_map``).
+        params, m, v = tree.flat_map(adam, params, state["m"], state["v"], released.gradient())
+        return params, {**state, "m": m, "v": v, "t": t}, {"lr": lr}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,168 @@
+"""CUDA graphs of the ghost path: a run alone on a GPU is host-bound (a transformer's DP step queued
+~1,300 kernels from Python in 55 ms for 18 ms of GPU work), so the forward, backward, rules and norms
+are captured once as one graph, the weighted sum as a second, and both are replayed each step.
+
+A graph has fixed shapes, so a Poisson batch of B rows is padded to the captured size P ≥ B with
+copies of its first row, whose weights are 0 (docs/privacy.md, "Padded batches"): each real row's
+gradient is computed as before (the isolation probe vouches that rows do not mix, and a model whose
+loss depends on the batch size is refused), a padded row adds 0·g = 0 exactly, so the release is
+the unpadded one up to float64 summation order. A non-finite norm anywhere, padding included, makes
+the step run eagerly (nothing is released from the replay). A batch larger than P, a probed step
+and any model the capture refuses (a host read inside: e.g. float32 Gram forms on a GPU without fast
+float64) also run eagerly. ``DPTUNE_CUDA_GRAPHS=0`` turns graphs off.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dptune import inputs
+from dptune.gradients.persample import MaterializedGrads
+from dptune.tree import Accumulated, Flat, Tensors
+
+ENABLED = os.environ.get("DPTUNE_CUDA_GRAPHS", "1") != "0"
+
+
+def padded_size(batch: int) -> int:
+    """The captured batch size for a first batch of ``batch`` rows: ≈ 4 standard deviations of a
+    Poisson batch above it, in multiples of 8 (a larger batch runs eagerly)."""
+    return 8 * math.ceil((batch + 4 * math.sqrt(batch) + 8) / 8)
+
+
+def capture(fn: Callable[[], None], pool: Any) -> Callable[[], None]:
+    """``fn`` captured as a CUDA graph (pool given) and its replay; without a pool (the CPU, in tests) ``fn``
+    itself, which recomputes the same outputs."""
+    if pool is None:
+        fn()
+        return fn
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph.replay
+
+
+class _Captured:
+    """One bucket: static inputs and parameters, the two graphs and their outputs."""
+
+    def __init__(
+        self, run: Callable[[Tensors, Any, torch.Tensor], Any], params: Tensors, x: Any, y: torch.Tensor, size: int
+    ):
+        self.size = size
+        self.params = {k: v.detach().clone() for k, v in params.items()}
+        self.x = inputs.tmap(lambda t: t[:1].expand(size, *t.shape[1:]).clone(), x)
+        self.y = y[:1].expand(size, *y.shape[1:]).clone()
+        self._run = run
+        cuda = self.y.device.type == "cuda"
+        if cuda:  # warm-up (lazy initialisation, cuBLAS workspaces) on a side stream, off the capture
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward()
+                    self.w = torch.zeros(size, dtype=self.norms.dtype, device=self.y.device)
+                    self._sum()
+            torch.cuda.current_stream().wait_stream(side)
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.forward = capture(self._forward, pool)
+        self.w = torch.zeros(size, dtype=self.norms.dtype, device=self.y.device)
+        self.summing = capture(self._sum, pool)
+        self.dtypes = {k: p.dtype for k, p in params.items()}
+
+    def _forward(self) -> None:
+        self.grads = self._run(self.params, self.x, self.y)
+        self.norms = self.grads.norms
+
+    def _sum(self) -> None:
+        self.sums = self.grads.rows_sum(self.w)
+
+    def load(self, params: Tensors, x: Any, y: torch.Tensor) -> None:
+        B = y.shape[0]
+        torch._foreach_copy_(list(self.params.values()), [params[k] for k in self.params])
+        for s, t in zip([*inputs.leaves(self.x), self.y], [*inputs.leaves(x), y], strict=True):
+            s[:B].copy_(t)
+            s[B:].copy_(t[:1].expand_as(s[B:]))
+
+
+class Replayed(MaterializedGrads):
+    """The replayed bucket's rows [:B]: norms and losses copied out, weighted sums by the second graph
+    (weights of the padded rows 0). Per-example gradients, if asked for, from the bucket's tensors."""
+
+    def __init__(self, cap: _Captured, batch: int):
+        super().__init__({}, cap.grads.losses[:batch].clone())
+        self._cap, self._b = cap, batch
+        self._norms = cap.norms[:batch].clone()
+        self._finite_norms = True  # checked over the whole bucket before this was made
+
+    @property
+    def grads(self) -> Tensors:  # type: ignore[override]
+        self._cap.grads._grads = None  # formed from this replay's tensors, not cached from an earlier one
+        return {k: g[: self._b] for k, g in self._cap.grads.grads.items()}
+
+    @grads.setter
+    def grads(self, value: Tensors) -> None:
+        pass  # MaterializedGrads.__init__'s empty dict
+
+    def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Accumulated:
+        cap = self._cap
+        cap.w.zero_()
+        cap.w[: self._b].copy_(weights)
+        cap.summing()
+        layout = tuple((k, v.shape) for k, v in cap.sums.items())
+        wide = Flat(
+            torch.empty(sum(v.numel() for v in cap.sums.values()), dtype=torch.float64, device=cap.w.device), layout
+        )
+        torch._foreach_copy_(list(wide.values()), list(cap.sums.values()))  # the next replay overwrites the sums
+        return Accumulated(wide, cap.dtypes)
+
+
+def fingerprint(model: nn.Module) -> tuple:
+    """What a captured graph reads besides its inputs and trainable parameters, by address (buffers, frozen
+    weights), and the modules' training flags (dropout): a change between steps makes a new capture."""
+    fixed = [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)]
+    return tuple(t.data_ptr() for t in fixed), tuple(m.training for m in model.modules())
+
+
+class Graphs:
+    """The captured bucket of one ``GradientOracle`` (sized from the first batch it replays)."""
+
+    def __init__(self, run: Callable[[Tensors, Any, torch.Tensor], Any], model: nn.Module):
+        self._run, self._model = run, model
+        self._cap: _Captured | None = None
+        self._fingerprint: tuple = ()
+        self.off_reason: str | None = None  # why graphs are off for this oracle (then every step is eager)
+        self.replays = self.eager = 0
+
+    def __call__(self, params: Tensors, x: Any, y: torch.Tensor) -> Replayed | None:
+        """The replayed gradients of this batch, or None: compute it eagerly."""
+        B = y.shape[0]
+        if self._cap is not None and fingerprint(self._model) != self._fingerprint:
+            self._cap = None  # the model changed between steps (a buffer re-bound, eval mode): capture again
+        if self.off_reason is not None or (self._cap is not None and self._cap.size < B):
+            self.eager += 1
+            return None
+        if self._cap is None:
+            try:
+                self._fingerprint = fingerprint(self._model)
+                self._cap = _Captured(self._run, params, x, y, padded_size(B))
+            except Exception as exc:  # noqa: BLE001 - any refusal of the capture: this oracle runs eagerly
+                self.off_reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                warnings.warn(
+                    f"dptune: CUDA graphs off for this model ({self.off_reason}).", RuntimeWarning, stacklevel=4
+                )
+                self.eager += 1
+                return None
+        cap = self._cap
+        cap.load(params, x, y)
+        cap.forward()
+        if not bool(torch.isfinite(cap.norms).all()):  # the step's one host read; a non-finite row: eager
+            self.eager += 1
+            return None
+        self.replays += 1
+        return Replayed(cap, B)

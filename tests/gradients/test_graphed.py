@@ -1,0 +1,70 @@
+"""The CUDA-graph path's padding and replay logic (``gradients.graphed``), on the CPU: there a "capture"
+is the function itself, re-run on each replay, so everything but the graph (static buffers, padding
+with the first row at weight 0, the bucket size, the eager fallbacks) is checked here; the graphs
+themselves in tests/gradients/test_cuda.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dptune.gradients import graphed
+from dptune.gradients.oracle import GradientOracle
+
+
+def _setup(B: int = 13) -> tuple[GradientOracle, dict, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+    oracle = GradientOracle(model, "cross_entropy", method="ghost")
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    return oracle, params, torch.randn(B, 6), torch.randint(0, 3, (B,))
+
+
+def _wide(acc: dict) -> torch.Tensor:
+    return torch.cat([v.reshape(-1) for v in acc.wide.values()])
+
+
+def test_a_padded_replay_releases_what_the_unpadded_batch_does() -> None:
+    oracle, params, x, y = _setup()
+    graphs = graphed.Graphs(oracle._run_ghost, oracle.model)
+    assert graphed.padded_size(13) == 40 and graphed.padded_size(1000) == 1136
+    for step in range(3):  # the static buffers are reloaded each step
+        x[0] *= 50.0  # the padding copies row 0: however large its gradient, it adds 0·g
+        got = graphs(params, x, y)
+        assert isinstance(got, graphed.Replayed) and got.batch_size == 13 and graphs.replays == step + 1
+        eager = oracle._run_ghost(params, x, y)
+        torch.testing.assert_close(got.norms, eager.norms, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got.losses, eager.losses)
+        w = torch.rand(13)
+        torch.testing.assert_close(_wide(got.weighted_sum(w)), _wide(eager.weighted_sum(w)), rtol=1e-12, atol=1e-15)
+        for k, g in eager.grads.items():
+            torch.testing.assert_close(got.grads[k], g, rtol=1e-6, atol=1e-7)
+        params = {k: v + 0.01 for k, v in params.items()}
+
+
+def test_what_the_graph_cannot_take_runs_eagerly() -> None:
+    oracle, params, x, y = _setup()
+    graphs = graphed.Graphs(oracle._run_ghost, oracle.model)
+    assert graphs(params, x, y) is not None
+    big = torch.randn(41, 6)  # above the captured 40 rows
+    assert graphs(params, big, torch.zeros(41, dtype=torch.long)) is None
+    x[3, 0] = float("nan")  # a non-finite norm: the step is computed eagerly (its own rule)
+    assert graphs(params, x, y) is None
+    assert (graphs.replays, graphs.eager) == (1, 2)
+    x[3, 0] = 0.0
+    oracle.model.eval()  # a change the graph would not see: captured again
+    before = graphs._cap
+    assert graphs(params, x, y) is not None and graphs._cap is not before and graphs.replays == 2
+
+
+def test_a_refused_capture_turns_graphs_off_for_the_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
+    oracle, params, x, y = _setup()
+
+    def host_read(*a: object) -> object:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = graphed.Graphs(host_read, oracle.model)
+    with pytest.warns(RuntimeWarning, match="CUDA graphs off"):
+        assert graphs(params, x, y) is None
+    assert graphs(params, x, y) is None and "not permitted" in str(graphs.off_reason)
