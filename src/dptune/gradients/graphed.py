@@ -3,13 +3,13 @@
 are captured once as one graph, the weighted sum as a second, and both are replayed each step.
 
 A graph has fixed shapes, so a Poisson batch of B rows is padded to the captured size P ≥ B with
-copies of its first row, whose weights are 0 (docs/privacy.md, "Padded batches"): each real row's
+copies of its first row, whose weights are 0 (docs/privacy.md, item 11): each real row's
 gradient is computed as before (the isolation probe vouches that rows do not mix, and a model whose
 loss depends on the batch size is refused), a padded row adds 0·g = 0 exactly, so the release is
 the unpadded one up to float64 summation order. A non-finite norm anywhere, padding included, makes
-the step run eagerly (nothing is released from the replay). A batch larger than P, a probed step
-and any model the capture refuses (a host read inside: e.g. float32 Gram forms on a GPU without fast
-float64) also run eagerly. ``DPTUNE_CUDA_GRAPHS=0`` turns graphs off.
+the step run eagerly (nothing is released from the replay). A batch larger than P is captured
+again at its own size; a probed step and any model the capture refuses (a host read inside: e.g.
+float32 Gram forms on a GPU without fast float64) run eagerly. ``DPTUNE_CUDA_GRAPHS=0`` turns graphs off.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def capture(fn: Callable[[], None], pool: Any) -> Callable[[], None]:
         fn()
         return fn
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # a loader thread may copy
         fn()
     return graph.replay
 
@@ -130,7 +130,9 @@ def fingerprint(model: nn.Module) -> tuple:
 
 
 class Graphs:
-    """The captured bucket of one ``GradientOracle`` (sized from the first batch it replays)."""
+    """The captured bucket of one ``GradientOracle``, sized from the largest batch it has seen (a batch
+    above the size is captured again at ``padded_size`` of it: a few times a run, Poisson batches
+    being concentrated)."""
 
     def __init__(self, run: Callable[[Tensors, Any, torch.Tensor], Any], model: nn.Module):
         self._run, self._model = run, model
@@ -144,9 +146,11 @@ class Graphs:
         B = y.shape[0]
         if self._cap is not None and fingerprint(self._model) != self._fingerprint:
             self._cap = None  # the model changed between steps (a buffer re-bound, eval mode): capture again
-        if self.off_reason is not None or (self._cap is not None and self._cap.size < B):
+        if self.off_reason is not None:
             self.eager += 1
             return None
+        if self._cap is not None and self._cap.size < B:
+            self._cap = None  # a larger batch than any before: captured again, for it (sizes only grow)
         if self._cap is None:
             try:
                 self._fingerprint = fingerprint(self._model)
