@@ -127,12 +127,13 @@ def merge_kept(rules: list[LayerRule]) -> list[LayerRule]:
     return [blocks.get(id(r), r) for r in rules if id(r) not in drop]
 
 
-class _KeptBlock(KeptRule):
+class _KeptBlock(LayerRule):
     def __init__(self, rules: list[KeptRule]):
-        LayerRule.__init__(self, {})
+        super().__init__({})
         parts = [(k, g) for r in rules for k, g in r.grads.items()]
         self.shapes = {k: g.shape[1:] for k, g in parts}
         self.block = torch.cat([g.flatten(1) for _, g in parts], 1)
+        self.grads = self._split(self.block)  # views: per parameter, as a KeptRule's
 
     def _split(self, flat: torch.Tensor) -> Tensors:
         lead = flat.shape[:-1]
@@ -144,10 +145,6 @@ class _KeptBlock(KeptRule):
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
         return self._split(wide_sum(w, self.block if rows is None else self.block[rows]))
-
-    @property  # type: ignore[override]
-    def grads(self) -> Tensors:
-        return self._split(self.block)
 
     def per_sample(self) -> Tensors:
         return self.grads

@@ -178,8 +178,8 @@ class GradientOracle:
         if self._ghost is not None and not due and self._next_probe["grads"] and inputs.device_of(x).type == "cuda":
             if self._graphs is None and graphed.ENABLED:
                 self._graphs = graphed.Graphs(self._run_ghost, self.model)
-            if self._graphs is not None and (got := self._graphs(params, x, y)) is not None:
-                return got
+            if self._graphs is not None and (replayed := self._graphs(params, x, y)) is not None:
+                return replayed
         if self._ghost is not None and (due or self._next_probe["grads"]):
             before = self._swap_state(inputs.device_of(x)) if due else None
             first = due and not self._next_probe["grads"]
