@@ -1,15 +1,20 @@
 """Tiny studies shared by the tests: one parametrised builder (``make_study``) on small seeded
 data (``linear_data``, ``planning_data``), the tuner's executor/budget grid (``tiny_dpsgd_study``),
 a study file on the embedded digits data (the CLI edge, store-safety, fuzz and crash tests) and a
-study file on the user's own data and model (tests/own_factories.py)."""
+study file on the user's own data and model (tests/own_factories.py); ``panda_final_mu`` (Panda's
+final-run μ, checked against the paper's worked example); ``study_lock``, a coordinator's lock alone."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from dptune import accounting
+from dptune.errors import ConfigError
 from dptune.tune import BudgetSpec, MethodSpec, SelectionSpec, StrategyArm, Study, TrainingSpec
 
 Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -182,3 +187,24 @@ name = "dpsgd"
 space = {{ lr = [0.3, 1.0] }}
 fixed = {{ clip = 1.0 }}
 """
+
+
+def panda_final_mu(total_eps: float, delta: float, sweeps: Sequence[tuple[int, float]]) -> float:
+    """μ_f left for the final run: √(μ_total² − Σ count·μ_i²), μ_total from (ε, δ)."""
+    mu_t = accounting.gdp_mu_for_epsilon(total_eps, delta)
+    rest = mu_t**2 - sum(c * accounting.gdp_mu_for_epsilon(e, delta) ** 2 for c, e in sweeps)
+    if rest <= 0:
+        raise ConfigError(
+            f"linear-scaling: the sweeps alone exceed ε = {total_eps}; lower sweep_epsilons or runs_per_sweep."
+        )
+    return math.sqrt(rest)
+
+
+@contextmanager
+def study_lock(study_dir: Any) -> Iterator[None]:
+    """One coordinator per study directory (``study._StudyClaim`` without the undo), as another process holds it."""
+    from dptune.tune.study import _StudyClaim
+
+    with _StudyClaim(study_dir) as claim:
+        claim.started = True
+        yield

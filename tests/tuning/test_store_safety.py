@@ -255,11 +255,12 @@ def test_a_store_with_a_wal_on_read_only_media_is_one_clear_error(
 # ----------------------------------------------------------------------------- 6. a coordinator planning now
 @pytest.mark.parametrize("stage", ["no store yet", "tables, no plan yet"])
 def test_status_while_another_process_plans_says_wait_not_delete(tmp_path: Path, stage: str) -> None:
+    from tune_helpers import study_lock
+
     from dptune.tune.store import Store
-    from dptune.tune.study import _lock
 
     d = tmp_path / "planning"
-    with _lock(d):
+    with study_lock(d):
         if stage != "no store yet":
             Store(d, create=True).close()
         for command in ("status", "resume"):

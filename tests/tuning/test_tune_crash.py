@@ -150,9 +150,10 @@ def test_resume_of_a_finished_study_is_a_no_op(tmp_path):
 
 
 def test_a_second_coordinator_is_locked_out(tmp_path):
+    from tune_helpers import study_lock
+
     from dptune.errors import ConfigError
-    from dptune.tune.study import _lock
 
     d = tmp_path / "locked"
-    with _lock(d), pytest.raises(ConfigError, match="another process"), _lock(d):
+    with study_lock(d), pytest.raises(ConfigError, match="another process"), study_lock(d):
         pass

@@ -39,25 +39,10 @@ class Builder:
     ) -> RunSpec:
         seed = self.ctx.study.seeds[replicate]
         run_id = f"{arm_id}/{stage}/p{procedure}/c{index:03d}/s{seed}"
-        spec = RunSpec(
-            run_id=run_id,
-            arm=arm_id,
-            stage=stage,
-            index=index,
-            procedure=procedure,
-            replicate=replicate,
-            # 63 bits (SQLite's INTEGER is signed 64-bit), all of which reach the streams.
-            seed=seed,
-            run_seed=stream_seed(seed, run_id),
-            config=config,
-            steps=shape.steps,
-            sampling_rate=shape.sampling_rate,
-            noise_multiplier=nu,
-            eval_steps=shape.eval_steps,
-            eval_final=shape.eval_final,
-            eval_noise_multiplier=shape.eval_nu,
-            planned_event=shape.event(nu),
-        )
+        # RunSpec's fields in order; run_seed: 63 bits (SQLite's INTEGER is signed 64-bit), all reach the streams.
+        ids = (run_id, arm_id, stage, index, procedure, replicate, seed, stream_seed(seed, run_id), config)
+        evals = (shape.eval_steps, shape.eval_final, shape.eval_nu)
+        spec = RunSpec(*ids, shape.steps, shape.sampling_rate, nu, *evals, shape.event(nu))
         if run_id in self.runs:  # pragma: no cover - ids are unique by construction
             raise RuntimeError(f"duplicate run id {run_id}")
         if spec.run_seed in self.run_seeds:  # ~N²/2⁶⁴: never seen, but shared noise would void ε

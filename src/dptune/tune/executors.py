@@ -93,6 +93,18 @@ class _Starts:
             self.running.update(new)
             self.on_start(new)
 
+    def outcomes(
+        self, rid: str, get: Callable[[], tuple[dict[str, Any] | None, str | None]], died: str
+    ) -> Iterator[Outcome]:
+        """A finished task's outcome (``died``: what failed when ``get`` raises), started first."""
+        self.finishing(rid)
+        try:
+            res, err = get()
+        except Exception as exc:  # the worker process, or the Ray task, died
+            res, err = None, f"{died}: {type(exc).__name__}: {exc}"
+        yield rid, res, err
+        self.finished(rid)
+
 
 class Executor:
     name = "base"
@@ -158,14 +170,7 @@ class ProcessExecutor(Executor):
         while pending:
             done, pending = wait(pending, timeout=START_POLL_S, return_when=FIRST_COMPLETED)
             for fut in done:
-                rid = futs[fut]
-                starts.finishing(rid)
-                try:
-                    res, err = fut.result()
-                except Exception as exc:  # the worker process died
-                    res, err = None, f"worker process failed: {type(exc).__name__}: {exc}"
-                yield rid, res, err
-                starts.finished(rid)
+                yield from starts.outcomes(futs[fut], fut.result, "worker process failed")
             starts.reported(self._drain())
 
     def close(self) -> None:
@@ -307,14 +312,7 @@ class RayExecutor(Executor):
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=START_POLL_S)
             for ref in done:
-                rid = pending.pop(ref)
-                starts.finishing(rid)
-                try:
-                    res, err = ray.get(ref)
-                except Exception as exc:  # the task or its worker died
-                    res, err = None, f"ray task failed: {type(exc).__name__}: {exc}"
-                yield rid, res, err
-                starts.finished(rid)
+                yield from starts.outcomes(pending.pop(ref), lambda ref=ref: ray.get(ref), "ray task failed")
             starts.reported(self._drain())
 
     def close(self) -> None:

@@ -1,6 +1,5 @@
 """Which runs of a study train together as one task (``dptune.train_many``): a pure function of
-the plan, shared by the coordinator and ``results.study_status`` (whose ETA counts a group once).
-"""
+the plan, shared by the coordinator and ``results.study_status`` (whose ETA counts a group once)."""
 
 from __future__ import annotations
 

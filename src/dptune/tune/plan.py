@@ -112,14 +112,8 @@ def _plan_nonprivate(b: Builder, arm: StrategyArm, path: str) -> ArmPlan:
             s = make_shape(ctx, arm, c, f"{path}.space")
             run_ids += b.add_candidate(arm, arm_id, "main", j, procedure, c, s, math.inf, replicates=[r])
     guarantee = {"kind": "nonprivate", "epsilon": math.inf, "delta": study.budget.delta, "per": "study"}
+    note = "non-private baseline: every step is a NonPrivateDpEvent (ε = ∞)."
     # Stored plans name the baseline's method "grid", whatever the arm's method, with no options.
     return get_method("grid").arm_plan(
-        b,
-        arm,
-        math.inf,
-        accountant="none",
-        guarantee=guarantee,
-        runs=run_ids,
-        notes=["non-private baseline: every step is a NonPrivateDpEvent (ε = ∞)."],
-        options={},
+        b, arm, math.inf, accountant="none", guarantee=guarantee, runs=run_ids, notes=[note], options={}
     )

@@ -126,18 +126,14 @@ def _to_dicts(records: Iterable[JsonRecord]) -> list[dict[str, Any]]:
     return [r.to_dict() for r in records]
 
 
+# Stored as the list of the runs (each names itself).
+RUNS = {"json": (lambda runs: _to_dicts(runs.values()), lambda ds: {r.run_id: r for r in map(RunSpec.from_dict, ds)})}
+
+
 @dataclass
 class StudyPlan(JsonRecord):
     arms: list[ArmPlan] = field(metadata={"json": (_to_dicts, lambda ds: [ArmPlan.from_dict(d) for d in ds])})
-    # Stored as the list of the runs (each names itself).
-    runs: dict[str, RunSpec] = field(
-        metadata={
-            "json": (
-                lambda runs: _to_dicts(runs.values()),
-                lambda ds: {r.run_id: r for r in map(RunSpec.from_dict, ds)},
-            )
-        }
-    )
+    runs: dict[str, RunSpec] = field(metadata=RUNS)
     release_event: dp_event.DpEvent = field(metadata=EVENT)
     n_train: int
     n_val: int

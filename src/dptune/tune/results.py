@@ -143,11 +143,8 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
                     "steps": run.steps,
                 }
             )
-        scope = [
-            e
-            for e in _arm_entries(arm, entries)
-            if arm.guarantee.get("per") == "study" or plan.runs[e.run].replicate == 0
-        ]
+        per_study = arm.guarantee.get("per") == "study"
+        scope = [e for e in _arm_entries(arm, entries) if per_study or plan.runs[e.run].replicate == 0]
         labels: dict[str, list[LedgerEntry]] = defaultdict(list)
         for e in scope:
             labels[e.label].append(e)
@@ -158,7 +155,7 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
                     "label": label,
                     "releases": sum(e.count for e in es),
                     "epsilon_alone": entries_epsilon(es, arm.delta, acc),
-                    "scope": "all seeds" if arm.guarantee.get("per") == "study" else "seed replicate 0",
+                    "scope": "all seeds" if per_study else "seed replicate 0",
                 }
             )
         if get_method(arm.method).hides_run_count and scope:
@@ -175,7 +172,10 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
 
 
 # ----------------------------------------------------------------------------- selection table
-def _selected(arm: ArmPlan, plan: StudyPlan, runs: dict[str, dict[str, Any]], across: str) -> dict[str, Any]:
+def _selected(
+    arm: ArmPlan, plan: StudyPlan, runs: dict[str, dict[str, Any]], across: str
+) -> tuple[dict[str, Any], list[str], list[Any]]:
+    """(the table's selection columns, the selected run ids, fit records) of the arm's method."""
     picks, fits = get_method(arm.method).select(arm, plan, [runs[r] for r in arm.runs], across)
     keys = Counter(config_key(p["config"]) for p in picks if p["config"])
     config = ""
@@ -184,16 +184,8 @@ def _selected(arm: ArmPlan, plan: StudyPlan, runs: dict[str, dict[str, Any]], ac
         config = k if (len(picks) <= 1 or across == "mean") else f"{k} [{c}/{len(picks)}]"
     val_m, val_s = mean_std([p["score"] for p in picks])
     test_m, test_s = mean_std([p["test_metric"] for p in picks if p["test_metric"] is not None])
-    return {
-        "config": config,
-        "val_mean": val_m,
-        "val_std": val_s,
-        "test_mean": test_m,
-        "test_std": test_s,
-        "n": len(picks),
-        "selected_runs": [p["run_id"] for p in picks],
-        "fits": fits,
-    }
+    cols = {"selected": config, "value_mean": val_m, "value_std": val_s, "test_mean": test_m, "test_std": test_s}
+    return {**cols, "replicates": len(picks)}, [p["run_id"] for p in picks], fits
 
 
 def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
@@ -204,7 +196,7 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
     across = sel.get("across_seeds", "per-seed")
     out = []
     for arm in plan.arms:
-        s = _selected(arm, plan, runs, across)
+        cols, selected_runs, fits = _selected(arm, plan, runs, across)
         st = Counter(runs[r]["status"] for r in arm.runs)
         sp = spent(arm, plan, entries)
         out.append(
@@ -216,12 +208,7 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
                 "selection": sel.get("mode", "public"),
                 "split": sel.get("split", "test"),
                 "metric": plan.metric,
-                "selected": s["config"],
-                "value_mean": s["val_mean"],
-                "value_std": s["val_std"],
-                "test_mean": s["test_mean"],
-                "test_std": s["test_std"],
-                "replicates": s["n"],
+                **cols,
                 "runs_done": st.get("done", 0) + st.get("diverged", 0),
                 "runs_total": len(arm.runs),
                 "diverged": st.get("diverged", 0),
@@ -233,8 +220,8 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
                 "guarantee_per": arm.guarantee.get("per", "study"),
                 "accountant": arm.accountant,
                 "arm": arm.arm,
-                "selected_runs": s["selected_runs"],
-                **({"fits": s["fits"]} if s["fits"] else {}),
+                "selected_runs": selected_runs,
+                **({"fits": fits} if fits else {}),
             }
         )
     return out

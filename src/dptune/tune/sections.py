@@ -34,6 +34,18 @@ def _positive_number(path: str, value: Any, *, allow_inf: bool = False) -> float
     return float(value)
 
 
+def check_flag(path: str, value: Any, fix: str) -> None:
+    """true or false only: "maybe" or 2 would be read as true."""
+    if not isinstance(value, bool):
+        raise config_error(path, f"must be true or false, got {value!r}", fix)
+
+
+def check_count(path: str, value: Any, fix: str) -> None:
+    """An integer ≥ 1 (not a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise config_error(path, f"must be an integer ≥ 1, got {value!r}", fix)
+
+
 def _check_flag_options(name: str, options: Mapping[str, Any]) -> None:
     """A dataset option whose default is true/false takes only true/false: ``flatten = "maybe"``
     (or 2) would be read as true by the loader. Unknown options are left to ``dptune.data.load``."""
@@ -42,10 +54,8 @@ def _check_flag_options(name: str, options: Mapping[str, Any]) -> None:
     except ConfigError:  # an unknown dataset is reported by the caller
         return
     for key, value in options.items():
-        if isinstance(defaults.get(key), bool) and not isinstance(value, bool):
-            raise config_error(
-                f"data.options.{key}", f"must be true or false, got {value!r}", f"{key} = {str(defaults[key]).lower()}"
-            )
+        if isinstance(defaults.get(key), bool):
+            check_flag(f"data.options.{key}", value, f"{key} = {str(defaults[key]).lower()}")
 
 
 def _one_source(section: str, sources: Sequence[Any], choices: str, fix: str, factory: str | None) -> None:
@@ -72,8 +82,7 @@ class DataSpec:
     def __post_init__(self) -> None:
         if self.test_public is None:
             object.__setattr__(self, "test_public", self.factory is None)
-        elif not isinstance(self.test_public, bool):
-            raise config_error("data.test_public", f"must be true or false, got {self.test_public!r}", "true")
+        check_flag("data.test_public", self.test_public, "true")
         _one_source(
             "data",
             (self.name, self.tensors, self.factory),
@@ -188,16 +197,9 @@ class TrainingSpec:
             raise config_error("training", "give exactly one of training.epochs or training.steps", "e.g. epochs = 5")
         if self.epochs is not None:
             _positive_number("training.epochs", self.epochs)
-        if self.steps is not None and (
-            not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1
-        ):
-            raise config_error("training.steps", f"must be an integer ≥ 1, got {self.steps!r}", "e.g. steps = 500")
-        if not isinstance(self.full_batch, bool):  # "maybe" or 2 would be read as true
-            raise config_error(
-                "training.full_batch",
-                f"must be true or false, got {self.full_batch!r}",
-                "full_batch = true (no quotes)",
-            )
+        if self.steps is not None:
+            check_count("training.steps", self.steps, "e.g. steps = 500")
+        check_flag("training.full_batch", self.full_batch, "full_batch = true (no quotes)")
         if self.full_batch and self.expected_batch_size is not None:
             raise config_error(
                 "training", "full_batch = true and expected_batch_size are exclusive", "drop one of them"
@@ -274,10 +276,7 @@ class BudgetSpec:
                 f"choose one of {', '.join(ACCOUNTANT_CHOICES)}",
             )
         for key in ("account_seeds", "allow_large_delta"):
-            if not isinstance(getattr(self, key), bool):
-                raise config_error(
-                    f"budget.{key}", f"must be true or false, got {getattr(self, key)!r}", "true or false"
-                )
+            check_flag(f"budget.{key}", getattr(self, key), "true or false")
 
 
 @dataclass(frozen=True)
@@ -350,12 +349,7 @@ class SelectionSpec:
             raise config_error(
                 "selection.checkpoint", f"unknown checkpoint rule {self.checkpoint!r}", "choose best or final"
             )
-        if not isinstance(self.eval_every, int) or isinstance(self.eval_every, bool) or self.eval_every < 1:
-            raise config_error(
-                "selection.eval_every",
-                f"must be an integer ≥ 1, got {self.eval_every!r}",
-                "e.g. eval_every = 50 (Galli et al.)",
-            )
+        check_count("selection.eval_every", self.eval_every, "e.g. eval_every = 50 (Galli et al.)")
         if self.across_seeds not in ("per-seed", "mean"):
             raise config_error(
                 "selection.across_seeds", f"unknown rule {self.across_seeds!r}", "choose per-seed or mean"

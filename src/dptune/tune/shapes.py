@@ -105,17 +105,8 @@ def make_shape(ctx: Context, arm: StrategyArm, config: Mapping[str, Any], path: 
     q, steps = run_geometry(ctx, {**arm.fixed, **config}, path)
     sel = ctx.study.selection
     ev = EvalSchedule.every(steps, sel.eval_every, strategy.finalizes, sel.checkpoint)
-    private_eval = sel.mode == "private"
-    return Shape(
-        strategy,
-        ctx.n_train,
-        q,
-        steps,
-        len(ev.steps) + int(ev.final) if private_eval else 0,
-        sel.noise_multiplier if private_eval else None,
-        ev.steps,
-        ev.final,
-    )
+    n_evals, eval_nu = (len(ev.steps) + int(ev.final), sel.noise_multiplier) if sel.mode == "private" else (0, None)
+    return Shape(strategy, ctx.n_train, q, steps, n_evals, eval_nu, ev.steps, ev.final)
 
 
 def snap(nu: float, shapes: Iterable[Shape]) -> float:

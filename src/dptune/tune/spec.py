@@ -19,6 +19,7 @@ from dptune.data import tabular
 from dptune.errors import ConfigError, config_error
 from dptune.strategies import STRATEGIES, make_strategy, strategy_signature
 from dptune.study_args import check_study_path
+from dptune.tune import sections
 from dptune.tune.methods.registry import get_method
 from dptune.tune.sections import BudgetSpec, DataSpec, MethodSpec, ModelSpec, SelectionSpec, StrategyArm, TrainingSpec
 from dptune.tune.space import TRAINING_KEYS
@@ -52,10 +53,8 @@ class Study:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", _data_spec(self.data))
-        model = self.model
-        if not isinstance(model, ModelSpec):
-            model = ModelSpec(name=model) if isinstance(model, str) else ModelSpec(builder=model)
-            object.__setattr__(self, "model", model)
+        if not isinstance(m := self.model, ModelSpec):
+            object.__setattr__(self, "model", ModelSpec(name=m) if isinstance(m, str) else ModelSpec(builder=m))
         if not isinstance(self.training, TrainingSpec):
             raise config_error(
                 "training", "must be a TrainingSpec", "pass TrainingSpec(epochs=..., expected_batch_size=...)"
@@ -85,16 +84,11 @@ class Study:
             raise config_error(
                 "study.threads_per_run", f"must be an integer ≥ 1, got {self.threads_per_run!r}", "e.g. 1"
             )
-        if (
-            not isinstance(self.trials_per_group, int)
-            or isinstance(self.trials_per_group, bool)
-            or self.trials_per_group < 1
-        ):
-            raise config_error(
-                "study.trials_per_group",
-                f"must be an integer ≥ 1, got {self.trials_per_group!r}",
-                "e.g. 16 (vectorised trials), or 1 to train every run on its own",
-            )
+        sections.check_count(
+            "study.trials_per_group",
+            self.trials_per_group,
+            "e.g. 16 (vectorised trials), or 1 to train every run on its own",
+        )
         if not isinstance(self.name, str) or not STUDY_NAME.match(self.name) or ".." in self.name:
             raise config_error(
                 "study.name",
@@ -102,12 +96,11 @@ class Study:
                 f"no '..'), got {self.name!r}: it names the study's folder (studies/<name>)",
                 'e.g. name = "mnist-dpsgd"; choose where the study goes with `dptune tune CONFIG -o DIR`',
             )
-        if not isinstance(self.secure, bool):
-            raise config_error(
-                "study.secure",
-                f"must be true or false, got {self.secure!r}",
-                "secure = true (OS CSPRNG randomness, for results you will publish) or false (seeded)",
-            )
+        sections.check_flag(
+            "study.secure",
+            self.secure,
+            "secure = true (OS CSPRNG randomness, for results you will publish) or false (seeded)",
+        )
         keys = [a.key for a in strategies]
         dup = sorted({k for k in keys if keys.count(k) > 1})
         if dup:
@@ -371,11 +364,9 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
         method=method,
         selection=selection,
         seeds=tuple(st.get("seeds", (0,))) if isinstance(st.get("seeds", (0,)), list | tuple) else st.get("seeds"),
-        seed=st.get("seed", 0),
-        name=st.get("name", "study"),
-        threads_per_run=st.get("threads_per_run", 1),
-        trials_per_group=st.get("trials_per_group", 16),
-        secure=st.get("secure", False),
+        **{
+            k: st[k] for k in ("seed", "name", "threads_per_run", "trials_per_group", "secure") if k in st
+        },  # else defaults
     )
 
 

@@ -128,9 +128,8 @@ class Store:
         except (sqlite3.DatabaseError, ConfigError) as exc:
             if getattr(self, "conn", None) is not None:
                 self.conn.close()
-            if isinstance(exc, sqlite3.DatabaseError) and str(getattr(exc, "sqlite_errorname", "")).startswith(
-                _DAMAGED
-            ):
+            damaged = str(getattr(exc, "sqlite_errorname", "")).startswith(_DAMAGED)
+            if isinstance(exc, sqlite3.DatabaseError) and damaged:
                 raise self._damaged(str(exc)) from None
             raise  # e.g. locked: not a damaged file
 
@@ -241,13 +240,8 @@ class Store:
     ) -> None:
         """Write the config, the plan and every planned run in one transaction."""
         with self._tx() as c:
-            for k, v in (
-                ("version", SCHEMA_VERSION),
-                ("config", config),
-                ("fingerprint", fingerprint),
-                ("plan", plan),
-                ("created", time.time()),
-            ):
+            meta = {"version": SCHEMA_VERSION, "config": config, "fingerprint": fingerprint, "plan": plan}
+            for k, v in {**meta, "created": time.time()}.items():
                 c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (k, json.dumps(v)))
             for pos, r in enumerate(runs):
                 event = r["planned_event"]
@@ -276,9 +270,8 @@ class Store:
         return self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
 
     def counts(self) -> dict[str, int]:
-        return {
-            r["status"]: r["n"] for r in self.conn.execute("SELECT status, COUNT(*) AS n FROM runs GROUP BY status")
-        }
+        rows = self.conn.execute("SELECT status, COUNT(*) AS n FROM runs GROUP BY status")
+        return {r["status"]: r["n"] for r in rows}
 
     def mark_running(self, run_ids: Iterable[str]) -> None:
         now = time.time()
@@ -313,33 +306,19 @@ class Store:
     def finish(self, run_id: str, result: Mapping[str, Any], ledger: Ledger) -> None:
         """Status + metrics + ledger entries, atomically."""
         with self._tx() as c:
+            row = [result[k] for k in ("status", "score", "best_step", "test_metric")]
+            row += [json.dumps(result["evals"]), json.dumps(result["history"]), result["seconds"], time.time(), run_id]
             cur = c.execute(
                 "UPDATE runs SET status = ?, score = ?, best_step = ?, test_metric = ?, evals = ?, history = ?, "
                 "seconds = ?, finished = ?, error = NULL WHERE run_id = ? AND status = 'running'",
-                (
-                    result["status"],
-                    result["score"],
-                    result["best_step"],
-                    result["test_metric"],
-                    json.dumps(result["evals"]),
-                    json.dumps(result["history"]),
-                    result["seconds"],
-                    time.time(),
-                    run_id,
-                ),
+                row,
             )
             if cur.rowcount != 1:
                 raise ConfigError(f"run {run_id} was not running; its result is not merged twice.")
-            for e in ledger.entries:
+            for d in (e.to_dict() for e in ledger.entries):
                 c.execute(
                     "INSERT INTO ledger(run_id, label, event, count, components) VALUES (?, ?, ?, ?, ?)",
-                    (
-                        run_id,
-                        e.label,
-                        json.dumps(event_to_dict(e.event)),
-                        e.count,
-                        json.dumps([list(x) for x in e.components]),
-                    ),
+                    (run_id, d["label"], json.dumps(d["event"]), d["count"], json.dumps(d["components"])),
                 )
 
     def fail(self, run_id: str, error: str) -> None:
@@ -351,15 +330,8 @@ class Store:
 
     # -- ledger
     def ledger_entries(self) -> list[LedgerEntry]:
+        rows = self.conn.execute("SELECT label, event, count, components, run_id AS run FROM ledger ORDER BY id")
         return [
-            LedgerEntry.from_dict(
-                {
-                    "label": r["label"],
-                    "event": json.loads(r["event"]),
-                    "count": r["count"],
-                    "components": json.loads(r["components"]),
-                    "run": r["run_id"],
-                }
-            )
-            for r in self.conn.execute("SELECT * FROM ledger ORDER BY id")
+            LedgerEntry.from_dict({**r, "event": json.loads(r["event"]), "components": json.loads(r["components"])})
+            for r in map(dict, rows)
         ]

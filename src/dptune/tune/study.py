@@ -7,8 +7,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,14 +135,6 @@ class _StudyClaim:
                     break
 
 
-@contextmanager
-def _lock(study_dir: Path) -> Iterator[None]:
-    """One coordinator per study directory (``_StudyClaim`` without the undo)."""
-    with _StudyClaim(study_dir) as claim:
-        claim.started = True
-        yield
-
-
 class Coordinator:
     """Owns the study ledger; the only place where run results enter the study."""
 
@@ -269,9 +259,8 @@ class Coordinator:
                     spec.config = json.loads(row["config"])
             checked = [self.task_for(s)[1] for s in specs]
             tid = f"group[{group[0]}..{group[-1]}]"
-            tasks.append(
-                (tid, ("group", self.study, [a[1] for a in checked], [a[2] for a in checked], self.plan.metric))
-            )
+            group_args = ("group", self.study, [a[1] for a in checked], [a[2] for a in checked], self.plan.metric)
+            tasks.append((tid, group_args))
             members[tid] = [rid for rid in group if rid in ready_ids]
         return tasks, members
 
@@ -343,12 +332,8 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
         if metric == "accuracy" and data.task == "reconstruction":
             raise ConfigError("selection.metric = 'accuracy' on a reconstruction task. Fix: metric = 'mse'.")
         plan = plan_study(study, data.n_train, data.n_val, metric)
-        store.initialize(
-            {**study.to_dict(), "_meta": {"python_study": study.from_python}},
-            study.fingerprint(),
-            plan.to_dict(),
-            [r.to_dict() for r in plan.runs.values()],
-        )
+        config = {**study.to_dict(), "_meta": {"python_study": study.from_python}}
+        store.initialize(config, study.fingerprint(), plan.to_dict(), [r.to_dict() for r in plan.runs.values()])
     except BaseException:  # closed before run_study removes what it created
         store.close()
         raise

@@ -177,17 +177,6 @@ def panda_total_epsilon(runs: Sequence[tuple[int, float]], delta: float) -> floa
     return accounting.gdp_epsilon(mu, delta)
 
 
-def panda_final_mu(total_eps: float, delta: float, sweeps: Sequence[tuple[int, float]]) -> float:
-    """μ_f left for the final run: √(μ_total² − Σ count·μ_i²), μ_total from (ε, δ)."""
-    mu_t = accounting.gdp_mu_for_epsilon(total_eps, delta)
-    rest = mu_t**2 - sum(c * accounting.gdp_mu_for_epsilon(e, delta) ** 2 for c, e in sweeps)
-    if rest <= 0:
-        raise ConfigError(
-            f"linear-scaling: the sweeps alone exceed ε = {total_eps}; lower sweep_epsilons or runs_per_sweep."
-        )
-    return math.sqrt(rest)
-
-
 def rerr(ours: float, random_search: float, oracle: float, higher_is_better: bool = True) -> float:
     """Relative error-rate reduction (Panda et al. §5.2.3, Table 3), as a fraction:
     1 − err_ours / err_random = (ours − random) / (oracle − random), errors measured to the oracle."""
@@ -237,14 +226,10 @@ def lt_vs_ma(
             return float(np.min(rdp + math.log(1.0 / d) / (orders - 1.0)))
         return float(rdp_privacy_accountant.compute_epsilon(orders, rdp, d)[0])
 
-    rows = []
-    for k in ks:
-        gamma = 1.0 / k
-        delta2 = delta2_fraction * delta
-        s = (delta - delta2) / lt_max_runs(gamma, delta2)
-        eps_lt = 3.0 * eps_of(rdp1, s * s / 2.0) + 3.0 * s
-        eps_ma = eps_of(k * rdp1, delta)
-        rows.append((k, eps_lt, eps_ma))
+    rows, delta2 = [], delta2_fraction * delta
+    for k in ks:  # LT at γ = 1/k (as lt_total), MA: k runs composed
+        s = (delta - delta2) / lt_max_runs(1.0 / k, delta2)
+        rows.append((k, 3.0 * eps_of(rdp1, s * s / 2.0) + 3.0 * s, eps_of(k * rdp1, delta)))
     affordable = [k for k, a, b in rows if b <= a]
     return LtVsMa(n, delta, max(affordable) if affordable else 0, tuple(rows))
 

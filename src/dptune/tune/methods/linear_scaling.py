@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # types only: the study spec validates through the methods
 
 @dataclass(frozen=True)
 class LinearScalingOptions:
-    # per-run ε of each sweep, or {fraction = [f₁, f₂]}: each sweep at f_i × the target ε
+    # per-run ε of each sweep, or {fraction = [f₁, f₂]}: each sweep at f_i × the target ε (Panda's ε = 1
+    # split, 0.1 and 0.2, at every target: the sweeps scale with the budget they serve)
     sweep_epsilons: Any = field(default_factory=lambda: [0.1, 0.2])
     runs_per_sweep: int = 3
     fit: str = "linear"  # linear | quadratic
@@ -37,8 +38,6 @@ class LinearScalingOptions:
 
     def __post_init__(self) -> None:
         se = self.sweep_epsilons
-        # A table {fraction = [f₁, f₂]}: each sweep at f_i × the target ε (Panda's ε = 1 split,
-        # 0.1 and 0.2, at every target), so the sweeps scale with the budget they serve.
         fraction = isinstance(se, Mapping)
         if fraction:
             if set(se) != {"fraction"}:
@@ -202,12 +201,8 @@ class LinearScaling(TuningMethod):
             run = plan.runs[rid]
             if run.stage != "final" or rows[rid]["config"] is not None:
                 continue
-            sweep_ids = [
-                s
-                for s in arm.runs
-                if plan.runs[s].procedure == run.procedure and plan.runs[s].stage.startswith("sweep")
-            ]
-            if all(rows[s]["status"] in ("done", "diverged") for s in sweep_ids):
+            mine = [plan.runs[s] for s in arm.runs if plan.runs[s].procedure == run.procedure]
+            if all(rows[s.run_id]["status"] in ("done", "diverged") for s in mine if s.stage.startswith("sweep")):
                 out[rid] = resolve_final_config(plan, arm, run.procedure, scores)
         return out
 
@@ -222,13 +217,7 @@ def _total_event(sweeps: list[_Sweeps], final: Shape, group: list[int], nu_final
 
 
 def _final_multipliers(
-    sweeps: list[_Sweeps],
-    final: Shape,
-    groups: list[list[int]],
-    eps: float,
-    delta: float,
-    acc: str,
-    arm_id: str,
+    sweeps: list[_Sweeps], final: Shape, groups: list[list[int]], eps: float, delta: float, acc: str, arm_id: str
 ) -> dict[int, float]:
     """Procedure → the final run's ν: calibrated so that each accounted group meets ε."""
     first = groups[0]

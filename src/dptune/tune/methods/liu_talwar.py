@@ -94,16 +94,9 @@ class LiuTalwar(TuningMethod):
             if shape not in cache:
                 acc_ = choose_accountant(study.budget.accountant, shape.event(1.0), auto="rdp")
                 check_lt_selection_budget(shape, unit, lt, acc_, arm_id)
-                cache[shape] = snap(
-                    calibrate_nu(
-                        lambda v: group_events([shape.event(v)] * unit),
-                        lt.eps1,
-                        lt.delta1,
-                        acc_,
-                        f"{arm_id} (Liu–Talwar run at ε₁ = {lt.eps1:.4g}, δ₁ = {lt.delta1:.3g})",
-                    ),
-                    [shape],
-                )
+                what = f"{arm_id} (Liu–Talwar run at ε₁ = {lt.eps1:.4g}, δ₁ = {lt.delta1:.3g})"
+                nu = calibrate_nu(lambda v: group_events([shape.event(v)] * unit), lt.eps1, lt.delta1, acc_, what)
+                cache[shape] = snap(nu, [shape])
             return cache[shape]
 
         ks, drawn = secret_draws(b, arm, P, lambda coins: theory.lt_stops(gamma, lt.t_max, coins))
