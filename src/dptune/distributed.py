@@ -5,20 +5,11 @@
 is: ``train.open_run`` swaps the run's three random or private parts for these, and nothing else
 changes.
 
-- ``ShardedSampler``: rank 0 draws the ONE Poisson batch of the global dataset (seeded, or the OS
-  CSPRNG in secure mode) and broadcasts it; rank r keeps the indices ``r::N``, so every example is in
-  at most one rank's shard and each rank clips its own examples.
-- ``ReducingRelease``: the gateway all-reduces every query's exact sum (float64 accumulators, the
-  gradient, quantile's count, OSO's second query alike) BEFORE it records the event; then each rank
-  records the same event in its ledger (rank 0's is the one written) and asks for the noise.
-- ``BroadcastNoise``: the noise is drawn once, on rank 0, by the gateway's own sampler, and broadcast:
-  every rank adds the same Z to the same sum, so the release, hence the update and the parameters,
-  are identical on every rank. With the same seed the run equals the one-process run up to the
-  float reassociation of the all-reduced sums.
-
-A rank that stops (or a collective that outlasts ``DPTUNE_DIST_TIMEOUT`` seconds) raises ``RankLost``
-on the others at their next collective: the all-reduce precedes the ledger record, so a step whose
-sums were not all gathered records and draws nothing.
+``ShardedSampler`` (rank 0 draws the one Poisson batch, rank r keeps ``r::N``), ``ReducingRelease``
+(all-reduces every query's exact sum BEFORE the event is recorded) and ``BroadcastNoise`` (the noise
+drawn once, on rank 0, and broadcast): the same algorithm as one process. A lost rank or a collective
+past ``DPTUNE_DIST_TIMEOUT`` raises ``RankLost`` before anything is recorded. Why each part is needed:
+docs/privacy.md, item 10.
 """
 
 from __future__ import annotations

@@ -160,13 +160,9 @@ class PrivateTraining:
         self._p_state = privatizer.init(self.plan)
         self._u_state = self.update.init(params, self.plan) if self.optimizer is None else {}
         self.ledger, self.gateway, self.sampler = open_run(
-            self.plan,
-            seed=seed,
-            device=self.task.device,
-            secure_mode=secure_mode,
-            run_id=run_id,
+            self.plan, seed=seed, device=self.task.device, secure_mode=secure_mode, run_id=run_id,
             distributed=distributed,
-        )
+        )  # fmt: skip
         self.oracle = GradientOracle(self.model, self.task.loss, chunk_size=chunk_size, method=grad_method)
         self.secure_mode = secure_mode
         self.t = 0  # steps taken (releases made)
@@ -362,22 +358,11 @@ class PrivateTraining:
         else:
             final = self._params()
         return TrainResult(
-            history=list(self.history),
-            evals=[],
-            metric=self.task.metric_name,
-            best_metric=None,
-            best_step=None,
-            best_params=None,
-            final_params=clone(final),
-            ledger=self.ledger,
-            plan=self.plan,
-            delta=self.delta,
-            seconds=time.perf_counter() - self._started,
-            model=self.model,
-            secure_mode=self.secure_mode,
-            steps_taken=self.t,
-            float_slack=self.gateway.snap_slack,
-        )
+            history=list(self.history), evals=[], metric=self.task.metric_name, best_metric=None, best_step=None,
+            best_params=None, final_params=clone(final), ledger=self.ledger, plan=self.plan, delta=self.delta,
+            seconds=time.perf_counter() - self._started, model=self.model, secure_mode=self.secure_mode,
+            steps_taken=self.t, float_slack=self.gateway.snap_slack,
+        )  # fmt: skip
 
 
 def make_private(
@@ -422,29 +407,13 @@ def make_private(
         aliases, "make_private", True, target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,
         secure_mode=secure_mode,
     )  # fmt: skip
-    plan_kwargs = {
-        "epochs": epochs,
-        "steps": steps,
-        "expected_batch_size": expected_batch_size,
-        "noise_multiplier": noise_multiplier,
-        "target_epsilon": target_epsilon,
-        "accountant": accountant,
-        "allow_large_delta": allow_large_delta,  # δ ≥ 1/n is refused by plan_run unless this
-        "pretrained": starts_pretrained(model) if pretrained is None else pretrained,  # the fine-tuning defaults
-    }
+    plan_kwargs = dict(
+        epochs=epochs, steps=steps, expected_batch_size=expected_batch_size, noise_multiplier=noise_multiplier,
+        target_epsilon=target_epsilon, accountant=accountant, allow_large_delta=allow_large_delta,  # δ ≥ 1/n: refused
+        pretrained=starts_pretrained(model) if pretrained is None else pretrained,  # the fine-tuning defaults
+    )  # fmt: skip
     return PrivateTraining(
-        model,
-        data,
-        optimizer,
-        privatizer=privatizer,
-        loss=loss,
-        plan_kwargs=plan_kwargs,
-        delta=delta,
-        seed=seed,
-        secure_mode=secure_mode,
-        device=device,
-        grad_method=grad_method,
-        chunk_size=chunk_size,
-        run_id=run_id,
+        model, data, optimizer, privatizer=privatizer, loss=loss, plan_kwargs=plan_kwargs, delta=delta, seed=seed,
+        secure_mode=secure_mode, device=device, grad_method=grad_method, chunk_size=chunk_size, run_id=run_id,
         distributed=launched() if distributed is None else distributed,
-    )
+    )  # fmt: skip

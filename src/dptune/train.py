@@ -406,23 +406,12 @@ class RunLoop:
                 self.consider(value, self.plan.steps, self.params)
         self.model.load_state_dict({**self.model.state_dict(), **self.params})
         return TrainResult(
-            history=self.history,
-            evals=self.evals,
-            metric=self.metric,
-            best_metric=self.best_metric,
-            best_step=self.best_step,
-            best_params=self.best_params,
-            final_params=clone(self.params),
-            ledger=self.ledger,
-            plan=self.plan,
-            delta=delta,
-            diverged=self.diverged,
-            secure_mode=self.secure_mode,
-            seconds=time.perf_counter() - self.started if seconds is None else seconds,
-            model=self.model,
-            eval_public=self.eval_public,
-            float_slack=self.gateway.snap_slack,
-        )
+            history=self.history, evals=self.evals, metric=self.metric, best_metric=self.best_metric,
+            best_step=self.best_step, best_params=self.best_params, final_params=clone(self.params),
+            ledger=self.ledger, plan=self.plan, delta=delta, diverged=self.diverged, secure_mode=self.secure_mode,
+            seconds=time.perf_counter() - self.started if seconds is None else seconds, model=self.model,
+            eval_public=self.eval_public, float_slack=self.gateway.snap_slack,
+        )  # fmt: skip
 
 
 def train(
@@ -490,21 +479,11 @@ def train(
     if distributed:
         sync_model(model)
     loop = RunLoop(
-        model,
-        strategy,
-        plan,
-        seed=seed,
-        device=task.device,
-        secure_mode=secure_mode,
-        run_id=run_id,
-        metric=task.metric,
-        schedule=EvalSchedule.every(plan.steps, eval_every, strategy.finalizes),
-        score=partial(task.evaluate, oracle) if eval_data is not None else None,
-        on_step=on_step,
-        keep_best=checkpoint == "best",
-        eval_public=eval_public,
-        distributed=distributed,
-    )
+        model, strategy, plan, seed=seed, device=task.device, secure_mode=secure_mode, run_id=run_id,
+        metric=task.metric, schedule=EvalSchedule.every(plan.steps, eval_every, strategy.finalizes),
+        score=partial(task.evaluate, oracle) if eval_data is not None else None, on_step=on_step,
+        keep_best=checkpoint == "best", eval_public=eval_public, distributed=distributed,
+    )  # fmt: skip
     return loop.drive(task, oracle, delta, progress)
 
 

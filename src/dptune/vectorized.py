@@ -2,15 +2,12 @@
 ``dptune.train`` would make with its own hyperparameters, seed, Poisson batches, noise stream,
 gateway and ledger (design: docs/performance.md, "Vectorised trials").
 
-Only the identical-shape work is batched (``gradients.stacked``): forward, backward to every layer output, per-sample
-norms and evaluation (parameters stacked to [K, p, d], convolutions grouped, batches padded to the largest;
-padded rows carry zero loss weight, so zero output gradient). Everything with privacy meaning
-stays per trial: each trial is stepped by its own ``dptune.train.RunLoop`` (own sampler,
-strategy step on a view of its rows, ``NoisyRelease`` and plan-bound ledger), so "all noise via
-the gateway, recorded first" holds trial by trial. Results equal K sequential ``train`` calls up
-to float rounding (``tests/training/test_vectorized.py``). Scope: (nested) ``nn.Sequential`` of
-``nn.Linear``, ``nn.Conv2d``, pooling, element-wise activations, ``Flatten`` and inactive ``Dropout``;
-anything else runs through ``train`` (``fallback='sequential'``) or raises (``fallback='error'``).
+Only the identical-shape work is batched (``gradients.stacked``: forward, backward, per-sample norms,
+evaluation); everything with privacy meaning stays per trial, in its own ``dptune.train.RunLoop`` (own
+sampler, strategy step, gateway and plan-bound ledger). Results equal K sequential ``train`` calls up to
+float rounding (``tests/training/test_vectorized.py``). Scope: (nested) ``nn.Sequential`` of ``nn.Linear``,
+``nn.Conv2d``, pooling, element-wise activations, ``Flatten`` and inactive ``Dropout``; anything else runs
+through ``train`` (``fallback='sequential'``) or raises (``fallback='error'``).
 """
 
 from __future__ import annotations
@@ -258,22 +255,13 @@ def _train_stacked(
         plan = run["plan"] if "plan" in run else plan_run(strategy, n, delta=delta, **run)
         if plan.n != n:
             raise ConfigError(f"trial {k}: the plan is for n = {plan.n} examples but the data has {n}.")
-        loop = RunLoop(
-            trials.models[k].to(task.device),
-            strategy,
-            plan,
-            seed=trials.seeds[k],
-            device=task.device,
-            secure_mode=secure_mode,
-            run_id=trials.run_ids[k],
-            metric=metric,
+        loops.append(RunLoop(
+            trials.models[k].to(task.device), strategy, plan, seed=trials.seeds[k], device=task.device,
+            secure_mode=secure_mode, run_id=trials.run_ids[k], metric=metric,
             schedule=EvalSchedule.every(plan.steps, eval_every, strategy.finalizes),
-            score=score if scores is not None else None,
-            on_step=trials.hooks[k],
-            keep_best=selection[0] == "best",
-            eval_public=selection[1],
-        )
-        loops.append(loop)
+            score=score if scores is not None else None, on_step=trials.hooks[k],
+            keep_best=selection[0] == "best", eval_public=selection[1],
+        ))  # fmt: skip
     return _lockstep(loops, stacked, x, task.y, task.loss, block_size, delta, scores)
 
 

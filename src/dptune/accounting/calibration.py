@@ -157,15 +157,9 @@ def _calibrate_gdp_closed_form(eps: float, delta: float, q: float, steps: int, r
             break
         step *= 10
     return Calibration(
-        noise_multiplier=nu,
-        epsilon=e_nu,
-        delta=delta,
-        accountant="gdp",
-        lower=lower,
-        evaluations=evals,
-        search_evaluations=0,
-        seconds=time.perf_counter() - t0,
-    )
+        noise_multiplier=nu, epsilon=e_nu, delta=delta, accountant="gdp", lower=lower, evaluations=evals,
+        search_evaluations=0, seconds=time.perf_counter() - t0,
+    )  # fmt: skip
 
 
 def _calibrate_event(
@@ -201,15 +195,10 @@ def _calibrate_event(
     # The guarantee, re-stated: the returned ν was evaluated by the reporting accountant.
     assert eps_hi <= target_epsilon
     return Calibration(
-        noise_multiplier=nu_hi,
-        epsilon=eps_hi,
-        delta=delta,
-        accountant=accountant,
-        lower=math.exp(lo) if lo is not None else 0.0,
-        evaluations=len(fine.values),
-        search_evaluations=search_evals,
-        seconds=time.perf_counter() - t0,
-    )
+        noise_multiplier=nu_hi, epsilon=eps_hi, delta=delta, accountant=accountant,
+        lower=math.exp(lo) if lo is not None else 0.0, evaluations=len(fine.values),
+        search_evaluations=search_evals, seconds=time.perf_counter() - t0,
+    )  # fmt: skip
 
 
 def _unbounded(nu: float) -> float:

@@ -10,15 +10,10 @@ example) and noise std σ_i = ν_i·s_i; the tuple is one Gaussian mechanism of
 multiplier ν = (Σ ν_i⁻²)^(-1/2) (see ``accounting.joint_noise_multiplier``). The event
 is ``PoissonSampledDpEvent(q, GaussianDpEvent(ν))``, or a plain Gaussian at q = 1.
 
-Deferred noise (``SumQuery(..., deferred=True)``): the event is recorded exactly as for an
-ordinary query, but the release returns a ``DeferredSum`` handle instead of value + Z. A
-consumer that only ever reads ONE linear statistic ⟨value + Z, v⟩ of the noisy vector (OSO's
-exp/additive rules) asks ``NoisyRelease.project`` for it, which draws the scalar
-⟨Z, v⟩ ~ N(0, σ²‖v‖²) directly. When v is independent of Z (a function of data and of
-randomness other than Z) this is an exact simulation: the
-joint law of everything the run outputs is unchanged, so the accounting of the (vector)
-release still covers it. One projection per handle: a second one would have to be drawn
-jointly with the first. ``NoisyRelease.materialize`` draws the full vector instead.
+Deferred noise (``SumQuery(..., deferred=True)``): the event is recorded as for an ordinary
+query, but the release returns a ``DeferredSum`` handle; ``NoisyRelease.project`` draws the one
+scalar ⟨Z, v⟩ a consumer reads (OSO's exp/additive rules), once per handle; ``materialize`` the
+full vector. Why the law is unchanged: docs/privacy.md, "Deferred noise".
 
 Numerics (docs/privacy.md, item 1b): weighted sums arrive as float64 accumulators
 (``tree.Accumulated``) and are rounded to the parameters' dtype only after the noise is added;
@@ -74,14 +69,9 @@ class SumQuery:
 class NoiseSource:
     """Gaussian noise N(0, std²) without a tail cut-off: seeded (reproducible) or secure.
 
-    The randomness is explicit integer bits: ``RandomBits`` (a PCG64DXSM generator seeded from
-    ``seed``; with ``secure=True`` the OS CSPRNG, ``os.urandom``) on the host, or, for a CUDA
-    source in seeded mode, a seeded ``torch.Generator`` on the device. The Gaussians are
-    Box–Muller on those bits: radius √(2E) with E an exact exponential
-    (``sampling.exponentials``, no cut-off: |z| is unbounded, where float32 ``torch.randn``
-    stops at 5.77σ), angle from 24 bits (float32 values; 53 bits for float64), computed on the
-    host (numpy) or on the CUDA device (torch), then scaled by std and cast to the value's dtype.
-    Derivation and residual risk: docs/privacy.md ("Noise tails").
+    Box–Muller on explicit integer bits (``RandomBits``: PCG64DXSM from ``seed``, or ``os.urandom``
+    when ``secure``; a seeded ``torch.Generator`` for a seeded CUDA source), radius from an exact
+    exponential, so |z| is unbounded. Derivation and residual risk: docs/privacy.md ("Noise tails").
 
     Draws are served in order from one stream of standard normals per dtype (float32 for every
     dtype but float64), generated in chunks: a small tensor costs a slice, and the same seed
@@ -487,12 +477,9 @@ class NoisyRelease:
     def project(self, handle: DeferredSum, direction: torch.Tensor | Tensors) -> float:
         """⟨value + Z, direction⟩·scale, drawing only the scalar ⟨Z, direction⟩ ~ N(0, std²‖direction‖²).
 
-        Exact (same law as projecting the full noisy vector) when ``direction`` is independent
-        of Z, i.e. not computed from this release's noisy value; that is the caller's argument
-        to make. Records nothing: the release was recorded when the handle was issued. At most
-        once per handle (a second projection would need to be drawn jointly with the first);
-        once materialized, the projection is plain post-processing of the drawn vector.
-        """
+        Exact when ``direction`` is independent of Z (the caller's argument; docs/privacy.md,
+        "Deferred noise"). Records nothing (recorded when the handle was issued). At most once per
+        handle; once materialized, plain post-processing of the drawn vector."""
         draw = self._draw_of(handle)
         if draw.noisy is not None:
             return float(_dot(draw.noisy, direction)) * handle.scale

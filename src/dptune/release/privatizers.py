@@ -208,25 +208,11 @@ class QuantileClip(Privatizer):
 
 @dataclass(frozen=True)
 class OSOClip(Privatizer):
-    """OSO-DPSGD's online clipping threshold (Galli et al. 2024, Algorithm 1), typos corrected.
-
-    Per step t, on the Poisson batch B_t (L = expected batch size):
-      q_t(z_i) = g_i/‖g_i‖ if ‖g_i‖ > C_t else 0                                   (eq. 11)
-      g̃_t = (Σ clip_{C_t}(g_i) + N(0, ν_g² C_t² I)) / L                            (eq. 18)
-      q̃_t = (Σ q_t(z_i) + N(0, ν_q² I)) / L          (eq. 17; line 13 of Alg. 1 writes ν_g: typo)
-      C_{t+1} = C_t · exp(ρ_c · sign(g̃_tᵀ q̃_{t−1}))                                (eq. 20)
-    with q̃_0 = 0 (the first step leaves C unchanged) and ν_g = (ν⁻² − ν_q⁻²)^(−½)
-    (Proposition 1): the pair is ONE Gaussian mechanism of multiplier ν. ν_q defaults to the
-    1% rule (ν_g = 1.01ν → ν_q ≈ 7.124ν). Rules ``additive`` (eq. 13, C + ρ_c ρ_t g̃ᵀq̃,
-    floored at 1e-8; ρ_t is the update rule's learning rate) and ``normalized`` (eq. 19,
-    C(1 + ρ_c cos(g̃_t, q̃_{t−1}))). The C rule holds for any update rule: θ_t depends on
-    C_{t−1} only through g̃_{t−1} (docs/strategies.md derives the momentum case).
-
-    q̃'s noise is one scalar for the rules ``exp`` and ``additive`` (``defer_q_noise``): they read
-    q̃_t only through g̃_{t+1}ᵀq̃_t, so ``NoisyRelease.project`` draws that scalar's noise; same law
-    of every output, same ledger event (why: docs/privacy.md, "deferred"). ``normalized`` draws
-    the full vector.
-    """
+    """OSO-DPSGD's online clipping threshold (Galli et al. 2024, Algorithm 1), typos corrected: C_t
+    moves by the sign of g̃_tᵀq̃_{t−1} (``rule``: ``exp`` eq. 20, ``additive`` eq. 13, ``normalized``
+    eq. 19), q̃ a second query sharing ν (Proposition 1; ν_q by the 1% rule). Equations, noise split
+    and typos: docs/strategies.md, "oso". q̃'s noise is deferred for ``exp``/``additive``
+    (``defer_q_noise``; docs/privacy.md, "Deferred noise")."""
 
     initial_clip: float = 1.0  # C₀
     clip_lr: float | None = None  # ρ_c; None → OSO_LOG_RANGE / T (horizon-aware)
@@ -290,7 +276,7 @@ class OSOClip(Privatizer):
         q = q_out.scaled(1.0 / L) if isinstance(q_out, DeferredSum) else tree.scale(q_out, 1.0 / L)
         prev_q, new_clip, gq = state["prev_q"], clip, 0.0
         if prev_q is not None:
-            # g̃_t is independent of q̃_{t−1}'s noise: the one projection is exact (class docstring).
+            # g̃_t is independent of q̃_{t−1}'s noise: the one projection is exact (docs/privacy.md).
             gq = ctx.release.project(prev_q, g) if isinstance(prev_q, DeferredSum) else dot(g, prev_q)
             cos_q = gq / max(norm(g) * norm(prev_q), 1e-30) if self.rule == "normalized" else 0.0
             new_clip = hypergradient_step(self.rule, clip, state["clip_lr"], gq, cos_q, lr, MIN_CLIP)
@@ -300,24 +286,10 @@ class OSOClip(Privatizer):
 @dataclass(frozen=True)
 class ZerothOrderClip(Privatizer):
     """DP zeroth-order optimisation (DP-ZO; Tang, Panda, Nasr, Mahloujifar & Mittal 2024; used by
-    Panda et al. 2024, §A.4, Table 14): the released quantity is ONE scalar per step.
-
-    Per step t, on the Poisson batch B_t (L = expected batch size), with a random direction
-    z_t ~ N(0, I_d) over the trainable parameters:
-      d_i = (ℓ(θ + μz_t; x_i) − ℓ(θ − μz_t; x_i)) / (2μ)       (central difference, per example)
-      s̃_t = Σ_{i∈B_t} clip_C(d_i) + N(0, ν²C²),   clip_C(d) = max(−C, min(C, d))
-      released direction: (s̃_t / L) · z_t           (an update rule then steps θ ← θ − η·(s̃_t/L)·z_t)
-
-    Sensitivity C: under add/remove of one example, one term clip_C(d_i) ∈ [−C, C] appears or
-    disappears, so the sum moves by at most C (a non-finite d_i, from a loss that overflows,
-    counts as 0: still within [−C, C]). The direction z_t is drawn independently of the data
-    (from its own stream, derived from the run's noise seed, or the OS CSPRNG in secure mode), so
-    it may be public: given z_t, s̃_t is the Gaussian mechanism with sensitivity C and multiplier
-    ν, and θ_{t+1} is a function of (θ_t, z_t, s̃_t). The step is therefore one
-    PoissonSampled(q, Gaussian(ν)) event, exactly DP-SGD's; the noise stream is untouched by the
-    directions. The sum is correctly rounded (``math.fsum`` in float64): one example moves it by at most
-    C plus one ulp of the sum, the residue every float sum has (docs/privacy.md).
-    """
+    Panda et al. 2024, §A.4, Table 14): the released quantity is ONE scalar per step,
+    s̃_t = Σ_{i∈B_t} clip_C(d_i) + N(0, ν²C²) with d_i the central difference of example i's loss
+    along a public direction z_t ~ N(0, I_d), released as (s̃_t / L)·z_t. Sensitivity C, hence
+    DP-SGD's event: docs/privacy.md, "DP-ZO"."""
 
     clip: float = 1.0  # C, the bound on each example's finite difference
     perturbation: float = 1e-3  # μ (MeZO / DP-ZO: 1e-3)

@@ -25,13 +25,8 @@ LN2 = math.log(2.0)
 def stream_seed(seed: int, stream: str) -> int:
     """Independent 63-bit seeds for the named random streams of one run (sampling, noise, ...).
 
-    Every bit of ``seed`` counts (any Python int, negative too): distinct seeds give distinct
-    entropy for the same stream name, so their streams differ but with probability ~2⁻⁶³
-    (a hash collision). Seeds in [0, 2³²) keep the entropy they always had, hence the same
-    streams as before; other seeds append their remaining 32-bit words and a marker (sign,
-    word count), which no seed below 2³² produces. (Before, the seed was masked to 32 bits:
-    seeds differing only above bit 31 shared every stream.)
-    """
+    Every bit of ``seed`` counts (any Python int, negative too); seeds in [0, 2³²) keep the streams
+    they always had (docs/privacy.md, item 9d)."""
     s = int(seed)
     tag = [ord(c) for c in stream]
     if 0 <= s < 1 << 32:
@@ -94,16 +89,10 @@ def exponentials(
 ) -> np.ndarray:
     """``scale`` times Exp(1) draws (float64) with no cut-off, from integers ``a`` uniform on [0, 2^width).
 
-    E = −ln U with U = (a + 1)·2^−width: the uniform on (0, 1] rounded up to a grid whose
-    relative step is ≤ 2^−precision wherever a ≥ 2^precision. Where a < 2^precision, i.e.
-    U ≤ 2^(precision − width), i.e. E ≥ c = (width − precision)·ln 2, the grid would be coarse
-    and would cap E at width·ln 2 (a cut-off: the bug of 24-bit Box–Muller); there E is c plus
-    a fresh draw from new words instead. Given E ≥ c, E − c ~ Exp(1) (the exponential is
-    memoryless), so the law has no cut-off at any depth. The recursion is reached with
-    probability 2^(precision − width) per draw (then 2^(precision − WORD_BITS) per level).
-    A source that keeps returning zeros (broken) raises after ``MAX_REFINEMENTS`` levels.
-    The same function in torch is ``mechanisms._exponentials_torch``.
-    """
+    E = −ln U with U = (a + 1)·2^−width; where a < 2^precision the grid would cap E, so E is
+    (width − precision)·ln 2 plus a fresh draw (memoryless: no cut-off at any depth; docs/privacy.md,
+    "Noise tails"). Raises after ``MAX_REFINEMENTS`` levels of zeros. Torch twin:
+    ``mechanisms._exponentials_torch``."""
     step = 2.0**-width
     e = a * step  # float64; exact for width ≤ 53 (a < 2^53), rounded to nearest above
     e += step  # U = (a + 1)·2^-width
@@ -151,15 +140,8 @@ class PoissonSampler:
     def sample(self) -> torch.Tensor:
         """The sorted indices of one Poisson batch: each of the n examples independently with prob. q.
 
-        Drawn by geometric skips rather than n coin flips: the gaps between consecutive included
-        indices of an i.i.d. Bernoulli(q) sequence are i.i.d. Geometric(q) on {1, 2, ...}, and
-        G = ⌊E / λ⌋ + 1 with E ~ Exp(1) and λ = −log(1 − q) has exactly that law
-        (P(G > k) = P(E ≥ kλ) = (1 − q)^k). Same distribution of index sets, ~qn 62-bit words
-        instead of n float32 coins (60,000 coin flips cost 0.5 ms per step on a CPU core, more
-        than a small model's whole step), and q is used at float64 precision rather than on the
-        2⁻²⁴ grid of a float32 coin. E comes from ``exponentials`` (no cut-off: a gap is never
-        capped, where −log V of a 53-bit uniform V would cap it at 36.7/λ).
-        """
+        Drawn by geometric skips, G = ⌊E / λ⌋ + 1 with λ = −log(1 − q): the same law as n coin flips
+        from ~qn words, q at float64 precision, gaps never capped (docs/performance.md, "2b")."""
         if self.full_batch:
             return torch.arange(self.n)
         n, q = self.n, self.q
