@@ -204,27 +204,12 @@ def _train(o: SimpleNamespace) -> None:
     dataset, model_name = o.data or o.dataset, model_id.get("factory", model_id.get("name"))  # "auto" resolved
     target = None if o.noise_multiplier else o.epsilon
     result = run_train(
-        net,
-        train_part,
-        o.strategy,
-        epochs=o.epochs,
-        expected_batch_size=None if o.full_batch else o.batch_size,
-        full_batch=o.full_batch,
-        noise_multiplier=o.noise_multiplier,
-        target_epsilon=target,
-        delta=o.delta,
-        accountant=o.accountant,
-        eval_data=test_part,
-        eval_public=eval_public,
-        checkpoint=checkpoint,
-        allow_large_delta=o.allow_large_delta,
-        eval_every=o.eval_every,
-        seed=o.seed,
-        device=device,
-        progress=o.progress,
-        secure_mode=o.secure,
-        **parse_hyperparameters(o.hp),
-    )
+        net, train_part, o.strategy, epochs=o.epochs, expected_batch_size=None if o.full_batch else o.batch_size,
+        full_batch=o.full_batch, noise_multiplier=o.noise_multiplier, target_epsilon=target, delta=o.delta,
+        accountant=o.accountant, eval_data=test_part, eval_public=eval_public, checkpoint=checkpoint,
+        allow_large_delta=o.allow_large_delta, eval_every=o.eval_every, seed=o.seed, device=device,
+        progress=o.progress, secure_mode=o.secure, **parse_hyperparameters(o.hp),
+    )  # fmt: skip
     if not writes():  # under torchrun: one run on every process (dptune.distributed), rank 0 writes
         return
     # The seed goes to the diagnostics only, and so do the metrics on a private test split.
@@ -526,17 +511,9 @@ def reproduce(
         check_device_name(device, "--device")
     check_data_dir(data_dir)
     presets.reproduce(
-        name,
-        scale,
-        out_dir,
-        data_dir=data_dir,
-        executor=executor,
-        progress=progress,
-        workers=workers,
-        device=device,
-        console=console,
-        **opts,
-    )
+        name, scale, out_dir, data_dir=data_dir, executor=executor, progress=progress, workers=workers,
+        device=device, console=console, **opts,
+    )  # fmt: skip
 
 
 @app.command()
@@ -573,16 +550,9 @@ def audit(
     if out is not None:  # a bad path once failed after the audit, losing its result
         check_output_file(out, "--out")
     res = run_audit(
-        strategy,
-        eps,
-        delta,
-        method=method,
-        seed=seed,
-        canaries=canaries,
-        threat_model=threat_model,
-        confidence=confidence,
-        on_progress=lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False),
-    )
+        strategy, eps, delta, method=method, seed=seed, canaries=canaries, threat_model=threat_model,
+        confidence=confidence, on_progress=lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False),
+    )  # fmt: skip
     console.print(res.summary())
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

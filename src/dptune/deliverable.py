@@ -141,57 +141,30 @@ def _fmt(x: Any) -> str:
 
 
 def card_markdown(card: Mapping[str, Any]) -> str:
-    g = card.get("guarantee", {})
+    g, led, w = card.get("guarantee", {}), card.get("ledger", {}), card.get("weights", {})
     lines = [
-        f"# Model card: {card.get('title', 'dptune model')}",
-        "",
-        f"dptune {card.get('dptune_version')} · randomness: {card.get('randomness')}",
-        "",
+        f"# Model card: {card.get('title', 'dptune model')}", "",
+        f"dptune {card.get('dptune_version')} · randomness: {card.get('randomness')}", "",
         *([f"**{card['privacy']}**", ""] if card.get("privacy") else []),
-        "## Guarantee",
-        "",
+        "## Guarantee", "",
         f"({_fmt(g.get('epsilon'))}, {_fmt(g.get('delta'))})-differential privacy "
-        f"(accountant: {g.get('accountant')}, per {g.get('per', 'run')}, add/remove one example).",
-        "",
-        f"- selection: {g.get('selection')}",
-        "",
-    ]
-    lines += ["Covered by the guarantee:", ""] + [f"- {c}" for c in g.get("covered", [])] + [""]
-    lines += ["Not covered:", ""] + [f"- {c}" for c in g.get("not_covered", [])] + [""]
-    lines += [f"Details: {PRIVACY_DOC}.", "", "## Randomness", "", str(card.get("randomness_note", "")), ""]
-    lines += [
-        "## Configuration",
-        "",
-        "```json",
-        json.dumps(card.get("configuration", {}), indent=2, default=str),
-        "```",
-        "",
-    ]
-    lines += [
-        "## Model and data",
-        "",
+        f"(accountant: {g.get('accountant')}, per {g.get('per', 'run')}, add/remove one example).", "",
+        f"- selection: {g.get('selection')}", "",
+        "Covered by the guarantee:", "", *[f"- {c}" for c in g.get("covered", [])], "",
+        "Not covered:", "", *[f"- {c}" for c in g.get("not_covered", [])], "",
+        f"Details: {PRIVACY_DOC}.", "", "## Randomness", "", str(card.get("randomness_note", "")), "",
+        "## Configuration", "", "```json", json.dumps(card.get("configuration", {}), indent=2, default=str), "```", "",
+        "## Model and data", "",
         f"- model: `{json.dumps(card.get('model'), default=str)}`",
-        f"- data: `{json.dumps(card.get('data'), default=str)}`",
-        "",
-    ]
+        f"- data: `{json.dumps(card.get('data'), default=str)}`", "",
+    ]  # fmt: skip
     if card.get("evaluation"):
         lines += ["## Evaluation", "", "```json", json.dumps(card["evaluation"], indent=2, default=str), "```", ""]
-    led = card.get("ledger", {})
-    lines += ["## Ledger", "", f"- digest (SHA-256): `{led.get('digest')}`"]
-    if led.get("note"):
-        lines.append(f"- {led['note']}")
-    w = card.get("weights", {})
     lines += [
-        "",
-        "## Weights",
-        "",
-        f"- `{w.get('file')}` ({w.get('format')}), SHA-256 `{w.get('sha256')}`",
-        "",
-        "```python",
-        str(card.get("load", "")),
-        "```",
-        "",
-    ]
+        "## Ledger", "", f"- digest (SHA-256): `{led.get('digest')}`", *[f"- {n}" for n in (led.get("note"),) if n], "",
+        "## Weights", "", f"- `{w.get('file')}` ({w.get('format')}), SHA-256 `{w.get('sha256')}`", "",
+        "```python", str(card.get("load", "")), "```", "",
+    ]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -35,7 +35,6 @@ DIAGNOSTICS_DIR = "diagnostics"
 # non-private columns: train_loss (mean loss on the private batch, in the clear) and
 # batch_size (the realised Poisson batch size |B_t|, a noiseless count of the private data).
 RELEASE_HISTORY_KEYS: tuple[str, ...] = ("step", "clip", "lr")
-NONPRIVATE_HISTORY_KEYS: tuple[str, ...] = ("train_loss", "batch_size")
 
 # Guarantees that cover only the selected candidate with the number of runs K hidden: the built-in
 # kinds (Liu–Talwar, repeat-and-select) are fixed here, so hiding fails closed whatever was imported

