@@ -26,7 +26,7 @@ from rich.console import Console
 
 from dptune.errors import ConfigError
 from dptune.outputs import NOT_DP_LABEL, read_csv_rows
-from dptune.presets import mohapatra, reproduce
+from dptune.presets import mohapatra, mohapatra_analyses, reproduce
 from dptune.tune import theory
 
 NAN = float("nan")
@@ -65,7 +65,7 @@ HAND_TABLE = [
 
 
 def test_best_counts_on_a_hand_made_table():
-    bc = mohapatra.best_counts(HAND_TABLE)
+    bc = mohapatra_analyses.best_counts(HAND_TABLE)
     assert bc.contests == 3
     assert bc.counts == {(0.1, 0.1): 0, (1.0, 0.1): 2, (0.1, 1.0): 1, (1.0, 1.0): 1}
     assert bc.by_group == {
@@ -73,16 +73,16 @@ def test_best_counts_on_a_hand_made_table():
         ("b", 2.0): {(0.1, 1.0): 0, (1.0, 1.0): 1},
     }
     # Lower is better (e.g. MSE): the minima of the means win instead.
-    low = mohapatra.best_counts(HAND_TABLE, higher_is_better=False)
+    low = mohapatra_analyses.best_counts(HAND_TABLE, higher_is_better=False)
     assert low.counts == {(0.1, 0.1): 0, (1.0, 0.1): 0, (0.1, 1.0): 1, (1.0, 1.0): 2}
 
 
 def test_pruned_grid_keeps_the_cells_ever_best():
-    counts = mohapatra.best_counts(HAND_TABLE).counts
+    counts = mohapatra_analyses.best_counts(HAND_TABLE).counts
     # Appendix G: every pair that won at least once; sorted by C, then α. (0.1, 0.1) never won.
-    assert mohapatra.pruned_grid(counts) == [(1.0, 0.1), (0.1, 1.0), (1.0, 1.0)]
-    assert mohapatra.pruned_grid(counts, min_count=2) == [(1.0, 0.1)]
-    assert mohapatra.pruned_grid({(0.5, 0.5): 0}) == []
+    assert mohapatra_analyses.pruned_grid(counts) == [(1.0, 0.1), (0.1, 1.0), (1.0, 1.0)]
+    assert mohapatra_analyses.pruned_grid(counts, min_count=2) == [(1.0, 0.1)]
+    assert mohapatra_analyses.pruned_grid({(0.5, 0.5): 0}) == []
 
 
 def test_best_lr_per_clip_and_the_inverse_slope():
@@ -97,13 +97,13 @@ def test_best_lr_per_clip_and_the_inverse_slope():
             (0.01, 1.0, NAN),  # diverged: ignored
         ]
     ]
-    best = mohapatra.best_lr_per_clip(rows)
+    best = mohapatra_analyses.best_lr_per_clip(rows)
     assert best == {("p", 1.0): [(0.1, (1.0,), 0.9), (1.0, (0.1,), pytest.approx(0.8))]}
     pts = [(c, al[0]) for c, al, _ in best[("p", 1.0)]]
-    assert mohapatra.loglog_slope(pts) == pytest.approx(-1.0)  # α = 0.1/C exactly
-    assert mohapatra.loglog_slope([(0.1, 1.0), (1.0, 1.0)]) == pytest.approx(0.0)
-    assert mohapatra.loglog_slope([(1.0, 0.1)]) is None  # one C: no slope
-    tie = mohapatra.best_lr_per_clip([{**r, "score": 0.5} for r in rows[:2]])
+    assert mohapatra_analyses.loglog_slope(pts) == pytest.approx(-1.0)  # α = 0.1/C exactly
+    assert mohapatra_analyses.loglog_slope([(0.1, 1.0), (1.0, 1.0)]) == pytest.approx(0.0)
+    assert mohapatra_analyses.loglog_slope([(1.0, 0.1)]) is None  # one C: no slope
+    tie = mohapatra_analyses.best_lr_per_clip([{**r, "score": 0.5} for r in rows[:2]])
     assert tie == {("p", 1.0): [(0.1, (0.1, 1.0), 0.5)]}
 
 

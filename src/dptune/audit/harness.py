@@ -1,6 +1,5 @@
-"""Gradient canaries (Dirac canaries on the linear audit loss), a spy on the noise gateway, and
-membership scores; everything else is the real code path. Model and statistics: docs/reliability.md,
-"Privacy audits"."""
+"""Gradient canaries (Dirac canaries on the linear audit loss), a spy on the noise gateway, and membership scores;
+everything else is the real code path. Model and statistics: docs/reliability.md, "Privacy audits"."""
 
 from __future__ import annotations
 

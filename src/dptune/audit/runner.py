@@ -4,6 +4,7 @@ the REAL strategy calibrated to the claim: one run (Steinke et al. 2023) or two 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -73,10 +74,9 @@ class Scenario:
         return max(vals) * math.exp(0.25 * self.steps)
 
 
-# OSO is audited with relative_increase = 3 (ν_g = 4ν): the q-query then carries 15/16 of each
-# step's signal, so an error in its noise or its accounting is visible. At the paper's default
-# (1%) the q-query carries 2% of the signal and an accounting error on it changes ε by ~1%,
-# below any audit's resolution.
+# OSO is audited with relative_increase = 3 (ν_g = 4ν): the q-query then carries 15/16 of each step's signal, so an
+# error in its noise or its accounting is visible. At the paper's default (1%) the q-query carries 2% of the signal and
+# an accounting error on it changes ε by ~1%, below any audit's resolution.
 SCENARIOS: dict[str, Scenario] = {
     "dpsgd": Scenario("dpsgd", {"lr": 0.1, "clip": 1.0, "momentum": 0.5}, 0.5, 4),
     "quantile": Scenario("quantile", {"lr": 0.1, "initial_clip": 0.5, "target_quantile": 0.5}, 0.5, 4),
@@ -391,13 +391,11 @@ def _overridden(
         raise ConfigError(f"steps must be an integer ≥ 1, got {steps!r}.")
     if sampling_rate is not None:
         accounting.check_sampling_rate(sampling_rate)
-    return Scenario(
-        scenario.strategy,
-        {**scenario.hyperparameters, **(hyperparameters or {})},
-        scenario.sampling_rate if sampling_rate is None else float(sampling_rate),
-        scenario.steps if steps is None else steps,
-        scenario.grid,
-        scenario.note,
+    return dataclasses.replace(
+        scenario,
+        hyperparameters={**scenario.hyperparameters, **(hyperparameters or {})},
+        sampling_rate=scenario.sampling_rate if sampling_rate is None else float(sampling_rate),
+        steps=scenario.steps if steps is None else steps,
     )
 
 

@@ -1,7 +1,6 @@
-"""``dptune.presets``: every experiment of the three papers in one command (``reproduce``), at the
-scales ``paper`` (``plan_preset`` plans it without training), ``small`` and ``smoke``. Each preset is
-one or more tuner studies plus, where the paper has them, theory tables and figures. Layout, settings,
-deviations and times: ``docs/reproduce.md``."""
+"""``dptune.presets``: every experiment of the three papers in one command (``reproduce``), at the scales ``paper``
+(``plan_preset`` plans it without training), ``small`` and ``smoke``. Each preset is one or more tuner studies plus,
+where the paper has them, theory tables and figures. Layout, settings, deviations and times: ``docs/reproduce.md``."""
 
 from __future__ import annotations
 

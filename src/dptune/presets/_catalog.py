@@ -100,8 +100,6 @@ _PANDA = [
             "paper": "≈ 30–45 CPU minutes for the embeddings (cached afterwards), training minutes",
         },
     ),
-]
-_PANDA.append(
     Preset(
         name="panda-finetune",
         paper="Panda et al. 2024 (linear scaling rule, Tables 6–8: fine-tuning)",
@@ -118,8 +116,8 @@ _PANDA.append(
             "gpu-slice": "GPU: ≈ 10 min estimated on one H100 (Enron, n = 2,048, 64 tokens, 3 modes × 38 runs × "
             "4–16 steps: ≈ 2.3M example-steps, ≈ 10 PFLOP at ≈ 25 TFLOP/s)",
         },
-    )
-)
+    ),
+]
 PRESETS: dict[str, Preset] = {p.name: p for p in (*_GALLI, *_MOHAPATRA, *_PANDA)}
 
 
@@ -178,10 +176,8 @@ def get_preset(name: Any) -> Preset:
 
 
 def preset_parts(name: str, scale: str, **options: Any) -> list[Part]:
-    """The parts (one tuner study each, as ``study_from_dict`` dicts) of a preset at a scale.
-
-    Mohapatra presets read the dataset's size (their budgets depend on q = L/n): the data
-    must be available (``DPTUNE_DATA_DIR``)."""
+    """The parts (one tuner study each, as ``study_from_dict`` dicts) of a preset at a scale. Mohapatra presets read
+    the dataset's size (their budgets depend on q = L/n): the data must be available (``DPTUNE_DATA_DIR``)."""
     preset = get_preset(name)
     return preset.parts(check_scale(scale, preset.scales), **options)
 

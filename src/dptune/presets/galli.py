@@ -1,7 +1,6 @@
-"""Galli, Palamidessi & Cucinotta (AAAI 2024), "Online Sensitivity Optimization in Differentially
-Private Learning": five strategies with per-grid budgets on MNIST, Fashion-MNIST (autoencoder) and AG
-News; k log-spaced grid values, 5 unaccounted seeds, best checkpoint on the public test set. Settings
-per scale and deviations: docs/reproduce.md."""
+"""Galli, Palamidessi & Cucinotta (AAAI 2024), "Online Sensitivity Optimization in Differentially Private Learning":
+five strategies with per-grid budgets on MNIST, Fashion-MNIST (autoencoder) and AG News; k log-spaced grid values, 5
+unaccounted seeds, best checkpoint on the public test set. Settings per scale and deviations: docs/reproduce.md."""
 
 from __future__ import annotations
 
@@ -59,14 +58,7 @@ PAPER_SCORES: dict[tuple[str, int], dict[float, dict[str, tuple[float, float]]]]
         9.0: {"oso": (86.38, 0.12), "dpsgd": (86.18, 0.07), "quantile": (85.93, 0.18), "adamwosm": (86.57, 0.11)},
     },
 }
-_TABLE_NUMBER = {
-    ("mnist", 9): 8,
-    ("fmnist-ae", 9): 9,
-    ("agnews", 9): 10,
-    ("mnist", 5): 11,
-    ("fmnist-ae", 5): 12,
-    ("agnews", 5): 13,
-}
+_TABLE_NUMBER = dict(zip(PAPER_SCORES, (8, 11, 9, 12, 10, 13), strict=True))  # as marked above
 PAPER = {"k": 7, "batch": 512, "epochs": 10, "eval_every": 50, "seeds": [0, 1, 2, 3, 4]}  # ε: the dataset's
 # 65 independent runs: the CNN cannot be stacked into vectorised trials (Linear models only), so the
 # process executor's workers share the GPU run by run.
@@ -102,12 +94,8 @@ SMALL: dict[str, dict[str, Any]] = {
     "fmnist-ae": {"limit": 2500, "batch": 128, "epochs": 3, "eval_every": 20, "seeds": [0], "epsilons": [2.0, 4.0]},
     "agnews": {"batch": 512, "epochs": 10, "eval_every": 50, "seeds": [0, 1, 2], "epsilons": [3.0, 5.0, 7.0, 9.0]},
 }
-# NoDP at the small scale (a documented deviation): the paper's ρ grid at k = 3, {0.003162, 0.3162, 31.62},
-# left the non-private ceiling below the private arms in these few steps (galli-mnist: 22.8 %, Online 87.0 %).
-# NoDP searches k log-spaced ρ over one decade around the ρ measured best with the preset's data, model and
-# steps (docs/reproduce.md, "NoDP at the small scale"): MNIST 0.1 (91.0 / 87.1 %, 2 seeds; 0.3162 unstable,
-# 1 never learns), Fashion-MNIST AE 1 (MSE × 10² 4.6; 0.3162: 10.9, 3.162: 12.1), AG News 1 (78.1 %, 6 seeds;
-# 0.3162: 75.0 %, 1.778: 58.6 %). log10 bounds per dataset:
+# NoDP at the small scale (a documented deviation): k log-spaced ρ over one decade around the ρ measured
+# best with the preset's data, model and steps; log10 bounds (docs/reproduce.md, "NoDP at the small scale").
 SMALL_NODP_LR_RANGE: dict[str, tuple[float, float]] = {
     "mnist": (-1.5, -0.5),  # k = 3: 0.03162, 0.1, 0.3162
     "fmnist-ae": (-0.5, 0.5),  # k = 3: 0.3162, 1, 3.162

@@ -15,20 +15,16 @@ from dptune.errors import ConfigError
 from dptune.outputs import write_csv_rows
 from dptune.presets import mohapatra_analyses
 from dptune.presets._common import Part, study_dict
+from dptune.presets.mohapatra_analyses import tuner_data
 from dptune.report import figures as F
 from dptune.report.html import FigureRef, Section, Table
 from dptune.tune import theory
-from dptune.tune.data import study_data
-from dptune.tune.spec import DataSpec, SelectionSpec
 
 ALPHAS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 CLIPS = [0.1, 0.2, 0.5, 1.0]
 MOMENTA = [0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99]
 SIGMAS = [2.0, 4.0, 8.0]
 LOT, STEPS = 250, 10_000  # appendix F
-# The (α, C) analyses live in ``mohapatra_analyses``; their public names are also reachable here.
-best_counts, pruned_grid = mohapatra_analyses.best_counts, mohapatra_analyses.pruned_grid
-best_lr_per_clip, loglog_slope = mohapatra_analyses.best_lr_per_clip, mohapatra_analyses.loglog_slope
 
 DATASETS: dict[str, dict[str, Any]] = {
     # Mohapatra pool MNIST's 70,000 images and split 80/20; LR and TLNN take 784 inputs.
@@ -38,51 +34,34 @@ DATASETS: dict[str, dict[str, Any]] = {
 }
 MODELS = {"lr": ("logistic_regression", "logistic regression"), "tlnn": ("two_layer_nn", "two-layer NN (100 ReLU)")}
 
+_PAPER: dict[str, Any] = {
+    "lot": LOT,
+    "steps": {"mnist": STEPS, "adult": STEPS, "enron": STEPS},
+    "seeds": [0, 1, 2],
+    "sigmas": SIGMAS,
+    "alphas": ALPHAS,
+    "clips": CLIPS,
+    "momenta": MOMENTA,
+    "sgd_clips": CLIPS,
+    "mom_alphas": ALPHAS,
+    "mom_clips": CLIPS,
+    "eval_every": 100,
+    "lt": ("dpsgd", "dpmomentum"),
+    "limit": None,
+}
 SCALES: dict[str, dict[str, Any]] = {
-    "paper": {
-        "lot": LOT,
-        "steps": {"mnist": STEPS, "adult": STEPS, "enron": STEPS},
-        "seeds": [0, 1, 2],
-        "sigmas": SIGMAS,
-        "alphas": ALPHAS,
-        "clips": CLIPS,
-        "momenta": MOMENTA,
-        "sgd_clips": CLIPS,
-        "mom_alphas": ALPHAS,
-        "mom_clips": CLIPS,
-        "eval_every": 100,
-        "lt": ("dpsgd", "dpmomentum"),
-        "limit": None,
-    },
+    "paper": _PAPER,
     "small": {
-        "lot": LOT,
-        "steps": {"mnist": 600, "adult": 600, "enron": 300},
-        "seeds": [0, 1],
-        "sigmas": SIGMAS,
-        "alphas": [0.01, 0.1, 1.0],
-        "clips": CLIPS,
-        "momenta": [0.5, 0.9],
-        "sgd_clips": [0.1, 1.0],
-        "mom_alphas": [0.01, 0.1, 1.0],
-        "mom_clips": [0.1, 1.0],
-        "eval_every": 100,
+        **_PAPER,
+        **{"steps": {"mnist": 600, "adult": 600, "enron": 300}, "seeds": [0, 1], "alphas": [0.01, 0.1, 1.0]},
+        **{"momenta": [0.5, 0.9], "sgd_clips": [0.1, 1.0], "mom_alphas": [0.01, 0.1, 1.0], "mom_clips": [0.1, 1.0]},
         "lt": (),
-        "limit": None,
     },
     "smoke": {
-        "lot": 32,
-        "steps": {"mnist": 6, "adult": 6, "enron": 6},
-        "seeds": [0],
-        "sigmas": [4.0],
-        "alphas": [0.1, 1.0],
-        "clips": [0.1, 1.0],
-        "momenta": [0.5, 0.9],
+        **{"lot": 32, "steps": {"mnist": 6, "adult": 6, "enron": 6}, "seeds": [0], "sigmas": [4.0]},
+        **{"alphas": [0.1, 1.0], "clips": [0.1, 1.0], "momenta": [0.5, 0.9], "mom_alphas": [0.1], "mom_clips": [1.0]},
         "sgd_clips": [0.1, 1.0],  # two C: the (α, C) analyses (App. G, the LR–C relation) need a 2-D grid
-        "mom_alphas": [0.1],
-        "mom_clips": [1.0],
-        "eval_every": 3,
-        "lt": ("dpmomentum",),
-        "limit": 250,
+        **{"eval_every": 3, "lt": ("dpmomentum",), "limit": 250},
     },
 }
 
@@ -91,11 +70,6 @@ def epsilon_for_sigma(sigma: float, n: int, lot: float, steps: int, candidates: 
     """ε under RDP of ``candidates`` runs of ``steps`` Gaussian steps at q = lot/n, ν = σ: σ's budget."""
     q = min(1.0, lot / n)
     return accounting.epsilon(accounting.dpsgd_event(sigma, q, steps, runs=candidates), delta, "rdp")
-
-
-def _tuner_data(data: Mapping[str, Any]) -> Any:
-    """The tuner's view of a data section (loaded once per process: the tuner's cache)."""
-    return study_data(DataSpec(name=data["name"], options=dict(data.get("options", {}))), SelectionSpec(), 0)
 
 
 def _strategies(s: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -130,7 +104,7 @@ def build(dataset: str, scale: str, options: Mapping[str, Any]) -> list[Part]:
         data["options"]["limit"] = s["limit"]
     if not data["options"]:
         del data["options"]
-    n = _tuner_data(data).n_train
+    n = tuner_data(data).n_train
     delta = theory.delta_for_n(n)  # δ_f = 1/n rounded down to a power of ten (App. A)
     steps = s["steps"][dataset]
     lot = min(float(s["lot"]), float(n))
@@ -138,6 +112,11 @@ def build(dataset: str, scale: str, options: Mapping[str, Any]) -> list[Part]:
     eps = [epsilon_for_sigma(sig, n, lot, steps, k_ref, delta) for sig in s["sigmas"]]
     if len(set(eps)) != len(eps):  # pragma: no cover - distinct σ give distinct ε
         raise ConfigError("two noise levels give the same ε; use distinct σ values.")
+    # per-seed: each seed replicate is its own tuning procedure ("3 runs averaged" = the mean ± std of the 3
+    # selected runs). "mean" would make a Liu–Talwar candidate the composite of its 3 seed runs, which LT must
+    # pay for (3× the runs per candidate), while the MA arms, unaccounted seeds, would not: an unequal comparison.
+    selection = {"mode": "public", "split": "test", "checkpoint": "best", "eval_every": s["eval_every"]}
+    selection["across_seeds"] = "per-seed"
     parts = []
     for key, (model, model_title) in MODELS.items():
         study = study_dict(
@@ -146,17 +125,7 @@ def build(dataset: str, scale: str, options: Mapping[str, Any]) -> list[Part]:
             model={"name": model},
             training={"steps": steps, "expected_batch_size": lot},
             budget={"epsilon": eps, "delta": delta, "accountant": "rdp", "account_seeds": False},
-            # per-seed: each seed replicate is its own tuning procedure ("3 runs averaged" = the
-            # mean ± std of the 3 selected runs). "mean" would make a Liu–Talwar candidate the
-            # composite of its 3 seed runs, which LT must pay for (3× the runs per candidate), while
-            # the MA arms, unaccounted seeds, would not: an unequal comparison.
-            selection={
-                "mode": "public",
-                "split": "test",
-                "checkpoint": "best",
-                "eval_every": s["eval_every"],
-                "across_seeds": "per-seed",
-            },
+            selection=selection,
             strategies=_strategies(s),
             seeds=s["seeds"],
         )
@@ -175,31 +144,21 @@ def sigma_costs(out_dir: Path, scale: str, parts: list[Part]) -> list[Section]:
         return []
     st = parts[0].study
     s = SCALES[scale]
-    n = _tuner_data(st["data"]).n_train
+    n = tuner_data(st["data"]).n_train
     delta = float(st["budget"]["delta"])
-    lot = float(st["training"]["expected_batch_size"])
-    steps = int(st["training"]["steps"])
+    lot, steps = float(st["training"]["expected_batch_size"]), int(st["training"]["steps"])
     rows = []
     for sig, eps_budget in zip(s["sigmas"], st["budget"]["epsilon"], strict=True):
         for arm in st["strategies"]:
             k = math.prod(len(v) for v in arm["space"].values())
             _, eps_lt, eps_ma = theory.lt_vs_ma(n, sig, lot, steps, ks=[k], delta=delta).rows[0]
-            arm_row = {"sigma": sig, "optimizer": arm.get("label", arm["name"]), "candidates": k}
-            rows.append(
-                {**arm_row, "epsilon_MA": eps_ma, "epsilon_LT": eps_lt, "budget_epsilon": eps_budget, "delta": delta}
-            )
+            row = {"sigma": sig, "optimizer": arm.get("label", arm["name"]), "candidates": k, "epsilon_MA": eps_ma}
+            rows.append({**row, "epsilon_LT": eps_lt, "budget_epsilon": eps_budget, "delta": delta})
     path = write_csv_rows(out_dir / "sigma_costs.csv", rows)
+    eps_keys = ("epsilon_MA", "epsilon_LT", "budget_epsilon")
     table = Table(
         ["σ", "optimizer", "candidates", "ε (MA)", "ε (LT, γ = 1/K)", "ε budget used here"],
-        [
-            [
-                r["sigma"],
-                r["optimizer"],
-                r["candidates"],
-                *(f"{r[e]:.4g}" for e in ("epsilon_MA", "epsilon_LT", "budget_epsilon")),
-            ]
-            for r in rows
-        ],
+        [[r["sigma"], r["optimizer"], r["candidates"], *(f"{r[e]:.4g}" for e in eps_keys)] for r in rows],
         caption=f"n = {n}, L = {lot:g}, T = {steps}, δ = {delta:g}.",
     )
     return [
@@ -218,10 +177,9 @@ def sigma_costs(out_dir: Path, scale: str, parts: list[Part]) -> list[Section]:
 
 
 def lt_vs_ma_extra(out_dir: Path, scale: str) -> list[Section]:
-    """Appendix F / Figure 6: ε of k candidates under LT (γ = 1/k) vs MA, σ = 4, L = 250,
-    T = 10,000, n = 5k and 60k (the paper: MA affords 14 and 26 candidates). ``scale`` is
-    accepted for uniformity: nothing is trained, so every scale computes the same."""
-    ks = range(1, 61)  # no training: every scale computes the paper's figure (≈ 1 s)
+    """Appendix F / Figure 6: ε of k candidates under LT (γ = 1/k) vs MA, σ = 4, L = 250, T = 10,000, n = 5k and
+    60k (the paper: MA affords 14 and 26 candidates)."""
+    ks = range(1, 61)  # no training: every scale (``scale``, for uniformity) computes the paper's figure (≈ 1 s)
     out_dir.mkdir(parents=True, exist_ok=True)
     paper_k = {5000: 14, 60000: 26}
     caption = "ε of the whole search vs the number of candidates k (Mohapatra et al. 2022, Fig. 6)."
@@ -243,10 +201,9 @@ def lt_vs_ma_extra(out_dir: Path, scale: str) -> list[Section]:
             Section(
                 f"n = {n}",
                 paragraphs=[
-                    f"δ = {tight.delta:g} (1/n rounded down to a power of ten). MA composes up to "
-                    f"{tight.k_max} candidates for LT's price with the tight RDP→(ε, δ) conversion "
-                    f"(dp_accounting), {classic.k_max} with the classic conversion ε = min_α RDP(α) + "
-                    f"ln(1/δ)/(α − 1); the paper reports {paper_k[n]}."
+                    f"δ = {tight.delta:g} (1/n rounded down to a power of ten). MA composes up to {tight.k_max} "
+                    f"candidates for LT's price with the tight RDP→(ε, δ) conversion (dp_accounting), {classic.k_max} "
+                    f"with the classic conversion ε = min_α RDP(α) + ln(1/δ)/(α − 1); the paper reports {paper_k[n]}."
                 ],
                 figures=[FigureRef(fig, caption)],
             )

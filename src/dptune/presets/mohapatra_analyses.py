@@ -214,16 +214,12 @@ def _best_counts_section(
     by_clip: dict[float, list[float]] = defaultdict(list)
     for a, c in pruned:
         by_clip[c].append(a)
+    times: dict[float, int] = defaultdict(int)
+    for (_, c), k in bc.counts.items():
+        times[c] += k
     pruned_table = Table(
         ["C", "α ever best (pruned grid)", "times best"],
-        [
-            [
-                f"{c:g}",
-                ", ".join(f"{a:g}" for a in by_clip[c]) or "— (never best)",
-                sum(k for (_, cc), k in bc.counts.items() if cc == c),
-            ]
-            for c in sorted({c for _, c in bc.counts})
-        ],
+        [[f"{c:g}", ", ".join(f"{a:g}" for a in by_clip[c]) or "— (never best)", times[c]] for c in sorted(times)],
         caption=f"Pruned grid: {len(pruned)} of {len(bc.counts)} (α, C) cells were best at least once "
         f"(appendix G's rule). {bc.contests} comparisons: parts {', '.join(sorted({r['part'] for r in evals}))} × "
         f"ε × checkpoints; tied cells each score a point.",
@@ -288,10 +284,14 @@ def _lr_vs_clip_section(
     )
 
 
+def tuner_data(data: Mapping[str, Any]) -> Any:
+    """The tuner's view of a data section (loaded once per process: the tuner's cache)."""
+    return study_data(DataSpec(name=data["name"], options=dict(data.get("options", {}))), SelectionSpec(), 0)
+
+
 def _lr_params(study: Mapping[str, Any]) -> int:
     """d of logistic regression on the study's data: one affine layer, (inputs + 1) × classes."""
-    data = study["data"]
-    sd = study_data(DataSpec(name=data["name"], options=dict(data.get("options", {}))), SelectionSpec(), 0)
+    sd = tuner_data(study["data"])
     return (math.prod(sd.input_shape) + 1) * int(sd.num_classes or 1)
 
 

@@ -1,15 +1,7 @@
-"""Panda, Tang, Mahloujifar, Sehwag & Mittal (ICML 2024), "A New Linear Scaling Rule for
-Private Adaptive Hyperparameter Optimization": full-batch DP-GD tuned by the rule (sweeps at two
-small budgets, a linear fit of r = η·T in ε, one final run at the extrapolated r, all one μ-GDP
-composition), beside Panda's random-search baseline and grid oracle on the same search space (so
-the report can compute Panda's RERR, Table 3).
-
-Presets: ``panda-linear-scaling-mnist`` (the registry's MNIST CNN from scratch) and
-``panda-linear-scaling-text`` (zero-initialised linear probes on all-MiniLM-L6-v2 embeddings of AG
-News and Enron1, two parts); option ``average`` ("ema" or "swa") adds the iterate-averaging
-ablation (Fig. 11). The report adds r vs ε (Fig. 3) and the oracle's η × T heatmaps (Fig. 5/15/16).
-Settings per scale and deviations: docs/reproduce.md.
-"""
+"""Panda, Tang, Mahloujifar, Sehwag & Mittal (ICML 2024), "A New Linear Scaling Rule for Private Adaptive
+Hyperparameter Optimization": full-batch DP-GD tuned by the rule, beside Panda's random search and grid oracle
+on the same space. Presets ``panda-linear-scaling-mnist`` and ``-text`` (MiniLM probes on AG News and Enron1);
+option ``average`` adds the iterate-averaging ablation (Fig. 11). Settings, deviations: docs/reproduce.md."""
 
 from __future__ import annotations
 
@@ -27,18 +19,12 @@ from dptune.report.html import FigureRef
 from dptune.tune.results import load_study, study_table
 
 DELTA = 1e-5
-# Sweep budgets at small n. A full-batch DP-GD run's noise, per step of the averaged gradient, has
-# std √T/(μ·n): a sweep tells as much about r as μ·n allows. Panda's ε₁ = 0.1 at CIFAR's n = 50,000
-# is μ₁·n ≈ 1,600; at the small scale's n = 1,500–2,400 the same information would need ε₁ ≈ 2.8–4.8,
-# as much as the targets. So the small scale gives each sweep Panda's share of its own target
-# (0.1·ε and 0.2·ε: their ε = 1 split, ε_f ≈ 0.88·ε, at every ε) instead of a fixed 0.1 and 0.2:
-# the extrapolation spans ≈ 8 sweep spacings instead of 39 (ε = 4), and ε = 0.5 keeps ε_f = 0.44
-# instead of 0.25. docs/reproduce.md ("Why the rule loses here") has the measurements.
+# Sweep budgets at small n: each sweep gets Panda's share of its own target (0.1·ε and 0.2·ε: their ε = 1
+# split at every ε) instead of a fixed 0.1 and 0.2, which would tell little about r at n ≈ 2,000 (the noise
+# per step has std √T/(μ·n)). docs/reproduce.md, "Why the rule lost to random search", item 2.
 SMALL_N_SWEEPS: dict[str, list[float]] = {"fraction": [0.1, 0.2]}
-# Alg. 3 draws r "uniformly"; over the text preset's 2,000-fold r range ([0.5, 1000]) a uniform draw
-# lands above 100 nine times in ten, so the low-ε sweeps hardly tried the small r they favour (2 of
-# 72 sweep draws below 10 at the small scale). Log-uniform, like Panda's logarithmic η grids and
-# the random-search arm's η.
+# r = η·T log-uniform (Alg. 3 says uniformly: over a 2,000-fold r range uniform draws miss the small r the
+# low-ε sweeps favour; docs/reproduce.md, same section, item 1), like Panda's logarithmic η grids.
 R_SAMPLING = "log_uniform"
 
 MNIST: dict[str, dict[str, Any]] = {
@@ -111,10 +97,9 @@ def rule_notes(scale: str, s: Mapping[str, Any], probe: bool) -> tuple[str, ...]
     if scale != "small":
         return notes
     small_n = (
-        "Small n: a sweep informs as μ·n allows (DP-GD's noise per step of the averaged gradient has std "
-        "√T/(μ·n)); Panda's ε₁ = 0.1 at n = 50,000 would be ε₁ ≈ 2.8 at n = 2,400 (4.8 at 1,500), so the "
-        "sweeps are noisy and their best r is close to a random draw (docs/reproduce.md, 'Why the rule lost "
-        "to random search')."
+        "Small n: a sweep informs as μ·n allows (DP-GD's noise per step of the averaged gradient has std √T/(μ·n)); "
+        "Panda's ε₁ = 0.1 at n = 50,000 would be ε₁ ≈ 2.8 at n = 2,400 (4.8 at 1,500), so the sweeps are noisy and "
+        "their best r is close to a random draw (docs/reproduce.md, 'Why the rule lost to random search')."
     )
     if not probe:
         return (*notes, small_n)
@@ -244,10 +229,8 @@ def build_text(scale: str, options: Mapping[str, Any]) -> list[Part]:
 def _draw_fit(ax: Any, fit: Mapping[str, Any], first: bool) -> None:
     """One linear-scaling procedure on the r-vs-ε axes: its sweep points, fitted line and r* (the
     legend labels come from the first procedure drawn)."""
-    pts = fit["points"]
-    ax.scatter(
-        [p[0] for p in pts], [p[1] for p in pts], color="tab:blue", s=18, label="sweep best r" if first else None
-    )
+    pts, label = fit["points"], "sweep best r" if first else None
+    ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:blue", s=18, label=label)
     if fit.get("coef"):
         # sampled, so that on the log axis the positive part of a falling line still shows
         x0, x1 = min(p[0] for p in pts), fit["x_final"]
@@ -312,19 +295,15 @@ HEATMAP_FILE = "eta_T_heatmaps.png"
 
 
 def eta_t_grids(study_dir: str | Path) -> list[dict[str, Any]]:
-    """The η × T grids of a study's grid-search arms (Panda's oracle, or a plain grid), one per
-    (arm label, ε): ``cells`` maps (η, T) to the mean selection score over seed replicates
-    (None: no finite score, e.g. every replicate diverged). Also the arm's guarantee (``covered``:
-    the ε at which the whole grid is covered, its scope and kind), the best cell's r = η·T and
-    the linear-scaling arm's selected r* at the same ε (None when the study has none)."""
+    """The η × T grids of a study's grid-search arms, one per (arm label, ε): ``cells`` maps (η, T) to the
+    mean selection score over seed replicates (None: none finite), with the grid's guarantee (``covered``:
+    the composed ε), the best cell and the linear-scaling arm's r* at the same ε (None without one)."""
     cfg, plan, rows, _ = load_study(study_dir)
     runs = {r["run_id"]: r for r in rows}
     table = {r["arm"]: r for r in study_table(study_dir)}
     configs = {rid: r["config"] for rid, r in runs.items() if r["config"] is not None}
     ls_r: dict[float, float] = {}
-    for r in table.values():
-        if r["method"] != "linear-scaling":
-            continue
+    for r in (r for r in table.values() if r["method"] == "linear-scaling"):
         sel = [configs[rid] for rid in r["selected_runs"] if rid in configs]
         rs = [c["lr"] * c["steps"] for c in sel if "lr" in c and "steps" in c]
         if rs:
@@ -372,13 +351,9 @@ def eta_t_grids(study_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
-    """Panda et al.'s η × T heatmaps (Fig. 5, 15, 16): one panel per ε (columns) and grid arm
-    (rows: the oracle, and ``grid-oracle-ema``/``-swa`` with the averaging ablation), every run's
-    metric on one colour scale (lighter is better), best cell outlined. Returns (figure, released).
-
-    Privacy (docs/privacy.md): the figure shows every candidate of each grid. With public selection
-    on a composition arm it is covered at the grid's composed ε (stated in the caption and panels,
-    not the panel's per-run ε): ``release/figures``; otherwise ``diagnostics/figures``, labelled."""
+    """Panda et al.'s η × T heatmaps (Fig. 5, 15, 16): one panel per ε (columns) and grid arm (rows), best
+    cell outlined. Returns (figure, released): released only when covered at the grid's composed ε, else
+    in ``diagnostics/figures``, labelled (docs/privacy.md, ``eta_T_heatmaps.png``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -462,9 +437,8 @@ def _heatmap_caption(g0: Mapping[str, Any], released: bool) -> str:
 
 
 def report_figures(study_dir: str | Path) -> list[FigureRef]:
-    """The panda presets' extra figures for a part's release report: r = η·T vs ε (Fig. 3) and,
-    when covered (public selection), the η × T heatmaps per ε (Fig. 5/15/16). Under private
-    selection the heatmaps are written to ``diagnostics/figures`` only."""
+    """The panda presets' extra figures for a part's release report: r = η·T vs ε (Fig. 3) and, when covered
+    (public selection), the η × T heatmaps per ε (Fig. 5/15/16; else in ``diagnostics/figures`` only)."""
     out = []
     study_dir = Path(study_dir)
     ref = r_vs_epsilon_figure(study_dir, study_dir / "release" / "figures" / "r_vs_epsilon.png")

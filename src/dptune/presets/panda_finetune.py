@@ -1,14 +1,6 @@
-"""``panda-finetune``: Panda et al.'s linear scaling rule in its own setting, a
-pretrained transformer fine-tuned privately instead of a probe on frozen features.
-
-all-MiniLM-L6-v2 (``finetune.hf_classifier``, the ``text`` extra) on AG News and Enron1 token ids
-(``representation = "tokens"``), one part per (dataset, mode): full fine-tuning (all but the
-embedding tables), the last k = 2 blocks + head, LoRA (rank 8 on query and value) + head. Each part
-has panda-linear-scaling-text's arms (the rule, Algorithms 1–3; random search; the grid oracle; full-
-batch DP-GD, momentum 0.9, C = 1, ``panda.panda_study``) plus a non-private fine-tune on the oracle's
-grid (the ceiling, diagnostics only). The frozen-feature linear probe is ``panda-linear-scaling-text``.
-Settings and sizing per scale, deviations and results: docs/reproduce.md.
-"""
+"""``panda-finetune``: Panda et al.'s linear scaling rule fine-tuning all-MiniLM-L6-v2 (``hf_classifier``) on
+AG News and Enron1 token ids, one part per (dataset, mode: full, last 2 blocks, LoRA): panda-linear-scaling-text's
+arms plus a non-private fine-tune (the ceiling, diagnostics only). Settings, sizing, results: docs/reproduce.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``build_report``: plain study data in (one ``ReportInputs``), figures + CSVs + one
-self-contained HTML page out."""
+"""``build_report``: plain study data in (one ``ReportInputs``), figures + CSVs + one self-contained HTML page out."""
 
 from __future__ import annotations
 
@@ -245,18 +244,16 @@ def _trajectories(p: _Pages, best: list[SummaryRow], baseline: list[SummaryRow])
     if public:
         fig = F.trajectories(public, p.out / "figures" / "trajectories.png")
         text = (
-            "C_t and ρ_t per iteration (log scale) of the selected runs, one line per run. Flat "
-            "lines are fixed hyperparameters; OSO, the quantile rule and ADADP adapt them during "
-            "training, from noisy releases only."
+            "C_t and ρ_t per iteration (log scale) of the selected runs, one line per run. Flat lines are fixed "
+            "hyperparameters; OSO, the quantile rule and ADADP adapt them during training, from noisy releases only."
         )
         figure = FigureRef(fig, "C_t (top) and ρ_t (bottom) against the iteration t.")
         p.sections.append(Section(title, paragraphs=[text], figures=[figure], attachments=[traj_csv]))
     if p.include_diagnostics:
         fig = F.trajectories(hs, p.diag / "figures" / "trajectories_all.png", title="C_t and ρ_t of every run")
         text = (
-            "C_t and ρ_t of every run, selected or not; the CSV also has the loss on the "
-            "private batch (train_loss) and the realised Poisson batch sizes (batch_size), "
-            "computed in the clear."
+            "C_t and ρ_t of every run, selected or not; the CSV also has the loss on the private batch (train_loss) "
+            "and the realised Poisson batch sizes (batch_size), computed in the clear."
         )
         figure = FigureRef(fig, "C_t (top) and ρ_t (bottom) of every run.")
         p.dsections.append(_diagnostic("Every run's history", text, figures=[figure], attachments=[diag_traj]))
@@ -286,10 +283,9 @@ def _budget_and_ledger(p: _Pages) -> None:
     budget_rows = _budget_rows(p.r)
     if budget_rows:
         text = (
-            "The (ε, δ) each tuning procedure planned and spent (search and selection included), "
-            "for adding or removing one training example. Everything on this page is covered by "
-            "it; the diagnostics (every candidate, per-run ledger, training loss, batch sizes) "
-            "are not and are kept apart."
+            "The (ε, δ) each tuning procedure planned and spent (search and selection included), for adding or "
+            "removing one training example. Everything on this page is covered by it; the diagnostics (every "
+            "candidate, per-run ledger, training loss, batch sizes) are not and are kept apart."
         )
         budget_csv = write_csv_rows(p.out / "budget.csv", budget_rows)
         p.sections.append(Section("Privacy guarantee", paragraphs=[text], attachments=[budget_csv]))
@@ -304,10 +300,8 @@ def _budget_and_ledger(p: _Pages) -> None:
             "releases in total. Every release is recorded before its noise is drawn."
         )
         figure = FigureRef(fig, "Left: ε of each run alone. Right: noisy releases per query label.")
-        table = ledger_table(lrows)
-        p.dsections.append(
-            _diagnostic("Privacy ledger per run", text, figures=[figure], tables=[table], attachments=[led_csv])
-        )
+        parts = dict(figures=[figure], tables=[ledger_table(lrows)], attachments=[led_csv])
+        p.dsections.append(_diagnostic("Privacy ledger per run", text, **parts))
 
 
 def _cosine(p: _Pages, cosine: CosineResult) -> None:
@@ -316,14 +310,12 @@ def _cosine(p: _Pages, cosine: CosineResult) -> None:
         return
     fig = F.cosine_similarity(cosine, p.diag / "figures" / "cosine_vs_clip.png")
     text = (
-        "NON-PRIVATE diagnostic computed on raw data on this machine; it is not a DP "
-        "release and must not be published as one. Small C biases the clipped gradient, "
-        "large C drowns it in noise ν·C."
+        "NON-PRIVATE diagnostic computed on raw data on this machine; it is not a DP release and must not be published "
+        "as one. Small C biases the clipped gradient, large C drowns it in noise ν·C."
     )
     caption = (
-        "Cosine similarity between the clipped, noised mean gradient and the true "
-        "mean gradient vs C, at several iterations (Galli et al. 2024, Fig. 1); "
-        "band: ± one std over the realizations."
+        "Cosine similarity between the clipped, noised mean gradient and the true mean gradient vs C, at several "
+        "iterations (Galli et al. 2024, Fig. 1); band: ± one std over the realizations."
     )
     title = "Clipping trade-off (non-private diagnostic)"
     p.dsections.append(_diagnostic(title, text, figures=[FigureRef(fig, caption)], attachments=[cos_csv]))
@@ -337,9 +329,8 @@ def _pareto_section(p: _Pages, pareto: Mapping[float, float] | Sequence[tuple[fl
         nu_q, nu_g = F.pareto_choice(nu, relative_increase)
         choice_rows.append([e, nu, nu_q, nu_g, nu_q / nu])
     caption = (
-        "Pareto front of the noise multipliers of OSO's gradient (ν_g) and q-query "
-        "(ν_q) at the privacy of one Gaussian of multiplier ν; star: ν_g = "
-        f"{1 + relative_increase:g}·ν (Galli et al. 2024, Fig. 2)."
+        "Pareto front of the noise multipliers of OSO's gradient (ν_g) and q-query (ν_q) at the privacy of one "
+        f"Gaussian of multiplier ν; star: ν_g = {1 + relative_increase:g}·ν (Galli et al. 2024, Fig. 2)."
     )
     columns = ["ε", "ν (joint)", "ν_q chosen", "ν_g chosen", "ν_q/ν"]
     table = Table(columns, choice_rows, caption="Chosen noise split per ε.")
@@ -351,9 +342,8 @@ def _lt_ma_section(p: _Pages, rows: list[Any]) -> Section:
     k_star = F.ma_break_even(rows)
     tail = f" MA is no more expensive up to k = {k_star}." if k_star is not None else " LT is cheaper at every k."
     caption = (
-        "ε of the whole search vs the number of candidates k: Liu–Talwar random "
-        "stopping vs composing every run with the moments accountant (Mohapatra "
-        "et al. 2022, Fig. 6)." + tail
+        "ε of the whole search vs the number of candidates k: Liu–Talwar random stopping vs composing every run with "
+        "the moments accountant (Mohapatra et al. 2022, Fig. 6)." + tail
     )
     csv = write_csv_rows(p.out / "lt_vs_ma.csv", [{"k": r.k, "eps_LT": r.eps_lt, "eps_MA": r.eps_ma} for r in rows])
     title = "Cost of tuning: Liu–Talwar vs moments accountant"
@@ -408,10 +398,7 @@ def nu_q(event: dp_event.DpEvent) -> tuple[float | None, float | None]:
 
 
 def ledger_rows_from_ledger(
-    ledger: Ledger,
-    delta: float,
-    accountant: str = "rdp",
-    planned_epsilon: Mapping[str, float] | None = None,
+    ledger: Ledger, delta: float, accountant: str = "rdp", planned_epsilon: Mapping[str, float] | None = None
 ) -> list[LedgerRow]:
     """One ``LedgerRow`` per (run, query label, event) of ``ledger``, each with its run's own ε at ``delta``."""
     accounting.check_delta(delta)

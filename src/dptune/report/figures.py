@@ -79,26 +79,20 @@ def _empty(ax: Any, text: str) -> None:
 
 
 def _log_axes(ax: Any, which: str) -> None:
-    """Log scale with plain tick labels on the ``which`` axes ("x", "y" or "xy")."""
+    """Log scale on the ``which`` axes ("x", "y" or "xy"), ticks as plain numbers (0.3, 1, 20), not mathtext: easier
+    to read, faster to lay out."""
     if "x" in which:
         ax.set_xscale("log")
     if "y" in which:
         ax.set_yscale("log")
-    for axis in which:
-        _plain_log_ticks(ax, axis)
-
-
-def _plain_log_ticks(ax: Any, which: str = "y") -> None:
-    """Log-axis ticks as plain numbers (0.3, 1, 20), not mathtext: easier to read, faster to lay out."""
-    axis = ax.yaxis if which == "y" else ax.xaxis
-    lo, hi = ax.get_ylim() if which == "y" else ax.get_xlim()
-    # Enough significant digits to tell neighbouring ticks apart on a narrow range.
-    digits = 3 if not (lo > 0 and hi > lo) else max(3, math.ceil(-math.log10((hi - lo) / hi)) + 2)
-    fmt = FuncFormatter(lambda v, _pos: f"{v:.{digits}g}")
-    axis.set_major_formatter(fmt)
-    # Less than a decade shown: at most one major tick, so label the minor ones too.
-    narrow = lo > 0 and hi / lo < 10
-    axis.set_minor_formatter(fmt if narrow else NullFormatter())
+    for name in which:
+        axis, (lo, hi) = (ax.yaxis, ax.get_ylim()) if name == "y" else (ax.xaxis, ax.get_xlim())
+        # Enough significant digits to tell neighbouring ticks apart on a narrow range.
+        digits = 3 if not (lo > 0 and hi > lo) else max(3, math.ceil(-math.log10((hi - lo) / hi)) + 2)
+        fmt = FuncFormatter(lambda v, _pos, d=digits: f"{v:.{d}g}")
+        axis.set_major_formatter(fmt)
+        # Less than a decade shown: at most one major tick, so label the minor ones too.
+        axis.set_minor_formatter(fmt if lo > 0 and hi / lo < 10 else NullFormatter())
 
 
 def _eps_text(eps: float) -> str:
@@ -208,8 +202,7 @@ def trajectories(
             ax.plot(x, y, lw=1.3, alpha=0.85, color=colors[h.strategy], ls=ls, label=label, marker=mark, ms=3)
             drawn += 1
         if drawn and log:
-            ax.set_yscale("log")
-            _plain_log_ticks(ax)
+            _log_axes(ax, "y")
         if drawn:
             ax.legend(fontsize=8, loc="best", ncol=2 if len({name(h) for h in hs}) > 6 else 1)
         else:

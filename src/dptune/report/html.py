@@ -177,9 +177,8 @@ def render_header(
             rows.append([label, *_budget_text(b.get("planned")), *_budget_text(b.get("spent")), str(b.get("note", ""))])
             if _exceeds(b.get("planned"), b.get("spent")):
                 over.append(label)
-        parts.append(
-            render_table(Table(["tuning procedure", "planned ε", "planned δ", "spent ε", "spent δ", "scope"], rows))
-        )
+        columns = ["tuning procedure", "planned ε", "planned δ", "spent ε", "spent δ", "scope"]
+        parts.append(render_table(Table(columns, rows)))
         parts.append(
             '<p class="meta">Each row is one tuning procedure with its own budget (search and selection included).</p>'
         )

@@ -95,9 +95,8 @@ def report_study(
     title: str | None = None,
     include_diagnostics: bool = False,
 ) -> Path:
-    """Write the report of a stored study (finished or not); return ``<out>/release/report.html``.
-    ``out_dir`` defaults to ``study_dir``; ``include_diagnostics=True`` also writes
-    ``<out>/diagnostics/report.html``."""
+    """Write the report of a stored study (finished or not); return ``<out>/release/report.html``. ``out_dir`` defaults
+    to ``study_dir``; ``include_diagnostics=True`` also writes ``<out>/diagnostics/report.html``."""
     study_dir = Path(study_dir)
     out = Path(out_dir) if out_dir is not None else study_dir
     s = read_study(study_dir)
@@ -176,10 +175,9 @@ def _selection_section(
     ]
     if sel.get("mode") == "private":
         paragraphs.append(
-            f"Private selection: every selection score was released with Gaussian noise "
-            f"(σ = {sel.get('noise_multiplier')} on its sum), so selection scores are noisy and "
-            "may fall outside the metric's range: this page shows them clipped to it (post-processing); "
-            "the CSV files keep the raw values."
+            "Private selection: every selection score was released with Gaussian noise (σ = "
+            f"{sel.get('noise_multiplier')} on its sum), so selection scores are noisy and may fall outside the "
+            "metric's range: this page shows them clipped to it (post-processing); the CSV files keep the raw values."
         )
     paragraphs.append(randomness_note(cfg))
     rows = [
@@ -356,9 +354,7 @@ def every_run_section(table: Sequence[Mapping[str, Any]], runs_csv: Path, paragr
     ]
     caption = "Runs per tuning procedure (under Liu–Talwar / repeat-and-select their number is secret)."
     runs_table = Table(["strategy", "ε", "method", "runs", "diverged", "failed"], rows, caption)
-    return Section(
-        "Every run", paragraphs=list(paragraphs), tables=[runs_table], attachments=[runs_csv], diagnostic=True
-    )
+    return Section("Every run", list(paragraphs), tables=[runs_table], attachments=[runs_csv], diagnostic=True)
 
 
 def conclusions(
@@ -463,10 +459,9 @@ def study_heatmaps(s: StudyRows, out: Path) -> list[Section]:
     if not figures:
         return []
     text = (
-        "The score of every configuration (mean over seed replicates), the best outlined: "
-        "the shape of the search space (Mohapatra et al.'s lr × C inverse relation, Panda et "
-        "al.'s η × T). It shows the losing candidates, which the guarantee of a private "
-        "selection does not cover."
+        "The score of every configuration (mean over seed replicates), the best outlined: the shape of the search "
+        "space (Mohapatra et al.'s lr × C inverse relation, Panda et al.'s η × T). It shows the losing candidates, "
+        "which the guarantee of a private selection does not cover."
     )
     return [Section("Every configuration of each two-axis grid", diagnostic=True, figures=figures, paragraphs=[text])]
 

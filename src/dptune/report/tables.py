@@ -86,11 +86,7 @@ def results_table(rows: Sequence[SummaryRow], metric: str, higher: bool, caption
 
 
 def render_terminal_table(
-    rows: Iterable[Any],
-    *,
-    metric: str = "accuracy",
-    higher_is_better: bool | None = None,
-    title: str | None = None,
+    rows: Iterable[Any], *, metric: str = "accuracy", higher_is_better: bool | None = None, title: str | None = None
 ) -> RichTable:
     """A ``rich`` table of the best configuration per strategy and ε that fits 100 columns."""
     higher = resolve_direction(metric, higher_is_better)
