@@ -73,6 +73,8 @@ class _Captured:
         self.forward = capture(self._forward, pool)
         self.w = torch.zeros(size, dtype=self.norms.dtype, device=self.y.device)
         self.summing = capture(self._sum, pool)
+        if cuda:  # the warm-up's blocks: back to the device, not kept beside the graph's pool
+            torch.cuda.empty_cache()
         self.dtypes = {k: p.dtype for k, p in params.items()}
 
     def _forward(self) -> None:
