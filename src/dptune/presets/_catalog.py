@@ -110,8 +110,8 @@ _PANDA = [
         scales=(*SCALES, "gpu-slice"),
         estimates={
             "smoke": "≈ 40 s (Enron, 3 modes × 8 runs of 1–2 steps on 12 examples, 8 tokens)",
-            "small": "≈ 20 min at 2 workers (2 datasets × 3 modes × 38 runs × 4–10 full-batch steps of 40 examples, "
-            "16 tokens; measured 50 / 19 / 10 CPU ms per example-step full / last-2 / LoRA, 4.7 ms to evaluate one)",
+            "small": "≈ 15 min at 2 workers (AG News, LoRA: 38 runs × 4–10 full-batch steps of 480 examples, 16 "
+            "tokens; 10 CPU ms per example-step, 4.7 ms to evaluate one)",
             "paper": "GPU: full data (6,080 / 4,137 examples), 128 tokens, 3 seeds, steps 10–100",
             "gpu-slice": "GPU: ≈ 10 min estimated on one H100 (Enron, n = 2,048, 64 tokens, 3 modes × 38 runs × "
             "4–16 steps: ≈ 2.3M example-steps, ≈ 10 PFLOP at ≈ 25 TFLOP/s)",
