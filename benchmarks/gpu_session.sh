@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session, ≤ 10 minutes: the galli-mnist gpu-slice from scratch (timed; first, as the
 # measurement that matters most, with the GPU's utilisation logged), the CUDA tests and, in what
-# time is left, the batch sweep (gpu_batch_sweep.py), the per-sample convolution benchmark, one
-# run's host syncs and dptune against Opacus. Everything it prints or writes goes under $OUT (default runs/gpu-session).
+# time is left, the batch sweep (gpu_batch_sweep.py), the per-sample convolution benchmark, MiniLM
+# fine-tuning with CUDA graphs on and off, one run's host syncs and dptune against Opacus. Everything it prints or writes goes under $OUT (default runs/gpu-session).
 #
 #   DPTUNE_DATA_DIR=/path/to/data bash benchmarks/gpu_session.sh
 #
@@ -58,6 +58,14 @@ LEFT=$(( TOTAL_S - ($(date +%s) - T_START) ))
 if [ "$LEFT" -gt "$BENCH_S" ]; then
   timeout "$BENCH_S" "$PY" benchmarks/conv_per_sample.py --device cuda --json "$OUT/conv.json" > "$OUT/conv.log" 2>&1
   echo "conv rc=$?" >> "$OUT/conv.log"
+fi
+LEFT=$(( TOTAL_S - ($(date +%s) - T_START) ))
+if [ "$LEFT" -gt 150 ]; then  # MiniLM full fine-tuning, CUDA graphs on and off (a refused capture warns in the log)
+  timeout 55 "$PY" benchmarks/hf_finetune.py --device cuda --rounds 5 --ops --no-opacus --json "$OUT/hf.json" > "$OUT/hf.log" 2>&1
+  echo "hf rc=$?" >> "$OUT/hf.log"
+  DPTUNE_CUDA_GRAPHS=0 timeout 55 "$PY" benchmarks/hf_finetune.py --device cuda --rounds 5 --ops --no-opacus \
+    --json "$OUT/hf_eager.json" > "$OUT/hf_eager.log" 2>&1
+  echo "hf eager rc=$?" >> "$OUT/hf_eager.log"
 fi
 LEFT=$(( TOTAL_S - ($(date +%s) - T_START) ))
 if [ "$LEFT" -gt 90 ]; then  # one run alone: host syncs per step and how busy it keeps the GPU
