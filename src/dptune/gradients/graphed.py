@@ -31,8 +31,8 @@ ENABLED = os.environ.get("DPTUNE_CUDA_GRAPHS", "1") != "0"
 
 
 def padded_size(batch: int) -> int:
-    """The captured batch size for a first batch of ``batch`` rows: ≈ 4 standard deviations of a
-    Poisson batch above it, in multiples of 8 (a larger batch runs eagerly)."""
+    """The captured batch size for a batch of ``batch`` rows: ≈ 4 standard deviations of a Poisson batch
+    above it, in multiples of 8 (a larger batch later is captured again, at its own size)."""
     return 8 * math.ceil((batch + 4 * math.sqrt(batch) + 8) / 8)
 
 
