@@ -143,6 +143,9 @@ def train(
     ),
     full_batch: bool = typer.Option(False, help="full-batch training (q = 1)"),
     hp: list[str] = typer.Option([], "--hp", help="strategy hyperparameter key=value (repeatable), e.g. --hp lr=0.5"),
+    model_opt: list[str] = typer.Option(
+        [], "--model-opt", help="option of a built-in --model, key=value (repeatable), e.g. --model-opt mode=lora"
+    ),
     accountant: str = typer.Option(
         "auto", help="auto (the tightest: PLD, or exact μ-GDP at full batch), rdp, pld or gdp (full batch only)"
     ),
@@ -198,8 +201,9 @@ def _train(o: SimpleNamespace) -> None:
 
     device = str(resolve_device(o.device, "--device"))
     make_strategy(o.strategy, **parse_hyperparameters(o.hp))  # still before the data load
+    options = parse_hyperparameters(o.model_opt, "--model-opt", "mode=lora")
     train_part, test_part, net, model_id = for_training(
-        o.data, o.dataset, o.model, o.data_dir, o.seed, dict(label=o.label, test=o.test, schema=o.schema)
+        o.data, o.dataset, o.model, o.data_dir, o.seed, dict(label=o.label, test=o.test, schema=o.schema), options
     )
     dataset, model_name = o.data or o.dataset, model_id.get("factory", model_id.get("name"))  # "auto" resolved
     target = None if o.noise_multiplier else o.epsilon

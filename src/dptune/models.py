@@ -20,6 +20,7 @@ See ``docs/data_and_models.md`` for the choices the papers leave open.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -198,7 +199,8 @@ def build(name: str, **kwargs: object) -> nn.Module:
     try:
         return ctor(**kwargs)
     except TypeError as exc:
-        raise ConfigError(f"build({name!r}, ...): {exc}") from exc
+        takes = ", ".join(inspect.signature(ctor).parameters)
+        raise ConfigError(f"build({name!r}, ...): {exc}. Fix: {name} takes {takes}.") from exc
 
 
 # Default model per dataset (the paper's where there is one). Anything else falls back on
@@ -262,7 +264,7 @@ class TrainInputs(NamedTuple):
 
 
 def for_training(
-    data: str | None, dataset: str, model: str, data_dir: str | None, seed: int, csv: Any = None
+    data: str | None, dataset: str, model: str, data_dir: str | None, seed: int, csv: Any = None, options: Any = None
 ) -> TrainInputs:
     """The data (a built-in ``dataset``, your ``data`` loader ``pkg.module:fn``, or your ``FILE.csv``
     read by ``dptune.data.tabular.load_csv(data, **csv)``) and the model
@@ -274,7 +276,7 @@ def for_training(
     from dptune import factories, own
     from dptune.data import tabular
 
-    yours = factories.is_factory_path(model)
+    yours, options = factories.is_factory_path(model), dict(options or {})  # options: built-in models' only
     if yours:
         factories.import_factory(model, "--model")
     if data is not None and not data.lower().endswith(".csv"):
@@ -285,6 +287,8 @@ def for_training(
         dims = own.data_shape(train_part)
     else:
         opts = {} if data else token_options(model, dataset)
+        if "max_tokens" in options and "representation" in opts:  # hf_classifier: the tokens' public length
+            opts["max_tokens"] = options.pop("max_tokens")
         ds = (
             tabular.load_csv(data, **(csv or {}))
             if data
@@ -298,7 +302,7 @@ def for_training(
         net, ident = own.build_model(model, *dims), {"factory": model}
     else:
         name = default_model_name(ds) if model == "auto" else model
-        kwargs, ident = kwargs_for(name, ds), {"name": name}
+        kwargs, ident = {**kwargs_for(name, ds), **options}, {"name": name}
         net = build(name, **kwargs)
     check_fits_data(net, train_part, model, data or dataset, data is None)
     return TrainInputs(train_part, test_part, net, {**ident, "kwargs": kwargs})

@@ -194,6 +194,8 @@ def check_train_options(o: Any) -> None:
         raise ConfigError(f"--eval-every must be ≥ 1, got {o.eval_every}. Fix: e.g. --eval-every 50.")
     if o.accountant not in ("auto", "rdp", "pld", "gdp"):
         raise ConfigError(f"unknown --accountant {o.accountant!r}. Fix: choose auto, rdp, pld or gdp.")
+    if parse_hyperparameters(getattr(o, "model_opt", []), "--model-opt", "mode=lora") and ":" in str(o.model):
+        raise ConfigError("--model-opt sets a built-in model's options. Fix: give your factory its defaults instead.")
     if (bool(o.data) and str(o.data).lower().endswith(".csv")) != (getattr(o, "label", None) is not None):
         raise ConfigError("--data FILE.csv and --label COLUMN go together. Fix: pass both (or neither).")
     # torch.manual_seed takes at most a 64-bit integer; the data splits need ≥ 0 (-1 and 10**24 were tracebacks).
@@ -201,12 +203,12 @@ def check_train_options(o: Any) -> None:
         raise ConfigError(f"--seed must be an integer in [0, 2**63 - 1], got {o.seed}. Fix: e.g. --seed 0.")
 
 
-def parse_hyperparameters(pairs: list[str]) -> dict[str, Any]:
+def parse_hyperparameters(pairs: list[str], flag: str = "--hp", example: str = "lr=0.1") -> dict[str, Any]:
     """``key=value`` pairs; values parsed as JSON when possible (numbers, true/false, null)."""
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise ConfigError(f"hyperparameter {pair!r} is not key=value. Fix: write e.g. --hp lr=0.1.")
+            raise ConfigError(f"{flag} {pair!r} is not key=value. Fix: write e.g. {flag} {example}.")
         k, v = pair.split("=", 1)
         try:
             out[k.strip()] = json.loads(v)

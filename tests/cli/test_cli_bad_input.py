@@ -57,6 +57,8 @@ def _nonempty(tmp_path: Path) -> Path:
         (["--delta", "1"], "--delta must lie in (0, 1)"),
         (["--eval-every", "0"], "--eval-every must be ≥ 1"),
         (["--accountant", "rpd"], "unknown --accountant 'rpd'"),
+        (["--model-opt", "lora"], "--model-opt 'lora' is not key=value. Fix: write e.g. --model-opt mode=lora"),
+        (["--model", "pkg.mod:fn", "--model-opt", "mode=lora"], "--model-opt sets a built-in model's options"),
         (["--seed", "-1"], "--seed must be an integer in [0, 2**63 - 1]"),
         (["--save", "NONEMPTY"], "is not empty (it holds model.pt)"),
         (["--checkpoint", "best", "--data", "m:f"], "checkpoint must be 'final'"),

