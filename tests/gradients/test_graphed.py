@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+import dptune
 from dptune.gradients import graphed
 from dptune.gradients.oracle import GradientOracle
+from dptune.strategies import STRATEGIES
 
 
 def _setup(B: int = 13) -> tuple[GradientOracle, dict, torch.Tensor, torch.Tensor]:
@@ -70,3 +72,26 @@ def test_a_refused_capture_turns_graphs_off_for_the_oracle(monkeypatch: pytest.M
     with pytest.warns(RuntimeWarning, match="CUDA graphs off"):
         assert graphs(params, x, y) is None
     assert graphs(params, x, y) is None and "not permitted" in str(graphs.off_reason)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_trains_the_same_run_on_replayed_gradients(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every registered strategy through ``dptune.train`` with the oracle's replay path on (on the CPU a
+    "replay" re-runs the padded batch): the same batches, ledger and model as the eager run, within
+    the float64 reassociation of the padded sums."""
+    x, y = torch.randn(120, 6), torch.randint(0, 3, (120,))
+    model = lambda: _setup()[0].model  # noqa: E731 - the same seeded model each time
+    private = STRATEGIES[name]().private
+    batch = {"full_batch": True} if name == "dpgd" else {"expected_batch_size": 24}
+    kw = {"steps": 6, "seed": 3, "noise_multiplier": 1.0 if private else None, "grad_method": "ghost", **batch}
+    eager = dptune.train(model(), (x, y), name, **kw)
+    calls: list[bool] = []
+    real = graphed.Graphs.__call__
+    monkeypatch.setattr(graphed, "replayable", lambda device: True)
+    monkeypatch.setattr(graphed.Graphs, "__call__", lambda self, *a: calls.append(True) or real(self, *a))
+    replayed = dptune.train(model(), (x, y), name, **kw)
+    assert len(calls) >= (4 if name not in ("dpzo", "nodp") else 0), calls
+    assert replayed.ledger.matches(replayed.plan.event()) and replayed.ledger.releases == eager.ledger.releases
+    assert [r["batch_size"] for r in replayed.history] == [r["batch_size"] for r in eager.history]
+    for k, v in eager.final_params.items():
+        torch.testing.assert_close(replayed.final_params[k], v, rtol=1e-4, atol=1e-6)

@@ -30,6 +30,11 @@ from dptune.tree import Accumulated, Flat, Tensors
 ENABLED = os.environ.get("DPTUNE_CUDA_GRAPHS", "1") != "0"
 
 
+def replayable(device: torch.device) -> bool:
+    """Whether the ghost path on ``device`` is captured and replayed (CUDA, unless turned off)."""
+    return ENABLED and device.type == "cuda"
+
+
 def padded_size(batch: int) -> int:
     """The captured batch size for a batch of ``batch`` rows: ≈ 4 standard deviations of a Poisson batch
     above it, in multiples of 8 (a larger batch later is captured again, at its own size)."""

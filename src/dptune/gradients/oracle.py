@@ -175,8 +175,13 @@ class GradientOracle:
                 torch.zeros(0, device=inputs.device_of(x)),
             )
         due = self._ghost is not None and self._due("grads", B)
-        if self._ghost is not None and not due and self._next_probe["grads"] and inputs.device_of(x).type == "cuda":
-            if self._graphs is None and graphed.ENABLED:
+        if (
+            self._ghost is not None
+            and not due
+            and self._next_probe["grads"]
+            and graphed.replayable(inputs.device_of(x))
+        ):
+            if self._graphs is None:
                 self._graphs = graphed.Graphs(self._run_ghost, self.model)
             if self._graphs is not None and (replayed := self._graphs(params, x, y)) is not None:
                 return replayed
