@@ -67,7 +67,7 @@ def flat_map(fn: Callable[..., Any], *trees: Tensors) -> Any:
     if isinstance(first, Flat) and first.base is not None:
         layout, like = first.layout, first.base
     else:
-        layout = tuple((k, v.shape) for k, v in first.items())
+        layout = layout_of(first)
         like = next(iter(first.values()), None)  # type: ignore[assignment]
     bases = [_flat_base(t, layout, like) for t in trees] if like is not None else [None]
     if all(b is not None for b in bases):
@@ -88,6 +88,17 @@ class Accumulated(dict[str, torch.Tensor]):
         self.wide = wide
 
 
+def layout_of(tree: Tensors) -> Layout:
+    return tuple((k, v.shape) for k, v in tree.items())
+
+
+def packed(src: Tensors, dtype: torch.dtype, device: torch.device) -> Flat:
+    """A copy of ``src`` in one new buffer of ``dtype`` on ``device``: one fused (converting) copy."""
+    got = Flat(torch.empty(sum(v.numel() for v in src.values()), dtype=dtype, device=device), layout_of(src))
+    torch._foreach_copy_(list(got.values()), list(src.values()))
+    return got
+
+
 def cast(src: Tensors, dtypes: dict[str, torch.dtype]) -> Tensors:
     """{k: src[k] in dtypes[k]}: the conversions to one dtype on one device as one fused copy into one
     buffer (views of it), not one kernel per tensor (a transformer has ~100)."""
@@ -97,10 +108,7 @@ def cast(src: Tensors, dtypes: dict[str, torch.dtype]) -> Tensors:
         if k not in out:
             groups.setdefault((dtypes[k], v.device), []).append(k)
     for (dt, dev), ks in groups.items():
-        got = Flat(
-            torch.empty(sum(src[k].numel() for k in ks), dtype=dt, device=dev), tuple((k, src[k].shape) for k in ks)
-        )
-        torch._foreach_copy_(list(got.values()), [src[k] for k in ks])
+        got = packed({k: src[k] for k in ks}, dt, dev)
         if len(ks) == len(src):
             return got
         out.update(got)
@@ -114,8 +122,7 @@ def tmap(fn: Callable[..., torch.Tensor], *trees: Tensors) -> Tensors:
 def zeros_like(tree: Tensors) -> Tensors:
     vs = list(tree.values())
     if vs and all(v.dtype == vs[0].dtype and v.device == vs[0].device for v in vs):
-        layout = tuple((k, v.shape) for k, v in tree.items())
-        return Flat(torch.zeros(sum(v.numel() for v in vs), dtype=vs[0].dtype, device=vs[0].device), layout)
+        return Flat(torch.zeros(sum(v.numel() for v in vs), dtype=vs[0].dtype, device=vs[0].device), layout_of(tree))
     return {k: torch.zeros_like(v) for k, v in tree.items()}
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from dptune import inputs
 from dptune.gradients.persample import MaterializedGrads
-from dptune.tree import Accumulated, Flat, Tensors
+from dptune.tree import Accumulated, Tensors, packed
 
 ENABLED = os.environ.get("DPTUNE_CUDA_GRAPHS", "1") != "0"
 
@@ -121,11 +121,7 @@ class Replayed(MaterializedGrads):
         cap.w.zero_()
         cap.w[: self._b].copy_(weights)
         cap.summing()
-        layout = tuple((k, v.shape) for k, v in cap.sums.items())
-        wide = Flat(
-            torch.empty(sum(v.numel() for v in cap.sums.values()), dtype=torch.float64, device=cap.w.device), layout
-        )
-        torch._foreach_copy_(list(wide.values()), list(cap.sums.values()))  # the next replay overwrites the sums
+        wide = packed(cap.sums, torch.float64, cap.w.device)  # the next replay overwrites the sums
         return Accumulated(wide, cap.dtypes)
 
 
