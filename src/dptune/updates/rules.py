@@ -266,11 +266,8 @@ class OSORate(UpdateRule):
 def extrapolation_error(full: Tensors, halves: Tensors) -> float:
     """err = ‖(θ₁ − θ₂) / max(1, |θ₁|)‖₂, elementwise division (Koskela & Honkela's mixed
     absolute/relative error: absolute for |θ₁| ≤ 1, relative above)."""
-    sq = 0.0
-    for k, a in full.items():
-        a64, b64 = a.double(), halves[k].double()
-        sq += float((((a64 - b64) / a64.abs().clamp_min(1.0)) ** 2).sum())
-    return math.sqrt(sq)
+    sq = [(((a.double() - halves[k].double()) / a.double().abs().clamp_min(1.0)) ** 2).sum() for k, a in full.items()]
+    return math.sqrt(float(torch.stack(sq).sum()))  # one host read, not one per tensor
 
 
 @dataclass(frozen=True)
