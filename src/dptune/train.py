@@ -343,15 +343,15 @@ class RunLoop:
         ctx = StepContext(t=t, x=x, y=y, oracle=oracle, release=self.gateway, run=self.plan)
         self.params, self.state, info = self.strategy.step(self.params, self.state, ctx)
         row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
-        computed = ctx.computed_grads
+        losses = ctx.computed_losses
         # Divergence is judged on the parameters only: they are post-processing of noisy
         # releases, so stopping on them leaks nothing (a stop on the private batch loss would).
         finite = finite_flag(self.params)
-        if computed is not None and ctx.batch_size:
+        if losses is not None and ctx.batch_size:
             # One host read for both (on a GPU each read waits for the queued kernels); float64
             # except on MPS, which has none.
             dt = torch.float32 if finite.device.type == "mps" else torch.float64
-            loss, ok = torch.stack([computed.losses.mean().to(finite.device, dt), finite.to(dt)]).tolist()
+            loss, ok = torch.stack([losses.mean().to(finite.device, dt), finite.to(dt)]).tolist()
             row["train_loss"] = loss
         else:
             ok = bool(finite)

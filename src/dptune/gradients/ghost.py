@@ -565,14 +565,14 @@ class GhostEngine:
         with recording((mod for mod, _, _ in self.layers), inputs.batch_len(x)) as records:
             losses = self._loss(self._call(ps, buffers, x), y)
         used = [(m, c, n) for m, c, n in self.layers if m in records]
-        zs = [records[m][1] for m, _, _ in used]
-        bs = list(torch.autograd.grad(losses.sum(), zs, allow_unused=True)) if zs else []
+        edges = [records[m][1] for m, _, _ in used]
+        bs = list(torch.autograd.grad(losses.sum(), edges, allow_unused=True)) if edges else []
         layers: list[LayerRule] = []
         for i, (m, cls, names) in enumerate(used):
-            a, z = records[m][0], zs[i]
+            a = records[m][0]
             if a.requires_grad:
                 a = a.detach()
-            b = bs[i] if bs[i] is not None else torch.zeros_like(z)
+            b = bs[i] if bs[i] is not None else torch.zeros_like(records[m][2])
             bs[i] = None  # free as we go
             weight = ps.get(names.get("weight", ""), getattr(m, "weight", None))
             if cls is nn.Linear or is_conv1d(m):

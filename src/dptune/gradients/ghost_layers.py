@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 import torch.nn.functional as F
 from torch import nn
 
@@ -175,8 +176,9 @@ def norm_layer_rule(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: t
 @contextmanager
 def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module, tuple | None]]:
     """The input and output of each of ``mods`` on its calls in the block (an instance-level ``forward``
-    wrapper, removed after it); GhostFallback if one was called twice, without a positional tensor
-    input whose first dimension is the ``batch``, or had its input or output changed in place (no
+    wrapper, removed after it) as (input, the output's autograd edge, a zero tensor of its shape, the
+    input's version); GhostFallback if one was called twice, without a positional tensor
+    input whose first dimension is the ``batch``, or had its input changed in place (no
     ghost rule then). Ids of batch 1 shared by a batch of several (HF's position ids [1, T]) are
     expanded to the batch first, so that each example's output, and its output gradient, are its
     own (the output then broadcasts as before; a forward that the expansion breaks falls back). A wrapper rather than a forward hook: a module with
@@ -198,8 +200,10 @@ def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module,
             first, records[mod] = mod not in records, None
             if not (first and isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
                 return out
-            if a.dim() and out.dim() and a.shape[0] == batch == out.shape[0]:
-                records[mod] = (a, out, a._version, out._version)
+            if a.dim() and out.dim() and a.shape[0] == batch == out.shape[0] and out.requires_grad:
+                # The output by its autograd edge, not the tensor: what the backward does not need is freed
+                # during it (the gradient is the one into the layer's own output, in-place changes after or not).
+                records[mod] = (a, get_gradient_edge(out), out.new_zeros(()).expand(out.shape), a._version)
             return out
 
         return forward
@@ -220,10 +224,10 @@ def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module,
             else:
                 del mod.__dict__["forward"]
     for rec in records.values():
-        if rec is None or rec[0]._version != rec[2] or rec[1]._version != rec[3]:
+        if rec is None or rec[0]._version != rec[3]:
             raise GhostFallback(
                 "a layer was called twice, on an input whose first dimension is not the batch, or its "
-                "input/output was modified in place"
+                "input was modified in place"
             )
 
 
@@ -242,6 +246,9 @@ class LayerGrads(MaterializedGrads):
         self._norms: torch.Tensor | None = norms
         self._grads: Tensors | None = None
         self._last: tuple[torch.Tensor, Tensors] | None = None
+
+    def free(self) -> None:
+        self._layers, self._grads, self._last = None, None, None  # type: ignore[assignment]
 
     def release_err(self) -> torch.Tensor | None:
         """E_i (float64): ‖released w·g_i − w·G_i‖ ≤ |w|·E_i beyond the relative (1 + γ_2) part,

@@ -385,6 +385,11 @@ class MaterializedGrads:
     def batch_size(self) -> int:
         return int(self.losses.shape[0])
 
+    def free(self) -> None:
+        """Drop the per-example state once the step's sums are formed (``StepContext.publish``); the norms
+        (computed by then) and losses stay. A later sum is a bug: it fails, never returns a partial one."""
+        self.grads = None  # type: ignore[assignment]
+
     @property
     def norms(self) -> torch.Tensor:
         """Upper bounds N_i ≥ ‖g_i‖ of the stored g_i (``upper_norms``): w_i·g_i as released by

@@ -15,7 +15,7 @@ from dp_accounting import dp_event
 from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle, PerSampleGrads
-from dptune.release.mechanisms import NoisyRelease
+from dptune.release.mechanisms import DeferredSum, NoisyRelease, SumQuery
 from dptune.tree import Tensors
 
 
@@ -89,17 +89,29 @@ class StepContext:
     release: NoisyRelease | None
     run: RunPlan
     _grads: PerSampleGrads | None = None
+    _losses: torch.Tensor | None = None
 
     def grads(self, params: Tensors) -> PerSampleGrads:
         if self._grads is None:
             self._grads = self.oracle(params, self.x, self.y)
+            self._losses = self._grads.losses
         return self._grads
 
+    def publish(self, *queries: SumQuery, label: str) -> list[torch.Tensor | Tensors | DeferredSum]:
+        """The gateway's ``release`` of the step's queries, the per-example state freed first: the sums are
+        formed, and the kept activations and output gradients (a transformer's largest tensors) would
+        otherwise sit under the noise and the update (docs/performance.md). The norms and losses stay."""
+        free = getattr(self._grads, "free", None)
+        if free is not None:
+            free()
+        assert self.release is not None
+        return self.release.release(*queries, label=label)
+
     @property
-    def computed_grads(self) -> PerSampleGrads | None:
-        """The per-sample gradients if ``grads`` computed them during the step, else None (a
-        strategy that never asked for them): for the loop's history, without computing them."""
-        return self._grads
+    def computed_losses(self) -> torch.Tensor | None:
+        """The per-example losses if ``grads`` computed them during the step, else None (a strategy
+        that never asked for them): for the loop's history (data owner only), without computing them."""
+        return self._losses
 
     @property
     def batch_size(self) -> int:

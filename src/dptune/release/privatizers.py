@@ -108,7 +108,7 @@ class Privatizer(ABC):
     def privatize(
         self, params: Tensors, state: dict[str, Any], ctx: StepContext, *, lr: float, label: str
     ) -> tuple[Released | None, dict[str, Any], dict[str, float]]:
-        """Release this step's gradient through ``ctx.release`` → (released, state, metrics).
+        """Release this step's gradient through ``ctx.publish`` → (released, state, metrics).
 
         ``lr``: the update rule's current learning rate (public), for rules that scale by it
         (OSO's additive rule). ``label`` prefixes the ledger labels. None: nothing to apply
@@ -132,9 +132,8 @@ class FixedClip(Privatizer):
         check_positive("clip (C)", self.clip)
 
     def privatize(self, params, state, ctx, *, lr, label):
-        assert ctx.release is not None
         (nu,) = self.multipliers(ctx.run)
-        (noisy,) = ctx.release.release(
+        (noisy,) = ctx.publish(
             SumQuery("gradient", clipped_sum(ctx.grads(params), self.clip), self.clip, nu), label=f"{label}/gradient"
         )
         return (
@@ -186,12 +185,11 @@ class QuantileClip(Privatizer):
         return {"clip": self.initial_clip, "nu_g": nu_g, "nu_b": nu_b}
 
     def privatize(self, params, state, ctx, *, lr, label):
-        assert ctx.release is not None
         clip = state["clip"]
         grads = ctx.grads(params)
         unclipped = (grads.norms <= clip).to(torch.float64)
         count = (unclipped - 0.5).sum().reshape(())
-        g_sum, b_sum = ctx.release.release(
+        g_sum, b_sum = ctx.publish(
             SumQuery("gradient", grads.weighted_sum(clip_weights(grads.norms, clip)), clip, state["nu_g"]),
             SumQuery("unclipped_count", count, 0.5, state["nu_b"]),
             label=f"{label}/gradient+count",
@@ -264,7 +262,7 @@ class OSOClip(Privatizer):
         # q weights 1[‖g‖ > C]/‖g‖ (unit-norm rows, so sensitivity 1).
         q_w = torch.where(norms > clip, 1.0 / norms.clamp_min(1e-12), torch.zeros_like(norms))
         deferred = self.defer_q_noise and self.rule != "normalized"
-        g_sum, q_out = ctx.release.release(
+        g_sum, q_out = ctx.publish(
             SumQuery("gradient", grads.weighted_sum(clip_weights(norms, clip)), clip, state["nu_g"]),
             SumQuery("clip_hypergradient", grads.weighted_sum(q_w), 1.0, state["nu_q"], deferred=deferred),
             label=f"{label}/gradient+q",
@@ -333,14 +331,13 @@ class ZerothOrderClip(Privatizer):
         return d.clamp(-self.clip, self.clip)
 
     def privatize(self, params, state, ctx, *, lr, label):
-        assert ctx.release is not None
         src = state["directions"] or self._direction_source(ctx)
         with torch.no_grad():
             z = random_direction(src, params)
             d = self.differences(params, z, ctx)
         total = torch.tensor(math.fsum(d.tolist()), dtype=torch.float64)
         (nu,) = self.multipliers(ctx.run)
-        (noisy,) = ctx.release.release(
+        (noisy,) = ctx.publish(
             SumQuery("zo_directional_derivative", total, self.clip, nu), label=f"{label}/zo_derivative"
         )
         s = float(noisy)
