@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from dptune.gradients.norm_bounds import ieee_matmul, sq_rows_upper, unit_roundoff, wide_sum
 from dptune.gradients.persample import MaterializedGrads, nonfinite_rows
