@@ -43,6 +43,25 @@ class HostSyncs(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
         self.copies = copies  # count Python data made a tensor (off where host tensors are meant: indices)
 
+    def __enter__(self) -> HostSyncs:
+        # Reads that do not dispatch an ATen operation on the host: a copy to the host (on a GPU, a read).
+        self._saved = {m: getattr(torch.Tensor, m) for m in ("tolist", "cpu")}  # .numpy() needs a host tensor
+        for m, f in self._saved.items():
+            setattr(torch.Tensor, m, self._counted(m, f))
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for m, f in self._saved.items():
+            setattr(torch.Tensor, m, f)
+        super().__exit__(*exc)
+
+    def _counted(self, name: str, f):  # type: ignore[no-untyped-def]
+        def read(t: torch.Tensor, *a, **k):  # type: ignore[no-untyped-def]
+            self.counts[f"{name} @ {_where()}"] += 1
+            return f(t, *a, **k)
+
+        return read
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -138,10 +157,12 @@ def test_hugging_face_families_capture_without_host_reads(
 
 
 # Host reads per step, replay path on (fast_fp64); the batch's indices are made on the host and queued
-# to the device through pinned memory (``inputs.indices_to``), not a read. 1 is the replay's non-finite check (the step's
-# one read); OSO adds its two sign rules (C: the projection of q̃, η: g̃_t·g̃_{t−1}), quantile its
-# released count, DP-ZO its released scalar, ADADP its extrapolation error every other (half) step.
-READS = {"dpsgd": 1, "dpadam": 1, "adamwosm": 1, "dpgd": 1, "quantile": 2, "oso": 3, "adadp": 1.5, "dpzo": 2,
+# to the device through pinned memory (``inputs.indices_to``), not a read. Every step: the replay's
+# non-finite check and the loop's one read of (train loss, parameters finite). OSO adds its two sign
+# rules (C: the projection of q̃, η: g̃_t·g̃_{t−1}), quantile its released count, ADADP its
+# extrapolation error every other (half) step; DP-ZO reads its differences and released scalar, and
+# the loop reads only the finite flag (no per-example losses), as for nodp (no replay either).
+READS = {"dpsgd": 2, "dpadam": 2, "adamwosm": 2, "dpgd": 2, "quantile": 3, "oso": 4, "adadp": 2.5, "dpzo": 3,
          "nodp": 1}  # fmt: skip
 
 
@@ -164,3 +185,20 @@ def test_host_reads_per_step_are_pinned(name: str, monkeypatch: pytest.MonkeyPat
         counts.append(mode.counts)
     per_step = {k: (counts[1][k] - counts[0][k]) / 8 for k in counts[1] if counts[1][k] != counts[0][k]}
     assert sum(per_step.values()) == READS[name], per_step
+
+
+def test_stacked_trials_read_once_per_trial_and_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train_many``'s K stacked trials: the non-finite verdicts of all K in one read, then each trial's
+    loop read (train loss, parameters finite): K + 1 a step, not 2K."""
+    from dptune import vectorized
+
+    x, y = torch.rand(300, 1, 28, 28), torch.randint(0, 10, (300,))
+    counts = []
+    for steps in (3, 7):
+        with HostSyncs(copies=False) as mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            vectorized.train_many(lambda k: models.build("mlp"), (x, y), "dpsgd", seeds=[0, 1, 2], steps=steps,
+                                  noise_multiplier=1.0, expected_batch_size=32, fallback="error")  # fmt: skip
+        counts.append(mode.counts)
+    per_step = {k: (counts[1][k] - counts[0][k]) / 4 for k in counts[1] if counts[1][k] != counts[0][k]}
+    assert sum(per_step.values()) == 3 + 1, per_step

@@ -259,6 +259,7 @@ class Stacked:
             parts += [(s.view(K, B), r) for s, r in (sq_rows_upper(g.flatten(0, 1)) for g in kept.values())]
             rules.append(partial(kept_rule, nm, kept))
         norms = upper_norms(parts, losses, release_dtypes=[W.dtype for W, _ in weights])
+        finite = torch.isfinite(norms).cpu().numpy()  # all K verdicts of ``nonfinite_rows``: one host read, not K
         out_views: list[tuple[torch.Tensor, MaterializedGrads]] = []
         for k, p in enumerate(params):
             Bk = sizes[k]
@@ -270,6 +271,7 @@ class Stacked:
                 )
             else:
                 g = GhostGrads(layers, losses[k, :Bk], p, norms=norms[k, :Bk])
+                g._finite_norms = bool(finite[k, :Bk].all())  # numpy: no device op
             out_views.append((xs[k], g))
         return out_views
 
