@@ -35,19 +35,9 @@ DATASETS: dict[str, dict[str, Any]] = {
 MODELS = {"lr": ("logistic_regression", "logistic regression"), "tlnn": ("two_layer_nn", "two-layer NN (100 ReLU)")}
 
 _PAPER: dict[str, Any] = {
-    "lot": LOT,
-    "steps": {"mnist": STEPS, "adult": STEPS, "enron": STEPS},
-    "seeds": [0, 1, 2],
-    "sigmas": SIGMAS,
-    "alphas": ALPHAS,
-    "clips": CLIPS,
-    "momenta": MOMENTA,
-    "sgd_clips": CLIPS,
-    "mom_alphas": ALPHAS,
-    "mom_clips": CLIPS,
-    "eval_every": 100,
-    "lt": ("dpsgd", "dpmomentum"),
-    "limit": None,
+    **{"lot": LOT, "steps": {"mnist": STEPS, "adult": STEPS, "enron": STEPS}, "seeds": [0, 1, 2], "sigmas": SIGMAS},
+    **{"alphas": ALPHAS, "clips": CLIPS, "momenta": MOMENTA, "sgd_clips": CLIPS, "mom_alphas": ALPHAS},
+    **{"mom_clips": CLIPS, "eval_every": 100, "lt": ("dpsgd", "dpmomentum"), "limit": None},
 }
 SCALES: dict[str, dict[str, Any]] = {
     "paper": _PAPER,

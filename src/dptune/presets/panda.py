@@ -27,60 +27,31 @@ SMALL_N_SWEEPS: dict[str, list[float]] = {"fraction": [0.1, 0.2]}
 # low-ε sweeps favour; docs/reproduce.md, same section, item 1), like Panda's logarithmic η grids.
 R_SAMPLING = "log_uniform"
 
+_MNIST_PAPER: dict[str, Any] = {
+    **{"limit": None, "lr": (0.01, 4.0), "steps": (20, 200), "grid_lr": [0.03, 0.1, 0.3, 1.0, 3.0]},
+    **{"grid_steps": [25, 50, 100, 200], "epsilons": [0.5, 1.0, 2.0], "seeds": [0, 1, 2], "sweeps": [0.1, 0.2]},
+}
 MNIST: dict[str, dict[str, Any]] = {
-    "paper": {
-        "limit": None,
-        "lr": (0.01, 4.0),
-        "steps": (20, 200),
-        "grid_lr": [0.03, 0.1, 0.3, 1.0, 3.0],
-        "grid_steps": [25, 50, 100, 200],
-        "epsilons": [0.5, 1.0, 2.0],
-        "seeds": [0, 1, 2],
-        "sweeps": [0.1, 0.2],
-    },
+    "paper": _MNIST_PAPER,
     "small": {
-        "limit": 1500,
-        "lr": (0.05, 2.0),
-        "steps": (5, 30),
-        "grid_lr": [0.1, 1.0],
-        "grid_steps": [10, 30],
-        "epsilons": [2.0, 8.0],
-        "seeds": [0],
-        "sweeps": SMALL_N_SWEEPS,
+        **{"limit": 1500, "lr": (0.05, 2.0), "steps": (5, 30), "grid_lr": [0.1, 1.0], "grid_steps": [10, 30]},
+        **{"epsilons": [2.0, 8.0], "seeds": [0], "sweeps": SMALL_N_SWEEPS},
     },
     "smoke": {
-        "limit": 100,
-        "lr": (0.05, 1.0),
-        "steps": (2, 4),
-        "grid_lr": [0.1, 1.0],
-        "grid_steps": [3],
-        "epsilons": [1.0],
-        "seeds": [0],
-        "sweeps": [0.1, 0.2],
+        **{"limit": 100, "lr": (0.05, 1.0), "steps": (2, 4), "grid_lr": [0.1, 1.0], "grid_steps": [3]},
+        **{"epsilons": [1.0], "seeds": [0], "sweeps": [0.1, 0.2]},
     },
 }
 _TEXT_PAPER: dict[str, Any] = {
-    "limit": None,
-    "lr": (0.05, 5.0),
-    "steps": (10, 200),
-    "grid_lr": [0.1, 0.3, 1.0, 3.0],
-    "grid_steps": [25, 50, 100, 200],
-    "epsilons": [0.5, 1.0, 2.0, 4.0],
-    "seeds": [0, 1, 2],
-    "sweeps": [0.1, 0.2],
+    **{"limit": None, "lr": (0.05, 5.0), "steps": (10, 200), "grid_lr": [0.1, 0.3, 1.0, 3.0]},
+    **{"grid_steps": [25, 50, 100, 200], "epsilons": [0.5, 1.0, 2.0, 4.0], "seeds": [0, 1, 2], "sweeps": [0.1, 0.2]},
 }
 TEXT: dict[str, dict[str, Any]] = {
     "paper": _TEXT_PAPER,
     "small": {**_TEXT_PAPER, "limit": 3000, "sweeps": SMALL_N_SWEEPS},  # the paper's search on subsets
     "smoke": {
-        "limit": 40,
-        "lr": (0.1, 2.0),
-        "steps": (2, 6),
-        "grid_lr": [0.3, 1.0],
-        "grid_steps": [4],
-        "epsilons": [1.0],
-        "seeds": [0],
-        "sweeps": [0.1, 0.2],
+        **{"limit": 40, "lr": (0.1, 2.0), "steps": (2, 6), "grid_lr": [0.3, 1.0], "grid_steps": [4]},
+        **{"epsilons": [1.0], "seeds": [0], "sweeps": [0.1, 0.2]},
     },
 }
 TEXT_DATASETS = {"agnews": ("ag_news", "AG News"), "enron": ("enron_spam", "Enron1 spam")}

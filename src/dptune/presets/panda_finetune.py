@@ -23,18 +23,10 @@ MODES: dict[str, tuple[dict[str, Any], str]] = {
 # torch thread at 16 tokens, measured: full 50 ms, last-2 19 ms, LoRA 10 ms, evaluation 4.7 ms (at 32
 # tokens 58 / 25 / 20 / 9.2). ``limit`` examples are pooled and split (1 − test_fraction)/test_fraction.
 _PAPER: dict[str, Any] = {
-    "limit": None,  # AG News: the 7,600-row test split → 6,080 / 1,520; Enron1: 4,137 / 1,035
-    "test_fraction": 0.2,
-    "tokens": 128,
-    "lr": (0.01, 1.0),
-    "steps": (10, 100),
-    "grid_lr": [0.01, 0.03, 0.1, 0.3, 1.0],
-    "grid_steps": [25, 50, 100],
-    "epsilons": [1.0, 3.0, 8.0],
-    "seeds": [0, 1, 2],
-    "sweeps": [0.1, 0.2],
-    "datasets": tuple(TEXT_DATASETS),
-    "modes": tuple(MODES),
+    # limit None: AG News: the 7,600-row test split → 6,080 / 1,520; Enron1: 4,137 / 1,035
+    **{"limit": None, "test_fraction": 0.2, "tokens": 128, "lr": (0.01, 1.0), "steps": (10, 100)},
+    **{"grid_lr": [0.01, 0.03, 0.1, 0.3, 1.0], "grid_steps": [25, 50, 100], "epsilons": [1.0, 3.0, 8.0]},
+    **{"seeds": [0, 1, 2], "sweeps": [0.1, 0.2], "datasets": tuple(TEXT_DATASETS), "modes": tuple(MODES)},
 }
 FINETUNE: dict[str, dict[str, Any]] = {
     "paper": _PAPER,

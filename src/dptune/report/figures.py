@@ -124,11 +124,8 @@ def metric_vs_epsilon(
     for strat in sorted(colors):
         fin = sorted((r for r in rows if r.strategy == strat and r.mean is not None), key=lambda r: r.epsilon)
         if fin:  # means clipped to the metric's range: a noisy private score can leave it
-            x, y, err = (
-                [r.epsilon for r in fin],
-                [clip_to_range(r.mean, metric) for r in fin],
-                [r.std or 0.0 for r in fin],
-            )
+            x, y = [r.epsilon for r in fin], [clip_to_range(r.mean, metric) for r in fin]
+            err = [r.std or 0.0 for r in fin]
             ax.errorbar(x, y, yerr=err, marker="o", capsize=4, lw=1.6, color=colors[strat], label=strat)
     if rows:
         eps = sorted({r.epsilon for r in rows})

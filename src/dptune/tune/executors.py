@@ -261,8 +261,7 @@ class RayExecutor(Executor):
         # On CUDA every task asks Ray for GPUs, so a cluster schedules it on a GPU node and Ray
         # sets the task's CUDA_VISIBLE_DEVICES (its "cuda" is then the GPU Ray assigned).
         self.num_gpus = gpus_per_task(device, gpus_per_run)
-        ray = require_ray()
-        self.ray = ray
+        self.ray = ray = require_ray()
         self.started = False
         self._init: dict[str, Any] | None = None  # how this executor started Ray (restarted on reuse)
         if not ray.is_initialized():

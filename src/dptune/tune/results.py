@@ -434,13 +434,11 @@ def _results_table(rows: Iterable[Mapping[str, Any]], metric: str, title: str | 
 
 def render_nonprivate(study_dir: str | Path, console: Any = None, *, table: list[dict[str, Any]] | None = None) -> bool:
     """Print the non-private arms' table (exact scores) under the not-DP label; True if printed."""
-
     console = console or terminal_console()
     rows = [r for r in (table if table is not None else study_table(study_dir)) if is_nonprivate(r)]
     if not rows:
         return False
-    metric = rows[0]["metric"]
-    print_table(console, _results_table(rows, metric, title=f"non-private baseline — {NOT_DP_LABEL}"))
+    print_table(console, _results_table(rows, rows[0]["metric"], title=f"non-private baseline — {NOT_DP_LABEL}"))
     return True
 
 
@@ -451,9 +449,6 @@ def report_text(study_dir: str | Path, *, diagnostics: bool = False) -> str:
     from rich.console import Console
 
     buf = io.StringIO()
-    render(
-        study_dir,
-        Console(file=buf, width=TERMINAL_WIDTH, force_terminal=False, color_system=None),
-        diagnostics=diagnostics,
-    )
+    console = Console(file=buf, width=TERMINAL_WIDTH, force_terminal=False, color_system=None)
+    render(study_dir, console, diagnostics=diagnostics)
     return buf.getvalue()

@@ -46,6 +46,12 @@ def check_count(path: str, value: Any, fix: str) -> None:
         raise config_error(path, f"must be an integer ≥ 1, got {value!r}", fix)
 
 
+def _check_choice(path: str, value: Any, choices: Sequence[str], what: str, fix: str = "") -> None:
+    """``value`` is one of ``choices``; else "unknown <what>", the fix listing them unless given."""
+    if value not in choices:
+        raise config_error(path, f"unknown {what} {value!r}", fix or f"choose one of {', '.join(choices)}")
+
+
 def _check_flag_options(name: str, options: Mapping[str, Any]) -> None:
     """A dataset option whose default is true/false takes only true/false: ``flatten = "maybe"``
     (or 2) would be read as true by the loader. Unknown options are left to ``dptune.data.load``."""
@@ -97,9 +103,7 @@ class DataSpec:
         elif self.name is not None:
             if not isinstance(self.name, str):
                 raise config_error("data.name", f"must be a string, got {self.name!r}", 'e.g. name = "digits"')
-            names = datasets.available()
-            if self.name not in names:
-                raise config_error("data.name", f"unknown dataset {self.name!r}", f"choose one of {', '.join(names)}")
+            _check_choice("data.name", self.name, datasets.available(), "dataset")
             if not isinstance(self.options, Mapping):
                 raise config_error("data.options", "must be a table of options", "e.g. options = { flatten = true }")
             _check_flag_options(self.name, self.options)
@@ -160,10 +164,7 @@ class ModelSpec:
                 raise config_error(
                     "model.name", f"must be a string, got {self.name!r}", 'e.g. name = "logistic_regression"'
                 )
-            if self.name not in models.MODELS:
-                raise config_error(
-                    "model.name", f"unknown model {self.name!r}", f"choose one of {', '.join(sorted(models.MODELS))}"
-                )
+            _check_choice("model.name", self.name, sorted(models.MODELS), "model")
         elif self.factory is None and not callable(self.builder):
             raise config_error("model.builder", "must be callable", "pass a function returning an nn.Module")
         if not isinstance(self.options, Mapping):
@@ -212,12 +213,9 @@ class TrainingSpec:
             )
         if self.expected_batch_size is not None:
             _positive_number("training.expected_batch_size", self.expected_batch_size)
-        if self.loss is not None and self.loss not in ("cross_entropy", "mse", "bce"):
-            raise config_error(
-                "training.loss",
-                f"unknown loss {self.loss!r}",
-                "choose cross_entropy, mse or bce (or omit it: chosen from the task)",
-            )
+        if self.loss is not None:
+            fix = "choose cross_entropy, mse or bce (or omit it: chosen from the task)"
+            _check_choice("training.loss", self.loss, ("cross_entropy", "mse", "bce"), "loss", fix)
         # Syntax only: a study may be planned on a driver without the GPUs of its Ray cluster;
         # availability is checked where the runs execute (run_study, worker).
         object.__setattr__(self, "device", check_device_name(self.device, "training.device"))
@@ -269,12 +267,7 @@ class BudgetSpec:
                 "use δ < 1/n, e.g. delta = 1e-5 for n = 60,000 (1/n rounded down to a power of ten)",
             )
         object.__setattr__(self, "delta", float(d))
-        if self.accountant not in ACCOUNTANT_CHOICES:
-            raise config_error(
-                "budget.accountant",
-                f"unknown accountant {self.accountant!r}",
-                f"choose one of {', '.join(ACCOUNTANT_CHOICES)}",
-            )
+        _check_choice("budget.accountant", self.accountant, ACCOUNTANT_CHOICES, "accountant")
         for key in ("account_seeds", "allow_large_delta"):
             check_flag(f"budget.{key}", getattr(self, key), "true or false")
 
@@ -310,14 +303,9 @@ class SelectionSpec:
     mse_clip: float = 1.0  # private mode, metric mse: per-example error clipped to [0, mse_clip]
 
     def __post_init__(self) -> None:
-        if self.mode not in SELECTION_MODES:
-            raise config_error(
-                "selection.mode",
-                f"unknown mode {self.mode!r}",
-                "choose 'public' (validation data assumed public, as in the papers) or 'private'",
-            )
-        if self.split not in ("test", "holdout"):
-            raise config_error("selection.split", f"unknown split {self.split!r}", "choose 'test' or 'holdout'")
+        fix = "choose 'public' (validation data assumed public, as in the papers) or 'private'"
+        _check_choice("selection.mode", self.mode, SELECTION_MODES, "mode", fix)
+        _check_choice("selection.split", self.split, ("test", "holdout"), "split", "choose 'test' or 'holdout'")
         if self.split == "holdout" and self.mode == "public":
             # The holdout is carved from the private training data: scoring on it in public
             # mode would be an unaccounted read of private data (docs/privacy.md).
@@ -345,15 +333,13 @@ class SelectionSpec:
                 f"unknown metric {self.metric!r}",
                 f"choose one of {', '.join(METRICS)}, or 'pkg.module:NAME' for your own dptune.Metric",
             )
-        if self.checkpoint not in ("best", "final"):
-            raise config_error(
-                "selection.checkpoint", f"unknown checkpoint rule {self.checkpoint!r}", "choose best or final"
-            )
+        _check_choice(
+            "selection.checkpoint", self.checkpoint, ("best", "final"), "checkpoint rule", "choose best or final"
+        )
         check_count("selection.eval_every", self.eval_every, "e.g. eval_every = 50 (Galli et al.)")
-        if self.across_seeds not in ("per-seed", "mean"):
-            raise config_error(
-                "selection.across_seeds", f"unknown rule {self.across_seeds!r}", "choose per-seed or mean"
-            )
+        _check_choice(
+            "selection.across_seeds", self.across_seeds, ("per-seed", "mean"), "rule", "choose per-seed or mean"
+        )
         _positive_number("selection.noise_multiplier", self.noise_multiplier)
         _positive_number("selection.mse_clip", self.mse_clip)
 

@@ -63,9 +63,7 @@ class Study:
         if not strategies:
             raise config_error("strategies", "no strategy given", 'add a [[strategies]] table with name = "dpsgd"')
         object.__setattr__(self, "strategies", strategies)
-        seeds = self.seeds
-        if isinstance(seeds, int):
-            seeds = (seeds,)
+        seeds = (self.seeds,) if isinstance(self.seeds, int) else self.seeds
         if (
             not isinstance(seeds, Sequence)
             or isinstance(seeds, str)
@@ -364,9 +362,8 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
         method=method,
         selection=selection,
         seeds=tuple(st.get("seeds", (0,))) if isinstance(st.get("seeds", (0,)), list | tuple) else st.get("seeds"),
-        **{
-            k: st[k] for k in ("seed", "name", "threads_per_run", "trials_per_group", "secure") if k in st
-        },  # else defaults
+        # absent keys keep the Study defaults
+        **{k: st[k] for k in ("seed", "name", "threads_per_run", "trials_per_group", "secure") if k in st},
     )
 
 
@@ -433,8 +430,7 @@ def _only(t: Mapping[str, Any], path: str, allowed: set[str]) -> None:
 
 
 def _build(cls: type, t: Mapping[str, Any], path: str) -> Any:
-    names = {f.name for f in fields(cls)}
-    _only(t, path, names)
+    _only(t, path, {f.name for f in fields(cls)})
     return cls(**t)
 
 
@@ -443,8 +439,7 @@ def _method(t: Any, path: str) -> MethodSpec:
         return MethodSpec(name=t)
     if not isinstance(t, Mapping) or "name" not in t:
         raise config_error(f"{path}.name", "missing", f"e.g. [{path}] name = 'grid'")
-    opts = {k: v for k, v in t.items() if k != "name"}
-    return MethodSpec(name=t["name"], options=opts)
+    return MethodSpec(name=t["name"], options={k: v for k, v in t.items() if k != "name"})
 
 
 # YAML 1.1 (PyYAML) reads 1e-5 as a string: a float needs a dot there (1.0e-5). YAML 1.2 and TOML
