@@ -569,10 +569,10 @@ class GhostEngine:
         bs = list(torch.autograd.grad(losses.sum(), edges, allow_unused=True)) if edges else []
         layers: list[LayerRule] = []
         for i, (m, cls, names) in enumerate(used):
-            a = records[m][0]
-            if a.requires_grad:
-                a = a.detach()
-            b = bs[i] if bs[i] is not None else torch.zeros_like(records[m][2])
+            rec = records[m]
+            assert rec is not None
+            a = rec[0].detach()
+            b = bs[i] if bs[i] is not None else torch.zeros_like(rec[2])
             bs[i] = None  # free as we go
             weight = ps.get(names.get("weight", ""), getattr(m, "weight", None))
             if cls is nn.Linear or is_conv1d(m):

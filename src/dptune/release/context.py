@@ -93,8 +93,8 @@ class StepContext:
 
     def grads(self, params: Tensors) -> PerSampleGrads:
         if self._grads is None:
-            self._grads = self.oracle(params, self.x, self.y)
-            self._losses = self._grads.losses
+            grads = self._grads = self.oracle(params, self.x, self.y)
+            self._losses = grads.losses
         return self._grads
 
     def publish(self, *queries: SumQuery, label: str) -> list[torch.Tensor | Tensors | DeferredSum]:
