@@ -263,14 +263,29 @@ HIDDEN_K_NOTE = (
 )
 
 
-def split_arm_notes(arms: Iterable[Any], name: Any = None) -> tuple[list[str], list[str]]:
-    """(release, diagnostics) notes of a study's arms: an arm whose guarantee keeps K secret
-    publishes ``HIDDEN_K_NOTE`` only (its planner notes state K); ``name(arm)`` labels them."""
+def split_arm_notes(plan: Any, name: Any = None) -> tuple[list[str], list[str]]:
+    """(release, diagnostics) notes of a study plan's arms, with ``sampling_note``: an arm whose guarantee
+    keeps K secret publishes ``HIDDEN_K_NOTE`` only (its planner notes state K); ``name(arm)`` labels them."""
     label = name or (lambda a: a.arm)
-    hidden = [a for a in arms if hides_run_count(a.guarantee.get("kind"))]
-    release = [f"{label(a)}: {n}" for a in arms if a not in hidden for n in a.notes]
+    notes = {id(a): [*a.notes, *sampling_note([plan.runs[r] for r in a.runs if r in plan.runs])] for a in plan.arms}
+    hidden = [a for a in plan.arms if hides_run_count(a.guarantee.get("kind"))]
+    release = [f"{label(a)}: {n}" for a in plan.arms if a not in hidden for n in notes[id(a)]]
     release += [f"{label(a)}: {HIDDEN_K_NOTE}" for a in hidden]
-    return release, [f"{label(a)}: {n}" for a in hidden for n in a.notes]
+    return release, [f"{label(a)}: {n}" for a in hidden for n in notes[id(a)]]
+
+
+def sampling_note(runs: Iterable[Any]) -> list[str]:
+    """``train.SamplingWarning`` for a study, as a plan note (a warning per study fired on every short preset
+    sweep): the arm's private runs that sample q > 0.5 of the data or take < 20 steps (public plan choices)."""
+    odd = [r for r in runs if math.isfinite(r.noise_multiplier) and (0.5 < r.sampling_rate < 1 or r.steps < 20)]
+    if not odd:
+        return []
+    q, T = max(r.sampling_rate for r in odd), min(r.steps for r in odd)
+    return [
+        f"{len(odd)} of its runs sample q > 0.5 of the data a step or take fewer than 20 steps (up to q = {q:.3g}, "
+        f"down to T = {T}; advised: q ≤ 0.5, T ≥ 20): little privacy amplification by subsampling, or few noisy "
+        "steps to learn from. Fix: a smaller batch or more epochs, unless intended (a short sweep)."
+    ]
 
 
 def epsilon_text(eps: float) -> str:

@@ -369,3 +369,19 @@ def test_a_stored_plan_loads_and_writes_back_bit_for_bit(reference, name):
     assert json.dumps(plan.to_dict(), ensure_ascii=False) == json.dumps(reference[name], ensure_ascii=False)
     assert all(isinstance(r.eval_steps, tuple) for r in plan.runs.values())
     assert all(isinstance(a.epsilon, float) for a in plan.arms)  # "inf" read back as ∞
+
+
+def test_the_plan_summary_notes_short_or_dense_sampling_once_per_arm():
+    """``train.SamplingWarning`` at study level: a line per private arm whose runs sample q > 0.5 or take
+    < 20 steps, computed from the stored plan (plans and their JSON unchanged); a hidden-K arm's goes to
+    the diagnostics with its other notes."""
+    from dptune.outputs import split_arm_notes
+
+    plan = plan_study(method_study("linear-scaling"), 5000, 1000, "accuracy", coins=theory.SecretCoins(seed=7))
+    odd = [r for r in plan.runs.values() if r.steps < 20 or 0.5 < r.sampling_rate < 1]
+    release, secret = split_arm_notes(plan)
+    notes = [n for n in release + secret if "advised: q ≤ 0.5, T ≥ 20" in n]
+    assert odd and len(notes) == len({r.arm for r in odd if r.noise_multiplier != float("inf")})
+    assert f"down to T = {min(r.steps for r in odd)}" in notes[0]
+    long = dataclasses.replace(plan, runs={k: dataclasses.replace(r, steps=50) for k, r in plan.runs.items()})
+    assert not [n for n in sum(split_arm_notes(long), []) if "advised" in n]

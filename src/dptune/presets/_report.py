@@ -84,7 +84,7 @@ def study_report(
     cfg, plan, table, arm_of = s.cfg, s.plan, s.table, s.arm_of
     runs = {r["run_id"]: r for r in s.runs}
     # Notes of LT/RS arms state K (runs drawn): diagnostics; the release says K is secret.
-    arm_notes, secret_notes = split_arm_notes(plan.arms, lambda a: f"{a.label} @ {a.arm.split('@')[-1]}")
+    arm_notes, secret_notes = split_arm_notes(plan, lambda a: f"{a.label} @ {a.arm.split('@')[-1]}")
     accountants = sorted({a.accountant for a in plan.arms if a.accountant != "none"})
     heatmaps = study_heatmaps(s, out) if include_diagnostics else []
     # Every run and every configuration: diagnostics, as in ``dptune report`` (report_study).

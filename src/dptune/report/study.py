@@ -106,7 +106,7 @@ def report_study(
     released = private_rows(table)
     has_test = any(r["test_mean"] is not None for r in table)  # else the selection score is shown
     # The tuner's own table and every run: diagnostics (counts of runs reveal K under LT/RS).
-    notes, secret_notes = split_arm_notes(plan.arms)
+    notes, secret_notes = split_arm_notes(plan)
     dsections = [every_run_section(table, write_runs_csv(out, runs, arm_of), secret_notes)]
     dsections += study_heatmaps(s, out) if include_diagnostics else []
     subtitle = f"{len(plan.arms)} tuning procedures, " + ("" if s.hides_k else f"{len(runs)} runs, ")

@@ -381,7 +381,7 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
             f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
             f"({r['random']}) and grid/oracle ({r['oracle']}): {100 * r['rerr']:.1f} %"
         )
-    for note in split_arm_notes(plan.arms)[0]:
+    for note in split_arm_notes(plan)[0]:
         console.print(f"[dim]• {note}[/dim]")
     # The randomness mode (docs/privacy.md, item 3): every study's terminal report states it.
     secure = bool(cfg.get("study", {}).get("secure"))
@@ -408,7 +408,7 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
     for r in per_label:
         b.add_row(r["arm"], r["label"], str(r["releases"]), _e(r["epsilon_alone"]), r["scope"])
     print_table(console, b)
-    for note in split_arm_notes(plan.arms)[1]:
+    for note in split_arm_notes(plan)[1]:
         console.print(f"[dim]• {note}[/dim]")
 
 
