@@ -303,3 +303,16 @@ def test_a_sums_noise_drawn_at_once_equals_the_per_tensor_draws() -> None:
     assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
     wrong = NoisyRelease(Ledger(), 0.1, NoiseSource(seed=4))._add_noise(value, 0.7)
     assert not torch.equal(wrong["a"], want["a"])
+
+
+def test_a_replayed_sums_noise_on_its_one_buffer_equals_the_per_tensor_draws() -> None:
+    """A replayed sum (one float64 buffer, ``tree.Flat``) gets its noise as one vector added to the buffer:
+    bitwise the per-tensor release of the same sum held as a plain dict."""
+    parts = {"w": torch.randn(3, 4, dtype=torch.float64), "b": torch.randn(5, dtype=torch.float64)}
+    flat = tree.packed(parts, torch.float64, torch.device("cpu"))
+    dtypes = {"w": torch.float32, "b": torch.float32}
+    got = NoisyRelease(Ledger(), 0.1, NoiseSource(seed=3))._add_noise(tree.Accumulated(flat, dtypes), 0.7)
+    assert isinstance(got, tree.Flat) and got.base is not None
+    one = NoisyRelease(Ledger(), 0.1, NoiseSource(seed=3))
+    want = {k: one._noisy(parts[k], 0.7, torch.float32) for k in parts}
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)

@@ -128,8 +128,14 @@ class Replayed(MaterializedGrads):
 def fingerprint(model: nn.Module) -> tuple:
     """What a captured graph reads besides its inputs and trainable parameters, by address (buffers, frozen
     weights), and the modules' training flags (dropout): a change between steps makes a new capture."""
-    fixed = [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)]
-    return tuple(t.data_ptr() for t in fixed), tuple(m.training for m in model.modules())
+    ptrs, flags, stack = [], [], [model]
+    while stack:  # the module tree by hand: ``model.modules()``'s names and memo cost ~8 µs a module a step
+        m = stack.pop()
+        flags.append(m.training)
+        ptrs += [t.data_ptr() for t in m._buffers.values() if t is not None]
+        ptrs += [p.data_ptr() for p in m._parameters.values() if p is not None and not p.requires_grad]
+        stack += [c for c in m._modules.values() if c is not None]
+    return tuple(ptrs), tuple(flags)
 
 
 class Graphs:

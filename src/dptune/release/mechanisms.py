@@ -42,7 +42,7 @@ from dptune.release.sampling import (
     exponentials,
     stream_seed,
 )
-from dptune.tree import Tensors, cast
+from dptune.tree import Flat, Tensors, cast
 
 
 @dataclass(frozen=True)
@@ -320,6 +320,14 @@ def _dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> torch.Tensor |
     assert isinstance(b, dict)
     if a.keys() != b.keys():
         raise ValueError(f"projection direction has keys {sorted(b)}, the sum has {sorted(a)}")
+    if (
+        isinstance(a, Flat)
+        and isinstance(b, Flat)
+        and a.base is not None
+        and b.base is not None
+        and a.layout == b.layout
+    ):
+        return _dot1(a.base, b.base)
     total: torch.Tensor | float = 0.0
     for k in a:
         total = total + _dot1(a[k], b[k])
@@ -330,7 +338,15 @@ def _wide_dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> torch.Ten
     """⟨a, b⟩ in float64: products summed by blocks of 1,024, then the block sums, on the device
     (a 0-d tensor): error ≤ γ⁶⁴_k·Σ|a_i b_i|, k = 1,024 + ⌈d/1,024⌉ for d coordinates in all
     (a deferred release's mean; docs/privacy.md, item 1b)."""
-    if isinstance(a, dict):
+    if (
+        isinstance(a, Flat)
+        and isinstance(b, Flat)
+        and a.base is not None
+        and b.base is not None
+        and a.layout == b.layout
+    ):
+        pairs = [(a.base, b.base)]  # one product and one blocking of the whole vector: the same bound
+    elif isinstance(a, dict):
         assert isinstance(b, dict)
         pairs = [(a[k], b[k]) for k in a]
     else:
@@ -444,6 +460,10 @@ class NoisyRelease:
         # Seeded: each dtype's noise drawn as one tensor (its stream serves the same normals in the same
         # order as per tensor), added and rounded by foreach kernels: ~3 launches, not 3 per tensor.
         dtypes = {k: v.dtype for k, v in value.items()}
+        if isinstance(wide, Flat) and wide.base is not None and len(set(dtypes.values())) == 1:
+            (dt,) = set(dtypes.values())  # one buffer (a replayed sum): the same normals and roundings at once
+            z = self.noise.normal(torch.empty(wide.base.numel(), dtype=dt, device=wide.base.device), std)
+            return Flat((wide.base + z).to(dt), wide.layout)
         out: Tensors = {}
         for dt in dict.fromkeys(dtypes.values()):
             ks = [k for k in value if dtypes[k] == dt]
