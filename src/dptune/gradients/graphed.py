@@ -125,17 +125,12 @@ class Replayed(MaterializedGrads):
         return Accumulated(wide, cap.dtypes)
 
 
-def fingerprint(model: nn.Module) -> tuple:
+def fingerprint(mods: list[nn.Module]) -> tuple:
     """What a captured graph reads besides its inputs and trainable parameters, by address (buffers, frozen
-    weights), and the modules' training flags (dropout): a change between steps makes a new capture."""
-    ptrs, flags, stack = [], [], [model]
-    while stack:  # the module tree by hand: ``model.modules()``'s names and memo cost ~8 µs a module a step
-        m = stack.pop()
-        flags.append(m.training)
-        ptrs += [t.data_ptr() for t in m._buffers.values() if t is not None]
-        ptrs += [p.data_ptr() for p in m._parameters.values() if p is not None and not p.requires_grad]
-        stack += [c for c in m._modules.values() if c is not None]
-    return tuple(ptrs), tuple(flags)
+    weights), and the modules' training flags (dropout): a change between steps makes a new capture.
+    ``mods``: the model's modules, listed at the capture (``model.modules()`` each step: ~8 µs a module)."""
+    fixed = (t for m in mods for t in (*m._buffers.values(), *m._parameters.values()) if t is not None)
+    return tuple(m.training for m in mods), tuple(t.data_ptr() for t in fixed if not t.requires_grad)
 
 
 class Graphs:
@@ -147,13 +142,14 @@ class Graphs:
         self._run, self._model = run, model
         self._cap: _Captured | None = None
         self._fingerprint: tuple = ()
+        self._mods: list[nn.Module] = []
         self.off_reason: str | None = None  # why graphs are off for this oracle (then every step is eager)
         self.replays = self.eager = 0
 
     def __call__(self, params: Tensors, x: Any, y: torch.Tensor) -> Replayed | None:
         """The replayed gradients of this batch, or None: compute it eagerly."""
         B = y.shape[0]
-        if self._cap is not None and fingerprint(self._model) != self._fingerprint:
+        if self._cap is not None and fingerprint(self._mods) != self._fingerprint:
             self._cap = None  # the model changed between steps (a buffer re-bound, eval mode): capture again
         if self.off_reason is not None:
             self.eager += 1
@@ -162,7 +158,8 @@ class Graphs:
             self._cap = None  # a larger batch than any before: captured again, for it (sizes only grow)
         if self._cap is None:
             try:
-                self._fingerprint = fingerprint(self._model)
+                self._mods = list(self._model.modules())
+                self._fingerprint = fingerprint(self._mods)
                 self._cap = _Captured(self._run, params, x, y, padded_size(B))
             except Exception as exc:  # noqa: BLE001 - any refusal of the capture: this oracle runs eagerly
                 self.off_reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
