@@ -217,6 +217,7 @@ def test_only_privatizers_read_per_sample_gradients_or_release() -> None:
             "grads",
             "weighted_sum",
             "release",
+            "publish",
             "project",
             "materialize",
             "loss_and_grad",
@@ -228,7 +229,7 @@ def test_only_privatizers_read_per_sample_gradients_or_release() -> None:
     calls, names = _calls_and_imports(SRC / "updates" / "rules.py")
     assert "StepContext" not in names  # update rules never see the batch
     calls, _ = _calls_and_imports(SRC / "release" / "privatizers.py")
-    assert {"grads", "release"} <= calls
+    assert {"grads", "publish"} <= calls  # StepContext.publish: the gateway's release, the per-example state freed
 
 
 # ----------------------------------------------------------------------------- make_private

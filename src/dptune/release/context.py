@@ -100,10 +100,11 @@ class StepContext:
     def publish(self, *queries: SumQuery, label: str) -> list[torch.Tensor | Tensors | DeferredSum]:
         """The gateway's ``release`` of the step's queries, the per-example state freed first: the sums are
         formed, and the kept activations and output gradients (a transformer's largest tensors) would
-        otherwise sit under the noise and the update (docs/performance.md). The norms and losses stay."""
+        otherwise sit under the noise and the update (docs/performance.md). The losses stay."""
         free = getattr(self._grads, "free", None)
         if free is not None:
             free()
+        self._grads = None  # a later ``grads`` call computes them again
         assert self.release is not None
         return self.release.release(*queries, label=label)
 
