@@ -147,16 +147,17 @@ def zeros_like(tree: Tensors) -> Tensors:
     return {k: torch.zeros_like(v) for k, v in tree.items()}
 
 
+def bases(a: object, b: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The buffers of two ``Flat``s of one layout (elementwise work on them is work on every tensor), or None."""
+    if isinstance(a, Flat) and isinstance(b, Flat) and a.base is not None and b.base is not None:
+        return (a.base, b.base) if a.layout == b.layout else None
+    return None
+
+
 def dot(a: Tensors, b: Tensors) -> float:
     # Native-precision dot products (no float64 copies: this sits on OSO's hot path).
-    if (
-        isinstance(a, Flat)
-        and isinstance(b, Flat)
-        and a.base is not None
-        and b.base is not None
-        and a.layout == b.layout
-    ):
-        return float(torch.dot(a.base, b.base))
+    if (ab := bases(a, b)) is not None:
+        return float(torch.dot(*ab))
     return float(sum(torch.dot(a[k].reshape(-1), b[k].reshape(-1)) for k in a))
 
 

@@ -42,7 +42,7 @@ from dptune.release.sampling import (
     exponentials,
     stream_seed,
 )
-from dptune.tree import Flat, Tensors, cast
+from dptune.tree import Flat, Tensors, bases, cast
 
 
 @dataclass(frozen=True)
@@ -320,14 +320,8 @@ def _dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> torch.Tensor |
     assert isinstance(b, dict)
     if a.keys() != b.keys():
         raise ValueError(f"projection direction has keys {sorted(b)}, the sum has {sorted(a)}")
-    if (
-        isinstance(a, Flat)
-        and isinstance(b, Flat)
-        and a.base is not None
-        and b.base is not None
-        and a.layout == b.layout
-    ):
-        return _dot1(a.base, b.base)
+    if (ab := bases(a, b)) is not None:
+        return _dot1(*ab)
     total: torch.Tensor | float = 0.0
     for k in a:
         total = total + _dot1(a[k], b[k])
@@ -338,14 +332,8 @@ def _wide_dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> torch.Ten
     """⟨a, b⟩ in float64: products summed by blocks of 1,024, then the block sums, on the device
     (a 0-d tensor): error ≤ γ⁶⁴_k·Σ|a_i b_i|, k = 1,024 + ⌈d/1,024⌉ for d coordinates in all
     (a deferred release's mean; docs/privacy.md, item 1b)."""
-    if (
-        isinstance(a, Flat)
-        and isinstance(b, Flat)
-        and a.base is not None
-        and b.base is not None
-        and a.layout == b.layout
-    ):
-        pairs = [(a.base, b.base)]  # one product and one blocking of the whole vector: the same bound
+    if (ab := bases(a, b)) is not None:
+        pairs = [ab]  # one product and one blocking of the whole vector: the same bound
     elif isinstance(a, dict):
         assert isinstance(b, dict)
         pairs = [(a[k], b[k]) for k in a]
