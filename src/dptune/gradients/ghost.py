@@ -572,7 +572,7 @@ class GhostEngine:
             rec = records[m]
             assert rec is not None
             a = rec[0].detach()
-            b = bs[i] if bs[i] is not None else torch.zeros_like(rec[2])
+            b = bs[i] if bs[i] is not None else torch.zeros(rec[2][0], dtype=rec[2][1], device=rec[2][2])
             bs[i] = None  # free as we go
             weight = ps.get(names.get("weight", ""), getattr(m, "weight", None))
             if cls is nn.Linear or is_conv1d(m):

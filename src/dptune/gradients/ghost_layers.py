@@ -176,7 +176,7 @@ def norm_layer_rule(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: t
 @contextmanager
 def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module, tuple | None]]:
     """The input and output of each of ``mods`` on its calls in the block (an instance-level ``forward``
-    wrapper, removed after it) as (input, the output's autograd edge, a zero tensor of its shape, the
+    wrapper, removed after it) as (input, the output's autograd edge, its (shape, dtype, device), the
     input's version); GhostFallback if one was called twice, without a positional tensor
     input whose first dimension is the ``batch``, or had its input changed in place (no
     ghost rule then). Ids of batch 1 shared by a batch of several (HF's position ids [1, T]) are
@@ -203,7 +203,7 @@ def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module,
             if a.dim() and out.dim() and a.shape[0] == batch == out.shape[0] and out.requires_grad:
                 # The output by its autograd edge, not the tensor: what the backward does not need is freed
                 # during it (the gradient is the one into the layer's own output, in-place changes after or not).
-                records[mod] = (a, get_gradient_edge(out), out.new_zeros(()).expand(out.shape), a._version)
+                records[mod] = (a, get_gradient_edge(out), (out.shape, out.dtype, out.device), a._version)
             return out
 
         return forward
