@@ -236,10 +236,12 @@ def same_kernel(device: torch.device) -> Iterator[None]:
         cudnn.deterministic, cudnn.benchmark = old
 
 
-# Rows per float64 block of ``wide_sum`` at most (fewer for long rows: ≤ WIDE_FLOATS floats per block
-# on CUDA, a kept layer's chunk in one block; 2²² on the host, where a bigger fresh buffer costs 2-3×).
+# Rows per float64 block of ``wide_sum``/``wide_mm`` at most (on CUDA fewer for long rows: ≤ WIDE_FLOATS floats
+# a block). On the host the float64 copies are made and used in column pieces of ≤ HOST_FLOATS floats, in
+# cache: converting a whole block first cost 3-8× (a fresh buffer written, then read again from memory).
 WIDE_BLOCK = 2048
 WIDE_FLOATS = 1 << 24
+HOST_FLOATS = 1 << 18
 
 
 def wide_sum(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -250,14 +252,26 @@ def wide_sum(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     terms are summed across examples in float64, by blocks of m ≤ WIDE_BLOCK rows: the error
     is ≤ γ⁶⁴_{m+⌈B/m⌉}·Σ_i |w_i g_i| entrywise, whatever the order (docs/privacy.md, item
     1b), instead of γ³²_B for a float32 product."""
-    B, n = g.shape
-    m = max(1, min(WIDE_BLOCK, (WIDE_FLOATS if g.is_cuda else 1 << 22) // max(1, n)))
-    w = w.double()
-    if 0 < B <= m:  # one block (the usual case): no accumulator
-        return w @ g.double()
-    out = torch.zeros(n, dtype=torch.float64, device=g.device)
-    for i in range(0, B, m):
-        out += w[i : i + m] @ g[i : i + m].double()
+    return wide_mm(w.double().unsqueeze(1), g).squeeze(0)
+
+
+def wide_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """xᵀ y over the rows of x [B, p] (float64) and y [B, d], in float64 by blocks of m ≤ WIDE_BLOCK rows
+    (the bound of ``wide_sum``); on the host by column pieces of y (the same sums, in cache)."""
+    B, d = y.shape
+    if y.is_cuda:
+        m, c = max(1, min(WIDE_BLOCK, WIDE_FLOATS // max(1, d))), d
+    else:
+        m = max(1, min(B, WIDE_BLOCK))
+        c = max(1, HOST_FLOATS // m)
+    if m >= B and d <= c:  # one block, one piece (the usual case for short rows): no accumulator
+        return x.t() @ y.double()
+    out = x.new_empty(x.shape[1], d)
+    for j in range(0, d, c):
+        piece = x[:m].t() @ y[:m, j : j + c].double()
+        for i in range(m, B, m):
+            piece += x[i : i + m].t() @ y[i : i + m, j : j + c].double()
+        out[:, j : j + c] = piece
     return out
 
 
@@ -283,15 +297,6 @@ def rank_one_parts(a: torch.Tensor, b: torch.Tensor, bias: bool) -> list[tuple[t
     s = (torch.linalg.vector_norm(a, dim=-1) * nb).square_()
     parts = [(s, 1.0 / ((1.0 - gamma(d + 4, u)) * (1.0 - gamma(p + 4, u))) - 1.0)]
     return parts + [(nb.square_(), 1.0 / (1.0 - gamma(p + 4, u)) - 1.0)] if bias else parts
-
-
-def wide_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """xᵀ y over the rows of x [B, p] (float64) and y [B, d], in float64 by blocks of WIDE_BLOCK
-    rows (the bound of ``wide_sum``)."""
-    out = x.new_zeros(x.shape[1], y.shape[1])
-    for i in range(0, x.shape[0], WIDE_BLOCK):
-        out += x[i : i + WIDE_BLOCK].t() @ y[i : i + WIDE_BLOCK].double()
-    return out
 
 
 def gram_parts(A: torch.Tensor, Bm: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
