@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -259,20 +260,36 @@ def wide_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """xᵀ y over the rows of x [B, p] (float64) and y [B, d], in float64 by blocks of m ≤ WIDE_BLOCK rows
     (the bound of ``wide_sum``); on the host by column pieces of y (the same sums, in cache)."""
     B, d = y.shape
-    if y.is_cuda:
-        m, c = max(1, min(WIDE_BLOCK, WIDE_FLOATS // max(1, d))), d
+    if y.is_cuda or torch._C._functorch.is_functorch_wrapped_tensor(y):
+        m, c, wide = max(1, min(WIDE_BLOCK, WIDE_FLOATS // max(1, d))), d, _double
     else:
         m = max(1, min(B, WIDE_BLOCK))
-        c = max(1, HOST_FLOATS // m)
-    if m >= B and d <= c:  # one block, one piece (the usual case for short rows): no accumulator
-        return x.t() @ y.double()
+        c, wide = max(1, HOST_FLOATS // m), _host_double
     out = x.new_empty(x.shape[1], d)
     for j in range(0, d, c):
-        piece = x[:m].t() @ y[:m, j : j + c].double()
+        piece = x[:m].t() @ wide(y[:m, j : j + c])
         for i in range(m, B, m):
-            piece += x[i : i + m].t() @ y[i : i + m, j : j + c].double()
+            piece += x[i : i + m].t() @ wide(y[i : i + m, j : j + c])
+        if c >= d:  # one piece (the usual case for short rows)
+            return piece
         out[:, j : j + c] = piece
     return out
+
+
+def _double(t: torch.Tensor) -> torch.Tensor:
+    return t.double()
+
+
+_SCRATCH = threading.local()
+
+
+def _host_double(t: torch.Tensor) -> torch.Tensor:
+    """t in float64 in one reused host buffer per thread, to be used at once (≤ HOST_FLOATS floats): a fresh
+    buffer page-faults on its first writes, which cost 10-60× the conversion itself."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < t.numel():
+        buf = _SCRATCH.buf = torch.empty(max(t.numel(), HOST_FLOATS), dtype=torch.float64)
+    return buf[: t.numel()].view(t.shape).copy_(t.detach())
 
 
 def rank_one_parts(a: torch.Tensor, b: torch.Tensor, bias: bool) -> list[tuple[torch.Tensor, float]]:
