@@ -175,16 +175,12 @@ def norm_layer_rule(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: t
 
 @contextmanager
 def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module, tuple | None]]:
-    """The input and output of each of ``mods`` on its calls in the block (an instance-level ``forward``
-    wrapper, removed after it) as (input, the output's autograd edge, its (shape, dtype, device), the
-    input's version); GhostFallback if one was called twice, without a positional tensor
-    input whose first dimension is the ``batch``, or had its input changed in place (no
-    ghost rule then). Ids of batch 1 shared by a batch of several (HF's position ids [1, T]) are
-    expanded to the batch first, so that each example's output, and its output gradient, are its
-    own (the output then broadcasts as before; a forward that the expansion breaks falls back). A wrapper rather than a forward hook: a module with
-    hooks runs ``Module._call_impl``'s slow path (~25 µs per call, and registering/removing hooks
-    costs as much again), a wrapper keeps the fast path. It also sees the layer's own output, before
-    any output hook of the user's."""
+    """Each of ``mods``' call in the block as (input, the output's autograd edge, its (shape, dtype, device),
+    the input's version), by an instance-level ``forward`` wrapper (a forward hook would take
+    ``Module._call_impl``'s slow path, ~25 µs a call). GhostFallback if a module was called twice, without a
+    positional input whose first dimension is the ``batch``, or had its input changed in place. Ids of batch
+    1 shared by the batch (HF's position ids [1, T]) are expanded to the batch first, so that each example's
+    output gradient is its own (a forward that the expansion breaks falls back)."""
     records: dict[nn.Module, tuple | None] = {}
     patched: list[tuple[nn.Module, bool, object]] = []
     expanded: list[nn.Module] = []

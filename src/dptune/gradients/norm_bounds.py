@@ -261,7 +261,7 @@ def wide_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     (the bound of ``wide_sum``); on the host by column pieces of y (the same sums, in cache)."""
     B, d = y.shape
     if y.is_cuda or torch._C._functorch.is_functorch_wrapped_tensor(y):
-        m, c, wide = max(1, min(WIDE_BLOCK, WIDE_FLOATS // max(1, d))), d, _double
+        m, c, wide = max(1, min(WIDE_BLOCK, WIDE_FLOATS // max(1, d))), d, torch.Tensor.double
     else:
         m = max(1, min(B, WIDE_BLOCK))
         c, wide = max(1, HOST_FLOATS // m), _host_double
@@ -274,10 +274,6 @@ def wide_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return piece
         out[:, j : j + c] = piece
     return out
-
-
-def _double(t: torch.Tensor) -> torch.Tensor:
-    return t.double()
 
 
 _SCRATCH = threading.local()
