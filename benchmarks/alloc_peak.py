@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--gpu-path", action="store_true", help="the float64 Gram forms of A100/H100/H200/B200")
+    ap.add_argument("--graphs", action="store_true", help="the CUDA-graph path (captured state kept between steps)")
     ap.add_argument("--pretrained", action="store_true", help="MiniLM's own weights (the text extra), dropout 0.1")
     ap.add_argument("--top", type=int, default=12, help="allocations alive at the peak to list")
     args = ap.parse_args()
@@ -97,6 +98,10 @@ def main() -> None:
         from dptune.gradients import norm_bounds
 
         norm_bounds.fast_fp64 = lambda device: True  # type: ignore[assignment]
+    if args.graphs:  # tensors a graph keeps stay alive; a real pool also keeps the blocks freed during capture
+        from dptune.gradients import graphed
+
+        graphed.replayable = lambda device: True  # type: ignore[assignment]
     if not args.pretrained:  # as on the GPU machine: the architecture from its config
         hf_finetune.minilm_classifier = _config_only  # type: ignore[assignment]
     torch.set_num_threads(2)

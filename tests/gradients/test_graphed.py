@@ -5,6 +5,8 @@ themselves in tests/gradients/test_cuda.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -13,6 +15,11 @@ import dptune
 from dptune.gradients import graphed
 from dptune.gradients.oracle import GradientOracle
 from dptune.strategies import STRATEGIES
+
+
+@pytest.fixture(autouse=True)
+def _small_batches_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(graphed, "MAX_PADDING", math.inf)  # these batches are small: replayed all the same
 
 
 def _setup(B: int = 13) -> tuple[GradientOracle, dict, torch.Tensor, torch.Tensor]:
@@ -95,3 +102,17 @@ def test_every_strategy_trains_the_same_run_on_replayed_gradients(name: str, mon
     assert [r["batch_size"] for r in replayed.history] == [r["batch_size"] for r in eager.history]
     for k, v in eager.final_params.items():
         torch.testing.assert_close(replayed.final_params[k], v, rtol=1e-4, atol=1e-6)
+
+
+def test_a_batch_that_would_be_padded_beyond_half_again_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MAX_PADDING``: 32 rows would pad to 64 (twice the work and the kept state): no capture, every step
+    eager; 256 rows pad to 328 (1.28×): captured."""
+    monkeypatch.setattr(graphed, "MAX_PADDING", 1.5)
+    assert graphed.padded_size(32) == 64 and graphed.padded_size(256) == 328
+    oracle, params, x, y = _setup(32)
+    graphs = graphed.Graphs(oracle._run_ghost, oracle.model)
+    assert graphs(params, x, y) is None and graphs(params, x, y) is None
+    assert graphs._cap is None and "padded to 64 rows" in (graphs.off_reason or "") and graphs.eager == 2
+    oracle, params, x, y = _setup(256)
+    graphs = graphed.Graphs(oracle._run_ghost, oracle.model)
+    assert graphs(params, x, y) is not None and graphs._cap is not None and graphs._cap.size == 328

@@ -28,6 +28,9 @@ from dptune.gradients.persample import MaterializedGrads
 from dptune.tree import Accumulated, Tensors, packed
 
 ENABLED = os.environ.get("DPTUNE_CUDA_GRAPHS", "1") != "0"
+# Graphs only where padding adds at most half the work: a batch of 32 pads to 64 rows, twice the GPU work
+# and twice the kept per-example state (a transformer's largest tensors), for the host time it saves.
+MAX_PADDING = float(os.environ.get("DPTUNE_GRAPH_MAX_PADDING", "1.5"))
 
 
 def replayable(device: torch.device) -> bool:
@@ -156,6 +159,10 @@ class Graphs:
             return None
         if self._cap is not None and self._cap.size < B:
             self._cap = None  # a larger batch than any before: captured again, for it (sizes only grow)
+        if self._cap is None and padded_size(B) > MAX_PADDING * B:
+            self.off_reason = f"a batch of {B} would be padded to {padded_size(B)} rows (> {MAX_PADDING}×)"
+            self.eager += 1
+            return None
         if self._cap is None:
             try:
                 self._mods = list(self._model.modules())
