@@ -189,7 +189,7 @@ def save_trained(
     best = result.best_params is not None
     params = result.best_params if best else result.final_params
     state = full_state(result.model, params)
-    plan = result.plan
+    plan, cls = result.plan, type(result.model)
     private = bool(plan.strategy.private)
     eps = (result.epsilon() if result.delta else None) if private else math.inf
     rnd = randomness_statement(result.secure_mode)
@@ -224,7 +224,7 @@ def save_trained(
         "checkpoint": {"rule": "best" if best else "final", "step": result.best_step if best else taken},
         "evaluation_data": ("declared public" if result.eval_public else "private") if result.evals else None,
         "evaluation": {"metric": result.metric, "best": result.best_metric} if best else {},
-        "model": dict(model_id) if model_id else {"class": _class_path(result.model)},
+        "model": dict(model_id) if model_id else {"class": f"{cls.__module__}.{cls.__qualname__}"},
         "data": dict(data_id) if data_id else {"name": "in-memory (not identified)"},
         **rnd,
         "ledger": {"digest": result.ledger.digest(), "releases": result.ledger.releases},
@@ -232,10 +232,6 @@ def save_trained(
     if not private:  # weights trained without privacy may memorise examples: the owner's only
         card = labelled_json(card)
     return write_model(directory, state, card)
-
-
-def _class_path(model: nn.Module) -> str:
-    return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
 # ----------------------------------------------------------------------------- a study's checkpoints
@@ -272,9 +268,7 @@ def save_checkpoint(study_dir: str | Path, run_id: str, payload: Mapping[str, An
 
 def load_checkpoint(study_dir: str | Path, run_id: str) -> dict[str, Any] | None:
     path = checkpoint_path(study_dir, run_id)
-    if not path.is_file():
-        return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
 
 
 def model_identity(spec: Any, data: Any) -> dict[str, Any]:

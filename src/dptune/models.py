@@ -49,16 +49,10 @@ def _positive(**values: int) -> None:
 
 
 def galli_cnn(final_relu: bool = False) -> nn.Sequential:
-    """Galli et al. (2024) MNIST CNN, appendix Table 5: 551,322 parameters.
+    """Galli et al. (2024) MNIST CNN, appendix Table 5: 551,322 parameters, input [B, 1, 28, 28].
 
-    Conv(1→16, 8×8, stride 1, padding 3) + ReLU → MaxPool(2×2, stride 1) →
-    Conv(16→32, 4×4, stride 1) + ReLU → Flatten (32·23·23 = 16,928) →
-    Linear(16,928→32) + ReLU → Linear(32→10).
-
-    Padding 3 is inferred: it is the only padding that reproduces the published count.
-    Table 5 lists a ReLU after the last layer too; it is off by default (``final_relu``)
-    because the model outputs logits for cross-entropy, and clamping logits at 0 only
-    hurts. Input: [B, 1, 28, 28] in [0, 1].
+    Table 5's ReLU after the last layer is off by default (``final_relu``): the outputs are logits
+    for cross-entropy. The inferred padding: docs/data_and_models.md.
     """
     layers: list[nn.Module] = [
         nn.Conv2d(1, 16, kernel_size=8, stride=1, padding=3),
@@ -79,14 +73,9 @@ def galli_cnn(final_relu: bool = False) -> nn.Sequential:
 class GalliAutoencoder(nn.Module):
     """Galli et al. (2024) Fashion-MNIST convolutional autoencoder, Table 6: 48,705 params.
 
-    Encoder: four 3×3 convolutions, stride 1, no padding, 1→8→16→32→64 channels, each
-    followed by LeakyReLU (28→26→24→22→20 pixels). Decoder: four 3×3 transposed
-    convolutions, stride 1, no padding, 64→32→16→8→1 (20→22→24→26→28), LeakyReLU after
-    each but the last, which is followed by a Sigmoid (outputs in [0, 1] like the input).
-    Table 6 gives only output channels, kernel and stride; input channels follow from
-    chaining, and padding 0 is inferred (padding does not change the parameter count;
-    with stride 1, padding 0 is what brings the decoder back to 28×28 without cropping).
-    LeakyReLU slope: PyTorch's default 0.01. Train with MSE against the input.
+    Four 3×3 convolutions 1→8→16→32→64 and four transposed ones back, stride 1, padding 0
+    (inferred: docs/data_and_models.md), LeakyReLU between, a Sigmoid last (outputs in [0, 1]
+    like the input). Train with MSE against the input.
     """
 
     def __init__(self) -> None:
@@ -115,13 +104,10 @@ def galli_autoencoder() -> GalliAutoencoder:
 def galli_bow_fc(
     input_dim: int = 750, hidden: int = 128, classes: int = 4, final_activation: bool = False
 ) -> nn.Sequential:
-    """Galli et al. (2024) AG News bag-of-words FC network, Table 7.
+    """Galli et al. (2024) AG News bag-of-words FC network, Table 7: input_dim→128→128→4, LeakyReLU.
 
-    Linear(input_dim→128) + LeakyReLU → Linear(128→128) + LeakyReLU → Linear(128→4).
-    ``input_dim=750`` reproduces the published 113,156 parameters; the text's
-    "25 words × 50-d embeddings" would give 1,250 inputs (177,156 parameters). Pass
-    ``input_dim=ds.input_shape[0]`` for data from ``dptune.data.load('ag_news')``.
-    Table 7 lists a LeakyReLU after the output layer too; off by default (logits).
+    ``input_dim=750`` reproduces the published 113,156 parameters, the text's data has 1,250
+    (docs/data_and_models.md). Table 7's LeakyReLU after the output layer is off by default (logits).
     """
     _positive(input_dim=input_dim, hidden=hidden, classes=classes)
     layers: list[nn.Module] = [
@@ -144,10 +130,7 @@ def logistic_regression(input_dim: int, classes: int = 2) -> nn.Sequential:
 
 
 def two_layer_nn(input_dim: int, hidden: int = 100, classes: int = 2) -> nn.Sequential:
-    """Mohapatra et al. (2022) TLNN: Linear(d→hidden) + ReLU → Linear(hidden→classes).
-
-    The paper does not state the hidden width; 100 is our documented default.
-    """
+    """Mohapatra et al. (2022) TLNN: Linear(d→hidden) + ReLU → Linear(hidden→classes); hidden 100 is ours."""
     _positive(input_dim=input_dim, hidden=hidden, classes=classes)
     return nn.Sequential(nn.Flatten(), nn.Linear(input_dim, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
@@ -188,14 +171,17 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def build(name: str, **kwargs: object) -> nn.Module:
-    """Build a registered model by name, e.g. ``build('two_layer_nn', input_dim=784, classes=10)``."""
-    try:
-        ctor = MODELS[name]
-    except KeyError:
+def _registered(name: str) -> Callable[..., nn.Module]:
+    if name not in MODELS:
         raise ConfigError(
             f"unknown model {name!r}. Fix: choose one of {', '.join(sorted(MODELS))}, or your own pkg.module:factory."
-        ) from None
+        )
+    return MODELS[name]
+
+
+def build(name: str, **kwargs: object) -> nn.Module:
+    """Build a registered model by name, e.g. ``build('two_layer_nn', input_dim=784, classes=10)``."""
+    ctor = _registered(name)
     try:
         return ctor(**kwargs)
     except TypeError as exc:
@@ -218,18 +204,10 @@ DEFAULT_MODELS: dict[str, str] = {
 
 
 def kwargs_for(name: str, ds: Any) -> dict[str, Any]:
-    """``input_dim`` and ``classes`` for model ``name`` from a dataset's shape and classes.
-
-    Only the arguments the constructor takes are filled: e.g. ``galli_cnn`` gets none,
-    ``two_layer_nn`` gets ``input_dim = prod(ds.input_shape)`` and ``classes = ds.num_classes``.
-    """
+    """``input_dim = prod(ds.input_shape)`` and ``classes = ds.num_classes`` where model ``name`` takes them."""
     from dptune.own import factory_kwargs
 
-    if name not in MODELS:
-        raise ConfigError(
-            f"unknown model {name!r}. Fix: choose one of {', '.join(sorted(MODELS))}, or your own pkg.module:factory."
-        )
-    return factory_kwargs(MODELS[name], math.prod(tuple(ds.input_shape)), getattr(ds, "num_classes", None))
+    return factory_kwargs(_registered(name), math.prod(tuple(ds.input_shape)), getattr(ds, "num_classes", None))
 
 
 def default_model_name(ds: Any) -> str:
@@ -266,12 +244,10 @@ class TrainInputs(NamedTuple):
 def for_training(
     data: str | None, dataset: str, model: str, data_dir: str | None, seed: int, csv: Any = None, options: Any = None
 ) -> TrainInputs:
-    """The data (a built-in ``dataset``, your ``data`` loader ``pkg.module:fn``, or your ``FILE.csv``
-    read by ``dptune.data.tabular.load_csv(data, **csv)``) and the model
-    (a built-in by name, ``auto`` for the dataset's default, or your ``pkg.module:factory``, given
-    the data's input_dim/classes when it takes them) of ``dptune train``'s options, built at ``seed``
-    and checked to fit. Your code is imported first: a wrong path is one clear error before any
-    data is read."""
+    """The data (a built-in ``dataset``, your ``data`` loader ``pkg.module:fn`` or your ``FILE.csv``: ``load_csv(data,
+    **csv)``) and the model (a built-in, ``auto`` for the dataset's default, or your ``pkg.module:factory``) of
+    ``dptune train``'s options, built at ``seed`` and checked to fit. Your code is imported first: a wrong path
+    is one clear error before any data is read."""
     from dptune import data as dpdata
     from dptune import factories, own
     from dptune.data import tabular
@@ -309,12 +285,9 @@ def for_training(
 
 
 def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
-    """One forward pass on one training example before training (nothing is released): a model
-    that cannot take the data's inputs, or gives fewer logits than there are classes, is one
-    ConfigError naming ``fix`` instead of a shape error mid-run after data was read and time spent.
-
-    ``x``: the training inputs (a tensor, or a tuple/dict of tensors); ``y``: the targets. The
-    global RNG and the model's train/eval mode are left as they were (same run, same seed)."""
+    """One forward pass on one training example (``x``: a tensor or a tuple/dict of tensors), nothing
+    released: a model that cannot take the inputs, or gives too few logits, is one ConfigError naming
+    ``fix``, not a shape error mid-run. The global RNG and the train/eval mode are left as they were."""
     x1 = inputs.rows(x, 0, 1)
     shape = tuple(x1.shape[1:]) if isinstance(x1, torch.Tensor) else "several inputs"
     was_training = model.training

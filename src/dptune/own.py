@@ -109,7 +109,7 @@ def from_dataloader(loader: Any) -> Any:
     """The dataset behind a ``DataLoader``, for ``dptune.train``: its sampler, shuffling and batch size
     are replaced by Poisson sampling at q = expected_batch_size / n (the accountant's assumption; a shuffled
     fixed-size batch is a weaker mechanism); a non-default ``collate_fn`` is kept, applied to each example."""
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, default_collate
 
     if not isinstance(loader, DataLoader):
         raise ConfigError(f"from_dataloader needs a torch DataLoader, got {type(loader).__name__}.")
@@ -118,8 +118,6 @@ def from_dataloader(loader: Any) -> Any:
             "the DataLoader's dataset is iterable-style: Poisson sampling needs random access. "
             "Fix: use a map-style dataset (__len__ and __getitem__)."
         )
-    from torch.utils.data import default_collate
-
     collate = getattr(loader, "collate_fn", None)
     if collate is None or collate is default_collate or getattr(collate, "__name__", "") == "default_collate":
         return loader.dataset
@@ -249,11 +247,8 @@ def build_model(path: str, input_dim: int | None, classes: int | None, **options
 
 def data_shape(train: Any) -> tuple[int | None, int | None]:
     """(input_dim, classes) of a training part: classes only for in-memory targets, input_dim None for tuple/dict x."""
-    if (
-        isinstance(train, tuple | list)
-        and len(train) == 2
-        and (isinstance(train[0], torch.Tensor) or inputs.is_structured(train[0]))
-    ):
+    pair = isinstance(train, tuple | list) and len(train) == 2
+    if pair and (isinstance(train[0], torch.Tensor) or inputs.is_structured(train[0])):
         x, y = train[0], torch.as_tensor(train[1])
     else:
         fast = tensors_of(train)

@@ -92,9 +92,7 @@ def count_or_none(value: object) -> int | None:
 def gaussian_step_event(noise_multiplier: float, sampling_rate: float) -> dp_event.DpEvent:
     """One Gaussian sum query over a Poisson sample of rate ``sampling_rate`` (q = 1: a plain Gaussian)."""
     g = dp_event.GaussianDpEvent(float(noise_multiplier))
-    if sampling_rate >= 1.0:
-        return g
-    return dp_event.PoissonSampledDpEvent(float(sampling_rate), g)
+    return g if sampling_rate >= 1.0 else dp_event.PoissonSampledDpEvent(float(sampling_rate), g)
 
 
 def dpsgd_event(noise_multiplier: float, sampling_rate: float, steps: int, runs: int = 1) -> dp_event.DpEvent:
@@ -133,9 +131,7 @@ def joint_noise_multiplier(component_multipliers: Iterable[float]) -> float:
         if math.isinf(nu):
             continue
         inv += nu**-2
-    if inv == 0.0:
-        return math.inf
-    return inv**-0.5
+    return math.inf if inv == 0.0 else inv**-0.5
 
 
 def split_noise_multiplier(nu: float, nu_aux: float) -> float:

@@ -428,9 +428,7 @@ def _one_run(audit: _Audit, m: int, threat_model: str, details: dict[str, Any]) 
 
 def _two_worlds(audit: _Audit, trials: int, details: dict[str, Any]) -> tuple[float, list[_Training]]:
     """Two worlds of ``trials`` each, in trainings of ``TWO_WORLD_CHUNK`` canary coordinates per world."""
-    ins: list[list[np.ndarray]] = []
-    outs: list[list[np.ndarray]] = []
-    runs = []
+    ins, outs, runs = [], [], []
     chunks = math.ceil(trials / TWO_WORLD_CHUNK)
     for c in range(chunks):
         size = min(TWO_WORLD_CHUNK, trials - c * TWO_WORLD_CHUNK)
@@ -442,8 +440,8 @@ def _two_worlds(audit: _Audit, trials: int, details: dict[str, Any]) -> tuple[fl
         labels, scores = _candidates(rec)
         ins.append([s[present] for s in scores])
         outs.append([s[~present] for s in scores])
-    out_scores = [np.concatenate([o[j] for o in outs]) for j in range(len(labels))]
-    in_scores = [np.concatenate([i[j] for i in ins]) for j in range(len(labels))]
+    out_scores = [np.concatenate(c) for c in zip(*outs, strict=True)]
+    in_scores = [np.concatenate(c) for c in zip(*ins, strict=True)]
     split = stream_seed(audit.seed, "audit-split")
     b = bounds.two_world_bound(out_scores, in_scores, audit.delta, audit.confidence, seed=split)
     details.update(

@@ -40,9 +40,8 @@ class Dataset:
 
     def __repr__(self) -> str:
         return (
-            f"Dataset(name={self.name!r}, task={self.task!r}, n_train={self.n_train}, "
-            f"n_test={self.n_test}, input_shape={self.input_shape}, "
-            f"num_classes={self.num_classes})"
+            f"Dataset(name={self.name!r}, task={self.task!r}, n_train={self.n_train}, n_test={self.n_test}, "
+            f"input_shape={self.input_shape}, num_classes={self.num_classes})"
         )
 
 

@@ -33,11 +33,9 @@ def data_root(data_dir: str | os.PathLike[str] | None) -> Path | None:
 
 def cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     """``cache_dir`` argument, else ``$DPTUNE_CACHE``, else the user cache folder."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("DPTUNE_CACHE")
-    if env:
-        return Path(env).expanduser()
+    value = cache_dir if cache_dir is not None else os.environ.get("DPTUNE_CACHE") or None
+    if value is not None:
+        return Path(value).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "dptune"

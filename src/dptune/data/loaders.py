@@ -106,13 +106,12 @@ def _image_dataset(
     if task == "reconstruction":
         notes.append("reconstruction task: y is x (targets are the input images)")
         return Dataset(
-            name, x_train, x_train, x_test, x_test, "reconstruction", None, shape,
-            "; ".join(notes), None, files,
-        )  # fmt: skip
+            name, x_train, x_train, x_test, x_test, "reconstruction", None, shape, "; ".join(notes), None, files
+        )
+    y_train, y_test = labels_tensor(ytr), labels_tensor(yte)
     return Dataset(
-        name, x_train, labels_tensor(ytr), x_test, labels_tensor(yte), "classification",
-        10, shape, "; ".join(notes), class_names, files,
-    )  # fmt: skip
+        name, x_train, y_train, x_test, y_test, "classification", 10, shape, "; ".join(notes), class_names, files
+    )
 
 
 def _idx_or_npz(

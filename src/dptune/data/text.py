@@ -36,11 +36,8 @@ def tokenize(text: str) -> list[str]:
 
 
 def hashed_vector(token: str, dim: int, salt: int = 0) -> np.ndarray:
-    """A fixed pseudo-random vector for ``token``: uniform on ±sqrt(3/dim) per coordinate.
-
-    Derived from SHAKE-256 of ``"{salt}:{token}"`` (no RNG state, identical on every
-    platform and numpy version); each vector has expected squared norm 1.
-    """
+    """A fixed vector for ``token``, uniform on ±sqrt(3/dim) per coordinate (expected squared norm 1), from
+    SHAKE-256 of ``"{salt}:{token}"``: no RNG state, identical on every platform and numpy version."""
     raw = hashlib.shake_256(f"{salt}:{token}".encode()).digest(4 * dim)
     u = np.frombuffer(raw, dtype="<u4").astype(np.float64) / 2.0**32  # [0, 1)
     return ((2.0 * u - 1.0) * np.sqrt(3.0 / dim)).astype(np.float32)
@@ -282,12 +279,9 @@ def bow_embedding(
     word_vectors: str = "auto",
     cache: str | os.PathLike[str] | None = None,
 ) -> tuple[np.ndarray, str]:
-    """[N, max_words * embed_dim] float32 concatenated word vectors, and a note.
-
-    ``word_vectors``: 'auto' (GloVe when ``glove_path`` is given, else 'minilm'), 'minilm'
-    (:func:`minilm_word_vectors`, needs the text extra), 'hashed' (:func:`hashed_vector`,
-    ``embedding_salt``) or 'glove' (``glove_path``). ``cache``: where the MiniLM table is cached.
-    """
+    """[N, max_words * embed_dim] float32 concatenated word vectors, and a note. ``word_vectors``: 'auto'
+    (GloVe when ``glove_path`` is given, else 'minilm'), 'minilm' (:func:`minilm_word_vectors`), 'hashed'
+    (:func:`hashed_vector`, ``embedding_salt``) or 'glove'. ``cache``: where the MiniLM table is cached."""
     if max_words < 1 or embed_dim < 1:
         raise ConfigError(f"max_words={max_words} and embed_dim={embed_dim} must be >= 1.")
     source = _word_vector_source(word_vectors, glove_path)
@@ -346,11 +340,8 @@ def _minilm_model() -> Any:
 
 
 def minilm_embedding(texts: Sequence[str], *, cache: Path, key: str, batch_size: int = 64) -> np.ndarray:
-    """[N, 384] float32 all-MiniLM-L6-v2 sentence embeddings (L2-normalised), disk-cached.
-
-    The cache file is ``<cache>/embeddings/<key>-minilm-<hash>.npy`` where the hash covers
-    the model id and every text, so any change of data or subset gives a new file.
-    """
+    """[N, 384] float32 all-MiniLM-L6-v2 sentence embeddings (L2-normalised), cached in
+    ``<cache>/embeddings/<key>-minilm-<hash>.npy``, the hash over the model id and every text."""
     h = hashlib.sha256(f"all-MiniLM-L6-v2|{MINILM_PACKAGE}\n".encode())
     for t in texts:
         h.update(t.encode("utf-8", "surrogatepass"))
