@@ -260,11 +260,12 @@ def wide_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """xᵀ y over the rows of x [B, p] (float64) and y [B, d], in float64 by blocks of m ≤ WIDE_BLOCK rows
     (the bound of ``wide_sum``); on the host by column pieces of y (the same sums, in cache)."""
     B, d = y.shape
+    wide: Callable[[torch.Tensor], torch.Tensor] = _host_double
     if y.is_cuda or torch._C._functorch.is_functorch_wrapped_tensor(y):
         m, c, wide = max(1, min(WIDE_BLOCK, WIDE_FLOATS // max(1, d))), d, torch.Tensor.double
     else:
         m = max(1, min(B, WIDE_BLOCK))
-        c, wide = max(1, HOST_FLOATS // m), _host_double
+        c = max(1, HOST_FLOATS // m)
     out = x.new_empty(x.shape[1], d)
     for j in range(0, d, c):
         piece = x[:m].t() @ wide(y[:m, j : j + c])
