@@ -30,7 +30,11 @@ from dptune.tree import Accumulated, Tensors, packed
 ENABLED = os.environ.get("DPTUNE_CUDA_GRAPHS", "1") != "0"
 # Graphs only where padding adds at most half the work: a batch of 32 pads to 64 rows, twice the GPU work
 # and twice the kept per-example state (a transformer's largest tensors), for the host time it saves.
-MAX_PADDING = float(os.environ.get("DPTUNE_GRAPH_MAX_PADDING", "1.5"))
+try:
+    MAX_PADDING = float(os.environ.get("DPTUNE_GRAPH_MAX_PADDING", "1.5"))
+except ValueError:  # a mistyped knob: the default, said once
+    MAX_PADDING = 1.5
+    warnings.warn("dptune: DPTUNE_GRAPH_MAX_PADDING is not a number; using 1.5 (e.g. 3 forces graphs)", stacklevel=1)
 
 
 def replayable(device: torch.device) -> bool:
