@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dptune.errors import config_error
-from dptune.metrics import better
 from dptune.release.ledger import LedgerEntry
 from dptune.tune import space as S
 from dptune.tune import theory
@@ -151,29 +150,19 @@ class TuningMethod:
     def select(self, arm: ArmPlan, plan: StudyPlan, runs: list[Row], across: str) -> tuple[list[Row], list[Any]]:
         """(the arm's result runs, one per procedure, or the best candidate's seeds; fit records): by
         default the best run per procedure (``"per-seed"``) or the best mean over seeds (``"mean"``)."""
-        higher = plan.higher_is_better
-        usable = [r for r in runs if _scored(r)]
-        if across == "mean":
-            by_cand: dict[int, list[Row]] = defaultdict(list)
-            for r in usable:
-                by_cand[plan.runs[r["run_id"]].index].append(r)
-            best, best_mean = None, None
-            for cand, rs in sorted(by_cand.items()):
-                m = statistics.fmean(x["score"] for x in rs)
-                if best_mean is None or better(m, best_mean, higher):
-                    best, best_mean = cand, m
-            return (sorted(by_cand[best], key=lambda x: x["replicate"]) if best is not None else []), []
-        by_proc: dict[int, list[Row]] = defaultdict(list)
-        for r in usable:
-            by_proc[r["procedure"]].append(r)
-        picks = []
-        for _, rs in sorted(by_proc.items()):
-            pick = rs[0]
-            for x in rs[1:]:
-                if better(x["score"], pick["score"], higher):
-                    pick = x
-            picks.append(pick)
-        return picks, []
+        pick = max if plan.higher_is_better else min  # the first best: ties keep the earliest
+        mean = across == "mean"
+        groups: dict[int, list[Row]] = defaultdict(list)
+        for r in runs:
+            if _scored(r):
+                groups[plan.runs[r["run_id"]].index if mean else r["procedure"]].append(r)
+        ordered = [rs for _, rs in sorted(groups.items())]
+        if not mean:
+            return [pick(rs, key=lambda x: x["score"]) for rs in ordered], []
+        if not ordered:
+            return [], []
+        best = pick(ordered, key=lambda rs: statistics.fmean(x["score"] for x in rs))
+        return sorted(best, key=lambda x: x["replicate"]), []
 
     def resolve(
         self, plan: StudyPlan, arm: ArmPlan, rows: Mapping[str, Any], scores: Mapping[str, float | None]
