@@ -308,11 +308,8 @@ def write_csv_rows(
     """The one CSV writer of the reports: optional ``# <comment>`` line, header, rows (list/dict cells as JSON)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if columns is None:
-        cols: dict[str, None] = {}
-        for r in rows:
-            cols.update(dict.fromkeys(r))
-        columns = list(cols)
+    if columns is None:  # every key, in order of first appearance
+        columns = list(dict.fromkeys(k for r in rows for k in r))
     with path.open("w", newline="", encoding="utf-8") as fh:
         if comment is not None:
             fh.write(f"# {comment}\n")

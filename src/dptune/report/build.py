@@ -324,10 +324,8 @@ def _cosine(p: _Pages, cosine: CosineResult) -> None:
 def _pareto_section(p: _Pages, pareto: Mapping[float, float] | Sequence[tuple[float, float]]) -> Section:
     relative_increase = p.r.relative_increase
     fig = F.noise_pareto(pareto, p.out / "figures" / "noise_pareto.png", relative_increase=relative_increase)
-    choice_rows = []
-    for e, nu in F.noise_pairs(pareto):
-        nu_q, nu_g = F.pareto_choice(nu, relative_increase)
-        choice_rows.append([e, nu, nu_q, nu_g, nu_q / nu])
+    choices = [(e, nu, *F.pareto_choice(nu, relative_increase)) for e, nu in F.noise_pairs(pareto)]
+    choice_rows = [[e, nu, nu_q, nu_g, nu_q / nu] for e, nu, nu_q, nu_g in choices]
     caption = (
         "Pareto front of the noise multipliers of OSO's gradient (ν_g) and q-query (ν_q) at the privacy of one "
         f"Gaussian of multiplier ν; star: ν_g = {1 + relative_increase:g}·ν (Galli et al. 2024, Fig. 2)."

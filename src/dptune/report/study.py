@@ -322,7 +322,8 @@ def study_ledger_rows(plan: Any, entries: Iterable[Any], per_run: Sequence[Mappi
     rows = []
     for (rid, label), n in releases.items():
         nu, q = nu_q(event[(rid, label)])
-        nu = nu if nu is not None else _finite(plan.runs[rid].noise_multiplier)
+        planned_nu = plan.runs[rid].noise_multiplier
+        nu = nu if nu is not None else (planned_nu if finite_number(planned_nu) else None)
         q = q if q is not None else plan.runs[rid].sampling_rate
         rows.append(LedgerRow(rid, label, n, eps_alone.get(rid), planned.get(rid), nu, q))
     return rows
@@ -497,7 +498,3 @@ def grid_heatmaps(
         p = F.grid_heatmap(scores, x, y, path, title=label, metric=metric, higher=higher)
         figs.append(FigureRef(p, f"{label}: selection score of every {x} × {y} configuration."))
     return figs
-
-
-def _finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
