@@ -171,13 +171,9 @@ def prune_checkpoints(study_dir: str | Path) -> int:
     """Delete the checkpoints of runs no arm selected (a finished study); return how many."""
     d = Path(study_dir)
     keep = {checkpoint_path(d, rid).name for r in results.study_table(d) for rid in r["selected_runs"]}
-    n = 0
-    folder = d / CHECKPOINTS_DIR
-    if folder.is_dir():
-        for f in folder.glob("*.pt"):
-            if f.name not in keep:
-                f.unlink()
-                n += 1
-        for f in folder.glob(".*.tmp-*"):  # left by a process killed mid-write (never under a final name)
-            f.unlink()
-    return n
+    folder = d / CHECKPOINTS_DIR  # glob finds nothing in a missing folder
+    stale = [f for f in folder.glob("*.pt") if f.name not in keep]
+    # and the temporary files left by a process killed mid-write (never under a final name)
+    for f in [*stale, *folder.glob(".*.tmp-*")]:
+        f.unlink()
+    return len(stale)
