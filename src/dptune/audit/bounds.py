@@ -74,9 +74,7 @@ GUESS_FRACTIONS: tuple[tuple[float, float], ...] = tuple((f, 0.0) for f in (0.02
 
 def _score_arrays(scores: Sequence[np.ndarray] | np.ndarray) -> list[np.ndarray]:
     """One score array, or several candidate scores, as float arrays."""
-    if isinstance(scores, np.ndarray):
-        return [np.asarray(scores, dtype=float)]
-    return [np.asarray(s, dtype=float) for s in scores]
+    return [np.asarray(s, dtype=float) for s in ([scores] if isinstance(scores, np.ndarray) else scores)]
 
 
 def _guess(order: np.ndarray, inc: np.ndarray, k_in: int, k_out: int) -> int:

@@ -312,9 +312,8 @@ def _candidates(recorder: ReleaseRecorder) -> tuple[list[str], list[np.ndarray]]
     names = recorder.query_names()
     labels, scores = ["llr:" + "+".join(names)], [recorder.llr_score(None)]
     if len(names) > 1:
-        for nm in names:
-            labels.append(f"llr:{nm}")
-            scores.append(recorder.llr_score({nm}))
+        labels += [f"llr:{nm}" for nm in names]
+        scores += [recorder.llr_score({nm}) for nm in names]
     return labels, scores
 
 
@@ -364,8 +363,7 @@ def run_audit(
         lower, trainings = _one_run(audit, n_canaries, threat_model, details)
     else:
         lower, trainings = _two_worlds(audit, n_canaries, details)
-    clips = [c for t in trainings for c in t.clips]
-    max_clip = max(clips) if clips else 0.0
+    max_clip = max((c for t in trainings for c in t.clips), default=0.0)
     details.update(
         noise_multiplier=trainings[-1].nu,
         ledger_epsilon=max(ledger_epsilon(t.ledger, delta, accountant) for t in trainings),
