@@ -100,9 +100,8 @@ def _all_sum(value: torch.Tensor | Tensors) -> torch.Tensor | Tensors:
     wide = getattr(value, "wide", value)
     flat = torch.cat([v.reshape(-1).to(torch.float64) for v in wide.values()])
     flat = _collective(dist.all_reduce, flat, "all-reduce of the clipped sums")
-    out, o = {}, 0
-    for k, v in wide.items():
-        out[k], o = flat[o : o + v.numel()].view_as(v).to(v.dtype), o + v.numel()
+    parts = flat.split([v.numel() for v in wide.values()])
+    out = {k: f.view_as(v).to(v.dtype) for (k, v), f in zip(wide.items(), parts, strict=True)}
     return Accumulated(out, {k: v.dtype for k, v in value.items()}) if value is not wide else out
 
 

@@ -28,10 +28,8 @@ def is_structured(x: Any) -> bool:
 
 def as_inputs(x: Any, what: str = "x") -> Inputs:
     """A tensor from array-like numbers, or a checked tuple/dict of tensors; else one clear error."""
-    if is_structured(x):
+    if is_structured(x) or isinstance(x, Mapping):  # a dict of non-tensors: check's error names the fix
         return check(x, what)
-    if isinstance(x, Mapping):
-        return check(x, what)  # a dict of non-tensors: the error names the fix
     try:
         return torch.as_tensor(x)
     except (TypeError, ValueError, RuntimeError):

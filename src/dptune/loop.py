@@ -353,10 +353,7 @@ class PrivateTraining:
 
     def result(self) -> TrainResult:
         """A ``TrainResult`` of the run so far (final parameters), for ``dptune.save_model``."""
-        if self.optimizer is None:
-            final = self.update.finalize(self._params(), self._u_state)
-        else:
-            final = self._params()
+        final = self._params() if self.optimizer is not None else self.update.finalize(self._params(), self._u_state)
         return TrainResult(
             history=list(self.history), evals=[], metric=self.task.metric_name, best_metric=None, best_step=None,
             best_params=None, final_params=clone(final), ledger=self.ledger, plan=self.plan, delta=self.delta,

@@ -131,8 +131,7 @@ def named(path: str, what: str = "selection.metric") -> Metric:
 
 def resolve(metric: Any, default: str | None = None, what: str = "metric") -> Metric:
     """``metric`` as a ``Metric`` (built-in name, ``"pkg.module:NAME"``, ``Metric`` or callable); None: ``default``."""
-    if metric is None and default is not None:
-        metric = default
+    metric = default if metric is None else metric
     if isinstance(metric, Metric):
         return metric
     if isinstance(metric, str):
@@ -206,8 +205,7 @@ def score_sums(
                 flat = out.reshape(trials * b, *out.shape[2:])
                 yk = y.unsqueeze(0).expand(trials, *y.shape).reshape(trials * b, *y.shape[1:])
                 per = metric.scores(flat, yk, clip=clip).reshape(trials, b).sum(1)
-                for k, v in enumerate(per.tolist()):
-                    totals[k] += v
+                totals = [t + v for t, v in zip(totals, per.tolist(), strict=True)]
             n += b
     return totals, n
 

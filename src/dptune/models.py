@@ -328,11 +328,10 @@ def check_fits_data(net: nn.Module, train_part: Any, model: str, dataset: str, b
     pair = train_part if isinstance(train_part, tuple | list) and len(train_part) == 2 else own.tensors_of(train_part)
     if pair is None:  # a map-style dataset read by index: its loader decides the shape
         return
-    if builtin:
-        fix = (
-            f"choose a model for the inputs of {dataset!r}, e.g. --model auto (the dataset's default); "
-            f"built-in models: {', '.join(sorted(MODELS))}."
-        )
-    else:
-        fix = "make your model factory build a model for these inputs (or pick the data it was written for)."
+    fix = (
+        f"choose a model for the inputs of {dataset!r}, e.g. --model auto (the dataset's default); "
+        f"built-in models: {', '.join(sorted(MODELS))}."
+        if builtin
+        else "make your model factory build a model for these inputs (or pick the data it was written for)."
+    )
     check_fits(net, pair[0], pair[1], f"--model {model}", fix)

@@ -230,10 +230,8 @@ def factory_kwargs(
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         params = {}  # type: ignore[assignment]
-    for k, v in (("input_dim", input_dim), ("classes", classes)):
-        if k in params and k not in kwargs and v is not None:
-            kwargs[k] = int(v)
-    return kwargs
+    known = {"input_dim": input_dim, "classes": classes}
+    return kwargs | {k: int(v) for k, v in known.items() if k in params and k not in kwargs and v is not None}
 
 
 def build_model(path: str, input_dim: int | None, classes: int | None, **options: Any) -> torch.nn.Module:
