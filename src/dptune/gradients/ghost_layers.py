@@ -257,9 +257,7 @@ class LayerGrads(MaterializedGrads):
     @property
     def grads(self) -> Tensors:  # type: ignore[override]
         if self._grads is None:
-            got: Tensors = {}
-            for layer in self._layers:
-                got.update(layer.per_sample())
+            got = {k: g for layer in self._layers for k, g in layer.per_sample().items()}
             B = self.batch_size
             self._grads = {
                 k: got.get(k, torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device))
@@ -269,9 +267,7 @@ class LayerGrads(MaterializedGrads):
 
     def rows_sum(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
         w = w.double()  # exact (w is in the model's dtype): once, not in every layer's sum
-        got: Tensors = {}
-        for layer in self._layers:
-            got.update(layer.weighted(w, rows))
+        got = {k: s for layer in self._layers for k, s in layer.weighted(w, rows).items()}
         return {k: got[k] if k in got else torch.zeros_like(p, dtype=torch.float64) for k, p in self._params.items()}
 
     def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Accumulated:

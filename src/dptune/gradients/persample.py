@@ -170,12 +170,7 @@ class ParamSwap:
 
 
 def _lookup(dicts: tuple[Tensors, ...], names: tuple[str, ...]) -> torch.Tensor | None:
-    for d in dicts:
-        for n in names:
-            v = d.get(n)
-            if v is not None:
-                return v
-    return None
+    return next((d[n] for d in dicts for n in names if d.get(n) is not None), None)
 
 
 # Incremented whenever any module registers or re-binds a buffer (a global torch hook, set once):

@@ -155,10 +155,7 @@ class Stacked:
         self.layers = [op for op in ops if op.kind in ("linear", "conv")]
 
     def names(self, op: StackOp) -> dict[str, str]:
-        names = {"weight": f"{op.prefix}weight"}
-        if op.module.bias is not None:
-            names["bias"] = f"{op.prefix}bias"
-        return names
+        return {k: f"{op.prefix}{k}" for k in ("weight", "bias") if getattr(op.module, k) is not None}
 
     def stack(self, params: Sequence[Tensors]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         out = []
@@ -186,26 +183,20 @@ class Stacked:
                 raise Unsupported(f"a {type(op.module).__name__} receives per-example inputs other than [C, H, W]")
             elif op.kind == "pool":  # per channel: the [B, K·C, H, W] layout of the convolutions
                 h = trials_first(op.module(h.transpose(0, 1).flatten(1, 2)), K)
-            elif op.kind == "conv":
+            else:  # a Conv2d or a Linear layer
                 W, b = weights[li]
                 li += 1
-                _, stride, padding, dilation = geometry(op.module)
-                xg = h.transpose(0, 1).flatten(1, 2)  # [B, K·C_in, H, W]: trial k's channels are group k
-                bias = b.flatten() if b is not None else None
-                z = trials_first(F.conv2d(xg, W.flatten(0, 1), bias, stride, padding, dilation, K), K)
-                if record:
-                    recs.append((h, z))
-                h = z
-            else:
-                W, b = weights[li]
-                li += 1
-                if h.dim() != 3:
+                if op.kind == "conv":
+                    _, stride, padding, dilation = geometry(op.module)
+                    xg = h.transpose(0, 1).flatten(1, 2)  # [B, K·C_in, H, W]: trial k's channels are group k
+                    bias = b.flatten() if b is not None else None
+                    z = trials_first(F.conv2d(xg, W.flatten(0, 1), bias, stride, padding, dilation, K), K)
+                elif h.dim() != 3:
                     raise Unsupported("a Linear layer receives per-example inputs of more than one dimension")
-                z = (
-                    torch.baddbmm(b.unsqueeze(1), h, W.transpose(1, 2))
-                    if b is not None
-                    else torch.bmm(h, W.transpose(1, 2))
-                )
+                elif b is not None:
+                    z = torch.baddbmm(b.unsqueeze(1), h, W.transpose(1, 2))
+                else:
+                    z = torch.bmm(h, W.transpose(1, 2))
                 if record:
                     recs.append((h, z))
                 h = z
