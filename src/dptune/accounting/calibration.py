@@ -190,12 +190,11 @@ def _calibrate_event(
         lo, hi, search_evals = _search_pld(make_event, bounded, fine, target_epsilon, delta, guess, tol)
     else:
         lo, hi = solve(fine, math.log(guess), tol, target_epsilon)
-    nu_hi = math.exp(hi)
     eps_hi = fine.eps[hi]
     # The guarantee, re-stated: the returned ν was evaluated by the reporting accountant.
     assert eps_hi <= target_epsilon
     return Calibration(
-        noise_multiplier=nu_hi, epsilon=eps_hi, delta=delta, accountant=accountant,
+        noise_multiplier=math.exp(hi), epsilon=eps_hi, delta=delta, accountant=accountant,
         lower=math.exp(lo) if lo is not None else 0.0, evaluations=len(fine.values),
         search_evaluations=search_evals, seconds=time.perf_counter() - t0,
     )  # fmt: skip

@@ -156,13 +156,13 @@ class Graphs:
     def __call__(self, params: Tensors, x: Any, y: torch.Tensor) -> Replayed | None:
         """The replayed gradients of this batch, or None: compute it eagerly."""
         B = y.shape[0]
-        if self._cap is not None and fingerprint(self._mods) != self._fingerprint:
-            self._cap = None  # the model changed between steps (a buffer re-bound, eval mode): capture again
+        # The model changed between steps (a buffer re-bound, eval mode), or a larger batch than any before
+        # came (sizes only grow): captured again.
+        if self._cap is not None and (fingerprint(self._mods) != self._fingerprint or self._cap.size < B):
+            self._cap = None
         if self.off_reason is not None:
             self.eager += 1
             return None
-        if self._cap is not None and self._cap.size < B:
-            self._cap = None  # a larger batch than any before: captured again, for it (sizes only grow)
         if self._cap is None and padded_size(B) > MAX_PADDING * B:
             self.off_reason = f"a batch of {B} would be padded to {padded_size(B)} rows (> {MAX_PADDING}×)"
             self.eager += 1
