@@ -32,6 +32,7 @@ from dptune.metrics import Metric
 from dptune.names import aliased
 from dptune.outputs import Progress, checkpoint_rule, randomness_statement
 from dptune.release.context import RunPlan, StepContext, snap_noise
+from dptune.release.hypergradient import collecting, read_with, settled
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
 from dptune.release.sampling import (
@@ -341,21 +342,21 @@ class RunLoop:
         caller stops the run. Otherwise the caller evaluates if ``eval_due`` and ``record``s it.
         """
         ctx = StepContext(t=t, x=x, y=y, oracle=oracle, release=self.gateway, run=self.plan)
-        self.params, self.state, info = self.strategy.step(self.params, self.state, ctx)
-        row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
+        with collecting() as pending:  # the sign rules' released scalars, read below with the loop's own
+            self.params, state, info = self.strategy.step(self.params, self.state, ctx)
         losses = ctx.computed_losses
         # Divergence is judged on the parameters only: they are post-processing of noisy
         # releases, so stopping on them leaks nothing (a stop on the private batch loss would).
         finite = finite_flag(self.params)
-        if losses is not None and ctx.batch_size:
-            # One host read for both (on a GPU each read waits for the queued kernels); float64
-            # except on MPS, which has none.
-            dt = torch.float32 if finite.device.type == "mps" else torch.float64
-            loss, ok = torch.stack([losses.mean().to(finite.device, dt), finite.to(dt)]).tolist()
-            row["train_loss"] = loss
-        else:
-            ok = bool(finite)
-        if not ok:
+        first = [finite] if losses is None or not ctx.batch_size else [finite, losses.mean().to(finite.device)]
+        # One host read for all (on a GPU each read waits for the queued kernels); float64 except on
+        # MPS, which has none.
+        got = read_with(pending, first, torch.float32 if finite.device.type == "mps" else torch.float64)
+        self.state, info = settled(state), settled(info)
+        row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
+        if len(got) == 2:
+            row["train_loss"] = got[1]
+        if not got[0]:
             self.diverged = True
             self.history.append(row)
         return row

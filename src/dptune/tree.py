@@ -154,15 +154,13 @@ def bases(a: object, b: object) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None
 
 
-def dot(a: Tensors, b: Tensors) -> float:
-    # Native-precision dot products (no float64 copies: this sits on OSO's hot path).
+def dot(a: Tensors, b: Tensors) -> torch.Tensor:
+    """Σ_k ⟨a_k, b_k⟩ as a 0-d tensor on the device (no host read), in native precision (no float64
+    copies: this sits on OSO's hot path)."""
     if (ab := bases(a, b)) is not None:
-        return float(torch.dot(*ab))
-    return float(sum(torch.dot(a[k].reshape(-1), b[k].reshape(-1)) for k in a))
-
-
-def norm(a: Tensors) -> float:
-    return dot(a, a) ** 0.5
+        return torch.dot(*ab)
+    total: torch.Tensor = sum(torch.dot(a[k].reshape(-1), b[k].reshape(-1)) for k in a)  # type: ignore[assignment]
+    return total
 
 
 def scale(a: Tensors, s: float) -> Tensors:

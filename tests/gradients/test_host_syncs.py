@@ -160,11 +160,11 @@ def test_hugging_face_families_capture_without_host_reads(
 
 # Host reads per step, replay path on (fast_fp64); the batch's indices are made on the host and queued
 # to the device through pinned memory (``inputs.indices_to``), not a read. Every step: the replay's
-# non-finite check and the loop's one read of (train loss, parameters finite). OSO adds its two sign
-# rules (C: the projection of q̃, η: g̃_t·g̃_{t−1}), quantile its released count, ADADP its
-# extrapolation error every other (half) step; DP-ZO reads its differences and released scalar, and
-# the loop reads only the finite flag (no per-example losses), as for nodp (no replay either).
-READS = {"dpsgd": 2, "dpadam": 2, "adamwosm": 2, "dpgd": 2, "quantile": 3, "oso": 4, "adadp": 2.5, "dpzo": 3,
+# non-finite check and the loop's one read of (parameters finite, train loss), which also brings OSO's
+# sign-rule statistics (C: the projection of q̃, ρ: g̃_t·g̃_{t−1}) and quantile's released count
+# (``hypergradient.later``); ADADP reads its extrapolation error every other (half) step; DP-ZO its
+# differences and released scalar, and the loop only the finite flag (no per-example losses), as nodp.
+READS = {"dpsgd": 2, "dpadam": 2, "adamwosm": 2, "dpgd": 2, "quantile": 2, "oso": 2, "adadp": 2.5, "dpzo": 3,
          "nodp": 1}  # fmt: skip
 
 
@@ -205,3 +205,31 @@ def test_stacked_trials_read_once_per_trial_and_step(monkeypatch: pytest.MonkeyP
         counts.append(mode.counts)
     per_step = {k: (counts[1][k] - counts[0][k]) / 4 for k in counts[1] if counts[1][k] != counts[0][k]}
     assert sum(per_step.values()) == 3 + 1, per_step
+
+
+@pytest.mark.parametrize("name, config", [("oso", {}), ("oso", {"rule": "normalized"}), ("oso", {"rule": "additive"}),
+                                          ("quantile", {})])  # fmt: skip
+def test_reads_deferred_to_the_loop_change_nothing(name: str, config: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sign rules' statistics read with the loop's read (``hypergradient.later``) give the run that
+    reading them at once gives: the same history (C, ρ, g_dot_q, ...) and parameters, bit for bit."""
+    import contextlib
+    import importlib
+
+    train_module = importlib.import_module("dptune.train")  # the module (``dptune.train`` is also the function)
+    torch.manual_seed(0)
+    x, y = torch.randn(240, 6), torch.randint(0, 3, (240,))
+    runs = []
+    for defer in (True, False):
+        if not defer:  # no collector: ``later`` reads at once, as a strategy stepped by hand
+            monkeypatch.setattr(train_module, "collecting", lambda: contextlib.nullcontext([]))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runs.append(dptune.train(model, (x, y), dptune.make_strategy(name, **config), steps=12, seed=3,
+                                     noise_multiplier=1.0, expected_batch_size=48, grad_method="ghost"))  # fmt: skip
+    deferred, eager = runs
+    assert deferred.history == eager.history
+    assert len({row["clip"] for row in deferred.history}) > 1  # the rule moved C: the statistics were used
+    for k, v in deferred.final_params.items():
+        assert torch.equal(v, eager.final_params[k]), k

@@ -1,10 +1,16 @@
 """OSO's hypergradient sign rules (Galli et al., eqs. 13–21), shared by the online clipping
-threshold (``privatizers.OSOClip``) and the online learning rate (``updates.OSORate``)."""
+threshold (``privatizers.OSOClip``) and the online learning rate (``updates.OSORate``); reads of
+the released statistics they use deferred to the loop's one host read a step (``later``)."""
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Literal
+
+import torch
 
 from dptune.errors import ConfigError
 from dptune.release.context import RunPlan
@@ -52,3 +58,74 @@ def hypergradient_step(
     if rule == "normalized":
         return max(value * (1.0 + rate * cos), floor)
     return max(value + rate * scale * dir_dot, floor)
+
+
+# ----------------------------------------------------------------------------- deferred host reads
+class Later:
+    """A next step's value (C_{t+1}, ρ_{t+1}) or a history cell: ``then`` of released device scalars, once read."""
+
+    __slots__ = ("tensor", "then", "value")
+
+    def __init__(self, tensor: torch.Tensor, then: Callable[[list[float]], float]):
+        self.tensor, self.then, self.value = tensor, then, math.nan
+
+
+_PENDING: ContextVar[list[Later] | None] = ContextVar("dptune_pending_reads", default=None)
+
+
+def later(values: torch.Tensor | float, then: Callable[[list[float]], float]) -> Any:
+    """``then`` of ``values`` (released statistics: post-processing) once on the host. A read mid-step would
+    stall a GPU's queue (issue 25: ≤ 2 host reads a step), so while ``collecting`` (``RunLoop.step``) this
+    is a ``Later`` that the loop's own read settles (``read_with``); otherwise it reads now. Same float."""
+    pending = _PENDING.get()
+    if pending is None or not isinstance(values, torch.Tensor):
+        return then(values.reshape(-1).tolist() if isinstance(values, torch.Tensor) else [float(values)])
+    pending.append(box := Later(values, then))
+    return box
+
+
+@contextmanager
+def collecting() -> Iterator[list[Later]]:
+    boxes: list[Later] = []
+    token = _PENDING.set(boxes)
+    try:
+        yield boxes
+    finally:
+        _PENDING.reset(token)
+
+
+def read_with(boxes: list[Later], first: list[torch.Tensor], dtype: torch.dtype) -> list[float]:
+    """ONE host read of ``first`` (scalars on one device) and the boxes' tensors (each once): the boxes get
+    their values; returns ``first``'s."""
+    tensors = list({id(b.tensor): b.tensor for b in boxes}.values())
+    got = torch.cat([t.reshape(-1).to(first[0].device, dtype) for t in (*first, *tensors)]).tolist()
+    at, i = {}, len(first)
+    for t in tensors:
+        at[id(t)], i = got[i : i + t.numel()], i + t.numel()
+    for box in boxes:
+        box.value = box.then(at[id(box.tensor)])
+    return got[: len(first)]
+
+
+def rule_step(rule: Rule, value: float, rate: float, d: Any, pair: tuple[Any, Any], scale: float, floor: float) -> Any:
+    """(``hypergradient_step`` from the device dot product ``d``, ``d`` for the history row) as ``later``
+    values, one read for both; ``normalized`` also reads the norms of the ``pair`` whose cosine it takes."""
+    if rule == "normalized":
+        from dptune.tree import dot
+
+        d = torch.stack([torch.as_tensor(d).double(), dot(pair[0], pair[0]).double(), dot(pair[1], pair[1]).double()])
+
+    def then(v: list[float]) -> float:
+        cos = v[0] / max(v[1] ** 0.5 * v[2] ** 0.5, 1e-30) if rule == "normalized" else 0.0
+        return hypergradient_step(rule, value, rate, v[0], cos, scale, floor)
+
+    return later(d, then), later(d, lambda v: v[0])
+
+
+def settled(tree: Any) -> Any:
+    """``tree`` (dicts of dicts) with each ``Later`` replaced by its value."""
+    if isinstance(tree, Later):
+        return tree.value
+    if isinstance(tree, dict) and any(isinstance(v, Later | dict) for v in tree.values()):
+        return {k: settled(v) for k, v in tree.items()}
+    return tree

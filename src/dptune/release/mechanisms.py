@@ -482,15 +482,17 @@ class NoisyRelease:
             )
         return handle._draw
 
-    def project(self, handle: DeferredSum, direction: torch.Tensor | Tensors) -> float:
+    def project(self, handle: DeferredSum, direction: torch.Tensor | Tensors, host: bool = True) -> Any:
         """⟨value + Z, direction⟩·scale, drawing only the scalar ⟨Z, direction⟩ ~ N(0, std²‖direction‖²).
 
         Exact when ``direction`` is independent of Z (the caller's argument; docs/privacy.md,
         "Deferred noise"). Records nothing (recorded when the handle was issued). At most once per
-        handle; once materialized, plain post-processing of the drawn vector."""
+        handle; once materialized, plain post-processing of the drawn vector. A float, or with
+        ``host=False`` a 0-d float64 tensor on the device (no host read) outside secure mode."""
         draw = self._draw_of(handle)
         if draw.noisy is not None:
-            return float(_dot(draw.noisy, direction)) * handle.scale
+            got = torch.as_tensor(_dot(draw.noisy, direction), dtype=torch.float64) * handle.scale
+            return float(got) if host else got
         if draw.projected:
             raise RuntimeError(
                 f"deferred release {handle.name!r} was already projected once; a second projection "
@@ -507,7 +509,8 @@ class NoisyRelease:
             return float(snap(m, torch.tensor(self.noise.scalar(spread), dtype=torch.float64), spread)) * handle.scale
         # mean + spread·Z, Z ~ N(0, 1) drawn on the device: the same draw as ``scalar(spread)``, one host read.
         z = self.noise.normal(torch.zeros_like(mean), 1.0)
-        return float(mean + z * (dd.sqrt() * handle.std)) * handle.scale
+        got = (mean + z * (dd.sqrt() * handle.std)) * handle.scale
+        return float(got) if host else got
 
     def materialize(self, handle: DeferredSum) -> torch.Tensor | Tensors:
         """(value + Z)·scale with the full noise vector Z (drawn once, then kept by the handle,

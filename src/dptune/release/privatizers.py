@@ -35,10 +35,10 @@ from dptune.errors import ConfigError, check_positive
 from dptune.gradients.oracle import PerSampleGrads
 from dptune.gradients.persample import rng_state, set_rng_state
 from dptune.release.context import RunPlan, StepContext
-from dptune.release.hypergradient import RULES, Rule, check_rate, check_rule, horizon_rate, hypergradient_step
+from dptune.release.hypergradient import RULES, Rule, check_rate, check_rule, horizon_rate, later, rule_step
 from dptune.release.mechanisms import DeferredSum, NoiseSource, SumQuery, random_direction, record_nonprivate
 from dptune.release.sampling import stream_seed
-from dptune.tree import Tensors, dot, norm
+from dptune.tree import Tensors, dot
 
 MIN_CLIP = 1e-8  # the additive rule can cross zero; C must stay a valid (positive) sensitivity
 
@@ -195,12 +195,11 @@ class QuantileClip(Privatizer):
             label=f"{label}/gradient+count",
         )
         L = ctx.run.expected_batch_size
-        b_frac = float(b_sum) / L + 0.5
-        new_clip = clip * math.exp(-self.clip_lr * (b_frac - self.target_quantile))
+        new_clip = later(b_sum, lambda v: clip * math.exp(-self.clip_lr * (v[0] / L + 0.5 - self.target_quantile)))
         return (
             Released(g_sum, L, clip, state["nu_g"] * clip),
             {**state, "clip": new_clip},
-            {"clip": clip, "unclipped_fraction": b_frac},
+            {"clip": clip, "unclipped_fraction": later(b_sum, lambda v: v[0] / L + 0.5)},
         )
 
 
@@ -275,9 +274,8 @@ class OSOClip(Privatizer):
         prev_q, new_clip, gq = state["prev_q"], clip, 0.0
         if prev_q is not None:
             # g̃_t is independent of q̃_{t−1}'s noise: the one projection is exact (docs/privacy.md).
-            gq = ctx.release.project(prev_q, g) if isinstance(prev_q, DeferredSum) else dot(g, prev_q)
-            cos_q = gq / max(norm(g) * norm(prev_q), 1e-30) if self.rule == "normalized" else 0.0
-            new_clip = hypergradient_step(self.rule, clip, state["clip_lr"], gq, cos_q, lr, MIN_CLIP)
+            d = ctx.release.project(prev_q, g, host=False) if isinstance(prev_q, DeferredSum) else dot(g, prev_q)
+            new_clip, gq = rule_step(self.rule, clip, state["clip_lr"], d, (g, prev_q), lr, MIN_CLIP)
         return released, {**state, "clip": new_clip, "prev_q": q}, {"clip": clip, "g_dot_q": gq}
 
 

@@ -15,9 +15,9 @@ import torch
 from dptune import tree
 from dptune.errors import ConfigError, check_positive, check_unit_interval
 from dptune.release.context import RunPlan
-from dptune.release.hypergradient import Rule, check_rate, check_rule, horizon_rate, hypergradient_step
+from dptune.release.hypergradient import Rule, check_rate, check_rule, horizon_rate, rule_step
 from dptune.release.privatizers import Released
-from dptune.tree import Tensors, add_scaled, dot, ema, norm, zeros_like
+from dptune.tree import Tensors, add_scaled, dot, ema, zeros_like
 from dptune.updates.defaults import default_adam_lr, default_sgd_lr
 
 
@@ -251,9 +251,7 @@ class OSORate(UpdateRule):
         params, buf = heavy_ball(params, state["momentum"], g, lr, self.momentum)
         prev_g, new_lr, gg = state["prev_g"], lr, 0.0
         if self.adapt_lr and prev_g is not None:
-            gg = dot(g, prev_g)
-            cos_g = gg / max(norm(g) * norm(prev_g), 1e-30) if self.rule == "normalized" else 0.0
-            new_lr = hypergradient_step(self.rule, lr, state["lr_lr"], gg, cos_g, lr, MIN_RATE)
+            new_lr, gg = rule_step(self.rule, lr, state["lr_lr"], dot(g, prev_g), (g, prev_g), lr, MIN_RATE)
         # With momentum, ∂θ_t/∂ρ_{t-1} = −m_{t−1}: keep the applied direction for the next ρ rule.
         direction = buf if buf is not None else g
         return (
