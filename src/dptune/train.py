@@ -32,7 +32,7 @@ from dptune.metrics import Metric
 from dptune.names import aliased
 from dptune.outputs import Progress, checkpoint_rule, randomness_statement
 from dptune.release.context import RunPlan, StepContext, snap_noise
-from dptune.release.hypergradient import collecting, read_with, settled
+from dptune.release.hypergradient import Later, collecting, read_with, settled
 from dptune.release.ledger import Ledger
 from dptune.release.mechanisms import NoiseSource, NoisyRelease
 from dptune.release.sampling import (
@@ -270,6 +270,22 @@ def open_run(
     return ledger, gateway, sampler
 
 
+@dataclass
+class StepRead:
+    """A step begun (``RunLoop.begin``): what its one host read brings, then ``RunLoop.end``."""
+
+    t: int
+    batch_size: int
+    info: dict[str, Any]
+    pending: list[Later]  # the sign rules' released scalars (``hypergradient.later``)
+    first: list[torch.Tensor]  # parameters finite, and the train loss (data owner only) if computed
+
+
+def read_dtype(device: torch.device) -> torch.dtype:
+    """The loop's host read: float64 except on MPS, which has none."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 class RunLoop:
     """One run: its plan-bound pieces (parameters, strategy state; ledger, gateway and sampler from
     ``open_run``), its ``EvalSchedule`` and score callback, its bookkeeping and best checkpoint
@@ -341,22 +357,28 @@ class RunLoop:
         A row that made the parameters non-finite is recorded here and sets ``diverged``: the
         caller stops the run. Otherwise the caller evaluates if ``eval_due`` and ``record``s it.
         """
+        read = self.begin(t, x, y, oracle)
+        return self.end(read, read_with(read.pending, read.first, read_dtype(read.first[0].device)))
+
+    def begin(self, t: int, x: torch.Tensor, y: torch.Tensor, oracle: GradientOracle) -> StepRead:
+        """``step`` up to its one host read (which ``end`` takes): K stacked trials read once for all."""
         ctx = StepContext(t=t, x=x, y=y, oracle=oracle, release=self.gateway, run=self.plan)
-        with collecting() as pending:  # the sign rules' released scalars, read below with the loop's own
-            self.params, state, info = self.strategy.step(self.params, self.state, ctx)
+        with collecting() as pending:  # the sign rules' released scalars, read with the loop's own
+            self.params, self.state, info = self.strategy.step(self.params, self.state, ctx)
         losses = ctx.computed_losses
         # Divergence is judged on the parameters only: they are post-processing of noisy
         # releases, so stopping on them leaks nothing (a stop on the private batch loss would).
         finite = finite_flag(self.params)
         first = [finite] if losses is None or not ctx.batch_size else [finite, losses.mean().to(finite.device)]
-        # One host read for all (on a GPU each read waits for the queued kernels); float64 except on
-        # MPS, which has none.
-        got = read_with(pending, first, torch.float32 if finite.device.type == "mps" else torch.float64)
-        self.state, info = settled(state), settled(info)
-        row: dict[str, Any] = {"step": t, "batch_size": ctx.batch_size, **info}
-        if len(got) == 2:
-            row["train_loss"] = got[1]
-        if not got[0]:
+        return StepRead(t, ctx.batch_size, info, pending, first)
+
+    def end(self, read: StepRead, values: list[float]) -> dict[str, Any]:
+        """The step's row from the host values of ``read.first`` (parameters finite, train loss)."""
+        self.state, info = settled(self.state), settled(read.info)
+        row: dict[str, Any] = {"step": read.t, "batch_size": read.batch_size, **info}
+        if len(values) == 2:
+            row["train_loss"] = values[1]
+        if not values[0]:
             self.diverged = True
             self.history.append(row)
         return row

@@ -29,10 +29,11 @@ from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_loss, check_model
 from dptune.gradients.stacked import PaddedBuffers, Stacked, StackOp, Unsupported, stack_plan
 from dptune.metrics import Metric
+from dptune.release.hypergradient import read_with
 from dptune.release.sampling import stream_seed
 from dptune.strategies import Strategy, make_strategy
 from dptune.task import OwnTask, TaskTensors, resolve_task
-from dptune.train import EvalSchedule, RunLoop, RunPlan, TrainResult, checkpoint_rule, plan_run, train
+from dptune.train import EvalSchedule, RunLoop, RunPlan, TrainResult, checkpoint_rule, plan_run, read_dtype, train
 from dptune.tree import Tensors
 
 
@@ -392,10 +393,18 @@ def _run_block(
             break
         idxs = [inputs.indices_to(tr.loop.sampler.sample(), x.device) for tr in active]
         _batched_grads(active, idxs, stacked, lossfn, x, y, buffers)
-        to_eval: list[tuple[_Trial, dict[str, Any]]] = []
+        reads = []
         for tr, idx in zip(active, idxs, strict=True):
-            row = tr.loop.step(t, tr.oracle.x, y[idx], tr.oracle)  # type: ignore[arg-type]
+            reads.append(tr.loop.begin(t, tr.oracle.x, y[idx], tr.oracle))  # type: ignore[arg-type]
             tr.oracle.serve({}, x[:0], None)  # type: ignore[arg-type]  # release the batch's tensors
+        # All K trials' loop reads (parameters finite, train loss, sign rules' scalars) in ONE host read
+        # (on a GPU a read waits for the queued kernels: one a trial kept the queue short).
+        firsts = [f for r in reads for f in r.first]
+        values = read_with([b for r in reads for b in r.pending], firsts, read_dtype(firsts[0].device))
+        to_eval: list[tuple[_Trial, dict[str, Any]]] = []
+        for tr, r in zip(active, reads, strict=True):
+            row = tr.loop.end(r, values[: len(r.first)])
+            values = values[len(r.first) :]
             if tr.loop.diverged:
                 continue
             if tr.loop.eval_due(t):
@@ -426,9 +435,20 @@ def _batched_grads(
             xi = x[:0]
             tr.oracle.serve(tr.loop.params, xi, tr.oracle.base(tr.loop.params, xi, y[:0]))
         return
-    views = stacked.grads([tr.loop.params for tr in active], idxs, lossfn, x, y, buffers)
+    clips = [_clip_of(tr.loop) for tr in active]
+    views = stacked.grads([tr.loop.params for tr in active], idxs, lossfn, x, y, buffers, clips)
     for tr, (xk, g) in zip(active, views, strict=True):
         tr.oracle.serve(tr.loop.params, xk, g)
+
+
+def _clip_of(loop: RunLoop) -> float | None:
+    """The C the run's privatizer clips this step's sum at (a fixed ``clip``, or its state's C_t), if any: the
+    stacked engine forms that sum for all trials at once (``stacked.presum_clipped``); a wrong guess costs
+    only the work (the privatizer's ``clipped_sum`` asks its exact C)."""
+    clip = getattr(getattr(loop.strategy, "privatizer", None), "clip", None)
+    if clip is None and isinstance(loop.state, dict):
+        clip = loop.state.get("privatizer", {}).get("clip")
+    return float(clip) if isinstance(clip, int | float) and not isinstance(clip, bool) else None
 
 
 def _evaluate(stacked: Stacked, params: list[Tensors], x: torch.Tensor, y: torch.Tensor, metric: Metric) -> list[float]:

@@ -137,6 +137,50 @@ def test_stacked_conv_grads_are_each_rows_own(gemm: bool, monkeypatch: pytest.Mo
             torch.testing.assert_close(got[name], torch.einsum("i,i...->...", w, r), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("gemm", [False, True])
+def test_stacked_clipped_sums_are_each_trials_own(gemm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``presum_clipped``: each trial's Σ_i min(1, C_k/N_i) g_i formed for all trials at once (batched products
+    forced here, as on CUDA) equals that trial's own clipped sum over its own rows; another C is not served."""
+    from dptune.release.privatizers import clip_weights
+
+    monkeypatch.setattr(stacked_module, "gemm_patches", lambda device: gemm)
+    models = [small_cnn(s) for s in (1, 2, 3)]
+    params = [params_of(m) for m in models]
+    idxs = [torch.tensor([3, 7, 20, 21]), torch.arange(60, 90), torch.arange(40, 50)]  # padded to 30 rows
+    clips = [0.05, 1.0, 20.0]
+    lossfn = batched_loss("cross_entropy")
+    views = Stacked(stack_plan(models[0])).grads(params, idxs, lossfn, XI, YI, PaddedBuffers(), clips)
+    for (_, g), c in zip(views, clips, strict=True):
+        served = g.clipped(c)
+        assert served is not None and g.clipped(c * (1 + 1e-9)) is None
+        g._pre = None  # the trial alone, as without stacking
+        alone = g.weighted_sum(clip_weights(g.norms, c))
+        for name, v in alone.items():
+            torch.testing.assert_close(served.wide[name], alone.wide[name], rtol=1e-12, atol=1e-15, msg=name)
+            assert served[name].dtype == v.dtype
+
+
+def test_train_many_serves_the_stacked_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DP-SGD, quantile and OSO trials take their clipped sums from the stacked engine (one product a layer for
+    all trials), every step."""
+    from dptune.gradients.ghost_layers import LayerGrads
+
+    hits: list[float] = []
+    clipped = LayerGrads.clipped
+
+    def counted(self: LayerGrads, clip: float):  # type: ignore[no-untyped-def]
+        got = clipped(self, clip)
+        hits.append(got is not None)
+        return got
+
+    monkeypatch.setattr(LayerGrads, "clipped", counted)
+    for strategy in ("dpsgd", "quantile", "oso"):
+        hits.clear()
+        train_many(small_cnn, (XI, YI), strategy, GRIDS[strategy], [1, 2, 3], noise_multiplier=0.8, steps=4,
+                   expected_batch_size=30, fallback="error")  # fmt: skip
+        assert len(hits) == 3 * 4 and all(hits), strategy
+
+
 @pytest.mark.parametrize(("factor", "accept"), [(1.0, True), (0.9, False), (1.1, False)])
 def test_stacked_conv_noise_has_each_trials_own_std(factor: float, accept: bool) -> None:
     z, moves = stacked_cnn_noise("cpu")

@@ -242,9 +242,21 @@ class LayerGrads(MaterializedGrads):
         self._norms: torch.Tensor | None = norms
         self._grads: Tensors | None = None
         self._last: tuple[torch.Tensor, Tensors] | None = None
+        self._pre: tuple[float, torch.Tensor, Tensors] | None = None
 
     def free(self) -> None:
-        self._layers, self._grads, self._last = None, None, None  # type: ignore[assignment]
+        self._layers, self._grads, self._last, self._pre = None, None, None, None  # type: ignore[assignment]
+
+    def presum(self, clip: float, w: torch.Tensor, sums: Tensors) -> None:
+        """Σ_i w_i g_i (float64) for w = min(1, C/N_i), formed elsewhere from these rows alone (``stacked``: all
+        trials' at once), for ``clipped`` to serve at this exact C (a privatizer asking another C computes)."""
+        self._pre = (clip, w, sums)
+
+    def clipped(self, clip: float) -> Accumulated | None:
+        if self._pre is None or self._pre[0] != clip:
+            return None
+        self._last = self._pre[1:]  # as ``weighted_sum`` leaves it (OSO's q-sum reuses it)
+        return Accumulated(self._pre[2], {k: p.dtype for k, p in self._params.items()})
 
     def release_err(self) -> torch.Tensor | None:
         """E_i (float64): ‖released w·g_i − w·G_i‖ ≤ |w|·E_i beyond the relative (1 + γ_2) part,

@@ -277,6 +277,19 @@ def wide_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def wide_bmm(x: torch.Tensor, y: torch.Tensor, batched: bool) -> torch.Tensor:
+    """``wide_mm`` of K stacked pairs, x [K, B, p] (float64) and y [K, B, d] → [K, p, d]: ``batched`` (CUDA), one
+    batched product a block of m rows (≤ WIDE_BLOCK, ≤ WIDE_FLOATS floats: the same bound); else per pair."""
+    if not batched:
+        return torch.stack([wide_mm(xk, yk) for xk, yk in zip(x, y, strict=True)])
+    K, B, d = y.shape
+    m = max(1, min(WIDE_BLOCK, WIDE_FLOATS // max(1, K * d)))
+    out = x[:, :m].transpose(1, 2) @ y[:, :m].double()
+    for i in range(m, B, m):
+        out += x[:, i : i + m].transpose(1, 2) @ y[:, i : i + m].double()
+    return out
+
+
 _SCRATCH = threading.local()
 
 

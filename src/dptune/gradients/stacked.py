@@ -23,7 +23,7 @@ from torch import nn
 from dptune.errors import ConfigError
 from dptune.gradients.ghost import GhostGrads, LinearRule
 from dptune.gradients.ghost_layers import KeptRule, LayerRule
-from dptune.gradients.norm_bounds import ieee_matmul, rank_one_parts, sq_rows_upper, upper_norms
+from dptune.gradients.norm_bounds import ieee_matmul, rank_one_parts, sq_rows_upper, upper_norms, wide_bmm
 from dptune.gradients.persample import MaterializedGrads
 from dptune.tree import Tensors
 
@@ -210,9 +210,11 @@ class Stacked:
         x: torch.Tensor,
         y: torch.Tensor,
         buffers: PaddedBuffers,
+        clips: Sequence[float | None] = (),
     ) -> list[tuple[torch.Tensor, MaterializedGrads]]:
         """One forward/backward for K parameter sets, each on its rows ``x[idxs[k]]``: per set, its
-        batch (a view of the padded buffer) and its per-example statistics (ghost norms)."""
+        batch (a view of the padded buffer) and its per-example statistics (ghost norms). ``clips``: the C
+        each set's privatizer will clip at (``presum_clipped``)."""
         K = len(params)
         sizes = [int(i.numel()) for i in idxs]
         B = max(sizes)
@@ -240,15 +242,19 @@ class Stacked:
         # per-example gradients by ``sq_rows_upper``, as the ghost path's kept convolutions.
         parts: list[tuple[torch.Tensor, float]] = []
         rules: list[Callable[[int, int, Tensors], LayerRule]] = []
+        sums: list[Callable[[torch.Tensor], Tensors]] = []  # each layer's K weighted sums at once
+        batched = gemm_patches(x.device)
         for op, (h, _), b in zip(self.layers, recs, bs, strict=True):
             a, nm = h.detach(), self.names(op)
             if op.kind == "linear":
                 parts += rank_one_parts(a, b, op.module.bias is not None)
                 rules.append(partial(linear_rule, nm, a, b))
+                sums.append(partial(linear_sums, nm, a, b, batched))
                 continue
             kept = conv_grads(op.module, nm, a, b)
             parts += [(s.view(K, B), r) for s, r in (sq_rows_upper(g.flatten(0, 1)) for g in kept.values())]
             rules.append(partial(kept_rule, nm, kept))
+            sums.append(partial(kept_sums, kept, batched))
         norms = upper_norms(parts, losses, release_dtypes=[W.dtype for W, _ in weights])
         finite = torch.isfinite(norms).cpu().numpy()  # all K verdicts of ``nonfinite_rows``: one host read, not K
         out_views: list[tuple[torch.Tensor, MaterializedGrads]] = []
@@ -264,7 +270,44 @@ class Stacked:
                 g = GhostGrads(layers, losses[k, :Bk], p, norms=norms[k, :Bk])
                 g._finite_norms = bool(finite[k, :Bk].all())  # numpy: no device op
             out_views.append((xs[k], g))
+        if clips and None not in clips and finite.all():
+            presum_clipped(out_views, sums, norms, mask, cast(list[float], clips))
         return out_views
+
+
+def presum_clipped(
+    views: list[tuple[torch.Tensor, MaterializedGrads]],
+    sums: list[Callable[[torch.Tensor], Tensors]],
+    norms: torch.Tensor,
+    mask: torch.Tensor,
+    clips: list[float],
+) -> None:
+    """Every trial's Σ_i min(1, C_k/N_i)·g_i at the C_k its privatizer will ask (``clipped_sum``), all K in
+    one product a layer instead of K (on a GPU, K trials' sums were K× the launches). The weights are
+    ``clip_weights``' (the same float32 operations), the padded rows' 0; each trial's sum is over its own
+    rows in float64 (``norm_bounds.wide_bmm``: the same bound). Only when every row's norm is finite (a
+    padded row's gradient is then finite too: 0·g adds nothing), else each trial sums alone."""
+    C = torch.tensor(clips, dtype=norms.dtype, device=norms.device).unsqueeze(1)
+    W = torch.where(mask, norms.clamp_min(1e-12).reciprocal_().mul_(C).clamp_(max=1.0), 0.0)
+    got = {name: s for f in sums for name, s in f(W.double()).items()}
+    for k, (_, g) in enumerate(views):
+        if isinstance(g, GhostGrads):
+            p = g._params
+            own = {n: got[n][k] if n in got else torch.zeros_like(v, dtype=torch.float64) for n, v in p.items()}
+            g.presum(clips[k], W[k, : g.batch_size], own)
+
+
+def linear_sums(nm: dict[str, str], a: torch.Tensor, b: torch.Tensor, batched: bool, w: torch.Tensor) -> Tensors:
+    """A stacked Linear's K weighted sums (w [K, B] float64), as ``LinearRule.weighted`` forms each (T = 1)."""
+    out = {nm["weight"]: wide_bmm(b.double() * w.unsqueeze(-1), a, batched)}
+    if "bias" in nm:
+        out[nm["bias"]] = wide_bmm(w.unsqueeze(-1), b, batched).squeeze(1)
+    return out
+
+
+def kept_sums(kept: Tensors, batched: bool, w: torch.Tensor) -> Tensors:
+    """A stacked Conv2d's K weighted sums of its kept per-example gradients, as ``KeptRule.weighted``."""
+    return {n: wide_bmm(w.unsqueeze(-1), g.flatten(2), batched).view(g.shape[0], *g.shape[2:]) for n, g in kept.items()}
 
 
 def linear_rule(nm: dict[str, str], a: torch.Tensor, b: torch.Tensor, k: int, n: int, p: Tensors) -> LayerRule:

@@ -51,8 +51,10 @@ def clip_weights(norms: torch.Tensor, clip: float) -> torch.Tensor:
 
 
 def clipped_sum(grads: PerSampleGrads, clip: float) -> Tensors:
-    """Σ_i clip_C(g_i). Sensitivity C under add/remove."""
-    return grads.weighted_sum(clip_weights(grads.norms, clip))
+    """Σ_i clip_C(g_i). Sensitivity C under add/remove. Stacked trials form theirs together (``clipped``)."""
+    pre = getattr(grads, "clipped", None)
+    got = pre(clip) if pre is not None else None
+    return got if got is not None else grads.weighted_sum(clip_weights(grads.norms, clip))
 
 
 @dataclass
@@ -190,7 +192,7 @@ class QuantileClip(Privatizer):
         unclipped = (grads.norms <= clip).to(torch.float64)
         count = (unclipped - 0.5).sum().reshape(())
         g_sum, b_sum = ctx.publish(
-            SumQuery("gradient", grads.weighted_sum(clip_weights(grads.norms, clip)), clip, state["nu_g"]),
+            SumQuery("gradient", clipped_sum(grads, clip), clip, state["nu_g"]),
             SumQuery("unclipped_count", count, 0.5, state["nu_b"]),
             label=f"{label}/gradient+count",
         )
@@ -262,7 +264,7 @@ class OSOClip(Privatizer):
         q_w = torch.where(norms > clip, 1.0 / norms.clamp_min(1e-12), torch.zeros_like(norms))
         deferred = self.defer_q_noise and self.rule != "normalized"
         g_sum, q_out = ctx.publish(
-            SumQuery("gradient", grads.weighted_sum(clip_weights(norms, clip)), clip, state["nu_g"]),
+            SumQuery("gradient", clipped_sum(grads, clip), clip, state["nu_g"]),
             SumQuery("clip_hypergradient", grads.weighted_sum(q_w), 1.0, state["nu_q"], deferred=deferred),
             label=f"{label}/gradient+q",
         )
