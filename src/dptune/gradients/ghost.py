@@ -30,28 +30,11 @@ an input without the batch first, or an in-place change of a captured tensor) ma
 ``unsupported_reason`` and ``oracle.GradientOracle``. The rest of the path (support check, capture
 of a forward, the rules' interface, the kept rules, the sums' reuse) is in ``ghost_layers``.
 
-**Norms are upper bounds** (derivation: docs/privacy.md, items 1 and 1b). ``GhostGrads.norms``
-returns N_i such that what ``weighted_sum`` releases for example i with weight w (all other
-weights 0) has norm ≤ |w|·N_i whatever the rounding (Higham 2002, Lemma 3.1: a sum of n
-products in any order is within γ_n·Σ|products|), so clipping bounds it by C·(1 + 1.2e-7). With
-G_i = Σ_t b_t a_tᵀ exact from the stored operands and M_i = Σ_t ‖a_t‖‖b_t‖ (≥ ‖G_i‖), per layer:
-
-(a) stored per-sample tensors Ĝ_i (LayerNorm/GroupNorm, biases, kept Linear/Conv gradients):
-    the release is w·Ĝ_i itself; ‖Ĝ_i‖² ≤ s(1+ρ) by ``persample.sq_rows_upper``.
-(b) Linear, T = 1: ‖a‖‖b‖ from two ``vector_norm``s; the release rounds each entry at most twice.
-(c) Gram forms (Linear or Conv1D over tokens, small-T convolutions): S = ‖G_i‖² from float32
-    Gram matrices (row sums in float32, their sum in float64) with its bound γ_{d+p+2T+2}·M̂²
-    (again in float64 where that slack is > GRAM_TIGHT·S),
-    plus the release error of a per-example float32 product over T positions, γ_{T+1}·M̂:
-    N_l = √(S bound) + γ_{T+1}·M̂ (``norm_bounds.gram_bound``). Under cancellation these terms dominate:
-    the norm says how inexact that example's release is.
-(d) Embedding with repeated tokens: S = Σ_v ‖Σ_{t∈v} b_t‖² in float64, plus γ_T·Σ_{n_v ≥ 2} m_v.
-(e) convolutions too big to keep: the release recomputes the very chunks whose norms were taken.
-
-Layers and parameters combine as N = (Σ_l N_l²)^½, rounded up by ``persample.upper_norms``.
-Matrix products of a release run in IEEE float32 (``persample.ieee_matmul``). Each example's
-term is formed from it alone and the terms are added across examples in float64
-(``persample.wide_sum``), so one example moves the sum by ≤ C·(1 + 1e-6) (item 1b).
+**Norms are upper bounds**: ``GhostGrads.norms`` returns N_i such that what ``weighted_sum`` releases for
+example i with weight w has norm ≤ |w|·N_i whatever the rounding, per layer by cases (a) stored per-sample
+tensors, (b) Linear with T = 1, (c) Gram forms, (d) Embedding, (e) convolutions recomputed; combined by
+``norm_bounds.upper_norms``, summed across examples in float64. Derivation and the cases' bounds:
+docs/privacy.md, items 1 ("The cases, as the code names them") and 1b.
 """
 
 from __future__ import annotations
