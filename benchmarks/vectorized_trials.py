@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: process CPU time (busy machine)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--quick", action="store_true", help="K = 49, 10 steps, 7 sequential trials, BoW FC and LR")
+    ap.add_argument("--profile", action="store_true", help="then one vectorised call under torch.profiler: top ops")
     args = ap.parse_args()
     check_device(args.device)
     sync = device_sync(args.device)
@@ -153,6 +154,8 @@ def main() -> None:
                         )
                 sync()
                 times[label].append((now() - t0) / S)
+        if args.profile:
+            profile_call(lambda: train_many(fn, train_data, args.strategy, cfgs, seeds, noise_multiplier=nu, **common))
         per_trial = {k: statistics.median(v) for k, v in times.items()}
         base = per_trial["sequential (ghost)"]
         print(
@@ -167,6 +170,20 @@ def main() -> None:
     print("\n" + table(rows, ["model", "mode", "s/trial", "examples/s", "vs sequential (ghost)"]))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(args.device), "args": vars(args), "rows": rows}))
+
+
+def profile_call(call) -> None:
+    """Where a vectorised call's time goes: the top operations by device (CUDA) or host self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
 
 
 if __name__ == "__main__":
