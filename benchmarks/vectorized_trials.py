@@ -25,6 +25,7 @@ import argparse
 import json
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -155,7 +156,7 @@ def main() -> None:
                 sync()
                 times[label].append((now() - t0) / S)
         if args.profile:
-            profile_call(lambda: train_many(fn, train_data, args.strategy, cfgs, seeds, noise_multiplier=nu, **common))
+            profile_call(partial(train_many, fn, train_data, args.strategy, cfgs, seeds, noise_multiplier=nu, **common))
         per_trial = {k: statistics.median(v) for k, v in times.items()}
         base = per_trial["sequential (ghost)"]
         print(

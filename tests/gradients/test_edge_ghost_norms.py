@@ -535,6 +535,29 @@ def test_mixed_precision_release_is_bounded_by_the_model_dtype() -> None:
     assert worst <= 1.0 + 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["ghost", "vmap"])
+def test_half_precision_models_clip_weights_keep_each_release_within_C(dtype: torch.dtype, method: str) -> None:
+    """A model in fp16/bf16 throughout (norms and losses too): the clip weights min(1, C/N_i) are formed in
+    float32 (``norm_bounds.weights_dtype``). Rounded to nearest in fp16, a weight rose by up to 2⁻¹¹ and its
+    example's release reached 1.0011·C."""
+    from dptune.release.privatizers import clip_weights
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(512, 10)).to(dtype)
+    oracle, params = GradientOracle(net, "cross_entropy", method=method), params_of(net)
+    worst = 0.0
+    for c in (1e-3, 1e-2, 0.1, 0.3, 1 / 3, 0.7):
+        for _ in range(60):
+            x, y = (torch.randn(1, 512) * 3).to(dtype), torch.randint(0, 10, (1,))
+            g = oracle(params, x, y)
+            w = clip_weights(g.norms, c)
+            assert w.dtype == torch.float32
+            s = g.weighted_sum(w).wide
+            worst = max(worst, math.sqrt(sum(float(v.double().pow(2).sum()) for v in s.values())) / c)
+    assert worst <= 1.0 + 1e-6
+
+
 # ----------------------------------------------------------------------------- property: a token block
 class TokenBlock(nn.Module):
     """A transformer's parameter layers over tokens: Embedding (ids drawn from a small vocabulary, so

@@ -153,7 +153,8 @@ def test_stacked_clipped_sums_are_each_trials_own(gemm: bool, monkeypatch: pytes
     for (_, g), c in zip(views, clips, strict=True):
         served = g.clipped(c)
         assert served is not None and g.clipped(c * (1 + 1e-9)) is None
-        g._pre = None  # the trial alone, as without stacking
+        g._pre = None  # the trial alone, as without stacking (not from the served sum: ``reset_reuse``)
+        g.reset_reuse()
         alone = g.weighted_sum(clip_weights(g.norms, c))
         for name, v in alone.items():
             torch.testing.assert_close(served.wide[name], alone.wide[name], rtol=1e-12, atol=1e-15, msg=name)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from dptune.gradients.norm_bounds import ieee_matmul, sq_rows_upper, unit_roundoff, wide_sum
+from dptune.gradients.norm_bounds import ieee_matmul, sq_rows_upper, unit_roundoff, weights_dtype, wide_sum
 from dptune.gradients.persample import MaterializedGrads, nonfinite_rows
 from dptune.tree import Accumulated, Tensors
 
@@ -283,7 +283,8 @@ class LayerGrads(MaterializedGrads):
         return {k: got[k] if k in got else torch.zeros_like(p, dtype=torch.float64) for k, p in self._params.items()}
 
     def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Accumulated:
-        w = weights if weights.dtype == self.losses.dtype else weights.to(self.losses.dtype)
+        dt = weights_dtype(self.losses.dtype)
+        w = weights if weights.dtype == dt else weights.to(dt)
         with ieee_matmul(w.device):
             out = self._residual(w)
             if out is None:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dptune import inputs
+from dptune.gradients.norm_bounds import weights_dtype
 from dptune.gradients.persample import MaterializedGrads
 from dptune.tree import Accumulated, Tensors, packed
 
@@ -78,12 +79,12 @@ class _Captured:
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self._forward()
-                    self.w = torch.zeros(size, dtype=self.norms.dtype, device=self.y.device)
+                    self.w = torch.zeros(size, dtype=weights_dtype(self.norms.dtype), device=self.y.device)
                     self._sum()
             torch.cuda.current_stream().wait_stream(side)
         pool = torch.cuda.graph_pool_handle() if cuda else None
         self.forward = capture(self._forward, pool)
-        self.w = torch.zeros(size, dtype=self.norms.dtype, device=self.y.device)
+        self.w = torch.zeros(size, dtype=weights_dtype(self.norms.dtype), device=self.y.device)
         self.summing = capture(self._sum, pool)
         if cuda:  # the warm-up's blocks: back to the device, not kept beside the graph's pool
             torch.cuda.empty_cache()

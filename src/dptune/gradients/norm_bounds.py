@@ -77,6 +77,12 @@ _K_CACHE: dict[tuple[float, int, torch.dtype, torch.dtype, bool], float] = {}
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def weights_dtype(dt: torch.dtype) -> torch.dtype:
+    """The dtype of per-example weights for norms or losses in ``dt``: float32 for half precision, where
+    rounding C/N_i to nearest could raise a weight by 2⁻¹¹ (fp16) and its example's release above C."""
+    return torch.float32 if dt in _HALF else dt
+
+
 def _norm_factor(
     rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.dtype, extra_rounding: bool = False
 ) -> float:

@@ -23,7 +23,14 @@ from torch import nn
 from dptune.errors import ConfigError
 from dptune.gradients.ghost import GhostGrads, LinearRule
 from dptune.gradients.ghost_layers import KeptRule, LayerRule
-from dptune.gradients.norm_bounds import ieee_matmul, rank_one_parts, sq_rows_upper, upper_norms, wide_bmm
+from dptune.gradients.norm_bounds import (
+    ieee_matmul,
+    rank_one_parts,
+    sq_rows_upper,
+    upper_norms,
+    weights_dtype,
+    wide_bmm,
+)
 from dptune.gradients.persample import MaterializedGrads
 from dptune.tree import Tensors
 
@@ -287,8 +294,9 @@ def presum_clipped(
     ``clip_weights``' (the same float32 operations), the padded rows' 0; each trial's sum is over its own
     rows in float64 (``norm_bounds.wide_bmm``: the same bound). Only when every row's norm is finite (a
     padded row's gradient is then finite too: 0·g adds nothing), else each trial sums alone."""
-    C = torch.tensor(clips, dtype=norms.dtype, device=norms.device).unsqueeze(1)
-    W = torch.where(mask, norms.clamp_min(1e-12).reciprocal_().mul_(C).clamp_(max=1.0), 0.0)
+    n = norms.to(weights_dtype(norms.dtype))
+    C = torch.tensor(clips, dtype=n.dtype, device=n.device).unsqueeze(1)
+    W = torch.where(mask, n.clamp_min(1e-12).reciprocal_().mul_(C).clamp_(max=1.0), 0.0)
     got = {name: s for f in sums for name, s in f(W.double()).items()}
     for k, (_, g) in enumerate(views):
         if isinstance(g, GhostGrads):

@@ -65,9 +65,10 @@ class Later:
     """A next step's value (C_{t+1}, ρ_{t+1}) or a history cell: ``then`` of released device scalars, once read."""
 
     __slots__ = ("tensor", "then", "value")
+    value: float | None
 
     def __init__(self, tensor: torch.Tensor, then: Callable[[list[float]], float]):
-        self.tensor, self.then, self.value = tensor, then, math.nan
+        self.tensor, self.then, self.value = tensor, then, None
 
 
 _PENDING: ContextVar[list[Later] | None] = ContextVar("dptune_pending_reads", default=None)
@@ -75,7 +76,7 @@ _PENDING: ContextVar[list[Later] | None] = ContextVar("dptune_pending_reads", de
 
 def later(values: torch.Tensor | float, then: Callable[[list[float]], float]) -> Any:
     """``then`` of ``values`` (released statistics: post-processing) once on the host. A read mid-step would
-    stall a GPU's queue (issue 25: ≤ 2 host reads a step), so while ``collecting`` (``RunLoop.step``) this
+    stall a GPU's queue (the goal: ≤ 2 host reads a step), so while ``collecting`` (``RunLoop.step``) this
     is a ``Later`` that the loop's own read settles (``read_with``); otherwise it reads now. Same float."""
     pending = _PENDING.get()
     if pending is None or not isinstance(values, torch.Tensor):
@@ -125,6 +126,8 @@ def rule_step(rule: Rule, value: float, rate: float, d: Any, pair: tuple[Any, An
 def settled(tree: Any) -> Any:
     """``tree`` (dicts of dicts) with each ``Later`` replaced by its value."""
     if isinstance(tree, Later):
+        if tree.value is None:
+            raise RuntimeError("a deferred value was used before the loop's read settled it (read_with)")
         return tree.value
     if isinstance(tree, dict) and any(isinstance(v, Later | dict) for v in tree.values()):
         return {k: settled(v) for k, v in tree.items()}

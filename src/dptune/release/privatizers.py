@@ -32,6 +32,7 @@ import torch
 
 from dptune import accounting, inputs, tree
 from dptune.errors import ConfigError, check_positive
+from dptune.gradients.norm_bounds import weights_dtype
 from dptune.gradients.oracle import PerSampleGrads
 from dptune.gradients.persample import rng_state, set_rng_state
 from dptune.release.context import RunPlan, StepContext
@@ -44,10 +45,10 @@ MIN_CLIP = 1e-8  # the additive rule can cross zero; C must stay a valid (positi
 
 
 def clip_weights(norms: torch.Tensor, clip: float) -> torch.Tensor:
-    """min(1, C/‖g_i‖): the per-sample weights of the clipped sum (Galli eq. 4)."""
+    """min(1, C/‖g_i‖): the per-sample weights of the clipped sum (Galli eq. 4), float32 at least."""
     # In place on the fresh clamp_min result. ``C / t`` is ``t.reciprocal() * C`` in torch
     # (Tensor.__rdiv__): the same two roundings here.
-    return norms.clamp_min(1e-12).reciprocal_().mul_(clip).clamp_(max=1.0)
+    return norms.to(weights_dtype(norms.dtype)).clamp_min(1e-12).reciprocal_().mul_(clip).clamp_(max=1.0)
 
 
 def clipped_sum(grads: PerSampleGrads, clip: float) -> Tensors:
@@ -261,7 +262,8 @@ class OSOClip(Privatizer):
         norms = grads.norms
         # Both queries are weighted sums of the same per-sample gradients: clip weights and
         # q weights 1[‖g‖ > C]/‖g‖ (unit-norm rows, so sensitivity 1).
-        q_w = torch.where(norms > clip, 1.0 / norms.clamp_min(1e-12), torch.zeros_like(norms))
+        wide = norms.to(weights_dtype(norms.dtype))
+        q_w = torch.where(wide > clip, 1.0 / wide.clamp_min(1e-12), torch.zeros_like(wide))
         deferred = self.defer_q_noise and self.rule != "normalized"
         g_sum, q_out = ctx.publish(
             SumQuery("gradient", clipped_sum(grads, clip), clip, state["nu_g"]),
