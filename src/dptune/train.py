@@ -45,7 +45,7 @@ from dptune.release.sampling import (
 )
 from dptune.strategies import Strategy, make_strategy, strategy_signature
 from dptune.task import OwnTask
-from dptune.tree import Tensors, clone, finite_flag
+from dptune.tree import Tensors, clone, sup_norm
 from dptune.updates.defaults import starts_pretrained
 
 
@@ -278,7 +278,7 @@ class StepRead:
     batch_size: int
     info: dict[str, Any]
     pending: list[Later]  # the sign rules' released scalars (``hypergradient.later``)
-    first: list[torch.Tensor]  # parameters finite, and the train loss (data owner only) if computed
+    first: list[torch.Tensor]  # the parameters' sup norm (finite?), the train loss (data owner only) if computed
 
 
 def read_dtype(device: torch.device) -> torch.dtype:
@@ -368,17 +368,17 @@ class RunLoop:
         losses = ctx.computed_losses
         # Divergence is judged on the parameters only: they are post-processing of noisy
         # releases, so stopping on them leaks nothing (a stop on the private batch loss would).
-        finite = finite_flag(self.params)
-        first = [finite] if losses is None or not ctx.batch_size else [finite, losses.mean().to(finite.device)]
+        sup = sup_norm(self.params)  # finite iff every parameter is (checked on the host, in ``end``)
+        first = [sup] if losses is None or not ctx.batch_size else [sup, losses.mean().to(sup.device)]
         return StepRead(t, ctx.batch_size, info, pending, first)
 
     def end(self, read: StepRead, values: list[float]) -> dict[str, Any]:
-        """The step's row from the host values of ``read.first`` (parameters finite, train loss)."""
+        """The step's row from the host values of ``read.first`` (the parameters' sup norm, train loss)."""
         self.state, info = settled(self.state), settled(read.info)
         row: dict[str, Any] = {"step": read.t, "batch_size": read.batch_size, **info}
         if len(values) == 2:
             row["train_loss"] = values[1]
-        if not values[0]:
+        if not math.isfinite(values[0]):
             self.diverged = True
             self.history.append(row)
         return row

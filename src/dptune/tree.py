@@ -6,6 +6,7 @@ expressions; ``add_scaled`` and ``ema`` are fused (one rounding, last bits diffe
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -215,6 +216,18 @@ def finite_flag(a: Tensors) -> torch.Tensor:
     for f in flags[1:]:  # tensors spread over devices (rare): one sync per extra device
         out = out & f.to(out.device)
     return out
+
+
+def sup_norm(a: Tensors) -> torch.Tensor:
+    """max |entry| over all tensors, 0-dim on their device, NaN if any entry is NaN: finite iff every entry
+    is. One pass for the loop's divergence check (``finite_flag``'s isfinite is four kernels and a reduction)."""
+    if isinstance(a, Flat) and a.base is not None:
+        return torch.linalg.vector_norm(a.base, math.inf)
+    per = [torch.linalg.vector_norm(v, math.inf).double() for v in a.values() if v.numel()]
+    if not per:
+        return torch.zeros((), dtype=torch.float64)
+    dev = per[0].device
+    return torch.stack([n.to(dev) for n in per]).amax()
 
 
 def differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

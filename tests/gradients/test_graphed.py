@@ -69,6 +69,51 @@ def test_what_the_graph_cannot_take_runs_eagerly() -> None:
     assert graphs(params, x, y) is not None and graphs._cap is not before and graphs.replays == 3
 
 
+class _Tokens(nn.Module):
+    """Linear over tokens, then the mean: any sequence length T."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.lin(x)).mean(1))
+
+
+def test_a_new_input_shape_or_dtype_is_captured_again() -> None:
+    """The static buffers are shaped and typed by the first batch: a batch padded to another length T, or a
+    model moved to float64, is captured again (on a GPU it replayed stale rows or failed in ``copy_``)."""
+    torch.manual_seed(0)
+    model = _Tokens()
+    oracle = GradientOracle(model, "cross_entropy", method="ghost")
+    graphs = graphed.Graphs(oracle._run_ghost, model)
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    y = torch.randint(0, 3, (13,))
+    for T in (10, 10, 1, 7):
+        x = torch.randn(13, T, 6)
+        before = graphs._cap
+        got = graphs(params, x, y)
+        assert got is not None and (graphs._cap is before) == (before is not None and before.key[0][0][0] == (T, 6))
+        torch.testing.assert_close(got.norms, oracle._run_ghost(params, x, y).norms)
+    model.double()
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    before, x = graphs._cap, torch.randn(13, 7, 6, dtype=torch.float64)
+    got = graphs(params, x, y)
+    assert got is not None and graphs._cap is not before and got.norms.dtype == torch.float64
+
+
+def test_tied_weights_leave_the_ghost_path() -> None:
+    """A parameter shared by two layers (an LM head tied to the embedding): its per-example gradient is the
+    sum of both layers' terms, which no rule bounds; ghost released the first layer's part only."""
+    from dptune.gradients.ghost_layers import unsupported_reason
+
+    emb, head = nn.Embedding(11, 4), nn.Linear(4, 11, bias=False)
+    head.weight = emb.weight
+    reason = unsupported_reason(nn.Sequential(emb, head))
+    assert reason is not None and "tied" in reason
+    assert unsupported_reason(nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 11))) is None
+
+
 def test_a_refused_capture_turns_graphs_off_for_the_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
     oracle, params, x, y = _setup()
 

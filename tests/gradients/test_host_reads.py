@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import math
 import traceback
 
 import pytest
@@ -111,8 +112,8 @@ def test_the_counter_sees_a_per_tensor_divergence_check(monkeypatch: pytest.Monk
     train_module = importlib.import_module("dptune.train")  # the module (dptune.train is also the function)
 
     def per_tensor(a: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.tensor(all(bool(torch.isfinite(v).all()) for v in a.values()))
+        return torch.tensor(0.0 if all(bool(torch.isfinite(v).all()) for v in a.values()) else math.nan)
 
-    monkeypatch.setattr(train_module, "finite_flag", per_tensor)
+    monkeypatch.setattr(train_module, "sup_norm", per_tensor)
     counts = _count_reads(monkeypatch, "nodp")
     assert sum(counts.values()) / 5 >= 6, dict(counts)

@@ -360,3 +360,22 @@ def test_oso_from_small_clip_reaches_75_percent_on_mnist5k_at_epsilon_3(shared_d
     res = _mnist5k_at_epsilon_3(shared_data_dir, "oso", lr=40.0, initial_clip=0.1)
     assert res.epsilon(accountant="rdp") <= 3.0
     assert res.evals[-1]["accuracy"] >= 0.75, res.evals
+
+
+def test_sup_norm_is_finite_iff_every_entry_is() -> None:
+    """The loop's divergence check: max |entry| (one pass) is NaN/inf exactly when an entry is, one buffer
+    or several tensors, whatever the position of the bad entry."""
+    import math
+
+    from dptune.tree import Flat, sup_norm
+
+    base = torch.randn(1000)
+    assert sup_norm(Flat(base, (("a", torch.Size([600])), ("b", torch.Size([400]))))) == base.abs().max()
+    for bad in (math.nan, math.inf, -math.inf):
+        for at in (0, 599, 999):
+            x = base.clone()
+            x[at] = bad
+            flat = Flat(x, (("a", torch.Size([600])), ("b", torch.Size([400]))))
+            assert not math.isfinite(float(sup_norm(flat)))
+            assert not math.isfinite(float(sup_norm({"a": x[:600].clone(), "b": x[600:].clone(), "e": x[:0]})))
+    assert math.isfinite(float(sup_norm({"a": torch.full((3,), 3e38), "b": torch.zeros(0)})))

@@ -48,11 +48,15 @@ def base_type(mod: nn.Module) -> type[nn.Module] | None:
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the ghost path cannot handle ``model`` (None when it can)."""
+    owner: dict[int, str] = {}
     for name, mod in model.named_modules():
         own = [(k, p) for k, p in mod.named_parameters(recurse=False) if p.requires_grad]
         if not own:
             continue
         where = f"layer '{name or type(mod).__name__}' ({type(mod).__name__})"
+        for k, p in own:  # a tied weight's gradient sums two layers' terms: no rule bounds the sum
+            if owner.setdefault(id(p), where) != where:
+                return f"{where} shares its {k} with {owner[id(p)]} (tied weights)"
         cls = base_type(mod)
         if cls is None:
             return f"{where} has trainable parameters and no ghost rule"

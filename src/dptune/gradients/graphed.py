@@ -67,7 +67,7 @@ class _Captured:
     def __init__(
         self, run: Callable[[Tensors, Any, torch.Tensor], Any], params: Tensors, x: Any, y: torch.Tensor, size: int
     ):
-        self.size = size
+        self.size, self.key = size, signature(params, x, y)
         self.params = {k: v.detach().clone() for k, v in params.items()}
         self.x = inputs.tmap(lambda t: t[:1].expand(size, *t.shape[1:]).clone(), x)
         self.y = y[:1].expand(size, *y.shape[1:]).clone()
@@ -133,6 +133,13 @@ class Replayed(MaterializedGrads):
         return Accumulated(wide, cap.dtypes)
 
 
+def signature(params: Tensors, x: Any, y: torch.Tensor) -> tuple:
+    """What a capture's static buffers are shaped and typed by: each input's shape past the batch and dtype
+    (a batch padded to its longest text changes T), each parameter's shape and dtype (``model.double()``)."""
+    ins = tuple((t.shape[1:], t.dtype) for t in (*inputs.leaves(x), y))
+    return ins, tuple((p.shape, p.dtype) for p in params.values())
+
+
 def fingerprint(mods: list[nn.Module]) -> tuple:
     """What a captured graph reads besides its inputs and trainable parameters, by address (buffers, frozen
     weights), and the modules' training flags (dropout): a change between steps makes a new capture.
@@ -159,7 +166,10 @@ class Graphs:
         B = y.shape[0]
         # The model changed between steps (a buffer re-bound, eval mode), or a larger batch than any before
         # came (sizes only grow): captured again.
-        if self._cap is not None and (fingerprint(self._mods) != self._fingerprint or self._cap.size < B):
+        key = signature(params, x, y)
+        if self._cap is not None and (
+            fingerprint(self._mods) != self._fingerprint or self._cap.size < B or self._cap.key != key
+        ):
             self._cap = None
         if self.off_reason is not None:
             self.eager += 1

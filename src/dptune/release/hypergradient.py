@@ -99,7 +99,9 @@ def read_with(boxes: list[Later], first: list[torch.Tensor], dtype: torch.dtype)
     """ONE host read of ``first`` (scalars on one device) and the boxes' tensors (each once): the boxes get
     their values; returns ``first``'s."""
     tensors = list({id(b.tensor): b.tensor for b in boxes}.values())
-    got = torch.cat([t.reshape(-1).to(first[0].device, dtype) for t in (*first, *tensors)]).tolist()
+    dev = first[0].device
+    flat = [t.reshape(-1) if t.device == dev else t.reshape(-1).to(dev) for t in (*first, *tensors)]
+    got = torch.cat(flat).to(dtype).tolist()  # cat promotes (exactly) to the widest dtype: one conversion
     at, i = {}, len(first)
     for t in tensors:
         at[id(t)], i = got[i : i + t.numel()], i + t.numel()
