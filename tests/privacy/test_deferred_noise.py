@@ -411,3 +411,17 @@ def test_first_query_only_accounting_mutant_handles_deferred_queries() -> None:
     assert entry.event == accounting.gaussian_step_event(nu_g, 0.25)  # the bug: ν_g only
     assert isinstance(g, dict) and isinstance(h, DeferredSum) and h.std == nu_q
     assert math.isfinite(gate.project(h, V))
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_tiny_direction_still_gets_its_noise(secure: bool) -> None:
+    """‖v‖² is formed in float64, as the mean: in float32 it underflowed to 0 for |v_i| ≲ 4e-23 and the
+    projection released the exact ⟨S, v⟩ with no noise (found in review). The spread must be ν‖v‖."""
+    gate = NoisyRelease(Ledger(), 0.01, NoiseSource(5, secure=secure))
+    S = torch.tensor([3.0, -1.0, 2.0, 5.0])
+    v = torch.tensor([1e-23, 2e-23, -1e-23, 1e-23])
+    exact = float((S.double() * v.double()).sum())
+    spread = 7.0 * float(v.double().norm())
+    z = np.array([(gate.project(gate.release(SumQuery("q", S, 1.0, 7.0, deferred=True), label="q")[0], v) - exact)
+                  / spread for _ in range(400)])  # fmt: skip
+    assert abs(z.std() - 1.0) < 0.15 and abs(z.mean()) < 0.25  # 0 before (no noise); 4σ bands at n = 400

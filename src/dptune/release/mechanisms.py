@@ -500,7 +500,10 @@ class NoisyRelease:
             )
         draw.projected = True  # before drawing: a failed draw must not leave a retry open
         mean = _wide_dot(getattr(handle._value, "wide", handle._value), direction)
-        dd = torch.as_tensor(_dot(direction, direction), dtype=torch.float64, device=mean.device)
+        # ‖v‖² in float64, as the mean: in the direction's dtype it underflows to 0 for |v_i| ≲ 4e-23 (float32),
+        # and a spread of 0 released the exact ⟨S, v⟩ (found in review). In float64 no nonzero float32 or half
+        # v squares to 0 or overflows.
+        dd = _wide_dot(direction, direction)
         if self.noise.secure:  # the snapping grid needs the spread on the host
             mean_f, dd_f = torch.stack([mean, dd]).tolist()
             spread = handle.std * math.sqrt(dd_f)

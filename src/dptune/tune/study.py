@@ -183,7 +183,7 @@ class Coordinator:
             tagged.record(e.event, e.label, count=e.count, components=e.components, run=run_id)
         # The run's selected checkpoint, written (atomically) BEFORE the run is committed: a
         # committed run always has its weights; a crash in between re-executes the run on
-        # resume with the same seeds, rewriting the same weights.
+        # resume with the same seeds, rewriting the same weights (secure mode: a fresh draw, the one merged).
         if result.get("checkpoint"):
             save_checkpoint(self.store.dir, run_id, result["checkpoint"])
         self.store.finish(run_id, result, tagged)
