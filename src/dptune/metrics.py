@@ -225,7 +225,18 @@ def _isolated_scores(forward: Callable[[Any], torch.Tensor], x: Any, y: torch.Te
         return torch.func.vmap(one)(x, y)
     except RuntimeError:
         rows = [inputs.rows(x, i, i + 1) for i in range(int(y.shape[0]))]
-        return torch.stack([metric.scores(forward(r), y[i : i + 1], clip=True).reshape(()) for i, r in enumerate(rows)])
+        got = [metric.scores(forward(r), y[i : i + 1], clip=True).reshape(()) for i, r in enumerate(rows)]
+        # The first row again, last: a model keeping a value from one row to the next (vmap refuses such
+        # Python state) would make a later score depend on the earlier rows.
+        if len(rows) > 1 and not torch.equal(metric.scores(forward(rows[0]), y[:1], clip=True).reshape(()), got[0]):
+            from dptune.errors import ConfigError
+
+            raise ConfigError(
+                "scored one example at a time, an example's score depends on the examples scored before it (the "
+                "first, scored again last, changed): the model keeps a value from one input to the next. Fix: "
+                "keep no state from the input in the model."
+            ) from None
+        return torch.stack(got)
 
 
 def eval_mode(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:

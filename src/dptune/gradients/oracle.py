@@ -175,17 +175,13 @@ class GradientOracle:
                 torch.zeros(0, device=inputs.device_of(x)),
             )
         due = self._ghost is not None and self._due("grads", B)
-        if (
-            self._ghost is not None
-            and not due
-            and self._next_probe["grads"]
-            and graphed.replayable(inputs.device_of(x))
-        ):
+        ghost_ok = self._ghost is not None and B >= self.PROBE_MIN_BATCH  # 1-2 rows: never probed, so vmap
+        if ghost_ok and not due and self._next_probe["grads"] and graphed.replayable(inputs.device_of(x)):
             if self._graphs is None:
                 self._graphs = graphed.Graphs(self._run_ghost, self.model)
             if self._graphs is not None and (replayed := self._graphs(params, x, y)) is not None:
                 return replayed
-        if self._ghost is not None and (due or self._next_probe["grads"]):
+        if ghost_ok and (due or self._next_probe["grads"]):
             before = self._swap_state(inputs.device_of(x)) if due else None
             first = due and not self._next_probe["grads"]
             try:
@@ -242,7 +238,7 @@ class GradientOracle:
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         B = inputs.batch_len(x)
         grads = {k: torch.empty((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()}
-        losses = []
+        losses, start = [], self._swap_state(inputs.device_of(x)) if B > 1 else None
         for j in range(B):
             out = self._call(ps, buffers, inputs.rows(x, j, j + 1))
             loss = self.loss_fn(out.squeeze(0), y[j])
@@ -250,7 +246,30 @@ class GradientOracle:
             for k, g in zip(ps, gs, strict=True):
                 grads[k][j] = 0.0 if g is None else g  # memory touched once (zeros first: twice)
             losses.append(loss.detach())
+        if B > 1:
+            self._first_again(ps, buffers, x, y, {k: g[0] for k, g in grads.items()}, start)
         return grads, torch.stack(losses)
+
+    def _first_again(self, ps: Tensors, buffers: Tensors, x: Any, y: torch.Tensor, first: Tensors, start: Any) -> None:
+        """Refuse unless example 0, computed again after the others from the same random state, gives the
+        same gradient: a layer that keeps a value from one example to the next (a Python attribute, which
+        is also what vmap refuses) would make a later example's gradient depend on the earlier ones."""
+        dev = inputs.device_of(x)
+        now = self._swap_state(dev, start)
+        try:
+            loss = self.loss_fn(self._call(ps, buffers, inputs.rows(x, 0, 1)).squeeze(0), y[0])
+            again = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
+        finally:
+            self._swap_state(dev, now)
+        a = [first[k] for k in ps]
+        b = [torch.zeros_like(first[k]) if g is None else g for k, g in zip(ps, again, strict=True)]
+        if not self._same(a, b, 0.0):
+            self._refused = ConfigError(
+                "computed one example at a time, an example's gradient depends on the examples computed before "
+                "it (the first one, computed again last, changed): a layer keeps a value from one example to "
+                "the next, e.g. in a Python attribute. Fix: keep no state from the input in the model."
+            )
+            raise self._refused
 
     def _probe_buffers(self, params: Tensors, x: Any) -> None:
         """Raise ``ScratchBuffers``' ConfigError if a plain forward of one example writes a buffer."""
@@ -389,7 +408,7 @@ class GradientOracle:
         if B == 0:
             return torch.zeros(0, device=dev)
         with torch.no_grad(), ieee_matmul(dev):
-            if not (due or self._next_probe["losses"]):
+            if not (due or self._next_probe["losses"]) or B < self.PROBE_MIN_BATCH:  # 1-2 rows: never probed
                 return torch.cat([self._plain_losses(params, inputs.rows(x, j, j + 1), y[j : j + 1]) for j in range(B)])
             first, before = not self._next_probe["losses"], self._swap_state(dev) if due else None
             out = self._plain_losses(params, x, y)

@@ -77,6 +77,8 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
     ops: list[StackOp] = []
 
     def visit(mod: nn.Module, prefix: str) -> None:
+        if _hooked(mod):  # a hook runs on the stacked [K, B, ...] tensors (mixing rows or trials) or is skipped
+            raise Unsupported(f"layer '{prefix[:-1] or type(mod).__name__}' has a hook or its own forward")
         if type(mod) is nn.Sequential:
             for name, child in mod.named_children():
                 visit(child, f"{prefix}{name}.")
@@ -107,10 +109,24 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
                 "Linear and Conv2d layers, MaxPool2d/AvgPool2d, element-wise activations, Flatten and inactive Dropout"
             )
 
+    from torch.nn.modules import module as torch_module
+
+    if any(getattr(torch_module, h, None) for h in _GLOBAL_HOOKS):
+        raise Unsupported("global module hooks are registered (torch.nn.modules.module.register_module_*_hook)")
     visit(model, "")
     if not any(op.kind in ("linear", "conv") for op in ops):
         raise Unsupported("the model has no Linear or Conv2d layer")
     return ops
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")  # fmt: skip
+
+
+def _hooked(mod: nn.Module) -> bool:
+    """A module whose call is not its class's forward alone: hooks, or a forward set on the instance."""
+    return any(getattr(mod, h, None) for h in _HOOKS) or "forward" in vars(mod)
 
 
 def trials_first(h: torch.Tensor, K: int) -> torch.Tensor:
@@ -185,11 +201,11 @@ class Stacked:
             if op.kind == "flatten":
                 h = h.reshape(h.shape[0], h.shape[1], -1)
             elif op.kind == "fn":
-                h = op.module(h)
+                h = type(op.module).forward(op.module, h)
             elif op.kind in ("pool", "conv") and h.dim() != 5:
                 raise Unsupported(f"a {type(op.module).__name__} receives per-example inputs other than [C, H, W]")
             elif op.kind == "pool":  # per channel: the [B, K·C, H, W] layout of the convolutions
-                h = trials_first(op.module(h.transpose(0, 1).flatten(1, 2)), K)
+                h = trials_first(type(op.module).forward(op.module, h.transpose(0, 1).flatten(1, 2)), K)
             else:  # a Conv2d or a Linear layer
                 W, b = weights[li]
                 li += 1
