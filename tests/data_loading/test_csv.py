@@ -40,7 +40,10 @@ def test_numeric_categorical_and_string_labels(tmp_path: Path) -> None:
     assert ds.y_train.tolist() == [1, 0, 1] and ds.class_names == ("neg", "pos") and ds.num_classes == 2
     assert ds.n_test == 0 and ds.input_shape == (4,)
     assert "x1: numeric, as it is (no declared bounds: no scaling)" in ds.notes
-    assert "(the sorted distinct values of the files: not declared)" in ds.notes
+    assert (
+        "(the sorted distinct values of the files, not declared: not differentially private: for the data owner only)"
+        in ds.notes
+    )
     # declared labels: their order, even with a class absent from the file
     ds = load_csv(str(f), label="y", categories={"shape": ["round", "square"]}, labels=["pos", "neg", "maybe"])
     assert ds.y_train.tolist() == [0, 1, 0] and ds.num_classes == 3 and "(declared)" in ds.notes

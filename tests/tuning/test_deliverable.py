@@ -386,6 +386,56 @@ def test_hidden_k_study_withholds_the_digest_from_published_cards(tmp_path: Path
     assert card["guarantee"]["kind"] == "liu-talwar"
 
 
+def test_an_unfinished_hidden_k_search_releases_no_selection(tmp_path: Path) -> None:
+    """Liu–Talwar covers the best of the WHOLE secret search: while a run is not done, nothing selected
+    (configuration, score, test metric) reaches the table that release/ is written from, and the
+    report's plan table shows no run's T or ν (the first run is a secret draw). Found in review."""
+    import sqlite3
+
+    from dptune.report.summary import tried_section
+    from dptune.tune import MethodSpec, StrategyArm, TrainingSpec
+    from dptune.tune.results import load_study
+
+    study = make_study(
+        linear_data(5, n=140, dim=5, n_train=100),
+        arms=(StrategyArm("dpsgd", space={"lr": [0.05, 1.0]}, fixed={"clip": 1.0}, label="lt",
+                          method=MethodSpec("liu-talwar", {"gamma": 0.5})),),
+        training=TrainingSpec(steps=4, expected_batch_size=20), eps=4.0, selection=SelectionSpec(eval_every=2),
+        name="lt-unfinished",
+    )  # fmt: skip
+    run_study(study, tmp_path, progress=False)
+    (done,) = study_table(tmp_path)
+    assert done["selected"] and done["value_mean"] is not None
+    cfg, plan, rows, _ = load_study(tmp_path)
+    (table,) = tried_section(cfg, plan).tables
+    assert table.rows[0][-2:] == ["per candidate", "per candidate"]
+    with sqlite3.connect(tmp_path / "study.sqlite") as con:  # one run back to planned: an interrupted study
+        con.execute("UPDATE runs SET status = 'planned' WHERE run_id = ?", (rows[0]["run_id"],))
+    (row,) = study_table(tmp_path)
+    assert row["selected"] == "" and row["value_mean"] is None and row["test_mean"] is None
+    assert row["selected_runs"] == []
+
+
+def test_the_ledger_digest_leaves_out_non_private_arms(tmp_path: Path) -> None:
+    """A nodp arm's entries record when its noiseless run diverged (a function of the data): the digest
+    on the private arms' cards covers their entries only, so it does not move with the baseline."""
+    from dptune.tune import StrategyArm, TrainingSpec
+
+    digests = []
+    for lr in (0.1, 3e38):  # the second baseline diverges at step 4 of 12
+        study = make_study(
+            linear_data(5, n=140, dim=5, n_train=100),
+            arms=(StrategyArm("dpsgd", space={"lr": [0.5]}, fixed={"clip": 1.0}, label="dp"),
+                  StrategyArm("nodp", space={"lr": [lr]}, label="base")),
+            training=TrainingSpec(steps=12, expected_batch_size=20), eps=4.0, selection=SelectionSpec(eval_every=2),
+            name=f"digest-{int(lr > 1)}",
+        )  # fmt: skip
+        d = tmp_path / str(lr)
+        run_study(study, d, progress=False)
+        digests.append(study_ledger_digest(d))
+    assert digests[0] == digests[1]
+
+
 def test_train_cli_save_with_your_own_factory_reloads_without_model_argument(tmp_path: Path) -> None:
     """--model pkg.module:factory: the card names the factory and the arguments it was given,
     so ``load_model(DIR)`` rebuilds it; the weights are the best checkpoint's."""

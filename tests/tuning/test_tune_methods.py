@@ -385,3 +385,22 @@ def test_the_plan_summary_notes_short_or_dense_sampling_once_per_arm():
     assert f"down to T = {min(r.steps for r in odd)}" in notes[0]
     long = dataclasses.replace(plan, runs={k: dataclasses.replace(r, steps=50) for k, r in plan.runs.items()})
     assert not [n for n in sum(split_arm_notes(long), []) if "advised" in n]
+
+
+def test_repeat_and_select_refuses_candidates_with_another_event() -> None:
+    """The bound is calibrated on one candidate's event and must hold for all: ``final_step`` makes a DP-GD
+    run final-evaluated, one more private score release (found in review: ε 5.003 for a stated 5). The
+    same space without that key plans."""
+    from tune_helpers import planning_data
+
+    def study(space: dict) -> Study:
+        return make_study(
+            planning_data(), strategy="dpgd", space=space, training=TrainingSpec(steps=200, full_batch=True),
+            eps=5.0, delta=1e-5, accountant="rdp", method="repeat-and-select",
+            opts={"mean": 4, "distribution": "poisson"}, seed=1,
+            selection=SelectionSpec(mode="private", split="test", eval_every=20, noise_multiplier=40.0),
+        )  # fmt: skip
+
+    with pytest.raises(ConfigError, match="one privacy bound for every candidate"):
+        plan_study(study({"final_step": [False, True], "lr": [0.1]}), 1000, 1000, "accuracy")
+    assert plan_study(study({"lr": [0.1, 0.3]}), 1000, 1000, "accuracy").arms[0].runs is not None

@@ -86,7 +86,11 @@ def describe_schema(header: list[str], label: str, decl: Mapping[str, Any], clas
     how = {c: "numeric, as it is (no declared bounds: no scaling)" for c in header}
     how.update({c: f"numeric, clipped to the declared {list(b)}, scaled to [0, 1]" for c, b in decl["numeric"].items()})
     how.update({c: f"one-hot over the declared categories {list(v)}" for c, v in decl["categories"].items()})
-    source = "declared" if decl.get("labels") else "the sorted distinct values of the files: not declared"
+    source = (
+        "declared"
+        if decl.get("labels")
+        else "the sorted distinct values of the files, not declared: not differentially private: for the data owner only"
+    )
     how[label] = f"label: {len(classes)} classes {classes} ({source})"
     head = "CSV schema (public: from the header and your declarations, not fitted on the rows):"
     return "\n  ".join([head, *(f"{c}: {how[c]}" for c in header)])

@@ -49,12 +49,16 @@ def tried_section(cfg: Mapping[str, Any], plan: Any) -> Section:
         spec = spaces.get(a.label, {})
         grid = ", ".join(f"{k} ∈ {v}" for k, v in sorted(spec.get("space", {}).items()))
         fixed = ", ".join(f"{k}={v}" for k, v in sorted(spec.get("fixed", {}).items()))
-        run = plan.runs[a.runs[0]]  # the plan's first run: its T and ν
-        count = "secret (K)" if hides_run_count(a.guarantee.get("kind")) else a.guarantee.get("runs_accounted", "—")
-        nu = f"{run.noise_multiplier:.4g}" if run.noise_multiplier is not None else "—"
-        rows.append(
-            [a.label, epsilon_text(a.epsilon), a.method, grid or "defaults", fixed or "—", count, run.steps, nu]
-        )
+        hidden = hides_run_count(a.guarantee.get("kind"))
+        if hidden or not a.runs:
+            # A hidden-K search's first run is a secret draw (maybe a losing one; none when K = 0): the selected
+            # run's T and ν are on its model card.
+            count, steps, nu = "secret (K)" if hidden else "—", "per candidate", "per candidate"
+        else:
+            run = plan.runs[a.runs[0]]  # the plan's first run: its T and ν
+            count, steps = a.guarantee.get("runs_accounted", "—"), run.steps
+            nu = f"{run.noise_multiplier:.4g}" if run.noise_multiplier is not None else "—"
+        rows.append([a.label, epsilon_text(a.epsilon), a.method, grid or "defaults", fixed or "—", count, steps, nu])
     caption = (
         "The search space and plan of each procedure (data-independent). The score of every configuration "
         "tried is for the data owner only: `dptune report DIR --include-diagnostics` (diagnostics/report.html)."

@@ -25,14 +25,16 @@ from dptune.outputs import DIAGNOSTICS_DIR, hides_run_count, labelled_json, rand
 from dptune.release.ledger import Ledger
 from dptune.tune import results
 from dptune.tune.records import ArmPlan, RunSpec
-from dptune.tune.store import Store
 
 
 def study_ledger_digest(study_dir: str | Path) -> str:
-    """``Ledger.digest()`` of the study's ledger (every run's entries, run-tagged)."""
+    """``Ledger.digest()`` of the private arms' ledger (their runs' entries, run-tagged). A non-private arm's
+    entries are left out: they record when its noiseless run diverged, a function of the data (review)."""
+    _, plan, _, entries = results.load_study(study_dir)
+    private = {r for a in plan.arms if math.isfinite(a.epsilon) for r in a.runs}
     led = Ledger()
-    with Store(study_dir, readonly=True) as store:
-        for e in store.ledger_entries():
+    for e in entries:
+        if e.run in private:
             led.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
     return led.digest()
 
@@ -85,7 +87,7 @@ def export_study(
                 "or checkpoints/ was deleted)"
             )
             raise ConfigError(f"arm {a.arm!r}: {why}; retraining would be a new release. Fix: run a new study.")
-        ledger: dict[str, Any] = {"digest": digest, "scope": "the whole study (every arm, every run)"}
+        ledger: dict[str, Any] = {"digest": digest, "scope": "the whole study (every private arm, every run)"}
         if hidden_k:
             # The ledger is a function of the plan and of the number of runs drawn: its digest
             # would let anyone test guesses of K, which Liu-Talwar / repeat-and-select keep secret.
@@ -132,6 +134,15 @@ def _card(
         "covered": list(COVERED) if math.isfinite(row["planned_epsilon"]) else [],
         "not_covered": list(NOT_COVERED),
     }
+    if sel.get("across_seeds") == "mean" and row["guarantee_per"] == "seed replicate":
+        # The card is the file published alone: it must say what the terminal note says (found in review).
+        guarantee["covered"] = guarantee["covered"][:1]
+        seeds = len(cfg.get("study", {}).get("seeds", []))
+        guarantee["not_covered"].insert(
+            0,
+            f"the selected configuration and checkpoint: chosen on the mean of {seeds} seed replicates' scores "
+            "while one replicate's runs are accounted (account_seeds = false); only their composition covers it",
+        )
     return {
         "title": f"{a.label} at ε = {a.epsilon} ({cfg.get('study', {}).get('name', 'study')})",
         "dptune_version": dptune_version(),

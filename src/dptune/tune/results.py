@@ -198,6 +198,11 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
     for arm in plan.arms:
         cols, selected_runs, fits = _selected(arm, plan, runs, across)
         st = Counter(runs[r]["status"] for r in arm.runs)
+        if get_method(arm.method).hides_run_count and st.get("done", 0) + st.get("diverged", 0) < len(arm.runs):
+            # Liu-Talwar / repeat-and-select cover the best of the WHOLE secret search, not of the runs done
+            # so far: nothing selected from an unfinished one (in release/ or anywhere) until it finishes.
+            cols = {k: (None if k != "selected" else "") for k in cols} | {"replicates": 0}
+            selected_runs, fits = [], []
         sp = spent(arm, plan, entries)
         out.append(
             {

@@ -4,8 +4,9 @@ binomial family, only the best released; ``RepeatAndSelectDpEvent``, which only 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dp_accounting import dp_event
 
@@ -98,6 +99,7 @@ class RepeatAndSelect(TuningMethod):
         delta = study.budget.delta
         first = S.draw(arm.space, S.rng_for(study.seed, "probe"))
         shape0 = make_shape(ctx, arm, first, f"{path}.space")
+        one_bound(ctx, arm, first, shape0, f"{path}.space")
         acc = rdp_accountant(study.budget.accountant)
 
         def event(v: float) -> dp_event.DpEvent:
@@ -141,3 +143,20 @@ class RepeatAndSelect(TuningMethod):
         rs = theory.repeat_and_select_event(canonical(event_from_dict(g["unit_event"])), g["mean"], g["shape"])
         ev = rs if k == 1 else dp_event.SelfComposedDpEvent(rs, k)
         return accounting.epsilon_cached(ev, arm.delta, "rdp"), arm.delta
+
+
+def one_bound(ctx: Any, arm: StrategyArm, first: dict[str, Any], shape0: Any, path: str) -> None:
+    """Refuse a space whose listed values change a run's privacy event: the bound is calibrated on one
+    candidate's (``shape0``) and must hold for every one (Papernot & Steinke). E.g. ``final_step`` or
+    ``average`` make the run final-evaluated, one more private score release (found in review)."""
+
+    def key(s: Any) -> tuple[Any, ...]:
+        return s.sampling_rate, s.steps, s.n_evals, s.eval_nu, s.strategy.planned_event(1.0, s.sampling_rate, s.steps)
+
+    listed = {k: v for k, v in arm.space.items() if not isinstance(v, Mapping)}
+    for combo in S.grid(listed):
+        if key(make_shape(ctx, arm, {**first, **combo}, path)) != key(shape0):
+            raise ConfigError(
+                f"{path}: repeat-and-select needs one privacy bound for every candidate, and {combo} gives its "
+                "runs another event (e.g. final_step/average: one more private evaluation). Fix: fix those keys."
+            )
