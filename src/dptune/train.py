@@ -518,6 +518,9 @@ def _run_plan(plan: RunPlan | None, strategy: Strategy, n: int, eval_every: int,
         return plan_run(strategy, n, **planning)
     if plan.n != n:
         raise ConfigError(f"the plan is for n = {plan.n} examples but the data has {n}.")
+    if planning.get("delta") is not None:  # the δ a given plan's ε will be reported at: refused as plan_run would
+        allow = "pass allow_large_delta=True (--allow-large-delta)"
+        check_delta_for_n(planning["delta"], n, planning.get("allow_large_delta", False), "delta", allow)
     return plan
 
 

@@ -379,3 +379,16 @@ def test_sup_norm_is_finite_iff_every_entry_is() -> None:
             assert not math.isfinite(float(sup_norm(flat)))
             assert not math.isfinite(float(sup_norm({"a": x[:600].clone(), "b": x[600:].clone(), "e": x[:0]})))
     assert math.isfinite(float(sup_norm({"a": torch.full((3,), 3e38), "b": torch.zeros(0)})))
+
+
+def test_a_given_plan_still_refuses_a_delta_above_one_over_n() -> None:
+    """``train(plan=...)`` with a δ ≥ 1/n is refused as ``plan_run`` refuses it (review: it was accepted)."""
+    import dptune
+    from dptune.errors import ConfigError
+
+    x, y = torch.randn(40, 3), torch.randint(0, 2, (40,))
+    plan = dptune.plan_run(dptune.make_strategy("dpsgd"), 40, expected_batch_size=10, steps=3, noise_multiplier=1.0)
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ConfigError, match="1/n"):
+        dptune.train(model, (x, y), "dpsgd", plan=plan, delta=0.1)
+    assert dptune.train(model, (x, y), "dpsgd", plan=plan, delta=1e-3).ledger.releases == 3

@@ -21,7 +21,10 @@ def lt_max_runs(gamma: float, delta2: float) -> int:
         raise ConfigError(f"γ must lie in (0, 1], got {gamma}.")
     if not 0 < delta2 < 1:
         raise ConfigError(f"δ₂ must lie in (0, 1), got {delta2}.")
-    return max(1, math.ceil(math.log(1.0 / delta2) / gamma - 1e-12))
+    t = max(1, math.ceil(math.log(1.0 / delta2) / gamma - 1e-12))  # - 1e-12: an exact integer stays itself
+    while (1.0 - gamma) ** t > delta2:  # the truncation mass must stay ≤ δ₂ even where the slack cut a step
+        t += 1
+    return t
 
 
 def lt_total(eps1: float, delta1: float, gamma: float, delta2: float) -> tuple[float, float]:
