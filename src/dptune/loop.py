@@ -171,6 +171,10 @@ class PrivateTraining:
         self._released: dict[int, tuple[torch.Tensor, int]] = {}  # id(parameter) → the .grad backward set
         if self.optimizer is not None:  # last: a refused make_private leaves no hook on your optimizer
             self.optimizer.register_step_pre_hook(self._check_grads)
+        # A backward reaching a trainable parameter puts its exact gradient in .grad, which any optimizer (a
+        # second one, for the head) may step: refused where it lands, for the planned steps (found in review).
+        self._hooks = [p.register_post_accumulate_grad_hook(self._exact_grad) for p in self._named.values()]
+        self._structure = structure(self.model)
         self.history: list[dict[str, Any]] = []
         self._started = time.perf_counter()
 
@@ -187,9 +191,30 @@ class PrivateTraining:
     def _params(self) -> Tensors:
         return {k: p.detach() for k, p in self._named.items()}
 
+    def _exact_grad(self, p: torch.Tensor) -> None:
+        if self.t >= self.plan.steps:  # the run is over: the model is yours again
+            for h in self._hooks:
+                h.remove()
+            return
+        p.grad = None  # the exact gradient never stays in .grad (added in place: the released one is lost too)
+        raise ConfigError(
+            "a backward pass reached a trainable parameter during a make_private run: its exact, non-private "
+            "gradient would be stepped (by any optimizer holding it). Fix: only private.backward(x, y) (or "
+            "private.step) computes gradients of the trainable parameters; for a second optimizer, build it on "
+            "the same parameters and step it after private.backward."
+        )
+
     def _check_trainable(self) -> None:
         """The trainable set is fixed at make_private (the released gradient's keys): a parameter
-        unfrozen later would get no released gradient, and a loss.backward() would train it exactly."""
+        unfrozen later would get no released gradient, and a loss.backward() would train it exactly.
+        So is the model's structure: a module swapped in or a hook added later (e.g. a batch mean) would
+        mix examples between two isolation probes (found in review)."""
+        if structure(self.model) != self._structure:
+            raise ConfigError(
+                "the model changed since make_private (a module replaced or added, a hook, or a forward set on a "
+                "module): per-example gradients are only checked for the model as it was. Fix: make every "
+                "change before make_private, then call it again: a new run with its own plan and budget."
+            )
         now = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
         changed = sorted(k for k in now.keys() | self._named.keys() if now.get(k) is not self._named.get(k))
         if changed:
@@ -360,6 +385,19 @@ class PrivateTraining:
             seconds=time.perf_counter() - self._started, model=self.model, secure_mode=self.secure_mode,
             steps_taken=self.t, float_slack=self.gateway.snap_slack,
         )  # fmt: skip
+
+
+def structure(model: nn.Module) -> tuple:
+    """The modules (by identity and type), their hooks and instance forwards, and torch's global module hooks."""
+    from torch.nn.modules import module as torch_module
+
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    mods = tuple(
+        (name, id(m), type(m), *(tuple(getattr(m, h, {})) for h in hooks), "forward" in vars(m))
+        for name, m in model.named_modules()
+    )
+    glob = tuple(tuple(getattr(torch_module, f"_global{h}", {})) for h in hooks)
+    return mods, glob
 
 
 def make_private(

@@ -226,3 +226,47 @@ def test_a_step_that_fails_after_its_release_counts_it(monkeypatch: pytest.Monke
         private.backward(xb, yb)
         opt.step()
     assert private.result().steps_taken == private.ledger.releases == 3
+
+
+# ----------------------------------------------------------------------------- review: model changes, two optimizers
+def _mlp() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
+    _, x, y = _problem()
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(x.shape[1], 4), nn.Tanh(), nn.Linear(4, 2)), x, y
+
+
+@pytest.mark.parametrize("change", ["swap", "hook", "instance forward"])
+def test_a_model_changed_after_make_private_is_refused(change: str) -> None:
+    """A batch-mixing module swapped in, or a hook, after the first step: the isolation probe runs every 32
+    steps only, so the change is refused at the next release (it released a sum moving 9.6·C before)."""
+    model, x, y = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), opt, **KW)
+    batches = iter(private.batches())
+    private.step(*next(batches))
+    if change == "swap":
+        model[1] = nn.BatchNorm1d(model[0].out_features, affine=False, track_running_stats=False)
+    elif change == "hook":
+        model[1].register_forward_hook(lambda mod, i, o: o - o.mean(0, keepdim=True))
+    else:
+        model[1].forward = lambda a: a - a.mean(0, keepdim=True)  # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match="the model changed since make_private"):
+        private.step(*next(batches))
+    assert private.ledger.releases == 1
+
+
+def test_a_second_optimizer_cannot_step_an_exact_gradient() -> None:
+    """Fine-tuning with two optimizers (body and head), one given to make_private: a loss.backward() put the
+    exact gradient in the head's .grad, which the other optimizer stepped. Refused where it lands."""
+    model, x, y = _mlp()
+    body = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), body, **KW)
+    xb, yb = next(iter(private.batches()))
+    private.backward(xb, yb)
+    before = model[2].weight.detach().clone()
+    with pytest.raises(ConfigError, match="backward pass reached a trainable parameter"):
+        nn.functional.cross_entropy(model(xb), yb).backward()
+    head.step()  # what it holds is never the exact gradient
+    released = model[2].weight.grad
+    assert released is None or torch.equal(model[2].weight, before - 0.1 * released)

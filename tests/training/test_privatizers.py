@@ -326,7 +326,9 @@ def test_make_private_enforces_the_plan_and_the_batches() -> None:
 
 def test_an_exact_gradient_mixed_into_the_released_one_is_refused() -> None:
     """loss.backward() between private.backward() and optimizer.step() would add the exact,
-    non-private gradient to .grad: the optimizer's pre-step hook refuses it."""
+    non-private gradient to .grad: refused where it lands (the parameters' post-accumulate hook), the
+    released gradient put back, so the step is the private one; the pre-step hook refuses any other
+    change of .grad (an in-place edit)."""
     model, x, y = _problem()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     private = dptune.make_private(model, (x, y), opt, steps=2, expected_batch_size=30,
@@ -334,7 +336,12 @@ def test_an_exact_gradient_mixed_into_the_released_one_is_refused() -> None:
     for xb, yb in private.batches():
         opt.zero_grad()
         private.backward(xb, yb)
-        nn.functional.cross_entropy(model(xb), yb).backward()  # e.g. to log the loss: wrong
+        released = {k: p.grad.clone() for k, p in model.named_parameters()}
+        with pytest.raises(ConfigError, match="backward pass reached a trainable parameter"):
+            nn.functional.cross_entropy(model(xb), yb).backward()  # e.g. to log the loss: wrong
+        # no .grad holds the exact gradient: the one it reached is dropped, the others are still the released
+        assert all(p.grad is None or torch.equal(p.grad, released[k]) for k, p in model.named_parameters())
+        next(p for p in model.parameters() if p.grad is not None).grad.add_(1.0)  # an in-place edit
         with pytest.raises(ConfigError, match="not the one private.backward\\(\\) released"):
             opt.step()
         opt.zero_grad()
