@@ -54,3 +54,8 @@ def _correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 # Your own selection metrics, named in a study as "own_factories:ACCURACY" (selection.metric).
 ACCURACY = dptune.Metric(_correct, higher_is_better=True, sensitivity=1.0, name="my_accuracy")
 NO_SENSITIVITY = dptune.Metric(_correct, higher_is_better=True, name="my_accuracy_unbounded")
+
+
+def explode(**_: object) -> nn.Module:
+    """A model factory that fails (tests of how a failure is reported)."""
+    raise RuntimeError("factory exploded")

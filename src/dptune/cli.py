@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dptune.accounting_text import PLD_EPSILON_CAP  # noqa: F401 (a public name of this module)
-from dptune.errors import DPTuneError
+from dptune.errors import ConfigError, DPTuneError
 from dptune.outputs import (
     DIAGNOSTICS_DIR,
     NOT_DP_LABEL,
@@ -314,6 +314,11 @@ def tune(
 
     study = load_study_config(config)
     study_dir = out or Path("studies") / study.name
+    if study_dir.is_dir() and not (study_dir / "study.sqlite").exists() and any(study_dir.iterdir()):
+        raise ConfigError(  # the study's files would be mixed with yours (found in review)
+            f"--out {str(study_dir)!r} is not empty and holds no study. Fix: a new or empty directory, or the "
+            "directory of the study to continue."
+        )
     with resume_hint(study_dir, _say_interrupted):
         outcome = run_study(
             study, study_dir, executor=executor, address=address, progress=progress, workers=workers,
@@ -326,15 +331,24 @@ def tune(
     _exit_if_incomplete(study_dir, outcome)
 
 
+def _first_failure(study_dir: Path) -> str:
+    """The first failed run's error line (a factory's exception, say), for the owner: '' when none is stored."""
+    from dptune.tune.results import load_study
+
+    errors = [r.get("error") for r in load_study(study_dir)[2] if r.get("status") == "failed" and r.get("error")]
+    return f", the first: {str(errors[0]).strip().splitlines()[-1][:200]}" if errors else ""
+
+
 def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
     """Runs that did not finish (e.g. a killed worker) are said, with exit code 1: never a silent success."""
     if outcome.complete:
         return
     # Failed-run counts are not covered by the guarantee: the owner's view, labelled.
     left = sum(n for s, n in outcome.counts.items() if s not in ("done", "diverged"))
+    why = _first_failure(study_dir)
     console.print(
         f"[bold red]{left} of {sum(outcome.counts.values())} runs did not finish "
-        f"({outcome.counts.get('failed', 0)} failed; {NOT_DP_LABEL}).[/] "
+        f"({outcome.counts.get('failed', 0)} failed{why}; {NOT_DP_LABEL}).[/] "
         f"Check with `dptune status {study_dir}`; `dptune resume {study_dir}` retries them with the same seeds.",
         highlight=False,
         soft_wrap=True,

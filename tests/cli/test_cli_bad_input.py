@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import invoke_train
+from cli_helpers import invoke_train, one_error_line
 from conftest import ROOT
 from test_cli_startup import HEAVY, RUN_CLI
 from torch import nn
@@ -288,3 +288,39 @@ def test_a_study_on_your_tensors_checks_the_labels_before_planning() -> None:
         plan_only(make_study(data=(X, Y - 1, X, Y)))
     with pytest.raises(ConfigError, match="the training set is empty"):  # refused when the study is built
         plan_only(make_study(data=(X[:0], Y[:0], X, Y)))
+
+
+def test_tune_into_a_folder_that_is_not_empty_and_holds_no_study_is_refused(tmp_path: Path) -> None:
+    """The study's files would be mixed with the folder's (found in review); nothing is created in it."""
+    from tune_helpers import tiny_study_toml
+
+    cfg = tmp_path / "s.toml"
+    cfg.write_text(tiny_study_toml("mixed"))
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hi")
+    line = one_error_line(["tune", str(cfg), "--out", str(folder), "--no-progress"])
+    assert "not empty and holds no study" in line
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+
+def test_a_csv_header_naming_a_column_twice_is_refused(tmp_path: Path) -> None:
+    from dptune.data.tabular import load_csv
+    from dptune.errors import DataError
+
+    f = tmp_path / "d.csv"
+    f.write_text("age,age,outcome\n30,50000,1\n40,60000,0\n")
+    with pytest.raises(DataError, match=r"names \['age'\] more than once"):
+        load_csv(str(f), label="outcome")
+
+
+def test_tune_says_why_its_runs_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A factory that raises inside every run: the terminal gave "4 failed" and no reason (found in review);
+    the first failure's line is printed, labelled for the data owner."""
+    from tune_helpers import tiny_study_toml
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    cfg = tmp_path / "s.toml"
+    cfg.write_text(tiny_study_toml("boom").replace('name = "logistic_regression"', 'factory = "own_factories:explode"'))
+    res = CliRunner().invoke(app, ["tune", str(cfg), "--out", str(tmp_path / "st"), "--no-progress"])
+    assert res.exit_code == 1 and "factory exploded" in res.output and "not differentially private" in res.output

@@ -404,3 +404,24 @@ def test_repeat_and_select_refuses_candidates_with_another_event() -> None:
     with pytest.raises(ConfigError, match="one privacy bound for every candidate"):
         plan_study(study({"final_step": [False, True], "lr": [0.1]}), 1000, 1000, "accuracy")
     assert plan_study(study({"lr": [0.1, 0.3]}), 1000, 1000, "accuracy").arms[0].runs is not None
+
+
+def test_the_selection_noise_warning_does_not_reveal_a_secret_run_count() -> None:
+    """The pre-run warning counted a Liu–Talwar arm's drawn runs' score releases: K, which the method keeps
+    secret, printed unlabelled (found in review). For such an arm it now names no count."""
+    from tune_helpers import planning_data
+
+    from dptune.tune.plan import selection_noise_note
+
+    notes, ks = set(), set()
+    for seed in range(6):
+        s = make_study(
+            planning_data(), space={"lr": [0.01, 0.1, 1.0, 3.0]}, fixed={"clip": 1.0},
+            training=TrainingSpec(steps=40, expected_batch_size=64), eps=3.0, method="liu-talwar",
+            opts={"gamma": 0.2}, seed=seed,
+            selection=SelectionSpec(mode="private", split="test", eval_every=10, noise_multiplier=200.0),
+        )  # fmt: skip
+        plan = plan_study(s, 1000, 1000, "accuracy")
+        ks.add(len(plan.arms[0].runs))
+        notes.add(selection_noise_note(plan, 200.0))
+    assert len(ks) > 1 and len(notes) == 1 and None not in notes  # K varies; the note does not

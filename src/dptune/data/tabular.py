@@ -28,6 +28,9 @@ def _read(path: Path) -> tuple[list[str], list[list[str]]]:
         raise DataError(f"cannot read the CSV file {path}: {exc}. Fix: pass a readable UTF-8 CSV file.") from exc
     if len(table) < 2:
         raise DataError(f"{path} holds no data rows. Fix: a header line, then one line per example.")
+    twice = sorted({c for c in table[0] if table[0].count(c) > 1})
+    if twice:  # both would be read as one declared column (found in review)
+        raise DataError(f"{path}: the header names {twice} more than once. Fix: give every column its own name.")
     bad = next((i for i, row in enumerate(table, 1) if len(row) != len(table[0])), None)
     if bad is not None:
         raise DataError(f"{path}, line {bad}: {len(table[bad - 1])} fields, the header has {len(table[0])}. Fix: it.")

@@ -68,16 +68,20 @@ SELECTION_SPREAD = 0.05
 def selection_noise_note(plan: StudyPlan, nu: float) -> str | None:
     """Why private selection (at ν = ``nu``) on this plan would pick at random, and the fixes with their
     ε cost; None when the noise on a released score is at most ``SELECTION_SPREAD`` of the metric's range."""
-    evals = [  # a procedure's score releases, per private arm (procedure 0: they are all alike)
-        (sum(len(r.eval_steps) + r.eval_final for r in map(plan.runs.get, a.runs) if r and r.procedure == 0), i)
-        for i, a in enumerate(plan.arms)
-        if math.isfinite(a.epsilon)
-    ]
-    if not plan.n_val or not evals or nu / plan.n_val <= SELECTION_SPREAD:
+    private = [(i, a) for i, a in enumerate(plan.arms) if math.isfinite(a.epsilon)]
+    if not plan.n_val or not private or nu / plan.n_val <= SELECTION_SPREAD:
         return None
+    evals = [  # a procedure's score releases, per private arm (procedure 0: they are all alike); not for an
+        # arm that keeps its number of runs secret (Liu-Talwar, repeat-and-select): the count would reveal K
+        (sum(len(r.eval_steps) + r.eval_final for r in map(plan.runs.get, a.runs) if r and r.procedure == 0), i)
+        for i, a in private
+        if not get_method(a.method).hides_run_count
+    ]
+    nu_ok = SELECTION_SPREAD * plan.n_val
+    if not evals:
+        return _selection_text(plan, nu, f"a lower selection.noise_multiplier (≤ {nu_ok:.3g})")
     k, i = max(evals)
     arm = plan.arms[i]
-    nu_ok = SELECTION_SPREAD * plan.n_val
 
     def eps(v: float) -> float:  # the k Gaussian score releases alone (exact: μ-GDP)
         return accounting.epsilon(dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(v), k), arm.delta, "gdp")
@@ -90,6 +94,10 @@ def selection_noise_note(plan: StudyPlan, nu: float) -> str | None:
         else f"fewer evaluations (selection.eval_every, checkpoint = 'final'; at ν ≤ {nu_ok:.3g}, ε = {e_ok:.3g} "
         f"≥ the {arm.epsilon:g} of {arm.arm} for its {scores} per procedure)"
     )
+    return _selection_text(plan, nu, lower)
+
+
+def _selection_text(plan: StudyPlan, nu: float, lower: str) -> str:
     acc = f" (±{nu / plan.n_val:.2f} accuracy)" if plan.metric == "accuracy" else ""
     return (
         f"private selection cannot select: selection.noise_multiplier = {nu:g} on m = {plan.n_val} validation "
