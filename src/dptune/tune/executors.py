@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -37,11 +38,22 @@ def _pool_init(started: Any, counter: Any = None, masks: list[str] | None = None
     """Process-pool initializer: the start-report queue; worker k sees only GPU ``masks[k mod n]``."""
     global _STARTED
     _STARTED = started
+    _die_with_parent()
     if masks:
         with counter.get_lock():
             k = counter.value
             counter.value += 1
         os.environ["CUDA_VISIBLE_DEVICES"] = masks[k % len(masks)]
+
+
+def _die_with_parent() -> None:
+    """Linux: a worker gets SIGTERM when the coordinator dies (a SIGKILL left them holding memory and GPUs,
+    found in review); resume re-runs what they had. Elsewhere, as before."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
 def _pool_call(
