@@ -596,3 +596,39 @@ def test_token_block_norms_bound_every_example(
         g = run(model, x, y)
         assert isinstance(g, ghost.GhostGrads)
         assert clipping_violations(g) == []
+
+
+class _Autocast(nn.Module):
+    """Trainable layers computed under bf16 autocast inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.b(torch.tanh(self.a(x))).float()
+
+
+def test_autocast_inside_the_model_leaves_the_ghost_path() -> None:
+    """The ghost rules' bounds assume the weights' dtype: under autocast a release reached 1.0026·C (found
+    in review). Forced ghost is refused; auto computes on vmap, whose norms are those of the stored rows."""
+    from dptune.errors import ConfigError
+    from dptune.release.privatizers import clip_weights
+
+    torch.manual_seed(0)
+    net = _Autocast()
+    params = params_of(net)
+    x, y = torch.randn(8, 64) * 3, torch.randint(0, 4, (8,))
+    with pytest.raises(ConfigError, match="autocast"):
+        GradientOracle(net, "cross_entropy", method="ghost")(params, x, y)
+    oracle = GradientOracle(net, "cross_entropy", method="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning
+        g = oracle(params, x, y)
+    assert oracle.method == "vmap"
+    for i in range(8):
+        w = torch.zeros(8)
+        w[i] = clip_weights(g.norms, 0.1)[i]
+        released = math.sqrt(sum(float(v.double().pow(2).sum()) for v in g.weighted_sum(w).wide.values()))
+        assert released <= 0.1 * (1 + 1e-6)

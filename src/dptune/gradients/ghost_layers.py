@@ -197,6 +197,12 @@ def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module,
                 args = (a, *args[1:])
                 expanded.append(mod)
             out = inner(*args, **kwargs)
+            w = getattr(mod, "weight", None)
+            if isinstance(w, torch.Tensor) and isinstance(out, torch.Tensor) and out.dtype != w.dtype:
+                # autocast inside the model: the rules' bounds assume the weights' dtype (found in review)
+                raise GhostFallback(
+                    f"a {type(mod).__name__} computed in {out.dtype} with {w.dtype} weights (autocast?)"
+                )
             first, records[mod] = mod not in records, None
             if not (first and isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
                 return out
