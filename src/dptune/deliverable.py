@@ -41,6 +41,8 @@ NOT_COVERED = (
     "the evaluation / selection data in public selection mode: treated as public, not protected",
     "the other candidates' weights and the owner-only files (checkpoints/, diagnostics/): never publish them",
     "anything outside dptune: data preprocessing fitted on the private data, side channels such as run time",
+    "the number of classes where it was read from your data's labels (the largest + 1: your data factory or "
+    "tensors, a CSV without declared labels): not differentially private: for the data owner only; declare it",
 )
 
 

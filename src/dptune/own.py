@@ -165,7 +165,8 @@ def check_classes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> N
     top = int(y.max())
     if isinstance(out, torch.Tensor) and out.ndim >= 2 and top >= out.shape[1]:
         raise ConfigError(
-            f"data: class label {top} but the model has {out.shape[1]} outputs (classes 0..{out.shape[1] - 1}). "
+            f"data: class label {top} (a value of your data: not differentially private: for the data owner only) "
+            f"but the model has {out.shape[1]} outputs (classes 0..{out.shape[1] - 1}). "
             f"Fix: build the model with {top + 1} classes (or more), or map the labels to 0..{out.shape[1] - 1}."
         )
 

@@ -66,7 +66,8 @@ def check_labels(y: torch.Tensor, loss: Any, n: int, what: str = "data") -> None
     bad = y[(y < 0) & (y != -100)] if y.numel() and not y.dtype.is_floating_point else y[:0]
     if bad.numel():
         raise ConfigError(
-            f"{what}: class labels must be integers 0..C-1, got {int(bad.min())}. "
+            f"{what}: class labels must be integers 0..C-1, got {int(bad.min())} (a value of your data: not "
+            "differentially private: for the data owner only). "
             "Fix: map them to 0..C-1 (e.g. y - y.min(): labels -1..1 become 0..2)."
         )
 

@@ -216,7 +216,7 @@ def _train(data, **kw):
 @pytest.mark.parametrize(
     ("y", "message"),
     [
-        (Y - 1, "class labels must be integers 0..C-1, got -1. Fix: map them to 0..C-1"),  # labels -1..1
+        (Y - 1, "class labels must be integers 0..C-1, got -1 (a value of your data"),  # labels -1..1
         (Y.float(), "got dtype torch.float32. Fix: y.long()"),  # whole numbers stored as floats
         (Y.float() + 0.5, "Fix: loss='mse' for regression targets"),
         (Y == 1, "got dtype torch.bool"),
@@ -244,7 +244,10 @@ def test_a_label_beyond_the_models_outputs_is_refused_before_training() -> None:
     """torch would fail mid-run ("Target 5 is out of bounds") after releases were made."""
     y = Y.clone()
     y[7] = 5
-    with pytest.raises(ConfigError, match=r"class label 5 but the model has 3 outputs .* Fix: build the model with 6"):
+    with pytest.raises(
+        ConfigError,
+        match=r"class label 5 \(a value of your data.*\) but the model has 3 outputs .* Fix: build the model with 6",
+    ):
         _train((X, y))
     assert _train((X, Y)).plan.n == 40  # labels 0..2 on 3 outputs pass
 
