@@ -37,8 +37,12 @@ class RankLost(DPTuneError):
 
 
 def launched() -> bool:
-    """Is this process one of several started by ``torchrun`` (its WORLD_SIZE and MASTER_ADDR)?"""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ
+    """Is this process one of several: started by ``torchrun`` (its WORLD_SIZE and MASTER_ADDR), or in a
+    process group of more than one already initialised (``mp.spawn``: each rank would otherwise run a whole
+    private run of its own, N runs spending N·ε; found in review)?"""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ:
+        return True
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def writes() -> bool:

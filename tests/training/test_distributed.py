@@ -138,3 +138,18 @@ def test_dptune_train_under_torchrun_writes_once_what_one_process_writes(tmp_pat
     for key in ("steps", "noise_multiplier", "epsilon", "best_step", "checkpoint"):
         assert two[key] == one[key], key
     assert two["best_metric"] == pytest.approx(one["best_metric"], abs=0.01)  # float32 sums, reassociated
+
+
+def test_a_process_group_started_without_torchrun_counts_as_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mp.spawn`` + ``init_process_group``: no torchrun variables, yet N ranks; each used to run a whole
+    private run of its own (N·ε spent). Such a group now makes train/make_private distributed by default."""
+    from dptune import distributed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert not distributed.launched()
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda group=None: 2)
+    assert distributed.launched()
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda group=None: 1)
+    assert not distributed.launched()
