@@ -388,7 +388,10 @@ def test_tune_with_failed_runs_says_so_and_exits_1(tmp_path: Path, monkeypatch: 
     assert res.exit_code == 1, (res.output, res.exception)
     assert "Traceback" not in res.output
     out = " ".join(res.output.split())
-    assert "1 of 1 runs did not finish (1 failed; not differentially private: for the data owner only)" in out
+    assert (
+        "1 of 1 runs did not finish (1 failed, the first: RuntimeError: worker process failed: killed; "
+        "not differentially private: for the data owner only)" in out
+    )
     assert f"dptune status {d}" in out and f"dptune resume {d}" in out
     assert (d / "study.sqlite").is_file()  # the study is kept: resume retries the run
 
@@ -404,4 +407,7 @@ def test_resume_with_runs_that_fail_again_says_so_and_exits_1(tmp_path: Path, mo
     assert res.exit_code == 1, (res.output, res.exception)
     assert "Traceback" not in res.output
     out = " ".join(res.output.split())
-    assert "1 of 1 runs did not finish (1 failed; not differentially private: for the data owner only)" in out
+    assert (
+        "1 of 1 runs did not finish (1 failed, the first: RuntimeError: worker process failed: killed; "
+        "not differentially private: for the data owner only)" in out
+    )
