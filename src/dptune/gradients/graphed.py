@@ -26,7 +26,7 @@ from torch import nn
 from dptune import inputs
 from dptune.gradients.norm_bounds import weights_dtype
 from dptune.gradients.persample import MaterializedGrads
-from dptune.tree import Accumulated, Tensors, packed
+from dptune.tree import Accumulated, Flat, Tensors, packed
 
 ENABLED = os.environ.get("DPTUNE_CUDA_GRAPHS", "1") != "0"
 # Graphs only where padding adds at most half the work: a batch of 32 pads to 64 rows, twice the GPU work
@@ -137,6 +137,8 @@ def signature(params: Tensors, x: Any, y: torch.Tensor) -> tuple:
     """What a capture's static buffers are shaped and typed by: each input's shape past the batch and dtype
     (a batch padded to its longest text changes T), each parameter's shape and dtype (``model.double()``)."""
     ins = tuple((t.shape[1:], t.dtype) for t in (*inputs.leaves(x), y))
+    if isinstance(params, Flat) and params.base is not None:  # one buffer: its layout and dtype (no walk)
+        return ins, params.layout, params.base.dtype
     return ins, tuple((p.shape, p.dtype) for p in params.values())
 
 

@@ -126,11 +126,18 @@ def rule_step(rule: Rule, value: float, rate: float, d: Any, pair: tuple[Any, An
 
 
 def settled(tree: Any) -> Any:
-    """``tree`` (dicts of dicts) with each ``Later`` replaced by its value."""
+    """``tree`` (plain dicts of dicts; a ``Flat`` or other dict subclass holds tensors) with each ``Later``
+    replaced by its value; the same object where there is none."""
     if isinstance(tree, Later):
         if tree.value is None:
             raise RuntimeError("a deferred value was used before the loop's read settled it (read_with)")
         return tree.value
-    if isinstance(tree, dict) and any(isinstance(v, Later | dict) for v in tree.values()):
-        return {k: settled(v) for k, v in tree.items()}
-    return tree
+    if type(tree) is not dict:
+        return tree
+    out = None
+    for k, v in tree.items():
+        got = settled(v) if isinstance(v, Later) or type(v) is dict else v
+        if got is not v:
+            out = dict(tree) if out is None else out
+            out[k] = got
+    return tree if out is None else out
