@@ -2,6 +2,9 @@
 
 import math
 
+# A value of the user's data quoted in an error message: for its owner to find, not for release.
+OWNER = " (a value of your data: not differentially private: for the data owner only)"
+
 
 class DPTuneError(Exception):
     """Base class of every error dptune raises on purpose."""

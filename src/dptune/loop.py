@@ -27,6 +27,7 @@ from dptune import inputs
 from dptune.distributed import join, launched, sync_model
 from dptune.errors import BudgetExceededError, ConfigError
 from dptune.gradients.oracle import GradientOracle
+from dptune.gradients.persample import MODULE_HOOKS, global_module_hooks
 from dptune.names import aliased
 from dptune.release.context import StepContext
 from dptune.release.privatizers import FixedClip, Privatizer, Released
@@ -389,15 +390,11 @@ class PrivateTraining:
 
 def structure(model: nn.Module) -> tuple:
     """The modules (by identity and type), their hooks and instance forwards, and torch's global module hooks."""
-    from torch.nn.modules import module as torch_module
-
-    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     mods = tuple(
-        (name, id(m), type(m), *(tuple(getattr(m, h, {})) for h in hooks), "forward" in vars(m))
+        (name, id(m), type(m), *(tuple(getattr(m, h, {})) for h in MODULE_HOOKS), "forward" in vars(m))
         for name, m in model.named_modules()
     )
-    glob = tuple(tuple(getattr(torch_module, f"_global{h}", {})) for h in hooks)
-    return mods, glob
+    return mods, global_module_hooks()
 
 
 def make_private(

@@ -14,7 +14,7 @@ import torch
 from torch.func import functional_call
 
 from dptune import inputs, metrics
-from dptune.errors import ConfigError
+from dptune.errors import OWNER, ConfigError
 from dptune.factories import call_factory, import_factory
 from dptune.gradients.persample import ScratchBuffers, check_model
 
@@ -165,8 +165,7 @@ def check_classes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> N
     top = int(y.max())
     if isinstance(out, torch.Tensor) and out.ndim >= 2 and top >= out.shape[1]:
         raise ConfigError(
-            f"data: class label {top} (a value of your data: not differentially private: for the data owner only) "
-            f"but the model has {out.shape[1]} outputs (classes 0..{out.shape[1] - 1}). "
+            f"data: class label {top}{OWNER} but the model has {out.shape[1]} outputs (classes 0..{out.shape[1] - 1}). "
             f"Fix: build the model with {top + 1} classes (or more), or map the labels to 0..{out.shape[1] - 1}."
         )
 

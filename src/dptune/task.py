@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from dptune import inputs, metrics, own
 from dptune.devices import resolve_device
-from dptune.errors import ConfigError
+from dptune.errors import OWNER, ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
 from dptune.tree import Tensors
@@ -66,8 +66,7 @@ def check_labels(y: torch.Tensor, loss: Any, n: int, what: str = "data") -> None
     bad = y[(y < 0) & (y != -100)] if y.numel() and not y.dtype.is_floating_point else y[:0]
     if bad.numel():
         raise ConfigError(
-            f"{what}: class labels must be integers 0..C-1, got {int(bad.min())} (a value of your data: not "
-            "differentially private: for the data owner only). "
+            f"{what}: class labels must be integers 0..C-1, got {int(bad.min())}{OWNER}. "
             "Fix: map them to 0..C-1 (e.g. y - y.min(): labels -1..1 become 0..2)."
         )
 

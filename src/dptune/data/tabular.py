@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from dptune.data.dataset import Dataset, features_tensor, labels_tensor
-from dptune.errors import ConfigError, DataError
+from dptune.errors import OWNER, ConfigError, DataError
 
 log = logging.getLogger("dptune")
 CSV_KEYS = ("csv", "label", "test", "schema", "numeric", "categories", "labels")
@@ -38,7 +38,6 @@ def _read(path: Path) -> tuple[list[str], list[list[str]]]:
 
 
 # A bad cell is quoted so that its owner can find it; the message is about one example.
-OWNER = " (a value of your data: not differentially private: for the data owner only)"
 
 
 def _float(value: str) -> float:

@@ -41,6 +41,17 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _CROSS_SAMPLE = (nn.modules.batchnorm._BatchNorm,)
 
 
+# A module's own hooks, and torch's global ones (``register_module_*_hook``): they run on whatever a call sees.
+MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def global_module_hooks() -> tuple[tuple[Any, ...], ...]:
+    """The keys of torch's global module hooks, per kind (all empty when none is registered)."""
+    from torch.nn.modules import module as torch_module
+
+    return tuple(tuple(getattr(torch_module, "_global" + h, {})) for h in MODULE_HOOKS)
+
+
 def check_model(model: nn.Module) -> None:
     """Reject layers whose output for one example depends on the others (e.g. BatchNorm), and
     layers that keep running statistics of their inputs (``track_running_stats=True``): those

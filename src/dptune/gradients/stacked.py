@@ -31,7 +31,7 @@ from dptune.gradients.norm_bounds import (
     weights_dtype,
     wide_bmm,
 )
-from dptune.gradients.persample import MaterializedGrads
+from dptune.gradients.persample import MODULE_HOOKS, MaterializedGrads, global_module_hooks
 from dptune.tree import Tensors
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
@@ -109,9 +109,7 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
                 "Linear and Conv2d layers, MaxPool2d/AvgPool2d, element-wise activations, Flatten and inactive Dropout"
             )
 
-    from torch.nn.modules import module as torch_module
-
-    if any(getattr(torch_module, h, None) for h in _GLOBAL_HOOKS):
+    if any(global_module_hooks()):
         raise Unsupported("global module hooks are registered (torch.nn.modules.module.register_module_*_hook)")
     visit(model, "")
     if not any(op.kind in ("linear", "conv") for op in ops):
@@ -119,14 +117,9 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
     return ops
 
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")  # fmt: skip
-
-
 def _hooked(mod: nn.Module) -> bool:
     """A module whose call is not its class's forward alone: hooks, or a forward set on the instance."""
-    return any(getattr(mod, h, None) for h in _HOOKS) or "forward" in vars(mod)
+    return any(getattr(mod, h, None) for h in MODULE_HOOKS) or "forward" in vars(mod)
 
 
 def trials_first(h: torch.Tensor, K: int) -> torch.Tensor:
