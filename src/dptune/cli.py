@@ -176,13 +176,19 @@ def train(
         help="folder for the model (see --checkpoint): model.pt + model_card.json/.md; "
         "reload with dptune.load_model(DIR)",
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="let --save write into a folder that is not empty"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="let --out replace a file and --save write into a folder that is not empty"
+    ),
 ) -> None:
     """Train one model with differential privacy; write the release JSON (guarantee, configuration,
     evaluations on a public test split, ledger totals) and, apart, the diagnostics JSON (history
     with the training loss and realised batch sizes, metrics on a private test split: not
     differentially private)."""
-    _train(SimpleNamespace(**locals()))  # the options, by name
+    try:
+        _train(SimpleNamespace(**locals()))  # the options, by name
+    except KeyboardInterrupt:  # files are written whole or not at all
+        _say_interrupted("nothing of this run was written; run `dptune train` again.")
+        raise SystemExit(130) from None
 
 
 def _train(o: SimpleNamespace) -> None:
@@ -208,7 +214,7 @@ def _train(o: SimpleNamespace) -> None:
     dataset, model_name = o.data or o.dataset, model_id.get("factory", model_id.get("name"))  # "auto" resolved
     target = None if o.noise_multiplier else o.epsilon
     result = run_train(
-        net, train_part, o.strategy, epochs=o.epochs, expected_batch_size=None if o.full_batch else o.batch_size,
+        net, train_part, o.strategy, epochs=o.epochs, expected_batch_size=o.batch_size,
         full_batch=o.full_batch, noise_multiplier=o.noise_multiplier, target_epsilon=target, delta=o.delta,
         accountant=o.accountant, eval_data=test_part, eval_public=eval_public, checkpoint=checkpoint,
         allow_large_delta=o.allow_large_delta, eval_every=o.eval_every, seed=o.seed, device=device,

@@ -138,7 +138,7 @@ def check_output_dir(path: str | os.PathLike[str] | None, what: str) -> None:
 def train_output_paths(out: Path, diagnostics_out: Path | None, save: Path | None, overwrite: bool = False) -> Path:
     """The diagnostics JSON's path (default: diagnostics/<out name> beside --out, or beside the release/
     folder holding it: it holds the seed). Every output path is checked before training; none is created.
-    A ``save`` folder that holds anything is refused unless ``overwrite`` (it was merged into)."""
+    An existing ``out`` file, or a ``save`` folder that holds anything, is refused unless ``overwrite``."""
     beside = out.parent.parent if out.parent.resolve().name == RELEASE_DIR else out.parent
     diag_path = diagnostics_out or beside / DIAGNOSTICS_DIR / out.name
     if RELEASE_DIR in diag_path.resolve().parent.parts:
@@ -155,6 +155,8 @@ def train_output_paths(out: Path, diagnostics_out: Path | None, save: Path | Non
     check_output_file(out, "--out")  # a bad path once failed after training, losing the result
     check_output_file(diag_path, "--diagnostics-out")
     check_output_dir(save, "--save")
+    if out.is_file() and not overwrite:  # an earlier run's release would be lost, its budget spent for nothing
+        raise ConfigError(f"--out {str(out)!r} already holds a result. Fix: name a new file, or pass --overwrite.")
     if save is not None and save.is_dir() and not overwrite and (held := sorted(p.name for p in save.iterdir())):
         raise ConfigError(
             f"--save {str(save)!r} is not empty (it holds {', '.join(held[:3])}{', …' if len(held) > 3 else ''}): "
@@ -167,9 +169,13 @@ def train_output_paths(out: Path, diagnostics_out: Path | None, save: Path | Non
 def checkpoint_rule(checkpoint: str | None, has_eval: bool, eval_public: bool) -> str:
     """``"best"`` (the default) only on evaluation data declared public: selecting on private data
     is an unaccounted release. Without evaluation data "best" keeps the final parameters."""
-    if checkpoint not in (None, "best", "final") or (checkpoint == "best" and has_eval and not eval_public):
+    if checkpoint not in (None, "best", "final"):
         raise ConfigError(
-            f"checkpoint must be 'final', or 'best' on evaluation data declared public (got {checkpoint!r}). "
+            f"checkpoint must be 'final' or 'best' (got {checkpoint!r}). Fix: --checkpoint final or best."
+        )
+    if checkpoint == "best" and has_eval and not eval_public:
+        raise ConfigError(
+            "checkpoint 'best' selects on evaluation data, which must then be declared public. "
             "Fix: eval_public=True (--eval-public) if that data truly is public, or checkpoint='final' "
             "(--checkpoint final)."
         )

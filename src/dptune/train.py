@@ -77,6 +77,8 @@ def plan_run(
     )
     if not isinstance(pretrained, bool):
         raise ConfigError(f"pretrained must be True or False, got {pretrained!r}. Fix: e.g. pretrained=True.")
+    if full_batch and expected_batch_size is not None:
+        raise ConfigError("full_batch=True uses every example each step. Fix: drop expected_batch_size (--batch-size).")
     if not full_batch and expected_batch_size is None:
         expected_batch_size = default_batch_size(n)
     q = sampling_rate_for(n, expected_batch_size, full_batch)

@@ -61,7 +61,9 @@ def _nonempty(tmp_path: Path) -> Path:
         (["--model", "pkg.mod:fn", "--model-opt", "mode=lora"], "--model-opt sets a built-in model's options"),
         (["--seed", "-1"], "--seed must be an integer in [0, 2**63 - 1]"),
         (["--save", "NONEMPTY"], "is not empty (it holds model.pt)"),
-        (["--checkpoint", "best", "--data", "m:f"], "checkpoint must be 'final'"),
+        (["--checkpoint", "best", "--data", "m:f"], "checkpoint 'best' selects on evaluation data"),
+        (["--checkpoint", "bst"], "checkpoint must be 'final' or 'best' (got 'bst')"),
+        (["--out", "EXISTING"], "already holds a result. Fix: name a new file, or pass --overwrite"),
         *([(["--save", "/proc/x"], "--save '/proc/x' cannot be written")] if PROC else []),
         *([(["--out", "/proc/r.json"], "--out '/proc/r.json' cannot be written")] if PROC else []),
     ],
@@ -70,6 +72,9 @@ def test_train_argument_errors_come_before_torch_and_the_data(tmp_path: Path, ar
     """Each error is one line, with neither torch nor dp_accounting imported (they took 3–9 s; a
     fresh interpreter's sys.modules is the deterministic guard, not a wall clock on a shared machine)."""
     argv = [str(_nonempty(tmp_path)) if a == "NONEMPTY" else a for a in argv]
+    if "EXISTING" in argv:  # an earlier run's release, which a new run must not silently replace
+        (earlier := tmp_path / "earlier.json").write_text("{}")
+        argv[argv.index("EXISTING")] = str(earlier)
     out = [] if "--out" in argv else ["--out", str(tmp_path / "r.json")]
     proc, heavy = _cli_in_fresh_python("train", "--dataset", "digits", *out, *argv)
     assert proc.returncode == 2, proc.stderr
@@ -132,6 +137,23 @@ def test_save_into_a_folder_that_is_not_empty_needs_overwrite(tmp_path: Path) ->
     # An empty folder, or a new one, needs no --overwrite.
     (tmp_path / "empty").mkdir()
     assert invoke_train(tmp_path / "r2.json", "--save", str(tmp_path / "empty")).exit_code == 0
+
+
+def test_ctrl_c_in_train_says_nothing_was_written(tmp_path: Path, monkeypatch) -> None:
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.modules["dptune.train"], "train", interrupted)
+    res = invoke_train(tmp_path / "r.json")
+    assert res.exit_code == 130 and "Traceback" not in res.output, res.output
+    assert "interrupted: nothing of this run was written" in res.output and not (tmp_path / "r.json").exists()
+
+
+def test_full_batch_with_a_batch_size_is_refused() -> None:
+    x, y = torch.randn(40, 3), torch.randint(0, 2, (40,))
+    with pytest.raises(ConfigError, match="full_batch=True uses every example each step. Fix: drop expected_batch"):
+        dptune.train(nn.Linear(3, 2), (x, y), "dpgd", full_batch=True, expected_batch_size=8, steps=2,
+                     noise_multiplier=1.0, delta=1e-3)  # fmt: skip
 
 
 @pytest.mark.parametrize("stored", [True, False])

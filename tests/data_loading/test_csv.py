@@ -113,6 +113,7 @@ def test_study_toml_csv(tmp_path: Path) -> None:
             "y",
             "column 'c' holds 'red' (a value of your data: not differentially private: for the data owner only), not a finite number",
         ),  # undeclared categories: refused
+        ("x1,y\n1,a\n2,a\n", "y", "the label column 'y' holds 1 distinct value"),
     ],
 )
 def test_bad_csv_is_one_clear_error(tmp_path: Path, text: str, label: str, needle: str) -> None:

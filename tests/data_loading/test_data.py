@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import io
+import os
 import re
 import shutil
 import sys
@@ -393,6 +394,13 @@ def test_download_into_cache_then_reuse(tmp_path: Path, monkeypatch: pytest.Monk
     assert (tmp_path / "verified.json").is_file()
     data.load("adult", cache_dir=tmp_path, limit=1000)
     assert len(served) == 2  # second load: from the cache, no network
+    # An edit that keeps the size and the mtime is still seen (the ctime moves): refused, naming the fix.
+    f, st = tmp_path / "adult" / "adult.data", (tmp_path / "adult" / "adult.data").stat()
+    f.write_bytes(f.read_bytes().replace(b"Private", b"Privat3", 1))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    with pytest.raises(DataError, match="checksum mismatch"):
+        data.load("adult", cache_dir=tmp_path, limit=1000)
 
 
 def test_download_with_bad_content_is_rejected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

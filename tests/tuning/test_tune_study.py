@@ -121,6 +121,20 @@ def test_mean_selection_over_seeds(tmp_path):
     row = study_table(tmp_path / "m")[0]
     assert row["value_mean"] == pytest.approx(sum(best) / 3) and row["replicates"] == 3
     assert "[" not in row["selected"]  # one configuration, chosen by its mean
+    # One seed's runs are accounted (the papers' convention), but the selection read all three: the ε
+    # that covers it is their composition, from dp_accounting alone: 2 candidates × 3 seeds × T steps.
+    from dp_accounting import dp_event, rdp
+
+    run = next(iter(_plan(tmp_path / "m").runs.values()))
+    acc = rdp.RdpAccountant()
+    acc.compose(dp_event.PoissonSampledDpEvent(run.sampling_rate, dp_event.GaussianDpEvent(run.noise_multiplier)),
+                2 * 3 * run.steps)  # fmt: skip
+    assert row["selection_epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
+    assert row["selection_epsilon"] > 1.5 * row["planned_epsilon"]
+    assert f"ε = {row['selection_epsilon']:.4g}" in " ".join(_plan(tmp_path / "m").arms[0].notes)
+    run_study(_study(seeds=(0, 1, 2)), tmp_path / "ps", progress=False)
+    per_seed = study_table(tmp_path / "ps")[0]
+    assert per_seed["selection_epsilon"] == per_seed["planned_epsilon"]  # each seed its own procedure
 
 
 def test_private_selection_releases_are_in_the_ledger(tmp_path):

@@ -1,7 +1,7 @@
 """Locating, verifying and downloading dataset files: ``<data_dir>/<name>/`` (argument, else
 ``$DPTUNE_DATA_DIR``), else the cache ``<cache_dir>/<name>/``, else a download into the cache
 (``$DPTUNE_DOWNLOAD_TIMEOUT``, ``$DPTUNE_OFFLINE=1``). Every file is checked against the registry; a
-successful check is remembered in ``<cache_dir>/verified.json`` (path, size, mtime)."""
+successful check is remembered in ``<cache_dir>/verified.json`` (path, size, mtime, ctime)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def file_digests(path: Path) -> tuple[str, str]:
 
 
 class _VerifiedCache:
-    """``verified.json``: path -> (size, mtime_ns, sha256) of files that passed a check."""
+    """``verified.json``: path -> (size, mtime_ns, ctime_ns, sha256) of files that passed a check."""
 
     def __init__(self, cache: Path):
         self.path = cache / "verified.json"
@@ -68,7 +68,8 @@ class _VerifiedCache:
     @staticmethod
     def _key(path: Path) -> tuple[str, dict[str, object]]:
         st = path.stat()
-        return str(path.resolve()), {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        # ctime too: a write that restores the size and mtime (touch -d) still changes it
+        return str(path.resolve()), {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
 
     def hit(self, path: Path, expected: str) -> bool:
         key, stamp = self._key(path)

@@ -124,6 +124,11 @@ def load_csv(csv: str, *, label: str, test: str | None = None, schema: str | Non
         cols = [_column(p, c, [r[i] for r in part], decl) for i, c in enumerate(header) if c != label]
         xs.append(np.concatenate(cols, axis=1) if cols else np.zeros((len(part), 0)))
         ys.append(np.asarray([classes.index(r[j]) for r in part], dtype=np.int64))
+    if len(classes) < 2:
+        raise DataError(
+            f"the label column {label!r} holds {len(classes)} distinct value{OWNER}: a classifier needs two. "
+            "Fix: name the column to predict (--label), or declare the labels (schema: labels = [...])."
+        )
     xs, ys = (xs, ys) if test else ([xs[0], xs[0][:0]], [ys[0], ys[0][:0]])
     log.warning("%s", notes := describe_schema(header, label, decl, classes))
     tensors = (features_tensor(xs[0]), labels_tensor(ys[0]), features_tensor(xs[1]), labels_tensor(ys[1]))

@@ -141,7 +141,8 @@ def _card(
         guarantee["not_covered"].insert(
             0,
             f"the selected configuration and checkpoint: chosen on the mean of {seeds} seed replicates' scores "
-            "while one replicate's runs are accounted (account_seeds = false); only their composition covers it",
+            "while one replicate's runs are accounted (account_seeds = false); only their composition covers it: "
+            f"ε = {row['selection_epsilon']:.4g}",
         )
     return {
         "title": f"{a.label} at ε = {a.epsilon} ({cfg.get('study', {}).get('name', 'study')})",

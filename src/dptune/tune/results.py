@@ -56,6 +56,7 @@ RELEASE_COLUMNS: tuple[str, ...] = (
     "replicates",
     "planned_epsilon",
     "planned_delta",
+    "selection_epsilon",
     "spent_epsilon",
     "spent_delta",
     "guarantee_per",
@@ -220,6 +221,8 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
                 "failed": st.get("failed", 0),
                 "planned_epsilon": arm.guarantee["epsilon"],
                 "planned_delta": arm.guarantee["delta"],
+                # what covers the selected configuration (> planned where it averages unaccounted seeds)
+                "selection_epsilon": arm.guarantee.get("selection_epsilon", arm.guarantee["epsilon"]),
                 "spent_epsilon": sp[0],
                 "spent_delta": sp[1],
                 "guarantee_per": arm.guarantee.get("per", "study"),
@@ -433,6 +436,8 @@ def _results_table(rows: Iterable[Mapping[str, Any]], metric: str, title: str | 
         cells.append(metric_text(r["value_mean"], r["value_std"], metric))
         cells += [metric_text(r["test_mean"], r["test_std"], metric)] if test else []
         cells.append(planned + (" per seed" if r["guarantee_per"] == "seed replicate" else ""))
+        if r["selection_epsilon"] != r["planned_epsilon"]:
+            cells[-1] += f"; the selection: ε = {_e(r['selection_epsilon'])}"
         t.add_row(*cells, _e(r["spent_epsilon"]))
     return t
 

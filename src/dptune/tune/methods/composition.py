@@ -79,6 +79,11 @@ class Composition(TuningMethod):
                 run_ids += b.add_candidate(arm, arm_id, "main", j, p, c, s, nu, replicates=[r])
         total = max(accounting.epsilon(accounted(g, lambda p, j: nus[p][j]), delta, acc) for g in groups)
         notes = seed_note(study)
+        # The selection reads every seed's runs while one seed's are accounted: state what covers it.
+        mixed = not per_seed and groups != [proc_of]
+        whole = accounting.epsilon(accounted(proc_of, lambda p, j: nus[p][j]), delta, acc) if mixed else total
+        if whole != total:
+            notes.append(f"the selection's own guarantee, all {S_} seeds' runs composed: ε = {whole:.4g}.")
         if alone:
             notes.insert(
                 0,
@@ -92,6 +97,7 @@ class Composition(TuningMethod):
             "per": guarantee_scope(study),
             "accountant": acc,
             "runs_accounted": len(configs[0]) * (S_ if study.budget.account_seeds else 1),
+            "selection_epsilon": whole,  # = epsilon unless the selection averages unaccounted seeds
         }
         extra = {"noise_multipliers": sorted({v for vs in nus.values() for v in vs}), "candidates": len(configs[0])}
         return self.arm_plan(b, arm, eps, accountant=acc, guarantee=guarantee, runs=run_ids, notes=notes, extra=extra)
