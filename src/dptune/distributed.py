@@ -14,6 +14,7 @@ docs/privacy.md, item 10.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import replace
 from datetime import timedelta
@@ -26,7 +27,7 @@ from dptune.devices import resolve_device
 from dptune.errors import ConfigError, DPTuneError
 from dptune.release.context import RunPlan
 from dptune.release.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
-from dptune.release.sampling import PoissonSampler
+from dptune.release.sampling import PoissonSampler, secure_forward_rng
 from dptune.tree import Accumulated, Tensors
 
 TIMEOUT_S = 300.0  # default of DPTUNE_DIST_TIMEOUT: how long a collective waits for a lost rank
@@ -67,7 +68,12 @@ def join(device: Any = None) -> torch.device:
             "or call torch.distributed.init_process_group first."
         )
     backend = os.environ.get("DPTUNE_DIST_BACKEND") or ("nccl" if dev.type == "cuda" else "gloo")
-    timeout = timedelta(seconds=float(os.environ.get("DPTUNE_DIST_TIMEOUT", TIMEOUT_S)))
+    try:
+        timeout = timedelta(seconds=float(os.environ.get("DPTUNE_DIST_TIMEOUT", TIMEOUT_S)))
+    except ValueError:
+        raise ConfigError(
+            "DPTUNE_DIST_TIMEOUT must be a number of seconds. Fix: e.g. DPTUNE_DIST_TIMEOUT=300."
+        ) from None
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group(backend, timeout=timeout)
@@ -90,8 +96,22 @@ def _collective(op: Any, t: torch.Tensor, what: str) -> torch.Tensor:
     return comm.to(t.device)
 
 
-def sync_model(model: torch.nn.Module) -> None:
-    """Every rank starts from rank 0's parameters and buffers (public: the model before training)."""
+def sync_model(model: torch.nn.Module, data_digest: str) -> None:
+    """Every rank starts from rank 0's parameters and buffers (public: the model before training), once all
+    hold the same model (names, shapes, dtypes, trainable, module types) and data (``OwnTask.digest``): a
+    rank with its rows in another order clipped one example twice a step (2C, accounted as C), one with a
+    float64 model received half the noise vector (gloo accepts a short message; found in review)."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    shape = repr(([(k, tuple(v.shape), v.dtype, v.requires_grad) for k, v in tensors], [*map(type, model.modules())]))
+    mine = (hashlib.sha256(shape.encode()).hexdigest(), data_digest)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for i, what in enumerate(("model", "training data (its rows, in order)")):
+        if any(e[i] != mine[i] for e in every):
+            raise ConfigError(
+                f"the ranks of this distributed run hold a different {what}. Fix: build the same model and load "
+                "the same whole dataset in the same order on every rank (dptune shards each Poisson batch itself)."
+            )
     for v in model.state_dict().values():
         v.copy_(_collective(dist.broadcast, v, "start (parameters from rank 0)"))
 
@@ -131,6 +151,8 @@ class ShardedSampler(PoissonSampler):
 
     def sample(self) -> torch.Tensor:
         rank, world = dist.get_rank(), dist.get_world_size()
+        if rank and self.secure:
+            secure_forward_rng()
         idx = super().sample() if rank == 0 else torch.empty(0, dtype=torch.int64)
         size = _collective(dist.broadcast, torch.tensor([idx.numel()]), "broadcast of the batch")
         if rank:

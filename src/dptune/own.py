@@ -78,6 +78,11 @@ class MapSource:
         x = inputs.check(x)
         if inputs.batch_len(x) != len(items) or y.shape[:1] != (len(items),):
             raise ConfigError("collate_fn([item]) must give one row per example. Fix: return it stacked, [1, ...].")
+        if rows is not None and len(rows) > 1 and not _same_rows(self.collate(items[:1]), rows[0]):
+            raise ConfigError(  # a running standardiser moved every row with the others (14.6·C in review)
+                "your collate_fn gave the first example of the batch another result when called again after the "
+                "others: it keeps state from one example to the next. Fix: make it a function of its example alone."
+            )
         return inputs.to(x, self.device), y.to(self.device)
 
     def chunks(self, size: int | None = None):
@@ -139,15 +144,24 @@ class CollatedDataset:
 
 
 # ----------------------------------------------------------------------------- loss and metric
+def _same_rows(a: Any, b: Any) -> bool:
+    """Two collated (x, y) pairs hold equal tensors (NaN equal to NaN)."""
+    ta, tb = [*inputs.leaves(a[0]), a[1]], [*inputs.leaves(b[0]), b[1]]
+    same = [u.isnan().equal(v.isnan()) and u.nan_to_num().equal(v.nan_to_num()) for u, v in zip(ta, tb, strict=False)]
+    return len(ta) == len(tb) and all(same)
+
+
 def user_loss(
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """A batched user loss ``fn(out [B, ...], y [B, ...]) -> [B]`` as the per-example loss the oracles differentiate."""
+    """A batched user loss ``fn(out [B, ...], y [B, ...]) -> [B]`` as the per-example loss the oracles differentiate:
+    always called on one example (a batch of one, vmapped), never on the batch, where a batch-level branch (a
+    NaN guard on the whole batch, a threshold) let one example move the others' losses past any probe (9·C–59·C
+    in review)."""
 
     def one(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return fn(out.unsqueeze(0), y.unsqueeze(0)).reshape(())
 
-    one.batched = fn  # type: ignore[attr-defined]
     return one
 
 

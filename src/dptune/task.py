@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -159,6 +160,18 @@ class OwnTask:
     @property
     def metric_name(self) -> str:
         return self.metric.name
+
+    def digest(self) -> str:
+        """The training rows in order, as a digest (a map-style dataset: 64 evenly spaced rows), for ranks to
+        compare: per tensor its shape, dtype, sum and row-index-weighted sum in float64."""
+        n = self.n
+        x, y = self.train if isinstance(self.train, tuple) else self.batch(torch.linspace(0, n - 1, 64).long().unique())
+        sums = []
+        for t in [*inputs.leaves(x), y]:
+            rows = t.detach().reshape(t.shape[0], -1).double().sum(1)
+            at = torch.arange(1, len(rows) + 1, dtype=torch.float64, device=rows.device)
+            sums.append((tuple(t.shape), str(t.dtype), float(rows.sum()), float((rows * at).sum())))
+        return hashlib.sha256(repr(sums).encode()).hexdigest()
 
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(self.train, tuple):

@@ -351,6 +351,7 @@ class RunLoop:
         finally:
             if bar is not None:
                 bar.close()
+        oracle.check_model()  # nothing written into the model that the releases do not cover
         return self.finish(delta)
 
     def step(self, t: int, x: torch.Tensor, y: torch.Tensor, oracle: GradientOracle) -> dict[str, Any]:
@@ -502,7 +503,7 @@ def train(
     )  # fmt: skip
     model, oracle = task.prepare(model, chunk_size, grad_method)
     if distributed:
-        sync_model(model)
+        sync_model(model, task.digest())
     loop = RunLoop(
         model, strategy, plan, seed=seed, device=task.device, secure_mode=secure_mode, run_id=run_id,
         metric=task.metric, schedule=EvalSchedule.every(plan.steps, eval_every, strategy.finalizes),

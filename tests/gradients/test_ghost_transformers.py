@@ -44,8 +44,8 @@ def _config(family: str):  # noqa: ANN202 - a transformers config
         )
     if family == "distilbert":
         return transformers.DistilBertConfig(dim=D, n_layers=1, n_heads=2, hidden_dim=48, **small)
-    if family == "llama":  # a decoder with rotary position embeddings (no parameters) and RMSNorm
-        return transformers.LlamaConfig(
+    if family in ("llama", "qwen2"):  # a decoder with rotary position embeddings (no parameters) and RMSNorm
+        return (transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config)(
             hidden_size=D, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
             bos_token_id=0, eos_token_id=0, **small,
         )  # fmt: skip
@@ -112,7 +112,7 @@ def _norms(grads: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     )
 
 
-FAMILIES = ["bert", "roberta", "distilbert", "gpt2", "llama"]
+FAMILIES = ["bert", "roberta", "distilbert", "gpt2", "llama", "qwen2"]  # qwen2: its own RMSNorm class
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -85,7 +85,7 @@ def test_buffer_writes_and_plain_errors_are_not_hidden_by_the_fallback() -> None
     with pytest.raises(ConfigError, match="buffer"):
         GradientOracle(model, method="vmap")({k: p.detach() for k, p in model.named_parameters()}, x, y)
     model = Branchy()
-    with pytest.raises(RuntimeError, match="shape|size"):
+    with pytest.raises(ConfigError, match="fails on one example alone .*(shape|size)"):
         GradientOracle(model, method="vmap")(
             {k: p.detach() for k, p in model.named_parameters()}, {"x": x["x"][..., :3], "mask": x["mask"]}, y
         )
@@ -149,3 +149,64 @@ def test_a_runtime_error_of_the_ghost_path_moves_auto_to_vmap_and_is_raised_when
     assert oracle.method == "vmap" and g.norms.shape == (6,)
     with pytest.raises(RuntimeError, match="index_add_"):
         GradientOracle(model, method="ghost")(params, x, y)
+
+
+class Recurrent(nn.Module):
+    """nn.GRU: vmap fails on its shapes with a message that does not say 'vmap' (a raw traceback before)."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.rnn, self.out = nn.GRU(4, 6, batch_first=batch_first), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_model_vmap_fails_on_is_computed_one_example_at_a_time(batch_first: bool) -> None:
+    model, x, y = Recurrent(batch_first), torch.randn(6, 5, 4), torch.randint(0, 3, (6,))
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    with pytest.warns(RuntimeWarning, match="one example at a time"):
+        got = GradientOracle(model, method="vmap")(params, x, y)
+    for i in (0, 5):  # exact: each example's own backward pass
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        for k, p in model.named_parameters():
+            assert torch.allclose(got.grads[k][i], p.grad, atol=1e-6), k
+
+
+class OldStyleNorm(nn.Module):
+    """Running statistics written through ``.data`` into a frozen parameter: no version counter moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.running_mean = nn.Linear(4, 3), nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.running_mean.data.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return self.lin(x - self.running_mean)
+
+
+@pytest.mark.parametrize("method", ["auto", "vmap"])
+def test_a_frozen_parameter_written_through_data_is_refused(method: str) -> None:
+    """Found in review: the trained model held the exact mean of the private batches."""
+    x, y = torch.randn(64, 4) + 3.0, torch.randint(0, 3, (64,))
+    # auto: the frozen parameters' fingerprint; vmap refuses the write, then one at a time sees the state
+    with pytest.raises(ConfigError, match="frozen parameter.*running_mean|depends on the examples computed before"):
+        dptune.train(OldStyleNorm(), (x, y), "dpsgd", steps=3, expected_batch_size=16, noise_multiplier=1.0,
+                     delta=1e-3, grad_method=method)  # fmt: skip
+
+
+def test_a_model_that_fails_on_one_example_is_one_clear_error() -> None:
+    class BatchStats(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(F.batch_norm(x, None, None, training=True))
+
+    model, x, y = BatchStats(), torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with pytest.raises(ConfigError, match="fails on one example alone .*GroupNorm or LayerNorm"):
+        GradientOracle(model, method="vmap")({k: p.detach() for k, p in model.named_parameters()}, x, y)

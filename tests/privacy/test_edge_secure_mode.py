@@ -86,6 +86,20 @@ def test_secure_sampler_reads_only_the_os_csprng(monkeypatch: pytest.MonkeyPatch
         PoissonSampler(10, 0.5, seed=1, secure=True).state()
 
 
+@pytest.mark.parametrize("q", [0.5, 1.0])
+def test_secure_steps_seed_the_forward_randomness_from_the_os_csprng(q: float) -> None:
+    """Dropout masks come from torch's generators: a user's known ``torch.manual_seed`` fixed them, and
+    with known masks one example moved the others' (9.3·C in review). Each secure step reseeds them."""
+    draws = []
+    for secure in (True, True, False, False):
+        torch.manual_seed(1234)
+        PoissonSampler(100, q, seed=1, secure=secure).sample()
+        draws.append(torch.rand(4))
+    assert not torch.equal(draws[0], draws[1])
+    torch.manual_seed(1234)
+    assert torch.equal(draws[2], draws[3]) and torch.equal(draws[2], torch.rand(4))  # seeded: left alone
+
+
 def _subset_law_pvalue(draw, n: int, q: float, draws: int) -> float:
     """χ² p-value of the observed subsets of range(n) against q^|S|(1−q)^(n−|S|)."""
     counts = Counter(tuple(draw().tolist()) for _ in range(draws))

@@ -432,3 +432,45 @@ def test_batches_of_one_or_two_rows_are_never_computed_on_the_ghost_path() -> No
     for B in (1, 2):
         assert not isinstance(oracle(params, torch.randn(B, 4), torch.randint(0, 3, (B,))), GhostGrads)
     assert isinstance(oracle(params, torch.randn(3, 4), torch.randint(0, 3, (3,))), GhostGrads)
+
+
+def test_a_collate_that_keeps_state_between_examples_is_refused() -> None:
+    """Found in review: a running standardiser in the collate (each example seen alone, but after the
+    others) moved every row with the batch (14.6·C). The first example, collated again, must not change."""
+
+    class Standardiser:
+        def __init__(self) -> None:
+            self.total, self.count = torch.zeros(3), 0
+
+        def __call__(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = default_collate(items)
+            self.total, self.count = self.total + x.sum(0), self.count + len(x)
+            return x - self.total / self.count, y
+
+    g = torch.Generator().manual_seed(0)
+    data = list(zip(torch.randn(10, 3, generator=g), torch.arange(10), strict=True))
+    with pytest.raises(ConfigError, match="keeps state from one example to the next"):
+        MapSource(data, torch.device("cpu"), Standardiser()).batch(torch.tensor([1, 4, 7]))
+    x, _ = MapSource(data, torch.device("cpu"), lambda items: default_collate(items)).batch(torch.tensor([1, 4]))
+    assert torch.equal(x, torch.stack([data[1][0], data[4][0]]))  # control: a stateless collate passes
+
+
+def test_a_loss_with_a_batch_level_branch_is_computed_per_example() -> None:
+    """Found in review: a NaN guard over the whole batch (zero every loss if any is not finite) let one
+    example zero the others' gradients on the ghost path, past the probe (9·C to 59·C). A user loss is now
+    always computed on one example at a time: the other rows' gradients ignore the bad example."""
+    from dptune.gradients.oracle import GradientOracle
+    from dptune.own import user_loss
+
+    def guarded(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        losses = F.cross_entropy(out, y, reduction="none")
+        return torch.where(torch.isfinite(losses).all(), losses, torch.zeros_like(losses))
+
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(4, 3), torch.randn(6, 4), torch.randint(0, 3, (6,))
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    oracle = GradientOracle(model, user_loss(guarded), method="ghost")
+    clean = oracle(params, x[:5], y[:5]).norms
+    x[5] = float("nan")
+    with_bad = oracle(params, x, y).norms
+    assert torch.allclose(with_bad[:5], clean, rtol=1e-5) and clean.min() > 0

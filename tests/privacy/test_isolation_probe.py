@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from conftest import load_example, params_of
 from mutants import MUTANTS
 from torch import nn
+from torch.func import functional_call
 
 import dptune
 from dptune.errors import ConfigError
@@ -103,21 +104,18 @@ def assert_refused(exc: pytest.ExceptionInfo, fix: str = "grad_method='vmap'") -
 
 
 # ----------------------------------------------------------------------------- item 2: the ghost path
-@pytest.mark.parametrize(
-    ("model", "loss"),
-    [(lambda p: mlp(BatchCentre(), p), ce), (lambda p: mlp(None, p), hard_mining)],
-    ids=["batch-statistics layer", "batch-reweighted loss"],
-)
 @pytest.mark.parametrize(("grad_method", "dropout"), [("auto", 0.3), ("ghost", 0.0)], ids=["auto+dropout", "ghost"])
-def test_a_mixing_pipeline_on_the_ghost_path_is_refused(model, loss, grad_method: str, dropout: float) -> None:
+def test_a_mixing_pipeline_on_the_ghost_path_is_refused(grad_method: str, dropout: float) -> None:
     """The old self-check was skipped with an active Dropout and never ran for forced ghost: these
-    released 1.09 to 5.89 C per added example. Now refused before the first release."""
-    m = model(dropout)
+    released 1.09 to 5.89 C per added example. Now refused before the first release. A batch-reweighted
+    user loss no longer needs the probe: it is computed on one example at a time (own.user_loss)."""
+    m = mlp(BatchCentre(), dropout)
     released: list[str] = []
     with _spy(released), pytest.raises(ConfigError, match=REFUSED) as exc:
-        train(m, "dpsgd", grad_method, loss)
+        train(m, "dpsgd", grad_method, ce)
     assert_refused(exc)
     assert released == []  # nothing left the gateway
+    train(mlp(None, dropout), "dpsgd", grad_method, hard_mining)  # per example by construction: trains
 
 
 # ----------------------------------------------------------------------------- item 3: DP-ZO in training mode
@@ -261,10 +259,9 @@ def test_later_batches_are_probed_on_a_public_schedule() -> None:
         oracle(p, x, y)  # call 17
 
 
-def test_a_loss_divided_by_the_batch_size_is_caught_on_the_first_probe() -> None:
-    """Same-shape counterfactuals cannot see a dependence on the batch size alone; the first probe
-    also compares one row with that example alone (eval mode): 'auto' moves to vmap (each example
-    alone: private); DP-ZO and forced 'ghost' (its loss against the loss alone) refuse."""
+def test_a_loss_divided_by_the_batch_size_sees_a_batch_of_one() -> None:
+    """Same-shape counterfactuals cannot see a dependence on the batch size alone: a user loss is now
+    computed on one example at a time, so it sees B = 1 on every path, ghost included (no fallback)."""
 
     def per_batch(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, y, reduction="none") * (10.0 / out.shape[0])
@@ -272,14 +269,10 @@ def test_a_loss_divided_by_the_batch_size_is_caught_on_the_first_probe() -> None
     model = mlp()
     p = params_of(model)
     x, y = data(10)
-    auto = GradientOracle(model, dptune.own.user_loss(per_batch), method="auto")
-    with pytest.warns(RuntimeWarning, match="fall back to vmap"):
-        got = auto(p, x, y)
-    assert auto.method == "vmap" and not isinstance(got, ghost.GhostGrads)
-    with pytest.raises(ConfigError, match=REFUSED):
-        GradientOracle(model, dptune.own.user_loss(per_batch)).losses(p, x, y)
-    with pytest.raises(ConfigError, match=REFUSED):
-        GradientOracle(model, dptune.own.user_loss(per_batch), method="ghost")(p, x, y)
+    want = F.cross_entropy(functional_call(model, p, (x,)), y, reduction="none") * 10.0
+    assert torch.allclose(GradientOracle(model, dptune.own.user_loss(per_batch)).losses(p, x, y), want)
+    g = GradientOracle(model, dptune.own.user_loss(per_batch), method="ghost")(p, x, y)
+    assert isinstance(g, ghost.GhostGrads) and torch.allclose(g.losses, want)
 
 
 # ----------------------------------------------------------------------------- the mutant

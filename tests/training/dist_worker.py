@@ -72,11 +72,18 @@ def secure_and_mismatch(rank: int, world: int) -> dict:
     r = dptune.train(model(rank), data(), "dpsgd", steps=4, secure_mode=True, **kw)
     every: list = [None] * world
     dist.all_gather_object(every, {k: v.tolist() for k, v in r.final_params.items()})
-    try:
-        dptune.train(model(rank), data(), "dpsgd", steps=3 + rank, **kw)
-        refused = ""
-    except ConfigError as e:
-        refused = str(e)
+    refused = {}
+    other = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    for what, net, rows, steps in [
+        ("plan", model(rank), data(), 3 + rank),
+        ("rows", model(rank), data() if rank == 0 else tuple(t.flip(0) for t in data()), 3),  # found in review
+        ("model", model(rank) if rank == 0 else other, data(), 3),
+    ]:
+        try:
+            dptune.train(net, rows, "dpsgd", steps=steps, **kw)
+            refused[what] = ""
+        except ConfigError as e:
+            refused[what] = str(e)
     return {"secure_same_on_every_rank": all(e == every[0] for e in every), "refused": refused}
 
 

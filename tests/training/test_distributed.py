@@ -89,8 +89,13 @@ def test_secure_mode_gives_every_rank_the_same_model(ranks):
     assert ranks["secure"]["secure_same_on_every_rank"]
 
 
-def test_ranks_with_different_plans_are_refused(ranks):
-    assert "planned different runs" in ranks["secure"]["refused"]
+def test_ranks_with_different_plans_models_or_rows_are_refused(ranks):
+    """Rows in another order clipped one example on two ranks in a step (2C, accounted as C); a rank with
+    another model trained it, or (float64 vs float32) received half the noise vector: refused on every rank."""
+    refused = ranks["secure"]["refused"]
+    assert "planned different runs" in refused["plan"]
+    assert "hold a different training data (its rows, in order)" in refused["rows"]
+    assert "hold a different model" in refused["model"]
 
 
 @pytest.mark.slow

@@ -29,7 +29,10 @@ CONV = (nn.Conv1d, nn.Conv2d, nn.ConvTranspose2d)
 SUPPORTED: tuple[type[nn.Module], ...] = (nn.Linear, *CONV, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 # transformers' own layers with a ghost rule, matched by module and class name (dptune does not import it):
 # GPT-2's Conv1D (a transposed Linear), Llama's RMSNorm (as nn.RMSNorm, computed in float32).
-HF_LAYERS = {("transformers.pytorch_utils", "Conv1D"), ("transformers.models.llama.modeling_llama", "LlamaRMSNorm")}
+HF_LAYERS = {("transformers.pytorch_utils", "Conv1D")} | {  # the RMSNorms whose forward is Llama's, word for word
+    (f"transformers.models.{m}.modeling_{m}", f"{c}RMSNorm")
+    for m, c in [("llama", "Llama"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("mistral", "Mistral"), ("phi3", "Phi3")]
+}
 
 
 def is_conv1d(mod: nn.Module) -> bool:

@@ -111,10 +111,8 @@ class GradientOracle:
         self.loss_fn = per_example_loss(loss) if isinstance(loss, str) else loss
         # The [B] losses without vmap for the built-in losses (vmapping the per-example loss
         # costs more than the loss itself on small models: docs/performance.md §1).
-        # A user loss from ``dptune.own.user_loss`` carries its own batched form (``.batched``).
-        self._batched_loss = (
-            batched_loss(loss) if isinstance(loss, str) else getattr(loss, "batched", None) or torch.vmap(self.loss_fn)
-        )
+        # A user loss is vmapped over single examples (``own.user_loss`` says why).
+        self._batched_loss = batched_loss(loss) if isinstance(loss, str) else torch.vmap(self.loss_fn)
         self._scratch = ScratchBuffers(model)
         self.buffers = self._scratch.originals  # never passed to a forward: copies are (ScratchBuffers)
         self._refused: ConfigError | None = None
@@ -202,6 +200,10 @@ class GradientOracle:
         grads, losses = self._vmap(params, x, y)
         return MaterializedGrads(grads, losses.detach())
 
+    def check_model(self) -> None:
+        """At a run's end: no frozen parameter written during it (``ScratchBuffers.check_frozen``)."""
+        self._scratch.check_frozen()
+
     def _run_ghost(self, params: Tensors, x: Any, y: torch.Tensor) -> ghost.GhostGrads:
         assert self._ghost is not None
         with self._scratch() as buffers:
@@ -212,13 +214,12 @@ class GradientOracle:
             try:
                 with self._scratch() as buffers:
                     return self._per_sample(params, buffers, x, y)
-            except RuntimeError as exc:
+            except (RuntimeError, ValueError) as exc:
                 # functorch refuses most in-place writes to a buffer (a batched value into an
-                # unbatched tensor); a plain forward tells whether that was it, in one line.
+                # unbatched tensor); a plain forward tells whether that was it, in one line. Any other
+                # refusal (data-dependent control flow, nn.GRU's shapes) is retried one example at a time.
                 if self.buffers:
                     self._probe_buffers(params, x)
-                if "vmap" not in str(exc):
-                    raise
                 self.alone_reason = str(exc).split(". ")[0]
                 warnings.warn(
                     f"dptune: torch.func.vmap cannot run this model ({self.alone_reason}); per-example "
@@ -226,8 +227,17 @@ class GradientOracle:
                     RuntimeWarning,
                     stacklevel=3,
                 )
-        with self._scratch() as buffers:
-            return self._one_at_a_time(params, buffers, x, y)
+        try:
+            with self._scratch() as buffers:
+                return self._one_at_a_time(params, buffers, x, y)
+        except ConfigError:
+            raise
+        except (RuntimeError, ValueError) as exc:
+            raise ConfigError(
+                f"the model fails on one example alone ({str(exc).splitlines()[0]}): per-example gradients "
+                "need each example computed by itself. Fix: replace what needs several examples (BatchNorm: "
+                "GroupNorm or LayerNorm) or writes into the model during the forward."
+            ) from exc
 
     def _one_at_a_time(
         self, params: Tensors, buffers: Tensors, x: Any, y: torch.Tensor

@@ -243,6 +243,23 @@ class ScratchBuffers:
         self._slots = [(mod, b, t) for mod in self.model.modules() for b, t in mod._buffers.items() if t is not None]
         self.passthrough = _data_independent_buffers(self.model) if self.originals else set()
         self._frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        self._print, self._calls = self._fingerprint(), 0
+
+    def _fingerprint(self) -> torch.Tensor | None:
+        """The frozen parameters' float64 sums and norms: a write through ``.data`` moves no version counter."""
+        if not self._frozen:
+            return None
+        with torch.no_grad():
+            at = self._frozen[0].device
+            two = [torch.stack([p.sum(dtype=torch.float64), p.norm(dtype=torch.float64)]).to(at) for p in self._frozen]
+            return torch.stack(two).cpu()
+
+    def check_frozen(self) -> None:
+        """Refuse a frozen parameter written without autograd seeing it (``p.data.mul_``: found in review)."""
+        now = self._fingerprint()
+        if now is not None and not torch.allclose(now, self._print, rtol=0, atol=0, equal_nan=True):  # type: ignore[arg-type]
+            moved = [n for (n, _), a, b in zip(self._frozen_names(), now, self._print, strict=True) if not a.equal(b)]  # type: ignore[arg-type]
+            self._refuse(moved, "frozen parameter(s)")
 
     def _current(self) -> None:
         if self._generation != _BUFFER_GENERATION[0] or any(mod._buffers.get(b) is not t for mod, b, t in self._slots):
@@ -276,6 +293,9 @@ class ScratchBuffers:
                 self._refuse(written)
         if generation != _BUFFER_GENERATION[0]:
             self._refuse_new()
+        self._calls += 1
+        if self._calls & (self._calls - 1) == 0 or self._calls % 64 == 0:  # calls 1, 2, 4, …, then every 64th
+            self.check_frozen()
         if any(_version(p) != v for p, v in zip(self._frozen, frozen, strict=True)):
             moved = [n for (n, p), v in zip(self._frozen_names(), frozen, strict=True) if _version(p) != v]
             self._refuse(moved, "frozen parameter(s)")

@@ -108,6 +108,12 @@ def exponentials(
     return e
 
 
+def secure_forward_rng() -> None:
+    """torch's generators (a forward's dropout masks) seeded from the OS CSPRNG at each secure step: a
+    mask known to whoever knows a ``torch.manual_seed`` would let one example move the others' (privacy.md)."""
+    torch.manual_seed(int.from_bytes(os.urandom(8), "little"))
+
+
 class PoissonSampler:
     """Draws index sets with Poisson sampling at rate q from ``n`` examples.
 
@@ -142,6 +148,8 @@ class PoissonSampler:
 
         Drawn by geometric skips, G = ⌊E / λ⌋ + 1 with λ = −log(1 − q): the same law as n coin flips
         from ~qn words, q at float64 precision, gaps never capped (docs/performance.md, "2b")."""
+        if self.secure:
+            secure_forward_rng()
         if self.full_batch:
             return torch.arange(self.n)
         n, q = self.n, self.q
