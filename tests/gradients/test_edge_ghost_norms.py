@@ -406,6 +406,72 @@ def test_ieee_matmul_restores_a_reduced_precision_setting() -> None:
         be.fp32_precision = old
 
 
+@pytest.mark.parametrize("level", ["generic", "cudnn"])
+def test_ieee_matmul_keeps_convolutions_ieee_under_an_inherited_tf32(level: str) -> None:
+    """torch.backends(.cudnn).fp32_precision = 'tf32' reached cuDNN convolutions inside the CUDA region
+    through the 'none' that the legacy cudnn.allow_tf32 = False leaves on each op. Flags only: runs on a CPU."""
+    be = torch.backends if level == "generic" else torch.backends.cudnn
+    cudnn, old = torch.backends.cudnn, be.fp32_precision
+    prec = lambda: (cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision)  # noqa: E731
+    ops = (torch.backends.cuda.matmul, cudnn.conv, cudnn.rnn)  # ieee_matmul restores them as resolved: explicitly
+    saved = [op.fp32_precision for op in ops]
+    try:
+        be.fp32_precision = "tf32"
+        before = (*prec(), cudnn.allow_tf32)
+        with grads.ieee_matmul(torch.device("cuda")):
+            assert prec() == ("ieee", "ieee")
+            assert cudnn.allow_tf32 is False  # the legacy flag agrees: torch's own reads of it do not raise
+        assert (*prec(), cudnn.allow_tf32) == before == ("tf32", "tf32", True)
+    finally:
+        be.fp32_precision = old
+        for op, p in zip(ops, saved, strict=True):
+            op.fp32_precision = p
+
+
+def test_ieee_matmul_turns_cublas_reduced_precision_sums_off() -> None:
+    """Reduced-precision partial sums of half products (PyTorch's default for fp16/bf16) can overflow,
+    outside the proof: off in the CUDA region, each restored after (split-K half included). Flags only."""
+    mm = torch.backends.cuda.matmul
+    names = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+    state = lambda: (*(getattr(mm, n) for n in names), mm.allow_bf16_reduced_precision_reduction_split_k)  # noqa: E731
+    old, old_acc = [(getattr(mm, n), getattr(mm, n + "_split_k")) for n in names], mm.allow_fp16_accumulation
+    try:
+        mm.allow_bf16_reduced_precision_reduction = (False, False)
+        mm.allow_fp16_accumulation = True
+        before = (state(), mm.allow_fp16_accumulation)
+        with grads.ieee_matmul(torch.device("cuda")):
+            assert state()[:2] == (False, False) and not mm.allow_fp16_accumulation
+        assert (state(), mm.allow_fp16_accumulation) == before == ((True, False, False), True)
+    finally:
+        for n, v in zip(names, old, strict=True):
+            setattr(mm, n, v)
+        mm.allow_fp16_accumulation = old_acc
+
+
+def test_stacked_trials_pass_forward_and_backward_in_ieee_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train_many``'s stacked passes run under ``ieee_matmul``, as ``train``'s: a reduced-precision matmul
+    setting (bf16 on the CPU, TF32 on a GPU) is 'ieee' while the trials' per-example gradients are formed."""
+    from dptune.gradients.stacked import Stacked
+    from dptune.vectorized import train_many
+
+    be, low = (torch.backends.cuda.matmul, "tf32") if DEVICE.type == "cuda" else (torch.backends.mkldnn.matmul, "bf16")
+    seen, forward = [], Stacked.forward
+
+    def spy(self: Stacked, weights: list, x: torch.Tensor, record: bool) -> tuple:
+        if record:
+            seen.append(be.fp32_precision)
+        return forward(self, weights, x, record)
+
+    monkeypatch.setattr(Stacked, "forward", spy)
+    monkeypatch.setattr(be, "fp32_precision", low)
+    x = torch.randn(60, 6, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = lambda s: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # noqa: E731
+    kw = {"noise_multiplier": 1.0, "steps": 3, "expected_batch_size": 20, "fallback": "error"}
+    train_many(model, (x, (x[:, 0] > 0).long()), "dpsgd", [{"lr": 0.1}] * 2, seeds=[0, 1], device=DEVICE, **kw)
+    assert seen and set(seen) == {"ieee"}
+
+
 # ----------------------------------------------------------------------------- OSO's reuse, 'auto'
 def _mixed_batch(adversarial: bool) -> ghost.GhostGrads:
     """Linear at two positions with inputs (x₁, x₂): ordinary examples have independent x₁, x₂;

@@ -161,3 +161,25 @@ def test_a_batch_that_would_be_padded_beyond_half_again_runs_eagerly(monkeypatch
     oracle, params, x, y = _setup(256)
     graphs = graphed.Graphs(oracle._run_ghost, oracle.model)
     assert graphs(params, x, y) is not None and graphs._cap is not None and graphs._cap.size == 328
+
+
+def test_a_replayed_step_fails_after_free_or_the_next_replay() -> None:
+    """A replay's per-example state lives in the graph's static buffers: after ``free`` (``StepContext.publish``)
+    or the next batch's replay, they would serve that batch's gradients under this one's norms (1.87× the norm
+    in the audit). Used then, it fails, as the eager ``LayerGrads`` does after ``free``."""
+    oracle, params, x, y = _setup()
+    graphs = graphed.Graphs(oracle._run_ghost, oracle.model)
+    w = torch.ones(13)
+    first = graphs(params, x, y)
+    assert first is not None
+    first.weighted_sum(w)
+    first.free()
+    with pytest.raises(RuntimeError, match="free"):
+        first.weighted_sum(w)
+    second = graphs(params, x * 100.0, y)
+    assert second is not None and bool((second.norms > 0).all())
+    assert second.weighted_sum(w).wide and second.grads  # its own replay: served
+    graphs(params, x, y)
+    for use in (lambda: second.weighted_sum(w), lambda: second.grads):
+        with pytest.raises(RuntimeError, match="another batch's replay"):
+            use()

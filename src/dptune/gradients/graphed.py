@@ -68,6 +68,7 @@ class _Captured:
         self, run: Callable[[Tensors, Any, torch.Tensor], Any], params: Tensors, x: Any, y: torch.Tensor, size: int
     ):
         self.size, self.key = size, signature(params, x, y)
+        self.loads = 0  # batches loaded: a Replayed's rows are those of the load it was made after
         self.params = {k: v.detach().clone() for k, v in params.items()}
         self.x = inputs.tmap(lambda t: t[:1].expand(size, *t.shape[1:]).clone(), x)
         self.y = y[:1].expand(size, *y.shape[1:]).clone()
@@ -99,6 +100,7 @@ class _Captured:
 
     def load(self, params: Tensors, x: Any, y: torch.Tensor) -> None:
         B = y.shape[0]
+        self.loads += 1
         torch._foreach_copy_(list(self.params.values()), [params[k] for k in self.params])
         for s, t in zip([*inputs.leaves(self.x), self.y], [*inputs.leaves(x), y], strict=True):
             s[:B].copy_(t)
@@ -114,10 +116,19 @@ class Replayed(MaterializedGrads):
         self._cap, self._b = cap, batch
         self._norms = cap.norms[:batch].clone()
         self._finite_norms = True  # checked over the whole bucket before this was made
+        self._load = cap.loads
+
+    def _live(self) -> _Captured:
+        if self._load != self._cap.loads:  # the buffers now hold another batch's gradients, unbounded by these norms
+            raise RuntimeError("dptune: replayed per-example gradients used after free() or another batch's replay")
+        return self._cap
+
+    def free(self) -> None:
+        self._load = -1
 
     @property
     def grads(self) -> Tensors:  # type: ignore[override]
-        self._cap.grads._grads = None  # formed from this replay's tensors, not cached from an earlier one
+        self._live().grads._grads = None  # formed from this replay's tensors, not cached from an earlier one
         return {k: g[: self._b] for k, g in self._cap.grads.grads.items()}
 
     @grads.setter
@@ -125,7 +136,7 @@ class Replayed(MaterializedGrads):
         pass  # MaterializedGrads.__init__'s empty dict
 
     def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Accumulated:
-        cap = self._cap
+        cap = self._live()
         cap.w.zero_()
         cap.w[: self._b].copy_(weights)
         cap.summing()

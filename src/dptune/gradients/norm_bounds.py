@@ -165,40 +165,52 @@ def upper_norms(
 @contextmanager
 def ieee_matmul(device: torch.device) -> Iterator[None]:
     """Full-precision float32 products for the duration: matrix products without TF32 / bf16
-    operands and, on CUDA, cuDNN convolutions without TF32 (PyTorch's default there), which the
-    bounds on a release assume. Determinism is not forced (only ghost case (e) needs it, and sets
-    it itself): the model's own passes keep cuDNN's fastest kernels (docs/privacy.md, item 1).
+    operands and, on CUDA, cuDNN convolutions without TF32 (PyTorch's default there) and cuBLAS sums of
+    half products without reduced-precision partial sums (they can overflow), which the bounds on a release
+    assume. Determinism is not forced (only ghost case (e) needs it, and sets it itself): the model's own
+    passes keep cuDNN's fastest kernels (docs/privacy.md, item 1).
     """
-    with _ieee_matmul(device), _exact_cudnn(device):
+    with _ieee_matmul(device), _exact_cuda(device):
         yield
+
+
+_ALLOW = "allow_fp16_accumulation allow_fp16_reduced_precision_reduction allow_bf16_reduced_precision_reduction"
+_MM, _DNN = torch.backends.cuda.matmul, torch.backends.cudnn
+# What torch has of: cuBLAS's reduced-precision sums of half products, each with its split-K half (a bool set resets
+# it); cuDNN's per-operator precisions (torch ≥ 2.9).
+_REDUCED = [(f, hasattr(_MM, f + "_split_k")) for f in _ALLOW.split() if hasattr(_MM, f)]
+_DNN_OPS: list[Any] = [op for op in (getattr(_DNN, n, None) for n in ("conv", "rnn")) if hasattr(op, "fp32_precision")]
 
 
 @contextmanager
-def _exact_cudnn(device: torch.device) -> Iterator[None]:
+def _exact_cuda(device: torch.device) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    cudnn = torch.backends.cudnn
+    flags = {f: (getattr(_MM, f), getattr(_MM, f + "_split_k")) if k else getattr(_MM, f) for f, k in _REDUCED}
+    old_prec = [op.fp32_precision for op in _DNN_OPS]  # as resolved: 'tf32' also where inherited
     # The legacy switch, as long as nobody used torch ≥ 2.9's per-operator one: once the two APIs
     # are mixed, PyTorch raises wherever the legacy flag is read (some of its own ops read it).
     try:
-        old_tf32: bool | None = cudnn.allow_tf32
+        old_tf32: bool | None = _DNN.allow_tf32
     except RuntimeError:  # the user set per-operator precisions: keep to that API
         old_tf32 = None
-    ops: list[Any] = [] if old_tf32 is not None else [getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)]
-    ops = [op for op in ops if hasattr(op, "fp32_precision")]
-    old_prec = [op.fp32_precision for op in ops]
     if old_tf32 is not None:
-        cudnn.allow_tf32 = False
-    for op in ops:
+        _DNN.allow_tf32 = False
+    for op in _DNN_OPS:  # explicitly: the legacy switch leaves 'none', which inherits backends.(cudnn.)fp32_precision
         op.fp32_precision = "ieee"
+    for f in flags:
+        setattr(_MM, f, False)
     try:
         yield
     finally:
-        for op, prec in zip(ops, old_prec, strict=True):
-            op.fp32_precision = prec
+        for f, v in flags.items():
+            setattr(_MM, f, v)
         if old_tf32 is not None:
-            cudnn.allow_tf32 = old_tf32
+            _DNN.allow_tf32 = old_tf32
+        for op, prec in zip(_DNN_OPS, old_prec, strict=True):
+            if op.fp32_precision != prec:  # not restored by the legacy switch (or mixed APIs)
+                op.fp32_precision = prec
 
 
 @contextmanager

@@ -247,11 +247,11 @@ class Stacked:
             xs.append(X[k, : sizes[k]])
         weights = self.stack(params)
         leaves = [(W.requires_grad_(True), b.requires_grad_(True) if b is not None else None) for W, b in weights]
-        out, recs = self.forward(leaves, X, record=True)
-        losses = lossfn(out.reshape(K * B, *out.shape[2:]), Y.reshape(K * B, *Y.shape[2:])).reshape(K, B)
-        losses = torch.where(mask, losses, torch.zeros_like(losses))
-        zs = [z for _, z in recs]
-        bs = torch.autograd.grad(losses.sum(), zs)
+        with ieee_matmul(x.device):  # exact float32 passes, as ``train``'s (norm_bounds.ieee_matmul)
+            out, recs = self.forward(leaves, X, record=True)
+            losses = lossfn(out.reshape(K * B, *out.shape[2:]), Y.reshape(K * B, *Y.shape[2:])).reshape(K, B)
+            losses = torch.where(mask, losses, torch.zeros_like(losses))
+            bs = torch.autograd.grad(losses.sum(), [z for _, z in recs])
         losses = losses.detach()
         # Per-sample norms of all trials at once: Σ_layers ‖a‖²‖b‖² (+ ‖b‖² for the bias), as the
         # upper bounds of the ghost path (ghost.rank_one_parts, grads.upper_norms); a Conv2d's kept
