@@ -316,7 +316,7 @@ def tune(
     """Plan a whole study inside its budget, run it, print the results table and budget."""
     check_study_options(executor, workers, address, config, is_file=True)  # before torch: an error in < 1 s
     from dptune.tune import load_study_config, run_study
-    from dptune.tune.results import render
+    from dptune.tune.results import load_study, release_note, render
 
     study = load_study_config(config)
     study_dir = out or Path("studies") / study.name
@@ -334,6 +334,8 @@ def tune(
     render(study_dir, console)
     console.print(f"study directory: {study_dir}  (`dptune report {study_dir}` writes the HTML report)")
     console.print(publish_note(study_dir), highlight=False)
+    if whole := release_note(load_study(study_dir)[1]):
+        console.print(whole, highlight=False)
     _exit_if_incomplete(study_dir, outcome)
 
 

@@ -94,6 +94,14 @@ def test_study_toml_csv(tmp_path: Path) -> None:
     assert study.data.options["csv"] == str(tmp_path / "f.csv")
     d = study_data(study.data, study.selection, 0)
     assert (d.n_train + d.n_val, d.num_classes, d.input_shape) == (200, 2, (4,))
+    # Found in review: a resume read another file (or the file changed) with the planned q and guarantee.
+    from dptune.tune import resume_study, run_study
+
+    run_study(study, tmp_path / "s", progress=False)
+    write_csv(tmp_path / "f.csv", 300, 3)
+    study_data.__globals__["_CACHE"].clear()  # as a new process (`dptune resume`) reads it
+    with pytest.raises(ConfigError, match="not the one it was planned on: .* planned"):
+        resume_study(tmp_path / "s", progress=False)
 
 
 @pytest.mark.parametrize(

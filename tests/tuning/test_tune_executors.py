@@ -36,3 +36,28 @@ def test_a_pool_worker_dies_with_its_coordinator() -> None:
         time.sleep(0.05)
     os.kill(pid, 9)
     raise AssertionError("the worker outlived its coordinator")
+
+
+def _exit_if(code: int) -> dict:
+    import os
+
+    if code:
+        os._exit(code)  # a worker killed mid-run (SIGKILL, out of memory)
+    return {"ok": True}
+
+
+def test_a_pool_broken_by_a_killed_worker_runs_the_next_round() -> None:
+    """Found in review: the round after a worker was killed crashed with BrokenProcessPool (a traceback);
+    the killed round's runs fail, and the next round runs on a new pool."""
+    from dptune.tune.executors import ProcessExecutor
+
+    ex = ProcessExecutor(workers=1)
+    try:
+        first = list(ex.run(_exit_if, [("a", (3,))]))
+        assert first[0][0] == "a" and first[0][1] is None and "worker process failed" in first[0][2]
+        assert list(ex.run(_exit_if, [("b", (0,)), ("c", (0,))])) == [
+            ("b", {"ok": True}, None),
+            ("c", {"ok": True}, None),
+        ]
+    finally:
+        ex.close()

@@ -319,3 +319,30 @@ def test_failed_runs_are_recorded_and_retried_on_resume(tmp_path):
     FAIL["on"] = False
     again = resume_study(tmp_path / "f", study=s, progress=False)
     assert again.complete and again.ledger_matches_plan
+
+
+def test_release_as_a_whole_states_the_composition_of_its_procedures(tmp_path):
+    """Found in review: two arms (ε = 1 and 2) each had a card 'per study', while release/ held both, covered
+    only at their composition. The plan's runs, composed by dp_accounting alone, give that ε; every card says
+    it, and an oracle arm's card title carries its guarantee's ε, not the per-run target."""
+    from dp_accounting import dp_event, rdp
+
+    from dptune.tune.export import export_study
+    from dptune.tune.results import release_guarantee
+
+    run_study(_study(eps=(1.0, 2.0), seeds=(0,)), tmp_path / "two", progress=False)
+    plan = _plan(tmp_path / "two")
+    acc = rdp.RdpAccountant()
+    for r in plan.runs.values():
+        acc.compose(
+            dp_event.PoissonSampledDpEvent(r.sampling_rate, dp_event.GaussianDpEvent(r.noise_multiplier)), r.steps
+        )
+    eps, delta = release_guarantee(plan)
+    assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3) and delta == 1e-5 and eps > 2.0
+    cards = [json.loads((p / "model_card.json").read_text()) for p in export_study(tmp_path / "two")]
+    assert len(cards) == 2 and all(f"({eps:.4g}, 1e-05)-DP" in c["guarantee"]["release_folder"] for c in cards)
+    run_study(_study("oracle", eps=(1.0,), seeds=(0,)), tmp_path / "or", progress=False)
+    assert release_guarantee(_plan(tmp_path / "or")) is None  # one procedure: its card says it all
+    (card,) = [json.loads((p / "model_card.json").read_text()) for p in export_study(tmp_path / "or")]
+    honest = study_table(tmp_path / "or")[0]["planned_epsilon"]
+    assert honest > 1.0 and f"at ε = {honest:.4g}" in card["title"]

@@ -144,5 +144,8 @@ def as_factory_table(table: Mapping[str, Any], base_dir: Any) -> dict[str, Any]:
             raise ConfigError('data.csv and data.label go together. Fix: csv = "FILE.csv", label = "COLUMN".')
         return out
     options = {k: out.pop(k) for k in CSV_KEYS if k in out}
-    options.update({k: str(Path(base_dir or ".") / options[k]) for k in ("csv", "test", "schema") if k in options})
+    # absolute: a resumed study reads the same file from any folder (found in review)
+    options.update(
+        {k: str((Path(base_dir or ".") / options[k]).resolve()) for k in ("csv", "test", "schema") if k in options}
+    )
     return {**out, "factory": "dptune.data.tabular:load_csv", "options": {**out.get("options", {}), **options}}

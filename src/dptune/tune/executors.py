@@ -162,7 +162,20 @@ class ProcessExecutor(Executor):
         self.workers = n or max(1, min(4, os.cpu_count() or 1))
         self.started_queue = ctx.Queue()  # workers report the tasks they start (handed over at spawn)
         init = (self.started_queue, ctx.Value("i", 0), self.gpu_masks) if self.gpu_masks else (self.started_queue,)
-        self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx, initializer=_pool_init, initargs=init)
+        self._new_pool = lambda: ProcessPoolExecutor(
+            self.workers, mp_context=ctx, initializer=_pool_init, initargs=init
+        )
+        self.pool = self._new_pool()
+
+    def _submit(self, rid: str, fn: Any, args: Any) -> Any:
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return self.pool.submit(_pool_call, rid, fn, args)
+        except BrokenProcessPool:  # a worker was killed in an earlier round (its runs failed): a new pool
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = self._new_pool()
+            return self.pool.submit(_pool_call, rid, fn, args)
 
     def _drain(self) -> list[str]:
         import queue
@@ -177,7 +190,7 @@ class ProcessExecutor(Executor):
     def run(self, fn, tasks, on_start=lambda ids: None):
         from concurrent.futures import FIRST_COMPLETED, wait
 
-        futs = {self.pool.submit(_pool_call, rid, fn, args): rid for rid, args in tasks}
+        futs = {self._submit(rid, fn, args): rid for rid, args in tasks}
         starts, pending = _Starts(futs.values(), on_start, self.workers), set(futs)
         while pending:
             done, pending = wait(pending, timeout=START_POLL_S, return_when=FIRST_COMPLETED)

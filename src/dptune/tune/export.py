@@ -100,6 +100,8 @@ def export_study(
             diag.mkdir(parents=True, exist_ok=True)
             save_text(diag / "ledger_digest.json", json.dumps(labelled_json({"digest": digest}), indent=2))
         card = _card(cfg, a, row, plan.runs[rid], by_id[rid], ckpt, ledger)
+        if whole := results.release_note(plan):
+            card["guarantee"]["release_folder"] = whole
         if math.isfinite(row["planned_epsilon"]):
             written.append(write_model(release_dir(base) / MODELS_DIR / a.arm, ckpt["state_dict"], card))
         else:
@@ -145,7 +147,8 @@ def _card(
             f"ε = {row['selection_epsilon']:.4g}",
         )
     return {
-        "title": f"{a.label} at ε = {a.epsilon} ({cfg.get('study', {}).get('name', 'study')})",
+        # the guarantee's ε: an oracle arm's target ε is per run, not its model's (found in review)
+        "title": f"{a.label} at ε = {row['planned_epsilon']:.4g} ({cfg.get('study', {}).get('name', 'study')})",
         "dptune_version": dptune_version(),
         "arm": a.arm,
         "guarantee": guarantee,

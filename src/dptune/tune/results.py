@@ -25,7 +25,7 @@ from dptune.outputs import (
     write_csv_rows,
     write_labelled_csv,
 )
-from dptune.release.ledger import LedgerEntry
+from dptune.release.ledger import LedgerEntry, compose
 from dptune.tune import theory
 from dptune.tune.groups import plan_groups
 from dptune.tune.methods import get_method
@@ -86,6 +86,38 @@ def private_rows(table: Iterable[_Row]) -> list[_Row]:
 def release_rows(table: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``study_table`` rows reduced to ``RELEASE_COLUMNS``, non-private arms left out."""
     return [{k: r.get(k) for k in RELEASE_COLUMNS} for r in private_rows(table)]
+
+
+def release_guarantee(plan: StudyPlan) -> tuple[float, float] | None:
+    """(ε, δ) of release/ as a whole, its procedures published together (found in review: each card states
+    its own): the composition-kind arms' planned runs, every seed, composed (RDP), plus each other arm's
+    stated guarantee once per procedure (basic composition). None where release/ holds one procedure."""
+    private = [a for a in plan.arms if math.isfinite(a.guarantee["epsilon"])]
+
+    def procedures(a: ArmPlan) -> int:  # seed replicates are procedures unless the guarantee is per study
+        return 1 if a.guarantee.get("per") == "study" else len({plan.runs[r].replicate for r in a.runs})
+
+    if sum(map(procedures, private)) < 2:
+        return None
+    composed = [plan.runs[r] for a in private if a.guarantee.get("kind") == "composition" for r in a.runs]
+    other = [a for a in private if a.guarantee.get("kind") != "composition"]
+    delta = min(a.delta for a in private)
+    eps = event_epsilon(compose((r.planned_event, 1) for r in composed), delta, "rdp")  # 0 without such arms
+    return (
+        eps + sum(a.guarantee["epsilon"] * procedures(a) for a in other),
+        (delta if composed else 0.0) + sum(a.guarantee["delta"] * procedures(a) for a in other),
+    )
+
+
+def release_note(plan: StudyPlan) -> str | None:
+    """The line that says what covers release/ published whole (``release_guarantee``), or None."""
+    whole = release_guarantee(plan)
+    if whole is None:
+        return None
+    return (
+        f"release/ as a whole (all its procedures published together) is ({whole[0]:.4g}, {whole[1]:.2g})-DP; "
+        "each card's guarantee covers its own model alone."
+    )
 
 
 def load_study(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[dict[str, Any]], list[LedgerEntry]]:

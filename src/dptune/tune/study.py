@@ -325,7 +325,20 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
                 "or search space). A planned study cannot grow. Fix: use a new directory, or `dptune resume DIR` "
                 "to continue the stored study unchanged."
             )
-        return store, StudyPlan.from_dict(store.get_meta("plan"))
+        plan = StudyPlan.from_dict(store.get_meta("plan"))
+        try:  # the data the runs left will read must be the planned one (found in review: a relative csv
+            data = study_data(study.data, study.selection, study.seed)  # path read from another folder)
+        except BaseException:
+            store.close()
+            raise
+        if (data.n_train, data.n_val) != (plan.n_train, plan.n_val):
+            store.close()
+            raise ConfigError(
+                f"the study's data is not the one it was planned on: {data.n_train} training and {data.n_val} "
+                f"validation examples now, {plan.n_train} and {plan.n_val} planned (q and the guarantee assume "
+                "them). Fix: restore the data (a relative path is read from the study file's folder)."
+            )
+        return store, plan
     try:
         data = study_data(study.data, study.selection, study.seed)
         metric = study_metric(study, data.task)
