@@ -200,7 +200,7 @@ def _train(o: SimpleNamespace) -> None:
     check_data_dir(o.data_dir)
     diag_path = train_output_paths(o.out, o.diagnostics_out, o.save, o.overwrite)
     from dptune.devices import resolve_device  # torch from here on
-    from dptune.distributed import writes
+    from dptune.distributed import world_size, writes
     from dptune.models import for_training
     from dptune.strategies import make_strategy
     from dptune.train import train as run_train
@@ -224,6 +224,8 @@ def _train(o: SimpleNamespace) -> None:
         return
     # The seed goes to the diagnostics only, and so do the metrics on a private test split.
     context = dict(dataset=dataset, model=model_name, seed=o.seed, selection_split="test")
+    if (ranks := world_size()) > 1:  # the diagnostics' batch sizes and losses are rank 0's shard (found in review)
+        context.update(ranks=ranks, ranks_note="the history's batch_size and train_loss are rank 0's shard")
     release = write_train_outputs(result, o.out, diag_path, label_folder=o.diagnostics_out is None, **context)
     if o.save is not None:  # the deliverable: post-processing of the run, no release
         from dptune.deliverable import save_trained
@@ -320,7 +322,8 @@ def tune(
 
     study = load_study_config(config)
     study_dir = out or Path("studies") / study.name
-    if study_dir.is_dir() and not (study_dir / "study.sqlite").exists() and any(study_dir.iterdir()):
+    # (a lone .lock: another process planning there says so itself, in run_study)
+    if study_dir.is_dir() and not (study_dir / "study.sqlite").exists() and any(p.name != ".lock" for p in study_dir.iterdir()):
         raise ConfigError(  # the study's files would be mixed with yours (found in review)
             f"--out {str(study_dir)!r} is not empty and holds no study. Fix: a new or empty directory, or the "
             "directory of the study to continue."
@@ -572,7 +575,9 @@ def audit(
     """Empirical privacy audit: an ε lower bound (95% confidence) for the claimed ε.
     Exit code 1 when the audit refutes the claim."""
     from dptune.audit import run_audit
+    from dptune.distributed import refuse_in_study
 
+    refuse_in_study("dptune audit", "`dptune audit`")  # every rank would run and write the whole audit
     if out is not None:  # a bad path once failed after the audit, losing its result
         check_output_file(out, "--out")
     res = run_audit(

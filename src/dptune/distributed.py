@@ -46,6 +46,11 @@ def launched() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def world_size() -> int:
+    """The process group's size (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def writes() -> bool:
     """Does this process write a run's files (rank 0, or no process group)?"""
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

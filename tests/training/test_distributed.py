@@ -125,6 +125,13 @@ def test_a_study_under_torchrun_is_refused(monkeypatch, tmp_path):
     x, y = dist_worker.data()
     with pytest.raises(ConfigError, match="train_many does not run under torchrun"):
         train_many(dist_worker.model, (x, y), "dpsgd", [{}, {}], steps=2, noise_multiplier=1.0)
+    from typer.testing import CliRunner
+
+    from dptune.cli import app
+
+    res = CliRunner().invoke(app, ["audit", "--strategy", "dpsgd", "--out", str(tmp_path / "a.json")])  # every rank wrote it
+    assert res.exit_code == 2 and "dptune audit does not run under torchrun" in res.output
+    assert not (tmp_path / "a.json").exists()
 
 
 @pytest.mark.slow
@@ -143,6 +150,7 @@ def test_dptune_train_under_torchrun_writes_once_what_one_process_writes(tmp_pat
     for key in ("steps", "noise_multiplier", "epsilon", "best_step", "checkpoint"):
         assert two[key] == one[key], key
     assert two["best_metric"] == pytest.approx(one["best_metric"], abs=0.01)  # float32 sums, reassociated
+    assert two["ranks"] == 2 and "rank 0's shard" in two["ranks_note"] and "ranks" not in one
 
 
 def test_a_process_group_started_without_torchrun_counts_as_launched(monkeypatch: pytest.MonkeyPatch) -> None:
