@@ -55,6 +55,8 @@ from dptune.release.privatizers import FixedClip
 class Classifier(nn.Module):
     """Your encoder → the mean of its last hidden states over the attention mask → a linear head."""
 
+    dptune_rowwise = True  # each row from its own row: 'auto' may batch it (ghost path)
+
     def __init__(self, encoder: nn.Module, classes: int = 2):
         super().__init__()
         self.encoder = encoder

@@ -75,6 +75,8 @@ class Attention(nn.Module):
     """Multi-head self-attention from four ``nn.Linear`` layers (each called once per forward:
     the ghost rule of a Linear over T tokens applies to each)."""
 
+    dptune_rowwise = True  # each row from its own row: 'auto' may batch it (ghost path)
+
     def __init__(self, d: int, heads: int):
         super().__init__()
         self.heads = heads
@@ -94,6 +96,8 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
+    dptune_rowwise = True  # each row from its own row: 'auto' may batch it (ghost path)
+
     def __init__(self, d: int, heads: int, ff: int):
         super().__init__()
         self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d)
@@ -106,6 +110,8 @@ class Block(nn.Module):
 
 class _Pool(nn.Module):
     """Token + position embeddings in, mean over the non-padding tokens out (per example)."""
+
+    dptune_rowwise = True  # each row from its own row: 'auto' may batch it (ghost path)
 
     def embed(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(idx.shape[1], device=idx.device).expand_as(idx)

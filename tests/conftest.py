@@ -77,6 +77,8 @@ def mnist5k(shared_data_dir: Path):
 class SmallCNN(nn.Module):
     """conv(1→4, 3×3, stride 2) → GroupNorm → tanh → conv(4→8, 3×3, stride 2) → linear(→10)."""
 
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def __init__(self, side: int = 12, classes: int = 10):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 4, 3, stride=2, padding=1)
@@ -94,6 +96,8 @@ class SmallCNN(nn.Module):
 
 class ConvAutoencoder(nn.Module):
     """conv(1→4, stride 2) → relu → conv-transpose(4→1, stride 2): a reconstruction model."""
+
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
 
     def __init__(self):
         super().__init__()

@@ -18,6 +18,8 @@ PAD = {"bert": 0, "roberta": 1, "distilbert": 0}  # each config's pad_token_id (
 class PooledClassifier(nn.Module):
     """encoder → mean of the last hidden states over the attention mask → Linear."""
 
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def __init__(self, encoder: nn.Module, hidden: int, classes: int = 2):
         super().__init__()
         self.encoder = encoder

@@ -100,6 +100,9 @@ def _guard(fn):
             return fn(*args, **kwargs)
         except (DPTuneError, ValueError, FileNotFoundError, KeyError) as e:
             _fail(str(e) if not isinstance(e, KeyError) else f"missing key {e}")
+        except KeyboardInterrupt:  # files are written whole or not at all; a study says how to resume
+            _say_interrupted("nothing of this run was written; run the command again.")
+            raise SystemExit(130) from None
 
     return wrapper
 
@@ -176,19 +179,13 @@ def train(
         help="folder for the model (see --checkpoint): model.pt + model_card.json/.md; "
         "reload with dptune.load_model(DIR)",
     ),
-    overwrite: bool = typer.Option(
-        False, "--overwrite", help="let --out replace a file and --save write into a folder that is not empty"
-    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace --out; write into a --save folder not empty"),
 ) -> None:
     """Train one model with differential privacy; write the release JSON (guarantee, configuration,
     evaluations on a public test split, ledger totals) and, apart, the diagnostics JSON (history
     with the training loss and realised batch sizes, metrics on a private test split: not
     differentially private)."""
-    try:
-        _train(SimpleNamespace(**locals()))  # the options, by name
-    except KeyboardInterrupt:  # files are written whole or not at all
-        _say_interrupted("nothing of this run was written; run `dptune train` again.")
-        raise SystemExit(130) from None
+    _train(SimpleNamespace(**locals()))  # the options, by name
 
 
 def _train(o: SimpleNamespace) -> None:
@@ -323,7 +320,11 @@ def tune(
     study = load_study_config(config)
     study_dir = out or Path("studies") / study.name
     # (a lone .lock: another process planning there says so itself, in run_study)
-    if study_dir.is_dir() and not (study_dir / "study.sqlite").exists() and any(p.name != ".lock" for p in study_dir.iterdir()):
+    if (
+        study_dir.is_dir()
+        and not (study_dir / "study.sqlite").exists()
+        and any(p.name != ".lock" for p in study_dir.iterdir())
+    ):
         raise ConfigError(  # the study's files would be mixed with yours (found in review)
             f"--out {str(study_dir)!r} is not empty and holds no study. Fix: a new or empty directory, or the "
             "directory of the study to continue."
@@ -575,9 +576,7 @@ def audit(
     """Empirical privacy audit: an ε lower bound (95% confidence) for the claimed ε.
     Exit code 1 when the audit refutes the claim."""
     from dptune.audit import run_audit
-    from dptune.distributed import refuse_in_study
 
-    refuse_in_study("dptune audit", "`dptune audit`")  # every rank would run and write the whole audit
     if out is not None:  # a bad path once failed after the audit, losing its result
         check_output_file(out, "--out")
     res = run_audit(

@@ -136,6 +136,8 @@ class CancelLinear(nn.Module):
     """One Linear at T positions, the same input at each: z = Σ_t coef_t·h_t with the
     coefficients (1, −c, 1, −c, …), so the output gradients at the positions nearly cancel."""
 
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def __init__(self, d: int, p: int, T: int, c: float):
         super().__init__()
         self.lin = nn.Linear(d, p)
@@ -150,6 +152,8 @@ class CancelConv(nn.Module):
     """Conv2d on a spatially constant input (every patch the same): output position (0,0) minus
     c times position (0,1)."""
 
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def __init__(self, c: float):
         super().__init__()
         self.conv = nn.Conv2d(4, 8, 3)
@@ -162,6 +166,8 @@ class CancelConv(nn.Module):
 
 class CancelEmbedding(nn.Module):
     """The token at positions 0 and 1 is the same: embedding(x₀) − c·embedding(x₁) (+ 0·x₂)."""
+
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
 
     def __init__(self, c: float):
         super().__init__()
@@ -258,6 +264,8 @@ class AllRules(nn.Module):
     over tokens (kept: tok; ghost rule: wide), Conv1d, GroupNorm, and a rank-one Linear with
     d > NORM_BLOCK (blocked sums)."""
 
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(30, 16, padding_idx=0)
@@ -280,6 +288,8 @@ class AllRules(nn.Module):
 class ConvRules(nn.Module):
     """Convolutions of every rule once per-sample gradients cannot be kept: direct (c1: T = 16,
     T(p + d) ≥ p·d) and Gram (c2: T = 4; up, transposed: T = 4 input positions)."""
+
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
 
     def __init__(self) -> None:
         super().__init__()
@@ -629,6 +639,8 @@ class TokenBlock(nn.Module):
     """A transformer's parameter layers over tokens: Embedding (ids drawn from a small vocabulary, so
     tokens repeat) → LayerNorm → Linear or GPT-2's Conv1D at every position → mean over tokens → head."""
 
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def __init__(self, vocab: int, d: int, p: int, conv1d: bool, scale: float):
         super().__init__()
         from transformers.pytorch_utils import Conv1D
@@ -666,6 +678,8 @@ def test_token_block_norms_bound_every_example(
 
 class _Autocast(nn.Module):
     """Trainable layers computed under bf16 autocast inside the forward."""
+
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
 
     def __init__(self) -> None:
         super().__init__()

@@ -57,6 +57,8 @@ def _config(family: str):  # noqa: ANN202 - a transformers config
 class Pooled(nn.Module):
     """A text classifier as users write one: encoder, masked mean of the last hidden states, a Linear."""
 
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def __init__(self, family: str, mix: bool = False):
         super().__init__()
         cfg = _config(family)
@@ -169,6 +171,8 @@ def test_probe_still_refuses_a_head_that_mixes_examples(family: str) -> None:
 class SharedPositions(nn.Module):
     """An Embedding called on ids [1, T] shared by the batch (HF's position ids), one on ids [T]."""
 
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def __init__(self, batched: bool):
         super().__init__()
         self.tok, self.pos, self.fc = nn.Embedding(20, 6), nn.Embedding(T, 6), nn.Linear(6, 2)
@@ -280,6 +284,8 @@ class ViewedPositions(nn.Module):
     """Position ids [1, T] whose embedding the model views as [T, d]: expanding them to the batch breaks
     the forward, which must then fall back to vmap rather than fail; and a Linear on a shared [1, d]
     float input is not expanded (it falls back: its output is shared by the batch)."""
+
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
 
     def __init__(self, linear: bool):
         super().__init__()

@@ -104,6 +104,8 @@ class BroadcastPositions(nn.Module):
     example to the ghost path, which files the batch's summed gradient of position j under example
     j: only the ghost path mixes (shared ids [1, T], BERT's, are expanded to the batch instead)."""
 
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def __init__(self, T: int = 8) -> None:
         super().__init__()
         self.tok, self.pos, self.head = nn.Embedding(20, 8), nn.Embedding(T, 8), nn.Linear(8, 3)

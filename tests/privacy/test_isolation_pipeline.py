@@ -474,3 +474,44 @@ def test_a_loss_with_a_batch_level_branch_is_computed_per_example() -> None:
     x[5] = float("nan")
     with_bad = oracle(params, x, y).norms
     assert torch.allclose(with_bad[:5], clean, rtol=1e-5) and clean.min() > 0
+
+
+class Rescale(nn.Module):
+    """Rescales the batch when any value is above 1 (raw pixels): one outlier switches it on for every row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.where(x.max() > 1, x / 255, x))
+
+
+def test_a_batch_level_branch_of_your_forward_cannot_move_the_other_rows() -> None:
+    """Found in review: on the ghost path (auto's choice then) a branch that one outlier switches on passed
+    the probe and moved the released sum by 5–23·C. 'auto' now runs a forward of yours one example at a
+    time, where the branch sees its own row; declared row-wise (wrongly), the ghost path shows the leak."""
+    from dptune.gradients.oracle import GradientOracle
+
+    torch.manual_seed(0)
+    x, y = torch.rand(8, 4), torch.randint(0, 3, (8,))
+    out = {}
+    for declared in (False, True):
+        model = type("Declared", (Rescale,), {"dptune_rowwise": True})() if declared else Rescale()
+        params = {k: p.detach() for k, p in model.named_parameters()}
+        oracle = GradientOracle(model)
+        clean = oracle(params, x[:7], y[:7]).norms  # the first call probes: it passes (no outlier)
+        bad = x.clone()
+        bad[7] = 200.0
+        out[declared] = (oracle.method, clean, oracle(params, bad, y).norms[:7])
+    method, clean, with_outlier = out[False]
+    assert method == "vmap" and torch.allclose(with_outlier, clean)  # each row alone: untouched
+    method, clean, with_outlier = out[True]
+    assert method == "ghost" and not torch.allclose(with_outlier, clean)  # why your forward is not trusted
+    model, bad = Rescale(), x.clone()
+    bad[7] = 200.0
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    zo = GradientOracle(model)  # DP-ZO's losses: per row too, probe or not
+    assert torch.equal(zo.losses(params, bad, y)[:7], zo.losses(params, x[:7], y[:7]))
+    with pytest.warns(RuntimeWarning, match="method='ghost' on Rescale"):
+        GradientOracle(model, method="ghost")  # your word: allowed, with the warning

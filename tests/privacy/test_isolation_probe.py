@@ -47,6 +47,8 @@ class BatchCentre(nn.Module):
     """A hand-written batch-statistics layer: parameter-free and not nn.BatchNorm, so
     ``check_model`` lets it through; every row depends on the whole batch."""
 
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         return a - a.mean(0, keepdim=True)
 
@@ -162,6 +164,8 @@ def test_dpzo_losses_are_computed_alone_until_a_probe_has_passed() -> None:
 
 # ----------------------------------------------------------------------------- controls
 class SmallCNN(nn.Module):
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(1, 4, 3, padding=1)
@@ -332,6 +336,8 @@ class WeakCentre(nn.Module):
     """A faint batch statistic (1e-4 of the batch mean): under √eps of float32, far over its eps.
     Summed over a batch of 512 it would move the clipped sum by ~0.05·C, unseen by a √eps test."""
 
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
+
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         return a + 1e-4 * a.mean(0, keepdim=True)
 
@@ -346,6 +352,8 @@ def test_a_faint_batch_statistic_is_refused(grad_method: str) -> None:
 
 class SwapFirstTwo(nn.Module):
     """Mixing that touches two rows only: rows 0 and 1 trade places (a sparse, hard-to-hit mixing)."""
+
+    dptune_rowwise = True  # declared: auto may batch it (ghost), still probed
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         return torch.cat([a[:2].flip(0), a[2:]]) if a.shape[0] > 1 else a

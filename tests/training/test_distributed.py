@@ -129,7 +129,9 @@ def test_a_study_under_torchrun_is_refused(monkeypatch, tmp_path):
 
     from dptune.cli import app
 
-    res = CliRunner().invoke(app, ["audit", "--strategy", "dpsgd", "--out", str(tmp_path / "a.json")])  # every rank wrote it
+    res = CliRunner().invoke(
+        app, ["audit", "--strategy", "dpsgd", "--out", str(tmp_path / "a.json")]
+    )  # every rank wrote it
     assert res.exit_code == 2 and "dptune audit does not run under torchrun" in res.output
     assert not (tmp_path / "a.json").exists()
 

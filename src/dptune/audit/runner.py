@@ -27,6 +27,7 @@ from dptune.audit.harness import (
     make_data,
     spy_on_releases,
 )
+from dptune.distributed import refuse_in_study
 from dptune.errors import ConfigError
 from dptune.release.ledger import Ledger, compose
 from dptune.release.sampling import stream_seed
@@ -337,6 +338,7 @@ def run_audit(
     """Audit ``strategy`` (one of ``AUDITABLE``) at the claimed (``eps``, ``delta``): an ε lower bound holding
     with probability ≥ ``confidence``; one above ``eps`` refutes the claim. ``canaries``: m for one run
     (5,000) or trials per world (20,000); overrides of ``SCENARIOS`` are checked."""
+    refuse_in_study("dptune audit", "`dptune audit`")  # under torchrun every rank would run and write it all
     scenario, n_canaries = _check_args(strategy, eps, delta, method, confidence, threat_model, canaries)
     scenario = _overridden(scenario, steps, sampling_rate, hyperparameters)
     t0 = time.perf_counter()

@@ -46,6 +46,7 @@ from dptune.gradients.persample import (  # noqa: F401 - re-exported: ``dptune.g
     gamma,
     ieee_matmul,
     nonfinite_rows,
+    own_code,
     per_example_loss,
     rng_preserved,
     rng_state,
@@ -81,6 +82,12 @@ def default_method(method: str) -> Iterator[None]:
         yield
     finally:
         DEFAULT_METHOD = old
+
+
+OWN_GHOST = (
+    "dptune: method='ghost' on {}: each example's gradient then rests on the isolation probe, which cannot "
+    "see a batch-level branch that one outlier switches on (docs/privacy.md, 'What the probe cannot see')."
+)
 
 
 class GradientOracle:
@@ -127,8 +134,13 @@ class GradientOracle:
         self._graphs: graphed.Graphs | None = None  # CUDA graphs of the ghost path, made on the first replayable step
         self.fallback_reason: str | None = None
         self.alone_reason: str | None = None  # why vmap cannot run the model (then: ``_one_at_a_time``)
+        # Batched forwards only on trusted code: one outlier could switch on a batch-level branch of yours past
+        # any probe (5–23·C in review); 'ghost' asked for by name still runs it, probed (docs/privacy.md).
+        self.own_code = own_code(model)
+        if self.own_code is not None and self.requested_method == "ghost":
+            warnings.warn(OWN_GHOST.format(self.own_code), RuntimeWarning, stacklevel=3)
         if self.requested_method != "vmap":
-            reason = ghost.unsupported_reason(model)
+            reason = ghost.unsupported_reason(model) or (self.own_code if self.requested_method == "auto" else None)
             if reason is None:
                 self._ghost = ghost.GhostEngine(model, self._batched_loss)
             elif self.requested_method == "ghost":
@@ -418,7 +430,8 @@ class GradientOracle:
         if B == 0:
             return torch.zeros(0, device=dev)
         with torch.no_grad(), ieee_matmul(dev):
-            if not (due or self._next_probe["losses"]) or B < self.PROBE_MIN_BATCH:  # 1-2 rows: never probed
+            alone = self.own_code is not None and self.requested_method != "ghost"  # your forward: per row
+            if alone or not (due or self._next_probe["losses"]) or B < self.PROBE_MIN_BATCH:  # 1-2 rows: unprobed
                 return torch.cat([self._plain_losses(params, inputs.rows(x, j, j + 1), y[j : j + 1]) for j in range(B)])
             first, before = not self._next_probe["losses"], self._swap_state(dev) if due else None
             out = self._plain_losses(params, x, y)

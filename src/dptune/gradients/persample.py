@@ -52,6 +52,25 @@ def global_module_hooks() -> tuple[tuple[Any, ...], ...]:
     return tuple(tuple(getattr(torch_module, "_global" + h, {})) for h in MODULE_HOOKS)
 
 
+# Code whose forwards compute each row from that row alone (reviewed, tested): the batched paths (ghost,
+# DP-ZO's batched losses) run only on models made of it; your own forward runs one example at a time,
+# unless its class declares ``dptune_rowwise = True`` (your word, still probed: docs/privacy.md).
+TRUSTED_CODE = ("torch.", "transformers.", "peft.", "dptune.")
+
+
+def own_code(model: nn.Module) -> str | None:
+    """The first module whose call runs code of yours (its class's forward, an instance forward or a hook),
+    named; None when every call is torch's, Hugging Face's, peft's or dptune's, or declared row-wise."""
+    if any(global_module_hooks()):
+        return "global module hooks"
+    for name, mod in model.named_modules():
+        where = getattr(type(mod).forward, "__module__", None) or ""
+        trusted = where.startswith(TRUSTED_CODE) or getattr(type(mod), "dptune_rowwise", False) is True
+        if "forward" in vars(mod) or any(getattr(mod, h, None) for h in MODULE_HOOKS) or not trusted:
+            return f"{type(mod).__qualname__} ('{name or 'the model'}'): your own forward or hooks"
+    return None
+
+
 def check_model(model: nn.Module) -> None:
     """Reject layers whose output for one example depends on the others (e.g. BatchNorm), and
     layers that keep running statistics of their inputs (``track_running_stats=True``): those
@@ -247,12 +266,9 @@ class ScratchBuffers:
 
     def _fingerprint(self) -> torch.Tensor | None:
         """The frozen parameters' float64 sums and norms: a write through ``.data`` moves no version counter."""
-        if not self._frozen:
-            return None
         with torch.no_grad():
-            at = self._frozen[0].device
-            two = [torch.stack([p.sum(dtype=torch.float64), p.norm(dtype=torch.float64)]).to(at) for p in self._frozen]
-            return torch.stack(two).cpu()
+            two = [torch.stack([p.sum(dtype=torch.float64), p.norm(dtype=torch.float64)]).cpu() for p in self._frozen]
+        return torch.stack(two) if two else None
 
     def check_frozen(self) -> None:
         """Refuse a frozen parameter written without autograd seeing it (``p.data.mul_``: found in review)."""

@@ -111,13 +111,8 @@ def release_guarantee(plan: StudyPlan) -> tuple[float, float] | None:
 
 def release_note(plan: StudyPlan) -> str | None:
     """The line that says what covers release/ published whole (``release_guarantee``), or None."""
-    whole = release_guarantee(plan)
-    if whole is None:
-        return None
-    return (
-        f"release/ as a whole (all its procedures published together) is ({whole[0]:.4g}, {whole[1]:.2g})-DP; "
-        "each card's guarantee covers its own model alone."
-    )
+    w = release_guarantee(plan)
+    return None if w is None else f"release/ as a whole (all its procedures published together) is ({w[0]:.4g}, {w[1]:.2g})-DP; each card's guarantee covers its own model alone."  # fmt: skip
 
 
 def load_study(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[dict[str, Any]], list[LedgerEntry]]:
