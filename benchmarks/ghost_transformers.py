@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Pooled(nn.Module):
+    dptune_rowwise = True  # each row from its own row: 'auto' may batch it (ghost path)
+
     def __init__(self, enc: nn.Module, d: int):
         super().__init__()
         self.enc, self.head = enc, nn.Linear(d, 2)
