@@ -84,10 +84,13 @@ def default_method(method: str) -> Iterator[None]:
         DEFAULT_METHOD = old
 
 
-OWN_GHOST = (
-    "dptune: method='ghost' on {}: each example's gradient then rests on the isolation probe, which cannot "
-    "see a batch-level branch that one outlier switches on (docs/privacy.md, 'What the probe cannot see')."
-)
+OWN_CODE = {  # your forward, where the ghost path could otherwise run it (docs/privacy.md, item 21)
+    "auto": "dptune: {} runs one example at a time (vmap), so no batch-level branch in it can mix examples; "
+    "if its forward computes each row from its own row, declare `dptune_rowwise = True` on the class for the "
+    "faster ghost path.",
+    "ghost": "dptune: method='ghost' on {}: each example's gradient then rests on the isolation probe, which "
+    "cannot see a batch-level branch that one outlier switches on (docs/privacy.md, 'What the probe cannot see').",
+}
 
 
 class GradientOracle:
@@ -137,10 +140,11 @@ class GradientOracle:
         # Batched forwards only on trusted code: one outlier could switch on a batch-level branch of yours past
         # any probe (5–23·C in review); 'ghost' asked for by name still runs it, probed (docs/privacy.md).
         self.own_code = own_code(model)
-        if self.own_code is not None and self.requested_method == "ghost":
-            warnings.warn(OWN_GHOST.format(self.own_code), RuntimeWarning, stacklevel=3)
+        unsupported = ghost.unsupported_reason(model) if self.requested_method != "vmap" else None
+        if self.own_code is not None and self.requested_method != "vmap" and unsupported is None:
+            warnings.warn(OWN_CODE[self.requested_method].format(self.own_code), RuntimeWarning, stacklevel=3)
         if self.requested_method != "vmap":
-            reason = ghost.unsupported_reason(model) or (self.own_code if self.requested_method == "auto" else None)
+            reason = unsupported or (self.own_code if self.requested_method == "auto" else None)
             if reason is None:
                 self._ghost = ghost.GhostEngine(model, self._batched_loss)
             elif self.requested_method == "ghost":
