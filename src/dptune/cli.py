@@ -101,7 +101,7 @@ def _guard(fn):
         except (DPTuneError, ValueError, FileNotFoundError, KeyError) as e:
             _fail(str(e) if not isinstance(e, KeyError) else f"missing key {e}")
         except KeyboardInterrupt:  # files are written whole or not at all; a study says how to resume
-            _say_interrupted("nothing of this run was written; run the command again.")
+            _say_interrupted("files it had not finished were not written (those finished are kept).")
             raise SystemExit(130) from None
 
     return wrapper

@@ -151,7 +151,7 @@ def card_markdown(card: Mapping[str, Any]) -> str:
         "## Guarantee", "",
         f"({_fmt(g.get('epsilon'))}, {_fmt(g.get('delta'))})-differential privacy "
         f"(accountant: {g.get('accountant')}, per {g.get('per', 'run')}, add/remove one example).", "",
-        f"- selection: {g.get('selection')}", "",
+        f"- selection: {g.get('selection')}", "", *([f"- {g['release_folder']}", ""] if g.get("release_folder") else []),
         "Covered by the guarantee:", "", *[f"- {c}" for c in g.get("covered", [])], "",
         "Not covered:", "", *[f"- {c}" for c in g.get("not_covered", [])], "",
         f"Details: {PRIVACY_DOC}.", "", "## Randomness", "", str(card.get("randomness_note", "")), "",

@@ -1,15 +1,9 @@
-"""Data-parallel private training on ``torch.distributed``: one run on N processes, the same algorithm.
-
-``dptune.train(..., distributed=True)`` and ``make_private(..., distributed=True)`` under ``torchrun``
-(``dptune train`` under ``torchrun`` detects it: ``launched``). The privacy boundary stays where it
-is: ``train.open_run`` swaps the run's three random or private parts for these, and nothing else
-changes.
-
-``ShardedSampler`` (rank 0 draws the one Poisson batch, rank r keeps ``r::N``), ``ReducingRelease``
-(all-reduces every query's exact sum BEFORE the event is recorded) and ``BroadcastNoise`` (the noise
-drawn once, on rank 0, and broadcast): the same algorithm as one process. A lost rank or a collective
-past ``DPTUNE_DIST_TIMEOUT`` raises ``RankLost`` before anything is recorded. Why each part is needed:
-docs/privacy.md, item 10.
+"""Data-parallel private training on ``torch.distributed``: one run on N processes, the same algorithm
+(``train``/``make_private`` with ``distributed=True``, the default under ``torchrun``: ``launched``).
+``train.open_run`` swaps the run's three random or private parts: ``ShardedSampler`` (rank 0 draws the one
+Poisson batch, rank r keeps ``r::N``), ``ReducingRelease`` (every query's exact sum all-reduced BEFORE the event
+is recorded), ``BroadcastNoise`` (drawn once on rank 0, broadcast). A lost rank or a collective past
+``DPTUNE_DIST_TIMEOUT`` raises ``RankLost`` before anything is recorded (docs/privacy.md, item 10).
 """
 
 from __future__ import annotations
@@ -73,12 +67,10 @@ def join(device: Any = None) -> torch.device:
             "or call torch.distributed.init_process_group first."
         )
     backend = os.environ.get("DPTUNE_DIST_BACKEND") or ("nccl" if dev.type == "cuda" else "gloo")
-    try:
-        timeout = timedelta(seconds=float(os.environ.get("DPTUNE_DIST_TIMEOUT", TIMEOUT_S)))
-    except ValueError:
-        raise ConfigError(
-            "DPTUNE_DIST_TIMEOUT must be a number of seconds. Fix: e.g. DPTUNE_DIST_TIMEOUT=300."
-        ) from None
+    seconds = os.environ.get("DPTUNE_DIST_TIMEOUT", str(TIMEOUT_S))
+    if not seconds.replace(".", "", 1).isdigit() or not 0 < float(seconds) < 1e9:
+        raise ConfigError("DPTUNE_DIST_TIMEOUT must be a number of seconds > 0. Fix: e.g. DPTUNE_DIST_TIMEOUT=300.")
+    timeout = timedelta(seconds=float(seconds))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group(backend, timeout=timeout)
@@ -110,7 +102,10 @@ def sync_model(model: torch.nn.Module, data_digest: str) -> None:
     shape = repr(([(k, tuple(v.shape), v.dtype, v.requires_grad) for k, v in tensors], [*map(type, model.modules())]))
     mine = (hashlib.sha256(shape.encode()).hexdigest(), data_digest)
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    try:
+        dist.all_gather_object(every, mine)
+    except RuntimeError as e:  # a rank that stopped before the start (its own error says why)
+        raise RankLost(f"a process of the distributed run stopped before the start ({e}). Fix: see its error.") from e
     for i, what in enumerate(("model", "training data (its rows, in order)")):
         if any(e[i] != mine[i] for e in every):
             raise ConfigError(

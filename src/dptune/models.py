@@ -1,21 +1,9 @@
-"""Model constructors of the reproduced papers (no BatchNorm anywhere: DP-SGD needs
-per-example gradients, which batch statistics would make undefined).
-
-| name                | paper                       | params                         |
-|---------------------|-----------------------------|--------------------------------|
-| galli_cnn           | Galli et al. 2024, Table 5  | 551,322                        |
-| galli_autoencoder   | Galli et al. 2024, Table 6  | 48,705                         |
-| galli_bow_fc        | Galli et al. 2024, Table 7  | 113,156 (input_dim=750)        |
-| logistic_regression | Mohapatra et al. 2022 (LR)  | (d+1)·k                        |
-| two_layer_nn        | Mohapatra et al. 2022 (TLNN)| (d+1)·h + (h+1)·k              |
-| linear_probe        | Panda et al. 2024           | d·k (no bias, zero init)       |
-| mlp                 | benchmarks                  | 784-128-128-10: 118,282        |
-| hf_classifier       | Hugging Face fine-tuning    | MiniLM: 22.7M (``finetune``)   |
-
-``kwargs_for(name, ds)`` fills ``input_dim`` / ``classes`` from a ``dptune.data.Dataset``;
-``for_dataset(ds)`` builds the default model of a dataset (``DEFAULT_MODELS``);
-``for_training`` loads the data and builds the model ``dptune train``'s options name, checked to fit.
-See ``docs/data_and_models.md`` for the choices the papers leave open.
+"""Model constructors of the reproduced papers (no BatchNorm anywhere: DP-SGD needs per-example gradients,
+which batch statistics would make undefined): galli_cnn, galli_autoencoder, galli_bow_fc (Galli et al. 2024,
+Tables 5–7), logistic_regression and two_layer_nn (Mohapatra et al. 2022), linear_probe (Panda et al. 2024),
+mlp (benchmarks), hf_classifier (``finetune``); their parameters and the choices the papers leave open:
+docs/data_and_models.md. ``kwargs_for(name, ds)`` fills ``input_dim`` / ``classes`` from a dataset;
+``for_dataset(ds)`` builds a dataset's default model; ``for_training`` what ``dptune train`` names, checked.
 """
 
 from __future__ import annotations

@@ -299,6 +299,12 @@ def epsilon_text(eps: float) -> str:
     return "∞" if not math.isfinite(eps) else f"{eps:g}"
 
 
+def up(x: float, digits: int = 3) -> str:
+    """A stated ε to ``digits`` significant digits rounded UP (7.5431 → 7.55): never read smaller than it is."""
+    q = 10.0 ** (math.floor(math.log10(x)) + 1 - digits) if math.isfinite(x) and x > 0 else 0.0
+    return f"{math.ceil(round(x / q, 6)) * q:.{digits}g}" if q else f"{x:.{digits}g}".replace("inf", "∞")
+
+
 def public_run_name(arm: Any, run: Mapping[str, Any]) -> str:
     """A selected run's release name: procedure and seed replicate, never the run id (it bounds K from below)."""
     return f"{arm.label} @ ε = {epsilon_text(arm.epsilon)}, procedure {run['procedure']}, replicate {run['replicate']}"
@@ -355,13 +361,15 @@ def write_train_outputs(
     """Write ``dptune train``'s release JSON to ``out`` and its diagnostics JSON to ``diagnostics``
     (``train_outputs(result, **context)``); return the release. ``label_folder``: ``diagnostics``
     is in the default diagnostics/ folder, which gets its README.txt (the label)."""
+    from dptune.deliverable import save_text  # atomic: an --overwrite interrupted keeps the old file whole
+
     release, diag = train_outputs(result, **context)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(release, default=str))
+    save_text(out, json.dumps(release, default=str))
     if label_folder:
         diagnostics_dir(diagnostics.parent.parent)
     diagnostics.parent.mkdir(parents=True, exist_ok=True)
-    diagnostics.write_text(json.dumps(diag, default=str))
+    save_text(diagnostics, json.dumps(diag, default=str))
     return release
 
 

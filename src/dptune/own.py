@@ -6,10 +6,12 @@ alone, so no example changes another's row: docs/your_data.md, "The collate cont
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.func import functional_call
 
@@ -62,7 +64,8 @@ class MapSource:
         # A collate_fn never sees two examples, so none can change another's row; default_collate
         # only stacks, row by row (one call, as fast as ever). Only the stacking is guarded below:
         # an error of your collate_fn itself stays yours.
-        rows = None if self.collate is default_collate else [self.collate([item]) for item in items]
+        start = None if self.collate is default_collate else _rng_states()  # replayed for the check below
+        rows = None if start is None else [self.collate([item]) for item in items]
         try:
             if rows is None:
                 x, y = default_collate(items)
@@ -78,7 +81,7 @@ class MapSource:
         x = inputs.check(x)
         if inputs.batch_len(x) != len(items) or y.shape[:1] != (len(items),):
             raise ConfigError("collate_fn([item]) must give one row per example. Fix: return it stacked, [1, ...].")
-        if rows is not None and len(rows) > 1 and not _same_rows(self.collate(items[:1]), rows[0]):
+        if rows and start and len(rows) > 1 and not _same_rows(_again(self.collate, items[0], start), rows[0]):
             raise ConfigError(  # a running standardiser moved every row with the others (14.6·C in review)
                 "your collate_fn gave the first example of the batch another result when called again after the "
                 "others: it keeps state from one example to the next. Fix: make it a function of its example alone."
@@ -144,6 +147,25 @@ class CollatedDataset:
 
 
 # ----------------------------------------------------------------------------- loss and metric
+def _rng_states(state: tuple | None = None) -> tuple:
+    """torch's (CPU), numpy's and random's global states; installs ``state`` if given."""
+    now = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    if state is not None:
+        torch.set_rng_state(state[0])
+        np.random.set_state(state[1])
+        random.setstate(state[2])
+    return now
+
+
+def _again(collate: Callable[[list], Any], item: Any, start: tuple) -> Any:
+    """``collate([item])`` again from the random states it first ran from (an augmenting collate is no state)."""
+    end = _rng_states(start)
+    try:
+        return collate([item])
+    finally:
+        _rng_states(end)
+
+
 def _same_rows(a: Any, b: Any) -> bool:
     """Two collated (x, y) pairs hold equal tensors (NaN equal to NaN)."""
     ta, tb = [*inputs.leaves(a[0]), a[1]], [*inputs.leaves(b[0]), b[1]]

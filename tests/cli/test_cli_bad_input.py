@@ -146,7 +146,9 @@ def test_ctrl_c_in_train_says_nothing_was_written(tmp_path: Path, monkeypatch) -
     monkeypatch.setattr(sys.modules["dptune.train"], "train", interrupted)
     res = invoke_train(tmp_path / "r.json")
     assert res.exit_code == 130 and "Traceback" not in res.output, res.output
-    assert "interrupted: nothing of this run was written" in res.output and not (tmp_path / "r.json").exists()
+    assert (
+        "interrupted: files it had not finished were not written" in res.output and not (tmp_path / "r.json").exists()
+    )
 
 
 def test_full_batch_with_a_batch_size_is_refused() -> None:

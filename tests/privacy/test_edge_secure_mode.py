@@ -90,14 +90,18 @@ def test_secure_sampler_reads_only_the_os_csprng(monkeypatch: pytest.MonkeyPatch
 def test_secure_steps_seed_the_forward_randomness_from_the_os_csprng(q: float) -> None:
     """Dropout masks come from torch's generators: a user's known ``torch.manual_seed`` fixed them, and
     with known masks one example moved the others' (9.3·C in review). Each secure step reseeds them."""
+    import random
+
     draws = []
     for secure in (True, True, False, False):
-        torch.manual_seed(1234)
+        torch.manual_seed(1234), np.random.seed(1234), random.seed(1234)
         PoissonSampler(100, q, seed=1, secure=secure).sample()
-        draws.append(torch.rand(4))
-    assert not torch.equal(draws[0], draws[1])
+        draws.append(
+            torch.cat([torch.rand(4), torch.from_numpy(np.random.rand(2)).float(), torch.tensor([random.random()])])
+        )
+    assert not (draws[0] == draws[1]).any()  # torch's, numpy's and random's (Hugging Face audio masks) alike
     torch.manual_seed(1234)
-    assert torch.equal(draws[2], draws[3]) and torch.equal(draws[2], torch.rand(4))  # seeded: left alone
+    assert torch.equal(draws[2], draws[3]) and torch.equal(draws[2][:4], torch.rand(4))  # seeded: left alone
 
 
 def _subset_law_pvalue(draw, n: int, q: float, draws: int) -> float:

@@ -515,3 +515,104 @@ def test_a_batch_level_branch_of_your_forward_cannot_move_the_other_rows() -> No
     assert torch.equal(zo.losses(params, bad, y)[:7], zo.losses(params, x[:7], y[:7]))
     with pytest.warns(RuntimeWarning, match="method='ghost' on Rescale"):
         GradientOracle(model, method="ghost")  # your word: allowed, with the warning
+
+
+def test_trust_is_the_class_own_module_and_graph_interpreters_are_not_trusted() -> None:
+    """Found in review: a subclass of a torch layer overriding __call__ (or a helper) was trusted by its inherited
+    forward (3.7·C to 23·C); fx/export graphs run code traced from yours. Only classes defined in trusted code."""
+    from dptune.gradients.persample import own_code
+
+    class Called(nn.Linear):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return super().__call__(torch.where(x.max() > 1, x / 255, x))
+
+    assert own_code(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) is None
+    assert "Called" in str(own_code(nn.Sequential(Called(2, 2))))
+    assert own_code(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2)))) is not None
+    assert own_code(torch.compile(nn.Linear(2, 2))) is not None
+
+
+def test_private_passes_turn_the_attention_fast_path_off() -> None:
+    """nn.TransformerEncoder's nested-tensor fast path is switched on for the whole batch by one example's
+    padding (2.8·C in review): off during every private pass, restored after."""
+    from dptune.gradients.norm_bounds import ieee_matmul
+
+    assert torch.backends.mha.get_fastpath_enabled()
+    with ieee_matmul(torch.device("cpu")):
+        assert not torch.backends.mha.get_fastpath_enabled()
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
+def test_an_embedding_with_max_norm_is_refused() -> None:
+    """It renormalises the rows of the batch's tokens in place, without noise: the model showed which tokens
+    the private data holds (found in review)."""
+    with pytest.raises(ConfigError, match="max_norm set"):
+        dptune.train(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(), nn.Linear(8, 2)),
+                     (torch.randint(0, 10, (40, 2)), torch.randint(0, 2, (40,))), "dpsgd", **KW)  # fmt: skip
+
+
+def test_an_augmenting_collate_is_not_taken_for_state() -> None:
+    """The first example is collated again from the random states it first saw: random augmentation passes
+    (refused 50 in 50 before), a running statistic is still refused."""
+    import random
+
+    def augment(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = default_collate(items)
+        return (x + torch.randn_like(x)) * (1 if random.random() < 0.5 else -1), y
+
+    data = list(zip(torch.randn(10, 3), torch.arange(10), strict=True))
+    src = MapSource(data, torch.device("cpu"), augment)
+    for _ in range(20):
+        src.batch(torch.tensor([1, 4, 7]))
+
+
+def test_a_loss_vmap_cannot_run_is_computed_row_by_row() -> None:
+    """A Python branch on a value, or a random draw, in your loss: each row alone (raw errors before)."""
+    from dptune.gradients.oracle import GradientOracle
+    from dptune.own import user_loss
+
+    def branchy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(out, y, reduction="none")
+        return loss * 2 if float(loss.sum()) > 100 else loss + 0.0 * torch.rand_like(loss)
+
+    model, x, y = nn.Linear(4, 3), torch.randn(6, 4), torch.randint(0, 3, (6,))
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    got = GradientOracle(model, user_loss(branchy)).losses(params, x, y)
+    assert torch.allclose(got, F.cross_entropy(model(x), y, reduction="none"))
+
+
+def test_out_of_memory_in_vmap_names_chunk_size(monkeypatch) -> None:
+    from dptune.gradients.oracle import GradientOracle
+
+    model = nn.Linear(4, 3)
+    oracle = GradientOracle(model, method="vmap")
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(oracle, "_per_sample", oom)
+    with pytest.raises(ConfigError, match="out of memory. Fix: chunk_size"):
+        oracle({k: p.detach() for k, p in model.named_parameters()}, torch.randn(5, 4), torch.randint(0, 3, (5,)))
+
+
+def test_your_changes_to_a_frozen_parameter_between_steps_are_yours() -> None:
+    """An EMA teacher updated by you between make_private steps was refused (found in review): the frozen
+    values are compared around each checked private forward, not against the run's start."""
+
+    class Student(nn.Module):
+        dptune_rowwise = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.teacher = nn.Linear(4, 2), nn.Parameter(torch.zeros(4), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x + self.teacher)
+
+    model = Student()
+    x, y = torch.randn(60, 4), torch.randint(0, 2, (60,))
+    private = dptune.make_private(model, (x, y), torch.optim.SGD(model.fc.parameters(), lr=0.1), **{**KW, "steps": 6})
+    for bx, by in private.batches():
+        private.step(bx, by)
+        with torch.no_grad():
+            model.teacher.mul_(0.9).add_(0.1 * model.fc.weight.mean(0))  # your EMA, between steps

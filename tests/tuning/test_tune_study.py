@@ -12,6 +12,7 @@ import pytest
 from torch import nn
 from tune_helpers import linear_data, make_study
 
+from dptune.outputs import up
 from dptune.release.ledger import atoms
 from dptune.report import report_study
 from dptune.tune import (
@@ -131,7 +132,7 @@ def test_mean_selection_over_seeds(tmp_path):
                 2 * 3 * run.steps)  # fmt: skip
     assert row["selection_epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
     assert row["selection_epsilon"] > 1.5 * row["planned_epsilon"]
-    assert f"ε = {row['selection_epsilon']:.4g}" in " ".join(_plan(tmp_path / "m").arms[0].notes)
+    assert f"ε = {up(row['selection_epsilon'], 4)}" in " ".join(_plan(tmp_path / "m").arms[0].notes)
     run_study(_study(seeds=(0, 1, 2)), tmp_path / "ps", progress=False)
     per_seed = study_table(tmp_path / "ps")[0]
     assert per_seed["selection_epsilon"] == per_seed["planned_epsilon"]  # each seed its own procedure
@@ -340,9 +341,9 @@ def test_release_as_a_whole_states_the_composition_of_its_procedures(tmp_path):
     eps, delta = release_guarantee(plan)
     assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3) and delta == 1e-5 and eps > 2.0
     cards = [json.loads((p / "model_card.json").read_text()) for p in export_study(tmp_path / "two")]
-    assert len(cards) == 2 and all(f"({eps:.4g}, 1e-05)-DP" in c["guarantee"]["release_folder"] for c in cards)
+    assert len(cards) == 2 and all(f"({up(eps, 4)}, 1e-05)-DP" in c["guarantee"]["release_folder"] for c in cards)
     run_study(_study("oracle", eps=(1.0,), seeds=(0,)), tmp_path / "or", progress=False)
     assert release_guarantee(_plan(tmp_path / "or")) is None  # one procedure: its card says it all
     (card,) = [json.loads((p / "model_card.json").read_text()) for p in export_study(tmp_path / "or")]
     honest = study_table(tmp_path / "or")[0]["planned_epsilon"]
-    assert honest > 1.0 and f"at ε = {honest:.4g}" in card["title"]
+    assert honest > 1.0 and f"at ε = {up(honest, 4)}" in card["title"]

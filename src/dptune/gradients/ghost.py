@@ -1,40 +1,13 @@
-"""Ghost norms and book-keeping: per-sample gradient norms and weighted sums without
-materialising a [B, #params] tensor, from one forward and one backward pass.
-
-Every supported layer computes ``out = f(a; θ)`` and its per-sample parameter gradient is a
-bilinear function of the layer input a_i and the output gradient b_i = ∂ℓ_i/∂out_i, which
-one ordinary backward pass of Σ_i ℓ_i yields for all i at once (ℓ_i depends on example i
-only: no layer mixes examples, see ``oracle.check_model``). Notation: a_i ∈ R^{T×d},
-b_i ∈ R^{T×p} with T the number of positions (tokens, pixels) sharing the weight.
-
-* Linear, W ∈ R^{p×d}: G_i = b_iᵀ a_i (GPT-2's Conv1D: the same, transposed).
-    - T = 1: ‖G_i‖² = ‖a_i‖²‖b_i‖² (rank one).
-    - ghost norm (Goodfellow 2015; Li et al. 2022): ‖G_i‖² = Σ_{t,s} (a_i a_iᵀ)_{ts}(b_i b_iᵀ)_{ts},
-      O(T²(d+p)) per example, used when cheaper than the direct O(Tpd) product (Bu et al.'s
-      mixed choice; the direct Ĝ_i kept when they fit, else their norms chunk by chunk).
-    - book-keeping (Bu et al. 2023): Σ_i w_i G_i = (diag(w) b)ᵀ a over all rows: ONE matrix
-      product, the cost of an ordinary weight gradient; no second backward pass.
-  Bias: g_i = Σ_t b_{i,t}.
-* Conv2d: the same with a_i = unfold(x_i) ∈ R^{T×(C_in k_h k_w)} (im2col) and T = H_out W_out;
-  kept per-sample gradients come from the grouped convolution backward (CPU) or from patches
-  and one batched GEMM (CUDA, ``use_unfold_products``); the weighted sum is w @ G when G was
-  small enough to keep, else recomputed chunk by chunk (case (e)) or over unfolded chunks (c).
-* ConvTranspose2d: roles swapped: G_i = a_iᵀ unfold(b_i) with the layer's kernel geometry.
-* Embedding: G_i = Σ_t e_{idx_t} b_{i,t}ᵀ; ‖G_i‖² = Σ_{t,s} 1[idx_t = idx_s] b_t·b_s;
-  weighted sums by ``index_add``.
-* LayerNorm / GroupNorm: G_i = Σ_positions b_i ∘ x̂_i (x̂ the normalised input), kept
-  per sample (they are C numbers per example).
-
-Anything else with trainable parameters (or a supported layer called twice per forward, on
-an input without the batch first, or an in-place change of a captured tensor) makes the whole model fall back to vmap; see
-``unsupported_reason`` and ``oracle.GradientOracle``. The rest of the path (support check, capture
-of a forward, the rules' interface, the kept rules, the sums' reuse) is in ``ghost_layers``.
+"""Ghost norms and book-keeping: per-sample gradient norms and weighted sums without materialising a
+[B, #params] tensor, from one forward and one backward pass: per layer, the input a_i and the output gradient
+b_i = ∂ℓ_i/∂out_i (one ``autograd.grad`` of Σ_i ℓ_i), then the layer's rule (Linear and GPT-2's Conv1D: rank
+one, direct or Gram form; convolutions; Embedding; LayerNorm / GroupNorm / RMSNorm). The rules, their costs and
+references: docs/performance.md §1; the capture and the rules' interface: ``ghost_layers``. A model with another
+trainable layer (or a layer called twice, on an input without the batch first) falls back to vmap.
 
 **Norms are upper bounds**: ``GhostGrads.norms`` returns N_i such that what ``weighted_sum`` releases for
-example i with weight w has norm ≤ |w|·N_i whatever the rounding, per layer by cases (a) stored per-sample
-tensors, (b) Linear with T = 1, (c) Gram forms, (d) Embedding, (e) convolutions recomputed; combined by
-``norm_bounds.upper_norms``, summed across examples in float64. Derivation and the cases' bounds:
-docs/privacy.md, items 1 ("The cases, as the code names them") and 1b.
+example i with weight w has norm ≤ |w|·N_i whatever the rounding, per layer by cases (a)–(e), combined by
+``norm_bounds.upper_norms``, summed across examples in float64: docs/privacy.md, items 1 and 1b.
 """
 
 from __future__ import annotations

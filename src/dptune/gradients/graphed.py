@@ -1,15 +1,8 @@
-"""CUDA graphs of the ghost path: a run alone on a GPU is host-bound (a transformer's DP step queued
-~1,300 kernels from Python in 55 ms for 18 ms of GPU work), so the forward, backward, rules and norms
-are captured once as one graph, the weighted sum as a second, and both are replayed each step.
-
-A graph has fixed shapes, so a Poisson batch of B rows is padded to the captured size P ≥ B with
-copies of its first row, whose weights are 0 (docs/privacy.md, item 11): each real row's
-gradient is computed as before (the isolation probe vouches that rows do not mix, and a model whose
-loss depends on the batch size is refused), a padded row adds 0·g = 0 exactly, so the release is
-the unpadded one up to float64 summation order. A non-finite norm anywhere, padding included, makes
-the step run eagerly (nothing is released from the replay). A batch larger than P is captured
-again at its own size; a probed step and any model the capture refuses (a host read inside: e.g.
-float32 Gram forms on a GPU without fast float64) run eagerly. ``DPTUNE_CUDA_GRAPHS=0`` turns graphs off.
+"""CUDA graphs of the ghost path: a run alone on a GPU is host-bound, so the forward, backward, rules and norms
+are captured once as one graph, the weighted sum as a second, and both replayed each step. A Poisson batch of B
+rows is padded to the captured size P ≥ B with copies of its first row at weight 0 (a padded row adds 0·g = 0
+exactly: docs/privacy.md, item 11). A non-finite norm, a probed step, a batch larger than P or a capture the
+model refuses (a host read inside) run eagerly; ``DPTUNE_CUDA_GRAPHS=0`` turns graphs off.
 """
 
 from __future__ import annotations

@@ -168,18 +168,24 @@ def ieee_matmul(device: torch.device) -> Iterator[None]:
     operands and, on CUDA, cuDNN convolutions without TF32 (PyTorch's default there) and cuBLAS sums of
     half products without reduced-precision partial sums (they can overflow), which the bounds on a release
     assume. Determinism is not forced (only ghost case (e) needs it, and sets it itself): the model's own
-    passes keep cuDNN's fastest kernels (docs/privacy.md, item 1).
+    passes keep cuDNN's fastest kernels (docs/privacy.md, item 1). Also off: nn.MultiheadAttention's fast path,
+    whose nested tensors one example's padding switches on for the whole batch (found in review: 2.8·C).
     """
-    with _ieee_matmul(device), _exact_cuda(device):
-        yield
+    mha = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with _ieee_matmul(device), _exact_cuda(device):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(mha)
 
 
 _ALLOW = "allow_fp16_accumulation allow_fp16_reduced_precision_reduction allow_bf16_reduced_precision_reduction"
 _MM, _DNN = torch.backends.cuda.matmul, torch.backends.cudnn
-# What torch has of: cuBLAS's reduced-precision sums of half products, each with its split-K half (a bool set resets
-# it); cuDNN's per-operator precisions (torch ≥ 2.9).
+# What torch has of cuBLAS's reduced-precision sums of half products, each with its split-K half (a bool set resets
+# it); cuDNN's per-operator precisions.
 _REDUCED = [(f, hasattr(_MM, f + "_split_k")) for f in _ALLOW.split() if hasattr(_MM, f)]
-_DNN_OPS: list[Any] = [op for op in (getattr(_DNN, n, None) for n in ("conv", "rnn")) if hasattr(op, "fp32_precision")]
+_DNN_OPS: list[Any] = [getattr(_DNN, op) for op in ("conv", "rnn")]
 
 
 @contextmanager
@@ -216,18 +222,7 @@ def _exact_cuda(device: torch.device) -> Iterator[None]:
 @contextmanager
 def _ieee_matmul(device: torch.device) -> Iterator[None]:
     be: Any = torch.backends.cuda.matmul if device.type == "cuda" else getattr(torch.backends.mkldnn, "matmul", None)
-    old = getattr(be, "fp32_precision", None)
-    if old is None:  # torch before the per-backend API (2.9): the legacy global switch
-        legacy = torch.get_float32_matmul_precision()
-        if legacy == "highest":
-            yield
-            return
-        torch.set_float32_matmul_precision("highest")
-        try:
-            yield
-        finally:
-            torch.set_float32_matmul_precision(legacy)
-        return
+    old = getattr(be, "fp32_precision", "ieee")  # as resolved (an inherited 'tf32' too); torch ≥ 2.9
     if old in ("none", "ieee"):
         yield
         return

@@ -1,16 +1,8 @@
-"""Per-sample gradients with ``torch.func`` (``functional_call`` + ``vmap(grad)``).
-
-Strategies never touch raw per-sample tensors. They ask a ``PerSampleGrads`` for
-the per-sample norms ‖g_i‖ and for weighted sums Σ_i w_i g_i (clipping, OSO's
-q-query and plain sums are all weighted sums). That is the seam where a
-ghost-norm / book-keeping implementation (no materialised per-sample gradients)
-replaces the vmap one without touching any strategy.
-
-``GradientOracle(..., method=)`` picks the implementation: ``'vmap'`` (materialised
-per-sample gradients, any model; one example at a time where vmap cannot run it), ``'ghost'`` (``dptune.gradients.ghost``: ghost norms and
-book-keeping from one backward pass; Linear, Conv1d/2d, ConvTranspose2d, Embedding,
-LayerNorm, GroupNorm) or ``'auto'`` (ghost when the model allows it, else vmap). The
-default comes from ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_METHOD``; ``set_default_method``).
+"""Per-sample gradients with ``torch.func`` (``functional_call`` + ``vmap(grad)``). Strategies never touch raw
+per-sample tensors: they ask a ``PerSampleGrads`` for norms ‖g_i‖ and weighted sums Σ_i w_i g_i, the seam where
+the ghost path replaces vmap. ``GradientOracle(..., method=)``: ``'vmap'`` (any model; one example at a time
+where vmap cannot run it), ``'ghost'`` (``dptune.gradients.ghost``) or ``'auto'`` (ghost on trusted code the
+ghost rules cover, else vmap); default ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_METHOD``; ``set_default_method``).
 """
 
 from __future__ import annotations
@@ -19,7 +11,7 @@ import math
 import os
 import random
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -93,6 +85,22 @@ OWN_CODE = {  # your forward, where the ghost path could otherwise run it (docs/
 }
 
 
+def _rows_alone(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A user loss on each row alone: vmapped (its random draws per row), else row by row where vmap refuses it
+    (a Python branch on a value): never on the batch (``own.user_loss``)."""
+    vmapped, looped = torch.vmap(loss_fn, randomness="different"), [False]
+
+    def losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not looped[0]:
+            try:
+                return vmapped(out, y)
+            except RuntimeError:
+                looped[0] = True
+        return torch.stack([loss_fn(o, t) for o, t in zip(out, y, strict=True)])
+
+    return losses
+
+
 class GradientOracle:
     """Computes per-example losses and gradients of ``model`` at given parameters.
 
@@ -122,7 +130,7 @@ class GradientOracle:
         # The [B] losses without vmap for the built-in losses (vmapping the per-example loss
         # costs more than the loss itself on small models: docs/performance.md §1).
         # A user loss is vmapped over single examples (``own.user_loss`` says why).
-        self._batched_loss = batched_loss(loss) if isinstance(loss, str) else torch.vmap(self.loss_fn)
+        self._batched_loss = batched_loss(loss) if isinstance(loss, str) else _rows_alone(self.loss_fn)
         self._scratch = ScratchBuffers(model)
         self.buffers = self._scratch.originals  # never passed to a forward: copies are (ScratchBuffers)
         self._refused: ConfigError | None = None
@@ -230,7 +238,11 @@ class GradientOracle:
             try:
                 with self._scratch() as buffers:
                     return self._per_sample(params, buffers, x, y)
+            except torch.OutOfMemoryError:
+                raise ConfigError("per-example gradients ran out of memory. Fix: chunk_size=... (e.g. 16).") from None
             except (RuntimeError, ValueError) as exc:
+                if isinstance(exc, ConfigError):  # a refusal from inside (a buffer write): as it is
+                    raise
                 # functorch refuses most in-place writes to a buffer (a batched value into an
                 # unbatched tensor); a plain forward tells whether that was it, in one line. Any other
                 # refusal (data-dependent control flow, nn.GRU's shapes) is retried one example at a time.

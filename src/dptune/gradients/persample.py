@@ -56,6 +56,7 @@ def global_module_hooks() -> tuple[tuple[Any, ...], ...]:
 # DP-ZO's batched losses) run only on models made of it; your own forward runs one example at a time,
 # unless its class declares ``dptune_rowwise = True`` (your word, still probed: docs/privacy.md).
 TRUSTED_CODE = ("torch.", "transformers.", "peft.", "dptune.")
+UNTRUSTED = ("torch.fx", "torch.export", "torch.jit", "torch._dynamo")  # they run a graph traced from your code
 
 
 def own_code(model: nn.Module) -> str | None:
@@ -64,9 +65,14 @@ def own_code(model: nn.Module) -> str | None:
     if any(global_module_hooks()):
         return "global module hooks"
     for name, mod in model.named_modules():
-        where = getattr(type(mod).forward, "__module__", None) or ""
-        trusted = where.startswith(TRUSTED_CODE) or getattr(type(mod), "dptune_rowwise", False) is True
-        if "forward" in vars(mod) or any(getattr(mod, h, None) for h in MODULE_HOOKS) or not trusted:
+        where = type(mod).__module__ or ""  # the class's own: a subclass of yours may override any method
+        declared = getattr(type(mod), "dptune_rowwise", False) is True
+        trusted = where.startswith(TRUSTED_CODE) and not where.startswith(UNTRUSTED) or declared
+        if (
+            not trusted
+            or {"forward", "_call_impl"} & set(vars(mod))
+            or any(getattr(mod, h, None) for h in MODULE_HOOKS)
+        ):
             return f"{type(mod).__qualname__} ('{name or 'the model'}'): your own forward or hooks"
     return None
 
@@ -90,6 +96,9 @@ def check_model(model: nn.Module) -> None:
                 "with the model. Fix: build it with track_running_stats=False, or use nn.GroupNorm / "
                 "nn.LayerNorm."
             )
+        if getattr(mod, "max_norm", None) is not None:  # renormalises its weight's rows in place: the batch's tokens
+            raise ConfigError(f"{where} has max_norm set: it rescales the rows of the tokens in each private batch "
+                              "in place, without noise. Fix: max_norm=None.")  # fmt: skip
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("the model has no trainable parameters (requires_grad=True).")
 
@@ -254,6 +263,9 @@ class ScratchBuffers:
     def __init__(self, model: nn.Module):
         self.model = model
         self._refused: ConfigError | None = None
+        self._frozen: list[nn.Parameter] = []
+        self._print: torch.Tensor | None = None
+        self._calls = 0
         self._refresh()
 
     def _refresh(self) -> None:
@@ -261,8 +273,10 @@ class ScratchBuffers:
         self.originals: Tensors = dict(self.model.named_buffers())
         self._slots = [(mod, b, t) for mod in self.model.modules() for b, t in mod._buffers.items() if t is not None]
         self.passthrough = _data_independent_buffers(self.model) if self.originals else set()
-        self._frozen = [p for p in self.model.parameters() if not p.requires_grad]
-        self._print, self._calls = self._fingerprint(), 0
+        frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        if [id(p) for p in frozen] != [id(p) for p in self._frozen]:  # else keep the run's baseline
+            self._frozen, self._calls = frozen, 0
+            self._print = self._fingerprint()
 
     def _fingerprint(self) -> torch.Tensor | None:
         """The frozen parameters' float64 sums and norms: a write through ``.data`` moves no version counter."""
@@ -270,11 +284,12 @@ class ScratchBuffers:
             two = [torch.stack([p.sum(dtype=torch.float64), p.norm(dtype=torch.float64)]).cpu() for p in self._frozen]
         return torch.stack(two) if two else None
 
-    def check_frozen(self) -> None:
-        """Refuse a frozen parameter written without autograd seeing it (``p.data.mul_``: found in review)."""
-        now = self._fingerprint()
-        if now is not None and not torch.allclose(now, self._print, rtol=0, atol=0, equal_nan=True):  # type: ignore[arg-type]
-            moved = [n for (n, _), a, b in zip(self._frozen_names(), now, self._print, strict=True) if not a.equal(b)]  # type: ignore[arg-type]
+    def check_frozen(self, before: torch.Tensor | None = None) -> None:
+        """Refuse a frozen parameter written without autograd seeing it (``p.data.mul_``: found in review), against
+        ``before`` (a private forward's start: your own changes between steps stay yours), else the run's start."""
+        now, then = self._fingerprint(), self._print if before is None else before
+        if now is not None and then is not None and not torch.allclose(now, then, rtol=0, atol=0, equal_nan=True):
+            moved = [n for (n, _), a, b in zip(self._frozen_names(), now, then, strict=True) if not a.equal(b)]
             self._refuse(moved, "frozen parameter(s)")
 
     def _current(self) -> None:
@@ -288,6 +303,9 @@ class ScratchBuffers:
         self._current()
         generation = _BUFFER_GENERATION[0]
         frozen = [_version(p) for p in self._frozen]
+        self._calls += 1  # the frozen values compared around forwards 1, 2, 4, …, then every 64th
+        due = self._calls & (self._calls - 1) == 0 or self._calls % 64 == 0
+        start = self._fingerprint() if due else None
         if not self.originals:
             yield self.originals
         else:
@@ -309,9 +327,8 @@ class ScratchBuffers:
                 self._refuse(written)
         if generation != _BUFFER_GENERATION[0]:
             self._refuse_new()
-        self._calls += 1
-        if self._calls & (self._calls - 1) == 0 or self._calls % 64 == 0:  # calls 1, 2, 4, …, then every 64th
-            self.check_frozen()
+        if due:
+            self.check_frozen(start)
         if any(_version(p) != v for p, v in zip(self._frozen, frozen, strict=True)):
             moved = [n for (n, p), v in zip(self._frozen_names(), frozen, strict=True) if _version(p) != v]
             self._refuse(moved, "frozen parameter(s)")

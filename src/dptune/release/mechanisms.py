@@ -1,23 +1,10 @@
-"""The single place where noise is added to private statistics.
+"""The single place where noise is added to private statistics (a test greps the tree to keep it so).
 
-``NoisyRelease.release`` takes one or more *sum queries* computed on the same
-Poisson-sampled batch, records their joint ``DpEvent`` in the ledger, and only then
-draws and adds the Gaussian noise. No other module adds privacy noise; a test
-greps the source tree to keep it that way.
-
-Accounting of a joint release: query i has L2 sensitivity s_i (add/remove one
-example) and noise std σ_i = ν_i·s_i; the tuple is one Gaussian mechanism of
-multiplier ν = (Σ ν_i⁻²)^(-1/2) (see ``accounting.joint_noise_multiplier``). The event
-is ``PoissonSampledDpEvent(q, GaussianDpEvent(ν))``, or a plain Gaussian at q = 1.
-
-Deferred noise (``SumQuery(..., deferred=True)``): the event is recorded as for an ordinary
-query, but the release returns a ``DeferredSum`` handle; ``NoisyRelease.project`` draws the one
-scalar ⟨Z, v⟩ a consumer reads (OSO's exp/additive rules), once per handle; ``materialize`` the
-full vector. Why the law is unchanged: docs/privacy.md, "Deferred noise".
-
-Numerics (docs/privacy.md, item 1b): weighted sums arrive as float64 accumulators
-(``tree.Accumulated``) and are rounded to the parameters' dtype only after the noise is added;
-in secure mode the noise is float64 and the noisy value is snapped to a power-of-two grid.
+``NoisyRelease.release`` takes the sum queries of one Poisson batch, records their joint ``DpEvent`` (one
+Gaussian of multiplier ν = (Σ ν_i⁻²)^(-1/2), ``accounting.joint_noise_multiplier``) in the ledger, and only
+then draws and adds the noise. Deferred queries return a ``DeferredSum``: ``project`` draws the one scalar a
+rule reads, ``materialize`` the vector (docs/privacy.md, "Deferred noise"). Sums arrive in float64
+(``tree.Accumulated``) and are rounded after the noise; secure mode snaps to a grid (docs/privacy.md, item 1b).
 """
 
 from __future__ import annotations

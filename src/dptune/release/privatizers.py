@@ -1,24 +1,11 @@
-"""Privatizers: the only code that reads per-sample gradients.
-
-A privatizer turns one step's per-sample gradients into a *released* value: it clips, builds
-the sum queries and passes them through the run's gateway (``NoisyRelease``), which records
-the event in the ledger before drawing noise. What it returns (``Released``) is noisy, so
-everything downstream — an update rule (``dptune.updates``), a torch optimizer, the user's
-code — is post-processing and costs no privacy (jax_privacy's ``chain(privatizer,
-optimizer)``). A privatizer may adapt its own clipping threshold, but only from values it
-has released.
-
-* ``FixedClip(C)``: Σ clip_C(g_i) + N(0, ν²C²I)                                  (Abadi et al. 2016)
-* ``QuantileClip``: C_t tracks the γ-quantile of the norms (Andrew et al. 2021), a second
-  query (the unclipped count) sharing ν;
-* ``OSOClip``: C_t learned online by the hypergradient sign rule (Galli et al. 2024), a
-  second query q̃ sharing ν (Proposition 1);
-* ``ZerothOrderClip``: DP-ZO (Tang et al. 2024): per-example finite differences along a random
-  direction z, clipped to [−C, C], summed, one noisy scalar; released as (s̃/L)·z;
-* ``NonPrivate``: the plain batch-mean gradient, recorded as a non-private event (ε = ∞).
-
-Every private privatizer makes ONE joint Gaussian release of multiplier ν per step; the
-strategy's ``planned_event`` relies on that.
+"""Privatizers: the only code that reads per-sample gradients. Each turns one step's per-sample gradients
+into a *released* value: it clips, builds the sum queries and passes them through the run's gateway
+(``NoisyRelease``: the ledger first, then the noise). Everything downstream of ``Released`` (an update rule, a
+torch optimizer, your code) is post-processing (jax_privacy's ``chain(privatizer, optimizer)``); a privatizer
+adapts its threshold from its own releases only. ``FixedClip`` (Abadi et al. 2016), ``QuantileClip`` (Andrew
+et al. 2021), ``OSOClip`` (Galli et al. 2024, Proposition 1), ``ZerothOrderClip`` (DP-ZO, Tang et al. 2024) and
+``NonPrivate`` (ε = ∞): docs/strategies.md. Every private privatizer makes ONE joint Gaussian release of
+multiplier ν per step; the strategy's ``planned_event`` relies on that.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -111,7 +112,11 @@ def exponentials(
 def secure_forward_rng() -> None:
     """torch's generators (a forward's dropout masks) seeded from the OS CSPRNG at each secure step: a
     mask known to whoever knows a ``torch.manual_seed`` would let one example move the others' (privacy.md)."""
-    torch.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    torch.manual_seed(int.from_bytes(os.urandom(8), "little"))  # the CPU generator keeps 32 bits of it; CUDA's 64
+    (
+        np.random.seed(int.from_bytes(os.urandom(4), "little")),
+        random.seed(os.urandom(32)),
+    )  # masks drawn by numpy (HF audio)
 
 
 class PoissonSampler:

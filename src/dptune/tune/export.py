@@ -21,7 +21,7 @@ from dptune.deliverable import (
     write_model,
 )
 from dptune.errors import ConfigError
-from dptune.outputs import DIAGNOSTICS_DIR, hides_run_count, labelled_json, randomness_statement, release_dir
+from dptune.outputs import DIAGNOSTICS_DIR, hides_run_count, labelled_json, randomness_statement, release_dir, up
 from dptune.release.ledger import Ledger
 from dptune.tune import results
 from dptune.tune.records import ArmPlan, RunSpec
@@ -144,11 +144,11 @@ def _card(
             0,
             f"the selected configuration and checkpoint: chosen on the mean of {seeds} seed replicates' scores "
             "while one replicate's runs are accounted (account_seeds = false); only their composition covers it: "
-            f"ε = {row['selection_epsilon']:.4g}",
+            f"ε = {up(row['selection_epsilon'], 4)}",
         )
     return {
         # the guarantee's ε: an oracle arm's target ε is per run, not its model's (found in review)
-        "title": f"{a.label} at ε = {row['planned_epsilon']:.4g} ({cfg.get('study', {}).get('name', 'study')})",
+        "title": f"{a.label} at ε = {up(row['planned_epsilon'], 4)} ({cfg.get('study', {}).get('name', 'study')})",
         "dptune_version": dptune_version(),
         "arm": a.arm,
         "guarantee": guarantee,

@@ -22,6 +22,7 @@ from dptune.outputs import (
     release_dir,
     split_arm_notes,
     terminal_console,
+    up,
     write_csv_rows,
     write_labelled_csv,
 )
@@ -112,7 +113,7 @@ def release_guarantee(plan: StudyPlan) -> tuple[float, float] | None:
 def release_note(plan: StudyPlan) -> str | None:
     """The line that says what covers release/ published whole (``release_guarantee``), or None."""
     w = release_guarantee(plan)
-    return None if w is None else f"release/ as a whole (all its procedures published together) is ({w[0]:.4g}, {w[1]:.2g})-DP; each card's guarantee covers its own model alone."  # fmt: skip
+    return None if w is None else f"release/ as a whole (all its procedures published together) is ({up(w[0], 4)}, {w[1]:.2g})-DP; each card's guarantee covers its own model alone."  # fmt: skip
 
 
 def load_study(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[dict[str, Any]], list[LedgerEntry]]:
@@ -199,6 +200,15 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
     return per_run, per_label
 
 
+def _selection_epsilon(arm: ArmPlan, plan: StudyPlan, across: str, cfg: Mapping[str, Any]) -> float:
+    """The ε that covers the arm's selection: stored by the planner, else (a study planned before it was)
+    all seeds' runs composed where a composition arm averages unaccounted seeds (found in review)."""
+    stored, g = arm.guarantee.get("selection_epsilon"), arm.guarantee
+    mixed = across == "mean" and not cfg.get("budget", {}).get("account_seeds") and g.get("kind") == "composition"
+    every = compose((plan.runs[r].planned_event, 1) for r in arm.runs)
+    return stored if stored is not None else event_epsilon(every, arm.delta, arm.accountant) if mixed else g["epsilon"]
+
+
 # ----------------------------------------------------------------------------- selection table
 def _selected(
     arm: ArmPlan, plan: StudyPlan, runs: dict[str, dict[str, Any]], across: str
@@ -249,7 +259,7 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
                 "planned_epsilon": arm.guarantee["epsilon"],
                 "planned_delta": arm.guarantee["delta"],
                 # what covers the selected configuration (> planned where it averages unaccounted seeds)
-                "selection_epsilon": arm.guarantee.get("selection_epsilon", arm.guarantee["epsilon"]),
+                "selection_epsilon": _selection_epsilon(arm, plan, across, cfg),
                 "spent_epsilon": sp[0],
                 "spent_delta": sp[1],
                 "guarantee_per": arm.guarantee.get("per", "study"),
@@ -382,7 +392,7 @@ def metric_text(m: float | None, s: float | None, metric: str) -> str:
 
 
 def _e(x: float) -> str:
-    return "∞" if not math.isfinite(x) else f"{x:.3g}"
+    return up(x)
 
 
 def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = False) -> None:

@@ -336,7 +336,7 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
             raise ConfigError(
                 f"the study's data is not the one it was planned on: {data.n_train} training and {data.n_val} "
                 f"validation examples now, {plan.n_train} and {plan.n_val} planned (q and the guarantee assume "
-                "them). Fix: restore the data (a relative path is read from the study file's folder)."
+                "them). Fix: restore the data it was planned on."
             )
         return store, plan
     try:

@@ -12,6 +12,7 @@ from dp_accounting import dp_event
 
 from dptune import accounting
 from dptune.errors import config_error
+from dptune.outputs import up
 from dptune.tune.builder import Builder, guarantee_scope, make_arm_id, seed_note
 from dptune.tune.methods.base import TuningMethod, random_configurations
 from dptune.tune.records import ArmPlan, calibrate_nu, choose_accountant, group_events
@@ -83,12 +84,12 @@ class Composition(TuningMethod):
         mixed = not per_seed and groups != [proc_of]
         whole = accounting.epsilon(accounted(proc_of, lambda p, j: nus[p][j]), delta, acc) if mixed else total
         if whole != total:
-            notes.append(f"the selection's own guarantee, all {S_} seeds' runs composed: ε = {whole:.4g}.")
+            notes.append(f"the selection's own guarantee, all {S_} seeds' runs composed: ε = {up(whole, 4)}.")
         if alone:
             notes.insert(
                 0,
                 f"oracle: every run alone is ({eps:g}, {delta:g})-DP; the HPO cost is NOT included "
-                f"in ε = {eps:g} (Panda et al.'s grid-search baseline). The honest total is {total:.4g}.",
+                f"in ε = {eps:g} (Panda et al.'s grid-search baseline). The honest total is {up(total, 4)}.",
             )
         guarantee = {
             "kind": "composition",
