@@ -361,7 +361,10 @@ def write_train_outputs(
     """Write ``dptune train``'s release JSON to ``out`` and its diagnostics JSON to ``diagnostics``
     (``train_outputs(result, **context)``); return the release. ``label_folder``: ``diagnostics``
     is in the default diagnostics/ folder, which gets its README.txt (the label)."""
-    from dptune.deliverable import save_text  # atomic: an --overwrite interrupted keeps the old file whole
+
+    def save_text(path: Path, text: str) -> None:  # atomic: an --overwrite interrupted keeps the old file whole
+        (tmp := path.with_name(f".{path.name}.part")).write_text(text)
+        os.replace(tmp, path)
 
     release, diag = train_outputs(result, **context)
     out.parent.mkdir(parents=True, exist_ok=True)
