@@ -430,6 +430,7 @@ def test_demo_writes_report_and_prints_table(monkeypatch, tmp_path):
     assert all(r["value_mean"] is not None and 0.0 <= r["value_mean"] <= 1.0 for r in rows)
     printed = console.file.getvalue()
     assert "dpsgd" in printed and "Traceback" not in printed
+    assert "release/ as a whole (all its procedures published together) is (" in printed  # ε 3 and 8 together
     assert EPSILONS == (3.0, 8.0)
     # The NoDP ceiling (ε = ∞, exact scores of the private data) is in no file under release/: no
     # row, no score in any form the outputs write it; the labelled diagnostics have it.

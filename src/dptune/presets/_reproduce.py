@@ -26,7 +26,7 @@ from dptune.presets._catalog import get_preset
 from dptune.presets._common import Part, check_scale, ensure_dir, eps_text
 from dptune.presets._demo import demo_study
 from dptune.report.html import FigureRef, Section, Table, write_report
-from dptune.tune import run_study, study_from_dict
+from dptune.tune import results, run_study, study_from_dict
 from dptune.tune.executors import check_workers
 from dptune.tune.results import metric_text, private_rows, release_rows, render, render_nonprivate
 from dptune.tune.store import Store
@@ -285,6 +285,7 @@ def demo(
     )
     console.print(f"\nreport: {html}")
     console.print(publish_note(out), highlight=False)
+    console.print(results.release_note(results.load_study(out)[1]) or "", highlight=False)  # arms published together
     # The run time grows with the realised batch sizes: a diagnostic, printed under the label.
     console.print(f"[dim]run time ({NOT_DP_LABEL}): {time.perf_counter() - t0:.0f} s[/dim]", highlight=False)
     return out
