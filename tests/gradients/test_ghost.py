@@ -144,12 +144,31 @@ def test_ghost_equals_vmap_on_one_batch(name: str) -> None:
     _compare(model, x, y, loss, rtol=1e-5, atol=1e-6)
 
 
+def _yours(model: nn.Module) -> nn.Module:
+    """The model as a class of yours, not declared row-wise: its forward runs under vmap."""
+    model.__class__ = type("Yours", (type(model),), {"dptune_rowwise": False})
+    return model
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no fallback: the row-wise ghost path itself
+@pytest.mark.parametrize("name", ["seq", "geometry", "galli_autoencoder", "bce", "frozen"])
+def test_your_forward_takes_the_ghost_path_under_vmap(name: str) -> None:
+    """The ghost rules on each example's layer inputs and output gradients computed alone (vmap of a vjp):
+    the same losses, norms, sums and gradients as the vmap path, for 'auto' and 'ghost' alike."""
+    torch.manual_seed(0)
+    model, x, y, loss = case(name, torch.Generator().manual_seed(3))
+    oracle = GradientOracle(_yours(model), loss)
+    assert oracle.method == "ghost" and oracle._ghost.rowwise
+    _compare(model, x, y, loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("yours", [False, True])
 @pytest.mark.parametrize("name", ["seq", "geometry"])
-def test_ghost_equals_vmap_in_float64(name: str) -> None:
+def test_ghost_equals_vmap_in_float64(name: str, yours: bool) -> None:
     """In double precision the two paths agree to ~1e-12: the maths is the same, not approximately."""
     torch.manual_seed(0)
     model, x, y, loss = case(name, torch.Generator().manual_seed(2))
-    model = model.double()
+    model = _yours(model.double()) if yours else model.double()
     x = x.double() if x.is_floating_point() else x
     y = y.double() if y.is_floating_point() else y
     _compare(model, x, y, loss, rtol=1e-10, atol=1e-12)

@@ -488,33 +488,32 @@ class Rescale(nn.Module):
 
 
 def test_a_batch_level_branch_of_your_forward_cannot_move_the_other_rows() -> None:
-    """Found in review: on the ghost path (auto's choice then) a branch that one outlier switches on passed
-    the probe and moved the released sum by 5–23·C. 'auto' now runs a forward of yours one example at a
-    time, where the branch sees its own row; declared row-wise (wrongly), the ghost path shows the leak."""
+    """Found in review: on the batched ghost path a branch that one outlier switches on passed the probe and
+    moved the released sum by 5–23·C. A forward of yours now runs under vmap, the ghost path's too (asked for
+    by name or not), where the branch sees its own row; declared row-wise (wrongly), the batched path leaks."""
     from dptune.gradients.oracle import GradientOracle
 
     torch.manual_seed(0)
     x, y = torch.rand(8, 4), torch.randint(0, 3, (8,))
+    bad = x.clone()
+    bad[7] = 200.0
     out = {}
-    for declared in (False, True):
+    for declared, method in ((False, "auto"), (False, "ghost"), (True, "auto")):
         model = type("Declared", (Rescale,), {"dptune_rowwise": True})() if declared else Rescale()
         params = {k: p.detach() for k, p in model.named_parameters()}
-        oracle = GradientOracle(model)
+        oracle = GradientOracle(model, method=method)
         clean = oracle(params, x[:7], y[:7]).norms  # the first call probes: it passes (no outlier)
-        bad = x.clone()
-        bad[7] = 200.0
-        out[declared] = (oracle.method, clean, oracle(params, bad, y).norms[:7])
-    method, clean, with_outlier = out[False]
-    assert method == "vmap" and torch.allclose(with_outlier, clean)  # each row alone: untouched
-    method, clean, with_outlier = out[True]
-    assert method == "ghost" and not torch.allclose(with_outlier, clean)  # why your forward is not trusted
-    model, bad = Rescale(), x.clone()
-    bad[7] = 200.0
+        out[declared, method] = (oracle.method, oracle._ghost.rowwise, clean, oracle(params, bad, y).norms[:7])
+    for method in ("auto", "ghost"):
+        got, rowwise, clean, with_outlier = out[False, method]
+        assert (got, rowwise) == ("ghost", True) and torch.allclose(with_outlier, clean)  # each row alone
+    got, rowwise, clean, with_outlier = out[True, "auto"]
+    assert (got, rowwise) == ("ghost", False) and not torch.allclose(with_outlier, clean)  # why yours is not trusted
+    model = Rescale()
     params = {k: p.detach() for k, p in model.named_parameters()}
-    zo = GradientOracle(model)  # DP-ZO's losses: per row too, probe or not
-    assert torch.equal(zo.losses(params, bad, y)[:7], zo.losses(params, x[:7], y[:7]))
-    with pytest.warns(RuntimeWarning, match="method='ghost' on Rescale"):
-        GradientOracle(model, method="ghost")  # your word: allowed, with the warning
+    for method in ("auto", "ghost"):  # DP-ZO's losses: per row too, probe or not
+        zo = GradientOracle(model, method=method)
+        assert torch.equal(zo.losses(params, bad, y)[:7], zo.losses(params, x[:7], y[:7]))
 
 
 def test_trust_is_the_class_own_module_and_graph_interpreters_are_not_trusted() -> None:

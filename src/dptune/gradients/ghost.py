@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import vjp, vmap
 
 from dptune import inputs
 from dptune.gradients.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTED, unsupported_reason: re-exported
@@ -500,11 +502,17 @@ class GhostGrads(LayerGrads):
 # ----------------------------------------------------------------------------- the engine
 class GhostEngine:
     """One forward pass recording the inputs and outputs of supported layers, one backward pass of
-    Σ_i ℓ_i to their outputs (no parameter gradients are computed), then the layer rules."""
+    Σ_i ℓ_i to their outputs (no parameter gradients are computed), then the layer rules. ``rowwise``:
+    both passes run under vmap, each example alone (your forward: no batch-level branch can mix rows)."""
 
-    def __init__(self, model: nn.Module, batched_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def __init__(
+        self,
+        model: nn.Module,
+        batched_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        rowwise: bool = False,
+    ):
         """``batched_loss(out, y)`` returns the [B] per-example losses."""
-        self.model = model
+        self.model, self.rowwise = model, rowwise
         self.layers: list[tuple[nn.Module, type[nn.Module], dict[str, str]]] = []
         for name, mod in model.named_modules():
             names = {k: f"{name}.{k}" if name else k for k, p in mod.named_parameters(recurse=False) if p.requires_grad}
@@ -518,18 +526,21 @@ class GhostEngine:
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, buffers: Tensors) -> GhostGrads:
         """``buffers``: the model's buffers for this forward (``persample.ScratchBuffers``' copies)."""
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        with recording((mod for mod, _, _ in self.layers), inputs.batch_len(x)) as records:
-            losses = self._loss(self._call(ps, buffers, x), y)
+        x0, y0 = (inputs.rows(x, 0, 1), y[:1]) if self.rowwise else (x, y)
+        with recording((mod for mod, _, _ in self.layers), inputs.batch_len(x0)) as records:
+            losses = self._loss(self._call(ps, buffers, x0), y0)
         used = [(m, c, n) for m, c, n in self.layers if m in records]
-        edges = [records[m][1] for m, _, _ in used]
-        bs = list(torch.autograd.grad(losses.sum(), edges, allow_unused=True)) if edges else []
+        if self.rowwise:  # the pass above, on one example, gave the outputs' shapes
+            losses, acts, bs = self._rowwise(params, x, y, buffers, [m for m, _, _ in used], records)
+        else:
+            edges = [records[m][1] for m, _, _ in used]
+            bs = list(torch.autograd.grad(losses.sum(), edges, allow_unused=True)) if edges else []
+            acts = [records[m][0].detach() for m, _, _ in used]
         layers: list[LayerRule] = []
         for i, (m, cls, names) in enumerate(used):
-            rec = records[m]
-            assert rec is not None
-            a = rec[0].detach()
+            a, rec = acts[i], records[m]
             b = bs[i] if bs[i] is not None else torch.zeros(rec[2][0], dtype=rec[2][1], device=rec[2][2])
-            bs[i] = None  # free as we go
+            bs[i] = acts[i] = None  # free as we go
             weight = ps.get(names.get("weight", ""), getattr(m, "weight", None))
             if cls is nn.Linear or is_conv1d(m):
                 rule = LinearRule(names, a, b, weight, transposed=cls is not nn.Linear)
@@ -541,3 +552,24 @@ class GhostEngine:
             else:
                 layers.append(norm_layer_rule(names, m, a, b))
         return GhostGrads(merge_kept(layers), losses.detach(), params)
+
+    def _rowwise(self, params: Tensors, x: Any, y: torch.Tensor, buffers: Tensors, mods: list, shapes: dict) -> tuple:
+        """Each example's layer inputs and the gradients of its loss to the layers' outputs, by vmap over examples
+        of a vjp in zero shifts of the outputs: computed from that example alone, by construction."""
+        ps = {k: v.detach() for k, v in params.items()}
+        zs = [torch.zeros(shapes[m][2][0], dtype=shapes[m][2][1], device=shapes[m][2][2]) for m in mods]
+
+        def one(xi: Any, yi: torch.Tensor, zs: list[torch.Tensor]) -> tuple:
+            def shifted(zs: list[torch.Tensor]) -> tuple:
+                with recording(mods, 1, dict(zip(mods, zs, strict=True))) as records:
+                    loss = self._loss(self._call(ps, buffers, inputs.tmap(lambda t: t.unsqueeze(0), xi)), yi[None])
+                return loss.sum(), [records[m][0] for m in mods]
+
+            loss, pullback, acts = vjp(shifted, zs, has_aux=True)
+            return loss, acts, pullback(torch.ones_like(loss))[0]
+
+        try:
+            losses, acts, bs = vmap(one, in_dims=(0, 0, None), randomness="different")(x, y, zs)
+        except (RuntimeError, ValueError) as exc:  # vmap refuses the model: vmap's own fallbacks apply
+            raise GhostFallback(f"vmap cannot run it ({str(exc).splitlines()[0]})") from exc
+        return losses, [a.squeeze(1) for a in acts], [b.squeeze(1) for b in bs]

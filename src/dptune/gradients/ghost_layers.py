@@ -181,13 +181,16 @@ def norm_layer_rule(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: t
 
 
 @contextmanager
-def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module, tuple | None]]:
+def recording(
+    mods: Iterable[nn.Module], batch: int, shift: dict[nn.Module, torch.Tensor] | None = None
+) -> Iterator[dict[nn.Module, tuple | None]]:
     """Each of ``mods``' call in the block as (input, the output's autograd edge, its (shape, dtype, device),
     the input's version), by an instance-level ``forward`` wrapper (a forward hook would take
     ``Module._call_impl``'s slow path, ~25 µs a call). GhostFallback if a module was called twice, without a
     positional input whose first dimension is the ``batch``, or had its input changed in place. Ids of batch
     1 shared by the batch (HF's position ids [1, T]) are expanded to the batch first, so that each example's
-    output gradient is its own (a forward that the expansion breaks falls back)."""
+    output gradient is its own (a forward that the expansion breaks falls back). ``shift``: a tensor added to
+    each module's output (zeros: the row-wise path differentiates by it), no edge recorded."""
     records: dict[nn.Module, tuple | None] = {}
     patched: list[tuple[nn.Module, bool, object]] = []
     expanded: list[nn.Module] = []
@@ -209,6 +212,9 @@ def recording(mods: Iterable[nn.Module], batch: int) -> Iterator[dict[nn.Module,
             first, records[mod] = mod not in records, None
             if not (first and isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
                 return out
+            if shift is not None and a.dim() and out.dim() and a.shape[0] == batch == out.shape[0]:
+                records[mod] = (a, None, None, a._version)
+                return out + shift[mod]
             if a.dim() and out.dim() and a.shape[0] == batch == out.shape[0] and out.requires_grad:
                 # The output by its autograd edge, not the tensor: what the backward does not need is freed
                 # during it (the gradient is the one into the layer's own output, in-place changes after or not).

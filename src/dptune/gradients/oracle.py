@@ -76,15 +76,6 @@ def default_method(method: str) -> Iterator[None]:
         DEFAULT_METHOD = old
 
 
-OWN_CODE = {  # your forward, where the ghost path could otherwise run it (docs/privacy.md, item 21)
-    "auto": "dptune: {} runs one example at a time (vmap), so no batch-level branch in it can mix examples; "
-    "if its forward computes each row from its own row, declare `dptune_rowwise = True` on the class for the "
-    "faster ghost path.",
-    "ghost": "dptune: method='ghost' on {}: each example's gradient then rests on the isolation probe, which "
-    "cannot see a batch-level branch that one outlier switches on (docs/privacy.md, 'What the probe cannot see').",
-}
-
-
 def _rows_alone(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """A user loss on each row alone: vmapped (its random draws per row), else row by row where vmap refuses it
     (a Python branch on a value): never on the batch (``own.user_loss``)."""
@@ -146,15 +137,11 @@ class GradientOracle:
         self.fallback_reason: str | None = None
         self.alone_reason: str | None = None  # why vmap cannot run the model (then: ``_one_at_a_time``)
         # Batched forwards only on trusted code: one outlier could switch on a batch-level branch of yours past
-        # any probe (5–23·C in review); 'ghost' asked for by name still runs it, probed (docs/privacy.md).
+        # any probe (5–23·C in review); your forward runs under vmap, the ghost path's too (docs/privacy.md).
         self.own_code = own_code(model)
-        unsupported = ghost.unsupported_reason(model) if self.requested_method != "vmap" else None
-        if self.own_code is not None and self.requested_method != "vmap" and unsupported is None:
-            warnings.warn(OWN_CODE[self.requested_method].format(self.own_code), RuntimeWarning, stacklevel=3)
         if self.requested_method != "vmap":
-            reason = unsupported or (self.own_code if self.requested_method == "auto" else None)
-            if reason is None:
-                self._ghost = ghost.GhostEngine(model, self._batched_loss)
+            if (reason := ghost.unsupported_reason(model)) is None:  # your forward: the ghost path under vmap
+                self._ghost = ghost.GhostEngine(model, self._batched_loss, rowwise=self.own_code is not None)
             elif self.requested_method == "ghost":
                 raise ConfigError(
                     f"method='ghost' cannot handle this model: {reason}. Use method='auto' (falls "
@@ -171,6 +158,7 @@ class GradientOracle:
         self._per_sample = vmap(
             grad_and_value(one), in_dims=(None, None, 0, 0), randomness="different", chunk_size=chunk_size
         )
+        self._losses_alone = vmap(one, in_dims=(None, None, 0, 0), randomness="different", chunk_size=chunk_size)
 
     @property
     def method(self) -> str:
@@ -178,7 +166,7 @@ class GradientOracle:
         return "ghost" if self._ghost is not None else "vmap"
 
     def _fall_back(self, reason: str) -> None:
-        if self.requested_method == "ghost":
+        if self.requested_method == "ghost" and not self._ghost.rowwise:  # type: ignore[union-attr]
             raise ConfigError(f"method='ghost' cannot handle this model: {reason}. Use method='auto' or 'vmap'.")
         warnings.warn(f"dptune: per-sample gradients fall back to vmap ({reason}).", RuntimeWarning, stacklevel=3)
         self.fallback_reason = reason
@@ -198,7 +186,8 @@ class GradientOracle:
             )
         due = self._ghost is not None and self._due("grads", B)
         ghost_ok = self._ghost is not None and B >= self.PROBE_MIN_BATCH  # 1-2 rows: never probed, so vmap
-        if ghost_ok and not due and self._next_probe["grads"] and graphed.replayable(inputs.device_of(x)):
+        replayable = ghost_ok and not self._ghost.rowwise and graphed.replayable(inputs.device_of(x))  # type: ignore[union-attr]
+        if replayable and not due and self._next_probe["grads"]:
             if self._graphs is None:
                 self._graphs = graphed.Graphs(self._run_ghost, self.model)
             if self._graphs is not None and (replayed := self._graphs(params, x, y)) is not None:
@@ -446,8 +435,15 @@ class GradientOracle:
         if B == 0:
             return torch.zeros(0, device=dev)
         with torch.no_grad(), ieee_matmul(dev):
-            alone = self.own_code is not None and self.requested_method != "ghost"  # your forward: per row
-            if alone or not (due or self._next_probe["losses"]) or B < self.PROBE_MIN_BATCH:  # 1-2 rows: unprobed
+            if self.own_code is not None and self.alone_reason is None:  # your forward: under vmap, each row alone
+                try:
+                    with self._scratch() as buffers:
+                        return self._losses_alone(params, buffers, x, y).detach()
+                except (RuntimeError, ValueError) as exc:
+                    if isinstance(exc, ConfigError):
+                        raise
+                    self.alone_reason = str(exc).split(". ")[0]
+            if self.own_code or not (due or self._next_probe["losses"]) or B < self.PROBE_MIN_BATCH:  # unprobed
                 return torch.cat([self._plain_losses(params, inputs.rows(x, j, j + 1), y[j : j + 1]) for j in range(B)])
             first, before = not self._next_probe["losses"], self._swap_state(dev) if due else None
             out = self._plain_losses(params, x, y)

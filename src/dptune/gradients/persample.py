@@ -306,32 +306,34 @@ class ScratchBuffers:
         self._calls += 1  # the frozen values compared around forwards 1, 2, 4, …, then every 64th
         due = self._calls & (self._calls - 1) == 0 or self._calls % 64 == 0
         start = self._fingerprint() if due else None
-        if not self.originals:
-            yield self.originals
-        else:
-            before = {k: _version(v) for k, v in self.originals.items()}
-            copies = {k: v if k in self.passthrough else v.detach().clone() for k, v in self.originals.items()}
-            versions = {k: _version(v) for k, v in copies.items()}
-            yield copies
-            written = [
-                k
-                for k, v in copies.items()
-                if k not in self.passthrough
-                and (_version(v) != versions[k] or _version(self.originals[k]) != before[k] or versions[k] < 0)
-            ]
-            if written and not _same_values(self.originals, copies, written):
-                with torch.no_grad():  # a write to the model's own buffer (a backward hook): undone
-                    for k in written:
-                        if _version(self.originals[k]) != before[k] and _version(copies[k]) == versions[k] >= 0:
-                            self.originals[k].copy_(copies[k])  # the copy still holds the value from before
-                self._refuse(written)
-        if generation != _BUFFER_GENERATION[0]:
-            self._refuse_new()
-        if due:
-            self.check_frozen(start)
-        if any(_version(p) != v for p, v in zip(self._frozen, frozen, strict=True)):
-            moved = [n for (n, p), v in zip(self._frozen_names(), frozen, strict=True) if _version(p) != v]
-            self._refuse(moved, "frozen parameter(s)")
+        before = {k: _version(v) for k, v in self.originals.items()}
+        copies = {k: v if k in self.passthrough else v.detach().clone() for k, v in self.originals.items()}
+        versions = {k: _version(v) for k, v in copies.items()}
+        try:
+            yield copies if self.originals else self.originals
+        finally:  # also when the forward failed: a write before the failure is refused as such
+            self._check(copies, versions, before)
+            if generation != _BUFFER_GENERATION[0]:
+                self._refuse_new()
+            if due:
+                self.check_frozen(start)
+            if any(_version(p) != v for p, v in zip(self._frozen, frozen, strict=True)):
+                moved = [n for (n, p), v in zip(self._frozen_names(), frozen, strict=True) if _version(p) != v]
+                self._refuse(moved, "frozen parameter(s)")
+
+    def _check(self, copies: Tensors, versions: dict[str, int], before: dict[str, int]) -> None:
+        written = [
+            k
+            for k, v in copies.items()
+            if k not in self.passthrough
+            and (_version(v) != versions[k] or _version(self.originals[k]) != before[k] or versions[k] < 0)
+        ]
+        if written and not _same_values(self.originals, copies, written):
+            with torch.no_grad():  # a write to the model's own buffer (a backward hook): undone
+                for k in written:
+                    if _version(self.originals[k]) != before[k] and _version(copies[k]) == versions[k] >= 0:
+                        self.originals[k].copy_(copies[k])  # the copy still holds the value from before
+            self._refuse(written)
 
     def _frozen_names(self) -> list[tuple[str, torch.Tensor]]:
         ids = {id(p) for p in self._frozen}
