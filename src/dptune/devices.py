@@ -1,13 +1,6 @@
-"""Devices: one place that checks a device name and decides how executors use GPUs.
-
-* :func:`check_device_name` — syntax only (``cpu``, ``cuda``, ``cuda:N``, ``mps``); used when a
-  study file is read, which may happen on a driver without the GPUs of a remote Ray cluster.
-* :func:`resolve_device` — syntax and availability, where the tensors will live: ``cuda`` without
-  CUDA is a :class:`~dptune.errors.ConfigError`, never a silent run on the CPU. ``None`` means
-  automatic (CUDA when available, else CPU), the only case that picks a device for the user.
-* :func:`gpus_per_task` / :func:`process_gpu_plan` — how the Ray and process executors place runs
-  that use CUDA (documented in docs/tuning.md, "Executors and GPUs").
-"""
+"""Devices: ``check_device_name`` (syntax only: a study file may be read on a driver without a Ray cluster's
+GPUs), ``resolve_device`` (availability: ``cuda`` without CUDA is a ConfigError, never a silent CPU run; None
+is CUDA when available), and how executors place runs on GPUs (docs/tuning.md, "Executors and GPUs")."""
 
 from __future__ import annotations
 

@@ -530,17 +530,18 @@ class GhostEngine:
         with recording((mod for mod, _, _ in self.layers), inputs.batch_len(x0)) as records:
             losses = self._loss(self._call(ps, buffers, x0), y0)
         used = [(m, c, n) for m, c, n in self.layers if m in records]
+        recs = [r for m, _, _ in used if (r := records[m]) is not None]  # all: ``recording`` refuses a None
+        bs: list[torch.Tensor | None]
         if self.rowwise:  # the pass above, on one example, gave the outputs' shapes
-            losses, acts, bs = self._rowwise(params, x, y, buffers, [m for m, _, _ in used], records)
+            losses, acts, bs = self._rowwise(params, x, y, buffers, [m for m, _, _ in used], recs)
         else:
-            edges = [records[m][1] for m, _, _ in used]
-            bs = list(torch.autograd.grad(losses.sum(), edges, allow_unused=True)) if edges else []
-            acts = [records[m][0].detach() for m, _, _ in used]
+            bs = list(torch.autograd.grad(losses.sum(), [r[1] for r in recs], allow_unused=True)) if recs else []
+            acts = [r[0].detach() for r in recs]
         layers: list[LayerRule] = []
         for i, (m, cls, names) in enumerate(used):
-            a, rec = acts[i], records[m]
-            b = bs[i] if bs[i] is not None else torch.zeros(rec[2][0], dtype=rec[2][1], device=rec[2][2])
-            bs[i] = acts[i] = None  # free as we go
+            a, rec, b = acts[i], recs[i], bs[i]
+            b = b if b is not None else torch.zeros(rec[2][0], dtype=rec[2][1], device=rec[2][2])
+            bs[i] = None  # free as we go
             weight = ps.get(names.get("weight", ""), getattr(m, "weight", None))
             if cls is nn.Linear or is_conv1d(m):
                 rule = LinearRule(names, a, b, weight, transposed=cls is not nn.Linear)
@@ -553,23 +554,29 @@ class GhostEngine:
                 layers.append(norm_layer_rule(names, m, a, b))
         return GhostGrads(merge_kept(layers), losses.detach(), params)
 
-    def _rowwise(self, params: Tensors, x: Any, y: torch.Tensor, buffers: Tensors, mods: list, shapes: dict) -> tuple:
+    def _rowwise(
+        self, params: Tensors, x: Any, y: torch.Tensor, buffers: Tensors, mods: list[nn.Module], recs: list[tuple]
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
         """Each example's layer inputs and the gradients of its loss to the layers' outputs, by vmap over examples
         of a vjp in zero shifts of the outputs: computed from that example alone, by construction."""
         ps = {k: v.detach() for k, v in params.items()}
-        zs = [torch.zeros(shapes[m][2][0], dtype=shapes[m][2][1], device=shapes[m][2][2]) for m in mods]
+        zs = [torch.zeros(r[2][0], dtype=r[2][1], device=r[2][2]) for r in recs]
 
         def one(xi: Any, yi: torch.Tensor, zs: list[torch.Tensor]) -> tuple:
             def shifted(zs: list[torch.Tensor]) -> tuple:
                 with recording(mods, 1, dict(zip(mods, zs, strict=True))) as records:
                     loss = self._loss(self._call(ps, buffers, inputs.tmap(lambda t: t.unsqueeze(0), xi)), yi[None])
-                return loss.sum(), [records[m][0] for m in mods]
+                if any(records.get(m) is None for m in mods):  # a layer the one-example pass had called
+                    raise GhostFallback("a layer was not called when its example ran alone")
+                return loss.sum(), [records[m][0] for m in mods]  # type: ignore[index]
 
-            loss, pullback, acts = vjp(shifted, zs, has_aux=True)
+            loss, pullback, acts = vjp(shifted, zs, has_aux=True)  # type: ignore[misc]
             return loss, acts, pullback(torch.ones_like(loss))[0]
 
         try:
             losses, acts, bs = vmap(one, in_dims=(0, 0, None), randomness="different")(x, y, zs)
         except (RuntimeError, ValueError) as exc:  # vmap refuses the model: vmap's own fallbacks apply
-            raise GhostFallback(f"vmap cannot run it ({str(exc).splitlines()[0]})") from exc
+            raise GhostFallback(
+                f"the ghost path under vmap cannot run your forward: {str(exc).splitlines()[0]}"
+            ) from exc
         return losses, [a.squeeze(1) for a in acts], [b.squeeze(1) for b in bs]

@@ -322,19 +322,9 @@ class LayerGrads(MaterializedGrads):
         self._last = None
 
     def _residual(self, w: torch.Tensor) -> Tensors | None:
-        """Σ w_i g_i = α S_prev + Σ_{i ∈ R} r_i g_i, when w = α w_prev + r with r row-sparse.
-
-        α is the median ratio w_i / w_prev_i; rows where w_i agrees with α w_prev_i to
-        REUSE_RTOL are taken from S_prev (their difference is float rounding), the others
-        (R, at most half the batch) are summed exactly with r_i = w_i − α w_prev_i.
-
-        A row of R is released as two float sums that cancel in exact arithmetic (e.g. OSO's
-        q-weight 0 = α·1 − α), each with its own rounding error ≤ |weight|·E_i: its released
-        contribution is ≤ |w_i|·N_i + (|α w_prev_i| + |r_i|)·E_i, not |w_i|·N_i. Where a layer
-        has such errors (E, ``release_err``) and that could exceed max_j |w_j|·N_j (the
-        largest contribution the weights allow, hence within the caller's sensitivity) the
-        direct sum is used instead: only for ill-conditioned examples (E_i ~ N_i).
-        """
+        """Σ w_i g_i = α S_prev + Σ_{i ∈ R} r_i g_i, when w = α w_prev + r with r row-sparse: α the median ratio
+        w_i / w_prev_i, R the rows not proportional to REUSE_RTOL (at most half). The direct sum instead where a
+        layer's release error could push a row of R past max_j |w_j|·N_j (docs/privacy.md, item 1)."""
         if self._last is None:
             return None
         prev_w, prev_sum = self._last

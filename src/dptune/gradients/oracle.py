@@ -31,7 +31,6 @@ from dptune.gradients.persample import (  # noqa: F401 - re-exported: ``dptune.g
     PerSampleGrads,
     RngState,
     ScratchBuffers,
-    active_dropout,
     batched_loss,
     check_model,
     eval_mode,
@@ -93,16 +92,11 @@ def _rows_alone(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch
 
 
 class GradientOracle:
-    """Computes per-example losses and gradients of ``model`` at given parameters.
-
-    ``chunk_size`` bounds memory of the vmap path: per-sample gradients take B × (#params)
-    floats. ``method``: 'auto' | 'vmap' | 'ghost' (None: ``DEFAULT_METHOD``).
-
-    Every forward on private data runs on scratch copies of the model's buffers and refuses a
-    write (``ScratchBuffers``). vmap runs each example alone; the ghost path and ``losses``
-    (DP-ZO) run one batched forward and the user's batched loss, so they are probed for
-    per-example isolation (``_probe``; docs/privacy.md, "The isolation probe"): until a probe
-    has passed, a batch is computed on vmap (or one example at a time); a refusal is final.
+    """Per-example losses and gradients of ``model`` at given parameters. ``method``: 'auto' | 'vmap' | 'ghost'
+    (None: ``DEFAULT_METHOD``); ``chunk_size`` bounds the vmap path's memory (B × #params floats). Every private
+    forward runs on scratch buffers. A batched forward (trusted code only: the ghost path, DP-ZO's losses) is
+    probed for per-example isolation (``_probe``); until a probe has passed, a batch is computed on vmap (or one
+    example at a time); a refusal is final. A forward of yours runs the ghost path under vmap (docs/privacy.md).
     """
 
     PROBE_MIN_BATCH = 3  # one or two rows cannot show mixing reliably

@@ -240,25 +240,11 @@ def _data_independent_buffers(model: nn.Module) -> set[str]:
 
 
 class ScratchBuffers:
-    """Every forward pass on private data runs on fresh copies of the model's buffers.
-
-    A layer that writes a buffer in its forward (running statistics, a cache) would otherwise
-    store exact statistics of a private batch in the model (published with it) and carry them
-    into later steps. ``with scratch() as buffers:`` hands out copies made just before the
-    forward and discarded after it, so nothing written into them can reach the model or a later
-    step (a write to the model's own buffer, from a backward hook, is undone); on leaving, a write
-    is refused (``ConfigError``, before the step's release): such a
-    model does not train as its author expects, and a value written and read within one batched
-    forward mixes examples. Also refused: a buffer registered during the forward (removed from
-    the model again), and a write to a frozen parameter (``requires_grad=False``, used as a
-    statistic). A refusal is final for this model: a retried step is refused again.
-
-    Buffers the user registers or re-binds between steps (or moves with ``.to``) are picked up
-    before the next forward. Spectral normalisation's vectors (weights only) are passed through.
-    Free for a model without buffers (the same empty dict); otherwise one clone per buffer and
-    forward, and integer version counters compared; the values (one host read) only when a
-    counter moved, so a write of the unchanged value is accepted.
-    """
+    """Every forward on private data runs on fresh copies of the model's buffers (``with scratch() as buffers``),
+    discarded after it; a write (also from a backward hook, undone), a buffer registered during the forward
+    (removed) or a frozen parameter written is refused with a ``ConfigError`` before the step's release, also
+    when the forward then failed. A refusal is final. Buffers changed between steps are picked up before the next
+    forward; spectral norm's vectors pass through. Free without buffers. docs/privacy.md, "Sharp edges"."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -413,11 +399,6 @@ def rng_preserved(device: torch.device) -> Iterator[None]:
         yield
     finally:
         set_rng_state(device, state)
-
-
-def active_dropout(model: nn.Module) -> list[nn.Module]:
-    """The dropout layers of ``model`` that draw masks now (training mode, p > 0)."""
-    return [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
 
 
 @contextmanager

@@ -1,12 +1,9 @@
 """K models of one architecture as one: stacked parameters [K, p, d], one batched forward and
 backward, per-example ghost norms of all K at once (``dptune.vectorized``'s trials).
 
-Scope: (nested) ``nn.Sequential`` of ``nn.Linear``, ``nn.Conv2d`` (groups 1, zero padding),
-``MaxPool2d``/``AvgPool2d``, element-wise activations, ``Flatten`` and inactive ``Dropout``
-(``stack_plan``); anything else raises ``Unsupported``. The K trials' convolutions run as one
-grouped convolution (groups = K, activations [B, K·C, H, W]: trial k's channels are group k, so
-no trial sees another's); their per-example gradients are kept ([K, B, C_out, C_in·k_h·k_w],
-patches times output gradients, row by row) and released as they are (ghost case (a)).
+Scope (``stack_plan``, else ``Unsupported``): docs/privacy.md's table, "vectorised trials". The K trials'
+convolutions are one grouped convolution (trial k's channels are group k); their per-example gradients are
+kept and released as they are (ghost case (a)).
 """
 
 from __future__ import annotations

@@ -54,18 +54,10 @@ class SumQuery:
 
 
 class NoiseSource:
-    """Gaussian noise N(0, std²) without a tail cut-off: seeded (reproducible) or secure.
-
-    Box–Muller on explicit integer bits (``RandomBits``: PCG64DXSM from ``seed``, or ``os.urandom``
-    when ``secure``; a seeded ``torch.Generator`` for a seeded CUDA source), radius from an exact
-    exponential, so |z| is unbounded. Derivation and residual risk: docs/privacy.md ("Noise tails").
-
-    Draws are served in order from one stream of standard normals per dtype (float32 for every
-    dtype but float64), generated in chunks: a small tensor costs a slice, and the same seed
-    gives the same standard normals whatever the split of the requests (scaled by σ, equal up to the
-    last bit: σ may be applied before or after the product with cos θ). Secure mode gives up run-to-run
-    reproducibility. Secure releases are snapped to a grid (``NoisyRelease._noisy``, ``snap``).
-    """
+    """Gaussian noise N(0, std²) without a tail cut-off, seeded (reproducible) or secure: Box–Muller on explicit
+    integer bits (``RandomBits``: PCG64DXSM from ``seed``, or ``os.urandom``; a seeded ``torch.Generator`` on
+    CUDA), the radius from an exact exponential (docs/privacy.md, "Noise tails"). One stream of standard normals
+    per dtype, in chunks: the same seed gives the same draws whatever the split of the requests."""
 
     def __init__(self, seed: int, device: torch.device | str = "cpu", secure: bool = False):
         self.device = torch.device(device)
