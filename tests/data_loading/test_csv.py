@@ -98,10 +98,14 @@ def test_study_toml_csv(tmp_path: Path) -> None:
     from dptune.tune import resume_study, run_study
 
     run_study(study, tmp_path / "s", progress=False)
-    write_csv(tmp_path / "f.csv", 300, 3)
-    study_data.__globals__["_CACHE"].clear()  # as a new process (`dptune resume`) reads it
-    with pytest.raises(ConfigError, match="not the one it was planned on: .* planned"):
-        resume_study(tmp_path / "s", progress=False)
+    for n, seed in ((300, 3), (200, 4)):  # more rows; then as many rows, other values (their bytes differ)
+        write_csv(tmp_path / "f.csv", n, seed)
+        study_data.__globals__["_CACHE"].clear()  # as a new process (`dptune resume`) reads it
+        with pytest.raises(ConfigError, match="not the one it was planned on: .* planned"):
+            resume_study(tmp_path / "s", progress=False)
+    write_csv(tmp_path / "f.csv", 200, 3)  # the planned file again: resumed
+    study_data.__globals__["_CACHE"].clear()
+    assert resume_study(tmp_path / "s", progress=False).complete
 
 
 @pytest.mark.parametrize(

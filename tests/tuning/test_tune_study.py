@@ -342,6 +342,10 @@ def test_release_as_a_whole_states_the_composition_of_its_procedures(tmp_path):
     assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3) and delta == 1e-5 and eps > 2.0
     cards = [json.loads((p / "model_card.json").read_text()) for p in export_study(tmp_path / "two")]
     assert len(cards) == 2 and all(f"({up(eps, 4)}, 1e-05)-DP" in c["guarantee"]["release_folder"] for c in cards)
+    from dptune.report import report_study
+
+    page = report_study(tmp_path / "two").read_text()  # the HTML report states it too
+    assert f"release/ as a whole (all its procedures published together) is ({up(eps, 4)}, 1e-05)-DP" in page
     run_study(_study("oracle", eps=(1.0,), seeds=(0,)), tmp_path / "or", progress=False)
     assert release_guarantee(_plan(tmp_path / "or")) is None  # one procedure: its card says it all
     (card,) = [json.loads((p / "model_card.json").read_text()) for p in export_study(tmp_path / "or")]

@@ -79,6 +79,7 @@ class ReportInputs:
     all_results: Sequence[Any] | None = None
     lead_sections: Sequence[Section] = ()  # release, right after the conclusions (the selected model)
     curves: Sequence[Any] = ()  # RunHistory of {"step", "score"}: the selected runs' metric on the selection split
+    whole: str | None = None  # what covers release/ published whole, where it holds several procedures
 
     def __post_init__(self) -> None:
         check_selection_mode(self.selection_mode)
@@ -288,7 +289,8 @@ def _budget_and_ledger(p: _Pages) -> None:
             "candidate, per-run ledger, training loss, batch sizes) are not and are kept apart."
         )
         budget_csv = write_csv_rows(p.out / "budget.csv", budget_rows)
-        p.sections.append(Section("Privacy guarantee", paragraphs=[text], attachments=[budget_csv]))
+        paragraphs = [text, p.r.whole] if p.r.whole else [text]
+        p.sections.append(Section("Privacy guarantee", paragraphs=paragraphs, attachments=[budget_csv]))
     if not lrows:
         return
     led_csv = write_labelled_csv(p.diag / "ledger.csv", ledger_csv_rows(lrows))

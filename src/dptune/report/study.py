@@ -31,7 +31,7 @@ from dptune.report.tables import fmt_mean_std
 from dptune.tune import theory
 from dptune.tune.methods import get_method
 from dptune.tune.records import StudyPlan
-from dptune.tune.results import budget_rows, load_study, private_rows, study_table
+from dptune.tune.results import budget_rows, load_study, private_rows, release_note, study_table
 from dptune.tune.space import config_key
 
 MAX_ALL_HISTORIES = 24
@@ -84,6 +84,7 @@ def study_inputs(s: StudyRows, results: Sequence[Any], **fields: Any) -> ReportI
         higher_is_better=plan.higher_is_better,
         conclusions=said,
         pareto=oso_joint_noise(plan) or None,
+        whole=release_note(plan),
         **fields,
     )
 

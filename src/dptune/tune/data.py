@@ -43,6 +43,14 @@ class StudyData:
     def n_val(self) -> int:
         return int(self.y_val.shape[0])
 
+    def digest(self) -> str:
+        """SHA-256 of every split's bytes, shapes and dtypes: a resume must read the rows the study was planned on."""
+        h = hashlib.sha256()
+        for t in [t for part in (self.x_train, self.y_train, self.x_val, self.y_val) for t in leaves(part)]:
+            h.update(repr((tuple(t.shape), str(t.dtype))).encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+        return h.hexdigest()
+
 
 _CACHE: dict[str, StudyData] = {}
 

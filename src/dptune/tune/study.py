@@ -331,12 +331,13 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
         except BaseException:
             store.close()
             raise
-        if (data.n_train, data.n_val) != (plan.n_train, plan.n_val):
+        planned = (store.get_meta("config") or {}).get("_meta", {}).get("data_digest")  # None: planned before it
+        if (data.n_train, data.n_val) != (plan.n_train, plan.n_val) or planned not in (None, data.digest()):
             store.close()
             raise ConfigError(
                 f"the study's data is not the one it was planned on: {data.n_train} training and {data.n_val} "
                 f"validation examples now, {plan.n_train} and {plan.n_val} planned (q and the guarantee assume "
-                "them). Fix: restore the data it was planned on."
+                "them; their bytes are compared too). Fix: restore the data it was planned on."
             )
         return store, plan
     try:
@@ -345,7 +346,7 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
         if metric == "accuracy" and data.task == "reconstruction":
             raise ConfigError("selection.metric = 'accuracy' on a reconstruction task. Fix: metric = 'mse'.")
         plan = plan_study(study, data.n_train, data.n_val, metric)
-        config = {**study.to_dict(), "_meta": {"python_study": study.from_python}}
+        config = {**study.to_dict(), "_meta": {"python_study": study.from_python, "data_digest": data.digest()}}
         store.initialize(config, study.fingerprint(), plan.to_dict(), [r.to_dict() for r in plan.runs.values()])
     except BaseException:  # closed before run_study removes what it created
         store.close()
