@@ -34,6 +34,7 @@ from dptune.outputs import (
     terminal_console,
     train_output_paths,
     train_table_rows,
+    up,
     wrap_to_terminal,
     write_train_outputs,
 )
@@ -394,8 +395,8 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
             str(a.get("arm")),
             str(a.get("method")),
             f"{a.get('done', 0)}/{a.get('runs', '?')}",
-            f"({a.get('planned_epsilon', float('nan')):.3f}, {a.get('planned_delta', float('nan')):.0e})",
-            f"({a.get('spent_epsilon', 0.0):.3f}, {a.get('spent_delta', 0.0):.0e})",
+            f"({up(a.get('planned_epsilon', float('nan')), 4)}, {up(a.get('planned_delta', float('nan')))})",
+            f"({up(a.get('spent_epsilon', 0.0), 4)}, {up(a.get('spent_delta', 0.0))})",
         )
     print_table(console, t)
     for k, v in st.items():  # the rest of the status

@@ -20,6 +20,7 @@ from typing import Any
 
 from dptune._version import __version__
 from dptune.errors import ConfigError
+from dptune.rounding import round_up
 
 NOT_DP_LABEL = "not differentially private: for the data owner only"
 NOT_DP_NOTICE = (
@@ -295,14 +296,13 @@ def sampling_note(runs: Iterable[Any]) -> list[str]:
 
 
 def epsilon_text(eps: float) -> str:
-    """ε as the reports write it: ``3``, ``0.5``, ``∞`` for a non-private run."""
-    return "∞" if not math.isfinite(eps) else f"{eps:g}"
+    """ε as the reports write it: ``3``, ``0.5``, ``∞`` for a non-private run (6 digits, rounded up)."""
+    return "∞" if not math.isfinite(eps) else up(eps, 6)
 
 
 def up(x: float, digits: int = 3) -> str:
-    """A stated ε to ``digits`` significant digits rounded UP (7.5431 → 7.55): never read smaller than it is."""
-    q = 10.0 ** (math.floor(math.log10(x)) + 1 - digits) if math.isfinite(x) and x > 0 else 0.0
-    return f"{math.ceil(round(x / q, 6)) * q:.{digits}g}" if q else f"{x:.{digits}g}".replace("inf", "∞")
+    """A stated ε or δ to ``digits`` significant digits rounded UP (7.5431 → 7.55): never read smaller than it is."""
+    return f"{round_up(x, digits):.{digits}g}".replace("inf", "∞")
 
 
 def public_run_name(arm: Any, run: Mapping[str, Any]) -> str:
@@ -386,7 +386,7 @@ SECURE_STATEMENT = (
     "secure mode: the noise and the Poisson batches were drawn from the operating system's "
     "CSPRNG, not from the seed (not reproducible). Each noisy value is snapped to a grid (no "
     "floating-point holes); the float sampler's proven worst-case error adds up to 4e-11 to ε per "
-    "released coordinate (a run's total: epsilon_float_slack), stated here, not included in ε "
+    "released coordinate (a run's or tuning procedure's total: epsilon_float_slack), stated here, not in ε "
     "(docs/privacy.md, item 1b)."
 )
 

@@ -191,8 +191,8 @@ def check_classes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> N
     """Cross-entropy labels below the model's output count (one forward, scratch buffers): no mid-run torch error."""
     if not y.numel() or y.dtype.is_floating_point:
         return
-    check_model(model)
-    args, kwargs = inputs.args_kwargs(inputs.rows(x, 0, 1))
+    check_model(model)  # on a public dummy (zeros): your forward may keep state from what it sees (found in review)
+    args, kwargs = inputs.args_kwargs(inputs.tmap(torch.zeros_like, inputs.rows(x, 0, 1)))
     try:
         with torch.no_grad(), ScratchBuffers(model)() as buffers:
             out = functional_call(model, buffers, args, kwargs)
@@ -210,9 +210,9 @@ def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.T
     """``fn(model(x), y)`` has shape [B] on a tiny batch, run on scratch buffers (no statistics kept)."""
     check_model(model)
     b = min(2, int(y.shape[0]))
-    args, kwargs = inputs.args_kwargs(inputs.rows(x, 0, b))
+    args, kwargs = inputs.args_kwargs(inputs.tmap(torch.zeros_like, inputs.rows(x, 0, b)))  # public, as above
     with torch.no_grad(), ScratchBuffers(model)() as buffers:
-        out = fn(functional_call(model, buffers, args, kwargs), y[:b])
+        out = fn(functional_call(model, buffers, args, kwargs), torch.zeros_like(y[:b]))
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (b,):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(

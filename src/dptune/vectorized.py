@@ -1,13 +1,8 @@
 """Vectorised trials: K runs of the same architecture trained at once, each exactly the run
 ``dptune.train`` would make with its own hyperparameters, seed, Poisson batches, noise stream,
 gateway and ledger (design: docs/performance.md, "Vectorised trials").
-
-Only the identical-shape work is batched (``gradients.stacked``: forward, backward, per-sample norms,
-evaluation); everything with privacy meaning stays per trial, in its own ``dptune.train.RunLoop`` (own
-sampler, strategy step, gateway and plan-bound ledger). Results equal K sequential ``train`` calls up to
-float rounding (``tests/training/test_vectorized.py``). Scope: (nested) ``nn.Sequential`` of ``nn.Linear``,
-``nn.Conv2d``, pooling, element-wise activations, ``Flatten`` and inactive ``Dropout``; anything else runs
-through ``train`` (``fallback='sequential'``) or raises (``fallback='error'``).
+Only identical-shape work is batched (``gradients.stacked``); everything with privacy meaning stays per trial,
+in its own ``RunLoop`` (sampler, step, gateway, ledger). Out of scope: ``train`` runs it (``fallback``).
 """
 
 from __future__ import annotations

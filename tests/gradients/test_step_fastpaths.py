@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call
 
-from dptune import tree
+from dptune import accounting, tree
 from dptune.gradients.oracle import GradientOracle, ParamSwap
 from dptune.release.context import StepContext
 from dptune.release.ledger import Ledger
@@ -260,7 +260,8 @@ class _Scripted(NoisyRelease):
         super().__init__(Ledger(), 0.1, NoiseSource(0))
 
     def release(self, *queries, label):  # type: ignore[override]
-        self.ledger.record(self.event_for(*(q.noise_multiplier for q in queries)), label)
+        nu = accounting.joint_noise_multiplier(q.noise_multiplier for q in queries)
+        self.ledger.record(accounting.gaussian_step_event(nu, self.sampling_rate), label)
         return [q.value for q in queries]
 
 

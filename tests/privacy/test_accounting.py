@@ -154,6 +154,23 @@ def test_gdp_calibration_hits_the_target() -> None:
         accounting.epsilon(sampled(1.0, 0.5), DELTA, "gdp")
 
 
+@pytest.mark.parametrize("mu", [40.0, 100.0])
+def test_gdp_past_exp_overflow_is_exact(mu: float) -> None:
+    """Found in review: e^ε overflowed past ε ≈ 709 (a weak full-batch run trained, then its ε raised a traceback
+    and the outputs were lost). ε against the same curve at 50 digits (mpmath): δ(ε) ≤ δ, just above the root."""
+    import mpmath
+
+    mpmath.mp.dps = 50
+
+    def delta_ref(e: float) -> float:
+        m, e = mpmath.mpf(mu), mpmath.mpf(e)
+        return float(mpmath.ncdf(-e / m + m / 2) - mpmath.exp(e) * mpmath.ncdf(-e / m - m / 2))
+
+    eps = accounting.gdp_epsilon(mu, DELTA)
+    assert eps > 709 and delta_ref(eps) <= DELTA < delta_ref(eps * (1 - 1e-9))
+    assert accounting.gdp_mu_for_epsilon(eps, DELTA) == pytest.approx(mu, rel=1e-9)
+
+
 # ----------------------------------------------------------------------------- the noise split
 def oso_split(nu: float) -> tuple[float, float]:
     s = make_strategy("oso")

@@ -220,9 +220,24 @@ def test_round_up_is_the_smallest_printable_value_above(x: float, digits: int) -
     assert below < Decimal(x)
 
 
+def test_stated_epsilon_and_delta_never_read_smaller() -> None:
+    """Found in review: tables printed δ = 1.4e-05 as 1e-05 and ε to nearest (2.6470449 → 2.64704); a value that
+    prints exactly keeps its text (δ = 1e-05, ε = 0.1), any other is rounded up."""
+    from dptune.outputs import epsilon_text, up
+    from dptune.report.html import _budget_text
+
+    assert (epsilon_text(2.6470449), epsilon_text(0.1), up(1e-5), up(1.4e-5), up(2.6470000001, 4)) == (
+        "2.64705", "0.1", "1e-05", "1.4e-05", "2.648",
+    )  # fmt: skip
+    assert _budget_text((2.6470449, 1.44e-5)) == ("2.648", "1.44e-05") and up(1.4449e-5, 2) == "1.5e-05"
+
+
 # ============================================================================ item 9b
 @settings(max_examples=400, deadline=None)
 @given(eps=st.floats(0.05, 20.0), log_delta=st.floats(-12, -2), steps=st.integers(1, 10_000), runs=st.integers(1, 100))
+@example(eps=15.998081352916369, log_delta=-2.127407989669871, steps=8726, runs=91)
+@example(eps=9.896878435983227, log_delta=-3.3239722450721914, steps=3997, runs=94)
+@example(eps=19.959534040168187, log_delta=-7.107132188300949, steps=4939, runs=71)
 @example(eps=8.004299759132392, log_delta=math.log10(2.001050798241283e-08), steps=4483, runs=38)
 @example(eps=9.813932417957194, log_delta=math.log10(3.5701132088046436e-10), steps=2131, runs=31)
 @example(eps=8.168335310509912, log_delta=math.log10(0.00069595467431465), steps=825, runs=10)

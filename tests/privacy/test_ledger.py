@@ -162,7 +162,7 @@ def test_round_trip_through_json_keeps_entries_and_plan() -> None:
         components=(("gradient", 1.11, 0.5), ("q", 7.8, 1.0)),
         run="r1",
     )
-    back = Ledger.from_dict(json.loads(led.to_json()))
+    back = Ledger.from_dict(json.loads(json.dumps(led.to_dict())))
     assert [e.to_dict() for e in back.entries] == [e.to_dict() for e in led.entries]
     assert back.planned_event == planned
     assert back.plan[step_event(1.1, 0.01)] == 6  # the remaining allowance survives the round trip

@@ -202,3 +202,13 @@ def test_panda_small_presets_size_their_sweeps_for_small_n(monkeypatch):
             run = plan.runs[rid]
             if run.stage.startswith("sweep"):
                 assert 0.05 <= run.config["lr"] <= 2.0 and 5 <= run.config["steps"] <= 30
+
+
+def test_a_sweep_whose_private_scores_alone_exceed_its_epsilon_names_that():
+    """Found in review: a sweep run at ε = 0.1 with private scores (σ = 20) said "could not reach ε ≤ 0.1 even with
+    noise multiplier 5.56e+08" with two "Fix:" clauses; the scores alone cost more than 0.1: it now says that."""
+    study = _study()
+    study = type(study)(**{**study.__dict__, "selection": SelectionSpec(mode="private", split="holdout", eval_every=2)})
+    with pytest.raises(ConfigError, match=r"sweep run at ε = .*private validation scores alone spend") as exc:
+        plan_study(study, 300, 60, "accuracy")
+    assert str(exc.value).count("Fix:") == 1 and ".." not in str(exc.value)

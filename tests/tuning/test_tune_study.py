@@ -322,6 +322,23 @@ def test_failed_runs_are_recorded_and_retried_on_resume(tmp_path):
     assert again.complete and again.ledger_matches_plan
 
 
+def test_secure_study_states_its_float_slack(tmp_path):
+    """Found in review: secure-mode cards said the float sampler's slack was "stated here" and no study stated it.
+    Each DP-SGD step snaps d = 27 released coordinates at 2ξ each (ξ = 2e-11, docs/privacy.md item 1b): a grid arm
+    of 2 runs × 20 steps states 2·20·27·4e-11, in results.csv and on the card; a seeded study states none."""
+    from dptune.tune.export import export_study
+
+    run_study(_study(eps=(1.0,), seeds=(0,), secure=True), tmp_path / "s", progress=False)
+    (row,) = study_table(tmp_path / "s")
+    assert row["epsilon_float_slack"] == pytest.approx(2 * 20 * 27 * 4e-11, rel=1e-9)
+    (card,) = [json.loads((p / "model_card.json").read_text()) for p in export_study(tmp_path / "s")]
+    assert card["guarantee"]["epsilon_float_slack"] == row["epsilon_float_slack"]
+    with open(tmp_path / "s" / "release" / "results.csv") as f:
+        assert float(next(csv.DictReader(f))["epsilon_float_slack"]) == pytest.approx(row["epsilon_float_slack"])
+    run_study(_study(eps=(1.0,), seeds=(0,)), tmp_path / "p", progress=False)
+    assert "epsilon_float_slack" not in study_table(tmp_path / "p")[0]
+
+
 def test_release_as_a_whole_states_the_composition_of_its_procedures(tmp_path):
     """Found in review: two arms (ε = 1 and 2) each had a card 'per study', while release/ held both, covered
     only at their composition. The plan's runs, composed by dp_accounting alone, give that ε; every card says

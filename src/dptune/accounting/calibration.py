@@ -33,6 +33,7 @@ from dptune.accounting.events import (
 )
 from dptune.accounting.solver import LogEps, solve
 from dptune.errors import ConfigError
+from dptune.rounding import round_up
 
 PLD_COARSE_DISCRETIZATION = 1e-3  # search level: ~1% pessimistic in ε, 5-10x cheaper
 PLD_MID_RATIO = 0.3  # a second level at 0.3x the coarse one extrapolates ε to PLD_DISCRETIZATION
@@ -320,16 +321,6 @@ def clear_caches() -> None:
 
 
 # ----------------------------------------------------------------------------- printing ν
-def round_up(nu: float, digits: int = 6) -> float:
-    """The smallest float ≥ ``nu`` printed with ``digits`` significant digits (docs/accounting.md, "Printing ν")."""
-    from decimal import ROUND_CEILING, Decimal
-
-    if not math.isfinite(nu) or nu <= 0:
-        return nu
-    d = Decimal(nu)
-    return float(d.quantize(Decimal(1).scaleb(d.adjusted() - digits + 1), rounding=ROUND_CEILING))
-
-
 def noise_multiplier_text(
     nu: float, eps_of: Callable[[float], float] | None = None, target: float | None = None, digits: int = 6
 ) -> tuple[str, float]:

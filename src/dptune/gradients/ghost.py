@@ -1,13 +1,8 @@
-"""Ghost norms and book-keeping: per-sample gradient norms and weighted sums without materialising a
-[B, #params] tensor, from one forward and one backward pass: per layer, the input a_i and the output gradient
-b_i = ∂ℓ_i/∂out_i (one ``autograd.grad`` of Σ_i ℓ_i), then the layer's rule (Linear and GPT-2's Conv1D: rank
-one, direct or Gram form; convolutions; Embedding; LayerNorm / GroupNorm / RMSNorm). The rules, their costs and
-references: docs/performance.md §1; the capture and the rules' interface: ``ghost_layers``. A model with another
-trainable layer (or a layer called twice, on an input without the batch first) falls back to vmap.
-
-**Norms are upper bounds**: ``GhostGrads.norms`` returns N_i such that what ``weighted_sum`` releases for
-example i with weight w has norm ≤ |w|·N_i whatever the rounding, per layer by cases (a)–(e), combined by
-``norm_bounds.upper_norms``, summed across examples in float64: docs/privacy.md, items 1 and 1b.
+"""Ghost norms and book-keeping: per-sample gradient norms and weighted sums from each layer's input a_i and
+output gradient b_i = ∂ℓ_i/∂out_i, without a [B, #params] tensor; per layer a rule (Linear/Conv1D, convolutions,
+Embedding, norms: docs/performance.md §1; the capture: ``ghost_layers``). **Norms are upper bounds**: what
+``weighted_sum`` releases for example i with weight w has norm ≤ |w|·N_i whatever the rounding (docs/privacy.md,
+items 1 and 1b). Another trainable layer, or a layer called twice, falls back to vmap.
 """
 
 from __future__ import annotations
@@ -526,13 +521,16 @@ class GhostEngine:
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, buffers: Tensors) -> GhostGrads:
         """``buffers``: the model's buffers for this forward (``persample.ScratchBuffers``' copies)."""
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        x0, y0 = (inputs.rows(x, 0, 1), y[:1]) if self.rowwise else (x, y)
+        # Row-wise: the shapes from a public dummy (zeros), never a private row, whose state the pass would keep
+        x0, y0 = (
+            (inputs.tmap(torch.zeros_like, inputs.rows(x, 0, 1)), torch.zeros_like(y[:1])) if self.rowwise else (x, y)
+        )
         with recording((mod for mod, _, _ in self.layers), inputs.batch_len(x0)) as records:
             losses = self._loss(self._call(ps, buffers, x0), y0)
         used = [(m, c, n) for m, c, n in self.layers if m in records]
         recs = [r for m, _, _ in used if (r := records[m]) is not None]  # all: ``recording`` refuses a None
         bs: list[torch.Tensor | None]
-        if self.rowwise:  # the pass above, on one example, gave the outputs' shapes
+        if self.rowwise:  # the pass above gave the outputs' shapes
             losses, acts, bs = self._rowwise(params, x, y, buffers, [m for m, _, _ in used], recs)
         else:
             bs = list(torch.autograd.grad(losses.sum(), [r[1] for r in recs], allow_unused=True)) if recs else []

@@ -122,19 +122,10 @@ def upper_norms(
     dtype: torch.dtype | None = None,
     release_dtypes: Iterable[torch.dtype] = (),
 ) -> torch.Tensor:
-    """Per-sample norms N_i ≥ (1+γ_2)·(Σ_l s_li·(1+ρ_l) + NORM_FLOOR²)^½, shaped like ``like``,
-    in ``dtype`` (default: ``like``'s).
-
-    ``release_dtypes``: the dtypes the weighted sums are computed in (the parameters'). The
-    release's rounding allowance is that of the least precise one, with one more rounding (w
-    cast to it) when it is less precise than the norms: a bf16 model whose loss is float32
-    releases in bf16.
-
-    ``parts``: (s_l, ρ_l) pairs, one per parameter (or per layer part), with ‖part_l of g_i‖²
-    ≤ s_li·(1+ρ_l) and ‖released part_l of w·g_i‖ ≤ |w|·(1+γ_2)·(s_li(1+ρ_l))^½ (see
-    ``sq_rows_upper`` and the layer rules of ``dptune.gradients.ghost``). Cost: the sum, a root and one
-    multiplication per batch, as for the plain Euclidean norm.
-    """
+    """Per-sample norms N_i ≥ (1+γ_2)·(Σ_l s_li·(1+ρ_l) + NORM_FLOOR²)^½, shaped like ``like``, in ``dtype``
+    (default: ``like``'s), from ``parts`` (s_l, ρ_l) with ‖part_l of g_i‖² ≤ s_li·(1+ρ_l) (``sq_rows_upper``, the
+    ghost rules). ``release_dtypes``: the weighted sums' dtypes; the least precise one sets the rounding allowance
+    (docs/privacy.md, item 1)."""
     out_dt = dtype if dtype is not None else like.dtype
     dt = torch.float32 if out_dt in _HALF else out_dt  # half-precision models: computed in float32
     sq: torch.Tensor | None = None

@@ -160,7 +160,7 @@ class GradientOracle:
         return "ghost" if self._ghost is not None else "vmap"
 
     def _fall_back(self, reason: str) -> None:
-        if self.requested_method == "ghost" and not self._ghost.rowwise:  # type: ignore[union-attr]
+        if self.requested_method == "ghost" and not self.own_code:  # under vmap: any refusal falls back
             raise ConfigError(f"method='ghost' cannot handle this model: {reason}. Use method='auto' or 'vmap'.")
         warnings.warn(f"dptune: per-sample gradients fall back to vmap ({reason}).", RuntimeWarning, stacklevel=3)
         self.fallback_reason = reason
@@ -180,7 +180,7 @@ class GradientOracle:
             )
         due = self._ghost is not None and self._due("grads", B)
         ghost_ok = self._ghost is not None and B >= self.PROBE_MIN_BATCH  # 1-2 rows: never probed, so vmap
-        replayable = ghost_ok and not self._ghost.rowwise and graphed.replayable(inputs.device_of(x))  # type: ignore[union-attr]
+        replayable = ghost_ok and not self.own_code and graphed.replayable(inputs.device_of(x))  # not under vmap
         if replayable and not due and self._next_probe["grads"]:
             if self._graphs is None:
                 self._graphs = graphed.Graphs(self._run_ghost, self.model)
@@ -194,13 +194,13 @@ class GradientOracle:
                 if due:
                     self._probe("grads", x, y, before, lambda xs, ys: self._run_ghost(params, xs, ys), got)
             except (ghost.GhostFallback, RuntimeError) as exc:  # nothing of this batch was released
-                if not isinstance(exc, ghost.GhostFallback) and self.requested_method != "auto":
+                if not isinstance(exc, ghost.GhostFallback) and self.requested_method != "auto" and not self.own_code:
                     raise
                 self._fall_back(str(exc).split("\n")[0])
             else:
                 if first and self.requested_method == "auto":
                     self._compare_alone(params, x, y)
-                elif first:  # forced ghost: no vmap comparison (rounding), the loss alone at least
+                elif first and not self.own_code:  # forced ghost: no vmap comparison (rounding), the loss alone
                     self._loss_alone(params, x, y, "grads")
                 if self._ghost is not None:
                     return got

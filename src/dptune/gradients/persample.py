@@ -295,10 +295,14 @@ class ScratchBuffers:
         before = {k: _version(v) for k, v in self.originals.items()}
         copies = {k: v if k in self.passthrough else v.detach().clone() for k, v in self.originals.items()}
         versions = {k: _version(v) for k, v in copies.items()}
+        failed = ""
         try:
             yield copies if self.originals else self.originals
-        finally:  # also when the forward failed: a write before the failure is refused as such
-            self._check(copies, versions, before)
+        except BaseException as exc:  # a write before the failure is refused as such, naming the failure
+            failed = f" (the pass then failed: {(str(exc) or type(exc).__name__).splitlines()[0]})"
+            raise
+        finally:
+            self._check(copies, versions, before, failed)
             if generation != _BUFFER_GENERATION[0]:
                 self._refuse_new()
             if due:
@@ -307,7 +311,7 @@ class ScratchBuffers:
                 moved = [n for (n, p), v in zip(self._frozen_names(), frozen, strict=True) if _version(p) != v]
                 self._refuse(moved, "frozen parameter(s)")
 
-    def _check(self, copies: Tensors, versions: dict[str, int], before: dict[str, int]) -> None:
+    def _check(self, copies: Tensors, versions: dict[str, int], before: dict[str, int], failed: str) -> None:
         written = [
             k
             for k, v in copies.items()
@@ -319,7 +323,7 @@ class ScratchBuffers:
                 for k in written:
                     if _version(self.originals[k]) != before[k] and _version(copies[k]) == versions[k] >= 0:
                         self.originals[k].copy_(copies[k])  # the copy still holds the value from before
-            self._refuse(written)
+            self._refuse(written, failed=failed)
 
     def _frozen_names(self) -> list[tuple[str, torch.Tensor]]:
         ids = {id(p) for p in self._frozen}
@@ -340,9 +344,9 @@ class ScratchBuffers:
             self._refuse([name for _, name, _ in new])
         self._refresh()  # another model's registration (same process): nothing of ours changed
 
-    def _refuse(self, names: list[str], what: str = "buffer(s)") -> None:
+    def _refuse(self, names: list[str], what: str = "buffer(s)", failed: str = "") -> None:
         self._refused = ConfigError(
-            f"the model wrote its {what} {', '.join(names)} during a pass on private data (a layer that "
+            f"the model wrote its {what} {', '.join(names)} during a pass on private data{failed} (a layer that "
             "keeps running statistics or a cache of its inputs): those values are not differentially "
             "private and would be saved with the model. Fix: make the layer's forward leave its buffers "
             "and frozen parameters unchanged (for a normalisation layer: nn.GroupNorm / nn.LayerNorm, "
@@ -463,15 +467,8 @@ class MaterializedGrads:
 
 
 def nonfinite_rows(grads: MaterializedGrads, out: Tensors) -> torch.Tensor | None:
-    """The rows to leave out of a weighted sum: those whose gradient is not finite, or None.
-
-    One example with an inf/NaN gradient (an overflow, a NaN feature) would otherwise turn
-    the whole sum into NaN — a release that depends on one example far beyond its clipped
-    contribution. Leaving such rows out is a per-example rule (example i contributes
-    w_i g_i if ‖g_i‖ is finite, else 0), so every contribution stays within the clipping
-    bound and the sensitivity is unchanged. Cheap when all is well: one check of the norms
-    (when computed) or of the sum; the norms are only computed when something is wrong.
-    """
+    """The rows whose gradient is not finite, left out of a weighted sum (a per-example rule: the sensitivity
+    holds; docs/privacy.md, item 10), or None. One check of the norms or the sum when all is well."""
     norms = grads._norms
     if norms is not None:  # the verdict is kept with the norms: OSO's second sum reads nothing
         ok = getattr(grads, "_finite_norms", None)

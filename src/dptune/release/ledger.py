@@ -191,9 +191,6 @@ class Ledger:
             "planned_event": event_to_dict(self.planned_event) if self.planned_event else None,
         }
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
     def digest(self) -> str:
         """SHA-256 (hex) of the canonical JSON of the entries, as a multiset: each entry's
         JSON with sorted keys, the list sorted. Composition is commutative and a study merges

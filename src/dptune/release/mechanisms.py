@@ -380,10 +380,6 @@ class NoisyRelease:
 
     SNAP_XI = 2e-11
 
-    def event_for(self, *noise_multipliers: float):
-        nu = accounting.joint_noise_multiplier(noise_multipliers)
-        return accounting.gaussian_step_event(nu, self.sampling_rate)
-
     def release(self, *queries: SumQuery, label: str) -> list[torch.Tensor | Tensors | DeferredSum]:
         """Record the joint event, then return each query's value plus N(0, σ_i²) noise
         (a ``DeferredSum`` handle, noise not yet drawn, for a deferred query)."""

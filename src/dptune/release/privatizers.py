@@ -2,10 +2,8 @@
 into a *released* value: it clips, builds the sum queries and passes them through the run's gateway
 (``NoisyRelease``: the ledger first, then the noise). Everything downstream of ``Released`` (an update rule, a
 torch optimizer, your code) is post-processing (jax_privacy's ``chain(privatizer, optimizer)``); a privatizer
-adapts its threshold from its own releases only. ``FixedClip`` (Abadi et al. 2016), ``QuantileClip`` (Andrew
-et al. 2021), ``OSOClip`` (Galli et al. 2024, Proposition 1), ``ZerothOrderClip`` (DP-ZO, Tang et al. 2024) and
-``NonPrivate`` (ε = ∞): docs/strategies.md. Every private privatizer makes ONE joint Gaussian release of
-multiplier ν per step; the strategy's ``planned_event`` relies on that.
+adapts its threshold from its own releases only (docs/strategies.md). Every private privatizer makes ONE joint
+Gaussian release of multiplier ν per step; the strategy's ``planned_event`` relies on that.
 """
 
 from __future__ import annotations
@@ -47,15 +45,9 @@ def clipped_sum(grads: PerSampleGrads, clip: float) -> Tensors:
 
 @dataclass
 class Released:
-    """One step's released gradient, all an update rule may see.
-
-    ``total``: the noisy clipped sum Σ clip_C(g_i) + N(0, ν²C²I), undivided; ``divisor``: the
-    expected batch size L it is normalised by (the accountant's L, never the realised batch
-    size, which is private); ``gradient()`` = total / L, computed once. For ``NonPrivate``,
-    ``divisor`` is None and ``total`` already is the gradient. ``clip``: the C used (public: a
-    function of earlier releases); ``noise_std``: the std of the gradient's noise, ν_g·C (ν_g
-    = ν for a single query; the split multiplier ν_g > ν for OSO and quantile).
-    """
+    """One step's released gradient, all an update rule may see: ``total`` Σ clip_C(g_i) + N(0, ν²C²I), undivided;
+    ``divisor`` the expected batch size L (never the realised one, which is private; None for ``NonPrivate``, whose
+    ``total`` is the gradient); ``clip`` the C used; ``noise_std`` ν_g·C (ν_g > ν for OSO's and quantile's split)."""
 
     total: Tensors
     divisor: float | None

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dptune.errors import ConfigError
-from dptune.outputs import NOT_DP_LABEL, NOT_DP_NOTICE
+from dptune.outputs import NOT_DP_LABEL, NOT_DP_NOTICE, up
 
 # Attachments above this size stay beside the page instead of bloating it (figures are
 # always embedded: they are what the page is for, and a PNG is small).
@@ -130,7 +130,7 @@ def _budget_text(pair: tuple[float, float] | None) -> tuple[str, str]:
     if pair is None:
         return "—", "—"
     eps, delta = pair
-    return ("∞ (non-private)" if math.isinf(eps) else f"{eps:.4g}"), f"{delta:.3g}"
+    return ("∞ (non-private)" if math.isinf(eps) else up(eps, 4)), up(delta)  # never read smaller than they are
 
 
 def check_selection_mode(mode: str) -> None:

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dptune.outputs import epsilon_text, hides_run_count, public_run_name
+from dptune.outputs import epsilon_text, hides_run_count, public_run_name, up
 from dptune.report.data import RunHistory
 from dptune.report.html import Section, Table
 from dptune.tune.results import metric_text, private_rows
@@ -38,7 +38,7 @@ def selected_model_section(table: Sequence[Mapping[str, Any]], metric: str, spli
         said.append(
             f"{r['strategy']} ({r['method']}) at ε = {epsilon_text(r['epsilon'])}: {r['selected'] or 'no selection yet'}; "
             f"{metric} {metric_text(m, s, metric)} on the {where}. Guarantee: (ε, δ) = "
-            f"({epsilon_text(r['planned_epsilon'])}, {r['planned_delta']:.0e}) for the whole search, per "
+            f"({epsilon_text(r['planned_epsilon'])}, {up(r['planned_delta'])}) for the whole search, per "
             f"{r['guarantee_per']} (accountant {r['accountant']}); spent ε = {epsilon_text(r['spent_epsilon'])}"
             f"{_selection_note(r)}. "
             f"Model and card: release/models/{r['arm']}/ (`dptune export`, once the study is finished)."

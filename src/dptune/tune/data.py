@@ -48,7 +48,7 @@ class StudyData:
         h = hashlib.sha256()
         for t in [t for part in (self.x_train, self.y_train, self.x_val, self.y_val) for t in leaves(part)]:
             h.update(repr((tuple(t.shape), str(t.dtype))).encode())
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
         return h.hexdigest()
 
 

@@ -205,5 +205,6 @@ def calibrate_nu(
     """Smallest ν meeting the target (``accounting.calibrate``; no RDP pre-bracket: it only adds time)."""
     try:
         return accounting.calibrate(eps, delta, accountant=acc, make_event=make_event).noise_multiplier
-    except ConfigError as exc:
-        raise ConfigError(f"{what}: {exc}. Fix: raise ε, shorten the runs or lower the number of runs.") from None
+    except ConfigError as exc:  # a message that names its fix is kept as it is
+        fix = "" if "Fix:" in str(exc) else " Fix: raise ε, shorten the runs or lower the number of runs."
+        raise ConfigError(f"{what}: {str(exc).rstrip('.')}.{fix}") from None

@@ -58,6 +58,8 @@ RELEASE_COLUMNS: tuple[str, ...] = (
     "planned_epsilon",
     "planned_delta",
     "selection_epsilon",
+    "epsilon_float_slack",
+    "epsilon_float_slack_per_run",
     "spent_epsilon",
     "spent_delta",
     "guarantee_per",
@@ -113,7 +115,7 @@ def release_guarantee(plan: StudyPlan) -> tuple[float, float] | None:
 def release_note(plan: StudyPlan) -> str | None:
     """The line that says what covers release/ published whole (``release_guarantee``), or None."""
     w = release_guarantee(plan)
-    return None if w is None else f"release/ as a whole (all its procedures published together) is ({up(w[0], 4)}, {w[1]:.2g})-DP; each card's guarantee covers its own model alone."  # fmt: skip
+    return None if w is None else f"release/ as a whole (all its procedures published together) is ({up(w[0], 4)}, {up(w[1])})-DP; each card's guarantee covers its own model alone."  # fmt: skip
 
 
 def load_study(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[dict[str, Any]], list[LedgerEntry]]:
@@ -122,7 +124,9 @@ def load_study(study_dir: str | Path) -> tuple[dict[str, Any], StudyPlan, list[d
         plan = StudyPlan.from_dict(store.get_meta("plan"))
         rows = [dict(r) for r in store.runs()]
         entries = store.ledger_entries()
+        slack = store.get_meta("float_slack") or {}
     for r in rows:
+        r["float_slack"] = slack.get(r["run_id"], 0.0)
         r["config"] = json.loads(r["config"]) if r["config"] else None
         r["fit"] = json.loads(r["fit"]) if r.get("fit") else None
     return cfg, plan, rows, entries
@@ -226,6 +230,15 @@ def _selected(
     return {**cols, "replicates": len(picks)}, [p["run_id"] for p in picks], fits
 
 
+def _float_slack(arm: ArmPlan, runs: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """Secure mode's float slack on ε (docs/privacy.md, item 1b): a composition's runs summed; under Liu–Talwar or
+    repeat-and-select a run's, stated per run (a sum would reveal the secret K; it enters as the runs' ε)."""
+    s = [runs[r]["float_slack"] for r in arm.runs]
+    if arm.guarantee.get("kind") == "composition":
+        return {"epsilon_float_slack": sum(s)}
+    return {"epsilon_float_slack_per_run": max(s, default=0.0)}
+
+
 def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
     """One row per (strategy, ε): selected configuration, metric mean ± std, planned and spent (ε, δ)."""
     cfg, plan, rows, entries = load_study(study_dir)
@@ -260,6 +273,7 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
                 "planned_delta": arm.guarantee["delta"],
                 # what covers the selected configuration (> planned where it averages unaccounted seeds)
                 "selection_epsilon": _selection_epsilon(arm, plan, across, cfg),
+                **(_float_slack(arm, runs) if cfg.get("study", {}).get("secure") else {}),
                 "spent_epsilon": sp[0],
                 "spent_delta": sp[1],
                 "guarantee_per": arm.guarantee.get("per", "study"),
@@ -468,7 +482,7 @@ def _results_table(rows: Iterable[Mapping[str, Any]], metric: str, title: str | 
         if col != "test" or test:
             t.add_column(col, overflow="fold")
     for r in rows:
-        planned = f"({_e(r['planned_epsilon'])}, {r['planned_delta']:.0e})"
+        planned = f"({_e(r['planned_epsilon'])}, {up(r['planned_delta'])})"
         cells = [r["strategy"], _e(r["epsilon"]), r["method"], r["selected"] or "—"]
         cells.append(metric_text(r["value_mean"], r["value_std"], metric))
         cells += [metric_text(r["test_mean"], r["test_std"], metric)] if test else []

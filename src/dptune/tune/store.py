@@ -315,6 +315,9 @@ class Store:
             )
             if cur.rowcount != 1:
                 raise ConfigError(f"run {run_id} was not running; its result is not merged twice.")
+            if result.get("float_slack"):  # secure mode: each run's float slack, stated with its arm's guarantee
+                slack = {**(self.get_meta("float_slack") or {}), run_id: result["float_slack"]}
+                c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('float_slack', ?)", (json.dumps(slack),))
             for d in (e.to_dict() for e in ledger.entries):
                 c.execute(
                     "INSERT INTO ledger(run_id, label, event, count, components) VALUES (?, ?, ?, ?, ?)",

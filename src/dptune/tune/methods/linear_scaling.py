@@ -131,7 +131,8 @@ class LinearScaling(TuningMethod):
             """One sweep run at per-run ε = e: its drawn configuration, shape and calibrated ν."""
             c = _decompose(rng, arm.space, r_lo, r_hi, lr_lo, lr_hi, o["r_sampling"])
             s = make_shape(ctx, arm, c, f"{path}.space")
-            if (s, e) not in per_run:
+            if (s, e) not in per_run:  # its private scores alone must fit first (found in review: a misleading error)
+                check_selection_budget([s], e, delta, acc, f"{arm_id} (sweep run at ε = {e:g})")
                 nu = calibrate_nu(s.event, e, delta, acc, f"{arm_id} (sweep run at ε = {e:g})")
                 per_run[(s, e)] = snap(nu, [s])
             return c, s, per_run[(s, e)]
