@@ -20,8 +20,6 @@ The checks are the items' own tests, called here as functions (not duplicated):
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import test_edge_calibration_seeds as seeds_checks
 import test_edge_noise_tails as tails_checks

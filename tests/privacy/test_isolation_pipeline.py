@@ -615,3 +615,49 @@ def test_your_changes_to_a_frozen_parameter_between_steps_are_yours() -> None:
         private.step(bx, by)
         with torch.no_grad():
             model.teacher.mul_(0.9).add_(0.1 * model.fc.weight.mean(0))  # your EMA, between steps
+
+
+class ActNorm(nn.Module):
+    """Initialises a shift from the first data its forward sees (Glow's ActNorm), kept in a Python attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.shift = nn.Linear(5, 8), nn.Linear(8, 3), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.shift is None:
+            self.shift = h.detach().mean(0, keepdim=True)
+        return self.b(torch.tanh(h - self.shift))
+
+
+def test_no_pass_of_dptune_shows_your_forward_a_private_row_outside_the_per_example_computation() -> None:
+    """Found in review: the ghost path under vmap took the layer shapes from row 0 run alone, and the class check
+    ran the model on row 0: a lazy init kept that row and every other row read it (19.7·C through train, 7.2·C
+    on vmap). Both now run on a public dummy (zeros): the rows 1.. of two batches differing in row 0 are equal."""
+    from dptune.errors import ConfigError
+    from dptune.gradients.oracle import GradientOracle
+    from dptune.own import check_classes
+
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    norms = []
+    for scale in (1.0, 30.0):
+        torch.manual_seed(0)
+        model, xs = ActNorm(), x.clone()
+        xs[0] *= scale
+        check_classes(model, xs, y)  # dptune.train's first look at the model
+        params = {k: p.detach() for k, p in model.named_parameters()}
+        norms.append(GradientOracle(model)(params, xs, y).norms[1:])
+    assert torch.equal(norms[0], norms[1])
+
+    class Broken(nn.Module):  # forced 'ghost' on a forward that fails: one clear error, no traceback
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x) @ torch.ones(4, 4)
+
+    model = Broken()
+    with pytest.raises(ConfigError, match="fails on one example alone"):
+        GradientOracle(model, method="ghost")({k: p.detach() for k, p in model.named_parameters()}, x[:, :3], y)

@@ -17,11 +17,12 @@ import pytest
 import torch
 from conftest import CaptureRelease, params_of, run_plan
 from torch import nn
+from torch.func import functional_call
 
 import dptune
 from dptune import own
 from dptune.errors import ConfigError
-from dptune.gradients.oracle import GradientOracle
+from dptune.gradients.oracle import GradientOracle, ScratchBuffers
 from dptune.release.context import StepContext
 from dptune.release.privatizers import FixedClip, ZerothOrderClip
 
@@ -292,3 +293,23 @@ def test_a_buffer_written_in_a_backward_hook_is_refused_and_undone() -> None:
     with pytest.raises(ConfigError, match="gstat"):
         _train(model, "dpsgd", "ghost")
     assert torch.equal(model[2].gstat, torch.zeros(8))
+
+
+def test_a_write_before_a_failure_is_refused_naming_the_failure() -> None:
+    """Found in review: the checks now run when the forward raised too; the refusal names that failure."""
+
+    class WriteThenFail(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(48))
+
+        def forward(self, a: torch.Tensor) -> torch.Tensor:
+            self.seen.copy_(a.mean(0))
+            return a @ torch.ones(3, 3)
+
+    model = nn.Sequential(nn.Flatten(), WriteThenFail(), nn.Linear(48, 2))
+    scratch = ScratchBuffers(model)
+    failed = r"seen during a pass on private data \(the pass then failed: mat1"
+    with pytest.raises(ConfigError, match=failed), scratch() as buffers:
+        functional_call(model, buffers, (torch.randn(4, 48),))
+    assert torch.equal(model[1].seen, torch.zeros(48))
