@@ -19,8 +19,7 @@ def numeric_range(what: str) -> Iterator[None]:
     except ArithmeticError as exc:
         raise ConfigError(
             f"the accountant cannot evaluate {what}: numerically out of range ({exc}). Fix: use a "
-            "noise multiplier in [1e-3, 1e4] and a sampling rate ≥ 1e-12 (beyond them ε is ≈ 0 "
-            "or unbounded)."
+            "noise multiplier in [1e-3, 1e4] and a sampling rate ≥ 1e-12 (beyond them ε is ≈ 0 or unbounded)."
         ) from None
 
 

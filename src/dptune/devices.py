@@ -44,8 +44,7 @@ def resolve_device(device: Any = None, where: str = "device") -> torch.device:
             raise ConfigError(
                 f"{where}: {name!r} asked for, but CUDA is not available here "
                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}). "
-                "Fix: use device 'cpu', or install a CUDA build of torch on a machine with an "
-                "NVIDIA GPU."
+                "Fix: use device 'cpu', or install a CUDA build of torch on a machine with an NVIDIA GPU."
             )
         n = torch.cuda.device_count()
         if ":" in name and int(name.split(":")[1]) >= n:

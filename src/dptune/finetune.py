@@ -133,18 +133,12 @@ def hf_classifier(
     lora_alpha: float = 16,
     seed: int = 0,
 ) -> nn.Module:
-    """A pretrained encoder + mean pooling + Linear head, with only the ``mode``'s parameters trainable:
-
-    - ``full``: everything but the embedding tables (word, position, token type), which train only
-      with ``train_embeddings=True``;
-    - ``last-k``: the last ``k`` transformer blocks and the head (the frozen trunk gets no
-      per-example gradient: no hooks, no Jacobians);
-    - ``lora``: rank-``lora_rank`` adapters (peft, scale ``lora_alpha/lora_rank``) on the query and
-      value projections, and the head; the base weights are frozen.
-
-    The new weights (head, adapters) are drawn from ``seed`` alone (the global RNG is left as it
-    was); a ``PretrainedConfig`` encoder draws its random weights from the global RNG. The pooler of BERT-style models is dropped (mean pooling
-    replaces it, and untouched parameters would only collect noise)."""
+    """A pretrained encoder + mean pooling + Linear head, with only the ``mode``'s parameters trainable: ``full``
+    (all but the embedding tables, unless ``train_embeddings=True``), ``last-k`` (the last ``k`` blocks and the head;
+    the frozen trunk gets no per-example gradient), ``lora`` (rank-``lora_rank`` peft adapters on the query and value
+    projections, scale ``lora_alpha/lora_rank``, and the head). New weights are drawn from ``seed`` alone; a
+    ``PretrainedConfig`` encoder draws its own from the global RNG. BERT's pooler is dropped (mean pooling replaces
+    it; untouched parameters would only collect noise)."""
     _check(mode, k, lora_rank, lora_alpha, classes)
     enc = load_encoder(encoder)
     if getattr(enc, "pooler", None) is not None:

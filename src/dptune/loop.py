@@ -1,16 +1,6 @@
-"""A private step inside your own training loop (Opacus's ``make_private``, rebuilt on privatizers).
-
-    private = dptune.make_private(model, data, optimizer, target_epsilon=3.0, delta=1e-5, epochs=3)
-    for x, y in private.batches():          # Poisson batches at q = L/n, exactly as planned
-        optimizer.zero_grad()
-        private.backward(x, y)              # p.grad ← the released (clipped, noisy) mean gradient
-        optimizer.step()                    # any torch optimizer or scheduler: post-processing
-    private.epsilon()                       # what the executed ledger spent
-
-dptune takes over the batches (Poisson), the per-sample gradients, clipping and noise (the
-privatizer) and the number of steps (the plan); everything else is yours. What each check
-refuses, and why: docs/your_data.md ("Your own training loop"). ``step(x, y)`` is ``backward``
-+ the optimizer's step, or a dptune update rule (``dptune.updates``) applied in place.
+"""A private step inside your own training loop (Opacus's ``make_private``, rebuilt on privatizers; the example
+is in README.md): dptune takes over the Poisson batches, the per-sample gradients, clipping and noise and the number
+of steps; everything else is yours. What each check refuses, and why: docs/your_data.md ("Your own training loop").
 """
 
 from __future__ import annotations

@@ -53,8 +53,7 @@ class Metric:
         if self.sensitivity is None:
             raise ConfigError(
                 f"metric {self.name!r} states no sensitivity, so it cannot be released privately. "
-                "Fix: Metric(fn, sensitivity=s) with s bounding one example's score, or select "
-                "in public mode."
+                "Fix: Metric(fn, sensitivity=s) with s bounding one example's score, or select in public mode."
             )
         return float(self.sensitivity)
 

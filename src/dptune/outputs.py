@@ -176,9 +176,8 @@ def checkpoint_rule(checkpoint: str | None, has_eval: bool, eval_public: bool) -
         )
     if checkpoint == "best" and has_eval and not eval_public:
         raise ConfigError(
-            "checkpoint 'best' selects on evaluation data, which must then be declared public. "
-            "Fix: eval_public=True (--eval-public) if that data truly is public, or checkpoint='final' "
-            "(--checkpoint final)."
+            "checkpoint 'best' selects on evaluation data, which must then be declared public. Fix: eval_public=True "
+            "(--eval-public) if that data truly is public, or checkpoint='final' (--checkpoint final)."
         )
     return checkpoint or ("best" if has_eval and eval_public else "final")
 
@@ -297,7 +296,7 @@ def sampling_note(runs: Iterable[Any]) -> list[str]:
 
 def epsilon_text(eps: float) -> str:
     """ε as the reports write it: ``3``, ``0.5``, ``∞`` for a non-private run (6 digits, rounded up)."""
-    return "∞" if not math.isfinite(eps) else up(eps, 6)
+    return "∞" if math.isinf(eps) else up(eps, 6)
 
 
 def up(x: float, digits: int = 3) -> str:
@@ -383,11 +382,10 @@ SEEDED_WARNING = (
     "hold. Keep the seed secret, or train with secure mode (the OS CSPRNG) before publishing."
 )
 SECURE_STATEMENT = (
-    "secure mode: the noise and the Poisson batches were drawn from the operating system's "
-    "CSPRNG, not from the seed (not reproducible). Each noisy value is snapped to a grid (no "
-    "floating-point holes); the float sampler's proven worst-case error adds up to 4e-11 to ε per "
-    "released coordinate (a run's or tuning procedure's total: epsilon_float_slack), stated here, not in ε "
-    "(docs/privacy.md, item 1b)."
+    "secure mode: the noise and the Poisson batches were drawn from the operating system's CSPRNG, not from the seed "
+    "(not reproducible). Each noisy value is snapped to a grid (no floating-point holes); the float sampler's proven "
+    "worst-case error adds up to 4e-11 to ε per released coordinate (a run's or a composition's total, "
+    "epsilon_float_slack: stated here), not in ε (docs/privacy.md, item 1b)."
 )
 
 

@@ -82,9 +82,8 @@ def _as_tensors(data: Any, device: torch.device) -> tuple[torch.Tensor, torch.Te
     else:
         # train_many stacks K trials on in-memory tensors; dptune.train reads any map-style dataset.
         raise ConfigError(
-            "data must be a pair (x, y) of tensors, a TensorDataset or a dptune.data.Dataset here "
-            "(a map-style dataset works with dptune.train; for train_many, read it into "
-            "memory with dptune.own.materialize)."
+            "data must be a pair (x, y) of tensors, a TensorDataset or a dptune.data.Dataset here (a map-style "
+            "dataset works with dptune.train; for train_many, read it into memory with dptune.own.materialize)."
         )
     # x: one tensor, or a tuple/dict of tensors for a model with several inputs (dptune.inputs).
     x = inputs.as_inputs(x)

@@ -1,10 +1,6 @@
-"""``dptune.train``: one DP training run, from a model and tensors to a result with its ledger.
-
-The loop is small: sample a Poisson batch, let the strategy step (it releases through the run's
-gateway), score the parameters at the steps of its ``EvalSchedule``, keep the best checkpoint. The
-ledger is created with the run's *plan* first: the run cannot release more than it declared.
-``RunLoop`` is the one run loop: ``train`` and the tuner's worker drive one (``RunLoop.drive``),
-``dptune.vectorized`` K of them in lockstep, ``make_private`` shares its set-up (``open_run``).
+"""``dptune.train``: one DP training run, from a model and tensors to a result with its ledger (created from the
+run's plan first). ``RunLoop`` is the one run loop: ``train`` and the tuner's worker drive one, ``vectorized`` K in
+lockstep, ``make_private`` shares its set-up (``open_run``).
 """
 
 from __future__ import annotations

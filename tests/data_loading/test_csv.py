@@ -98,10 +98,10 @@ def test_study_toml_csv(tmp_path: Path) -> None:
     from dptune.tune import resume_study, run_study
 
     run_study(study, tmp_path / "s", progress=False)
-    for n, seed in ((300, 3), (200, 4)):  # more rows; then as many rows, other values (their bytes differ)
+    for n, seed, which in ((300, 3, ""), (200, 4, "rows that differ: training, validation")):  # then other values
         write_csv(tmp_path / "f.csv", n, seed)
         study_data.__globals__["_CACHE"].clear()  # as a new process (`dptune resume`) reads it
-        with pytest.raises(ConfigError, match="not the one it was planned on: .* planned"):
+        with pytest.raises(ConfigError, match=f"not the one it was planned on: .* planned.*{which}"):
             resume_study(tmp_path / "s", progress=False)
     write_csv(tmp_path / "f.csv", 200, 3)  # the planned file again: resumed
     study_data.__globals__["_CACHE"].clear()

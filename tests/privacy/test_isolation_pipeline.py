@@ -640,15 +640,32 @@ def test_no_pass_of_dptune_shows_your_forward_a_private_row_outside_the_per_exam
     from dptune.own import check_classes
 
     x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
-    norms = []
-    for scale in (1.0, 30.0):
-        torch.manual_seed(0)
-        model, xs = ActNorm(), x.clone()
-        xs[0] *= scale
-        check_classes(model, xs, y)  # dptune.train's first look at the model
-        params = {k: p.detach() for k, p in model.named_parameters()}
-        norms.append(GradientOracle(model)(params, xs, y).norms[1:])
-    assert torch.equal(norms[0], norms[1])
+    for method, check in (("auto", True), ("vmap", False), ("losses", False)):  # round 2: every path's first look
+        got = []
+        for scale in (1.0, 30.0):
+            torch.manual_seed(0)
+            model, xs = ActNorm(), x.clone()
+            xs[0] *= scale
+            if check:
+                check_classes(model, xs, y)  # dptune.train's first look at the model
+            params = {k: p.detach() for k, p in model.named_parameters()}
+            oracle = GradientOracle(model, method="vmap" if method == "losses" else method)
+            got.append(oracle.losses(params, xs, y)[1:] if method == "losses" else oracle(params, xs, y).norms[1:])
+        assert torch.equal(got[0], got[1]), method
+
+    class Cache(nn.Module):  # keeps a per-example value under vmap, read by the next batch of the same size
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.mem = nn.Linear(5, 3), None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.a(x) + (0 if self.mem is None else self.mem)
+            self.mem = out.detach()
+            return out
+
+    model = Cache()
+    with pytest.raises(ConfigError, match="keeps a per-example tensor in 'mem'"):
+        GradientOracle(model, method="vmap")({k: p.detach() for k, p in model.named_parameters()}, x, y)
 
     class Broken(nn.Module):  # forced 'ghost' on a forward that fails: one clear error, no traceback
         def __init__(self) -> None:
@@ -661,3 +678,23 @@ def test_no_pass_of_dptune_shows_your_forward_a_private_row_outside_the_per_exam
     model = Broken()
     with pytest.raises(ConfigError, match="fails on one example alone"):
         GradientOracle(model, method="ghost")({k: p.detach() for k, p in model.named_parameters()}, x[:, :3], y)
+
+
+def test_a_forward_that_fails_on_zeros_still_trains() -> None:
+    """Round 2 of the review: the public dummies (zeros) are outside some forwards' domain (1-based ids: ids − 1);
+    the checks on them are skipped and the ghost path falls back, never a traceback."""
+    import dptune
+
+    class OneBased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.out = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(ids - 1).mean(1))
+
+    ids, y = torch.randint(1, 11, (64, 5)), torch.randint(0, 3, (64,))
+    for method in ("auto", "ghost"):
+        out = dptune.train(OneBased(), (ids, y), "dpsgd", steps=3, expected_batch_size=16, noise_multiplier=1.0,
+                           delta=1e-5, seed=0, grad_method=method)  # fmt: skip
+        assert len(out.history) == 3 and not out.diverged

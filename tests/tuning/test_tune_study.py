@@ -324,13 +324,15 @@ def test_failed_runs_are_recorded_and_retried_on_resume(tmp_path):
 
 def test_secure_study_states_its_float_slack(tmp_path):
     """Found in review: secure-mode cards said the float sampler's slack was "stated here" and no study stated it.
-    Each DP-SGD step snaps d = 27 released coordinates at 2ξ each (ξ = 2e-11, docs/privacy.md item 1b): a grid arm
-    of 2 runs × 20 steps states 2·20·27·4e-11, in results.csv and on the card; a seeded study states none."""
+    Each DP-SGD step snaps d = 27 released coordinates at 2ξ each (ξ = 2e-11, docs/privacy.md item 1b), each private
+    score one: a grid arm of 2 runs × (20 steps + 2 scores) states 2·(20·27 + 2)·4e-11, in results.csv and on the
+    card; a seeded study states none (a Liu–Talwar arm neither: its runs would reveal K)."""
     from dptune.tune.export import export_study
 
-    run_study(_study(eps=(1.0,), seeds=(0,), secure=True), tmp_path / "s", progress=False)
+    sel = SelectionSpec(mode="private", split="holdout", eval_every=10)
+    run_study(_study(eps=(1.0,), seeds=(0,), secure=True, selection=sel), tmp_path / "s", progress=False)
     (row,) = study_table(tmp_path / "s")
-    assert row["epsilon_float_slack"] == pytest.approx(2 * 20 * 27 * 4e-11, rel=1e-9)
+    assert row["epsilon_float_slack"] == pytest.approx(2 * (20 * 27 + 2) * 4e-11, rel=1e-9)  # + 2 private scores
     (card,) = [json.loads((p / "model_card.json").read_text()) for p in export_study(tmp_path / "s")]
     assert card["guarantee"]["epsilon_float_slack"] == row["epsilon_float_slack"]
     with open(tmp_path / "s" / "release" / "results.csv") as f:

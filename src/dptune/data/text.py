@@ -1,10 +1,5 @@
-"""Fixed (data-independent) text representations for ``ag_news`` and ``enron_spam``:
-``bow_embedding`` (Galli et al.'s concatenated word vectors: GloVe, MiniLM's word-piece table or
-hashed), ``minilm`` (all-MiniLM-L6-v2 sentence embeddings, offline, cached on disk), ``tokens``
-(MiniLM's WordPiece ids and mask, for fine-tuning the encoder: ``dptune.finetune``); ``counts``
-(hashed token counts) is in ``dptune.data.loaders``. Each document's features are a function of
-that document alone (and public tables/models), so they read nothing about the other (private)
-documents. Details: docs/data_and_models.md.
+"""Fixed text representations for ``ag_news`` and ``enron_spam`` (``bow_embedding``, ``minilm``, ``tokens``): each
+document's features are a function of that document and public tables/models alone (docs/data_and_models.md).
 """
 
 from __future__ import annotations

@@ -525,8 +525,13 @@ class GhostEngine:
         x0, y0 = (
             (inputs.tmap(torch.zeros_like, inputs.rows(x, 0, 1)), torch.zeros_like(y[:1])) if self.rowwise else (x, y)
         )
-        with recording((mod for mod, _, _ in self.layers), inputs.batch_len(x0)) as records:
-            losses = self._loss(self._call(ps, buffers, x0), y0)
+        try:
+            with recording((mod for mod, _, _ in self.layers), inputs.batch_len(x0)) as records:
+                losses = self._loss(self._call(ps, buffers, x0), y0)
+        except Exception as exc:  # the dummy may be outside your forward's domain (ids − 1): vmap then
+            if isinstance(exc, GhostFallback) or not self.rowwise:
+                raise
+            raise GhostFallback(f"your forward fails on a zeros dummy ({str(exc).splitlines()[0]})") from exc
         used = [(m, c, n) for m, c, n in self.layers if m in records]
         recs = [r for m, _, _ in used if (r := records[m]) is not None]  # all: ``recording`` refuses a None
         bs: list[torch.Tensor | None]

@@ -12,7 +12,7 @@ import os
 import random
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -121,6 +121,7 @@ class GradientOracle:
         self._refused: ConfigError | None = None
         self._rows = random.Random()  # the probed row: OS entropy, not the run's random streams
         self._calls = {"grads": 0, "losses": 0}
+        self._looked = False  # your forward's first look: a public dummy (``_first_look``)
         self._next_probe = {"grads": 0, "losses": 0}  # call count at which a probe is due; 0: none passed
         self._call = ParamSwap(model)
         self.chunk_size = chunk_size
@@ -169,8 +170,33 @@ class GradientOracle:
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
         # Exact products for the whole private computation (ieee_matmul says why); the lazy
         # ghost norms and sums enter it again when they are computed.
+        if self.own_code and not self._looked:
+            self._first_look(params, x)
         with ieee_matmul(inputs.device_of(x)):
-            return self._compute(params, x, y)
+            got = self._compute(params, x, y)
+        if self.own_code:
+            self._no_escaped()
+        return got
+
+    def _first_look(self, params: Tensors, x: Any) -> None:
+        """Once, before any private pass: your forward on a public dummy (zeros), for any lazy init (item 22)."""
+        self._looked = True
+        with suppress(Exception), torch.no_grad(), rng_preserved(inputs.device_of(x)), self._scratch() as buffers:
+            self._call(params, buffers, inputs.tmap(torch.zeros_like, inputs.rows(x, 0, 1)))
+
+    def _no_escaped(self) -> None:
+        """Refuse (for good) a per-example value your forward kept in an attribute under vmap (13.5·C in review)."""
+        F = torch._C._functorch
+        for name, mod in self.model.named_modules():
+            for k, v in vars(mod).items():
+                while isinstance(v, torch.Tensor) and F.is_functorch_wrapped_tensor(v) and not F.is_batchedtensor(v):
+                    v = F.get_unwrapped(v)  # a grad transform's wrapper alone holds no example (spectral norm's weight)
+                if isinstance(v, torch.Tensor) and F.is_batchedtensor(v):
+                    self._refused = ConfigError(
+                        f"your forward keeps a per-example tensor in '{name + '.' if name else ''}{k}' across calls: a "
+                        "later batch would read it. Fix: do not store tensors computed from the inputs on the model."
+                    )
+                    raise self._refused
 
     def _compute(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
         if (B := inputs.batch_len(x)) == 0:  # an empty Poisson batch: the step (and its noise) still happen
@@ -430,9 +456,13 @@ class GradientOracle:
             return torch.zeros(0, device=dev)
         with torch.no_grad(), ieee_matmul(dev):
             if self.own_code is not None and self.alone_reason is None:  # your forward: under vmap, each row alone
+                if not self._looked:
+                    self._first_look(params, x)
                 try:
                     with self._scratch() as buffers:
-                        return self._losses_alone(params, buffers, x, y).detach()
+                        got = self._losses_alone(params, buffers, x, y).detach()
+                    self._no_escaped()
+                    return got
                 except (RuntimeError, ValueError) as exc:
                     if isinstance(exc, ConfigError):
                         raise

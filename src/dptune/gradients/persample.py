@@ -92,9 +92,8 @@ def check_model(model: nn.Module) -> None:
         if getattr(mod, "track_running_stats", False) is True:
             raise ConfigError(
                 f"{where} has track_running_stats=True: in training it stores running statistics of the "
-                "private batches in its buffers, which are not differentially private and would be saved "
-                "with the model. Fix: build it with track_running_stats=False, or use nn.GroupNorm / "
-                "nn.LayerNorm."
+                "private batches in its buffers, which are not differentially private and would be saved with the "
+                "model. Fix: build it with track_running_stats=False, or use nn.GroupNorm / nn.LayerNorm."
             )
         if getattr(mod, "max_norm", None) is not None:  # renormalises its weight's rows in place: the batch's tokens
             raise ConfigError(f"{where} has max_norm set: it rescales the rows of the tokens in each private batch "
@@ -347,10 +346,9 @@ class ScratchBuffers:
     def _refuse(self, names: list[str], what: str = "buffer(s)", failed: str = "") -> None:
         self._refused = ConfigError(
             f"the model wrote its {what} {', '.join(names)} during a pass on private data{failed} (a layer that "
-            "keeps running statistics or a cache of its inputs): those values are not differentially "
-            "private and would be saved with the model. Fix: make the layer's forward leave its buffers "
-            "and frozen parameters unchanged (for a normalisation layer: nn.GroupNorm / nn.LayerNorm, "
-            "or track_running_stats=False)."
+            "keeps running statistics or a cache of its inputs): those values are not differentially private and "
+            "would be saved with the model. Fix: make the layer's forward leave its buffers and frozen parameters "
+            "unchanged (for a normalisation layer: nn.GroupNorm / nn.LayerNorm, or track_running_stats=False)."
         )
         raise self._refused
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dptune.errors import ConfigError
+from dptune.outputs import up
 
 SCALES: tuple[str, ...] = ("smoke", "small", "paper")
 # Scales only some presets have (``Preset.scales``): a slice of the paper scale that fits a GPU budget.
@@ -47,8 +48,8 @@ def log_grid(lo_exp: float, hi_exp: float, k: int) -> list[float]:
 
 
 def eps_text(eps: float) -> str:
-    """ε as the preset tables print it (4 significant digits; ∞ for a non-private arm)."""
-    return "∞" if not math.isfinite(eps) else f"{eps:.4g}"
+    """ε as the preset tables print it (4 significant digits rounded up; ∞ for a non-private arm)."""
+    return up(eps, 4)
 
 
 def _round_sig(x: float, digits: int) -> float:

@@ -1,13 +1,6 @@
-"""The privacy ledger: the record of every noisy release, as ``dp_accounting`` events.
-
-A ``Ledger`` is append-only. Consecutive identical releases are run-length encoded,
-so a 10,000-step run is one ``SelfComposedDpEvent`` and PLD accounting stays fast.
-
-A ledger may carry a *plan*: a multiset of atomic events that it is allowed to
-record. Recording anything outside the remaining plan raises
-``BudgetExceededError`` *before* the noise is drawn, so an over-budget release can
-never happen (composition is commutative, so a multiset is the exact notion of
-"what may still be spent").
+"""The privacy ledger: every noisy release as ``dp_accounting`` events, append-only and run-length encoded. A plan
+(a multiset of atomic events: composition is commutative) bounds what it may record; anything outside the remaining
+plan raises ``BudgetExceededError`` before the noise is drawn.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The single place where noise is added to private statistics (a test greps the tree to keep it so).
 
-``NoisyRelease.release`` takes the sum queries of one Poisson batch, records their joint ``DpEvent`` (one
-Gaussian of multiplier ν = (Σ ν_i⁻²)^(-1/2), ``accounting.joint_noise_multiplier``) in the ledger, and only
-then draws and adds the noise. Deferred queries return a ``DeferredSum``: ``project`` draws the one scalar a
-rule reads, ``materialize`` the vector (docs/privacy.md, "Deferred noise"). Sums arrive in float64
-(``tree.Accumulated``) and are rounded after the noise; secure mode snaps to a grid (docs/privacy.md, item 1b).
+``NoisyRelease.release`` records one batch's queries' joint ``DpEvent`` (ν = (Σ ν_i⁻²)^(-1/2)) in the ledger, then
+draws and adds the noise; a ``DeferredSum`` draws only what a rule reads (docs/privacy.md, "Deferred noise"). Sums
+arrive in float64 and are rounded after the noise; secure mode snaps to a grid (docs/privacy.md, item 1b).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.metrics import clip_to_range
+from dptune.outputs import up
 from dptune.report.data import (
     LedgerRow,
     LinearScalingFit,
@@ -420,7 +421,7 @@ def _epsilon_per_run(
         lines = [(float(e), str(lab)) for e, lab in planned_epsilon or ()]
     lines = [(e, lab) for e, lab in lines if math.isfinite(e)]
     for k, (e, lab) in enumerate(lines):
-        ax.axvline(e, color="#d62728", lw=1.2, ls=("-", "--", ":", "-.")[k % 4], label=f"{lab}: ε = {e:.3g}")
+        ax.axvline(e, color="#d62728", lw=1.2, ls=("-", "--", ":", "-.")[k % 4], label=f"{lab}: ε = {up(e)}")
     if runs and ax.get_legend_handles_labels()[0]:  # a histogram alone has nothing to name
         # Below the axes: inside, it would hide the longest bars.
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)

@@ -43,13 +43,21 @@ class StudyData:
     def n_val(self) -> int:
         return int(self.y_val.shape[0])
 
-    def digest(self) -> str:
-        """SHA-256 of every split's bytes, shapes and dtypes: a resume must read the rows the study was planned on."""
-        h = hashlib.sha256()
-        for t in [t for part in (self.x_train, self.y_train, self.x_val, self.y_val) for t in leaves(part)]:
-            h.update(repr((tuple(t.shape), str(t.dtype))).encode())
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
-        return h.hexdigest()
+    def digest(self) -> dict[str, str]:
+        """Per split, the SHA-256 of its rows as a multiset (their order is free), with names, shapes and dtypes."""
+        out = {}
+        for split, x, y in (("training", self.x_train, self.y_train), ("validation", self.x_val, self.y_val)):
+            named = [("y", y), *(x.items() if isinstance(x, dict) else enumerate(leaves(x)))]
+            rows, head = [hashlib.sha256() for _ in range(int(y.shape[0]))], hashlib.sha256()
+            for name, t in named:
+                head.update(repr((name, tuple(t.shape), str(t.dtype))).encode())
+                flat = t.detach().cpu().contiguous().view(torch.uint8).reshape(len(rows), -1).numpy()
+                for h, row in zip(rows, flat, strict=True):
+                    h.update(row)  # type: ignore[arg-type]
+            for d in sorted(h.digest() for h in rows):
+                head.update(d)
+            out[split] = head.hexdigest()
+        return out
 
 
 _CACHE: dict[str, StudyData] = {}

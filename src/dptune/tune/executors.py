@@ -253,9 +253,8 @@ def check_ray_address(address: str, timeout: float = 3.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as exc:
         raise ConfigError(
-            f"no Ray cluster answers at {address!r} ({exc.strerror or exc}). Fix: start the cluster "
-            "(`ray start --head` prints its address), check the host and port, or leave out "
-            "--address to start a local Ray."
+            f"no Ray cluster answers at {address!r} ({exc.strerror or exc}). Fix: start the cluster (`ray start "
+            "--head` prints its address), check the host and port, or leave out --address to start a local Ray."
         ) from None
 
 

@@ -135,7 +135,7 @@ def _card(
         f"{sel.get('across_seeds', 'per-seed')})",
         "covered": list(COVERED) if math.isfinite(row["planned_epsilon"]) else [],
         "not_covered": list(NOT_COVERED),
-        **{k: row[k] for k in ("epsilon_float_slack", "epsilon_float_slack_per_run") if k in row},
+        **({"epsilon_float_slack": row["epsilon_float_slack"]} if "epsilon_float_slack" in row else {}),
     }
     if sel.get("across_seeds") == "mean" and row["guarantee_per"] == "seed replicate":
         # The card is the file published alone: it must say what the terminal note says (found in review).

@@ -59,7 +59,6 @@ RELEASE_COLUMNS: tuple[str, ...] = (
     "planned_delta",
     "selection_epsilon",
     "epsilon_float_slack",
-    "epsilon_float_slack_per_run",
     "spent_epsilon",
     "spent_delta",
     "guarantee_per",
@@ -231,12 +230,13 @@ def _selected(
 
 
 def _float_slack(arm: ArmPlan, runs: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """Secure mode's float slack on ε (docs/privacy.md, item 1b): a composition's runs summed; under Liu–Talwar or
-    repeat-and-select a run's, stated per run (a sum would reveal the secret K; it enters as the runs' ε)."""
-    s = [runs[r]["float_slack"] for r in arm.runs]
-    if arm.guarantee.get("kind") == "composition":
-        return {"epsilon_float_slack": sum(s)}
-    return {"epsilon_float_slack_per_run": max(s, default=0.0)}
+    """Secure mode's float slack on ε where the run count is public: a composition's runs summed (docs/privacy.md,
+    item 1b; under Liu–Talwar or repeat-and-select a sum or maximum over the drawn runs would reveal K)."""
+    return (
+        {"epsilon_float_slack": sum(runs[r]["float_slack"] for r in arm.runs)}
+        if arm.guarantee.get("kind") == "composition"
+        else {}
+    )
 
 
 def study_table(study_dir: str | Path) -> list[dict[str, Any]]:

@@ -331,13 +331,15 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
         except BaseException:
             store.close()
             raise
-        planned = (store.get_meta("config") or {}).get("_meta", {}).get("data_digest")  # None: planned before it
-        if (data.n_train, data.n_val) != (plan.n_train, plan.n_val) or planned not in (None, data.digest()):
+        planned = (store.get_meta("config") or {}).get("_meta", {}).get("data_digest") or {}  # {}: planned before
+        now = data.digest() if planned else {}
+        if (data.n_train, data.n_val) != (plan.n_train, plan.n_val) or any(planned[k] != now[k] for k in planned):
             store.close()
             raise ConfigError(
                 f"the study's data is not the one it was planned on: {data.n_train} training and {data.n_val} "
-                f"validation examples now, {plan.n_train} and {plan.n_val} planned (q and the guarantee assume "
-                "them; their bytes are compared too). Fix: restore the data it was planned on."
+                f"validation examples now, {plan.n_train} and {plan.n_val} planned (q and the guarantee assume them); "
+                f"rows that differ: {', '.join(k for k in planned if planned[k] != now[k]) or 'none'} (a loader whose "
+                "output changes with the thread count differs too). Fix: restore the data it was planned on."
             )
         return store, plan
     try:

@@ -183,7 +183,7 @@ class _RunJob:
             "evals": [{**e, "finalized": True} if "finalized" in e else e for e in result.evals],
             "history": [{k: v for k, v in row.items() if k != "eval_score"} for row in result.history],
             "ledger": ledger.to_dict(),
-            "float_slack": result.float_slack,  # secure mode's stated float slack (docs/privacy.md, item 1b)
+            "float_slack": result.float_slack + self.scorer.gateway.snap_slack,  # secure: the stated slack (item 1b)
             "seconds": time.perf_counter() - self.t0 if seconds is None else seconds,
         }
 

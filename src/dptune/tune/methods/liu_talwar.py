@@ -11,6 +11,7 @@ from dp_accounting import dp_event
 
 from dptune import accounting
 from dptune.errors import ConfigError, config_error
+from dptune.outputs import up
 from dptune.release.ledger import LedgerEntry
 from dptune.tune import space as S
 from dptune.tune import theory
@@ -123,8 +124,8 @@ class LiuTalwar(TuningMethod):
             "formula": "(3ε₁ + 3√(2δ₁), √(2δ₁)·T_max + δ₂) per procedure (Liu & Talwar 2019, Thm 3.4)",
         }
         notes = seed_note(study, composite=True) + [
-            f"Liu–Talwar random stopping: γ = {gamma:.4g}, T_max = {lt.t_max}, each run ({lt.eps1:.4g}, "
-            f"{lt.delta1:.3g})-DP; runs drawn per procedure: {ks}. The guarantee covers releasing ONLY the "
+            f"Liu–Talwar random stopping: γ = {gamma:.4g}, T_max = {lt.t_max}, each run ({up(lt.eps1, 4)}, "
+            f"{up(lt.delta1)})-DP; runs drawn per procedure: {ks}. The guarantee covers releasing ONLY the "
             "selected candidate: the study directory (all runs, their number, their scores) is internal and must "
             "not be published.",
         ]
