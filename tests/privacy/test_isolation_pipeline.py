@@ -631,6 +631,13 @@ class ActNorm(nn.Module):
         return self.b(torch.tanh(h - self.shift))
 
 
+def _cache_forward(m: nn.Module, x: torch.Tensor, keep) -> torch.Tensor:
+    mem = m.mem if m.mem is None or isinstance(m.mem, torch.Tensor) else m.mem[0]
+    out = m.a(x) + (0 if mem is None else mem)
+    m.mem = keep(out.detach())
+    return out
+
+
 def test_no_pass_of_dptune_shows_your_forward_a_private_row_outside_the_per_example_computation() -> None:
     """Found in review: the ghost path under vmap took the layer shapes from row 0 run alone, and the class check
     ran the model on row 0: a lazy init kept that row and every other row read it (19.7·C through train, 7.2·C
@@ -663,9 +670,24 @@ def test_no_pass_of_dptune_shows_your_forward_a_private_row_outside_the_per_exam
             self.mem = out.detach()
             return out
 
-    model = Cache()
-    with pytest.raises(ConfigError, match="keeps a per-example tensor in 'mem'"):
-        GradientOracle(model, method="vmap")({k: p.detach() for k, p in model.named_parameters()}, x, y)
+    for keep in (lambda t: t, lambda t: (t,)):  # an attribute, or (round 3) a container such as TBPTT's (h, c)
+        model = Cache()
+        model.forward = lambda x, m=model, keep=keep: _cache_forward(m, x, keep)  # type: ignore[method-assign]
+        params = {k: p.detach() for k, p in model.named_parameters()}
+        for method, chunk in (("vmap", None), ("vmap", 1), ("auto", None)):
+            with pytest.raises(ConfigError, match="keeps a per-example tensor across calls"):
+                GradientOracle(model, method=method, chunk_size=chunk)(params, x, y)
+            model.mem = None
+    # round 3: a first batch that is empty still gives the dummy its shape (the lazy init saw a later row)
+    got = []
+    for scale in (1.0, 30.0):
+        torch.manual_seed(0)
+        model, xs = ActNorm(), x.clone()
+        xs[0] *= scale
+        oracle, params = GradientOracle(model, method="vmap"), {k: p.detach() for k, p in model.named_parameters()}
+        oracle(params, xs[:0], y[:0])
+        got.append(oracle(params, xs, y).norms[1:])
+    assert torch.equal(got[0], got[1])
 
     class Broken(nn.Module):  # forced 'ghost' on a forward that fails: one clear error, no traceback
         def __init__(self) -> None:
@@ -698,3 +720,42 @@ def test_a_forward_that_fails_on_zeros_still_trains() -> None:
         out = dptune.train(OneBased(), (ids, y), "dpsgd", steps=3, expected_batch_size=16, noise_multiplier=1.0,
                            delta=1e-5, seed=0, grad_method=method)  # fmt: skip
         assert len(out.history) == 3 and not out.diverged
+
+
+def test_dpzo_losses_row_by_row_and_a_parameter_made_in_forward_are_refused() -> None:
+    """Round 3 of the review: DP-ZO's losses one row at a time (a forward vmap refuses) carried a row's state to the
+    next (1.4·C): row 0 computed again from the same state must agree. A frozen Parameter made in forward held a
+    training row and was saved with the model: refused and removed, as a buffer registered in forward is."""
+    from dptune.errors import ConfigError
+    from dptune.gradients.oracle import GradientOracle
+
+    class Carry(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.prev = nn.Linear(5, 3), 0.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if float(x.abs().sum()) > 0:  # a branch on a value: vmap refuses it, rows go one at a time
+                out, self.prev = self.a(x) + torch.tensor([self.prev, 0.0, 0.0]), float(x.sum())
+                return out
+            return self.a(x)
+
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    model = Carry()
+    with pytest.raises(ConfigError):
+        GradientOracle(model).losses({k: p.detach() for k, p in model.named_parameters()}, x, y)
+
+    class Keeper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(5, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.abs().sum() > 0:
+                self.last_input = nn.Parameter(x.detach().clone(), requires_grad=False)
+            return self.a(x)
+
+    model = Keeper()
+    with pytest.raises(ConfigError, match="last_input"):
+        GradientOracle(model, method="vmap")({k: p.detach() for k, p in model.named_parameters()}, x, y)
+    assert "last_input" not in dict(model.named_parameters())

@@ -12,7 +12,7 @@ import os
 import random
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -121,7 +121,7 @@ class GradientOracle:
         self._refused: ConfigError | None = None
         self._rows = random.Random()  # the probed row: OS entropy, not the run's random streams
         self._calls = {"grads": 0, "losses": 0}
-        self._looked = False  # your forward's first look: a public dummy (``_first_look``)
+        self._looked = False  # your forward has run on a public dummy (``_look``)
         self._next_probe = {"grads": 0, "losses": 0}  # call count at which a probe is due; 0: none passed
         self._call = ParamSwap(model)
         self.chunk_size = chunk_size
@@ -171,32 +171,29 @@ class GradientOracle:
         # Exact products for the whole private computation (ieee_matmul says why); the lazy
         # ghost norms and sums enter it again when they are computed.
         if self.own_code and not self._looked:
-            self._first_look(params, x)
+            self._look(params, x)
         with ieee_matmul(inputs.device_of(x)):
             got = self._compute(params, x, y)
         if self.own_code:
-            self._no_escaped()
+            self._look(params, x)
         return got
 
-    def _first_look(self, params: Tensors, x: Any) -> None:
-        """Once, before any private pass: your forward on a public dummy (zeros), for any lazy init (item 22)."""
-        self._looked = True
-        with suppress(Exception), torch.no_grad(), rng_preserved(inputs.device_of(x)), self._scratch() as buffers:
-            self._call(params, buffers, inputs.tmap(torch.zeros_like, inputs.rows(x, 0, 1)))
-
-    def _no_escaped(self) -> None:
-        """Refuse (for good) a per-example value your forward kept in an attribute under vmap (13.5·C in review)."""
-        F = torch._C._functorch
-        for name, mod in self.model.named_modules():
-            for k, v in vars(mod).items():
-                while isinstance(v, torch.Tensor) and F.is_functorch_wrapped_tensor(v) and not F.is_batchedtensor(v):
-                    v = F.get_unwrapped(v)  # a grad transform's wrapper alone holds no example (spectral norm's weight)
-                if isinstance(v, torch.Tensor) and F.is_batchedtensor(v):
-                    self._refused = ConfigError(
-                        f"your forward keeps a per-example tensor in '{name + '.' if name else ''}{k}' across calls: a "
-                        "later batch would read it. Fix: do not store tensors computed from the inputs on the model."
-                    )
-                    raise self._refused
+    def _look(self, params: Tensors, x: Any) -> None:
+        """Your forward on a public dummy (zeros, one row), before the first private pass (a lazy init sees no row) and
+        after each (a per-example tensor it kept anywhere is refused before the release): docs/privacy.md, item 22."""
+        try:
+            with torch.no_grad(), rng_preserved(inputs.device_of(x)), self._scratch() as buffers:
+                self._call(params, buffers, inputs.tmap(lambda t: t.new_zeros((1, *t.shape[1:])), x))
+            self._looked = True
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - functorch's own words for a tensor that left its vmap
+            if "escaped" in str(exc):
+                self._refused = ConfigError(
+                    "your forward keeps a per-example tensor across calls (an attribute, a container or a global): "
+                    "a later batch would read it. Fix: do not store tensors computed from the inputs."
+                )
+                raise self._refused from None
 
     def _compute(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
         if (B := inputs.batch_len(x)) == 0:  # an empty Poisson batch: the step (and its noise) still happen
@@ -457,18 +454,25 @@ class GradientOracle:
         with torch.no_grad(), ieee_matmul(dev):
             if self.own_code is not None and self.alone_reason is None:  # your forward: under vmap, each row alone
                 if not self._looked:
-                    self._first_look(params, x)
+                    self._look(params, x)
                 try:
                     with self._scratch() as buffers:
                         got = self._losses_alone(params, buffers, x, y).detach()
-                    self._no_escaped()
+                    self._look(params, x)
                     return got
                 except (RuntimeError, ValueError) as exc:
                     if isinstance(exc, ConfigError):
                         raise
                     self.alone_reason = str(exc).split(". ")[0]
             if self.own_code or not (due or self._next_probe["losses"]) or B < self.PROBE_MIN_BATCH:  # unprobed
-                return torch.cat([self._plain_losses(params, inputs.rows(x, j, j + 1), y[j : j + 1]) for j in range(B)])
+                start = self._swap_state(dev)
+                out = torch.cat([self._plain_losses(params, inputs.rows(x, j, j + 1), y[j : j + 1]) for j in range(B)])
+                if self.own_code and B > 1:  # row 0 again, from the same state: no row's state reached the next
+                    now, again = self._swap_state(dev, start), self._plain_losses(params, inputs.rows(x, 0, 1), y[:1])
+                    self._swap_state(dev, now)
+                    if not torch.equal(again.reshape(1), out[:1]):
+                        self._refuse("losses")
+                return out
             first, before = not self._next_probe["losses"], self._swap_state(dev) if due else None
             out = self._plain_losses(params, x, y)
             if due:

@@ -222,6 +222,7 @@ def _count_registration(module: nn.Module, name: str, buffer: torch.Tensor | Non
 
 
 torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)  # a Parameter made in forward
 
 
 def _data_independent_buffers(model: nn.Module) -> set[str]:
@@ -256,6 +257,7 @@ class ScratchBuffers:
     def _refresh(self) -> None:
         self._generation = _BUFFER_GENERATION[0]
         self.originals: Tensors = dict(self.model.named_buffers())
+        self._params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         self._slots = [(mod, b, t) for mod in self.model.modules() for b, t in mod._buffers.items() if t is not None]
         self.passthrough = _data_independent_buffers(self.model) if self.originals else set()
         frozen = [p for p in self.model.parameters() if not p.requires_grad]
@@ -294,14 +296,10 @@ class ScratchBuffers:
         before = {k: _version(v) for k, v in self.originals.items()}
         copies = {k: v if k in self.passthrough else v.detach().clone() for k, v in self.originals.items()}
         versions = {k: _version(v) for k, v in copies.items()}
-        failed = ""
         try:
             yield copies if self.originals else self.originals
-        except BaseException as exc:  # a write before the failure is refused as such, naming the failure
-            failed = f" (the pass then failed: {(str(exc) or type(exc).__name__).splitlines()[0]})"
-            raise
-        finally:
-            self._check(copies, versions, before, failed)
+        finally:  # also when the forward failed: a write before the failure is refused as such
+            self._check(copies, versions, before)
             if generation != _BUFFER_GENERATION[0]:
                 self._refuse_new()
             if due:
@@ -310,7 +308,7 @@ class ScratchBuffers:
                 moved = [n for (n, p), v in zip(self._frozen_names(), frozen, strict=True) if _version(p) != v]
                 self._refuse(moved, "frozen parameter(s)")
 
-    def _check(self, copies: Tensors, versions: dict[str, int], before: dict[str, int], failed: str) -> None:
+    def _check(self, copies: Tensors, versions: dict[str, int], before: dict[str, int]) -> None:
         written = [
             k
             for k, v in copies.items()
@@ -322,7 +320,7 @@ class ScratchBuffers:
                 for k in written:
                     if _version(self.originals[k]) != before[k] and _version(copies[k]) == versions[k] >= 0:
                         self.originals[k].copy_(copies[k])  # the copy still holds the value from before
-            self._refuse(written, failed=failed)
+            self._refuse(written)
 
     def _frozen_names(self) -> list[tuple[str, torch.Tensor]]:
         ids = {id(p) for p in self._frozen}
@@ -330,22 +328,23 @@ class ScratchBuffers:
         return [(named.get(id(p), "?"), p) for p in self._frozen]
 
     def _refuse_new(self) -> None:
-        """Buffers registered during the forward (a lazily created cache) are removed, then refused."""
+        """Buffers or parameters registered during the forward (a lazily created cache) are removed, then refused."""
         new = [
-            (mod, name, b)
+            (store, name, b)
             for mod_name, mod in self.model.named_modules()
-            for b in list(mod._buffers)
-            if (name := f"{mod_name}.{b}" if mod_name else b) not in self.originals
+            for store, known in ((mod._buffers, self.originals), (mod._parameters, self._params))
+            for b in list(store)
+            if (name := f"{mod_name}.{b}" if mod_name else b) not in known
         ]
         if new:
-            for mod, _, b in new:
-                del mod._buffers[b]
+            for store, _, b in new:
+                del store[b]
             self._refuse([name for _, name, _ in new])
         self._refresh()  # another model's registration (same process): nothing of ours changed
 
-    def _refuse(self, names: list[str], what: str = "buffer(s)", failed: str = "") -> None:
+    def _refuse(self, names: list[str], what: str = "buffer(s)") -> None:
         self._refused = ConfigError(
-            f"the model wrote its {what} {', '.join(names)} during a pass on private data{failed} (a layer that "
+            f"the model wrote its {what} {', '.join(names)} during a pass on private data (a layer that "
             "keeps running statistics or a cache of its inputs): those values are not differentially private and "
             "would be saved with the model. Fix: make the layer's forward leave its buffers and frozen parameters "
             "unchanged (for a normalisation layer: nn.GroupNorm / nn.LayerNorm, or track_running_stats=False)."

@@ -229,16 +229,6 @@ def _selected(
     return {**cols, "replicates": len(picks)}, [p["run_id"] for p in picks], fits
 
 
-def _float_slack(arm: ArmPlan, runs: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """Secure mode's float slack on ε where the run count is public: a composition's runs summed (docs/privacy.md,
-    item 1b; under Liu–Talwar or repeat-and-select a sum or maximum over the drawn runs would reveal K)."""
-    return (
-        {"epsilon_float_slack": sum(runs[r]["float_slack"] for r in arm.runs)}
-        if arm.guarantee.get("kind") == "composition"
-        else {}
-    )
-
-
 def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
     """One row per (strategy, ε): selected configuration, metric mean ± std, planned and spent (ε, δ)."""
     cfg, plan, rows, entries = load_study(study_dir)
@@ -273,7 +263,12 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
                 "planned_delta": arm.guarantee["delta"],
                 # what covers the selected configuration (> planned where it averages unaccounted seeds)
                 "selection_epsilon": _selection_epsilon(arm, plan, across, cfg),
-                **(_float_slack(arm, runs) if cfg.get("study", {}).get("secure") else {}),
+                # secure mode's float slack (item 1b) where the run count is public (under LT/RS it would reveal K)
+                **(
+                    {"epsilon_float_slack": sum(runs[r]["float_slack"] for r in arm.runs)}
+                    if cfg.get("study", {}).get("secure") and arm.guarantee.get("kind") == "composition"
+                    else {}
+                ),
                 "spent_epsilon": sp[0],
                 "spent_delta": sp[1],
                 "guarantee_per": arm.guarantee.get("per", "study"),
