@@ -759,3 +759,32 @@ def test_dpzo_losses_row_by_row_and_a_parameter_made_in_forward_are_refused() ->
     with pytest.raises(ConfigError, match="last_input"):
         GradientOracle(model, method="vmap")({k: p.detach() for k, p in model.named_parameters()}, x, y)
     assert "last_input" not in dict(model.named_parameters())
+
+
+def test_state_kept_from_one_example_to_the_next_is_refused_one_at_a_time() -> None:
+    """Round 3 of the review: computed one example at a time (a forward vmap refuses), a vocabulary built on the fly
+    (3.7·C) and a lazy init behind an input check that refuses zeros (5.1·C) left example 0 unchanged, so checking it
+    again passed. The last example is now computed again on a deep copy of the model from before the batch."""
+    from dptune.errors import ConfigError
+    from dptune.gradients.oracle import GradientOracle
+
+    class Vocab(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.out, self.vocab = nn.Embedding(64, 4), nn.Linear(4, 3), {}
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            local = torch.tensor([[self.vocab.setdefault(int(t), len(self.vocab)) for t in row] for row in ids])
+            return self.out(self.emb(local).mean(1))
+
+    class Checked(ActNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if bool((x == 0).any()):
+                raise ValueError("zeros are not valid inputs")
+            return super().forward(x)
+
+    y = torch.randint(0, 3, (6,))
+    for model, x in ((Vocab(), torch.randint(0, 1000, (6, 4))), (Checked(), torch.randn(6, 5))):
+        params = {k: p.detach() for k, p in model.named_parameters()}
+        with pytest.raises(ConfigError, match="depends on the examples before it"):
+            GradientOracle(model, method="vmap")(params, x, y)

@@ -7,6 +7,7 @@ ghost rules cover, else vmap); default ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_MET
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
@@ -280,38 +281,39 @@ class GradientOracle:
         (a batch of one): for models vmap refuses, e.g. a Python branch on a tensor's value such as
         Hugging Face's ``if attention_mask.all():`` (docs/privacy.md, "vmap per-sample gradients")."""
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        B = inputs.batch_len(x)
+        B, dev = inputs.batch_len(x), inputs.device_of(x)
         grads = {k: torch.empty((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()}
-        losses, start = [], self._swap_state(inputs.device_of(x)) if B > 1 else None
+        shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers(), *ps.values(), *buffers.values())}
+        before, losses = copy.deepcopy(self.model, shared) if B > 1 else None, []  # the model's Python state, kept
         for j in range(B):
+            last = self._swap_state(dev) if j == B - 1 else None
             out = self._call(ps, buffers, inputs.rows(x, j, j + 1))
             loss = self.loss_fn(out.squeeze(0), y[j])
             gs = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
             for k, g in zip(ps, gs, strict=True):
                 grads[k][j] = 0.0 if g is None else g  # memory touched once (zeros first: twice)
             losses.append(loss.detach())
-        if B > 1:
-            self._first_again(ps, buffers, x, y, {k: g[0] for k, g in grads.items()}, start)
+        if before is not None:
+            self._last_again(before, ps, buffers, x, y, {k: g[-1] for k, g in grads.items()}, last)
         return grads, torch.stack(losses)
 
-    def _first_again(self, ps: Tensors, buffers: Tensors, x: Any, y: torch.Tensor, first: Tensors, start: Any) -> None:
-        """Refuse unless example 0, computed again after the others from the same random state, gives the
-        same gradient: a layer that keeps a value from one example to the next (a Python attribute, which
-        is also what vmap refuses) would make a later example's gradient depend on the earlier ones."""
-        dev = inputs.device_of(x)
-        now = self._swap_state(dev, start)
-        try:
-            loss = self.loss_fn(self._call(ps, buffers, inputs.rows(x, 0, 1)).squeeze(0), y[0])
+    def _last_again(self, before: nn.Module, ps: Tensors, buffers: Tensors, x: Any, y: torch.Tensor, got: Tensors,
+                    state: Any) -> None:  # fmt: skip
+        """Refuse unless the last example, computed again on a deep copy of the model's Python state from before the batch
+        (same random state), agrees: state kept from one example to the next (a lazy init, a vocabulary, a cache)."""
+        now, swapped = self._swap_state(inputs.device_of(x), state), self._call.swap_in(ps, buffers)  # your closures
+        try:  # over the model see the scratch copies, as in the loop
+            args, kwargs = inputs.args_kwargs(inputs.rows(x, inputs.batch_len(x) - 1, inputs.batch_len(x)))
+            loss = self.loss_fn(functional_call(before, (ps, buffers), args, kwargs).squeeze(0), y[-1])
             again = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
         finally:
-            self._swap_state(dev, now)
-        a = [first[k] for k in ps]
-        b = [torch.zeros_like(first[k]) if g is None else g for k, g in zip(ps, again, strict=True)]
-        if not self._same(a, b, 0.0):
+            self._swap_state(inputs.device_of(x), now)
+            ParamSwap.restore(swapped or [])
+        b = [torch.zeros_like(got[k]) if g is None else g for k, g in zip(ps, again, strict=True)]
+        if not self._same([got[k] for k in ps], b, 0.0):
             self._refused = ConfigError(
-                "computed one example at a time, an example's gradient depends on the examples computed before "
-                "it (the first one, computed again last, changed): a layer keeps a value from one example to "
-                "the next, e.g. in a Python attribute. Fix: keep no state from the input in the model."
+                "computed one example at a time, an example's gradient depends on the examples before it (the last one, "
+                "computed again on the model as it was before the batch, changed). Fix: keep no state from the input."
             )
             raise self._refused
 
