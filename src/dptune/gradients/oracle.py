@@ -284,7 +284,10 @@ class GradientOracle:
         B, dev = inputs.batch_len(x), inputs.device_of(x)
         grads = {k: torch.empty((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()}
         shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers(), *ps.values(), *buffers.values())}
-        before, losses = copy.deepcopy(self.model, shared) if B > 1 else None, []  # the model's Python state, kept
+        try:
+            before, losses = copy.deepcopy(self.model, shared) if B > 1 else None, []  # the model's Python state, kept
+        except Exception as exc:  # noqa: BLE001 - a lock, a file: the check below needs the copy
+            raise ConfigError(f"the model cannot be deep-copied ({exc}). Fix: keep no lock or file in it.") from None
         for j in range(B):
             last = self._swap_state(dev) if j == B - 1 else None
             out = self._call(ps, buffers, inputs.rows(x, j, j + 1))
@@ -299,8 +302,7 @@ class GradientOracle:
 
     def _last_again(self, before: nn.Module, ps: Tensors, buffers: Tensors, x: Any, y: torch.Tensor, got: Tensors,
                     state: Any) -> None:  # fmt: skip
-        """Refuse unless the last example, computed again on a deep copy of the model's Python state from before the batch
-        (same random state), agrees: state kept from one example to the next (a lazy init, a vocabulary, a cache)."""
+        """Refuse unless the last example agrees, computed again on a deep copy of the model from before the batch."""
         now, swapped = self._swap_state(inputs.device_of(x), state), self._call.swap_in(ps, buffers)  # your closures
         try:  # over the model see the scratch copies, as in the loop
             args, kwargs = inputs.args_kwargs(inputs.rows(x, inputs.batch_len(x) - 1, inputs.batch_len(x)))
@@ -311,10 +313,8 @@ class GradientOracle:
             ParamSwap.restore(swapped or [])
         b = [torch.zeros_like(got[k]) if g is None else g for k, g in zip(ps, again, strict=True)]
         if not self._same([got[k] for k in ps], b, 0.0):
-            self._refused = ConfigError(
-                "computed one example at a time, an example's gradient depends on the examples before it (the last one, "
-                "computed again on the model as it was before the batch, changed). Fix: keep no state from the input."
-            )
+            self._refused = ConfigError("computed one example at a time, an example's gradient depends on the examples "
+                                        "before it (the last one, recomputed as before the batch, changed). Fix: keep no state.")  # fmt: skip
             raise self._refused
 
     def _probe_buffers(self, params: Tensors, x: Any) -> None:
