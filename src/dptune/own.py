@@ -196,8 +196,8 @@ def check_classes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> N
     try:
         with torch.no_grad(), ScratchBuffers(model)() as buffers:
             out = functional_call(model, buffers, args, kwargs)
-    except Exception:  # noqa: BLE001 - a buffer write (refused where the model trains) or a dummy outside your
-        return  # forward's domain (ids − 1, lengths > 0): the check is skipped
+    except Exception:  # noqa: BLE001 - a buffer write (refused where it trains), a dummy outside the domain: skipped
+        return
     top = int(y.max())
     if isinstance(out, torch.Tensor) and out.ndim >= 2 and top >= out.shape[1]:
         raise ConfigError(

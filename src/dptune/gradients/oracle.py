@@ -122,7 +122,7 @@ class GradientOracle:
         self._refused: ConfigError | None = None
         self._rows = random.Random()  # the probed row: OS entropy, not the run's random streams
         self._calls = {"grads": 0, "losses": 0}
-        self._looked = False  # your forward has run on a public dummy (``_look``)
+        self._looked: bool | int = False  # the fill of the public dummy your forward ran on (``_look``)
         self._next_probe = {"grads": 0, "losses": 0}  # call count at which a probe is due; 0: none passed
         self._call = ParamSwap(model)
         self.chunk_size = chunk_size
@@ -171,7 +171,7 @@ class GradientOracle:
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
         # Exact products for the whole private computation (ieee_matmul says why); the lazy
         # ghost norms and sums enter it again when they are computed.
-        if self.own_code and not self._looked:
+        if self.own_code and self._looked is False:
             self._look(params, x)
         with ieee_matmul(inputs.device_of(x)):
             got = self._compute(params, x, y)
@@ -180,21 +180,25 @@ class GradientOracle:
         return got
 
     def _look(self, params: Tensors, x: Any) -> None:
-        """Your forward on a public dummy (zeros, one row), before the first private pass (a lazy init sees no row) and
-        after each (a per-example tensor it kept anywhere is refused before the release): docs/privacy.md, item 22."""
-        try:
-            with torch.no_grad(), rng_preserved(inputs.device_of(x)), self._scratch() as buffers:
-                self._call(params, buffers, inputs.tmap(lambda t: t.new_zeros((1, *t.shape[1:])), x))
-            self._looked = True
-        except ConfigError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - functorch's own words for a tensor that left its vmap
-            if "escaped" in str(exc):
-                self._refused = ConfigError(
-                    "your forward keeps a per-example tensor across calls (an attribute, a container or a global): "
-                    "a later batch would read it. Fix: do not store tensors computed from the inputs."
-                )
-                raise self._refused from None
+        """Your forward on a public dummy (one row of zeros, else ones) before the first private pass (its own buffers: a
+        lazy init sees no row) and after each (a kept per-example tensor is refused before the release): item 22."""
+        for fill in (0, 1) if self._looked is False else (self._looked,):
+            try:
+                with (
+                    torch.no_grad(),
+                    rng_preserved(inputs.device_of(x)),
+                    self._scratch(self._looked is False) as buffers,
+                ):
+                    self._call(params, buffers, inputs.tmap(lambda t: t.new_full((1, *t.shape[1:]), fill), x))  # noqa: B023
+                self._looked = fill  # the dummy that passed: later looks use it
+                return
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - functorch's words for a tensor that left its vmap, or any
+                if "escaped" in str(exc) or self._looked is not False:  # failure where the same dummy passed before
+                    self._refused = ConfigError("your forward keeps a per-example tensor across calls (an attribute, a "
+                                                "container, a global). Fix: do not store tensors computed from the inputs.")  # fmt: skip
+                    raise self._refused from None
 
     def _compute(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
         if (B := inputs.batch_len(x)) == 0:  # an empty Poisson batch: the step (and its noise) still happen
@@ -277,9 +281,8 @@ class GradientOracle:
     def _one_at_a_time(
         self, params: Tensors, buffers: Tensors, x: Any, y: torch.Tensor
     ) -> tuple[Tensors, torch.Tensor]:
-        """What ``_per_sample`` computes, by a forward and a backward pass of each example alone
-        (a batch of one): for models vmap refuses, e.g. a Python branch on a tensor's value such as
-        Hugging Face's ``if attention_mask.all():`` (docs/privacy.md, "vmap per-sample gradients")."""
+        """What ``_per_sample`` computes, by each example's own forward and backward pass: for models vmap refuses (a
+        Python branch on a value, as Hugging Face's ``if attention_mask.all():``; docs/privacy.md)."""
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         B, dev = inputs.batch_len(x), inputs.device_of(x)
         grads = {k: torch.empty((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()}
@@ -300,13 +303,12 @@ class GradientOracle:
             self._last_again(before, ps, buffers, x, y, {k: g[-1] for k, g in grads.items()}, last)
         return grads, torch.stack(losses)
 
-    def _last_again(self, before: nn.Module, ps: Tensors, buffers: Tensors, x: Any, y: torch.Tensor, got: Tensors,
-                    state: Any) -> None:  # fmt: skip
+    def _last_again(self, was: nn.Module, ps: Tensors, bufs: Tensors, x: Any, y: Any, got: Tensors, rng: Any) -> None:
         """Refuse unless the last example agrees, computed again on a deep copy of the model from before the batch."""
-        now, swapped = self._swap_state(inputs.device_of(x), state), self._call.swap_in(ps, buffers)  # your closures
+        now, swapped = self._swap_state(inputs.device_of(x), rng), self._call.swap_in(ps, bufs)  # your closures
         try:  # over the model see the scratch copies, as in the loop
             args, kwargs = inputs.args_kwargs(inputs.rows(x, inputs.batch_len(x) - 1, inputs.batch_len(x)))
-            loss = self.loss_fn(functional_call(before, (ps, buffers), args, kwargs).squeeze(0), y[-1])
+            loss = self.loss_fn(functional_call(was, (ps, bufs), args, kwargs).squeeze(0), y[-1])
             again = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
         finally:
             self._swap_state(inputs.device_of(x), now)
@@ -455,7 +457,7 @@ class GradientOracle:
             return torch.zeros(0, device=dev)
         with torch.no_grad(), ieee_matmul(dev):
             if self.own_code is not None and self.alone_reason is None:  # your forward: under vmap, each row alone
-                if not self._looked:
+                if self._looked is False:
                     self._look(params, x)
                 try:
                     with self._scratch() as buffers:

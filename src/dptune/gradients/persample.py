@@ -257,7 +257,8 @@ class ScratchBuffers:
     def _refresh(self) -> None:
         self._generation = _BUFFER_GENERATION[0]
         self.originals: Tensors = dict(self.model.named_buffers())
-        self._params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        self._known = {n for n, _ in (*self.model.named_parameters(remove_duplicate=False),
+                                      *self.model.named_buffers(remove_duplicate=False))}  # fmt: skip
         self._slots = [(mod, b, t) for mod in self.model.modules() for b, t in mod._buffers.items() if t is not None]
         self.passthrough = _data_independent_buffers(self.model) if self.originals else set()
         frozen = [p for p in self.model.parameters() if not p.requires_grad]
@@ -284,10 +285,13 @@ class ScratchBuffers:
             self._refresh()  # the user's change between steps: accepted
 
     @contextmanager
-    def __call__(self) -> Iterator[Tensors]:
+    def __call__(self, public: bool = False) -> Iterator[Tensors]:  # public: a dummy before any private pass
         if self._refused is not None:
             raise self._refused
         self._current()
+        if public:
+            yield self.originals
+            return self._refresh()
         generation = _BUFFER_GENERATION[0]
         frozen = [_version(p) for p in self._frozen]
         self._calls += 1  # the frozen values compared around forwards 1, 2, 4, …, then every 64th
@@ -332,9 +336,9 @@ class ScratchBuffers:
         new = [
             (store, name, b)
             for mod_name, mod in self.model.named_modules()
-            for store, known in ((mod._buffers, self.originals), (mod._parameters, self._params))
-            for b in list(store)
-            if (name := f"{mod_name}.{b}" if mod_name else b) not in known
+            for store in (mod._buffers, mod._parameters)
+            for b in list(store)  # a shared tensor's second name is known (found in review: a mask was deleted)
+            if (name := f"{mod_name}.{b}" if mod_name else b) not in self._known
         ]
         if new:
             for store, _, b in new:

@@ -47,15 +47,13 @@ class StudyData:
         """Per split, the SHA-256 of its rows as a multiset (their order is free), with names, shapes and dtypes."""
         out = {}
         for split, x, y in (("training", self.x_train, self.y_train), ("validation", self.x_val, self.y_val)):
-            named = [("y", y), *(x.items() if isinstance(x, dict) else enumerate(leaves(x)))]
             rows, head = [hashlib.sha256() for _ in range(int(y.shape[0]))], hashlib.sha256()
-            for name, t in named:
+            for name, t in [("y", y), *(x.items() if isinstance(x, dict) else enumerate(leaves(x)))]:
                 head.update(repr((name, tuple(t.shape), str(t.dtype))).encode())
                 flat = t.detach().cpu().contiguous().view(torch.uint8).reshape(len(rows), -1).numpy()
                 for h, row in zip(rows, flat, strict=True):
                     h.update(row)  # type: ignore[arg-type]
-            for d in sorted(h.digest() for h in rows):
-                head.update(d)
+            head.update(b"".join(sorted(h.digest() for h in rows)))
             out[split] = head.hexdigest()
         return out
 

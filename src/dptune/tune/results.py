@@ -244,6 +244,7 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
             # so far: nothing selected from an unfinished one (in release/ or anywhere) until it finishes.
             cols = {k: (None if k != "selected" else "") for k in cols} | {"replicates": 0}
             selected_runs, fits = [], []
+        summed = cfg.get("study", {}).get("secure") and arm.guarantee.get("kind") == "composition"  # item 1b; not K
         sp = spent(arm, plan, entries)
         out.append(
             {
@@ -263,12 +264,7 @@ def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
                 "planned_delta": arm.guarantee["delta"],
                 # what covers the selected configuration (> planned where it averages unaccounted seeds)
                 "selection_epsilon": _selection_epsilon(arm, plan, across, cfg),
-                # secure mode's float slack (item 1b) where the run count is public (under LT/RS it would reveal K)
-                **(
-                    {"epsilon_float_slack": sum(runs[r]["float_slack"] for r in arm.runs)}
-                    if cfg.get("study", {}).get("secure") and arm.guarantee.get("kind") == "composition"
-                    else {}
-                ),
+                **({"epsilon_float_slack": sum(runs[r]["float_slack"] for r in arm.runs)} if summed else {}),
                 "spent_epsilon": sp[0],
                 "spent_delta": sp[1],
                 "guarantee_per": arm.guarantee.get("per", "study"),
