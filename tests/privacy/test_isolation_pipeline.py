@@ -788,3 +788,45 @@ def test_state_kept_from_one_example_to_the_next_is_refused_one_at_a_time() -> N
         params = {k: p.detach() for k, p in model.named_parameters()}
         with pytest.raises(ConfigError, match="depends on the examples before it"):
             GradientOracle(model, method="vmap")(params, x, y)
+
+
+def test_fourth_review_cat_memory_shared_mask_and_a_parameter_made_on_the_dummy() -> None:
+    """A stale vmap tensor read by torch.cat fails without the word "escaped" (1.19·C, not refused): any failure of
+    the dummy that passed before is a refusal. A causal mask shared by two blocks was deleted from your model as a
+    "new" buffer. A parameter your forward registers on its first call (the public dummy) is yours."""
+    from dptune.errors import ConfigError
+    from dptune.gradients.oracle import GradientOracle
+
+    class CatMemory(nn.Module):  # Transformer-XL style
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.mem = nn.Linear(5, 3), None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            ctx = h if self.mem is None else torch.cat([self.mem, h], 1)
+            self.mem = h.detach()
+            return ctx[:, -3:]
+
+    class SharedMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            mask = torch.ones(5)
+            self.b1, self.b2 = nn.Linear(5, 5), nn.Linear(5, 3)
+            self.b1.register_buffer("mask", mask)
+            self.b2.register_buffer("mask", mask)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not hasattr(self, "scale"):  # registered on the first call: the dummy
+                self.register_parameter("scale", nn.Parameter(torch.ones(3)))
+            return self.b2(self.b1(x * self.b1.mask) * self.b2.mask) * self.scale
+
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    model = CatMemory()
+    with pytest.raises(ConfigError, match="keeps a per-example tensor across calls"):
+        GradientOracle(model, method="vmap")({k: p.detach() for k, p in model.named_parameters()}, x, y)
+    model = SharedMask()
+    oracle = GradientOracle(model, method="vmap")
+    for _ in range(2):
+        oracle({k: p.detach() for k, p in model.named_parameters()}, x, y)
+    assert hasattr(model.b2, "mask") and hasattr(model, "scale")
