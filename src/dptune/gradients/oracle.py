@@ -122,7 +122,7 @@ class GradientOracle:
         self._refused: ConfigError | None = None
         self._rows = random.Random()  # the probed row: OS entropy, not the run's random streams
         self._calls = {"grads": 0, "losses": 0}
-        self._looked: bool | int = False  # the fill of the public dummy your forward ran on (``_look``)
+        self._looked: bool | int | None = False  # the fill of the dummy your forward ran on; None: none ran (``_look``)
         self._next_probe = {"grads": 0, "losses": 0}  # call count at which a probe is due; 0: none passed
         self._call = ParamSwap(model)
         self.chunk_size = chunk_size
@@ -182,23 +182,21 @@ class GradientOracle:
     def _look(self, params: Tensors, x: Any) -> None:
         """Your forward on a public dummy (one row of zeros, else ones) before the first private pass (its own buffers: a
         lazy init sees no row) and after each (a kept per-example tensor is refused before the release): item 22."""
-        for fill in (0, 1) if self._looked is False else (self._looked,):
+        public, passed = self._looked is False, type(self._looked) is int  # public: before any private pass
+        for fill in (int(self._looked or 0),) if passed else (0, 1):
             try:
-                with (
-                    torch.no_grad(),
-                    rng_preserved(inputs.device_of(x)),
-                    self._scratch(self._looked is False) as buffers,
-                ):
+                with torch.no_grad(), rng_preserved(inputs.device_of(x)), self._scratch(public) as buffers:
                     self._call(params, buffers, inputs.tmap(lambda t: t.new_full((1, *t.shape[1:]), fill), x))  # noqa: B023
                 self._looked = fill  # the dummy that passed: later looks use it
                 return
             except ConfigError:
                 raise
             except Exception as exc:  # noqa: BLE001 - functorch's words for a tensor that left its vmap, or any
-                if "escaped" in str(exc) or self._looked is not False:  # failure where the same dummy passed before
+                if "escaped" in str(exc) or passed:  # a failure where the same dummy passed before
                     self._refused = ConfigError("your forward keeps a per-example tensor across calls (an attribute, a "
                                                 "container, a global). Fix: do not store tensors computed from the inputs.")  # fmt: skip
                     raise self._refused from None
+        self._looked = None  # no dummy passed: later looks run on scratch buffers
 
     def _compute(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
         if (B := inputs.batch_len(x)) == 0:  # an empty Poisson batch: the step (and its noise) still happen
