@@ -79,6 +79,11 @@ def tmap(fn: Callable[[torch.Tensor], torch.Tensor], x: Inputs) -> Inputs:
     return fn(x) if isinstance(x, torch.Tensor) else _pytree.tree_map(fn, x)
 
 
+def dummy(x: Inputs, n: int = 1, fill: float = 0) -> Inputs:
+    """``n`` public rows shaped as ``x``'s, all ``fill``: what a forward of yours sees outside a private pass."""
+    return tmap(lambda t: t.new_full((n, *t.shape[1:]), fill), x)
+
+
 def indices_to(idx: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host index tensor on ``device``. To a GPU the copy goes through pinned memory and is
     queued, not waited for: a copy from pageable memory is a host sync, which empties the

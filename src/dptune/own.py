@@ -192,7 +192,7 @@ def check_classes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> N
     if not y.numel() or y.dtype.is_floating_point:
         return
     check_model(model)  # on a public dummy (zeros): your forward may keep state from what it sees (found in review)
-    args, kwargs = inputs.args_kwargs(inputs.tmap(torch.zeros_like, inputs.rows(x, 0, 1)))
+    args, kwargs = inputs.args_kwargs(inputs.dummy(x))
     try:
         with torch.no_grad(), ScratchBuffers(model)() as buffers:
             out = functional_call(model, buffers, args, kwargs)
@@ -210,10 +210,10 @@ def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.T
     """``fn(model(x), y)`` has shape [B] on a tiny batch, run on scratch buffers (no statistics kept)."""
     check_model(model)
     b = min(2, int(y.shape[0]))
-    args, kwargs = inputs.args_kwargs(inputs.tmap(torch.zeros_like, inputs.rows(x, 0, b)))  # public, as above
+    args, kwargs = inputs.args_kwargs(inputs.dummy(x, b))  # public, as above
     try:
         with torch.no_grad(), ScratchBuffers(model)() as buffers:
-            out = fn(functional_call(model, buffers, args, kwargs), torch.zeros_like(y[:b]))
+            out = fn(functional_call(model, buffers, args, kwargs), inputs.dummy(y, b))
     except Exception:  # noqa: BLE001 - a dummy outside your forward's domain: the check is skipped
         return
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (b,):

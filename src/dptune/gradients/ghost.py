@@ -521,10 +521,7 @@ class GhostEngine:
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, buffers: Tensors) -> GhostGrads:
         """``buffers``: the model's buffers for this forward (``persample.ScratchBuffers``' copies)."""
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        # Row-wise: the shapes from a public dummy (zeros), never a private row, whose state the pass would keep
-        x0, y0 = (
-            (inputs.tmap(torch.zeros_like, inputs.rows(x, 0, 1)), torch.zeros_like(y[:1])) if self.rowwise else (x, y)
-        )
+        x0, y0 = (inputs.dummy(x), y.new_zeros(1, *y.shape[1:])) if self.rowwise else (x, y)  # public: no private row
         try:
             with recording((mod for mod, _, _ in self.layers), inputs.batch_len(x0)) as records:
                 losses = self._loss(self._call(ps, buffers, x0), y0)

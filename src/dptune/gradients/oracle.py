@@ -186,7 +186,7 @@ class GradientOracle:
         for fill in (int(self._looked or 0),) if passed else (0, 1):
             try:
                 with torch.no_grad(), rng_preserved(inputs.device_of(x)), self._scratch(public) as buffers:
-                    self._call(params, buffers, inputs.tmap(lambda t: t.new_full((1, *t.shape[1:]), fill), x))  # noqa: B023
+                    self._call(params, buffers, inputs.dummy(x, fill=fill))
                 self._looked = fill  # the dummy that passed: later looks use it
                 return
             except ConfigError:
