@@ -16,6 +16,7 @@ TESTS_S=${TESTS_S:-70}
 SLICE_S=${SLICE_S:-490}
 BENCH_S=${BENCH_S:-30}
 SWEEP_S=${SWEEP_S:-150}
+SWEEP_BATCHES=${SWEEP_BATCHES:-256 512 1024 2048 4096}
 WORKERS=${WORKERS:-8}
 PY=${PYTHON:-python3}
 TOTAL_S=${TOTAL_S:-570}  # the whole script; the benchmarks run only in what is left
@@ -41,7 +42,8 @@ echo "tests rc=$?" >> "$OUT/tests.log"
 
 left() { echo $(( TOTAL_S - ($(date +%s) - T_START) )); }
 if [ "$(left)" -gt "$SWEEP_S" ]; then  # batch 256 … 4096 against Opacus; before/after with BASELINE_SRC=DIR/src
-  timeout "$SWEEP_S" "$PY" benchmarks/gpu_batch_sweep.py --device cuda ${BASELINE_SRC:+--baseline-src "$BASELINE_SRC"} \
+  timeout "$SWEEP_S" "$PY" benchmarks/gpu_batch_sweep.py --device cuda --batches $SWEEP_BATCHES \
+    --child-seconds $(( SWEEP_S - 10 )) ${BASELINE_SRC:+--baseline-src "$BASELINE_SRC"} \
     --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
   echo "sweep rc=$?" >> "$OUT/sweep.log"
 fi
@@ -57,6 +59,12 @@ if [ "$(left)" -gt 150 ]; then  # MiniLM full fine-tuning, batch 32: graphs forc
     --json "$OUT/hf_eager.json" > "$OUT/hf_eager.log" 2>&1
   echo "hf eager rc=$?" >> "$OUT/hf_eager.log"
 fi
+if [ "$(left)" -gt 80 ]; then  # one run alone (dptune.train, Poisson batches): host syncs per step, GPU busy
+  for m in galli_cnn mlp; do
+    timeout 35 "$PY" benchmarks/host_syncs.py --device cuda --model "$m" --json "$OUT/syncs_$m.json" >> "$OUT/syncs.log" 2>&1
+    echo "syncs $m rc=$?" >> "$OUT/syncs.log"
+  done
+fi
 if [ "$(left)" -gt 60 ]; then  # the slice from scratch in what is left (re-run the same command to finish it)
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 20 > "$OUT/gpu_util.log" 2>&1 &
   UTIL_PID=$!
@@ -68,10 +76,6 @@ if [ "$(left)" -gt 60 ]; then  # the slice from scratch in what is left (re-run 
   kill "$UTIL_PID" 2>/dev/null
   "$PY" -m dptune status /tmp/gpu-slice-new/study >> "$OUT/slice.log" 2>&1
   tar czf "$OUT/slice.tgz" --exclude=checkpoints -C /tmp gpu-slice-new 2>/dev/null
-fi
-if [ "$(left)" -gt 50 ]; then  # one run alone: host syncs per step and how busy it keeps the GPU
-  timeout 45 "$PY" benchmarks/host_syncs.py --device cuda --json "$OUT/syncs.json" > "$OUT/syncs.log" 2>&1
-  echo "syncs rc=$?" >> "$OUT/syncs.log"
 fi
 if [ "$(left)" -gt "$BENCH_S" ]; then
   timeout "$BENCH_S" "$PY" benchmarks/conv_per_sample.py --device cuda --json "$OUT/conv.json" > "$OUT/conv.log" 2>&1
