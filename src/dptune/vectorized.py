@@ -65,7 +65,7 @@ class _TrialOracle:
             assert g is not None
             B = int(x.shape[0])
             return g.losses.mean(), g.weighted_sum(
-                torch.full((B,), 1.0 / B, dtype=g.losses.dtype), drop_nonfinite=False
+                torch.full((B,), 1.0 / B, dtype=g.losses.dtype, device=g.losses.device), drop_nonfinite=False
             )
         return self.base.loss_and_grad(params, x, y)
 

@@ -144,19 +144,28 @@ def test_vectorised_trials_equal_sequential_runs_on_the_gpu() -> None:
             torch.testing.assert_close(res.final_params[name], one.final_params[name], rtol=1e-4, atol=1e-5)
 
 
-def test_stacked_cnn_trials_equal_sequential_runs_on_the_gpu() -> None:
+@pytest.mark.parametrize("strategy", ["dpsgd", "nodp"])
+def test_stacked_cnn_trials_equal_sequential_runs_on_the_gpu(strategy: str) -> None:
     """Conv2d/MaxPool2d/AvgPool2d trials stacked on the GPU (grouped convolution, patches + GEMM
-    per-example gradients) give each trial's own ``dptune.train`` run: ledger, parameters."""
+    per-example gradients) give each trial's own ``dptune.train`` run: ledger, parameters. The
+    non-private baseline too (its batch mean from the stacked gradients: the gpu-slice's NoDP arm)."""
     from dptune.vectorized import train_many
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 1, 10, 10, generator=g)
     y = (x[:, 0, :5].sum((1, 2)) > x[:, 0, 5:].sum((1, 2))).long()
     cfgs = [{"lr": 0.1, "clip": 0.5}, {"lr": 0.3, "clip": 1.0}, {"lr": 0.05, "clip": 2.0}]
-    kw = {"steps": 6, "expected_batch_size": 32, "noise_multiplier": 1.0, "device": "cuda"}
-    many = train_many(small_cnn, (x, y), "dpsgd", cfgs, [0, 1, 2], fallback="error", **kw)
+    if strategy == "nodp":
+        cfgs = [{"lr": c["lr"]} for c in cfgs]
+    kw = {
+        "steps": 6,
+        "expected_batch_size": 32,
+        "noise_multiplier": 1.0 if strategy == "dpsgd" else None,
+        "device": "cuda",
+    }
+    many = train_many(small_cnn, (x, y), strategy, cfgs, [0, 1, 2], fallback="error", **kw)
     for k, (cfg, res) in enumerate(zip(cfgs, many, strict=True)):
-        one = dptune.train(small_cnn(k), (x, y), "dpsgd", seed=k, **kw, **cfg)
+        one = dptune.train(small_cnn(k), (x, y), strategy, seed=k, **kw, **cfg)
         assert res.ledger.to_dict() == one.ledger.to_dict()
         assert [r["batch_size"] for r in res.history] == [r["batch_size"] for r in one.history]
         for name in one.final_params:

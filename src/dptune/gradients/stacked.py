@@ -133,6 +133,20 @@ def gemm_patches(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def conv_by_patches(mod: nn.Module, h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """K trials' Conv2d as one batched product over patches: h [K, B, C, H, W], W [K, C_out, C, k_h, k_w] →
+    [K, B, C_out, H', W']. On CUDA cuDNN runs a grouped convolution group by group (K launches forward and
+    K backward) and a group of one input channel (the Galli CNN's first layer) on a slow depthwise kernel."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry(mod)
+    K, B, C = h.shape[:3]
+    U = F.pad(h, (pw, pw, ph, ph)).unfold(3, (kh - 1) * dh + 1, sh).unfold(4, (kw - 1) * dw + 1, sw)[..., ::dh, ::dw]
+    ho, wo = U.shape[3], U.shape[4]
+    U = U.permute(0, 1, 3, 4, 2, 5, 6).reshape(K, B * ho * wo, C * kh * kw)
+    Wt = W.flatten(2).transpose(1, 2)
+    z = torch.baddbmm(b.unsqueeze(1), U, Wt) if b is not None else torch.bmm(U, Wt)
+    return z.view(K, B, ho, wo, -1).permute(0, 1, 4, 2, 3)
+
+
 def conv_per_sample(mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-example weight gradients [N, C_out, C_in·k_h·k_w] of a Conv2d from its inputs a [N, C_in, H, W]
     and output gradients b [N, C_out, H', W'], each from its own row alone. CPU: the convolution backward
@@ -199,7 +213,9 @@ class Stacked:
             else:  # a Conv2d or a Linear layer
                 W, b = weights[li]
                 li += 1
-                if op.kind == "conv":
+                if op.kind == "conv" and gemm_patches(h.device):
+                    z = conv_by_patches(op.module, h, W, b)
+                elif op.kind == "conv":
                     _, stride, padding, dilation = geometry(op.module)
                     xg = h.transpose(0, 1).flatten(1, 2)  # [B, K·C_in, H, W]: trial k's channels are group k
                     bias = b.flatten() if b is not None else None
