@@ -97,7 +97,7 @@ def test_train_many_equals_sequential_train(strategy: str) -> None:
     assert not torch.allclose(got[0].final_params["1.weight"], got[1].final_params["1.weight"])
 
 
-@pytest.mark.parametrize(("strategy", "gemm"), [("dpsgd", False), ("oso", False), ("dpsgd", True)])
+@pytest.mark.parametrize(("strategy", "gemm"), [("dpsgd", False), ("oso", False), ("dpsgd", True), ("oso", True)])
 def test_stacked_cnn_trials_equal_sequential_train(strategy: str, gemm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Conv2d, MaxPool2d, AvgPool2d stacked: the same batches, ledgers, releases and evaluations; with
     CUDA's kernels forced too (the convolutions as batched products over patches, ``conv_by_patches``)."""
@@ -479,26 +479,25 @@ def test_train_many_keeps_private_evaluation_data_private_as_train_does(fallback
         train_many(model, (X, Y), "dpsgd", [{"lr": 0.3}], [1], fallback=fallback, checkpoint="best", **kw)
 
 
+@pytest.mark.parametrize("chunk", [1 << 30, 3000])  # one chunk; chunks of a few rows (forward and backward)
 @pytest.mark.parametrize(
-    ("k", "stride", "pad", "dil", "cin"), [(8, 2, 3, 1, 1), (4, 2, 0, 1, 16), ((3, 2), (1, 2), (0, 1), 2, 2)]
+    ("k", "stride", "pad", "dil", "cin"), [(8, 2, 3, 1, 1), (4, 1, 0, 1, 16), ((3, 2), (1, 2), (0, 1), 2, 2)]
 )
-def test_convolutions_by_patches_equal_the_grouped_convolution(k, stride, pad, dil, cin) -> None:
-    """CUDA's stacked Conv2d (one batched product over patches) against the grouped convolution, in float64:
-    the output and its gradients with respect to the input, the weights and the bias."""
-    from dptune.gradients.stacked import conv_by_patches, trials_first
+def test_convolutions_by_patches_equal_the_grouped_convolution(k, stride, pad, dil, cin, chunk, monkeypatch) -> None:
+    """CUDA's stacked Conv2d (``PatchConv``: batched products over patches, by chunks of rows) against the
+    grouped convolution, in float64: the output and the gradient with respect to the input."""
+    from dptune.gradients.stacked import PatchConv, geometry, trials_first
 
+    monkeypatch.setattr(stacked_module, "PATCH_BYTES", chunk)
     mod, K = nn.Conv2d(cin, 3, k, stride, pad, dil), 3
     g = torch.Generator().manual_seed(0)
     h, W, b = (
-        torch.randn(*s, generator=g, dtype=torch.float64) for s in ((K, 4, cin, 11, 11), (K, *mod.weight.shape), (K, 3))
+        torch.randn(*s, generator=g, dtype=torch.float64) for s in ((K, 7, cin, 11, 11), (K, *mod.weight.shape), (K, 3))
     )
-    leaves = [t.requires_grad_() for t in (h, W, b)]
-    z = conv_by_patches(mod, h, W, b)
-    grouped = F.conv2d(h.transpose(0, 1).flatten(1, 2), W.flatten(0, 1), b.flatten(), stride, pad, dil, K)
-    ref = trials_first(grouped, K)
+    h.requires_grad_()
+    z = PatchConv.apply(h, W.flatten(2).transpose(1, 2), b, geometry(mod))
+    ref = trials_first(F.conv2d(h.transpose(0, 1).flatten(1, 2), W.flatten(0, 1), b.flatten(), stride, pad, dil, K), K)
     torch.testing.assert_close(z, ref, rtol=1e-12, atol=1e-12)
     v = torch.randn(ref.shape, generator=g, dtype=torch.float64)
-    for a, r in zip(
-        torch.autograd.grad((z * v).sum(), leaves), torch.autograd.grad((ref * v).sum(), leaves), strict=True
-    ):
-        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+    (got,), (want,) = torch.autograd.grad((z * v).sum(), [h]), torch.autograd.grad((ref * v).sum(), [h])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

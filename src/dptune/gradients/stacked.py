@@ -133,18 +133,53 @@ def gemm_patches(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def conv_by_patches(mod: nn.Module, h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """K trials' Conv2d as one batched product over patches: h [K, B, C, H, W], W [K, C_out, C, k_h, k_w] →
-    [K, B, C_out, H', W']. On CUDA cuDNN runs a grouped convolution group by group (K launches forward and
-    K backward) and a group of one input channel (the Galli CNN's first layer) on a slow depthwise kernel."""
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry(mod)
-    K, B, C = h.shape[:3]
+class PatchConv(torch.autograd.Function):
+    """K trials' Conv2d as batched products over patches, by chunks of rows of at most ``PATCH_BYTES`` of
+    patches (forward and backward): h [K, B, C, H, W], Wt [K, C·k_h·k_w, C_out], bias [K, C_out] → [K, B,
+    C_out, H', W']. Only h's gradient is formed (the outputs are the backward's targets). On CUDA cuDNN
+    runs a grouped convolution group by group, a one-channel group on a slow depthwise kernel."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, Wt: torch.Tensor, bias: torch.Tensor | None, geom: Any) -> torch.Tensor:
+        ctx.geom, ctx.shape = geom, h.shape
+        ctx.save_for_backward(Wt)
+        (K, B), (ho, wo), step = h.shape[:2], out_size(h.shape, geom), patch_rows(h.shape, geom, Wt)
+        z = torch.empty(K, B, ho, wo, Wt.shape[2], dtype=Wt.dtype, device=h.device)
+        for i in range(0, B, step):
+            U, zi = patches(h[:, i : i + step], geom), z[:, i : i + step].view(K, -1, Wt.shape[2])
+            torch.baddbmm(bias.unsqueeze(1), U, Wt, out=zi) if bias is not None else torch.bmm(U, Wt, out=zi)
+        return z.permute(0, 1, 4, 2, 3)
+
+    @staticmethod
+    def backward(ctx: Any, dz: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        (Wt,), shape = ctx.saved_tensors, ctx.shape
+        dzt, dh, step = dz.permute(0, 1, 3, 4, 2), dz.new_empty(shape), patch_rows(shape, ctx.geom, Wt)
+        for i in range(0, shape[1], step):
+            hc = dz.new_zeros((shape[0], min(step, shape[1] - i), *shape[2:]), requires_grad=True)
+            with torch.enable_grad():  # the patch map is linear: its adjoint by autograd (pad, unfold)
+                U = patches(hc, ctx.geom)
+            dU = torch.bmm(dzt[:, i : i + step].reshape(shape[0], -1, Wt.shape[2]), Wt.transpose(1, 2))
+            dh[:, i : i + step] = torch.autograd.grad(U, hc, dU)[0]
+        return dh, None, None, None
+
+
+def out_size(shape: Sequence[int], geom: Any) -> tuple[int, int]:
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geom
+    return (shape[-2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (shape[-1] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+
+
+def patch_rows(shape: Sequence[int], geom: Any, Wt: torch.Tensor) -> int:
+    ho, wo = out_size(shape, geom)
+    return max(1, PATCH_BYTES // (shape[0] * Wt.shape[1] * ho * wo * Wt.element_size()))
+
+
+def patches(h: torch.Tensor, geom: Any) -> torch.Tensor:
+    """[K, c, C, H, W] → each row's patches [K, c·H'·W', C·k_h·k_w] (strided views of its padded input, copied)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geom
     U = F.pad(h, (pw, pw, ph, ph)).unfold(3, (kh - 1) * dh + 1, sh).unfold(4, (kw - 1) * dw + 1, sw)[..., ::dh, ::dw]
-    ho, wo = U.shape[3], U.shape[4]
-    U = U.permute(0, 1, 3, 4, 2, 5, 6).reshape(K, B * ho * wo, C * kh * kw)
-    Wt = W.flatten(2).transpose(1, 2)
-    z = torch.baddbmm(b.unsqueeze(1), U, Wt) if b is not None else torch.bmm(U, Wt)
-    return z.view(K, B, ho, wo, -1).permute(0, 1, 4, 2, 3)
+    return U.permute(0, 1, 3, 4, 2, 5, 6).reshape(h.shape[0], -1, h.shape[2] * kh * kw)
 
 
 def conv_per_sample(mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -214,7 +249,9 @@ class Stacked:
                 W, b = weights[li]
                 li += 1
                 if op.kind == "conv" and gemm_patches(h.device):
-                    z = conv_by_patches(op.module, h, W, b)
+                    bias = b.detach() if b is not None else None
+                    z = PatchConv.apply(h, W.detach().flatten(2).transpose(1, 2), bias, geometry(op.module))
+                    z = z.requires_grad_() if record and not z.requires_grad else z  # a target of the backward
                 elif op.kind == "conv":
                     _, stride, padding, dilation = geometry(op.module)
                     xg = h.transpose(0, 1).flatten(1, 2)  # [B, K·C_in, H, W]: trial k's channels are group k
