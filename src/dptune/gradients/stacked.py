@@ -203,8 +203,7 @@ def conv_per_sample(mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.T
             )[1]
             out.append(g.view(c, w.shape[0], -1))
             continue
-        U = F.pad(ai, (pw, pw, ph, ph)).unfold(2, (kh - 1) * dh + 1, sh).unfold(3, (kw - 1) * dw + 1, sw)
-        U = U[..., ::dh, ::dw].permute(0, 2, 3, 1, 4, 5).reshape(c, ho * wo, C * kh * kw)
+        U = patches(ai.unsqueeze(0), geometry(mod)).view(c, ho * wo, C * kh * kw)
         out.append(torch.bmm(bi.reshape(c, b.shape[1], ho * wo), U))
     return torch.cat(out)
 
