@@ -290,10 +290,11 @@ def test_recomputed_convolutions_release_at_most_their_norm_on_the_gpu(monkeypat
         assert float(total) <= float(norms[i]), i
 
 
-def test_a_run_replaying_cuda_graphs_equals_the_eager_run(monkeypatch: pytest.MonkeyPatch) -> None:
+def _count_replays(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each call of the CUDA graphs replayed (a list that grows as the run steps)."""
     from dptune.gradients import graphed
 
-    replays: list[int] = []
+    replays: list[bool] = []
     real = graphed.Graphs.__call__
 
     def counting(self: graphed.Graphs, *a: object) -> object:
@@ -302,6 +303,13 @@ def test_a_run_replaying_cuda_graphs_equals_the_eager_run(monkeypatch: pytest.Mo
         return got
 
     monkeypatch.setattr(graphed.Graphs, "__call__", counting)
+    return replays
+
+
+def test_a_run_replaying_cuda_graphs_equals_the_eager_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dptune.gradients import graphed
+
+    replays = _count_replays(monkeypatch)
     monkeypatch.setattr(graphed, "MAX_PADDING", float("inf"))  # batches of 24: replayed all the same
     x, y = _images(160)
     kw = {"steps": 10, "expected_batch_size": 24, "device": "cuda", "seed": 4, "noise_multiplier": 1.0}
@@ -364,15 +372,7 @@ def test_a_hugging_face_encoder_replays_cuda_graphs_and_equals_the_eager_run(mon
 
     from dptune.gradients import graphed
 
-    replays: list[bool] = []
-    real = graphed.Graphs.__call__
-
-    def counting(self: graphed.Graphs, *a: object) -> object:
-        got = real(self, *a)
-        replays.append(got is not None)
-        return got
-
-    monkeypatch.setattr(graphed.Graphs, "__call__", counting)
+    replays = _count_replays(monkeypatch)
     monkeypatch.setattr(graphed, "MAX_PADDING", float("inf"))
     x, y = token_batch(96, 16, seed=4)
     kw = {"steps": 8, "expected_batch_size": 16, "device": "cuda", "seed": 3, "noise_multiplier": 1.0, "lr": 1e-2}
