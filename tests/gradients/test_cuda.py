@@ -345,6 +345,7 @@ class _YourCNN(nn.Sequential):
     """The test CNN as a class of yours (own code, not declared row-wise): ghost rules under vmap."""
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no fallback to vmap: the row-wise ghost path itself
 def test_your_forward_on_the_gpu_takes_the_rowwise_ghost_path_and_equals_vmap() -> None:
     from dptune.gradients.oracle import GradientOracle
 

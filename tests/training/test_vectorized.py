@@ -479,17 +479,19 @@ def test_train_many_keeps_private_evaluation_data_private_as_train_does(fallback
         train_many(model, (X, Y), "dpsgd", [{"lr": 0.3}], [1], fallback=fallback, checkpoint="best", **kw)
 
 
-@pytest.mark.parametrize("chunk", [1 << 30, 3000])  # one chunk; chunks of a few rows (forward and backward)
+@pytest.mark.parametrize("rows", [0, 1, 3])  # one chunk; chunks of 1 and 3 rows of 7 (forward and backward)
 @pytest.mark.parametrize(
     ("k", "stride", "pad", "dil", "cin"), [(8, 2, 3, 1, 1), (4, 1, 0, 1, 16), ((3, 2), (1, 2), (0, 1), 2, 2)]
 )
-def test_convolutions_by_patches_equal_the_grouped_convolution(k, stride, pad, dil, cin, chunk, monkeypatch) -> None:
+def test_convolutions_by_patches_equal_the_grouped_convolution(k, stride, pad, dil, cin, rows, monkeypatch) -> None:
     """CUDA's stacked Conv2d (``PatchConv``: batched products over patches, by chunks of rows) against the
     grouped convolution, in float64: the output and the gradient with respect to the input."""
     from dptune.gradients.stacked import PatchConv, geometry, trials_first
 
-    monkeypatch.setattr(stacked_module, "PATCH_BYTES", chunk)
     mod, K = nn.Conv2d(cin, 3, k, stride, pad, dil), 3
+    ho, wo = stacked_module.out_size((11, 11), geometry(mod))
+    if rows:
+        monkeypatch.setattr(stacked_module, "PATCH_BYTES", rows * K * cin * mod.weight[0, 0].numel() * ho * wo * 8)
     g = torch.Generator().manual_seed(0)
     h, W, b = (
         torch.randn(*s, generator=g, dtype=torch.float64) for s in ((K, 7, cin, 11, 11), (K, *mod.weight.shape), (K, 3))
@@ -501,3 +503,13 @@ def test_convolutions_by_patches_equal_the_grouped_convolution(k, stride, pad, d
     v = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     (got,), (want,) = torch.autograd.grad((z * v).sum(), [h]), torch.autograd.grad((ref * v).sum(), [h])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("gemm", [False, True])
+def test_a_kernel_larger_than_its_input_is_refused_by_name(gemm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stacked_module, "gemm_patches", lambda device: gemm)
+    model = lambda seed: nn.Sequential(nn.Conv2d(1, 2, 5), nn.Flatten(), nn.Linear(2, 2))  # noqa: E731
+    x, y = torch.randn(50, 1, 4, 4), torch.randint(0, 2, (50,))
+    with pytest.raises(ConfigError, match="the Conv2d '0': its kernel is larger than its input"):
+        train_many(model, (x, y), "dpsgd", [{"clip": 1.0}] * 2, [0, 1], steps=2, expected_batch_size=10,
+                   noise_multiplier=1.0, fallback="error")  # fmt: skip

@@ -141,14 +141,16 @@ class PatchConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, Wt: torch.Tensor, bias: torch.Tensor | None, geom: Any) -> torch.Tensor:
+        assert not any(ctx.needs_input_grad[1:3]), "PatchConv forms no weight gradient"
         ctx.geom, ctx.shape = geom, h.shape
         ctx.save_for_backward(Wt)
         (K, B), (ho, wo), step = h.shape[:2], out_size(h.shape, geom), patch_rows(h.shape, geom, Wt)
-        z = torch.empty(K, B, ho, wo, Wt.shape[2], dtype=Wt.dtype, device=h.device)
+        z = torch.empty(B, K, Wt.shape[2], ho, wo, dtype=Wt.dtype, device=h.device)  # the grouped layout
         for i in range(0, B, step):
-            U, zi = patches(h[:, i : i + step], geom), z[:, i : i + step].view(K, -1, Wt.shape[2])
-            torch.baddbmm(bias.unsqueeze(1), U, Wt, out=zi) if bias is not None else torch.bmm(U, Wt, out=zi)
-        return z.permute(0, 1, 4, 2, 3)
+            U = patches(h[:, i : i + step], geom)
+            zi = torch.baddbmm(bias.unsqueeze(1), U, Wt) if bias is not None else torch.bmm(U, Wt)
+            z[i : i + step] = zi.view(K, -1, ho, wo, Wt.shape[2]).permute(1, 0, 4, 2, 3)
+        return z.transpose(0, 1)
 
     @staticmethod
     def backward(ctx: Any, dz: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
@@ -247,6 +249,11 @@ class Stacked:
             else:  # a Conv2d or a Linear layer
                 W, b = weights[li]
                 li += 1
+                if op.kind == "conv" and min(out_size(h.shape, geometry(op.module))) < 1:
+                    raise Unsupported(
+                        f"the Conv2d {op.prefix[:-1]!r}: its kernel is larger than its input {tuple(h.shape[3:])}. "
+                        "Fix: pad the input or use a smaller kernel"
+                    )
                 if op.kind == "conv" and gemm_patches(h.device):
                     bias = b.detach() if b is not None else None
                     z = PatchConv.apply(h, W.detach().flatten(2).transpose(1, 2), bias, geometry(op.module))
