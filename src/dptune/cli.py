@@ -344,21 +344,17 @@ def tune(
     _exit_if_incomplete(study_dir, outcome)
 
 
-def _first_failure(study_dir: Path) -> str:
-    """The first failed run's error line (a factory's exception, say), for the owner: '' when none is stored."""
-    from dptune.tune.results import load_study
-
-    errors = [r.get("error") for r in load_study(study_dir)[2] if r.get("status") == "failed" and r.get("error")]
-    return f", the first: {str(errors[0]).strip().splitlines()[-1][:200]}" if errors else ""
-
-
 def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
     """Runs that did not finish (e.g. a killed worker) are said, with exit code 1: never a silent success."""
     if outcome.complete:
         return
-    # Failed-run counts are not covered by the guarantee: the owner's view, labelled.
+    from dptune.tune.results import load_study
+
+    # Failed-run counts are not covered by the guarantee: the owner's view, labelled; the first failed run's
+    # error line (a factory's exception, say) too.
     left = sum(n for s, n in outcome.counts.items() if s not in ("done", "diverged"))
-    why = _first_failure(study_dir)
+    errors = [r.get("error") for r in load_study(study_dir)[2] if r.get("status") == "failed" and r.get("error")]
+    why = f", the first: {str(errors[0]).strip().splitlines()[-1][:200]}" if errors else ""
     console.print(
         f"[bold red]{left} of {sum(outcome.counts.values())} runs did not finish "
         f"({outcome.counts.get('failed', 0)} failed{why}; {NOT_DP_LABEL}).[/] "

@@ -207,15 +207,12 @@ def coerce_lt_ma(items: Iterable[Any]) -> list[LtMaRow]:
 
 
 # ----------------------------------------------------------------------------- aggregation
-def _hp_key(hp: Mapping[str, Any]) -> tuple:
-    return tuple(sorted((str(k), repr(v)) for k, v in hp.items()))
-
-
 def summarize(trials: Iterable[Any], higher: bool = True) -> list[SummaryRow]:
     """Every configuration's mean ± std over seeds (diverged excluded, counted), by strategy, ε, rank."""
     groups: dict[tuple, list[TrialResult]] = {}
     for t in coerce_trials(trials):
-        groups.setdefault((t.strategy, t.epsilon, _hp_key(t.hyperparameters)), []).append(t)
+        hp = tuple(sorted((str(k), repr(v)) for k, v in t.hyperparameters.items()))
+        groups.setdefault((t.strategy, t.epsilon, hp), []).append(t)
     rows = []
     for (strategy, eps, _), ts in groups.items():
         vals = [t.value for t in ts if not t.diverged]

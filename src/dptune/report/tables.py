@@ -120,10 +120,7 @@ def summary_csv_rows(rows: Sequence[SummaryRow]) -> list[dict[str, Any]]:
     for r in rows:
         d = asdict(r)
         hp = d.pop("hyperparameters")
-        if isinstance(hp, str):
-            d["configuration"] = hp
-        else:
-            d.update({f"hp_{k}": v for k, v in sorted(hp.items())})
+        d.update({"configuration": hp} if isinstance(hp, str) else {f"hp_{k}": v for k, v in sorted(hp.items())})
         out.append(d)
     return out
 
