@@ -170,11 +170,6 @@ def card_markdown(card: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def dptune_version() -> str:
-    """The installed dptune's version, for the cards."""
-    return __version__
-
-
 # ----------------------------------------------------------------------------- dptune.train
 def save_trained(
     result: Any,
@@ -198,7 +193,7 @@ def save_trained(
     taken = plan.steps if result.steps_taken is None else result.steps_taken  # a user loop may stop early
     card = {
         "title": f"{plan.strategy.name} (dptune.train)",
-        "dptune_version": dptune_version(),
+        "dptune_version": __version__,
         "guarantee": {
             "epsilon": eps,
             "delta": result.delta,

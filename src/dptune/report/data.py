@@ -211,8 +211,8 @@ def summarize(trials: Iterable[Any], higher: bool = True) -> list[SummaryRow]:
     """Every configuration's mean ± std over seeds (diverged excluded, counted), by strategy, ε, rank."""
     groups: dict[tuple, list[TrialResult]] = {}
     for t in coerce_trials(trials):
-        hp = tuple(sorted((str(k), repr(v)) for k, v in t.hyperparameters.items()))
-        groups.setdefault((t.strategy, t.epsilon, hp), []).append(t)
+        config = tuple(sorted((str(k), repr(v)) for k, v in t.hyperparameters.items()))
+        groups.setdefault((t.strategy, t.epsilon, config), []).append(t)
     rows = []
     for (strategy, eps, _), ts in groups.items():
         vals = [t.value for t in ts if not t.diverged]
@@ -236,12 +236,10 @@ def best_per_strategy(summary: Iterable[SummaryRow], higher: bool = True) -> lis
     groups: dict[tuple[str, float], list[SummaryRow]] = {}
     for r in summary:
         groups.setdefault((r.strategy, r.epsilon), []).append(r)
-    out = []
-    for key in sorted(groups):
-        rs = groups[key]
-        chosen = [r for r in rs if r.selected]
-        out.append(chosen[0] if chosen else min(rs, key=lambda r: _rank_key(r, higher)))
-    return out
+    return [
+        next((r for r in rs if r.selected), None) or min(rs, key=lambda r: _rank_key(r, higher))
+        for _, rs in sorted(groups.items(), key=lambda kv: kv[0])
+    ]
 
 
 def check_budget(name: str, pair: Any) -> tuple[float, float] | None:

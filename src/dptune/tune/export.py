@@ -9,13 +9,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dptune._version import __version__
 from dptune.deliverable import (
     CHECKPOINTS_DIR,
     COVERED,
     MODELS_DIR,
     NOT_COVERED,
     checkpoint_path,
-    dptune_version,
     load_checkpoint,
     save_text,
     write_model,
@@ -150,7 +150,7 @@ def _card(
     return {
         # the guarantee's ε: an oracle arm's target ε is per run, not its model's (found in review)
         "title": f"{a.label} at ε = {up(row['planned_epsilon'], 4)} ({cfg.get('study', {}).get('name', 'study')})",
-        "dptune_version": dptune_version(),
+        "dptune_version": __version__,
         "arm": a.arm,
         "guarantee": guarantee,
         "configuration": {

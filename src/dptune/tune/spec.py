@@ -109,7 +109,12 @@ class Study:
             )
         for i, arm in enumerate(strategies):
             _check_arm(self, arm, i)
-        _check_test_split(self)
+        if self.selection.mode == "public" and self.selection.split == "test" and not self.data.test_public:
+            raise config_error(
+                "selection.mode",
+                "public selection on your own data's test split, which is private unless declared public",
+                "set data.test_public = true if it truly is public, or selection.mode = 'private'",
+            )
 
     # -- helpers
     def method_for(self, arm: StrategyArm) -> MethodSpec:
@@ -179,15 +184,6 @@ def _data_spec(data: Any) -> DataSpec:
 
 def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
-
-
-def _check_test_split(study: Study) -> None:
-    if study.selection.mode == "public" and study.selection.split == "test" and not study.data.test_public:
-        raise config_error(
-            "selection.mode",
-            "public selection on your own data's test split, which is private unless declared public",
-            "set data.test_public = true if it truly is public, or selection.mode = 'private'",
-        )
 
 
 def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
