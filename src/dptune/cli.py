@@ -321,11 +321,8 @@ def tune(
     study = load_study_config(config)
     study_dir = out or Path("studies") / study.name
     # (a lone .lock: another process planning there says so itself, in run_study)
-    if (
-        study_dir.is_dir()
-        and not (study_dir / "study.sqlite").exists()
-        and any(p.name != ".lock" for p in study_dir.iterdir())
-    ):
+    no_study = study_dir.is_dir() and not (study_dir / "study.sqlite").exists()
+    if no_study and any(p.name != ".lock" for p in study_dir.iterdir()):
         raise ConfigError(  # the study's files would be mixed with yours (found in review)
             f"--out {str(study_dir)!r} is not empty and holds no study. Fix: a new or empty directory, or the "
             "directory of the study to continue."

@@ -84,9 +84,7 @@ def file_sha256(path: str | Path) -> str:
 
 def full_state(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's state dict (buffers included) with ``params`` in place, on the CPU."""
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    state.update({k: v.detach().cpu().clone() for k, v in params.items()})
-    return state
+    return {k: v.detach().cpu().clone() for k, v in {**model.state_dict(), **params}.items()}
 
 
 # ----------------------------------------------------------------------------- the card

@@ -31,9 +31,8 @@ def selected_model_section(table: Sequence[Mapping[str, Any]], metric: str, spli
         where = "test split" if use_test else f"{split} split (selection score)"
         # Where the selection averages seeds of which one is accounted: the ε that covers what it chose.
         e = r.get("selection_epsilon", r["planned_epsilon"])
-        note = (
-            "" if e == r["planned_epsilon"] else f"; the selection averages every seed: ε = {epsilon_text(e)} covers it"
-        )
+        covers = f"; the selection averages every seed: ε = {epsilon_text(e)} covers it"
+        note = "" if e == r["planned_epsilon"] else covers
         said.append(
             f"{r['strategy']} ({r['method']}) at ε = {epsilon_text(r['epsilon'])}: {r['selected'] or 'no selection yet'}; "
             f"{metric} {metric_text(m, s, metric)} on the {where}. Guarantee: (ε, δ) = "

@@ -42,10 +42,9 @@ def study_ledger_digest(study_dir: str | Path) -> str:
 def _saved_run(row: Mapping[str, Any], plan: Any) -> str | None:
     """The run whose weights an arm publishes: the first selected run (procedure / seed
     replicate 0's pick; one model per arm — publishing one per replicate would compose)."""
-    ids = list(row.get("selected_runs") or [])
-    if not ids:
-        return None
-    return min(ids, key=lambda rid: (plan.runs[rid].replicate, plan.runs[rid].procedure))
+    return min(
+        row.get("selected_runs") or [], key=lambda r: (plan.runs[r].replicate, plan.runs[r].procedure), default=None
+    )
 
 
 def export_study(
