@@ -65,8 +65,7 @@ def load(
     loader = _loader(name)
     verify = bool(opts.pop("verify", True))
     accepted = options(name)
-    unknown = sorted(set(opts) - set(accepted))
-    if unknown:
+    if unknown := sorted(set(opts) - set(accepted)):
         raise ConfigError(
             f"load({name!r}) got unknown option(s) {unknown}; accepted: "
             + ", ".join(f"{k}={v!r}" for k, v in accepted.items())

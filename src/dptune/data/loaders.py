@@ -298,8 +298,7 @@ def _encode_adult(rows: np.ndarray, missing: str) -> np.ndarray:
         cats = (*cats, "?") if missing == "category" and col in ADULT_WITH_MISSING else cats
         pos = {c: k for k, c in enumerate(cats)}
         uniq, inv = np.unique(rows[:, cols.index(col)], return_inverse=True)
-        bad = [str(u) for u in uniq if u not in pos]
-        if bad:
+        if bad := [str(u) for u in uniq if u not in pos]:
             raise DataError(
                 f"dataset 'adult': unknown {col} value(s) {bad[:3]}; the file is not the UCI adult data, replace it."
             )

@@ -87,8 +87,7 @@ class Preset:
 
     def parts(self, scale: str, **options: Any) -> list[Part]:
         scale = check_scale(scale, self.scales)
-        unknown = sorted(set(options) - set(self.options))
-        if unknown:
+        if unknown := sorted(set(options) - set(self.options)):
             allowed = ", ".join(self.options) or "(none)"
             raise ConfigError(f"preset {self.name!r} has no option {unknown[0]!r}. Fix: its options are: {allowed}.")
         merged = {k: v for k, v in {**dict(self.options), **options}.items() if v is not None}

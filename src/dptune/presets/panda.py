@@ -275,8 +275,7 @@ def eta_t_grids(study_dir: str | Path) -> list[dict[str, Any]]:
     ls_r: dict[float, float] = {}
     for r in (r for r in table.values() if r["method"] == "linear-scaling"):
         sel = [configs[rid] for rid in r["selected_runs"] if rid in configs]
-        rs = [c["lr"] * c["steps"] for c in sel if "lr" in c and "steps" in c]
-        if rs:
+        if rs := [c["lr"] * c["steps"] for c in sel if "lr" in c and "steps" in c]:
             ls_r[float(r["epsilon"])] = sum(rs) / len(rs)
     grids = []
     for arm in plan.arms:

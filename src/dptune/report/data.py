@@ -123,8 +123,7 @@ def _coerce(cls: type, item: Any, what: str) -> Any:
     if isinstance(item, Mapping):
         names = {f.name for f in fields(cls)}
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-        missing = sorted(required - set(item))
-        if missing:
+        if missing := sorted(required - set(item)):
             raise ConfigError(f"{what} row {dict(item)!r} lacks {missing}; give keys {sorted(names)}.")
         return cls(**{k: v for k, v in item.items() if k in names})
     if isinstance(item, Sequence) and not isinstance(item, str):

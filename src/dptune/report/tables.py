@@ -61,8 +61,7 @@ def as_summary_rows(rows: Iterable[Any], *, higher: bool = True, best_only: bool
 
 
 def _summary_from_dict(r: Mapping[str, Any]) -> SummaryRow:
-    missing = [k for k in ("strategy", "epsilon") if k not in r]
-    if missing:
+    if missing := [k for k in ("strategy", "epsilon") if k not in r]:
         raise ConfigError(f"summary row {dict(r)!r} lacks {missing}; give strategy, epsilon, mean, std.")
     strategy, eps, hp = str(r["strategy"]), float(r["epsilon"]), r.get("hyperparameters", {})
     hp = hp if isinstance(hp, str) else dict(hp)
