@@ -86,25 +86,12 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from dptune.accounting import calibrate, epsilon, joint_noise_multiplier, oso_q_noise_multiplier
     from dptune.deliverable import load_model
     from dptune.deliverable import save_trained as save_model
-    from dptune.errors import (
-        BudgetExceededError,
-        ConfigError,
-        DataError,
-        DivergedError,
-        DPTuneError,
-    )
+    from dptune.errors import BudgetExceededError, ConfigError, DataError, DivergedError, DPTuneError
     from dptune.loop import PrivateTraining, make_private
     from dptune.metrics import Metric
     from dptune.own import from_dataloader
     from dptune.release.ledger import Ledger
-    from dptune.release.privatizers import (
-        FixedClip,
-        NonPrivate,
-        OSOClip,
-        Privatizer,
-        QuantileClip,
-        ZerothOrderClip,
-    )
+    from dptune.release.privatizers import FixedClip, NonPrivate, OSOClip, Privatizer, QuantileClip, ZerothOrderClip
     from dptune.strategies import STRATEGIES, chain, make_strategy
     from dptune.train import RunPlan, TrainResult, plan_run, train
     from dptune.updates import ADADP, SGD, Adam, AdamWOSM, Averaged, OSORate, UpdateRule

@@ -321,11 +321,8 @@ def tune(
     study = load_study_config(config)
     study_dir = out or Path("studies") / study.name
     # (a lone .lock: another process planning there says so itself, in run_study)
-    if (
-        study_dir.is_dir()
-        and not (study_dir / "study.sqlite").exists()
-        and any(p.name != ".lock" for p in study_dir.iterdir())
-    ):
+    no_study = study_dir.is_dir() and not (study_dir / "study.sqlite").exists()
+    if no_study and any(p.name != ".lock" for p in study_dir.iterdir()):
         raise ConfigError(  # the study's files would be mixed with yours (found in review)
             f"--out {str(study_dir)!r} is not empty and holds no study. Fix: a new or empty directory, or the "
             "directory of the study to continue."
@@ -344,21 +341,17 @@ def tune(
     _exit_if_incomplete(study_dir, outcome)
 
 
-def _first_failure(study_dir: Path) -> str:
-    """The first failed run's error line (a factory's exception, say), for the owner: '' when none is stored."""
-    from dptune.tune.results import load_study
-
-    errors = [r.get("error") for r in load_study(study_dir)[2] if r.get("status") == "failed" and r.get("error")]
-    return f", the first: {str(errors[0]).strip().splitlines()[-1][:200]}" if errors else ""
-
-
 def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
     """Runs that did not finish (e.g. a killed worker) are said, with exit code 1: never a silent success."""
     if outcome.complete:
         return
-    # Failed-run counts are not covered by the guarantee: the owner's view, labelled.
+    from dptune.tune.results import load_study
+
+    # Failed-run counts are not covered by the guarantee: the owner's view, labelled; the first failed run's
+    # error line (a factory's exception, say) too.
     left = sum(n for s, n in outcome.counts.items() if s not in ("done", "diverged"))
-    why = _first_failure(study_dir)
+    errors = [r.get("error") for r in load_study(study_dir)[2] if r.get("status") == "failed" and r.get("error")]
+    why = f", the first: {str(errors[0]).strip().splitlines()[-1][:200]}" if errors else ""
     console.print(
         f"[bold red]{left} of {sum(outcome.counts.values())} runs did not finish "
         f"({outcome.counts.get('failed', 0)} failed{why}; {NOT_DP_LABEL}).[/] "

@@ -84,9 +84,7 @@ def file_sha256(path: str | Path) -> str:
 
 def full_state(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's state dict (buffers included) with ``params`` in place, on the CPU."""
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    state.update({k: v.detach().cpu().clone() for k, v in params.items()})
-    return state
+    return {k: v.detach().cpu().clone() for k, v in {**model.state_dict(), **params}.items()}
 
 
 # ----------------------------------------------------------------------------- the card
@@ -170,11 +168,6 @@ def card_markdown(card: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def dptune_version() -> str:
-    """The installed dptune's version, for the cards."""
-    return __version__
-
-
 # ----------------------------------------------------------------------------- dptune.train
 def save_trained(
     result: Any,
@@ -198,7 +191,7 @@ def save_trained(
     taken = plan.steps if result.steps_taken is None else result.steps_taken  # a user loop may stop early
     card = {
         "title": f"{plan.strategy.name} (dptune.train)",
-        "dptune_version": dptune_version(),
+        "dptune_version": __version__,
         "guarantee": {
             "epsilon": eps,
             "delta": result.delta,

@@ -326,10 +326,7 @@ def write_csv_rows(
             fh.write(f"# {comment}\n")
         w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
         w.writeheader()
-        for r in rows:
-            w.writerow(
-                {k: (json.dumps(v) if isinstance(v, list | dict) else v) for k, v in ((k, r.get(k)) for k in columns)}
-            )
+        w.writerows({k: json.dumps(v) if isinstance(v := r.get(k), list | dict) else v for k in columns} for r in rows)
     return path
 
 

@@ -105,8 +105,7 @@ def tensors_of(dataset: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def materialize(dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """All of a map-style dataset as an (x, y) tensor pair (studies hash and split examples)."""
-    fast = tensors_of(dataset)
-    if fast is not None:
+    if (fast := tensors_of(dataset)) is not None:
         return fast
     src = MapSource(dataset, torch.device("cpu"))
     xs, ys = zip(*src.chunks(), strict=True)

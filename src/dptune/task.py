@@ -119,8 +119,7 @@ class OwnTask:
         if (isinstance(data, Sequence) and len(data) == 2) or hasattr(data, "x_train"):
             return _as_tensors(data, device)
         if own.is_map_style(data):
-            fast = own.tensors_of(data)
-            if fast is not None:
+            if (fast := own.tensors_of(data)) is not None:
                 return _as_tensors(fast, device)
             return own.MapSource(data, device, getattr(data, "collate_fn", None))
         raise ConfigError(

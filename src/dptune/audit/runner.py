@@ -236,18 +236,10 @@ class _Audit:
         with spy_on_releases(recorder):
             for k, hp in enumerate(runs):
                 res = train(
-                    audit_model(data.dim),
-                    (data.x, data.y),
-                    scenario.strategy,
-                    steps=scenario.steps,
-                    loss=linear_loss,
-                    seed=stream_seed(seed, f"audit-run-{k}"),
-                    device="cpu",
-                    run_id=f"audit-{k}",
-                    **_batch(q, int(data.x.shape[0])),
-                    **noise,
-                    **hp,
-                )
+                    audit_model(data.dim), (data.x, data.y), scenario.strategy, steps=scenario.steps, loss=linear_loss,
+                    seed=stream_seed(seed, f"audit-run-{k}"), device="cpu", run_id=f"audit-{k}",
+                    **_batch(q, int(data.x.shape[0])), **noise, **hp,
+                )  # fmt: skip
                 if res.diverged:
                     raise RuntimeError(f"audit training of {scenario.strategy} diverged; the audit is void")
                 ledger.extend(res.ledger, run=f"audit-{k}")

@@ -34,10 +34,8 @@ def available() -> list[str]:
 
 def options(name: str) -> dict[str, Any]:
     """The dataset-specific keyword options of ``load(name, ...)`` and their defaults."""
-    loader = _loader(name)
-    params = inspect.signature(loader).parameters
-    out = {k: p.default for k, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    return {"verify": True, **out}
+    params = inspect.signature(_loader(name)).parameters
+    return {"verify": True, **{k: p.default for k, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}}
 
 
 def _loader(name: str) -> Any:
@@ -67,8 +65,7 @@ def load(
     loader = _loader(name)
     verify = bool(opts.pop("verify", True))
     accepted = options(name)
-    unknown = sorted(set(opts) - set(accepted))
-    if unknown:
+    if unknown := sorted(set(opts) - set(accepted)):
         raise ConfigError(
             f"load({name!r}) got unknown option(s) {unknown}; accepted: "
             + ", ".join(f"{k}={v!r}" for k, v in accepted.items())

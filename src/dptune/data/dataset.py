@@ -70,8 +70,7 @@ def subset_indices(n: int, limit: int | None, seed: int, salt: int = 0) -> np.nd
         return np.arange(n)
     if int(limit) < 1:
         raise ConfigError(f"limit={limit!r} must be a positive number of examples (or None).")
-    idx = np.random.default_rng([seed, 1, salt]).choice(n, size=int(limit), replace=False)
-    return np.sort(idx)
+    return np.sort(np.random.default_rng([seed, 1, salt]).choice(n, size=int(limit), replace=False))
 
 
 def labels_tensor(y: np.ndarray) -> torch.Tensor:

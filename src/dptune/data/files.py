@@ -134,10 +134,6 @@ def _timeout() -> float:
         return DEFAULT_TIMEOUT_S
 
 
-def _offline() -> bool:
-    return os.environ.get("DPTUNE_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
-
-
 def _fetch(url: str, dest: Path, timeout: float) -> None:
     """Download ``url`` to ``dest`` atomically (``dest.part`` then rename)."""
     part = dest.with_name(dest.name + ".part")
@@ -153,9 +149,9 @@ def _fetch(url: str, dest: Path, timeout: float) -> None:
 
 def download_file(spec: FileSpec, dest: Path, cache: Path, dataset: str) -> list[str]:
     """Try each URL of ``spec``; return the failure messages (empty list on success)."""
-    failures: list[str] = []
-    if _offline():
+    if os.environ.get("DPTUNE_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}:
         return ["downloads disabled by DPTUNE_OFFLINE"]
+    failures: list[str] = []
     dest.parent.mkdir(parents=True, exist_ok=True)
     for url in spec.urls:
         log.info("dptune.data: downloading %s -> %s", url, dest)

@@ -100,9 +100,8 @@ def read_ag_news(path: Path, dataset: str) -> tuple[list[str], np.ndarray]:
 def read_enron_csv(path: Path, dataset: str) -> tuple[list[str], list[str], np.ndarray]:
     """(file names, texts, labels spam=1) from the shared ``enron1.csv.gz``, by file name."""
     with reading(path, dataset), gzip.open(path, "rt", encoding="utf-8", newline="") as fh:
-        reader = csv.DictReader(fh)
         recs = []
-        for row in reader:
+        for row in csv.DictReader(fh):
             label = {"ham": 0, "spam": 1}[row["label"]]
             if int(row["label_num"]) != label:
                 raise ValueError(f"{row['filename']}: label and label_num disagree")

@@ -266,11 +266,6 @@ ADULT_CATEGORIES: dict[str, tuple[str, ...]] = {
 ADULT_WITH_MISSING = ("workclass", "occupation", "native-country")
 
 
-def _adult_categories(col: str, missing: str) -> tuple[str, ...]:
-    cats = ADULT_CATEGORIES[col]
-    return (*cats, "?") if missing == "category" and col in ADULT_WITH_MISSING else cats
-
-
 # A-priori (public, data-independent) ranges of the numeric columns, so that each example's
 # features are a function of that example alone: (transform, lo, hi) maps v to
 # (t(clip(v, lo, hi)) - t(lo)) / (t(hi) - t(lo)) in [0, 1]. Sources of the bounds: docs/data_and_models.md.
@@ -299,12 +294,11 @@ def _encode_adult(rows: np.ndarray, missing: str) -> np.ndarray:
     features depend on that row only)."""
     cols = formats.ADULT_COLUMNS
     blocks = [_scale_adult_numeric(rows[:, [cols.index(c) for c in ADULT_NUMERIC]].astype(np.float64))]
-    for col in ADULT_CATEGORIES:
-        cats = _adult_categories(col, missing)
+    for col, cats in ADULT_CATEGORIES.items():
+        cats = (*cats, "?") if missing == "category" and col in ADULT_WITH_MISSING else cats
         pos = {c: k for k, c in enumerate(cats)}
         uniq, inv = np.unique(rows[:, cols.index(col)], return_inverse=True)
-        bad = [str(u) for u in uniq if u not in pos]
-        if bad:
+        if bad := [str(u) for u in uniq if u not in pos]:
             raise DataError(
                 f"dataset 'adult': unknown {col} value(s) {bad[:3]}; the file is not the UCI adult data, replace it."
             )

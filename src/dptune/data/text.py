@@ -217,8 +217,7 @@ def minilm_word_vectors(
     uniq = sorted(set(words))
     out: dict[str, np.ndarray] = {}
     for word, enc in zip(uniq, tok.encode_batch(uniq, add_special_tokens=False), strict=True):
-        ids = [i for i in enc.ids if i != unk]
-        if ids:
+        if ids := [i for i in enc.ids if i != unk]:
             out[word] = table[ids].mean(axis=0)
     return out
 

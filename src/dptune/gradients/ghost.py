@@ -204,16 +204,10 @@ class _Conv(LayerRule):
         super().__init__(names)
         self.mod, self.weight = mod, weight
         self.transposed = isinstance(mod, nn.ConvTranspose2d)
+        self.geom = {k: getattr(mod, k) for k in ("kernel_size", "dilation", "padding", "stride")}
         if isinstance(mod, nn.Conv1d):  # as a 2-d convolution of height 1
             a, b = a.unsqueeze(2), b.unsqueeze(2)
-            self.geom = dict(
-                kernel_size=(1, *mod.kernel_size),
-                dilation=(1, *mod.dilation),
-                padding=(0, *mod.padding),
-                stride=(1, *mod.stride),
-            )
-        else:
-            self.geom = dict(kernel_size=mod.kernel_size, dilation=mod.dilation, padding=mod.padding, stride=mod.stride)
+            self.geom = {k: (0 if k == "padding" else 1, *v) for k, v in self.geom.items()}
         self.a, self.b = a, b
         B = a.shape[0]
         self.gb = b.sum((2, 3)) if "bias" in names else None
@@ -279,10 +273,7 @@ class _Conv(LayerRule):
         b_i U_i with U_i [T, C_in·k_h·k_w] the input's patches: strided views of the padded input,
         copied once into GEMM layout (F.unfold would launch one kernel per example on CUDA)."""
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (
-            self.geom["kernel_size"],
-            self.geom["stride"],
-            self.geom["padding"],
-            self.geom["dilation"],
+            self.geom[k] for k in ("kernel_size", "stride", "padding", "dilation")
         )
         if ph or pw:
             a = F.pad(a, (pw, pw, ph, ph))
@@ -380,13 +371,9 @@ class _Conv(LayerRule):
             elif self._gram_rule:
                 G = self._per_sample_weight(self.a, self.b)
             else:  # the chunks of the norms and sums (case (e))
-                with same_kernel(self.a.device):
-                    G = torch.cat(
-                        [
-                            self._per_sample(self.a[i : i + self._chunk], self.b[i : i + self._chunk])
-                            for i in range(0, self.a.shape[0], self._chunk)
-                        ]
-                    )
+                a, b, c = self.a, self.b, self._chunk
+                with same_kernel(a.device):
+                    G = torch.cat([self._per_sample(a[i : i + c], b[i : i + c]) for i in range(0, a.shape[0], c)])
             out[self.names["weight"]] = G.reshape(G.shape[0], *self.weight.shape)
         if self.gb is not None:
             out[self.names["bias"]] = self.gb

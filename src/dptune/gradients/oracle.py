@@ -359,7 +359,7 @@ class GradientOracle:
             theirs = again(inputs.take(x, idx), y[idx])
         finally:
             self._swap_state(dev, after)
-        mine, other = (_kept(r, kept) for r in (got, theirs))
+        mine, other = ((r if isinstance(r, torch.Tensor) else r.norms)[kept] for r in (got, theirs))  # losses or norms
         if not (
             self._same_rows(mine, other, _scale(got))
             and self._same(_row_values(got, i), _row_values(theirs, i), _scale(got))
@@ -507,11 +507,6 @@ def _row_values(result: torch.Tensor | MaterializedGrads, i: int) -> list[torch.
         return [result[i : i + 1]]
     one = torch.ones(1, dtype=result.losses.dtype, device=result.losses.device)
     return [result.norms[i : i + 1], *result.rows_sum(one, torch.tensor([i], device=one.device)).values()]
-
-
-def _kept(result: torch.Tensor | MaterializedGrads, kept: torch.Tensor) -> torch.Tensor:
-    """The kept rows' losses (DP-ZO) or norm bounds."""
-    return (result if isinstance(result, torch.Tensor) else result.norms)[kept]
 
 
 def _scale(result: torch.Tensor | MaterializedGrads) -> float:

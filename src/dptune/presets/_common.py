@@ -44,18 +44,12 @@ def log_grid(lo_exp: float, hi_exp: float, k: int) -> list[float]:
         xs = [(lo_exp + hi_exp) / 2.0]
     else:
         xs = [lo_exp + (hi_exp - lo_exp) * i / (k - 1) for i in range(k)]
-    return [_round_sig(10.0**x, 4) for x in xs]
+    return [float(round(v, 3 - math.floor(math.log10(v)))) if (v := 10.0**x) else 0.0 for x in xs]
 
 
 def eps_text(eps: float) -> str:
     """ε as the preset tables print it (4 significant digits rounded up; ∞ for a non-private arm)."""
     return up(eps, 4)
-
-
-def _round_sig(x: float, digits: int) -> float:
-    if x == 0:
-        return 0.0
-    return float(round(x, digits - 1 - int(math.floor(math.log10(abs(x))))))
 
 
 @dataclass(frozen=True)
@@ -93,8 +87,7 @@ class Preset:
 
     def parts(self, scale: str, **options: Any) -> list[Part]:
         scale = check_scale(scale, self.scales)
-        unknown = sorted(set(options) - set(self.options))
-        if unknown:
+        if unknown := sorted(set(options) - set(self.options)):
             allowed = ", ".join(self.options) or "(none)"
             raise ConfigError(f"preset {self.name!r} has no option {unknown[0]!r}. Fix: its options are: {allowed}.")
         merged = {k: v for k, v in {**dict(self.options), **options}.items() if v is not None}

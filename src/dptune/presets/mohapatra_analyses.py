@@ -289,12 +289,6 @@ def tuner_data(data: Mapping[str, Any]) -> Any:
     return study_data(DataSpec(name=data["name"], options=dict(data.get("options", {}))), SelectionSpec(), 0)
 
 
-def _lr_params(study: Mapping[str, Any]) -> int:
-    """d of logistic regression on the study's data: one affine layer, (inputs + 1) × classes."""
-    sd = tuner_data(study["data"])
-    return (math.prod(sd.input_shape) + 1) * int(sd.num_classes or 1)
-
-
 def _theorem4_rows(
     out_dir: Path, stored: Sequence[tuple[Part, Any, list[dict[str, Any]]]]
 ) -> tuple[list[dict[str, Any]], list[list[Any]]]:
@@ -305,7 +299,8 @@ def _theorem4_rows(
             continue  # the theorem is for convex f: the TLNN is not
         arms = {a.arm for a in plan.arms if a.label == SGD_LABEL}
         by_id = {r["run_id"]: r for r in runs}
-        d = _lr_params(p.study)
+        sd = tuner_data(p.study["data"])
+        d = (math.prod(sd.input_shape) + 1) * int(sd.num_classes or 1)  # logistic regression: (inputs + 1) × classes
         lot = float(p.study["training"]["expected_batch_size"])
         for row in study_table(out_dir / p.name):
             sel = [by_id[rid] for rid in row["selected_runs"] if rid in by_id]

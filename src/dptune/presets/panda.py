@@ -244,8 +244,7 @@ def r_vs_epsilon_figure(study_dir: str | Path, path: str | Path) -> FigureRef | 
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles, strict=True))
     ax.legend(uniq.values(), uniq.keys(), fontsize=8)
-    ax.set_xlabel("ε")
-    ax.set_ylabel("r = η · T (log scale; fits below 0 are cut)")
+    ax.set(xlabel="ε", ylabel="r = η · T (log scale; fits below 0 are cut)")
     # r spans decades (r_min to r_max is 240–4,000-fold here): a linear axis squeezes every good r to 0
     ax.set_yscale("log", nonpositive="mask")
     ax.set_title("Linear scaling rule: r vs ε")
@@ -276,8 +275,7 @@ def eta_t_grids(study_dir: str | Path) -> list[dict[str, Any]]:
     ls_r: dict[float, float] = {}
     for r in (r for r in table.values() if r["method"] == "linear-scaling"):
         sel = [configs[rid] for rid in r["selected_runs"] if rid in configs]
-        rs = [c["lr"] * c["steps"] for c in sel if "lr" in c and "steps" in c]
-        if rs:
+        if rs := [c["lr"] * c["steps"] for c in sel if "lr" in c and "steps" in c]:
             ls_r[float(r["epsilon"])] = sum(rs) / len(rs)
     grids = []
     for arm in plan.arms:
@@ -410,12 +408,7 @@ def _heatmap_caption(g0: Mapping[str, Any], released: bool) -> str:
 def report_figures(study_dir: str | Path) -> list[FigureRef]:
     """The panda presets' extra figures for a part's release report: r = η·T vs ε (Fig. 3) and, when covered
     (public selection), the η × T heatmaps per ε (Fig. 5/15/16; else in ``diagnostics/figures`` only)."""
-    out = []
     study_dir = Path(study_dir)
     ref = r_vs_epsilon_figure(study_dir, study_dir / "release" / "figures" / "r_vs_epsilon.png")
-    if ref is not None:
-        out.append(ref)
     heat, released = eta_t_heatmaps(study_dir)
-    if heat is not None and released:
-        out.append(heat)
-    return out
+    return [f for f in (ref, heat if released else None) if f is not None]

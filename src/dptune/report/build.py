@@ -281,8 +281,7 @@ def _learning_curves(p: _Pages) -> None:
 def _budget_and_ledger(p: _Pages) -> None:
     """The ledger's totals are the budget (release); its per-run rows list the candidates (diagnostics)."""
     lrows: list[LedgerRow] = list(p.r.ledger)
-    budget_rows = _budget_rows(p.r)
-    if budget_rows:
+    if budget_rows := _budget_rows(p.r):
         text = (
             "The (ε, δ) each tuning procedure planned and spent (search and selection included), for adding or "
             "removing one training example. Everything on this page is covered by it; the diagnostics (every "

@@ -123,8 +123,7 @@ def _coerce(cls: type, item: Any, what: str) -> Any:
     if isinstance(item, Mapping):
         names = {f.name for f in fields(cls)}
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-        missing = sorted(required - set(item))
-        if missing:
+        if missing := sorted(required - set(item)):
             raise ConfigError(f"{what} row {dict(item)!r} lacks {missing}; give keys {sorted(names)}.")
         return cls(**{k: v for k, v in item.items() if k in names})
     if isinstance(item, Sequence) and not isinstance(item, str):
@@ -207,15 +206,12 @@ def coerce_lt_ma(items: Iterable[Any]) -> list[LtMaRow]:
 
 
 # ----------------------------------------------------------------------------- aggregation
-def _hp_key(hp: Mapping[str, Any]) -> tuple:
-    return tuple(sorted((str(k), repr(v)) for k, v in hp.items()))
-
-
 def summarize(trials: Iterable[Any], higher: bool = True) -> list[SummaryRow]:
     """Every configuration's mean ± std over seeds (diverged excluded, counted), by strategy, ε, rank."""
     groups: dict[tuple, list[TrialResult]] = {}
     for t in coerce_trials(trials):
-        groups.setdefault((t.strategy, t.epsilon, _hp_key(t.hyperparameters)), []).append(t)
+        config = tuple(sorted((str(k), repr(v)) for k, v in t.hyperparameters.items()))
+        groups.setdefault((t.strategy, t.epsilon, config), []).append(t)
     rows = []
     for (strategy, eps, _), ts in groups.items():
         vals = [t.value for t in ts if not t.diverged]
@@ -239,12 +235,10 @@ def best_per_strategy(summary: Iterable[SummaryRow], higher: bool = True) -> lis
     groups: dict[tuple[str, float], list[SummaryRow]] = {}
     for r in summary:
         groups.setdefault((r.strategy, r.epsilon), []).append(r)
-    out = []
-    for key in sorted(groups):
-        rs = groups[key]
-        chosen = [r for r in rs if r.selected]
-        out.append(chosen[0] if chosen else min(rs, key=lambda r: _rank_key(r, higher)))
-    return out
+    return [
+        next((r for r in rs if r.selected), None) or min(rs, key=lambda r: _rank_key(r, higher))
+        for _, rs in sorted(groups.items(), key=lambda kv: kv[0])
+    ]
 
 
 def check_budget(name: str, pair: Any) -> tuple[float, float] | None:

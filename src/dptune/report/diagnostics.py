@@ -79,8 +79,7 @@ def cosine_vs_clip(
     std: dict[int, tuple[float, ...]] = {}
     for t in iterations:
         params = {k: v.detach() for k, v in params_at_iterations[t].items()}
-        missing = [k for k in names if k not in params]
-        if missing:
+        if missing := [k for k in names if k not in params]:
             raise ConfigError(f"parameters for iteration {t} lack {missing}; pass the model's named_parameters().")
         # The oracle may run autograd itself (ghost norms): call it with grad mode on.
         grads = oracle(params, x, y)

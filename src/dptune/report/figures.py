@@ -372,8 +372,7 @@ def ledger(
         ax_rel.invert_yaxis()
     else:
         _empty(ax_rel, "no releases recorded")
-    ax_rel.set_xlabel("noisy releases (all runs)")
-    ax_rel.set_title("releases per query label")
+    ax_rel.set(xlabel="noisy releases (all runs)", title="releases per query label")
     fig.suptitle(title or "Privacy ledger")
     return _save(fig, path)
 
@@ -413,8 +412,7 @@ def _epsilon_per_run(
             ax.hist(list(finite.values()), bins=20, color="#1f77b4")
         n_inf = len(runs) - len(finite)
         hidden = f"; {n_inf} non-private, ε = ∞, not shown)" if n_inf else ")"
-        ax.set_xlabel(f"ε of the run alone ({len(runs)} runs" + hidden)
-        ax.set_ylabel("runs")
+        ax.set(xlabel=f"ε of the run alone ({len(runs)} runs" + hidden, ylabel="runs")
     if isinstance(planned_epsilon, int | float):
         lines = [(float(planned_epsilon), "study plan")]
     else:
@@ -461,8 +459,7 @@ def _heatmap(
     im = ax.imshow(grid, origin="lower", aspect="auto", **imshow)
     ax.set_xticks(range(len(xs)), [f"{float(x):g}" for x in xs])
     ax.set_yticks(range(len(ys)), [f"{float(y):g}" for y in ys])
-    ax.set_xlabel(names[0])
-    ax.set_ylabel(names[1])
+    ax.set(xlabel=names[0], ylabel=names[1])
     ax.set_title(title, fontsize=9)
     return im
 

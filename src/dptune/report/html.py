@@ -103,10 +103,6 @@ def _data_uri(path: Path, mime: str) -> str:
     return f"data:{mime};base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
 def cell_text(v: Any) -> str:
     """Compact cell text: 4 significant digits for floats, ∞ for inf, — for missing."""
     if isinstance(v, float):
@@ -115,7 +111,7 @@ def cell_text(v: Any) -> str:
 
 
 def _cell(v: Any) -> str:
-    cls = ' class="num"' if _is_num(v) else ""
+    cls = ' class="num"' if isinstance(v, int | float) and not isinstance(v, bool) else ""
     return f"<td{cls}>{_esc(cell_text(v))}</td>"
 
 

@@ -201,8 +201,7 @@ def _positive_nus(plan: Any, arm: Any) -> list[float]:
 def _lt_ma_rows(plan: Any) -> list[tuple[int, float, float]] | None:
     """LT vs MA cost for the run geometry of the first Liu–Talwar arm (Mohapatra Fig. 6)."""
     for arm in plan.arms:
-        nus = _positive_nus(plan, arm)
-        if arm.method == "liu-talwar" and nus:
+        if arm.method == "liu-talwar" and (nus := _positive_nus(plan, arm)):
             run = plan.runs[arm.runs[0]]
             batch = run.sampling_rate * plan.n_train
             return list(theory.lt_vs_ma(plan.n_train, nus[0], batch, run.steps, ks=range(1, 41), delta=arm.delta).rows)
@@ -270,11 +269,6 @@ def randomness_note(cfg: Mapping[str, Any]) -> str:
     return "Randomness: " + randomness_statement(bool(cfg.get("study", {}).get("secure")))["randomness_note"]
 
 
-def arm_name(arm: Any) -> str:
-    """An arm's name in the results: its label, with the method unless a plain grid (``_arm_label``)."""
-    return _arm_label(arm.label, arm.method)
-
-
 def _arm_label(label: str, method: str) -> str:
     """``label``, with the method unless it is a plain grid search: every candidate listed
     (``needs_value_lists``) and one ν shared by all (``shared_noise``; grid, online)."""
@@ -293,10 +287,12 @@ def every_configuration(
     arm_of: Mapping[str, Any],
     selected: Iterable[str],
     use_test: bool,
-    name: Callable[[Any], str] = arm_name,
+    name: Callable[[Any], str] | None = None,
 ) -> list[SummaryRow]:
     """One row per configuration tried: test metric (``use_test``) or selection score, mean ± std
-    over seeds, ``selected``. Diagnostics only: losing candidates are not covered by LT / repeat-and-select."""
+    over seeds, ``selected``; ``name(arm)``: default its label, with the method unless a plain grid (``_arm_label``).
+    Diagnostics only: losing candidates are not covered by LT / repeat-and-select."""
+    name = name or (lambda arm: _arm_label(arm.label, arm.method))
     chosen = set(selected)
     groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = defaultdict(list)
     for r in runs:

@@ -23,24 +23,22 @@ def learning_curves(runs: Sequence[Any], arm_of: Mapping[str, Any], selected: se
     return out
 
 
-def _selection_note(r: Mapping[str, Any]) -> str:
-    """Where the selection averages seeds of which one is accounted: the ε that covers what it chose."""
-    e = r.get("selection_epsilon", r["planned_epsilon"])
-    return "" if e == r["planned_epsilon"] else f"; the selection averages every seed: ε = {epsilon_text(e)} covers it"
-
-
 def selected_model_section(table: Sequence[Mapping[str, Any]], metric: str, split: str, use_test: bool) -> Section:
     """One paragraph per private procedure: selected configuration, metric, guarantee, model."""
     said = []
     for r in private_rows(table):
         m, s = (r["test_mean"], r["test_std"]) if use_test else (r["value_mean"], r["value_std"])
         where = "test split" if use_test else f"{split} split (selection score)"
+        # Where the selection averages seeds of which one is accounted: the ε that covers what it chose.
+        e = r.get("selection_epsilon", r["planned_epsilon"])
+        covers = f"; the selection averages every seed: ε = {epsilon_text(e)} covers it"
+        note = "" if e == r["planned_epsilon"] else covers
         said.append(
             f"{r['strategy']} ({r['method']}) at ε = {epsilon_text(r['epsilon'])}: {r['selected'] or 'no selection yet'}; "
             f"{metric} {metric_text(m, s, metric)} on the {where}. Guarantee: (ε, δ) = "
             f"({epsilon_text(r['planned_epsilon'])}, {up(r['planned_delta'])}) for the whole search, per "
             f"{r['guarantee_per']} (accountant {r['accountant']}); spent ε = {epsilon_text(r['spent_epsilon'])}"
-            f"{_selection_note(r)}. "
+            f"{note}. "
             f"Model and card: release/models/{r['arm']}/ (`dptune export`, once the study is finished)."
         )
     return Section("Selected model", paragraphs=said or ["No procedure has selected a model yet."])

@@ -61,8 +61,7 @@ def as_summary_rows(rows: Iterable[Any], *, higher: bool = True, best_only: bool
 
 
 def _summary_from_dict(r: Mapping[str, Any]) -> SummaryRow:
-    missing = [k for k in ("strategy", "epsilon") if k not in r]
-    if missing:
+    if missing := [k for k in ("strategy", "epsilon") if k not in r]:
         raise ConfigError(f"summary row {dict(r)!r} lacks {missing}; give strategy, epsilon, mean, std.")
     strategy, eps, hp = str(r["strategy"]), float(r["epsilon"]), r.get("hyperparameters", {})
     hp = hp if isinstance(hp, str) else dict(hp)
@@ -120,10 +119,7 @@ def summary_csv_rows(rows: Sequence[SummaryRow]) -> list[dict[str, Any]]:
     for r in rows:
         d = asdict(r)
         hp = d.pop("hyperparameters")
-        if isinstance(hp, str):
-            d["configuration"] = hp
-        else:
-            d.update({f"hp_{k}": v for k, v in sorted(hp.items())})
+        d.update({"configuration": hp} if isinstance(hp, str) else {f"hp_{k}": v for k, v in sorted(hp.items())})
         out.append(d)
     return out
 

@@ -9,13 +9,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dptune._version import __version__
 from dptune.deliverable import (
     CHECKPOINTS_DIR,
     COVERED,
     MODELS_DIR,
     NOT_COVERED,
     checkpoint_path,
-    dptune_version,
     load_checkpoint,
     save_text,
     write_model,
@@ -42,10 +42,9 @@ def study_ledger_digest(study_dir: str | Path) -> str:
 def _saved_run(row: Mapping[str, Any], plan: Any) -> str | None:
     """The run whose weights an arm publishes: the first selected run (procedure / seed
     replicate 0's pick; one model per arm — publishing one per replicate would compose)."""
-    ids = list(row.get("selected_runs") or [])
-    if not ids:
-        return None
-    return min(ids, key=lambda rid: (plan.runs[rid].replicate, plan.runs[rid].procedure))
+    return min(
+        row.get("selected_runs") or [], key=lambda r: (plan.runs[r].replicate, plan.runs[r].procedure), default=None
+    )
 
 
 def export_study(
@@ -150,7 +149,7 @@ def _card(
     return {
         # the guarantee's ε: an oracle arm's target ε is per run, not its model's (found in review)
         "title": f"{a.label} at ε = {up(row['planned_epsilon'], 4)} ({cfg.get('study', {}).get('name', 'study')})",
-        "dptune_version": dptune_version(),
+        "dptune_version": __version__,
         "arm": a.arm,
         "guarantee": guarantee,
         "configuration": {

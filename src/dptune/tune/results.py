@@ -396,10 +396,6 @@ def metric_text(m: float | None, s: float | None, metric: str) -> str:
     return f"{m:.4g}" + (f" ± {s:.2g}" if s is not None else "")
 
 
-def _e(x: float) -> str:
-    return up(x)
-
-
 def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = False) -> None:
     """Print the private arms' results and the notes the guarantee covers; ``diagnostics``: also the labelled
     non-private parts, else one line saying where they are."""
@@ -456,7 +452,7 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
     for col in ("arm", "query", "releases", "ε alone", "scope"):
         b.add_column(col, overflow="fold")
     for r in per_label:
-        b.add_row(r["arm"], r["label"], str(r["releases"]), _e(r["epsilon_alone"]), r["scope"])
+        b.add_row(r["arm"], r["label"], str(r["releases"]), up(r["epsilon_alone"]), r["scope"])
     print_table(console, b)
     for note in split_arm_notes(plan)[1]:
         console.print(f"[dim]• {note}[/dim]")
@@ -473,14 +469,14 @@ def _results_table(rows: Iterable[Mapping[str, Any]], metric: str, title: str | 
         if col != "test" or test:
             t.add_column(col, overflow="fold")
     for r in rows:
-        planned = f"({_e(r['planned_epsilon'])}, {up(r['planned_delta'])})"
-        cells = [r["strategy"], _e(r["epsilon"]), r["method"], r["selected"] or "—"]
+        planned = f"({up(r['planned_epsilon'])}, {up(r['planned_delta'])})"
+        cells = [r["strategy"], up(r["epsilon"]), r["method"], r["selected"] or "—"]
         cells.append(metric_text(r["value_mean"], r["value_std"], metric))
         cells += [metric_text(r["test_mean"], r["test_std"], metric)] if test else []
         cells.append(planned + (" per seed" if r["guarantee_per"] == "seed replicate" else ""))
         if r["selection_epsilon"] != r["planned_epsilon"]:
-            cells[-1] += f"; the selection: ε = {_e(r['selection_epsilon'])}"
-        t.add_row(*cells, _e(r["spent_epsilon"]))
+            cells[-1] += f"; the selection: ε = {up(r['selection_epsilon'])}"
+        t.add_row(*cells, up(r["spent_epsilon"]))
     return t
 
 

@@ -26,10 +26,8 @@ SELECTION_MODES = ("public", "private")
 METRICS = ("accuracy", "mse")
 
 
-def _positive_number(path: str, value: Any, *, allow_inf: bool = False) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-    ok = ok and (allow_inf or math.isfinite(value))
-    if not ok:
+def _positive_number(path: str, value: Any) -> float:
+    if not (isinstance(value, int | float) and not isinstance(value, bool) and value > 0 and math.isfinite(value)):
         raise config_error(path, f"must be a number > 0, got {value!r}", f"set {path} to e.g. 1.0")
     return float(value)
 

@@ -35,9 +35,7 @@ def is_finite(space: Mapping[str, Any]) -> bool:
 
 def grid(space: Mapping[str, Any]) -> list[dict[str, Any]]:
     """All combinations of the listed values, in a fixed order (keys sorted, values as given)."""
-    keys = sorted(space)
-    if not keys:
-        return [{}]
+    keys = sorted(space)  # none: the one empty configuration
     values = [list(space[k]) for k in keys]
     return [{k: _plain(v) for k, v in zip(keys, combo, strict=True)} for combo in itertools.product(*values)]
 

@@ -100,8 +100,7 @@ class Study:
             "secure = true (OS CSPRNG randomness, for results you will publish) or false (seeded)",
         )
         keys = [a.key for a in strategies]
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        if dup:
+        if dup := sorted({k for k in keys if keys.count(k) > 1}):
             raise config_error(
                 "strategies",
                 f"two strategies share the name {dup[0]!r}",
@@ -109,7 +108,12 @@ class Study:
             )
         for i, arm in enumerate(strategies):
             _check_arm(self, arm, i)
-        _check_test_split(self)
+        if self.selection.mode == "public" and self.selection.split == "test" and not self.data.test_public:
+            raise config_error(
+                "selection.mode",
+                "public selection on your own data's test split, which is private unless declared public",
+                "set data.test_public = true if it truly is public, or selection.mode = 'private'",
+            )
 
     # -- helpers
     def method_for(self, arm: StrategyArm) -> MethodSpec:
@@ -181,15 +185,6 @@ def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
-def _check_test_split(study: Study) -> None:
-    if study.selection.mode == "public" and study.selection.split == "test" and not study.data.test_public:
-        raise config_error(
-            "selection.mode",
-            "public selection on your own data's test split, which is private unless declared public",
-            "set data.test_public = true if it truly is public, or selection.mode = 'private'",
-        )
-
-
 def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
     """One arm: its strategy, its space's names and values, its method's checks, that it builds."""
     path = f"strategies[{i}]"
@@ -233,8 +228,7 @@ def _check_keys(arm: StrategyArm, key: str, hyperparameters: Sequence[str], path
                 f"strategy {key!r} has no hyperparameter {k!r}",
                 f"use one of {', '.join(sorted(allowed))}",
             )
-    both = sorted(set(arm.space) & set(arm.fixed))
-    if both:
+    if both := sorted(set(arm.space) & set(arm.fixed)):
         raise config_error(f"{path}.fixed.{both[0]}", "is both searched and fixed", "keep it in one of space/fixed")
 
 
@@ -316,8 +310,7 @@ def _study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | No
     if not isinstance(d, Mapping):
         raise ConfigError("a study file must hold a table/mapping at the top level")
     top = {"study", "data", "model", "training", "budget", "method", "selection", "strategies"}
-    unknown = sorted(set(d) - top, key=str)
-    if unknown:
+    if unknown := sorted(set(d) - top, key=str):
         raise _unknown_name(str(unknown[0]), f"section [{unknown[0]}]", unknown[0], top, "the sections")
     for req in ("data", "model", "training", "strategies"):
         if req not in d:
@@ -424,8 +417,7 @@ def _stored_keys(t: Mapping[str, Any], path: str, aliases: dict[str, str]) -> di
 
 
 def _only(t: Mapping[str, Any], path: str, allowed: set[str]) -> None:
-    unknown = sorted(set(t) - allowed, key=str)
-    if unknown:
+    if unknown := sorted(set(t) - allowed, key=str):
         raise _unknown_name(f"{path}.{unknown[0]}", f"key in [{path}]", unknown[0], allowed, f"the keys of [{path}]")
 
 

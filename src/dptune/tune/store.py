@@ -283,18 +283,14 @@ class Store:
                     (now, rid),
                 )
 
-    def reset_interrupted(self) -> list[str]:
+    def reset_interrupted(self) -> None:
         """Runs left 'running' by a killed process go back to 'planned' (re-executed, same seeds)."""
         with self._tx() as c:
-            ids = [r["run_id"] for r in c.execute("SELECT run_id FROM runs WHERE status = 'running'")]
             c.execute("UPDATE runs SET status = 'planned' WHERE status = 'running'")
-        return ids
 
-    def reset_failed(self) -> list[str]:
+    def reset_failed(self) -> None:
         with self._tx() as c:
-            ids = [r["run_id"] for r in c.execute("SELECT run_id FROM runs WHERE status = 'failed'")]
             c.execute("UPDATE runs SET status = 'planned', error = NULL WHERE status = 'failed'")
-        return ids
 
     def set_config(self, run_id: str, config: Mapping[str, Any], fit: Mapping[str, Any] | None) -> None:
         with self._tx() as c:

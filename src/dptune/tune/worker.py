@@ -142,18 +142,10 @@ class _RunJob:
         plan = run.run_plan(strategy, data.n_train, study.budget.accountant)
         model, _ = task.prepare(model)
         self.loop = RunLoop(
-            model,
-            strategy,
-            plan,
-            seed=run.run_seed,
-            device=task.device,
-            secure_mode=study.secure,
-            run_id="",
-            metric="score",
-            schedule=EvalSchedule(tuple(run.eval_steps), run.eval_final),
-            score=self.scorer.score,
+            model, strategy, plan, seed=run.run_seed, device=task.device, secure_mode=study.secure, run_id="",
+            metric="score", schedule=EvalSchedule(tuple(run.eval_steps), run.eval_final), score=self.scorer.score,
             higher=self.scorer.measure.higher_is_better,
-        )
+        )  # fmt: skip
 
     def finish(self, result: TrainResult, seconds: float | None = None) -> dict[str, Any]:
         run, data, best = self.run, self.data, result.best_params

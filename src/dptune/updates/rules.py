@@ -22,12 +22,7 @@ from dptune.updates.defaults import default_adam_lr, default_sgd_lr
 
 
 def heavy_ball(
-    params: Tensors,
-    buf: Tensors | None,
-    g: Tensors,
-    lr: float,
-    momentum: float,
-    scale: float | None = None,
+    params: Tensors, buf: Tensors | None, g: Tensors, lr: float, momentum: float, scale: float | None = None
 ) -> tuple[Tensors, Tensors | None]:
     """θ ← θ − lr·m with m ← μ·m + s·g (PyTorch SGD convention, no dampening). μ = 0: plain SGD.
 
@@ -254,11 +249,7 @@ class OSORate(UpdateRule):
             new_lr, gg = rule_step(self.rule, lr, state["lr_lr"], dot(g, prev_g), (g, prev_g), lr, MIN_RATE)
         # With momentum, ∂θ_t/∂ρ_{t-1} = −m_{t−1}: keep the applied direction for the next ρ rule.
         direction = buf if buf is not None else g
-        return (
-            params,
-            {**state, "lr": new_lr, "prev_g": direction, "momentum": buf},
-            {"lr": lr, "g_dot_g": gg},
-        )
+        return (params, {**state, "lr": new_lr, "prev_g": direction, "momentum": buf}, {"lr": lr, "g_dot_g": gg})
 
 
 def extrapolation_error(full: Tensors, halves: Tensors) -> float:

@@ -77,8 +77,7 @@ class TuningMethod:
     def parse_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """``given`` checked against ``Options``, defaults filled, as a dict in field order."""
         allowed = [f.name for f in fields(self.Options)]
-        unknown = sorted(set(given) - set(allowed))
-        if unknown:
+        if unknown := sorted(set(given) - set(allowed)):
             raise config_error(
                 f"method.{unknown[0]}",
                 f"method {self.name!r} has no option {unknown[0]!r}",

@@ -137,10 +137,8 @@ class LinearScaling(TuningMethod):
                 per_run[(s, e)] = snap(nu, [s])
             return c, s, per_run[(s, e)]
 
-        sweeps: list[_Sweeps] = []
-        for p in range(P):
-            rng = S.rng_for(study.seed, f"linear-scaling/{arm_id}/{p}")
-            sweeps.append([[sweep_run(rng, e) for _ in range(n)] for e in sweep_eps])
+        rngs = (S.rng_for(study.seed, f"linear-scaling/{arm_id}/{p}") for p in range(P))
+        sweeps: list[_Sweeps] = [[[sweep_run(rng, e) for _ in range(n)] for e in sweep_eps] for rng in rngs]
         final_shape = make_shape(ctx, arm, {"lr": lr_lo, "steps": t_final}, f"{path}.space")
         groups = [list(range(P))] if P_acc == P else [[p] for p in range(P)]
         final_nu = _final_multipliers(sweeps, final_shape, groups, eps, delta, acc, arm_id)

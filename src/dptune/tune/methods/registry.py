@@ -30,8 +30,7 @@ def register(cls: type, *, builtin: bool = False) -> type:
                 "Fix: e.g. name = 'my-method', aliases = ('mine',)."
             )
     taken = set(_METHODS) | set(_ALIASES)
-    clash = sorted(({name, *aliases}) & taken)
-    if clash:
+    if clash := sorted(({name, *aliases}) & taken):
         raise ConfigError(
             f"tuning method name {clash[0]!r} is already registered. Fix: choose another name, or "
             f"unregister({clash[0]!r}) first."
