@@ -75,6 +75,9 @@ if [ "$(left)" -gt 60 ]; then  # the slice from scratch in what is left (re-run 
   echo "slice rc=$? wall_s=$(( $(date +%s) - t0 )) workers=$WORKERS" >> "$OUT/slice.log"
   kill "$UTIL_PID" 2>/dev/null
   "$PY" -m dptune status /tmp/gpu-slice-new/study >> "$OUT/slice.log" 2>&1
+  "$PY" -c "import sqlite3; c = sqlite3.connect('/tmp/gpu-slice-new/study/study.sqlite')
+for r in c.execute(\"select run_id, seconds, error from runs where error is not null\"): print(*r, sep='\n', end='\n\n')" \
+    > "$OUT/slice_errors.txt" 2>&1  # a failed run's traceback comes back (the store can be over the size limit)
   tar czf "$OUT/slice.tgz" --exclude=checkpoints -C /tmp gpu-slice-new 2>/dev/null
 fi
 if [ "$(left)" -gt "$BENCH_S" ]; then
