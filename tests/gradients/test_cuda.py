@@ -384,3 +384,18 @@ def test_a_hugging_face_encoder_replays_cuda_graphs_and_equals_the_eager_run(mon
     assert a.ledger.matches(a.plan.event())
     for k in a.final_params:
         torch.testing.assert_close(a.final_params[k], b.final_params[k], rtol=1e-4, atol=1e-5)
+
+
+def test_the_cosine_diagnostic_runs_on_the_gpu_as_on_the_cpu() -> None:
+    """Galli's Fig. 1 diagnostic (``report.cosine_vs_clip``) with the model and data on the GPU: its weights
+    and batch masks on the data's device, and the same curve as on the CPU (same seed, same batches; ν = 0: the
+    GPU draws its own normals)."""
+    from dptune.report import cosine_vs_clip
+
+    x, y = _images()
+    got = {}
+    for dev in ("cpu", "cuda"):
+        model = _cnn().to(dev)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        got[dev] = cosine_vs_clip(model, (x.to(dev), y.to(dev)), {0: params}, [0.1, 1.0], 0.0, 24.0, repeats=3, seed=2)
+    assert got["cuda"].mean[0] == pytest.approx(got["cpu"].mean[0], abs=1e-4)

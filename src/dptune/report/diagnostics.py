@@ -84,14 +84,14 @@ def cosine_vs_clip(
         # The oracle may run autograd itself (ghost norms): call it with grad mode on.
         grads = oracle(params, x, y)
         with torch.no_grad():
-            true = _flat(grads.weighted_sum(torch.full((n,), 1.0 / n)), names)
+            true = _flat(grads.weighted_sum(torch.full((n,), 1.0 / n, device=y.device)), names)
             true_norm = float(true.norm())
             if true_norm == 0.0:
                 raise ConfigError(f"the true mean gradient at iteration {t} is zero; cosine similarity is undefined.")
             norms = grads.norms
             values = torch.empty(repeats, len(clip_list), dtype=torch.float64)
             for r in range(repeats):
-                mask = torch.zeros(n)
+                mask = torch.zeros(n, device=y.device)  # the data's device (a GPU's)
                 mask[sampler.sample()] = 1.0
                 z = noise.normal(true, 1.0)  # one standard normal draw shared by every C
                 for j, c in enumerate(clip_list):
