@@ -262,6 +262,7 @@ class Coordinator:
             group_args = ("group", self.study, [a[1] for a in checked], [a[2] for a in checked], self.plan.metric)
             tasks.append((tid, group_args))
             members[tid] = [rid for rid in group if rid in ready_ids]
+        tasks.sort(key=lambda t: -len(t[1][3]) if t[1][0] == "group" else -1)  # the longest first: no straggler
         return tasks, members
 
     def execute(self, executor: Executor, progress: bool = True) -> None:
