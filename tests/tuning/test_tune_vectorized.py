@@ -63,6 +63,8 @@ def test_groups_are_plan_order_chunks_of_one_arm_and_stage(tmp_path):
     tasks, members = coord.tasks(coord.ready())
     assert [t[1][0] for t in tasks] == ["group", "group"]
     assert sorted(r for m in members.values() for r in m) == sorted(order)
+    tasks, members = coord.tasks(coord.ready()[::-1])  # the largest group first, whatever the ready order
+    assert [len(members[t[0]]) for t in tasks] == [4, 2]
     coord.store.close()
 
 
