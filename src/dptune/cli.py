@@ -351,11 +351,12 @@ def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
     # error line (a factory's exception, say) too.
     left = sum(n for s, n in outcome.counts.items() if s not in ("done", "diverged"))
     errors = [r.get("error") for r in load_study(study_dir)[2] if r.get("status") == "failed" and r.get("error")]
-    why = f", the first: {str(errors[0]).strip().splitlines()[-1][:200]}" if errors else ""
+    why = escape(f", the first: {str(errors[0]).strip().splitlines()[-1][:200]}") if errors else ""  # a "[/x]"
     console.print(
         f"[bold red]{left} of {sum(outcome.counts.values())} runs did not finish "
         f"({outcome.counts.get('failed', 0)} failed{why}; {NOT_DP_LABEL}).[/] "
-        f"Check with `dptune status {study_dir}`; `dptune resume {study_dir}` retries them with the same seeds.",
+        f"Check with `dptune status {escape(str(study_dir))}`; `dptune resume {escape(str(study_dir))}` retries them "
+        "with the same seeds.",
         highlight=False,
         soft_wrap=True,
     )

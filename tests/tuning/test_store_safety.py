@@ -379,8 +379,8 @@ def test_status_eta_counts_a_running_group_once(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- 8. failed runs
 def test_tune_with_failed_runs_says_so_and_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def killed(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("worker process failed: killed")
+    def killed(*args: object, **kwargs: object) -> None:  # a path in brackets: printed as is, not read as markup
+        raise RuntimeError("worker process failed: killed [/models/base.pt]")
 
     monkeypatch.setattr(study_mod, "execute_task", killed)
     d = tmp_path / "s"
@@ -389,8 +389,8 @@ def test_tune_with_failed_runs_says_so_and_exits_1(tmp_path: Path, monkeypatch: 
     assert "Traceback" not in res.output
     out = " ".join(res.output.split())
     assert (
-        "1 of 1 runs did not finish (1 failed, the first: RuntimeError: worker process failed: killed; "
-        "not differentially private: for the data owner only)" in out
+        "1 of 1 runs did not finish (1 failed, the first: RuntimeError: worker process failed: killed "
+        "[/models/base.pt]; not differentially private: for the data owner only)" in out
     )
     assert f"dptune status {d}" in out and f"dptune resume {d}" in out
     assert (d / "study.sqlite").is_file()  # the study is kept: resume retries the run
