@@ -120,6 +120,12 @@ def test_bad_files_give_one_clear_error(tmp_path, old, new, field):
     assert "Fix:" in msg
 
 
+def test_a_bad_batch_size_is_told_a_batch_size(tmp_path) -> None:  # not "e.g. 1.0" (found in review)
+    assert "set training.expected_batch_size to e.g. 256" in _bad(
+        tmp_path, "expected_batch_size = 64", "expected_batch_size = -1"
+    )
+
+
 def test_missing_sections_and_file_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"^strategies: section missing"):
         study_from_dict(

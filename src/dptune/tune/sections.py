@@ -26,9 +26,9 @@ SELECTION_MODES = ("public", "private")
 METRICS = ("accuracy", "mse")
 
 
-def _positive_number(path: str, value: Any) -> float:
+def _positive_number(path: str, value: Any, example: float = 1.0) -> float:
     if not (isinstance(value, int | float) and not isinstance(value, bool) and value > 0 and math.isfinite(value)):
-        raise config_error(path, f"must be a number > 0, got {value!r}", f"set {path} to e.g. 1.0")
+        raise config_error(path, f"must be a number > 0, got {value!r}", f"set {path} to e.g. {example:g}")
     return float(value)
 
 
@@ -195,7 +195,7 @@ class TrainingSpec:
         if (self.epochs is None) == (self.steps is None):
             raise config_error("training", "give exactly one of training.epochs or training.steps", "e.g. epochs = 5")
         if self.epochs is not None:
-            _positive_number("training.epochs", self.epochs)
+            _positive_number("training.epochs", self.epochs, 10)
         if self.steps is not None:
             check_count("training.steps", self.steps, "e.g. steps = 500")
         check_flag("training.full_batch", self.full_batch, "full_batch = true (no quotes)")
@@ -210,7 +210,7 @@ class TrainingSpec:
                 "set expected_batch_size (Poisson sampling, q = L/n) or full_batch = true",
             )
         if self.expected_batch_size is not None:
-            _positive_number("training.expected_batch_size", self.expected_batch_size)
+            _positive_number("training.expected_batch_size", self.expected_batch_size, 256)
         if self.loss is not None:
             fix = "choose cross_entropy, mse or bce (or omit it: chosen from the task)"
             _check_choice("training.loss", self.loss, ("cross_entropy", "mse", "bce"), "loss", fix)
