@@ -159,12 +159,24 @@ class PatchConv(torch.autograd.Function):
         (Wt,), shape = ctx.saved_tensors, ctx.shape
         dzt, dh, step = dz.permute(0, 1, 3, 4, 2), dz.new_empty(shape), patch_rows(shape, ctx.geom, Wt)
         for i in range(0, shape[1], step):
-            hc = dz.new_zeros((shape[0], min(step, shape[1] - i), *shape[2:]), requires_grad=True)
-            with torch.enable_grad():  # the patch map is linear: its adjoint by autograd (pad, unfold)
-                U = patches(hc, ctx.geom)
             dU = torch.bmm(dzt[:, i : i + step].reshape(shape[0], -1, Wt.shape[2]), Wt.transpose(1, 2))
-            dh[:, i : i + step] = torch.autograd.grad(U, hc, dU)[0]
+            dh[:, i : i + step] = patches_adjoint(dU, (shape[0], min(step, shape[1] - i), *shape[2:]), ctx.geom)
         return dh, None, None, None
+
+
+def patches_adjoint(dU: torch.Tensor, shape: Sequence[int], geom: Any) -> torch.Tensor:
+    """The adjoint of ``patches`` (the patch map is linear): dU [K, c·H'·W', C·k_h·k_w] → [K, c, C, H, W]."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geom
+    K, c, C, H, W = shape
+    (ho, wo), ekh, ekw = out_size(shape, geom), (kh - 1) * dh + 1, (kw - 1) * dw + 1
+    g = dU.view(K, c, ho, wo, C, kh, kw).permute(0, 1, 4, 2, 3, 5, 6)
+    if dh > 1 or dw > 1:  # a dilated kernel's taps in its full extent
+        full = g.new_zeros(K, c, C, ho, wo, ekh, ekw)
+        full[..., ::dh, ::dw] = g
+        g = full
+    g = torch.ops.aten.unfold_backward(g, [K, c, C, ho, W + 2 * pw, ekh], 4, ekw, sw)
+    g = torch.ops.aten.unfold_backward(g, [K, c, C, H + 2 * ph, W + 2 * pw], 3, ekh, sh)
+    return g[..., ph : ph + H, pw : pw + W]
 
 
 def out_size(shape: Sequence[int], geom: Any) -> tuple[int, int]:
