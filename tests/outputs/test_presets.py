@@ -548,7 +548,8 @@ def test_the_tuner_stacks_the_galli_cnn_trials(scale, data_env):
 
     studies, plans = preset_studies("galli-mnist", scale, k=5), plan_preset("galli-mnist", scale, k=5)
     for name, plan in plans.items():
-        groups = Coordinator(studies[name], SimpleNamespace(ledger_entries=lambda: []), plan).groups()
+        store = SimpleNamespace(ledger_entries=lambda: [], get_meta=lambda key: {"_meta": {"groups": "balanced"}})
+        groups = Coordinator(studies[name], store, plan).groups()
         assert set(groups) == set(plan.runs)  # every arm has ≥ 5 runs a stage: all grouped
         assert {len(g) for g in groups.values()} <= set(range(2, 17))
         for g in groups.values():

@@ -68,6 +68,22 @@ def test_groups_are_plan_order_chunks_of_one_arm_and_stage(tmp_path):
     coord.store.close()
 
 
+def test_a_new_study_groups_in_balanced_chunks_an_older_one_as_it_was_planned(tmp_path):
+    """6 runs by 4: a study planned now trains 3 + 3 (no straggler group), one planned before (its config
+    without the marker) keeps 4 + 2 on resume; the status's ETA counts the same groups."""
+    from dptune.tune.results import study_status
+    from dptune.tune.study import _open
+
+    store, plan = _open(_study(4), tmp_path / "new")
+    coord = Coordinator(_study(4), store, plan)
+    assert sorted(len(g) for g in set(coord.groups().values())) == [3, 3]
+    store.close()
+    assert study_status(tmp_path / "new")["eta"] is not None
+    old = _coordinator(_study(4), tmp_path / "old")  # the config as older versions stored it
+    assert sorted(len(g) for g in set(old.groups().values())) == [2, 4]
+    old.store.close()
+
+
 def test_no_groups_for_a_model_that_cannot_be_stacked_or_when_disabled(tmp_path):
     from torch import nn
 

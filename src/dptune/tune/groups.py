@@ -9,18 +9,23 @@ from typing import Any
 from dptune.tune.records import StudyPlan
 
 
-def plan_groups(plan: StudyPlan, size: int, unresolved: Collection[str] | None = None) -> dict[str, tuple[str, ...]]:
+def plan_groups(
+    plan: StudyPlan, size: int, unresolved: Collection[str] | None = None, balanced: bool = False
+) -> dict[str, tuple[str, ...]]:
     """run_id → its group: the runs of one arm and stage (adaptive: of one procedure) in plan order, in chunks
-    of ``size``; ``unresolved``: the set planned without a configuration, so a resumed study groups alike."""
+    of ``size`` (``balanced``: as few, of equal sizes ± 1: 25 runs by 16 are 12 + 13, not 16 + 9, whose 16 was a
+    straggler; studies planned since record it); ``unresolved``: the set planned without a configuration, so a
+    resumed study groups alike."""
     out: dict[str, tuple[str, ...]] = {}
     keyed: dict[tuple[Any, ...], list[str]] = {}
     for rid, r in plan.runs.items():
         adaptive = r.config is None if unresolved is None else rid in unresolved
         keyed.setdefault((r.arm, r.stage, r.procedure if adaptive else None), []).append(rid)
     for ids in keyed.values():
-        for i in range(0, len(ids), max(1, size)):
-            chunk = tuple(ids[i : i + size])
-            if len(chunk) > 1:
-                for rid in chunk:
+        n, m = len(ids), -(-len(ids) // max(1, size))  # runs, chunks
+        cuts = [c * n // m for c in range(m + 1)] if balanced else [*range(0, n, max(1, size)), n]
+        for lo, hi in zip(cuts, cuts[1:], strict=False):
+            if hi - lo > 1:
+                for rid in (chunk := tuple(ids[lo:hi])):
                     out[rid] = chunk
     return out

@@ -328,7 +328,10 @@ def study_status(study_dir: str | Path) -> dict[str, Any]:
                 "per": arm.guarantee.get("per"),
             }
         )
-    eta_s, eta_text = eta(rows, plan_groups(plan, int(cfg.get("study", {}).get("trials_per_group", 16))))
+    balanced = cfg.get("_meta", {}).get("groups") == "balanced"  # as the coordinator groups (older studies: not)
+    eta_s, eta_text = eta(
+        rows, plan_groups(plan, int(cfg.get("study", {}).get("trials_per_group", 16)), None, balanced)
+    )
     return {
         "name": cfg.get("study", {}).get("name", "study"),
         "total": len(rows),

@@ -219,7 +219,10 @@ class Coordinator:
         execution: a run's result never depends on the executor, the workers or a resume."""
         if self._groups is None:
             size = self.study.trials_per_group
-            self._groups = plan_groups(self.plan, size, self._unresolved) if size > 1 and self._stackable() else {}
+            balanced = (self.store.get_meta("config") or {}).get("_meta", {}).get("groups") == "balanced"
+            self._groups = (
+                plan_groups(self.plan, size, self._unresolved, balanced) if size > 1 and self._stackable() else {}
+            )
         return self._groups
 
     def _stackable(self) -> bool:
@@ -349,7 +352,8 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
         if metric == "accuracy" and data.task == "reconstruction":
             raise ConfigError("selection.metric = 'accuracy' on a reconstruction task. Fix: metric = 'mse'.")
         plan = plan_study(study, data.n_train, data.n_val, metric)
-        config = {**study.to_dict(), "_meta": {"python_study": study.from_python, "data_digest": data.digest()}}
+        meta = {"python_study": study.from_python, "data_digest": data.digest(), "groups": "balanced"}  # since 2026-11
+        config = {**study.to_dict(), "_meta": meta}
         store.initialize(config, study.fingerprint(), plan.to_dict(), [r.to_dict() for r in plan.runs.values()])
     except BaseException:  # closed before run_study removes what it created
         store.close()
