@@ -9,6 +9,11 @@ from typing import Any
 from dptune.tune.records import StudyPlan
 
 
+def balanced(config: Any) -> bool:
+    """Whether a study's stored config asks for equal-size groups (planned since the marker; older: chunks of size)."""
+    return bool((config or {}).get("_meta", {}).get("groups") == "balanced")
+
+
 def plan_groups(
     plan: StudyPlan, size: int, unresolved: Collection[str] | None = None, balanced: bool = False
 ) -> dict[str, tuple[str, ...]]:

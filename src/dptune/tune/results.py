@@ -28,7 +28,7 @@ from dptune.outputs import (
 )
 from dptune.release.ledger import LedgerEntry, compose
 from dptune.tune import theory
-from dptune.tune.groups import plan_groups
+from dptune.tune.groups import balanced, plan_groups
 from dptune.tune.methods import get_method
 from dptune.tune.records import ArmPlan, StudyPlan, entries_epsilon, event_epsilon
 from dptune.tune.space import config_key
@@ -328,10 +328,8 @@ def study_status(study_dir: str | Path) -> dict[str, Any]:
                 "per": arm.guarantee.get("per"),
             }
         )
-    balanced = cfg.get("_meta", {}).get("groups") == "balanced"  # as the coordinator groups (older studies: not)
-    eta_s, eta_text = eta(
-        rows, plan_groups(plan, int(cfg.get("study", {}).get("trials_per_group", 16)), None, balanced)
-    )
+    size = int(cfg.get("study", {}).get("trials_per_group", 16))
+    eta_s, eta_text = eta(rows, plan_groups(plan, size, None, balanced(cfg)))  # as the coordinator groups
     return {
         "name": cfg.get("study", {}).get("name", "study"),
         "total": len(rows),

@@ -23,7 +23,7 @@ from dptune.tune import results
 from dptune.tune.data import build_model, study_data
 from dptune.tune.executors import Executor, check_executor, check_workers, make_executor, require_ray
 from dptune.tune.export import export_study, prune_checkpoints
-from dptune.tune.groups import plan_groups
+from dptune.tune.groups import balanced, plan_groups
 from dptune.tune.methods import get_method
 from dptune.tune.plan import plan_study
 from dptune.tune.records import RunSpec, StudyPlan
@@ -219,9 +219,9 @@ class Coordinator:
         execution: a run's result never depends on the executor, the workers or a resume."""
         if self._groups is None:
             size = self.study.trials_per_group
-            balanced = (self.store.get_meta("config") or {}).get("_meta", {}).get("groups") == "balanced"
+            even = balanced(self.store.get_meta("config"))
             self._groups = (
-                plan_groups(self.plan, size, self._unresolved, balanced) if size > 1 and self._stackable() else {}
+                plan_groups(self.plan, size, self._unresolved, even) if size > 1 and self._stackable() else {}
             )
         return self._groups
 
