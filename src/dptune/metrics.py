@@ -178,11 +178,16 @@ def score_sums(
     *,
     clip: bool = False,
     trials: int | None = None,
+    model: torch.nn.Module | None = None,
 ) -> tuple[list[float], int]:
     """(Σ of ``metric``'s per-example scores, number of examples) over ``data`` (an ``(x, y)``
     tuple cut into ``EVAL_BATCH`` rows, or an iterable of batches); with ``trials=K``, one sum per
-    parameter set of ``forward``'s [K, B, ...]. ``clip``: scores clamped for a private release."""
+    parameter set of ``forward``'s [K, B, ...]. ``clip``: scores clamped for a private release, each from its row
+    alone; ``model``: the module ``forward`` runs (default: ``forward`` itself), its Python state checked."""
     import torch
+
+    if clip and trials is None and not isinstance(private := model or forward, torch.nn.Module):
+        raise TypeError("score_sums(clip=True) needs the model that forward runs: model=...")
 
     parts = batches(*data) if isinstance(data, tuple) else data
     totals = [0.0] * (trials or 1)
@@ -193,7 +198,7 @@ def score_sums(
             if b == 0:
                 continue
             if clip and trials is None:  # a private release: each score from its example alone
-                totals[0] += float(_isolated_scores(forward, x, y, metric).sum())
+                totals[0] += float(_isolated_scores(forward, x, y, metric, private).sum())
                 n += b
                 continue
             out = forward(x)
@@ -209,12 +214,16 @@ def score_sums(
     return totals, n
 
 
-def _isolated_scores(forward: Callable[[Any], torch.Tensor], x: Any, y: torch.Tensor, metric: Metric) -> torch.Tensor:
+def _isolated_scores(
+    forward: Callable[[Any], torch.Tensor], x: Any, y: torch.Tensor, metric: Metric, model: Any
+) -> torch.Tensor:
     """The clamped scores of a batch, each from its row alone (a released score may depend on its
-    example only: docs/privacy.md): vmap, or a loop over rows where vmap cannot run."""
+    example only: docs/privacy.md): vmap, or a loop over rows where vmap cannot run (``model``: what forward runs)."""
     import torch
 
     from dptune import inputs
+    from dptune.errors import ConfigError
+    from dptune.gradients.persample import KeptState, rng_preserved, rng_state, set_rng_state
 
     def one(xi: Any, yi: torch.Tensor) -> torch.Tensor:
         out = forward(inputs.tmap(lambda t: t.unsqueeze(0), xi))
@@ -223,19 +232,21 @@ def _isolated_scores(forward: Callable[[Any], torch.Tensor], x: Any, y: torch.Te
     try:
         return torch.func.vmap(one)(x, y)
     except RuntimeError:
-        rows = [inputs.rows(x, i, i + 1) for i in range(int(y.shape[0]))]
-        got = [metric.scores(forward(r), y[i : i + 1], clip=True).reshape(()) for i, r in enumerate(rows)]
-        # The first row again, last: a model keeping a value from one row to the next (vmap refuses such
-        # Python state) would make a later score depend on the earlier rows.
-        if len(rows) > 1 and not torch.equal(metric.scores(forward(rows[0]), y[:1], clip=True).reshape(()), got[0]):
-            from dptune.errors import ConfigError
-
+        dev, kept, outs = inputs.device_of(x), KeptState(model), []  # the model's Python state before the batch
+        for i in range(int(y.shape[0])):
+            turn = rng_state(dev)
+            outs.append(forward(inputs.rows(x, i, i + 1)))
+        # The last row's output again as before the batch (same random streams): a model keeping a value from one row
+        # to the next (vmap refuses such Python state) would make a later score depend on the earlier rows.
+        with rng_preserved(dev):
+            set_rng_state(dev, turn)
+            again = kept.again(lambda: forward(inputs.rows(x, i, i + 1)))
+        if not torch.allclose(again, outs[-1], rtol=0.0, atol=0.0, equal_nan=True):
             raise ConfigError(
-                "scored one example at a time, an example's score depends on the examples scored before it (the "
-                "first, scored again last, changed): the model keeps a value from one input to the next. Fix: "
-                "keep no state from the input in the model."
+                "scored one example at a time, an example's score depends on the examples scored before it (the last, "
+                "scored again as before the batch, changed). Fix: keep no state from the input in the model."
             ) from None
-        return torch.stack(got)
+        return torch.stack([metric.scores(o, y[i : i + 1], clip=True).reshape(()) for i, o in enumerate(outs)])
 
 
 def eval_mode(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:

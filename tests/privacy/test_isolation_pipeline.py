@@ -390,7 +390,9 @@ def test_private_scores_one_at_a_time_refuse_a_value_kept_between_examples() -> 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), _KeepsValue(), nn.Linear(4, 3))
     with pytest.raises(ConfigError, match="scored one example at a time"):
-        metrics._isolated_scores(model, torch.randn(6, 4), torch.randint(0, 3, (6,)), metrics.resolve("accuracy"))
+        metrics._isolated_scores(
+            model, torch.randn(6, 4), torch.randint(0, 3, (6,)), metrics.resolve("accuracy"), model
+        )
 
 
 def test_stacked_trials_refuse_hooks_and_instance_forwards() -> None:
@@ -761,33 +763,82 @@ def test_dpzo_losses_row_by_row_and_a_parameter_made_in_forward_are_refused() ->
     assert "last_input" not in dict(model.named_parameters())
 
 
+class Vocab(nn.Module):
+    """A vocabulary built on the fly: the first row's ids are always 0, 1, ...; a later row's depend on the rows before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out, self.vocab = nn.Embedding(64, 4), nn.Linear(4, 3), {}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = torch.tensor([[self.vocab.setdefault(int(t), len(self.vocab)) for t in row] for row in ids])
+        return self.out(self.emb(local).mean(1))
+
+
+class Checked(ActNorm):
+    """A lazy init behind an input check that refuses the dummies: the shift is the first row's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x == x.flatten()[0]).all()):
+            raise ValueError("a constant input is not valid")
+        return super().forward(x)
+
+
+def _stateful() -> list[tuple[nn.Module, torch.Tensor]]:
+    return [(Vocab(), torch.randint(0, 1000, (6, 4))), (Checked(), torch.randn(6, 5))]
+
+
 def test_state_kept_from_one_example_to_the_next_is_refused_one_at_a_time() -> None:
     """Round 3 of the review: computed one example at a time (a forward vmap refuses), a vocabulary built on the fly
     (3.7·C) and a lazy init behind an input check refusing the dummies (5.1·C) left example 0 unchanged, so checking it
-    again passed. The last example is now computed again on a deep copy of the model from before the batch."""
+    again passed. The last example is now computed again with the model's Python state from before the batch."""
     from dptune.errors import ConfigError
     from dptune.gradients.oracle import GradientOracle
 
-    class Vocab(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb, self.out, self.vocab = nn.Embedding(64, 4), nn.Linear(4, 3), {}
+    y = torch.randint(0, 3, (6,))
+    for model, x in _stateful():
+        params = {k: p.detach() for k, p in model.named_parameters()}
+        with pytest.raises(ConfigError, match="gradient depends on the examples before it"):
+            GradientOracle(model, method="vmap")(params, x, y)
 
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            local = torch.tensor([[self.vocab.setdefault(int(t), len(self.vocab)) for t in row] for row in ids])
-            return self.out(self.emb(local).mean(1))
 
-    class Checked(ActNorm):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if bool((x == x.flatten()[0]).all()):
-                raise ValueError("a constant input is not valid")
-            return super().forward(x)
+def test_dpzo_losses_and_private_scores_one_at_a_time_check_the_last_example() -> None:
+    """Found in review (session 10): DP-ZO's losses and the private selection scores, computed one example at a time,
+    still checked their FIRST row again, which the two models above pass. Both now check the last row as before
+    the batch, as the gradients do; the control: a branchy model without state is computed and scored alone."""
+    from dptune import metrics
+    from dptune.errors import ConfigError
+    from dptune.gradients.oracle import GradientOracle
 
     y = torch.randint(0, 3, (6,))
-    for model, x in ((Vocab(), torch.randint(0, 1000, (6, 4))), (Checked(), torch.randn(6, 5))):
+    soft = metrics.Metric(lambda out, t: torch.sigmoid(out[:, 0]), higher_is_better=True, sensitivity=1.0, name="s")
+    for model, x in _stateful():
         params = {k: p.detach() for k, p in model.named_parameters()}
-        with pytest.raises(ConfigError, match="depends on the examples before it"):
-            GradientOracle(model, method="vmap")(params, x, y)
+        with pytest.raises(ConfigError, match="loss depends on the examples before it"):
+            GradientOracle(model).losses(params, x, y)
+    for model, x in _stateful():
+        with pytest.raises(ConfigError, match="score depends on the examples scored before it"):
+            metrics.score_sums(model, (x, y), soft, clip=True)
+
+    class Branchy(nn.Module):  # vmap refuses it; no state: accepted, each row its own
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(5, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x) if float(x.sum()) > 0 else -self.a(x)
+
+    model, x = Branchy(), torch.randn(6, 5)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        losses = GradientOracle(model).losses(params, x, y)
+    alone = torch.stack([F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]) for i in range(6)])
+    assert torch.equal(losses, alone.detach())
+    (total,), n = metrics.score_sums(model, (x, y), soft, clip=True)
+    assert n == 6 and total == pytest.approx(
+        float(torch.sigmoid(torch.cat([model(x[i : i + 1]) for i in range(6)])[:, 0]).sum())
+    )
 
 
 def test_fourth_review_cat_memory_shared_mask_and_a_parameter_made_on_the_dummy() -> None:

@@ -7,7 +7,6 @@ ghost rules cover, else vmap); default ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_MET
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import random
@@ -26,6 +25,7 @@ from dptune.gradients import ghost, graphed
 from dptune.gradients.persample import (  # noqa: F401 - re-exported: ``dptune.gradients.oracle`` is where users look
     NORM_BLOCK,
     NORM_FLOOR,
+    KeptState,
     LossFn,
     MaterializedGrads,
     ParamSwap,
@@ -284,36 +284,35 @@ class GradientOracle:
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         B, dev = inputs.batch_len(x), inputs.device_of(x)
         grads = {k: torch.empty((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()}
-        shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers(), *ps.values(), *buffers.values())}
-        try:
-            before, losses = copy.deepcopy(self.model, shared) if B > 1 else None, []  # the model's Python state, kept
-        except Exception as exc:  # noqa: BLE001 - a lock, a file: the check below needs the copy
-            raise ConfigError(f"the model cannot be deep-copied ({exc}). Fix: keep no lock or file in it.") from None
+        kept, losses = KeptState(self.model, (*ps.values(), *buffers.values())) if B > 1 else None, []
+
+        def grad(j: int) -> list[torch.Tensor]:
+            loss = self.loss_fn(self._call(ps, buffers, inputs.rows(x, j, j + 1)).squeeze(0), y[j])
+            losses.append(loss.detach())
+            gs = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
+            return [torch.zeros_like(p) if g is None else g for p, g in zip(ps.values(), gs, strict=True)]
+
         for j in range(B):
             last = self._swap_state(dev) if j == B - 1 else None
-            out = self._call(ps, buffers, inputs.rows(x, j, j + 1))
-            loss = self.loss_fn(out.squeeze(0), y[j])
-            gs = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
-            for k, g in zip(ps, gs, strict=True):
-                grads[k][j] = 0.0 if g is None else g  # memory touched once (zeros first: twice)
-            losses.append(loss.detach())
-        if before is not None:
-            self._last_again(before, ps, buffers, x, y, {k: g[-1] for k, g in grads.items()}, last)
+            for k, g in zip(ps, grad(j), strict=True):
+                grads[k][j] = g  # memory touched once (zeros first: twice)
+        if kept is not None:
+            self._last_again(kept, dev, last, [g[-1] for g in grads.values()], lambda: grad(B - 1), "gradient")
+            losses.pop()
         return grads, torch.stack(losses)
 
-    def _last_again(self, was: nn.Module, ps: Tensors, bufs: Tensors, x: Any, y: Any, got: Tensors, rng: Any) -> None:
-        """Refuse unless the last example agrees, computed again on a deep copy of the model from before the batch."""
-        now, swapped = self._swap_state(inputs.device_of(x), rng), self._call.swap_in(ps, bufs)  # your closures
-        try:  # over the model see the scratch copies, as in the loop
-            args, kwargs = inputs.args_kwargs(inputs.rows(x, inputs.batch_len(x) - 1, inputs.batch_len(x)))
-            loss = self.loss_fn(functional_call(was, (ps, bufs), args, kwargs).squeeze(0), y[-1])
-            again = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
+    def _last_again(
+        self, kept: KeptState, dev: torch.device, rng: Any, got: list[torch.Tensor], value: Callable[[], Any], what: str
+    ) -> None:
+        """Refuse unless the last example's ``value()`` (its gradient, or loss) agrees with ``got``, computed again with
+        the model's Python state as ``kept`` before the batch and the streams and buffers ``rng`` of its turn."""
+        now = self._swap_state(dev, rng)
+        try:
+            again = kept.again(value)
         finally:
-            self._swap_state(inputs.device_of(x), now)
-            ParamSwap.restore(swapped or [])
-        b = [torch.zeros_like(got[k]) if g is None else g for k, g in zip(ps, again, strict=True)]
-        if not self._same([got[k] for k in ps], b, 0.0):
-            self._refused = ConfigError("computed one example at a time, an example's gradient depends on the examples "
+            self._swap_state(dev, now)
+        if not self._same(got, again, 0.0):
+            self._refused = ConfigError(f"computed one example at a time, an example's {what} depends on the examples "
                                         "before it (the last one, recomputed as before the batch, changed). Fix: keep no state.")  # fmt: skip
             raise self._refused
 
@@ -467,14 +466,14 @@ class GradientOracle:
                         raise
                     self.alone_reason = str(exc).split(". ")[0]
             if self.own_code or not (due or self._next_probe["losses"]) or B < self.PROBE_MIN_BATCH:  # unprobed
-                start = self._swap_state(dev)
-                out = torch.cat([self._plain_losses(params, inputs.rows(x, j, j + 1), y[j : j + 1]) for j in range(B)])
-                if self.own_code and B > 1:  # row 0 again, from the same state: no row's state reached the next
-                    now, again = self._swap_state(dev, start), self._plain_losses(params, inputs.rows(x, 0, 1), y[:1])
-                    self._swap_state(dev, now)
-                    if not torch.equal(again.reshape(1), out[:1]):
-                        self._refuse("losses")
-                return out
+                kept = KeptState(self.model, params.values()) if self.own_code and B > 1 else None
+                rows = [self._plain_losses(params, inputs.rows(x, j, j + 1), y[j : j + 1]) for j in range(B - 1)]
+                last = self._swap_state(dev)
+                rows.append(self._plain_losses(params, inputs.rows(x, B - 1, B), y[B - 1 :]))
+                if kept is not None:  # no row's state reached the next
+                    again = lambda: [self._plain_losses(params, inputs.rows(x, B - 1, B), y[B - 1 :])]  # noqa: E731
+                    self._last_again(kept, dev, last, rows[-1:], again, "loss")
+                return torch.cat(rows)
             first, before = not self._next_probe["losses"], self._swap_state(dev) if due else None
             out = self._plain_losses(params, x, y)
             if due:

@@ -8,8 +8,9 @@ the path; this module imports neither, so neither imports the other.
 
 from __future__ import annotations
 
+import copy
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -404,6 +405,50 @@ def rng_preserved(device: torch.device) -> Iterator[None]:
         yield
     finally:
         set_rng_state(device, state)
+
+
+# What torch keeps in a module's __dict__ and ``ParamSwap`` holds: not part of ``KeptState``'s Python state.
+_TORCH_DICTS = frozenset(("_parameters", "_buffers", "_modules"))
+
+
+class KeptState:
+    """The model's Python state (each module's attributes besides its parameters, buffers and submodules: a
+    vocabulary, a lazily set shift, a counter), kept by a deep copy of what each module pickles (``__getstate__``,
+    e.g. an RNN's weight list refreshed) sharing the model's tensors and ``tensors``. Taken before a batch computed
+    one example at a time; ``again(fn)`` computes with it back in place as unpickling puts it (``__setstate__``), then
+    puts the state of now back (docs/privacy.md, item 17: the last example again, as before the batch)."""
+
+    def __init__(self, model: nn.Module, tensors: Iterable[torch.Tensor] = ()):
+        mods = list(model.modules())
+        memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers(), *tensors)}
+        memo.update((id(m), m) for m in mods)
+        try:
+            self._kept = [(m, copy.deepcopy(_python_attrs(m.__getstate__()), memo)) for m in mods]
+        except Exception as exc:  # noqa: BLE001 - a lock, a file: the check needs the copy
+            raise ConfigError(f"the model cannot be deep-copied ({exc}). Fix: keep no lock or file in it.") from None
+
+    def again(self, fn: Callable[[], Any]) -> Any:
+        now = [(m, _python_attrs(vars(m))) for m, _ in self._kept]
+        try:
+            for m, attrs in self._kept:
+                _put_attrs(m, {})
+                m.__setstate__({**vars(m), **attrs})
+            return fn()
+        finally:
+            for m, attrs in now:
+                _put_attrs(m, attrs)
+
+
+def _python_attrs(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k not in _TORCH_DICTS}
+
+
+def _put_attrs(m: nn.Module, attrs: dict[str, Any]) -> None:
+    """``attrs`` as m's whole Python state (an attribute made since is removed)."""
+    d = vars(m)
+    for k in [k for k in d if k not in _TORCH_DICTS and k not in attrs]:
+        del d[k]
+    d.update(attrs)
 
 
 @contextmanager

@@ -71,6 +71,7 @@ class Scorer:
                 (x, y),
                 self.measure,
                 clip=clip is not None,
+                model=self.model,
             )
         return total
 
