@@ -404,6 +404,21 @@ def test_rank_one_parts_for_stacked_trials() -> None:
     assert bool((n >= exact).all()) and bool((n <= exact * (1 + 1e-4)).all())
 
 
+@pytest.mark.parametrize("d, p", [(16, 1), (1024, 1), (100_000, 1), (4000, 4000)])
+def test_rank_one_norms_count_squares_lost_to_underflow(d: int, p: int) -> None:
+    """Found in review: inputs of 2.6e-23 square below float32's smallest subnormal, so ‖a‖ read 0 and, times an
+    output gradient of 1.8e19 (an MSE target of -9e18), the norm bound was 1e-16 against an exact 0.148: the
+    example went unclipped, 1.48·C released at C = 0.1 (ghost path and stacked trials). The bound now adds √(n·η)."""
+    a, b = torch.full((2, d), 2.6e-23, device=DEVICE), torch.full((2, p), 1.8e19 if p == 1 else 5e17, device=DEVICE)
+    exact = a.double().norm(dim=1) * b.double().norm(dim=1)
+    for bias in (True, False):  # with the bias, ‖b‖² may overflow float32: inf, the example left out
+        n = grads.upper_norms(ghost.rank_one_parts(a, b, bias=bias), a[:, 0]).double()
+        assert bool((n >= exact).all())
+    assert bool((n <= 2 * exact).all())
+    released = norm_bounds.wide_sum(clip_weights(n.float(), 0.1)[:1], b[:1]).norm() * a[0].double().norm()
+    assert float(released) <= 0.1 * (1 + 1e-6)
+
+
 def test_ieee_matmul_restores_a_reduced_precision_setting() -> None:
     be, low = (torch.backends.cuda.matmul, "tf32") if DEVICE.type == "cuda" else (torch.backends.mkldnn.matmul, "bf16")
     old = be.fp32_precision

@@ -310,24 +310,25 @@ def rank_one_parts(a: torch.Tensor, b: torch.Tensor, bias: bool) -> list[tuple[t
     """Case (b), Linear with T = 1: ‖b aᵀ‖² = ‖a‖²‖b‖² (and ‖b‖² for the bias) over the last
     dimension of a [..., d], b [..., p], as (s, ρ) parts (also [K, B, ·] for ``vectorized``).
 
-    s = fl(fl(‖a‖·‖b‖)²) with each norm from ``vector_norm`` (≥ ‖·‖·(1−γ_n)^½(1−u)) is
-    ≥ ‖a‖²‖b‖²·(1 − γ_{d+4})(1 − γ_{p+4}); rows longer than NORM_BLOCK go through
-    ``sq_rows_upper`` (blocked sums).
+    s = fl(fl(n̂_a·n̂_b)²), n̂ = ``vector_norm`` (≥ ‖·‖·(1−γ_n)^½(1−u) less its underflow: squares below the smallest
+    subnormal η are lost, an absolute ‖·‖² error ≤ n·η that ‖b‖ ~ 10¹⁹ would scale past any floor: found in review)
+    plus √(n·η), ≥ ‖a‖²‖b‖²·(1 − γ_{d+5})(1 − γ_{p+5}); rows longer than NORM_BLOCK go through ``sq_rows_upper``
+    (blocked sums), their squares plus n·η in float64.
     """
     d, p = a.shape[-1], b.shape[-1]
     if a.dtype in (torch.float16, torch.bfloat16):  # half precision: sum in float32
         a, b = a.float(), b.float()
+    u, tiny = unit_roundoff(a.dtype), torch.finfo(a.dtype).tiny * torch.finfo(a.dtype).eps
     if d > NORM_BLOCK or p > NORM_BLOCK:
         (sa, ra), (sb, rb) = sq_rows_upper(a.reshape(-1, d)), sq_rows_upper(b.reshape(-1, p))
-        u64 = unit_roundoff(torch.float64)
-        s = (sa.double() * sb.double()).reshape(a.shape[:-1])
-        parts = [(s, (1.0 + ra) * (1.0 + rb) / (1.0 - u64) - 1.0)]
+        sa, sb = sa.double().add_(d * tiny), sb.double().add_(p * tiny)
+        s = (sa * sb).reshape(a.shape[:-1])
+        parts = [(s, (1.0 + ra) * (1.0 + rb) / (1.0 - gamma(3, unit_roundoff(torch.float64))) - 1.0)]
         return parts + [(sb.reshape(b.shape[:-1]), rb)] if bias else parts
-    u = unit_roundoff(a.dtype)
-    nb = torch.linalg.vector_norm(b, dim=-1)
-    s = (torch.linalg.vector_norm(a, dim=-1) * nb).square_()
-    parts = [(s, 1.0 / ((1.0 - gamma(d + 4, u)) * (1.0 - gamma(p + 4, u))) - 1.0)]
-    return parts + [(nb.square_(), 1.0 / (1.0 - gamma(p + 4, u)) - 1.0)] if bias else parts
+    nb = torch.linalg.vector_norm(b, dim=-1).add_(math.sqrt(p * tiny))
+    s = (torch.linalg.vector_norm(a, dim=-1).add_(math.sqrt(d * tiny)) * nb).square_()
+    parts = [(s, 1.0 / ((1.0 - gamma(d + 5, u)) * (1.0 - gamma(p + 5, u))) - 1.0)]
+    return parts + [(nb.square_(), 1.0 / (1.0 - gamma(p + 5, u)) - 1.0)] if bias else parts
 
 
 def gram_parts(A: torch.Tensor, Bm: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
