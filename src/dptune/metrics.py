@@ -232,21 +232,26 @@ def _isolated_scores(
     try:
         return torch.func.vmap(one)(x, y)
     except RuntimeError:
-        dev, kept, outs = inputs.device_of(x), KeptState(model), []  # the model's Python state before the batch
+        dev, kept, got = inputs.device_of(x), KeptState(model, others=(metric.fn,)), []  # the state before the batch
+
+        def row(i: int) -> torch.Tensor:  # the output and the score
+            out = forward(inputs.rows(x, i, i + 1))
+            return torch.cat([out.flatten(), metric.scores(out, y[i : i + 1], clip=True).reshape(1).to(out.dtype)])
+
         for i in range(int(y.shape[0])):
             turn = rng_state(dev)
-            outs.append(forward(inputs.rows(x, i, i + 1)))
-        # The last row's output again as before the batch (same random streams): a model keeping a value from one row
+            got.append(row(i))
+        # The last row again as before the batch (same random streams): a model or metric keeping a value from one row
         # to the next (vmap refuses such Python state) would make a later score depend on the earlier rows.
         with rng_preserved(dev):
             set_rng_state(dev, turn)
-            again = kept.again(lambda: forward(inputs.rows(x, i, i + 1)))
-        if not torch.allclose(again, outs[-1], rtol=0.0, atol=0.0, equal_nan=True):
+            again = kept.again(lambda: row(i))
+        if not torch.allclose(again, got[-1], rtol=0.0, atol=0.0, equal_nan=True):
             raise ConfigError(
                 "scored one example at a time, an example's score depends on the examples scored before it (the last, "
-                "scored again as before the batch, changed). Fix: keep no state from the input in the model."
+                "scored again as before the batch, changed). Fix: keep no state from the input in the model or metric."
             ) from None
-        return torch.stack([metric.scores(o, y[i : i + 1], clip=True).reshape(()) for i, o in enumerate(outs)])
+        return torch.stack([g[-1] for g in got])
 
 
 def eval_mode(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:

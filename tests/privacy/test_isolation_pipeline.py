@@ -841,6 +841,52 @@ def test_dpzo_losses_and_private_scores_one_at_a_time_check_the_last_example() -
     )
 
 
+class SwitchLoss:
+    """An "outlier guard" vmap refuses (``.item()``): after one large output, every later row's loss is muted."""
+
+    def __init__(self) -> None:
+        self.mute = False
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.mute = self.mute or out.abs().max().item() > 100
+        return F.cross_entropy(out, y, reduction="none") * (0.0 if self.mute else 1.0)
+
+
+def test_a_loss_or_metric_keeping_state_from_one_row_to_the_next_is_refused() -> None:
+    """Found in review (session 10): your loss (or metric) run row by row where vmap refuses it kept a flag from one
+    row to the next: one outlier muted every later row (6.7·C at B = 32; 13.6·C through make_private). The last row
+    is now computed again with your loss's Python state from before the batch (its object, its closure's cells)."""
+    from dptune import metrics, own
+    from dptune.errors import ConfigError
+    from dptune.gradients.oracle import GradientOracle
+
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 20) * 3, torch.randint(0, 5, (32,))
+    x_out, y_out = torch.cat([torch.full((1, 20), 500.0), x]), torch.cat([torch.tensor([0]), y])
+    for method, what in (("auto", "loss"), ("vmap", "gradient")):
+        model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+        oracle = GradientOracle(model, own.user_loss(SwitchLoss()), method=method)
+        params = {k: p.detach() for k, p in model.named_parameters()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            oracle(params, x, y)  # no outlier: nothing muted, accepted
+            with pytest.raises(ConfigError, match=f"{what} depends on the examples before it"):
+                oracle(params, x_out, y_out)
+
+    def counter() -> metrics.Metric:  # a closure's cell: the rows seen so far
+        seen = [0]
+
+        def fn(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            seen[0] += int(out.argmax().item() == int(t))
+            return torch.full((1,), float(seen[0] > 3))
+
+        return metrics.Metric(fn, higher_is_better=True, sensitivity=1.0, name="counter")
+
+    model = nn.Sequential(nn.Linear(20, 5))
+    with pytest.raises(ConfigError, match="score depends on the examples scored before it"):
+        metrics.score_sums(model, (x, y), counter(), clip=True)
+
+
 def test_fourth_review_cat_memory_shared_mask_and_a_parameter_made_on_the_dummy() -> None:
     """A stale vmap tensor read by torch.cat fails without the word "escaped" (1.19·C, not refused): any failure of
     the dummy that passed before is a refusal. A causal mask shared by two blocks was deleted from your model as a

@@ -78,7 +78,8 @@ def default_method(method: str) -> Iterator[None]:
 
 def _rows_alone(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """A user loss on each row alone: vmapped (its random draws per row), else row by row where vmap refuses it
-    (a Python branch on a value): never on the batch (``own.user_loss``)."""
+    (a Python branch on a value): never on the batch (``own.user_loss``). Row by row, the last row is computed
+    again with your loss's Python state from before the batch (a flag one row sets must not reach the next)."""
     vmapped, looped = torch.vmap(loss_fn, randomness="different"), [False]
 
     def losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,19 @@ def _rows_alone(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch
                 return vmapped(out, y)
             except RuntimeError:
                 looped[0] = True
-        return torch.stack([loss_fn(o, t) for o, t in zip(out, y, strict=True)])
+        if len(out) < 2:
+            return torch.stack([loss_fn(o, t) for o, t in zip(out, y, strict=True)])
+        kept, dev = KeptState(None, others=(loss_fn,)), out.device
+        rows = [loss_fn(o, t) for o, t in zip(out[:-1], y[:-1], strict=True)]
+        turn = rng_state(dev)
+        rows.append(loss_fn(out[-1], y[-1]))
+        with torch.no_grad(), rng_preserved(dev):
+            set_rng_state(dev, turn)
+            again = kept.again(lambda: loss_fn(out[-1], y[-1]))
+        if not torch.allclose(again, rows[-1].detach(), rtol=0.0, atol=0.0, equal_nan=True):
+            raise ConfigError("computed one example at a time, an example's loss depends on the examples before it "
+                              "(the last one, recomputed as before the batch, changed). Fix: keep no state in your loss.")  # fmt: skip
+        return torch.stack(rows)
 
     return losses
 
@@ -284,7 +297,8 @@ class GradientOracle:
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         B, dev = inputs.batch_len(x), inputs.device_of(x)
         grads = {k: torch.empty((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()}
-        kept, losses = KeptState(self.model, (*ps.values(), *buffers.values())) if B > 1 else None, []
+        kept = KeptState(self.model, (*ps.values(), *buffers.values()), (self.loss_fn,)) if B > 1 else None
+        losses: list[torch.Tensor] = []
 
         def grad(j: int) -> list[torch.Tensor]:
             loss = self.loss_fn(self._call(ps, buffers, inputs.rows(x, j, j + 1)).squeeze(0), y[j])

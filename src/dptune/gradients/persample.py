@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
+import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -412,31 +414,75 @@ _TORCH_DICTS = frozenset(("_parameters", "_buffers", "_modules"))
 
 
 class KeptState:
-    """The model's Python state (each module's attributes besides its parameters, buffers and submodules: a
-    vocabulary, a lazily set shift, a counter), kept by a deep copy of what each module pickles (``__getstate__``,
-    e.g. an RNN's weight list refreshed) sharing the model's tensors and ``tensors``. Taken before a batch computed
-    one example at a time; ``again(fn)`` computes with it back in place as unpickling puts it (``__setstate__``), then
-    puts the state of now back (docs/privacy.md, item 17: the last example again, as before the batch)."""
+    """The Python state of a model and of ``others`` (your loss, your metric), kept by a deep copy sharing their
+    tensors and ``tensors``: each module's attributes besides its parameters, buffers and submodules, as it pickles
+    (``__getstate__``, e.g. an RNN's weight list refreshed: a vocabulary, a lazily set shift, a counter); an object's
+    attributes; a function's closure cells (a bound method: its object). Taken before a batch computed one example at
+    a time; ``again(fn)`` computes with it back in place (a module as unpickling puts it, ``__setstate__``), then puts
+    the state of now back (docs/privacy.md, items 17 and 23: the last example again, as before the batch)."""
 
-    def __init__(self, model: nn.Module, tensors: Iterable[torch.Tensor] = ()):
-        mods = list(model.modules())
-        memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers(), *tensors)}
-        memo.update((id(m), m) for m in mods)
+    def __init__(self, model: nn.Module | None, tensors: Iterable[torch.Tensor] = (), others: Iterable[Any] = ()):
+        self._mods: list[nn.Module] = list(model.modules()) if model is not None else []
+        self._objs: list[Any] = []
+        self._cells: list[Any] = []
+        for o in others:
+            self._collect(o, 0)
+        memo: dict[int, Any] = {id(t): t for m in self._mods for t in (*m.parameters(), *m.buffers())}
+        memo.update((id(t), t) for t in tensors)
+        memo.update((id(m), m) for m in (*self._mods, *self._objs))
         try:
-            self._kept = [(m, copy.deepcopy(_python_attrs(m.__getstate__()), memo)) for m in mods]
+            self._kept = [copy.deepcopy(_python_attrs(m.__getstate__()), memo) for m in self._mods]
+            self._kept_objs = [copy.deepcopy(dict(vars(o)), memo) for o in self._objs]
+            self._kept_cells = [copy.deepcopy(c.cell_contents, memo) for c in self._cells]
         except Exception as exc:  # noqa: BLE001 - a lock, a file: the check needs the copy
             raise ConfigError(f"the model cannot be deep-copied ({exc}). Fix: keep no lock or file in it.") from None
 
+    def _collect(self, o: Any, depth: int) -> None:
+        o = o.__self__ if inspect.ismethod(o) else o
+        if isinstance(o, nn.Module):
+            ids = {id(m) for m in self._mods}
+            self._mods += [m for m in o.modules() if id(m) not in ids]
+        elif inspect.isfunction(o) and depth < 4:  # closures of closures, a few levels deep
+            for c in o.__closure__ or ():
+                try:
+                    v = c.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if inspect.isfunction(v) or inspect.ismethod(v) or _stateful_object(v):
+                    self._collect(v, depth + 1)
+                else:
+                    self._cells.append(c)
+        elif _stateful_object(o) and all(o is not k for k in self._objs):
+            self._objs.append(o)
+
     def again(self, fn: Callable[[], Any]) -> Any:
-        now = [(m, _python_attrs(vars(m))) for m, _ in self._kept]
+        now = [_python_attrs(vars(m)) for m in self._mods], [dict(vars(o)) for o in self._objs]
+        cells = [c.cell_contents for c in self._cells]
         try:
-            for m, attrs in self._kept:
+            for m, attrs in zip(self._mods, self._kept, strict=True):
                 _put_attrs(m, {})
                 m.__setstate__({**vars(m), **attrs})
+            for o, d in zip(self._objs, self._kept_objs, strict=True):
+                vars(o).clear()
+                vars(o).update(copy.copy(d))
+            for c, v in zip(self._cells, self._kept_cells, strict=True):
+                c.cell_contents = v
             return fn()
         finally:
-            for m, attrs in now:
+            for m, attrs in zip(self._mods, now[0], strict=True):
                 _put_attrs(m, attrs)
+            for o, d in zip(self._objs, now[1], strict=True):
+                vars(o).clear()
+                vars(o).update(d)
+            for c, v in zip(self._cells, cells, strict=True):
+                c.cell_contents = v
+
+
+def _stateful_object(o: Any) -> bool:
+    """An instance with attributes of its own (your loss object), not a class or a Python module."""
+    return isinstance(o, nn.Module) or (
+        hasattr(o, "__dict__") and not isinstance(o, (type, types.ModuleType)) and not inspect.isroutine(o)
+    )
 
 
 def _python_attrs(state: dict[str, Any]) -> dict[str, Any]:
