@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dptune.accounting_text import PLD_EPSILON_CAP  # noqa: F401 (a public name of this module)
-from dptune.errors import ConfigError, DPTuneError
+from dptune.errors import DPTuneError
 from dptune.outputs import (
     DIAGNOSTICS_DIR,
     NOT_DP_LABEL,
@@ -30,6 +30,7 @@ from dptune.outputs import (
     parse_hyperparameters,
     print_table,
     publish_note,
+    refuse_foreign_dir,
     resume_hint,
     terminal_console,
     train_output_paths,
@@ -321,12 +322,7 @@ def tune(
     study = load_study_config(config)
     study_dir = out or Path("studies") / study.name
     # (a lone .lock: another process planning there says so itself, in run_study)
-    no_study = study_dir.is_dir() and not (study_dir / "study.sqlite").exists()
-    if no_study and any(p.name != ".lock" for p in study_dir.iterdir()):
-        raise ConfigError(  # the study's files would be mixed with yours (found in review)
-            f"--out {str(study_dir)!r} is not empty and holds no study. Fix: a new or empty directory, or the "
-            "directory of the study to continue."
-        )
+    refuse_foreign_dir(study_dir, ["study.sqlite"], "--out", "or the directory of the study to continue.")
     with resume_hint(study_dir, _say_interrupted):
         outcome = run_study(
             study, study_dir, executor=executor, address=address, progress=progress, workers=workers,
@@ -388,7 +384,7 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
         t.add_row(
             str(a.get("arm")),
             str(a.get("method")),
-            f"{a.get('done', 0)}/{a.get('runs', '?')}",
+            f"{a.get('done', 0) + a.get('diverged', 0)}/{a.get('runs', '?')}",  # finished: diverged ones too
             f"({up(a.get('planned_epsilon', float('nan')), 4)}, {up(a.get('planned_delta', float('nan')))})",
             f"({up(a.get('spent_epsilon', 0.0), 4)}, {up(a.get('spent_delta', 0.0))})",
         )

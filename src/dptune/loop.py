@@ -17,7 +17,7 @@ from dptune import inputs
 from dptune.distributed import join, launched, sync_model
 from dptune.errors import BudgetExceededError, ConfigError
 from dptune.gradients.oracle import GradientOracle
-from dptune.gradients.persample import MODULE_HOOKS, global_module_hooks
+from dptune.gradients.persample import MODULE_HOOKS, calls_made_of, global_module_hooks
 from dptune.names import aliased
 from dptune.release.context import StepContext
 from dptune.release.privatizers import FixedClip, Privatizer, Released
@@ -379,9 +379,10 @@ class PrivateTraining:
 
 
 def structure(model: nn.Module) -> tuple:
-    """The modules (by identity and type), their hooks and instance forwards, and torch's global module hooks."""
+    """The modules (by identity and type), their hooks, what their calls run (``calls_made_of``) and torch's global
+    module hooks."""
     mods = tuple(
-        (name, id(m), type(m), *(tuple(getattr(m, h, {})) for h in MODULE_HOOKS), "forward" in vars(m))
+        (name, id(m), type(m), *(tuple(getattr(m, h, {})) for h in MODULE_HOOKS), calls_made_of(m))
         for name, m in model.named_modules()
     )
     return mods, global_module_hooks()

@@ -136,6 +136,16 @@ def check_output_dir(path: str | os.PathLike[str] | None, what: str) -> None:
     _check_creatable(p, what, p)
 
 
+def refuse_foreign_dir(path: str | os.PathLike[str], ours: list[str], what: str, fix: str) -> None:
+    """Refuse a non-empty directory holding none of ``ours`` (relative paths an earlier run of ours left): its files
+    would be mixed with (or overwritten by) ours (found in review)."""
+    p = Path(path)
+    if p.is_dir() and not any((p / o).exists() for o in ours) and any(c.name != ".lock" for c in p.iterdir()):
+        raise ConfigError(
+            f"{what} {str(p)!r} is not empty and holds no earlier run. Fix: a new or empty directory, {fix}"
+        )
+
+
 def train_output_paths(out: Path, diagnostics_out: Path | None, save: Path | None, overwrite: bool = False) -> Path:
     """The diagnostics JSON's path (default: diagnostics/<out name> beside --out, or beside the release/
     folder holding it: it holds the seed). Every output path is checked before training; none is created.

@@ -21,7 +21,7 @@ from torch import nn
 from dptune import inputs, metrics
 from dptune.distributed import refuse_in_study
 from dptune.errors import ConfigError
-from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_loss, check_model
+from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_loss, check_model, check_modes
 from dptune.gradients.stacked import PaddedBuffers, Stacked, StackOp, Unsupported, stack_plan
 from dptune.metrics import Metric
 from dptune.release.hypergradient import read_with
@@ -431,6 +431,7 @@ def _batched_grads(
             tr.oracle.serve(tr.loop.params, xi, tr.oracle.base(tr.loop.params, xi, y[:0]))
         return
     clips = [_clip_of(tr.loop) for tr in active]
+    check_modes()  # the stacked trials' batched passes: no mode of yours sees them
     views = stacked.grads([tr.loop.params for tr in active], idxs, lossfn, x, y, buffers, clips)
     for tr, (xk, g) in zip(active, views, strict=True):
         tr.oracle.serve(tr.loop.params, xk, g)

@@ -327,8 +327,32 @@ def test_tune_into_a_folder_that_is_not_empty_and_holds_no_study_is_refused(tmp_
     folder.mkdir()
     (folder / "notes.txt").write_text("hi")
     line = one_error_line(["tune", str(cfg), "--out", str(folder), "--no-progress"])
-    assert "not empty and holds no study" in line
+    assert "not empty and holds no earlier run" in line
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("argv", [["reproduce", "galli-mnist", "--scale", "smoke"], ["demo"]])
+def test_reproduce_and_demo_into_a_folder_of_yours_are_refused(tmp_path: Path, argv: list[str]) -> None:
+    """They wrote results.csv and report.html over your files in a non-empty folder (found in review)."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "results.csv").write_text("my notes")
+    line = one_error_line([*argv, "--out", str(folder), "--no-progress"])
+    assert "is not empty and holds no earlier run" in line
+    assert (folder / "results.csv").read_text() == "my notes" and len(list(folder.iterdir())) == 1
+
+
+def test_a_bad_hyperparameter_value_names_one_fix(tmp_path: Path) -> None:
+    """A wrapped message that named its fix got a second "Fix:" (found in review)."""
+    import tomllib
+
+    from dptune.tune import study_from_dict
+
+    cfg = tomllib.loads(tiny_study_toml("bad-lr"))
+    cfg["strategies"][0]["space"] = {"lr": ["a"]}
+    with pytest.raises(ConfigError) as err:
+        study_from_dict(cfg)
+    assert "lr must be float" in str(err.value) and str(err.value).count("Fix:") == 1 and ".." not in str(err.value)
 
 
 def test_a_csv_header_naming_a_column_twice_is_refused(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import csv
 import io
 import json
 import math
+import os
 import sqlite3
 from collections import defaultdict
 from pathlib import Path
@@ -214,8 +215,11 @@ def _winners_from_store(study_dir: Path) -> dict[tuple[float, float], int]:
     return counts
 
 
-def test_smoke_preset_writes_the_analyses(data_env, tmp_path):
-    out = reproduce("mohapatra-adult", "smoke", tmp_path / "m", progress=False, console=_console())
+def test_smoke_preset_writes_the_analyses(data_env, tmp_path, monkeypatch):
+    # --data-dir alone (no DPTUNE_DATA_DIR): the options check loaded the data without it (found in review)
+    data_dir = os.environ["DPTUNE_DATA_DIR"]
+    monkeypatch.delenv("DPTUNE_DATA_DIR")
+    out = reproduce("mohapatra-adult", "smoke", tmp_path / "m", data_dir=data_dir, progress=False, console=_console())
     html = (out / "report.html").read_text()
     for title in SECTIONS:
         assert title.replace("'", "&#x27;") in html, title

@@ -299,6 +299,21 @@ def test_status_shows_the_time_left_from_finished_runs(study: dict[str, Any], tm
     assert "time left: ≈" in res.output and "eta_seconds" not in res.output
 
 
+def test_status_counts_diverged_runs_as_finished(study: dict[str, Any], tmp_path: Path) -> None:
+    """The done/runs column showed 2/4 for a complete study with 2 diverged runs (found in review)."""
+    sdir = tmp_path / "diverged"
+    shutil.copytree(study["dir"], sdir, ignore=shutil.ignore_patterns("release", "diagnostics", "checkpoints"))
+    with sqlite3.connect(sdir / "study.sqlite") as con:
+        ids = [r for (r,) in con.execute("SELECT run_id FROM runs ORDER BY position")]
+        con.execute("UPDATE runs SET status = 'diverged' WHERE run_id = ?", (ids[0],))
+    st = study_status(sdir)
+    assert st["complete"] and st["counts"].get("diverged") == 1
+    res = CliRunner().invoke(app, ["status", str(sdir)], terminal_width=200)
+    rows = [line for line in res.output.splitlines() if any(f" {a['arm']} " in line for a in st["arms"])]
+    assert res.exit_code == 0 and len(rows) == len(st["arms"])
+    assert sum(f" {a['runs']}/{a['runs']} " in r for a in st["arms"] for r in rows if f" {a['arm']} " in r) == len(rows)
+
+
 def _collect(ex: E.Executor, n: int, seconds: float) -> tuple[list[list[str]], int, list[str]]:
     """Run n sleeping tasks; return the on_start calls, the most runs 'running' at once, the outcomes."""
     calls: list[list[str]] = []

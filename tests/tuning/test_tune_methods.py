@@ -425,3 +425,14 @@ def test_the_selection_noise_warning_does_not_reveal_a_secret_run_count() -> Non
         ks.add(len(plan.arms[0].runs))
         notes.add(selection_noise_note(plan, 200.0))
     assert len(ks) > 1 and len(notes) == 1 and None not in notes  # K varies; the note does not
+
+
+@pytest.mark.parametrize("method", ["liu-talwar", "repeat-and-select"])
+def test_a_hidden_k_arm_has_spent_its_whole_guarantee_from_the_plan_on(method: str) -> None:
+    """Repeat-and-select with K = 0 reported spent ε = 0 next to its planned ε (found in review): K = 0 is one
+    outcome of the mechanism, whose draws were made when planned; a partial spend would also hint at K."""
+    from dptune.tune.results import spent
+
+    plan = plan_study(method_study(method), 80, 40, "accuracy")
+    for arm in plan.arms:
+        assert spent(arm, plan, []) == (arm.guarantee["epsilon"], arm.delta)

@@ -34,6 +34,7 @@ from dptune.gradients.persample import (  # noqa: F401 - re-exported: ``dptune.g
     ScratchBuffers,
     batched_loss,
     check_model,
+    check_modes,
     eval_mode,
     gamma,
     ieee_matmul,
@@ -184,6 +185,7 @@ class GradientOracle:
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
         # Exact products for the whole private computation (ieee_matmul says why); the lazy
         # ghost norms and sums enter it again when they are computed.
+        check_modes()
         if self.own_code and self._looked is False:
             self._look(params, x)
         with ieee_matmul(inputs.device_of(x)):
@@ -463,6 +465,7 @@ class GradientOracle:
         probe has passed (``_probe``; the first also compares one row with it alone, in eval
         mode: a loss divided by the batch size); before that, one example at a time."""
         B, dev = inputs.batch_len(x), inputs.device_of(x)
+        check_modes()
         due = self._due("losses", B)
         if B == 0:
             return torch.zeros(0, device=dev)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -63,8 +64,10 @@ UNTRUSTED = ("torch.fx", "torch.export", "torch.jit", "torch._dynamo")  # they r
 
 
 def own_code(model: nn.Module) -> str | None:
-    """The first module whose call runs code of yours (its class's forward, an instance forward or a hook),
-    named; None when every call is torch's, Hugging Face's, peft's or dptune's, or declared row-wise."""
+    """The first module whose call runs code of yours (its class's forward, an instance forward or ``_call_impl``, a
+    compiled call, a hook, a function of yours it holds: an activation, Hugging Face's attention or mask function by
+    its registered name), named; None when every call is torch's, Hugging Face's, peft's or dptune's, or declared
+    row-wise."""
     if any(global_module_hooks()):
         return "global module hooks"
     for name, mod in model.named_modules():
@@ -74,10 +77,56 @@ def own_code(model: nn.Module) -> str | None:
         if (
             not trusted
             or {"forward", "_call_impl"} & set(vars(mod))
+            or getattr(mod, "_compiled_call_impl", None) is not None
             or any(getattr(mod, h, None) for h in MODULE_HOOKS)
+            or not declared
+            and any(_foreign(v) for v in (*vars(mod).values(), *_hf_functions(mod)))
         ):
-            return f"{type(mod).__qualname__} ('{name or 'the model'}'): your own forward or hooks"
+            return f"{type(mod).__qualname__} ('{name or 'the model'}'): your own forward, hooks or functions"
     return None
+
+
+def _foreign(v: Any) -> bool:
+    """A function (or callable object) a trusted layer holds and calls, from code that is not trusted."""
+    if not callable(v) or isinstance(v, (nn.Module, type)):
+        return False
+    v = getattr(v.func if isinstance(v, functools.partial) else v, "__func__", v)
+    where = getattr(v, "__module__", None) or type(v).__module__ or ""
+    return not where.startswith(TRUSTED_CODE) or where.startswith(UNTRUSTED)
+
+
+def _hf_functions(mod: nn.Module) -> list[Any]:
+    """The attention and mask functions a Hugging Face layer looks up by ``config._attn_implementation``: anyone may
+    register one under any name (``AttentionInterface.register``), and it sees the whole batch."""
+    impl = getattr(getattr(mod, "config", None), "_attn_implementation", None)
+    hf = sys.modules.get("transformers.modeling_utils"), sys.modules.get("transformers.masking_utils")
+    tables = [getattr(hf[0], "ALL_ATTENTION_FUNCTIONS", {}), getattr(hf[1], "ALL_MASK_ATTENTION_FUNCTIONS", {})]
+    return [t[impl] for t in tables if isinstance(impl, str) and impl in t]
+
+
+def calls_made_of(mod: nn.Module) -> tuple:
+    """What a module's call runs besides its class's code (for a change after ``make_private``): an instance
+    forward or ``_call_impl``, a compiled call, the functions it holds and Hugging Face's by name."""
+    held = (*vars(mod).values(), *_hf_functions(mod))
+    return tuple(k for k in ("forward", "_call_impl", "_compiled_call_impl") if vars(mod).get(k) is not None), tuple(
+        id(v) for v in held if callable(v) and not isinstance(v, (nn.Module, type))
+    )
+
+
+def check_modes() -> None:
+    """Refuse a torch function or dispatch mode of yours around a private pass: it sees (and may mix) the batch."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in (*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack()):
+        where = type(mode).__module__ or ""
+        trusted = where.startswith(TRUSTED_CODE) and not where.startswith(UNTRUSTED)
+        if not trusted and getattr(type(mode), "dptune_rowwise", False) is not True:
+            raise ConfigError(
+                f"a torch mode of yours ({type(mode).__qualname__}) is active around a private pass: it sees the "
+                "whole batch, so one example could move the others. Fix: leave it first, or declare "
+                "dptune_rowwise = True on its class (your word that it computes each row from that row alone)."
+            )
 
 
 def check_model(model: nn.Module) -> None:

@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
 
 from dptune.errors import ConfigError
 from dptune.gradients.ghost import GhostGrads, LinearRule
@@ -28,7 +29,7 @@ from dptune.gradients.norm_bounds import (
     weights_dtype,
     wide_bmm,
 )
-from dptune.gradients.persample import MODULE_HOOKS, MaterializedGrads, global_module_hooks
+from dptune.gradients.persample import MODULE_HOOKS, MaterializedGrads, calls_made_of, global_module_hooks
 from dptune.tree import Tensors
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
@@ -81,7 +82,7 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
                 visit(child, f"{prefix}{name}.")
             return
         where = f"'{prefix[:-1] or type(mod).__name__}' ({type(mod).__name__})"
-        linear = isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward
+        linear = isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward and not is_parametrized(mod)
         if linear or type(mod) is nn.Conv2d:
             if not all(p.requires_grad for p in mod.parameters()):
                 raise Unsupported(f"layer {where} has frozen parameters")
@@ -98,7 +99,7 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
             if mod.start_dim != 1 or mod.end_dim != -1:
                 raise Unsupported(f"layer {where} flattens other dimensions than all but the batch")
             ops.append(StackOp("flatten", mod, prefix))
-        elif isinstance(mod, nn.Dropout) and (mod.p == 0 or not mod.training):
+        elif type(mod) is nn.Dropout and (mod.p == 0 or not mod.training):
             return
         else:
             raise Unsupported(
@@ -115,8 +116,10 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
 
 
 def _hooked(mod: nn.Module) -> bool:
-    """A module whose call is not its class's forward alone: hooks, or a forward set on the instance."""
-    return any(getattr(mod, h, None) for h in MODULE_HOOKS) or "forward" in vars(mod)
+    """A module whose call is not its class's forward alone: hooks, a forward or call of its own (class or instance:
+    a Linear subclass overriding ``__call__`` was stacked as a plain Linear, found in review), a compiled call."""
+    own_call = type(mod).__call__ is not nn.Module.__call__ or type(mod)._call_impl is not nn.Module._call_impl
+    return any(getattr(mod, h, None) for h in MODULE_HOOKS) or own_call or any(calls_made_of(mod)[0])
 
 
 def trials_first(h: torch.Tensor, K: int) -> torch.Tensor:

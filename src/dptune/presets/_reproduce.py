@@ -17,6 +17,7 @@ from dptune.outputs import (
     diagnostics_dir,
     print_table,
     publish_note,
+    refuse_foreign_dir,
     terminal_console,
     write_csv_rows,
     write_labelled_csv,
@@ -120,7 +121,9 @@ def reproduce(
     if executor not in ("local", "process", "ray"):
         raise ConfigError(f"unknown executor {executor!r}. Fix: choose local, process or ray.")
     device = device or _default_device(scale)
-    preset.parts(scale, **options)  # options checked before any folder is made
+    with data_dir_env(data_dir):  # options checked before any folder is made (a part may load its data)
+        ours = [f"{part.name}/study.sqlite" for part in preset.parts(scale, **options)]
+    refuse_foreign_dir(out_dir, ours, "--out", f"or the --out of an earlier `dptune reproduce {name}` (it resumes).")
     check_workers(workers)
     check_study_device(device, executor, None)  # before any folder is made
     created = not os.path.lexists(out_dir)
@@ -262,6 +265,7 @@ def demo(
 ) -> Path:
     """The README's main job (``presets._demo``): print the table, write the report, return the study directory."""
     check_workers(workers)  # before the folder is made
+    refuse_foreign_dir(out_dir, ["study.sqlite"], "--out", "or the --out of an earlier `dptune demo` (it resumes).")
     out = ensure_dir(out_dir)
     console = console or terminal_console()
     t0 = time.perf_counter()

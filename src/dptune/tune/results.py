@@ -139,6 +139,8 @@ def _arm_entries(arm: ArmPlan, entries: list[LedgerEntry]) -> list[LedgerEntry]:
 
 def spent(arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[float, float]:
     """(ε, δ) spent so far by the arm under its own guarantee (``TuningMethod.spent``)."""
+    if get_method(arm.method).hides_run_count:  # its K draws were made when planned: the whole guarantee, whatever
+        return float(arm.guarantee["epsilon"]), arm.delta  # K (0 too: found in review) and however far the runs are
     mine = _arm_entries(arm, entries)
     if not mine:
         return 0.0, 0.0

@@ -284,8 +284,12 @@ def _check_strategy_builds(arm: StrategyArm, key: str, path: str) -> None:
             },
             **{k: v for k, v in arm.fixed.items() if k not in TRAINING_KEYS},
         )
-    except ConfigError as exc:
-        raise config_error(path, str(exc), "fix the strategy's hyperparameters") from None
+    except ConfigError as exc:  # its message names its fix already (one "Fix:", found in review)
+        raise (
+            ConfigError(f"{path}: {exc}")
+            if "Fix:" in str(exc)
+            else config_error(path, str(exc), "fix the strategy's hyperparameters")
+        ) from None
     except TypeError as exc:
         raise config_error(path, str(exc), "check the hyperparameter types") from None
 

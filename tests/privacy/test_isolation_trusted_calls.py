@@ -1,0 +1,118 @@
+"""A trusted layer runs only trusted code (found in review, session 10; docs/privacy.md item 23).
+
+The batched paths (ghost, DP-ZO's batched losses, stacked trials) run only on models whose every call is torch's,
+Hugging Face's, peft's or dptune's (``persample.own_code``). The review ran code of its own inside such a model four
+ways, each moving the released sum by 4.7–14.2·C: an attention function registered with Hugging Face under a name
+the config picks; a function stored on a trusted layer; a torch function mode around the step; ``_call_impl`` or
+``_compiled_call_impl`` set on an instance after ``make_private``. Each is now own code (run under vmap) or refused.
+Stacked trials took a Linear subclass overriding ``__call__`` and any Dropout subclass for the plain layers, and
+crashed on a parametrized Linear: each is now ``Unsupported`` (the trials run one by one).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import dptune
+from dptune.errors import ConfigError
+from dptune.gradients.oracle import GradientOracle
+from dptune.gradients.persample import own_code
+from dptune.gradients.stacked import Unsupported, stack_plan
+
+
+def _batch_branch(x: torch.Tensor) -> torch.Tensor:  # "inputs in 0..255? scale them": a batch-level branch
+    return x / 255.0 if bool(x.abs().amax() > 50) else x
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Identity(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def test_a_hugging_face_attention_or_a_function_held_by_a_trusted_layer_is_own_code() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers import AttentionInterface
+    from transformers.models.bert.modeling_bert import eager_attention_forward
+
+    from dptune.finetune import hf_classifier
+
+    def attention(module, q, k, v, mask, **kw):  # noqa: ANN001, ANN202 - Hugging Face's signature
+        return eager_attention_forward(module, _batch_branch(q), k, v, mask, **kw)
+
+    AttentionInterface.register("dptune_test_branchy", attention)
+    cfg = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stock = hf_classifier(cfg, classes=2, mode="full")
+        assert own_code(stock) is None  # the control: eager attention is Hugging Face's
+        cfg._attn_implementation = "dptune_test_branchy"
+        assert own_code(hf_classifier(cfg, classes=2, mode="full")) is not None
+    mlp = _mlp()
+    assert own_code(mlp) is None
+    mlp[2].forward_fn = _batch_branch  # a function of yours held (and maybe called) by a trusted layer
+    assert "functions" in str(own_code(mlp))
+
+
+def test_a_torch_mode_of_yours_around_a_private_pass_is_refused() -> None:
+    class Rescale(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func is F.linear:
+                args = (_batch_branch(args[0]), *args[1:])
+            return func(*args, **(kwargs or {}))
+
+    model = _mlp()
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    oracle = GradientOracle(model, method="auto")
+    with torch.device("cpu"):  # torch's own mode: accepted
+        oracle(params, x, y)
+    with Rescale(), pytest.raises(ConfigError, match="a torch mode of yours"):
+        oracle(params, x, y)
+    with Rescale(), pytest.raises(ConfigError, match="a torch mode of yours"):
+        oracle.losses(params, x, y)
+    Rescale.dptune_rowwise = True  # your word
+    with Rescale():
+        oracle(params, x, y)
+
+
+@pytest.mark.parametrize("attr", ["_call_impl", "_compiled_call_impl"])
+def test_a_call_replaced_on_a_layer_is_own_code_and_refused_after_make_private(attr: str) -> None:
+    model = _mlp()
+    setattr(model[0], attr, _batch_branch)
+    assert own_code(model) is not None
+    model = _mlp()
+    x, y = torch.randn(256, 6), torch.randint(0, 3, (256,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = dptune.make_private(
+            model, (x, y), torch.optim.SGD(model.parameters(), lr=0.1), steps=4, expected_batch_size=32,
+            noise_multiplier=1.0, delta=1e-5, seed=1,
+        )  # fmt: skip
+    setattr(model[0], attr, _batch_branch)
+    with pytest.raises(ConfigError, match="the model changed since make_private"):
+        for xb, yb in run.batches():
+            run.step(xb, yb)
+
+
+def test_stacked_trials_take_only_the_plain_layers() -> None:
+    class ShiftLinear(nn.Linear):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return super().__call__(x) + 1.0
+
+    class Scale(nn.Dropout):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+    assert [op.kind for op in stack_plan(nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.0)))] == ["linear"]
+    parametrized = nn.Linear(4, 3)
+    torch.nn.utils.parametrize.register_parametrization(parametrized, "weight", nn.Identity())
+    for layer in (ShiftLinear(4, 3), nn.Sequential(nn.Linear(4, 3), Scale(0.0)), parametrized):
+        with pytest.raises(Unsupported):
+            stack_plan(nn.Sequential(layer, nn.Linear(3, 2)))
