@@ -34,7 +34,7 @@ class LiveBytes(TorchDispatchMode):
     """Bytes of the storages made under the mode and still alive; ``peak`` their maximum, ``at_peak`` the
     ≥ 1 MiB ones alive then, by operation and call site."""
 
-    dptune_rowwise = True  # it only measures: dptune's private passes accept it (``persample.check_modes``)
+    dptune_rowwise = True  # it only measures: dptune's private passes accept it (``isolation.check_modes``)
 
     def __init__(self) -> None:
         super().__init__()

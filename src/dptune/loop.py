@@ -16,8 +16,8 @@ from torch import nn
 from dptune import inputs
 from dptune.distributed import join, launched, sync_model
 from dptune.errors import BudgetExceededError, ConfigError
+from dptune.gradients.isolation import MODULE_HOOKS, calls_made_of, global_module_hooks
 from dptune.gradients.oracle import GradientOracle
-from dptune.gradients.persample import MODULE_HOOKS, calls_made_of, global_module_hooks
 from dptune.names import aliased
 from dptune.release.context import StepContext
 from dptune.release.privatizers import FixedClip, Privatizer, Released

@@ -223,7 +223,8 @@ def _isolated_scores(
 
     from dptune import inputs
     from dptune.errors import ConfigError
-    from dptune.gradients.persample import KeptState, rng_preserved, rng_state, set_rng_state
+    from dptune.gradients.isolation import KeptState
+    from dptune.gradients.persample import rng_preserved, rng_state, set_rng_state
 
     def one(xi: Any, yi: torch.Tensor) -> torch.Tensor:
         out = forward(inputs.tmap(lambda t: t.unsqueeze(0), xi))

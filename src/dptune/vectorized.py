@@ -21,7 +21,8 @@ from torch import nn
 from dptune import inputs, metrics
 from dptune.distributed import refuse_in_study
 from dptune.errors import ConfigError
-from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_loss, check_model, check_modes
+from dptune.gradients.isolation import check_modes
+from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_loss, check_model
 from dptune.gradients.stacked import PaddedBuffers, Stacked, StackOp, Unsupported, stack_plan
 from dptune.metrics import Metric
 from dptune.release.hypergradient import read_with

@@ -39,7 +39,7 @@ _SYNCS = {"_local_scalar_dense", "nonzero", "_unique", "_unique2", "unique_dim",
 class HostSyncs(TorchDispatchMode):
     """Counts the operations that read a CUDA device from the host, by op and dptune/transformers line."""
 
-    dptune_rowwise = True  # it only counts: dptune's private passes accept it (``persample.check_modes``)
+    dptune_rowwise = True  # it only counts: dptune's private passes accept it (``isolation.check_modes``)
 
     def __init__(self, copies: bool = True) -> None:
         super().__init__()

@@ -521,7 +521,7 @@ def test_a_batch_level_branch_of_your_forward_cannot_move_the_other_rows() -> No
 def test_trust_is_the_class_own_module_and_graph_interpreters_are_not_trusted() -> None:
     """Found in review: a subclass of a torch layer overriding __call__ (or a helper) was trusted by its inherited
     forward (3.7·C to 23·C); fx/export graphs run code traced from yours. Only classes defined in trusted code."""
-    from dptune.gradients.persample import own_code
+    from dptune.gradients.isolation import own_code
 
     class Called(nn.Linear):
         def __call__(self, x: torch.Tensor) -> torch.Tensor:

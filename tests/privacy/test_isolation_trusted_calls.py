@@ -1,7 +1,7 @@
 """A trusted layer runs only trusted code (found in review, session 10; docs/privacy.md item 23).
 
 The batched paths (ghost, DP-ZO's batched losses, stacked trials) run only on models whose every call is torch's,
-Hugging Face's, peft's or dptune's (``persample.own_code``). The review ran code of its own inside such a model four
+Hugging Face's, peft's or dptune's (``isolation.own_code``). The review ran code of its own inside such a model four
 ways, each moving the released sum by 4.7–14.2·C: an attention function registered with Hugging Face under a name
 the config picks; a function stored on a trusted layer; a torch function mode around the step; ``_call_impl`` or
 ``_compiled_call_impl`` set on an instance after ``make_private``. Each is now own code (run under vmap) or refused.
@@ -21,8 +21,8 @@ from torch.overrides import TorchFunctionMode
 
 import dptune
 from dptune.errors import ConfigError
+from dptune.gradients.isolation import own_code
 from dptune.gradients.oracle import GradientOracle
-from dptune.gradients.persample import own_code
 from dptune.gradients.stacked import Unsupported, stack_plan
 
 

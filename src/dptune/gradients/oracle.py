@@ -22,10 +22,10 @@ from torch.func import functional_call, grad_and_value, vmap
 from dptune import inputs
 from dptune.errors import ConfigError
 from dptune.gradients import ghost, graphed
+from dptune.gradients.isolation import KeptState, check_modes, own_code  # noqa: F401 - own_code re-exported
 from dptune.gradients.persample import (  # noqa: F401 - re-exported: ``dptune.gradients.oracle`` is where users look
     NORM_BLOCK,
     NORM_FLOOR,
-    KeptState,
     LossFn,
     MaterializedGrads,
     ParamSwap,
@@ -34,12 +34,10 @@ from dptune.gradients.persample import (  # noqa: F401 - re-exported: ``dptune.g
     ScratchBuffers,
     batched_loss,
     check_model,
-    check_modes,
     eval_mode,
     gamma,
     ieee_matmul,
     nonfinite_rows,
-    own_code,
     per_example_loss,
     rng_preserved,
     rng_state,

@@ -21,6 +21,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from dptune.errors import ConfigError
 from dptune.gradients.ghost import GhostGrads, LinearRule
 from dptune.gradients.ghost_layers import KeptRule, LayerRule
+from dptune.gradients.isolation import MODULE_HOOKS, calls_made_of, global_module_hooks
 from dptune.gradients.norm_bounds import (
     ieee_matmul,
     rank_one_parts,
@@ -29,7 +30,7 @@ from dptune.gradients.norm_bounds import (
     weights_dtype,
     wide_bmm,
 )
-from dptune.gradients.persample import MODULE_HOOKS, MaterializedGrads, calls_made_of, global_module_hooks
+from dptune.gradients.persample import MaterializedGrads
 from dptune.tree import Tensors
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
