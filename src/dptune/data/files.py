@@ -51,62 +51,48 @@ def file_digests(path: Path) -> tuple[str, str]:
     return sha.hexdigest(), md5.hexdigest()
 
 
-class _VerifiedCache:
-    """``verified.json``: path -> (size, mtime_ns, ctime_ns, sha256) of files that passed a check."""
-
-    def __init__(self, cache: Path):
-        self.path = cache / "verified.json"
-
-    def _read(self) -> dict[str, dict[str, object]]:
-        try:
-            with open(self.path, encoding="utf-8") as fh:
-                data = json.load(fh)
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
-    @staticmethod
-    def _key(path: Path) -> tuple[str, dict[str, object]]:
-        st = path.stat()
-        # ctime too: a write that restores the size and mtime (touch -d) still changes it
-        return str(path.resolve()), {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
-
-    def hit(self, path: Path, expected: str) -> bool:
-        key, stamp = self._key(path)
-        return self._read().get(key) == {**stamp, "digest": expected}  # as ``store`` wrote it, same file
-
-    def store(self, path: Path, digest: str) -> None:
-        key, stamp = self._key(path)
-        data = self._read()
-        data[key] = {**stamp, "digest": digest}
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(data, fh, indent=0, sort_keys=True)
-            os.replace(tmp, self.path)
-        except OSError as exc:  # a read-only cache only costs re-hashing next time
-            log.debug("could not record verification in %s: %s", self.path, exc)
+# <cache>/verified.json: path -> (size, mtime_ns, ctime_ns, sha256) of the files that passed a check.
+def _verified(cache: Path) -> dict[str, dict[str, object]]:
+    try:
+        with open(cache / "verified.json", encoding="utf-8") as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
-def _expected(spec: FileSpec) -> tuple[str, tuple[str, ...]]:
-    """(algorithm, accepted hex digests) for a file; ('', ()) when nothing is known."""
-    if spec.sha256 or spec.alt_sha256:
-        return "sha256", tuple(h for h in (spec.sha256, *spec.alt_sha256) if h)
-    if spec.md5:
-        return "md5", (spec.md5,)
-    return "", ()
+def _stamp(path: Path) -> tuple[str, dict[str, object]]:
+    st = path.stat()
+    # ctime too: a write that restores the size and mtime (touch -d) still changes it
+    return str(path.resolve()), {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _record_verified(cache: Path, path: Path, digest: str) -> None:
+    key, stamp = _stamp(path)
+    data = {**_verified(cache), key: {**stamp, "digest": digest}}
+    target = cache / "verified.json"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=0, sort_keys=True)
+        os.replace(tmp, target)
+    except OSError as exc:  # a read-only cache only costs re-hashing next time
+        log.debug("could not record verification in %s: %s", target, exc)
 
 
 def verify_file(path: Path, spec: FileSpec, cache: Path, dataset: str, *, fix: str | None = None) -> None:
     """Raise ``DataError`` unless ``path`` matches the registry checksum of ``spec``."""
-    algo, accepted = _expected(spec)
+    if spec.sha256 or spec.alt_sha256:
+        algo, accepted = "sha256", tuple(h for h in (spec.sha256, *spec.alt_sha256) if h)
+    else:  # md5 when that is all that is known
+        algo, accepted = "md5", ((spec.md5,) if spec.md5 else ())
     if not accepted:
         log.warning("dptune.data: no published checksum for %s (dataset %r); it was read unverified.", path, dataset)
         return
-    vcache = _VerifiedCache(cache)
-    if any(vcache.hit(path, h) for h in accepted):
-        return
+    key, stamp = _stamp(path)
+    if _verified(cache).get(key) in [{**stamp, "digest": h} for h in accepted]:
+        return  # as ``_record_verified`` wrote it: the same file
     try:
         sha, md5 = file_digests(path)
     except OSError as exc:
@@ -124,14 +110,7 @@ def verify_file(path: Path, spec: FileSpec, cache: Path, dataset: str, *, fix: s
             f"The file is corrupted, truncated or a different version. Fix: {fix}. "
             "(Pass verify=False to load() to skip the check at your own risk.)"
         )
-    vcache.store(path, actual)
-
-
-def _timeout() -> float:
-    try:
-        return float(os.environ.get("DPTUNE_DOWNLOAD_TIMEOUT", DEFAULT_TIMEOUT_S))
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
+    _record_verified(cache, path, actual)
 
 
 def _fetch(url: str, dest: Path, timeout: float) -> None:
@@ -151,12 +130,16 @@ def download_file(spec: FileSpec, dest: Path, cache: Path, dataset: str) -> list
     """Try each URL of ``spec``; return the failure messages (empty list on success)."""
     if os.environ.get("DPTUNE_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}:
         return ["downloads disabled by DPTUNE_OFFLINE"]
+    try:
+        timeout = float(os.environ.get("DPTUNE_DOWNLOAD_TIMEOUT", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        timeout = DEFAULT_TIMEOUT_S
     failures: list[str] = []
     dest.parent.mkdir(parents=True, exist_ok=True)
     for url in spec.urls:
         log.info("dptune.data: downloading %s -> %s", url, dest)
         try:
-            _fetch(url, dest, _timeout())
+            _fetch(url, dest, timeout)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             failures.append(f"{url}: {type(exc).__name__}: {exc}")
             continue

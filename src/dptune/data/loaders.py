@@ -341,16 +341,14 @@ def load_adult(
             f"{test_fraction:.0%} with seed {ctx.seed} (as Mohapatra et al.)"
         )
     xtr, xte = _encode_adult(rtr, missing), _encode_adult(rte, missing)
-    notes.append(
+    notes += [
         "numeric columns scaled to [0,1] with fixed a-priori ranges (age 17-90, education-num "
         "1-16, hours-per-week 1-99 linear; fnlwgt 1-1e7, capital-gain/loss 0-99,999 on a log1p "
         "scale; values clipped): no statistic of the data is read, so no privacy cost "
-        "(Mohapatra et al. min-max scale with the training split's min/max instead)"
-    )
-    notes.append(
+        "(Mohapatra et al. min-max scale with the training split's min/max instead)",
         "categoricals one-hot over the category lists of adult.names (public schema); "
-        f"{xtr.shape[1]} features, not the 202 reported by Mohapatra et al."
-    )
+        f"{xtr.shape[1]} features, not the 202 reported by Mohapatra et al.",
+    ]
     if limit is not None:
         notes.append(f"subset: at most {limit} rows (seed {ctx.seed})")
     return _flat_dataset("adult", (xtr, ytr, xte, yte), 2, notes, p.values(), ("<=50K", ">50K"))

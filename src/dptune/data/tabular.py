@@ -37,9 +37,6 @@ def _read(path: Path) -> tuple[list[str], list[list[str]]]:
     return table[0], table[1:]
 
 
-# A bad cell is quoted so that its owner can find it; the message is about one example.
-
-
 def _float(value: str) -> float:
     try:
         return float(value)
@@ -48,7 +45,8 @@ def _float(value: str) -> float:
 
 
 def _column(path: Path, col: str, values: list[str], decl: Mapping[str, Any]) -> np.ndarray:
-    """One feature column encoded by the declarations ``decl`` ([N, 1] numeric or [N, k] one-hot)."""
+    """One feature column encoded by the declarations ``decl`` ([N, 1] numeric or [N, k] one-hot). A bad
+    cell is quoted so that its owner can find it; the message is about one example."""
     if col in decl["categories"]:
         cats = [str(c) for c in decl["categories"][col]]
         bad = next((v for v in values if v not in cats), None)

@@ -149,18 +149,14 @@ def _save_npy_atomic(path: Path, arr: np.ndarray, what: str) -> None:
         log.warning("dptune.data: could not cache %s at %s: %s", what, path, exc)
 
 
-def _word_table_path(cache: Path, d: Path, version: str, dim: int) -> Path:
-    h = hashlib.sha256(f"all-MiniLM-L6-v2|{MINILM_PACKAGE} {version}|{_WORD_TABLE_RECIPE}|{dim}|".encode())
-    h.update(str((d / "model.safetensors").stat().st_size).encode())
-    h.update((d / "vocab.txt").read_bytes())
-    return cache / "embeddings" / f"minilm-wordpieces-{_WORD_TABLE_RECIPE}-{dim}d-{h.hexdigest()[:20]}.npy"
-
-
 @functools.lru_cache(maxsize=4)
 def _word_table_cached(cache: str, dim: int) -> np.ndarray:
     d, version = _minilm_dir()
     vocab = (d / "vocab.txt").read_text(encoding="utf-8").splitlines()
-    path = _word_table_path(Path(cache), d, version, dim)
+    h = hashlib.sha256(f"all-MiniLM-L6-v2|{MINILM_PACKAGE} {version}|{_WORD_TABLE_RECIPE}|{dim}|".encode())
+    h.update(str((d / "model.safetensors").stat().st_size).encode())
+    h.update((d / "vocab.txt").read_bytes())
+    path = Path(cache) / "embeddings" / f"minilm-wordpieces-{_WORD_TABLE_RECIPE}-{dim}d-{h.hexdigest()[:20]}.npy"
     if path.is_file():
         try:
             arr = np.load(path, allow_pickle=False)

@@ -129,7 +129,8 @@ class KeptState:
             self._kept_objs = [copy.deepcopy(dict(vars(o)), memo) for o in self._objs]
             self._kept_cells = [copy.deepcopy(c.cell_contents, memo) for c in self._cells]
         except Exception as exc:  # noqa: BLE001 - a lock, a file: the check needs the copy
-            raise ConfigError(f"the model cannot be deep-copied ({exc}). Fix: keep no lock or file in it.") from None
+            raise ConfigError(f"the model (or your loss or metric) cannot be deep-copied ({exc}). Fix: keep no lock or "
+                              "file in it.") from None  # fmt: skip
 
     def _collect(self, o: Any, depth: int) -> None:
         o = o.__self__ if inspect.ismethod(o) else o

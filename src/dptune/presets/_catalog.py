@@ -3,9 +3,13 @@ build (``preset_parts``, ``preset_study``) and plan (``plan_preset``)."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
 
 from dptune.errors import ConfigError
 from dptune.presets import galli, mohapatra, panda, panda_finetune
@@ -138,9 +142,6 @@ def list_presets() -> list[dict[str, Any]]:
 
 def presets_table() -> Any:
     """``dptune reproduce list``: a ``rich`` table of the presets that fits 100 columns (long cells fold)."""
-    from rich.markup import escape
-    from rich.table import Table
-
     # 4 borders + 3×2 padding + these caps = 100 columns.
     t = Table(
         title="dptune reproduce NAME --scale smoke|small|paper",
@@ -164,8 +165,6 @@ def get_preset(name: Any) -> Preset:
     """The preset called ``name``, or a ``ConfigError`` listing the presets."""
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in PRESETS:
-        import difflib
-
         close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from dptune.errors import ConfigError
-from dptune.outputs import up
 
 SCALES: tuple[str, ...] = ("smoke", "small", "paper")
 # Scales only some presets have (``Preset.scales``): a slice of the paper scale that fits a GPU budget.
@@ -45,11 +44,6 @@ def log_grid(lo_exp: float, hi_exp: float, k: int) -> list[float]:
     else:
         xs = [lo_exp + (hi_exp - lo_exp) * i / (k - 1) for i in range(k)]
     return [float(round(v, 3 - math.floor(math.log10(v)))) if (v := 10.0**x) else 0.0 for x in xs]
-
-
-def eps_text(eps: float) -> str:
-    """ε as the preset tables print it (4 significant digits rounded up; ∞ for a non-private arm)."""
-    return up(eps, 4)
 
 
 @dataclass(frozen=True)

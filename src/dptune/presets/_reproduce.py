@@ -11,6 +11,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
+from rich.table import Table as RichTable
+
 from dptune.errors import ConfigError
 from dptune.outputs import (
     NOT_DP_LABEL,
@@ -19,12 +22,13 @@ from dptune.outputs import (
     publish_note,
     refuse_foreign_dir,
     terminal_console,
+    up,
     write_csv_rows,
     write_labelled_csv,
 )
 from dptune.presets import _report, panda
 from dptune.presets._catalog import get_preset
-from dptune.presets._common import Part, check_scale, ensure_dir, eps_text
+from dptune.presets._common import Part, check_scale, ensure_dir
 from dptune.presets._demo import demo_study
 from dptune.report.html import FigureRef, Section, Table, write_report
 from dptune.tune import results, run_study, study_from_dict
@@ -60,8 +64,6 @@ def data_dir_env(data_dir: str | os.PathLike[str] | None) -> Iterator[None]:
 def _default_device(scale: str) -> str:
     if scale not in ("paper", "gpu-slice"):
         return "cpu"
-    import torch
-
     if torch.cuda.is_available():
         return "cuda"
     if scale == "gpu-slice":
@@ -186,8 +188,6 @@ def _run_parts(parts: list[Part], out: Path, console: Any, run: Any) -> list[Sec
 
 
 def _print_table(console: Any, title: str, t: Any) -> None:
-    from rich.table import Table as RichTable
-
     rt = RichTable(title=title)
     for c in t.columns:
         rt.add_column(str(c), overflow="fold")
@@ -230,9 +230,9 @@ def _part_section(part: Part, rows: list[dict[str, Any]], html: Path, out: Path,
     table = Table(
         ["strategy", "ε", "method", "selected configuration", metric, "planned ε", "spent ε"],
         [
-            [r["strategy"], eps_text(r["epsilon"]), r["method"], r["selected"] or "—"]
-            + [metric_text(r["value_mean"], r["value_std"], metric), eps_text(r["planned_epsilon"])]
-            + [eps_text(r["spent_epsilon"])]
+            [r["strategy"], up(r["epsilon"], 4), r["method"], r["selected"] or "—"]
+            + [metric_text(r["value_mean"], r["value_std"], metric), up(r["planned_epsilon"], 4)]
+            + [up(r["spent_epsilon"], 4)]
             for r in private_rows(rows)  # the NoDP ceiling: in the diagnostics only
         ],
         caption="Selected configuration per strategy and ε (mean ± std over seeds).",

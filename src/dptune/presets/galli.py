@@ -64,7 +64,6 @@ PAPER = {"k": 7, "batch": 512, "epochs": 10, "eval_every": 50, "seeds": [0, 1, 2
 # process executor's workers share the GPU run by run.
 GPU_SLICE = {"k": 5, "batch": 512, "epochs": 10, "eval_every": 50, "seeds": [0], "epsilons": [3.0]}
 
-# dataset → (data section, model section, paper ε list, metric)
 DATASETS: dict[str, dict[str, Any]] = {
     "mnist": {
         "data": {"name": "mnist"},

@@ -180,11 +180,8 @@ def lt_vs_ma_extra(out_dir: Path, scale: str) -> list[Section]:
         for (k, lt, ma), (_, lt_c, ma_c) in zip(tight.rows, classic.rows, strict=True):
             row = {"n": n, "delta": tight.delta, "k": k, "eps_LT": lt, "eps_MA": ma}
             rows.append({**row, "eps_LT_classic": lt_c, "eps_MA_classic": ma_c})
-        fig = F.lt_vs_ma(
-            [(k, lt, ma) for k, lt, ma in tight.rows],
-            out_dir / "figures" / f"lt_vs_ma_n{n}.png",
-            title=f"LT vs MA, n = {n}, σ = 4, L = 250, T = 10,000",
-        )
+        title = f"LT vs MA, n = {n}, σ = 4, L = 250, T = 10,000"
+        fig = F.lt_vs_ma(tight.rows, out_dir / "figures" / f"lt_vs_ma_n{n}.png", title=title)
         k_max = {"k_max_tight": tight.k_max, "k_max_classic": classic.k_max, "k_max_paper": paper_k[n]}
         summary.append({"n": n, "delta": tight.delta, **k_max, "ks": f"{min(ks)}..{max(ks)}"})
         sections.append(

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dptune.outputs import diagnostics_dir, hides_run_count, write_csv_rows, write_labelled_csv
-from dptune.presets._common import Part, eps_text
+from dptune.outputs import diagnostics_dir, hides_run_count, up, write_csv_rows, write_labelled_csv
+from dptune.presets._common import Part
 from dptune.report import figures as F
 from dptune.report.html import FigureRef, Section, Table, write_report
 from dptune.tune import theory
@@ -65,17 +65,15 @@ def best_counts(rows: Iterable[Mapping[str, Any]], higher_is_better: bool = True
     scores: dict[tuple[str, float, int], dict[tuple[float, float], list[float]]] = defaultdict(
         lambda: defaultdict(list)
     )
-    cells: set[tuple[float, float]] = set()
     groups: dict[tuple[str, float], set[tuple[float, float]]] = defaultdict(set)
     for r in rows:
         cell = (float(r["lr"]), float(r["clip"]))
         group = (str(r["part"]), float(r["epsilon"]))
-        cells.add(cell)
         groups[group].add(cell)
         s = r.get("score")
         if s is not None and math.isfinite(float(s)):
             scores[(*group, int(r["step"]))][cell].append(float(s))
-    counts = dict.fromkeys(sorted(cells, key=lambda c: (c[1], c[0])), 0)
+    counts = dict.fromkeys(sorted(set().union(*groups.values()), key=lambda c: (c[1], c[0])), 0)
     by_group = {g: dict.fromkeys(sorted(cs, key=lambda c: (c[1], c[0])), 0) for g, cs in groups.items()}
     for (part, eps, _step), cand in scores.items():
         for c in _tied_best(cand, higher_is_better, rtol)[0]:
@@ -113,10 +111,6 @@ def loglog_slope(points: Sequence[tuple[float, float]]) -> float | None:
         return None
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-
-
-def _geomean(values: Sequence[float]) -> float:
-    return math.exp(statistics.fmean(math.log(v) for v in values))
 
 
 def dpsgd_rows(
@@ -249,15 +243,15 @@ def _lr_vs_clip_section(
     """Sec. 4.1: the best α for each C, and the slope of log α on log C."""
     series, lr_rows, body = {}, [], []
     for (part, eps), per_c in best_lr_per_clip(finals, higher).items():
-        pts = [(c, _geomean(al)) for c, al, _ in per_c]
-        series[f"{part}, ε = {eps_text(eps)}"] = pts
+        pts = [(c, statistics.geometric_mean(al)) for c, al, _ in per_c]
+        series[f"{part}, ε = {up(eps, 4)}"] = pts
         slope = loglog_slope(pts)
         slope_txt = "—" if slope is None else f"{slope:.2f}"
         for (c, al, s), (_, a) in zip(per_c, pts, strict=True):
             lr_rows.append({"part": part, "epsilon": eps, "clip": c, "best_lr": ";".join(f"{x:g}" for x in al)})
             lr_rows[-1] |= {"best_lr_times_clip": a * c, "score": s, "slope_log_lr_vs_log_clip": slope}
             cells = [f"{c:g}", ", ".join(f"{x:g}" for x in al), f"{a * c:.3g}", f"{s:.4g}", slope_txt]
-            body.append([part, eps_text(eps), *cells])
+            body.append([part, up(eps, 4), *cells])
     lr_csv = write(where / "dpsgd_lr_vs_clip.csv", lr_rows)
     lr_fig = F.lr_vs_clip(series, where / "figures" / "dpsgd_lr_vs_clip.png", title="DP-SGD: best α for each C")
     return Section(
@@ -310,7 +304,7 @@ def _theorem4_rows(
             sigma = nu * math.sqrt(d) / lot  # E‖z‖² = d·ν²C²/L² for DP-SGD's noisy mean gradient
             per_r = theory.convex_dpsgd_step(1.0, 1.0, sigma, steps).effective_step
             configs = [(r["config"]["lr"], r["config"]["clip"]) for r in sel]
-            ac = _geomean([float(lr) * float(clip) for lr, clip in configs])
+            ac = statistics.geometric_mean([float(lr) * float(clip) for lr, clip in configs])
             rows.append(
                 {
                     "part": p.name,
@@ -328,7 +322,7 @@ def _theorem4_rows(
             )
             selected = ", ".join(f"({lr:g}, {clip:g})" for lr, clip in configs)
             numbers = [f"{nu:.3g}", f"{sigma:.3g}", steps, f"{per_r:.3g}"]
-            body.append([p.name, eps_text(eps), *numbers, selected, f"{ac:.3g}", f"{ac / per_r:.3g}"])
+            body.append([p.name, up(eps, 4), *numbers, selected, f"{ac:.3g}", f"{ac / per_r:.3g}"])
     return rows, body
 
 

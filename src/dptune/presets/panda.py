@@ -10,6 +10,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
 from dptune.errors import ConfigError
 from dptune.metrics import clip_to_range
 from dptune.outputs import NOT_DP_LABEL, diagnostics_dir
@@ -135,23 +139,17 @@ def panda_study(
 AVERAGING_ABLATIONS = ("ema", "swa")
 
 
-def _averaging(options: Mapping[str, Any]) -> str | None:
+def _with_averaging(study: dict[str, Any], options: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``study`` with, for option ``average = avg``, a ``grid-oracle-<avg>`` arm (the oracle's grid, DP-GD with
+    ``average = avg``, defaults ema_decay = 1 − 10/T, swa_start = 0.5) after the other arms, and its note."""
     avg = options.get("average")
     if avg is None or avg == "none":
-        return None
+        return study, ()
     if avg not in AVERAGING_ABLATIONS:
         raise ConfigError(
             f"option average = {avg!r} is not an averaging ablation. Fix: use 'ema' or 'swa' (or leave it "
             "out: no ablation arm)."
         )
-    return str(avg)
-
-
-def _with_averaging(study: dict[str, Any], avg: str | None) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """``study`` with a ``grid-oracle-<avg>`` arm (the oracle's grid, DP-GD with ``average = avg``,
-    defaults ema_decay = 1 − 10/T, swa_start = 0.5) after the other arms, and its note."""
-    if avg is None:
-        return study, ()
     oracle = next(a for a in study["strategies"] if a.get("label") == "grid-oracle")
     arm = {**oracle, "label": f"grid-oracle-{avg}", "fixed": {**oracle["fixed"], "average": avg}}
     study["strategies"] = [*study["strategies"], arm]
@@ -168,7 +166,7 @@ def build_mnist(scale: str, options: Mapping[str, Any]) -> list[Part]:
     s = MNIST[scale]
     fixed = {"clip": 1.0, "momentum": 0.9, "zero_init": False}
     study = panda_study(f"panda-linear-scaling-mnist-{scale}", {"name": "mnist"}, {"name": "galli_cnn"}, s, fixed)
-    study, ablation = _with_averaging(study, _averaging(options))
+    study, ablation = _with_averaging(study, options)
     notes = (
         f"full-batch DP-GD (momentum 0.9, C = 1), CNN from scratch; sweeps at {sweeps_text(s['sweeps'])}, "
         f"targets ε ∈ {s['epsilons']}, δ = {DELTA:g}, μ-GDP accounting.",
@@ -186,7 +184,7 @@ def build_text(scale: str, options: Mapping[str, Any]) -> list[Part]:
         data = {"name": dataset, "options": {"representation": "minilm"}}
         model = {"name": "linear_probe", "options": {"zero_init": True, "bias": False}}
         study = panda_study(f"panda-linear-scaling-{key}-{scale}", data, model, s, fixed)
-        study, ablation = _with_averaging(study, _averaging(options))
+        study, ablation = _with_averaging(study, options)
         notes = (
             f"zero-initialised linear probe without bias on all-MiniLM-L6-v2 embeddings (384-d), full-batch "
             f"DP-GD; sweeps at {sweeps_text(s['sweeps'])}, targets ε ∈ {s['epsilons']}, δ = {DELTA:g}.",
@@ -222,8 +220,6 @@ def _draw_fit(ax: Any, fit: Mapping[str, Any], first: bool) -> None:
 def r_vs_epsilon_figure(study_dir: str | Path, path: str | Path) -> FigureRef | None:
     """r = η·T against ε (Panda Fig. 3): each procedure's sweep points and fitted line, the
     extrapolated r* at its final run's ε, and the r the grid oracle selected at each target ε."""
-    from matplotlib.figure import Figure
-
     rows = study_table(study_dir)
     configs = {r["run_id"]: r["config"] for r in load_study(study_dir)[2] if r["config"] is not None}
     fig = Figure(figsize=(6.5, 4.2))
@@ -323,9 +319,6 @@ def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
     """Panda et al.'s η × T heatmaps (Fig. 5, 15, 16): one panel per ε (columns) and grid arm (rows), best
     cell outlined. Returns (figure, released): released only when covered at the grid's composed ε, else
     in ``diagnostics/figures``, labelled (docs/privacy.md, ``eta_T_heatmaps.png``)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     grids = eta_t_grids(study_dir)
     if not grids:
         return None, False
@@ -369,8 +362,6 @@ def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
 
 def _heatmap_panel(ax: Any, g: Mapping[str, Any], lo: float, hi: float, released: bool) -> Any:
     """One grid at one ε: every cell's score (η grows downwards, T to the right: Panda's layout)."""
-    from matplotlib.patches import Rectangle
-
     ts, etas, grid = cell_grid({(t, lr): clip_to_range(v, g["metric"]) for (lr, t), v in g["cells"].items()})
     cmap = "viridis" if g["higher"] else "viridis_r"  # lighter is better either way
     im = ax.imshow(grid, origin="upper", aspect="auto", cmap=cmap, vmin=lo, vmax=hi)

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dptune.presets._common import Part, eps_text
+from dptune.outputs import up
+from dptune.presets._common import Part
 from dptune.presets.panda import DELTA, SMALL_N_SWEEPS, TEXT_DATASETS, panda_study, rule_notes, sweeps_text
 from dptune.report.html import Section, Table
 from dptune.tune.results import private_rows, study_table
@@ -107,5 +108,5 @@ def modes_table(out_dir: Path, scale: str, options: Mapping[str, Any], parts: li
         "The selected configuration's test score of each private arm (mean over seeds), per part and ε; the "
         "frozen-feature linear probe on the same data is panda-linear-scaling-text (docs/reproduce.md)."
     )
-    table = Table(["part", *(f"{a} @ ε = {eps_text(e)}" for a, e in order)], rows, caption=caption)
+    table = Table(["part", *(f"{a} @ ε = {up(e, 4)}" for a, e in order)], rows, caption=caption)
     return [Section("Full fine-tuning vs last-k vs LoRA", tables=[table])]

@@ -122,7 +122,6 @@ def build_report(out_dir: str | Path, inputs: ReportInputs, *, include_diagnosti
     """Write the publishable report of ``inputs`` into ``out_dir/release/`` and the diagnostics into
     ``out_dir/diagnostics/`` (also as a page with ``include_diagnostics=True``); return ``release/report.html``."""
     r = inputs
-    # release_dir: everything written there is publishable
     p = _Pages(r, release_dir(out_dir), diagnostics_dir(out_dir), include_diagnostics)
     if r.conclusions:  # first: what the results say, computed from them (covered by the guarantee)
         p.sections.append(Section("Conclusions", paragraphs=list(r.conclusions)))

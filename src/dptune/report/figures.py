@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -82,11 +83,8 @@ def _empty(ax: Any, text: str) -> None:
 def _log_axes(ax: Any, which: str) -> None:
     """Log scale on the ``which`` axes ("x", "y" or "xy"), ticks as plain numbers (0.3, 1, 20), not mathtext: easier
     to read, faster to lay out."""
-    if "x" in which:
-        ax.set_xscale("log")
-    if "y" in which:
-        ax.set_yscale("log")
     for name in which:
+        ax.set(**{f"{name}scale": "log"})
         axis, (lo, hi) = (ax.yaxis, ax.get_ylim()) if name == "y" else (ax.xaxis, ax.get_xlim())
         # Enough significant digits to tell neighbouring ticks apart on a narrow range.
         digits = 3 if not (lo > 0 and hi > lo) else max(3, math.ceil(-math.log10((hi - lo) / hi)) + 2)
@@ -101,10 +99,7 @@ def _eps_text(eps: float) -> str:
 
 
 def _sequential(n: int) -> list[Any]:
-    from matplotlib import colormaps
-
-    cm = colormaps["viridis"]
-    return [cm(x) for x in np.linspace(0.0, 0.85, max(n, 1))][:n]
+    return [colormaps["viridis"](x) for x in np.linspace(0.0, 0.85, max(n, 1))][:n]
 
 
 # ----------------------------------------------------------------------------- metric vs ε
@@ -131,11 +126,10 @@ def metric_vs_epsilon(
     if rows:
         eps = sorted({r.epsilon for r in rows})
         ax.set_xticks(eps, [_eps_text(e) for e in eps])
-    label = metric_label(metric, higher)
-    _finish(ax, "privacy budget ε", label, title or f"{label} vs ε (mean ± std over seeds)", legend=None)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc="best")
-    else:
+    label, drawn = metric_label(metric, higher), bool(ax.get_legend_handles_labels()[0])
+    title = title or f"{label} vs ε (mean ± std over seeds)"
+    _finish(ax, "privacy budget ε", label, title, legend="best" if drawn else None)
+    if not drawn:
         _empty(ax, "no finished configuration to show")
     return _save(fig, path)
 
@@ -188,7 +182,6 @@ def trajectories(
 
     seen: set[tuple[str, str]] = set()
     for (key, label_y), ax in zip(panels, axes, strict=True):
-        drawn = 0
         for h in hs:
             x, y = _series(h.rows, key)
             if len(x) == 0:
@@ -198,10 +191,9 @@ def trajectories(
             ls = style.get(float(h.epsilon), "-") if h.epsilon is not None else "-"
             mark = "o" if len(x) < 30 else None  # a few evaluations: dots, so that one alone shows
             ax.plot(x, y, lw=1.3, alpha=0.85, color=colors[h.strategy], ls=ls, label=label, marker=mark, ms=3)
-            drawn += 1
-        if drawn and log:
+        if ax.lines and log:
             _log_axes(ax, "y")
-        if drawn:
+        if ax.lines:
             ax.legend(fontsize=8, loc="best", ncol=2 if len({name(h) for h in hs}) > 6 else 1)
         else:
             _empty(ax, f"no run recorded '{key}'")
@@ -402,8 +394,7 @@ def _epsilon_per_run(
                 ax.text(0.0, i, " ε = ∞ (non-private)", va="center", fontsize=7)
         ticks = [(plan_by_run[r], i) for i, r in enumerate(runs) if math.isfinite(plan_by_run.get(r, math.nan))]
         if ticks:
-            xs, ys = [p for p, _ in ticks], [i for _, i in ticks]
-            ax.scatter(xs, ys, marker="|", s=160, color="k", zorder=3, label="planned (run alone)")
+            ax.scatter(*zip(*ticks, strict=True), marker="|", s=160, color="k", zorder=3, label="planned (run alone)")
         ax.set_yticks(y, [str(r) or "(run)" for r in runs], fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("ε of the run alone")
@@ -441,15 +432,13 @@ def annotate_cells(
     ax: Any, grid: np.ndarray, lo: float, hi: float, higher: bool, *, fontsize: float = 7, missing: str | None = None
 ) -> None:
     """Each heatmap cell's value (3 digits), black on light cells, white on dark; NaN shows ``missing``."""
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            v = grid[i, j]
-            if not np.isfinite(v) and missing is None:
-                continue
-            frac = (v - lo) / ((hi - lo) or 1.0) if np.isfinite(v) else 0.0
-            light = frac > 0.6 if higher else frac < 0.4
-            text = f"{v:.3g}" if np.isfinite(v) else missing
-            ax.text(j, i, text, ha="center", va="center", fontsize=fontsize, color="black" if light else "white")
+    for (i, j), v in np.ndenumerate(grid):
+        if not np.isfinite(v) and missing is None:
+            continue
+        frac = (v - lo) / ((hi - lo) or 1.0) if np.isfinite(v) else 0.0
+        light = frac > 0.6 if higher else frac < 0.4
+        text = f"{v:.3g}" if np.isfinite(v) else missing
+        ax.text(j, i, text, ha="center", va="center", fontsize=fontsize, color="black" if light else "white")
 
 
 def _heatmap(

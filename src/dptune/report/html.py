@@ -205,19 +205,17 @@ def render_section(s: Section) -> str:
         cap = f"<figcaption>{_esc(f.caption)}</figcaption>" if f.caption else ""
         out.append(f'<figure><img alt="{alt}" src="{_data_uri(p, "image/png")}">{cap}</figure>')
     out += [render_table(t) for t in s.tables]
-    if s.attachments:
-        links, big = [], []
-        for a in s.attachments:
-            a = Path(a)
-            if a.stat().st_size > MAX_EMBED_BYTES:
-                big.append(a.name)
-                continue
+    links, big = [], []
+    for a in map(Path, s.attachments):
+        if a.stat().st_size > MAX_EMBED_BYTES:
+            big.append(a.name)
+        else:
             mime = "text/csv" if a.suffix == ".csv" else "application/octet-stream"
             links.append(f'<a download="{_esc(a.name)}" href="{_data_uri(a, mime)}">{_esc(a.name)}</a>')
-        if links:
-            out.append('<p class="files">Download: ' + " ".join(links) + "</p>")
-        if big:
-            out.append(f'<p class="meta">Too large to embed; next to this page: {_esc(", ".join(big))}.</p>')
+    if links:
+        out.append('<p class="files">Download: ' + " ".join(links) + "</p>")
+    if big:
+        out.append(f'<p class="meta">Too large to embed; next to this page: {_esc(", ".join(big))}.</p>')
     out.append("</section>")
     return "\n".join(out)
 

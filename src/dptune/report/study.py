@@ -27,11 +27,10 @@ from dptune.report.build import ReportInputs, build_report, nu_q
 from dptune.report.data import LedgerRow, LinearScalingFit, RunHistory, SummaryRow
 from dptune.report.html import FigureRef, Section, Table
 from dptune.report.summary import learning_curves, selected_model_section, tried_section
-from dptune.report.tables import fmt_mean_std
 from dptune.tune import theory
 from dptune.tune.methods import get_method
 from dptune.tune.records import StudyPlan
-from dptune.tune.results import budget_rows, load_study, private_rows, release_note, study_table
+from dptune.tune.results import budget_rows, load_study, metric_text, private_rows, release_note, study_table
 from dptune.tune.space import config_key
 
 MAX_ALL_HISTORIES = 24
@@ -79,7 +78,15 @@ def study_inputs(s: StudyRows, results: Sequence[Any], **fields: Any) -> ReportI
         planned=None,
         spent=None,
         ledger=study_ledger_rows(plan, s.entries, s.per_run),
-        budgets=budget_entries(s.table),
+        budgets=[  # one per private procedure: planned vs spent (ε, δ), scope, accountant
+            {
+                "label": f"{r['strategy']} @ ε = {epsilon_text(r['epsilon'])} ({r['method']})",
+                "planned": (r["planned_epsilon"], r["planned_delta"]),
+                "spent": (r["spent_epsilon"], r["spent_delta"]),
+                "note": f"per {r['guarantee_per']}, accountant {r['accountant']}",
+            }
+            for r in private_rows(s.table)
+        ],
         metric=plan.metric,
         higher_is_better=plan.higher_is_better,
         conclusions=said,
@@ -183,8 +190,8 @@ def _selection_section(
     paragraphs.append(randomness_note(cfg))
     rows = [
         [r["strategy"], r["epsilon"], r["method"], r["selected"] or "—"]
-        + [fmt_mean_std(clip_to_range(r["value_mean"], metric), r["value_std"])]
-        + ([fmt_mean_std(r["test_mean"], r["test_std"])] if has_test else [])  # no empty column
+        + [metric_text(r["value_mean"], r["value_std"], metric)]
+        + ([metric_text(r["test_mean"], r["test_std"], metric)] if has_test else [])  # no empty column
         for r in released
     ]
     columns = ["strategy", "ε", "method", "selected configuration", "selection score"] + ["test"] * has_test
@@ -231,8 +238,11 @@ def _linear_scaling_figures(plan: Any, runs: Sequence[Mapping[str, Any]], out: P
         path = out / RELEASE_DIR / "figures" / f"linear_scaling_{_file_stem(arm.arm)}.png"
         caption = (
             f"{name}: r = η·T of the best sweep runs, the fit ({fit.get('how', 'fit')}) and "
-            f"r* = {fit.get('r_star', math.nan):.4g} used by the final run" + _reachable_note(fit)
+            f"r* = {fit.get('r_star', math.nan):.4g} used by the final run"
         )
+        rf, rs = fit.get("r_final"), fit.get("r_star")
+        if not (rf is None or rs is None or math.isclose(rf, rs, rel_tol=1e-9)):  # r* outside what T_f allows
+            caption += f" — outside [η_min·T_f, η_max·T_f], so the final run used r = η_f·T_f = {rf:.4g}"
         fig = F.linear_scaling(lsf, path, title=f"Linear scaling rule: {name}")
         figs.append(FigureRef(fig, caption + " (Panda et al. 2024, Fig. 3)."))
     return figs
@@ -241,27 +251,6 @@ def _linear_scaling_figures(plan: Any, runs: Sequence[Mapping[str, Any]], out: P
 def _file_stem(arm: str) -> str:
     """An arm id (``dpsgd@eps=2``) as a file name (``dpsgd_at_eps2``)."""
     return arm.replace("/", "_").replace("@", "_at_").replace("=", "")
-
-
-def _reachable_note(fit: Mapping[str, Any]) -> str:
-    """Where r* lay outside what the final run's fixed T_f allows: the r it actually ran."""
-    rf, rs = fit.get("r_final"), fit.get("r_star")
-    if rf is None or rs is None or math.isclose(rf, rs, rel_tol=1e-9):
-        return ""
-    return f" — outside [η_min·T_f, η_max·T_f], so the final run used r = η_f·T_f = {rf:.4g}"
-
-
-def budget_entries(table: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The header's budget rows, one per private procedure: planned vs spent (ε, δ), scope, accountant."""
-    return [
-        {
-            "label": f"{r['strategy']} @ ε = {epsilon_text(r['epsilon'])} ({r['method']})",
-            "planned": (r["planned_epsilon"], r["planned_delta"]),
-            "spent": (r["spent_epsilon"], r["spent_delta"]),
-            "note": f"per {r['guarantee_per']}, accountant {r['accountant']}",
-        }
-        for r in private_rows(table)
-    ]
 
 
 def randomness_note(cfg: Mapping[str, Any]) -> str:

@@ -27,9 +27,6 @@ from dptune.report.data import higher_is_better as resolve_direction
 from dptune.report.html import Table
 from dptune.report.html import cell_text as fmt_value
 
-# Column caps for the terminal table: 6 borders + 5×2 padding + these = 100.
-_W_STRATEGY, _W_EPS, _W_HP, _W_METRIC, _W_SEEDS = 14, 6, 40, 19, 5
-
 
 def fmt_hyperparameters(hp: Mapping[str, Any] | str) -> str:
     if isinstance(hp, str):
@@ -37,17 +34,12 @@ def fmt_hyperparameters(hp: Mapping[str, Any] | str) -> str:
     return ", ".join(f"{k}={fmt_value(v)}" for k, v in sorted(hp.items())) or "—"
 
 
-def fmt_mean_std(mean: float | None, std: float | None, missing: str = "—") -> str:
-    """``mean ± std`` (4 and 2 significant digits); ``missing`` when there is no mean."""
-    if mean is None:
-        return missing
-    return f"{mean:.4g} ± {std:.2g}" if std is not None else f"{mean:.4g}"
-
-
 def fmt_metric(r: SummaryRow, metric: str | None = None) -> str:
-    """mean ± std; with ``metric``, the mean clipped to its range (``clip_to_range``: noisy scores)."""
+    """mean ± std (4 and 2 significant digits); with ``metric``, the mean clipped to its range (noisy scores)."""
     mean = clip_to_range(r.mean, metric) if metric else r.mean
-    return fmt_mean_std(mean, r.std, missing="diverged")
+    if mean is None:
+        return "diverged"
+    return f"{mean:.4g} ± {r.std:.2g}" if r.std is not None else f"{mean:.4g}"
 
 
 def as_summary_rows(rows: Iterable[Any], *, higher: bool = True, best_only: bool = True) -> list[SummaryRow]:
@@ -91,16 +83,14 @@ def render_terminal_table(
     higher = resolve_direction(metric, higher_is_better)
     srows = as_summary_rows(rows, higher=higher)
     name = {"accuracy": "Accuracy", "mse": "MSE", "loss": "Loss"}.get(metric, metric)
-    # Column caps add up to ≤ 100 with borders (6) and padding (2 per column): the table
-    # fits 100 columns whatever the console width; long cells fold onto more lines.
     default = f"Best hyperparameters per strategy and ε ({name}: {'higher' if higher else 'lower'} is better)"
     t = RichTable(title=title or default, header_style="bold", title_justify="left", caption_justify="left")
-    t.add_column("Strategy", style="cyan", overflow="fold", max_width=_W_STRATEGY)
-    t.add_column("ε", justify="right", overflow="fold", max_width=_W_EPS)
-    t.add_column("Best hyperparameters", overflow="fold", max_width=_W_HP)
-    metric_header = f"{name} {'↑' if higher else '↓'}"
-    t.add_column(metric_header, justify="right", overflow="fold", min_width=_W_METRIC, max_width=_W_METRIC)
-    t.add_column("Seeds", justify="right", overflow="fold", max_width=_W_SEEDS)
+    # Column caps: 6 borders + 5×2 padding + these = 100 columns whatever the console width (long cells fold).
+    t.add_column("Strategy", style="cyan", overflow="fold", max_width=14)
+    t.add_column("ε", justify="right", overflow="fold", max_width=6)
+    t.add_column("Best hyperparameters", overflow="fold", max_width=40)
+    t.add_column(f"{name} {'↑' if higher else '↓'}", justify="right", overflow="fold", min_width=19, max_width=19)
+    t.add_column("Seeds", justify="right", overflow="fold", max_width=5)
     for r in srows:
         strategy, eps = r.strategy + (" *" if r.selected else ""), "∞" if math.isinf(r.epsilon) else f"{r.epsilon:g}"
         hp, seeds = fmt_hyperparameters(r.hyperparameters), f"{r.n_seeds - r.n_diverged}/{r.n_seeds}"
@@ -115,12 +105,10 @@ def render_terminal_table(
 # ----------------------------------------------------------------------------- CSV
 def summary_csv_rows(rows: Sequence[SummaryRow]) -> list[dict[str, Any]]:
     """Flat rows: strategy, epsilon, mean, std, seeds, then one column per hyperparameter."""
-    out = []
-    for r in rows:
-        d = asdict(r)
+    out = [asdict(r) for r in rows]
+    for d in out:
         hp = d.pop("hyperparameters")
         d.update({"configuration": hp} if isinstance(hp, str) else {f"hp_{k}": v for k, v in sorted(hp.items())})
-        out.append(d)
     return out
 
 

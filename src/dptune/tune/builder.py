@@ -67,9 +67,11 @@ class Builder:
         replicates: Iterable[int] | None = None,
     ) -> list[str]:
         """Add a candidate's runs, one per seed of ``replicates``, with the arm's fixed values; their ids."""
-        reps = replicates_for(self.ctx.study, procedure) if replicates is None else replicates
+        if replicates is None:  # the procedure's seeds (mean mode: all of them)
+            mean = self.ctx.study.selection.across_seeds == "mean"
+            replicates = range(len(self.ctx.study.seeds)) if mean else [procedure]
         full = None if config is None else {**dict(arm.fixed), **config}
-        return [self.add(arm_id, stage, index, procedure, r, full, shape, nu).run_id for r in reps]
+        return [self.add(arm_id, stage, index, procedure, r, full, shape, nu).run_id for r in replicates]
 
 
 def make_arm_id(label: str, eps: float) -> str:
@@ -113,8 +115,3 @@ def seed_note(study: Study, composite: bool = False) -> list[str]:
         f"seed repetitions are NOT accounted (the papers' convention): each of the {len(study.seeds)} seed "
         "replicates is its own tuning procedure with this guarantee."
     ]
-
-
-def replicates_for(study: Study, procedure: int) -> list[int]:
-    """Seed indices whose runs belong to a procedure (mean mode: all seeds)."""
-    return list(range(len(study.seeds))) if study.selection.across_seeds == "mean" else [procedure]

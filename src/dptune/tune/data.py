@@ -89,14 +89,10 @@ def holdout_mask(x: Inputs, y: torch.Tensor | None, fraction: float, study_seed:
     return torch.from_numpy(out)
 
 
-def _key(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> str:
-    return json.dumps(
+def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> StudyData:
+    key = json.dumps(
         [spec.describe(), selection.split, selection.holdout_fraction, study_seed], sort_keys=True, default=str
     )
-
-
-def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> StudyData:
-    key = _key(spec, selection, study_seed)
     if key in _CACHE:
         return _CACHE[key]
     x_tr: Inputs

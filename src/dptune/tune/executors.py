@@ -142,8 +142,7 @@ class LocalExecutor(Executor):
     def run(self, fn, tasks, on_start=lambda ids: None):
         for rid, args in tasks:
             on_start([rid])
-            res, err = _call(fn, args)
-            yield rid, res, err
+            yield rid, *_call(fn, args)
 
 
 class ProcessExecutor(Executor):
@@ -207,8 +206,6 @@ class ProcessExecutor(Executor):
 def _local_pythonpath() -> dict[str, Any]:
     """This interpreter's ``sys.path`` as the local Ray workers' PYTHONPATH, so that a study's
     ``module:factory`` importable here is importable there (a cluster: Ray's ``runtime_env``)."""
-    import sys
-
     paths = [p for p in sys.path if p and os.path.isdir(p)]
     extra = os.environ.get("PYTHONPATH")
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths + ([extra] if extra else []))}}

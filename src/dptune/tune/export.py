@@ -39,14 +39,6 @@ def study_ledger_digest(study_dir: str | Path) -> str:
     return led.digest()
 
 
-def _saved_run(row: Mapping[str, Any], plan: Any) -> str | None:
-    """The run whose weights an arm publishes: the first selected run (procedure / seed
-    replicate 0's pick; one model per arm — publishing one per replicate would compose)."""
-    return min(
-        row.get("selected_runs") or [], key=lambda r: (plan.runs[r].replicate, plan.runs[r].procedure), default=None
-    )
-
-
 def export_study(
     study_dir: str | Path, arm: str | None = None, out: str | Path | None = None, *, skip_missing: bool = False
 ) -> list[Path]:
@@ -74,7 +66,10 @@ def export_study(
         if arm is not None and a.arm != arm:
             continue
         row = table[a.arm]
-        rid = _saved_run(row, plan)
+        # The run whose weights the arm publishes: the first selected run (procedure / seed replicate 0's
+        # pick; one model per arm — publishing one per replicate would compose).
+        selected = row.get("selected_runs") or []
+        rid = min(selected, key=lambda r: (plan.runs[r].replicate, plan.runs[r].procedure), default=None)
         ckpt = load_checkpoint(d, rid) if rid is not None else None
         if ckpt is None or rid is None:  # "or rid is None" for the type checker: ckpt is None then too
             if skip_missing or (arm is None and rid is None):  # every arm: skip one with no selection
@@ -146,6 +141,11 @@ def _card(
             "while one replicate's runs are accounted (account_seeds = false); only their composition covers it: "
             f"ε = {up(row['selection_epsilon'], 4)}",
         )
+    # The data without the in-memory tensors' fingerprint: a hash of the private training set would
+    # allow membership tests; it stays in the owner-only store.
+    data = dict(cfg.get("data") or {})
+    if "python_tensors" in data:
+        data["python_tensors"] = "in-memory tensors (not identified: their hash would reveal the data)"
     return {
         # the guarantee's ε: an oracle arm's target ε is per run, not its model's (found in review)
         "title": f"{a.label} at ε = {up(row['planned_epsilon'], 4)} ({cfg.get('study', {}).get('name', 'study')})",
@@ -167,19 +167,10 @@ def _card(
             "test_metric": stored["test_metric"],
         },
         "model": ckpt.get("model") or {},
-        "data": _public_data_id(cfg.get("data")),
+        "data": data,
         **randomness_statement(bool(cfg.get("study", {}).get("secure"))),
         "ledger": ledger,
     }
-
-
-def _public_data_id(desc: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The data description without the in-memory tensors' fingerprint: a hash of the private training
-    set would allow membership tests; it stays in the owner-only store."""
-    out = dict(desc or {})
-    if "python_tensors" in out:
-        out["python_tensors"] = "in-memory tensors (not identified: their hash would reveal the data)"
-    return out
 
 
 def prune_checkpoints(study_dir: str | Path) -> int:

@@ -35,12 +35,11 @@ def _dec(x: Any) -> Any:
 
 
 def _json_floats(d: Any, decode: bool = False) -> Any:
-    f = _dec if decode else _enc
     if isinstance(d, Mapping):
         return {k: _json_floats(v, decode) for k, v in d.items()}
     if isinstance(d, list | tuple):
         return [_json_floats(v, decode) for v in d]
-    return f(d)
+    return _dec(d) if decode else _enc(d)
 
 
 # How a record's field is written to JSON and read back: field(metadata={"json": (encode, decode)});
@@ -151,20 +150,12 @@ class StudyPlan(JsonRecord):
 def canonical(event: dp_event.DpEvent) -> dp_event.DpEvent:
     """The same composition regrouped by atomic event (each atom once, self-composed ``count`` times, fixed
     order): K identical runs become one ``SelfComposedDpEvent`` (fast PLD), hashable for caching."""
-    counts = atoms(event)
-    items = sorted(counts.items(), key=lambda kv: repr(kv[0]))
-    evs = [e if n == 1 else dp_event.SelfComposedDpEvent(e, n) for e, n in items if n > 0]
-    if not evs:
-        return dp_event.NoOpDpEvent()
-    return evs[0] if len(evs) == 1 else dp_event.ComposedDpEvent(tuple(evs))  # type: ignore[arg-type]
+    return compose(sorted(atoms(event).items(), key=lambda kv: repr(kv[0])))
 
 
 def group_events(events: Iterable[dp_event.DpEvent]) -> dp_event.DpEvent:
-    """Compose events (canonical form: see ``canonical``)."""
-    evs = list(events)
-    if not evs:
-        return dp_event.NoOpDpEvent()
-    return canonical(dp_event.ComposedDpEvent(evs))
+    """Compose events (canonical form: see ``canonical``; none: ``NoOpDpEvent``)."""
+    return canonical(dp_event.ComposedDpEvent(list(events)))
 
 
 def event_epsilon(event: dp_event.DpEvent, delta: float, acc: str) -> float:
@@ -194,9 +185,7 @@ def choose_accountant(requested: str, event: dp_event.DpEvent, auto: str | None 
         return requested
     if auto is not None:
         return auto
-    if unsampled:
-        return "gdp"
-    return "pld" if len(a) <= PLD_MAX_DISTINCT_ATOMS else "rdp"
+    return "gdp" if unsampled else "pld" if len(a) <= PLD_MAX_DISTINCT_ATOMS else "rdp"
 
 
 def calibrate_nu(

@@ -182,26 +182,22 @@ def budget_rows(study_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[
         labels: dict[str, list[LedgerEntry]] = defaultdict(list)
         for e in scope:
             labels[e.label].append(e)
-        for label, es in sorted(labels.items()):
-            per_label.append(
-                {
-                    "arm": arm.arm,
-                    "label": label,
-                    "releases": sum(e.count for e in es),
-                    "epsilon_alone": entries_epsilon(es, arm.delta, acc),
-                    "scope": "all seeds" if per_study else "seed replicate 0",
-                }
-            )
+        # (label, its entries, accountant, scope) of each row
+        parts = [
+            (label, es, acc, "all seeds" if per_study else "seed replicate 0") for label, es in sorted(labels.items())
+        ]
         if get_method(arm.method).hides_run_count and scope:
-            per_label.append(
-                {
-                    "arm": arm.arm,
-                    "label": "(every run, if all were published)",
-                    "releases": sum(e.count for e in scope),
-                    "epsilon_alone": entries_epsilon(scope, arm.delta, "rdp"),
-                    "scope": "composition, NOT the guarantee",
-                }
-            )
+            parts.append(("(every run, if all were published)", scope, "rdp", "composition, NOT the guarantee"))
+        per_label += [
+            {
+                "arm": arm.arm,
+                "label": label,
+                "releases": sum(e.count for e in es),
+                "epsilon_alone": entries_epsilon(es, arm.delta, a),
+                "scope": where,
+            }
+            for label, es, a, where in parts
+        ]
     return per_run, per_label
 
 

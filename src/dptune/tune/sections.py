@@ -15,7 +15,7 @@ from dptune import data as datasets
 from dptune import inputs, models
 from dptune.accounting.events import check_delta_for_n
 from dptune.devices import check_device_name
-from dptune.errors import ConfigError, config_error
+from dptune.errors import config_error
 from dptune.factories import import_factory
 from dptune.inputs import batch_len
 from dptune.metrics import named as named_metric
@@ -48,18 +48,6 @@ def _check_choice(path: str, value: Any, choices: Sequence[str], what: str, fix:
     """``value`` is one of ``choices``; else "unknown <what>", the fix listing them unless given."""
     if value not in choices:
         raise config_error(path, f"unknown {what} {value!r}", fix or f"choose one of {', '.join(choices)}")
-
-
-def _check_flag_options(name: str, options: Mapping[str, Any]) -> None:
-    """A dataset option whose default is true/false takes only true/false: ``flatten = "maybe"``
-    (or 2) would be read as true by the loader. Unknown options are left to ``dptune.data.load``."""
-    try:
-        defaults = datasets.options(name)
-    except ConfigError:  # an unknown dataset is reported by the caller
-        return
-    for key, value in options.items():
-        if isinstance(defaults.get(key), bool):
-            check_flag(f"data.options.{key}", value, f"{key} = {str(defaults[key]).lower()}")
 
 
 def _one_source(section: str, sources: Sequence[Any], choices: str, fix: str, factory: str | None) -> None:
@@ -104,7 +92,12 @@ class DataSpec:
             _check_choice("data.name", self.name, datasets.available(), "dataset")
             if not isinstance(self.options, Mapping):
                 raise config_error("data.options", "must be a table of options", "e.g. options = { flatten = true }")
-            _check_flag_options(self.name, self.options)
+            # An option whose default is true/false takes only true/false: flatten = "maybe" (or 2) would be
+            # read as true by the loader. Unknown options are left to dptune.data.load.
+            defaults = datasets.options(self.name)  # a known name: checked above
+            for key, value in self.options.items():
+                if isinstance(defaults.get(key), bool):
+                    check_flag(f"data.options.{key}", value, f"{key} = {str(defaults[key]).lower()}")
         else:
             t = self.tensors
             if not isinstance(t, tuple | list) or len(t) != 4:

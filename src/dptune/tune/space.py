@@ -75,11 +75,5 @@ def bounds(spec: Any) -> tuple[float, float]:
 
 
 def config_key(config: Mapping[str, Any]) -> str:
-    """A stable text key of a configuration (sorted 'k=v' pairs)."""
-    return ", ".join(f"{k}={_fmt(config[k])}" for k in sorted(config))
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    """A stable text key of a configuration (sorted 'k=v' pairs, floats to 4 significant digits)."""
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(config.items()))

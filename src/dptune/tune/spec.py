@@ -186,23 +186,9 @@ def _jsonable(x: Any) -> Any:
 
 
 def _check_arm(study: Study, arm: StrategyArm, i: int) -> None:
-    """One arm: its strategy, its space's names and values, its method's checks, that it builds."""
+    """One arm: its strategy (its name becomes the canonical one), its space's names and values (each a
+    hyperparameter of the strategy or a run setting, once), its method's checks, that it builds."""
     path = f"strategies[{i}]"
-    key, hyperparameters, private = _check_strategy_name(arm, path)
-    if not isinstance(arm.space, Mapping) or not isinstance(arm.fixed, Mapping):
-        raise config_error(f"{path}.space", "space and fixed must be tables", "e.g. space = { lr = [0.1, 1.0] }")
-    method = study.method_for(arm)
-    if arm.method is not None and not isinstance(arm.method, MethodSpec):
-        raise config_error(f"{path}.method", "must be a MethodSpec", "e.g. method = { name = 'grid' }")
-    _check_keys(arm, key, hyperparameters, path)
-    tuner = get_method(method.name)
-    _check_space_values(arm.space, method.name, tuner.needs_value_lists, path)
-    tuner.check_arm(study, arm, path, private)
-    _check_strategy_builds(arm, key, path)
-
-
-def _check_strategy_name(arm: StrategyArm, path: str) -> tuple[str, tuple[str, ...], bool]:
-    """(canonical strategy name, hyperparameters, private?); the arm's name becomes the canonical one."""
     if not isinstance(arm, StrategyArm):
         raise config_error(path, "must be a StrategyArm", "StrategyArm(name='dpsgd', space={'lr': [0.1, 1.0]})")
     try:
@@ -214,11 +200,11 @@ def _check_strategy_name(arm: StrategyArm, path: str) -> tuple[str, tuple[str, .
             f"choose one of {', '.join(sorted(STRATEGIES))}, or '<privatizer>+<update>' (e.g. 'oso+adam')",
         ) from None
     object.__setattr__(arm, "name", key)
-    return key, tuple(hyperparameters), private
-
-
-def _check_keys(arm: StrategyArm, key: str, hyperparameters: Sequence[str], path: str) -> None:
-    """Every searched or fixed name is a hyperparameter of the strategy (or a run setting), once."""
+    if not isinstance(arm.space, Mapping) or not isinstance(arm.fixed, Mapping):
+        raise config_error(f"{path}.space", "space and fixed must be tables", "e.g. space = { lr = [0.1, 1.0] }")
+    method = study.method_for(arm)
+    if arm.method is not None and not isinstance(arm.method, MethodSpec):
+        raise config_error(f"{path}.method", "must be a MethodSpec", "e.g. method = { name = 'grid' }")
     allowed = set(hyperparameters) | set(TRAINING_KEYS)
     for k in list(arm.space) + list(arm.fixed):
         if k not in allowed:
@@ -230,6 +216,23 @@ def _check_keys(arm: StrategyArm, key: str, hyperparameters: Sequence[str], path
             )
     if both := sorted(set(arm.space) & set(arm.fixed)):
         raise config_error(f"{path}.fixed.{both[0]}", "is both searched and fixed", "keep it in one of space/fixed")
+    tuner = get_method(method.name)
+    _check_space_values(arm.space, method.name, tuner.needs_value_lists, path)
+    tuner.check_arm(study, arm, path, private)
+    try:  # it builds with the first value of every axis (a distribution: its lower bound) and the fixed values
+        first = {
+            k: (v[0] if isinstance(v, Sequence) and not isinstance(v, str) else list(v.values())[0][0])
+            for k, v in arm.space.items()
+        }
+        make_strategy(key, **{k: v for k, v in {**first, **arm.fixed}.items() if k not in TRAINING_KEYS})
+    except ConfigError as exc:  # its message names its fix already (one "Fix:", found in review)
+        raise (
+            ConfigError(f"{path}: {exc}")
+            if "Fix:" in str(exc)
+            else config_error(path, str(exc), "fix the strategy's hyperparameters")
+        ) from None
+    except TypeError as exc:
+        raise config_error(path, str(exc), "check the hyperparameter types") from None
 
 
 def _check_space_values(space: Mapping[str, Any], method: str, needs_lists: bool, path: str) -> None:
@@ -237,7 +240,24 @@ def _check_space_values(space: Mapping[str, Any], method: str, needs_lists: bool
     for k, v in space.items():
         vpath = f"{path}.space.{k}"
         if isinstance(v, Mapping):
-            _check_distribution(v, vpath)
+            if len(v) != 1 or next(iter(v)) not in DISTRIBUTIONS:
+                raise config_error(
+                    vpath,
+                    f"unknown distribution {dict(v)!r}",
+                    f"use a list of values or one of {', '.join(DISTRIBUTIONS)} = [lo, hi]",
+                )
+            dist, bounds = next(iter(v.items()))
+            if not (
+                isinstance(bounds, Sequence)
+                and len(bounds) == 2
+                and all(isinstance(b, int | float) for b in bounds)
+                and bounds[0] <= bounds[1]
+            ):
+                raise config_error(
+                    vpath, f"{dist} needs [lo, hi] with lo ≤ hi, got {bounds!r}", f"e.g. {dist} = [1e-3, 1.0]"
+                )
+            if "log" in dist and bounds[0] <= 0:
+                raise config_error(vpath, f"{dist} needs lo > 0, got {bounds[0]!r}", "use a positive lower bound")
             if needs_lists:
                 raise config_error(
                     vpath,
@@ -251,47 +271,6 @@ def _check_space_values(space: Mapping[str, Any], method: str, needs_lists: bool
                 )
         else:
             raise config_error(vpath, f"must be a list of values or a distribution, got {v!r}", f"e.g. {k} = [{v!r}]")
-
-
-def _check_distribution(v: Mapping[str, Any], vpath: str) -> None:
-    if len(v) != 1 or next(iter(v)) not in DISTRIBUTIONS:
-        raise config_error(
-            vpath,
-            f"unknown distribution {dict(v)!r}",
-            f"use a list of values or one of {', '.join(DISTRIBUTIONS)} = [lo, hi]",
-        )
-    dist, bounds = next(iter(v.items()))
-    if not (
-        isinstance(bounds, Sequence)
-        and len(bounds) == 2
-        and all(isinstance(b, int | float) for b in bounds)
-        and bounds[0] <= bounds[1]
-    ):
-        raise config_error(vpath, f"{dist} needs [lo, hi] with lo ≤ hi, got {bounds!r}", f"e.g. {dist} = [1e-3, 1.0]")
-    if "log" in dist and bounds[0] <= 0:
-        raise config_error(vpath, f"{dist} needs lo > 0, got {bounds[0]!r}", "use a positive lower bound")
-
-
-def _check_strategy_builds(arm: StrategyArm, key: str, path: str) -> None:
-    """The strategy accepts the first value of every axis and the fixed values."""
-    try:
-        make_strategy(
-            key,
-            **{
-                k: (v[0] if isinstance(v, Sequence) and not isinstance(v, str) else list(v.values())[0][0])
-                for k, v in arm.space.items()
-                if k not in TRAINING_KEYS
-            },
-            **{k: v for k, v in arm.fixed.items() if k not in TRAINING_KEYS},
-        )
-    except ConfigError as exc:  # its message names its fix already (one "Fix:", found in review)
-        raise (
-            ConfigError(f"{path}: {exc}")
-            if "Fix:" in str(exc)
-            else config_error(path, str(exc), "fix the strategy's hyperparameters")
-        ) from None
-    except TypeError as exc:
-        raise config_error(path, str(exc), "check the hyperparameter types") from None
 
 
 # ----------------------------------------------------------------------------- loading

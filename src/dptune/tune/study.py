@@ -321,32 +321,29 @@ class StudyOutcome:
 
 def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
     store = Store(study_dir, create=True)
-    if store.has_plan():
-        if store.get_meta("fingerprint") != study.fingerprint():
-            store.close()
-            raise ConfigError(
-                f"{str(study_dir)!r} already holds a different study (its config differs: e.g. seeds, budget "
-                "or search space). A planned study cannot grow. Fix: use a new directory, or `dptune resume DIR` "
-                "to continue the stored study unchanged."
-            )
-        plan = StudyPlan.from_dict(store.get_meta("plan"))
-        try:  # the data the runs left will read must be the planned one (found in review: a relative csv
-            data = study_data(study.data, study.selection, study.seed)  # path read from another folder)
-        except BaseException:
-            store.close()
-            raise
-        planned = (store.get_meta("config") or {}).get("_meta", {}).get("data_digest") or {}  # {}: planned before
-        now = data.digest() if planned else {}
-        if (data.n_train, data.n_val) != (plan.n_train, plan.n_val) or any(planned[k] != now[k] for k in planned):
-            store.close()
-            raise ConfigError(
-                f"the study's data is not the one it was planned on: {data.n_train} training and {data.n_val} "
-                f"validation examples now, {plan.n_train} and {plan.n_val} planned (q and the guarantee assume them); "
-                f"rows that differ: {', '.join(k for k in planned if planned[k] != now[k]) or 'none'} (a loader whose "
-                "output changes with the thread count differs too). Fix: restore the data it was planned on."
-            )
-        return store, plan
-    try:
+    try:  # closed on any failure, before run_study removes what it created
+        if store.has_plan():
+            if store.get_meta("fingerprint") != study.fingerprint():
+                raise ConfigError(
+                    f"{str(study_dir)!r} already holds a different study (its config differs: e.g. seeds, budget "
+                    "or search space). A planned study cannot grow. Fix: use a new directory, or `dptune resume DIR` "
+                    "to continue the stored study unchanged."
+                )
+            plan = StudyPlan.from_dict(store.get_meta("plan"))
+            # The data the runs left will read must be the planned one (found in review: a relative csv
+            # path read from another folder).
+            data = study_data(study.data, study.selection, study.seed)
+            planned = (store.get_meta("config") or {}).get("_meta", {}).get("data_digest") or {}  # {}: planned before
+            now = data.digest() if planned else {}
+            if (data.n_train, data.n_val) != (plan.n_train, plan.n_val) or any(planned[k] != now[k] for k in planned):
+                raise ConfigError(
+                    f"the study's data is not the one it was planned on: {data.n_train} training and {data.n_val} "
+                    f"validation examples now, {plan.n_train} and {plan.n_val} planned (q and the guarantee assume "
+                    f"them); rows that differ: {', '.join(k for k in planned if planned[k] != now[k]) or 'none'} (a "
+                    "loader whose output changes with the thread count differs too). Fix: restore the data it was "
+                    "planned on."
+                )
+            return store, plan
         data = study_data(study.data, study.selection, study.seed)
         metric = study_metric(study, data.task)
         if metric == "accuracy" and data.task == "reconstruction":
@@ -355,7 +352,7 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
         meta = {"python_study": study.from_python, "data_digest": data.digest(), "groups": "balanced"}  # since 2026-11
         config = {**study.to_dict(), "_meta": meta}
         store.initialize(config, study.fingerprint(), plan.to_dict(), [r.to_dict() for r in plan.runs.values()])
-    except BaseException:  # closed before run_study removes what it created
+    except BaseException:
         store.close()
         raise
     return store, plan

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dptune import accounting
@@ -167,8 +168,6 @@ def sample_repetitions(mean: float, shape: float, rng: np.random.Generator | Sec
 
 
 def repeat_and_select_event(event, mean: float, shape: float):
-    from dp_accounting import dp_event
-
     return dp_event.RepeatAndSelectDpEvent(event, float(mean), float(shape))
 
 
@@ -185,9 +184,7 @@ def rerr(ours: float, random_search: float, oracle: float, higher_is_better: boo
     1 − err_ours / err_random = (ours − random) / (oracle − random), errors measured to the oracle."""
     gap = (oracle - random_search) if higher_is_better else (random_search - oracle)
     gain = (ours - random_search) if higher_is_better else (random_search - ours)
-    if gap == 0:
-        return math.nan
-    return gain / gap
+    return math.nan if gap == 0 else gain / gap
 
 
 # ----------------------------------------------------------------------------- Mohapatra App. F

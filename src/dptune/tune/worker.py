@@ -49,10 +49,9 @@ class Scorer:
         self.measure = resolve(metric, what="selection.metric")
         if self.measure is MSE:
             self.measure = self.measure.with_sensitivity(float(study.selection.mse_clip))
-        if self.private:
-            self.sensitivity = self.measure.require_sensitivity()
-        else:
-            self.sensitivity = float(self.measure.sensitivity or 1.0)
+        self.sensitivity = (
+            self.measure.require_sensitivity() if self.private else float(self.measure.sensitivity or 1.0)
+        )
         self.ledger = Ledger.with_plan(_eval_event(run))
         # Private selection scores are releases too: secure mode covers their noise.
         self.gateway = NoisyRelease(
@@ -215,8 +214,7 @@ def check_run_ledger(run: RunSpec, ledger: Ledger, status: str) -> None:
     """The coordinator's check of a returned ledger: exactly the run's plan (a diverged run,
     which stops early, may have released less — never more, never anything else)."""
     spent, planned = ledger.atoms(), atoms(run.planned_event)
-    extra = spent - planned
-    if extra:
+    if extra := spent - planned:
         ev, n = next(iter(extra.items()))
         raise BudgetExceededError(
             f"run {run.run_id} returned releases that are not in its plan ({n} × {ev}); refusing to merge it."

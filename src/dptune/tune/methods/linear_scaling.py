@@ -298,26 +298,23 @@ def resolve_final_config(
     """Panda Alg. 2: best r per sweep → fit r(x) → r* at the final x → (η_f, T_f); returns (config,
     fit record), deterministic in the stored ``scores`` (run_id → score) so a resumed study agrees."""
     ex = arm.extra
-    higher = plan.higher_is_better
     xs, rs = [], []
-    delta = arm.delta
+
+    def x_of(e: float) -> float:
+        return e if ex["fit_axis"] == "epsilon" else accounting.gdp_mu_for_epsilon(e, arm.delta)
+
     for i, e in enumerate(ex["sweep_epsilons"]):
-        best = None
-        for rid in arm.runs:
-            run = plan.runs[rid]
-            if run.stage != f"sweep{i}" or run.procedure != procedure:
+        best = None  # the first best finite score of sweep i
+        for run in (plan.runs[rid] for rid in arm.runs):
+            s = scores.get(run.run_id)
+            if run.stage != f"sweep{i}" or run.procedure != procedure or s is None or not math.isfinite(s):
                 continue
-            s = scores.get(rid)
-            if s is None or not math.isfinite(s):
-                continue
-            if best is None or better(s, best[0], higher):
+            if best is None or better(s, best[0], plan.higher_is_better):
                 best = (s, run.config["lr"] * run.config["steps"])
         if best is not None:
-            x = e if ex["fit_axis"] == "epsilon" else accounting.gdp_mu_for_epsilon(e, delta)
-            xs.append(x)
+            xs.append(x_of(e))
             rs.append(best[1])
-    eps_f = float(ex["final_epsilon"][str(procedure)])
-    x_f = eps_f if ex["fit_axis"] == "epsilon" else accounting.gdp_mu_for_epsilon(eps_f, delta)
+    x_f = x_of(float(ex["final_epsilon"][str(procedure)]))
     r_lo, r_hi = ex["r_bounds"]
     deg = 2 if ex["fit"] == "quadratic" else 1
     if len(xs) >= deg + 1:

@@ -58,16 +58,6 @@ class RepeatAndSelectOptions:
             )
 
 
-def rdp_accountant(requested: str) -> str:
-    """dp_accounting accounts ``RepeatAndSelectDpEvent`` with RDP only."""
-    if requested not in ("auto", "rdp"):
-        raise ConfigError(
-            f"budget.accountant: repeat-and-select is accounted by RDP only (got {requested!r}). "
-            "Fix: accountant = 'rdp' or 'auto'."
-        )
-    return "rdp"
-
-
 class RepeatAndSelect(TuningMethod):
     name = "repeat-and-select"
     aliases = ("repeat_and_select", "papernot-steinke")
@@ -100,7 +90,12 @@ class RepeatAndSelect(TuningMethod):
         first = S.draw(arm.space, S.rng_for(study.seed, "probe"))
         shape0 = make_shape(ctx, arm, first, f"{path}.space")
         one_bound(ctx, arm, first, shape0, f"{path}.space")
-        acc = rdp_accountant(study.budget.accountant)
+        if study.budget.accountant not in ("auto", "rdp"):  # dp_accounting: RepeatAndSelectDpEvent by RDP only
+            raise ConfigError(
+                f"budget.accountant: repeat-and-select is accounted by RDP only (got {study.budget.accountant!r}). "
+                "Fix: accountant = 'rdp' or 'auto'."
+            )
+        acc = "rdp"
 
         def event(v: float) -> dp_event.DpEvent:
             rs = theory.repeat_and_select_event(group_events([shape0.event(v)] * unit), mean, shape_param)
