@@ -784,8 +784,23 @@ class Checked(ActNorm):
         return super().forward(x)
 
 
+class ClassVocab(Vocab):
+    """The vocabulary on the class (shared by every instance): not in the instance's attributes."""
+
+    table: dict[int, int] = {}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = torch.tensor([[ClassVocab.table.setdefault(int(t), len(ClassVocab.table)) for t in row] for row in ids])
+        return self.out(self.emb(local % 64).mean(1))
+
+
 def _stateful() -> list[tuple[nn.Module, torch.Tensor]]:
-    return [(Vocab(), torch.randint(0, 1000, (6, 4))), (Checked(), torch.randn(6, 5))]
+    ClassVocab.table = {}
+    return [
+        (Vocab(), torch.randint(0, 1000, (6, 4))),
+        (Checked(), torch.randn(6, 5)),
+        (ClassVocab(), torch.randint(0, 1000, (6, 4))),
+    ]
 
 
 def test_state_kept_from_one_example_to_the_next_is_refused_one_at_a_time() -> None:

@@ -121,13 +121,16 @@ class KeptState:
         self._cells: list[Any] = []
         for o in others:
             self._collect(o, 0)
+        # Your classes' data attributes too (a vocabulary kept on the class is shared by every instance).
+        self._classes = list(dict.fromkeys(c for o in (*self._mods, *self._objs) for c in type(o).__mro__ if _yours(c)))
         memo: dict[int, Any] = {id(t): t for m in self._mods for t in (*m.parameters(), *m.buffers())}
         memo.update((id(t), t) for t in tensors)
-        memo.update((id(m), m) for m in (*self._mods, *self._objs))
+        memo.update((id(m), m) for m in (*self._mods, *self._objs, *self._classes))
         try:
             self._kept = [copy.deepcopy(_python_attrs(m.__getstate__()), memo) for m in self._mods]
             self._kept_objs = [copy.deepcopy(dict(vars(o)), memo) for o in self._objs]
             self._kept_cells = [copy.deepcopy(c.cell_contents, memo) for c in self._cells]
+            self._kept_classes = [copy.deepcopy(_class_data(c), memo) for c in self._classes]
         except Exception as exc:  # noqa: BLE001 - a lock, a file: the check needs the copy
             raise ConfigError(f"the model (or your loss or metric) cannot be deep-copied ({exc}). Fix: keep no lock or "
                               "file in it.") from None  # fmt: skip
@@ -152,8 +155,10 @@ class KeptState:
 
     def again(self, fn: Callable[[], Any]) -> Any:
         now = [_python_attrs(vars(m)) for m in self._mods], [dict(vars(o)) for o in self._objs]
-        cells = [c.cell_contents for c in self._cells]
+        cells, classes = [c.cell_contents for c in self._cells], [_class_data(c) for c in self._classes]
         try:
+            for c, d in zip(self._classes, self._kept_classes, strict=True):
+                _put_class_data(c, d)
             for m, attrs in zip(self._mods, self._kept, strict=True):
                 _put_attrs(m, {})
                 m.__setstate__({**vars(m), **attrs})
@@ -171,6 +176,28 @@ class KeptState:
                 vars(o).update(d)
             for c, v in zip(self._cells, cells, strict=True):
                 c.cell_contents = v
+            for c, d in zip(self._classes, classes, strict=True):
+                _put_class_data(c, d)
+
+
+def _yours(cls: type) -> bool:
+    where = cls.__module__ or ""
+    return not where.startswith(TRUSTED_CODE) and where != "builtins"
+
+
+def _class_data(cls: type) -> dict[str, Any]:
+    """A class's own data attributes (not its methods, properties or dunders)."""
+    return {
+        k: v for k, v in vars(cls).items()
+        if not k.startswith("__") and not inspect.isroutine(v) and not isinstance(v, (property, classmethod, staticmethod, type))
+    }  # fmt: skip
+
+
+def _put_class_data(cls: type, data: dict[str, Any]) -> None:
+    for k in _class_data(cls).keys() - data.keys():
+        delattr(cls, k)
+    for k, v in data.items():
+        setattr(cls, k, v)
 
 
 def _stateful_object(o: Any) -> bool:
