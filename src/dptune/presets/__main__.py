@@ -1,5 +1,4 @@
-"""``python -m dptune.presets [OUT_DIR]``: run the demo (the README's main job) into OUT_DIR
-(default ``runs/demo``) and print its wall time."""
+"""``python -m dptune.presets [OUT_DIR]``: run the demo into OUT_DIR (default ``runs/demo``), print its wall time."""
 
 from __future__ import annotations
 

@@ -84,8 +84,7 @@ class Preset:
         if unknown := sorted(set(options) - set(self.options)):
             allowed = ", ".join(self.options) or "(none)"
             raise ConfigError(f"preset {self.name!r} has no option {unknown[0]!r}. Fix: its options are: {allowed}.")
-        merged = {k: v for k, v in {**dict(self.options), **options}.items() if v is not None}
-        return self.build(scale, merged)
+        return self.build(scale, {k: v for k, v in {**dict(self.options), **options}.items() if v is not None})
 
 
 def study_dict(

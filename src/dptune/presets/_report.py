@@ -85,23 +85,20 @@ def study_report(
     runs = {r["run_id"]: r for r in s.runs}
     # Notes of LT/RS arms state K (runs drawn): diagnostics; the release says K is secret.
     arm_notes, secret_notes = split_arm_notes(plan, lambda a: f"{a.label} @ {a.arm.split('@')[-1]}")
-    accountants = sorted({a.accountant for a in plan.arms if a.accountant != "none"})
-    heatmaps = study_heatmaps(s, out) if include_diagnostics else []
     # Every run and every configuration: diagnostics, as in ``dptune report`` (report_study).
-    runs_section = every_run_section(table, write_runs_csv(out, s.runs, arm_of))
     inputs = study_inputs(
         s,
         _results(table, runs),
         histories=_histories(table, runs, arm_of),
         title=title or cfg.get("study", {}).get("name", "study"),
         subtitle=subtitle,
-        accountant=", ".join(accountants) or None,
+        accountant=", ".join(sorted({a.accountant for a in plan.arms if a.accountant != "none"})) or None,
         notes=[*notes, *dict.fromkeys(arm_notes), randomness_note(cfg)],
         linear_scaling=_linear_fit(table),
         extra_figures=extra_figures,
-        extra_sections=[*extra_sections, *heatmaps],
+        extra_sections=[*extra_sections, *(study_heatmaps(s, out) if include_diagnostics else [])],
         diagnostic_notes=list(dict.fromkeys(secret_notes)),
-        diagnostic_sections=[runs_section],
+        diagnostic_sections=[every_run_section(table, write_runs_csv(out, s.runs, arm_of))],
         # the selection score, as in this page's results table
         all_results=every_configuration(s.runs, arm_of, s.chosen, use_test=False, name=lambda a: a.label),
     )

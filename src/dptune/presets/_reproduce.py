@@ -7,7 +7,6 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +123,7 @@ def reproduce(
         raise ConfigError(f"unknown executor {executor!r}. Fix: choose local, process or ray.")
     device = device or _default_device(scale)
     with data_dir_env(data_dir):  # options checked before any folder is made (a part may load its data)
-        ours = [f"{part.name}/study.sqlite" for part in preset.parts(scale, **options)]
+        ours = [part.name for part in preset.parts(scale, **options)]  # a part begun: its folder
     refuse_foreign_dir(out_dir, ours, "--out", f"or the --out of an earlier `dptune reproduce {name}` (it resumes).")
     check_workers(workers)
     check_study_device(device, executor, None)  # before any folder is made
@@ -141,7 +140,7 @@ def reproduce(
             )
             run = {"executor": executor, "progress": progress, "workers": workers}
             figures = panda.report_figures if preset.name.startswith("panda-") else None
-            sections = _run_parts(parts, out, console, partial(_run_part, device=device, run=run, figures=figures))
+            sections = _run_parts(parts, out, console, device=device, run=run, figures=figures)
             extra = list(preset.extra(out, scale, dict(options), parts, console)) if preset.extra is not None else []
         write_report(
             out,
@@ -165,13 +164,13 @@ def reproduce(
         raise
 
 
-def _run_parts(parts: list[Part], out: Path, console: Any, run: Any) -> list[Section]:
-    """Run every part (``run``), write the preset's results CSVs, return one report section per part."""
+def _run_parts(parts: list[Part], out: Path, console: Any, **run_part: Any) -> list[Section]:
+    """Run every part (``_run_part``), write the preset's results CSVs, return one report section per part."""
     all_rows: list[dict[str, Any]] = []
     sections = []
     for part in parts:
         console.print(f"\n[bold]{part.title}[/bold] → {out / part.name}")
-        rows, html = run(part, out / part.name, console=console)
+        rows, html = _run_part(part, out / part.name, console=console, **run_part)
         all_rows.extend({"part": part.name, **r} for r in rows)
         comparison = paper_comparison(part, rows)
         if comparison is not None:

@@ -58,8 +58,7 @@ SCALES: dict[str, dict[str, Any]] = {
 
 def epsilon_for_sigma(sigma: float, n: int, lot: float, steps: int, candidates: int, delta: float) -> float:
     """ε under RDP of ``candidates`` runs of ``steps`` Gaussian steps at q = lot/n, ν = σ: σ's budget."""
-    q = min(1.0, lot / n)
-    return accounting.epsilon(accounting.dpsgd_event(sigma, q, steps, runs=candidates), delta, "rdp")
+    return accounting.epsilon(accounting.dpsgd_event(sigma, min(1.0, lot / n), steps, runs=candidates), delta, "rdp")
 
 
 def _strategies(s: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -133,12 +132,11 @@ def sigma_costs(out_dir: Path, scale: str, parts: list[Part]) -> list[Section]:
     if not parts:
         return []
     st = parts[0].study
-    s = SCALES[scale]
     n = tuner_data(st["data"]).n_train
     delta = float(st["budget"]["delta"])
     lot, steps = float(st["training"]["expected_batch_size"]), int(st["training"]["steps"])
     rows = []
-    for sig, eps_budget in zip(s["sigmas"], st["budget"]["epsilon"], strict=True):
+    for sig, eps_budget in zip(SCALES[scale]["sigmas"], st["budget"]["epsilon"], strict=True):
         for arm in st["strategies"]:
             k = math.prod(len(v) for v in arm["space"].values())
             _, eps_lt, eps_ma = theory.lt_vs_ma(n, sig, lot, steps, ks=[k], delta=delta).rows[0]

@@ -200,11 +200,8 @@ def _best_counts_section(
         for (a, c), k in cnt.items()
     ]
     counts_csv = write(where / "dpsgd_best_counts.csv", count_rows)
-    heat = F.best_count_heatmap(
-        bc.counts,
-        where / "figures" / "dpsgd_best_counts.png",
-        title=f"DP-SGD: times each (α, C) was best, {bc.contests} comparisons",
-    )
+    title = f"DP-SGD: times each (α, C) was best, {bc.contests} comparisons"
+    heat = F.best_count_heatmap(bc.counts, where / "figures" / "dpsgd_best_counts.png", title=title)
     by_clip: dict[float, list[float]] = defaultdict(list)
     for a, c in pruned:
         by_clip[c].append(a)

@@ -106,11 +106,10 @@ def _arms(s: Mapping[str, Any], fixed: Mapping[str, Any]) -> list[dict[str, Any]
         "r_sampling": R_SAMPLING,
         "final_steps": "max",
     }
-    grid = {"lr": list(s["grid_lr"]), "steps": list(s["grid_steps"])}
     arms = [
         ("linear-scaling", space, rule),
         ("random-search", space, {"name": "random", "n": 1}),
-        ("grid-oracle", grid, {"name": "oracle"}),
+        ("grid-oracle", {"lr": list(s["grid_lr"]), "steps": list(s["grid_steps"])}, {"name": "oracle"}),
     ]
     return [{"name": "dpgd", "label": label, "space": sp, "fixed": dict(fixed), "method": m} for label, sp, m in arms]
 
@@ -196,8 +195,7 @@ def build_text(scale: str, options: Mapping[str, Any]) -> list[Part]:
 
 
 def _draw_fit(ax: Any, fit: Mapping[str, Any], first: bool) -> None:
-    """One linear-scaling procedure on the r-vs-ε axes: its sweep points, fitted line and r* (the
-    legend labels come from the first procedure drawn)."""
+    """One linear-scaling procedure on the r-vs-ε axes: sweep points, fitted line, r* (legend labels: first drawn)."""
     pts, label = fit["points"], "sweep best r" if first else None
     ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="tab:blue", s=18, label=label)
     if fit.get("coef"):
@@ -291,8 +289,7 @@ def eta_t_grids(study_dir: str | Path) -> list[dict[str, Any]]:
                 continue  # one configuration: nothing to map (one value per axis is drawn as a strip)
             cells = {k: (sum(v) / len(v) if v else None) for k, v in scores.items()}
             finite = {k: v for k, v in cells.items() if v is not None}
-            pick = max if plan.higher_is_better else min
-            best = pick(finite, key=finite.__getitem__, default=None)
+            best = (max if plan.higher_is_better else min)(finite, key=finite.__getitem__, default=None)
             row = table[arm.arm]
             grids.append(
                 {
@@ -352,8 +349,7 @@ def eta_t_heatmaps(study_dir: str | Path) -> tuple[FigureRef | None, bool]:
         fig.colorbar(im, ax=axes, label=metric, shrink=0.8)
     if not released:
         fig.suptitle(NOT_DP_LABEL.upper(), color="red", fontsize=9)
-    study_dir = Path(study_dir)
-    base = study_dir / "release" if released else diagnostics_dir(study_dir)
+    base = Path(study_dir) / "release" if released else diagnostics_dir(study_dir)
     path = base / "figures" / HEATMAP_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

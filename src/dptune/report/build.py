@@ -136,12 +136,7 @@ def build_report(out_dir: str | Path, inputs: ReportInputs, *, include_diagnosti
     _budget_and_ledger(p)
     if r.cosine is not None:
         _cosine(p, r.cosine)
-    if r.pareto is not None:
-        p.sections.append(_pareto_section(p, r.pareto))
-    if r.lt_ma is not None:
-        p.sections.append(_lt_ma_section(p, list(r.lt_ma)))
-    if r.linear_scaling is not None:
-        p.sections.append(_linear_scaling_section(p, r.linear_scaling))
+    _paper_figures(p)
     if r.extra_figures:
         figs = [f if isinstance(f, FigureRef) else FigureRef(Path(f[0]), str(f[1])) for f in r.extra_figures]
         p.sections.append(Section("Additional figures", figures=figs))
@@ -321,40 +316,40 @@ def _cosine(p: _Pages, cosine: CosineResult) -> None:
     p.dsections.append(_diagnostic(title, text, figures=[FigureRef(fig, caption)], attachments=[cos_csv]))
 
 
-def _pareto_section(p: _Pages, pareto: Mapping[float, float] | Sequence[tuple[float, float]]) -> Section:
-    relative_increase = p.r.relative_increase
-    fig = F.noise_pareto(pareto, p.out / "figures" / "noise_pareto.png", relative_increase=relative_increase)
-    choices = [(e, nu, *F.pareto_choice(nu, relative_increase)) for e, nu in F.noise_pairs(pareto)]
-    choice_rows = [[e, nu, nu_q, nu_g, nu_q / nu] for e, nu, nu_q, nu_g in choices]
-    caption = (
-        "Pareto front of the noise multipliers of OSO's gradient (ν_g) and q-query (ν_q) at the privacy of one "
-        f"Gaussian of multiplier ν; star: ν_g = {1 + relative_increase:g}·ν (Galli et al. 2024, Fig. 2)."
-    )
-    columns = ["ε", "ν (joint)", "ν_q chosen", "ν_g chosen", "ν_q/ν"]
-    table = Table(columns, choice_rows, caption="Chosen noise split per ε.")
-    return Section("Noise split of OSO's joint release", figures=[FigureRef(fig, caption)], tables=[table])
-
-
-def _lt_ma_section(p: _Pages, rows: list[Any]) -> Section:
-    fig = F.lt_vs_ma(rows, p.out / "figures" / "lt_vs_ma.png")
-    k_star = F.ma_break_even(rows)
-    tail = f" MA is no more expensive up to k = {k_star}." if k_star is not None else " LT is cheaper at every k."
-    caption = (
-        "ε of the whole search vs the number of candidates k: Liu–Talwar random stopping vs composing every run with "
-        "the moments accountant (Mohapatra et al. 2022, Fig. 6)." + tail
-    )
-    csv = write_csv_rows(p.out / "lt_vs_ma.csv", [{"k": r.k, "eps_LT": r.eps_lt, "eps_MA": r.eps_ma} for r in rows])
-    title = "Cost of tuning: Liu–Talwar vs moments accountant"
-    return Section(title, figures=[FigureRef(fig, caption)], attachments=[csv])
-
-
-def _linear_scaling_section(p: _Pages, fit: LinearScalingFit | Mapping[str, Any]) -> Section:
-    fig = F.linear_scaling(fit, p.out / "figures" / "linear_scaling.png")
-    caption = (
-        "r = η·T found by the cheap searches vs ε, the fitted line, and the value it "
-        "extrapolates to at the target ε (Panda et al. 2024, Fig. 3)."
-    )
-    return Section("Linear scaling rule", figures=[FigureRef(fig, caption)])
+def _paper_figures(p: _Pages) -> None:
+    """The optional release figures of the papers: OSO's noise split, LT vs MA, the linear scaling rule."""
+    r, figures = p.r, p.out / "figures"
+    if r.pareto is not None:
+        fig = F.noise_pareto(r.pareto, figures / "noise_pareto.png", relative_increase=r.relative_increase)
+        choices = [(e, nu, *F.pareto_choice(nu, r.relative_increase)) for e, nu in F.noise_pairs(r.pareto)]
+        choice_rows = [[e, nu, nu_q, nu_g, nu_q / nu] for e, nu, nu_q, nu_g in choices]
+        caption = (
+            "Pareto front of the noise multipliers of OSO's gradient (ν_g) and q-query (ν_q) at the privacy of one "
+            f"Gaussian of multiplier ν; star: ν_g = {1 + r.relative_increase:g}·ν (Galli et al. 2024, Fig. 2)."
+        )
+        columns = ["ε", "ν (joint)", "ν_q chosen", "ν_g chosen", "ν_q/ν"]
+        table = Table(columns, choice_rows, caption="Chosen noise split per ε.")
+        title = "Noise split of OSO's joint release"
+        p.sections.append(Section(title, figures=[FigureRef(fig, caption)], tables=[table]))
+    if r.lt_ma is not None:
+        fig = F.lt_vs_ma(r.lt_ma, figures / "lt_vs_ma.png")
+        k_star = F.ma_break_even(r.lt_ma)
+        tail = f" MA is no more expensive up to k = {k_star}." if k_star is not None else " LT is cheaper at every k."
+        caption = (
+            "ε of the whole search vs the number of candidates k: Liu–Talwar random stopping vs composing every "
+            "run with the moments accountant (Mohapatra et al. 2022, Fig. 6)." + tail
+        )
+        rows = [{"k": row.k, "eps_LT": row.eps_lt, "eps_MA": row.eps_ma} for row in r.lt_ma]
+        csv = write_csv_rows(p.out / "lt_vs_ma.csv", rows)
+        title = "Cost of tuning: Liu–Talwar vs moments accountant"
+        p.sections.append(Section(title, figures=[FigureRef(fig, caption)], attachments=[csv]))
+    if r.linear_scaling is not None:
+        fig = F.linear_scaling(r.linear_scaling, figures / "linear_scaling.png")
+        caption = (
+            "r = η·T found by the cheap searches vs ε, the fitted line, and the value it "
+            "extrapolates to at the target ε (Panda et al. 2024, Fig. 3)."
+        )
+        p.sections.append(Section("Linear scaling rule", figures=[FigureRef(fig, caption)]))
 
 
 def _planned_lines(budgets: Sequence[Mapping[str, Any]]) -> list[tuple[float, str]]:

@@ -61,10 +61,8 @@ def cosine_vs_clip(
     """Cosine similarity between the sanitized and the true mean gradient, per C and iteration (Galli
     et al. 2024, Fig. 1; docs/reports.md). NON-PRIVATE DIAGNOSTIC: never publish it as a DP result. Every C
     of a realization shares the batch and the draw z (noise = ν·C·z), so the curve over C is smooth."""
-    x, y = _tensors(data)
+    x, y, clip_list, nu, batch = _checked(data, clips, noise_multiplier, expected_batch_size, repeats)
     n = int(x.shape[0])
-    clip_list = [_positive(c, "each clip C") for c in clips]
-    nu, batch = _check(clip_list, noise_multiplier, expected_batch_size, n, repeats)
     if not params_at_iterations:
         raise ConfigError("params_at_iterations is empty: give {iteration: parameters} for at least one iteration.")
     if loss is None:
@@ -104,23 +102,33 @@ def cosine_vs_clip(
     return CosineResult(tuple(clip_list), iterations, mean, std, nu, batch, repeats)
 
 
-def _check(
-    clips: list[float], noise_multiplier: float, expected_batch_size: float, n: int, repeats: int
-) -> tuple[float, float]:
-    """``cosine_vs_clip``'s arguments checked: (ν, expected batch size L)."""
-    if not clips:
+def _checked(
+    data: Any, clips: Sequence[float], noise_multiplier: float, expected_batch_size: float, repeats: int
+) -> tuple[torch.Tensor, torch.Tensor, list[float], float, float]:
+    """``cosine_vs_clip``'s arguments checked: (x, y, clips, ν, expected batch size L)."""
+    if hasattr(data, "x_train"):
+        x, y = data.x_train, data.y_train
+    elif isinstance(data, Sequence) and len(data) == 2:
+        x, y = data
+    else:
+        raise ConfigError("data must be a pair (x, y) of tensors or a dptune.data.Dataset.")
+    x, y = torch.as_tensor(x), torch.as_tensor(y)
+    if x.shape[0] != y.shape[0] or x.shape[0] == 0:
+        raise ConfigError(f"x and y must be non-empty and of equal length (got {x.shape[0]} and {y.shape[0]}).")
+    clip_list = [_positive(c, "each clip C") for c in clips]
+    if not clip_list:
         raise ConfigError("cosine_vs_clip needs at least one clipping threshold in clips, e.g. [0.01, 0.1, 1, 10].")
     nu = float(noise_multiplier)
     if not (math.isfinite(nu) and nu >= 0):
         raise ConfigError(f"noise_multiplier must be finite and ≥ 0 (0: clipping bias only), got {noise_multiplier!r}.")
     batch = _positive(expected_batch_size, "expected_batch_size")
-    if batch > n:
+    if batch > x.shape[0]:
         raise ConfigError(
-            f"expected_batch_size = {batch:g} exceeds the {n} examples given; use at most n (full batch)."
+            f"expected_batch_size = {batch:g} exceeds the {x.shape[0]} examples given; use at most n (full batch)."
         )
     if not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats must be an integer ≥ 1, got {repeats!r}.")
-    return nu, batch
+    return x, y, clip_list, nu, batch
 
 
 def _positive(v: Any, name: str) -> float:
@@ -131,16 +139,3 @@ def _positive(v: Any, name: str) -> float:
     if not (math.isfinite(f) and f > 0):
         raise ConfigError(f"{name} must be a finite number > 0, got {v!r}.")
     return f
-
-
-def _tensors(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    if hasattr(data, "x_train"):
-        x, y = data.x_train, data.y_train
-    elif isinstance(data, Sequence) and len(data) == 2:
-        x, y = data
-    else:
-        raise ConfigError("data must be a pair (x, y) of tensors or a dptune.data.Dataset.")
-    x, y = torch.as_tensor(x), torch.as_tensor(y)
-    if x.shape[0] != y.shape[0] or x.shape[0] == 0:
-        raise ConfigError(f"x and y must be non-empty and of equal length (got {x.shape[0]} and {y.shape[0]}).")
-    return x, y

@@ -81,8 +81,7 @@ def _empty(ax: Any, text: str) -> None:
 
 
 def _log_axes(ax: Any, which: str) -> None:
-    """Log scale on the ``which`` axes ("x", "y" or "xy"), ticks as plain numbers (0.3, 1, 20), not mathtext: easier
-    to read, faster to lay out."""
+    """Log ``which`` axes ("x", "y", "xy"), plain-number ticks (0.3, 1, 20), not mathtext: read and laid out faster."""
     for name in which:
         ax.set(**{f"{name}scale": "log"})
         axis, (lo, hi) = (ax.yaxis, ax.get_ylim()) if name == "y" else (ax.xaxis, ax.get_xlim())

@@ -70,7 +70,6 @@ def study_inputs(s: StudyRows, results: Sequence[Any], **fields: Any) -> ReportI
     sel, plan = s.cfg.get("selection", {}), s.plan
     # selection scores clipped to the metric's range (noisy private scores can leave it; post-processing)
     table = [{**r, "value_mean": clip_to_range(r.get("value_mean"), plan.metric)} for r in private_rows(s.table)]
-    said = conclusions(table, arm_costs(plan), plan.higher_is_better, plan.metric, s.hides_k)
     return ReportInputs(
         results,
         selection_mode=sel.get("mode", "public"),
@@ -89,7 +88,7 @@ def study_inputs(s: StudyRows, results: Sequence[Any], **fields: Any) -> ReportI
         ],
         metric=plan.metric,
         higher_is_better=plan.higher_is_better,
-        conclusions=said,
+        conclusions=conclusions(table, arm_costs(plan), plan.higher_is_better, plan.metric, s.hides_k),
         pareto=oso_joint_noise(plan) or None,
         whole=release_note(plan),
         **fields,
@@ -151,13 +150,10 @@ def _histories(
     """The selected runs (release, named without their run id); every run of a small study (diagnostics)."""
     wanted = {r["run_id"] for r in runs} if len(runs) <= MAX_ALL_HISTORIES else chosen
     out = []
-    for r in runs:
-        if r["run_id"] in wanted and r["history"]:
-            arm, public = arm_of[r["arm"]], r["run_id"] in selected
-            name = public_run_name(arm, r) if public else r["run_id"]
-            out.append(
-                RunHistory(name, arm.label, json.loads(r["history"]), selected=public, epsilon=float(arm.epsilon))
-            )
+    for r in (r for r in runs if r["run_id"] in wanted and r["history"]):
+        arm, public = arm_of[r["arm"]], r["run_id"] in selected
+        name = public_run_name(arm, r) if public else r["run_id"]
+        out.append(RunHistory(name, arm.label, json.loads(r["history"]), selected=public, epsilon=float(arm.epsilon)))
     return out
 
 
@@ -278,9 +274,8 @@ def every_configuration(
     use_test: bool,
     name: Callable[[Any], str] | None = None,
 ) -> list[SummaryRow]:
-    """One row per configuration tried: test metric (``use_test``) or selection score, mean ± std
-    over seeds, ``selected``; ``name(arm)``: default its label, with the method unless a plain grid (``_arm_label``).
-    Diagnostics only: losing candidates are not covered by LT / repeat-and-select."""
+    """One row per configuration tried: test metric (``use_test``) or selection score, mean ± std over seeds,
+    ``selected``, named ``name(arm)`` (default ``_arm_label``). Diagnostics: LT / repeat-and-select cover no loser."""
     name = name or (lambda arm: _arm_label(arm.label, arm.method))
     chosen = set(selected)
     groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = defaultdict(list)
@@ -327,9 +322,8 @@ def write_runs_csv(out: str | Path, runs: Sequence[Mapping[str, Any]], arm_of: M
     for r in runs:
         arm, cfg = arm_of[r["arm"]], r["config"]
         config = cfg if cfg is None or isinstance(cfg, str) else json.dumps(cfg)
-        rows.append(
-            {k: r.get(k) for k in RUNS_CSV_COLUMNS} | {"strategy": arm.label, "epsilon": arm.epsilon, "config": config}
-        )
+        overrides = {"strategy": arm.label, "epsilon": arm.epsilon, "config": config}
+        rows.append({k: r.get(k) for k in RUNS_CSV_COLUMNS} | overrides)
     return write_labelled_csv(diagnostics_dir(out) / "runs.csv", rows, RUNS_CSV_COLUMNS)
 
 
@@ -382,13 +376,11 @@ def conclusions(
             out.append(f"At ε = {eps:g}, no procedure has a finite result yet.")
             continue
         first, v1 = rows[0], value(rows[0])
-        if len(rows) == 1 or tied(v1, value(rows[1])):
-            text = f"At ε = {eps:g}, {name(first)} scores {metric} {v1:.3g}"
-        else:
-            text = f"At ε = {eps:g}, {name(first)} is best: {metric} {v1:.3g}"
+        unbeaten = len(rows) == 1 or tied(v1, value(rows[1]))
+        text = f"At ε = {eps:g}, {name(first)} {'scores' if unbeaten else 'is best:'} {metric} {v1:.3g}"
         if len(rows) > 1:
             second = rows[1]
-            if tied(v1, value(second)):
+            if unbeaten:
                 text += f", tied with {name(second)}"
             else:
                 text += f", ahead of {name(second)} at {value(second):.3g} by {gap(first, second)}"
@@ -423,9 +415,7 @@ def oso_joint_noise(plan: Any) -> dict[float, float]:
     """ε → the joint ν of the Pareto figure: the smallest ν of the OSO arms' runs (public plan)."""
     out: dict[float, float] = {}
     for arm in plan.arms:
-        if arm.strategy != "oso" or not math.isfinite(arm.epsilon):
-            continue
-        if nus := _positive_nus(plan, arm):
+        if arm.strategy == "oso" and math.isfinite(arm.epsilon) and (nus := _positive_nus(plan, arm)):
             out[float(arm.epsilon)] = min([*nus, out.get(float(arm.epsilon), math.inf)])
     return out
 

@@ -29,9 +29,8 @@ from dptune.report.html import cell_text as fmt_value
 
 
 def fmt_hyperparameters(hp: Mapping[str, Any] | str) -> str:
-    if isinstance(hp, str):
-        return hp or "—"
-    return ", ".join(f"{k}={fmt_value(v)}" for k, v in sorted(hp.items())) or "—"
+    text = hp if isinstance(hp, str) else ", ".join(f"{k}={fmt_value(v)}" for k, v in sorted(hp.items()))
+    return text or "—"
 
 
 def fmt_metric(r: SummaryRow, metric: str | None = None) -> str:
