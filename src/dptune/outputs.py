@@ -139,7 +139,7 @@ def check_output_dir(path: str | os.PathLike[str] | None, what: str) -> None:
 def refuse_foreign_dir(path: str | os.PathLike[str], ours: list[str], what: str, fix: str) -> None:
     """Refuse a non-empty directory holding none of ``ours`` (relative paths an earlier run of ours left): its files
     would be mixed with (or overwritten by) ours (found in review)."""
-    p = Path(path)
+    p = Path(os.path.realpath(path))  # "e/missing/.." is e, where the run would write
     if p.is_dir() and not any((p / o).exists() for o in ours) and any(c.name != ".lock" for c in p.iterdir()):
         raise ConfigError(
             f"{what} {str(p)!r} is not empty and holds no earlier run. Fix: a new or empty directory, {fix}"

@@ -335,11 +335,22 @@ def test_tune_into_a_folder_that_is_not_empty_and_holds_no_study_is_refused(tmp_
 def test_reproduce_and_demo_into_a_folder_of_yours_are_refused(tmp_path: Path, argv: list[str]) -> None:
     """They wrote results.csv and report.html over your files in a non-empty folder (found in review)."""
     folder = tmp_path / "mine"
-    folder.mkdir()
+    (folder / "study").mkdir(parents=True)  # a folder named as one of galli-mnist's parts (second review)
     (folder / "results.csv").write_text("my notes")
-    line = one_error_line([*argv, "--out", str(folder), "--no-progress"])
-    assert "is not empty and holds no earlier run" in line
-    assert (folder / "results.csv").read_text() == "my notes" and len(list(folder.iterdir())) == 1
+    for out in (folder, folder / "missing" / ".."):  # "mine/missing/.." is mine (second review)
+        line = one_error_line([*argv, "--out", str(out), "--no-progress"])
+        assert "is not empty and holds no earlier run" in line
+    assert (folder / "results.csv").read_text() == "my notes" and len(list(folder.iterdir())) == 2
+
+
+def test_reproduce_resumes_into_its_own_output_without_parts(tmp_path: Path, monkeypatch) -> None:
+    """mohapatra-lt-vs-ma has no study: its own earlier output was refused (second review); a marker says it is ours."""
+    monkeypatch.setenv("DPTUNE_DATA_DIR", str(tmp_path))  # no data needed
+    for _ in range(2):
+        res = CliRunner().invoke(
+            app, ["reproduce", "mohapatra-lt-vs-ma", "--scale", "smoke", "--out", str(tmp_path / "o")]
+        )
+        assert res.exit_code == 0, res.output
 
 
 def test_a_bad_hyperparameter_value_names_one_fix(tmp_path: Path) -> None:

@@ -44,16 +44,23 @@ def test_a_hugging_face_attention_or_a_function_held_by_a_trusted_layer_is_own_c
     def attention(module, q, k, v, mask, **kw):  # noqa: ANN001, ANN202 - Hugging Face's signature
         return eager_attention_forward(module, _batch_branch(q), k, v, mask, **kw)
 
-    AttentionInterface.register("dptune_test_branchy", attention)
     cfg = transformers.BertConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         stock = hf_classifier(cfg, classes=2, mode="full")
-        assert own_code(stock) is None  # the control: eager attention is Hugging Face's
-        cfg._attn_implementation = "dptune_test_branchy"
-        assert own_code(hf_classifier(cfg, classes=2, mode="full")) is not None
+        stock.encoder.gradient_checkpointing_enable()  # torch's checkpoint (a partial) and Hugging Face's hook
+        stock.encoder.enable_input_require_grads()
+        assert own_code(stock) is None  # the control
+        AttentionInterface.register("dptune_test_branchy", attention)
+        try:  # any function of yours registered by name: every Hugging Face model is yours
+            assert own_code(stock) is not None
+            cfg._attn_implementation = "dptune_test_branchy"
+            assert own_code(hf_classifier(cfg, classes=2, mode="full")) is not None
+        finally:
+            del AttentionInterface._global_mapping["dptune_test_branchy"]
+        assert own_code(stock) is None
     mlp = _mlp()
     assert own_code(mlp) is None
     mlp[2].forward_fn = _batch_branch  # a function of yours held (and maybe called) by a trusted layer
@@ -116,3 +123,62 @@ def test_stacked_trials_take_only_the_plain_layers() -> None:
     for layer in (ShiftLinear(4, 3), nn.Sequential(nn.Linear(4, 3), Scale(0.0)), parametrized):
         with pytest.raises(Unsupported):
             stack_plan(nn.Sequential(layer, nn.Linear(3, 2)))
+
+
+def test_second_review_wrapped_and_patched_code_and_saved_tensor_hooks() -> None:
+    """``functools.wraps`` copied a trusted ``__module__`` onto your function (7.2·C); a trusted class's forward
+    patched with yours was trusted (5.8·C); saved-tensor hooks of yours rewrote the backward's inputs (19.4·C).
+    Code is now judged by its source file, and the hooks are refused. Controls: torch's partials and checkpoint."""
+    import functools
+
+    @functools.wraps(F.relu)
+    def wrapped(x: torch.Tensor) -> torch.Tensor:
+        return F.relu(_batch_branch(x))
+
+    layer = nn.TransformerEncoderLayer(8, 2, activation=wrapped)
+    assert own_code(layer) is not None
+    assert own_code(nn.TransformerEncoderLayer(8, 2, activation=functools.partial(F.gelu, approximate="tanh"))) is None
+    old = nn.ReLU.forward
+    try:
+        nn.ReLU.forward = lambda self, x: F.relu(_batch_branch(x))  # type: ignore[method-assign]
+        assert own_code(_mlp()) is not None
+    finally:
+        nn.ReLU.forward = old  # type: ignore[method-assign]
+    assert own_code(_mlp()) is None
+    model = _mlp()
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, _batch_branch)
+    with hooks, pytest.raises(ConfigError, match="saved-tensor hooks of yours"):
+        GradientOracle(model)(params, x, y)
+    with torch.autograd.graph.save_on_cpu():  # torch's own: accepted
+        GradientOracle(model)(params, x, y)
+
+
+def test_second_review_no_false_refusal_one_example_at_a_time() -> None:
+    """The first fix refused an abc.ABC model (LoRA's private scores too), torch's parametrizations, and crashed on a
+    ``functools.partial`` loss or metric; each runs now."""
+    import abc
+    import functools
+
+    from dptune import metrics, own
+
+    class Recurrent(nn.Module, abc.ABC):  # vmap refuses nn.GRU: one example at a time
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.GRU(4, 6, batch_first=True)
+            self.out = torch.nn.utils.parametrizations.weight_norm(nn.Linear(6, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.rnn(x)[0][:, -1])
+
+    model, x, y = Recurrent(), torch.randn(6, 5, 4), torch.randint(0, 3, (6,))
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    loss = own.user_loss(functools.partial(F.cross_entropy, reduction="none", label_smoothing=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert GradientOracle(model, loss, method="vmap")(params, x, y).norms.shape == (6,)
+        assert GradientOracle(model, loss).losses(params, x, y).shape == (6,)
+    metric = metrics.Metric(functools.partial(lambda o, t, k: (o.argmax(1) == t).double() * k, k=1.0), sensitivity=1.0)
+    (total,), n = metrics.score_sums(model, (x, y), metric, clip=True)
+    assert n == 6 and 0 <= total <= 6

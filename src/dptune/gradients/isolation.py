@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import os
 import sys
 import types
 from collections.abc import Callable, Iterable
@@ -33,182 +34,243 @@ def global_module_hooks() -> tuple[tuple[Any, ...], ...]:
 # Code whose forwards compute each row from that row alone (reviewed, tested): the batched paths (ghost,
 # DP-ZO's batched losses) run only on models made of it; your own forward runs one example at a time,
 # unless its class declares ``dptune_rowwise = True`` (your word, still probed: docs/privacy.md).
-TRUSTED_CODE = ("torch.", "transformers.", "peft.", "dptune.")
+TRUSTED_PACKAGES = ("torch", "transformers", "peft", "dptune")
+TRUSTED_CODE = tuple(p + "." for p in TRUSTED_PACKAGES)
 UNTRUSTED = ("torch.fx", "torch.export", "torch.jit", "torch._dynamo")  # they run a graph traced from your code
 
 
 def own_code(model: nn.Module) -> str | None:
-    """The first module whose call runs code of yours (its class's forward, an instance forward or ``_call_impl``, a
-    compiled call, a hook, a function of yours it holds: an activation, Hugging Face's attention or mask function by
-    its registered name), named; None when every call is torch's, Hugging Face's, peft's or dptune's, or declared
-    row-wise."""
+    """The first module whose call runs code of yours, named; None when every call is torch's, Hugging Face's,
+    peft's or dptune's, or declared row-wise. Code is judged by its source file (``functools.wraps`` copies a name,
+    not the code): the class's forward and call (a trusted class patched with your function is yours), an instance
+    forward or ``_call_impl``, a compiled call, hooks, the functions a layer holds (an activation, a checkpoint
+    function) and those Hugging Face looks up by name (attention, masks, experts: any registered function of yours
+    makes its models yours)."""
     if any(global_module_hooks()):
         return "global module hooks"
+    hf_yours = any(not trusted_code(f) for f in registered_functions())
     for name, mod in model.named_modules():
-        where = type(mod).__module__ or ""  # the class's own: a subclass of yours may override any method
-        declared = getattr(type(mod), "dptune_rowwise", False) is True
-        trusted = where.startswith(TRUSTED_CODE) and not where.startswith(UNTRUSTED) or declared
+        cls = type(mod)
+        declared = getattr(cls, "dptune_rowwise", False) is True
+        trusted = (
+            declared
+            or _trusted_module(cls.__module__)
+            and all(trusted_code(getattr(cls, k)) for k in ("forward", "__call__", "_call_impl"))
+        )
         if (
             not trusted
-            or {"forward", "_call_impl"} & set(vars(mod))
-            or getattr(mod, "_compiled_call_impl", None) is not None
-            or any(getattr(mod, h, None) for h in MODULE_HOOKS)
+            or any(calls_made_of(mod)[0])
             or not declared
-            and any(_foreign(v) for v in (*vars(mod).values(), *_hf_functions(mod)))
+            and (any(not trusted_code(v) for v in _held(mod)) or hf_yours and hasattr(mod, "config"))
         ):
-            return f"{type(mod).__qualname__} ('{name or 'the model'}'): your own forward, hooks or functions"
+            return f"{cls.__qualname__} ('{name or 'the model'}'): your own forward, hooks or functions"
     return None
 
 
-def _foreign(v: Any) -> bool:
-    """A function (or callable object) a trusted layer holds and calls, from code that is not trusted."""
-    if not callable(v) or isinstance(v, (nn.Module, type)):
-        return False
-    v = getattr(v.func if isinstance(v, functools.partial) else v, "__func__", v)
-    where = getattr(v, "__module__", None) or type(v).__module__ or ""
-    return not where.startswith(TRUSTED_CODE) or where.startswith(UNTRUSTED)
+def _trusted_module(where: str | None) -> bool:
+    return (
+        (where or "") in TRUSTED_PACKAGES
+        or (where or "").startswith(TRUSTED_CODE)
+        and not (where or "").startswith(UNTRUSTED)
+    )
 
 
-def _hf_functions(mod: nn.Module) -> list[Any]:
-    """The attention and mask functions a Hugging Face layer looks up by ``config._attn_implementation``: anyone may
-    register one under any name (``AttentionInterface.register``), and it sees the whole batch."""
-    impl = getattr(getattr(mod, "config", None), "_attn_implementation", None)
-    hf = sys.modules.get("transformers.modeling_utils"), sys.modules.get("transformers.masking_utils")
-    tables = [getattr(hf[0], "ALL_ATTENTION_FUNCTIONS", {}), getattr(hf[1], "ALL_MASK_ATTENTION_FUNCTIONS", {})]
-    return [t[impl] for t in tables if isinstance(impl, str) and impl in t]
+def _trusted_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The trusted packages' folders (those imported), and their folders that run traced code of yours."""
+    files = [getattr(sys.modules.get(n), "__file__", None) for n in TRUSTED_PACKAGES]
+    roots = [os.path.realpath(os.path.dirname(f)) for f in files if f]
+    return tuple(r + os.sep for r in roots), tuple(
+        os.path.join(roots[0], *u.split(".")[1:]) + os.sep for u in UNTRUSTED
+    )
+
+
+def trusted_code(f: Any) -> bool:
+    """Whether a callable runs only trusted code: its function's source file in the trusted packages (a partial's
+    function, a bound method's, a callable object's ``__call__``; a wrapper's own, whatever ``functools.wraps``
+    says it wraps: found in review); a built-in function by its module."""
+    while isinstance(f, functools.partial):
+        f = f.func
+    f = getattr(f, "__func__", f)
+    code = getattr(f, "__code__", None)
+    if code is not None:
+        roots, untrusted = _trusted_dirs()
+        where = os.path.realpath(code.co_filename)
+        return where.startswith(roots) and not where.startswith(untrusted)
+    if isinstance(f, type):  # a class registered or held: its own module
+        return _trusted_module(f.__module__)
+    if inspect.isbuiltin(f) or isinstance(f, (types.BuiltinFunctionType, types.WrapperDescriptorType)):
+        return _trusted_module(getattr(f, "__module__", None) or "torch.")  # C code: not yours
+    call = getattr(type(f), "__call__", None)  # noqa: B004 - the class's method, for its code
+    return inspect.isfunction(call) and trusted_code(call) or _trusted_module(type(f).__module__)
+
+
+def _held(mod: nn.Module) -> list[Any]:
+    """The functions a module's call may run besides its class's: its hooks and the callables it holds."""
+    hooks = [h for k in MODULE_HOOKS for h in getattr(mod, k, {}).values()]
+    return hooks + [v for v in vars(mod).values() if callable(v) and not isinstance(v, (nn.Module, type))]
+
+
+_REGISTRIES: list[Any] = [0]  # [len(sys.modules) when found, the mappings...]
+
+
+def registered_functions() -> list[Any]:
+    """Every function registered in Hugging Face's lookup tables by name (``GeneralInterface``: attention, masks,
+    experts, ...), global and per table; the tables found again when more modules are loaded."""
+    base = getattr(sys.modules.get("transformers.utils.generic"), "GeneralInterface", None)
+    if base is None:
+        return []
+    if _REGISTRIES[0] != len(sys.modules):
+        subs, todo = [], [base]
+        while todo:
+            subs += (todo := [c for t in todo for c in t.__subclasses__()])
+        tables = [v for n, m in list(sys.modules.items()) if n.startswith("transformers.") for v in vars(m).values()
+                  if isinstance(v, base)]  # fmt: skip
+        _REGISTRIES[:] = [len(sys.modules), *(c._global_mapping for c in subs), *(t._local_mapping for t in tables)]
+    return [f for m in _REGISTRIES[1:] for f in list(m.values())]
 
 
 def calls_made_of(mod: nn.Module) -> tuple:
     """What a module's call runs besides its class's code (for a change after ``make_private``): an instance
-    forward or ``_call_impl``, a compiled call, the functions it holds and Hugging Face's by name."""
-    held = (*vars(mod).values(), *_hf_functions(mod))
-    return tuple(k for k in ("forward", "_call_impl", "_compiled_call_impl") if vars(mod).get(k) is not None), tuple(
-        id(v) for v in held if callable(v) and not isinstance(v, (nn.Module, type))
-    )
+    forward or ``_call_impl``, a compiled call; the functions it holds."""
+    own = tuple(k for k in ("forward", "_call_impl", "_compiled_call_impl") if vars(mod).get(k) is not None)
+    return own, tuple(id(v) for v in vars(mod).values() if callable(v) and not isinstance(v, (nn.Module, type)))
 
 
 def check_modes() -> None:
-    """Refuse a torch function or dispatch mode of yours around a private pass: it sees (and may mix) the batch."""
+    """Refuse a torch function or dispatch mode of yours around a private pass (it sees, and may mix, the batch),
+    and saved-tensor hooks of yours (they rewrite what the backward reads: 19.4·C in review)."""
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     for mode in (*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack()):
-        where = type(mode).__module__ or ""
-        trusted = where.startswith(TRUSTED_CODE) and not where.startswith(UNTRUSTED)
-        if not trusted and getattr(type(mode), "dptune_rowwise", False) is not True:
+        if not _trusted_module(type(mode).__module__) and getattr(type(mode), "dptune_rowwise", False) is not True:
             raise ConfigError(
                 f"a torch mode of yours ({type(mode).__qualname__}) is active around a private pass: it sees the "
                 "whole batch, so one example could move the others. Fix: leave it first, or declare "
                 "dptune_rowwise = True on its class (your word that it computes each row from that row alone)."
             )
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and not all(trusted_code(h) for h in hooks):
+        raise ConfigError("saved-tensor hooks of yours (torch.autograd.graph.saved_tensors_hooks) are active around "
+                          "a private pass: they see the whole batch. Fix: leave them first.")  # fmt: skip
 
 
-# What torch keeps in a module's __dict__ and ``ParamSwap`` holds: not part of ``KeptState``'s Python state.
+# What torch keeps in a module's __dict__ and ``ParamSwap`` holds: not part of a model module's kept state.
 _TORCH_DICTS = frozenset(("_parameters", "_buffers", "_modules"))
+_Item = tuple[Callable[[], Any], Callable[[], Any], Callable[[Any], None], Callable[[Any], None]]
 
 
 class KeptState:
-    """The Python state of a model and of ``others`` (your loss, your metric), kept by a deep copy sharing their
-    tensors and ``tensors``: each module's attributes besides its parameters, buffers and submodules, as it pickles
-    (``__getstate__``, e.g. an RNN's weight list refreshed: a vocabulary, a lazily set shift, a counter); an object's
-    attributes; a function's closure cells (a bound method: its object). Taken before a batch computed one example at
-    a time; ``again(fn)`` computes with it back in place (a module as unpickling puts it, ``__setstate__``), then puts
-    the state of now back (docs/privacy.md, items 17 and 23: the last example again, as before the batch)."""
+    """The Python state of a model and of ``others`` (your loss, your metric), kept by one deep copy taken before a
+    batch computed one example at a time; ``again(fn)`` computes with it back in place, then puts the state of now
+    back (docs/privacy.md, items 17 and 23: the last example again, as before the batch). Kept: each model module's
+    attributes besides its parameters, buffers and submodules, as it pickles (``__getstate__``, put back by
+    ``__setstate__``: an RNN's weight list rebuilt), the model's tensors shared; your loss's and metric's modules
+    whole, buffers included; objects' attributes and slots; functions' closure cells, attributes and defaults
+    (those a layer holds too); your classes' data attributes. Not kept: module-level globals."""
 
     def __init__(self, model: nn.Module | None, tensors: Iterable[torch.Tensor] = (), others: Iterable[Any] = ()):
-        self._mods: list[nn.Module] = list(model.modules()) if model is not None else []
-        self._objs: list[Any] = []
-        self._cells: list[Any] = []
+        self._items: list[_Item] = []
+        self._seen: dict[int, Any] = {}  # everything collected, by id: kept as itself inside the copies
+        shared = [*tensors, *(model.parameters() if model is not None else ()), *(model.buffers() if model else ())]
+        for m in model.modules() if model is not None else ():
+            self._collect(m, 0, whole=False)
         for o in others:
-            self._collect(o, 0)
-        # Your classes' data attributes too (a vocabulary kept on the class is shared by every instance).
-        self._classes = list(dict.fromkeys(c for o in (*self._mods, *self._objs) for c in type(o).__mro__ if _yours(c)))
-        memo: dict[int, Any] = {id(t): t for m in self._mods for t in (*m.parameters(), *m.buffers())}
-        memo.update((id(t), t) for t in tensors)
-        memo.update((id(m), m) for m in (*self._mods, *self._objs, *self._classes))
+            self._collect(o, 0, whole=True)
+        memo = {id(t): t for t in shared} | self._seen
         try:
-            self._kept = [copy.deepcopy(_python_attrs(m.__getstate__()), memo) for m in self._mods]
-            self._kept_objs = [copy.deepcopy(dict(vars(o)), memo) for o in self._objs]
-            self._kept_cells = [copy.deepcopy(c.cell_contents, memo) for c in self._cells]
-            self._kept_classes = [copy.deepcopy(_class_data(c), memo) for c in self._classes]
+            self._kept = copy.deepcopy([keep() for keep, _, _, _ in self._items], memo)
         except Exception as exc:  # noqa: BLE001 - a lock, a file: the check needs the copy
             raise ConfigError(f"the model (or your loss or metric) cannot be deep-copied ({exc}). Fix: keep no lock or "
                               "file in it.") from None  # fmt: skip
 
-    def _collect(self, o: Any, depth: int) -> None:
-        o = o.__self__ if inspect.ismethod(o) else o
-        if isinstance(o, nn.Module):
-            ids = {id(m) for m in self._mods}
-            self._mods += [m for m in o.modules() if id(m) not in ids]
-        elif inspect.isfunction(o) and depth < 4:  # closures of closures, a few levels deep
-            for c in o.__closure__ or ():
+    def _collect(self, o: Any, depth: int, whole: bool) -> None:
+        if id(o) in self._seen or depth > 4 or o is None or isinstance(o, (torch.Tensor, type, types.ModuleType)):
+            return
+        if isinstance(o, functools.partial):
+            for v in (o.func, *o.args, *o.keywords.values()):
+                if _stateful(v):
+                    self._collect(v, depth + 1, whole)
+                elif isinstance(v, (dict, list, set)) and id(v) not in self._seen:  # a state given as an argument
+                    self._seen[id(v)] = v
+                    self._items.append(_container_item(v))
+            return
+        if inspect.ismethod(o):
+            return self._collect(o.__self__, depth + 1, whole)
+        self._seen[id(o)] = o
+        if isinstance(o, nn.Module):  # a model's module shares the model's tensors; your loss's is kept whole
+            self._items.append(_dict_item(o) if whole else _module_item(o))
+            for m in o.children():
+                self._collect(m, depth, whole)
+        elif inspect.isfunction(o):
+            self._items.append(_function_item(o))
+            for cell in o.__closure__ or ():
                 try:
-                    v = c.cell_contents
+                    v = cell.cell_contents
                 except ValueError:  # an empty cell
                     continue
-                if inspect.isfunction(v) or inspect.ismethod(v) or _stateful_object(v):
-                    self._collect(v, depth + 1)
-                else:
-                    self._cells.append(c)
-        elif _stateful_object(o) and all(o is not k for k in self._objs):
-            self._objs.append(o)
+                self._collect(v, depth + 1, whole) if _stateful(v) else self._items.append(_cell_item(cell))
+            return
+        elif hasattr(o, "__dict__"):
+            self._items.append(_dict_item(o))
+        elif slots := [
+            n for c in type(o).__mro__ for n in getattr(c, "__slots__", ()) if n not in ("__dict__", "__weakref__")
+        ]:
+            self._items.append(_slots_item(o, slots))
+        for v in list(getattr(o, "__dict__", {}).values()):  # functions and objects a layer holds: theirs too
+            if inspect.isfunction(v) or inspect.ismethod(v) or isinstance(v, functools.partial):
+                self._collect(v, depth + 1, whole)
+        for c in type(o).__mro__:
+            if id(c) not in self._seen and _yours(c):
+                self._seen[id(c)] = c
+                self._items.append(_class_item(c))
 
     def again(self, fn: Callable[[], Any]) -> Any:
-        now = [_python_attrs(vars(m)) for m in self._mods], [dict(vars(o)) for o in self._objs]
-        cells, classes = [c.cell_contents for c in self._cells], [_class_data(c) for c in self._classes]
+        now = [read() for _, read, _, _ in self._items]
         try:
-            for c, d in zip(self._classes, self._kept_classes, strict=True):
-                _put_class_data(c, d)
-            for m, attrs in zip(self._mods, self._kept, strict=True):
-                _put_attrs(m, {})
-                m.__setstate__({**vars(m), **attrs})
-            for o, d in zip(self._objs, self._kept_objs, strict=True):
-                vars(o).clear()
-                vars(o).update(copy.copy(d))
-            for c, v in zip(self._cells, self._kept_cells, strict=True):
-                c.cell_contents = v
+            for (_, _, put_kept, _), v in zip(self._items, self._kept, strict=True):
+                put_kept(v)
             return fn()
         finally:
-            for m, attrs in zip(self._mods, now[0], strict=True):
-                _put_attrs(m, attrs)
-            for o, d in zip(self._objs, now[1], strict=True):
-                vars(o).clear()
-                vars(o).update(d)
-            for c, v in zip(self._cells, cells, strict=True):
-                c.cell_contents = v
-            for c, d in zip(self._classes, classes, strict=True):
-                _put_class_data(c, d)
+            for (_, _, _, put_now), v in zip(self._items, now, strict=True):
+                put_now(v)
 
 
-def _yours(cls: type) -> bool:
-    where = cls.__module__ or ""
-    return not where.startswith(TRUSTED_CODE) and where != "builtins"
-
-
-def _class_data(cls: type) -> dict[str, Any]:
-    """A class's own data attributes (not its methods, properties or dunders)."""
-    return {
-        k: v for k, v in vars(cls).items()
-        if not k.startswith("__") and not inspect.isroutine(v) and not isinstance(v, (property, classmethod, staticmethod, type))
-    }  # fmt: skip
-
-
-def _put_class_data(cls: type, data: dict[str, Any]) -> None:
-    for k in _class_data(cls).keys() - data.keys():
-        delattr(cls, k)
-    for k, v in data.items():
-        setattr(cls, k, v)
-
-
-def _stateful_object(o: Any) -> bool:
-    """An instance with attributes of its own (your loss object), not a class or a Python module."""
-    return isinstance(o, nn.Module) or (
-        hasattr(o, "__dict__") and not isinstance(o, (type, types.ModuleType)) and not inspect.isroutine(o)
+def _stateful(v: Any) -> bool:
+    """A value whose own state is collected (a module, an object, a function), not kept as a whole."""
+    return (
+        inspect.isfunction(v)
+        or inspect.ismethod(v)
+        or isinstance(v, (nn.Module, functools.partial))
+        or (hasattr(v, "__dict__") and not isinstance(v, (type, types.ModuleType)) and not inspect.isroutine(v))
     )
 
 
-def _python_attrs(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in state.items() if k not in _TORCH_DICTS}
+def _yours(cls: type) -> bool:
+    top = (cls.__module__ or "").split(".")[0]
+    return not _trusted_module(cls.__module__) and top not in sys.stdlib_module_names and top != "builtins"
+
+
+def _module_item(m: nn.Module) -> _Item:
+    """A model module: its attributes as it pickles, put back by ``__setstate__`` (its tensors are the model's)."""
+
+    def keep() -> dict[str, Any]:
+        try:
+            state = m.__getstate__()
+        except Exception:  # noqa: BLE001 - torch's parametrized modules refuse pickling
+            state = vars(m)
+        return {k: v for k, v in state.items() if k not in _TORCH_DICTS}
+
+    def put_kept(attrs: dict[str, Any]) -> None:
+        _put_attrs(m, {})
+        m.__setstate__({**vars(m), **attrs})
+
+    return (
+        keep,
+        lambda: {k: v for k, v in vars(m).items() if k not in _TORCH_DICTS},
+        put_kept,
+        lambda attrs: _put_attrs(m, attrs),
+    )
 
 
 def _put_attrs(m: nn.Module, attrs: dict[str, Any]) -> None:
@@ -217,3 +279,73 @@ def _put_attrs(m: nn.Module, attrs: dict[str, Any]) -> None:
     for k in [k for k in d if k not in _TORCH_DICTS and k not in attrs]:
         del d[k]
     d.update(attrs)
+
+
+def _dict_item(o: Any) -> _Item:
+    def put(d: dict[str, Any]) -> None:
+        vars(o).clear()
+        vars(o).update(d)
+
+    return lambda: dict(vars(o)), lambda: dict(vars(o)), put, put
+
+
+def _slots_item(o: Any, names: list[str]) -> _Item:
+    def read() -> dict[str, Any]:
+        return {n: getattr(o, n) for n in names if hasattr(o, n)}
+
+    def put(d: dict[str, Any]) -> None:
+        for n in names:
+            if n in d:
+                setattr(o, n, d[n])
+            elif hasattr(o, n):
+                delattr(o, n)
+
+    return read, read, put, put
+
+
+def _function_item(f: Any) -> _Item:
+    def read() -> tuple[Any, ...]:
+        return dict(f.__dict__), f.__defaults__, f.__kwdefaults__
+
+    def put(v: tuple[Any, ...]) -> None:
+        f.__dict__.clear()
+        f.__dict__.update(v[0])
+        f.__defaults__, f.__kwdefaults__ = v[1], v[2]
+
+    return read, read, put, put
+
+
+def _container_item(c: dict | list | set) -> _Item:
+    """A dict, list or set given to a partial: its items, put back in place."""
+
+    def put(v: Any) -> None:
+        c.clear()
+        c.update(v) if isinstance(c, (dict, set)) else c.extend(v)
+
+    return lambda: copy.copy(c), lambda: copy.copy(c), put, put
+
+
+def _cell_item(c: Any) -> _Item:
+    def put(v: Any) -> None:
+        c.cell_contents = v
+
+    return lambda: c.cell_contents, lambda: c.cell_contents, put, put
+
+
+def _class_item(cls: type) -> _Item:
+    """Your class's own data attributes (not its methods, properties, dunders or ABCMeta's registry)."""
+
+    def read() -> dict[str, Any]:
+        return {
+            k: v for k, v in vars(cls).items()
+            if not k.startswith(("__", "_abc_")) and not inspect.isroutine(v)
+            and not isinstance(v, (property, classmethod, staticmethod, type))
+        }  # fmt: skip
+
+    def put(d: dict[str, Any]) -> None:
+        for k in read().keys() - d.keys():
+            delattr(cls, k)
+        for k, v in d.items():
+            setattr(cls, k, v)
+
+    return read, read, put, put

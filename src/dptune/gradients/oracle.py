@@ -481,7 +481,7 @@ class GradientOracle:
                         raise
                     self.alone_reason = str(exc).split(". ")[0]
             if self.own_code or not (due or self._next_probe["losses"]) or B < self.PROBE_MIN_BATCH:  # unprobed
-                kept = KeptState(self.model, params.values()) if self.own_code and B > 1 else None
+                kept = KeptState(self.model, params.values(), (self.loss_fn,)) if self.own_code and B > 1 else None
                 rows = [self._plain_losses(params, inputs.rows(x, j, j + 1), y[j : j + 1]) for j in range(B - 1)]
                 last = self._swap_state(dev)
                 rows.append(self._plain_losses(params, inputs.rows(x, B - 1, B), y[B - 1 :]))

@@ -101,6 +101,9 @@ def _run_part(
     return outcome.rows, html
 
 
+MARK = ".dptune-reproduce"
+
+
 def reproduce(
     name: str,
     scale: str,
@@ -123,12 +126,13 @@ def reproduce(
         raise ConfigError(f"unknown executor {executor!r}. Fix: choose local, process or ray.")
     device = device or _default_device(scale)
     with data_dir_env(data_dir):  # options checked before any folder is made (a part may load its data)
-        ours = [part.name for part in preset.parts(scale, **options)]  # a part begun: its folder
+        ours = [f"{part.name}/study.sqlite" for part in preset.parts(scale, **options)] + [MARK]
     refuse_foreign_dir(out_dir, ours, "--out", f"or the --out of an earlier `dptune reproduce {name}` (it resumes).")
     check_workers(workers)
     check_study_device(device, executor, None)  # before any folder is made
     created = not os.path.lexists(out_dir)
     out = ensure_dir(out_dir)
+    (out / MARK).write_text(name + "\n")  # this folder is a reproduction's: a later run may resume into it
     try:
         console = console or terminal_console()
         t0 = time.perf_counter()
@@ -158,8 +162,10 @@ def reproduce(
         console.print(f"[dim]run time ({NOT_DP_LABEL}): {time.perf_counter() - t0:.0f} s[/dim]", highlight=False)
         return out
     except BaseException:
-        if created:  # a plan that failed leaves no folder behind (rmdir: only if nothing is in it)
+        if created:  # a plan that failed leaves no folder behind (rmdir: only if nothing else is in it)
             with contextlib.suppress(OSError):
+                if [c.name for c in out.iterdir()] == [MARK]:
+                    (out / MARK).unlink()
                 out.rmdir()
         raise
 
