@@ -75,13 +75,14 @@ def _trusted_module(where: str | None) -> bool:
     )
 
 
-def _trusted_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The trusted packages' folders (those imported), and their folders that run traced code of yours."""
-    files = [getattr(sys.modules.get(n), "__file__", None) for n in TRUSTED_PACKAGES]
-    roots = [os.path.realpath(os.path.dirname(f)) for f in files if f]
-    return tuple(r + os.sep for r in roots), tuple(
-        os.path.join(roots[0], *u.split(".")[1:]) + os.sep for u in UNTRUSTED
-    )
+@functools.lru_cache(maxsize=4096)
+def _trusted_file(filename: str, packages: tuple[str, ...]) -> bool:
+    """A source file inside the trusted packages' folders (``packages``: their ``__file__``s), not in those that run
+    a graph traced from your code."""
+    roots = tuple(os.path.realpath(os.path.dirname(f)) + os.sep for f in packages)
+    untrusted = tuple(os.path.join(roots[0], *u.split(".")[1:]) + os.sep for u in UNTRUSTED)
+    where = os.path.realpath(filename)
+    return where.startswith(roots) and not where.startswith(untrusted)
 
 
 def trusted_code(f: Any) -> bool:
@@ -92,10 +93,9 @@ def trusted_code(f: Any) -> bool:
         f = f.func
     f = getattr(f, "__func__", f)
     code = getattr(f, "__code__", None)
-    if code is not None:
-        roots, untrusted = _trusted_dirs()
-        where = os.path.realpath(code.co_filename)
-        return where.startswith(roots) and not where.startswith(untrusted)
+    if code is not None:  # the packages imported so far (torch first)
+        files = tuple(f for n in TRUSTED_PACKAGES if (f := getattr(sys.modules.get(n), "__file__", None)))
+        return _trusted_file(code.co_filename, files)
     if isinstance(f, type):  # a class registered or held: its own module
         return _trusted_module(f.__module__)
     if inspect.isbuiltin(f) or isinstance(f, (types.BuiltinFunctionType, types.WrapperDescriptorType)):
