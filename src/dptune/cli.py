@@ -52,22 +52,19 @@ console = terminal_console()
 err_console = terminal_console(stderr=True)
 
 
-def package_version() -> str:
+def _print_version(value: bool) -> None:
     """The installed distribution's version (what pip sees), else the source tree's."""
+    if not value:
+        return
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("dptune")
+        typer.echo(f"dptune {version('dptune')}")
     except PackageNotFoundError:  # run from a source tree that was not pip-installed
         from dptune._version import __version__
 
-        return __version__
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        typer.echo(f"dptune {package_version()}")
-        raise typer.Exit()
+        typer.echo(f"dptune {__version__}")
+    raise typer.Exit()
 
 
 @app.callback()
@@ -82,13 +79,6 @@ def _main(
     warnings.formatwarning = lambda msg, *_a, **_k: wrap_to_terminal(f"warning: {msg}") + "\n"
 
 
-def _fail(msg: str) -> None:
-    # escape: a message's "[budget]" is text, not rich markup (it was swallowed); soft_wrap: one
-    # line however narrow the terminal (rich folds at 80 columns when it cannot ask).
-    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
-
-
 def _say_interrupted(msg: str) -> None:  # Ctrl-C in a study (outputs.resume_hint)
     err_console.print(f"[bold yellow]interrupted[/]: {escape(msg)}", highlight=False, soft_wrap=True)
 
@@ -101,7 +91,11 @@ def _guard(fn):
         try:
             return fn(*args, **kwargs)
         except (DPTuneError, ValueError, FileNotFoundError, KeyError) as e:
-            _fail(str(e) if not isinstance(e, KeyError) else f"missing key {e}")
+            msg = str(e) if not isinstance(e, KeyError) else f"missing key {e}"
+            # escape: a message's "[budget]" is text, not rich markup (it was swallowed); soft_wrap: one
+            # line however narrow the terminal (rich folds at 80 columns when it cannot ask).
+            err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
         except KeyboardInterrupt:  # files are written whole or not at all; a study says how to resume
             _say_interrupted("files it had not finished were not written (those finished are kept).")
             raise SystemExit(130) from None
@@ -230,18 +224,11 @@ def _train(o: SimpleNamespace) -> None:
         from dptune.deliverable import save_trained
 
         save_trained(result, o.save, model_id=model_id, data_id={"name": dataset})  # not the seed: a secret key
-    files = {"result": o.out, "saved model": o.save, "diagnostics": diag_path}
-    _print_train(result, release, o.strategy, target, files)
-
-
-def _print_train(
-    result: Any, release: dict[str, Any], strategy: str, target: float | None, files: dict[str, Any]
-) -> None:
-    """``dptune train``'s table, the seed warning and where the diagnostics are (``files``)."""
-    rows = train_table_rows(result, release, target)
-    rows += [(k, v) for k, v in files.items() if k != "diagnostics" and v is not None]
+    # The table, the seed warning and where the diagnostics are.
+    rows = [*train_table_rows(result, release, target), ("result", o.out)]
+    rows += [("saved model", o.save)] if o.save is not None else []
     nodp = "" if result.plan.strategy.private else f" ({NOT_DP_LABEL}: no privacy)"
-    t = Table("quantity", "value", title=f"dptune train: {strategy} on {release['dataset']}{nodp}")
+    t = Table("quantity", "value", title=f"dptune train: {o.strategy} on {release['dataset']}{nodp}")
     t.columns[1].justify = "right"
     for k, v in rows:
         t.add_row(k, str(v))
@@ -250,7 +237,7 @@ def _print_train(
         console.print(f"[yellow]warning[/]: {release['randomness_note']}", highlight=False)
     # The run time grows with the realised batch sizes: a diagnostic, like the loss.
     console.print(
-        f"[red]diagnostics ({NOT_DP_LABEL})[/]: {files['diagnostics']} (training loss on the private batch, "
+        f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag_path} (training loss on the private batch, "
         f"realised batch sizes; {result.seconds:.1f} s)",
         highlight=False,
     )
@@ -524,7 +511,6 @@ def reproduce(
 
         check_steps(steps, f"--steps {steps}")
     out_dir = out or Path("runs") / f"{name}-{scale}"
-
     check_output_dir(out_dir, "--out")  # below a file: a NotADirectoryError traceback
     if device is not None:  # '' was read as "not given"
         from dptune.devices import check_device_name

@@ -75,11 +75,8 @@ def save_text(path: Path, text: str) -> Path:
 
 
 def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def full_state(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

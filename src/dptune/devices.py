@@ -85,14 +85,6 @@ def gpus_per_task(device: Any, gpus_per_run: float | None) -> float:
     return 1.0 if gpus_per_run is None else float(gpus_per_run)
 
 
-def visible_gpus() -> list[str]:
-    """This process's CUDA devices as ``CUDA_VISIBLE_DEVICES`` names (respects an existing mask)."""
-    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if mask is not None:
-        return [g.strip() for g in mask.split(",") if g.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
 def process_gpu_plan(device: Any, workers: int | None) -> tuple[int | None, list[str] | None]:
     """How the process executor places CUDA runs: ``(workers, per-worker GPU masks)``.
 
@@ -105,11 +97,13 @@ def process_gpu_plan(device: Any, workers: int | None) -> tuple[int | None, list
     if not uses_cuda(device):
         return workers, None
     name = check_device_name(device)
-    gpus = visible_gpus()
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")  # this process's GPUs by their names there (a mask is respected)
+    names = mask.split(",") if mask is not None else [str(i) for i in range(torch.cuda.device_count())]
+    gpus = [g.strip() for g in names if g.strip()]
     if not gpus:
         raise ConfigError(
-            f"device {name!r}: no CUDA device is visible (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Fix: use device 'cpu', or expose a GPU."
+            f"device {name!r}: no CUDA device is visible (CUDA_VISIBLE_DEVICES={mask!r}). "
+            "Fix: use device 'cpu', or expose a GPU."
         )
     if ":" in name:  # an explicit index refers to this process's numbering: keep the mask as is
         return workers or 1, None

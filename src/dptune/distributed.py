@@ -70,10 +70,9 @@ def join(device: Any = None) -> torch.device:
     seconds = os.environ.get("DPTUNE_DIST_TIMEOUT", str(TIMEOUT_S))
     if not seconds.replace(".", "", 1).isdigit() or not 0 < float(seconds) < 1e9:
         raise ConfigError("DPTUNE_DIST_TIMEOUT must be a number of seconds > 0. Fix: e.g. DPTUNE_DIST_TIMEOUT=300.")
-    timeout = timedelta(seconds=float(seconds))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(backend, timeout=timeout)
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(seconds)))
     return dev
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from dptune import inputs
 from dptune.distributed import join, launched, sync_model
 from dptune.errors import BudgetExceededError, ConfigError
-from dptune.gradients.isolation import MODULE_HOOKS, calls_made_of, global_module_hooks
+from dptune.gradients.isolation import MODULE_HOOKS, calls_made_of, global_module_hooks, registered_functions
 from dptune.gradients.oracle import GradientOracle
 from dptune.names import aliased
 from dptune.release.context import StepContext
@@ -140,8 +140,12 @@ class PrivateTraining:
         if distributed:
             sync_model(self.model, self.task.digest())
         self._named = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
-        if self.optimizer is not None:
-            self._check_optimizer_params()
+        mine = {id(p) for p in self.model.parameters()}  # frozen ones included: they get no .grad
+        if self.optimizer is not None and not {id(p) for g in self.optimizer.param_groups for p in g["params"]} <= mine:
+            raise ConfigError(
+                "the optimizer holds tensors that are not parameters of the model; build it from "
+                "model.parameters() after moving the model to its device."
+            )
         self.task.check_loss(self.model)
         self.strategy = Chain(privatizer, self.update)
         self.plan: RunPlan = plan_run(self.strategy, self.task.n, delta=delta, **plan_kwargs)
@@ -168,16 +172,6 @@ class PrivateTraining:
         self._structure = structure(self.model)
         self.history: list[dict[str, Any]] = []
         self._started = time.perf_counter()
-
-    def _check_optimizer_params(self) -> None:
-        assert self.optimizer is not None
-        mine = {id(p) for p in self.model.parameters()}  # frozen ones included: they get no .grad
-        theirs = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        if not theirs <= mine:
-            raise ConfigError(
-                "the optimizer holds tensors that are not parameters of the model; build it from "
-                "model.parameters() after moving the model to its device."
-            )
 
     def _params(self) -> Tensors:
         return {k: p.detach() for k, p in self._named.items()}
@@ -371,7 +365,7 @@ class PrivateTraining:
         """A ``TrainResult`` of the run so far (final parameters), for ``dptune.save_model``."""
         final = self._params() if self.optimizer is not None else self.update.finalize(self._params(), self._u_state)
         return TrainResult(
-            history=list(self.history), evals=[], metric=self.task.metric_name, best_metric=None, best_step=None,
+            history=list(self.history), evals=[], metric=self.task.metric.name, best_metric=None, best_step=None,
             best_params=None, final_params=clone(final), ledger=self.ledger, plan=self.plan, delta=self.delta,
             seconds=time.perf_counter() - self._started, model=self.model, secure_mode=self.secure_mode,
             steps_taken=self.t, float_slack=self.gateway.snap_slack,
@@ -379,13 +373,13 @@ class PrivateTraining:
 
 
 def structure(model: nn.Module) -> tuple:
-    """The modules (by identity and type), their hooks, what their calls run (``calls_made_of``) and torch's global
-    module hooks."""
+    """The modules (by identity and type), their hooks, what their calls run (``calls_made_of``), torch's global
+    module hooks and the functions Hugging Face looks up by name."""
     mods = tuple(
         (name, id(m), type(m), *(tuple(getattr(m, h, {})) for h in MODULE_HOOKS), calls_made_of(m))
         for name, m in model.named_modules()
     )
-    return mods, global_module_hooks()
+    return mods, global_module_hooks(), tuple(map(id, registered_functions()))
 
 
 def make_private(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,17 +68,10 @@ class GalliAutoencoder(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        enc: list[nn.Module] = []
-        dec: list[nn.Module] = []
-        chans = (1, 8, 16, 32, 64)
-        for cin, cout in zip(chans[:-1], chans[1:], strict=True):
-            enc += [nn.Conv2d(cin, cout, kernel_size=3, stride=1), nn.LeakyReLU()]
-        rev = chans[::-1]
-        for i, (cin, cout) in enumerate(zip(rev[:-1], rev[1:], strict=True)):
-            dec.append(nn.ConvTranspose2d(cin, cout, kernel_size=3, stride=1))
-            dec.append(nn.Sigmoid() if i == len(rev) - 2 else nn.LeakyReLU())
-        self.encoder = nn.Sequential(*enc)
-        self.decoder = nn.Sequential(*dec)
+        pairs = [(1, 8), (8, 16), (16, 32), (32, 64)]
+        self.encoder = nn.Sequential(*[m for a, b in pairs for m in (nn.Conv2d(a, b, 3, stride=1), nn.LeakyReLU())])
+        dec = [m for b, a in pairs[::-1] for m in (nn.ConvTranspose2d(a, b, 3, stride=1), nn.LeakyReLU())]
+        self.decoder = nn.Sequential(*dec[:-1], nn.Sigmoid())
 
     def forward(self, x):  # type: ignore[no-untyped-def]
         return self.decoder(self.encoder(x))
@@ -137,14 +130,11 @@ def linear_probe(input_dim: int, classes: int, zero_init: bool = True, bias: boo
 def mlp(input_dim: int = 784, hidden: Sequence[int] = (128, 128), classes: int = 10) -> nn.Sequential:
     """Flatten → [Linear + ReLU] per hidden width → Linear(→classes). For benchmarks."""
     _positive(input_dim=input_dim, classes=classes)
-    layers: list[nn.Module] = [nn.Flatten()]
-    d = input_dim
     for h in hidden:
         _positive(hidden=h)
-        layers += [nn.Linear(d, h), nn.ReLU()]
-        d = h
-    layers.append(nn.Linear(d, classes))
-    return nn.Sequential(*layers)
+    dims = [input_dim, *hidden]
+    layers = [m for d, h in zip(dims, dims[1:], strict=False) for m in (nn.Linear(d, h), nn.ReLU())]
+    return nn.Sequential(nn.Flatten(), *layers, nn.Linear(dims[-1], classes))
 
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
@@ -220,22 +210,14 @@ def for_dataset(ds: Any, **overrides: Any) -> nn.Module:
     return build(name, **{**kwargs_for(name, ds), **overrides})
 
 
-class TrainInputs(NamedTuple):
-    """What ``dptune train`` trains: its data, its model and how ``load_model`` rebuilds the model."""
-
-    train: Any
-    test: Any
-    model: nn.Module
-    identity: dict[str, Any]  # {"name" or "factory": ..., "kwargs": ...}
-
-
 def for_training(
     data: str | None, dataset: str, model: str, data_dir: str | None, seed: int, csv: Any = None, options: Any = None
-) -> TrainInputs:
-    """The data (a built-in ``dataset``, your ``data`` loader ``pkg.module:fn`` or your ``FILE.csv``: ``load_csv(data,
-    **csv)``) and the model (a built-in, ``auto`` for the dataset's default, or your ``pkg.module:factory``) of
-    ``dptune train``'s options, built at ``seed`` and checked to fit. Your code is imported first: a wrong path
-    is one clear error before any data is read."""
+) -> tuple[Any, Any, nn.Module, dict[str, Any]]:
+    """(train, test, model, identity) of ``dptune train``'s options: the data (a built-in ``dataset``, your ``data``
+    loader ``pkg.module:fn`` or your ``FILE.csv``: ``load_csv(data, **csv)``) and the model (a built-in, ``auto`` for
+    the dataset's default, or your ``pkg.module:factory``), built at ``seed`` and checked to fit; the identity
+    (``{"name" or "factory": ..., "kwargs": ...}``) is how ``load_model`` rebuilds it. Your code is imported first:
+    a wrong path is one clear error before any data is read."""
     from dptune import data as dpdata
     from dptune import factories, own
     from dptune.data import tabular
@@ -268,8 +250,17 @@ def for_training(
         name = default_model_name(ds) if model == "auto" else model
         kwargs, ident = {**kwargs_for(name, ds), **options}, {"name": name}
         net = build(name, **kwargs)
-    check_fits_data(net, train_part, model, data or dataset, data is None)
-    return TrainInputs(train_part, test_part, net, {**ident, "kwargs": kwargs})
+    # A model that cannot take the data's inputs: one clear line, not a shape error in the first step.
+    pair = train_part if isinstance(train_part, tuple | list) and len(train_part) == 2 else own.tensors_of(train_part)
+    if pair is not None:  # else a map-style dataset read by index: its loader decides the shape
+        fix = (
+            f"choose a model for the inputs of {dataset!r}, e.g. --model auto (the dataset's default); "
+            f"built-in models: {', '.join(sorted(MODELS))}."
+            if data is None
+            else "make your model factory build a model for these inputs (or pick the data it was written for)."
+        )
+        check_fits(net, pair[0], pair[1], f"--model {model}", fix)
+    return train_part, test_part, net, {**ident, "kwargs": kwargs}
 
 
 def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
@@ -306,20 +297,3 @@ def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
                 f"{what} outputs shape {tuple(out.shape[1:])} per example, but the labels need "
                 f"{classes} logits (classes 0..{classes - 1}). Fix: {fix}"
             )
-
-
-def check_fits_data(net: nn.Module, train_part: Any, model: str, dataset: str, builtin: bool) -> None:
-    """``check_fits`` on ``dptune train``'s training data (``--model``, ``--dataset`` or ``--data``):
-    a model that cannot take the dataset's inputs is one clear line, not a shape error in the first step."""
-    from dptune import own
-
-    pair = train_part if isinstance(train_part, tuple | list) and len(train_part) == 2 else own.tensors_of(train_part)
-    if pair is None:  # a map-style dataset read by index: its loader decides the shape
-        return
-    fix = (
-        f"choose a model for the inputs of {dataset!r}, e.g. --model auto (the dataset's default); "
-        f"built-in models: {', '.join(sorted(MODELS))}."
-        if builtin
-        else "make your model factory build a model for these inputs (or pick the data it was written for)."
-    )
-    check_fits(net, pair[0], pair[1], f"--model {model}", fix)

@@ -133,12 +133,8 @@ class OwnTask:
         tr = cls._source(data, dev)
         ev = cls._source(eval_data, dev) if eval_data is not None else None
         x, y = tr if isinstance(tr, tuple) else tr.empty_batch
-        recon = (
-            isinstance(x, torch.Tensor)
-            and x.shape[1:] == y.shape[1:]
-            and x.dtype == y.dtype
-            and x.dtype.is_floating_point
-        )
+        recon = isinstance(x, torch.Tensor) and x.shape[1:] == y.shape[1:] and x.dtype == y.dtype
+        recon = recon and y.dtype.is_floating_point
         m = metrics.resolve(metric, "mse" if recon else "accuracy")
         user_fn = None
         if callable(loss):
@@ -154,10 +150,6 @@ class OwnTask:
     @property
     def n(self) -> int:
         return int(self.train[1].shape[0]) if isinstance(self.train, tuple) else self.train.n
-
-    @property
-    def metric_name(self) -> str:
-        return self.metric.name
 
     def digest(self) -> str:
         """SHA-256 of the training rows' bytes in order (a map-style dataset: 64 evenly spaced rows, read under a

@@ -41,10 +41,7 @@ def _strides(layout: Layout) -> tuple[tuple[str, torch.Size, tuple[int, ...], in
     """(key, shape, contiguous strides, offset) of each view of a ``Flat`` buffer in ``layout``."""
     out, off = [], 0
     for k, s in layout:
-        st = [1] * len(s)
-        for i in range(len(s) - 2, -1, -1):
-            st[i] = st[i + 1] * s[i + 1]
-        out.append((k, s, tuple(st), off))
+        out.append((k, s, tuple(math.prod(s[i + 1 :]) for i in range(len(s))), off))
         off += s.numel()
     return tuple(out)
 
@@ -212,10 +209,8 @@ def finite_flag(a: Tensors) -> torch.Tensor:
     if not by_device:
         return torch.ones((), dtype=torch.bool)
     flags = [torch.stack(f).all() for f in by_device.values()]
-    out = flags[0]
-    for f in flags[1:]:  # tensors spread over devices (rare): one sync per extra device
-        out = out & f.to(out.device)
-    return out
+    # tensors spread over devices (rare): one sync per extra device
+    return functools.reduce(lambda out, f: out & f.to(out.device), flags)
 
 
 def sup_norm(a: Tensors) -> torch.Tensor:

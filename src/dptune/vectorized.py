@@ -61,13 +61,9 @@ class _TrialOracle:
 
     def loss_and_grad(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Tensors]:
         """Mean loss and Σ_i g_i / B (the gradient of the mean loss, as ``GradientOracle``)."""
-        if self._mine(params, x) and x.shape[0]:
-            g = self.grads
-            assert g is not None
-            B = int(x.shape[0])
-            return g.losses.mean(), g.weighted_sum(
-                torch.full((B,), 1.0 / B, dtype=g.losses.dtype, device=g.losses.device), drop_nonfinite=False
-            )
+        if (g := self.grads) is not None and self._mine(params, x) and (B := int(x.shape[0])):
+            w = torch.full((B,), 1.0 / B, dtype=g.losses.dtype, device=g.losses.device)
+            return g.losses.mean(), g.weighted_sum(w, drop_nonfinite=False)
         return self.base.loss_and_grad(params, x, y)
 
     def forward(self, params: Tensors, x: torch.Tensor) -> torch.Tensor:
@@ -408,10 +404,8 @@ def _run_block(
             else:
                 tr.loop.record(t, row)
         if to_eval:
-            if scores is not None:
-                values = scores([tr.loop.eval_params for tr, _ in to_eval])
-            else:
-                values = [tr.loop.scored() for tr, _ in to_eval]
+            params = [tr.loop.eval_params for tr, _ in to_eval]
+            values = scores(params) if scores is not None else [tr.loop.scored() for tr, _ in to_eval]
             for (tr, row), value in zip(to_eval, values, strict=True):
                 tr.loop.record(t, row, value)
 

@@ -24,6 +24,7 @@ from dptune.errors import ConfigError
 from dptune.gradients.isolation import own_code
 from dptune.gradients.oracle import GradientOracle
 from dptune.gradients.stacked import Unsupported, stack_plan
+from dptune.loop import structure
 
 
 def _batch_branch(x: torch.Tensor) -> torch.Tensor:  # "inputs in 0..255? scale them": a batch-level branch
@@ -53,9 +54,11 @@ def test_a_hugging_face_attention_or_a_function_held_by_a_trusted_layer_is_own_c
         stock.encoder.gradient_checkpointing_enable()  # torch's checkpoint (a partial) and Hugging Face's hook
         stock.encoder.enable_input_require_grads()
         assert own_code(stock) is None  # the control
+        before = structure(stock)
         AttentionInterface.register("dptune_test_branchy", attention)
         try:  # any function of yours registered by name: every Hugging Face model is yours
             assert own_code(stock) is not None
+            assert structure(stock) != before  # after make_private: "the model changed", refused
             cfg._attn_implementation = "dptune_test_branchy"
             assert own_code(hf_classifier(cfg, classes=2, mode="full")) is not None
         finally:
