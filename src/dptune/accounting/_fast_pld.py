@@ -1,7 +1,6 @@
-"""A faster twin of dp_accounting's PLD construction, used only to SEARCH for a noise multiplier.
-Version-pinned (``CHECKED_VERSIONS``) because it uses dp_accounting internals; elsewhere the public
-``PLDAccountant`` is used. Either way every calibrated ν is re-checked by ``accountants.epsilon``
-(docs/accounting.md, "The fast PLD search")."""
+"""A faster twin of dp_accounting's PLD construction, used only to SEARCH for a noise multiplier. Version-pinned
+(``CHECKED_VERSIONS``) because it uses dp_accounting internals; elsewhere the public ``PLDAccountant`` is used. Either
+way every calibrated ν is re-checked by ``accountants.epsilon`` (docs/accounting.md, "The fast PLD search")."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import logging
 import math
 from importlib import metadata
 
+import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant, privacy_loss_distribution, privacy_loss_mechanism
 
@@ -91,8 +91,6 @@ class _VectorizedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
     """dp_accounting's Gaussian privacy loss with ``get_delta_for_epsilon`` in closed form, on the grid."""
 
     def get_delta_for_epsilon(self, epsilon):  # type: ignore[override]
-        import numpy as np
-
         eps = np.atleast_1d(np.asarray(epsilon, dtype=float))
         deltas = np.zeros_like(eps)
         q, s, var = self.sampling_prob, self.sensitivity, self.standard_deviation**2
@@ -119,8 +117,6 @@ class _VectorizedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
     @staticmethod
     def _log_mix(b, q: float):
         """log(1 + (e^b − 1)/q) = log(e^b − (1 − q)) − log q, stably (−inf at the boundary)."""
-        import numpy as np
-
         with np.errstate(divide="ignore", invalid="ignore"):
             big = b > 0
             out = np.empty_like(b)
@@ -166,12 +162,6 @@ def search_pld(event: dp_event.DpEvent, d: float, count: int = 1):
     return None
 
 
-def public_pld_epsilon(event: dp_event.DpEvent, delta: float, discretization: float) -> float:
-    """ε(δ) of ``event`` by dp_accounting's public ``PLDAccountant`` at ``discretization``."""
-    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=discretization)
-    return float(acc.compose(event).get_epsilon(delta))
-
-
 def pld_epsilon_at(event: dp_event.DpEvent, delta: float, discretization: float) -> float:
     """ε(δ) at a PLD discretisation for the search: the twin where supported, else the public one; cached."""
     if is_hashable(event):
@@ -187,8 +177,9 @@ def _pld_epsilon_at_cached(event: dp_event.DpEvent, delta: float, discretization
             pld = search_pld(event, discretization)
         except (AttributeError, TypeError):  # internals changed under a checked version string
             pld = None
-    if pld is None:
-        return public_pld_epsilon(event, delta, discretization)
+    if pld is None:  # dp_accounting's public accountant
+        acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=discretization)
+        return float(acc.compose(event).get_epsilon(delta))
     return float(pld.get_epsilon_for_delta(delta))
 
 

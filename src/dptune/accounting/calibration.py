@@ -184,7 +184,7 @@ def _calibrate_event(
     else:
         guess = clt if clt is not None else 1.0
 
-    bounded = _pld_cost_guard(make_event, target_epsilon, delta, guess) if accountant == "pld" else _unbounded
+    bounded = _pld_cost_guard(make_event, target_epsilon, delta, guess) if accountant == "pld" else lambda nu: nu
     fine = LogEps(lambda nu: epsilon_cached(make_event(bounded(nu)), delta, accountant), target_epsilon)
     search_evals = 0
     if accountant == "pld":
@@ -199,10 +199,6 @@ def _calibrate_event(
         lower=math.exp(lo) if lo is not None else 0.0, evaluations=len(fine.values),
         search_evaluations=search_evals, seconds=time.perf_counter() - t0,
     )  # fmt: skip
-
-
-def _unbounded(nu: float) -> float:
-    return nu
 
 
 def _pld_cost_guard(

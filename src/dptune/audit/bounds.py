@@ -84,11 +84,6 @@ def _guess(order: np.ndarray, inc: np.ndarray, k_in: int, k_out: int) -> int:
     return int(inc[top].sum() + (~inc[bottom]).sum())
 
 
-def _order(s: np.ndarray) -> np.ndarray:
-    # Stable sort with a fixed tie order (index), so ties cannot favour the truth.
-    return np.argsort(-s, kind="stable")
-
-
 def one_run_bound(
     scores: Sequence[np.ndarray] | np.ndarray,
     included: np.ndarray,
@@ -121,7 +116,8 @@ def one_run_bound(
             k_in, k_out = round(fi * mm), round(fo * mm)
             if k_in + k_out == 0 or k_in + k_out > mm:
                 continue
-            correct = _guess(_order(score_list[j][idx]), inc[idx], k_in, k_out)
+            # A stable sort: ties keep a fixed order (index), so they cannot favour the truth.
+            correct = _guess(np.argsort(-score_list[j][idx], kind="stable"), inc[idx], k_in, k_out)
             eps = one_run_epsilon(mm, k_in + k_out, correct, delta, sig)
             if eps > best.epsilon:
                 best = OneRunBound(eps, mm, k_in + k_out, correct, k_in, k_out, j, len(pol))
@@ -186,13 +182,6 @@ def two_world_bound_at(
     return dp_epsilon_from_rates(fpr_u, fnr_u, delta), fpr_u, fnr_u, fp, fn
 
 
-def _candidate_thresholds(out_s: np.ndarray, in_s: np.ndarray, k: int = 400) -> np.ndarray:
-    both = np.concatenate([out_s, in_s])
-    qs = np.unique(np.quantile(both, np.linspace(0.0, 1.0, k)))
-    # Midpoints avoid thresholds that sit exactly on observed (tied) scores.
-    return np.unique(np.concatenate([qs, (qs[1:] + qs[:-1]) / 2]))
-
-
 def _bounds_at_thresholds(
     out_s: np.ndarray, in_s: np.ndarray, thr: np.ndarray, delta: float, confidence: float
 ) -> np.ndarray:
@@ -231,7 +220,9 @@ def two_world_bound(
     best_sel, choice = -1.0, (0, math.inf)
     for j, (o, i) in enumerate(zip(outs, ins, strict=True)):
         o_sel, i_sel = o[so], i[si]
-        thr = _candidate_thresholds(o_sel, i_sel)
+        qs = np.unique(np.quantile(np.concatenate([o_sel, i_sel]), np.linspace(0.0, 1.0, 400)))
+        # Midpoints avoid thresholds that sit exactly on observed (tied) scores.
+        thr = np.unique(np.concatenate([qs, (qs[1:] + qs[:-1]) / 2]))
         # Select on the same statistic that will be reported (CP bound), on the selection split.
         eps = _bounds_at_thresholds(o_sel, i_sel, thr, delta, confidence)
         k = int(np.argmax(eps))

@@ -5,14 +5,15 @@ the REAL strategy calibrated to the claim: one run (Steinke et al. 2023) or two 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+import torch
 
 from dptune import accounting
 from dptune.audit import bounds
@@ -29,7 +30,7 @@ from dptune.audit.harness import (
 )
 from dptune.distributed import refuse_in_study
 from dptune.errors import ConfigError
-from dptune.release.ledger import Ledger, compose
+from dptune.release.ledger import Ledger
 from dptune.release.sampling import stream_seed
 from dptune.train import train
 from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec, run_study
@@ -250,16 +251,9 @@ class _Audit:
 
     def _grid_study(self, data: CanaryData, seed: int, recorder: ReleaseRecorder) -> _Training:
         """The grid study via ``run_study`` (budget = the claim, public selection: every release is training's)."""
-        import tempfile
-
-        import torch
-
         scenario, n = self.scenario, int(data.x.shape[0])
-        space: dict[str, list[Any]] = {}
-        for hp in scenario.grid:
-            for k, v in hp.items():
-                if v not in space.setdefault(k, []):
-                    space[k].append(v)
+        keys = dict.fromkeys(k for hp in scenario.grid for k in hp)
+        space = {k: list(dict.fromkeys(hp[k] for hp in scenario.grid if k in hp)) for k in keys}
         # A study takes a *named* loss: the MSE form of the same linear loss (see LinearLossUnderMSE).
         y = torch.zeros((n, 1), dtype=data.x.dtype)
         study = Study(
@@ -288,16 +282,6 @@ class _Audit:
         if not outcome.complete or not outcome.ledger_matches_plan or outcome.counts.get("done", 0) != scenario.runs:
             raise RuntimeError(f"the audited grid study did not complete as planned: {outcome.counts}")
         return _Training([], ledger, [], nu)
-
-
-def ledger_epsilon(ledger: Ledger, delta: float, accountant: str) -> float:
-    """ε of everything the ledger recorded, identical releases grouped as one self-composed event."""
-    return _event_epsilon(compose(ledger.atoms().items()), delta, accountant)
-
-
-@functools.lru_cache(maxsize=256)
-def _event_epsilon(event: Any, delta: float, accountant: str) -> float:
-    return accounting.epsilon(event, delta, accountant)
 
 
 def _candidates(recorder: ReleaseRecorder) -> tuple[list[str], list[np.ndarray]]:
@@ -360,7 +344,7 @@ def run_audit(
     max_clip = max((c for t in trainings for c in t.clips), default=0.0)
     details.update(
         noise_multiplier=trainings[-1].nu,
-        ledger_epsilon=max(ledger_epsilon(t.ledger, delta, accountant) for t in trainings),
+        ledger_epsilon=max(t.ledger.epsilon(delta, accountant) for t in trainings),
         max_clip_seen=max_clip,
         canaries_saturated=bool(max_clip < audit.canary_norm),
         seconds=time.perf_counter() - t0,

@@ -14,6 +14,7 @@ import torch
 
 from dptune.errors import ConfigError
 from dptune.release.context import RunPlan
+from dptune.tree import dot
 
 # OSO's hyperparameter rates, horizon-aware (docs/strategies.md, "Horizon-aware rates"): under the
 # sign rule C and ρ move by a factor of at most exp(ρ_c·T); Galli et al.'s ρ_c = ρ_r = 2.5e-3 at
@@ -114,8 +115,6 @@ def rule_step(rule: Rule, value: float, rate: float, d: Any, pair: tuple[Any, An
     """(``hypergradient_step`` from the device dot product ``d``, ``d`` for the history row) as ``later``
     values, one read for both; ``normalized`` also reads the norms of the ``pair`` whose cosine it takes."""
     if rule == "normalized":
-        from dptune.tree import dot
-
         d = torch.stack([torch.as_tensor(d).double(), dot(pair[0], pair[0]).double(), dot(pair[1], pair[1]).double()])
 
     def then(v: list[float]) -> float:

@@ -5,6 +5,7 @@ plan raises ``BudgetExceededError`` before the noise is drawn.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -35,17 +36,14 @@ def event_to_dict(event: dp_event.DpEvent) -> dict[str, Any]:
 
 
 def event_from_dict(d: Mapping[str, Any]) -> dp_event.DpEvent:
-    cls = getattr(dp_event, d["type"])
-    kwargs = {}
-    for k, v in d.items():
-        if k == "type":
-            continue
+    def field_value(v: Any) -> Any:
         if isinstance(v, Mapping) and "type" in v:
-            v = event_from_dict(v)
-        elif isinstance(v, list) and v and isinstance(v[0], Mapping):
-            v = [event_from_dict(e) for e in v]
-        kwargs[k] = v
-    return cls(**kwargs)
+            return event_from_dict(v)
+        if isinstance(v, list) and v and isinstance(v[0], Mapping):
+            return [event_from_dict(e) for e in v]
+        return v
+
+    return getattr(dp_event, d["type"])(**{k: field_value(v) for k, v in d.items() if k != "type"})
 
 
 def atoms(event: dp_event.DpEvent, count: int = 1) -> Counter:
@@ -189,8 +187,6 @@ class Ledger:
         JSON with sorted keys, the list sorted. Composition is commutative and a study merges
         runs in completion order, so the order of entries must not change the digest; the
         plan is left out (it is the configuration's, stated separately in a model card)."""
-        import hashlib
-
         rows = sorted(json.dumps(e.to_dict(), sort_keys=True, separators=(",", ":")) for e in self.entries)
         return hashlib.sha256(("[" + ",".join(rows) + "]").encode()).hexdigest()
 
@@ -198,7 +194,6 @@ class Ledger:
     def from_dict(cls, d: Mapping[str, Any]) -> Ledger:
         planned = event_from_dict(d["planned_event"]) if d.get("planned_event") else None
         led = cls.with_plan(planned) if planned is not None else cls()
-        for e in d.get("entries", []):
-            entry = LedgerEntry.from_dict(e)
-            led.record(entry.event, entry.label, count=entry.count, components=entry.components, run=entry.run)
+        for e in map(LedgerEntry.from_dict, d.get("entries", [])):
+            led.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
         return led

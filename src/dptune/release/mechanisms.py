@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from dp_accounting import dp_event
 
 from dptune import accounting
 from dptune.errors import BudgetExceededError
@@ -34,10 +35,9 @@ from dptune.tree import Flat, Tensors, bases, cast
 class SumQuery:
     """A sum over the sampled examples, to be released with Gaussian noise.
 
-    ``value`` is a tensor or a dict of tensors (e.g. a gradient per parameter);
-    ``sensitivity`` is the L2 sensitivity of the whole value under add/remove of one
-    example; the noise std is ``noise_multiplier * sensitivity``. ``deferred=True``: the
-    release returns a ``DeferredSum`` handle and draws no noise yet (module docstring).
+    ``value`` is a tensor or a dict of tensors (e.g. a gradient per parameter); ``sensitivity`` is the L2 sensitivity of
+    the whole value under add/remove of one example; the noise std is ``noise_multiplier * sensitivity``.
+    ``deferred=True``: the release returns a ``DeferredSum`` handle and draws no noise yet (module docstring).
     """
 
     name: str
@@ -299,10 +299,7 @@ def _dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> torch.Tensor |
         raise ValueError(f"projection direction has keys {sorted(b)}, the sum has {sorted(a)}")
     if (ab := bases(a, b)) is not None:
         return _dot1(*ab)
-    total: torch.Tensor | float = 0.0
-    for k in a:
-        total = total + _dot1(a[k], b[k])
-    return total
+    return sum((_dot1(a[k], b[k]) for k in a), 0.0)
 
 
 def _wide_dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> torch.Tensor:
@@ -404,13 +401,10 @@ class NoisyRelease:
 
     def _noisy_outputs(self, queries: tuple[SumQuery, ...]) -> list[torch.Tensor | Tensors | DeferredSum]:
         """The noisy values (or deferred handles) of queries whose release is already recorded."""
-        out: list[torch.Tensor | Tensors | DeferredSum] = []
-        for q in queries:
-            if q.deferred:
-                out.append(DeferredSum(q.name, q.value, q.std, _Draw(self)))
-            else:
-                out.append(self._add_noise(q.value, q.std))
-        return out
+        return [
+            DeferredSum(q.name, q.value, q.std, _Draw(self)) if q.deferred else self._add_noise(q.value, q.std)
+            for q in queries
+        ]
 
     def _add_noise(self, value: torch.Tensor | Tensors, std: float) -> torch.Tensor | Tensors:
         if not isinstance(value, dict):
@@ -508,6 +502,4 @@ class NoisyRelease:
 
 def record_nonprivate(ledger: Ledger, label: str, run: str = "") -> None:
     """A non-private step (the ``nodp`` baseline) is recorded too: its ε is ∞."""
-    from dp_accounting import dp_event
-
     ledger.record(dp_event.NonPrivateDpEvent(), label, run=run)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -92,13 +92,10 @@ class Privatizer(ABC):
     ) -> tuple[Released | None, dict[str, Any], dict[str, float]]:
         """Release this step's gradient through ``ctx.publish`` → (released, state, metrics).
 
-        ``lr``: the update rule's current learning rate (public), for rules that scale by it
-        (OSO's additive rule). ``label`` prefixes the ledger labels. None: nothing to apply
-        (an empty non-private batch)."""
+        ``lr``: the update rule's current learning rate (public), for rules that scale by it (OSO's additive rule).
+        ``label`` prefixes the ledger labels. None: nothing to apply (an empty non-private batch)."""
 
     def config(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return dict(asdict(self))  # type: ignore[call-overload]
 
 
@@ -118,11 +115,7 @@ class FixedClip(Privatizer):
         (noisy,) = ctx.publish(
             SumQuery("gradient", clipped_sum(ctx.grads(params), self.clip), self.clip, nu), label=f"{label}/gradient"
         )
-        return (
-            Released(noisy, ctx.run.expected_batch_size, self.clip, nu * self.clip),
-            state,
-            {"clip": self.clip},
-        )
+        return Released(noisy, ctx.run.expected_batch_size, self.clip, nu * self.clip), state, {"clip": self.clip}
 
 
 @dataclass(frozen=True)
@@ -187,11 +180,10 @@ class QuantileClip(Privatizer):
 
 @dataclass(frozen=True)
 class OSOClip(Privatizer):
-    """OSO-DPSGD's online clipping threshold (Galli et al. 2024, Algorithm 1), typos corrected: C_t
-    moves by the sign of g̃_tᵀq̃_{t−1} (``rule``: ``exp`` eq. 20, ``additive`` eq. 13, ``normalized``
-    eq. 19), q̃ a second query sharing ν (Proposition 1; ν_q by the 1% rule). Equations, noise split
-    and typos: docs/strategies.md, "oso". q̃'s noise is deferred for ``exp``/``additive``
-    (``defer_q_noise``; docs/privacy.md, "Deferred noise")."""
+    """OSO-DPSGD's online clipping threshold (Galli et al. 2024, Algorithm 1), typos corrected: C_t moves by the sign of
+    g̃_tᵀq̃_{t−1} (``rule``: ``exp`` eq. 20, ``additive`` eq. 13, ``normalized`` eq. 19), q̃ a second query sharing ν
+    (Proposition 1; ν_q by the 1% rule). Equations, noise split and typos: docs/strategies.md, "oso". q̃'s noise is
+    deferred for ``exp``/``additive`` (``defer_q_noise``; docs/privacy.md, "Deferred noise")."""
 
     initial_clip: float = 1.0  # C₀
     clip_lr: float | None = None  # ρ_c; None → OSO_LOG_RANGE / T (horizon-aware)
@@ -220,13 +212,7 @@ class OSOClip(Privatizer):
 
     def init(self, run: RunPlan) -> dict[str, Any]:
         nu_g, nu_q = self.multipliers(run)
-        return {
-            "clip": self.initial_clip,
-            "nu_g": nu_g,
-            "nu_q": nu_q,
-            "prev_q": None,
-            "clip_lr": horizon_rate(self.clip_lr, run),
-        }
+        return dict(clip=self.initial_clip, nu_g=nu_g, nu_q=nu_q, prev_q=None, clip_lr=horizon_rate(self.clip_lr, run))
 
     def privatize(self, params, state, ctx, *, lr, label):
         assert ctx.release is not None
@@ -264,11 +250,10 @@ class OSOClip(Privatizer):
 
 @dataclass(frozen=True)
 class ZerothOrderClip(Privatizer):
-    """DP zeroth-order optimisation (DP-ZO; Tang, Panda, Nasr, Mahloujifar & Mittal 2024; used by
-    Panda et al. 2024, §A.4, Table 14): the released quantity is ONE scalar per step,
-    s̃_t = Σ_{i∈B_t} clip_C(d_i) + N(0, ν²C²) with d_i the central difference of example i's loss
-    along a public direction z_t ~ N(0, I_d), released as (s̃_t / L)·z_t. Sensitivity C, hence
-    DP-SGD's event: docs/privacy.md, "DP-ZO"."""
+    """DP zeroth-order optimisation (DP-ZO; Tang, Panda, Nasr, Mahloujifar & Mittal 2024; used by Panda et al. 2024,
+    §A.4, Table 14): the released quantity is ONE scalar per step, s̃_t = Σ_{i∈B_t} clip_C(d_i) + N(0, ν²C²) with d_i
+    the central difference of example i's loss along a public direction z_t ~ N(0, I_d), released as (s̃_t / L)·z_t.
+    Sensitivity C, hence DP-SGD's event: docs/privacy.md, "DP-ZO"."""
 
     clip: float = 1.0  # C, the bound on each example's finite difference
     perturbation: float = 1e-3  # μ (MeZO / DP-ZO: 1e-3)

@@ -1,9 +1,8 @@
 """Poisson sampling (and full batch), matching what the accountant assumes.
 
-Each step, every example is included independently with probability q = L/n.
-The realised batch size varies (it can be 0); sums are normalised by the
-*expected* batch size L, never the realised one, because the realised size is
-itself private. Full batch is q = 1.
+Each step, every example is included independently with probability q = L/n. The realised batch size varies (it can be
+0); sums are normalised by the *expected* batch size L, never the realised one, because the realised size is itself
+private. Full batch is q = 1.
 """
 
 from __future__ import annotations
@@ -45,15 +44,13 @@ def stream_seed(seed: int, stream: str) -> int:
 class RandomBits:
     """Uniform random words of ``WORD_BITS`` bits (int64 ≥ 0): the raw randomness of a stream.
 
-    ``seed`` given: a PCG64DXSM generator seeded with it (reproducible: the same seed gives
-    the same words). ``seed=None`` (secure mode): every word is read from the operating
-    system's CSPRNG (``os.urandom``), so nothing in the configuration determines it.
-    Transforms (``exponentials``, ``mechanisms`` for Gaussians) read explicit integer bits, so
-    what they produce does not depend on a library's float-sampling internals.
+    ``seed`` given: a PCG64DXSM generator seeded with it (reproducible: the same seed gives the same words).
+    ``seed=None`` (secure mode): every word is read from the operating system's CSPRNG (``os.urandom``), so nothing in
+    the configuration determines it. Transforms (``exponentials``, ``mechanisms`` for Gaussians) read explicit integer
+    bits, so what they produce does not depend on a library's float-sampling internals.
     """
 
     def __init__(self, seed: int | None):
-        self.secure = seed is None
         self._bg = None if seed is None else np.random.PCG64DXSM(int(seed))
 
     def words(self, n: int) -> np.ndarray:
@@ -90,10 +87,9 @@ def exponentials(
 ) -> np.ndarray:
     """``scale`` times Exp(1) draws (float64) with no cut-off, from integers ``a`` uniform on [0, 2^width).
 
-    E = −ln U with U = (a + 1)·2^−width; where a < 2^precision the grid would cap E, so E is
-    (width − precision)·ln 2 plus a fresh draw (memoryless: no cut-off at any depth; docs/privacy.md,
-    "Noise tails"). Raises after ``MAX_REFINEMENTS`` levels of zeros. Torch twin:
-    ``mechanisms._exponentials_torch``."""
+    E = −ln U with U = (a + 1)·2^−width; where a < 2^precision the grid would cap E, so E is (width − precision)·ln 2
+    plus a fresh draw (memoryless: no cut-off at any depth; docs/privacy.md, "Noise tails"). Raises after
+    ``MAX_REFINEMENTS`` levels of zeros. Torch twin: ``mechanisms._exponentials_torch``."""
     step = 2.0**-width
     e = a * step  # float64; exact for width ≤ 53 (a < 2^53), rounded to nearest above
     e += step  # U = (a + 1)·2^-width
@@ -116,10 +112,8 @@ def secure_forward_rng() -> None:
     torch.default_generator.manual_seed(seed)  # the CPU generator keeps 32 bits of it; CUDA's 64
     if torch.cuda.is_initialized():
         torch.cuda.manual_seed_all(seed)
-    (
-        np.random.seed(int.from_bytes(os.urandom(4), "little")),
-        random.seed(os.urandom(32)),
-    )  # masks drawn by numpy (HF audio)
+    np.random.seed(int.from_bytes(os.urandom(4), "little"))  # masks drawn by numpy (HF audio)
+    random.seed(os.urandom(32))
 
 
 class PoissonSampler:
@@ -143,14 +137,6 @@ class PoissonSampler:
         self.secure = bool(secure)
         self.bits = RandomBits(None if secure else stream_seed(seed, "sampling"))
 
-    @property
-    def expected_batch_size(self) -> float:
-        return self.q * self.n
-
-    @property
-    def full_batch(self) -> bool:
-        return self.q >= 1.0
-
     def sample(self) -> torch.Tensor:
         """The sorted indices of one Poisson batch: each of the n examples independently with prob. q.
 
@@ -158,7 +144,7 @@ class PoissonSampler:
         from ~qn words, q at float64 precision, gaps never capped (docs/performance.md, "2b")."""
         if self.secure:
             secure_forward_rng()
-        if self.full_batch:
+        if self.q >= 1.0:  # full batch
             return torch.arange(self.n)
         n, q = self.n, self.q
         lam = -math.log1p(-q)

@@ -65,10 +65,8 @@ _KINDS = {"bool": (bool,), "float": (numbers.Real,), "int": (numbers.Integral,),
 def check_types(key: str, classes: tuple[type, ...], hyperparameters: dict[str, Any]) -> None:
     """Each value has its field's type (``--hp adapt_lr=maybe`` is an error, not a string):
     bool fields take booleans, numeric fields numbers (not booleans), ``X | None`` also None."""
-    annotations: dict[str, str] = {}
-    for cls in classes:
-        for f in dataclasses.fields(cls):
-            annotations.setdefault(f.name, str(f.type))
+    # A field of several classes: the first class's annotation.
+    annotations = {f.name: str(f.type) for cls in reversed(classes) for f in dataclasses.fields(cls)}
     for k, v in hyperparameters.items():
         kinds = [t.strip() for t in annotations.get(k, "").split("|")]
         if v is None and "None" in kinds:

@@ -1,14 +1,13 @@
-"""The strategy contract (optax-style): ``init(params, run) -> state`` and ``step(params, state, ctx)
--> (params, state, metrics)``; ``planned_event(nu, q, steps)`` is what the run's ledger is created with,
-so releasing more raises ``BudgetExceededError``. Every built-in strategy is ``Composed``: a privatizer
-(the only reader of per-sample gradients and caller of the gateway) then an update rule (released values
-only). ``run.noise_multiplier`` is the *joint* per-step ν; privatizers releasing several queries split it
-exactly (``release.context.snap_noise``)."""
+"""The strategy contract (optax-style): ``init(params, run) -> state`` and ``step(params, state, ctx) -> (params, state,
+metrics)``; ``planned_event(nu, q, steps)`` is what the run's ledger is created with, so releasing more raises
+``BudgetExceededError``. Every built-in strategy is ``Composed``: a privatizer (the only reader of per-sample gradients
+and caller of the gateway) then an update rule (released values only). ``run.noise_multiplier`` is the *joint* per-step
+ν; privatizers releasing several queries split it exactly (``release.context.snap_noise``)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -84,8 +83,6 @@ class Strategy(ABC):
         return type(self).finalize is not Strategy.finalize
 
     def config(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return {"strategy": self.name, **asdict(self)}  # type: ignore[call-overload]
 
 
@@ -176,9 +173,7 @@ class Chain(Composed):
         object.__setattr__(self, "name", f"{self.privatizer_part.name}+{self.update_part.name}")
         object.__setattr__(self, "private", self.privatizer_part.private)
         object.__setattr__(
-            self,
-            "hyperparameters",
-            chain_hyperparameters(type(self.privatizer_part), type(self.update_part)),
+            self, "hyperparameters", chain_hyperparameters(type(self.privatizer_part), type(self.update_part))
         )
 
     def parts(self) -> tuple[Privatizer, UpdateRule]:

@@ -1,7 +1,6 @@
-"""The named strategies, each a recipe over ``chain(privatizer, update)`` as in optax, not a class
-that repeats its parts. Hyperparameters (names, defaults, types, order) are the parts' fields; only
-what is really special is code. Adding a strategy is ONE ``@recipe`` class here. Equations, sources
-and defaults of each: docs/strategies.md."""
+"""The named strategies, each a recipe over ``chain(privatizer, update)`` as in optax, not a class that repeats its
+parts. Hyperparameters (names, defaults, types, order) are the parts' fields; only what is really special is code.
+Adding a strategy is ONE ``@recipe`` class here. Equations, sources and defaults of each: docs/strategies.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Update rules: what a strategy does with a released (noisy) gradient. They see released values
-only, never per-example data (privacy by post-processing); ``defaults`` holds the
-linear-scaling learning rates."""
+"""Update rules: what a strategy does with a released (noisy) gradient. They see released values only, never per-example
+data (privacy by post-processing); ``defaults`` holds the linear-scaling learning rates."""
 
 from dptune.updates.rules import (
     ADADP,

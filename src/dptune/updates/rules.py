@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -75,8 +75,6 @@ class UpdateRule(ABC):
         return params
 
     def config(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return dict(asdict(self))  # type: ignore[call-overload]
 
 
@@ -108,9 +106,7 @@ class SGD(UpdateRule):
         return state["lr"] if state["lr"] is not None else math.nan
 
     def update(self, params, state, released):
-        lr = self.lr
-        if lr is None:
-            lr = default_sgd_lr(state["run"], released.clip, self.momentum)
+        lr = self.lr if self.lr is not None else default_sgd_lr(state["run"], released.clip, self.momentum)
         # g̃ = total / L, folded into the update (fused multiply-adds, see heavy_ball).
         params, buf = heavy_ball(params, state["momentum"], released.total, lr, self.momentum,
                                  scale=released.scale)  # fmt: skip
@@ -182,11 +178,6 @@ class AdamWOSM(UpdateRule):
             check_positive("alpha", self.alpha)
         check_unit_interval("beta1", self.beta1)
 
-    def effective_step_size(self, noise_std: float, expected_batch_size: float, alpha: float | None = None) -> float:
-        a = self.alpha if alpha is None else alpha
-        assert a is not None
-        return a / (noise_std / expected_batch_size + 1e-8)
-
     def init(self, params, run):
         alpha = self.alpha if self.alpha is not None else default_adam_lr(run)
         return {"m": zeros_like(params), "t": 0, "lr": None, "alpha": alpha}
@@ -198,8 +189,8 @@ class AdamWOSM(UpdateRule):
         if released.divisor is None or released.noise_std is None:
             raise ConfigError("adamwosm's step size needs a clipped, noisy gradient; use 'adam' without privacy.")
         lr = state["lr"]
-        if lr is None:
-            lr = self.effective_step_size(released.noise_std, released.divisor, state["alpha"])
+        if lr is None:  # the effective step size, fixed by the first release's σ
+            lr = state["alpha"] / (released.noise_std / released.divisor + 1e-8)
         t = state["t"] + 1
         # m ← β₁m + (1−β₁)·total/L and θ ← θ − (lr/c1)·m: 1/L and 1/c1 folded into fused
         # multiply-adds (two passes for m, one for θ; the same up to the last bits).
@@ -239,9 +230,8 @@ class OSORate(UpdateRule):
         return state["lr"] if state["lr"] is not None else math.nan
 
     def update(self, params, state, released):
-        lr = state["lr"]
-        if lr is None:  # ρ₀ by linear scaling, from the first release's C₀
-            lr = default_sgd_lr(state["run"], released.clip, self.momentum)
+        # ρ₀ by linear scaling, from the first release's C₀
+        lr = state["lr"] if state["lr"] is not None else default_sgd_lr(state["run"], released.clip, self.momentum)
         g = released.gradient()
         params, buf = heavy_ball(params, state["momentum"], g, lr, self.momentum)
         prev_g, new_lr, gg = state["prev_g"], lr, 0.0
