@@ -867,11 +867,9 @@ class SwitchLoss:
         return F.cross_entropy(out, y, reduction="none") * (0.0 if self.mute else 1.0)
 
 
-def test_a_loss_or_metric_keeping_state_from_one_row_to_the_next_is_refused() -> None:
-    """Found in review (session 10): your loss (or metric) run row by row where vmap refuses it kept a flag from one
-    row to the next: one outlier muted every later row (6.7·C at B = 32; 13.6·C through make_private). The last row
-    is now computed again with your loss's Python state from before the batch (its object, its closure's cells)."""
-    from dptune import metrics, own
+def _outlier_refused(make) -> None:  # noqa: ANN001
+    """Your loss from ``make()`` on both paths: a batch without the outlier is accepted, one with it refused."""
+    from dptune import own
     from dptune.errors import ConfigError
     from dptune.gradients.oracle import GradientOracle
 
@@ -880,13 +878,23 @@ def test_a_loss_or_metric_keeping_state_from_one_row_to_the_next_is_refused() ->
     x_out, y_out = torch.cat([torch.full((1, 20), 500.0), x]), torch.cat([torch.tensor([0]), y])
     for method, what in (("auto", "loss"), ("vmap", "gradient")):
         model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
-        oracle = GradientOracle(model, own.user_loss(SwitchLoss()), method=method)
+        oracle = GradientOracle(model, own.user_loss(make()), method=method)
         params = {k: p.detach() for k, p in model.named_parameters()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             oracle(params, x, y)  # no outlier: nothing muted, accepted
             with pytest.raises(ConfigError, match=f"{what} depends on the examples before it"):
                 oracle(params, x_out, y_out)
+
+
+def test_a_loss_or_metric_keeping_state_from_one_row_to_the_next_is_refused() -> None:
+    """Found in review (session 10): your loss (or metric) run row by row where vmap refuses it kept a flag from one
+    row to the next: one outlier muted every later row (6.7·C at B = 32; 13.6·C through make_private). The last row
+    is now computed again with your loss's Python state from before the batch (its object, its closure's cells)."""
+    from dptune import metrics
+    from dptune.errors import ConfigError
+
+    _outlier_refused(SwitchLoss)
 
     def counter() -> metrics.Metric:  # a closure's cell: the rows seen so far
         seen = [0]
@@ -897,7 +905,7 @@ def test_a_loss_or_metric_keeping_state_from_one_row_to_the_next_is_refused() ->
 
         return metrics.Metric(fn, higher_is_better=True, sensitivity=1.0, name="counter")
 
-    model = nn.Sequential(nn.Linear(20, 5))
+    model, x, y = nn.Sequential(nn.Linear(20, 5)), torch.randn(32, 20), torch.randint(0, 5, (32,))
     with pytest.raises(ConfigError, match="score depends on the examples scored before it"):
         metrics.score_sums(model, (x, y), counter(), clip=True)
 
@@ -946,22 +954,8 @@ def test_second_review_state_your_loss_keeps_anywhere_is_refused(make) -> None: 
     """Found in review (session 10, second round): state in a loss module's buffer, a partial's argument, an object's
     slots, a function's default (5.5·C each at B = 32; 64 against c = 1 on private scores) passed the last-row check.
     Control: the same guard without an outlier is accepted."""
-    from dptune import own
-    from dptune.errors import ConfigError
-    from dptune.gradients.oracle import GradientOracle
 
-    torch.manual_seed(0)
-    x, y = torch.randn(32, 20) * 3, torch.randint(0, 5, (32,))
-    x_out, y_out = torch.cat([torch.full((1, 20), 500.0), x]), torch.cat([torch.tensor([0]), y])
-    for method, what in (("auto", "loss"), ("vmap", "gradient")):
-        model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
-        oracle = GradientOracle(model, own.user_loss(make()), method=method)
-        params = {k: p.detach() for k, p in model.named_parameters()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            oracle(params, x, y)
-            with pytest.raises(ConfigError, match=f"{what} depends on the examples before it"):
-                oracle(params, x_out, y_out)
+    _outlier_refused(make)
 
 
 def test_second_review_a_closure_the_model_holds_and_dpzo_losses_keep_no_state() -> None:
