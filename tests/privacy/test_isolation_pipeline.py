@@ -885,6 +885,8 @@ def _outlier_refused(make) -> None:  # noqa: ANN001
             oracle(params, x, y)  # no outlier: nothing muted, accepted
             with pytest.raises(ConfigError, match=f"{what} depends on the examples before it"):
                 oracle(params, x_out, y_out)
+            with pytest.raises(ConfigError, match=f"{what} depends on the examples before it"):
+                oracle(params, x, y)  # final: a later batch is refused too
 
 
 def test_a_loss_or_metric_keeping_state_from_one_row_to_the_next_is_refused() -> None:

@@ -80,8 +80,11 @@ def _rows_alone(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch
     (a Python branch on a value): never on the batch (``own.user_loss``). Row by row, the last row is computed
     again with your loss's Python state from before the batch (a flag one row sets must not reach the next)."""
     vmapped, looped = torch.vmap(loss_fn, randomness="different"), [False]
+    refused: list[ConfigError] = []
 
     def losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if refused:  # final, as the oracle's refusals
+            raise refused[0]
         if not looped[0]:
             try:
                 return vmapped(out, y)
@@ -97,8 +100,9 @@ def _rows_alone(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch
             set_rng_state(dev, turn)
             again = kept.again(lambda: loss_fn(out[-1], y[-1]))
         if not torch.allclose(again, rows[-1].detach(), rtol=0.0, atol=0.0, equal_nan=True):
-            raise ConfigError("computed one example at a time, an example's loss depends on the examples before it "
-                              "(the last one, recomputed as before the batch, changed). Fix: keep no state in your loss.")  # fmt: skip
+            refused.append(ConfigError("computed one example at a time, an example's loss depends on the examples before "
+                                       "it (the last one, recomputed as before the batch, changed). Fix: keep no state in your loss."))  # fmt: skip
+            raise refused[0]
         return torch.stack(rows)
 
     return losses
@@ -184,6 +188,8 @@ class GradientOracle:
         # Exact products for the whole private computation (ieee_matmul says why); the lazy
         # ghost norms and sums enter it again when they are computed.
         check_modes()
+        if self._refused is not None:  # a refusal is final, on every path
+            raise self._refused
         if self.own_code and self._looked is False:
             self._look(params, x)
         with ieee_matmul(inputs.device_of(x)):
