@@ -271,6 +271,8 @@ class GradientOracle:
             except (RuntimeError, ValueError) as exc:
                 if isinstance(exc, ConfigError):  # a refusal from inside (a buffer write): as it is
                     raise
+                if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C during an import vmap made, wrapped
+                    raise exc.__cause__ from None
                 # functorch refuses most in-place writes to a buffer (a batched value into an
                 # unbatched tensor); a plain forward tells whether that was it, in one line. Any other
                 # refusal (data-dependent control flow, nn.GRU's shapes) is retried one example at a time.
