@@ -16,7 +16,13 @@ from torch import nn
 from dptune import inputs
 from dptune.distributed import join, launched, sync_model
 from dptune.errors import BudgetExceededError, ConfigError
-from dptune.gradients.isolation import MODULE_HOOKS, calls_made_of, global_module_hooks, registered_functions
+from dptune.gradients.isolation import (
+    MODULE_HOOKS,
+    calls_made_of,
+    global_module_hooks,
+    namespace_functions,
+    registered_functions,
+)
 from dptune.gradients.oracle import GradientOracle
 from dptune.names import aliased
 from dptune.release.context import StepContext
@@ -374,12 +380,17 @@ class PrivateTraining:
 
 def structure(model: nn.Module) -> tuple:
     """The modules (by identity and type), their hooks, what their calls run (``calls_made_of``), torch's global
-    module hooks and the functions Hugging Face looks up by name."""
+    module hooks, the functions Hugging Face looks up by name and those torch's layers look up (``namespace_functions``)."""
     mods = tuple(
         (name, id(m), type(m), *(tuple(getattr(m, h, {})) for h in MODULE_HOOKS), calls_made_of(m))
         for name, m in model.named_modules()
     )
-    return mods, global_module_hooks(), tuple(map(id, registered_functions()))
+    return (
+        mods,
+        global_module_hooks(),
+        tuple(map(id, registered_functions())),
+        tuple(map(id, namespace_functions(model))),
+    )
 
 
 def make_private(

@@ -11,6 +11,7 @@ import functools
 import inspect
 import os
 import sys
+import sysconfig
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -48,6 +49,8 @@ def own_code(model: nn.Module) -> str | None:
     makes its models yours)."""
     if any(global_module_hooks()):
         return "global module hooks"
+    if patched := next((f for f in namespace_functions(model) if not trusted_code(f) and not _library(f)), None):
+        return f"{getattr(patched, '__qualname__', patched)}: a function of yours in place of torch's or its layers'"
     hf_yours = any(not trusted_code(f) for f in registered_functions())
     for name, mod in model.named_modules():
         cls = type(mod)
@@ -127,6 +130,31 @@ def registered_functions() -> list[Any]:
                   if isinstance(v, base)]  # fmt: skip
         _REGISTRIES[:] = [len(sys.modules), *(c._global_mapping for c in subs), *(t._local_mapping for t in tables)]
     return [f for m in _REGISTRIES[1:] for f in list(m.values())]
+
+
+def namespace_functions(model: nn.Module) -> list[Any]:
+    """The Python functions a trusted layer looks up when it runs: torch's, ``torch.nn.functional``'s, Tensor's and
+    those of the modules defining the model's trusted classes (one replaced by yours, ``F.relu = f``, runs on the
+    whole batch inside a stock layer: found in review, up to 28·C)."""
+    names = {type(m).__module__ for m in model.modules() if _trusted_module(type(m).__module__)}
+    spaces = [torch, torch.nn.functional, torch.Tensor, *(sys.modules[n] for n in sorted(names) if n in sys.modules)]
+    return [v for ns in spaces for v in list(vars(ns).values()) if inspect.isfunction(v)]
+
+
+# Libraries the trusted packages import into their namespaces (a torch wrapper from typing_extensions, peft's
+# accelerate and safetensors helpers): not yours, and not called on a batch by a layer.
+LIBRARIES = ("typing_extensions", "accelerate", "huggingface_hub", "safetensors")
+
+
+def _library(f: Any) -> bool:
+    """A function of Python's standard library or of ``LIBRARIES`` (``typing.get_origin`` in a torch module)."""
+    paths = sysconfig.get_paths()
+    site = tuple(os.path.realpath(paths[k]) + os.sep for k in ("purelib", "platlib"))
+    where = os.path.realpath(f.__code__.co_filename)
+    if where.startswith(os.path.realpath(paths["stdlib"]) + os.sep) and not where.startswith(site):
+        return True
+    files = [getattr(sys.modules.get(n), "__file__", None) for n in LIBRARIES]
+    return where.startswith(tuple(os.path.realpath(os.path.dirname(x)) + os.sep for x in files if x))
 
 
 def calls_made_of(mod: nn.Module) -> tuple:
