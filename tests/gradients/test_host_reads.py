@@ -57,6 +57,7 @@ def _count_reads(
                 counts[f"{name} {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"] += 1
             return original(self, *a, **k)
 
+        read.dptune_rowwise = True  # type: ignore[attr-defined]  # it only counts (``isolation.trusted_code``)
         monkeypatch.setattr(torch.Tensor, name, read)
 
     for name in READS:

@@ -91,10 +91,12 @@ def _trusted_file(filename: str, packages: tuple[str, ...]) -> bool:
 def trusted_code(f: Any) -> bool:
     """Whether a callable runs only trusted code: its function's source file in the trusted packages (a partial's
     function, a bound method's, a callable object's ``__call__``; a wrapper's own, whatever ``functools.wraps``
-    says it wraps: found in review); a built-in function by its module."""
+    says it wraps: found in review); a built-in function by its module; one marked ``dptune_rowwise = True``."""
     while isinstance(f, functools.partial):
         f = f.func
     f = getattr(f, "__func__", f)
+    if getattr(f, "dptune_rowwise", False) is True:  # your word that it computes each row from that row alone
+        return True
     code = getattr(f, "__code__", None)
     if code is not None:  # the packages imported so far (torch first)
         files = tuple(f for n in TRUSTED_PACKAGES if (f := getattr(sys.modules.get(n), "__file__", None)))
