@@ -187,7 +187,7 @@ def check_modes() -> None:
 
 # What torch keeps in a module's __dict__ and ``ParamSwap`` holds: not part of a model module's kept state.
 _TORCH_DICTS = frozenset(("_parameters", "_buffers", "_modules"))
-_Item = tuple[Callable[[], Any], Callable[[], Any], Callable[[Any], None], Callable[[Any], None]]
+_Item = tuple[Callable[[], Any], Callable[[Any], None]]  # (read the state, put a state in place)
 
 
 class KeptState:
@@ -209,7 +209,7 @@ class KeptState:
             self._collect(o, 0, whole=True)
         memo = {id(t): t for t in shared} | self._seen
         try:
-            self._kept = copy.deepcopy([keep() for keep, _, _, _ in self._items], memo)
+            self._kept = copy.deepcopy([read() for read, _ in self._items], memo)
         except Exception as exc:  # noqa: BLE001 - a lock, a file: the check needs the copy
             raise ConfigError(f"the model (or your loss or metric) cannot be deep-copied ({exc}). Fix: keep no lock or "
                               "file in it.") from None  # fmt: skip
@@ -256,14 +256,14 @@ class KeptState:
                 self._items.append(_class_item(c))
 
     def again(self, fn: Callable[[], Any]) -> Any:
-        now = [read() for _, read, _, _ in self._items]
+        now = [read() for read, _ in self._items]
         try:
-            for (_, _, put_kept, _), v in zip(self._items, self._kept, strict=True):
-                put_kept(v)
+            for (_, put), v in zip(self._items, self._kept, strict=True):
+                put(v)
             return fn()
         finally:
-            for (_, _, _, put_now), v in zip(self._items, now, strict=True):
-                put_now(v)
+            for (_, put), v in zip(self._items, now, strict=True):
+                put(v)
 
 
 def _stateful(v: Any) -> bool:
@@ -282,33 +282,22 @@ def _yours(cls: type) -> bool:
 
 
 def _module_item(m: nn.Module) -> _Item:
-    """A model module: its attributes as it pickles, put back by ``__setstate__`` (its tensors are the model's)."""
+    """A model module: its attributes as it pickles, put back as unpickling puts them, ``__setstate__`` (an attribute
+    made since removed; its tensors are the model's)."""
 
-    def keep() -> dict[str, Any]:
+    def read() -> dict[str, Any]:
         try:
             state = m.__getstate__()
         except Exception:  # noqa: BLE001 - torch's parametrized modules refuse pickling
             state = vars(m)
         return {k: v for k, v in state.items() if k not in _TORCH_DICTS}
 
-    def put_kept(attrs: dict[str, Any]) -> None:
-        _put_attrs(m, {})
+    def put(attrs: dict[str, Any]) -> None:
+        for k in [k for k in vars(m) if k not in _TORCH_DICTS]:
+            del vars(m)[k]
         m.__setstate__({**vars(m), **attrs})
 
-    return (
-        keep,
-        lambda: {k: v for k, v in vars(m).items() if k not in _TORCH_DICTS},
-        put_kept,
-        lambda attrs: _put_attrs(m, attrs),
-    )
-
-
-def _put_attrs(m: nn.Module, attrs: dict[str, Any]) -> None:
-    """``attrs`` as m's whole Python state (an attribute made since is removed)."""
-    d = vars(m)
-    for k in [k for k in d if k not in _TORCH_DICTS and k not in attrs]:
-        del d[k]
-    d.update(attrs)
+    return read, put
 
 
 def _dict_item(o: Any) -> _Item:
@@ -316,7 +305,7 @@ def _dict_item(o: Any) -> _Item:
         vars(o).clear()
         vars(o).update(d)
 
-    return lambda: dict(vars(o)), lambda: dict(vars(o)), put, put
+    return lambda: dict(vars(o)), put
 
 
 def _slots_item(o: Any, names: list[str]) -> _Item:
@@ -330,7 +319,7 @@ def _slots_item(o: Any, names: list[str]) -> _Item:
             elif hasattr(o, n):
                 delattr(o, n)
 
-    return read, read, put, put
+    return read, put
 
 
 def _function_item(f: Any) -> _Item:
@@ -342,7 +331,7 @@ def _function_item(f: Any) -> _Item:
         f.__dict__.update(v[0])
         f.__defaults__, f.__kwdefaults__ = v[1], v[2]
 
-    return read, read, put, put
+    return read, put
 
 
 def _container_item(c: dict | list | set) -> _Item:
@@ -352,14 +341,14 @@ def _container_item(c: dict | list | set) -> _Item:
         c.clear()
         c.update(v) if isinstance(c, (dict, set)) else c.extend(v)
 
-    return lambda: copy.copy(c), lambda: copy.copy(c), put, put
+    return lambda: copy.copy(c), put
 
 
 def _cell_item(c: Any) -> _Item:
     def put(v: Any) -> None:
         c.cell_contents = v
 
-    return lambda: c.cell_contents, lambda: c.cell_contents, put, put
+    return lambda: c.cell_contents, put
 
 
 def _class_item(cls: type) -> _Item:
@@ -378,4 +367,4 @@ def _class_item(cls: type) -> _Item:
         for k, v in d.items():
             setattr(cls, k, v)
 
-    return read, read, put, put
+    return read, put
