@@ -224,7 +224,6 @@ def _isolated_scores(
     from dptune import inputs
     from dptune.errors import ConfigError
     from dptune.gradients.isolation import KeptState
-    from dptune.gradients.persample import rng_preserved, rng_state, set_rng_state
 
     def one(xi: Any, yi: torch.Tensor) -> torch.Tensor:
         out = forward(inputs.tmap(lambda t: t.unsqueeze(0), xi))
@@ -233,20 +232,18 @@ def _isolated_scores(
     try:
         return torch.func.vmap(one)(x, y)
     except RuntimeError:
-        dev, kept, got = inputs.device_of(x), KeptState(model, others=(metric.fn,)), []  # the state before the batch
+        kept, got = KeptState(model, others=(metric.fn,)), []  # the state before the batch
 
         def row(i: int) -> torch.Tensor:  # the output and the score
             out = forward(inputs.rows(x, i, i + 1))
             return torch.cat([out.flatten(), metric.scores(out, y[i : i + 1], clip=True).reshape(1).to(out.dtype)])
 
         for i in range(int(y.shape[0])):
-            turn = rng_state(dev)
+            kept.mark(inputs.device_of(x))
             got.append(row(i))
         # The last row again as before the batch (same random streams): a model or metric keeping a value from one row
         # to the next (vmap refuses such Python state) would make a later score depend on the earlier rows.
-        with rng_preserved(dev):
-            set_rng_state(dev, turn)
-            again = kept.again(lambda: row(i))
+        again = kept.again(lambda: row(i))
         if not torch.allclose(again, got[-1], rtol=0.0, atol=0.0, equal_nan=True):
             raise ConfigError(
                 "scored one example at a time, an example's score depends on the examples scored before it (the last, "

@@ -6,6 +6,7 @@ rule: docs/privacy.md, "The unit of privacy" and items 17, 19, 21-23.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from dptune.errors import ConfigError
+from dptune.gradients.persample import rng_preserved, rng_state, set_rng_state
 
 # A module's own hooks, and torch's global ones (``register_module_*_hook``): they run on whatever a call sees.
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -255,12 +257,19 @@ class KeptState:
                 self._seen[id(c)] = c
                 self._items.append(_class_item(c))
 
+    def mark(self, device: torch.device) -> None:
+        """The random streams now, at the last row's turn: ``again`` computes from them too."""
+        self._turn = device, rng_state(device)
+
     def again(self, fn: Callable[[], Any]) -> Any:
-        now = [read() for read, _ in self._items]
+        now, turn = [read() for read, _ in self._items], getattr(self, "_turn", None)
         try:
             for (_, put), v in zip(self._items, self._kept, strict=True):
                 put(v)
-            return fn()
+            with rng_preserved(turn[0]) if turn else contextlib.nullcontext():
+                if turn:
+                    set_rng_state(*turn)
+                return fn()
         finally:
             for (_, put), v in zip(self._items, now, strict=True):
                 put(v)

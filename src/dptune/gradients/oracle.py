@@ -90,15 +90,11 @@ def _rows_alone(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch
                 return vmapped(out, y)
             except RuntimeError:
                 looped[0] = True
-        if len(out) < 2:
-            return torch.stack([loss_fn(o, t) for o, t in zip(out, y, strict=True)])
-        kept, dev = KeptState(None, others=(loss_fn,)), out.device
+        kept = KeptState(None, others=(loss_fn,))
         rows = [loss_fn(o, t) for o, t in zip(out[:-1], y[:-1], strict=True)]
-        turn = rng_state(dev)
+        kept.mark(out.device)
         rows.append(loss_fn(out[-1], y[-1]))
-        with torch.no_grad(), rng_preserved(dev):
-            set_rng_state(dev, turn)
-            again = kept.again(lambda: loss_fn(out[-1], y[-1]))
+        again = kept.again(lambda: loss_fn(out[-1], y[-1]))
         if not torch.allclose(again, rows[-1].detach(), rtol=0.0, atol=0.0, equal_nan=True):
             refused.append(ConfigError("computed one example at a time, an example's loss depends on the examples before "
                                        "it (the last one, recomputed as before the batch, changed). Fix: keep no state in your loss."))  # fmt: skip
