@@ -13,7 +13,7 @@ replaced by a copy of row i, in the release's mode and random state, and must no
 * controls: ordinary models (MLP with Dropout, a small CNN, the example transformer) are not
   refused, on 'auto', 'ghost' and DP-ZO, and the probe leaves the results and torch's random
   streams as they were;
-* the schedule (a pass, then a probe every ``PROBE_EVERY`` calls) and the final refusal;
+* the schedule (a pass, then each call probed with chance 1/``PROBE_EVERY``, from OS entropy) and the final refusal;
 * the mutant ``isolation check skipped`` (tests/mutants): with it, one added example moves the
   released clipped sum by more than C; without it the run is refused.
 """
@@ -21,6 +21,7 @@ replaced by a copy of row i, in the release's mode and random state, and must no
 from __future__ import annotations
 
 import math
+import random
 import re
 import warnings
 
@@ -237,19 +238,20 @@ def test_the_probe_changes_neither_the_result_nor_the_random_streams() -> None:
     p = params_of(model)
     x, y = data(12)
     fresh, warm = GradientOracle(model, method="ghost"), GradientOracle(model, method="ghost")
-    warm(p, x, y)  # its probe passed: the next PROBE_EVERY - 1 calls are not probed
+    warm(p, x, y)  # its probe passed
+    warm._next_probe["grads"] = 10**9  # and the next is far away: its next call is not probed
     out = []
     for oracle in (fresh, warm):
         torch.manual_seed(5)
         g = oracle(p, x, y)
         out.append((g.norms, g.weighted_sum(torch.linspace(0.1, 1.0, 12)), torch.rand(3)))
     torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
-    assert fresh._next_probe["grads"] == 1 + GradientOracle.PROBE_EVERY  # the fresh one was probed
+    assert fresh._next_probe["grads"] > 1 and warm._next_probe["grads"] == 10**9  # the fresh one was probed
 
 
-def test_later_batches_are_probed_on_a_public_schedule() -> None:
-    """After a pass, mixing that starts later is refused at the next scheduled probe (every
-    PROBE_EVERY calls); until then it is not seen (docs/privacy.md says so)."""
+def test_mixing_that_starts_later_is_refused_at_a_later_probe() -> None:
+    """After a pass, mixing that starts later is refused at a later probe; until then it is not seen
+    (docs/privacy.md says so). A probe is due with chance 1/32 a call: 3,000 calls all unprobed: 1e-41."""
     switch = Switch()
     model = mlp(switch)
     oracle = GradientOracle(model, method="ghost")
@@ -257,10 +259,22 @@ def test_later_batches_are_probed_on_a_public_schedule() -> None:
     x, y = data(10)
     oracle(p, x, y)  # call 1: probed, passes
     switch.on = True
-    for _ in range(GradientOracle.PROBE_EVERY - 1):  # calls 2 to 16: not probed
-        oracle(p, x, y)
     with pytest.raises(ConfigError, match=REFUSED):
-        oracle(p, x, y)  # call 17
+        for _ in range(3000):
+            oracle(p, x, y)
+
+
+def test_the_probe_schedule_has_no_phase_to_hide_in() -> None:
+    """The calls between probes are geometric with mean PROBE_EVERY, drawn from OS entropy: a forward that
+    mixes on a fixed phase of the call count (every 32nd call but one) meets probes as often as any other.
+    The former fixed schedule (every 32nd call) fails every assertion here."""
+    oracle = GradientOracle(mlp(), method="ghost")
+    assert isinstance(oracle._rows, random.SystemRandom)
+    gaps = torch.tensor([oracle._gap() for _ in range(20_000)], dtype=torch.float64)
+    assert gaps.min() >= 1 and abs(gaps.mean() - GradientOracle.PROBE_EVERY) < 1.5  # SE 0.22
+    assert abs(float((gaps == 1).double().mean()) - 1 / 32) < 0.006  # SE 0.0012
+    phases = torch.bincount((gaps % 32).long(), minlength=32).double() / len(gaps)
+    assert phases.max() < 0.06  # uniform over the 32 phases is 1/32 each, up to the geometric's slope
 
 
 def test_a_loss_divided_by_the_batch_size_sees_a_batch_of_one() -> None:

@@ -113,7 +113,7 @@ class GradientOracle:
     """
 
     PROBE_MIN_BATCH = 3  # one or two rows cannot show mixing reliably
-    PROBE_EVERY = 32  # after a pass, the next probe is due 32 calls later (a public schedule)
+    PROBE_EVERY = 32  # after a pass, each call is the next probe with chance 1/32 (OS entropy: no call count evades it)
 
     def __init__(
         self,
@@ -132,7 +132,7 @@ class GradientOracle:
         self._scratch = ScratchBuffers(model)
         self.buffers = self._scratch.originals  # never passed to a forward: copies are (ScratchBuffers)
         self._refused: ConfigError | None = None
-        self._rows = random.Random()  # the probed row: OS entropy, not the run's random streams
+        self._rows = random.SystemRandom()  # the probed row and the next probe: OS entropy, not the run's streams
         self._calls = {"grads": 0, "losses": 0}
         self._looked: bool | int | None = False  # the fill of the dummy your forward ran on; None: none ran (``_look``)
         self._next_probe = {"grads": 0, "losses": 0}  # call count at which a probe is due; 0: none passed
@@ -388,7 +388,10 @@ class GradientOracle:
             if first_auto and self._same_rows(got.losses[kept], theirs.losses[kept], _scale(got.losses)):
                 raise ghost.GhostFallback("a parameter's ghost gradient mixes examples (used across the batch?)")
             self._refuse(kind)
-        self._next_probe[kind] = self._calls[kind] + self.PROBE_EVERY
+        self._next_probe[kind] = self._calls[kind] + self._gap()
+
+    def _gap(self) -> int:  # calls to the next probe: geometric, mean PROBE_EVERY (memoryless: no phase to hide in)
+        return 1 + int(math.log1p(-self._rows.random()) / math.log1p(-1 / self.PROBE_EVERY))
 
     def _same_rows(self, a: torch.Tensor, b: torch.Tensor, scale: float) -> bool:
         """``_same`` row by row (each kept row's loss or norm bound on its own scale)."""
