@@ -231,8 +231,51 @@ def test_progress_bar_shows_no_private_batch_loss(monkeypatch: pytest.MonkeyPatc
     bar = _Bar(10, "dpsgd")
     try:
         bar.step({"step": 1, "train_loss": 2.345, "batch_size": 19, "clip": 0.5, "lr": 0.25})
-        post = str(bar.bar.postfix)
+        post, drawn = str(bar.bar.postfix), str(bar.bar)
     finally:
         bar.close()
     assert "clip" in post and "lr" in post
     assert "loss" not in post and "batch" not in post and "2.34" not in post
+    assert "1/10, clip=0.5, lr=0.25" in drawn and "s/step" not in drawn and "<" not in drawn  # no run time (review)
+
+
+def test_python_results_name_what_is_the_owners(study_dir: Path) -> None:
+    """The Python API's result objects name what the guarantee does not cover (found in review: the repr of a
+    TrainResult printed every step's train loss and batch size; run_study's outcome and study_status held K)."""
+    import torch
+
+    import dptune
+    from dptune.tune import study_status
+
+    x = torch.randn(120, 4)
+    res = dptune.train(torch.nn.Linear(4, 2), (x, (x[:, 0] > 0).long()), "dpsgd", steps=3, expected_batch_size=30,
+                       target_epsilon=3.0, delta=1e-5, lr=0.1)  # fmt: skip
+    shown = repr(res)
+    assert NOT_DP_LABEL in shown and "history" in shown and "train_loss" not in shown and "batch_size" not in shown
+    assert study_status(study_dir)["privacy"] == NOT_DP_LABEL
+    from dptune.tune.study import StudyOutcome
+
+    outcome = StudyOutcome(study_dir, True, True, {"done": 3}, study_table(study_dir))
+    assert NOT_DP_LABEL in repr(outcome) and "runs_total" not in repr(outcome) and not RUN_ID.search(repr(outcome))
+
+
+def test_a_label_value_quoted_in_an_error_is_labelled() -> None:
+    import torch
+
+    from dptune.models import check_fits
+
+    with pytest.raises(ConfigError) as err:
+        check_fits(torch.nn.Linear(3, 2), torch.randn(4, 3), torch.tensor([0, 1, 41, 1]), "the model", "more outputs")
+    assert "0..41" in str(err.value) and NOT_DP_LABEL in str(err.value)
+
+
+def test_a_diagnostic_figure_carries_the_label(tmp_path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    from dptune.report.figures import _save
+
+    for part, labelled in (("diagnostics", True), ("release", False)):
+        fig = Figure()
+        fig.add_subplot().plot([0, 1])
+        _save(fig, tmp_path / part / "figures" / "f.png")
+        assert any(NOT_DP_LABEL in t.get_text() for t in fig.texts) is labelled

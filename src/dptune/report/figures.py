@@ -20,7 +20,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.metrics import clip_to_range
-from dptune.outputs import up
+from dptune.outputs import DIAGNOSTICS_DIR, NOT_DP_LABEL, up
 from dptune.report.data import (
     LedgerRow,
     LinearScalingFit,
@@ -63,6 +63,8 @@ def _save(fig: Figure, path: str | Path) -> Path:
     if path.suffix.lower() != ".png":
         raise ConfigError(f"figures are PNG files: give a path ending in .png, got {str(path)!r}.")
     path.parent.mkdir(parents=True, exist_ok=True)
+    if DIAGNOSTICS_DIR in path.parts:  # a diagnostic image copied out of its folder keeps the label
+        fig.text(0.005, 0.005, NOT_DP_LABEL, fontsize=7, color="#b00000", ha="left", va="bottom")
     fig.savefig(path, format="png", dpi=DPI)
     return path
 

@@ -228,7 +228,8 @@ def _selected(
 
 
 def study_table(study_dir: str | Path) -> list[dict[str, Any]]:
-    """One row per (strategy, ε): selected configuration, metric mean ± std, planned and spent (ε, δ)."""
+    """One row per (strategy, ε): selected configuration, metric mean ± std, planned and spent (ε, δ); run counts
+    and ids too, the owner's only (K of a hidden-K arm): ``release_rows`` keeps what the guarantee covers."""
     cfg, plan, rows, entries = load_study(study_dir)
     runs = {r["run_id"]: r for r in rows}
     sel = cfg.get("selection", {})
@@ -305,7 +306,7 @@ def rerr_rows(rows: list[dict[str, Any]], higher: bool = True) -> list[dict[str,
 
 
 def study_status(study_dir: str | Path) -> dict[str, Any]:
-    """Progress and budget of a (possibly running) study: counts per status, per arm."""
+    """Progress and budget of a (possibly running) study: counts per status, per arm (they state K: labelled)."""
     cfg, plan, rows, entries = load_study(study_dir)
     counts = Counter(r["status"] for r in rows)
     arms = []
@@ -330,6 +331,7 @@ def study_status(study_dir: str | Path) -> dict[str, Any]:
     eta_s, eta_text = eta(rows, plan_groups(plan, size, None, balanced(cfg)))  # as the coordinator groups
     return {
         "name": cfg.get("study", {}).get("name", "study"),
+        "privacy": NOT_DP_LABEL,
         "total": len(rows),
         "counts": dict(counts),
         "complete": set(counts) <= {"done", "diverged"},

@@ -312,11 +312,18 @@ class Coordinator:
 
 @dataclass
 class StudyOutcome:
+    """``rows`` (``study_table``'s) and ``counts`` state run counts, K of a hidden-K arm, and run ids: the owner's
+    only; ``results.release_rows(rows)`` is the part the guarantee covers (docs/privacy.md, item 7)."""
+
     study_dir: Path
     complete: bool
     ledger_matches_plan: bool | None
     counts: dict[str, int]
     rows: list[dict[str, Any]]
+
+    def __repr__(self) -> str:
+        return (f"StudyOutcome({str(self.study_dir)!r}, complete={self.complete}, ledger_matches_plan="
+                f"{self.ledger_matches_plan}, counts and rows: {NOT_DP_LABEL})")  # fmt: skip
 
 
 def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
