@@ -316,3 +316,25 @@ def test_a_replayed_sums_noise_on_its_one_buffer_equals_the_per_tensor_draws() -
     one = NoisyRelease(Ledger(), 0.1, NoiseSource(seed=3))
     want = {k: one._noisy(parts[k], 0.7, torch.float32) for k in parts}
     assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", ["plain", "accumulated", "pair", "flat"])
+def test_half_precision_sums_get_float32_noise_rounded_once(dtype: torch.dtype, form: str) -> None:
+    """A bfloat16/float16 parameter's release is (sum + float32 noise) rounded once (found in review: the noise was
+    rounded to the half type first; near zero its grid then told the sum 0 from the sum 1 with certainty)."""
+    n, std = 200_000, 1.0
+    wide = torch.rand(n, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 3
+    z = NoiseSource(seed=7).normal(torch.zeros(n), std).double()  # the float32 stream, as a float32 value gets
+    gate = NoisyRelease(Ledger(), 0.1, NoiseSource(seed=7))
+    if form == "plain":  # a half tensor itself (no float64 sum)
+        wide = wide.to(dtype).double()  # the half tensor's own values
+        got = gate._noisy(wide.to(dtype), std, dtype)
+    elif form == "flat":  # one float64 buffer (a replayed sum)
+        got = gate._add_noise(tree.Accumulated(tree.packed({"w": wide, "b": wide[:1]}, torch.float64,
+                                                           torch.device("cpu")), {"w": dtype, "b": dtype}), std)["w"]  # fmt: skip
+    elif form == "pair":  # two tensors of the half type: one draw per dtype, foreach-added
+        got = gate._add_noise(tree.Accumulated({"w": wide, "b": wide[:1]}, {"w": dtype, "b": dtype}), std)["w"]
+    else:
+        got = gate._add_noise(tree.Accumulated({"w": wide}, {"w": dtype}), std)["w"]
+    assert got.dtype == dtype and torch.equal(got, (wide + z).to(dtype))
