@@ -180,22 +180,29 @@ def user_loss(
     NaN guard on the whole batch, a threshold) let one example move the others' losses past any probe (9·C–59·C
     in review)."""
 
-    def one(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return fn(out.unsqueeze(0), y.unsqueeze(0)).reshape(())
+    def one(out: Any, y: torch.Tensor) -> torch.Tensor:  # ``out``: a tensor, or a structure of them (a ModelOutput)
+        return fn(inputs.tmap(lambda t: t.unsqueeze(0), out), y.unsqueeze(0)).reshape(())
 
     return one
 
 
-def check_classes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Cross-entropy labels below the model's output count (one forward, scratch buffers): no mid-run torch error."""
-    if not y.numel() or y.dtype.is_floating_point:
-        return
+def check_classes(model: torch.nn.Module, x: Any, y: torch.Tensor | None, loss: str = "cross_entropy") -> None:
+    """A built-in loss gets a tensor, and cross-entropy labels are below the model's output count (one forward, scratch
+    buffers; ``y``: every label, or None): one clear error, not a mid-run torch error."""
     check_model(model)  # on a public dummy (zeros): your forward may keep state from what it sees (found in review)
     args, kwargs = inputs.args_kwargs(inputs.dummy(x))
     try:
         with torch.no_grad(), ScratchBuffers(model)() as buffers:
             out = functional_call(model, buffers, args, kwargs)
     except Exception:  # noqa: BLE001 - a buffer write (refused where it trains), a dummy outside the domain: skipped
+        return
+    if not isinstance(out, torch.Tensor):  # a Hugging Face ModelOutput (found in review: a traceback on every path)
+        raise ConfigError(
+            f"the model returns a {type(out).__name__}, not a tensor: the built-in loss {loss!r} needs one. Fix: "
+            "return the logits from forward (e.g. a module returning `model(**x).logits`, or "
+            "dptune.finetune.hf_classifier), or pass loss=fn taking your model's output."
+        )
+    if loss != "cross_entropy" or y is None or not y.numel() or y.dtype.is_floating_point:
         return
     top = int(y.max())
     if isinstance(out, torch.Tensor) and out.ndim >= 2 and top >= out.shape[1]:

@@ -173,8 +173,9 @@ class OwnTask:
     def check_loss(self, model: nn.Module) -> None:
         if self.user_loss_fn is not None:
             own.check_loss(self.user_loss_fn, model, *self.batch(torch.arange(min(2, self.n))))
-        elif self.loss == "cross_entropy" and isinstance(self.train, tuple):
-            own.check_classes(model, *self.train)
+        else:  # every label in memory: their classes checked too
+            x, y = self.train if isinstance(self.train, tuple) else (self.train.empty_batch[0], None)
+            own.check_classes(model, x, y, self.loss)
 
     def prepare(
         self, model: nn.Module, chunk_size: int | None = None, method: str | None = None

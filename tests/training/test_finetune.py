@@ -204,3 +204,33 @@ def test_dptune_train_model_hf_classifier_reads_enron_as_tokens_for_the_real_min
     assert sum(p.numel() for p in net.parameters() if p.requires_grad) == 10_648_322  # full, tables frozen
     with torch.no_grad():
         assert net.eval()(**{k: v[:2] for k, v in x.items()}).shape == (2, 2)
+
+
+def test_a_stock_hf_head_model_is_one_config_error_with_a_builtin_loss_and_trains_with_a_loss_of_yours() -> None:
+    """``AutoModelForSequenceClassification`` returns a ``ModelOutput``: with the built-in loss that is one
+    ConfigError naming the fix, on dict tensors, a dataset and ``make_private`` alike (found in review: a traceback
+    on every path); a loss of yours reading ``.logits`` trains it, each example's loss still alone."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=72, num_labels=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(cfg)
+    x, y = token_batch(24, T)
+    rows = [({k: v[i] for k, v in x.items()}, y[i]) for i in range(24)]
+    for data in ((x, y), rows):
+        with pytest.raises(ConfigError, match="returns a SequenceClassifierOutput, not a tensor.*Fix: return the logits"):
+            dptune.train(model, data, "dpsgd", **KW)
+    with pytest.raises(ConfigError, match="SequenceClassifierOutput"):
+        dptune.make_private(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                            expected_batch_size=6, steps=2)  # fmt: skip
+
+    def loss(out, t):  # noqa: ANN001, ANN202
+        return F.cross_entropy(out.logits, t, reduction="none")
+
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = dptune.train(model, (x, y), "dpsgd", loss=loss, **KW)
+    assert res.ledger.releases == 2 and any(not torch.equal(p, before[k]) for k, p in model.named_parameters())

@@ -161,7 +161,7 @@ class GradientOracle:
         def one(params: Tensors, buffers: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
             args, kwargs = inputs.args_kwargs(inputs.tmap(lambda t: t.unsqueeze(0), x))
             out = functional_call(self.model, (params, buffers), args, kwargs)
-            return self.loss_fn(out.squeeze(0), y)
+            return self.loss_fn(inputs.tmap(lambda t: t.squeeze(0), out), y)
 
         self._per_sample = vmap(
             grad_and_value(one), in_dims=(None, None, 0, 0), randomness="different", chunk_size=chunk_size
@@ -305,7 +305,9 @@ class GradientOracle:
         losses: list[torch.Tensor] = []
 
         def grad(j: int) -> list[torch.Tensor]:
-            loss = self.loss_fn(self._call(ps, buffers, inputs.rows(x, j, j + 1)).squeeze(0), y[j])
+            loss = self.loss_fn(
+                inputs.tmap(lambda t: t.squeeze(0), self._call(ps, buffers, inputs.rows(x, j, j + 1))), y[j]
+            )
             losses.append(loss.detach())
             gs = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
             return [torch.zeros_like(p) if g is None else g for p, g in zip(ps.values(), gs, strict=True)]
