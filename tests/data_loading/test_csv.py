@@ -157,3 +157,25 @@ def test_csv_options_go_together(tmp_path: Path) -> None:
         load_csv(str(write_csv(tmp_path / "h.csv", 5, 0)), label="y", numeric={"y": [0, 1]})
     with pytest.raises(DataError, match="not one of its declared categories"):
         load_csv(str(write_csv(tmp_path / "f.csv", 5, 0)), label="y", categories={"shape": ["round"]})
+
+
+def test_a_resume_refuses_a_changed_test_split(tmp_path: Path) -> None:
+    """Holdout selection with a separate test CSV: its rows are in the data digest too (found in review: a resume
+    on a label-flipped test file mixed test metrics of two test sets)."""
+    from dptune.tune import resume_study, run_study
+
+    write_csv(tmp_path / "f.csv", 200, 3)
+    write_csv(tmp_path / "t.csv", 60, 5)
+    (tmp_path / "study.toml").write_text(
+        '[data]\ncsv = "f.csv"\ntest = "t.csv"\ntest_public = true\nlabel = "y"\n'
+        'categories = { shape = ["round", "square"] }\n'
+        '[model]\nname = "logistic_regression"\n[training]\nepochs = 1\nexpected_batch_size = 32\n'
+        '[budget]\nepsilon = 3.0\ndelta = 1e-5\n[selection]\nsplit = "holdout"\nmode = "private"\n'
+        '[[strategies]]\nname = "dpsgd"\nspace = { lr = [0.1, 1.0] }\n'
+    )
+    study = load_study_config(tmp_path / "study.toml")
+    run_study(study, tmp_path / "s", progress=False)
+    write_csv(tmp_path / "t.csv", 60, 6)  # other test rows, same count
+    study_data.__globals__["_CACHE"].clear()
+    with pytest.raises(ConfigError, match="not the one it was planned on: .*rows that differ: test"):
+        resume_study(tmp_path / "s", progress=False)

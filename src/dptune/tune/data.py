@@ -44,9 +44,13 @@ class StudyData:
         return int(self.y_val.shape[0])
 
     def digest(self) -> dict[str, str]:
-        """Per split, the SHA-256 of its rows as a multiset (their order is free), with names, shapes and dtypes."""
+        """Per split, the SHA-256 of its rows as a multiset (their order is free), with names, shapes and dtypes. The
+        test split too, where separate: a resume mixing two test sets printed a mean of both (found in review)."""
         out = {}
-        for split, x, y in (("training", self.x_train, self.y_train), ("validation", self.x_val, self.y_val)):
+        splits = [("training", self.x_train, self.y_train), ("validation", self.x_val, self.y_val)]
+        for split, x, y in splits + (
+            [("test", self.x_test, self.y_test)] if self.y_test is not None and len(self.y_test) else []
+        ):
             rows, head = [hashlib.sha256() for _ in range(int(y.shape[0]))], hashlib.sha256()
             for name, t in [("y", y), *(x.items() if isinstance(x, dict) else enumerate(leaves(x)))]:
                 head.update(repr((name, tuple(t.shape), str(t.dtype))).encode())
