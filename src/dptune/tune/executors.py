@@ -132,8 +132,8 @@ class Executor:
         outcome); yield outcomes as they finish."""
         raise NotImplementedError
 
-    def close(self) -> None:
-        pass
+    def close(self, interrupted: bool = False) -> None:
+        """Release the workers; ``interrupted``: after a Ctrl-C, without waiting for the runs in flight."""
 
 
 class LocalExecutor(Executor):
@@ -197,8 +197,11 @@ class ProcessExecutor(Executor):
                 yield from starts.outcomes(futs[fut], fut.result, "worker process failed")
             starts.reported(self._drain())
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, interrupted: bool = False) -> None:
+        if interrupted:  # a Ctrl-C to this process alone (kill -INT, a notebook): its runs in flight re-run on resume
+            for proc in list(getattr(self.pool, "_processes", {}).values()):
+                proc.terminate()
+        self.pool.shutdown(wait=not interrupted, cancel_futures=True)
         self.started_queue.close()
         self.started_queue.join_thread()
 
@@ -335,7 +338,7 @@ class RayExecutor(Executor):
                 yield from starts.outcomes(pending.pop(ref), lambda ref=ref: ray.get(ref), "ray task failed")
             starts.reported(self._drain())
 
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
         """Shut down the queue's actor and the Ray this executor started (``run`` can start anew)."""
         queue, self.started_queue = self.started_queue, None
         if queue is not None:

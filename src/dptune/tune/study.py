@@ -419,10 +419,14 @@ def run_study(
             coord = Coordinator(study, store, plan)
             ex = make_executor(executor, workers, address, device=device, gpus_per_run=gpus_per_run)
             claim.started = True  # from here on, runs may be released: the study stays
+            interrupted = False
             try:
                 coord.execute(ex, progress)
+            except KeyboardInterrupt:
+                interrupted = True  # found in review: the pool waited 91 s for runs in flight, then lost them
+                raise
             finally:
-                ex.close()
+                ex.close(interrupted=True) if interrupted else ex.close()
             counts = store.counts()
             complete = set(counts) <= {"done", "diverged"}
             matches = coord.ledger.matches(plan.release_event) if complete else None
