@@ -35,8 +35,8 @@ def main(rounds: int) -> None:
                 step, oracle = st.dptune_step(model, x, y, loss, strategy, "ghost")  # first probe: untimed
 
                 def run(step=step, oracle=oracle, probed=probed) -> None:
-                    if probed:  # passed, and due again at this call
-                        oracle._next_probe = {"grads": 1, "losses": 1}
+                    due = 1 if probed else 10**9  # passed, and due again at this call (or never: the random gaps)
+                    oracle._next_probe = {"grads": due, "losses": due}
                     step()
 
                 fns[f"{strategy}/{'probed' if probed else 'plain'}"] = run

@@ -59,11 +59,10 @@ def _print_version(value: bool) -> None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        typer.echo(f"dptune {version('dptune')}")
+        installed = version("dptune")
     except PackageNotFoundError:  # run from a source tree that was not pip-installed
-        from dptune._version import __version__
-
-        typer.echo(f"dptune {__version__}")
+        from dptune._version import __version__ as installed
+    typer.echo(f"dptune {installed}")
     raise typer.Exit()
 
 
@@ -224,7 +223,6 @@ def _train(o: SimpleNamespace) -> None:
         from dptune.deliverable import save_trained
 
         save_trained(result, o.save, model_id=model_id, data_id={"name": dataset})  # not the seed: a secret key
-    # The table, the seed warning and where the diagnostics are.
     rows = [*train_table_rows(result, release, target), ("result", o.out)]
     rows += [("saved model", o.save)] if o.save is not None else []
     nodp = "" if result.plan.strategy.private else f" ({NOT_DP_LABEL}: no privacy)"
@@ -236,11 +234,8 @@ def _train(o: SimpleNamespace) -> None:
     if not result.secure_mode:  # a known seed voids the guarantee: say so on every seeded run
         console.print(f"[yellow]warning[/]: {release['randomness_note']}", highlight=False)
     # The run time grows with the realised batch sizes: a diagnostic, like the loss.
-    console.print(
-        f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag_path} (training loss on the private batch, "
-        f"realised batch sizes; {result.seconds:.1f} s)",
-        highlight=False,
-    )
+    held = f"training loss on the private batch, realised batch sizes; {result.seconds:.1f} s"
+    console.print(f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag_path} ({held})", highlight=False)
 
 
 @app.command()
@@ -335,14 +330,13 @@ def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
     left = sum(n for s, n in outcome.counts.items() if s not in ("done", "diverged"))
     errors = [r.get("error") for r in load_study(study_dir)[2] if r.get("status") == "failed" and r.get("error")]
     why = escape(f", the first: {str(errors[0]).strip().splitlines()[-1][:200]}") if errors else ""  # a "[/x]"
-    console.print(
+    d = escape(str(study_dir))
+    msg = (
         f"[bold red]{left} of {sum(outcome.counts.values())} runs did not finish "
         f"({outcome.counts.get('failed', 0)} failed{why}; {NOT_DP_LABEL}).[/] "
-        f"Check with `dptune status {escape(str(study_dir))}`; `dptune resume {escape(str(study_dir))}` retries them "
-        "with the same seeds.",
-        highlight=False,
-        soft_wrap=True,
+        f"Check with `dptune status {d}`; `dptune resume {d}` retries them with the same seeds."
     )
+    console.print(msg, highlight=False, soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -358,23 +352,18 @@ def status(study_dir: Path = typer.Argument(..., help="a study directory")) -> N
     # Run counts reveal K under Liu–Talwar / repeat-and-select: the owner's view, labelled.
     console.print(f"[bold red]{NOT_DP_LABEL}[/]", highlight=False)
     counts = ", ".join(f"{k} {v}" for k, v in st.get("counts", {}).items())
-    console.print(
-        f"[bold]{st.get('name', study_dir)}[/]: {st.get('total', '?')} planned runs ({counts}); "
-        f"complete: {st.get('complete')}"
-    )
+    head = f"[bold]{st.get('name', study_dir)}[/]: {st.get('total', '?')} planned runs ({counts})"
+    console.print(f"{head}; complete: {st.get('complete')}")
     if not st.get("complete") and st.get("eta"):  # "running" counts only runs a worker has started
         console.print(f"time left: {st['eta']}", highlight=False)
     t = Table(title="per tuning procedure: runs and budget (planned vs spent so far)")
     for col in ("arm", "method", "done/runs", "planned (ε, δ)", "spent (ε, δ)"):
         t.add_column(col, justify="left" if col in ("arm", "method") else "right")
     for a in st.get("arms", []):
-        t.add_row(
-            str(a.get("arm")),
-            str(a.get("method")),
-            f"{a.get('done', 0) + a.get('diverged', 0)}/{a.get('runs', '?')}",  # finished: diverged ones too
-            f"({up(a.get('planned_epsilon', float('nan')), 4)}, {up(a.get('planned_delta', float('nan')))})",
-            f"({up(a.get('spent_epsilon', 0.0), 4)}, {up(a.get('spent_delta', 0.0))})",
-        )
+        done = f"{a.get('done', 0) + a.get('diverged', 0)}/{a.get('runs', '?')}"  # finished: diverged ones too
+        planned = f"({up(a.get('planned_epsilon', float('nan')), 4)}, {up(a.get('planned_delta', float('nan')))})"
+        spent = f"({up(a.get('spent_epsilon', 0.0), 4)}, {up(a.get('spent_delta', 0.0))})"
+        t.add_row(str(a.get("arm")), str(a.get("method")), done, planned, spent)
     print_table(console, t)
     for k, v in st.items():  # the rest of the status
         if k not in ("arms", "counts", "name", "total", "complete", "eta", "eta_seconds"):
@@ -402,12 +391,8 @@ def resume(
     st = study_status(study_dir)
     if st["complete"]:  # nothing to run: say so rather than print the table as if it had resumed
         # No run count: under Liu–Talwar / repeat-and-select it is not covered by the guarantee.
-        console.print(
-            f"study {st['name']!r} in {study_dir} is already complete: nothing to resume. "
-            f"See its results with `dptune report {study_dir}`.",
-            highlight=False,
-            soft_wrap=True,
-        )
+        done = f"study {st['name']!r} in {study_dir} is already complete: nothing to resume."
+        console.print(f"{done} See its results with `dptune report {study_dir}`.", highlight=False, soft_wrap=True)
         return
     with resume_hint(study_dir, _say_interrupted):
         outcome = resume_study(
@@ -448,11 +433,8 @@ def report(
         msg = f"the study is unfinished: this report shows its finished runs; `dptune resume {study_dir}` finishes it."
         console.print(f"[bold yellow]warning[/]: {escape(msg)}", highlight=False, soft_wrap=True)
     diag = html.parent.parent / DIAGNOSTICS_DIR
-    console.print(
-        f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag}"
-        + (f" (page: {diag / 'report.html'})" if include_diagnostics else ""),
-        highlight=False,
-    )
+    page = f" (page: {diag / 'report.html'})" if include_diagnostics else ""
+    console.print(f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag}{page}", highlight=False)
 
 
 @app.command()

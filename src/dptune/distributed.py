@@ -1,10 +1,9 @@
 """Data-parallel private training on ``torch.distributed``: one run on N processes, the same algorithm
 (``train``/``make_private`` with ``distributed=True``, the default under ``torchrun``: ``launched``).
-``train.open_run`` swaps the run's three random or private parts: ``ShardedSampler`` (rank 0 draws the one
-Poisson batch, rank r keeps ``r::N``), ``ReducingRelease`` (every query's exact sum all-reduced BEFORE the event
-is recorded), ``BroadcastNoise`` (drawn once on rank 0, broadcast). A lost rank or a collective past
-``DPTUNE_DIST_TIMEOUT`` raises ``RankLost`` before anything is recorded (docs/privacy.md, item 10).
-"""
+``train.open_run`` swaps the run's three random or private parts: ``ShardedSampler`` (rank 0 draws the one Poisson
+batch, rank r keeps ``r::N``), ``ReducingRelease`` (every query's exact sum all-reduced BEFORE the event is recorded),
+``BroadcastNoise`` (drawn once on rank 0, broadcast). A lost rank or a collective past ``DPTUNE_DIST_TIMEOUT`` raises
+``RankLost`` before anything is recorded (docs/privacy.md, item 10)."""
 
 from __future__ import annotations
 
@@ -51,10 +50,9 @@ def writes() -> bool:
 
 
 def join(device: Any = None) -> torch.device:
-    """Join the process group ``torchrun`` describes (env://) unless one is already initialised;
-    return this rank's device (``cuda`` → ``cuda:LOCAL_RANK``, modulo the GPUs present). Backend:
-    NCCL on CUDA, gloo on the CPU; ``DPTUNE_DIST_BACKEND`` overrides (gloo where NCCL refuses two
-    ranks on one GPU)."""
+    """Join the process group ``torchrun`` describes (env://) unless one is already initialised; return this rank's
+    device (``cuda`` → ``cuda:LOCAL_RANK``, modulo the GPUs present). Backend: NCCL on CUDA, gloo on the CPU;
+    ``DPTUNE_DIST_BACKEND`` overrides (gloo where NCCL refuses two ranks on one GPU)."""
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())

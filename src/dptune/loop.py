@@ -1,7 +1,6 @@
-"""A private step inside your own training loop (Opacus's ``make_private``, rebuilt on privatizers; the example
-is in README.md): dptune takes over the Poisson batches, the per-sample gradients, clipping and noise and the number
-of steps; everything else is yours. What each check refuses, and why: docs/your_data.md ("Your own training loop").
-"""
+"""A private step inside your own training loop (Opacus's ``make_private``, rebuilt on privatizers; the example is in
+README.md): dptune takes over the Poisson batches, the per-sample gradients, clipping and noise and the number of
+steps; everything else is yours. What each check refuses, and why: docs/your_data.md ("Your own training loop")."""
 
 from __future__ import annotations
 
@@ -68,7 +67,6 @@ _NOT_YIELDED = (
     "transform (augmentation) in your Dataset's __getitem__, which batches() calls for every example it draws."
 )
 
-
 _Shown = tuple[tuple[Any, torch.Tensor], list[torch.Tensor], list[int]]  # a yielded batch, its leaves, versions
 
 
@@ -131,9 +129,8 @@ class PrivateTraining:
             raise ConfigError(
                 f"privatizer must be a dptune.release.privatizers.Privatizer (e.g. FixedClip(1.0)), got {privatizer!r}."
             )
-        if not privatizer.private and (
-            plan_kwargs.get("target_epsilon") is not None or plan_kwargs.get("noise_multiplier") is not None
-        ):
+        asked = [k for k in ("target_epsilon", "noise_multiplier") if plan_kwargs.get(k) is not None]
+        if not privatizer.private and asked:
             raise ConfigError(
                 "the NonPrivate privatizer adds no noise (ε = ∞): drop target_epsilon/noise_multiplier, "
                 "or choose a private privatizer (FixedClip, QuantileClip, OSOClip)."
@@ -156,10 +153,9 @@ class PrivateTraining:
         self.strategy = Chain(privatizer, self.update)
         self.plan: RunPlan = plan_run(self.strategy, self.task.n, delta=delta, **plan_kwargs)
         self.delta = delta
-        params = self._params()
         self.privatizer = privatizer
         self._p_state = privatizer.init(self.plan)
-        self._u_state = self.update.init(params, self.plan) if self.optimizer is None else {}
+        self._u_state = self.update.init(self._params(), self.plan) if self.optimizer is None else {}
         self.ledger, self.gateway, self.sampler = open_run(
             self.plan, seed=seed, device=self.task.device, secure_mode=secure_mode, run_id=run_id,
             distributed=distributed,
@@ -207,8 +203,7 @@ class PrivateTraining:
                 "change before make_private, then call it again: a new run with its own plan and budget."
             )
         now = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
-        changed = sorted(k for k in now.keys() | self._named.keys() if now.get(k) is not self._named.get(k))
-        if changed:
+        if changed := sorted(k for k in now.keys() | self._named.keys() if now.get(k) is not self._named.get(k)):
             raise ConfigError(
                 f"the trainable parameters changed since make_private ({', '.join(changed[:3])}: requires_grad "
                 "turned on or off, or parameters added or replaced). Fix: call make_private again after "
@@ -284,8 +279,7 @@ class PrivateTraining:
             )
         self._check_trainable()
         x, y = self._check_batch(x, y)
-        t = self.t + 1
-        releases = self.ledger.releases
+        t, releases = self.t + 1, self.ledger.releases
         try:
             ctx = StepContext(t=t, x=x, y=y, oracle=self.oracle, release=self.gateway, run=self.plan)
             lr = self._lr()
@@ -304,15 +298,13 @@ class PrivateTraining:
         return released, row
 
     def backward(self, x: Any, y: torch.Tensor) -> dict[str, Any]:
-        """Release this batch's private gradient and store it in each parameter's ``.grad``
-        (the mean over the expected batch size L; it replaces, never adds to, ``.grad``).
-        Returns the step's public row (step, lr, C_t, ...)."""
+        """Release this batch's private gradient and store it in each parameter's ``.grad`` (the mean over the expected
+        batch size L; it replaces, never adds to, ``.grad``). Returns the step's public row (step, lr, C_t, ...)."""
         released, row = self._release(x, y)
         g = released.gradient() if released is not None else {k: torch.zeros_like(p) for k, p in self._named.items()}
         self._released = {}
         for k, p in self._named.items():
-            grad = g[k].detach().to(p.dtype)
-            p.grad = grad
+            p.grad = grad = g[k].detach().to(p.dtype)
             self._released[id(p)] = (grad, grad._version)
         return row
 
@@ -385,12 +377,8 @@ def structure(model: nn.Module) -> tuple:
         (name, id(m), type(m), *(tuple(getattr(m, h, {})) for h in MODULE_HOOKS), calls_made_of(m))
         for name, m in model.named_modules()
     )
-    return (
-        mods,
-        global_module_hooks(),
-        tuple(map(id, registered_functions())),
-        tuple(map(id, namespace_functions(model))),
-    )
+    registered, looked_up = tuple(map(id, registered_functions())), tuple(map(id, namespace_functions(model)))
+    return mods, global_module_hooks(), registered, looked_up
 
 
 def make_private(
@@ -420,17 +408,14 @@ def make_private(
 ) -> PrivateTraining:
     """Plan a private run of ``model`` on ``data`` and return the object your loop drives.
 
-    ``optimizer``: a torch optimizer over ``model.parameters()`` (call ``optimizer.step()``
-    after ``backward``; ``step`` does both) or a dptune update rule. ``privatizer``: the
-    clipping/noise rule (default ``FixedClip(1.0)``; ``QuantileClip()``, ``OSOClip()``).
-    Exactly one of ``noise_multiplier`` and ``target_epsilon`` (+ ``delta``); the plan (T,
-    q, ν) is fixed here and the ledger refuses anything beyond it. ``data``: tensors (x, y),
-    a map-style dataset or a DataLoader (its dataset only: docs/your_data.md). The seed is a
-    secret key in seeded mode; ``secure_mode=True`` draws noise and batches from the OS CSPRNG.
-    ``aliases``: ``epsilon``, ``batch_size``, ``secure`` (``dptune.names``). ``distributed`` (default: on
-    under ``torchrun``): each rank's ``batches()`` are its shard of one Poisson batch (``dptune.distributed``).
-    ``pretrained``: as in ``dptune.train``.
-    """
+    ``optimizer``: a torch optimizer over ``model.parameters()`` (call ``optimizer.step()`` after ``backward``;
+    ``step`` does both) or a dptune update rule. ``privatizer``: the clipping/noise rule (default ``FixedClip(1.0)``;
+    ``QuantileClip()``, ``OSOClip()``). Exactly one of ``noise_multiplier`` and ``target_epsilon`` (+ ``delta``); the
+    plan (T, q, ν) is fixed here and the ledger refuses anything beyond it. ``data``: tensors (x, y), a map-style
+    dataset or a DataLoader (its dataset only: docs/your_data.md). The seed is a secret key in seeded mode;
+    ``secure_mode=True`` draws noise and batches from the OS CSPRNG. ``aliases``: ``epsilon``, ``batch_size``,
+    ``secure`` (``dptune.names``). ``distributed`` (default: on under ``torchrun``): each rank's ``batches()`` are its
+    shard of one Poisson batch (``dptune.distributed``). ``pretrained``: as in ``dptune.train``."""
     target_epsilon, expected_batch_size, secure_mode = aliased(
         aliases, "make_private", True, target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,
         secure_mode=secure_mode,

@@ -1,12 +1,12 @@
-"""What dptune publishes: **release** (covered by the guarantee) vs **diagnostics** (not DP, each file
-labelled ``NOT_DP_LABEL``: a CSV comment line, a JSON ``"privacy"`` field, a red HTML banner, a folder
-README.txt). What each holds: docs/privacy.md, "What the published outputs contain". Output paths are
-checked before any work."""
+"""What dptune publishes: **release** (covered by the guarantee) vs **diagnostics** (not DP, each file labelled
+``NOT_DP_LABEL``: a CSV comment line, a JSON ``"privacy"`` field, a red HTML banner, a folder README.txt). What each
+holds: docs/privacy.md, "What the published outputs contain". Output paths are checked before any work."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import json
 import math
 import os
@@ -30,19 +30,18 @@ NOT_DP_NOTICE = (
 RELEASE_DIR = "release"
 DIAGNOSTICS_DIR = "diagnostics"
 
-# History columns a release may show: the step and the hyperparameters C_t, ρ_t the strategy
-# set from noisy releases (post-processing). Everything else a history row holds stays in the
-# diagnostics — a whitelist, so a new non-private column never leaks by default. Known
-# non-private columns: train_loss (mean loss on the private batch, in the clear) and
-# batch_size (the realised Poisson batch size |B_t|, a noiseless count of the private data).
+# History columns a release may show: the step and the hyperparameters C_t, ρ_t the strategy set from noisy releases
+# (post-processing). Everything else a history row holds stays in the diagnostics — a whitelist, so a new non-private
+# column never leaks by default. Known non-private columns: train_loss (mean loss on the private batch, in the clear)
+# and batch_size (the realised Poisson batch size |B_t|, a noiseless count of the private data).
 RELEASE_HISTORY_KEYS: tuple[str, ...] = ("step", "clip", "lr")
 
-# Guarantees that cover only the selected candidate with the number of runs K hidden: the built-in
-# kinds (Liu–Talwar, repeat-and-select) are fixed here, so hiding fails closed whatever was imported
-# or unregistered; plug-in methods with ``hides_run_count`` add their name (= their guarantees' kind,
-# checked by ``tune.plan``) when registered.
+# Guarantees that cover only the selected candidate with the number of runs K hidden: the built-in kinds (Liu–Talwar,
+# repeat-and-select) are fixed here, so hiding fails closed whatever was imported or unregistered; plug-in methods with
+# ``hides_run_count`` add their name (= their guarantees' kind, checked by ``tune.plan``) when registered.
 BUILTIN_HIDDEN_RUN_COUNT_KINDS: frozenset[str] = frozenset({"liu-talwar", "repeat-and-select"})
 HIDDEN_RUN_COUNT_KINDS: set[str] = set(BUILTIN_HIDDEN_RUN_COUNT_KINDS)
+_Rows = Sequence[Mapping[str, Any]]  # a CSV's rows
 
 _README = """NOT DIFFERENTIALLY PRIVATE: FOR THE DATA OWNER ONLY.
 
@@ -67,9 +66,8 @@ def diagnostics_dir(out: str | Path) -> Path:
     """``out/diagnostics`` (created), with its README.txt stating the label."""
     d = Path(out) / DIAGNOSTICS_DIR
     d.mkdir(parents=True, exist_ok=True)
-    readme = d / "README.txt"
-    if not readme.is_file():
-        readme.write_text(_README, encoding="utf-8")
+    if not (d / "README.txt").is_file():
+        (d / "README.txt").write_text(_README, encoding="utf-8")
     return d
 
 
@@ -99,8 +97,7 @@ def _check_creatable(folder: Path, what: str, path: Path) -> None:
     try:  # os.access says yes to root, and to /proc: a file really made (and removed) says what will work
         if not os.access(anc, os.W_OK | os.X_OK):
             raise PermissionError("no write permission")
-        with tempfile.TemporaryFile(dir=anc):
-            pass
+        tempfile.TemporaryFile(dir=anc).close()
     except OSError as exc:
         raise ConfigError(
             f"{what} {str(path)!r} cannot be written: {exc.strerror or exc} in {str(anc)!r}. "
@@ -251,11 +248,8 @@ def resume_hint(study_dir: Path, say: Callable[[str], None]) -> Iterator[None]:
 
 def check_data_dir(data_dir: str | None) -> None:
     """A --data-dir that is not a folder was silently ignored (the data came from the cache or a download)."""
-    if data_dir is None:
-        return
-    p = Path(data_dir)
-    if not p.is_dir():
-        what = "is a file" if p.exists() else "does not exist"
+    if data_dir is not None and not Path(data_dir).is_dir():
+        what = "is a file" if Path(data_dir).exists() else "does not exist"
         raise ConfigError(
             f"--data-dir {data_dir!r} {what}: it names the folder holding the datasets (<data-dir>/<name>/...). "
             "Fix: pass that folder, or leave out --data-dir to use $DPTUNE_DATA_DIR or the download cache."
@@ -320,11 +314,7 @@ def public_run_name(arm: Any, run: Mapping[str, Any]) -> str:
 
 
 def write_csv_rows(
-    path: str | Path,
-    rows: Sequence[Mapping[str, Any]],
-    columns: Sequence[str] | None = None,
-    *,
-    comment: str | None = None,
+    path: str | Path, rows: _Rows, columns: Sequence[str] | None = None, *, comment: str | None = None
 ) -> Path:
     """The one CSV writer of the reports: optional ``# <comment>`` line, header, rows (list/dict cells as JSON)."""
     path = Path(path)
@@ -340,12 +330,9 @@ def write_csv_rows(
     return path
 
 
-def write_labelled_csv(
-    path: str | Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None
-) -> Path:
-    """A diagnostics CSV: first line ``# <NOT_DP_LABEL> ...``, then header and rows.
-
-    Read it back with ``read_csv_rows`` (or ``pandas.read_csv(path, comment='#')``)."""
+def write_labelled_csv(path: str | Path, rows: _Rows, columns: Sequence[str] | None = None) -> Path:
+    """A diagnostics CSV: first line ``# <NOT_DP_LABEL> ...``, then header and rows; read it back with
+    ``read_csv_rows`` (or ``pandas.read_csv(path, comment='#')``)."""
     return write_csv_rows(path, rows, columns, comment=NOT_DP_NOTICE)
 
 
@@ -369,15 +356,14 @@ def write_train_outputs(
     is in the default diagnostics/ folder, which gets its README.txt (the label)."""
 
     def save_text(path: Path, text: str) -> None:  # atomic: an --overwrite interrupted keeps the old file whole
+        path.parent.mkdir(parents=True, exist_ok=True)
         (tmp := path.with_name(f".{path.name}.part")).write_text(text)
         os.replace(tmp, path)
 
     release, diag = train_outputs(result, **context)
-    out.parent.mkdir(parents=True, exist_ok=True)
     save_text(out, json.dumps(release, default=str))
     if label_folder:
         diagnostics_dir(diagnostics.parent.parent)
-    diagnostics.parent.mkdir(parents=True, exist_ok=True)
     save_text(diagnostics, json.dumps(diag, default=str))
     return release
 
@@ -398,10 +384,8 @@ SECURE_STATEMENT = (
 
 def randomness_statement(secure: bool) -> dict[str, str]:
     """The ``randomness`` mode and its note, for every report of a run or study."""
-    return {
-        "randomness": "secure" if secure else "seeded",
-        "randomness_note": SECURE_STATEMENT if secure else SEEDED_WARNING,
-    }
+    note = SECURE_STATEMENT if secure else SEEDED_WARNING
+    return {"randomness": "secure" if secure else "seeded", "randomness_note": note}
 
 
 # ----------------------------------------------------------------------------- one run (dptune train)
@@ -441,19 +425,17 @@ def train_outputs(
     }
     if not private:  # no guarantee covers a non-private run: everything in it is the owner's only
         release = labelled_json(release)
-    diagnostics = labelled_json(
-        {
-            **context,
-            "seed": seed,
-            "randomness": summary.get("randomness"),
-            "dptune_version": __version__,
-            "seconds": seconds,
-            **({"private_evaluation": {**owner_evals, "evals": result.evals}} if owner_evals else {}),
-            "history": result.history,
-            "ledger": result.ledger.to_dict(),
-        }
-    )
-    return release, diagnostics
+    diagnostics = {
+        **context,
+        "seed": seed,
+        "randomness": summary.get("randomness"),
+        "dptune_version": __version__,
+        "seconds": seconds,
+        **({"private_evaluation": {**owner_evals, "evals": result.evals}} if owner_evals else {}),
+        "history": result.history,
+        "ledger": result.ledger.to_dict(),
+    }
+    return release, labelled_json(diagnostics)
 
 
 def train_table_rows(result: Any, release: Mapping[str, Any], target: float | None) -> list[tuple[str, Any]]:
@@ -463,9 +445,8 @@ def train_table_rows(result: Any, release: Mapping[str, Any], target: float | No
     plan, delta = result.plan, result.delta
 
     def eps_of(v: float) -> float:
-        return accounting.epsilon(
-            plan.strategy.planned_event(v, plan.sampling_rate, plan.steps), delta, plan.accountant
-        )
+        event = plan.strategy.planned_event(v, plan.sampling_rate, plan.steps)
+        return accounting.epsilon(event, delta, plan.accountant)
 
     # ν rounded up (copied back with --noise-multiplier it cannot overshoot); ε by the
     # accountant ν was calibrated with, named and rounded up (it is a privacy claim).
@@ -519,8 +500,6 @@ def terminal_console(stderr: bool = False) -> Any:
 
 def print_table(console: Any, table: Any) -> None:
     """Print a rich table, stacked (one ``column: value`` line per cell) when it cannot fit without cutting."""
-    import io
-
     from rich.cells import cell_len
     from rich.console import Console
 
@@ -549,7 +528,11 @@ class Progress:
 
         self.n, self.total, self.desc, self.unit, self.lines = initial, total, desc, unit, lines
         tty = sys.stderr.isatty()
-        self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave) if tty else None
+        # No elapsed time, rate or ETA: run time grows with the realised batch sizes (docs/privacy.md, item 7).
+        fmt = "{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}"
+        self.bar = (
+            tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave, bar_format=fmt) if tty else None
+        )
 
     def update(self, n: int = 1, postfix: str = "") -> None:
         self.n += n

@@ -181,7 +181,8 @@ def user_loss(
     in review)."""
 
     def one(out: Any, y: torch.Tensor) -> torch.Tensor:  # ``out``: a tensor, or a structure of them (a ModelOutput)
-        return fn(inputs.tmap(lambda t: t.unsqueeze(0), out), y.unsqueeze(0)).reshape(())
+        row: Any = inputs.tmap(lambda t: t.unsqueeze(0), out)
+        return fn(row, y.unsqueeze(0)).reshape(())
 
     return one
 

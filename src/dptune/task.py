@@ -175,7 +175,7 @@ class OwnTask:
             own.check_loss(self.user_loss_fn, model, *self.batch(torch.arange(min(2, self.n))))
         else:  # every label in memory: their classes checked too
             x, y = self.train if isinstance(self.train, tuple) else (self.train.empty_batch[0], None)
-            own.check_classes(model, x, y, self.loss)
+            own.check_classes(model, x, y, str(self.loss))
 
     def prepare(
         self, model: nn.Module, chunk_size: int | None = None, method: str | None = None

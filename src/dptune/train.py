@@ -1,7 +1,6 @@
-"""``dptune.train``: one DP training run, from a model and tensors to a result with its ledger (created from the
-run's plan first). ``RunLoop`` is the one run loop: ``train`` and the tuner's worker drive one, ``vectorized`` K in
-lockstep, ``make_private`` shares its set-up (``open_run``).
-"""
+"""``dptune.train``: one DP training run, from a model and tensors to a result with its ledger (created from the run's
+plan first). ``RunLoop`` is the one run loop: ``train`` and the tuner's worker drive one, ``vectorized`` K in lockstep,
+``make_private`` shares its set-up (``open_run``)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
 from dptune.metrics import Metric
 from dptune.names import aliased
-from dptune.outputs import Progress, checkpoint_rule, randomness_statement
+from dptune.outputs import NOT_DP_LABEL, Progress, checkpoint_rule, randomness_statement
 from dptune.release.context import RunPlan, StepContext, snap_noise
 from dptune.release.hypergradient import Later, collecting, read_with, settled
 from dptune.release.ledger import Ledger
@@ -178,7 +177,14 @@ class TrainResult:
         m.load_state_dict({**m.state_dict(), **params})
         return m
 
+    def __repr__(self) -> str:  # the history (train loss, batch sizes) and run time are the owner's: not shown
+        eps = self.epsilon() if self.delta and self.plan.strategy.private else None
+        owner = "history, seconds" + ("" if self.eval_public else ", evals, best_metric")
+        return f"TrainResult(epsilon={eps}, delta={self.delta}, steps={self.steps_taken or self.plan.steps}; {owner}: {NOT_DP_LABEL})"
+
     def summary(self) -> dict[str, Any]:
+        """The run's plan and guarantee; ``seconds`` (and ``best_metric``/``best_step`` on evaluation data not declared
+        public) are the owner's only: ``outputs.train_outputs`` keeps them out of the release."""
         return {
             "strategy": self.plan.strategy.config(),
             "n": self.plan.n,
@@ -255,13 +261,9 @@ def open_run(
         parts(plan, secure_mode) if distributed else (NoiseSource, NoisyRelease, PoissonSampler)
     )
     ledger = Ledger.with_plan(plan.event())
-    gateway = gateway_cls(
-        ledger,
-        plan.sampling_rate,
-        noise(stream_seed(seed, "noise"), device, secure_mode),
-        run_id,
-        planned_multiplier=plan.noise_multiplier if plan.strategy.private else None,
-    )
+    source = noise(stream_seed(seed, "noise"), device, secure_mode)
+    planned = plan.noise_multiplier if plan.strategy.private else None
+    gateway = gateway_cls(ledger, plan.sampling_rate, source, run_id, planned_multiplier=planned)
     # Secure mode covers the batches too: a seeded sampler lets anyone holding the seed
     # regenerate every batch, which voids the amplification by subsampling.
     sampler = sampler_cls(plan.n, plan.sampling_rate, seed, secure=secure_mode)
@@ -318,8 +320,7 @@ class RunLoop:
         self.metric, self.schedule = metric if isinstance(metric, str) else metric.name, schedule
         self.score, self.on_step = score, on_step
         self.keep_best, self.eval_public = keep_best, eval_public
-        params: Tensors = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
-        self.params = strategy.prepare(params)
+        self.params = strategy.prepare({k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad})
         self.ledger, self.gateway, self.sampler = open_run(
             plan, seed=seed, device=device, secure_mode=secure_mode, run_id=run_id, distributed=distributed
         )
@@ -351,11 +352,9 @@ class RunLoop:
         return self.finish(delta)
 
     def step(self, t: int, x: torch.Tensor, y: torch.Tensor, oracle: GradientOracle) -> dict[str, Any]:
-        """The strategy's step ``t`` on the batch (x, y); returns the step's history row.
-
-        A row that made the parameters non-finite is recorded here and sets ``diverged``: the
-        caller stops the run. Otherwise the caller evaluates if ``eval_due`` and ``record``s it.
-        """
+        """The strategy's step ``t`` on the batch (x, y); returns the step's history row. A row that made the
+        parameters non-finite is recorded here and sets ``diverged``: the caller stops the run. Otherwise the
+        caller evaluates if ``eval_due`` and ``record``s it."""
         read = self.begin(t, x, y, oracle)
         return self.end(read, read_with(read.pending, read.first, read_dtype(read.first[0].device)))
 
@@ -389,18 +388,15 @@ class RunLoop:
         return self.strategy.evaluated(self.params, self.state)
 
     def scored(self) -> float:
-        """The score of ``eval_params`` (when an evaluation is due)."""
         assert self.score is not None
         return self.score(self.eval_params)
 
     def eval_due(self, t: int) -> bool:
-        """Is an evaluation due after step ``t`` (a step of the schedule)?"""
         return self.score is not None and self.schedule.due(t)
 
     def record(self, t: int, row: dict[str, Any], value: float | None = None) -> None:
-        """Record step ``t``'s row, with the evaluation ``value`` of the current parameters
-        when one was due (and keep them if they are the best so far), then call ``on_step``.
-        ``value`` is the score of ``eval_params``."""
+        """Record step ``t``'s row, with ``value``, the score of ``eval_params`` when an evaluation was due (kept if
+        the best so far), then call ``on_step``."""
         if value is not None:
             row["eval_" + self.metric] = value
             self.evals.append({"step": t, self.metric: value})
@@ -410,8 +406,7 @@ class RunLoop:
             self.on_step(t, row)
 
     def consider(self, value: float, t: int, params: Tensors) -> None:
-        """The best-checkpoint rule: keep ``params`` (scored ``value`` after step ``t``) if ``value`` is a
-        finite improvement on the best so far."""
+        """The best-checkpoint rule: keep ``params`` if their score ``value`` is a finite improvement on the best."""
         best = self.best_metric
         if math.isfinite(value) and (best is None or metrics.better(value, best, self.higher)):
             self.best_metric, self.best_step = value, t
@@ -471,19 +466,17 @@ def train(
 ) -> TrainResult:
     """Train ``model`` privately with ``strategy`` and return a ``TrainResult``.
 
-    Exactly one of ``noise_multiplier`` and ``target_epsilon`` (+ ``delta``) is needed for a
-    private strategy. Sampling is Poisson at q = expected_batch_size / n (or full batch).
-    The same ``seed`` reproduces the run bit for bit on CPU; the seed is then a secret key
-    (whoever knows it can regenerate the noise and the batches). ``secure_mode=True`` draws the
-    noise and the Poisson batches from the OS CSPRNG instead (not reproducible). ``grad_method``: 'auto' (ghost
-    norms where every layer is supported, else vmap), 'ghost' or 'vmap'. ``eval_data`` is private unless
-    ``eval_public=True``: then the model is the final iterate (``checkpoint='final'``) and the evaluations are
-    the owner's only; ``checkpoint='best'`` (the default when public) keeps the best evaluated parameters.
-    ``distributed`` (default: on when ``torchrun`` started several processes): one run on every process,
-    each clipping its shard of the batch (``dptune.distributed``); every rank returns the same result.
-    ``pretrained`` (default: ``updates.defaults.starts_pretrained(model)``, a Hugging Face model loaded by
-    ``from_pretrained``): the fine-tuning defaults (docs/strategies.md, "Defaults for fine-tuning").
-    """
+    Exactly one of ``noise_multiplier`` and ``target_epsilon`` (+ ``delta``) is needed for a private strategy. Sampling
+    is Poisson at q = expected_batch_size / n (or full batch). The same ``seed`` reproduces the run bit for bit on CPU;
+    the seed is then a secret key (whoever knows it can regenerate the noise and the batches). ``secure_mode=True``
+    draws the noise and the Poisson batches from the OS CSPRNG instead (not reproducible). ``grad_method``: 'auto'
+    (ghost norms where every layer is supported, else vmap), 'ghost' or 'vmap'. ``eval_data`` is private unless
+    ``eval_public=True``: then the model is the final iterate (``checkpoint='final'``) and the evaluations are the
+    owner's only; ``checkpoint='best'`` (the default when public) keeps the best evaluated parameters. ``distributed``
+    (default: on when ``torchrun`` started several processes): one run on every process, each clipping its shard of the
+    batch (``dptune.distributed``); every rank returns the same result. ``pretrained`` (default:
+    ``updates.defaults.starts_pretrained(model)``, a Hugging Face model loaded by ``from_pretrained``): the fine-tuning
+    defaults (docs/strategies.md, "Defaults for fine-tuning")."""
     checkpoint = checkpoint_rule(checkpoint, eval_data is not None, eval_public)
     target_epsilon, expected_batch_size, secure_mode = aliased(  # epsilon=, batch_size=, secure=: dptune.names
         hyperparameters, "train", target_epsilon=target_epsilon, expected_batch_size=expected_batch_size,

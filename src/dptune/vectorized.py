@@ -1,9 +1,8 @@
-"""Vectorised trials: K runs of the same architecture trained at once, each exactly the run
-``dptune.train`` would make with its own hyperparameters, seed, Poisson batches, noise stream,
-gateway and ledger (design: docs/performance.md, "Vectorised trials").
-Only identical-shape work is batched (``gradients.stacked``); everything with privacy meaning stays per trial,
-in its own ``RunLoop`` (sampler, step, gateway, ledger). Out of scope: ``train`` runs it (``fallback``).
-"""
+"""Vectorised trials: K runs of the same architecture trained at once, each exactly the run ``dptune.train`` would make
+with its own hyperparameters, seed, Poisson batches, noise stream, gateway and ledger (design: docs/performance.md,
+"Vectorised trials"). Only identical-shape work is batched (``gradients.stacked``); everything with privacy meaning
+stays per trial, in its own ``RunLoop`` (sampler, step, gateway, ledger). Out of scope: ``train`` runs it
+(``fallback``)."""
 
 from __future__ import annotations
 
@@ -55,9 +54,7 @@ class _TrialOracle:
         return self.grads is not None and params is self.params and x is self.x
 
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> MaterializedGrads:
-        if self._mine(params, x):
-            return self.grads  # type: ignore[return-value]
-        return self.base(params, x, y)
+        return self.grads if self._mine(params, x) else self.base(params, x, y)  # type: ignore[return-value]
 
     def loss_and_grad(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Tensors]:
         """Mean loss and Σ_i g_i / B (the gradient of the mean loss, as ``GradientOracle``)."""
@@ -143,19 +140,17 @@ def train_many(
     fallback: str = "sequential",
     allow_shared_seeds: bool = False,
 ) -> list[TrainResult]:
-    """Train K trials at once; result k equals ``train(model_k, data, strategy_k, seed=seeds[k],
-    noise_multiplier=ν_k, ..., **configs[k])`` up to float rounding.
+    """Train K trials at once; result k equals ``train(model_k, data, strategy_k, seed=seeds[k], noise_multiplier=ν_k,
+    ..., **configs[k])`` up to float rounding.
 
-    ``seeds``: one distinct seed per trial (trials sharing a seed share their batches and noise,
-    which cancels in combinations of their releases: refused unless ``allow_shared_seeds``), or
-    one base seed, trial k then getting ``trial_seeds(seed, K)[k]``. ``models``: ``model_fn(seed)``,
-    one module (copied per trial) or one per trial. ``strategy``: a name with ``configs`` (one dict
-    per trial), or one ``Strategy`` per trial. ``noise_multiplier``, ``target_epsilon``: one value
-    or one per trial; ``plans``: one ``RunPlan`` per trial instead of the run settings.
-    ``on_step(k, t, row)``: after every step of trial k. ``block_size``: the most trials stacked at
-    once (memory). Models that cannot be stacked run sequentially (``fallback='sequential'``) or
-    raise ``ConfigError`` (``'error'``). ``eval_data`` is private unless ``eval_public``: as in
-    ``train``, the final iterates then (``checkpoint``)."""
+    ``seeds``: one distinct seed per trial (trials sharing a seed share their batches and noise, which cancels in
+    combinations of their releases: refused unless ``allow_shared_seeds``), or one base seed, trial k then getting
+    ``trial_seeds(seed, K)[k]``. ``models``: ``model_fn(seed)``, one module (copied per trial) or one per trial.
+    ``strategy``: a name with ``configs`` (one dict per trial), or one ``Strategy`` per trial. ``noise_multiplier``,
+    ``target_epsilon``: one value or one per trial; ``plans``: one ``RunPlan`` per trial instead of the run settings.
+    ``on_step(k, t, row)``: after every step of trial k. ``block_size``: the most trials stacked at once (memory).
+    Models that cannot be stacked run sequentially (``fallback='sequential'``) or raise ``ConfigError`` (``'error'``).
+    ``eval_data`` is private unless ``eval_public``: as in ``train``, the final iterates then (``checkpoint``)."""
     _check_arguments(fallback, eval_every, loss)
     refuse_in_study("train_many", "train_many")
     checkpoint = checkpoint_rule(checkpoint, eval_data is not None, eval_public)
@@ -163,41 +158,38 @@ def train_many(
     if K == 0:
         return []
     seed_list = _seed_list(seeds, K, allow_shared_seeds)
-    nus = _per_trial(noise_multiplier, K, "noise_multiplier")
-    epss = _per_trial(target_epsilon, K, "target_epsilon")
-    settings = dict(epochs=epochs, steps=steps, expected_batch_size=expected_batch_size, full_batch=full_batch)
+    nus, epss = _per_trial(noise_multiplier, K, "noise_multiplier"), _per_trial(target_epsilon, K, "target_epsilon")
+    settings: dict[str, Any] = dict(epochs=epochs, steps=steps, expected_batch_size=expected_batch_size)
+    settings.update(full_batch=full_batch, accountant=accountant)
+    runs = [{**settings, "noise_multiplier": nu, "target_epsilon": eps} for nu, eps in zip(nus, epss, strict=True)]
+    common = dict(delta=delta, eval_data=eval_data, eval_every=eval_every, metric=metric, loss=loss, device=device)
+    common.update(eval_public=eval_public, checkpoint=checkpoint, secure_mode=secure_mode)
     trials = _Settings(
         _trial_models(models, seed_list, K),
         _trial_strategies(strategy, configs, plans, K),
         seed_list,
         list(run_ids) if run_ids is not None else [""] * K,
-        [
-            {"plan": plans[k]}
-            if plans is not None
-            else {**settings, "noise_multiplier": nus[k], "target_epsilon": epss[k], "accountant": accountant}
-            for k in range(K)
-        ],
+        [{"plan": p} for p in plans] if plans is not None else runs,
         [partial(on_step, k) if on_step is not None else None for k in range(K)],  # on_step(k, t, row)
+        common,
     )
-    common = dict(delta=delta, eval_data=eval_data, eval_every=eval_every, metric=metric, loss=loss, device=device)
-    common.update(eval_public=eval_public, checkpoint=checkpoint)
     try:
         stacked = Stacked(_stack_ops(trials.strategies, trials.models))
     except Unsupported as exc:
         if fallback == "error":
             raise
-        return _sequentially(exc, trials, data, secure_mode=secure_mode, **common)
+        return _sequentially(exc, trials, data)
     task = resolve_task(data, eval_data, device, metric, loss)
     if not isinstance(task.x, torch.Tensor):  # several inputs: the stacked forward takes one tensor
         if fallback == "error":
             raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
-        return _sequentially("several model inputs", trials, data, secure_mode=secure_mode, **common)
-    return _train_stacked(trials, stacked, task, delta, eval_every, secure_mode, block_size, (checkpoint, eval_public))
+        return _sequentially("several model inputs", trials, data)
+    return _train_stacked(trials, stacked, task, block_size)
 
 
 @dataclass
 class _Settings:
-    """Each trial's own settings, resolved from ``train_many``'s per-trial arguments."""
+    """Each trial's own settings, resolved from ``train_many``'s per-trial arguments, and those they share."""
 
     models: list[nn.Module]
     strategies: list[Strategy]
@@ -205,35 +197,26 @@ class _Settings:
     run_ids: list[str]
     runs: list[dict[str, Any]]  # {"plan": RunPlan}, or plan_run's arguments besides strategy, n and δ
     hooks: list[Callable[[int, dict[str, Any]], None] | None]
+    common: dict[str, Any]  # ``train``'s arguments shared by every trial (delta, eval_every, secure_mode, ...)
 
 
 def _warn_sequential(reason: object) -> None:
     warnings.warn(f"dptune.train_many: running the trials sequentially ({reason}).", RuntimeWarning, stacklevel=4)
 
 
-def _sequentially(reason: object, trials: _Settings, data: Any, **common: Any) -> list[TrainResult]:
+def _sequentially(reason: object, trials: _Settings, data: Any) -> list[TrainResult]:
     """The trials one by one through ``dptune.train``, which plans each run itself (after reading
     the data, whatever its kind)."""
     _warn_sequential(reason)
+    each = zip(trials.models, trials.strategies, trials.seeds, trials.run_ids, trials.runs, trials.hooks, strict=True)
     return [
-        train(model, data, strategy, seed=seed, run_id=run_id, on_step=hook, **run, **common)
-        for model, strategy, seed, run_id, run, hook in zip(
-            trials.models, trials.strategies, trials.seeds, trials.run_ids, trials.runs, trials.hooks, strict=True
-        )
+        train(model, data, strategy, seed=seed, run_id=run_id, on_step=hook, **run, **trials.common)
+        for model, strategy, seed, run_id, run, hook in each
     ]
 
 
-def _train_stacked(
-    trials: _Settings,
-    stacked: Stacked,
-    task: TaskTensors,
-    delta: float | None,
-    eval_every: int,
-    secure_mode: bool,
-    block_size: int | None,
-    selection: tuple[str, bool],  # (checkpoint, eval_public)
-) -> list[TrainResult]:
-    x, ex, ey, metric = task.x, task.ex, task.ey, task.metric
+def _train_stacked(trials: _Settings, stacked: Stacked, task: TaskTensors, block_size: int | None) -> list[TrainResult]:
+    x, ex, ey, metric, common = task.x, task.ex, task.ey, task.metric, trials.common
     assert isinstance(x, torch.Tensor)
     n = int(x.shape[0])
     scores = partial(_evaluate, stacked, x=ex, y=ey, metric=metric) if ex is not None and ey is not None else None
@@ -245,17 +228,17 @@ def _train_stacked(
     loops: list[RunLoop] = []
     for k, run in enumerate(trials.runs):
         strategy = trials.strategies[k]
-        plan = run["plan"] if "plan" in run else plan_run(strategy, n, delta=delta, **run)
+        plan = run["plan"] if "plan" in run else plan_run(strategy, n, delta=common["delta"], **run)
         if plan.n != n:
             raise ConfigError(f"trial {k}: the plan is for n = {plan.n} examples but the data has {n}.")
         loops.append(RunLoop(
             trials.models[k].to(task.device), strategy, plan, seed=trials.seeds[k], device=task.device,
-            secure_mode=secure_mode, run_id=trials.run_ids[k], metric=metric,
-            schedule=EvalSchedule.every(plan.steps, eval_every, strategy.finalizes),
+            secure_mode=common["secure_mode"], run_id=trials.run_ids[k], metric=metric,
+            schedule=EvalSchedule.every(plan.steps, common["eval_every"], strategy.finalizes),
             score=score if scores is not None else None, on_step=trials.hooks[k],
-            keep_best=selection[0] == "best", eval_public=selection[1],
+            keep_best=common["checkpoint"] == "best", eval_public=common["eval_public"],
         ))  # fmt: skip
-    return _lockstep(loops, stacked, x, task.y, task.loss, block_size, delta, scores)
+    return _Lockstep(stacked, x, task.y, task.loss, scores).train(loops, block_size, common["delta"])
 
 
 def train_loops(loops: Sequence[RunLoop], task: OwnTask, block_size: int | None = None) -> list[TrainResult]:
@@ -271,29 +254,80 @@ def train_loops(loops: Sequence[RunLoop], task: OwnTask, block_size: int | None 
         _warn_sequential(exc)
         return [lp.drive(task, GradientOracle(lp.model, task.loss), None) for lp in loops]
     x, y = task.train
-    return _lockstep(list(loops), stacked, x, y, task.loss, block_size, None, None)
+    return _Lockstep(stacked, x, y, task.loss).train(list(loops), block_size, None)
 
 
-def _lockstep(
-    loops: list[RunLoop],
-    stacked: Stacked,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    loss: str,
-    block_size: int | None,
-    delta: float | None,
-    scores: Callable[[list[Tensors]], list[float]] | None,
-) -> list[TrainResult]:
-    """The runs in blocks of ``block_size``, each block in lockstep; ``scores``: the due evaluations
-    of a step at once (else each run's own ``score``). The time is shared equally."""
-    runs = [_Trial(lp, _TrialOracle(lambda m=lp.model: GradientOracle(m, loss))) for lp in loops]
-    lossfn = batched_loss(loss)
-    size = block_size or len(runs)
-    t0 = time.perf_counter()
-    for start in range(0, len(runs), size):
-        _run_block(runs[start : start + size], stacked, lossfn, x, y, scores)
-    seconds = (time.perf_counter() - t0) / len(runs)
-    return [tr.loop.finish(delta, seconds) for tr in runs]
+@dataclass
+class _Lockstep:
+    """Runs stepped together on the training tensors (x, y), a batched forward/backward a step for all;
+    ``scores``: the due evaluations of a step at once (else each run's own ``score``)."""
+
+    stacked: Stacked
+    x: torch.Tensor
+    y: torch.Tensor
+    loss: str
+    scores: Callable[[list[Tensors]], list[float]] | None = None
+
+    def __post_init__(self) -> None:
+        self.lossfn = batched_loss(self.loss)  # the per-example losses of a batch, without vmap
+
+    def train(self, loops: list[RunLoop], block_size: int | None, delta: float | None) -> list[TrainResult]:
+        """The runs in blocks of ``block_size``, each block in lockstep. The time is shared equally."""
+        runs = [_Trial(lp, _TrialOracle(lambda m=lp.model: GradientOracle(m, self.loss))) for lp in loops]
+        size = block_size or len(runs)
+        t0 = time.perf_counter()
+        for start in range(0, len(runs), size):
+            self._block(runs[start : start + size])
+        seconds = (time.perf_counter() - t0) / len(runs)
+        return [tr.loop.finish(delta, seconds) for tr in runs]
+
+    def _block(self, trials: list[_Trial]) -> None:
+        """Step the trials in lockstep: one batched forward/backward per step, then each trial's
+        ``RunLoop`` step; the evaluations due at a step run as one stacked forward (``scores``)."""
+        buffers = PaddedBuffers()
+        T = max(tr.loop.plan.steps for tr in trials)
+        for t in range(1, T + 1):
+            active = [tr for tr in trials if not tr.loop.diverged and t <= tr.loop.plan.steps]
+            if not active:
+                break
+            idxs = [inputs.indices_to(tr.loop.sampler.sample(), self.x.device) for tr in active]
+            self._grads(active, idxs, buffers)
+            reads = []
+            for tr, idx in zip(active, idxs, strict=True):
+                reads.append(tr.loop.begin(t, tr.oracle.x, self.y[idx], tr.oracle))  # type: ignore[arg-type]
+                tr.oracle.serve({}, self.x[:0], None)  # type: ignore[arg-type]  # release the batch's tensors
+            # All K trials' loop reads (parameters finite, train loss, sign rules' scalars) in ONE host read
+            # (on a GPU a read waits for the queued kernels: one a trial kept the queue short).
+            firsts = [f for r in reads for f in r.first]
+            values = read_with([b for r in reads for b in r.pending], firsts, read_dtype(firsts[0].device))
+            to_eval: list[tuple[_Trial, dict[str, Any]]] = []
+            for tr, r in zip(active, reads, strict=True):
+                row = tr.loop.end(r, values[: len(r.first)])
+                values = values[len(r.first) :]
+                if tr.loop.diverged:
+                    continue
+                if tr.loop.eval_due(t):
+                    to_eval.append((tr, row))  # evaluated below, all together
+                else:
+                    tr.loop.record(t, row)
+            if to_eval:
+                params = [tr.loop.eval_params for tr, _ in to_eval]
+                values = self.scores(params) if self.scores is not None else [tr.loop.scored() for tr, _ in to_eval]
+                for (tr, row), value in zip(to_eval, values, strict=True):
+                    tr.loop.record(t, row, value)
+
+    def _grads(self, active: list[_Trial], idxs: list[torch.Tensor], buffers: PaddedBuffers) -> None:
+        """One forward/backward for all active trials; hand each trial's oracle its view."""
+        if not any(int(i.numel()) for i in idxs):
+            for tr in active:
+                xi = self.x[:0]
+                tr.oracle.serve(tr.loop.params, xi, tr.oracle.base(tr.loop.params, xi, self.y[:0]))
+            return
+        clips = [_clip_of(tr.loop) for tr in active]
+        check_modes()  # the stacked trials' batched passes: no mode of yours sees them
+        views = self.stacked.grads([tr.loop.params for tr in active], idxs, self.lossfn, self.x, self.y, buffers, clips)
+        for tr, (xk, g) in zip(active, views, strict=True):
+            tr.oracle.serve(tr.loop.params, xk, g)
 
 
 def _check_arguments(fallback: str, eval_every: int, loss: Any) -> None:
@@ -352,8 +386,7 @@ def _stack_ops(strategies: list[Strategy], models: list[nn.Module]) -> list[Stac
     """The shared stack plan of the trials' models; ``Unsupported`` when they cannot be stacked."""
     for s in strategies:
         parts = s.parts() if hasattr(s, "parts") else ()
-        blocked = [p.name for p in (s, *parts) if not getattr(p, "stackable", True)]
-        if blocked:
+        if blocked := [p.name for p in (s, *parts) if not getattr(p, "stackable", True)]:
             raise Unsupported(
                 f"{blocked[0]!r} cannot be stacked (its steps are not vectorised): "
                 "Fix: train its trials one by one (fallback='sequential')"
@@ -365,71 +398,6 @@ def _stack_ops(strategies: list[Strategy], models: list[nn.Module]) -> list[Stac
     for m in models:
         check_model(m)
     return ops
-
-
-def _run_block(
-    trials: list[_Trial],
-    stacked: Stacked,
-    lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    scores: Callable[[list[Tensors]], list[float]] | None,
-) -> None:
-    """Step the trials in lockstep: one batched forward/backward per step, then each trial's
-    ``RunLoop`` step; the evaluations due at a step run as one stacked forward (``scores``)."""
-    buffers = PaddedBuffers()
-    T = max(tr.loop.plan.steps for tr in trials)
-    for t in range(1, T + 1):
-        active = [tr for tr in trials if not tr.loop.diverged and t <= tr.loop.plan.steps]
-        if not active:
-            break
-        idxs = [inputs.indices_to(tr.loop.sampler.sample(), x.device) for tr in active]
-        _batched_grads(active, idxs, stacked, lossfn, x, y, buffers)
-        reads = []
-        for tr, idx in zip(active, idxs, strict=True):
-            reads.append(tr.loop.begin(t, tr.oracle.x, y[idx], tr.oracle))  # type: ignore[arg-type]
-            tr.oracle.serve({}, x[:0], None)  # type: ignore[arg-type]  # release the batch's tensors
-        # All K trials' loop reads (parameters finite, train loss, sign rules' scalars) in ONE host read
-        # (on a GPU a read waits for the queued kernels: one a trial kept the queue short).
-        firsts = [f for r in reads for f in r.first]
-        values = read_with([b for r in reads for b in r.pending], firsts, read_dtype(firsts[0].device))
-        to_eval: list[tuple[_Trial, dict[str, Any]]] = []
-        for tr, r in zip(active, reads, strict=True):
-            row = tr.loop.end(r, values[: len(r.first)])
-            values = values[len(r.first) :]
-            if tr.loop.diverged:
-                continue
-            if tr.loop.eval_due(t):
-                to_eval.append((tr, row))  # evaluated below, all together
-            else:
-                tr.loop.record(t, row)
-        if to_eval:
-            params = [tr.loop.eval_params for tr, _ in to_eval]
-            values = scores(params) if scores is not None else [tr.loop.scored() for tr, _ in to_eval]
-            for (tr, row), value in zip(to_eval, values, strict=True):
-                tr.loop.record(t, row, value)
-
-
-def _batched_grads(
-    active: list[_Trial],
-    idxs: list[torch.Tensor],
-    stacked: Stacked,
-    lossfn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    buffers: PaddedBuffers,
-) -> None:
-    """One forward/backward for all active trials; hand each trial's oracle its view."""
-    if not any(int(i.numel()) for i in idxs):
-        for tr in active:
-            xi = x[:0]
-            tr.oracle.serve(tr.loop.params, xi, tr.oracle.base(tr.loop.params, xi, y[:0]))
-        return
-    clips = [_clip_of(tr.loop) for tr in active]
-    check_modes()  # the stacked trials' batched passes: no mode of yours sees them
-    views = stacked.grads([tr.loop.params for tr in active], idxs, lossfn, x, y, buffers, clips)
-    for tr, (xk, g) in zip(active, views, strict=True):
-        tr.oracle.serve(tr.loop.params, xk, g)
 
 
 def _clip_of(loop: RunLoop) -> float | None:

@@ -220,7 +220,9 @@ def test_a_stock_hf_head_model_is_one_config_error_with_a_builtin_loss_and_train
     x, y = token_batch(24, T)
     rows = [({k: v[i] for k, v in x.items()}, y[i]) for i in range(24)]
     for data in ((x, y), rows):
-        with pytest.raises(ConfigError, match="returns a SequenceClassifierOutput, not a tensor.*Fix: return the logits"):
+        with pytest.raises(
+            ConfigError, match="returns a SequenceClassifierOutput, not a tensor.*Fix: return the logits"
+        ):
             dptune.train(model, data, "dpsgd", **KW)
     with pytest.raises(ConfigError, match="SequenceClassifierOutput"):
         dptune.make_private(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,

@@ -161,7 +161,8 @@ class GradientOracle:
         def one(params: Tensors, buffers: Tensors, x: Any, y: torch.Tensor) -> torch.Tensor:
             args, kwargs = inputs.args_kwargs(inputs.tmap(lambda t: t.unsqueeze(0), x))
             out = functional_call(self.model, (params, buffers), args, kwargs)
-            return self.loss_fn(inputs.tmap(lambda t: t.squeeze(0), out), y)
+            one: Any = inputs.tmap(lambda t: t.squeeze(0), out)  # a tensor, or a structure (a ModelOutput)
+            return self.loss_fn(one, y)
 
         self._per_sample = vmap(
             grad_and_value(one), in_dims=(None, None, 0, 0), randomness="different", chunk_size=chunk_size
@@ -305,9 +306,8 @@ class GradientOracle:
         losses: list[torch.Tensor] = []
 
         def grad(j: int) -> list[torch.Tensor]:
-            loss = self.loss_fn(
-                inputs.tmap(lambda t: t.squeeze(0), self._call(ps, buffers, inputs.rows(x, j, j + 1))), y[j]
-            )
+            out: Any = inputs.tmap(lambda t: t.squeeze(0), self._call(ps, buffers, inputs.rows(x, j, j + 1)))
+            loss = self.loss_fn(out, y[j])
             losses.append(loss.detach())
             gs = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
             return [torch.zeros_like(p) if g is None else g for p, g in zip(ps.values(), gs, strict=True)]

@@ -47,7 +47,10 @@ class StudyData:
         """Per split, the SHA-256 of its rows as a multiset (their order is free), with names, shapes and dtypes. The
         test split too, where separate: a resume mixing two test sets printed a mean of both (found in review)."""
         out = {}
-        splits = [("training", self.x_train, self.y_train), ("validation", self.x_val, self.y_val)]
+        splits: list[tuple[str, Any, torch.Tensor]] = [
+            ("training", self.x_train, self.y_train),
+            ("validation", self.x_val, self.y_val),
+        ]
         for split, x, y in splits + (
             [("test", self.x_test, self.y_test)] if self.y_test is not None and len(self.y_test) else []
         ):
