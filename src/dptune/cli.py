@@ -218,11 +218,11 @@ def _train(o: SimpleNamespace) -> None:
     context = dict(dataset=dataset, model=model_name, seed=o.seed, selection_split="test")
     if (ranks := world_size()) > 1:  # the diagnostics' batch sizes and losses are rank 0's shard (found in review)
         context.update(ranks=ranks, ranks_note="the history's batch_size and train_loss are rank 0's shard")
-    release = write_train_outputs(result, o.out, diag_path, label_folder=o.diagnostics_out is None, **context)
-    if o.save is not None:  # the deliverable: post-processing of the run, no release
-        from dptune.deliverable import save_trained
+    if o.save is not None:  # the deliverable (post-processing, no release) before the JSON, which marks the run
+        from dptune.deliverable import save_trained  # complete (found in review: a crash between lost the model)
 
         save_trained(result, o.save, model_id=model_id, data_id={"name": dataset})  # not the seed: a secret key
+    release = write_train_outputs(result, o.out, diag_path, label_folder=o.diagnostics_out is None, **context)
     rows = [*train_table_rows(result, release, target), ("result", o.out)]
     rows += [("saved model", o.save)] if o.save is not None else []
     nodp = "" if result.plan.strategy.private else f" ({NOT_DP_LABEL}: no privacy)"
@@ -386,12 +386,14 @@ def resume(
     from dptune.tune import resume_study, study_status
     from dptune.tune.executors import check_executor
     from dptune.tune.results import render
+    from dptune.tune.study import finish_study
 
     check_executor(executor, address)  # Ray and its address, even when nothing is left to run
     st = study_status(study_dir)
     if st["complete"]:  # nothing to run: say so rather than print the table as if it had resumed
         # No run count: under Liu–Talwar / repeat-and-select it is not covered by the guarantee.
         done = f"study {st['name']!r} in {study_dir} is already complete: nothing to resume."
+        finish_study(study_dir, complete=True)  # its results and models, written again: a kill may have cut them short
         console.print(f"{done} See its results with `dptune report {study_dir}`.", highlight=False, soft_wrap=True)
         return
     with resume_hint(study_dir, _say_interrupted):

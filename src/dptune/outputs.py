@@ -62,6 +62,32 @@ def release_dir(out: str | Path) -> Path:
     return d
 
 
+REPORT_FILES = ".report-files"  # in release/: what a study report wrote there, removed when its results change
+
+
+def note_report_files(out: str | Path) -> None:
+    """After a study report: list its files in release/ (all but the tuner's own ``results.csv`` and ``models/``)."""
+    rel = release_dir(out)
+    own = {REPORT_FILES, "results.csv", "models"}
+    names = sorted(
+        str(p.relative_to(rel)) for p in rel.rglob("*") if p.is_file() and p.relative_to(rel).parts[0] not in own
+    )
+    (rel / REPORT_FILES).write_text("\n".join(names) + "\n", encoding="utf-8")
+
+
+def drop_stale_report(out: str | Path) -> bool:
+    """Remove a report written from an earlier state of a study (found in review: its CSVs contradicted the new
+    ``results.csv``); True if one was there. ``dptune report`` writes it again."""
+    listing = Path(out) / RELEASE_DIR / REPORT_FILES
+    if not listing.is_file():
+        return False
+    for name in listing.read_text(encoding="utf-8").split("\n"):
+        if name and ".." not in Path(name).parts:
+            (listing.parent / name).unlink(missing_ok=True)
+    listing.unlink()
+    return True
+
+
 def diagnostics_dir(out: str | Path) -> Path:
     """``out/diagnostics`` (created), with its README.txt stating the label."""
     d = Path(out) / DIAGNOSTICS_DIR

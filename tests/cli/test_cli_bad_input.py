@@ -126,6 +126,19 @@ def test_a_bad_strategy_is_refused_before_the_data_load(tmp_path: Path, monkeypa
         assert res.exit_code == 2 and "Traceback" not in res.output and message in res.output, res.output
 
 
+def test_the_release_json_is_written_after_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JSON marks a finished run: a crash while saving the model leaves no JSON that looks complete (found in
+    review: the model was lost while the JSON said the run was done)."""
+    import dptune.deliverable
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dptune.deliverable, "save_trained", crash)
+    res = invoke_train(tmp_path / "r.json", "--save", str(tmp_path / "m"))
+    assert res.exit_code != 0 and not (tmp_path / "r.json").exists() and not (tmp_path / "release").exists()
+
+
 def test_save_into_a_folder_that_is_not_empty_needs_overwrite(tmp_path: Path) -> None:
     saved = _nonempty(tmp_path)
     res = invoke_train(tmp_path / "r.json", "--save", str(saved))

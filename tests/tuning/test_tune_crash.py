@@ -157,3 +157,39 @@ def test_a_second_coordinator_is_locked_out(tmp_path):
     d = tmp_path / "locked"
     with study_lock(d), pytest.raises(ConfigError, match="another process"), study_lock(d):
         pass
+
+
+def test_results_cut_short_by_a_kill_are_written_again_and_a_stale_report_is_removed(tmp_path) -> None:
+    """Found in review: a session killed after its last run but before writing the results left `dptune resume`
+    saying "already complete" beside stale CSVs and no models; a report written while the study was unfinished stayed
+    in release/ beside the new results.csv once it finished. Now resume writes the results again, and the finishing
+    run_study removes the stale report (with a warning naming `dptune report`)."""
+    from typer.testing import CliRunner
+
+    from dptune.cli import app
+    from dptune.report import report_study
+
+    (tmp_path / "s.toml").write_text(tiny_study_toml("fin", steps=4, lrs=(0.5, 0.1)))
+    d = tmp_path / "d"
+    run_study(str(tmp_path / "s.toml"), d, progress=False)
+    with sqlite3.connect(d / "study.sqlite") as con:  # as if killed before the last run finished (nothing committed)
+        (rid,) = con.execute("SELECT run_id FROM runs LIMIT 1").fetchone()
+        con.execute("UPDATE runs SET status = 'planned' WHERE run_id = ?", (rid,))
+        con.execute("DELETE FROM ledger WHERE run_id = ?", (rid,))
+    report_study(d)
+    stale = {p.relative_to(d / "release") for p in (d / "release").rglob("*") if p.is_file()}
+    assert {"report.html", "results_best.csv"} <= {str(p) for p in stale} and (d / "release/.report-files").is_file()
+    with pytest.warns(UserWarning, match="showed earlier results: removed.*dptune report"):
+        resume_study(d, progress=False)
+    left = {str(p.relative_to(d / "release")) for p in (d / "release").rglob("*") if p.is_file()}
+    assert "report.html" not in left and "results_best.csv" not in left and "results.csv" in left
+    assert any(p.startswith("models") for p in left)
+    for name in ("results.csv", "models"):  # cut short by a kill: written again by a resume that runs nothing
+        target = d / "release" / name
+        target.unlink() if target.is_file() else __import__("shutil").rmtree(target)
+    res = CliRunner().invoke(app, ["resume", str(d), "--no-progress"])
+    assert res.exit_code == 0 and "already complete" in res.output, res.output
+    assert (d / "release/results.csv").is_file() and any((d / "release/models").rglob("*.pt"))
+    report_study(d)
+    resume_study(d, progress=False)  # nothing ran: the report of these results stays
+    assert (d / "release/report.html").is_file()

@@ -17,6 +17,7 @@ from dptune.outputs import (
     diagnostics_dir,
     epsilon_text,
     hides_run_count,
+    note_report_files,
     public_run_name,
     randomness_statement,
     split_arm_notes,
@@ -134,7 +135,9 @@ def report_study(
         diagnostic_sections=dsections,
         all_results=every_configuration(runs, arm_of, s.chosen, has_test),
     )
-    return build_report(out, inputs, include_diagnostics=include_diagnostics)
+    page = build_report(out, inputs, include_diagnostics=include_diagnostics)
+    note_report_files(out)  # removed by the tuner once more runs finish: never a stale report beside new results
+    return page
 
 
 def _selected_row(r: Mapping[str, Any], use_test: bool) -> SummaryRow:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from dptune.distributed import refuse_in_study
 from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
 from dptune.gradients.oracle import check_model
 from dptune.gradients.stacked import stack_plan
-from dptune.outputs import NOT_DP_LABEL, Progress, check_output_dir, hides_run_count
+from dptune.outputs import NOT_DP_LABEL, Progress, check_output_dir, drop_stale_report, hides_run_count
 from dptune.release.ledger import Ledger
 from dptune.tune import results
 from dptune.tune.data import build_model, study_data
@@ -416,6 +417,7 @@ def run_study(
             store.reset_interrupted()
             if retry_failed:
                 store.reset_failed()
+            before = store.counts()
             coord = Coordinator(study, store, plan)
             ex = make_executor(executor, workers, address, device=device, gpus_per_run=gpus_per_run)
             claim.started = True  # from here on, runs may be released: the study stays
@@ -434,14 +436,22 @@ def run_study(
                 raise BudgetExceededError("the study's ledger does not equal its plan")
         finally:
             store.close()
+    if counts != before and drop_stale_report(path):
+        warnings.warn(f"the report in {path / 'release'} showed earlier results: removed. Fix: `dptune report {path}`.",
+                      stacklevel=2)  # fmt: skip
+    return StudyOutcome(path, complete, matches, counts, finish_study(path, complete))
+
+
+def finish_study(path: Path, complete: bool) -> list[dict[str, Any]]:
+    """The results written from the store, again (a session killed before this step left them stale: found in
+    review); once complete, the deliverable: each arm's selected model + card in release/models/, from the stored
+    checkpoints (no retraining, no release), the other runs' weights deleted. Returns ``study_table``'s rows."""
     rows = results.study_table(path)
     results.write_csvs(path)
     if complete:
-        # The deliverable: each arm's selected model + card in release/models/, from the stored
-        # checkpoints (no retraining, no release); the other runs' weights are then deleted.
         export_study(path, skip_missing=True)
         prune_checkpoints(path)
-    return StudyOutcome(path, complete, matches, counts, rows)
+    return rows
 
 
 def load_stored_study(study_dir: str | os.PathLike[str], study: Study | None = None) -> Study:
