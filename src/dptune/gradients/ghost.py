@@ -1,15 +1,15 @@
-"""Ghost norms and book-keeping: per-sample gradient norms and weighted sums from each layer's input a_i and
-output gradient b_i = ∂ℓ_i/∂out_i, without a [B, #params] tensor; per layer a rule (Linear/Conv1D, convolutions,
-Embedding, norms: docs/performance.md §1; the capture: ``ghost_layers``). **Norms are upper bounds**: what
-``weighted_sum`` releases for example i with weight w has norm ≤ |w|·N_i whatever the rounding (docs/privacy.md,
-items 1 and 1b). Another trainable layer, or a layer called twice, falls back to vmap.
-"""
+"""Ghost norms and book-keeping: per-sample gradient norms and weighted sums from each layer's input a_i and output
+gradient b_i = ∂ℓ_i/∂out_i, without a [B, #params] tensor; per layer a rule (Linear/Conv1D, convolutions, Embedding,
+norms: docs/performance.md §1; the capture: ``ghost_layers``). **Norms are upper bounds**: what ``weighted_sum``
+releases for example i with weight w has norm ≤ |w|·N_i whatever the rounding (docs/privacy.md, items 1 and 1b). Another
+trainable layer, or a layer called twice, falls back to vmap."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -48,23 +48,20 @@ from dptune.gradients.norm_bounds import (  # noqa: F401 - rank_one_parts: re-ex
     wide_mm,
     wide_sum,
 )
-from dptune.gradients.persample import ParamSwap
+from dptune.gradients.persample import LossFn, ParamSwap
 from dptune.tree import Tensors
 
-# Per-sample gradients of a layer are kept (B x #layer-params floats) when at most this big for
-# KEEP_BATCH examples, proportionally more for larger batches (``keep_limit``: flat per example,
-# as the activations a pass stores anyway; a fixed cap made a layer past it recompute its per-sample
-# gradients for every sum, the collapse above batch 1,024 of issue 25); otherwise only their norms
-# are computed (chunk by chunk) and weighted sums recompute them.
+# Per-sample gradients of a layer are kept (B x #layer-params floats) when at most this big for KEEP_BATCH examples,
+# proportionally more for larger batches (``keep_limit``: flat per example, as the activations a pass stores anyway; a
+# fixed cap made a layer past it recompute its per-sample gradients for every sum, the collapse above batch 1,024 of
+# issue 25); otherwise only their norms are computed (chunk by chunk) and weighted sums recompute them.
 MATERIALIZE_LIMIT_BYTES = 64 * 2**20
 KEEP_BATCH = 1024
-# Bound on the transient im2col buffers (B_chunk x d x T floats).
-UNFOLD_CHUNK_BYTES = 32 * 2**20
+UNFOLD_CHUNK_BYTES = 32 * 2**20  # bound on the transient im2col buffers (B_chunk x d x T floats)
 # Bound on the patch copy of a kept convolution's GEMM path (``use_unfold_products``): B_chunk x T x d
 # floats (a layer whose single example exceeds it takes the grouped kernel instead).
 UNFOLD_PRODUCT_BYTES = 256 * 2**20
-# Bound on the temporaries of Linear layers' Gram forms, stacked across layers (``norm_bounds.gram_stacks``).
-GRAM_STACK_BYTES = 256 * 2**20
+GRAM_STACK_BYTES = 256 * 2**20  # bound on the temporaries of Linear layers' Gram forms, stacked across layers
 
 
 def keep_limit(batch: int) -> int:
@@ -73,10 +70,33 @@ def keep_limit(batch: int) -> int:
 
 
 def use_unfold_products(device: torch.device, transposed: bool, patch_bytes: int) -> bool:
-    """Whether a kept convolution's per-sample gradients come from patches + batched GEMM (CUDA,
-    plain convolutions whose one example's patches, ``patch_bytes``, fit UNFOLD_PRODUCT_BYTES)
-    rather than the grouped convolution backward (CPU, where that is faster)."""
+    """Whether a kept convolution's per-sample gradients come from patches + batched GEMM (``unfolded_weight``)
+    rather than the grouped convolution backward, which is faster on a CPU."""
     return device.type == "cuda" and not transposed and patch_bytes <= UNFOLD_PRODUCT_BYTES
+
+
+def out_size(shape: Sequence[int], geom: Any) -> tuple[int, int]:
+    """A convolution's output (H', W') for inputs [..., H, W]; ``geom``: kernel size, stride, padding, dilation."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geom
+    return (shape[-2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (shape[-1] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+
+
+def patches(h: torch.Tensor, geom: Any) -> torch.Tensor:
+    """[K, c, C, H, W] → each row's patches [K, c·H'·W', C·k_h·k_w] (strided views of its padded input, copied)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geom
+    U = F.pad(h, (pw, pw, ph, ph)).unfold(3, (kh - 1) * dh + 1, sh).unfold(4, (kw - 1) * dw + 1, sw)[..., ::dh, ::dw]
+    return U.permute(0, 1, 3, 4, 2, 5, 6).reshape(h.shape[0], -1, h.shape[2] * kh * kw)
+
+
+def unfolded_weight(a: torch.Tensor, b: torch.Tensor, geom: Any) -> torch.Tensor:
+    """Per-sample weight gradients [c, C_out, C_in·k_h·k_w] of a convolution from a chunk's inputs a [c, C_in, H, W]
+    and output gradients b [c, C_out, H', W'], as b_i U_i with U_i [H'·W', C_in·k_h·k_w] the input's ``patches``,
+    copied once into GEMM layout (F.unfold would launch one kernel per example on CUDA)."""
+    (ho, wo), c = out_size(a.shape, geom), a.shape[0]
+    if (ho, wo) != tuple(b.shape[2:]):
+        raise GhostFallback("unfold geometry does not match the layer's output")
+    U = patches(a.unsqueeze(0), geom)
+    return torch.bmm(b.reshape(c, b.shape[1], ho * wo), U.view(c, ho * wo, U.shape[2]))
 
 
 class LinearRule(LayerRule):
@@ -89,15 +109,13 @@ class LinearRule(LayerRule):
     ):
         super().__init__(names)
         self.transposed = transposed
-        B = a.shape[0]
-        d, p = a.shape[-1], b.shape[-1]
+        B, d, p = a.shape[0], a.shape[-1], b.shape[-1]
         self.T = math.prod(a.shape[1:-1])
         if self.T == 1:  # the same strides as a.reshape(B, -1, d)[:, 0]
             self.a = a if a.dim() == 2 else a.reshape(B, d)
             self.b = b if b.dim() == 2 else b.reshape(B, p)
         else:
-            self.a = a.reshape(B, -1, d)
-            self.b = b.reshape(B, -1, p)
+            self.a, self.b = a.reshape(B, -1, d), b.reshape(B, -1, p)
         self.shape = torch.Size((p, d))  # G_i's, in nn.Linear's layout
         self.G: torch.Tensor | None = None
         # Bu et al.'s mixed ghost clipping: per-example products (~T·p·d) where cheaper than the Gram
@@ -114,16 +132,12 @@ class LinearRule(LayerRule):
         if self.T == 1:  # case (b); the bias part reuses ‖b‖
             return rank_one_parts(self.a, self.b, self.gb is not None)
         parts = [sq_rows_upper(self.G) if self.G is not None else self._ghost()[0]]
-        if self.gb is not None:
-            parts.append(sq_rows_upper(self.gb))
-        return parts
+        return parts + [sq_rows_upper(self.gb)] if self.gb is not None else parts
 
     def _ghost(self) -> tuple[tuple[torch.Tensor, float], torch.Tensor]:
         """Case (c): the Gram bound and the book-keeping release's error, once."""
-        if self._gram is None and self._direct:
-            self._gram = self._direct_bound()
         if self._gram is None:
-            self._gram = gram_stacks([(self.a, self.b)], GRAM_STACK_BYTES)[0]
+            self._gram = self._direct_bound() if self._direct else gram_stacks([(self.a, self.b)], GRAM_STACK_BYTES)[0]
         return self._gram
 
     def gram_pending(self) -> bool:  # case (c) still to form (``GhostGrads.norms`` forms them together)
@@ -152,18 +166,17 @@ class LinearRule(LayerRule):
         out: Tensors = {}
         if "weight" in self.names:
             if self.G is not None:
-                G = self.G if rows is None else self.G[rows]
-                out[self.names["weight"]] = wide_sum(w, G.flatten(1)).reshape(self.shape)
+                gw = wide_sum(w, (self.G if rows is None else self.G[rows]).flatten(1)).reshape(self.shape)
             elif self.T == 1:  # (diag(w) b)ᵀ a in float64: w·b exact, then one rounding per product
-                out[self.names["weight"]] = wide_mm(b.double() * w.double().view(-1, 1), a)
+                gw = wide_mm(b.double() * w.double().view(-1, 1), a)
             else:  # per-example G_i = b_iᵀ a_i (T products: case (c)'s release error), then across examples
                 c = max(1, MATERIALIZE_LIMIT_BYTES // (self.shape.numel() * a.element_size()))
                 parts = [
                     wide_sum(w[i : i + c], torch.bmm(b[i : i + c].transpose(1, 2), a[i : i + c]).flatten(1))
                     for i in range(0, max(a.shape[0], 1), c)
                 ]
-                out[self.names["weight"]] = sum(parts[1:], parts[0]).reshape(self.shape)
-            out[self.names["weight"]] = self._layout(out[self.names["weight"]])
+                gw = sum(parts[1:], parts[0]).reshape(self.shape)
+            out[self.names["weight"]] = self._layout(gw)
         if self.gb is not None:
             out[self.names["bias"]] = wide_sum(w, self.gb if rows is None else self.gb[rows])
         return out
@@ -218,9 +231,8 @@ class _Conv(LayerRule):
         if "weight" not in names:
             return
         big, small = (b, a) if self.transposed else (a, b)  # big is unfolded
-        T = small.shape[2] * small.shape[3]
+        T, p = small.shape[2] * small.shape[3], small.shape[1]
         d = big.shape[1] * math.prod(self.geom["kernel_size"])
-        p = small.shape[1]
         keep = B * p * d * a.element_size() <= keep_limit(B)
         if T * T * (p + d) < T * p * d and not keep:
             # Ghost norm (case (c)): Gram matrices of the unfolded operands, T x T per
@@ -252,7 +264,8 @@ class _Conv(LayerRule):
             # for bit on one GPU, so case (e)'s recomputation releases the Ĝ_i whose norms were taken.
             step = max(1, UNFOLD_PRODUCT_BYTES // per_example_patches)
             step = step if keep else min(step, self._chunk)
-            per_sample = self._unfolded_weight
+            geom = tuple(self.geom[k] for k in ("kernel_size", "stride", "padding", "dilation"))
+            per_sample = partial(unfolded_weight, geom=geom)
         self._chunk, self._per_sample = step, per_sample
         # Not kept: weighted sums recompute the same chunks (case (e)), so they release exactly
         # the Ĝ_i whose norms were taken; cuDNN must then pick the same kernel both times.
@@ -268,42 +281,17 @@ class _Conv(LayerRule):
             self.G = torch.cat(Gs)  # [B, *, *] in the layout of weight
             self.a = self.b = None  # type: ignore[assignment]  # not needed any more
 
-    def _unfolded_weight(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """The same [c, weight.shape[0], rest] as ``_per_sample_weight`` for a convolution, as
-        b_i U_i with U_i [T, C_in·k_h·k_w] the input's patches: strided views of the padded input,
-        copied once into GEMM layout (F.unfold would launch one kernel per example on CUDA)."""
-        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (
-            self.geom[k] for k in ("kernel_size", "stride", "padding", "dilation")
-        )
-        if ph or pw:
-            a = F.pad(a, (pw, pw, ph, ph))
-        U = a.unfold(2, (kh - 1) * dh + 1, sh).unfold(3, (kw - 1) * dw + 1, sw)[..., ::dh, ::dw]
-        c, cin, ho, wo = U.shape[:4]  # U: [c, C_in, H', W', k_h, k_w]
-        if (ho, wo) != tuple(b.shape[2:]):
-            raise GhostFallback("unfold geometry does not match the layer's output")
-        U = U.permute(0, 2, 3, 1, 4, 5).reshape(c, ho * wo, cin * kh * kw)
-        return torch.bmm(b.reshape(c, b.shape[1], ho * wo), U)
-
     def _per_sample_weight(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """[c, weight.shape[0], rest] per-sample weight gradients of a chunk of c examples: the
-        native convolution backward with the batch folded into channel groups (Rochette et al.
-        2019): input [1, B·C_in, H, W], output gradient [1, B·C_out, H', W'], groups = B."""
+        """[c, weight.shape[0], rest] per-sample weight gradients of a chunk of c examples: the native convolution
+        backward with the examples as channel groups (Rochette et al. 2019): input [1, c·C_in, H, W], groups = c."""
         c = a.shape[0]
         w = self.weight if self.weight.dim() == 4 else self.weight.unsqueeze(2)
         wb = w.expand(c, *w.shape).reshape(c * w.shape[0], *w.shape[1:])
         opad = list(self.mod.output_padding) if self.transposed else [0, 0]
         g = torch.ops.aten.convolution_backward(
-            b.reshape(1, c * b.shape[1], *b.shape[2:]),
-            a.reshape(1, c * a.shape[1], *a.shape[2:]),
-            wb,
-            None,
-            list(self.geom["stride"]),
-            list(self.geom["padding"]),
-            list(self.geom["dilation"]),
-            self.transposed,
-            opad,
-            c,
-            [False, True, False],
+            *(b.reshape(1, c * b.shape[1], *b.shape[2:]), a.reshape(1, c * a.shape[1], *a.shape[2:]), wb, None),
+            *(list(self.geom[k]) for k in ("stride", "padding", "dilation")),
+            *(self.transposed, opad, c, [False, True, False]),
         )[1]
         return g.reshape(c, w.shape[0], -1)
 
@@ -329,9 +317,8 @@ class _Conv(LayerRule):
         return out
 
     def _unfolded_sum(self, w: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """Σ_i w_i V_i U_iᵀ: per example over unfolded chunks (one float sum of T products per entry,
-        so case (c)'s release error holds whatever kernel the backend would pick), then across
-        examples in float64 (``wide_sum``)."""
+        """Σ_i w_i V_i U_iᵀ: per example over unfolded chunks (one float sum of T products per entry, so case (c)'s
+        release error holds whatever kernel the backend would pick), then across examples in float64 (``wide_sum``)."""
         a, b = (self.a, self.b) if rows is None else (self.a[rows], self.b[rows])
         big, small = (b, a) if self.transposed else (a, b)
         n = self.weight.numel()
@@ -395,9 +382,7 @@ class _Embedding(LayerRule):
         self._cache: tuple[tuple[torch.Tensor, float], torch.Tensor] | None = None
 
     def sq_norms(self) -> list[tuple[torch.Tensor, float]]:
-        if self.idx.shape[1] == 1:  # one row per example: case (a)
-            return [sq_rows_upper(self.b[:, 0])]
-        return [self._grouped()[0]]
+        return [sq_rows_upper(self.b[:, 0]) if self.idx.shape[1] == 1 else self._grouped()[0]]  # one row: case (a)
 
     def release_err(self) -> torch.Tensor | None:
         return None if self.idx.shape[1] == 1 else self._grouped()[1]
@@ -406,8 +391,7 @@ class _Embedding(LayerRule):
         """Case (d): per example, float64 sums of b over the positions of each distinct token
         (tokens sorted, one segment per token): O(T·p), where the Gram form costs O(T²·p)."""
         if self._cache is None:
-            B, T = self.idx.shape
-            p = self.b.shape[2]
+            (B, T), p = self.idx.shape, self.b.shape[2]
             chunk = max(1, UNFOLD_CHUNK_BYTES // max(1, 16 * T * p))
             S, mm, rep = [], [], []
             for i in range(0, B, chunk):
@@ -436,8 +420,7 @@ class _Embedding(LayerRule):
         """Per example, each token's positions summed first (in float64, from that example alone:
         case (d)'s release error), then the examples' rows added in float64 (≤ one per example)."""
         idx, b = (self.idx, self.b) if rows is None else (self.idx[rows], self.b[rows])
-        B, T = idx.shape
-        vocab, p = self.shape
+        (B, T), (vocab, p) = idx.shape, self.shape
         key = (idx + vocab * torch.arange(B, device=idx.device).unsqueeze(1)).reshape(-1)
         rows64 = b.reshape(B * T, p).double()
         seg = key
@@ -473,11 +456,8 @@ class GhostGrads(LayerGrads):
                 rules = [r for r in self._layers if isinstance(r, LinearRule) and r.gram_pending()]
                 for r, got in zip(rules, gram_stacks([(r.a, r.b) for r in rules], GRAM_STACK_BYTES), strict=True):
                     r._gram = got  # case (c) of all Linear layers at once: one host read
-                self._norms = upper_norms(
-                    [part for layer in self._layers for part in layer.sq_norms()],
-                    self.losses,
-                    release_dtypes=[p.dtype for p in self._params.values()],
-                )
+                parts = [part for layer in self._layers for part in layer.sq_norms()]
+                self._norms = upper_norms(parts, self.losses, release_dtypes=[p.dtype for p in self._params.values()])
         return self._norms
 
 
@@ -487,12 +467,7 @@ class GhostEngine:
     Σ_i ℓ_i to their outputs (no parameter gradients are computed), then the layer rules. ``rowwise``:
     both passes run under vmap, each example alone (your forward: no batch-level branch can mix rows)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        batched_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        rowwise: bool = False,
-    ):
+    def __init__(self, model: nn.Module, batched_loss: LossFn, rowwise: bool = False):
         """``batched_loss(out, y)`` returns the [B] per-example losses."""
         self.model, self.rowwise = model, rowwise
         self.layers: list[tuple[nn.Module, type[nn.Module], dict[str, str]]] = []
@@ -502,8 +477,7 @@ class GhostEngine:
                 cls = base_type(mod)
                 assert cls is not None, "call unsupported_reason first"
                 self.layers.append((mod, cls, names))
-        self._loss = batched_loss
-        self._call = ParamSwap(model)
+        self._loss, self._call = batched_loss, ParamSwap(model)
 
     def __call__(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, buffers: Tensors) -> GhostGrads:
         """``buffers``: the model's buffers for this forward (``persample.ScratchBuffers``' copies)."""
@@ -563,7 +537,6 @@ class GhostEngine:
         try:
             losses, acts, bs = vmap(one, in_dims=(0, 0, None), randomness="different")(x, y, zs)
         except (RuntimeError, ValueError) as exc:  # vmap refuses the model: vmap's own fallbacks apply
-            raise GhostFallback(
-                f"the ghost path under vmap cannot run your forward: {str(exc).splitlines()[0]}"
-            ) from exc
+            why = str(exc).splitlines()[0]
+            raise GhostFallback(f"the ghost path under vmap cannot run your forward: {why}") from exc
         return losses, [a.squeeze(1) for a in acts], [b.squeeze(1) for b in bs]

@@ -1,11 +1,9 @@
-"""The ghost path (``ghost``) around its memory-bounded rules (Linear, convolutions, Embedding): which
-models it takes (``unsupported_reason``), how a forward records a layer's input and output
-(``recording``), a rule's interface (``LayerRule``), the rule of kept per-sample gradients (``KeptRule``,
-``norm_layer_rule``) and the gradients assembled from rules (``LayerGrads``; ``ghost.GhostGrads``
-adds the norms). OSO's q-query is a second weighted sum over the same stored tensors, its weights
-affine in the clipping weights (w_q = (w_clip − 1[‖g‖ ≤ C])/C): ``LayerGrads.weighted_sum`` reuses
-the previous sum and adds the residual over the rows where the two are not proportional (row-sparse).
-"""
+"""The ghost path (``ghost``) around its memory-bounded rules (Linear, convolutions, Embedding): which models it takes
+(``unsupported_reason``), how a forward records a layer's input and output (``recording``), a rule's interface
+(``LayerRule``), the rule of kept per-sample gradients (``KeptRule``, ``norm_layer_rule``) and the gradients assembled
+from rules (``LayerGrads``; ``ghost.GhostGrads`` adds the norms). OSO's q-query is a second weighted sum over the same
+stored tensors, its weights affine in the clipping weights (w_q = (w_clip − 1[‖g‖ ≤ C])/C): ``LayerGrads.weighted_sum``
+reuses the previous sum and adds the residual over the rows where the two are not proportional (row-sparse)."""
 
 from __future__ import annotations
 
@@ -135,13 +133,12 @@ def merge_kept(rules: list[LayerRule]) -> list[LayerRule]:
     return [blocks.get(id(r), r) for r in rules if id(r) not in drop]
 
 
-class _KeptBlock(LayerRule):
+class _KeptBlock(KeptRule):
     def __init__(self, rules: list[KeptRule]):
-        super().__init__({})
         parts = [(k, g) for r in rules for k, g in r.grads.items()]
         self.shapes = {k: g.shape[1:] for k, g in parts}
         self.block = torch.cat([g.flatten(1) for _, g in parts], 1)
-        self.grads = self._split(self.block)  # views: per parameter, as a KeptRule's
+        super().__init__({}, self._split(self.block))  # views: per parameter, as a KeptRule's
 
     def _split(self, flat: torch.Tensor) -> Tensors:
         lead = flat.shape[:-1]
@@ -153,9 +150,6 @@ class _KeptBlock(LayerRule):
 
     def weighted(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
         return self._split(wide_sum(w, self.block if rows is None else self.block[rows]))
-
-    def per_sample(self) -> Tensors:
-        return self.grads
 
 
 def norm_layer_rule(names: dict[str, str], mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> KeptRule:
@@ -290,10 +284,7 @@ class LayerGrads(MaterializedGrads):
         if self._grads is None:
             got = {k: g for layer in self._layers for k, g in layer.per_sample().items()}
             B = self.batch_size
-            self._grads = {
-                k: got.get(k, torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device))
-                for k, p in self._params.items()
-            }
+            self._grads = {k: got.get(k, p.new_zeros((B, *p.shape))) for k, p in self._params.items()}
         return self._grads
 
     def rows_sum(self, w: torch.Tensor, rows: torch.Tensor | None = None) -> Tensors:
@@ -302,8 +293,7 @@ class LayerGrads(MaterializedGrads):
         return {k: got[k] if k in got else torch.zeros_like(p, dtype=torch.float64) for k, p in self._params.items()}
 
     def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Accumulated:
-        dt = weights_dtype(self.losses.dtype)
-        w = weights if weights.dtype == dt else weights.to(dt)
+        w = weights.to(weights_dtype(self.losses.dtype))  # itself when of that dtype
         with ieee_matmul(w.device):
             out = self._residual(w)
             if out is None:

@@ -1,9 +1,8 @@
-"""CUDA graphs of the ghost path: a run alone on a GPU is host-bound, so the forward, backward, rules and norms
-are captured once as one graph, the weighted sum as a second, and both replayed each step. A Poisson batch of B
-rows is padded to the captured size P ≥ B with copies of its first row at weight 0 (a padded row adds 0·g = 0
-exactly: docs/privacy.md, item 11). A non-finite norm, a probed step, a batch larger than P or a capture the
-model refuses (a host read inside) run eagerly; ``DPTUNE_CUDA_GRAPHS=0`` turns graphs off.
-"""
+"""CUDA graphs of the ghost path: a run alone on a GPU is host-bound, so the forward, backward, rules and norms are
+captured once as one graph, the weighted sum as a second, and both replayed each step. A Poisson batch of B rows is
+padded to the captured size P ≥ B with copies of its first row at weight 0 (a padded row adds 0·g = 0 exactly:
+docs/privacy.md, item 11). A non-finite norm, a probed step, a batch larger than P or a capture the model refuses (a
+host read inside) run eagerly; ``DPTUNE_CUDA_GRAPHS=0`` turns graphs off."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from dptune.gradients.norm_bounds import weights_dtype
 from dptune.gradients.persample import MaterializedGrads
 from dptune.tree import Accumulated, Flat, Tensors, packed
 
+Run = Callable[[Tensors, Any, torch.Tensor], Any]  # (params, x, y) → the ghost path's gradients (``GhostGrads``)
 ENABLED = os.environ.get("DPTUNE_CUDA_GRAPHS", "1") != "0"
 # Graphs only where padding adds at most half the work: a batch of 32 pads to 64 rows, twice the GPU work
 # and twice the kept per-example state (a transformer's largest tensors), for the host time it saves.
@@ -57,9 +57,7 @@ def capture(fn: Callable[[], None], pool: Any) -> Callable[[], None]:
 class _Captured:
     """One bucket: static inputs and parameters, the two graphs and their outputs."""
 
-    def __init__(
-        self, run: Callable[[Tensors, Any, torch.Tensor], Any], params: Tensors, x: Any, y: torch.Tensor, size: int
-    ):
+    def __init__(self, run: Run, params: Tensors, x: Any, y: torch.Tensor, size: int):
         self.size, self.key = size, signature(params, x, y)
         self.loads = 0  # batches loaded: a Replayed's rows are those of the load it was made after
         self.params = {k: v.detach().clone() for k, v in params.items()}
@@ -155,11 +153,10 @@ def fingerprint(mods: list[nn.Module]) -> tuple:
 
 
 class Graphs:
-    """The captured bucket of one ``GradientOracle``, sized from the largest batch it has seen (a batch
-    above the size is captured again at ``padded_size`` of it: a few times a run, Poisson batches
-    being concentrated)."""
+    """The captured bucket of one ``GradientOracle``, sized from the largest batch it has seen (a batch above the size
+    is captured again at ``padded_size`` of it: a few times a run, Poisson batches being concentrated)."""
 
-    def __init__(self, run: Callable[[Tensors, Any, torch.Tensor], Any], model: nn.Module):
+    def __init__(self, run: Run, model: nn.Module):
         self._run, self._model = run, model
         self._cap: _Captured | None = None
         self._fingerprint: tuple = ()
@@ -177,25 +174,22 @@ class Graphs:
             fingerprint(self._mods) != self._fingerprint or self._cap.size < B or self._cap.key != key
         ):
             self._cap = None
-        if self.off_reason is not None:
+        if self._cap is None and self.off_reason is None:
+            if padded_size(B) > MAX_PADDING * B:
+                self.off_reason = f"a batch of {B} would be padded to {padded_size(B)} rows (> {MAX_PADDING}×)"
+            else:
+                try:
+                    self._mods = list(self._model.modules())
+                    self._fingerprint = fingerprint(self._mods)
+                    self._cap = _Captured(self._run, params, x, y, padded_size(B))
+                except Exception as exc:  # noqa: BLE001 - any refusal of the capture: this oracle runs eagerly
+                    self.off_reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    warnings.warn(
+                        f"dptune: CUDA graphs off for this model ({self.off_reason}).", RuntimeWarning, stacklevel=4
+                    )
+        if self._cap is None:  # not captured: graphs are off for this oracle (``off_reason``, set above or before)
             self.eager += 1
             return None
-        if self._cap is None and padded_size(B) > MAX_PADDING * B:
-            self.off_reason = f"a batch of {B} would be padded to {padded_size(B)} rows (> {MAX_PADDING}×)"
-            self.eager += 1
-            return None
-        if self._cap is None:
-            try:
-                self._mods = list(self._model.modules())
-                self._fingerprint = fingerprint(self._mods)
-                self._cap = _Captured(self._run, params, x, y, padded_size(B))
-            except Exception as exc:  # noqa: BLE001 - any refusal of the capture: this oracle runs eagerly
-                self.off_reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                warnings.warn(
-                    f"dptune: CUDA graphs off for this model ({self.off_reason}).", RuntimeWarning, stacklevel=4
-                )
-                self.eager += 1
-                return None
         cap = self._cap
         cap.load(params, x, y)
         cap.forward()

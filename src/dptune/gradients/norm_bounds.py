@@ -1,8 +1,8 @@
-"""Norms as upper bounds of what is released, and the float arithmetic that keeps them so: γ_n,
-row norms with their slack (``sq_rows_upper``, ``rank_one_parts``), per-sample norms (``upper_norms``),
-float64 sums across examples (``wide_sum``, ``wide_mm``), the kernels a release assumes (``ieee_matmul``,
-``same_kernel``), Gram-form norms over tokens with their slack (``gram_parts``, ``token_norms``). Shared by ``persample`` and ``ghost``; derivation: docs/privacy.md, "Norm bounds".
-"""
+"""Norms as upper bounds of what is released, and the float arithmetic that keeps them so: γ_n, row norms with
+their slack (``sq_rows_upper``, ``rank_one_parts``), per-sample norms (``upper_norms``), float64 sums across examples
+(``wide_sum``, ``wide_mm``), the kernels a release assumes (``ieee_matmul``, ``same_kernel``), Gram-form norms over
+tokens with their slack (``gram_parts``, ``token_norms``). Shared by ``persample`` and ``ghost``; derivation:
+docs/privacy.md, "Norm bounds"."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import functools
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -22,11 +22,10 @@ def flat_rows(g: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- norms as upper bounds
-# Every norm below is an upper bound on what is released for the example (else clipping would
-# not bound it by C), proved in the standard model of floating-point arithmetic: a sum of n
-# products in ANY order is within γ_n·Σ|terms| of its value, γ_n = n·u/(1 − n·u) (Higham 2002,
-# Lemma 3.1); derivations and numbers: docs/privacy.md, item 1. Rows longer than NORM_BLOCK are
-# summed in blocks (torch's fused vector_norm), the block sums in float64; ``upper_norms`` applies
+# Every norm below is an upper bound on what is released for the example (else clipping would not bound it by C), proved
+# in the standard model of floating-point arithmetic: a sum of n products in ANY order is within γ_n·Σ|terms| of its
+# value, γ_n = n·u/(1 − n·u) (Higham 2002, Lemma 3.1); derivations and numbers: docs/privacy.md, item 1. Rows longer
+# than NORM_BLOCK are summed in blocks (torch's fused vector_norm), the block sums in float64; ``upper_norms`` applies
 # one slack to all, γ_{2056}: every float32 norm is ≈ 6.1e-5 above exact (float64: 1.1e-13).
 NORM_BLOCK = 1024
 # Gram norms (case (c)) are formed in float32; an example whose rounding slack² exceeds this
@@ -35,6 +34,7 @@ GRAM_TIGHT = 1e-3
 # Added (squared) to every squared norm: covers the absolute underflow error of float32
 # products (≤ n·2⁻¹⁴⁹ ≈ 1e-36 for n ≤ 2³¹ terms) and changes no norm above ~1e-12.
 NORM_FLOOR = 1e-16
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -51,12 +51,10 @@ def gamma(n: float, u: float) -> float:
 def sq_rows_upper(g: torch.Tensor) -> tuple[torch.Tensor, float]:
     """(s, ρ) with Σ_j g_ij² ≤ s_i·(1 + ρ) for every row i of g ([B, *shape]), exactly.
 
-    Assumes only that ``vector_norm`` returns the square root of a float sum of the products
-    x·x (any order): then s ≥ Σx²·(1 − γ_n)(1 − u)³ ≥ Σx²·(1 − γ_{n+3}) for a row of
-    n ≤ NORM_BLOCK (the root, and s = root² rounded: three more roundings; ρ uses n + 4). For
-    longer rows each block of m obeys that, and the float64 sum of the k + 1 block squares
-    costs (1 − γ⁶⁴_{k+3}) more.
-    """
+    Assumes only that ``vector_norm`` returns the square root of a float sum of the products x·x (any order): then s ≥
+    Σx²·(1 − γ_n)(1 − u)³ ≥ Σx²·(1 − γ_{n+3}) for a row of n ≤ NORM_BLOCK (the root, and s = root² rounded: three more
+    roundings; ρ uses n + 4). For longer rows each block of m obeys that, and the float64 sum of the k + 1 block squares
+    costs (1 − γ⁶⁴_{k+3}) more."""
     flat = flat_rows(g)
     if flat.dtype in _HALF:  # bf16/fp16 sums would need a slack of ~n·2⁻⁸: sum in float32
         flat = flat.float()
@@ -64,17 +62,12 @@ def sq_rows_upper(g: torch.Tensor) -> tuple[torch.Tensor, float]:
     u = unit_roundoff(flat.dtype)
     if n <= NORM_BLOCK:
         return torch.linalg.vector_norm(flat, dim=1).square_(), 1.0 / (1.0 - gamma(n + 4, u)) - 1.0
-    m = NORM_BLOCK
-    k = n // m
+    m, k = NORM_BLOCK, n // NORM_BLOCK
     s = torch.linalg.vector_norm(flat[:, : k * m].reshape(B, k, m), dim=2).double().square_().sum(1)
     if k * m < n:
         s += torch.linalg.vector_norm(flat[:, k * m :], dim=1).double().square_()
     u64 = unit_roundoff(torch.float64)
     return s, 1.0 / ((1.0 - gamma(m + 4, u)) * (1.0 - gamma(k + 4, u64))) - 1.0
-
-
-_K_CACHE: dict[tuple[float, int, torch.dtype, torch.dtype, bool], float] = {}
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def weights_dtype(dt: torch.dtype) -> torch.dtype:
@@ -83,37 +76,29 @@ def weights_dtype(dt: torch.dtype) -> torch.dtype:
     return torch.float32 if dt in _HALF else dt
 
 
+@functools.cache
 def _norm_factor(
     rho: float, terms: int, dtype: torch.dtype, model_dtype: torch.dtype, extra_rounding: bool = False
 ) -> float:
     """The smallest float K of ``dtype`` with K ≥ (1+γ'_2)·√((1+ρ)/(1−γ_{terms+1}))/(1−u)².
 
-    (1 − γ_{terms+1}): the conversions and terms additions (τ² included) of ``upper_norms``'s
-    sum of non-negative terms; (1 − u)²: its square root and the multiplication by K;
-    (1 + γ'_2): the two roundings (w·b, then ·a) of the weighted sum's own scaling of a
-    single example's terms, in the model's dtype (a released w_i·g_i has norm
-    ≤ |w_i|·(1+γ'_2)·‖g_i‖); γ'_3 with ``extra_rounding`` (w cast to the model's dtype first).
-    """
-    key = (rho, terms, dtype, model_dtype, extra_rounding)
-    got = _K_CACHE.get(key)
-    if got is None:
-        u = unit_roundoff(dtype)
-        g = gamma(terms + 1, u)
-        k = (
-            (1.0 + gamma(3 if extra_rounding else 2, unit_roundoff(model_dtype)))
-            * math.sqrt((1.0 + rho) / (1.0 - g))
-            / (1.0 - u) ** 2
-            if g < 1
-            else math.inf
-        )
-        if math.isfinite(k):
-            k *= 1.0 + 4 * unit_roundoff(torch.float64)  # this Python arithmetic's own roundings
-            t = torch.tensor(k, dtype=torch.float64).to(dtype)
-            if float(t) < k:
-                t = torch.nextafter(t, torch.tensor(math.inf, dtype=dtype))
-            k = float(t)
-        got = _K_CACHE[key] = k
-    return got
+    (1 − γ_{terms+1}): the conversions and terms additions (τ² included) of ``upper_norms``'s sum of non-negative terms;
+    (1 − u)²: its square root and the multiplication by K; (1 + γ'_2): the two roundings (w·b, then ·a) of the weighted
+    sum's own scaling of a single example's terms, in the model's dtype (a released w_i·g_i has norm ≤
+    |w_i|·(1+γ'_2)·‖g_i‖); γ'_3 with ``extra_rounding`` (w cast to the model's dtype first)."""
+    u = unit_roundoff(dtype)
+    g = gamma(terms + 1, u)
+    if g >= 1:
+        return math.inf
+    k = (1.0 + gamma(3 if extra_rounding else 2, unit_roundoff(model_dtype))) * math.sqrt((1.0 + rho) / (1.0 - g))
+    k /= (1.0 - u) ** 2
+    if not math.isfinite(k):
+        return k
+    k *= 1.0 + 4 * unit_roundoff(torch.float64)  # this Python arithmetic's own roundings
+    t = torch.tensor(k, dtype=torch.float64).to(dtype)
+    if float(t) < k:
+        t = torch.nextafter(t, torch.tensor(math.inf, dtype=dtype))
+    return float(t)
 
 
 def upper_norms(
@@ -155,13 +140,12 @@ def upper_norms(
 
 @contextmanager
 def ieee_matmul(device: torch.device) -> Iterator[None]:
-    """Full-precision float32 products for the duration: matrix products without TF32 / bf16
-    operands and, on CUDA, cuDNN convolutions without TF32 (PyTorch's default there) and cuBLAS sums of
-    half products without reduced-precision partial sums (they can overflow), which the bounds on a release
-    assume. Determinism is not forced (only ghost case (e) needs it, and sets it itself): the model's own
-    passes keep cuDNN's fastest kernels (docs/privacy.md, item 1). Also off: nn.MultiheadAttention's fast path,
-    whose nested tensors one example's padding switches on for the whole batch (found in review: 2.8·C).
-    """
+    """Full-precision float32 products for the duration: matrix products without TF32 / bf16 operands and, on CUDA,
+    cuDNN convolutions without TF32 (PyTorch's default there) and cuBLAS sums of half products without reduced-precision
+    partial sums (they can overflow), which the bounds on a release assume. Determinism is not forced (only ghost case
+    (e) needs it, and sets it itself): the model's own passes keep cuDNN's fastest kernels (docs/privacy.md, item 1).
+    Also off: nn.MultiheadAttention's fast path, whose nested tensors one example's padding switches on for the whole
+    batch (found in review: 2.8·C)."""
     mha = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
@@ -211,34 +195,31 @@ def _exact_cuda(device: torch.device) -> Iterator[None]:
 
 
 @contextmanager
-def _ieee_matmul(device: torch.device) -> Iterator[None]:
-    be: Any = torch.backends.cuda.matmul if device.type == "cuda" else getattr(torch.backends.mkldnn, "matmul", None)
-    old = getattr(be, "fp32_precision", "ieee")  # as resolved (an inherited 'tf32' too); torch ≥ 2.9
-    if old in ("none", "ieee"):
-        yield
-        return
-    be.fp32_precision = "ieee"
+def _overriding(obj: Any, **values: Any) -> Iterator[None]:
+    """``obj``'s attributes set to ``values`` for the duration, then back to what they were."""
+    old = {k: getattr(obj, k) for k in values}
+    for k, v in values.items():
+        setattr(obj, k, v)
     try:
         yield
     finally:
-        be.fp32_precision = old
+        for k, v in old.items():
+            setattr(obj, k, v)
 
 
-@contextmanager
-def same_kernel(device: torch.device) -> Iterator[None]:
+def _ieee_matmul(device: torch.device) -> AbstractContextManager[None]:
+    be: Any = torch.backends.cuda.matmul if device.type == "cuda" else getattr(torch.backends.mkldnn, "matmul", None)
+    old = getattr(be, "fp32_precision", "ieee")  # as resolved (an inherited 'tf32' too); torch ≥ 2.9
+    return nullcontext() if old in ("none", "ieee") else _overriding(be, fp32_precision="ieee")
+
+
+def same_kernel(device: torch.device) -> AbstractContextManager[None]:
     """Deterministic cuDNN kernels for the duration: case (e) recomputes per-sample gradients
     that must equal, bit for bit, those whose norms were taken (CPU kernels are deterministic; every
     private computation also runs under ``ieee_matmul``, which turns cuDNN's TF32 off)."""
     if device.type != "cuda":
-        yield
-        return
-    cudnn = torch.backends.cudnn
-    old = (cudnn.deterministic, cudnn.benchmark)
-    cudnn.deterministic, cudnn.benchmark = True, False
-    try:
-        yield
-    finally:
-        cudnn.deterministic, cudnn.benchmark = old
+        return nullcontext()
+    return _overriding(torch.backends.cudnn, deterministic=True, benchmark=False)
 
 
 # Rows per float64 block of ``wide_sum``/``wide_mm`` at most (on CUDA fewer for long rows: ≤ WIDE_FLOATS floats
@@ -252,11 +233,10 @@ HOST_FLOATS = 1 << 18
 def wide_sum(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Σ_i w_i g_i over the rows of g [B, n], in float64 ([n]).
 
-    Each example's term w_i·g_ij is formed from that example alone (exact for float32 and
-    half-precision operands: a product of two 24-bit significands fits in 53 bits), and the
-    terms are summed across examples in float64, by blocks of m ≤ WIDE_BLOCK rows: the error
-    is ≤ γ⁶⁴_{m+⌈B/m⌉}·Σ_i |w_i g_i| entrywise, whatever the order (docs/privacy.md, item
-    1b), instead of γ³²_B for a float32 product."""
+    Each example's term w_i·g_ij is formed from that example alone (exact for float32 and half-precision operands: a
+    product of two 24-bit significands fits in 53 bits), and the terms are summed across examples in float64, by blocks
+    of m ≤ WIDE_BLOCK rows: the error is ≤ γ⁶⁴_{m+⌈B/m⌉}·Σ_i |w_i g_i| entrywise, whatever the order (docs/privacy.md,
+    item 1b), instead of γ³²_B for a float32 product."""
     return wide_mm(w.double().unsqueeze(1), g).squeeze(0)
 
 
@@ -311,12 +291,11 @@ def rank_one_parts(a: torch.Tensor, b: torch.Tensor, bias: bool) -> list[tuple[t
     dimension of a [..., d], b [..., p], as (s, ρ) parts (also [K, B, ·] for ``vectorized``).
 
     s = fl(fl(n̂_a·n̂_b)²), n̂ = ``vector_norm`` (≥ ‖·‖·(1−γ_n)^½(1−u) less its underflow: squares below the smallest
-    subnormal η are lost, an absolute ‖·‖² error ≤ n·η that ‖b‖ ~ 10¹⁹ would scale past any floor: found in review)
-    plus √(n·η), ≥ ‖a‖²‖b‖²·(1 − γ_{d+5})(1 − γ_{p+5}); rows longer than NORM_BLOCK go through ``sq_rows_upper``
-    (blocked sums), their squares plus n·η in float64.
-    """
+    subnormal η are lost, an absolute ‖·‖² error ≤ n·η that ‖b‖ ~ 10¹⁹ would scale past any floor: found in review) plus
+    √(n·η), ≥ ‖a‖²‖b‖²·(1 − γ_{d+5})(1 − γ_{p+5}); rows longer than NORM_BLOCK go through ``sq_rows_upper`` (blocked
+    sums), their squares plus n·η in float64."""
     d, p = a.shape[-1], b.shape[-1]
-    if a.dtype in (torch.float16, torch.bfloat16):  # half precision: sum in float32
+    if a.dtype in _HALF:  # half precision: sum in float32
         a, b = a.float(), b.float()
     u, tiny = unit_roundoff(a.dtype), torch.finfo(a.dtype).tiny * torch.finfo(a.dtype).eps
     if d > NORM_BLOCK or p > NORM_BLOCK:
@@ -334,11 +313,10 @@ def rank_one_parts(a: torch.Tensor, b: torch.Tensor, bias: bool) -> list[tuple[t
 def gram_parts(A: torch.Tensor, Bm: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
     """(Ŝ, slack², M̂), float64 [c], from Gram matrices in ``dt`` (u its unit roundoff).
 
-    Ŝ = Σ_t fl(Σ_s X̂_ts Ŷ_ts) with X̂ = fl(A Aᵀ), Ŷ = fl(Bm Bmᵀ), the sum over t in float64:
-    |Ŝ − ‖G‖²| ≤ γ_{d+p+2T}·M² (docs/privacy.md, item 1), so slack² = γ_{d+p+2T+2}·M̂² plus the
-    absolute underflow error η·(d·(Σ_t‖B_t‖)² + p·(Σ_t‖A_t‖)² + 2T²), η the smallest subnormal.
-    M̂ = Σ_t n̂(A_t)·n̂(B_t) ≥ M = Σ_t ‖A_t‖‖B_t‖, n̂ = ``vector_norm`` plus √(n·η), scaled by
-    1/(1 − γ_{d+p+T+8}) (its own roundings and underflow). An overflow makes the norm inf or NaN,
+    Ŝ = Σ_t fl(Σ_s X̂_ts Ŷ_ts) with X̂ = fl(A Aᵀ), Ŷ = fl(Bm Bmᵀ), the sum over t in float64: |Ŝ − ‖G‖²| ≤ γ_{d+p+2T}·M²
+    (docs/privacy.md, item 1), so slack² = γ_{d+p+2T+2}·M̂² plus the absolute underflow error η·(d·(Σ_t‖B_t‖)² +
+    p·(Σ_t‖A_t‖)² + 2T²), η the smallest subnormal. M̂ = Σ_t n̂(A_t)·n̂(B_t) ≥ M = Σ_t ‖A_t‖‖B_t‖, n̂ = ``vector_norm``
+    plus √(n·η), scaled by 1/(1 − γ_{d+p+T+8}) (its own roundings and underflow). An overflow makes the norm inf or NaN,
     never a finite under-estimate."""
     T, d, p = A.shape[1], A.shape[2], Bm.shape[2]
     A, Bm = A.to(dt), Bm.to(dt)
@@ -407,19 +385,18 @@ def _fp64_rate_is_fp32s(index: int) -> bool:
 
 
 def gram_bound(chunks: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor]]], u_release: float) -> Bound:
-    """Case (c) of ``ghost``'s docstring from chunks (A [c, T, d], Bm [c, T, p], G_i = Bm_iᵀ A_i; any
-    shapes; made by calls): ((s, ρ), e), e = γ_{T+1}·M̂ (``u_release``: the release's dtype), s =
-    (√(max(Ŝ, 0) + slack²) + e)² (``gram_parts``) in float32 (float64 where ``fast_fp64``); examples with slack² > GRAM_TIGHT·Ŝ
-    (cancellation) again in float64, within ~GRAM_TIGHT/2 of exact (the oracle's vmap comparison
-    allows 1e-3), found by ONE host read for all chunks. ρ (``assemble``, the largest T)."""
+    """Case (c) of ``ghost``'s docstring from chunks (A [c, T, d], Bm [c, T, p], G_i = Bm_iᵀ A_i; any shapes; made by
+    calls): ((s, ρ), e), e = γ_{T+1}·M̂ (``u_release``: the release's dtype), s = (√(max(Ŝ, 0) + slack²) + e)²
+    (``gram_parts``) in float32 (float64 where ``fast_fp64``); examples with slack² > GRAM_TIGHT·Ŝ (cancellation) again
+    in float64, within ~GRAM_TIGHT/2 of exact (the oracle's vmap comparison allows 1e-3), found by ONE host read for all
+    chunks. ρ (``assemble``, the largest T)."""
     parts, loose, T = [], [], 1
     for make in chunks:
         A, Bm = make()
-        s, q, m = gram_parts(
-            A, Bm, torch.float64 if fast_fp64(A.device) else torch.promote_types(A.dtype, torch.float32)
-        )
+        fast = fast_fp64(A.device)
+        s, q, m = gram_parts(A, Bm, torch.float64 if fast else torch.promote_types(A.dtype, torch.float32))
         parts.append([s, q, m.mul_(gamma(A.shape[1] + 1, u_release))])
-        if not fast_fp64(A.device):
+        if not fast:
             loose.append((q > GRAM_TIGHT * s) & (A.dtype != torch.float64))
         T = max(T, A.shape[1])
     flags = torch.cat(loose).tolist() if loose else []  # the one host read (none in float64)

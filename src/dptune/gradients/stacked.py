@@ -1,10 +1,9 @@
 """K models of one architecture as one: stacked parameters [K, p, d], one batched forward and
 backward, per-example ghost norms of all K at once (``dptune.vectorized``'s trials).
 
-Scope (``stack_plan``, else ``Unsupported``): docs/privacy.md's table, "vectorised trials". The K trials'
-convolutions are one grouped convolution (trial k's channels are group k); their per-example gradients are
-kept and released as they are (ghost case (a)).
-"""
+Scope (``stack_plan``, else ``Unsupported``): docs/privacy.md's table, "vectorised trials". The K trials' convolutions
+are one grouped convolution (trial k's channels are group k); their per-example gradients are kept and released as they
+are (ghost case (a))."""
 
 from __future__ import annotations
 
@@ -19,38 +18,19 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
 from dptune.errors import ConfigError
-from dptune.gradients.ghost import GhostGrads, LinearRule
+from dptune.gradients.ghost import GhostGrads, LinearRule, out_size, patches, rank_one_parts, unfolded_weight
 from dptune.gradients.ghost_layers import KeptRule, LayerRule
 from dptune.gradients.isolation import MODULE_HOOKS, calls_made_of, global_module_hooks
-from dptune.gradients.norm_bounds import (
-    ieee_matmul,
-    rank_one_parts,
-    sq_rows_upper,
-    upper_norms,
-    weights_dtype,
-    wide_bmm,
-)
+from dptune.gradients.norm_bounds import ieee_matmul, sq_rows_upper, upper_norms, weights_dtype, wide_bmm
 from dptune.gradients.persample import MaterializedGrads
 from dptune.tree import Tensors
 
+# fmt: off
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
-    nn.ReLU,
-    nn.LeakyReLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.GELU,
-    nn.ELU,
-    nn.SiLU,
-    nn.Softplus,
-    nn.Identity,
-    nn.Hardtanh,
-    nn.ReLU6,
-    nn.Mish,
-    nn.CELU,
-    nn.SELU,
-    nn.Softsign,
-    nn.Tanhshrink,
+    nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.SiLU, nn.Softplus,
+    nn.Identity, nn.Hardtanh, nn.ReLU6, nn.Mish, nn.CELU, nn.SELU, nn.Softsign, nn.Tanhshrink,
 )
+# fmt: on
 POOLS = (nn.MaxPool2d, nn.AvgPool2d)
 PATCH_BYTES = 256 * 2**20  # bound on one chunk's patch copy (``conv_per_sample``)
 
@@ -183,29 +163,16 @@ def patches_adjoint(dU: torch.Tensor, shape: Sequence[int], geom: Any) -> torch.
     return g[..., ph : ph + H, pw : pw + W]
 
 
-def out_size(shape: Sequence[int], geom: Any) -> tuple[int, int]:
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geom
-    return (shape[-2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (shape[-1] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-
-
 def patch_rows(shape: Sequence[int], geom: Any, Wt: torch.Tensor) -> int:
     ho, wo = out_size(shape, geom)
     return max(1, PATCH_BYTES // (shape[0] * Wt.shape[1] * ho * wo * Wt.element_size()))
 
 
-def patches(h: torch.Tensor, geom: Any) -> torch.Tensor:
-    """[K, c, C, H, W] → each row's patches [K, c·H'·W', C·k_h·k_w] (strided views of its padded input, copied)."""
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geom
-    U = F.pad(h, (pw, pw, ph, ph)).unfold(3, (kh - 1) * dh + 1, sh).unfold(4, (kw - 1) * dw + 1, sw)[..., ::dh, ::dw]
-    return U.permute(0, 1, 3, 4, 2, 5, 6).reshape(h.shape[0], -1, h.shape[2] * kh * kw)
-
-
 def conv_per_sample(mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-example weight gradients [N, C_out, C_in·k_h·k_w] of a Conv2d from its inputs a [N, C_in, H, W]
-    and output gradients b [N, C_out, H', W'], each from its own row alone. CPU: the convolution backward
-    with the rows as groups (Rochette et al. 2019), 64 at a time; CUDA: b_i times the row's patches
-    (strided views of its padded input, copied in chunks into GEMM layout), one batched product a chunk
-    (the ghost path's kernels, ``ghost.use_unfold_products``: 10x faster on a CPU, resp. on a GPU)."""
+    """Per-example weight gradients [N, C_out, C_in·k_h·k_w] of a Conv2d from its inputs a [N, C_in, H, W] and output
+    gradients b [N, C_out, H', W'], each from its own row alone. CPU: the convolution backward with the rows as groups
+    (Rochette et al. 2019), 64 at a time; CUDA: ``ghost.unfolded_weight`` by chunks (the ghost path's kernels,
+    ``ghost.use_unfold_products``: 10x faster on a CPU, resp. on a GPU)."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = geometry(mod)
     N, C, ho, wo = a.shape[0], a.shape[1], b.shape[2], b.shape[3]
     w, out = cast(torch.Tensor, mod.weight).detach(), []
@@ -221,8 +188,7 @@ def conv_per_sample(mod: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.T
             )[1]
             out.append(g.view(c, w.shape[0], -1))
             continue
-        U = patches(ai.unsqueeze(0), geometry(mod)).view(c, ho * wo, C * kh * kw)
-        out.append(torch.bmm(bi.reshape(c, b.shape[1], ho * wo), U))
+        out.append(unfolded_weight(ai, bi, geometry(mod)))
     return torch.cat(out)
 
 
@@ -249,10 +215,8 @@ class Stacked:
         self, weights: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, record: bool
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """x: [K, B, *in] → out [K, B, *]; with ``record``, the (input, output) of each Linear/Conv2d."""
-        h = x
+        h, li, K = x, 0, x.shape[0]
         recs = []
-        li = 0
-        K = x.shape[0]
         for op in self.ops:
             if op.kind == "flatten":
                 h = h.reshape(h.shape[0], h.shape[1], -1)
@@ -350,10 +314,8 @@ class Stacked:
             Bk = sizes[k]
             layers = [rule(k, Bk, p) for rule in rules]
             if Bk == 0:
-                g: MaterializedGrads = MaterializedGrads(
-                    {kk: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for kk, p in p.items()},
-                    torch.zeros(0, device=x.device),
-                )
+                empty = {n: torch.zeros((0, *v.shape), dtype=v.dtype, device=v.device) for n, v in p.items()}
+                g: MaterializedGrads = MaterializedGrads(empty, torch.zeros(0, device=x.device))
             else:
                 g = GhostGrads(layers, losses[k, :Bk], p, norms=norms[k, :Bk])
                 g._finite_norms = bool(finite[k, :Bk].all())  # numpy: no device op
