@@ -166,11 +166,14 @@ class PrivateTraining:
         self._pending: tuple[Any, torch.Tensor] | None = None  # the drawn batch of step t + 1: released
         self._shown: _Shown | None = None  # what batches() yields: a copy of _pending, its leaves, their versions
         self._released: dict[int, tuple[torch.Tensor, int]] = {}  # id(parameter) → the .grad backward set
-        if self.optimizer is not None:  # last: a refused make_private leaves no hook on your optimizer
-            self.optimizer.register_step_pre_hook(self._check_grads)
         # A backward reaching a trainable parameter puts its exact gradient in .grad, which any optimizer (a
         # second one, for the head) may step: refused where it lands, for the planned steps (found in review).
         self._hooks = [p.register_post_accumulate_grad_hook(self._exact_grad) for p in self._named.values()]
+        if self.optimizer is not None:  # last: a refused make_private leaves no hook on your optimizer
+            self._hooks.append(self.optimizer.register_step_pre_hook(self._check_grads))
+        # A frozen parameter stepped in place (unfrozen, a backward(inputs=...) on private data, refrozen: found in
+        # review) moves its version counter: refused at the next check, and by result().
+        self._frozen = {k: (p, p._version) for k, p in self.model.named_parameters() if not p.requires_grad}
         self._structure = structure(self.model)
         self.history: list[dict[str, Any]] = []
         self._started = time.perf_counter()
@@ -178,11 +181,16 @@ class PrivateTraining:
     def _params(self) -> Tensors:
         return {k: p.detach() for k, p in self._named.items()}
 
+    def close(self) -> None:
+        """End the run early (early stopping): its hooks leave your model and optimizer, which are yours again; the
+        run's ledger and ``result()`` stay. At the end of the plan this happens by itself."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
     def _exact_grad(self, p: torch.Tensor) -> None:
         if self.t >= self.plan.steps:  # the run is over: the model is yours again
-            for h in self._hooks:
-                h.remove()
-            return
+            return self.close()
         p.grad = None  # the exact gradient never stays in .grad (added in place: the released one is lost too)
         raise ConfigError(
             "a backward pass reached a trainable parameter during a make_private run: its exact, non-private "
@@ -203,10 +211,13 @@ class PrivateTraining:
                 "change before make_private, then call it again: a new run with its own plan and budget."
             )
         now = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
-        if changed := sorted(k for k in now.keys() | self._named.keys() if now.get(k) is not self._named.get(k)):
+        moved = [k for k, (p, v) in self._frozen.items() if p._version != v]
+        if changed := sorted(
+            {*moved, *(k for k in now.keys() | self._named.keys() if now.get(k) is not self._named.get(k))}
+        ):
             raise ConfigError(
                 f"the trainable parameters changed since make_private ({', '.join(changed[:3])}: requires_grad "
-                "turned on or off, or parameters added or replaced). Fix: call make_private again after "
+                "turned on or off, parameters added or replaced, or a frozen one stepped). Fix: call make_private again after "
                 "(un)freezing, with a new optimizer: a new run with its own plan. Each run spends its own "
                 "privacy budget on the data: together they cost the composition of both."
             )
@@ -277,6 +288,9 @@ class PrivateTraining:
             raise BudgetExceededError(
                 f"the plan has {self.plan.steps} steps and all were taken; make_private(..., steps=...) plans more."
             )
+        if torch.is_inference_mode_enabled():  # found in review: a release spent, then torch's error on every step
+            raise ConfigError("private.backward ran inside torch.inference_mode(): no gradient can be computed there. "
+                              "Fix: call it outside (torch.no_grad() for your own evaluation).")  # fmt: skip
         self._check_trainable()
         x, y = self._check_batch(x, y)
         t, releases = self.t + 1, self.ledger.releases
@@ -331,6 +345,8 @@ class PrivateTraining:
                     "or an in-place change since?): the optimizer would use non-private gradients. Call "
                     "optimizer.zero_grad() and private.backward(x, y) right before optimizer.step()."
                 )
+        if self.t >= self.plan.steps:  # the last release's step checked: the model and optimizer are yours again
+            self.close()
 
     def step(self, x: Any, y: torch.Tensor) -> dict[str, Any]:
         """``backward`` then the optimizer's step; or, with a dptune update rule, the rule
@@ -361,6 +377,9 @@ class PrivateTraining:
 
     def result(self) -> TrainResult:
         """A ``TrainResult`` of the run so far (final parameters), for ``dptune.save_model``."""
+        if moved := [k for k, (p, v) in self._frozen.items() if p._version != v]:  # what it certifies: this run's model
+            raise ConfigError(f"frozen parameter(s) {', '.join(moved[:3])} changed during the run: the model is not "
+                              "this run's alone. Fix: keep them frozen and unchanged until result().")  # fmt: skip
         final = self._params() if self.optimizer is not None else self.update.finalize(self._params(), self._u_state)
         return TrainResult(
             history=list(self.history), evals=[], metric=self.task.metric.name, best_metric=None, best_step=None,

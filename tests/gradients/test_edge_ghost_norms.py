@@ -727,3 +727,28 @@ def test_autocast_inside_the_model_leaves_the_ghost_path() -> None:
         w[i] = clip_weights(g.norms, 0.1)[i]
         released = math.sqrt(sum(float(v.double().pow(2).sum()) for v in g.weighted_sum(w).wide.values()))
         assert released <= 0.1 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_ambient_autocast_leaves_the_norm_bounds_in_float32(dtype: torch.dtype) -> None:
+    """A half-precision model under the caller's ``torch.autocast`` (its layers' outputs keep the weights' dtype, so
+    nothing looks autocast): the Gram rule's float32 products ran in bfloat16 and one crafted, cancelling example's
+    bound fell to 0.59 of its norm, its clipped release to 1.70·C (found in review). Every private computation now
+    runs with autocast off: each bound ≥ the float64 norm of the example's own gradient."""
+    torch.manual_seed(0)
+    B, T, d, p, c = 256, 2, 8, 8, 0.85
+    model = nn.Sequential(nn.Linear(d, p, bias=False)).to(dtype)
+    a1 = torch.randn(B, 1, d) * (1 + torch.rand(B, 1, 1))
+    x = torch.cat([a1, a1 * (1 + 0.01 * torch.randn(B, 1, d))], 1).to(dtype)
+    with torch.no_grad():
+        out = model(x).float()
+    b1 = torch.randn(B, 1, p)
+    y = (out - torch.cat([b1, -c * b1 * (1 + 0.01 * torch.randn(B, 1, p))], 1)).to(dtype)  # cancelling gradients
+    w = model[0].weight.detach().double()
+    g_out = 2 * (x.double() @ w.T - y.double()) / (T * p)  # d mse / d out, each example alone
+    exact = torch.einsum("btp,btd->bpd", g_out, x.double()).flatten(1).norm(dim=1)
+    with torch.autocast("cpu", dtype=dtype), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = GradientOracle(model, loss="mse", method="ghost")(params_of(model), x, y)
+    ratio = g.norms.double() / exact
+    assert float(ratio.min()) >= 1.0, f"{int((ratio < 1).sum())} rows under, worst {float(ratio.min()):.4f}"

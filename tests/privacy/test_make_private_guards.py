@@ -270,3 +270,66 @@ def test_a_second_optimizer_cannot_step_an_exact_gradient() -> None:
     head.step()  # what it holds is never the exact gradient
     released = model[2].weight.grad
     assert released is None or torch.equal(model[2].weight, before - 0.1 * released)
+
+
+def test_a_frozen_parameter_stepped_on_its_exact_gradient_is_refused() -> None:
+    """Found in review: the body frozen at make_private was unfrozen, trained by backward(inputs=...) on the private
+    batch with a second optimizer, and frozen again between two checks; the run went on and result() certified it.
+    Its version counter moved: the next backward and result() refuse."""
+    model, x, y = _mlp()
+    model[0].requires_grad_(False)
+    private = dptune.make_private(model, (x, y), torch.optim.SGD(model[2].parameters(), lr=0.1), **KW)
+    body = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    batches = iter(private.batches())
+    xb, yb = next(batches)
+    private.step(xb, yb)
+    model[0].requires_grad_(True)
+    nn.functional.cross_entropy(model(xb), yb).backward(inputs=list(model[0].parameters()))
+    body.step()
+    model[0].requires_grad_(False)
+    with pytest.raises(ConfigError, match="frozen parameter.*0.weight"):
+        private.result()
+    with pytest.raises(ConfigError, match="a frozen one stepped"):
+        private.step(*next(batches))
+
+
+def test_after_the_plan_or_close_the_model_and_optimizer_are_yours_again() -> None:
+    """Found in review: a run's hooks stayed for good, so after early stopping any loss.backward() on the model, and
+    after the plan any public step of the same optimizer, was refused. The last release's step is still checked."""
+    model, x, y = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), opt, **KW)
+    for xb, yb in private.batches():
+        private.backward(xb, yb)
+        if private.t == KW["steps"]:
+            nn.functional.cross_entropy(model(xb), yb).sum().detach()  # looking is fine
+        opt.step()
+    nn.functional.cross_entropy(model(x), y).backward()  # public data now, say: yours
+    opt.step()
+    early = dptune.make_private(model, (x, y), opt, **KW)
+    early.step(*next(iter(early.batches())))
+    with pytest.raises(ConfigError, match="backward pass reached a trainable parameter"):
+        nn.functional.cross_entropy(model(x), y).backward()
+    early.close()  # early stopping: the run ends here, its result stays
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert early.result().steps_taken == 1
+
+
+def test_backward_inside_inference_mode_is_refused_before_a_release() -> None:
+    """Found in review: it spent a release, raised torch's error, and left a read-only scratch buffer that broke every
+    later run in the process. Now one ConfigError before anything is released; the next runs are unaffected."""
+    model, x, y = _problem()
+    private = dptune.make_private(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.1), **KW)
+    xb, yb = next(iter(private.batches()))
+    with torch.inference_mode(), pytest.raises(ConfigError, match="inference_mode"):
+        private.backward(xb, yb)
+    assert private.ledger.releases == 0
+    from dptune.gradients import norm_bounds
+
+    norm_bounds._SCRATCH.buf = None
+    with torch.inference_mode():  # the host scratch buffer first made in inference mode ...
+        norm_bounds.wide_mm(torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 5))
+    private.step(xb, yb)  # ... is replaced outside it
+    assert private.ledger.releases == 1

@@ -145,11 +145,12 @@ def ieee_matmul(device: torch.device) -> Iterator[None]:
     partial sums (they can overflow), which the bounds on a release assume. Determinism is not forced (only ghost case
     (e) needs it, and sets it itself): the model's own passes keep cuDNN's fastest kernels (docs/privacy.md, item 1).
     Also off: nn.MultiheadAttention's fast path, whose nested tensors one example's padding switches on for the whole
-    batch (found in review: 2.8·C)."""
+    batch (found in review: 2.8·C), and your ``torch.autocast``, which ran the bounds' float32 products in bfloat16
+    (found in review: 1.70·C); an autocast inside your forward still applies there (``ghost_layers`` checks it)."""
     mha = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with _ieee_matmul(device), _exact_cuda(device):
+        with _ieee_matmul(device), _exact_cuda(device), torch.autocast("cpu", enabled=False), _no_autocast(device):
             yield
     finally:
         torch.backends.mha.set_fastpath_enabled(mha)
@@ -205,6 +206,10 @@ def _overriding(obj: Any, **values: Any) -> Iterator[None]:
     finally:
         for k, v in old.items():
             setattr(obj, k, v)
+
+
+def _no_autocast(device: torch.device) -> AbstractContextManager[None]:
+    return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "xpu", "mps") else nullcontext()
 
 
 def _ieee_matmul(device: torch.device) -> AbstractContextManager[None]:
@@ -281,7 +286,7 @@ def _host_double(t: torch.Tensor) -> torch.Tensor:
     """t in float64 in one reused host buffer per thread, to be used at once (≤ HOST_FLOATS floats): a fresh
     buffer page-faults on its first writes, which cost 10-60× the conversion itself."""
     buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < t.numel():
+    if buf is None or buf.numel() < t.numel() or buf.is_inference():  # made in inference mode: read-only outside
         buf = _SCRATCH.buf = torch.empty(max(t.numel(), HOST_FLOATS), dtype=torch.float64)
     return buf[: t.numel()].view(t.shape).copy_(t.detach())
 
