@@ -4,6 +4,7 @@ import math
 
 # A value of the user's data quoted in an error message: for its owner to find, not for release.
 OWNER = " (a value of your data: not differentially private: for the data owner only)"
+OWNER_ERROR = " (raised on your data: not differentially private: for the data owner only)"  # your code's error
 
 
 class DPTuneError(Exception):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dptune import inputs
-from dptune.errors import OWNER, ConfigError
+from dptune.errors import OWNER, OWNER_ERROR, ConfigError
 from dptune.finetune import hf_classifier, token_options
 
 GALLI_CNN_PARAMS = 551_322
@@ -277,7 +277,7 @@ def check_fits(model: nn.Module, x: Any, y: Any, what: str, fix: str) -> None:
     except Exception as exc:  # any layer's complaint: the model and the data do not fit
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise ConfigError(
-            f"{what} does not take these inputs (one example: shape {shape}): {first}{OWNER}. Fix: {fix}"
+            f"{what} does not take these inputs (one example: shape {shape}): {first}{OWNER_ERROR}. Fix: {fix}"
         ) from None
     finally:
         model.train(was_training)

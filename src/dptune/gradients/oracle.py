@@ -20,7 +20,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from dptune import inputs
-from dptune.errors import OWNER, ConfigError
+from dptune.errors import OWNER_ERROR, ConfigError
 from dptune.gradients import ghost, graphed
 from dptune.gradients.isolation import KeptState, check_modes, own_code  # noqa: F401 - own_code re-exported
 from dptune.gradients.persample import (  # noqa: F401 - re-exported: ``dptune.gradients.oracle`` is where users look
@@ -289,9 +289,10 @@ class GradientOracle:
             raise
         except (RuntimeError, ValueError) as exc:
             raise ConfigError(
-                f"the model fails on one example alone ({str(exc).splitlines()[0]}{OWNER}): per-example gradients "
+                f"the model fails on one example alone ({str(exc).splitlines()[0]}{OWNER_ERROR}): per-example gradients "
                 "need each example computed by itself. Fix: replace what needs several examples (BatchNorm: "
-                "GroupNorm or LayerNorm) or writes into the model during the forward."
+                "GroupNorm or LayerNorm) or writes into the model during the forward; nn.Embedding(sparse=True): "
+                "sparse=False."
             ) from exc
 
     def _one_at_a_time(
