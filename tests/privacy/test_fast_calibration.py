@@ -160,3 +160,13 @@ def test_solver_invariant_on_arbitrary_monotone_curves(
     assert eps_of(math.exp(hi)) <= target < eps_of(math.exp(lo))
     assert hi - lo <= math.log1p(rel_tol) * (1 + 1e-9)
     assert len(f.values) <= 120
+
+
+def test_an_epsilon_of_zero_from_the_accountant_is_no_certificate() -> None:
+    """Found in review: below RDP's conversion floor dp_accounting answers a numerical instability with ε = 0, which the
+    solver took for feasible: ν = 2.3·10⁷ certified by a float artifact, a chance-level model. Now one clear error."""
+    from dptune.accounting import calibrate
+    from dptune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="could not reach ε ≤ 0.001.*RDP cannot certify a tiny ε"):
+        calibrate(1e-3, 1e-15, sampling_rate=40 / 270, steps=10, accountant="rdp")

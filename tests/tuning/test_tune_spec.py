@@ -110,6 +110,8 @@ def _bad(tmp_path, old, new):
             "strategies[1].space",
         ),
         ('[method]\nname = "grid"', '[method]\nname = "liu-talwar"\ngamma = 2', "method.gamma"),
+        ('[method]\nname = "grid"', '[method]\nname = "liu-talwar"\ngamma = 1e-9', "method.gamma"),  # hours of draws
+        ('[method]\nname = "grid"', '[method]\nname = "repeat-and-select"\nmean = 1e9', "method.mean"),
         ("seeds = [0, 1]", "seeds = [0, 0]", "study.seeds"),
         ("epochs = 2", "epochs = 2\nsteps = 10", "training"),
     ],

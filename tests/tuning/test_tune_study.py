@@ -133,6 +133,11 @@ def test_mean_selection_over_seeds(tmp_path):
     assert row["selection_epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
     assert row["selection_epsilon"] > 1.5 * row["planned_epsilon"]
     assert f"ε = {up(row['selection_epsilon'], 4)}" in " ".join(_plan(tmp_path / "m").arms[0].notes)
+    # The model card, published alone, states that composition: the weights are the run chosen on all the scores
+    # (found in review: it stated one replicate's ε for the weights).
+    (card,) = [json.loads(p.read_text()) for p in (tmp_path / "m" / "release" / "models").rglob("model_card.json")]
+    assert card["guarantee"]["epsilon"] == row["selection_epsilon"] and card["guarantee"]["per"] == "study"
+    assert f"ε = {up(row['selection_epsilon'], 4)}" in card["title"]
     run_study(_study(seeds=(0, 1, 2)), tmp_path / "ps", progress=False)
     per_seed = study_table(tmp_path / "ps")[0]
     assert per_seed["selection_epsilon"] == per_seed["planned_epsilon"]  # each seed its own procedure

@@ -24,10 +24,8 @@ class LogEps:
         if x not in self.values:
             e = float(self.eps_of(math.exp(x)))
             self.eps[x] = e
-            if math.isnan(e):
-                v = math.inf  # unknown privacy counts as infeasible
-            elif e <= 0:
-                v = -math.inf
+            if math.isnan(e) or e <= 0:  # unknown privacy counts as infeasible; so does ε = 0 at finite noise,
+                v = math.inf  # dp_accounting's answer to a numerical instability, no certificate (found in review)
             else:
                 # Feasibility is decided on ε itself (log space can round a 1-ulp excess to 0).
                 v = math.log(e) - self.log_target
@@ -65,8 +63,8 @@ def solve(f: LogEps, guess: float, tol: float, target: float, slope: float = -1.
             if x > math.log(NU_CEILING):
                 raise ConfigError(
                     f"could not reach ε ≤ {target} even with noise multiplier {math.exp(base):.3g}: more noise "
-                    "does not help. Fix: check δ (a δ below about 1e-300 cannot be met by any noise level) and "
-                    "that every release of the run is noised."
+                    "does not help. Fix: check δ (a δ below about 1e-300 cannot be met by any noise level; RDP cannot "
+                    "certify a tiny ε at a tiny δ: raise either) and that every release of the run is noised."
                 )
         else:
             x = base + max(min(jump, 0.0), -cap) - over

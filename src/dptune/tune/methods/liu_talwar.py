@@ -31,10 +31,11 @@ class LiuTalwarOptions:
 
     def __post_init__(self) -> None:
         g = self.gamma
-        if g is not None and not (isinstance(g, int | float) and 0 < g <= 1):
+        if g is not None and not (isinstance(g, int | float) and 1e-4 <= g <= 1):  # 1/γ runs drawn on average
             raise config_error(
                 "method.gamma",
-                f"stopping probability γ must lie in (0, 1], got {g!r}",
+                f"stopping probability γ must lie in [1e-4, 1] (1/γ runs on average; found in review: γ = 1e-9 drew "
+                f"runs for hours), got {g!r}",
                 "e.g. gamma = 0.1, or omit it for γ = 1/(number of grid candidates) as Mohapatra et al.",
             )
         f = self.delta2_fraction

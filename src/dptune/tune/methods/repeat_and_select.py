@@ -40,9 +40,9 @@ class RepeatAndSelectOptions:
             raise config_error(
                 "method.distribution", f"unknown distribution {dist!r}", f"choose one of {', '.join(RS_DISTRIBUTIONS)}"
             )
-        if self.mean is not None and not (isinstance(self.mean, int | float) and self.mean >= 1):
+        if self.mean is not None and not (isinstance(self.mean, int | float) and 1 <= self.mean <= 1e4):
             raise config_error(
-                "method.mean", f"the mean number of runs must be ≥ 1, got {self.mean!r}", "e.g. mean = 10"
+                "method.mean", f"the mean number of runs must lie in [1, 10⁴], got {self.mean!r}", "e.g. mean = 10"
             )
         if dist == "negative-binomial":
             s = self.shape
