@@ -132,7 +132,7 @@ def train(
     delta: float = typer.Option(1e-5, help="target δ (below 1/n)"),
     allow_large_delta: bool = typer.Option(False, "--allow-large-delta", help="accept δ ≥ 1/n (not advised)"),
     noise_multiplier: float | None = typer.Option(None, help="use this ν instead of calibrating to ε"),
-    epochs: float = typer.Option(5.0, help="epochs (T = epochs / q steps)"),
+    epochs: float | None = typer.Option(None, help="epochs (T = epochs / q steps) [default: 5; 50 at full batch]"),
     batch_size: float | None = typer.Option(
         None,
         "--expected-batch-size",
@@ -198,7 +198,9 @@ def _train(o: SimpleNamespace) -> None:
     from dptune.train import train as run_train
 
     device = str(resolve_device(o.device, "--device"))
-    make_strategy(o.strategy, **parse_hyperparameters(o.hp))  # still before the data load
+    name = make_strategy(o.strategy, **parse_hyperparameters(o.hp)).name  # still before the data load
+    full_batch = o.full_batch or (o.batch_size is None and name == "dpgd")  # DP-GD: full batch by definition
+    epochs = o.epochs if o.epochs is not None else 50.0 if full_batch else 5.0  # measured: docs/performance.md
     options = parse_hyperparameters(o.model_opt, "--model-opt", "mode=lora")
     train_part, test_part, net, model_id = for_training(
         o.data, o.dataset, o.model, o.data_dir, o.seed, dict(label=o.label, test=o.test, schema=o.schema), options
@@ -206,8 +208,8 @@ def _train(o: SimpleNamespace) -> None:
     dataset, model_name = o.data or o.dataset, model_id.get("factory", model_id.get("name"))  # "auto" resolved
     target = None if o.noise_multiplier else o.epsilon
     result = run_train(
-        net, train_part, o.strategy, epochs=o.epochs, expected_batch_size=o.batch_size,
-        full_batch=o.full_batch, noise_multiplier=o.noise_multiplier, target_epsilon=target, delta=o.delta,
+        net, train_part, o.strategy, epochs=epochs, expected_batch_size=o.batch_size,
+        full_batch=full_batch, noise_multiplier=o.noise_multiplier, target_epsilon=target, delta=o.delta,
         accountant=o.accountant, eval_data=test_part, eval_public=eval_public, checkpoint=checkpoint,
         allow_large_delta=o.allow_large_delta, eval_every=o.eval_every, seed=o.seed, device=device,
         progress=o.progress, secure_mode=o.secure, **parse_hyperparameters(o.hp),

@@ -180,6 +180,9 @@ def save_trained(
         raise ConfigError("this result carries no model to save")
     best = result.best_params is not None
     params = result.best_params if best else result.final_params
+    if not all(bool(torch.isfinite(v).all()) for v in params.values() if v.is_floating_point()):
+        raise ConfigError("the run diverged: its parameters are not finite, so there is no model to save (found in "
+                          "review: a NaN model was saved). Fix: a smaller learning rate, or a smaller clip.")  # fmt: skip
     state = full_state(result.model, params)
     plan, cls = result.plan, type(result.model)
     private = bool(plan.strategy.private)

@@ -171,9 +171,9 @@ class PrivateTraining:
         self._hooks = [p.register_post_accumulate_grad_hook(self._exact_grad) for p in self._named.values()]
         if self.optimizer is not None:  # last: a refused make_private leaves no hook on your optimizer
             self._hooks.append(self.optimizer.register_step_pre_hook(self._check_grads))
-        # A frozen parameter stepped in place (unfrozen, a backward(inputs=...) on private data, refrozen: found in
-        # review) moves its version counter: refused at the next check, and by result().
-        self._frozen = {k: (p, p._version) for k, p in self.model.named_parameters() if not p.requires_grad}
+        # A frozen parameter given a gradient (unfrozen, a backward(inputs=...) on private data, a second optimizer,
+        # refrozen: found in review): refused at the next check, and by result(). Your writes (an EMA) stay yours.
+        self._frozen = {k: p for k, p in self.model.named_parameters() if not p.requires_grad}
         self._structure = structure(self.model)
         self.history: list[dict[str, Any]] = []
         self._started = time.perf_counter()
@@ -211,13 +211,13 @@ class PrivateTraining:
                 "change before make_private, then call it again: a new run with its own plan and budget."
             )
         now = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
-        moved = [k for k, (p, v) in self._frozen.items() if p._version != v]
+        moved = [k for k, p in self._frozen.items() if p.grad is not None]
         if changed := sorted(
             {*moved, *(k for k in now.keys() | self._named.keys() if now.get(k) is not self._named.get(k))}
         ):
             raise ConfigError(
                 f"the trainable parameters changed since make_private ({', '.join(changed[:3])}: requires_grad "
-                "turned on or off, parameters added or replaced, or a frozen one stepped). Fix: call make_private again after "
+                "turned on or off, parameters added or replaced, or a frozen one given a gradient). Fix: call make_private again after "
                 "(un)freezing, with a new optimizer: a new run with its own plan. Each run spends its own "
                 "privacy budget on the data: together they cost the composition of both."
             )
@@ -377,9 +377,9 @@ class PrivateTraining:
 
     def result(self) -> TrainResult:
         """A ``TrainResult`` of the run so far (final parameters), for ``dptune.save_model``."""
-        if moved := [k for k, (p, v) in self._frozen.items() if p._version != v]:  # what it certifies: this run's model
-            raise ConfigError(f"frozen parameter(s) {', '.join(moved[:3])} changed during the run: the model is not "
-                              "this run's alone. Fix: keep them frozen and unchanged until result().")  # fmt: skip
+        if moved := [k for k, p in self._frozen.items() if p.grad is not None]:  # what it certifies: this run's model
+            raise ConfigError(f"frozen parameter(s) {', '.join(moved[:3])} got a gradient during the run: the model is "
+                              "not this run's alone. Fix: keep them frozen, and out of every backward, until result().")  # fmt: skip
         final = self._params() if self.optimizer is not None else self.update.finalize(self._params(), self._u_state)
         return TrainResult(
             history=list(self.history), evals=[], metric=self.task.metric.name, best_metric=None, best_step=None,

@@ -140,6 +140,9 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> None:
             f"{what} {str(p)!r} is a directory, but it names the file to write. "
             f"Fix: give a file path, e.g. {what} {str(p / 'result.json')!r}."
         )
+    if p.exists() and not p.is_file():  # found in review: --out /dev/null, as root, replaced the device by a file
+        raise ConfigError(f"{what} {str(p)!r} is not a regular file (a device or a pipe): dptune writes a new file "
+                          "there. Fix: give a file path (the JSON is small; delete it if you do not want it).")  # fmt: skip
     _check_creatable(p.parent, what, p)
     if p.exists() and not os.access(p, os.W_OK):
         raise ConfigError(f"{what} {str(p)!r} cannot be written (no write permission). Fix: choose another path.")

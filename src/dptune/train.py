@@ -74,8 +74,9 @@ def plan_run(
         raise ConfigError(f"pretrained must be True or False, got {pretrained!r}. Fix: e.g. pretrained=True.")
     if full_batch and expected_batch_size is not None:
         raise ConfigError("full_batch=True uses every example each step. Fix: drop expected_batch_size (--batch-size).")
-    if not full_batch and expected_batch_size is None:
-        expected_batch_size = default_batch_size(n)
+    if not full_batch and expected_batch_size is None:  # DP-GD is full batch by definition (Panda et al., Alg. 1)
+        full_batch = getattr(strategy, "name", None) == "dpgd"
+        expected_batch_size = None if full_batch else default_batch_size(n)
     q = sampling_rate_for(n, expected_batch_size, full_batch)
     if (epochs is None) == (steps is None):
         raise ConfigError("give exactly one of epochs or steps.")
@@ -428,6 +429,7 @@ class RunLoop:
             ledger=self.ledger, plan=self.plan, delta=delta, diverged=self.diverged, secure_mode=self.secure_mode,
             seconds=time.perf_counter() - self.started if seconds is None else seconds, model=self.model,
             eval_public=self.eval_public, float_slack=self.gateway.snap_slack,
+            steps_taken=self.history[-1]["step"] if self.diverged and self.history else None,  # a card said T (review)
         )  # fmt: skip
 
 

@@ -64,6 +64,7 @@ def _nonempty(tmp_path: Path) -> Path:
         (["--checkpoint", "best", "--data", "m:f"], "checkpoint 'best' selects on evaluation data"),
         (["--checkpoint", "bst"], "checkpoint must be 'final' or 'best' (got 'bst')"),
         (["--out", "EXISTING"], "already holds a result. Fix: name a new file, or pass --overwrite"),
+        (["--out", "/dev/null", "--overwrite"], "'/dev/null' is not a regular file"),  # was replaced by a file, as root
         *([(["--save", "/proc/x"], "--save '/proc/x' cannot be written")] if PROC else []),
         *([(["--out", "/proc/r.json"], "--out '/proc/r.json' cannot be written")] if PROC else []),
     ],
@@ -255,6 +256,18 @@ def test_ctrl_c_to_the_coordinator_alone_does_not_wait_for_the_process_pools_run
     out, _ = proc.communicate(timeout=120)
     assert time.monotonic() - sent < 30, out
     assert proc.returncode in (130, -signal.SIGINT) and f"dptune resume {tmp_path / 'd'}" in out, out
+
+
+def test_a_study_whose_model_does_not_take_the_data_is_one_error_and_leaves_nothing(tmp_path: Path) -> None:
+    """Found in review: digits (flat) with the Galli CNN failed in every run with torch's shape error, exit 1, and the
+    half-made study refused the corrected file. Now one error at planning, exit 2, no directory."""
+    study = tiny_study_toml("bad", steps=2).replace('name = "logistic_regression"', 'name = "galli_cnn"')
+    (tmp_path / "s.toml").write_text(study)
+    res = CliRunner().invoke(app, ["tune", str(tmp_path / "s.toml"), "-o", str(tmp_path / "d"), "--no-progress"])
+    assert res.exit_code == 2 and "[model] does not take these inputs" in res.output and "Fix:" in res.output, (
+        res.output
+    )
+    assert "Traceback" not in res.output and not (tmp_path / "d").exists()
 
 
 def test_report_of_an_unfinished_study_says_so(tmp_path: Path) -> None:

@@ -34,6 +34,18 @@ def test_cli_defaults_train_a_useful_model_on_mnist5k(strategy: str, tmp_path: P
     assert release["best_metric"] >= 0.80, release["best_metric"]
 
 
+def test_cli_dpgd_with_no_option_is_full_batch_dp_gd_that_learns(tmp_path: Path) -> None:
+    """Found in review: `dptune train --strategy dpgd` failed at its defaults (it needs q = 1), and 5 full-batch
+    steps gave 0.27 on digits. DP-GD is full batch by definition; its default is 50 epochs = 50 steps."""
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["train", "--dataset", "digits", "--strategy", "dpgd", "--no-progress", "--out",
+                                   str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    release = json.loads(out.read_text())
+    assert (release["sampling_rate"], release["steps"], release["accountant"]) == (1.0, 50, "gdp")
+    assert release["best_metric"] >= 0.85, release["best_metric"]  # 0.90 measured; majority class 0.10
+
+
 def _run(steps: int, nu: float = 1.0) -> RunPlan:
     return run_plan(nu, 0.064, 256.0, steps)
 

@@ -96,7 +96,7 @@ def test_config_errors_are_value_errors_with_one_message() -> None:
 
 
 # ----------------------------------------------------------------------------- divergence
-def test_non_finite_parameters_stop_the_run_and_keep_its_spend() -> None:
+def test_non_finite_parameters_stop_the_run_and_keep_its_spend(tmp_path) -> None:
     """Divergence is judged on the parameters (post-processing of the noisy releases, so the
     stop leaks nothing; a stop on the private batch loss would). lr = 1e39 overflows float32 at
     the first step: the parameters, and with them every later loss, are non-finite."""
@@ -111,6 +111,14 @@ def test_non_finite_parameters_stop_the_run_and_keep_its_spend() -> None:
     assert res.ledger.releases == done  # every step taken was spent and stays recorded
     assert res.epsilon(1e-5) > 0
     assert res.summary()["diverged"] is True
+    # Found in review: its model card said all 50 steps were taken, and a model of NaNs was saved.
+    assert res.steps_taken == done
+    import dptune
+    from dptune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="diverged.*Fix: a smaller learning rate"):
+        dptune.save_model(res, tmp_path / "m")
+    assert not (tmp_path / "m").exists()
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

@@ -18,6 +18,7 @@ from dptune.distributed import refuse_in_study
 from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
 from dptune.gradients.oracle import check_model
 from dptune.gradients.stacked import stack_plan
+from dptune.models import check_fits
 from dptune.outputs import NOT_DP_LABEL, Progress, check_output_dir, drop_stale_report, hides_run_count
 from dptune.release.ledger import Ledger
 from dptune.tune import results
@@ -353,6 +354,10 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
                 )
             return store, plan
         data = study_data(study.data, study.selection, study.seed)
+        # One public-weight forward on one example before anything is stored (found in review: a model that does not
+        # take the data failed in every run, and the half-made study blocked the corrected file).
+        check_fits(build_model(study.model, data, study.seeds[0]), data.x_train, data.y_train, "[model]",
+                   "choose a model that takes this data's inputs (e.g. [model] name = \"mlp\" for flat features)")  # fmt: skip
         metric = study_metric(study, data.task)
         if metric == "accuracy" and data.task == "reconstruction":
             raise ConfigError("selection.metric = 'accuracy' on a reconstruction task. Fix: metric = 'mse'.")
