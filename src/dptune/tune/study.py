@@ -354,10 +354,7 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
                 )
             return store, plan
         data = study_data(study.data, study.selection, study.seed)
-        # One public-weight forward on one example before anything is stored (found in review: a model that does not
-        # take the data failed in every run, and the half-made study blocked the corrected file).
-        check_fits(build_model(study.model, data, study.seeds[0]), data.x_train, data.y_train, "[model]",
-                   "choose a model that takes this data's inputs (e.g. [model] name = \"mlp\" for flat features)")  # fmt: skip
+        _check_model_fits(study, data)
         metric = study_metric(study, data.task)
         if metric == "accuracy" and data.task == "reconstruction":
             raise ConfigError("selection.metric = 'accuracy' on a reconstruction task. Fix: metric = 'mse'.")
@@ -369,6 +366,18 @@ def _open(study: Study, study_dir: Path) -> tuple[Store, StudyPlan]:
         store.close()
         raise
     return store, plan
+
+
+def _check_model_fits(study: Study, data: Any) -> None:
+    """One forward of the initial model on one example before anything is stored (found in review: a model that does
+    not take the data failed in every run, and the half-made study blocked the corrected file). A builder that raises
+    is left to the runs, which record its error."""
+    try:
+        model = build_model(study.model, data, study.seeds[0])
+    except Exception:  # noqa: BLE001 - recorded per run, as before
+        return
+    fix = 'choose a model that takes this data\'s inputs (e.g. [model] name = "mlp" for flat features)'
+    check_fits(model, data.x_train, data.y_train, "[model]", fix)
 
 
 def plan_only(config: str | os.PathLike[str] | Study) -> StudyPlan:
