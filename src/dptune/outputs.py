@@ -239,7 +239,11 @@ def check_train_options(o: Any) -> None:
     if parse_hyperparameters(getattr(o, "model_opt", []), "--model-opt", "mode=lora") and ":" in str(o.model):
         raise ConfigError("--model-opt sets a built-in model's options. Fix: give your factory its defaults instead.")
     if (bool(o.data) and str(o.data).lower().endswith(".csv")) != (getattr(o, "label", None) is not None):
-        raise ConfigError("--data FILE.csv and --label COLUMN go together. Fix: pass both (or neither).")
+        raise ConfigError("--data FILE.csv and --label COLUMN go together (the file's name ends in .csv). Fix: pass "
+                          "both, or neither.")  # fmt: skip
+    if not str(o.data or "").lower().endswith(".csv") and (getattr(o, "test", None) or getattr(o, "schema", None)):
+        raise ConfigError("--test and --schema describe a CSV: they go with --data FILE.csv (found in review: ignored "
+                          "without it, training on the default dataset). Fix: add --data FILE.csv --label COLUMN.")  # fmt: skip
     # torch.manual_seed takes at most a 64-bit integer; the data splits need ≥ 0 (-1 and 10**24 were tracebacks).
     if not 0 <= o.seed <= 2**63 - 1:
         raise ConfigError(f"--seed must be an integer in [0, 2**63 - 1], got {o.seed}. Fix: e.g. --seed 0.")

@@ -65,6 +65,7 @@ def _nonempty(tmp_path: Path) -> Path:
         (["--checkpoint", "bst"], "checkpoint must be 'final' or 'best' (got 'bst')"),
         (["--out", "EXISTING"], "already holds a result. Fix: name a new file, or pass --overwrite"),
         (["--out", "/dev/null", "--overwrite"], "'/dev/null' is not a regular file"),  # was replaced by a file, as root
+        (["--test", "t.csv"], "--test and --schema describe a CSV: they go with --data FILE.csv"),  # was ignored
         *([(["--save", "/proc/x"], "--save '/proc/x' cannot be written")] if PROC else []),
         *([(["--out", "/proc/r.json"], "--out '/proc/r.json' cannot be written")] if PROC else []),
     ],
