@@ -171,9 +171,13 @@ class PrivateTraining:
         self._hooks = [p.register_post_accumulate_grad_hook(self._exact_grad) for p in self._named.values()]
         if self.optimizer is not None:  # last: a refused make_private leaves no hook on your optimizer
             self._hooks.append(self.optimizer.register_step_pre_hook(self._check_grads))
+            self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
         # A frozen parameter given a gradient (unfrozen, a backward(inputs=...) on private data, a second optimizer,
         # refrozen: found in review): refused at the next check, and by result(). Your writes (an EMA) stay yours.
-        self._frozen = {k: p for k, p in self.model.named_parameters() if not p.requires_grad}
+        self._frozen = {
+            k: (p, p.grad, _version(p.grad)) for k, p in self.model.named_parameters() if not p.requires_grad
+        }
+        self._final: Tensors | None = None  # the parameters when the run ended (close): what result() certifies
         self._structure = structure(self.model)
         self.history: list[dict[str, Any]] = []
         self._started = time.perf_counter()
@@ -182,11 +186,24 @@ class PrivateTraining:
         return {k: p.detach() for k, p in self._named.items()}
 
     def close(self) -> None:
-        """End the run early (early stopping): its hooks leave your model and optimizer, which are yours again; the
-        run's ledger and ``result()`` stay. At the end of the plan this happens by itself."""
+        """End the run (early stopping): no more releases; its hooks leave your model and optimizer, which are yours
+        again; ``result()`` certifies the parameters of now, whatever you train after (found in review). At the end of
+        the plan this happens by itself, after the last release's step."""
+        if self._final is None:
+            self._final = clone(self._params() if self.optimizer is not None else self._finalized())
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def _finalized(self) -> Tensors:
+        return self.update.finalize(self._params(), self._u_state)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.t >= self.plan.steps:  # the last release's step taken: the model and optimizer are yours again
+            self.close()
+
+    def _moved_frozen(self) -> list[str]:  # frozen parameters given a gradient since make_private
+        return [k for k, (p, g, v) in self._frozen.items() if p.grad is not g or _version(g) != v]
 
     def _exact_grad(self, p: torch.Tensor) -> None:
         if self.t >= self.plan.steps:  # the run is over: the model is yours again
@@ -211,7 +228,7 @@ class PrivateTraining:
                 "change before make_private, then call it again: a new run with its own plan and budget."
             )
         now = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
-        moved = [k for k, p in self._frozen.items() if p.grad is not None]
+        moved = self._moved_frozen()
         if changed := sorted(
             {*moved, *(k for k in now.keys() | self._named.keys() if now.get(k) is not self._named.get(k))}
         ):
@@ -284,6 +301,9 @@ class PrivateTraining:
         return self.update.rate(self._u_state)
 
     def _release(self, x: Any, y: torch.Tensor) -> tuple[Released | None, dict[str, Any]]:
+        if self._final is not None and self.t < self.plan.steps:
+            raise ConfigError("this run was closed: it releases nothing more. Fix: make_private again for a new run "
+                              "(its budget composes with this one's).")  # fmt: skip
         if self.t >= self.plan.steps:
             raise BudgetExceededError(
                 f"the plan has {self.plan.steps} steps and all were taken; make_private(..., steps=...) plans more."
@@ -345,8 +365,6 @@ class PrivateTraining:
                     "or an in-place change since?): the optimizer would use non-private gradients. Call "
                     "optimizer.zero_grad() and private.backward(x, y) right before optimizer.step()."
                 )
-        if self.t >= self.plan.steps:  # the last release's step checked: the model and optimizer are yours again
-            self.close()
 
     def step(self, x: Any, y: torch.Tensor) -> dict[str, Any]:
         """``backward`` then the optimizer's step; or, with a dptune update rule, the rule
@@ -365,6 +383,8 @@ class PrivateTraining:
                 for k, p in self._named.items():
                     p.copy_(new[k])
             row.update(info)
+        if self.t >= self.plan.steps:
+            self.close()
         return row
 
     # ------------------------------------------------------------------ what it spent
@@ -377,16 +397,21 @@ class PrivateTraining:
 
     def result(self) -> TrainResult:
         """A ``TrainResult`` of the run so far (final parameters), for ``dptune.save_model``."""
-        if moved := [k for k, p in self._frozen.items() if p.grad is not None]:  # what it certifies: this run's model
+        if moved := self._moved_frozen():  # what it certifies: this run's model
             raise ConfigError(f"frozen parameter(s) {', '.join(moved[:3])} got a gradient during the run: the model is "
                               "not this run's alone. Fix: keep them frozen, and out of every backward, until result().")  # fmt: skip
-        final = self._params() if self.optimizer is not None else self.update.finalize(self._params(), self._u_state)
+        final = self._final if self._final is not None else self._params() if self.optimizer is not None else (
+            self._finalized())  # fmt: skip
         return TrainResult(
             history=list(self.history), evals=[], metric=self.task.metric.name, best_metric=None, best_step=None,
             best_params=None, final_params=clone(final), ledger=self.ledger, plan=self.plan, delta=self.delta,
             seconds=time.perf_counter() - self._started, model=self.model, secure_mode=self.secure_mode,
             steps_taken=self.t, float_slack=self.gateway.snap_slack,
         )  # fmt: skip
+
+
+def _version(t: torch.Tensor | None) -> int:
+    return -1 if t is None else t._version
 
 
 def structure(model: nn.Module) -> tuple:

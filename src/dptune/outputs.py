@@ -65,25 +65,30 @@ def release_dir(out: str | Path) -> Path:
 REPORT_FILES = ".report-files"  # in release/: what a study report wrote there, removed when its results change
 
 
-def note_report_files(out: str | Path) -> None:
-    """After a study report: list its files in release/ (all but the tuner's own ``results.csv`` and ``models/``)."""
-    rel = release_dir(out)
-    own = {REPORT_FILES, "results.csv", "models"}
-    names = sorted(
-        str(p.relative_to(rel)) for p in rel.rglob("*") if p.is_file() and p.relative_to(rel).parts[0] not in own
-    )
-    (rel / REPORT_FILES).write_text("\n".join(names) + "\n", encoding="utf-8")
+def release_files(out: str | Path) -> dict[str, int]:
+    """The files in ``out``/release/ but the tuner's own (``results.csv``, ``models/``), by name → mtime (ns)."""
+    rel, own = Path(out) / RELEASE_DIR, {REPORT_FILES, "results.csv", "models"}
+    files = (p for p in rel.rglob("*") if p.is_file() and p.relative_to(rel).parts[0] not in own)
+    return {str(p.relative_to(rel)): p.stat().st_mtime_ns for p in files}
+
+
+def note_report_files(out: str | Path, before: dict[str, int]) -> None:
+    """After a study report: list the files it wrote in release/ (new or rewritten since ``before``), with their mtimes."""
+    wrote = {n: t for n, t in release_files(out).items() if before.get(n) != t}
+    (release_dir(out) / REPORT_FILES).write_text("".join(f"{t}\t{n}\n" for n, t in sorted(wrote.items())))
 
 
 def drop_stale_report(out: str | Path) -> bool:
-    """Remove a report written from an earlier state of a study (found in review: its CSVs contradicted the new
-    ``results.csv``); True if one was there. ``dptune report`` writes it again."""
+    """Remove the files a study report wrote from an earlier state of the study (found in review: its CSVs contradicted
+    the new ``results.csv``), each only if unchanged since (a file of yours stays); True if there was one."""
     listing = Path(out) / RELEASE_DIR / REPORT_FILES
     if not listing.is_file():
         return False
-    for name in listing.read_text(encoding="utf-8").split("\n"):
-        if name and ".." not in Path(name).parts:
-            (listing.parent / name).unlink(missing_ok=True)
+    now = release_files(out)
+    for line in listing.read_text(encoding="utf-8").splitlines():
+        t, _, name = line.partition("\t")
+        if name and now.get(name) == int(t):
+            (listing.parent / name).unlink()
     listing.unlink()
     return True
 

@@ -333,3 +333,54 @@ def test_backward_inside_inference_mode_is_refused_before_a_release() -> None:
         norm_bounds.wide_mm(torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 5))
     private.step(xb, yb)  # ... is replaced outside it
     assert private.ledger.releases == 1
+
+
+def test_a_closed_or_finished_run_releases_nothing_more_and_certifies_its_own_parameters() -> None:
+    """Found in review (a regression of close()): after close(), backward() went on releasing with every check gone,
+    and result() certified whatever was trained after, exactly; after the plan, the same. Now a closed run refuses to
+    release, and result() holds the parameters of the moment the run ended."""
+    model, x, y = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x, y), opt, **KW)
+    batches = iter(private.batches())
+    private.step(*next(batches))
+    private.close()
+    at_close = _snapshot(model)
+    with pytest.raises(ConfigError, match="this run was closed"):
+        private.backward(*next(batches))
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()  # exact training after the run: yours, not certified
+    opt.step()
+    assert all(torch.equal(v, at_close[k]) for k, v in private.result().final_params.items())
+    finished = dptune.make_private(model, (x, y), opt, **KW)
+    for xb, yb in finished.batches():
+        finished.step(xb, yb)
+    at_end = _snapshot(model)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert all(torch.equal(v, at_end[k]) for k, v in finished.result().final_params.items())
+
+
+def test_a_gradient_a_frozen_parameter_held_before_make_private_is_no_refusal() -> None:
+    """Found in review (a regression): pretrain, freeze the trunk, make_private with a head-only optimizer: the trunk's
+    old .grad refused the first step. Only a gradient given during the run is refused."""
+    model, x, y = _mlp()
+    nn.functional.cross_entropy(model(x), y).backward()  # public pretraining, say: every .grad set
+    model[0].requires_grad_(False)
+    private = dptune.make_private(model, (x, y), torch.optim.SGD(model[2].parameters(), lr=0.1), **KW)
+    for xb, yb in private.batches():
+        private.step(xb, yb)
+    assert private.result().steps_taken == KW["steps"]
+
+
+def test_half_precision_inputs_of_a_float32_model_under_autocast_still_train() -> None:
+    """Autocast is off inside every private computation (its bound); bfloat16 inputs of a float32 model are then
+    computed in float32, as autocast would (found in review: refused as a model failing on one example)."""
+    model, x, y = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dptune.make_private(model, (x.bfloat16(), y), opt, **KW)
+    for xb, yb in private.batches():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            private.backward(xb, yb)
+        opt.step()
+    assert private.result().steps_taken == KW["steps"]

@@ -176,6 +176,8 @@ def test_results_cut_short_by_a_kill_are_written_again_and_a_stale_report_is_rem
         (rid,) = con.execute("SELECT run_id FROM runs LIMIT 1").fetchone()
         con.execute("UPDATE runs SET status = 'planned' WHERE run_id = ?", (rid,))
         con.execute("DELETE FROM ledger WHERE run_id = ?", (rid,))
+    (d / "release" / "mine").mkdir()
+    (d / "release" / "mine" / "notes.txt").write_text("yours")  # found in review: listed, then deleted
     report_study(d)
     stale = {p.relative_to(d / "release") for p in (d / "release").rglob("*") if p.is_file()}
     assert {"report.html", "results_best.csv"} <= {str(p) for p in stale} and (d / "release/.report-files").is_file()
@@ -183,6 +185,7 @@ def test_results_cut_short_by_a_kill_are_written_again_and_a_stale_report_is_rem
         resume_study(d, progress=False)
     left = {str(p.relative_to(d / "release")) for p in (d / "release").rglob("*") if p.is_file()}
     assert "report.html" not in left and "results_best.csv" not in left and "results.csv" in left
+    assert "mine/notes.txt" in left  # a file of yours in release/ stays
     assert any(p.startswith("models") for p in left)
     for name in ("results.csv", "models"):  # cut short by a kill: written again by a resume that runs nothing
         target = d / "release" / name

@@ -104,6 +104,15 @@ def _rows_alone(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch
     return losses
 
 
+def _as_weights(x: Any, params: Tensors) -> Any:
+    """Under your autocast (off inside, ``ieee_matmul``), half-precision inputs of a float32 model in its dtype, as
+    autocast would have computed them (found in review: refused as a model failing on one example)."""
+    dt = next((p.dtype for p in params.values() if p.is_floating_point()), None)
+    if dt is None or not any(torch.is_autocast_enabled(d) for d in ("cpu", inputs.device_of(x).type)):
+        return x
+    return inputs.tmap(lambda t: t.to(dt) if t.is_floating_point() and t.itemsize < dt.itemsize else t, x)
+
+
 class GradientOracle:
     """Per-example losses and gradients of ``model`` at given parameters. ``method``: 'auto' | 'vmap' | 'ghost'
     (None: ``DEFAULT_METHOD``); ``chunk_size`` bounds the vmap path's memory (B × #params floats). Every private
@@ -187,6 +196,7 @@ class GradientOracle:
         check_modes()
         if self._refused is not None:  # a refusal is final, on every path
             raise self._refused
+        x = _as_weights(x, params)
         if self.own_code and self._looked is False:
             self._look(params, x)
         with ieee_matmul(inputs.device_of(x)):

@@ -20,6 +20,7 @@ from dptune.outputs import (
     note_report_files,
     public_run_name,
     randomness_statement,
+    release_files,
     split_arm_notes,
     write_labelled_csv,
 )
@@ -107,6 +108,7 @@ def report_study(
     to ``study_dir``; ``include_diagnostics=True`` also writes ``<out>/diagnostics/report.html``."""
     study_dir = Path(study_dir)
     out = Path(out_dir) if out_dir is not None else study_dir
+    before = release_files(out)  # what the report writes is what it changes (a file of yours is not listed)
     s = read_study(study_dir)
     cfg, plan, runs, table, arm_of = s.cfg, s.plan, s.runs, s.table, s.arm_of
     # The non-private baseline (nodp, ε = ∞) is in no release table, figure or sentence: its exact
@@ -136,7 +138,9 @@ def report_study(
         all_results=every_configuration(runs, arm_of, s.chosen, has_test),
     )
     page = build_report(out, inputs, include_diagnostics=include_diagnostics)
-    note_report_files(out)  # removed by the tuner once more runs finish: never a stale report beside new results
+    note_report_files(
+        out, before
+    )  # removed by the tuner once more runs finish: never a stale report beside new results
     return page
 
 

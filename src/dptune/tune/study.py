@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dptune.deliverable import save_checkpoint
 from dptune.devices import check_device_name, resolve_device
 from dptune.distributed import refuse_in_study
@@ -373,7 +375,8 @@ def _check_model_fits(study: Study, data: Any) -> None:
     not take the data failed in every run, and the half-made study blocked the corrected file). A builder that raises
     is left to the runs, which record its error."""
     try:
-        model = build_model(study.model, data, study.seeds[0])
+        with torch.random.fork_rng(devices=[]):  # build_model seeds torch: your random stream stays as it was
+            model = build_model(study.model, data, study.seeds[0])
     except Exception:  # noqa: BLE001 - recorded per run, as before
         return
     fix = 'choose a model that takes this data\'s inputs (e.g. [model] name = "mlp" for flat features)'
