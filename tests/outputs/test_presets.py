@@ -338,7 +338,7 @@ def galli_mnist_smoke(shared_data_dir: Path, tmp_path_factory: pytest.TempPathFa
     return out, console
 
 
-# panda-finetune: 24 runs of MiniLM (≈ 40 CPU s; minutes on a loaded 2-core VM)
+# panda-finetune: 16 runs of MiniLM, last-k and LoRA (full mode: tests/training/test_finetune.py)
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.slow) if n == "panda-finetune" else n for n in TRAINING_PRESETS]
 )
