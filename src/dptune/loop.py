@@ -23,6 +23,7 @@ from dptune.gradients.isolation import (
     registered_functions,
 )
 from dptune.gradients.oracle import GradientOracle
+from dptune.gradients.persample import version_of
 from dptune.names import aliased
 from dptune.release.context import StepContext
 from dptune.release.privatizers import FixedClip, Privatizer, Released
@@ -175,7 +176,7 @@ class PrivateTraining:
         # A frozen parameter given a gradient (unfrozen, a backward(inputs=...) on private data, a second optimizer,
         # refrozen: found in review): refused at the next check, and by result(). Your writes (an EMA) stay yours.
         self._frozen = {
-            k: (p, p.grad, _version(p.grad)) for k, p in self.model.named_parameters() if not p.requires_grad
+            k: (p, p.grad, version_of(p.grad)) for k, p in self.model.named_parameters() if not p.requires_grad
         }
         self._final: Tensors | None = None  # the parameters when the run ended (close): what result() certifies
         self._structure = structure(self.model)
@@ -203,7 +204,7 @@ class PrivateTraining:
             self.close()
 
     def _moved_frozen(self) -> list[str]:  # frozen parameters given a gradient since make_private
-        return [k for k, (p, g, v) in self._frozen.items() if p.grad is not g or _version(g) != v]
+        return [k for k, (p, g, v) in self._frozen.items() if p.grad is not g or version_of(g) != v]
 
     def _exact_grad(self, p: torch.Tensor) -> None:
         if self.t >= self.plan.steps:  # the run is over: the model is yours again
@@ -408,10 +409,6 @@ class PrivateTraining:
             seconds=time.perf_counter() - self._started, model=self.model, secure_mode=self.secure_mode,
             steps_taken=self.t, float_slack=self.gateway.snap_slack,
         )  # fmt: skip
-
-
-def _version(t: torch.Tensor | None) -> int:
-    return -1 if t is None else t._version
 
 
 def structure(model: nn.Module) -> tuple:

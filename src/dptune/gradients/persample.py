@@ -257,13 +257,13 @@ class ScratchBuffers:
             yield self.originals
             return self._refresh()
         generation = _BUFFER_GENERATION[0]
-        frozen = [_version(p) for p in self._frozen]
+        frozen = [version_of(p) for p in self._frozen]
         self._calls += 1  # the frozen values compared around forwards 1, 2, 4, …, then every 64th
         due = self._calls & (self._calls - 1) == 0 or self._calls % 64 == 0
         start = self._fingerprint() if due else None
-        before = {k: _version(v) for k, v in self.originals.items()}
+        before = {k: version_of(v) for k, v in self.originals.items()}
         copies = {k: v if k in self.passthrough else v.detach().clone() for k, v in self.originals.items()}
-        versions = {k: _version(v) for k, v in copies.items()}
+        versions = {k: version_of(v) for k, v in copies.items()}
         try:
             yield copies if self.originals else self.originals
         finally:  # also when the forward failed: a write before the failure is refused as such
@@ -272,8 +272,8 @@ class ScratchBuffers:
                 self._refuse_new()
             if due:
                 self.check_frozen(start)
-            if any(_version(p) != v for p, v in zip(self._frozen, frozen, strict=True)):
-                moved = [n for (n, p), v in zip(self._frozen_names(), frozen, strict=True) if _version(p) != v]
+            if any(version_of(p) != v for p, v in zip(self._frozen, frozen, strict=True)):
+                moved = [n for (n, p), v in zip(self._frozen_names(), frozen, strict=True) if version_of(p) != v]
                 self._refuse(moved, "frozen parameter(s)")
 
     def _check(self, copies: Tensors, versions: dict[str, int], before: dict[str, int]) -> None:
@@ -281,12 +281,12 @@ class ScratchBuffers:
             k
             for k, v in copies.items()
             if k not in self.passthrough
-            and (_version(v) != versions[k] or _version(self.originals[k]) != before[k] or versions[k] < 0)
+            and (version_of(v) != versions[k] or version_of(self.originals[k]) != before[k] or versions[k] < 0)
         ]
         if written and not _same_values(self.originals, copies, written):
             with torch.no_grad():  # a write to the model's own buffer (a backward hook): undone
                 for k in written:
-                    if _version(self.originals[k]) != before[k] and _version(copies[k]) == versions[k] >= 0:
+                    if version_of(self.originals[k]) != before[k] and version_of(copies[k]) == versions[k] >= 0:
                         self.originals[k].copy_(copies[k])  # the copy still holds the value from before
             self._refuse(written)
 
@@ -320,9 +320,9 @@ class ScratchBuffers:
         raise self._refused
 
 
-def _version(t: torch.Tensor) -> int:
-    """t's in-place write counter; -1 for an inference tensor (none kept: values are compared)."""
-    return -1 if t.is_inference() else t._version
+def version_of(t: torch.Tensor | None) -> int:
+    """t's in-place write counter; -1 for no tensor or an inference tensor (none kept: values are compared)."""
+    return -1 if t is None or t.is_inference() else t._version
 
 
 def _same_values(a: Tensors, b: Tensors, names: list[str]) -> bool:
