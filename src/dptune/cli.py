@@ -32,6 +32,7 @@ from dptune.outputs import (
     publish_note,
     refuse_foreign_dir,
     resume_hint,
+    strict_json,
     terminal_console,
     train_output_paths,
     train_table_rows,
@@ -139,7 +140,7 @@ def train(
         "--batch-size",
         help="expected batch size L (Poisson rate q = L/n); default min(256, n/10) rounded",
     ),
-    full_batch: bool = typer.Option(False, help="full-batch training (q = 1)"),
+    full_batch: bool = typer.Option(False, "--full-batch", help="full-batch training (q = 1)"),
     hp: list[str] = typer.Option([], "--hp", help="strategy hyperparameter key=value (repeatable), e.g. --hp lr=0.5"),
     model_opt: list[str] = typer.Option(
         [], "--model-opt", help="option of a built-in --model, key=value (repeatable), e.g. --model-opt mode=lora"
@@ -160,7 +161,9 @@ def train(
         help="where to write the diagnostics JSON, not differentially private: for the data owner only "
         "(default: diagnostics/<out name> beside --out)",
     ),
-    progress: bool = typer.Option(True, help="show a progress bar (no loss on the private batch)"),
+    no_progress: bool = typer.Option(
+        False, "--no-progress", help="no progress bar (it shows no loss on the private batch)"
+    ),
     secure: bool = typer.Option(
         False,
         "--secure-mode",
@@ -212,7 +215,7 @@ def _train(o: SimpleNamespace) -> None:
         full_batch=full_batch, noise_multiplier=o.noise_multiplier, target_epsilon=target, delta=o.delta,
         accountant=o.accountant, eval_data=test_part, eval_public=eval_public, checkpoint=checkpoint,
         allow_large_delta=o.allow_large_delta, eval_every=o.eval_every, seed=o.seed, device=device,
-        progress=o.progress, secure_mode=o.secure, **parse_hyperparameters(o.hp),
+        progress=not o.no_progress, secure_mode=o.secure, **parse_hyperparameters(o.hp),
     )  # fmt: skip
     if not writes():  # under torchrun: one run on every process (dptune.distributed), rank 0 writes
         return
@@ -549,7 +552,7 @@ def audit(
     console.print(res.summary())
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res.to_dict(), default=str, indent=2))
+        out.write_text(strict_json(res.to_dict(), indent=2))
     if res.flagged:
         raise typer.Exit(1)
 

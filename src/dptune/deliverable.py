@@ -21,7 +21,7 @@ from dptune import models
 from dptune._version import __version__
 from dptune.errors import ConfigError
 from dptune.factories import call_factory, import_factory
-from dptune.outputs import labelled_json, randomness_statement
+from dptune.outputs import labelled_json, randomness_statement, strict_json
 from dptune.own import factory_kwargs
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -96,7 +96,7 @@ def write_model(directory: str | Path, state: Mapping[str, torch.Tensor], card: 
     }
     # The folder's own name only: an absolute path would publish the owner's file system layout.
     full["load"] = reload_code(d.name, full.get("model", {}))
-    save_text(d / CARD_JSON, json.dumps(_finite_json(full), indent=2, default=str) + "\n")
+    save_text(d / CARD_JSON, strict_json(full, indent=2) + "\n")
     save_text(d / CARD_MD, card_markdown(full))
     return d
 
@@ -118,17 +118,6 @@ def reload_code(folder: str, ident: Mapping[str, Any]) -> str:
     head = "import dptune\n" + ("" if mod in ("", "__main__") else f"from {mod} import {attr.split('.')[0]}\n")
     note = "" if args is not None else "  # your class, built as for training"
     return f"{head}model, card = dptune.load_model({folder!r}, model={call}){note}"
-
-
-def _finite_json(x: Any) -> Any:
-    """Strict JSON: a non-finite float as the string "inf"/"nan" (not ``Infinity``)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, Mapping):
-        return {k: _finite_json(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite_json(v) for v in x]
-    return x
 
 
 def _fmt(x: Any) -> str:

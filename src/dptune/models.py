@@ -229,7 +229,7 @@ def for_training(
         factories.import_factory(data, "--data")
         if not yours:
             raise ConfigError("--data needs your own model too: --model pkg.module:factory.")
-        train_part, test_part = own.load_data(data)
+        train_part, test_part, _ = own.load_data(data)
         dims = own.data_shape(train_part)
     else:
         opts = {} if data else token_options(model, dataset)

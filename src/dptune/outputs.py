@@ -381,6 +381,20 @@ def read_csv_rows(path: str | Path) -> list[dict[str, str]]:
     return list(csv.DictReader(lines))
 
 
+def strict_json(x: Any, **kwargs: Any) -> str:
+    """Standard JSON (no ``Infinity``/``NaN`` tokens, which strict parsers reject): a non-finite float
+    is written as the string "inf", "-inf" or "nan"; anything else unknown as its ``str``."""
+
+    def finite(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        if isinstance(v, Mapping):
+            return {k: finite(w) for k, w in v.items()}
+        return [finite(w) for w in v] if isinstance(v, list | tuple) else v
+
+    return json.dumps(finite(x), default=str, allow_nan=False, **kwargs)
+
+
 def labelled_json(payload: Mapping[str, Any]) -> dict[str, Any]:
     """A diagnostics JSON object: ``{"privacy": NOT_DP_NOTICE, ...payload}``."""
     return {"privacy": NOT_DP_NOTICE, **payload}
@@ -399,10 +413,10 @@ def write_train_outputs(
         os.replace(tmp, path)
 
     release, diag = train_outputs(result, **context)
-    save_text(out, json.dumps(release, default=str))
+    save_text(out, strict_json(release))
     if label_folder:
         diagnostics_dir(diagnostics.parent.parent)
-    save_text(diagnostics, json.dumps(diag, default=str))
+    save_text(diagnostics, strict_json(diag))
     return release
 
 

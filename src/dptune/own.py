@@ -232,14 +232,15 @@ def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.T
 
 
 # ----------------------------------------------------------------------------- data factories
-def load_data(path: str, options: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """Call the data factory ``path`` and return ``(train, test)`` as given (contract: docs/your_data.md)."""
+def load_data(path: str, options: dict[str, Any] | None = None) -> tuple[Any, Any, int | None]:
+    """Call the data factory ``path`` and return ``(train, test, classes)``: the parts as given (contract:
+    docs/your_data.md) and a ``dptune.data.Dataset``'s declared class count (else None: read from the labels)."""
     out = call_factory(import_factory(path, "data factory"), path, "data factory", **dict(options or {}))
     if hasattr(out, "x_train"):
         test = (out.x_test, out.y_test) if getattr(out, "x_test", None) is not None else None
-        return (out.x_train, out.y_train), test
+        return (out.x_train, out.y_train), test, getattr(out, "num_classes", None)
     if isinstance(out, tuple | list) and len(out) == 4 and all(isinstance(t, torch.Tensor) for t in out):
-        return (out[0], out[1]), (out[2], out[3])
+        return (out[0], out[1]), (out[2], out[3]), None
     if isinstance(out, tuple | list) and len(out) == 2 and not isinstance(out[0], torch.Tensor):
         train, test = out
         for part, v in (("train", train), ("test", test)):
@@ -248,7 +249,7 @@ def load_data(path: str, options: dict[str, Any] | None = None) -> tuple[Any, An
                     f"data factory {path!r}: its {part} part is a {type(v).__name__}. Fix: return "
                     "map-style datasets or (x, y) tensor pairs."
                 )
-        return train, test
+        return train, test, None
     raise ConfigError(
         f"data factory {path!r} returned a {type(out).__name__}. Fix: return (train, test) "
         "datasets, (x_train, y_train, x_test, y_test) tensors or a dptune.data.Dataset."

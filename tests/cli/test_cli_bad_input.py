@@ -141,6 +141,21 @@ def test_the_release_json_is_written_after_the_model(tmp_path: Path, monkeypatch
     assert res.exit_code != 0 and not (tmp_path / "r.json").exists() and not (tmp_path / "release").exists()
 
 
+def test_a_nodp_run_writes_standard_json(tmp_path: Path) -> None:
+    """ε = ∞ is the string "inf", not the ``Infinity`` token that strict JSON parsers reject (found in review)."""
+    import json
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"non-standard JSON token {token}")
+
+    argv = ["train", "--dataset", "digits", "--strategy", "nodp", "--epochs", "0.2", "--out", str(tmp_path / "r.json")]
+    res = CliRunner().invoke(app, [*argv, "--save", str(tmp_path / "m")])
+    assert res.exit_code == 0, res.output
+    for path in (tmp_path / "r.json", tmp_path / "m" / "model_card.json", *tmp_path.glob("diagnostics/*.json")):
+        json.loads(path.read_text(), parse_constant=refuse)
+    assert json.loads((tmp_path / "r.json").read_text())["epsilon"] == "inf"
+
+
 def test_save_into_a_folder_that_is_not_empty_needs_overwrite(tmp_path: Path) -> None:
     saved = _nonempty(tmp_path)
     res = invoke_train(tmp_path / "r.json", "--save", str(saved))

@@ -126,6 +126,13 @@ def test_study_toml_csv(tmp_path: Path) -> None:
             "column 'c' holds 'red' (a value of your data: not differentially private: for the data owner only), not a finite number",
         ),  # undeclared categories: refused
         ("x1,y\n1,a\n2,a\n", "y", "the label column 'y' holds 1 distinct value"),
+        # found in review: lines counted with blank lines; float32 overflow; empty label; two spellings; no feature
+        ("x1,y\n\n1,a\n\n\nfoo,b\n", "y", "line 6: column 'x1' holds 'foo'"),
+        ("x1,y\n1,a\n\n2\n", "y", "line 4: 1 fields, the header has 2. Fix: give every line 2 fields"),
+        ("x1,y\n1,a\n1e39,b\n", "y", "line 3: column 'x1' holds '1e39'"),
+        ("x1,y\n1,a\n2,\n3,b\n", "y", "line 3: the label cell is empty"),
+        ("x1,y\n1,1\n2,1.0\n3,2\n", "y", "spells one number in two ways"),
+        ("y\na\nb\n", "y", "holds only the label column 'y'"),
     ],
 )
 def test_bad_csv_is_one_clear_error(tmp_path: Path, text: str, label: str, needle: str) -> None:
@@ -136,6 +143,30 @@ def test_bad_csv_is_one_clear_error(tmp_path: Path, text: str, label: str, needl
     assert needle in str(err.value)
     line = one_error_line(["train", "--data", str(f), "--label", label, "--no-progress", "--out", str(tmp_path / "r")])
     assert needle in line
+
+
+@pytest.mark.parametrize("bounds", [[float("-inf"), 120], [0, float("inf")], [-1e308, 1e308], ["0", "x"], [3, 3]])
+def test_numeric_bounds_must_be_finite_and_ordered(tmp_path: Path, bounds: list) -> None:
+    """An infinite bound, or an infinite width, made NaN or all-zero features and a run that spent its ε on
+    them (found in review); a bound that is not a number was a bare ValueError."""
+    f = tmp_path / "f.csv"
+    f.write_text("age,y\n30,a\n40,b\n")
+    with pytest.raises(DataError, match="Fix: declare finite public bounds"):
+        load_csv(str(f), label="y", numeric={"age": bounds})
+
+
+def test_a_study_keeps_declared_labels_absent_from_the_file(tmp_path: Path) -> None:
+    """The study's class count is the declared one, as `load_csv`'s: read from the labels, a released model's
+    width showed that no example has the last declared label (found in review)."""
+    write_csv(tmp_path / "f.csv", 60, 3)  # labels pos / neg only
+    (tmp_path / "study.toml").write_text(
+        '[data]\ncsv = "f.csv"\nlabel = "y"\nlabels = ["neg", "pos", "maybe"]\n'
+        'categories = { shape = ["round", "square"] }\n[model]\nname = "logistic_regression"\n'
+        "[training]\nepochs = 1\nexpected_batch_size = 8\n[budget]\nepsilon = 3.0\ndelta = 1e-5\n"
+        '[selection]\nsplit = "holdout"\nmode = "private"\n[[strategies]]\nname = "dpsgd"\nspace = { lr = [0.1] }\n'
+    )
+    study = load_study_config(tmp_path / "study.toml")
+    assert study_data(study.data, study.selection, 0).num_classes == 3
 
 
 def test_csv_options_go_together(tmp_path: Path) -> None:

@@ -403,6 +403,18 @@ def test_download_into_cache_then_reuse(tmp_path: Path, monkeypatch: pytest.Monk
         data.load("adult", cache_dir=tmp_path, limit=1000)
 
 
+def test_a_reply_that_is_not_http_is_one_data_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server answering garbage raised http.client.BadStatusLine through the CLI (found in review)."""
+    import http.client
+
+    def garbage(req: urllib.request.Request, timeout: float | None = None) -> io.BytesIO:
+        raise http.client.BadStatusLine("GARBAGE NOT HTTP")
+
+    monkeypatch.setattr(urllib.request, "urlopen", garbage)
+    with pytest.raises(DataError, match="BadStatusLine"):
+        data.load("adult", cache_dir=tmp_path)
+
+
 def test_download_with_bad_content_is_rejected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(urllib.request, "urlopen", lambda req, timeout=None: io.BytesIO(b"<html>moved</html>"))
     with pytest.raises(DataError, match="failed verification"):

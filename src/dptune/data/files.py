@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.client
 import json
 import logging
 import os
@@ -140,7 +141,7 @@ def download_file(spec: FileSpec, dest: Path, cache: Path, dataset: str) -> list
         log.info("dptune.data: downloading %s -> %s", url, dest)
         try:
             _fetch(url, dest, timeout)
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:  # a non-HTTP reply too
             failures.append(f"{url}: {type(exc).__name__}: {exc}")
             continue
         try:

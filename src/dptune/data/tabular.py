@@ -19,11 +19,16 @@ log = logging.getLogger("dptune")
 CSV_KEYS = ("csv", "label", "test", "schema", "numeric", "categories", "labels")
 
 
-def _read(path: Path) -> tuple[list[str], list[list[str]]]:
-    """(header, rows of strings); a missing, empty or ragged file is one ``DataError``."""
+def _read(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
+    """(header, rows of strings, each row's line in the file); a missing, empty or ragged file is one ``DataError``."""
+    table, lines = [], []
     try:
         with open(path, encoding="utf-8-sig", newline="") as fh:
-            table = [[v.strip() for v in row] for row in csv.reader(fh) if any(v.strip() for v in row)]
+            reader = csv.reader(fh)
+            for row in reader:
+                if any(v.strip() for v in row):  # blank lines skipped, still counted (found in review)
+                    table.append([v.strip() for v in row])
+                    lines.append(reader.line_num)
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise DataError(f"cannot read the CSV file {path}: {exc}. Fix: pass a readable UTF-8 CSV file.") from exc
     if len(table) < 2:
@@ -31,10 +36,13 @@ def _read(path: Path) -> tuple[list[str], list[list[str]]]:
     twice = sorted({c for c in table[0] if table[0].count(c) > 1})
     if twice:  # both would be read as one declared column (found in review)
         raise DataError(f"{path}: the header names {twice} more than once. Fix: give every column its own name.")
-    bad = next((i for i, row in enumerate(table, 1) if len(row) != len(table[0])), None)
-    if bad is not None:
-        raise DataError(f"{path}, line {bad}: {len(table[bad - 1])} fields, the header has {len(table[0])}. Fix: it.")
-    return table[0], table[1:]
+    width = len(table[0])
+    if (bad := next((i for i, row in enumerate(table) if len(row) != width), None)) is not None:
+        raise DataError(
+            f"{path}, line {lines[bad]}: {len(table[bad])} fields, the header has {width}. Fix: give every line "
+            f"{width} fields (quote a field that holds a comma)."
+        )
+    return table[0], table[1:], lines[1:]
 
 
 def _float(value: str) -> float:
@@ -44,7 +52,7 @@ def _float(value: str) -> float:
         return float("nan")
 
 
-def _column(path: Path, col: str, values: list[str], decl: Mapping[str, Any]) -> np.ndarray:
+def _column(path: Path, col: str, values: list[str], lines: list[int], decl: Mapping[str, Any]) -> np.ndarray:
     """One feature column encoded by the declarations ``decl`` ([N, 1] numeric or [N, k] one-hot). A bad
     cell is quoted so that its owner can find it; the message is about one example."""
     if col in decl["categories"]:
@@ -56,14 +64,16 @@ def _column(path: Path, col: str, values: list[str], decl: Mapping[str, Any]) ->
             )
         return np.asarray([[v == c for c in cats] for v in values], dtype=np.float64)
     x = np.asarray([_float(v) for v in values])
-    bad_i = next((i for i, v in enumerate(x) if not np.isfinite(v)), None)
+    # Without bounds the cell is kept as it is, in float32: beyond float32's range it would be inf (found in review).
+    top = np.inf if col in decl["numeric"] else float(np.finfo(np.float32).max)
+    bad_i = next((i for i, v in enumerate(x) if not abs(v) <= top), None)
     if bad_i is not None:
-        msg = f"{path}, line {bad_i + 2}: column {col!r} holds {values[bad_i]!r}{OWNER}, not a finite number. Fix: correct"
+        msg = f"{path}, line {lines[bad_i]}: column {col!r} holds {values[bad_i]!r}{OWNER}, not a finite number (float32). Fix: correct"
         raise DataError(
             f"{msg} it, or declare the column's categories (categories.{col} = [...], --schema in the CLI)."
         )
     if col in decl["numeric"]:
-        lo, hi = (float(b) for b in decl["numeric"][col])
+        lo, hi = (_float(b) for b in decl["numeric"][col])
         x = (np.clip(x, lo, hi) - lo) / (hi - lo)
     return x[:, None]
 
@@ -76,9 +86,31 @@ def _declarations(header: list[str], label: str, decl: dict[str, Any], path: Pat
         if col not in header or col == label:
             raise DataError(f"the schema declares column {col!r}, not a feature column of {path}. Fix: the schema.")
     for col, b in decl["numeric"].items():
-        if not (isinstance(b, Sequence) and len(b) == 2 and float(b[0]) < float(b[1])) or col in decl["categories"]:
-            raise DataError(f"numeric.{col} = {b!r}. Fix: declare public bounds [lo, hi], lo < hi (or categories).")
+        pair = [_float(v) if isinstance(v, int | float | str) else np.nan for v in b] if isinstance(b, Sequence) else []
+        # finite, ordered, and a finite width: an infinite bound made NaN or zero features (found in review)
+        if len(pair) != 2 or not pair[0] < pair[1] or not np.isfinite(pair[1] - pair[0]) or col in decl["categories"]:
+            raise DataError(
+                f"numeric.{col} = {b!r}. Fix: declare finite public bounds [lo, hi], lo < hi (or categories)."
+            )
     return decl
+
+
+def _classes(cells: list[tuple[Path, str, int]], decl: Mapping[str, Any]) -> list[str]:
+    """The declared labels, else the sorted distinct label cells (as numbers when all are): an empty cell, or
+    two spellings of one number ("1", "1.0"), would each be a class of their own (found in review)."""
+    if empty := next(((p, n) for p, v, n in cells if not v), None):
+        raise DataError(f"{empty[0]}, line {empty[1]}: the label cell is empty{OWNER}. Fix: label every example.")
+    if decl.get("labels"):
+        return [str(v) for v in decl["labels"]]
+    values = sorted({v for _, v, _ in cells})
+    if not all(np.isfinite(_float(v)) for v in values):
+        return values
+    if len({_float(v) for v in values}) < len(values):
+        raise DataError(
+            f"the label column spells one number in two ways{OWNER}, e.g. {values[:4]}. Fix: write each label "
+            "one way, or declare the labels (schema: labels = [...])."
+        )
+    return sorted(values, key=_float)
 
 
 def describe_schema(header: list[str], label: str, decl: Mapping[str, Any], classes: list[str]) -> str:
@@ -105,22 +137,25 @@ def load_csv(csv: str, *, label: str, test: str | None = None, schema: str | Non
         raise DataError(f"cannot read the schema file {schema}: {exc}. Fix: pass a TOML file.") from exc
     if unknown := sorted(set(decl) - {"numeric", "categories", "labels"}):
         raise ConfigError(f"unknown schema declaration(s) {unknown}. Fix: declare numeric, categories or labels.")
-    header, rows = _read(Path(csv))
+    header, rows, lines = _read(Path(csv))
     decl = _declarations(header, label, decl, Path(csv))
-    parts: list[tuple[Any, ...]] = [(Path(csv), rows)] + ([(Path(test), *_read(Path(test))[::-1])] if test else [])
-    if test and parts[1][2] != header:
-        raise DataError(f"{test} and {csv} have different columns. Fix: use the same header.")
+    if header == [label]:
+        raise DataError(f"{csv} holds only the label column {label!r}. Fix: add feature columns to predict from.")
+    parts: list[tuple[Path, list[list[str]], list[int]]] = [(Path(csv), rows, lines)]
+    if test:
+        test_header, *test_part = _read(Path(test))
+        if test_header != header:
+            raise DataError(f"{test} and {csv} have different columns. Fix: use the same header.")
+        parts.append((Path(test), *test_part))
     j = header.index(label)
-    values = sorted({r[j] for _, part, *_ in parts for r in part})
-    by = _float if all(np.isfinite(_float(v)) for v in values) else None
-    classes = [str(v) for v in decl["labels"]] if decl.get("labels") else sorted(values, key=by)
+    classes = _classes([(p, r[j], n) for p, part, ns in parts for r, n in zip(part, ns, strict=True)], decl)
     xs, ys = [], []
-    for p, part, *_ in parts:
+    for p, part, ns in parts:
         bad = next((r[j] for r in part if r[j] not in classes), None)
         if bad is not None:
             raise DataError(f"{p}: label {bad!r}{OWNER} is not one of the declared labels {classes}. Fix: add it.")
-        cols = [_column(p, c, [r[i] for r in part], decl) for i, c in enumerate(header) if c != label]
-        xs.append(np.concatenate(cols, axis=1) if cols else np.zeros((len(part), 0)))
+        cols = [_column(p, c, [r[i] for r in part], ns, decl) for i, c in enumerate(header) if c != label]
+        xs.append(np.concatenate(cols, axis=1))
         ys.append(np.asarray([classes.index(r[j]) for r in part], dtype=np.int64))
     if len(classes) < 2:
         raise DataError(

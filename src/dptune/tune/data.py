@@ -104,9 +104,10 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
         return _CACHE[key]
     x_tr: Inputs
     x_te: Inputs
+    declared = None  # a Dataset's class count (a CSV's declared labels), else read from the labels
     if spec.factory is not None:
         # The user's loader, read into memory: the holdout split hashes each example.
-        train, test = load_data(spec.factory, dict(spec.options))
+        train, test, declared = load_data(spec.factory, dict(spec.options))
         (x_tr, y_tr) = as_pair(train)
         x_te, y_te = as_pair(test) if test is not None else (rows(x_tr, 0, 0), y_tr[:0])
     if spec.tensors is not None:
@@ -116,7 +117,8 @@ def study_data(spec: DataSpec, selection: SelectionSpec, study_seed: int) -> Stu
         recon = recon and y_tr.dtype.is_floating_point
         task = "reconstruction" if recon else "classification"
         check_labels(y_tr, "mse" if recon else "cross_entropy", int(y_tr.shape[0]), "data (training split)")
-        num_classes = None if recon else int(torch.max(torch.cat([y_tr.reshape(-1), y_te.reshape(-1)])).item()) + 1
+        labels = torch.cat([y_tr.reshape(-1), y_te.reshape(-1)])
+        num_classes = None if recon else declared or int(torch.max(labels).item()) + 1
         input_shape = tuple(leaves(x_tr)[0].shape[1:])
     else:
         ds = datasets.load(spec.name, seed=study_seed, **dict(spec.options))
