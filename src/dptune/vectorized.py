@@ -173,17 +173,15 @@ def train_many(
         [partial(on_step, k) if on_step is not None else None for k in range(K)],  # on_step(k, t, row)
         common,
     )
+    task = resolve_task(data, eval_data, device, metric, loss)
     try:
-        stacked = Stacked(_stack_ops(trials.strategies, trials.models))
+        if not isinstance(task.x, torch.Tensor):  # several inputs: the stacked forward takes one tensor
+            raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
+        stacked = Stacked(_stack_ops(trials.strategies, trials.models, task.x))
     except Unsupported as exc:
         if fallback == "error":
             raise
         return _sequentially(exc, trials, data)
-    task = resolve_task(data, eval_data, device, metric, loss)
-    if not isinstance(task.x, torch.Tensor):  # several inputs: the stacked forward takes one tensor
-        if fallback == "error":
-            raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
-        return _sequentially("several model inputs", trials, data)
     return _train_stacked(trials, stacked, task, block_size)
 
 
@@ -249,7 +247,7 @@ def train_loops(loops: Sequence[RunLoop], task: OwnTask, block_size: int | None 
             raise Unsupported("a model with several inputs (tuple/dict batches) cannot be stacked")
         if not isinstance(task.loss, str):
             raise Unsupported("a loss callable cannot be stacked")
-        stacked = Stacked(_stack_ops([lp.strategy for lp in loops], [lp.model for lp in loops]))
+        stacked = Stacked(_stack_ops([lp.strategy for lp in loops], [lp.model for lp in loops], task.train[0]))
     except Unsupported as exc:
         _warn_sequential(exc)
         return [lp.drive(task, GradientOracle(lp.model, task.loss), None) for lp in loops]
@@ -362,9 +360,10 @@ def _trial_models(
 ) -> list[nn.Module]:
     if isinstance(models, nn.Module):
         return [copy.deepcopy(models) for _ in range(K)]
-    if callable(models):
-        return [models(s) for s in seeds]
-    return list(models)
+    out = [models(s) for s in seeds] if callable(models) else list(models)
+    if len({id(m) for m in out}) < len(out):  # trial k would start where trial k - 1 ended (found in review)
+        raise ConfigError("one model object serves several trials. Fix: one model per trial, or a factory.")
+    return out
 
 
 def _trial_strategies(
@@ -382,8 +381,8 @@ def _trial_strategies(
     return [strategy] * K if isinstance(strategy, Strategy) else list(strategy)
 
 
-def _stack_ops(strategies: list[Strategy], models: list[nn.Module]) -> list[StackOp]:
-    """The shared stack plan of the trials' models; ``Unsupported`` when they cannot be stacked."""
+def _stack_ops(strategies: list[Strategy], models: list[nn.Module], x: torch.Tensor) -> list[StackOp]:
+    """The shared stack plan of the trials' models on inputs like ``x``; ``Unsupported`` when they cannot be stacked."""
     for s in strategies:
         parts = s.parts() if hasattr(s, "parts") else ()
         if blocked := [p.name for p in (s, *parts) if not getattr(p, "stackable", True)]:
@@ -397,6 +396,7 @@ def _stack_ops(strategies: list[Strategy], models: list[nn.Module]) -> list[Stac
             raise Unsupported("the trials' models differ in architecture")
     for m in models:
         check_model(m)
+    Stacked(ops).check_input(models[0], x)
     return ops
 
 

@@ -513,3 +513,42 @@ def test_a_kernel_larger_than_its_input_is_refused_by_name(gemm: bool, monkeypat
     with pytest.raises(ConfigError, match="the Conv2d '0': its kernel is larger than its input"):
         train_many(model, (x, y), "dpsgd", [{"clip": 1.0}] * 2, [0, 1], steps=2, expected_batch_size=10,
                    noise_multiplier=1.0, fallback="error")  # fmt: skip
+
+
+def test_a_module_used_twice_is_stacked_as_used_or_refused() -> None:
+    """Found in review: `named_children()` lists a module once, so a reused activation (or Linear) was
+    dropped from the stacked forward: the trials trained another function than the model."""
+
+    def shared_act(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        act = nn.Tanh()
+        return nn.Sequential(nn.Linear(10, 6), act, nn.Linear(6, 6), act, nn.Linear(6, 2))
+
+    assert [op.kind for op in stack_plan(shared_act(0))] == ["linear", "fn", "linear", "fn", "linear"]
+    kw = dict(steps=4, expected_batch_size=40, noise_multiplier=0.8, eval_data=(XE, YE), eval_every=2)
+    got = train_many(shared_act, (X, Y), "dpsgd", [{"lr": 0.5}], [3], fallback="error", **kw)
+    assert_same_run(got[0], train(shared_act(3), (X, Y), "dpsgd", seed=3, lr=0.5, **kw))
+    lin = nn.Linear(6, 6)
+    with pytest.raises(ConfigError, match="used twice"):
+        stack_plan(nn.Sequential(nn.Linear(10, 6), lin, nn.Tanh(), lin, nn.Linear(6, 2)))
+    a, b = nn.Linear(6, 6), nn.Linear(6, 6)
+    b.weight = a.weight  # tied: one example's gradient is the sum of both uses, not two layers' norms
+    with pytest.raises(ConfigError, match="shares parameters"):
+        stack_plan(nn.Sequential(nn.Linear(10, 6), a, nn.Tanh(), b, nn.Linear(6, 2)))
+
+
+def test_a_layout_the_stacked_forward_refuses_is_found_while_planning() -> None:
+    """A Linear on [8, 8] per-example inputs was refused in the first stacked step, after the fallback
+    (found in review): it is found while planning, and the trials run one by one as `train` runs them."""
+    model = lambda seed: nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Flatten(), nn.Linear(32, 2))  # noqa: E731
+    x, y = torch.randn(120, 8, 8), torch.randint(0, 2, (120,))
+    kw = dict(steps=2, expected_batch_size=20, noise_multiplier=1.0)
+    with pytest.raises(ConfigError, match="more than one dimension"):
+        train_many(model, (x, y), "dpsgd", [{}, {}], [0, 1], fallback="error", **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = train_many(model, (x, y), "dpsgd", [{}, {}], [0, 1], **kw)
+    assert any("sequentially" in str(w.message) for w in caught) and len(got) == 2
+    m = model(0)
+    with pytest.raises(ConfigError, match="one model object serves several trials"):
+        train_many([m, m], (X, Y), "dpsgd", steps=2, expected_batch_size=20, noise_multiplier=1.0)

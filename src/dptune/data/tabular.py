@@ -45,7 +45,7 @@ def _read(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
     return table[0], table[1:], lines[1:]
 
 
-def _float(value: str) -> float:
+def _float(value: str | float) -> float:
     try:
         return float(value)
     except ValueError:
@@ -143,10 +143,10 @@ def load_csv(csv: str, *, label: str, test: str | None = None, schema: str | Non
         raise DataError(f"{csv} holds only the label column {label!r}. Fix: add feature columns to predict from.")
     parts: list[tuple[Path, list[list[str]], list[int]]] = [(Path(csv), rows, lines)]
     if test:
-        test_header, *test_part = _read(Path(test))
+        test_header, test_rows, test_lines = _read(Path(test))
         if test_header != header:
             raise DataError(f"{test} and {csv} have different columns. Fix: use the same header.")
-        parts.append((Path(test), *test_part))
+        parts.append((Path(test), test_rows, test_lines))
     j = header.index(label)
     classes = _classes([(p, r[j], n) for p, part, ns in parts for r, n in zip(part, ns, strict=True)], decl)
     xs, ys = [], []

@@ -59,12 +59,16 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
         if _hooked(mod):  # a hook runs on the stacked [K, B, ...] tensors (mixing rows or trials) or is skipped
             raise Unsupported(f"layer '{prefix[:-1] or type(mod).__name__}' has a hook or its own forward")
         if type(mod) is nn.Sequential:
-            for name, child in mod.named_children():
-                visit(child, f"{prefix}{name}.")
+            # every use: named_children() lists a module used twice once, and its second use was dropped
+            for name, child in mod._modules.items():  # (found in review)
+                if child is not None:
+                    visit(child, f"{prefix}{name}.")
             return
         where = f"'{prefix[:-1] or type(mod).__name__}' ({type(mod).__name__})"
         linear = isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward and not is_parametrized(mod)
         if linear or type(mod) is nn.Conv2d:
+            if any(op.module is mod for op in ops):  # one example's gradient sums both uses: not per layer
+                raise Unsupported(f"layer {where} is used twice (shared weights)")
             if not all(p.requires_grad for p in mod.parameters()):
                 raise Unsupported(f"layer {where} has frozen parameters")
             if not linear and (mod.groups != 1 or mod.padding_mode != "zeros" or isinstance(mod.padding, str)):
@@ -93,6 +97,9 @@ def stack_plan(model: nn.Module) -> list[StackOp]:
     visit(model, "")
     if not any(op.kind in ("linear", "conv") for op in ops):
         raise Unsupported("the model has no Linear or Conv2d layer")
+    planned = [f"{op.prefix}{k}" for op in ops for k, v in op.module.named_parameters(recurse=False)]
+    if sorted(planned) != sorted(n for n, _ in model.named_parameters()):  # tied weights are listed once
+        raise Unsupported("the model shares parameters between layers, or holds parameters outside its layers")
     return ops
 
 
@@ -198,6 +205,17 @@ class Stacked:
     def __init__(self, ops: list[StackOp]):
         self.ops = ops
         self.layers = [op for op in ops if op.kind in ("linear", "conv")]
+
+    def check_input(self, model: nn.Module, x: torch.Tensor) -> None:
+        """One forward of a zero example of ``x``'s shape and dtype while planning: a layout or a dtype that the
+        stacked forward refuses is found before any release, and the trials run one by one instead (found in
+        review: it was refused mid-run, skipping the fallback)."""
+        weights = self.stack([dict(model.named_parameters())])
+        try:
+            with torch.no_grad():
+                self.forward(weights, torch.zeros_like(x[:1]).unsqueeze(0), record=False)
+        except RuntimeError as exc:  # the model does not take the data as stacked: run alone, the error is train's
+            raise Unsupported(f"the stacked forward fails on the data: {exc}") from exc
 
     def names(self, op: StackOp) -> dict[str, str]:
         return {k: f"{op.prefix}{k}" for k in ("weight", "bias") if getattr(op.module, k) is not None}

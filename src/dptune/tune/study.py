@@ -19,7 +19,7 @@ from dptune.devices import check_device_name, resolve_device
 from dptune.distributed import refuse_in_study
 from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
 from dptune.gradients.oracle import check_model
-from dptune.gradients.stacked import stack_plan
+from dptune.gradients.stacked import Stacked, stack_plan
 from dptune.models import check_fits
 from dptune.outputs import NOT_DP_LABEL, Progress, check_output_dir, drop_stale_report, hides_run_count
 from dptune.release.ledger import Ledger
@@ -233,8 +233,9 @@ class Coordinator:
         try:
             data = study_data(self.study.data, self.study.selection, self.study.seed)
             model = build_model(self.study.model, data, self.study.seeds[0])
-            stack_plan(model)
+            ops = stack_plan(model)
             check_model(model)
+            Stacked(ops).check_input(model, data.x_train)  # type: ignore[arg-type]  # not a tensor: refused
         except Exception:  # Unsupported/ConfigError: not stackable; a failing model builder fails
             return False  # the runs in the workers instead, where the error is recorded
         return True
