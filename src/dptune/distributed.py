@@ -70,7 +70,13 @@ def join(device: Any = None) -> torch.device:
         raise ConfigError("DPTUNE_DIST_TIMEOUT must be a number of seconds > 0. Fix: e.g. DPTUNE_DIST_TIMEOUT=300.")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(backend, timeout=timedelta(seconds=float(seconds)))
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=float(seconds)))
+    except RuntimeError as e:  # DistStoreError: the other ranks never joined (found in review: a traceback)
+        raise RankLost(
+            f"the process group did not start ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            "Fix: launch every rank with torchrun, or unset WORLD_SIZE/MASTER_ADDR for a one-process run."
+        ) from e
     return dev
 
 
@@ -109,8 +115,9 @@ def sync_model(model: torch.nn.Module, data_digest: str) -> None:
                 f"the ranks of this distributed run hold a different {what}. Fix: build the same model and load "
                 "the same whole dataset in the same order on every rank (dptune shards each Poisson batch itself)."
             )
-    for v in model.state_dict().values():
-        v.copy_(_collective(dist.broadcast, v, "start (parameters from rank 0)"))
+    for _, v in tensors:  # buffers not in the state_dict too (persistent=False: found in review)
+        with torch.no_grad():
+            v.copy_(_collective(dist.broadcast, v.detach(), "start (parameters from rank 0)"))
 
 
 def _all_sum(value: torch.Tensor | Tensors) -> torch.Tensor | Tensors:
@@ -164,7 +171,10 @@ def parts(plan: RunPlan, secure: bool) -> tuple[type[NoiseSource], type[NoisyRel
         raise ConfigError("a distributed run needs the process group first. Fix: dptune.distributed.join().")
     mine = repr((plan.n, plan.sampling_rate, plan.steps, plan.noise_multiplier, plan.strategy.config(), secure))
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    try:
+        dist.all_gather_object(every, mine)
+    except RuntimeError as e:  # a rank that stopped before the start (its own error says why)
+        raise RankLost(f"a process of the distributed run stopped before the start ({e}). Fix: see its error.") from e
     if any(e != mine for e in every):
         raise ConfigError(
             f"the ranks of this distributed run planned different runs ({sorted(set(every))}). Fix: start "

@@ -415,6 +415,39 @@ def test_a_reply_that_is_not_http_is_one_data_error(tmp_path: Path, monkeypatch:
         data.load("adult", cache_dir=tmp_path)
 
 
+def test_two_processes_downloading_one_file_at_once_both_succeed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks under torchrun with an empty cache: one shared part file, truncated by the second, gave both
+    a checksum error or a missing file (found in review). Each download now has its own part file."""
+    import hashlib
+    import threading
+    import time
+
+    from dptune.data.files import download_file
+    from dptune.data.registry import FileSpec
+
+    blob = bytes(range(256)) * 4096  # 1 MiB, served by 64 KiB pieces
+    spec = FileSpec("blob.bin", ("https://example.invalid/blob.bin",), sha256=hashlib.sha256(blob).hexdigest())
+
+    class Slow(io.BytesIO):
+        def read(self, n: int = -1) -> bytes:
+            time.sleep(0.01)
+            return super().read(min(n, 65536) if n and n > 0 else 65536)
+
+    monkeypatch.setattr(urllib.request, "urlopen", lambda req, timeout=None: Slow(blob))
+    failures: list[list[str]] = []
+    threads = [threading.Thread(target=lambda: failures.append(download_file(spec, tmp_path / "d" / "blob.bin",
+                                                                           tmp_path, "blob"))) for _ in range(2)]  # fmt: skip
+    for t in threads:
+        t.start()
+        time.sleep(0.05)  # the second starts while the first is under way
+    for t in threads:
+        t.join()
+    assert failures == [[], []] and (tmp_path / "d" / "blob.bin").read_bytes() == blob
+    assert not list(tmp_path.rglob("*.part"))
+
+
 def test_download_with_bad_content_is_rejected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(urllib.request, "urlopen", lambda req, timeout=None: io.BytesIO(b"<html>moved</html>"))
     with pytest.raises(DataError, match="failed verification"):

@@ -11,6 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import TensorDataset
 
 import dptune
 from dptune.distributed import BroadcastNoise, RankLost, ReducingRelease, ShardedSampler, join
@@ -74,9 +75,13 @@ def secure_and_mismatch(rank: int, world: int) -> dict:
     dist.all_gather_object(every, {k: v.tolist() for k, v in r.final_params.items()})
     refused = {}
     other = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).double()
+    x, y = data()
+    swapped = torch.arange(len(y))
+    swapped[[2, 4]] = swapped[[4, 2]] if rank else swapped[[2, 4]]  # rows no sample of 64 rows reads (review)
     for what, net, rows, steps in [
         ("plan", model(rank), data(), 3 + rank),
         ("rows", model(rank), data() if rank == 0 else tuple(t.flip(0) for t in data()), 3),  # found in review
+        ("rows_map", model(rank), TensorDataset(x[swapped], y[swapped]), 3),
         ("model", model(rank) if rank == 0 else other, data(), 3),
     ]:
         try:
@@ -84,7 +89,25 @@ def secure_and_mismatch(rank: int, world: int) -> dict:
             refused[what] = ""
         except ConfigError as e:
             refused[what] = str(e)
-    return {"secure_same_on_every_rank": all(e == every[0] for e in every), "refused": refused}
+    torch.manual_seed(rank)  # a buffer outside the state_dict, drawn differently on each rank: rank 0's is used
+    projected = Projected()
+    dptune.train(projected, data(), "dpsgd", steps=2, **kw)
+    buffers: list = [None] * world
+    dist.all_gather_object(buffers, projected.proj.tolist())
+    return {"secure_same_on_every_rank": all(e == every[0] for e in every), "refused": refused,
+            "buffer_same_on_every_rank": all(b == buffers[0] for b in buffers)}  # fmt: skip
+
+
+class Projected(torch.nn.Module):
+    """A random projection kept out of the state_dict (``persistent=False``), then ``model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("proj", torch.randn(5, 5, dtype=torch.float64), persistent=False)
+        self.net = model(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x @ self.proj)
 
 
 def noise(rank: int, world: int) -> dict:

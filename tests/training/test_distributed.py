@@ -95,7 +95,27 @@ def test_ranks_with_different_plans_models_or_rows_are_refused(ranks):
     refused = ranks["secure"]["refused"]
     assert "planned different runs" in refused["plan"]
     assert "hold a different training data (its rows, in order)" in refused["rows"]
+    assert "hold a different training data (its rows, in order)" in refused["rows_map"]
     assert "hold a different model" in refused["model"]
+
+
+def test_every_rank_starts_from_rank_0s_buffers_saved_or_not(ranks):
+    """A buffer registered with persistent=False was left as each rank drew it (found in review)."""
+    assert ranks["secure"]["buffer_same_on_every_rank"]
+
+
+def test_a_process_group_that_never_forms_is_one_clear_error(tmp_path):
+    """WORLD_SIZE=2 set, no other rank: torch's DistStoreError was a traceback (found in review)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": "0",
+           "LOCAL_RANK": "0", "DPTUNE_DIST_TIMEOUT": "2"}  # fmt: skip
+    argv = ["train", "--dataset", "digits", "--epochs", "0.1", "--no-progress", "--out", str(tmp_path / "r.json")]
+    res = subprocess.run([sys.executable, "-m", "dptune", *argv], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "the process group did not start" in res.stderr and "Fix: launch every rank with torchrun" in res.stderr
+    assert not (tmp_path / "r.json").exists()
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -115,8 +116,9 @@ def verify_file(path: Path, spec: FileSpec, cache: Path, dataset: str, *, fix: s
 
 
 def _fetch(url: str, dest: Path, timeout: float) -> None:
-    """Download ``url`` to ``dest`` atomically (``dest.part`` then rename)."""
-    part = dest.with_name(dest.name + ".part")
+    """Download ``url`` to ``dest`` atomically (a part file of this process and thread, then rename: two ranks
+    downloading at once truncated one shared part file, and both failed; found in review)."""
+    part = dest.with_name(f"{dest.name}.{os.getpid()}.{threading.get_ident()}.part")
     req = urllib.request.Request(url, headers={"User-Agent": "dptune (python urllib)"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp, open(part, "wb") as out:
