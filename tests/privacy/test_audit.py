@@ -17,6 +17,7 @@ level trainings of a linear model, ~1 s each.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -253,6 +254,29 @@ def test_black_box_audit_passes_and_catches_unclipped_dpsgd() -> None:
     assert r.lower_bound > ONE_RUN_EPS
 
 
+def test_a_long_fixed_clip_audit_keeps_its_power() -> None:
+    """Found in review: the canaries' norm grew as e^{T/4} for every strategy; at T = 150 its square overflowed
+    float32 and a mechanism with a quarter of its noise passed as "consistent with the claim". A fixed clip
+    needs no margin: the mutant is flagged at T = 150 (a bound of 0 before)."""
+    with MUTANTS["noise×0.25"]():
+        r = run_audit("dpsgd", ONE_RUN_EPS, DELTA, canaries=1000, steps=150)
+    assert r.flagged and r.details["canary_norm"] == 1e4, r.summary()
+    assert "with 99.9% confidence" in dataclasses.replace(r, confidence=0.999).summary()  # was "100%"
+
+
+def test_a_black_box_audit_runs_the_production_release_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spy draws a deferred query's whole noise vector, so OSO's scalar projection never ran under audit
+    (found in review); a black-box audit needs no spy and runs the gateway as production does."""
+    from dptune.audit import runner
+
+    def no_spy(recorder: object) -> None:
+        raise AssertionError("the spy was installed for a black-box audit")
+
+    monkeypatch.setattr(runner, "spy_on_releases", no_spy)
+    r = run_audit("oso", ONE_RUN_EPS, DELTA, threat_model="black-box", canaries=100)
+    assert r.details["scores"] == ["loss"]
+
+
 def test_split_bug_alone_is_stopped_by_the_plan() -> None:
     """Without also fooling the accountant, the wrong split's parts never recombine to the planned
     ν: planning the run refuses it, before any release."""
@@ -289,6 +313,10 @@ def test_mutants_restore_the_real_code() -> None:
         (dict(strategy="dpsgd", eps=2.0, method="two-world", threat_model="black-box"), "white-box"),
         (dict(strategy="dpsgd", eps=2.0, threat_model="grey-box"), "unknown threat model"),
         (dict(strategy="dpsgd", eps=2.0, steps=0), "steps must be"),
+        # found in review: canaries beyond float32 (blind audits), δ refused after training with options audit lacks
+        (dict(strategy="oso", eps=2.0, steps=200), "canaries of this audit would need a norm above"),
+        (dict(strategy="dpsgd", eps=2.0, hyperparameters={"clip": 1e12}), "Fix: fewer steps or a smaller clip"),
+        (dict(strategy="dpsgd", eps=2.0, delta=1e-3), "at least 1/n for the audit's own data"),
     ],
 )
 def test_bad_audit_arguments_are_config_errors(kwargs: dict, match: str) -> None:

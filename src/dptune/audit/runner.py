@@ -4,10 +4,12 @@ the REAL strategy calibrated to the claim: one run (Steinke et al. 2023) or two 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -32,7 +34,7 @@ from dptune.distributed import refuse_in_study
 from dptune.errors import ConfigError
 from dptune.release.ledger import Ledger
 from dptune.release.sampling import stream_seed
-from dptune.train import train
+from dptune.train import SamplingWarning, train
 from dptune.tune import BudgetSpec, MethodSpec, StrategyArm, Study, TrainingSpec, run_study
 from dptune.tune.data import forget_cached
 from dptune.tune.spec import ModelSpec, SelectionSpec
@@ -68,12 +70,21 @@ class Scenario:
         return max(1, len(self.grid))
 
     def max_clip(self) -> float:
-        """A clip threshold every run of the scenario stays below (canaries must exceed it)."""
+        """A clip threshold every run of the scenario stays below (canaries must exceed it); refused when the
+        canaries' norm would pass ``MAX_CANARY_NORM`` (found in review: at 145 steps its square overflowed
+        float32, the canaries added nothing, and a nearly noiseless mechanism passed as "consistent")."""
         vals = [1.0]
         for hp in (self.hyperparameters, *self.grid):
             vals += [float(v) for k, v in hp.items() if k in ("clip", "initial_clip")]
-        # Adaptive rules move C by at most a factor e^{0.25} per step at the audited settings.
-        return max(vals) * math.exp(0.25 * self.steps)
+        # Adaptive rules move C by at most a factor e^{0.25} per step at the audited settings; fixed clips stay.
+        log_margin = 0.25 * self.steps if self.strategy in ADAPTIVE_CLIP else 0.0
+        if math.log(CANARY_NORM_FACTOR * max(vals)) + log_margin > math.log(MAX_CANARY_NORM):
+            raise ConfigError(
+                f"the canaries of this audit would need a norm above {MAX_CANARY_NORM:.0e} (clip {max(vals):g}"
+                f"{f', {self.steps} steps of an adaptive clip' if log_margin else ''}), where float32 loses them. "
+                "Fix: fewer steps or a smaller clip."
+            )
+        return max(vals) * math.exp(log_margin)
 
 
 # OSO is audited with relative_increase = 3 (ν_g = 4ν): the q-query then carries 15/16 of each step's signal, so an
@@ -110,6 +121,8 @@ MAX_CANARIES = {"one-run": 20_000, "two-world": 200_000}
 MAX_AUDITED_EPS = 20.0
 TWO_WORLD_CHUNK = 2000  # trials per world per training (bounds memory: rows × coordinates)
 BACKGROUND_DIM = 16  # coordinates of the background examples' gradients
+ADAPTIVE_CLIP = ("quantile", "oso")  # strategies whose clipping threshold moves during the run
+MAX_CANARY_NORM = 1e15  # M² = 10³⁰ and its sums stay far inside float32's range (3.4·10³⁸)
 
 
 @dataclass(frozen=True)
@@ -131,7 +144,7 @@ class AuditResult:
         d = self.details
         verdict = "VIOLATION: the claim is refuted" if self.flagged else "consistent with the claim"
         return (
-            f"{d.get('strategy', '?')}: ε ≥ {self.lower_bound:.3f} with {self.confidence:.0%} confidence "
+            f"{d.get('strategy', '?')}: ε ≥ {self.lower_bound:.3f} with {100 * self.confidence:.6g}% confidence "
             f"({self.method}, {d.get('threat_model', '?')}); claimed ε = {self.claimed_eps:g} at "
             f"δ = {d.get('delta', float('nan')):g}: {verdict}"
         )
@@ -216,11 +229,11 @@ class _Audit:
     def data(self, present: np.ndarray, stream: str) -> CanaryData:
         return make_data(present, self.background, BACKGROUND_DIM, self.canary_norm, stream_seed(self.seed, stream))
 
-    def train(self, data: CanaryData, seed: int, recorder: ReleaseRecorder, via_study: bool = True) -> _Training:
-        """Train every run of the scenario on ``data``: a grid as one study when ``via_study`` (white-box);
+    def train(self, data: CanaryData, seed: int, recorder: ReleaseRecorder, white_box: bool = True) -> _Training:
+        """Train every run of the scenario on ``data``: a grid as one study when ``white_box``;
         black-box needs every run's final weights, so run by run, calibrated jointly (calibrate(runs=K))."""
         scenario = self.scenario
-        if scenario.grid and via_study:
+        if scenario.grid and white_box:
             return self._grid_study(data, seed, recorder)
         q = scenario.sampling_rate
         ledger = Ledger()
@@ -234,7 +247,9 @@ class _Audit:
         else:
             noise = dict(target_epsilon=self.eps, delta=self.delta, accountant=self.accountant)
         nu = math.nan
-        with spy_on_releases(recorder):
+        # Black-box: no spy, the production path as it is (the spy draws a deferred query's whole vector).
+        with spy_on_releases(recorder) if white_box else contextlib.nullcontext(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", SamplingWarning)  # its advice names options that audit lacks
             for k, hp in enumerate(runs):
                 res = train(
                     audit_model(data.dim), (data.x, data.y), scenario.strategy, steps=scenario.steps, loss=linear_loss,
@@ -317,6 +332,12 @@ def run_audit(
     refuse_in_study("dptune audit", "`dptune audit`")  # under torchrun every rank would run and write it all
     scenario, n_canaries = _check_args(strategy, eps, delta, method, confidence, threat_model, canaries)
     scenario = _overridden(scenario, steps, sampling_rate, hyperparameters)
+    rows = background + (n_canaries if method == "one-run" else min(n_canaries, TWO_WORLD_CHUNK))  # at most
+    if delta * rows >= 1:  # `train` refused it after training, naming options that audit lacks (found in review)
+        raise ConfigError(
+            f"delta = {delta:g} is at least 1/n for the audit's own data (up to {rows:,} rows). "
+            f"Fix: a δ below {1 / rows:.2g}, e.g. 1e-5."
+        )
     t0 = time.perf_counter()
     say = on_progress or (lambda s: None)
     audit = _Audit(
@@ -381,7 +402,7 @@ def _one_run(audit: _Audit, m: int, threat_model: str, details: dict[str, Any]) 
     data = audit.data(present, "audit-data")
     rec = ReleaseRecorder(data.canary_coords)
     audit.say(f"training {audit.scenario.runs} run(s) with {m} canaries")
-    run = audit.train(data, audit.seed, rec, via_study=threat_model == "white-box")
+    run = audit.train(data, audit.seed, rec, white_box=threat_model == "white-box")
     if threat_model == "white-box":
         labels, scores = _candidates(rec)
     else:
