@@ -31,6 +31,7 @@ from dptune.outputs import (
     print_table,
     publish_note,
     refuse_foreign_dir,
+    refuse_inside_release,
     resume_hint,
     strict_json,
     terminal_console,
@@ -429,6 +430,7 @@ def report(
     from dptune.tune.results import render, study_status, write_csvs
 
     check_output_dir(out, "--out")  # before anything is printed or written
+    refuse_inside_release(out if out is not None else study_dir, "--out")
     render(study_dir, console, diagnostics=include_diagnostics)
     write_csvs(study_dir)
     html = report_study(study_dir, out, include_diagnostics=include_diagnostics)

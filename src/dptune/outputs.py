@@ -93,8 +93,20 @@ def drop_stale_report(out: str | Path) -> bool:
     return True
 
 
+def refuse_inside_release(out: str | os.PathLike[str], what: str) -> None:
+    """A folder of ours whose diagnostics would sit inside a release/ folder, which is published whole: refused
+    (``dptune report S --out S/release`` wrote the training losses and losing candidates there; found in review)."""
+    if RELEASE_DIR in Path(os.path.realpath(out)).parts:
+        raise ConfigError(
+            f"{what} {str(out)!r} is inside a '{RELEASE_DIR}' folder: its diagnostics (not differentially private) "
+            f"would be published with the release. Fix: name a folder outside it (it gets {RELEASE_DIR}/ and "
+            f"{DIAGNOSTICS_DIR}/ of its own)."
+        )
+
+
 def diagnostics_dir(out: str | Path) -> Path:
-    """``out/diagnostics`` (created), with its README.txt stating the label."""
+    """``out/diagnostics`` (created), with its README.txt stating the label; never inside a release/ folder."""
+    refuse_inside_release(out, "the output folder")
     d = Path(out) / DIAGNOSTICS_DIR
     d.mkdir(parents=True, exist_ok=True)
     if not (d / "README.txt").is_file():

@@ -26,8 +26,10 @@ from rich.cells import cell_len
 from rich.console import Console
 from torch import nn
 from tune_helpers import linear_data, make_study
+from typer.testing import CliRunner
 
 from dptune import accounting
+from dptune.cli import app
 from dptune.errors import ConfigError
 from dptune.outputs import NOT_DP_LABEL, read_csv_rows
 from dptune.release.ledger import Ledger
@@ -395,6 +397,19 @@ def test_all_diverged_configuration_is_reported_as_diverged() -> None:
     assert "diverged" in text and "0/3" in text
 
 
+def test_a_study_report_counts_the_diverged_selected_seeds() -> None:
+    """The study report said 0 diverged for every row, under a caption saying diverged seeds were left out
+    of the mean (found in review: "0 ± 0 | 2/2" for two diverged seeds)."""
+    from dptune.report.study import _selected_row
+    from dptune.report.tables import results_table
+
+    row = {"strategy": "dpsgd", "method": "grid", "epsilon": 2.0, "selected": "lr=3e+38", "replicates": 2,
+           "test_mean": 0.0, "test_std": 0.0, "value_mean": 0.0, "value_std": 0.0, "selected_runs": ["r1", "r2"]}  # fmt: skip
+    got = _selected_row(row, True, {"r1", "r2", "r9"})  # r9: a losing candidate's, not counted
+    assert got.n_seeds == 2 and got.n_diverged == 2
+    assert "0/2 (2 diverged)" in str(results_table([got], "accuracy", True).rows)
+
+
 # ----------------------------------------------------------------------------- terminal table
 def _render(table, width: int) -> str:
     console = Console(width=width, file=StringIO(), record=True, color_system=None)
@@ -642,6 +657,17 @@ def test_report_study_reads_a_stored_study(tmp_path: Path) -> None:
     assert all(r["label"] for r in led) and sum(int(r["releases"]) for r in led) >= 2 * 12
     with pytest.raises(ConfigError, match="holds no study"):
         report_study(tmp_path / "nothing-here")
+    # Found in review: a report (or a study) inside a release/ folder put its diagnostics in the published folder.
+    for out in (sdir / "release", tmp_path / "release" / "sub"):
+        with pytest.raises(ConfigError, match="inside a 'release' folder"):
+            report_study(sdir, out)
+        assert not (out / "diagnostics").exists()
+    res = CliRunner().invoke(app, ["report", str(sdir), "--out", str(sdir / "release")])
+    assert res.exit_code == 2 and "inside a 'release' folder" in res.output, res.output
+    assert not (sdir / "release" / "diagnostics").exists() and not (sdir / "release" / "release").exists()
+    with pytest.raises(ConfigError, match="inside a 'release' folder"):
+        run_study(study, tmp_path / "release" / "s2", executor="local", progress=False)
+    assert not (tmp_path / "release" / "s2").exists()
 
 
 def test_study_conclusions_state_the_winner_the_margin_and_the_noise_cost() -> None:
@@ -684,8 +710,19 @@ def test_study_conclusions_state_the_winner_the_margin_and_the_noise_cost() -> N
     lines = conclusions(table, noise, True, "accuracy", hidden_k=False)
     assert lines[0] == (
         "At ε = 3, oso (online, 3 runs) is best: accuracy 0.852, ahead of dpsgd (grid, 9 runs) at "
-        "0.798 by 0.054. Splitting the budget over its runs cost dpsgd 2.3× the noise per run "
-        "of oso (ν = 2.99 against 1.3)."
+        "0.798 by 0.054 (one seed each: no spread measured). Splitting the budget over its runs cost dpsgd "
+        "2.3× the noise per run of oso (ν = 2.99 against 1.3)."
+    )
+    # Found in review: "best" was said within the seeds' spread (0.69 ± 0.28 against 0.57 ± 0.075, 2 seeds).
+    spread = [dict(table[0], replicates=2, test_std=0.28), dict(table[1], replicates=2, test_std=0.075)]
+    assert (
+        "within the seeds' spread of dpsgd (grid, 9 runs) at 0.798 (standard error 0.2)"
+        in conclusions(spread, noise, True, "accuracy", hidden_k=False)[0]
+    )
+    narrow = [dict(r, test_std=0.01) for r in spread]
+    assert (
+        "is best: accuracy 0.852, ahead of dpsgd (grid, 9 runs) at 0.798 by 0.054 (standard error 0.01)"
+        in (conclusions(narrow, noise, True, "accuracy", hidden_k=False)[0])
     )
     # The non-private baseline (ε = ∞, exact scores) is in no published sentence.
     assert len(lines) == 1 and not any("nodp" in x or "0.91" in x or "∞" in x for x in lines)
@@ -768,11 +805,21 @@ def test_oso_joint_noise_is_the_smallest_run_nu_per_epsilon() -> None:
     plan = NS(
         runs=runs,
         arms=[
-            NS(strategy="oso", epsilon=3.0, runs=["a", "b", "d"]),
-            NS(strategy="oso", epsilon=3.0, runs=["e"]),
-            NS(strategy="dpsgd", epsilon=3.0, runs=["c"]),
-            NS(strategy="oso", epsilon=1.0, runs=["e"]),
-            NS(strategy="oso", epsilon=float("inf"), runs=["f"]),
+            NS(strategy="oso", epsilon=3.0, runs=["a", "b", "d"], method="grid", extra={}),
+            NS(strategy="oso", epsilon=3.0, runs=["e"], method="grid", extra={}),
+            NS(strategy="dpsgd", epsilon=3.0, runs=["c"], method="grid", extra={}),
+            NS(strategy="oso", epsilon=1.0, runs=["e"], method="grid", extra={}),
+            NS(strategy="oso", epsilon=float("inf"), runs=["f"], method="grid", extra={}),
         ],
     )
     assert oso_joint_noise(plan) == {3.0: 1.2, 1.0: 2.0}
+    # A Liu–Talwar arm's runs are secret draws: its [training] geometry's ν instead (found in review).
+    lt = NS(
+        strategy="oso",
+        epsilon=2.0,
+        runs=["c"],
+        method="liu-talwar",
+        extra={"public_geometry": {"noise_multiplier": 1.7}},
+    )
+    plan.arms.append(lt)
+    assert oso_joint_noise(plan)[2.0] == 1.7

@@ -436,3 +436,29 @@ def test_a_hidden_k_arm_has_spent_its_whole_guarantee_from_the_plan_on(method: s
     plan = plan_study(method_study(method), 80, 40, "accuracy")
     for arm in plan.arms:
         assert spent(arm, plan, []) == (arm.guarantee["epsilon"], arm.delta)
+
+
+def test_the_lt_vs_ma_figure_does_not_depend_on_the_secret_draws():
+    """Found in review: the report's LT-vs-MA rows took the first drawn run's T and ν, a secret draw (a losing
+    candidate's T, and K ≥ 2). They now come from the [training] geometry: the same for any coins."""
+    from dptune.report.study import _lt_ma_rows
+
+    space = {"lr": [0.1, 1.0], "steps": [5, 60]}
+    study = dataclasses.replace(method_study("liu-talwar"), strategies=(StrategyArm("dpsgd", space=space),))
+    plans = [plan_study(study, 5000, 1000, "accuracy", coins=theory.SecretCoins(seed=s)) for s in range(6)]
+    drawn = {tuple(sorted(p.runs[r].steps for r in p.arms[0].runs)) for p in plans}
+    assert len(drawn) > 1  # the coins drew different candidates
+    rows = [_lt_ma_rows(p) for p in plans]
+    assert rows[0] and all(r == rows[0] for r in rows)
+    g = plans[0].arms[0].extra["public_geometry"]
+    assert (g["steps"], g["sampling_rate"]) == (20, 0.01)  # [training]: steps 20, batch 50 of 5,000
+
+
+@pytest.mark.parametrize("label", ["../../escaped", "a/b", "<script>$\\foo$", "x..y", ""])
+def test_an_arm_label_is_one_safe_path_component(label):
+    """A label names the arm's model folder and figure legends: '../x' wrote a model outside the study, and a
+    '$' label crashed the report in matplotlib's mathtext half-way (found in review)."""
+    with pytest.raises(ConfigError, match=r"strategies\[0\]\.label: must be letters"):
+        dataclasses.replace(method_study("grid"), strategies=(StrategyArm("dpsgd", space={"lr": [0.1]}, label=label),))
+    ok = StrategyArm("dpsgd", space={"lr": [0.1]}, label="dpsgd-small+v2.1")
+    assert dataclasses.replace(method_study("grid"), strategies=(ok,)).strategies[0].key == "dpsgd-small+v2.1"

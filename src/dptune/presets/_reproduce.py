@@ -20,6 +20,7 @@ from dptune.outputs import (
     print_table,
     publish_note,
     refuse_foreign_dir,
+    refuse_inside_release,
     terminal_console,
     up,
     write_csv_rows,
@@ -128,6 +129,7 @@ def reproduce(
     with data_dir_env(data_dir):  # options checked before any folder is made (a part may load its data)
         ours = [f"{part.name}/study.sqlite" for part in preset.parts(scale, **options)] + [MARK]
     refuse_foreign_dir(out_dir, ours, "--out", f"or the --out of an earlier `dptune reproduce {name}` (it resumes).")
+    refuse_inside_release(out_dir, "--out")
     check_workers(workers)
     check_study_device(device, executor, None)  # before any folder is made
     created = not os.path.lexists(out_dir)
@@ -271,6 +273,7 @@ def demo(
     """The README's main job (``presets._demo``): print the table, write the report, return the study directory."""
     check_workers(workers)  # before the folder is made
     refuse_foreign_dir(out_dir, ["study.sqlite"], "--out", "or the --out of an earlier `dptune demo` (it resumes).")
+    refuse_inside_release(out_dir, "--out")
     out = ensure_dir(out_dir)
     console = console or terminal_console()
     t0 = time.perf_counter()

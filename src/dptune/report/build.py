@@ -195,8 +195,8 @@ def _results(p: _Pages) -> tuple[list[SummaryRow], list[SummaryRow]]:
             "one the tuner selected, where it marked one) "
         )
     caption = (
-        "One configuration per strategy and ε. Diverged seeds are excluded from the "
-        "mean; 'seeds' counts the finished ones."
+        "One configuration per strategy and ε; 'seeds' counts those whose run did not diverge. A diverged "
+        "seed's score, where it has one (that of the model it left), is in the mean, as in the tuner's table."
     )
     p.sections.append(
         Section(

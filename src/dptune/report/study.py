@@ -120,9 +120,10 @@ def report_study(
     dsections = [every_run_section(table, write_runs_csv(out, runs, arm_of), secret_notes)]
     dsections += study_heatmaps(s, out) if include_diagnostics else []
     subtitle = f"{len(plan.arms)} tuning procedures, " + ("" if s.hides_k else f"{len(runs)} runs, ")
+    diverged = {r["run_id"] for r in runs if r["status"] == "diverged"}  # of the selected runs: their models'
     inputs = study_inputs(
         s,
-        [_selected_row(r, has_test) for r in table],  # every arm: build_report keeps ε = ∞ in the diagnostics
+        [_selected_row(r, has_test, diverged) for r in table],  # every arm: build_report keeps ε = ∞ apart
         histories=_histories(runs, arm_of, s.chosen, {rid for r in released for rid in r["selected_runs"]}),
         title=title or f"Study report: {cfg.get('study', {}).get('name') or study_dir.name}",
         subtitle=f"{subtitle}n_train = {plan.n_train}",
@@ -144,11 +145,12 @@ def report_study(
     return page
 
 
-def _selected_row(r: Mapping[str, Any], use_test: bool) -> SummaryRow:
-    """A row of the tuner's table as the results show it: its selection and metric."""
+def _selected_row(r: Mapping[str, Any], use_test: bool, diverged: set[str]) -> SummaryRow:
+    """A row of the tuner's table as the results show it: its selection, metric, and how many of the selected
+    runs diverged (their parameters: post-processing; it said 0 of them, found in review)."""
     mean, std = (r["test_mean"], r["test_std"]) if use_test else (r["value_mean"], r["value_std"])
-    label = _arm_label(r["strategy"], r["method"])
-    return SummaryRow(label, float(r["epsilon"]), r["selected"] or "—", mean, std, int(r["replicates"]), 0, True)
+    label, n_div = _arm_label(r["strategy"], r["method"]), len(diverged.intersection(r["selected_runs"]))
+    return SummaryRow(label, float(r["epsilon"]), r["selected"] or "—", mean, std, int(r["replicates"]), n_div, True)
 
 
 def _histories(
@@ -209,12 +211,12 @@ def _positive_nus(plan: Any, arm: Any) -> list[float]:
 
 
 def _lt_ma_rows(plan: Any) -> list[tuple[int, float, float]] | None:
-    """LT vs MA cost for the run geometry of the first Liu–Talwar arm (Mohapatra Fig. 6)."""
+    """LT vs MA cost (Mohapatra Fig. 6) for the [training] geometry of the first Liu–Talwar arm: public, where a
+    drawn run's geometry is a secret draw (found in review: it showed a losing candidate's T and that K ≥ 2)."""
     for arm in plan.arms:
-        if arm.method == "liu-talwar" and (nus := _positive_nus(plan, arm)):
-            run = plan.runs[arm.runs[0]]
-            batch = run.sampling_rate * plan.n_train
-            return list(theory.lt_vs_ma(plan.n_train, nus[0], batch, run.steps, ks=range(1, 41), delta=arm.delta).rows)
+        if arm.method == "liu-talwar" and (g := arm.extra.get("public_geometry")):
+            nu, batch, steps = g["noise_multiplier"], g["sampling_rate"] * plan.n_train, g["steps"]
+            return list(theory.lt_vs_ma(plan.n_train, nu, batch, steps, ks=range(1, 41), delta=arm.delta).rows)
     return None
 
 
@@ -383,14 +385,18 @@ def conclusions(
             out.append(f"At ε = {eps:g}, no procedure has a finite result yet.")
             continue
         first, v1 = rows[0], value(rows[0])
-        unbeaten = len(rows) == 1 or tied(v1, value(rows[1]))
+        se = _standard_error(first, rows[1], key) if len(rows) > 1 else None
+        unbeaten = len(rows) == 1 or tied(v1, value(rows[1])) or (se is not None and abs(v1 - value(rows[1])) <= se)
         text = f"At ε = {eps:g}, {name(first)} {'scores' if unbeaten else 'is best:'} {metric} {v1:.3g}"
         if len(rows) > 1:
             second = rows[1]
-            if unbeaten:
+            if tied(v1, value(second)):
                 text += f", tied with {name(second)}"
+            elif unbeaten:  # a winner named within the seeds' spread (found in review)
+                text += f", within the seeds' spread of {name(second)} at {value(second):.3g} (standard error {se:.2g})"
             else:
                 text += f", ahead of {name(second)} at {value(second):.3g} by {gap(first, second)}"
+                text += " (one seed each: no spread measured)" if se is None else f" (standard error {se:.2g})"
             text += "" if hidden_k else _noise_cost(first, second, costs)
         # Galli et al.'s comparison, when the study has both and they are not the pair above.
         oso = next((r for r in rows if r.get("optimizer") == "oso"), None)
@@ -403,6 +409,15 @@ def conclusions(
             )
         out.append(text + ".")
     return out
+
+
+def _standard_error(a: Mapping[str, Any], b: Mapping[str, Any], key: str) -> float | None:
+    """√(s_a²/n_a + s_b²/n_b) of two rows' means over seeds (``key``'s std); None when either has one seed."""
+    std = key.replace("_mean", "_std")
+    n_a, n_b = int(a.get("replicates") or 1), int(b.get("replicates") or 1)
+    if n_a < 2 or n_b < 2 or a.get(std) is None or b.get(std) is None:
+        return None
+    return math.sqrt(float(a[std]) ** 2 / n_a + float(b[std]) ** 2 / n_b)
 
 
 def _noise_cost(first: Mapping[str, Any], second: Mapping[str, Any], costs: Mapping[str, Mapping[str, Any]]) -> str:
@@ -419,10 +434,14 @@ def _noise_cost(first: Mapping[str, Any], second: Mapping[str, Any], costs: Mapp
 
 
 def oso_joint_noise(plan: Any) -> dict[float, float]:
-    """ε → the joint ν of the Pareto figure: the smallest ν of the OSO arms' runs (public plan)."""
+    """ε → the joint ν of the Pareto figure: the smallest ν of the OSO arms' runs (public plan; a Liu–Talwar
+    arm's drawn runs are secret draws: its [training] geometry's ν)."""
     out: dict[float, float] = {}
     for arm in plan.arms:
-        if arm.strategy == "oso" and math.isfinite(arm.epsilon) and (nus := _positive_nus(plan, arm)):
+        lt = arm.method == "liu-talwar"
+        nus = [arm.extra["public_geometry"]["noise_multiplier"]] if "public_geometry" in arm.extra else []
+        nus = nus if lt else _positive_nus(plan, arm)
+        if arm.strategy == "oso" and math.isfinite(arm.epsilon) and nus:
             out[float(arm.epsilon)] = min([*nus, out.get(float(arm.epsilon), math.inf)])
     return out
 

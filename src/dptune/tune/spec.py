@@ -27,6 +27,7 @@ from dptune.tune.space import TRAINING_KEYS
 DISTRIBUTIONS = ("log_uniform", "uniform", "int_uniform", "int_log_uniform")
 # A study name becomes a folder (studies/<name>): one path component, never "..".
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+ARM_LABEL = re.compile(r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,14 @@ class Study:
                 f"no '..'), got {self.name!r}: it names the study's folder (studies/<name>)",
                 'e.g. name = "mnist-dpsgd"; choose where the study goes with `dptune tune CONFIG -o DIR`',
             )
+        for i, arm in enumerate(strategies):  # a label names the arm's model folder and figure legends
+            if arm.label is not None and (not isinstance(arm.label, str) or not ARM_LABEL.match(arm.label)):
+                raise config_error(
+                    f"strategies[{i}].label",
+                    f"must be letters, digits, '-', '_', '+' or '.' (starting with a letter or digit, no '..'), "
+                    f"got {arm.label!r}: it names the arm's model folder (found in review: '../x' wrote outside)",
+                    'e.g. label = "dpsgd-small-batch"',
+                )
         sections.check_flag(
             "study.secure",
             self.secure,

@@ -21,7 +21,14 @@ from dptune.errors import BudgetExceededError, ConfigError, DPTuneError
 from dptune.gradients.oracle import check_model
 from dptune.gradients.stacked import Stacked, stack_plan
 from dptune.models import check_fits
-from dptune.outputs import NOT_DP_LABEL, Progress, check_output_dir, drop_stale_report, hides_run_count
+from dptune.outputs import (
+    NOT_DP_LABEL,
+    Progress,
+    check_output_dir,
+    drop_stale_report,
+    hides_run_count,
+    refuse_inside_release,
+)
 from dptune.release.ledger import Ledger
 from dptune.tune import results
 from dptune.tune.data import build_model, study_data
@@ -427,6 +434,7 @@ def run_study(
     check_executor(executor, address)
     path = Path(study_dir)
     check_output_dir(path, "study directory")
+    refuse_inside_release(path, "study directory")  # its diagnostics/ would be published
     if ".." in path.parts:  # "e/m/.." with e/m missing: the kernel cannot walk it; the folder meant is e
         path = Path(os.path.realpath(path))
     with _StudyClaim(path) as claim:

@@ -131,6 +131,13 @@ class LiuTalwar(TuningMethod):
             "not be published.",
         ]
         extra = {"runs_per_procedure": ks, "noise_multipliers": sorted(set(cache.values()))}
+        try:  # the report's LT-vs-MA figure: the [training] geometry (public), not a secret draw's (found in review)
+            s0 = make_shape(ctx, arm, {}, f"{path}.fixed")
+            acc0 = choose_accountant(study.budget.accountant, s0.event(1.0), auto="rdp")
+            nu0 = calibrate_nu(lambda v: group_events([s0.event(v)] * unit), lt.eps1, lt.delta1, acc0, arm_id)
+            extra["public_geometry"] = {"sampling_rate": s0.sampling_rate, "steps": s0.steps, "noise_multiplier": nu0}
+        except ConfigError:  # a [training] geometry that no candidate has: no figure
+            pass
         return self.arm_plan(b, arm, eps, accountant=acc, guarantee=guarantee, runs=run_ids, notes=notes, extra=extra)
 
     def spent(self, arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[float, float]:
