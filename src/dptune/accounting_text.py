@@ -52,7 +52,7 @@ def calibrated_noise(
     from dptune import accounting
 
     if accountant == "auto":
-        accountant = accounting.tightest_accountant(q)
+        accountant = accounting.tightest_accountant(q, steps * runs)
     with numeric_range(f"ε = {epsilon!r}, q = {q!r}"):
         nu = accounting.calibrate(epsilon, delta, q, steps, runs, accountant).noise_multiplier
 

@@ -495,8 +495,14 @@ def test_train_refuses_out_of_range_numbers_before_training(
     [
         (["--epsilon", "1e308", "--sampling-rate", "0.1", "--steps", "10"], "use the 'rdp' accountant"),
         (["--epsilon", "1", "--sampling-rate", "1e-320", "--steps", "10"], "q = 1e-320 is below 1e-12"),
-        (["--epsilon", "1", "--sampling-rate", "0.1", "--steps", str(10**12)], "1e+12 releases are more than 1e+07"),
-        (["--epsilon", "1", "--sampling-rate", "0.1", "--steps", "10", "--runs", str(10**12)], "1e+13 releases"),
+        (
+            ["--epsilon", "1", "--sampling-rate", "0.1", "--steps", str(10**12), "--accountant", "pld"],
+            "1e+12 releases are more than 1e+06",
+        ),
+        (
+            ["--epsilon", "1", "--sampling-rate", "0.1", "--steps", "10", "--runs", str(10**12), "--accountant", "pld"],
+            "1e+13 releases",
+        ),
         (["--epsilon", "1", "--sampling-rate", "0.1", "--steps", "10", "--delta", "1e-320"], "check δ"),
     ],
 )
@@ -507,6 +513,18 @@ def test_calibrate_refuses_what_it_cannot_compute_quickly(args: list[str], fragm
     line = _invoke(["calibrate", *args])
     assert fragment in line, line
     assert "non-private?" not in line and time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("steps_runs", [(10**12, 1), (2710, 2710)])
+def test_calibrate_auto_takes_rdp_where_pld_would_take_minutes(steps_runs: tuple[int, int]) -> None:
+    """Found by the CLI fuzz: 2,710 steps × 2,710 runs (7.3·10⁶ releases) calibrated by PLD for minutes and
+    17 GB; 'auto' is PLD up to 10⁶ releases (20 s), RDP beyond (seconds, a valid upper bound)."""
+    start = time.monotonic()
+    steps, runs = steps_runs
+    res = CliRunner().invoke(app, ["calibrate", "--epsilon", "8", "--sampling-rate", "0.5", "--steps", str(steps),
+                                   "--runs", str(runs)])  # fmt: skip
+    assert res.exit_code == 0 and ", rdp)" in res.output, res.output
+    assert time.monotonic() - start < 30
 
 
 def test_account_refuses_a_sampling_rate_below_the_accountants_range() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,12 +210,22 @@ def _check_sane(r: AuditResult, eps: float) -> None:
     assert eps - 1e-3 <= d["ledger_epsilon"] <= eps + 1e-9
 
 
+def _documented_bound(strategy: str, method: str, eps: float) -> float:
+    """The real-code bound docs/reliability.md's audit table states (scripts/audit_table.py writes it)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "reliability.md").read_text()
+    table = text.split("<!-- audit-table:begin -->")[1].split("<!-- audit-table:end -->")[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| ")]
+    return next(float(r[3]) for r in rows if r[:3] == [strategy, method, f"{eps:g}"])
+
+
 @pytest.mark.parametrize("strategy", AUDITABLE)
 def test_real_strategy_passes_one_run_audit(strategy: str) -> None:
     r = run_audit(strategy, ONE_RUN_EPS, DELTA, method="one-run", seed=0, canaries=M_CI)
     _check_sane(r, ONE_RUN_EPS)
     assert r.method == "one-run" and r.details["canaries"] == M_CI
     assert 0.0 <= r.lower_bound < ONE_RUN_EPS, r.summary()
+    # The documented table is today's code's (found in review: written once, ~500 commits stale).
+    assert round(r.lower_bound, 2) == _documented_bound(strategy, "one-run", ONE_RUN_EPS), "rerun audit_table.py"
     assert not r.flagged and "consistent with the claim" in r.summary()
     assert json.loads(json.dumps(r.to_dict()))["lower_bound"] == r.lower_bound  # CLI --json needs this
 

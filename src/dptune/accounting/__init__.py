@@ -9,6 +9,7 @@ from dptune.accounting import _fast_pld
 from dptune.accounting import accountants as _accountants
 from dptune.accounting import calibration as _calibration
 from dptune.accounting.accountants import (
+    PLD_MAX_RELEASES,
     epsilon,
     epsilon_cached,
     make_accountant,
@@ -53,6 +54,7 @@ __all__ = [
     "noise_multiplier_text",
     "oso_q_noise_multiplier",
     "pld_cost_problem",
+    "PLD_MAX_RELEASES",
     "releases_of",
     "round_up",
     "split_noise_multiplier",

@@ -92,7 +92,7 @@ class Scenario:
 # an accounting error on it changes ε by ~1%, below any audit's resolution.
 SCENARIOS: dict[str, Scenario] = {
     "dpsgd": Scenario("dpsgd", {"lr": 0.1, "clip": 1.0, "momentum": 0.5}, 0.5, 4),
-    "quantile": Scenario("quantile", {"lr": 0.1, "initial_clip": 0.5, "target_quantile": 0.5}, 0.5, 4),
+    "quantile": Scenario("quantile", {"lr": 0.1, "momentum": 0.9, "initial_clip": 0.5, "target_quantile": 0.5}, 0.5, 4),
     "oso": Scenario(
         "oso",
         {"lr": 0.1, "initial_clip": 0.5, "relative_increase": 3.0, "clip_lr": 0.05, "lr_lr": 0.05},

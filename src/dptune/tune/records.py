@@ -97,7 +97,7 @@ class RunSpec(JsonRecord):
 
     def run_plan(self, strategy: Strategy, n: int, accountant: str) -> RunPlan:
         """The run's ``RunPlan``: planned ν, q, T and the study's accountant (as ``plan_run``)."""
-        acc = accounting.tightest_accountant(self.sampling_rate) if accountant == "auto" else accountant
+        acc = accounting.tightest_accountant(self.sampling_rate, self.steps) if accountant == "auto" else accountant
         return RunPlan(strategy, n, self.sampling_rate, self.steps, self.noise_multiplier, acc)
 
 
@@ -185,7 +185,8 @@ def choose_accountant(requested: str, event: dp_event.DpEvent, auto: str | None 
         return requested
     if auto is not None:
         return auto
-    return "gdp" if unsampled else "pld" if len(a) <= PLD_MAX_DISTINCT_ATOMS else "rdp"
+    pld = len(a) <= PLD_MAX_DISTINCT_ATOMS and accounting.releases_of(event) <= accounting.PLD_MAX_RELEASES
+    return "gdp" if unsampled else "pld" if pld else "rdp"
 
 
 def calibrate_nu(
