@@ -94,13 +94,12 @@ def drop_stale_report(out: str | Path) -> bool:
 
 
 def refuse_inside_release(out: str | os.PathLike[str], what: str) -> None:
-    """A folder of ours whose diagnostics would sit inside a release/ folder, which is published whole: refused
-    (``dptune report S --out S/release`` wrote the training losses and losing candidates there; found in review)."""
+    """A path of diagnostics inside a release/ folder, which is published whole: refused (``dptune report S --out
+    S/release`` wrote the training losses and losing candidates there; found in review)."""
     if RELEASE_DIR in Path(os.path.realpath(out)).parts:
         raise ConfigError(
-            f"{what} {str(out)!r} is inside a '{RELEASE_DIR}' folder: its diagnostics (not differentially private) "
-            f"would be published with the release. Fix: name a folder outside it (it gets {RELEASE_DIR}/ and "
-            f"{DIAGNOSTICS_DIR}/ of its own)."
+            f"{what} {str(out)!r} is inside a '{RELEASE_DIR}' folder, which is published whole: the diagnostics "
+            "(not differentially private) must not be. Fix: name a path outside it."
         )
 
 
@@ -172,10 +171,8 @@ def check_output_dir(path: str | os.PathLike[str] | None, what: str) -> None:
     p = Path(path)
     _refuse_dangling_link(p, what, p)
     if p.exists() and not p.is_dir():
-        raise ConfigError(
-            f"{what} {str(p)!r} is an existing file, not a directory. "
-            "Fix: give a directory (new or existing), or remove that file."
-        )
+        raise ConfigError(f"{what} {str(p)!r} is an existing file, not a directory. Fix: give a directory (new or "
+                          "existing), or remove that file.")  # fmt: skip
     _check_creatable(p, what, p)
 
 
@@ -195,12 +192,7 @@ def train_output_paths(out: Path, diagnostics_out: Path | None, save: Path | Non
     An existing ``out`` file, or a ``save`` folder that holds anything, is refused unless ``overwrite``."""
     beside = out.parent.parent if out.parent.resolve().name == RELEASE_DIR else out.parent
     diag_path = diagnostics_out or beside / DIAGNOSTICS_DIR / out.name
-    if RELEASE_DIR in diag_path.resolve().parent.parts:
-        raise ConfigError(
-            f"--diagnostics-out {diag_path} is inside a '{RELEASE_DIR}' folder: the diagnostics (the seed, the "
-            "training loss) are not differentially private and must not be published with the release. "
-            "Fix: name a file outside it (default: diagnostics/ beside the release folder)."
-        )
+    refuse_inside_release(diag_path.parent, "--diagnostics-out")
     if diag_path.resolve() == out.resolve():
         raise ConfigError(
             "--diagnostics-out must differ from --out: the diagnostics are not differentially private. "
@@ -273,10 +265,9 @@ def parse_hyperparameters(pairs: list[str], flag: str = "--hp", example: str = "
         if "=" not in pair:
             raise ConfigError(f"{flag} {pair!r} is not key=value. Fix: write e.g. {flag} {example}.")
         k, v = pair.split("=", 1)
-        try:
-            out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k.strip()] = v
+        with contextlib.suppress(json.JSONDecodeError):
+            v = json.loads(v)
+        out[k.strip()] = v
     return out
 
 
@@ -394,8 +385,7 @@ def read_csv_rows(path: str | Path) -> list[dict[str, str]]:
 
 
 def strict_json(x: Any, **kwargs: Any) -> str:
-    """Standard JSON (no ``Infinity``/``NaN`` tokens, which strict parsers reject): a non-finite float
-    is written as the string "inf", "-inf" or "nan"; anything else unknown as its ``str``."""
+    """Standard JSON: a non-finite float as the string "inf", "-inf" or "nan" (not ``Infinity``), else ``str``."""
 
     def finite(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
@@ -419,10 +409,7 @@ def write_train_outputs(
     (``train_outputs(result, **context)``); return the release. ``label_folder``: ``diagnostics``
     is in the default diagnostics/ folder, which gets its README.txt (the label)."""
 
-    def save_text(path: Path, text: str) -> None:  # atomic: an --overwrite interrupted keeps the old file whole
-        path.parent.mkdir(parents=True, exist_ok=True)
-        (tmp := path.with_name(f".{path.name}.part")).write_text(text)
-        os.replace(tmp, path)
+    from dptune.deliverable import save_text  # atomic: an --overwrite interrupted keeps the old file whole
 
     release, diag = train_outputs(result, **context)
     save_text(out, strict_json(release))
