@@ -462,3 +462,12 @@ def test_an_arm_label_is_one_safe_path_component(label):
         dataclasses.replace(method_study("grid"), strategies=(StrategyArm("dpsgd", space={"lr": [0.1]}, label=label),))
     ok = StrategyArm("dpsgd", space={"lr": [0.1]}, label="dpsgd-small+v2.1")
     assert dataclasses.replace(method_study("grid"), strategies=(ok,)).strategies[0].key == "dpsgd-small+v2.1"
+
+
+def test_a_study_without_a_batch_size_uses_train_s_default():
+    """`dptune train` takes L = min(256, n/10) when none is given; a study refused it (found in review)."""
+    from dptune.release.sampling import default_batch_size
+
+    study = dataclasses.replace(method_study("grid"), training=TrainingSpec(steps=20))
+    plan = plan_study(study, 5000, 1000, "accuracy")
+    assert {r.sampling_rate for r in plan.runs.values()} == {default_batch_size(5000) / 5000}

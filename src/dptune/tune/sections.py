@@ -196,12 +196,6 @@ class TrainingSpec:
             raise config_error(
                 "training", "full_batch = true and expected_batch_size are exclusive", "drop one of them"
             )
-        if not self.full_batch and self.expected_batch_size is None:
-            raise config_error(
-                "training.expected_batch_size",
-                "missing",
-                "set expected_batch_size (Poisson sampling, q = L/n) or full_batch = true",
-            )
         if self.expected_batch_size is not None:
             _positive_number("training.expected_batch_size", self.expected_batch_size, 256)
         if self.loss is not None:

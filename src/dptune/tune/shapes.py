@@ -13,7 +13,7 @@ from dptune import accounting
 from dptune.errors import ConfigError
 from dptune.release.context import RunPlan, snap_noise
 from dptune.release.ledger import compose
-from dptune.release.sampling import check_steps, sampling_rate_for, steps_for_epochs
+from dptune.release.sampling import check_steps, default_batch_size, sampling_rate_for, steps_for_epochs
 from dptune.strategies import Strategy, make_strategy
 from dptune.train import EvalSchedule
 from dptune.tune.records import canonical, group_events
@@ -67,8 +67,9 @@ def run_geometry(ctx: Context, config: Mapping[str, Any], path: str) -> tuple[fl
     """(q, T) of a configuration: the study's training settings, overridden by the config."""
     t = ctx.study.training
     _, tr = split_config(config)
-    ebs = tr.get("expected_batch_size", t.expected_batch_size)
     full = t.full_batch and "expected_batch_size" not in tr
+    default = t.expected_batch_size or (None if full else default_batch_size(ctx.n_train))  # `dptune train`'s rule
+    ebs = tr.get("expected_batch_size", default)  # (found in review: a study without a batch size was refused)
     # Name the field the value came from: the search space's, else [training]'s.
     field = f"{path}: expected_batch_size" if "expected_batch_size" in tr else "training.expected_batch_size"
     if ebs is not None and not (0 < ebs <= ctx.n_train):
