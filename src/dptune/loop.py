@@ -362,9 +362,10 @@ class PrivateTraining:
             if p.grad is not None and (p.grad is not grad or grad._version != version):
                 name = next((k for k, q in self.model.named_parameters() if q is p), "a tensor outside the model")
                 raise ConfigError(
-                    f"the gradient of {name!r} is not the one private.backward() released (a loss.backward() "
-                    "or an in-place change since?): the optimizer would use non-private gradients. Call "
-                    "optimizer.zero_grad() and private.backward(x, y) right before optimizer.step()."
+                    f"the gradient of {name!r} is not the one private.backward() released (a loss.backward() or an "
+                    "in-place change since, e.g. clip_grad_norm_?): the optimizer would use non-private gradients. "
+                    "Fix: drop clip_grad_norm_ (each example is clipped already), and call optimizer.zero_grad() "
+                    "and private.backward(x, y) right before optimizer.step()."
                 )
 
     def step(self, x: Any, y: torch.Tensor) -> dict[str, Any]:

@@ -344,6 +344,9 @@ def test_an_exact_gradient_mixed_into_the_released_one_is_refused() -> None:
         next(p for p in model.parameters() if p.grad is not None).grad.add_(1.0)  # an in-place edit
         with pytest.raises(ConfigError, match="not the one private.backward\\(\\) released"):
             opt.step()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a habit of non-private loops: named, with the fix
+        with pytest.raises(ConfigError, match="e.g. clip_grad_norm_.*Fix: drop clip_grad_norm_"):
+            opt.step()
         opt.zero_grad()
         with torch.no_grad():
             loss = nn.functional.cross_entropy(model(xb), yb)  # the right way to look at the loss
