@@ -126,7 +126,7 @@ def train(
     ),
     strategy: str = typer.Option(
         "dpsgd",
-        help="nodp, dpsgd, quantile, oso, dpadam, adamwosm, adadp, dpgd, or a composition <privatizer>+<update> (privatizer: fixed, quantile, oso; update: sgd, adam, adamwosm, oso_rate, adadp), e.g. oso+adam",
+        help="nodp, dpsgd, quantile, oso, dpadam, adamwosm, adadp, dpgd, dpzo, or a composition <privatizer>+<update> (privatizer: fixed, quantile, oso; update: sgd, adam, adamwosm, oso_rate, adadp), e.g. oso+adam",
     ),
     epsilon: float | None = typer.Option(
         3.0, "--target-epsilon", "--epsilon", help="target ε of this run (ignored with --noise-multiplier)"
@@ -134,7 +134,7 @@ def train(
     delta: float = typer.Option(1e-5, help="target δ (below 1/n)"),
     allow_large_delta: bool = typer.Option(False, "--allow-large-delta", help="accept δ ≥ 1/n (not advised)"),
     noise_multiplier: float | None = typer.Option(None, help="use this ν instead of calibrating to ε"),
-    epochs: float | None = typer.Option(None, help="epochs (T = epochs / q steps) [default: 5; 50 at full batch]"),
+    epochs: float | None = typer.Option(None, help="epochs (T = epochs / q steps) [default: 5; 50 at full batch and for dpzo]"),
     batch_size: float | None = typer.Option(
         None,
         "--expected-batch-size",
@@ -204,7 +204,8 @@ def _train(o: SimpleNamespace) -> None:
     device = str(resolve_device(o.device, "--device"))
     name = make_strategy(o.strategy, **parse_hyperparameters(o.hp)).name  # still before the data load
     full_batch = o.full_batch or (o.batch_size is None and name == "dpgd")  # DP-GD: full batch by definition
-    epochs = o.epochs if o.epochs is not None else 50.0 if full_batch else 5.0  # measured: docs/performance.md
+    # measured (docs/performance.md): DP-GD's full batch and DP-ZO's noisy directions need 50 epochs (dpzo at 5: chance)
+    epochs = o.epochs if o.epochs is not None else 50.0 if full_batch or name == "dpzo" else 5.0
     options = parse_hyperparameters(o.model_opt, "--model-opt", "mode=lora")
     train_part, test_part, net, model_id = for_training(
         o.data, o.dataset, o.model, o.data_dir, o.seed, dict(label=o.label, test=o.test, schema=o.schema), options
