@@ -409,13 +409,13 @@ def write_train_outputs(
     (``train_outputs(result, **context)``); return the release. ``label_folder``: ``diagnostics``
     is in the default diagnostics/ folder, which gets its README.txt (the label)."""
 
-    from dptune.deliverable import save_text  # atomic: an --overwrite interrupted keeps the old file whole
-
     release, diag = train_outputs(result, **context)
-    save_text(out, strict_json(release))
     if label_folder:
         diagnostics_dir(diagnostics.parent.parent)
-    save_text(diagnostics, strict_json(diag))
+    for path, payload in ((out, release), (diagnostics, diag)):  # atomic: an interrupted --overwrite keeps the old
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (tmp := path.with_name(f".{path.name}.part")).write_text(strict_json(payload))
+        os.replace(tmp, path)
     return release
 
 

@@ -141,6 +141,8 @@ def test_every_strategy_trains_the_same_run_on_replayed_gradients(name: str, mon
     real = graphed.Graphs.__call__
     monkeypatch.setattr(graphed, "replayable", lambda device: True)
     monkeypatch.setattr(graphed.Graphs, "__call__", lambda self, *a: calls.append(True) or real(self, *a))
+    # the first probe only: later probe calls, at random (OS entropy), run eagerly and made the count flaky
+    monkeypatch.setattr(GradientOracle, "_gap", lambda self: 10**6)
     replayed = dptune.train(model(), (x, y), name, **kw)
     assert len(calls) >= (4 if name not in ("dpzo", "nodp") else 0), calls
     assert replayed.ledger.matches(replayed.plan.event()) and replayed.ledger.releases == eager.ledger.releases

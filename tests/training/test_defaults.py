@@ -46,14 +46,21 @@ def test_cli_dpgd_with_no_option_is_full_batch_dp_gd_that_learns(tmp_path: Path)
     assert release["best_metric"] >= 0.85, release["best_metric"]  # 0.90 measured; majority class 0.10
 
 
-def test_cli_dpzo_with_no_option_learns(tmp_path: Path) -> None:
-    """Found in review: at the CLI's 5 epochs DP-ZO stayed at chance (0.10-0.12); its default is 50 epochs."""
-    out = tmp_path / "r.json"
-    res = CliRunner().invoke(app, ["train", "--dataset", "digits", "--strategy", "dpzo", "--no-progress", "--out",
-                                   str(out)])  # fmt: skip
-    assert res.exit_code == 0, res.output
-    release = json.loads(out.read_text())
-    assert release["steps"] >= 450 and release["best_metric"] >= 0.4, release  # 0.53-0.65 measured; chance 0.10
+def test_cli_dpzo_defaults_to_50_epochs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: at the CLI's 5 epochs DP-ZO stayed at chance (0.10-0.12); at 50 epochs it learns
+    (0.53-0.65 on digits, docs/performance.md: 13 s, measured there rather than here)."""
+    import importlib
+
+    seen: dict = {}
+
+    def stop(*args: object, **kwargs: object) -> None:
+        seen.update(kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("dptune.train"), "train", stop)
+    argv = ["train", "--dataset", "digits", "--strategy", "dpzo", "--no-progress", "--out", str(tmp_path / "r.json")]
+    CliRunner().invoke(app, argv)
+    assert seen["epochs"] == 50.0 and not seen["full_batch"]
 
 
 def _run(steps: int, nu: float = 1.0) -> RunPlan:
