@@ -18,10 +18,8 @@ from torch import nn
 from torch.func import vjp, vmap
 
 from dptune import inputs
-from dptune.gradients.ghost_layers import (  # noqa: F401 - REUSE_RTOL, SUPPORTED, unsupported_reason: re-exported
+from dptune.gradients.ghost_layers import (  # noqa: F401 - unsupported_reason: re-exported
     CONV,
-    REUSE_RTOL,
-    SUPPORTED,
     GhostFallback,
     KeptRule,
     LayerGrads,

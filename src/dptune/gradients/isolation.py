@@ -1,8 +1,7 @@
 """What a private pass may run and keep: trusted code (``own_code``: the batched paths run only on models made of
 torch's, Hugging Face's, peft's and dptune's calls; ``calls_made_of``, ``check_modes``), and your Python state kept
 from before a batch computed one example at a time (``KeptState``). Derivations and the review findings behind each
-rule: docs/privacy.md, "The unit of privacy" and items 17, 19, 21-23.
-"""
+rule: docs/privacy.md, "The unit of privacy" and items 17, 19, 21-23."""
 
 from __future__ import annotations
 
@@ -73,11 +72,8 @@ def own_code(model: nn.Module) -> str | None:
 
 
 def _trusted_module(where: str | None) -> bool:
-    return (
-        (where or "") in TRUSTED_PACKAGES
-        or (where or "").startswith(TRUSTED_CODE)
-        and not (where or "").startswith(UNTRUSTED)
-    )
+    where = where or ""
+    return where in TRUSTED_PACKAGES or where.startswith(TRUSTED_CODE) and not where.startswith(UNTRUSTED)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -2,8 +2,7 @@
 per-sample tensors: they ask a ``PerSampleGrads`` for norms ‖g_i‖ and weighted sums Σ_i w_i g_i, the seam where
 the ghost path replaces vmap. ``GradientOracle(..., method=)``: ``'vmap'`` (any model; one example at a time
 where vmap cannot run it), ``'ghost'`` (``dptune.gradients.ghost``) or ``'auto'`` (ghost on trusted code the
-ghost rules cover, else vmap); default ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_METHOD``; ``set_default_method``).
-"""
+ghost rules cover, else vmap); default ``DEFAULT_METHOD`` (env ``DPTUNE_GRAD_METHOD``; ``set_default_method``)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,6 @@ from dptune.errors import OWNER_ERROR, ConfigError
 from dptune.gradients import ghost, graphed
 from dptune.gradients.isolation import KeptState, check_modes, own_code  # noqa: F401 - own_code re-exported
 from dptune.gradients.persample import (  # noqa: F401 - re-exported: ``dptune.gradients.oracle`` is where users look
-    NORM_BLOCK,
-    NORM_FLOOR,
     LossFn,
     MaterializedGrads,
     ParamSwap,
@@ -35,15 +32,12 @@ from dptune.gradients.persample import (  # noqa: F401 - re-exported: ``dptune.g
     batched_loss,
     check_model,
     eval_mode,
-    gamma,
     ieee_matmul,
     nonfinite_rows,
     per_example_loss,
     rng_preserved,
     rng_state,
     set_rng_state,
-    sq_rows_upper,
-    unit_roundoff,
     upper_norms,
 )
 from dptune.tree import Tensors
@@ -118,8 +112,7 @@ class GradientOracle:
     (None: ``DEFAULT_METHOD``); ``chunk_size`` bounds the vmap path's memory (B × #params floats). Every private
     forward runs on scratch buffers. A batched forward (trusted code only: the ghost path, DP-ZO's losses) is
     probed for per-example isolation (``_probe``); until a probe has passed, a batch is computed on vmap (or one
-    example at a time); a refusal is final. A forward of yours runs the ghost path under vmap (docs/privacy.md).
-    """
+    example at a time); a refusal is final. A forward of yours runs the ghost path under vmap (docs/privacy.md)."""
 
     PROBE_MIN_BATCH = 3  # one or two rows cannot show mixing reliably
     PROBE_EVERY = 32  # after a pass, each call is the next probe with chance 1/32 (OS entropy: no call count evades it)

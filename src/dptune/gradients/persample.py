@@ -3,8 +3,7 @@
 g_i, all a privatizer reads), the vmap path's materialised container, the model checks, the built-in
 losses, ``ParamSwap`` (functional calls without the module walk), the buffer, mode and random-stream
 guards of a private pass; the float bounds are in ``norm_bounds``. ``oracle.GradientOracle`` chooses
-the path; this module imports neither, so neither imports the other.
-"""
+the path; this module imports neither, so neither imports the other."""
 
 from __future__ import annotations
 
@@ -21,18 +20,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as _HookSpectralNorm
 
 from dptune import inputs
 from dptune.errors import ConfigError
-from dptune.gradients.norm_bounds import (  # noqa: F401 - the float bounds, re-exported: they were defined here
-    NORM_BLOCK,
-    NORM_FLOOR,
-    WIDE_BLOCK,
-    flat_rows,
-    gamma,
-    ieee_matmul,
-    sq_rows_upper,
-    unit_roundoff,
-    upper_norms,
-    wide_sum,
-)
+from dptune.gradients.norm_bounds import flat_rows, ieee_matmul, sq_rows_upper, upper_norms, wide_sum
 from dptune.tree import Accumulated, Tensors, differs
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -99,7 +87,6 @@ class PerSampleGrads(Protocol):
 
     def weighted_sum(self, weights: torch.Tensor, *, drop_nonfinite: bool = True) -> Tensors:
         """Σ_i weights[i] · g_i, per parameter; rows with a non-finite g_i contribute 0."""
-        ...
 
 
 class ParamSwap:
@@ -108,8 +95,7 @@ class ParamSwap:
     under every name the model lists, tied ones included) are collected once; a call swaps the
     given tensors in, runs the model and swaps the originals back. Same semantics as
     ``functional_call(..., tie_weights=True, strict=False)``. When the model changed since, the
-    slots are rebuilt; a name still unknown is left to ``functional_call`` itself.
-    """
+    slots are rebuilt; a name still unknown is left to ``functional_call`` itself."""
 
     def __init__(self, model: nn.Module):
         self.model = model

@@ -1,7 +1,6 @@
 """The privacy ledger: every noisy release as ``dp_accounting`` events, append-only and run-length encoded. A plan
 (a multiset of atomic events: composition is commutative) bounds what it may record; anything outside the remaining
-plan raises ``BudgetExceededError`` before the noise is drawn.
-"""
+plan raises ``BudgetExceededError`` before the noise is drawn."""
 
 from __future__ import annotations
 
@@ -70,12 +69,15 @@ def compose(groups: Iterable[tuple[dp_event.DpEvent, int]]) -> dp_event.DpEvent:
 
 
 # ----------------------------------------------------------------------------- ledger
+Components = tuple[tuple[str, float, float], ...]  # (query, noise multiplier, sensitivity) of each query
+
+
 @dataclass
 class LedgerEntry:
     label: str  # what was released, e.g. "dpsgd/gradient" or "oso/gradient+q"
     event: dp_event.DpEvent  # the atomic event of one release
     count: int  # run-length: how many identical consecutive releases
-    components: tuple[tuple[str, float, float], ...] = ()  # (query, noise multiplier, sensitivity)
+    components: Components = ()
     run: str = ""  # run id, when several runs share one ledger
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,13 +122,7 @@ class Ledger:
             )
 
     def record(
-        self,
-        event: dp_event.DpEvent,
-        label: str,
-        *,
-        count: int = 1,
-        components: tuple[tuple[str, float, float], ...] = (),
-        run: str = "",
+        self, event: dp_event.DpEvent, label: str, *, count: int = 1, components: Components = (), run: str = ""
     ) -> None:
         self.check(event, count)
         if self.plan is not None:
@@ -150,8 +146,7 @@ class Ledger:
         """The composed event of everything recorded, identical releases grouped.
 
         Composition is commutative, so grouping by atomic event (whatever the labels or the
-        per-step sensitivities, e.g. OSO's C_t) gives the same privacy and keeps PLD fast.
-        """
+        per-step sensitivities, e.g. OSO's C_t) gives the same privacy and keeps PLD fast."""
         return compose(self.atoms().items())
 
     def epsilon(self, delta: float, accountant: str = "rdp") -> float:

@@ -2,8 +2,7 @@
 
 ``NoisyRelease.release`` records one batch's queries' joint ``DpEvent`` (ν = (Σ ν_i⁻²)^(-1/2)) in the ledger, then
 draws and adds the noise; a ``DeferredSum`` draws only what a rule reads (docs/privacy.md, "Deferred noise"). Sums
-arrive in float64 and are rounded after the noise; secure mode snaps to a grid (docs/privacy.md, item 1b).
-"""
+arrive in float64 and are rounded after the noise; secure mode snaps to a grid (docs/privacy.md, item 1b)."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class SumQuery:
 
     ``value`` is a tensor or a dict of tensors (e.g. a gradient per parameter); ``sensitivity`` is the L2 sensitivity of
     the whole value under add/remove of one example; the noise std is ``noise_multiplier * sensitivity``.
-    ``deferred=True``: the release returns a ``DeferredSum`` handle and draws no noise yet (module docstring).
-    """
+    ``deferred=True``: the release returns a ``DeferredSum`` handle and draws no noise yet (module docstring)."""
 
     name: str
     value: torch.Tensor | Tensors
@@ -138,8 +136,7 @@ class _NormalStream:
         if seed is None:  # secure mode draws whole gradients in float64 (snapping); no stream to keep
             self.chunk = max(self.chunk, 1 << 15)
         self.buf = torch.empty(0, dtype=dtype, device=device if self.on_device else "cpu")
-        self.pos = 0
-        self.served = 0
+        self.pos = self.served = 0
 
     def words(self, n: int) -> Any:
         if not self.on_device:
@@ -204,8 +201,7 @@ def _normal_pairs_np(
     The radius r = √(2E), E from ``exponentials`` (no cut-off: where the radius bits run out
     it refines from fresh words); the layouts are above. The angle's resolution bounds no tail
     (|z| ≤ r whatever θ); it only rounds the direction (docs/privacy.md).
-    ``_normal_pairs_torch`` is the same on a torch device.
-    """
+    ``_normal_pairs_torch`` is the same on a torch device."""
     # In-place numpy (float32: about the cost of torch.randn per draw on one CPU core).
     if dtype == np.float32:
         w = words(k)
@@ -282,8 +278,7 @@ class DeferredSum:
     Returned by ``NoisyRelease.release`` for a ``SumQuery(..., deferred=True)``; the release is
     already in the ledger. The noisy value (value + Z)·scale is only reachable through the
     issuing gateway: ``project`` (one scalar, at most once) or ``materialize`` (the full
-    vector). ``_value`` is the EXACT, non-private sum: nothing but the gateway may read it.
-    """
+    vector). ``_value`` is the EXACT, non-private sum: nothing but the gateway may read it."""
 
     name: str
     _value: torch.Tensor | Tensors = field(repr=False)

@@ -3,8 +3,7 @@ into a *released* value: it clips, builds the sum queries and passes them throug
 (``NoisyRelease``: the ledger first, then the noise). Everything downstream of ``Released`` (an update rule, a
 torch optimizer, your code) is post-processing (jax_privacy's ``chain(privatizer, optimizer)``); a privatizer
 adapts its threshold from its own releases only (docs/strategies.md). Every private privatizer makes ONE joint
-Gaussian release of multiplier ν per step; the strategy's ``planned_event`` relies on that.
-"""
+Gaussian release of multiplier ν per step; the strategy's ``planned_event`` relies on that."""
 
 from __future__ import annotations
 
@@ -126,8 +125,7 @@ class QuantileClip(Privatizer):
       b̃_t = (Σ (1[‖g_i‖ ≤ C_t] − ½) + N(0, σ_b²)) / L + ½            (recentred count, sensitivity ½)
       C_{t+1} = C_t · exp(−η_C (b̃_t − γ))
     with ν_g = (ν⁻² − (2σ_b)⁻²)^(−½): the pair is ONE Gaussian mechanism of multiplier ν
-    (Andrew et al., Theorem 1). σ_b defaults to L/20 (Andrew et al.'s default).
-    """
+    (Andrew et al., Theorem 1). σ_b defaults to L/20 (Andrew et al.'s default)."""
 
     target_quantile: float = 0.5  # γ
     clip_lr: float = 0.2  # η_C
@@ -338,16 +336,9 @@ PRIVATIZERS: dict[str, type[Privatizer]] = {
     c.name: c for c in (FixedClip, QuantileClip, OSOClip, ZerothOrderClip, NonPrivate)
 }
 
+# fmt: off
 __all__ = [
-    "Released",
-    "Privatizer",
-    "FixedClip",
-    "QuantileClip",
-    "OSOClip",
-    "ZerothOrderClip",
-    "NonPrivate",
-    "PRIVATIZERS",
-    "clip_weights",
-    "clipped_sum",
-    "RULES",
+    "Released", "Privatizer", "FixedClip", "QuantileClip", "OSOClip", "ZerothOrderClip", "NonPrivate", "PRIVATIZERS",
+    "clip_weights", "clipped_sum", "RULES",
 ]
+# fmt: on

@@ -2,8 +2,7 @@
 
 Each step, every example is included independently with probability q = L/n. The realised batch size varies (it can be
 0); sums are normalised by the *expected* batch size L, never the realised one, because the realised size is itself
-private. Full batch is q = 1.
-"""
+private. Full batch is q = 1."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class RandomBits:
     ``seed`` given: a PCG64DXSM generator seeded with it (reproducible: the same seed gives the same words).
     ``seed=None`` (secure mode): every word is read from the operating system's CSPRNG (``os.urandom``), so nothing in
     the configuration determines it. Transforms (``exponentials``, ``mechanisms`` for Gaussians) read explicit integer
-    bits, so what they produce does not depend on a library's float-sampling internals.
-    """
+    bits, so what they produce does not depend on a library's float-sampling internals."""
 
     def __init__(self, seed: int | None):
         self._bg = None if seed is None else np.random.PCG64DXSM(int(seed))
@@ -121,8 +119,7 @@ class PoissonSampler:
 
     Its randomness is ``RandomBits``: seeded from ``stream_seed(seed, "sampling")``, or, with
     ``secure=True``, the OS CSPRNG. In seeded mode anyone who knows the seed can regenerate
-    every batch (and the privacy amplification by subsampling is lost); docs/privacy.md.
-    """
+    every batch (and the privacy amplification by subsampling is lost); docs/privacy.md."""
 
     def __init__(self, n: int, sampling_rate: float, seed: int, secure: bool = False):
         if n <= 0:

@@ -98,27 +98,10 @@ def make_strategy(name: str, **hyperparameters: Any) -> Strategy:
     return make_chain(key, **hyperparameters)
 
 
+# fmt: off
 __all__ = [
-    "ALIASES",
-    "STRATEGIES",
-    "Strategy",
-    "Composed",
-    "Chain",
-    "Recipe",
-    "chain",
-    "RunPlan",
-    "recipe",
-    "StepContext",
-    "make_strategy",
-    "strategy_signature",
-    "canonical_chain_name",
-    "NoDP",
-    "DPSGD",
-    "FixedQuantile",
-    "OSO",
-    "DPAdam",
-    "AdamWOSM",
-    "DPGD",
-    "DPZO",
-    "ADADP",
+    "ALIASES", "STRATEGIES", "Strategy", "Composed", "Chain", "Recipe", "chain", "RunPlan", "recipe", "StepContext",
+    "make_strategy", "strategy_signature", "canonical_chain_name",
+    "NoDP", "DPSGD", "FixedQuantile", "OSO", "DPAdam", "AdamWOSM", "DPGD", "DPZO", "ADADP",
 ]
+# fmt: on

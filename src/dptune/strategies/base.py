@@ -20,16 +20,7 @@ from dptune.release.privatizers import PRIVATIZERS, Privatizer
 from dptune.tree import Tensors
 from dptune.updates import UPDATES, UpdateRule
 
-__all__ = [
-    "Strategy",
-    "Composed",
-    "Chain",
-    "chain",
-    "RunPlan",
-    "StepContext",
-    "check_positive",
-    "check_unit_interval",
-]
+__all__ = ["Strategy", "Composed", "Chain", "chain", "RunPlan", "StepContext", "check_positive", "check_unit_interval"]
 
 
 class Strategy(ABC):

@@ -19,20 +19,9 @@ from dptune.updates.rules import (
     swa_first_step,
 )
 
+# fmt: off
 __all__ = [
-    "ADADP",
-    "AVERAGES",
-    "SGD",
-    "UPDATES",
-    "Adam",
-    "AdamWOSM",
-    "Average",
-    "Averaged",
-    "OSORate",
-    "UpdateRule",
-    "check_average",
-    "default_ema_decay",
-    "extrapolation_error",
-    "heavy_ball",
-    "swa_first_step",
+    "ADADP", "AVERAGES", "SGD", "UPDATES", "Adam", "AdamWOSM", "Average", "Averaged", "OSORate", "UpdateRule",
+    "check_average", "default_ema_decay", "extrapolation_error", "heavy_ball", "swa_first_step",
 ]
+# fmt: on

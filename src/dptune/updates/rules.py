@@ -29,8 +29,7 @@ def heavy_ball(
     ``scale=None`` (s = 1): rounded exactly as the per-tensor expressions θ − lr·g and
     μ·m + g. ``scale=s``: g is an unscaled sum (the noisy clipped sum, s = 1/L) and s is
     folded into fused multiply-adds: θ + (−lr·s)·g is ONE pass over θ and g instead of
-    three (g·s, lr·(g·s), θ − ·), the same up to the last bits.
-    """
+    three (g·s, lr·(g·s), θ − ·), the same up to the last bits."""
     if scale is None:
         if momentum == 0.0:
             return tree.axpy(-lr, g, params), None
@@ -78,8 +77,15 @@ class UpdateRule(ABC):
         return dict(asdict(self))  # type: ignore[call-overload]
 
 
+class _StateRate(UpdateRule):
+    """A built-in rule's ``rate``: the lr its state holds (NaN while None: set by the first release)."""
+
+    def rate(self, state: dict[str, Any]) -> float:
+        return state["lr"] if state["lr"] is not None else math.nan
+
+
 @dataclass(frozen=True)
-class SGD(UpdateRule):
+class SGD(_StateRate):
     """m_t = μ·m_{t−1} + g̃_t;  θ_{t+1} = θ_t − lr·m_t; ``final_step``: θ ← θ − lr·m_T after training
     (Panda §A.3). ``lr=None``: the linear-scaling default lr_t = r·(1 − μ)/(C_t·T) (``SGD_STEP_BUDGET``, grown
     at low noise), so the effective step r/T stays fixed when an adaptive privatizer moves C_t."""
@@ -102,9 +108,6 @@ class SGD(UpdateRule):
     def init(self, params, run):
         return {"momentum": None, "lr": self.lr, "run": run}
 
-    def rate(self, state):
-        return state["lr"] if state["lr"] is not None else math.nan
-
     def update(self, params, state, released):
         lr = self.lr if self.lr is not None else default_sgd_lr(state["run"], released.clip, self.momentum)
         # g̃ = total / L, folded into the update (fused multiply-adds, see heavy_ball).
@@ -119,7 +122,7 @@ class SGD(UpdateRule):
 
 
 @dataclass(frozen=True)
-class Adam(UpdateRule):
+class Adam(_StateRate):
     """m_t = β₁ m_{t−1} + (1−β₁) g̃_t,  v_t = β₂ v_{t−1} + (1−β₂) g̃_t²
     θ_{t+1} = θ_t − lr · m̂_t / (√v̂_t + ε),  m̂_t = m_t/(1−β₁ᵗ), v̂_t = v_t/(1−β₂ᵗ).
     ``lr=None``: the linear-scaling default lr = r/T, r = ``ADAM_STEP_BUDGET`` (≤ ``PRETRAINED_ADAM_LR`` fine-tuning)."""
@@ -142,9 +145,6 @@ class Adam(UpdateRule):
         lr = self.lr if self.lr is not None else default_adam_lr(run)
         return {"m": zeros_like(params), "v": zeros_like(params), "t": 0, "lr": lr}
 
-    def rate(self, state):
-        return state["lr"]
-
     def update(self, params, state, released):
         t = state["t"] + 1
         b1, b2, eps, lr = self.beta1, self.beta2, self.eps, state["lr"]
@@ -163,7 +163,7 @@ class Adam(UpdateRule):
 
 
 @dataclass(frozen=True)
-class AdamWOSM(UpdateRule):
+class AdamWOSM(_StateRate):
     """Adam's bias-corrected first moment at the effective step size lr = α / (ν_g·C/L + 10⁻⁸)
     (Mohapatra et al. 2022, Algorithm 2), σ of the first step's release: fixed for the run."""
 
@@ -181,9 +181,6 @@ class AdamWOSM(UpdateRule):
     def init(self, params, run):
         alpha = self.alpha if self.alpha is not None else default_adam_lr(run)
         return {"m": zeros_like(params), "t": 0, "lr": None, "alpha": alpha}
-
-    def rate(self, state):
-        return state["lr"] if state["lr"] is not None else math.nan
 
     def update(self, params, state, released):
         if released.divisor is None or released.noise_std is None:
@@ -204,7 +201,7 @@ MIN_RATE = 1e-12  # ρ stays a valid (positive) learning rate under the additive
 
 
 @dataclass(frozen=True)
-class OSORate(UpdateRule):
+class OSORate(_StateRate):
     """Heavy ball with ρ learned online (Galli et al. 2024, Alg. 1 line 15): ρ_{t+1} = ρ_t · exp(ρ_r ·
     sign(g̃_tᵀ m_{t−1})); ``additive``/``normalized`` variants; ``adapt_lr=False``: ρ stays ρ₀."""
 
@@ -225,9 +222,6 @@ class OSORate(UpdateRule):
 
     def init(self, params, run):
         return {"lr": self.lr, "prev_g": None, "momentum": None, "lr_lr": horizon_rate(self.lr_lr, run), "run": run}
-
-    def rate(self, state):
-        return state["lr"] if state["lr"] is not None else math.nan
 
     def update(self, params, state, released):
         # ρ₀ by linear scaling, from the first release's C₀
@@ -250,7 +244,7 @@ def extrapolation_error(full: Tensors, halves: Tensors) -> float:
 
 
 @dataclass(frozen=True)
-class ADADP(UpdateRule):
+class ADADP(_StateRate):
     """Step size η adapted by one full step against two half steps (Koskela & Honkela, AISTATS 2020), each
     gradient a fresh release; τ defaults to sqrt(d / (2T)). Equations and choices: docs/strategies.md."""
 
@@ -291,17 +285,8 @@ class ADADP(UpdateRule):
         return min(max(self.safety * math.sqrt(tau / err), self.min_factor), self.max_factor)
 
     def init(self, params, run):
-        return {
-            "lr": float(self.lr),
-            "tau": self.tau(run, sum(v.numel() for v in params.values())),
-            "theta0": None,
-            "theta_full": None,
-            "accepted": 0,
-            "rejected": 0,
-        }
-
-    def rate(self, state):
-        return state["lr"]
+        tau = self.tau(run, sum(v.numel() for v in params.values()))
+        return {"lr": float(self.lr), "tau": tau, "theta0": None, "theta_full": None, "accepted": 0, "rejected": 0}
 
     def update(self, params, state, released):
         lr = state["lr"]
@@ -319,14 +304,8 @@ class ADADP(UpdateRule):
         tau = state["tau"]
         accept = err <= tau or not self.reject
         out = two_halves if accept else state["theta0"]
-        state = {
-            **state,
-            "lr": lr * self.lr_factor(err, tau),
-            "theta0": None,
-            "theta_full": None,
-            "accepted": state["accepted"] + int(accept),
-            "rejected": state["rejected"] + int(not accept),
-        }
+        counts = {"accepted": state["accepted"] + int(accept), "rejected": state["rejected"] + int(not accept)}
+        state = {**state, "lr": lr * self.lr_factor(err, tau), "theta0": None, "theta_full": None, **counts}
         return out, state, {"lr": lr, "adadp_error": err, "accepted": float(accept)}
 
 
@@ -385,14 +364,9 @@ class Averaged(UpdateRule):
 
     def init(self, params, run):
         decay = self.ema_decay if self.ema_decay is not None else default_ema_decay(run)
-        return {
-            "inner": self.rule.init(params, run),
-            "avg": None,  # θ̄ (None: nothing averaged yet)
-            "count": 0,  # iterates averaged so far
-            "t": 0,  # iterates seen so far
-            "decay": float(decay),
-            "first": swa_first_step(self.swa_start, run.steps),
-        }
+        inner, first = self.rule.init(params, run), swa_first_step(self.swa_start, run.steps)
+        # avg: θ̄ (None: nothing averaged yet); count: the iterates averaged so far; t: those seen so far
+        return {"inner": inner, "avg": None, "count": 0, "t": 0, "decay": float(decay), "first": first}
 
     def rate(self, state):
         return self.rule.rate(state["inner"])
