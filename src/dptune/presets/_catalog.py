@@ -126,14 +126,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (*_GALLI, *_MOHAPATRA, _MOHAPAT
 def list_presets() -> list[dict[str, Any]]:
     """Name, paper, summary and per-scale time estimates of every preset."""
     return [
-        {
-            "name": p.name,
-            "paper": p.paper,
-            "summary": p.summary,
-            "options": sorted(p.options),
-            "scales": list(p.scales),
-            "estimates": dict(p.estimates),
-        }
+        {"name": p.name, "paper": p.paper, "summary": p.summary, "options": sorted(p.options)}
+        | {"scales": list(p.scales), "estimates": dict(p.estimates)}
         for p in PRESETS.values()
     ]
 

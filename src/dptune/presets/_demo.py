@@ -21,13 +21,7 @@ def demo_study() -> dict[str, Any]:
         model={"name": "mlp", "options": {"hidden": [128]}},
         training={"epochs": 15, "expected_batch_size": 256},
         budget={"epsilon": list(EPSILONS), "delta": DELTA, "accountant": "pld"},
-        selection={
-            "mode": "public",
-            "split": "test",
-            "checkpoint": "best",
-            "eval_every": 25,
-            "across_seeds": "per-seed",
-        },
+        selection=dict(mode="public", split="test", checkpoint="best", eval_every=25, across_seeds="per-seed"),
         strategies=[
             # dptune's OSO: C₀ = 1 and horizon-aware rates (docs/strategies.md, "Defaults").
             {"name": "oso", "space": {"lr": lrs}, "method": {"name": "online"}},

@@ -28,17 +28,10 @@ MAX_HISTORIES = 40
 def _results(table: list[dict[str, Any]], runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The results table: one row per (strategy, ε), its selected configuration."""
     return [
-        {
-            "strategy": r["strategy"],
-            "epsilon": r["epsilon"],
-            "hyperparameters": r["selected"] or "—",
-            "mean": r["value_mean"],
-            "std": r["value_std"],
-            "n_seeds": max(1, r["replicates"]),
-            # the selected runs only: the arm's count covers the losing candidates
-            "n_diverged": sum(1 for rid in r["selected_runs"] if runs.get(rid, {}).get("status") == "diverged"),
-            "selected": True,
-        }
+        {"strategy": r["strategy"], "epsilon": r["epsilon"], "hyperparameters": r["selected"] or "—", "selected": True}
+        | {"mean": r["value_mean"], "std": r["value_std"], "n_seeds": max(1, r["replicates"])}
+        # the selected runs only: the arm's count covers the losing candidates
+        | {"n_diverged": sum(1 for rid in r["selected_runs"] if runs.get(rid, {}).get("status") == "diverged")}
         for r in table
         if r["value_mean"] is not None or r["runs_done"]
     ]

@@ -148,15 +148,11 @@ def reproduce(
             figures = panda.report_figures if preset.name.startswith("panda-") else None
             sections = _run_parts(parts, out, console, device=device, run=run, figures=figures)
             extra = list(preset.extra(out, scale, dict(options), parts, console)) if preset.extra is not None else []
-        write_report(
-            out,
-            f"{preset.name} ({scale})",
-            [*sections, *extra],
-            selection_mode=parts[0].study.get("selection", {}).get("mode", "public") if parts else None,
-            # No run time on the published page: it grows with the secret K of Liu–Talwar arms and
-            # with the realised batch sizes. It is printed below, under the label.
-            subtitle=f"{preset.paper} · reproduced at the {scale} scale",
-        )
+        mode = parts[0].study.get("selection", {}).get("mode", "public") if parts else None
+        # No run time on the published page: it grows with the secret K of Liu–Talwar arms and
+        # with the realised batch sizes. It is printed below, under the label.
+        subtitle = f"{preset.paper} · reproduced at the {scale} scale"
+        write_report(out, f"{preset.name} ({scale})", [*sections, *extra], selection_mode=mode, subtitle=subtitle)
         for sec in extra:  # theory tables (LT vs MA, the cost of each grid at fixed σ)
             for t in sec.tables:
                 _print_table(console, sec.title, t)
@@ -254,12 +250,8 @@ def _part_section(part: Part, rows: list[dict[str, Any]], html: Path, out: Path,
         )
         if (fig_dir / fname).is_file()
     ]
-    return Section(
-        part.title,
-        paragraphs=[*part.notes, f"Full report (trajectories, budgets): {os.path.relpath(html, out)}"],
-        figures=figures,
-        tables=[table] if comparison is None else [table, comparison],
-    )
+    paragraphs = [*part.notes, f"Full report (trajectories, budgets): {os.path.relpath(html, out)}"]
+    return Section(part.title, paragraphs, figures, [table] if comparison is None else [table, comparison])
 
 
 def demo(

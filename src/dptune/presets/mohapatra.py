@@ -62,18 +62,11 @@ def epsilon_for_sigma(sigma: float, n: int, lot: float, steps: int, candidates: 
 
 
 def _strategies(s: Mapping[str, Any]) -> list[dict[str, Any]]:
+    sgd_space = {"lr": s["alphas"], "clip": s["sgd_clips"]}
+    momentum_space = {"lr": s["mom_alphas"], "clip": s["mom_clips"], "momentum": s["momenta"]}
     arms: list[dict[str, Any]] = [
-        {
-            "name": "dpsgd",
-            "label": "dpsgd",
-            "space": {"lr": s["alphas"], "clip": s["sgd_clips"]},
-            "fixed": {"momentum": 0.0},
-        },
-        {
-            "name": "dpsgd",
-            "label": "dpmomentum",
-            "space": {"lr": s["mom_alphas"], "clip": s["mom_clips"], "momentum": s["momenta"]},
-        },
+        {"name": "dpsgd", "label": "dpsgd", "space": sgd_space, "fixed": {"momentum": 0.0}},
+        {"name": "dpsgd", "label": "dpmomentum", "space": momentum_space},
         {"name": "dpadam", "space": {"clip": s["clips"]}, "fixed": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999}},
         {"name": "adadp", "space": {"clip": s["clips"]}, "fixed": {"lr": 1e-3}},
         {"name": "adamwosm", "label": "dpadamwosm", "space": {"clip": s["clips"]}, "fixed": {"alpha": 1e-3}},
@@ -149,19 +142,13 @@ def sigma_costs(out_dir: Path, scale: str, parts: list[Part]) -> list[Section]:
         [[r["sigma"], r["optimizer"], r["candidates"], *(f"{r[e]:.4g}" for e in eps_keys)] for r in rows],
         caption=f"n = {n}, L = {lot:g}, T = {steps}, δ = {delta:g}.",
     )
-    return [
-        Section(
-            "Fixed σ: what each grid costs (the paper's view)",
-            paragraphs=[
-                "Mohapatra et al. fix the noise σ and compare optimizers whose grids differ in size; the honest "
-                "cost of a grid is then its ε: composed with the moments accountant (MA) or with Liu–Talwar random "
-                "stopping (LT, γ = 1/K). The studies above instead fix ε per σ (the cost of the 4-candidate "
-                "adaptive grid) and let the larger grids pay in noise."
-            ],
-            tables=[table],
-            attachments=[path],
-        )
-    ]
+    text = (
+        "Mohapatra et al. fix the noise σ and compare optimizers whose grids differ in size; the honest "
+        "cost of a grid is then its ε: composed with the moments accountant (MA) or with Liu–Talwar random "
+        "stopping (LT, γ = 1/K). The studies above instead fix ε per σ (the cost of the 4-candidate "
+        "adaptive grid) and let the larger grids pay in noise."
+    )
+    return [Section("Fixed σ: what each grid costs (the paper's view)", [text], tables=[table], attachments=[path])]
 
 
 def lt_vs_ma_extra(out_dir: Path, scale: str) -> list[Section]:
@@ -182,17 +169,12 @@ def lt_vs_ma_extra(out_dir: Path, scale: str) -> list[Section]:
         fig = F.lt_vs_ma(tight.rows, out_dir / "figures" / f"lt_vs_ma_n{n}.png", title=title)
         k_max = {"k_max_tight": tight.k_max, "k_max_classic": classic.k_max, "k_max_paper": paper_k[n]}
         summary.append({"n": n, "delta": tight.delta, **k_max, "ks": f"{min(ks)}..{max(ks)}"})
-        sections.append(
-            Section(
-                f"n = {n}",
-                paragraphs=[
-                    f"δ = {tight.delta:g} (1/n rounded down to a power of ten). MA composes up to {tight.k_max} "
-                    f"candidates for LT's price with the tight RDP→(ε, δ) conversion (dp_accounting), {classic.k_max} "
-                    f"with the classic conversion ε = min_α RDP(α) + ln(1/δ)/(α − 1); the paper reports {paper_k[n]}."
-                ],
-                figures=[FigureRef(fig, caption)],
-            )
+        text = (
+            f"δ = {tight.delta:g} (1/n rounded down to a power of ten). MA composes up to {tight.k_max} "
+            f"candidates for LT's price with the tight RDP→(ε, δ) conversion (dp_accounting), {classic.k_max} "
+            f"with the classic conversion ε = min_α RDP(α) + ln(1/δ)/(α − 1); the paper reports {paper_k[n]}."
         )
+        sections.append(Section(f"n = {n}", [text], [FigureRef(fig, caption)]))
     csvs = [write_csv_rows(out_dir / "lt_vs_ma.csv", rows), write_csv_rows(out_dir / "lt_vs_ma_summary.csv", summary)]
     table = Table(
         ["n", "δ", "k_max (tight)", "k_max (classic)", "k_max (paper)"],

@@ -4,13 +4,12 @@ and its privacy: docs/reproduce.md."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -168,23 +167,16 @@ def analyses(out_dir: Path, parts: Sequence[Part]) -> list[Section]:
     theorem = theorem4_section(out_dir, stored)
     if covered:
         return [*sections, *theorem]
-    page = write_report(
-        diagnostics_dir(out_dir),
-        "Mohapatra et al.: DP-SGD (α, C) analyses",
-        [dataclasses.replace(s, diagnostic=True) for s in sections],
-        diagnostics=True,
-        filename="mohapatra_analyses.html",
+    title = "Mohapatra et al.: DP-SGD (α, C) analyses"
+    diagnostic = [replace(s, diagnostic=True) for s in sections]
+    page = write_report(where, title, diagnostic, diagnostics=True, filename="mohapatra_analyses.html")
+    text = (
+        "The best-count heatmap (Fig. 7), the pruned grid and the best α per C show every DP-SGD candidate. "
+        "This preset's DP-SGD arm uses Liu–Talwar (or repeat-and-select), whose guarantee covers only the "
+        "selected candidate, so they are not covered and are written for the data owner only: "
+        f"{page.relative_to(out_dir)} (not differentially private: for the data owner only)."
     )
-    pointer = Section(
-        "DP-SGD (α, C) analyses (appendix G, Sec. 4.1): diagnostics only",
-        paragraphs=[
-            "The best-count heatmap (Fig. 7), the pruned grid and the best α per C show every DP-SGD candidate. "
-            "This preset's DP-SGD arm uses Liu–Talwar (or repeat-and-select), whose guarantee covers only the "
-            "selected candidate, so they are not covered and are written for the data owner only: "
-            f"{page.relative_to(out_dir)} (not differentially private: for the data owner only)."
-        ],
-    )
-    return [pointer, *theorem]
+    return [Section("DP-SGD (α, C) analyses (appendix G, Sec. 4.1): diagnostics only", [text]), *theorem]
 
 
 def _best_counts_section(
@@ -215,23 +207,20 @@ def _best_counts_section(
         f"(appendix G's rule). {bc.contests} comparisons: parts {', '.join(sorted({r['part'] for r in evals}))} × "
         f"ε × checkpoints; tied cells each score a point.",
     )
-    return Section(
-        "DP-SGD: how often each (α, C) was best (appendix G, Fig. 7) and the pruned grid",
-        paragraphs=[
-            "Mohapatra et al. score each (α, C) pair of the DP-SGD grid once for every checkpoint (every "
-            "evaluation, 100 iterations apart at the paper scale) at which it was the best candidate, pooling "
-            "models and noise levels (their Fig. 7 totals 2,400 = 4 datasets × 2 models × 3 σ × 100 checkpoints; "
-            "this preset holds one dataset). A candidate's score at a checkpoint is the mean over its seed "
-            'replicates. The pruned grid keeps every pair that was ever best: "a generous pruning" that gives '
-            "DP-SGD the best possible advantage.",
-            "The pruning is hindsight on this very data: tuning again on the pruned grid with the same data and "
-            "reporting only its cost would hide the first search's cost. It is a grid for other tasks.",
-            privacy,
-        ],
-        figures=[FigureRef(heat, "Times each (α, C) was the best DP-SGD candidate; red outline: the pruned grid.")],
-        tables=[pruned_table],
-        attachments=[counts_csv],
-    )
+    paragraphs = [
+        "Mohapatra et al. score each (α, C) pair of the DP-SGD grid once for every checkpoint (every "
+        "evaluation, 100 iterations apart at the paper scale) at which it was the best candidate, pooling "
+        "models and noise levels (their Fig. 7 totals 2,400 = 4 datasets × 2 models × 3 σ × 100 checkpoints; "
+        "this preset holds one dataset). A candidate's score at a checkpoint is the mean over its seed "
+        'replicates. The pruned grid keeps every pair that was ever best: "a generous pruning" that gives '
+        "DP-SGD the best possible advantage.",
+        "The pruning is hindsight on this very data: tuning again on the pruned grid with the same data and "
+        "reporting only its cost would hide the first search's cost. It is a grid for other tasks.",
+        privacy,
+    ]
+    figure = FigureRef(heat, "Times each (α, C) was the best DP-SGD candidate; red outline: the pruned grid.")
+    heading = "DP-SGD: how often each (α, C) was best (appendix G, Fig. 7) and the pruned grid"
+    return Section(heading, paragraphs, [figure], [pruned_table], attachments=[counts_csv])
 
 
 def _lr_vs_clip_section(
@@ -251,28 +240,21 @@ def _lr_vs_clip_section(
             body.append([part, up(eps, 4), *cells])
     lr_csv = write(where / "dpsgd_lr_vs_clip.csv", lr_rows)
     lr_fig = F.lr_vs_clip(series, where / "figures" / "dpsgd_lr_vs_clip.png", title="DP-SGD: best α for each C")
-    return Section(
-        "DP-SGD: the learning rate–clipping relation (Sec. 4.1)",
-        paragraphs=[
-            "For each clipping threshold C, the learning rate α whose runs scored best (mean over seed "
-            "replicates of each run's selection score; tied α are all listed, and plotted at their geometric "
-            'mean). Mohapatra et al. observe that "LR and C have inverse relation" for DP-SGD: with clipping '
-            "active the update is α·C times a bounded direction, so the best α scales like 1/C, a slope of −1 "
-            "on the log–log plot. Theorem 4 (convex case) predicts the same: its optimal α·C does not depend "
-            "on C. The grid's coarseness (α in steps of ×2–2.5 at the paper scale, ×10 at the small scale) "
-            "limits how exactly the slope can show it.",
-            privacy,
-        ],
-        figures=[FigureRef(lr_fig, "Best α per C (log–log); dashed: α ∝ 1/C through each line's geometric mean.")],
-        tables=[
-            Table(
-                ["part", "ε", "C", "best α", "α·C", "score", "slope of log α vs log C"],
-                body,
-                caption="Slope: least squares over the C values of one (part, ε); −1 is α ∝ 1/C.",
-            )
-        ],
-        attachments=[lr_csv],
-    )
+    paragraphs = [
+        "For each clipping threshold C, the learning rate α whose runs scored best (mean over seed "
+        "replicates of each run's selection score; tied α are all listed, and plotted at their geometric "
+        'mean). Mohapatra et al. observe that "LR and C have inverse relation" for DP-SGD: with clipping '
+        "active the update is α·C times a bounded direction, so the best α scales like 1/C, a slope of −1 "
+        "on the log–log plot. Theorem 4 (convex case) predicts the same: its optimal α·C does not depend "
+        "on C. The grid's coarseness (α in steps of ×2–2.5 at the paper scale, ×10 at the small scale) "
+        "limits how exactly the slope can show it.",
+        privacy,
+    ]
+    figure = FigureRef(lr_fig, "Best α per C (log–log); dashed: α ∝ 1/C through each line's geometric mean.")
+    columns = ["part", "ε", "C", "best α", "α·C", "score", "slope of log α vs log C"]
+    table = Table(columns, body, caption="Slope: least squares over the C values of one (part, ε); −1 is α ∝ 1/C.")
+    heading = "DP-SGD: the learning rate–clipping relation (Sec. 4.1)"
+    return Section(heading, paragraphs, [figure], [table], attachments=[lr_csv])
 
 
 def tuner_data(data: Mapping[str, Any]) -> Any:
@@ -302,21 +284,10 @@ def _theorem4_rows(
             per_r = theory.convex_dpsgd_step(1.0, 1.0, sigma, steps).effective_step
             configs = [(r["config"]["lr"], r["config"]["clip"]) for r in sel]
             ac = statistics.geometric_mean([float(lr) * float(clip) for lr, clip in configs])
-            rows.append(
-                {
-                    "part": p.name,
-                    "epsilon": eps,
-                    "noise_multiplier": nu,
-                    "params": d,
-                    "lot": lot,
-                    "steps": steps,
-                    "sigma_theorem": sigma,
-                    "alpha_opt_times_clip_per_unit_R": per_r,
-                    "selected": ";".join(f"lr={lr:g} clip={clip:g}" for lr, clip in configs),
-                    "selected_alpha_times_clip": ac,
-                    "implied_R": ac / per_r,
-                }
-            )
+            row = {"part": p.name, "epsilon": eps, "noise_multiplier": nu, "params": d, "lot": lot, "steps": steps}
+            row |= {"sigma_theorem": sigma, "alpha_opt_times_clip_per_unit_R": per_r}
+            row |= {"selected": ";".join(f"lr={lr:g} clip={clip:g}" for lr, clip in configs)}
+            rows.append(row | {"selected_alpha_times_clip": ac, "implied_R": ac / per_r})
             selected = ", ".join(f"({lr:g}, {clip:g})" for lr, clip in configs)
             numbers = [f"{nu:.3g}", f"{sigma:.3g}", steps, f"{per_r:.3g}"]
             body.append([p.name, up(eps, 4), *numbers, selected, f"{ac:.3g}", f"{ac / per_r:.3g}"])

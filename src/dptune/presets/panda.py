@@ -97,15 +97,9 @@ def sweeps_text(sweeps: Any) -> str:
 
 def _arms(s: Mapping[str, Any], fixed: Mapping[str, Any]) -> list[dict[str, Any]]:
     space = {"lr": {"log_uniform": list(s["lr"])}, "steps": {"int_uniform": list(s["steps"])}}
-    rule = {
-        "name": "linear-scaling",
-        "sweep_epsilons": dict(s["sweeps"]) if isinstance(s["sweeps"], Mapping) else list(s["sweeps"]),
-        "runs_per_sweep": s.get("runs_per_sweep", 3),
-        "fit": "linear",
-        "fit_axis": "epsilon",
-        "r_sampling": R_SAMPLING,
-        "final_steps": "max",
-    }
+    sweeps = dict(s["sweeps"]) if isinstance(s["sweeps"], Mapping) else list(s["sweeps"])
+    rule = {"name": "linear-scaling", "sweep_epsilons": sweeps, "runs_per_sweep": s.get("runs_per_sweep", 3)}
+    rule |= {"fit": "linear", "fit_axis": "epsilon", "r_sampling": R_SAMPLING, "final_steps": "max"}
     arms = [
         ("linear-scaling", space, rule),
         ("random-search", space, {"name": "random", "n": 1}),
@@ -290,25 +284,12 @@ def eta_t_grids(study_dir: str | Path) -> list[dict[str, Any]]:
             cells = {k: (sum(v) / len(v) if v else None) for k, v in scores.items()}
             finite = {k: v for k, v in cells.items() if v is not None}
             best = (max if plan.higher_is_better else min)(finite, key=finite.__getitem__, default=None)
-            row = table[arm.arm]
-            grids.append(
-                {
-                    "label": arm.label,
-                    "epsilon": float(arm.epsilon),
-                    "cells": cells,
-                    "best": best,
-                    "runs": len(arm.runs),
-                    "covered": float(row["planned_epsilon"]),
-                    "delta": float(row["planned_delta"]),
-                    "per": row["guarantee_per"],
-                    "kind": arm.guarantee.get("kind"),
-                    "ls_r": ls_r.get(float(arm.epsilon)),
-                    "metric": plan.metric,
-                    "higher": plan.higher_is_better,
-                    "mode": cfg.get("selection", {}).get("mode", "public"),
-                    "split": cfg.get("selection", {}).get("split", "test"),
-                }
-            )
+            row, eps, selection = table[arm.arm], float(arm.epsilon), cfg.get("selection", {})
+            grid = {"label": arm.label, "epsilon": eps, "cells": cells, "best": best, "runs": len(arm.runs)}
+            grid |= {"covered": float(row["planned_epsilon"]), "delta": float(row["planned_delta"])}
+            grid |= {"per": row["guarantee_per"], "kind": arm.guarantee.get("kind"), "ls_r": ls_r.get(eps)}
+            grid |= {"metric": plan.metric, "higher": plan.higher_is_better}
+            grids.append(grid | {"mode": selection.get("mode", "public"), "split": selection.get("split", "test")})
     return grids
 
 

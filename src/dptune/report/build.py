@@ -198,15 +198,9 @@ def _results(p: _Pages) -> tuple[list[SummaryRow], list[SummaryRow]]:
         "One configuration per strategy and ε; 'seeds' counts those whose run did not diverge. A diverged "
         "seed's score, where it has one (that of the model it left), is in the mean, as in the tuner's table."
     )
-    p.sections.append(
-        Section(
-            "Results",
-            paragraphs=[text + f"({direction} is better), averaged over seeds (± one standard deviation)."],
-            figures=figures,
-            tables=[results_table(best, metric, higher, caption)],
-            attachments=[best_csv],
-        )
-    )
+    text += f"({direction} is better), averaged over seeds (± one standard deviation)."
+    table = results_table(best, metric, higher, caption)
+    p.sections.append(Section("Results", [text], figures, [table], attachments=[best_csv]))
     return best, baseline
 
 
@@ -368,15 +362,9 @@ def _budget_rows(r: ReportInputs) -> list[dict[str, Any]]:
     if r.planned is not None or r.spent is not None:
         procedures.insert(0, ("whole study", r.planned, r.spent, "study"))
     return [
-        {
-            "procedure": name,
-            "planned_epsilon": pl[0] if pl else None,
-            "planned_delta": pl[1] if pl else None,
-            "spent_epsilon": sp[0] if sp else None,
-            "spent_delta": sp[1] if sp else None,
-            "accountant": r.accountant,
-            "scope": scope,
-        }
+        {"procedure": name, "planned_epsilon": pl[0] if pl else None, "planned_delta": pl[1] if pl else None}
+        | {"spent_epsilon": sp[0] if sp else None, "spent_delta": sp[1] if sp else None}
+        | {"accountant": r.accountant, "scope": scope}
         for name, pl, sp, scope in procedures
     ]
 

@@ -305,9 +305,8 @@ def lt_vs_ma(rows: Sequence[Any], path: str | Path, *, title: str | None = None)
     k_star = ma_break_even(rs)
     if k_star is not None:
         ax.axvline(k_star, color="k", ls="--", lw=0.9, label=f"MA no costlier up to k = {k_star}")
-    _finish(
-        ax, "number of candidates k", "ε of the whole search (lower is better)", title or "Cost of tuning: LT vs MA"
-    )
+    title = title or "Cost of tuning: LT vs MA"
+    _finish(ax, "number of candidates k", "ε of the whole search (lower is better)", title)
     return _save(fig, path)
 
 

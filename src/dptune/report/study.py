@@ -80,12 +80,9 @@ def study_inputs(s: StudyRows, results: Sequence[Any], **fields: Any) -> ReportI
         spent=None,
         ledger=study_ledger_rows(plan, s.entries, s.per_run),
         budgets=[  # one per private procedure: planned vs spent (ε, δ), scope, accountant
-            {
-                "label": f"{r['strategy']} @ ε = {epsilon_text(r['epsilon'])} ({r['method']})",
-                "planned": (r["planned_epsilon"], r["planned_delta"]),
-                "spent": (r["spent_epsilon"], r["spent_delta"]),
-                "note": f"per {r['guarantee_per']}, accountant {r['accountant']}",
-            }
+            {"label": f"{r['strategy']} @ ε = {epsilon_text(r['epsilon'])} ({r['method']})"}
+            | {"planned": (r["planned_epsilon"], r["planned_delta"]), "spent": (r["spent_epsilon"], r["spent_delta"])}
+            | {"note": f"per {r['guarantee_per']}, accountant {r['accountant']}"}
             for r in private_rows(s.table)
         ],
         metric=plan.metric,
@@ -139,9 +136,8 @@ def report_study(
         all_results=every_configuration(runs, arm_of, s.chosen, has_test),
     )
     page = build_report(out, inputs, include_diagnostics=include_diagnostics)
-    note_report_files(
-        out, before
-    )  # removed by the tuner once more runs finish: never a stale report beside new results
+    # removed by the tuner once more runs finish: never a stale report beside new results
+    note_report_files(out, before)
     return page
 
 
@@ -202,12 +198,6 @@ def _selection_section(
     columns = ["strategy", "ε", "method", "selected configuration", "selection score"] + ["test"] * has_test
     caption = "[k/P]: the configuration was selected by k of the P seed replicates (per-seed selection)."
     return Section("Tuner's selection table", paragraphs=paragraphs + notes, tables=[Table(columns, rows, caption)])
-
-
-def _positive_nus(plan: Any, arm: Any) -> list[float]:
-    """The finite, positive ν of the arm's runs (part of the public plan)."""
-    nus = [plan.runs[rid].noise_multiplier for rid in arm.runs]
-    return [float(v) for v in nus if v is not None and math.isfinite(v) and v > 0]
 
 
 def _lt_ma_rows(plan: Any) -> list[tuple[int, float, float]] | None:
@@ -438,10 +428,13 @@ def oso_joint_noise(plan: Any) -> dict[float, float]:
     arm's drawn runs are secret draws: its [training] geometry's ν)."""
     out: dict[float, float] = {}
     for arm in plan.arms:
-        lt = arm.method == "liu-talwar"
-        nus = [arm.extra["public_geometry"]["noise_multiplier"]] if "public_geometry" in arm.extra else []
-        nus = nus if lt else _positive_nus(plan, arm)
-        if arm.strategy == "oso" and math.isfinite(arm.epsilon) and nus:
+        if arm.strategy != "oso" or not math.isfinite(arm.epsilon):
+            continue
+        if arm.method == "liu-talwar":
+            nus = [arm.extra["public_geometry"]["noise_multiplier"]] if "public_geometry" in arm.extra else []
+        else:  # the finite, positive ν of the arm's runs
+            nus = [float(v) for rid in arm.runs if finite_number(v := plan.runs[rid].noise_multiplier) and v > 0]
+        if nus:
             out[float(arm.epsilon)] = min([*nus, out.get(float(arm.epsilon), math.inf)])
     return out
 

@@ -38,8 +38,7 @@ def selected_model_section(table: Sequence[Mapping[str, Any]], metric: str, spli
             f"{metric} {metric_text(m, s, metric)} on the {where}. Guarantee: (ε, δ) = "
             f"({epsilon_text(r['planned_epsilon'])}, {up(r['planned_delta'])}) for the whole search, per "
             f"{r['guarantee_per']} (accountant {r['accountant']}); spent ε = {epsilon_text(r['spent_epsilon'])}"
-            f"{note}. "
-            f"Model and card: release/models/{r['arm']}/ (`dptune export`, once the study is finished)."
+            f"{note}. Model and card: release/models/{r['arm']}/ (`dptune export`, once the study is finished)."
         )
     return Section("Selected model", paragraphs=said or ["No procedure has selected a model yet."])
 
