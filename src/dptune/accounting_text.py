@@ -35,6 +35,8 @@ def epsilon_rows(
         rdp_eps = accounting.epsilon(event, delta, "rdp")
         for name in names:
             problem = accounting.pld_cost_problem(nu, accounting.releases_of(event)) if name == "pld" else None
+            if name == "pld" and delta < accounting.PLD_MIN_DELTA:  # dp_accounting's PLD answers ∞ there
+                problem = f"δ below {accounting.PLD_MIN_DELTA:g}, beyond PLD's resolved tails"
             if name == "pld" and rdp_eps > PLD_EPSILON_CAP:
                 # PLD ≤ RDP, but its grid grows with ε (35 PiB at ν = 1e-6): no guarantee worth a table.
                 yield name, f"not computed (RDP gives {accounting.round_up(rdp_eps, 6):.6g}: no meaningful privacy)"
@@ -52,7 +54,7 @@ def calibrated_noise(
     from dptune import accounting
 
     if accountant == "auto":
-        accountant = accounting.tightest_accountant(q, steps * runs)
+        accountant = accounting.tightest_accountant(q, steps * runs, delta)
     with numeric_range(f"ε = {epsilon!r}, q = {q!r}"):
         nu = accounting.calibrate(epsilon, delta, q, steps, runs, accountant).noise_multiplier
 

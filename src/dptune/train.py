@@ -86,7 +86,7 @@ def plan_run(
     check_steps(T, f"steps = {T}")
     if (0.5 < q < 1 or T < 20) and strategy.private:
         warnings.warn(SamplingWarning(q, T), stacklevel=3)
-    accountant = accounting.tightest_accountant(q, T) if accountant == "auto" else accountant
+    accountant = accounting.tightest_accountant(q, T, delta or 1.0) if accountant == "auto" else accountant
     accounting.check_accountant(accountant)
     if accountant == "gdp" and q < 1 and strategy.private:
         raise ConfigError("accountant='gdp' is exact only for full batch (q = 1); use 'pld' (tight) or 'rdp'.")

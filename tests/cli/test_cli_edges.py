@@ -503,7 +503,10 @@ def test_train_refuses_out_of_range_numbers_before_training(
             ["--epsilon", "1", "--sampling-rate", "0.1", "--steps", "10", "--runs", str(10**12), "--accountant", "pld"],
             "1e+13 releases",
         ),
-        (["--epsilon", "1", "--sampling-rate", "0.1", "--steps", "10", "--delta", "1e-320"], "check δ"),
+        (
+            ["--epsilon", "1", "--sampling-rate", "0.1", "--steps", "10", "--delta", "1e-320", "--accountant", "pld"],
+            "check δ",
+        ),
     ],
 )
 def test_calibrate_refuses_what_it_cannot_compute_quickly(args: list[str], fragment: str) -> None:
@@ -525,6 +528,23 @@ def test_calibrate_auto_takes_rdp_where_pld_would_take_minutes(steps_runs: tuple
                                    "--runs", str(runs)])  # fmt: skip
     assert res.exit_code == 0 and ", rdp)" in res.output, res.output
     assert time.monotonic() - start < 30
+
+
+def test_auto_takes_rdp_below_the_deltas_pld_resolves() -> None:
+    """Found in review: dp_accounting's PLD answers ε = ∞ from δ = 1e-15 on; `auto` then printed ∞, or refused a
+    calibration that RDP does in a second."""
+    from dptune import accounting
+
+    res = CliRunner().invoke(app, ["calibrate", "--epsilon", "3", "--delta", "1e-20", "--sampling-rate", "0.01",
+                                   "--steps", "100"])  # fmt: skip
+    assert res.exit_code == 0 and ", rdp)" in res.output, res.output
+    res = CliRunner().invoke(app, ["account", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--steps", "10",
+                                   "--delta", "1e-16"], terminal_width=200)  # fmt: skip
+    assert "not computed (δ below 1e-14" in res.output and " inf " not in res.output, res.output
+    assert (
+        accounting.tightest_accountant(0.1, 100, 1e-16) == "rdp"
+        and accounting.tightest_accountant(0.1, 100, 1e-5) == "pld"
+    )
 
 
 def test_account_refuses_a_sampling_rate_below_the_accountants_range() -> None:

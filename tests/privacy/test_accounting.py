@@ -171,6 +171,21 @@ def test_gdp_past_exp_overflow_is_exact(mu: float) -> None:
     assert accounting.gdp_mu_for_epsilon(eps, DELTA) == pytest.approx(mu, rel=1e-9)
 
 
+@pytest.mark.parametrize(
+    ("eps", "delta", "steps", "runs"), [(4e-5, 1e-10, 1, 1), (1e-3, 1e-10, 3, 7), (1e-6, 1e-12, 1, 1)]
+)
+def test_gdp_calibration_never_overshoots_at_small_mu(eps: float, delta: float, steps: int, runs: int) -> None:
+    """Found in review: at μ ~ 1e-5 float64's δ(ε) cancelled (ε 1.7e-10 low, ν calibrated 4e-11 over the target);
+    at ε = 1e-6 the μ search's fixed lower end 1e-6 was scipy's "f(a) and f(b) must have different signs". The
+    exact ε of the calibrated ν, at 80 digits, is within the target."""
+    import mpmath
+
+    nu = accounting.calibrate(eps, delta, 1.0, steps, runs, accountant="gdp").noise_multiplier
+    with mpmath.workdps(80):  # δ(ε) falls with ε: the exact ε is within the target iff δ(target) ≤ δ
+        m, e = mpmath.sqrt(steps * runs) / mpmath.mpf(nu), mpmath.mpf(eps)
+        assert mpmath.ncdf(-e / m + m / 2) - mpmath.exp(e) * mpmath.ncdf(-e / m - m / 2) <= delta
+
+
 # ----------------------------------------------------------------------------- the noise split
 def oso_split(nu: float) -> tuple[float, float]:
     s = make_strategy("oso")

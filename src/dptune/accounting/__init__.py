@@ -10,6 +10,7 @@ from dptune.accounting import accountants as _accountants
 from dptune.accounting import calibration as _calibration
 from dptune.accounting.accountants import (
     PLD_MAX_RELEASES,
+    PLD_MIN_DELTA,
     epsilon,
     epsilon_cached,
     make_accountant,
@@ -55,6 +56,7 @@ __all__ = [
     "oso_q_noise_multiplier",
     "pld_cost_problem",
     "PLD_MAX_RELEASES",
+    "PLD_MIN_DELTA",
     "releases_of",
     "round_up",
     "split_noise_multiplier",

@@ -25,6 +25,7 @@ PLD_DISCRETIZATION = 1e-4
 # this ν or beyond this count an evaluation takes minutes and gigabytes (ν = 1e-6 asked numpy for
 # 35 PiB; 10¹² steps for 37 TiB), so calibration refuses them up front and points to RDP.
 PLD_MIN_NOISE = 0.1
+PLD_MIN_DELTA = 1e-14
 PLD_MAX_RELEASES = 10**6  # 20 s to calibrate at 10⁶; 7·10⁶ ran > 200 s (found by the CLI fuzz)
 
 
@@ -37,10 +38,12 @@ def make_accountant(name: str) -> dp_accounting.PrivacyAccountant:
     raise ConfigError("the 'gdp' accountant has no dp_accounting object; call epsilon() directly.")
 
 
-def tightest_accountant(sampling_rate: float, releases: int = 0) -> str:
+def tightest_accountant(sampling_rate: float, releases: int = 0, delta: float = 1.0) -> str:
     """The tightest valid accountant: exact μ-GDP at full batch, else PLD (RDP overstates ε: 3.00
-    against 2.65 on mnist5k at the same ν), else RDP beyond ``PLD_MAX_RELEASES`` releases (PLD: minutes)."""
-    return "gdp" if sampling_rate >= 1.0 else "rdp" if releases > PLD_MAX_RELEASES else "pld"
+    against 2.65 on mnist5k at the same ν), else RDP beyond ``PLD_MAX_RELEASES`` releases (PLD: minutes) or below
+    ``PLD_MIN_DELTA`` (dp_accounting's PLD answers ε = ∞ from δ = 1e-15 on: found in review)."""
+    pld = releases <= PLD_MAX_RELEASES and delta >= PLD_MIN_DELTA
+    return "gdp" if sampling_rate >= 1.0 else "pld" if pld else "rdp"
 
 
 def epsilon(event: dp_event.DpEvent, delta: float, accountant: str = "rdp") -> float:

@@ -73,7 +73,7 @@ def calibrate(
     whatever the accountant's numerical noise. ``bracket``: a starting hint. ``accountant='auto'``: the
     tightest (PLD; exact GDP at q = 1)."""
     if accountant == "auto":
-        accountant = "pld" if sampling_rate is None else tightest_accountant(sampling_rate, (steps or 0) * runs)
+        accountant = tightest_accountant(sampling_rate or 0.0, (steps or 0) * runs, delta)  # None: a sampled event
     span = _check_bracket(bracket)
     if make_event is not None and (sampling_rate is not None or steps is not None or runs != 1):
         raise ConfigError(

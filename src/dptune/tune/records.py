@@ -171,7 +171,7 @@ def entries_epsilon(entries: Iterable[LedgerEntry], delta: float, acc: str) -> f
     return event_epsilon(compose((e.event, e.count) for e in entries), delta, acc)
 
 
-def choose_accountant(requested: str, event: dp_event.DpEvent, auto: str | None = None) -> str:
+def choose_accountant(requested: str, event: dp_event.DpEvent, auto: str | None = None, delta: float = 1.0) -> str:
     """Resolve ``auto`` deterministically: GDP when exact (unsampled Gaussians), else PLD up to
     ``PLD_MAX_DISTINCT_ATOMS`` atoms, else RDP; ``auto``: a method's own meaning (Liu–Talwar: ``"rdp"``)."""
     a = atoms(event)
@@ -185,7 +185,10 @@ def choose_accountant(requested: str, event: dp_event.DpEvent, auto: str | None 
         return requested
     if auto is not None:
         return auto
-    pld = len(a) <= PLD_MAX_DISTINCT_ATOMS and accounting.releases_of(event) <= accounting.PLD_MAX_RELEASES
+    pld = (
+        len(a) <= PLD_MAX_DISTINCT_ATOMS
+        and accounting.tightest_accountant(0.0, accounting.releases_of(event), delta) == "pld"
+    )
     return "gdp" if unsampled else "pld" if pld else "rdp"
 
 

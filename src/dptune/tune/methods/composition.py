@@ -46,7 +46,9 @@ class Composition(TuningMethod):
         def accounted(group: list[int], nu_of: Callable[[int, int], float]) -> dp_event.DpEvent:
             return group_events(s.event(nu_of(p, j)) for p in group for j, s in enumerate(shapes[p]))
 
-        acc = choose_accountant(study.budget.accountant, accounted(groups[0], lambda p, j: 1.0))
+        acc = choose_accountant(
+            study.budget.accountant, accounted(groups[0], lambda p, j: 1.0), delta=study.budget.delta
+        )
         alone = not self.shared_noise
         nus: dict[int, list[float]] = {}
         if alone:

@@ -124,7 +124,7 @@ class LinearScaling(TuningMethod):
             raise ConfigError(f"{path}.space: linear-scaling needs lr > 0 and steps ≥ 1.")
         t_final = int(t_hi) if o["final_steps"] == "max" else int(o["final_steps"])
         probe = make_shape(ctx, arm, {"lr": lr_lo, "steps": int(t_lo)}, f"{path}.space")
-        acc = choose_accountant(study.budget.accountant, probe.event(1.0))
+        acc = choose_accountant(study.budget.accountant, probe.event(1.0), delta=study.budget.delta)
         per_run: dict[tuple[Shape, float], float] = {}
 
         def sweep_run(rng: np.random.Generator, e: float) -> tuple[dict[str, Any], Shape, float]:
