@@ -134,7 +134,9 @@ def train(
     delta: float = typer.Option(1e-5, help="target δ (below 1/n)"),
     allow_large_delta: bool = typer.Option(False, "--allow-large-delta", help="accept δ ≥ 1/n (not advised)"),
     noise_multiplier: float | None = typer.Option(None, help="use this ν instead of calibrating to ε"),
-    epochs: float | None = typer.Option(None, help="epochs (T = epochs / q steps) [default: 5; 50 at full batch and for dpzo]"),
+    epochs: float | None = typer.Option(
+        None, help="epochs (T = epochs / q steps) [default: 5; 50 at full batch and for dpzo]"
+    ),
     batch_size: float | None = typer.Option(
         None,
         "--expected-batch-size",
