@@ -471,3 +471,16 @@ def test_a_study_without_a_batch_size_uses_train_s_default():
     study = dataclasses.replace(method_study("grid"), training=TrainingSpec(steps=20))
     plan = plan_study(study, 5000, 1000, "accuracy")
     assert {r.sampling_rate for r in plan.runs.values()} == {default_batch_size(5000) / 5000}
+
+
+def test_a_repeat_and_select_runs_noise_depends_on_its_own_configuration_only():
+    """Found in review: one ν snapped over every drawn candidate (OSO's split moves it by ulps per candidate) put
+    in the winner's card which losers were drawn, so K ≥ 2. Each run's ν now depends on its own configuration."""
+    space = {"q_noise_multiplier": [5.0, 7.0, 11.0, 13.0, 17.0, 19.0, 23.0, 29.0]}
+    study = dataclasses.replace(method_study("repeat-and-select"), strategies=(StrategyArm("oso", space=space),))
+    seen: dict[float, set[float]] = {}
+    for seed in range(8):
+        plan = plan_study(study, 5000, 1000, "accuracy", coins=theory.SecretCoins(seed=seed))
+        for r in plan.runs.values():
+            seen.setdefault(r.config["q_noise_multiplier"], set()).add(r.noise_multiplier)
+    assert len(seen) > 3 and all(len(nus) == 1 for nus in seen.values()), seen

@@ -424,14 +424,16 @@ def _noise_cost(first: Mapping[str, Any], second: Mapping[str, Any], costs: Mapp
 
 
 def oso_joint_noise(plan: Any) -> dict[float, float]:
-    """ε → the joint ν of the Pareto figure: the smallest ν of the OSO arms' runs (public plan; a Liu–Talwar
-    arm's drawn runs are secret draws: its [training] geometry's ν)."""
+    """ε → the joint ν of the Pareto figure: the smallest ν of the OSO arms' runs (public plan; the drawn runs of
+    Liu–Talwar or repeat-and-select are secret draws: its [training] geometry's ν, or its one calibrated ν)."""
     out: dict[float, float] = {}
     for arm in plan.arms:
         if arm.strategy != "oso" or not math.isfinite(arm.epsilon):
             continue
         if arm.method == "liu-talwar":
             nus = [arm.extra["public_geometry"]["noise_multiplier"]] if "public_geometry" in arm.extra else []
+        elif arm.method == "repeat-and-select":
+            nus = list(arm.extra.get("noise_multipliers", []))
         else:  # the finite, positive ν of the arm's runs
             nus = [float(v) for rid in arm.runs if finite_number(v := plan.runs[rid].noise_multiplier) and v > 0]
         if nus:

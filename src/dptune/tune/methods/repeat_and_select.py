@@ -102,13 +102,15 @@ class RepeatAndSelect(TuningMethod):
             return rs if P_acc == 1 else dp_event.SelfComposedDpEvent(rs, P_acc)
 
         ks, drawn = secret_draws(b, arm, P, lambda coins: theory.sample_repetitions(mean, shape_param, coins))
-        shapes = [make_shape(ctx, arm, c, f"{path}.space") for _, _, c in drawn]
-        nu = snap(calibrate_nu(event, eps, delta, acc, arm_id), [shape0, *shapes])
+        nu = calibrate_nu(event, eps, delta, acc, arm_id)
         total = accounting.epsilon(event(nu), delta, acc)
         run_ids = []
-        for (p, j, c), s in zip(drawn, shapes, strict=True):
-            validate_shape(s, nu, f"{path} ({arm_id})")
-            run_ids += b.add_candidate(arm, arm_id, "main", j, p, c, s, nu)
+        for p, j, c in drawn:
+            # Each run's ν snapped for its own configuration (≥ ν, the accounted): one ν snapped over every drawn
+            # candidate showed, in the winner's card, which losers were drawn, so K ≥ 2 (found in review).
+            s = make_shape(ctx, arm, c, f"{path}.space")
+            validate_shape(s, nu_j := snap(nu, [s]), f"{path} ({arm_id})")
+            run_ids += b.add_candidate(arm, arm_id, "main", j, p, c, s, nu_j)
         guarantee = {
             "kind": self.name,
             "epsilon": total,
