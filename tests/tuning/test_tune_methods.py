@@ -484,3 +484,17 @@ def test_a_repeat_and_select_runs_noise_depends_on_its_own_configuration_only():
         for r in plan.runs.values():
             seen.setdefault(r.config["q_noise_multiplier"], set()).add(r.noise_multiplier)
     assert len(seen) > 3 and all(len(nus) == 1 for nus in seen.values()), seen
+
+
+def test_repeat_and_select_at_a_tiny_epsilon_is_one_clear_error(tmp_path):
+    """Found in review: ε = 1e-3 ended in "math domain error" (RDP underflowing at a huge ν inside dp_accounting's
+    repeat-and-select): such a ν is no certificate, and the refusal names the fix."""
+    from dptune.tune import load_study_config
+
+    (tmp_path / "s.toml").write_text(
+        '[data]\nname = "digits"\n[model]\nname = "logistic_regression"\n[training]\nsteps = 20\n'
+        'expected_batch_size = 64\n[budget]\nepsilon = 0.001\ndelta = 1e-5\n[method]\nname = "repeat-and-select"\n'
+        'mean = 2\n[[strategies]]\nname = "dpsgd"\nspace = { lr = [0.1, 0.5] }\n'
+    )
+    with pytest.raises(ConfigError, match="could not reach ε ≤ 0.001.*Fix:"):
+        plan_study(load_study_config(tmp_path / "s.toml"), 1150, 287, "accuracy")

@@ -185,7 +185,15 @@ def _calibrate_event(
         guess = clt if clt is not None else 1.0
 
     bounded = _pld_cost_guard(make_event, target_epsilon, delta, guess) if accountant == "pld" else lambda nu: nu
-    fine = LogEps(lambda nu: epsilon_cached(make_event(bounded(nu)), delta, accountant), target_epsilon)
+
+    def eps_at(nu: float) -> float:  # an accountant's math error (RDP underflowing at huge ν): not a certificate
+        event = make_event(bounded(nu))  # a ConfigError (PLD's cost guard) is the caller's
+        try:
+            return epsilon_cached(event, delta, accountant)
+        except (ValueError, OverflowError, ZeroDivisionError):  # found in review: "math domain error" at ε = 1e-3
+            return math.inf
+
+    fine = LogEps(eps_at, target_epsilon)
     search_evals = 0
     if accountant == "pld":
         lo, hi, search_evals = _search_pld(make_event, bounded, fine, target_epsilon, delta, guess, tol)
