@@ -823,3 +823,14 @@ def test_oso_joint_noise_is_the_smallest_run_nu_per_epsilon() -> None:
     )
     plan.arms.append(lt)
     assert oso_joint_noise(plan)[2.0] == 1.7
+
+
+def test_stated_epsilons_in_figures_and_sentences_are_rounded_up() -> None:
+    """Found in review: a figure's ε and a conclusion's "At ε = ..." were rounded to nearest (0.3222582694523013
+    as 0.322258), a Mohapatra note's budget 1.4703590809876563 as 1.47: a privacy claim never reads smaller."""
+    from dptune.report.figures import _eps_text
+    from dptune.report.study import conclusions
+
+    assert _eps_text(0.3222582694523013) == "0.322259" and _eps_text(float("inf")) == "∞"
+    row = {"strategy": "dpsgd", "method": "grid", "epsilon": 0.3222582694523013, "test_mean": 0.8, "arm": "a"}
+    assert conclusions([row], {}, True, "accuracy", hidden_k=True)[0].startswith("At ε = 0.322259,")

@@ -12,7 +12,7 @@ from typing import Any
 
 from dptune import accounting
 from dptune.errors import ConfigError
-from dptune.outputs import write_csv_rows
+from dptune.outputs import up, write_csv_rows
 from dptune.presets import mohapatra_analyses
 from dptune.presets._common import Part, study_dict
 from dptune.presets.mohapatra_analyses import tuner_data
@@ -111,7 +111,7 @@ def build(dataset: str, scale: str, options: Mapping[str, Any]) -> list[Part]:
             strategies=_strategies(s),
             seeds=s["seeds"],
         )
-        sig_txt = ", ".join(f"σ = {g:g} → ε = {e:.4g}" for g, e in zip(s["sigmas"], eps, strict=True))
+        sig_txt = ", ".join(f"σ = {g:g} → ε = {up(e, 4)}" for g, e in zip(s["sigmas"], eps, strict=True))
         notes = (
             f"n = {n} training examples, L = {lot:g}, T = {steps}, δ_f = {delta:g}. Budgets: {sig_txt} "
             f"(ε of the {k_ref}-candidate adaptive grid at noise σ, moments accountant).",

@@ -16,7 +16,7 @@ from matplotlib.patches import Rectangle
 
 from dptune.errors import ConfigError
 from dptune.metrics import clip_to_range
-from dptune.outputs import NOT_DP_LABEL, diagnostics_dir
+from dptune.outputs import NOT_DP_LABEL, diagnostics_dir, up
 from dptune.presets._common import Part, study_dict
 from dptune.report.figures import annotate_cells, cell_grid
 from dptune.report.html import FigureRef
@@ -350,7 +350,7 @@ def _heatmap_panel(ax: Any, g: Mapping[str, Any], lo: float, hi: float, released
         ax.add_patch(Rectangle((b - 0.5, a - 0.5), 1, 1, fill=False, lw=2, ec="red"))
     best_r = f"best r = η·T = {g['best'][0] * g['best'][1]:.3g}" if g["best"] is not None else "no finite run"
     ls = f"; linear scaling r* = {g['ls_r']:.3g}" if g["ls_r"] is not None else ""
-    cover = f"panel covered at ε = {g['covered']:.3g} (the grid's runs composed)" if released else NOT_DP_LABEL
+    cover = f"panel covered at ε = {up(g['covered'])} (the grid's runs composed)" if released else NOT_DP_LABEL
     ax.set_title(f"ε = {g['epsilon']:g} per run ({g['runs']} runs)\n{cover}\n{best_r}{ls}", fontsize=7)
     return im
 

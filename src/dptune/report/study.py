@@ -372,12 +372,12 @@ def conclusions(
         finite = (r for r in by_eps[eps] if r.get(key) is not None and math.isfinite(value(r)))
         rows = sorted(finite, key=value, reverse=higher)
         if not rows:
-            out.append(f"At ε = {eps:g}, no procedure has a finite result yet.")
+            out.append(f"At ε = {epsilon_text(eps)}, no procedure has a finite result yet.")
             continue
         first, v1 = rows[0], value(rows[0])
         se = _standard_error(first, rows[1], key) if len(rows) > 1 else None
         unbeaten = len(rows) == 1 or tied(v1, value(rows[1])) or (se is not None and abs(v1 - value(rows[1])) <= se)
-        text = f"At ε = {eps:g}, {name(first)} {'scores' if unbeaten else 'is best:'} {metric} {v1:.3g}"
+        text = f"At ε = {epsilon_text(eps)}, {name(first)} {'scores' if unbeaten else 'is best:'} {metric} {v1:.3g}"
         if len(rows) > 1:
             second = rows[1]
             if tied(v1, value(second)):
