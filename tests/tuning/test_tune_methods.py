@@ -498,3 +498,18 @@ def test_repeat_and_select_at_a_tiny_epsilon_is_one_clear_error(tmp_path):
     )
     with pytest.raises(ConfigError, match="could not reach ε ≤ 0.001.*Fix:"):
         plan_study(load_study_config(tmp_path / "s.toml"), 1150, 287, "accuracy")
+
+
+def test_the_default_gamma_and_mean_keep_the_options_bounds():
+    """Found in review: γ = 1/(grid size) and mean = grid size bypassed the bounds of the options (a 10⁵-cell grid
+    planned 40k runs); gamma = true, mean = true were read as 1."""
+    big = {"lr": [0.1 * (1 + i) for i in range(200)], "clip": [0.5 + i for i in range(100)]}  # 2·10⁴ cells
+    for method, match in (("liu-talwar", "method.gamma"), ("repeat-and-select", "method.mean")):
+        arms = (StrategyArm("dpsgd", space=big),)
+        study = dataclasses.replace(method_study(method), strategies=arms, method=MethodSpec(method))  # defaults
+        with pytest.raises(ConfigError, match=match):
+            plan_study(study, 5000, 1000, "accuracy")
+    with pytest.raises(ConfigError, match="method.gamma"):
+        MethodSpec("liu-talwar", {"gamma": True})
+    with pytest.raises(ConfigError, match="method.mean"):
+        MethodSpec("repeat-and-select", {"mean": True})

@@ -31,7 +31,7 @@ class LiuTalwarOptions:
 
     def __post_init__(self) -> None:
         g = self.gamma
-        if g is not None and not (isinstance(g, int | float) and 1e-4 <= g <= 1):  # 1/γ runs drawn on average
+        if g is not None and not (isinstance(g, int | float) and not isinstance(g, bool) and 1e-4 <= g <= 1):
             raise config_error(
                 "method.gamma",
                 f"stopping probability γ must lie in [1e-4, 1] (1/γ runs on average; found in review: γ = 1e-9 drew "
@@ -87,6 +87,8 @@ class LiuTalwar(TuningMethod):
         opts = study.method_for(arm).options
         arm_id = make_arm_id(arm.key, eps)
         gamma = float(opts["gamma"]) if opts["gamma"] is not None else 1.0 / S.size(arm.space)
+        if gamma < 1e-4:  # the default 1/(grid size) as the option's bound (found in review: 10⁵ cells, 40k runs)
+            raise config_error("method.gamma", f"γ = 1/{S.size(arm.space)} grid candidates is below 1e-4", "set gamma")
         P, P_acc, unit = procedures(study, composite=True)
         delta = study.budget.delta
         lt = theory.lt_solve(eps / P_acc, delta / P_acc, gamma, float(opts["delta2_fraction"]))

@@ -40,7 +40,8 @@ class RepeatAndSelectOptions:
             raise config_error(
                 "method.distribution", f"unknown distribution {dist!r}", f"choose one of {', '.join(RS_DISTRIBUTIONS)}"
             )
-        if self.mean is not None and not (isinstance(self.mean, int | float) and 1 <= self.mean <= 1e4):
+        m = self.mean
+        if m is not None and not (isinstance(m, int | float) and not isinstance(m, bool) and 1 <= m <= 1e4):
             raise config_error(
                 "method.mean", f"the mean number of runs must lie in [1, 10⁴], got {self.mean!r}", "e.g. mean = 10"
             )
@@ -78,8 +79,10 @@ class RepeatAndSelect(TuningMethod):
         dist = opts["distribution"]
         shape_param = float(opts["shape"]) if dist == "negative-binomial" else RS_DISTRIBUTIONS[dist]
         mean = float(opts["mean"]) if opts["mean"] is not None else float(S.size(arm.space))
-        if mean < 1:
-            raise ConfigError("method.mean must be ≥ 1 (dp_accounting's repeat-and-select needs it). Fix: mean = 10.")
+        if not 1 <= mean <= 1e4:  # the default (the grid's size) as the option's bound (found in review: 10⁵ runs)
+            raise ConfigError(
+                f"method.mean = {mean:g} must lie in [1, 1e4] (the grid's size by default). Fix: mean = 10."
+            )
         if any(k in TRAINING_KEYS for k in arm.space):
             raise ConfigError(
                 f"{path}.space: repeat-and-select needs one privacy bound for every candidate; searching "
