@@ -685,3 +685,16 @@ def test_a_preset_whose_plan_fails_leaves_no_folder(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="planning failed"):
         reproduce("galli-mnist", "smoke", keep, progress=False, console=_console())
     assert keep.is_dir()  # a folder the user made is never removed
+
+
+def test_mohapatra_sigma_costs_name_the_grid_size_of_their_scale_and_round_up(tmp_path: Path) -> None:
+    """Found in review: the page said "the 4-candidate adaptive grid" at smoke scale (2 candidates), and its
+    ε cells were rounded to nearest."""
+    from dptune.presets._catalog import preset_parts
+    from dptune.presets.mohapatra import sigma_costs
+
+    (section,) = sigma_costs(tmp_path, "smoke", preset_parts("mohapatra-adult", "smoke"))
+    assert "the 2-candidate adaptive grid" in section.paragraphs[0]
+    rows = read_csv_rows(tmp_path / "sigma_costs.csv")
+    cell = section.tables[0].rows[0][3]
+    assert float(cell) >= float(rows[0]["epsilon_MA"])  # rounded up

@@ -139,14 +139,14 @@ def sigma_costs(out_dir: Path, scale: str, parts: list[Part]) -> list[Section]:
     eps_keys = ("epsilon_MA", "epsilon_LT", "budget_epsilon")
     table = Table(
         ["σ", "optimizer", "candidates", "ε (MA)", "ε (LT, γ = 1/K)", "ε budget used here"],
-        [[r["sigma"], r["optimizer"], r["candidates"], *(f"{r[e]:.4g}" for e in eps_keys)] for r in rows],
+        [[r["sigma"], r["optimizer"], r["candidates"], *(up(r[e], 4) for e in eps_keys)] for r in rows],
         caption=f"n = {n}, L = {lot:g}, T = {steps}, δ = {delta:g}.",
     )
     text = (
         "Mohapatra et al. fix the noise σ and compare optimizers whose grids differ in size; the honest "
         "cost of a grid is then its ε: composed with the moments accountant (MA) or with Liu–Talwar random "
-        "stopping (LT, γ = 1/K). The studies above instead fix ε per σ (the cost of the 4-candidate "
-        "adaptive grid) and let the larger grids pay in noise."
+        f"stopping (LT, γ = 1/K). The studies above instead fix ε per σ (the cost of the {len(SCALES[scale]['clips'])}"
+        "-candidate adaptive grid) and let the larger grids pay in noise."
     )
     return [Section("Fixed σ: what each grid costs (the paper's view)", [text], tables=[table], attachments=[path])]
 
