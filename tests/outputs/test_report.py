@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import dataclasses
 import math
 import re
 import shutil
@@ -395,6 +396,10 @@ def test_all_diverged_configuration_is_reported_as_diverged() -> None:
     assert row.mean is None and row.n_diverged == 3
     text = _render(render_terminal_table(trials), 100)
     assert "diverged" in text and "0/3" in text
+    # No score and nothing diverged: an arm not finished yet (found in review: shown as "diverged")
+    from dptune.report.tables import fmt_metric
+
+    assert fmt_metric(dataclasses.replace(row, n_diverged=0)) == "not finished"
 
 
 def test_a_study_report_counts_the_diverged_selected_seeds() -> None:

@@ -36,8 +36,8 @@ def fmt_hyperparameters(hp: Mapping[str, Any] | str) -> str:
 def fmt_metric(r: SummaryRow, metric: str | None = None) -> str:
     """mean ± std (4 and 2 significant digits); with ``metric``, the mean clipped to its range (noisy scores)."""
     mean = clip_to_range(r.mean, metric) if metric else r.mean
-    if mean is None:
-        return "diverged"
+    if mean is None:  # no score: every seed diverged, or none finished yet (an unfinished Liu–Talwar arm)
+        return "diverged" if r.n_diverged else "not finished"
     return f"{mean:.4g} ± {r.std:.2g}" if r.std is not None else f"{mean:.4g}"
 
 
