@@ -657,6 +657,7 @@ def test_report_study_reads_a_stored_study(tmp_path: Path) -> None:
         (best,) = list(csv.DictReader(fh))
     assert row["runs_done"] == 2 and best["configuration"] == row["selected"]
     assert float(best["mean"]) == pytest.approx(row["test_mean"])
+    assert [b["accountant"] for b in read_csv_rows(page.parent / "budget.csv")] == [row["accountant"]]  # was empty
     led = read_csv_rows(sdir / "diagnostics" / "ledger.csv")  # labelled: a comment line first
     assert len({r["run"] for r in led}) == 2  # both grid runs released
     assert all(r["label"] for r in led) and sum(int(r["releases"]) for r in led) >= 2 * 12

@@ -358,14 +358,17 @@ def _planned_lines(budgets: Sequence[Mapping[str, Any]]) -> list[tuple[float, st
 
 def _budget_rows(r: ReportInputs) -> list[dict[str, Any]]:
     """The guarantee and the ledger's totals: one row for the study and/or one per procedure."""
-    procedures = [(b.get("label", ""), b.get("planned"), b.get("spent"), b.get("note", "")) for b in r.budgets]
+    procedures = [
+        (b.get("label", ""), b.get("planned"), b.get("spent"), b.get("note", ""), b.get("accountant", r.accountant))
+        for b in r.budgets
+    ]  # a study's procedures: each its accountant (found in review: the column was empty)
     if r.planned is not None or r.spent is not None:
-        procedures.insert(0, ("whole study", r.planned, r.spent, "study"))
+        procedures.insert(0, ("whole study", r.planned, r.spent, "study", r.accountant))
     return [
         {"procedure": name, "planned_epsilon": pl[0] if pl else None, "planned_delta": pl[1] if pl else None}
         | {"spent_epsilon": sp[0] if sp else None, "spent_delta": sp[1] if sp else None}
-        | {"accountant": r.accountant, "scope": scope}
-        for name, pl, sp, scope in procedures
+        | {"accountant": acc, "scope": scope}
+        for name, pl, sp, scope, acc in procedures
     ]
 
 

@@ -82,7 +82,7 @@ def study_inputs(s: StudyRows, results: Sequence[Any], **fields: Any) -> ReportI
         budgets=[  # one per private procedure: planned vs spent (ε, δ), scope, accountant
             {"label": f"{r['strategy']} @ ε = {epsilon_text(r['epsilon'])} ({r['method']})"}
             | {"planned": (r["planned_epsilon"], r["planned_delta"]), "spent": (r["spent_epsilon"], r["spent_delta"])}
-            | {"note": f"per {r['guarantee_per']}, accountant {r['accountant']}"}
+            | {"note": f"per {r['guarantee_per']}, accountant {r['accountant']}", "accountant": r["accountant"]}
             for r in private_rows(s.table)
         ],
         metric=plan.metric,
