@@ -320,6 +320,8 @@ def test_large_attachments_stay_beside_the_page(tmp_path: Path, monkeypatch: pyt
 def test_bad_inputs_raise_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="selection_mode"):
         ReportInputs(synthetic_trials(), selection_mode="test-set", planned=(1, 1e-5), spent=(1, 1e-5))
+    with pytest.raises(ConfigError, match="selection_split"):  # at once, not after the figures (found in review)
+        ReportInputs(synthetic_trials(), selection_mode="public", planned=None, spent=None, selection_split="val")
     with pytest.raises(ConfigError, match="planned"):
         ReportInputs([], selection_mode="public", planned=(1.0,), spent=None)
     with pytest.raises(ConfigError, match="higher_is_better"):

@@ -82,7 +82,7 @@ class ReportInputs:
     whole: str | None = None  # what covers release/ published whole, where it holds several procedures
 
     def __post_init__(self) -> None:
-        check_selection_mode(self.selection_mode)
+        check_selection_mode(self.selection_mode, self.selection_split)
         resolve_direction(self.metric, self.higher_is_better)  # an unknown metric needs the direction
         checked = {
             "planned": check_budget("planned", self.planned),

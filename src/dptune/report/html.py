@@ -129,12 +129,15 @@ def _budget_text(pair: tuple[float, float] | None) -> tuple[str, str]:
     return ("∞ (non-private)" if math.isinf(eps) else up(eps, 4)), up(delta)  # never read smaller than they are
 
 
-def check_selection_mode(mode: str) -> None:
+def check_selection_mode(mode: str, split: str | None = None) -> None:
+    """Before anything is written (found in review: a bad split was refused after the figures and CSVs)."""
     if mode not in SELECTION_MODES:
         raise ConfigError(
             f"selection_mode must be 'public' or 'private' (where the validation data that "
             f"picks hyperparameters comes from), got {mode!r}."
         )
+    if split is not None and split not in SELECTION_SPLITS:
+        raise ConfigError(f"selection_split must be 'test' or 'holdout' (or None), got {split!r}.")
 
 
 def render_header(
@@ -149,13 +152,11 @@ def render_header(
     """Selection-mode banner and planned vs spent (ε, δ); a red warning if spent exceeds planned."""
     parts = []
     if selection_mode is not None:
-        check_selection_mode(selection_mode)
+        check_selection_mode(selection_mode, selection_split)
         parts.append(
             f'<div class="banner {selection_mode}"><b>Selection mode: {_esc(selection_mode)} validation data.</b> '
             f"{_esc(SELECTION_MODES[selection_mode])} {_esc(SELECTION_SPLITS.get(selection_split or '', ''))}</div>"
         )
-    if selection_split is not None and selection_split not in SELECTION_SPLITS:
-        raise ConfigError(f"selection_split must be 'test' or 'holdout' (or None), got {selection_split!r}.")
     if planned is not None or spent is not None:
         acct = f" (accountant: {accountant})" if accountant else ""
         rows = [["planned", *_budget_text(planned)], ["spent", *_budget_text(spent)]]
