@@ -20,7 +20,7 @@ from dptune.devices import resolve_device
 from dptune.errors import ConfigError, DPTuneError
 from dptune.release.context import RunPlan
 from dptune.release.mechanisms import DeferredSum, NoiseSource, NoisyRelease, SumQuery
-from dptune.release.sampling import PoissonSampler, secure_forward_rng
+from dptune.release.sampling import PoissonSampler
 from dptune.tree import Accumulated, Tensors
 
 TIMEOUT_S = 300.0  # default of DPTUNE_DIST_TIMEOUT: how long a collective waits for a lost rank
@@ -155,8 +155,8 @@ class ShardedSampler(PoissonSampler):
 
     def sample(self) -> torch.Tensor:
         rank, world = dist.get_rank(), dist.get_world_size()
-        if rank and self.secure:
-            secure_forward_rng()
+        if rank:
+            self.reseed_forward()
         idx = super().sample() if rank == 0 else torch.empty(0, dtype=torch.int64)
         size = _collective(dist.broadcast, torch.tensor([idx.numel()]), "broadcast of the batch")
         if rank:

@@ -23,6 +23,7 @@ from dptune.accounting.events import check_delta_for_n
 from dptune.distributed import join, launched, parts, sync_model
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import GradientOracle
+from dptune.gradients.persample import rng_preserved
 from dptune.metrics import Metric
 from dptune.names import aliased
 from dptune.outputs import NOT_DP_LABEL, Progress, checkpoint_rule, randomness_statement
@@ -486,22 +487,23 @@ def train(
     )  # fmt: skip
     strategy, distributed = _strategy(strategy, hyperparameters), launched() if distributed is None else distributed
     task = OwnTask.resolve(data, eval_data, join(device) if distributed else device, metric, loss)
-    plan = _run_plan(
-        plan, strategy, task.n, eval_every, expected_batch_size=expected_batch_size, full_batch=full_batch,
-        epochs=epochs, steps=steps, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta,
-        accountant=accountant, allow_large_delta=allow_large_delta,
-        pretrained=starts_pretrained(model) if pretrained is None else pretrained,
-    )  # fmt: skip
-    model, oracle = task.prepare(model, chunk_size, grad_method)
-    if distributed:
-        sync_model(model, task.digest())
-    loop = RunLoop(
-        model, strategy, plan, seed=seed, device=task.device, secure_mode=secure_mode, run_id=run_id,
-        metric=task.metric, schedule=EvalSchedule.every(plan.steps, eval_every, strategy.finalizes),
-        score=partial(task.evaluate, oracle) if eval_data is not None else None, on_step=on_step,
-        keep_best=checkpoint == "best", eval_public=eval_public, distributed=distributed,
-    )  # fmt: skip
-    return loop.drive(task, oracle, delta, progress)
+    with rng_preserved(task.device):  # the caller's streams back: each step reseeds them from a secret (sampling.py)
+        plan = _run_plan(
+            plan, strategy, task.n, eval_every, expected_batch_size=expected_batch_size, full_batch=full_batch,
+            epochs=epochs, steps=steps, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta,
+            accountant=accountant, allow_large_delta=allow_large_delta,
+            pretrained=starts_pretrained(model) if pretrained is None else pretrained,
+        )  # fmt: skip
+        model, oracle = task.prepare(model, chunk_size, grad_method)
+        if distributed:
+            sync_model(model, task.digest())
+        loop = RunLoop(
+            model, strategy, plan, seed=seed, device=task.device, secure_mode=secure_mode, run_id=run_id,
+            metric=task.metric, schedule=EvalSchedule.every(plan.steps, eval_every, strategy.finalizes),
+            score=partial(task.evaluate, oracle) if eval_data is not None else None, on_step=on_step,
+            keep_best=checkpoint == "best", eval_public=eval_public, distributed=distributed,
+        )  # fmt: skip
+        return loop.drive(task, oracle, delta, progress)
 
 
 def _run_plan(plan: RunPlan | None, strategy: Strategy, n: int, eval_every: int, **planning: Any) -> RunPlan:

@@ -22,6 +22,7 @@ from dptune.distributed import refuse_in_study
 from dptune.errors import ConfigError
 from dptune.gradients.isolation import check_modes
 from dptune.gradients.oracle import GradientOracle, MaterializedGrads, batched_loss, check_model
+from dptune.gradients.persample import rng_preserved
 from dptune.gradients.stacked import PaddedBuffers, Stacked, StackOp, Unsupported, stack_plan
 from dptune.metrics import Metric
 from dptune.release.hypergradient import read_with
@@ -182,7 +183,8 @@ def train_many(
         if fallback == "error":
             raise
         return _sequentially(exc, trials, data)
-    return _train_stacked(trials, stacked, task, block_size)
+    with rng_preserved(task.device):  # each step reseeds the global streams (sampling.forward_rng): the caller's back
+        return _train_stacked(trials, stacked, task, block_size)
 
 
 @dataclass

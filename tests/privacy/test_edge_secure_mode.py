@@ -100,8 +100,30 @@ def test_secure_steps_seed_the_forward_randomness_from_the_os_csprng(q: float) -
             torch.cat([torch.rand(4), torch.from_numpy(np.random.rand(2)).float(), torch.tensor([random.random()])])
         )
     assert not (draws[0] == draws[1]).any()  # torch's, numpy's and random's (Hugging Face audio masks) alike
+    # Seeded: from the secret seed, not the caller's torch seed (found in review: a published torch.manual_seed
+    # fixed the masks, and one example moved the pre-noise sum by 16·C); the same seed, the same masks.
     torch.manual_seed(1234)
-    assert torch.equal(draws[2], draws[3]) and torch.equal(draws[2][:4], torch.rand(4))  # seeded: left alone
+    assert torch.equal(draws[2], draws[3]) and not torch.equal(draws[2][:4], torch.rand(4))
+    torch.manual_seed(99), np.random.seed(99), random.seed(99)
+    PoissonSampler(100, q, seed=1, secure=False).sample()
+    assert torch.equal(torch.rand(4), draws[2][:4])  # another caller seed: the same masks
+    PoissonSampler(100, q, seed=2, secure=False).sample()
+    assert not torch.equal(torch.rand(4), draws[2][:4])  # another secret seed: other masks
+
+
+def test_a_run_leaves_the_callers_random_streams_as_they_were() -> None:
+    """Found in review: after a secure run torch.initial_seed() was the last step's secret mask seed (and numpy's
+    and random's states followed it): logging it replayed that step's masks. A run restores the caller's."""
+    import random
+
+    x, y = torch.randn(60, 5), torch.randint(0, 2, (60,))
+    for secure in (True, False):
+        torch.manual_seed(5), np.random.seed(5), random.seed(5)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+        before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+        train(model, (x, y), "dpsgd", steps=3, expected_batch_size=20, noise_multiplier=1.0, secure_mode=secure)
+        assert torch.equal(torch.get_rng_state(), before[0]) and torch.initial_seed() == 5
+        assert (np.random.get_state()[1] == before[1]).all() and random.getstate() == before[2]
 
 
 def _subset_law_pvalue(draw, n: int, q: float, draws: int) -> float:

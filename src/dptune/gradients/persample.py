@@ -8,10 +8,12 @@ the path; this module imports neither, so neither imports the other."""
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -348,12 +350,15 @@ def set_rng_state(device: torch.device, state: RngState) -> None:
 
 @contextmanager
 def rng_preserved(device: torch.device) -> Iterator[None]:
-    """Run a block without moving torch's random streams (a probe must not shift a run's masks)."""
-    state = rng_state(device)
+    """Run a block without moving torch's, numpy's and ``random``'s streams (a probe must not shift a run's masks;
+    a run must not leave its last step's secret mask seed behind: found in review)."""
+    state, np_state, py_state = rng_state(device), np.random.get_state(), random.getstate()
     try:
         yield
     finally:
         set_rng_state(device, state)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
 
 
 @contextmanager

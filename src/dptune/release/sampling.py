@@ -6,6 +6,7 @@ private. Full batch is q = 1."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import random
@@ -103,15 +104,19 @@ def exponentials(
     return e
 
 
-def secure_forward_rng() -> None:
-    """torch's generators (a forward's dropout masks) seeded from the OS CSPRNG at each secure step: a
-    mask known to whoever knows a ``torch.manual_seed`` would let one example move the others' (privacy.md)."""
-    seed = int.from_bytes(os.urandom(8), "little")  # torch.manual_seed costs 90 µs (every device type): 2 µs
+def forward_rng(key: bytes) -> None:
+    """torch's generators (a forward's dropout masks), numpy's and ``random``'s seeded from ``key`` (44 bytes) at
+    each step: OS CSPRNG bytes in secure mode, bytes of the secret seed in seeded mode. A mask known to whoever
+    knows a ``torch.manual_seed`` would let one example move the others' (privacy.md; found in review: seeded
+    runs left them to the caller's, often published, torch seed: 16·C)."""
+    seed = int.from_bytes(key[:8], "little")  # torch.manual_seed costs 90 µs (every device type): 2 µs
     torch.default_generator.manual_seed(seed)  # the CPU generator keeps 32 bits of it; CUDA's 64
     if torch.cuda.is_initialized():
         torch.cuda.manual_seed_all(seed)
-    np.random.seed(int.from_bytes(os.urandom(4), "little"))  # masks drawn by numpy (HF audio)
-    random.seed(os.urandom(32))
+    if torch.backends.mps.is_available():  # Apple GPUs (found in review: never reseeded)
+        torch.mps.manual_seed(seed)
+    np.random.seed(int.from_bytes(key[8:12], "little"))  # masks drawn by numpy (HF audio)
+    random.seed(key[12:44])
 
 
 class PoissonSampler:
@@ -133,14 +138,20 @@ class PoissonSampler:
         self.q = float(sampling_rate)
         self.secure = bool(secure)
         self.bits = RandomBits(None if secure else stream_seed(seed, "sampling"))
+        self.forward_seed, self.t = stream_seed(seed, "forward"), 0
+
+    def reseed_forward(self) -> None:
+        """``forward_rng`` for the next batch's forward: OS bytes, or the secret seed's for step t."""
+        self.t += 1
+        key = f"{self.forward_seed}/{self.t}".encode()
+        forward_rng(os.urandom(44) if self.secure else hashlib.blake2b(key, digest_size=44).digest())
 
     def sample(self) -> torch.Tensor:
         """The sorted indices of one Poisson batch: each of the n examples independently with prob. q.
 
         Drawn by geometric skips, G = ⌊E / λ⌋ + 1 with λ = −log(1 − q): the same law as n coin flips
         from ~qn words, q at float64 precision, gaps never capped (docs/performance.md, "2b")."""
-        if self.secure:
-            secure_forward_rng()
+        self.reseed_forward()
         if self.q >= 1.0:  # full batch
             return torch.arange(self.n)
         n, q = self.n, self.q
