@@ -13,7 +13,7 @@ learnt from the private messages: the preprocessing is data-independent, as in i
 truncated/padded to ``--max-len`` tokens, 0 = padding.
 
     DPTUNE_DATA_DIR=/work/shared/data python examples/transformer_text.py
-    python examples/transformer_text.py --tiny        # seconds, for the test
+    DPTUNE_DATA_DIR=/work/shared/data python examples/transformer_text.py --tiny   # seconds, for the test
 
 Outputs: the layer table is about the code only. Accuracies are on the test split (public, as
 in dptune's loaders); the non-private run's is not private at all (ε = ∞). The timings are for

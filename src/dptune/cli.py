@@ -134,9 +134,7 @@ def train(
     delta: float = typer.Option(1e-5, help="target δ (below 1/n)"),
     allow_large_delta: bool = typer.Option(False, "--allow-large-delta", help="accept δ ≥ 1/n (not advised)"),
     noise_multiplier: float | None = typer.Option(None, help="use this ν instead of calibrating to ε"),
-    epochs: float | None = typer.Option(
-        None, help="epochs (T = epochs / q steps) [default: 5; 50 at full batch and for dpzo]"
-    ),
+    epochs: float | None = typer.Option(None, help="epochs (T = epochs/q) [default: 5; 50 at full batch, dpzo]"),
     batch_size: float | None = typer.Option(
         None,
         "--expected-batch-size",
@@ -567,3 +565,7 @@ def main() -> None:  # pragma: no cover
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+if __name__ == "__main__":  # `python -m dptune.cli` (torchrun -m): found in review doing nothing
+    main()

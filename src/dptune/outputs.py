@@ -57,8 +57,7 @@ What may be published is in the sibling folder ../release/ (see docs/privacy.md,
 
 def release_dir(out: str | Path) -> Path:
     """``out/release`` (created)."""
-    d = Path(out) / RELEASE_DIR
-    d.mkdir(parents=True, exist_ok=True)
+    (d := Path(out) / RELEASE_DIR).mkdir(parents=True, exist_ok=True)
     return d
 
 
@@ -503,7 +502,8 @@ def train_table_rows(result: Any, release: Mapping[str, Any], target: float | No
     # accountant ν was calibrated with, named and rounded up (it is a privacy claim).
     eps = f"{accounting.round_up(release['epsilon'], 6):.6g}" if plan.strategy.private else "∞"
     owner = "" if result.eval_public else f" ({NOT_DP_LABEL})"  # metrics on a private test split
-    split = release["selection_split"]
+    split, last = release["selection_split"], result.evals[-1:]  # the final parameters' score, where released
+    final = [(f"final {result.metric}{owner}", f"{last[0][result.metric]:.4f}")] if last and not split else []
     return [
         ("steps T", release["steps"]),
         ("sampling rate q", f"{release['sampling_rate']:.4g}"),
@@ -512,6 +512,7 @@ def train_table_rows(result: Any, release: Mapping[str, Any], target: float | No
         *([("defaults", "fine-tuning: pretrained model")] if plan.pretrained else []),
         (f"best {result.metric}{owner}", "-" if result.best_metric is None else f"{result.best_metric:.4f}"),
         (f"best step{owner}", result.best_step),
+        *final,
         ("diverged", result.diverged),
         (f"ε spent ({plan.accountant.upper()})", eps),
         ("δ", delta),

@@ -454,3 +454,12 @@ def test_download_with_bad_content_is_rejected(tmp_path: Path, monkeypatch: pyte
         data.load("adult", cache_dir=tmp_path)
     assert not (tmp_path / "adult" / "adult.data").exists()
     assert not list(tmp_path.rglob("*.part"))
+
+
+def test_a_missing_file_is_not_called_corrupted(tmp_path: Path) -> None:
+    """Found in review: reading a file that is not there said "corrupted or truncated ... delete it"."""
+    from dptune.data.files import reading
+
+    with pytest.raises(DataError, match="does not exist. Fix: set DPTUNE_DATA_DIR"):
+        with reading(tmp_path / "enron1.csv.gz", "enron_spam"):
+            (tmp_path / "enron1.csv.gz").read_bytes()

@@ -137,4 +137,4 @@ def test_the_smoke_scale_billed_as_offline_reads_only_embedded_data(tmp_path, mo
     (plan,) = plan_preset("galli-mnist", "smoke").values()
     assert plan.runs and list(tmp_path.joinpath("no-data").iterdir()) == []
     text = (ROOT / "docs" / "reproduce.md").read_text(encoding="utf-8")
-    assert "galli-mnist --scale smoke              # ≈ 1 min, offline" in text
+    assert "galli-mnist --scale smoke              # ≈ 10 s, offline" in text

@@ -236,6 +236,9 @@ def reading(path: Path, dataset: str) -> Iterator[None]:
         yield
     except DataError:
         raise
+    except FileNotFoundError as exc:  # not a corrupt file (found in review: "delete it" of a missing file)
+        raise DataError(f"dataset {dataset!r}: {path} does not exist. Fix: set DPTUNE_DATA_DIR to the folder holding "
+                        f"{dataset}/, or load it with dptune.data.load (it downloads).") from exc  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - any parse failure means a bad file
         raise DataError(
             f"dataset {dataset!r}: could not read {path}: the file is corrupted or truncated "
