@@ -513,3 +513,14 @@ def test_the_default_gamma_and_mean_keep_the_options_bounds():
         MethodSpec("liu-talwar", {"gamma": True})
     with pytest.raises(ConfigError, match="method.mean"):
         MethodSpec("repeat-and-select", {"mean": True})
+
+
+@pytest.mark.parametrize("method", ["liu-talwar", "repeat-and-select"])
+def test_an_invalid_candidate_is_refused_whatever_the_coins_draw(method):
+    """Found in review: only the drawn candidates were checked, so OSO with q_noise_multiplier 0.5 in the space
+    planned on some draws and was refused on others (13 of 30). Every candidate of a finite grid is checked first."""
+    space = {"q_noise_multiplier": [0.5, 20.0, 25.0, 30.0]}
+    study = dataclasses.replace(method_study(method), strategies=(StrategyArm("oso", space=space),))
+    for seed in range(6):
+        with pytest.raises(ConfigError, match="auxiliary query's noise multiplier"):
+            plan_study(study, 5000, 1000, "accuracy", coins=theory.SecretCoins(seed=seed))

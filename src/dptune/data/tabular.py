@@ -96,8 +96,7 @@ def _declarations(header: list[str], label: str, decl: dict[str, Any], path: Pat
 
 
 def _classes(cells: list[tuple[Path, str, int]], decl: Mapping[str, Any]) -> list[str]:
-    """The declared labels, else the sorted distinct label cells (as numbers when all are): an empty cell, or
-    two spellings of one number ("1", "1.0"), would each be a class of their own (found in review)."""
+    """The declared labels, else the sorted distinct cells (as numbers if all are; review: "", "1.0" beside "1")."""
     if empty := next(((p, n) for p, v, n in cells if not v), None):
         raise DataError(f"{empty[0]}, line {empty[1]}: the label cell is empty{OWNER}. Fix: label every example.")
     if decl.get("labels"):

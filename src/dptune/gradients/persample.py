@@ -350,8 +350,7 @@ def set_rng_state(device: torch.device, state: RngState) -> None:
 
 @contextmanager
 def rng_preserved(device: torch.device) -> Iterator[None]:
-    """Run a block without moving torch's, numpy's and ``random``'s streams (a probe must not shift a run's masks;
-    a run must not leave its last step's secret mask seed behind: found in review)."""
+    """Run a block without moving torch's, numpy's, ``random``'s streams (a probe; a run: its secret mask seeds)."""
     state, np_state, py_state = rng_state(device), np.random.get_state(), random.getstate()
     try:
         yield

@@ -207,9 +207,8 @@ class Stacked:
         self.layers = [op for op in ops if op.kind in ("linear", "conv")]
 
     def check_input(self, model: nn.Module, x: torch.Tensor) -> None:
-        """One forward of a zero example of ``x``'s shape and dtype while planning: a layout or a dtype that the
-        stacked forward refuses is found before any release, and the trials run one by one instead (found in
-        review: it was refused mid-run, skipping the fallback)."""
+        """A forward of a zero example like ``x`` while planning: a layout or dtype it refuses sends the trials one by
+        one before any release (found in review: refused mid-run, skipping the fallback)."""
         weights = self.stack([dict(model.named_parameters())])
         try:
             with torch.no_grad():

@@ -105,10 +105,8 @@ def exponentials(
 
 
 def forward_rng(key: bytes) -> None:
-    """torch's generators (a forward's dropout masks), numpy's and ``random``'s seeded from ``key`` (44 bytes) at
-    each step: OS CSPRNG bytes in secure mode, bytes of the secret seed in seeded mode. A mask known to whoever
-    knows a ``torch.manual_seed`` would let one example move the others' (privacy.md; found in review: seeded
-    runs left them to the caller's, often published, torch seed: 16·C)."""
+    """torch's (dropout masks), numpy's and ``random``'s generators seeded from ``key`` (44 bytes: the OS CSPRNG's, or
+    the secret seed's) each step: known masks let one example move the others' (privacy.md; review: 16·C)."""
     seed = int.from_bytes(key[:8], "little")  # torch.manual_seed costs 90 µs (every device type): 2 µs
     torch.default_generator.manual_seed(seed)  # the CPU generator keeps 32 bits of it; CUDA's 64
     if torch.cuda.is_initialized():

@@ -243,8 +243,7 @@ def make_chain(name: str, **hyperparameters: Any) -> Chain:
     return Chain(p_cls(**p_kw), u_cls(**{**defaults, **u_kw}))
 
 
-# A composition's update rule at the named strategies' horizon-aware defaults (found in review: the classes' fixed
-# lr 0.1 or 1e-3 gave 0.06-0.48 on digits where dpsgd, dpadam, adadp gave 0.57-0.88 with no hyperparameter).
+# A composition's update rule at the named strategies' defaults (found in review: the classes' 0.1 or 1e-3: 0.06-0.48)
 CHAIN_DEFAULTS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": None, "momentum": 0.9}, "adam": {"lr": None}, "adamwosm": {"alpha": None}, "adadp": {"lr": 0.5}
 }  # fmt: skip

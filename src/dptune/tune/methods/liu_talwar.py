@@ -103,6 +103,9 @@ class LiuTalwar(TuningMethod):
                 cache[shape] = snap(nu, [shape])
             return cache[shape]
 
+        for c in S.grid(arm.space) if S.is_finite(arm.space) and S.size(arm.space) <= 1000 else []:
+            s = make_shape(ctx, arm, c, f"{path}.space")  # every candidate checked before the draw, not the drawn:
+            validate_shape(s, nu_for(s), f"{path} ({arm_id})")  # a refusal never depends on the coins (review)
         ks, drawn = secret_draws(b, arm, P, lambda coins: theory.lt_stops(gamma, lt.t_max, coins))
         run_ids = []
         for p, j, c in drawn:

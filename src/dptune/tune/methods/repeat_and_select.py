@@ -104,8 +104,10 @@ class RepeatAndSelect(TuningMethod):
             rs = theory.repeat_and_select_event(group_events([shape0.event(v)] * unit), mean, shape_param)
             return rs if P_acc == 1 else dp_event.SelfComposedDpEvent(rs, P_acc)
 
-        ks, drawn = secret_draws(b, arm, P, lambda coins: theory.sample_repetitions(mean, shape_param, coins))
         nu = calibrate_nu(event, eps, delta, acc, arm_id)
+        for c in S.grid(arm.space) if S.is_finite(arm.space) and S.size(arm.space) <= 1000 else []:  # before the draw:
+            validate_shape(s := make_shape(ctx, arm, c, f"{path}.space"), snap(nu, [s]), f"{path} ({arm_id})")  # review
+        ks, drawn = secret_draws(b, arm, P, lambda coins: theory.sample_repetitions(mean, shape_param, coins))
         total = accounting.epsilon(event(nu), delta, acc)
         run_ids = []
         for p, j, c in drawn:
