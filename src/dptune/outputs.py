@@ -93,8 +93,7 @@ def drop_stale_report(out: str | Path) -> bool:
 
 
 def refuse_inside_release(out: str | os.PathLike[str], what: str) -> None:
-    """A path of diagnostics inside a release/ folder, which is published whole: refused (``dptune report S --out
-    S/release`` wrote the training losses and losing candidates there; found in review)."""
+    """Diagnostics inside a release/ folder (published whole) refused (review: ``report S --out S/release``)."""
     if RELEASE_DIR in Path(os.path.realpath(out)).parts:
         raise ConfigError(
             f"{what} {str(out)!r} is inside a '{RELEASE_DIR}' folder, which is published whole: the diagnostics "

@@ -813,11 +813,25 @@ def test_oso_joint_noise_is_the_smallest_run_nu_per_epsilon() -> None:
     plan = NS(
         runs=runs,
         arms=[
-            NS(strategy="oso", epsilon=3.0, runs=["a", "b", "d"], method="grid", extra={}),
-            NS(strategy="oso", epsilon=3.0, runs=["e"], method="grid", extra={}),
-            NS(strategy="dpsgd", epsilon=3.0, runs=["c"], method="grid", extra={}),
-            NS(strategy="oso", epsilon=1.0, runs=["e"], method="grid", extra={}),
-            NS(strategy="oso", epsilon=float("inf"), runs=["f"], method="grid", extra={}),
+            NS(
+                strategy="oso",
+                epsilon=3.0,
+                runs=["a", "b", "d"],
+                method="grid",
+                extra={},
+                guarantee={"kind": "composition"},
+            ),
+            NS(strategy="oso", epsilon=3.0, runs=["e"], method="grid", extra={}, guarantee={"kind": "composition"}),
+            NS(strategy="dpsgd", epsilon=3.0, runs=["c"], method="grid", extra={}, guarantee={"kind": "composition"}),
+            NS(strategy="oso", epsilon=1.0, runs=["e"], method="grid", extra={}, guarantee={"kind": "composition"}),
+            NS(
+                strategy="oso",
+                epsilon=float("inf"),
+                runs=["f"],
+                method="grid",
+                extra={},
+                guarantee={"kind": "composition"},
+            ),
         ],
     )
     assert oso_joint_noise(plan) == {3.0: 1.2, 1.0: 2.0}
@@ -827,6 +841,7 @@ def test_oso_joint_noise_is_the_smallest_run_nu_per_epsilon() -> None:
         epsilon=2.0,
         runs=["c"],
         method="liu-talwar",
+        guarantee={"kind": "liu-talwar"},
         extra={"public_geometry": {"noise_multiplier": 1.7}},
     )
     plan.arms.append(lt)

@@ -70,9 +70,7 @@ class Scenario:
         return max(1, len(self.grid))
 
     def max_clip(self) -> float:
-        """A clip threshold every run of the scenario stays below (canaries must exceed it); refused when the
-        canaries' norm would pass ``MAX_CANARY_NORM`` (found in review: at 145 steps its square overflowed
-        float32, the canaries added nothing, and a nearly noiseless mechanism passed as "consistent")."""
+        """A clip every run stays below (canaries exceed it); over ``MAX_CANARY_NORM`` refused (review: float32 blind)."""
         vals = [1.0]
         for hp in (self.hyperparameters, *self.grid):
             vals += [float(v) for k, v in hp.items() if k in ("clip", "initial_clip")]

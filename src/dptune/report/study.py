@@ -142,8 +142,7 @@ def report_study(
 
 
 def _selected_row(r: Mapping[str, Any], use_test: bool, diverged: set[str]) -> SummaryRow:
-    """A row of the tuner's table as the results show it: its selection, metric, and how many of the selected
-    runs diverged (their parameters: post-processing; it said 0 of them, found in review)."""
+    """A tuner's table row as shown: selection, metric, diverged selected runs (post-processing; review: always 0)."""
     mean, std = (r["test_mean"], r["test_std"]) if use_test else (r["value_mean"], r["value_std"])
     label, n_div = _arm_label(r["strategy"], r["method"]), len(diverged.intersection(r["selected_runs"]))
     return SummaryRow(label, float(r["epsilon"]), r["selected"] or "—", mean, std, int(r["replicates"]), n_div, True)
@@ -430,10 +429,8 @@ def oso_joint_noise(plan: Any) -> dict[float, float]:
     for arm in plan.arms:
         if arm.strategy != "oso" or not math.isfinite(arm.epsilon):
             continue
-        if arm.method == "liu-talwar":
-            nus = [arm.extra["public_geometry"]["noise_multiplier"]] if "public_geometry" in arm.extra else []
-        elif arm.method == "repeat-and-select":
-            nus = list(arm.extra.get("noise_multipliers", []))
+        if hides_run_count(arm.guarantee.get("kind")):  # drawn runs are secret: the plan's public geometry, or none
+            nus = [g["noise_multiplier"]] if (g := arm.extra.get("public_geometry")) else []
         else:  # the finite, positive ν of the arm's runs
             nus = [float(v) for rid in arm.runs if finite_number(v := plan.runs[rid].noise_multiplier) and v > 0]
         if nus:

@@ -49,6 +49,10 @@ class Shape:
         """The plan of a run of this shape at ν (its accountant: the arm's, not the run's)."""
         return RunPlan(self.strategy, self.n, self.sampling_rate, self.steps, nu)
 
+    def geometry(self, nu: float) -> dict[str, float]:
+        """q, T and ν of a run of this shape: what a report may show of a hidden-K arm's plan (public)."""
+        return {"sampling_rate": self.sampling_rate, "steps": self.steps, "noise_multiplier": nu}
+
     def event(self, nu: float) -> dp_event.DpEvent:
         train = self.plan(nu).event()
         if self.eval_nu is None or self.n_evals == 0:

@@ -44,6 +44,11 @@ def size(space: Mapping[str, Any]) -> int:
     return math.prod(len(v) for v in space.values()) if space else 1
 
 
+def small_grid(space: Mapping[str, Any], limit: int = 1000) -> list[dict[str, Any]]:
+    """Every candidate of a finite space of at most ``limit``, else none (a secret search checks them before drawing)."""
+    return grid(space) if is_finite(space) and size(space) <= limit else []
+
+
 def draw_value(spec: Any, rng: np.random.Generator | SecretCoins) -> Any:
     if isinstance(spec, Mapping):
         dist, (lo, hi) = next(iter(spec.items()))

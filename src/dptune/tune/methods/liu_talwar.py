@@ -4,6 +4,7 @@ draws; the runs' accountant is RDP under "auto" (PLD's tails are unreliable at Î
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,7 +104,7 @@ class LiuTalwar(TuningMethod):
                 cache[shape] = snap(nu, [shape])
             return cache[shape]
 
-        for c in S.grid(arm.space) if S.is_finite(arm.space) and S.size(arm.space) <= 1000 else []:
+        for c in S.small_grid(arm.space):
             s = make_shape(ctx, arm, c, f"{path}.space")  # every candidate checked before the draw, not the drawn:
             validate_shape(s, nu_for(s), f"{path} ({arm_id})")  # a refusal never depends on the coins (review)
         ks, drawn = secret_draws(b, arm, P, lambda coins: theory.lt_stops(gamma, lt.t_max, coins))
@@ -136,13 +137,9 @@ class LiuTalwar(TuningMethod):
             "not be published.",
         ]
         extra = {"runs_per_procedure": ks, "noise_multipliers": sorted(set(cache.values()))}
-        try:  # the report's LT-vs-MA figure: the [training] geometry (public), not a secret draw's (found in review)
-            s0 = make_shape(ctx, arm, {}, f"{path}.fixed")
-            acc0 = choose_accountant(study.budget.accountant, s0.event(1.0), auto="rdp")
-            nu0 = calibrate_nu(lambda v: group_events([s0.event(v)] * unit), lt.eps1, lt.delta1, acc0, arm_id)
-            extra["public_geometry"] = {"sampling_rate": s0.sampling_rate, "steps": s0.steps, "noise_multiplier": nu0}
-        except ConfigError:  # a [training] geometry that no candidate has: no figure
-            pass
+        # The report's figures: the [training] geometry (public), not a secret draw's (review); none if it is invalid
+        with contextlib.suppress(ConfigError):
+            extra["public_geometry"] = (s0 := make_shape(ctx, arm, {}, f"{path}.fixed")).geometry(nu_for(s0))
         return self.arm_plan(b, arm, eps, accountant=acc, guarantee=guarantee, runs=run_ids, notes=notes, extra=extra)
 
     def spent(self, arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[float, float]:

@@ -105,7 +105,7 @@ class RepeatAndSelect(TuningMethod):
             return rs if P_acc == 1 else dp_event.SelfComposedDpEvent(rs, P_acc)
 
         nu = calibrate_nu(event, eps, delta, acc, arm_id)
-        for c in S.grid(arm.space) if S.is_finite(arm.space) and S.size(arm.space) <= 1000 else []:  # before the draw:
+        for c in S.small_grid(arm.space):  # every candidate checked before the draw:
             validate_shape(s := make_shape(ctx, arm, c, f"{path}.space"), snap(nu, [s]), f"{path} ({arm_id})")  # review
         ks, drawn = secret_draws(b, arm, P, lambda coins: theory.sample_repetitions(mean, shape_param, coins))
         total = accounting.epsilon(event(nu), delta, acc)
@@ -135,7 +135,7 @@ class RepeatAndSelect(TuningMethod):
         ]
         if dist == "poisson":
             notes.append("Poisson K may be 0: that procedure then returns no candidate.")
-        extra = {"runs_per_procedure": ks, "noise_multipliers": [nu]}
+        extra = {"runs_per_procedure": ks, "noise_multipliers": [nu], "public_geometry": shape0.geometry(nu)}
         return self.arm_plan(b, arm, eps, accountant=acc, guarantee=guarantee, runs=run_ids, notes=notes, extra=extra)
 
     def spent(self, arm: ArmPlan, plan: StudyPlan, entries: list[LedgerEntry]) -> tuple[float, float]:
