@@ -32,6 +32,9 @@ transformers = pytest.importorskip("transformers")
 B, T, D, VOCAB = 5, 16, 32, 97
 
 
+DECODERS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}
+
+
 def _config(family: str):  # noqa: ANN202 - a transformers config
     small = dict(vocab_size=VOCAB, max_position_embeddings=T + 4)
     if family == "bert":
@@ -44,10 +47,10 @@ def _config(family: str):  # noqa: ANN202 - a transformers config
         )
     if family == "distilbert":
         return transformers.DistilBertConfig(dim=D, n_layers=1, n_heads=2, hidden_dim=48, **small)
-    if family in ("llama", "qwen2"):  # a decoder with rotary position embeddings (no parameters) and RMSNorm
-        return (transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config)(
+    if family in DECODERS:  # a decoder with rotary position embeddings (no parameters) and RMSNorm
+        return getattr(transformers, DECODERS[family] + "Config")(
             hidden_size=D, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-            bos_token_id=0, eos_token_id=0, **small,
+            bos_token_id=0, eos_token_id=0, pad_token_id=1, **small,
         )  # fmt: skip
     return transformers.GPT2Config(  # Conv1D everywhere, position ids [1, T]
         vocab_size=VOCAB, n_embd=D, n_layer=1, n_head=2, n_positions=T, bos_token_id=0, eos_token_id=0
@@ -117,7 +120,13 @@ def _norms(grads: list[dict[str, torch.Tensor]]) -> torch.Tensor:
 FAMILIES = ["bert", "roberta", "distilbert", "gpt2", "llama", "qwen2"]  # qwen2: its own RMSNorm class
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+def test_every_reviewed_family_is_one_tested_here() -> None:
+    from dptune.gradients.isolation import REVIEWED
+
+    assert REVIEWED["transformers.models"] == {*FAMILIES, *DECODERS}  # a family trusted is a family tested
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3", "mistral", "phi3"])
 def test_ghost_norms_bound_each_example_alone(family: str) -> None:
     model = _model(family)
     x, y = _batch()

@@ -201,3 +201,35 @@ def test_a_torch_function_replaced_by_yours_is_own_code_and_a_change_after_make_
     finally:
         F.relu = old
     assert own_code(model) is None and structure(model) == before
+
+
+def test_only_reviewed_hugging_face_families_and_peft_tuners_are_trusted() -> None:
+    """Found in review (session 13): every class of ``transformers`` was trusted, and NLLB-MoE's router caps each
+    expert's tokens over the whole batch, so one example chose which of the others' tokens were computed (1.46·C
+    with the MoE blocks frozen, on the batched ghost path). Families not reviewed row by row run as your code."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    transformers.logging.set_verbosity_error()
+    small = dict(vocab_size=40, max_position_embeddings=16)
+    moe = transformers.NllbMoeConfig(
+        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, num_experts=2, expert_capacity=4, **small,
+    )  # fmt: skip
+    nllb = transformers.NllbMoeForConditionalGeneration(moe)
+    assert "not reviewed" in str(own_code(nllb))
+    gemma = transformers.GemmaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=8, **small)  # fmt: skip
+    assert "not reviewed" in str(own_code(transformers.AutoModel.from_config(gemma)))
+    bert_cfg = transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                       **small)  # fmt: skip
+    assert own_code(transformers.AutoModel.from_config(bert_cfg)) is None  # a reviewed family stays batched
+    lora = peft.inject_adapter_in_model(
+        peft.LoraConfig(r=2, target_modules=["query", "value"]), transformers.AutoModel.from_config(bert_cfg)
+    )
+    assert own_code(lora) is None
+    ia3 = peft.get_peft_model(
+        transformers.AutoModel.from_config(bert_cfg),
+        peft.IA3Config(target_modules=["query", "value"], feedforward_modules=[]),
+    )
+    assert "not reviewed" in str(own_code(ia3))
+    assert own_code(transformers.AutoModel.from_config(bert_cfg)) is None  # none of it sticks to later models
