@@ -7,6 +7,7 @@ pretrained weights that never change; the clip bounds the trainable ones (docs/p
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -40,8 +41,7 @@ class PooledClassifier(nn.Module):
 
 
 def token_options(model: str, dataset: str) -> dict[str, Any]:
-    """The data options ``dptune train --model hf_classifier`` implies: the built-in text dataset
-    as MiniLM tokens (``representation='tokens'``); none for any other model."""
+    """``dptune train --model hf_classifier``'s data options: MiniLM tokens; none for any other model."""
     if model != "hf_classifier":
         return {}
     if dataset not in TOKEN_DATASETS:
@@ -85,8 +85,7 @@ def load_encoder(encoder: Any) -> nn.Module:
 
 
 def _layers(encoder: nn.Module) -> nn.ModuleList:
-    """The stack of transformer blocks: the longest ``nn.ModuleList`` (BERT's encoder.layer,
-    DistilBERT's transformer.layer, GPT-2's h, Llama's layers)."""
+    """The stack of blocks: the longest ``nn.ModuleList`` (BERT's encoder.layer, GPT-2's h, Llama's layers)."""
     lists = [m for m in encoder.modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise ConfigError(f"{type(encoder).__name__} has no list of layers: mode='last-k' cannot choose them.")
@@ -119,7 +118,7 @@ def _add_lora(encoder: nn.Module, rank: int, alpha: float) -> nn.Module:
     except ValueError as exc:  # peft's NoMatchingPeftModuleError: no module of these names
         raise ConfigError(
             f"mode='lora' found no modules named {targets} in this {family or 'encoder'} ({exc}). Fix: add its "
-            "attention projections' names to dptune.finetune.LORA_TARGETS, or use mode='last_k' or 'full'."
+            "attention projections' names to dptune.finetune.LORA_TARGETS, or use mode='last-k' or 'full'."
         ) from None
 
 
@@ -133,14 +132,17 @@ def hf_classifier(
     lora_alpha: float = 16,
     seed: int = 0,
 ) -> nn.Module:
-    """A pretrained encoder + mean pooling + Linear head, with only the ``mode``'s parameters trainable: ``full``
-    (all but the embedding tables, unless ``train_embeddings=True``), ``last-k`` (the last ``k`` blocks and the head;
-    the frozen trunk gets no per-example gradient), ``lora`` (rank-``lora_rank`` peft adapters on the query and value
-    projections, scale ``lora_alpha/lora_rank``, and the head). New weights are drawn from ``seed`` alone; a
-    ``PretrainedConfig`` encoder draws its own from the global RNG. BERT's pooler is dropped (mean pooling replaces
-    it; untouched parameters would only collect noise)."""
+    """A pretrained encoder + mean pooling + Linear head, with only the head and the ``mode``'s parameters trainable:
+    ``full`` (all but the embedding tables, unless ``train_embeddings=True``), ``last-k`` (the last ``k`` blocks; the
+    frozen trunk gets no per-example gradient), ``lora`` (rank-``lora_rank`` peft adapters on the query and value
+    projections, scale ``lora_alpha/lora_rank``). New weights are drawn from ``seed`` alone; a ``PretrainedConfig``
+    encoder draws its own from the global RNG. BERT's pooler is dropped (unused: it would only collect noise)."""
     _check(mode, k, lora_rank, lora_alpha, classes)
     enc = load_encoder(encoder)
+    takes = inspect.signature(enc.forward).parameters  # found in review: ViT failed mid-run, T5 in its decoder
+    if "input_ids" not in takes or "decoder_input_ids" in takes:  # not is_encoder_decoder: T5EncoderModel unsets it
+        raise ConfigError(f"hf_classifier takes a text encoder or decoder-only model called with input_ids, not a "
+                          f"{type(enc).__name__}. Fix: such a model (BERT, GPT-2, Llama); for T5, T5EncoderModel.")  # fmt: skip
     if getattr(enc, "pooler", None) is not None:
         setattr(enc, "pooler", None)  # noqa: B010 - a module attribute, typed as one
     with torch.random.fork_rng(devices=[]):  # the new weights (adapters, head) from seed alone
@@ -149,7 +151,7 @@ def hf_classifier(
         model = PooledClassifier(enc, classes)
     tables = {id(p) for m in enc.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     if mode == "full":
-        keep = {id(p) for p in enc.parameters() if train_embeddings or id(p) not in tables}
+        keep = {id(p) for p in enc.parameters() if id(p) not in tables}
     elif mode == "last-k":
         layers = _layers(enc)
         if k > len(layers):
@@ -157,9 +159,7 @@ def hf_classifier(
         keep = {id(p) for layer in list(layers)[-k:] for p in layer.parameters()}
     else:
         keep = {id(p) for n, p in enc.named_parameters() if "lora_" in n}
-    keep |= {id(p) for p in model.head.parameters()}
-    if train_embeddings and mode != "full":
-        keep |= tables
+    keep |= {id(p) for p in model.head.parameters()} | (tables if train_embeddings else set())
     for p in model.parameters():
         p.requires_grad_(id(p) in keep)
     return model

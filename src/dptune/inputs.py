@@ -75,8 +75,8 @@ def device_of(x: Inputs) -> torch.device:
     return leaves(x)[0].device
 
 
-def tmap(fn: Callable[[torch.Tensor], torch.Tensor], x: Inputs) -> Inputs:
-    return fn(x) if isinstance(x, torch.Tensor) else _pytree.tree_map(fn, x)
+def tmap(fn: Callable[[torch.Tensor], torch.Tensor], x: Inputs) -> Inputs:  # non-tensor leaves (a cache): None
+    return fn(x) if torch.is_tensor(x) else _pytree.tree_map(lambda t: fn(t) if torch.is_tensor(t) else None, x)
 
 
 def dummy(x: Inputs, n: int = 1, fill: float = 0) -> Inputs:

@@ -220,7 +220,7 @@ def check_loss(fn: Callable, model: torch.nn.Module, x: torch.Tensor, y: torch.T
     args, kwargs = inputs.args_kwargs(inputs.dummy(x, b))  # public, as above
     try:
         with torch.no_grad(), ScratchBuffers(model)() as buffers:
-            out = fn(functional_call(model, buffers, args, kwargs), inputs.dummy(y, b))
+            out = fn(inputs.tmap(lambda t: t, functional_call(model, buffers, args, kwargs)), inputs.dummy(y, b))
     except Exception:  # noqa: BLE001 - a dummy outside your forward's domain: the check is skipped
         return
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (b,):

@@ -19,7 +19,7 @@ from torch import nn
 
 import dptune
 from dptune.errors import ConfigError
-from dptune.release.privatizers import FixedClip
+from dptune.release.privatizers import FixedClip, ZerothOrderClip
 
 KW = {"steps": 3, "expected_batch_size": 30, "noise_multiplier": 1.0, "delta": 1e-5, "device": "cpu"}
 
@@ -333,6 +333,25 @@ def test_backward_inside_inference_mode_is_refused_before_a_release() -> None:
         norm_bounds.wide_mm(torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 5))
     private.step(xb, yb)  # ... is replaced outside it
     assert private.ledger.releases == 1
+
+
+@pytest.mark.parametrize("off", [torch.no_grad, lambda: torch.set_grad_enabled(False)])
+def test_a_step_inside_no_grad_is_refused_before_a_release(off) -> None:  # noqa: ANN001
+    """Found in review: under torch.no_grad() a step spent a release (vmap's gradients ignore it), or, on a model run
+    one example at a time, failed with a misleading BatchNorm "Fix". Now one ConfigError before anything is released."""
+    model, x, y = _problem()
+    private = dptune.make_private(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.1), **KW)
+    xb, yb = next(iter(private.batches()))
+    with off(), pytest.raises(ConfigError, match=r"need autograd.*Fix: call it outside torch.no_grad\(\)"):
+        private.step(xb, yb)
+    assert private.ledger.releases == 0
+    private.step(xb, yb)  # the same batch: not spent
+    assert private.ledger.releases == 1
+    zo = dptune.make_private(model, (x, y), torch.optim.SGD(model.parameters(), lr=0.1), privatizer=ZerothOrderClip(),
+                             **KW)  # fmt: skip
+    with off():  # DP-ZO needs no gradient: as before
+        zo.step(*next(iter(zo.batches())))
+    assert zo.ledger.releases == 1
 
 
 def test_a_closed_or_finished_run_releases_nothing_more_and_certifies_its_own_parameters() -> None:

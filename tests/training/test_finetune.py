@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import warnings
 
 import pytest
@@ -127,6 +128,75 @@ def test_bad_options_are_one_config_error(kwargs: dict, message: str) -> None:
     enc = kwargs.pop("encoder", None) or tiny_encoder("bert", layers=3)
     with pytest.raises(ConfigError, match=message):
         hf_classifier(enc, **kwargs)
+
+
+def test_a_non_text_or_encoder_decoder_model_is_refused_before_any_run() -> None:
+    """Found in review: ViT (no input_ids) failed mid-run with an AttributeError, T5 (encoder-decoder) in its decoder
+    with an unrelated BatchNorm "Fix". Now one ConfigError from hf_classifier; the fix it names (T5EncoderModel) trains."""
+    import transformers
+
+    vit = transformers.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                 image_size=8, patch_size=4)  # fmt: skip
+    t5 = transformers.T5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0)
+    for cfg, name in ((vit, "ViTModel"), (t5, "T5Model")):
+        with pytest.raises(
+            ConfigError, match=f"text encoder or decoder-only model .*not a {name}. Fix: .*T5EncoderModel"
+        ):
+            hf_classifier(cfg)
+    model = hf_classifier(transformers.T5EncoderModel(t5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = dptune.train(model, token_batch(12, T), "dpsgd", **KW)
+    assert res.ledger.releases == 2 and res.ledger.matches(res.plan.event())
+
+
+def test_the_lora_error_names_modes_that_are_accepted(monkeypatch) -> None:  # noqa: ANN001
+    """Found in review: the fix said mode='last_k', which the mode check refuses."""
+    from dptune import finetune
+
+    monkeypatch.setitem(finetune.LORA_TARGETS, "bert", ["no_such_projection"])
+    with pytest.raises(ConfigError, match="found no modules") as err:
+        _model("lora")
+    modes = re.findall(r"'([^']+)'", str(err.value).split("use ")[-1])
+    assert modes
+    for mode in modes:
+        assert _trainable(_model(mode))
+
+
+@pytest.mark.parametrize(("family", "branch"), [("gpt2", False), ("llama", False), ("llama", True)])
+def test_a_causal_lm_whose_output_holds_a_cache_trains_with_a_loss_of_yours(family: str, branch: bool) -> None:
+    """Found in review: use_cache=True puts a DynamicCache in the ModelOutput, and splitting the output into examples
+    raised an AttributeError (GPT-2: one example at a time; Llama: the ghost path's batched output), nothing spent.
+    Non-tensor fields reach the loss as None (a batched forward's cache holds every example). ``branch``: a Python
+    branch on a value, which vmap refuses: the batched output is split row by row."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if family == "gpt2":  # tied embeddings: no ghost path
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+        )
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=16,
+        ))  # fmt: skip
+    caches = []
+
+    def lm_loss(out, t):  # noqa: ANN001, ANN202 - the next token's loss at the last position
+        caches.append(out.past_key_values)
+        if branch and bool(out.logits.isnan().any()):
+            raise AssertionError
+        return F.cross_entropy(out.logits[:, -1], t, reduction="none")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = dptune.train(
+            model, token_batch(12, 8, vocab=50), "dpsgd", loss=lm_loss, **{**KW, "expected_batch_size": 4}
+        )
+    assert res.ledger.releases == 2 and res.ledger.matches(res.plan.event())
+    assert caches and all(c is None for c in caches)
 
 
 def test_a_study_over_token_dicts_runs_two_trials(tmp_path) -> None:

@@ -69,7 +69,7 @@ def default_method(method: str) -> Iterator[None]:
         DEFAULT_METHOD = old
 
 
-def _rows_alone(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _rows_alone(loss_fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """A user loss on each row alone: vmapped (its random draws per row), else row by row where vmap refuses it
     (a Python branch on a value): never on the batch (``own.user_loss``). Row by row, the last row is computed
     again with your loss's Python state from before the batch (a flag one row sets must not reach the next)."""
@@ -81,14 +81,14 @@ def _rows_alone(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch
             raise refused[0]
         if not looped[0]:
             try:
-                return vmapped(out, y)
+                return vmapped(inputs.tmap(lambda t: t, out), y)  # tensors only (vmap's need; tmap drops a cache)
             except RuntimeError:
                 looped[0] = True
-        kept = KeptState(None, others=(loss_fn,))
-        rows = [loss_fn(o, t) for o, t in zip(out[:-1], y[:-1], strict=True)]
-        kept.mark(out.device)
-        rows.append(loss_fn(out[-1], y[-1]))
-        again = kept.again(lambda: loss_fn(out[-1], y[-1]))
+        kept, row = KeptState(None, others=(loss_fn,)), lambda i: loss_fn(inputs.tmap(lambda t: t[i], out), y[i])
+        rows = [row(i) for i in range(len(y) - 1)]
+        kept.mark(y.device)
+        rows.append(row(-1))
+        again = kept.again(lambda: row(-1))
         if not torch.allclose(again, rows[-1].detach(), rtol=0.0, atol=0.0, equal_nan=True):
             refused.append(ConfigError("computed one example at a time, an example's loss depends on the examples before "
                                        "it (the last one, recomputed as before the batch, changed). Fix: keep no state in your loss."))  # fmt: skip
@@ -187,6 +187,9 @@ class GradientOracle:
         # Exact products for the whole private computation (ieee_matmul says why); the lazy
         # ghost norms and sums enter it again when they are computed.
         check_modes()
+        if not torch.is_grad_enabled():  # found in review: else a misleading BatchNorm "Fix" (one at a time)
+            raise ConfigError("per-example gradients need autograd, which torch.no_grad() (or set_grad_enabled(False)) "
+                              "turns off around this step. Fix: call it outside torch.no_grad().")  # fmt: skip
         if self._refused is not None:  # a refusal is final, on every path
             raise self._refused
         x = _as_weights(x, params)
@@ -449,10 +452,8 @@ class GradientOracle:
             torch.allclose(a, b, rtol=1e-3, atol=1e-6 + 1e-3 * float(b.abs().nan_to_num().max()) + e, equal_nan=True)
             for a, b in zip(mine, theirs, strict=True)
         ):
-            self._fall_back(
-                "the ghost path disagreed with vmap on an example alone (is a parameter used outside "
-                "its layer, or does the loss depend on the batch size?)"
-            )
+            self._fall_back("the ghost path disagreed with vmap on an example alone (is a parameter used outside "
+                            "its layer, or does the loss depend on the batch size?)")  # fmt: skip
 
     def loss_and_grad(self, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Tensors]:
         """Mean loss and its (non-private) gradient: one ordinary backward pass."""
@@ -462,9 +463,7 @@ class GradientOracle:
         losses = self._batched_loss(out, y) if out.shape[0] else out.sum() * 0
         loss = losses.mean() if out.shape[0] else losses
         g = torch.autograd.grad(loss, list(ps.values()), allow_unused=True)
-        return loss.detach(), {
-            k: (gi if gi is not None else torch.zeros_like(ps[k])) for k, gi in zip(ps, g, strict=True)
-        }
+        return loss.detach(), {k: torch.zeros_like(ps[k]) if gi is None else gi for k, gi in zip(ps, g, strict=True)}
 
     def forward(self, params: Tensors, x: torch.Tensor) -> torch.Tensor:
         with self._scratch() as buffers:
