@@ -29,7 +29,14 @@ def invoke_train(
         args += ["--hp", hp]
     if eval_every is not None:
         args += ["--eval-every", eval_every]
-    return CliRunner().invoke(app, [*args, "--no-progress", "--out", str(out), *extra])
+    from dptune import cli
+
+    width = cli.console.width  # wide enough for the table's rows whatever the length of tmp_path (xdist's is longer)
+    cli.console.width = 160
+    try:
+        return CliRunner().invoke(app, [*args, "--no-progress", "--out", str(out), *extra])
+    finally:
+        cli.console.width = width
 
 
 def one_error_line(args: list[str]) -> str:

@@ -16,6 +16,8 @@ Helpers that several test files use live here as plain functions (imported with
 from __future__ import annotations
 
 import math
+import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +39,23 @@ from dptune.strategies.base import StepContext, Strategy
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from conftest import ...` in test files
 
 Tensors = dict[str, torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- parallel runs
+# The README's command runs the suite on two processes (pytest-xdist, ``-n 2 --dist loadgroup``). Tests that start
+# a local Ray share one process: a second local Ray would join the first (``ray.init`` finds the latest cluster).
+_RAY = re.compile(r"(?<![a-z])ray(?![a-z])", re.IGNORECASE)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _RAY.search(item.nodeid):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two processes on two cores: one thread each (tiny products, see one_thread)
+    torch.set_num_threads(1)
+    os.environ.pop("COLUMNS", None)  # xdist sets 80: the CLI's tables are checked as piped to a log (100 columns)
 
 
 # ----------------------------------------------------------------------------- data
