@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sqlite3
 import sys
 import warnings
 from pathlib import Path
@@ -32,6 +33,7 @@ from dptune.outputs import (
     publish_note,
     refuse_foreign_dir,
     refuse_inside_release,
+    release_dir,
     resume_hint,
     strict_json,
     terminal_console,
@@ -85,14 +87,18 @@ def _say_interrupted(msg: str) -> None:  # Ctrl-C in a study (outputs.resume_hin
 
 
 def _guard(fn):
-    """Turn dptune's own errors (and bad values) into one clear line."""
+    """Turn dptune's own errors (and bad values, a full disk) into one clear line."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (DPTuneError, ValueError, FileNotFoundError, KeyError) as e:
+        except (DPTuneError, ValueError, KeyError, sqlite3.OperationalError, OSError) as e:
             msg = str(e) if not isinstance(e, KeyError) else f"missing key {e}"
+            if isinstance(e, sqlite3.OperationalError | OSError) and not isinstance(e, FileNotFoundError):  # disk full
+                d = (kwargs.get("study_dir") or kwargs.get("out")) if fn.__name__ in ("tune", "resume") else None
+                again = f"`dptune resume {d}`" if d and (Path(d) / "study.sqlite").exists() else "the command again"
+                msg = f"{e}: the disk is full or not writable; nothing finished is lost. Fix: free space, then {again}."
             # escape: a message's "[budget]" is text, not rich markup (it was swallowed); soft_wrap: one
             # line however narrow the terminal (rich folds at 80 columns when it cannot ask).
             err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
@@ -178,7 +184,7 @@ def train(
         help="folder for the model (see --checkpoint): model.pt + model_card.json/.md; "
         "reload with dptune.load_model(DIR)",
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace --out; write into a --save folder not empty"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace --out and diagnostics; use a non-empty --save"),
 ) -> None:
     """Train one model with differential privacy; write the release JSON (guarantee, configuration,
     evaluations on a public test split, ledger totals) and, apart, the diagnostics JSON (history
@@ -430,10 +436,10 @@ def report(
     from dptune.tune.export import export_study
     from dptune.tune.results import render, study_status, write_csvs
 
-    check_output_dir(out, "--out")  # before anything is printed or written
-    refuse_inside_release(out if out is not None else study_dir, "--out")
+    mark_out = _claim_out(study_dir, out)  # before anything is printed or written
     render(study_dir, console, diagnostics=include_diagnostics)
     write_csvs(study_dir)
+    mark_out()
     html = report_study(study_dir, out, include_diagnostics=include_diagnostics)
     console.print(f"report: {html}")
     if study_status(study_dir)["complete"]:  # the selected models + cards (no retraining, no release)
@@ -445,6 +451,18 @@ def report(
     diag = html.parent.parent / DIAGNOSTICS_DIR
     page = f" (page: {diag / 'report.html'})" if include_diagnostics else ""
     console.print(f"[red]diagnostics ({NOT_DP_LABEL})[/]: {diag}{page}", highlight=False)
+
+
+def _claim_out(study_dir: Path, out: Path | None) -> Any:
+    """report/export --out: new, empty or this study's (.dptune-study): an audit saw another study's models replaced.
+    Returns the call that marks it as this study's, made once the study was read (a refusal leaves no folder)."""
+    check_output_dir(out, "--out")  # a file there was a NotADirectoryError traceback
+    refuse_inside_release(out or study_dir, "--out")
+    if out is None or (me := f"{study_dir.resolve()}\n") == f"{out.resolve()}\n":
+        return lambda: None
+    if not (mark := out / ".dptune-study").is_file() or mark.read_text(encoding="utf-8") != me:
+        refuse_foreign_dir(out, [], "--out", f"or the --out of an earlier report or export of {str(study_dir)!r}.")
+    return lambda: (release_dir(out).parent / mark.name).write_text(me, encoding="utf-8")  # out/ made, with release/
 
 
 @app.command()
@@ -460,9 +478,10 @@ def export(
     check_study_path(study_dir)  # before torch loads
     from dptune.tune.export import export_study
 
-    check_output_dir(out, "--out")  # a file there was a NotADirectoryError traceback
+    mark_out = _claim_out(study_dir, out)
     for d in export_study(study_dir, arm, out):
         console.print(f"model: {d}  (dptune.load_model({str(d)!r}))", highlight=False)
+    mark_out()
 
 
 @app.command()

@@ -21,7 +21,7 @@ from dptune import models
 from dptune._version import __version__
 from dptune.errors import ConfigError
 from dptune.factories import call_factory, import_factory
-from dptune.outputs import labelled_json, randomness_statement, strict_json
+from dptune.outputs import labelled_json, randomness_statement, strict_json, up
 from dptune.own import factory_kwargs
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -85,17 +85,16 @@ def full_state(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str
 
 
 # ----------------------------------------------------------------------------- the card
-def write_model(directory: str | Path, state: Mapping[str, torch.Tensor], card: Mapping[str, Any]) -> Path:
-    """Write ``model.pt``, ``model_card.json`` (with the weights' SHA-256) and ``model_card.md``; return the folder."""
+def write_model(
+    directory: str | Path, state: Mapping[str, torch.Tensor], card: Mapping[str, Any], *, load_as: str | None = None
+) -> Path:
+    """Write model.pt, model_card.json (the weights' SHA-256, code loading ``load_as``) and model_card.md; return it."""
     d = Path(directory)
     weights = save_state_dict(state, d / WEIGHTS_FILE)
-    full = {
-        "format": CARD_FORMAT,
-        **card,
-        "weights": {"file": WEIGHTS_FILE, "format": "torch.save(state_dict)", "sha256": file_sha256(weights)},
-    }
-    # The folder's own name only: an absolute path would publish the owner's file system layout.
-    full["load"] = reload_code(d.name, full.get("model", {}))
+    weights_id = {"file": WEIGHTS_FILE, "format": "torch.save(state_dict)", "sha256": file_sha256(weights)}
+    full = {"format": CARD_FORMAT, **card, "weights": weights_id}
+    # An absolute path would publish the owner's file system layout: the folder's name, or a relative path as given.
+    full["load"] = reload_code(load_as or d.name, full.get("model", {}))
     save_text(d / CARD_JSON, strict_json(full, indent=2) + "\n")
     save_text(d / CARD_MD, card_markdown(full))
     return d
@@ -120,10 +119,8 @@ def reload_code(folder: str, ident: Mapping[str, Any]) -> str:
     return f"{head}model, card = dptune.load_model({folder!r}, model={call}){note}"
 
 
-def _fmt(x: Any) -> str:
-    if isinstance(x, float):
-        return "∞" if math.isinf(x) else f"{x:.6g}"
-    return "—" if x is None else str(x)
+def _fmt(x: Any) -> str:  # a stated ε or δ: rounded up, never read smaller than the ledger's (found in review)
+    return up(x, 6) if isinstance(x, float) else "—" if x is None else str(x)
 
 
 def card_markdown(card: Mapping[str, Any]) -> str:
@@ -135,6 +132,7 @@ def card_markdown(card: Mapping[str, Any]) -> str:
         "## Guarantee", "",
         f"({_fmt(g.get('epsilon'))}, {_fmt(g.get('delta'))})-differential privacy "
         f"(accountant: {g.get('accountant')}, per {g.get('per', 'run')}, add/remove one example).", "",
+        *[f"- epsilon_float_slack: {_fmt(x)} (added to ε)\n" for x in [g.get("epsilon_float_slack")] if x is not None],
         f"- selection: {g.get('selection')}", "", *([f"- {g['release_folder']}", ""] if g.get("release_folder") else []),
         "Covered by the guarantee:", "", *[f"- {c}" for c in g.get("covered", [])], "",
         "Not covered:", "", *[f"- {c}" for c in g.get("not_covered", [])], "",
@@ -162,13 +160,11 @@ def save_trained(
     model_id: Mapping[str, Any] | None = None,
     data_id: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a ``TrainResult``'s selected checkpoint (best on public evaluation data, else final) and its
-    card into ``directory``; ``model_id`` says how to rebuild the model (``{"name": ..., "kwargs": ...}`` or
-    ``{"class": ...}``). Reads the result only: nothing is released."""
+    """Write a ``TrainResult``'s selected checkpoint (best on public evaluation data, else final) and its card into
+    ``directory``; ``model_id``: how to rebuild the model (``{"name", "kwargs"}`` or ``{"class"}``). No release."""
     if result.model is None:
         raise ConfigError("this result carries no model to save")
-    best = result.best_params is not None
-    params = result.best_params if best else result.final_params
+    params = result.best_params if (best := result.best_params is not None) else result.final_params
     if not all(bool(torch.isfinite(v).all()) for v in params.values() if v.is_floating_point()):
         raise ConfigError("the run diverged: its parameters are not finite, so there is no model to save (found in "
                           "review: a NaN model was saved). Fix: a smaller learning rate, or a smaller clip.")  # fmt: skip
@@ -176,7 +172,6 @@ def save_trained(
     plan, cls = result.plan, type(result.model)
     private = bool(plan.strategy.private)
     eps = (result.epsilon() if result.delta else None) if private else math.inf
-    rnd = randomness_statement(result.secure_mode)
     taken = plan.steps if result.steps_taken is None else result.steps_taken  # a user loop may stop early
     card = {
         "title": f"{plan.strategy.name} (dptune.train)",
@@ -194,6 +189,7 @@ def save_trained(
             else "final parameters (no selection)",
             "covered": list(COVERED) if private else [],
             "not_covered": list(NOT_COVERED) if private else ["everything: a non-private strategy (ε = ∞)"],
+            **({"epsilon_float_slack": result.float_slack} if result.secure_mode else {}),  # as in the release JSON
         },
         "configuration": {
             "strategy": plan.strategy.config(),
@@ -210,12 +206,12 @@ def save_trained(
         "evaluation": {"metric": result.metric, "best": result.best_metric} if best else {},
         "model": dict(model_id) if model_id else {"class": f"{cls.__module__}.{cls.__qualname__}"},
         "data": dict(data_id) if data_id else {"name": "in-memory (not identified)"},
-        **rnd,
+        **randomness_statement(result.secure_mode),
         "ledger": {"digest": result.ledger.digest(), "releases": result.ledger.releases},
     }
     if not private:  # weights trained without privacy may memorise examples: the owner's only
         card = labelled_json(card)
-    return write_model(directory, state, card)
+    return write_model(directory, state, card, load_as=None if Path(directory).is_absolute() else str(directory))
 
 
 # ----------------------------------------------------------------------------- a study's checkpoints
@@ -273,8 +269,7 @@ def load_model(
     """``(module, card)`` from a saved folder (or its ``model.pt``), the weights' SHA-256 checked. Built-ins
     are rebuilt from the card; your own module: pass ``model=`` (loaded in place). A card's ``module:factory``
     is arbitrary code anyone can edit: rebuilt only with ``trust_factory=True``."""
-    p = Path(path)
-    d = p.parent if p.is_file() else p
+    d = p.parent if (p := Path(path)).is_file() else p
     weights, card_path = (p if p.is_file() else d / WEIGHTS_FILE), d / CARD_JSON
     if not weights.is_file():
         raise ConfigError(
@@ -282,8 +277,7 @@ def load_model(
             "`dptune train --save DIR` or `dptune export`."
         )
     card: dict[str, Any] = json.loads(card_path.read_text(encoding="utf-8")) if card_path.is_file() else {}
-    expected = card.get("weights", {}).get("sha256")
-    if expected and file_sha256(weights) != expected:
+    if (expected := card.get("weights", {}).get("sha256")) and file_sha256(weights) != expected:
         raise ConfigError(
             f"{str(weights)!r} does not match the SHA-256 in its model card: the weights were "
             "changed after export. Fix: export them again."

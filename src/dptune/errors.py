@@ -17,7 +17,7 @@ class ConfigError(DPTuneError, ValueError):
 
 def config_error(path: str, problem: str, fix: str) -> ConfigError:
     """A configuration error in its usual form: ``<field>: <what is wrong>. Fix: <what to do>``."""
-    return ConfigError(f"{path}: {problem}. Fix: {fix}")
+    return ConfigError(f"{path}: {problem.rstrip('.')}. Fix: {fix}")  # a problem's own "." was doubled (an audit)
 
 
 class BudgetExceededError(DPTuneError):

@@ -187,7 +187,7 @@ def refuse_foreign_dir(path: str | os.PathLike[str], ours: list[str], what: str,
 def train_output_paths(out: Path, diagnostics_out: Path | None, save: Path | None, overwrite: bool = False) -> Path:
     """The diagnostics JSON's path (default: diagnostics/<out name> beside --out, or beside the release/
     folder holding it: it holds the seed). Every output path is checked before training; none is created.
-    An existing ``out`` file, or a ``save`` folder that holds anything, is refused unless ``overwrite``."""
+    An existing ``out`` or diagnostics file, or a ``save`` folder holding anything, is refused unless ``overwrite``."""
     beside = out.parent.parent if out.parent.resolve().name == RELEASE_DIR else out.parent
     diag_path = diagnostics_out or beside / DIAGNOSTICS_DIR / out.name
     refuse_inside_release(diag_path.parent, "--diagnostics-out")
@@ -199,8 +199,9 @@ def train_output_paths(out: Path, diagnostics_out: Path | None, save: Path | Non
     check_output_file(out, "--out")  # a bad path once failed after training, losing the result
     check_output_file(diag_path, "--diagnostics-out")
     check_output_dir(save, "--save")
-    if out.is_file() and not overwrite:  # an earlier run's release would be lost, its budget spent for nothing
-        raise ConfigError(f"--out {str(out)!r} already holds a result. Fix: name a new file, or pass --overwrite.")
+    for flag, p in (("--out", out), ("--diagnostics-out", diag_path)):  # an earlier run's release (its budget spent)
+        if p.is_file() and not overwrite:  # or diagnostics (its seed, a secret key) would be lost; found in an audit
+            raise ConfigError(f"{flag} {str(p)!r} already holds a result. Fix: name a new file, or pass --overwrite.")
     if save is not None and save.is_dir() and not overwrite and (held := sorted(p.name for p in save.iterdir())):
         raise ConfigError(
             f"--save {str(save)!r} is not empty (it holds {', '.join(held[:3])}{', …' if len(held) > 3 else ''}): "
@@ -403,10 +404,8 @@ def labelled_json(payload: Mapping[str, Any]) -> dict[str, Any]:
 def write_train_outputs(
     result: Any, out: Path, diagnostics: Path, *, label_folder: bool, **context: Any
 ) -> dict[str, Any]:
-    """Write ``dptune train``'s release JSON to ``out`` and its diagnostics JSON to ``diagnostics``
-    (``train_outputs(result, **context)``); return the release. ``label_folder``: ``diagnostics``
-    is in the default diagnostics/ folder, which gets its README.txt (the label)."""
-
+    """Write ``dptune train``'s release JSON to ``out``, its diagnostics JSON to ``diagnostics`` (``train_outputs``);
+    return the release. ``label_folder``: ``diagnostics`` is in the default diagnostics/ folder (gets its README.txt)."""
     release, diag = train_outputs(result, **context)
     if label_folder:
         diagnostics_dir(diagnostics.parent.parent)
@@ -516,6 +515,7 @@ def train_table_rows(result: Any, release: Mapping[str, Any], target: float | No
         (f"ε spent ({plan.accountant.upper()})", eps),
         ("δ", delta),
         ("randomness", release["randomness"]),
+        *([("ε float slack (secure mode)", up(x))] if (x := release.get("epsilon_float_slack")) is not None else []),
         ("model", release["model"]),
         ("selection", f"best checkpoint on the {split} split (public)" if split else "final parameters"),
         ("seed", "in the diagnostics JSON only" + ("" if result.secure_mode else " (a secret key)")),

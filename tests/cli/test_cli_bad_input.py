@@ -64,6 +64,7 @@ def _nonempty(tmp_path: Path) -> Path:
         (["--checkpoint", "best", "--data", "m:f"], "checkpoint 'best' selects on evaluation data"),
         (["--checkpoint", "bst"], "checkpoint must be 'final' or 'best' (got 'bst')"),
         (["--out", "EXISTING"], "already holds a result. Fix: name a new file, or pass --overwrite"),
+        (["--diagnostics-out", "EXISTING"], "already holds a result. Fix: name a new file, or pass --overwrite"),
         (["--out", "/dev/null", "--overwrite"], "'/dev/null' is not a regular file"),  # was replaced by a file, as root
         (["--test", "t.csv"], "--test and --schema describe a CSV: they go with --data FILE.csv"),  # was ignored
         *([(["--save", "/proc/x"], "--save '/proc/x' cannot be written")] if PROC else []),
@@ -167,6 +168,17 @@ def test_save_into_a_folder_that_is_not_empty_needs_overwrite(tmp_path: Path) ->
     # An empty folder, or a new one, needs no --overwrite.
     (tmp_path / "empty").mkdir()
     assert invoke_train(tmp_path / "r2.json", "--save", str(tmp_path / "empty")).exit_code == 0
+
+
+def test_an_earlier_runs_diagnostics_are_not_replaced(tmp_path: Path) -> None:
+    """Found in an audit: `--out release/run.json`, then `--out run.json` (both: diagnostics/run.json) replaced the
+    first run's diagnostics, losing its seed (a secret key); refused before training, as an existing --out is."""
+    (diag := tmp_path / "diagnostics" / "run.json").parent.mkdir()
+    diag.write_text('{"seed": 11}')
+    for out in (tmp_path / "run.json", tmp_path / "release" / "run.json"):
+        line = one_error_line(["train", "--dataset", "digits", "--seed", "22", "--out", str(out)])
+        assert f"--diagnostics-out {str(diag)!r} already holds a result" in line and "--overwrite" in line, line
+    assert diag.read_text() == '{"seed": 11}' and not (tmp_path / "run.json").exists()
 
 
 def test_ctrl_c_in_train_says_nothing_was_written(tmp_path: Path, monkeypatch) -> None:

@@ -186,6 +186,15 @@ def test_epsilon_given_as_a_word_is_named_whole(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- h. typos in keys and sections
+def test_a_strategy_error_ending_in_a_period_gets_no_second_one(tmp_path: Path) -> None:
+    """Found in an audit: "got -0.1.. Fix" (config_error appended ". Fix" to a message ending in a period)."""
+    path = study_toml(tmp_path)
+    path.write_text(path.read_text().replace("lr = [0.1]", "lr = [-0.1]"))
+    rc, output = invoke("tune", path, "--out", tmp_path / "o")
+    assert_refused(rc, output, "lr must be a finite number > 0, got -0.1. Fix:")
+    assert ".." not in output and not (tmp_path / "o").exists()
+
+
 def test_a_mistyped_key_names_its_section_and_the_close_match(tmp_path: Path) -> None:
     cfg = study_toml(tmp_path, {"budget": {"epsilon": None, "epsilonn": "3.0"}})
     rc, out = invoke("tune", cfg, "-o", tmp_path / "out")

@@ -218,6 +218,7 @@ def test_export_of_an_unfinished_study_is_refused(tmp_path: Path) -> None:
     con.close()
     res = CliRunner().invoke(app, ["export", str(tmp_path)])
     assert res.exit_code == 2 and "not finished" in res.output and "resume" in res.output
+    assert "runs done" not in res.output  # found in an audit: the run counts state Liu–Talwar's secret K
     with pytest.raises(ConfigError, match="not finished"):
         export_study(tmp_path)
 
@@ -384,6 +385,10 @@ def test_hidden_k_study_withholds_the_digest_from_published_cards(tmp_path: Path
     diag = json.loads((tmp_path / "diagnostics" / "models" / m.name / "ledger_digest.json").read_text())
     assert diag["digest"] == digest and NOT_DP_LABEL in diag["privacy"].lower()
     assert card["guarantee"]["kind"] == "liu-talwar"
+    res = CliRunner().invoke(app, ["export", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output  # found in an audit: its owner-only digest came without the folder's label
+    assert (tmp_path / "o" / "diagnostics" / "models" / m.name / "ledger_digest.json").is_file()
+    assert NOT_DP_LABEL in (tmp_path / "o" / "diagnostics" / "README.txt").read_text().lower()
 
 
 def test_an_unfinished_hidden_k_search_releases_no_selection(tmp_path: Path) -> None:
@@ -490,6 +495,43 @@ def test_report_writes_the_models_into_its_output_folder(finished, tmp_path: Pat
     assert res.exit_code == 0, res.output
     m = tmp_path / "release" / "models" / "dpsgd@eps=1"
     assert (m / "model.pt").read_bytes() == (_only_model_dir(d) / "model.pt").read_bytes()
+    for again in (["report", str(d), "--out", str(tmp_path)], ["export", str(d), "--out", str(tmp_path)]):
+        assert CliRunner().invoke(app, again).exit_code == 0  # its own earlier output: written again
+
+
+def test_report_and_export_refuse_another_studys_folder_as_out(finished, tmp_path: Path) -> None:
+    """Found in an audit: `report s1 --out <s2's folder>` replaced s2's published model with s1's, its release's
+    guarantee line then false. A folder holding anything but this study's earlier report or export is refused."""
+    _, d = finished
+    study2, report2 = tmp_path / "s2", tmp_path / "r2"  # another study, and another study's report
+    (study2 / "study.sqlite").parent.mkdir()
+    (study2 / "study.sqlite").write_bytes(b"")
+    (report2 / ".dptune-study").parent.mkdir()
+    (report2 / ".dptune-study").write_text(f"{study2.resolve()}\n")
+    for other in (study2, report2):
+        (m := other / "release" / "models" / "dpsgd@eps=1").mkdir(parents=True)
+        (m / "model.pt").write_bytes(b"the other study's model")
+        for cmd in ("report", "export"):
+            res = CliRunner().invoke(app, [cmd, str(d), "--out", str(other)])
+            assert res.exit_code == 2 and "is not empty" in res.output and "Fix:" in res.output, res.output
+        assert (m / "model.pt").read_bytes() == b"the other study's model"
+        assert {p.name for p in other.iterdir()} == {"release", "study.sqlite" if other == study2 else ".dptune-study"}
+    assert CliRunner().invoke(app, ["export", str(d), "--out", str(d)]).exit_code == 0  # the study's own folder
+
+
+def test_a_secure_train_card_states_the_float_slack_and_loads_from_the_given_path(tmp_path: Path, monkeypatch) -> None:
+    """Found in an audit: a secure card's note said "epsilon_float_slack: stated here", but only the release JSON
+    stated it; and `--save t1/model` wrote `load_model('model')`, which fails where the user is."""
+    monkeypatch.chdir(tmp_path)
+    res = invoke_train(Path("run.json"), "--secure", "--save", "t1/model")
+    assert res.exit_code == 0, (res.output, res.exception)
+    slack = json.loads(Path("run.json").read_text())["epsilon_float_slack"]
+    card = json.loads(Path("t1/model", deliverable.CARD_JSON).read_text())
+    assert card["guarantee"]["epsilon_float_slack"] == slack > 0 and "slack" in res.output  # the terminal's table
+    assert "epsilon_float_slack: " in Path("t1/model", deliverable.CARD_MD).read_text()
+    namespace: dict = {}
+    exec(card["load"], namespace)  # the card's own code, run where the user trained
+    assert namespace["card"]["weights"] == card["weights"]
 
 
 def test_a_non_private_arm_is_never_published(tmp_path: Path) -> None:
@@ -517,3 +559,18 @@ def test_a_non_private_arm_is_never_published(tmp_path: Path) -> None:
     card = json.loads((owner[0] / deliverable.CARD_JSON).read_text())
     assert NOT_DP_LABEL in card["privacy"].lower()
     assert NOT_DP_LABEL in (owner[0] / deliverable.CARD_MD).read_text().lower()
+
+
+def test_a_cards_stated_epsilon_and_delta_are_rounded_up() -> None:
+    """Found in review (session 13): the card's guarantee line rounded ε to nearest, 2.99969 for a ledger's
+    2.9996931, below it and below the terminal's 2.9997; 7 of the demo's 8 cards understated ε."""
+    import re
+
+    from dptune.deliverable import card_markdown
+
+    for eps, delta in [(2.9996930794666845, 1e-5), (7.999353291261645, 3.0000000001e-5), (8.0, 1e-6)]:
+        text = card_markdown({"guarantee": {"epsilon": eps, "delta": delta, "accountant": "pld"}})
+        stated = re.search(r"\(([0-9.e+-]+), ([0-9.e+-]+)\)-differential privacy", text)
+        assert stated is not None, text
+        assert float(stated[1]) >= eps and float(stated[2]) >= delta, stated[0]
+        assert float(stated[1]) <= eps * (1 + 1e-5)  # still the number, six digits

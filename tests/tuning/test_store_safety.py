@@ -3,7 +3,8 @@ plan removes only what its own process made (never a sibling study or a user's f
 appeared meanwhile), a damaged store is refused without a read-write open (which let SQLite
 rewrite it and delete its -wal), readers say when a coordinator is planning right now, a
 reused Ray executor works, dangling symlinks are refused before any work, the ETA counts a
-group of runs once, and `dptune tune` says so (exit code 1) when runs did not finish."""
+group of runs once (and failed runs), `dptune tune` says so (exit code 1) when runs did not finish,
+a store that lost its -wal commits is never planned again, and a full disk is one line."""
 
 from __future__ import annotations
 
@@ -174,6 +175,27 @@ def test_a_damaged_store_with_a_wal_is_refused_and_left_byte_for_byte(finished: 
         line = _refused(args)
         assert "is damaged" in line and "restore study.sqlite" in line, args
         assert (_md5(db), _md5(wal)) == before, f"{args[0]} changed the store or deleted its -wal"
+
+
+def test_a_store_copied_without_its_wal_is_refused_and_never_planned_again(finished: Path, tmp_path: Path) -> None:
+    """Found in an audit: a study.sqlite copied without its -wal (the commits since the last checkpoint) read as "never
+    planned ... no privacy budget was spent. Fix: delete the directory", and `dptune tune` planned it again,
+    overwriting its model. Beside checkpoints/, release/ or diagnostics/, status, resume and tune now refuse it."""
+    d = tmp_path / "copy"
+    shutil.copytree(finished, d)
+    (d / "study.sqlite").unlink()
+    with sqlite3.connect(d / "study.sqlite") as con:  # the main file of a store killed before its first checkpoint
+        con.execute("PRAGMA journal_mode=WAL")
+    models = {p: _md5(p) for p in d.rglob("*.pt")}
+    assert any("release" in p.parts for p in models)
+    for args in (
+        ["status", str(d)],
+        ["resume", str(d), "--no-progress"],
+        ["tune", str(_config(tmp_path)), "-o", str(d), "--no-progress"],
+    ):
+        line = _refused(args)
+        assert "lost its commits" in line and "study.sqlite-wal" in line and "budget" not in line, args
+    assert {p: _md5(p) for p in d.rglob("*.pt")} == models
 
 
 def test_the_integrity_check_runs_once_per_file_state(
@@ -412,3 +434,47 @@ def test_resume_with_runs_that_fail_again_says_so_and_exits_1(tmp_path: Path, mo
         "1 of 1 runs did not finish (1 failed, the first: RuntimeError: worker process failed: killed; "
         "not differentially private: for the data owner only)" in out
     )
+
+
+def test_status_counts_failed_runs_as_left_and_runs_csv_names_their_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in an audit: `dptune status` said "time left: no run left" while a failed run waited for `dptune
+    resume`; diagnostics/runs.csv (labelled not DP) now has each run's error."""
+    from dptune.outputs import NOT_DP_LABEL, read_csv_rows
+    from dptune.report.study import read_study, write_runs_csv
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("worker process died (exit code 3) while running this run")
+
+    monkeypatch.setattr(study_mod, "execute_task", killed)
+    d = tmp_path / "s"
+    assert CliRunner().invoke(app, ["tune", str(_config(tmp_path)), "-o", str(d), "--no-progress"]).exit_code == 1
+    res = CliRunner().invoke(app, ["status", str(d)])
+    assert res.exit_code == 0 and "time left: unknown until a run finishes (1 runs left)" in res.output, res.output
+    s = read_study(d)
+    csv = write_runs_csv(tmp_path / "report", s.runs, s.arm_of)
+    assert NOT_DP_LABEL in csv.read_text().splitlines()[0].lower()
+    [row] = read_csv_rows(csv)
+    assert row["status"] == "failed" and row["error"].startswith("RuntimeError: worker process died (exit code 3)")
+
+
+@pytest.mark.parametrize("where", ["store", "checkpoint"])
+def test_a_full_disk_is_one_line_naming_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Found in an audit: a full disk (`ulimit -f`) ended `dptune tune` in a traceback (sqlite3.OperationalError:
+    disk I/O error). Now one line, and `dptune resume` then finishes the study."""
+    import errno
+
+    from dptune.tune.store import Store
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error") if where == "store" else OSError(errno.ENOSPC, "No space left")
+
+    monkeypatch.setattr(*((Store, "finish") if where == "store" else (study_mod, "save_checkpoint")), full)
+    d = tmp_path / "s"
+    line = _refused(["tune", str(_config(tmp_path)), "-o", str(d), "--no-progress"])
+    fix = f"the disk is full or not writable; nothing finished is lost. Fix: free space, then `dptune resume {d}`."
+    assert line.endswith(fix), line
+    monkeypatch.undo()
+    res = CliRunner().invoke(app, ["resume", str(d), "--no-progress"])
+    assert res.exit_code == 0, (res.output, res.exception)

@@ -46,18 +46,73 @@ def _exit_if(code: int) -> dict:
     return {"ok": True}
 
 
+class _EndsTheWorker:
+    """An argument whose unpickling ends its worker (exit code 5) before the worker reports the task's start."""
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return os._exit, (5,)
+
+
 def test_a_pool_broken_by_a_killed_worker_runs_the_next_round() -> None:
-    """Found in review: the round after a worker was killed crashed with BrokenProcessPool (a traceback);
-    the killed round's runs fail, and the next round runs on a new pool."""
+    """Found in review: the round after a worker was killed crashed with BrokenProcessPool (a traceback). A worker
+    that dies before naming its run breaks every new pool: its round's runs fail after two (no endless loop), and
+    the next round runs on a new pool."""
     from dptune.tune.executors import ProcessExecutor
 
     ex = ProcessExecutor(workers=1)
     try:
-        first = list(ex.run(_exit_if, [("a", (3,))]))
-        assert first[0][0] == "a" and first[0][1] is None and "worker process failed" in first[0][2]
+        first = sorted(ex.run(_exit_if, [("a", (_EndsTheWorker(),)), ("b", (0,))]))
+        why = "worker process died (exit code 5) in two pools in a row, this run queued or starting"
+        assert first == [("a", None, why), ("b", None, why)]
         assert sorted(ex.run(_exit_if, [("b", (0,)), ("c", (0,))]), key=lambda r: r[0]) == [  # completion order
             ("b", {"ok": True}, None),
             ("c", {"ok": True}, None),
         ]
+    finally:
+        ex.close()
+
+
+def _work(name: str, exit_code: int = 0, interrupt: bool = False) -> dict:
+    import os
+    import signal
+    import time
+
+    if interrupt:
+        os.kill(os.getpid(), signal.SIGINT)  # a terminal's Ctrl-C reaches the workers too
+    time.sleep(0.3)  # a run's work: its start is reported before it ends
+    if exit_code:
+        os._exit(exit_code)
+    return {"name": name}
+
+
+def test_a_dead_worker_fails_its_run_alone() -> None:
+    """Found in an audit: a worker that died (os._exit, the out-of-memory killer) broke the pool, and 5 of 6 runs
+    failed with BrokenProcessPool; now its run alone fails, naming the exit code, and the others run in a new pool."""
+    from dptune.tune.executors import ProcessExecutor
+
+    started: list[str] = []
+    ex = ProcessExecutor(workers=2)
+    try:
+        tasks = [(c, (c, 3 if c == "c" else 0)) for c in "abcdef"]
+        out = {rid: (res, err) for rid, res, err in ex.run(_work, tasks, on_start=started.extend)}
+    finally:
+        ex.close()
+    assert out.pop("c") == (None, "worker process died (exit code 3) while running this run")
+    assert out == {c: ({"name": c}, None) for c in "abdef"}
+    assert sorted(started) == list("abcdef")  # each start reported once, a re-run too
+
+
+def test_a_pool_worker_ignores_ctrl_c() -> None:
+    """Found in an audit: a Ctrl-C printed an idle worker's KeyboardInterrupt traceback before the coordinator's
+    clean line (here a busy worker's became the coordinator's own KeyboardInterrupt); the coordinator stops them."""
+    from dptune.tune.executors import ProcessExecutor
+
+    ex = ProcessExecutor(workers=1)
+    try:
+        assert list(ex.run(_work, [("a", ("a", 0, True))])) == [("a", {"name": "a"}, None)]
+    except KeyboardInterrupt:  # not pytest's: it would end the session
+        pytest.fail("a Ctrl-C sent to a worker raised KeyboardInterrupt")
     finally:
         ex.close()

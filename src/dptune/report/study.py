@@ -308,10 +308,10 @@ def study_ledger_rows(plan: Any, entries: Iterable[Any], per_run: Sequence[Mappi
     return rows
 
 
-# runs.csv: what each run is (its procedure, seed and configuration), then its plan and results.
+# runs.csv: what each run is (its procedure, seed and configuration), then its plan and results (a failed one's error).
 _RUN_IDENTITY = ("run_id", "arm", "strategy", "epsilon", "stage", "procedure", "replicate", "seed", "status", "config")
 _RUN_PLAN_AND_RESULTS = ("noise_multiplier", "steps", "sampling_rate", "score", "best_step", "test_metric", "seconds")
-RUNS_CSV_COLUMNS = _RUN_IDENTITY + _RUN_PLAN_AND_RESULTS
+RUNS_CSV_COLUMNS = _RUN_IDENTITY + _RUN_PLAN_AND_RESULTS + ("error",)
 
 
 def write_runs_csv(out: str | Path, runs: Sequence[Mapping[str, Any]], arm_of: Mapping[str, Any]) -> Path:

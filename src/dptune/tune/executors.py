@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -16,15 +18,15 @@ from dptune.errors import ConfigError
 from dptune.study_args import EXECUTORS, check_executor_name, check_workers
 
 Task = tuple[str, tuple[Any, ...]]  # (task id, args of execute_task)
+Result = tuple[dict[str, Any] | None, str | None]  # (result, error text)
 Outcome = tuple[str, dict[str, Any] | None, str | None]  # (run_id, result, error text)
+Fn = Callable[..., dict[str, Any]]
 
 
-def _call(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> tuple[dict[str, Any] | None, str | None]:
+def _call(fn: Fn, args: tuple[Any, ...]) -> Result:
     try:
         return fn(*args), None
     except Exception as exc:  # a failed run is recorded, the study goes on
-        import traceback
-
         return None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
 
 
@@ -39,10 +41,10 @@ def _pool_init(started: Any, counter: Any = None, masks: list[str] | None = None
     global _STARTED
     _STARTED = started
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the coordinator stops the workers (audit)
     if masks:
         with counter.get_lock():
-            k = counter.value
-            counter.value += 1
+            k, counter.value = counter.value, counter.value + 1
         os.environ["CUDA_VISIBLE_DEVICES"] = masks[k % len(masks)]
 
 
@@ -51,24 +53,17 @@ def _die_with_parent() -> None:
     found in review); resume re-runs what they had. Elsewhere, as before."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
-def _pool_call(
-    task_id: str, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]
-) -> tuple[dict[str, Any] | None, str | None]:
-    if _STARTED is not None:
-        _STARTED.put(task_id)
-    return _call(fn, args)
+def _pool_call(task_id: str, fn: Fn, args: tuple[Any, ...]) -> Result:
+    return _ray_call(_STARTED, (task_id, os.getpid()), fn, args)  # which worker: ProcessExecutor._broken
 
 
-def _ray_call(
-    started: Any, task_id: str, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]
-) -> tuple[dict[str, Any] | None, str | None]:
+def _ray_call(started: Any, report: Any, fn: Fn, args: tuple[Any, ...]) -> Result:
     with contextlib.suppress(Exception):  # a lost start report never fails the run (its result marks it)
-        started.put(task_id)
+        started.put(report)
     return _call(fn, args)
 
 
@@ -105,9 +100,7 @@ class _Starts:
             self.running.update(new)
             self.on_start(new)
 
-    def outcomes(
-        self, rid: str, get: Callable[[], tuple[dict[str, Any] | None, str | None]], died: str
-    ) -> Iterator[Outcome]:
+    def outcomes(self, rid: str, get: Callable[[], Result], died: str) -> Iterator[Outcome]:
         """A finished task's outcome (``died``: what failed when ``get`` raises), started first."""
         self.finishing(rid)
         try:
@@ -158,44 +151,60 @@ class ProcessExecutor(Executor):
 
         ctx = mp.get_context("spawn")
         n, self.gpu_masks = process_gpu_plan(device, workers)
-        self.workers = n or max(1, min(4, os.cpu_count() or 1))
+        self.workers = n = n or max(1, min(4, os.cpu_count() or 1))
         self.started_queue = ctx.Queue()  # workers report the tasks they start (handed over at spawn)
         init = (self.started_queue, ctx.Value("i", 0), self.gpu_masks) if self.gpu_masks else (self.started_queue,)
-        self._new_pool = lambda: ProcessPoolExecutor(
-            self.workers, mp_context=ctx, initializer=_pool_init, initargs=init
-        )
+        self._new_pool = lambda: ProcessPoolExecutor(n, mp_context=ctx, initializer=_pool_init, initargs=init)
         self.pool = self._new_pool()
 
-    def _submit(self, rid: str, fn: Any, args: Any) -> Any:
-        from concurrent.futures.process import BrokenProcessPool
-
-        try:
-            return self.pool.submit(_pool_call, rid, fn, args)
-        except BrokenProcessPool:  # a worker was killed in an earlier round (its runs failed): a new pool
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = self._new_pool()
-            return self.pool.submit(_pool_call, rid, fn, args)
-
-    def _drain(self) -> list[str]:
-        import queue
-
-        out = []
-        while True:
-            try:
-                out.append(self.started_queue.get_nowait())
-            except queue.Empty:
-                return out
+    def _drain(self, starts: _Starts, pids: dict[str, int]) -> None:
+        """The start reports: task id → the pid of the worker that took it (one reader: get() never waits)."""
+        new = dict(self.started_queue.get() for _ in iter(self.started_queue.empty, True))
+        pids.update(new)
+        starts.reported(new)
 
     def run(self, fn, tasks, on_start=lambda ids: None):
         from concurrent.futures import FIRST_COMPLETED, wait
+        from concurrent.futures.process import BrokenProcessPool
 
-        futs = {self._submit(rid, fn, args): rid for rid, args in tasks}
-        starts, pending = _Starts(futs.values(), on_start, self.workers), set(futs)
-        while pending:
-            done, pending = wait(pending, timeout=START_POLL_S, return_when=FIRST_COMPLETED)
-            for fut in done:
-                yield from starts.outcomes(futs[fut], fut.result, "worker process failed")
-            starts.reported(self._drain())
+        todo, pids, breaks = dict(tasks), {}, dict.fromkeys(dict(tasks), 0)
+        starts = _Starts(todo, on_start, self.workers)
+        while todo:  # one round per pool: a worker that dies breaks it, and what it did not kill goes on in a new one
+            futs = {}
+            for rid, args in todo.items():
+                with contextlib.suppress(BrokenProcessPool):  # it broke (a worker died, maybe while idle): see below
+                    futs[self.pool.submit(_pool_call, rid, fn, args)] = rid
+            pending = set(futs)
+            while pending:
+                done, pending = wait(pending, timeout=START_POLL_S, return_when=FIRST_COMPLETED)
+                self._drain(starts, pids)
+                for fut in (f for f in done if not isinstance(f.exception(), BrokenProcessPool)):
+                    del todo[futs[fut]]
+                    yield from starts.outcomes(futs[fut], fut.result, "worker process failed")
+            if todo:
+                yield from self._broken(todo, starts, pids, breaks)
+
+    def _broken(self, todo: dict[str, Any], starts: _Starts, pids: dict[str, int], breaks: dict[str, int]):
+        """A worker died: concurrent.futures failed every task of its pool and stopped the other workers (found
+        in an audit: 5 of 6 runs failed). Only the run whose worker died fails; the rest go on in a new pool,
+        unless two pools broke under them with no dead worker's run known (it died before reporting it)."""
+        procs = dict(getattr(self.pool, "_processes", None) or {})
+        self.pool.shutdown(wait=True)  # its workers have stopped: their exit codes are known
+        self.pool = self._new_pool()
+        self._drain(starts, pids)
+        stopped = -signal.SIGTERM  # how the pool stops the workers that did not die
+        codes = {pid: p.exitcode for pid, p in procs.items() if p.exitcode != stopped}
+        lost = {rid: codes[pid] for rid in todo if (pid := pids.pop(rid, -1)) in codes}
+        for rid in list(todo):
+            breaks[rid] += not lost
+            if rid in lost or breaks[rid] == 2:
+                code = lost.get(rid, next(iter(codes.values()), None))
+                how = "exit code unknown" if code is None else f"exit code {code}" if code >= 0 else f"signal {-code}"
+                why = "while running this run" if rid in lost else "in two pools in a row, this run queued or starting"
+                del todo[rid]
+                starts.finishing(rid)
+                yield rid, None, f"worker process died ({how}) {why}"
+                starts.finished(rid)
 
     def close(self, interrupted: bool = False) -> None:
         if interrupted:  # a Ctrl-C to this process alone (kill -INT, a notebook): its runs in flight re-run on resume
@@ -298,13 +307,9 @@ class RayExecutor(Executor):
                         "(`ray start --head` prints it), or leave it out to start a local Ray."
                     ) from None
             else:
-                self._init = {
-                    "num_cpus": workers or max(1, min(4, os.cpu_count() or 1)),
-                    "include_dashboard": False,
-                    "log_to_driver": False,
-                    "configure_logging": False,
-                    "runtime_env": _local_pythonpath(),
-                }
+                cpus = workers or max(1, min(4, os.cpu_count() or 1))
+                self._init = {"num_cpus": cpus, "runtime_env": _local_pythonpath(), "include_dashboard": False}
+                self._init |= {"log_to_driver": False, "configure_logging": False}
                 ray.init(**self._init)
             self.started = True
         self.remote = ray.remote(num_cpus=1, num_gpus=self.num_gpus, max_retries=0)(_ray_call)

@@ -21,7 +21,7 @@ from dptune.deliverable import (
     write_model,
 )
 from dptune.errors import ConfigError
-from dptune.outputs import DIAGNOSTICS_DIR, hides_run_count, labelled_json, randomness_statement, release_dir, up
+from dptune.outputs import diagnostics_dir, hides_run_count, labelled_json, randomness_statement, release_dir, up
 from dptune.release.ledger import Ledger
 from dptune.tune import results
 from dptune.tune.records import ArmPlan, RunSpec
@@ -46,14 +46,9 @@ def export_study(
     d = Path(study_dir)
     base = Path(out) if out is not None else d
     cfg, plan, rows, _ = results.load_study(d)
-    status = results.study_status(d)
-    if not status["complete"]:
-        c = status["counts"]
-        done = c.get("done", 0) + c.get("diverged", 0)
-        raise ConfigError(
-            f"the study in {str(d)!r} is not finished ({done} of {status['total']} runs done): its "
-            "selection is not final. Fix: `dptune resume DIR`, then export."
-        )
+    if not results.study_status(d)["complete"]:  # no run counts: they reveal Liu–Talwar's secret K (an audit)
+        raise ConfigError(f"the study in {str(d)!r} is not finished: its selection is not final. Fix: `dptune resume "
+                          f"{d}`, then export.")  # fmt: skip
     names = [a.arm for a in plan.arms]
     if arm is not None and arm not in names:
         raise ConfigError(f"no arm {arm!r} in this study. Fix: --arm one of {', '.join(names)}.")
@@ -62,9 +57,7 @@ def export_study(
     hidden_k = any(hides_run_count(a.guarantee.get("kind")) for a in plan.arms)
     digest = study_ledger_digest(d)
     written = []
-    for a in plan.arms:
-        if arm is not None and a.arm != arm:
-            continue
+    for a in [a for a in plan.arms if arm in (None, a.arm)]:
         row = table[a.arm]
         # The run whose weights the arm publishes: the first selected run (procedure / seed replicate 0's
         # pick; one model per arm — publishing one per replicate would compose).
@@ -83,15 +76,13 @@ def export_study(
             raise ConfigError(f"arm {a.arm!r}: {why}; retraining would be a new release. Fix: run a new study.")
         ledger: dict[str, Any] = {"digest": digest, "scope": "the whole study (every private arm, every run)"}
         if hidden_k:
-            # The ledger is a function of the plan and of the number of runs drawn: its digest
-            # would let anyone test guesses of K, which Liu-Talwar / repeat-and-select keep secret.
+            # The ledger is a function of the number of runs drawn: its digest would let anyone test guesses of K.
             ledger = {
                 "digest": None,
                 "note": "withheld: the study has an arm that keeps the number of runs "
                 "secret and the ledger's digest would reveal it; it is in diagnostics/models/.",
             }
-            diag = base / DIAGNOSTICS_DIR / MODELS_DIR / a.arm
-            diag.mkdir(parents=True, exist_ok=True)
+            diag = diagnostics_dir(base) / MODELS_DIR / a.arm  # with the folder's README.txt (its label)
             save_text(diag / "ledger_digest.json", json.dumps(labelled_json({"digest": digest}), indent=2))
         card = _card(cfg, a, row, plan.runs[rid], by_id[rid], ckpt, ledger)
         if whole := results.release_note(plan):
@@ -99,10 +90,9 @@ def export_study(
         if math.isfinite(row["planned_epsilon"]):
             written.append(write_model(release_dir(base) / MODELS_DIR / a.arm, ckpt["state_dict"], card))
         else:
-            # A non-private arm (the nodp baseline): its weights are covered by no guarantee, so
-            # they never go to release/; the owner's copy is labelled in diagnostics/models/.
+            # A non-private arm (nodp): no guarantee covers its weights, never in release/; the owner's copy, labelled.
             card = labelled_json(card)
-            written.append(write_model(base / DIAGNOSTICS_DIR / MODELS_DIR / a.arm, ckpt["state_dict"], card))
+            written.append(write_model(diagnostics_dir(base) / MODELS_DIR / a.arm, ckpt["state_dict"], card))
     return written
 
 
@@ -138,8 +128,7 @@ def _card(
         guarantee.update(epsilon=row["selection_epsilon"], per="study")
         guarantee["selection"] += (f"; ε: all {seeds} seed replicates' runs composed, as the selection averaged their "
                                    "scores while account_seeds = false")  # fmt: skip
-    # The data without the in-memory tensors' fingerprint: a hash of the private training set would
-    # allow membership tests; it stays in the owner-only store.
+    # Not the in-memory tensors' fingerprint: a hash of the private training set allows membership tests (owner's).
     data = dict(cfg.get("data") or {})
     if "python_tensors" in data:
         data["python_tensors"] = "in-memory tensors (not identified: their hash would reveal the data)"
@@ -176,7 +165,6 @@ def prune_checkpoints(study_dir: str | Path) -> int:
     keep = {checkpoint_path(d, rid).name for r in results.study_table(d) for rid in r["selected_runs"]}
     folder = d / CHECKPOINTS_DIR  # glob finds nothing in a missing folder
     stale = [f for f in folder.glob("*.pt") if f.name not in keep]
-    # and the temporary files left by a process killed mid-write (never under a final name)
-    for f in [*stale, *folder.glob(".*.tmp-*")]:
+    for f in [*stale, *folder.glob(".*.tmp-*")]:  # and temporary files a process killed mid-write left (no final name)
         f.unlink()
     return len(stale)

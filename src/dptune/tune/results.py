@@ -42,29 +42,10 @@ TERMINAL_WIDTH = 100
 # out: run counts, diverged/failed counts over every candidate, selected run ids (they number
 # the candidates: under Liu–Talwar / repeat-and-select K is secret) and fits' raw data.
 RELEASE_COLUMNS: tuple[str, ...] = (
-    "strategy",
-    "optimizer",
-    "epsilon",
-    "method",
-    "selection",
-    "split",
-    "metric",
-    "selected",
-    "value_mean",
-    "value_std",
-    "test_mean",
-    "test_std",
-    "replicates",
-    "planned_epsilon",
-    "planned_delta",
-    "selection_epsilon",
-    "epsilon_float_slack",
-    "spent_epsilon",
-    "spent_delta",
-    "guarantee_per",
-    "accountant",
-    "arm",
-)
+    "strategy", "optimizer", "epsilon", "method", "selection", "split", "metric", "selected", "value_mean",
+    "value_std", "test_mean", "test_std", "replicates", "planned_epsilon", "planned_delta", "selection_epsilon",
+    "epsilon_float_slack", "spent_epsilon", "spent_delta", "guarantee_per", "accountant", "arm",
+)  # fmt: skip
 
 
 def is_nonprivate(row: Mapping[str, Any]) -> bool:
@@ -351,11 +332,11 @@ def _duration(seconds: float) -> str:
 def eta(
     rows: Iterable[Mapping[str, Any]], groups: Mapping[str, tuple[str, ...]] | None = None
 ) -> tuple[float | None, str]:
-    """(seconds, text): runs left × mean seconds per finished run ÷ tasks running (≥ 1); for the data owner
-    only. ``groups`` (run_id → group): a group is one task, its running members count once."""
+    """(seconds, text): runs left (failed ones too: ``resume`` retries them) × mean seconds per finished run ÷ tasks
+    running (≥ 1); for the data owner only. ``groups`` (run_id → group): a group is one task, counted once."""
     rows = list(rows)
     groups = groups or {}
-    left = sum(1 for r in rows if r["status"] in ("planned", "running"))
+    left = sum(1 for r in rows if r["status"] in ("planned", "running", "failed"))
     running = len(
         {(groups.get(r["run_id"], (r["run_id"],)), r.get("started")) for r in rows if r["status"] == "running"}
     )

@@ -183,9 +183,15 @@ class Store:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
         self.conn.row_factory = sqlite3.Row
-        if not create:  # readers need a planned study (a failed plan once left tables without one)
-            tables = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if not {"meta", "runs", "ledger"} <= tables or not self.has_plan():
+        tables = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not {"meta", "runs", "ledger"} <= tables or not self.has_plan():  # read before anything is written
+            if outputs := [f"{n}/" for n in ("checkpoints", "release", "diagnostics") if any((self.dir / n).glob("*"))]:
+                raise ConfigError(  # found in an audit: read as never planned, and `tune` planned it again
+                    f"{str(self.dir)!r} holds run outputs ({', '.join(outputs)}) but {DB_NAME} holds no plan: it lost "
+                    f"its commits (was it copied without its {DB_NAME}-wal file?). Fix: restore that file beside it; "
+                    "this directory is never planned again (that would overwrite its models)."
+                )
+            if not create:  # readers need a planned study (a failed plan once left tables without one)
                 if lock_held(self.dir):
                     raise self._busy()
                 raise ConfigError(
@@ -244,20 +250,15 @@ class Store:
             for k, v in {**meta, "created": time.time()}.items():
                 c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (k, json.dumps(v)))
             for pos, r in enumerate(runs):
-                event = r["planned_event"]
+                event, nu, cfg = r["planned_event"], r["noise_multiplier"], r["config"]
+                row = [r[k] for k in ("run_id", "arm", "stage", "procedure", "replicate", "seed", "run_seed")]
+                row += [json.dumps(cfg) if cfg is not None else None, nu if math.isfinite(nu) else None, r["steps"]]
+                row += [r["sampling_rate"], json.dumps(event if isinstance(event, dict) else event_to_dict(event)), pos]
                 c.execute(
                     "INSERT INTO runs(run_id, arm, stage, procedure, replicate, seed, run_seed, status, config, "
                     "noise_multiplier, steps, sampling_rate, planned_event, position) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, 'planned', ?, ?, ?, ?, ?, ?)",
-                    (
-                        *(r[k] for k in ("run_id", "arm", "stage", "procedure", "replicate", "seed", "run_seed")),
-                        json.dumps(r["config"]) if r["config"] is not None else None,
-                        r["noise_multiplier"] if math.isfinite(r["noise_multiplier"]) else None,
-                        r["steps"],
-                        r["sampling_rate"],
-                        json.dumps(event if isinstance(event, dict) else event_to_dict(event)),
-                        pos,
-                    ),
+                    row,
                 )
 
     # -- runs
@@ -276,12 +277,11 @@ class Store:
     def mark_running(self, run_ids: Iterable[str]) -> None:
         now = time.time()
         with self._tx() as c:
-            for rid in run_ids:
-                c.execute(
-                    "UPDATE runs SET status = 'running', started = ?, attempts = attempts + 1 "
-                    "WHERE run_id = ? AND status IN ('planned', 'failed')",
-                    (now, rid),
-                )
+            c.executemany(
+                "UPDATE runs SET status = 'running', started = ?, attempts = attempts + 1 "
+                "WHERE run_id = ? AND status IN ('planned', 'failed')",
+                [(now, rid) for rid in run_ids],
+            )
 
     def reset_interrupted(self) -> None:
         """Runs left 'running' by a killed process go back to 'planned' (re-executed, same seeds)."""
