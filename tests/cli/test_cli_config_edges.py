@@ -284,3 +284,17 @@ def test_liu_talwar_with_private_scores_that_exceed_a_runs_share_says_why_and_ho
     cfg.write_text(cfg.read_text().replace("eval_every = 1", f"eval_every = 1\nnoise_multiplier = {sigma}"))
     plan = plan_only(cfg)
     assert plan.arms[0].method == "liu-talwar" and plan.runs
+
+
+def test_a_presets_study_dict_runs_as_docs_reproduce_md_says(tmp_path: Path) -> None:
+    """Found in review: docs/reproduce.md says to edit ``preset_parts(...)[0].study_dict()`` and run that dict with
+    ``dptune.tune.run_study``, which raised a TypeError (a path was expected)."""
+    from dptune.errors import ConfigError
+    from dptune.tune import run_study
+    from dptune.tune.spec import load_study_config
+
+    d = preset_parts("galli-mnist", "smoke", k=2)[0].study_dict()
+    assert load_study_config(d) == load_study_config(preset_parts("galli-mnist", "smoke", k=2)[0].study_dict())
+    with pytest.raises(ConfigError):  # a dict is read as a study file is: a bad value is one clear error
+        run_study({**d, "budget": {**d["budget"], "epsilon": [-1.0]}}, tmp_path / "bad", progress=False)
+    assert not (tmp_path / "bad").exists()

@@ -47,6 +47,10 @@ def test_rerr_matches_panda_table3():
     assert theory.rerr(78.08, 49.33, 82.43) == pytest.approx(0.8686, abs=1e-3)  # SQuAD (86.85)
     # Lower-is-better metrics flip the sign convention.
     assert theory.rerr(0.2, 0.4, 0.1, higher_is_better=False) == pytest.approx(2 / 3)
+    # Found in review: an oracle below random search gave 0.14 vs 0.20 / 0.16 a RERR of +150 %.
+    for ours, rnd, orc in [(0.14, 0.20, 0.16), (48.8, 61.3, 60.4), (0.5, 0.5, 0.5)]:
+        assert math.isnan(theory.rerr(ours, rnd, orc))
+        assert math.isnan(theory.rerr(1 - ours, 1 - rnd, 1 - orc, higher_is_better=False))
 
 
 # ----------------------------------------------------------------------------- Liu–Talwar

@@ -281,6 +281,7 @@ def rerr_rows(rows: list[dict[str, Any]], higher: bool = True) -> list[dict[str,
                     "rerr": theory.rerr(r["value_mean"], rnd[0]["value_mean"], orc[0]["value_mean"], higher),
                     "random": rnd[0]["strategy"],
                     "oracle": orc[0]["strategy"],
+                    "scores": (r["value_mean"], rnd[0]["value_mean"], orc[0]["value_mean"]),
                 }
             )
     return out
@@ -405,9 +406,10 @@ def render(study_dir: str | Path, console: Any = None, *, diagnostics: bool = Fa
             "results.csv keeps the raw values.[/dim]"
         )
     for r in rerr_rows(rows, plan.higher_is_better):
+        ratio = "undefined (the oracle does not beat random search)" if math.isnan(r["rerr"]) else f"{r['rerr']:.1%}"
         console.print(
-            f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search "
-            f"({r['random']}) and grid/oracle ({r['oracle']}): {100 * r['rerr']:.1f} %"
+            f"RERR of linear scaling ({r['strategy']}, ε = {r['epsilon']:g}) vs random search ({r['random']}) and "
+            f"grid/oracle ({r['oracle']}): {ratio}; scores {' / '.join(f'{v:.4g}' for v in r['scores'])}"
         )
     for note in split_arm_notes(plan)[0]:
         console.print(f"[dim]• {note}[/dim]")

@@ -441,10 +441,11 @@ def _yaml_loader() -> type:
     return StudyLoader
 
 
-def load_study_config(path: str | os.PathLike[str] | Study) -> Study:
-    """Read a study from a ``.toml`` (tomllib) or ``.yaml``/``.yml`` (PyYAML) file."""
-    if isinstance(path, Study):
-        return path
+def load_study_config(path: str | os.PathLike[str] | Study | Mapping[str, Any]) -> Study:
+    """A study read from a ``.toml`` (tomllib) or ``.yaml``/``.yml`` (PyYAML) file, or from its dict (a preset's
+    ``study_dict()``, as docs/reproduce.md edits one)."""
+    if isinstance(path, (Study, Mapping)):
+        return path if isinstance(path, Study) else study_from_dict(path)
     p = Path(path)
     if p.is_dir():
         raise ConfigError(

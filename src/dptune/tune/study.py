@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -416,7 +417,7 @@ def check_study_device(device: str, executor: str | Executor, address: str | Non
 
 
 def run_study(
-    config: str | os.PathLike[str] | Study,
+    config: str | os.PathLike[str] | Study | Mapping[str, Any],
     study_dir: str | os.PathLike[str],
     executor: str | Executor = "local",
     address: str | None = None,

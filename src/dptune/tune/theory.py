@@ -181,10 +181,11 @@ def panda_total_epsilon(runs: Sequence[tuple[int, float]], delta: float) -> floa
 
 def rerr(ours: float, random_search: float, oracle: float, higher_is_better: bool = True) -> float:
     """Relative error-rate reduction (Panda et al. §5.2.3, Table 3), as a fraction:
-    1 − err_ours / err_random = (ours − random) / (oracle − random), errors measured to the oracle."""
+    1 − err_ours / err_random = (ours − random) / (oracle − random), errors measured to the oracle. NaN where the
+    oracle does not beat random search: the ratio of two negative gaps read as a large gain (found in review)."""
     gap = (oracle - random_search) if higher_is_better else (random_search - oracle)
     gain = (ours - random_search) if higher_is_better else (random_search - ours)
-    return math.nan if gap == 0 else gain / gap
+    return gain / gap if gap > 0 else math.nan
 
 
 # ----------------------------------------------------------------------------- Mohapatra App. F
