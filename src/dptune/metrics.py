@@ -61,9 +61,6 @@ class Metric:
         """The same metric with another clip (the built-in MSE's is the study's ``mse_clip``)."""
         return dataclasses.replace(self, sensitivity=sensitivity)
 
-    def _cast(self, s: torch.Tensor) -> torch.Tensor:
-        return s.double()  # a user's scores are summed in float64
-
     def scores(self, out: torch.Tensor, y: torch.Tensor, clip: bool = False) -> torch.Tensor:
         import torch
 
@@ -74,12 +71,12 @@ class Metric:
                 f"metric {self.name!r} must return one score per example (shape "
                 f"[{int(out.shape[0])}]), got {got}. Fix: do not reduce over the batch."
             )
-        s = self._cast(s.detach())
+        s = s.detach() if isinstance(self, _Builtin) else s.detach().double()  # a user's summed in float64
         if clip:
             c = self.require_sensitivity()
             worst = 0.0 if self.higher_is_better else c  # a non-finite score counts as the worst one
-            # Before the clamp, which keeps NaN: one NaN would make the whole sum NaN.
-            s = torch.nan_to_num(s, nan=worst, posinf=worst, neginf=worst).clamp(0.0, c)
+            # Before the clamp, which keeps NaN (one NaN would make the sum NaN); float64 for the sum (privacy.md 5).
+            s = torch.nan_to_num(s.double(), nan=worst, posinf=worst, neginf=worst).clamp(0.0, c)
         return s
 
 
@@ -90,19 +87,23 @@ class _Builtin(Metric):
     def __post_init__(self) -> None:
         self._validate()
 
-    def _cast(self, s: torch.Tensor) -> torch.Tensor:
-        return s
-
 
 def _correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """1 per correct prediction (argmax, or ``out > 0`` for one logit); any non-finite output is wrong."""
+    """Per example, the fraction of its predictions that are right, in [0, 1]: argmax over dim 1 (one logit: out > 0),
+    one per label ([B, C, T] against [B, T]), label -100 (ignore_index) skipped (none left: 0); non-finite: 0."""
     import torch
 
     b = int(out.shape[0])
-    pred = out.argmax(1) if out.ndim > 1 and out.shape[1] > 1 else (out.reshape(-1) > 0).long()
-    finite = torch.isfinite(out.reshape(b, -1)).all(1)
-    # Several predictions per example (e.g. per position) count one each, as the sum always did.
-    return ((pred == y).reshape(b, -1) & finite.unsqueeze(1)).sum(1)
+    pred, y = (out.argmax(1) if out.ndim > 1 and out.shape[1] > 1 else out > 0).reshape(b, -1), y.reshape(b, -1)
+    if pred.shape != y.shape:  # broadcasting would compare an example's predictions with other examples' labels
+        raise ConfigError(
+            f"accuracy needs one prediction per label: outputs {tuple(out.shape)} make {pred.shape[1]} per example, "
+            f"labels {tuple(y.shape)} {y.shape[1]}. Fix: classes on dim 1 ([B, C] or [B, C, T] against labels [B] "
+            "or [B, T]; one logit: [B] or [B, 1]), or pass your own dptune.Metric."
+        )
+    labelled = y != -100
+    right = (pred == y) & labelled & torch.isfinite(out.reshape(b, -1)).all(1, keepdim=True)
+    return right.sum(1).double() / labelled.sum(1).clamp_min(1)
 
 
 def _squared_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -197,14 +198,11 @@ def score_sums(
             b = int(y.shape[0])
             if b == 0:
                 continue
-            if clip and trials is None:  # a private release: each score from its example alone
-                totals[0] += float(_isolated_scores(forward, x, y, metric, private).sum())
-                n += b
-                continue
-            out = forward(x)
-            if trials is None:
-                totals[0] += float(metric.scores(out, y, clip=clip).sum())
+            if trials is None:  # a private release (clip): each score from its example alone
+                s = _isolated_scores(forward, x, y, metric, private) if clip else metric.scores(forward(x), y)
+                totals[0] += float(s.sum())
             else:
+                out = forward(x)
                 # The K sets' rows as one batch of K·b examples (each set against the same targets).
                 flat = out.reshape(trials * b, *out.shape[2:])
                 yk = y.unsqueeze(0).expand(trials, *y.shape).reshape(trials * b, *y.shape[1:])
@@ -222,7 +220,6 @@ def _isolated_scores(
     import torch
 
     from dptune import inputs
-    from dptune.errors import ConfigError
     from dptune.gradients.isolation import KeptState
 
     def one(xi: Any, yi: torch.Tensor) -> torch.Tensor:
@@ -236,7 +233,7 @@ def _isolated_scores(
 
         def row(i: int) -> torch.Tensor:  # the output and the score
             out = forward(inputs.rows(x, i, i + 1))
-            return torch.cat([out.flatten(), metric.scores(out, y[i : i + 1], clip=True).reshape(1).to(out.dtype)])
+            return torch.cat([out.flatten().double(), metric.scores(out, y[i : i + 1], clip=True).reshape(1)])
 
         for i in range(int(y.shape[0])):
             kept.mark(inputs.device_of(x))
@@ -271,9 +268,8 @@ def mean_scores(
     return [s / n if n else math.nan for s in sums]
 
 
-# The range a metric's true value lies in. A privately released selection score (the exact
-# score plus Gaussian noise) can fall outside it (an accuracy of 108%): displays clip it to
-# this range, which is post-processing; stored data (CSV, the study) keep the raw value.
+# The range of a metric's true value. A private selection score (exact + Gaussian noise) can fall outside it (an
+# accuracy of 108%): displays clip it (post-processing); stored data (CSV, the study) keep the raw value.
 METRIC_RANGES: dict[str, tuple[float, float]] = {
     "accuracy": (0.0, 1.0),
     "mse": (0.0, math.inf),
@@ -282,8 +278,7 @@ METRIC_RANGES: dict[str, tuple[float, float]] = {
 
 
 def clip_to_range(value: float | None, metric: str) -> float | None:
-    """``value`` clipped to ``METRIC_RANGES[metric]`` for display (unknown metrics, None and NaN
-    unchanged)."""
+    """``value`` clipped to ``METRIC_RANGES[metric]`` for display (unknown metrics, None and NaN unchanged)."""
     lo_hi = METRIC_RANGES.get(metric)
     if value is None or lo_hi is None or math.isnan(value):
         return value

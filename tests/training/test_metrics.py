@@ -247,3 +247,101 @@ def test_evaluation_switches_dropout_off_and_restores_every_modules_mode() -> No
     with metrics.eval_mode(model):
         oracle_modes = [m.training for m in model.modules()]
     assert oracle_modes == [False] * 4 and [m.training for m in model.modules()] == [True, True, True, False]
+
+
+# ----------------------------------------------------------------------------- audit: private sums, accuracy shapes
+class _Square(torch.nn.Module):
+    """out = x: the squared error against y = 0 is x², an example's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+
+def test_private_mse_sum_of_neighbours_moves_by_at_most_c() -> None:
+    """The audit's neighbours: 4,095 errors uniform in [0, 1) and one of exactly c = 1. Summed in float32 the
+    released sums differed by up to 1.00024·c; in float64 by c(1 ± 1e-12)."""
+    model, mse = _Square(), MSE.with_sensitivity(1.0)
+    assert mse.scores(torch.ones(3, 1), torch.zeros(3, 1), clip=True).dtype == torch.float64
+    worst = 0.0
+    for seed in range(14):  # seed 12 moved the old float32 sum by 1.00024 (one thread)
+        g = torch.Generator().manual_seed(seed)
+        x = torch.rand(4095, generator=g).sqrt().unsqueeze(1)
+        at = int(torch.randint(0, 4095, (1,), generator=g))
+        x2 = torch.cat([x[:at], torch.ones(1, 1), x[at:]])
+        (a,), _ = metrics.score_sums(model, (x, torch.zeros(4095, 1)), mse, clip=True)
+        (b,), _ = metrics.score_sums(model, (x2, torch.zeros(4096, 1)), mse, clip=True)
+        worst = max(worst, abs(b - a))
+    assert 1.0 - 1e-6 <= worst <= 1.0 + 1e-6
+
+
+def _token_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position logits [B, C, T] against labels [B, T], some labels -100 (ignored), one row NaN."""
+    g = torch.Generator().manual_seed(0)
+    out, y = torch.randn(9, 4, 6, generator=g), torch.randint(0, 4, (9, 6), generator=g)
+    y[::2, :3] = y[::2, :3].where(torch.rand(5, 3, generator=g) < 0.5, -100)
+    y[3] = -100  # no labelled position: 0
+    out[5, 0, 0] = math.nan  # any non-finite output: all wrong
+    hit = (out.argmax(1) == y).double()
+    ref = [float(hit[i][y[i] != -100].mean()) if (y[i] != -100).any() else 0.0 for i in range(9)]
+    ref[5] = 0.0
+    return out, y, torch.tensor(ref, dtype=torch.float64)
+
+
+def _one_logit_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A single logit [B, 1] against float BCE targets [B, 1]: broadcast to [B, B] by the old code."""
+    g = torch.Generator().manual_seed(1)
+    out, y = torch.randn(7, 1, generator=g), (torch.rand(7, 1, generator=g) < 0.5).float()
+    return out, y, ((out > 0).float() == y).double().reshape(7)
+
+
+class _Table(torch.nn.Module):
+    """Row i of a fixed output table for input i (so the private path can score each example alone)."""
+
+    def __init__(self, out: torch.Tensor):
+        super().__init__()
+        self.out = out
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return self.out[i.reshape(-1).long()]
+
+
+@pytest.mark.parametrize("case", [_token_case, _one_logit_case])
+def test_accuracy_is_each_examples_fraction_right_on_every_path(case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Old code: [B, 1] against [B, 1] scored each example against the whole batch (accuracy 100.25), and
+    [B, C, T] counted correct positions (6 a row). Now a fraction in [0, 1], the same public, private and stacked."""
+    out, y, ref = case()
+    b = int(y.shape[0])
+    idx, table = torch.arange(b).unsqueeze(1), _Table(out)
+    assert torch.equal(ACCURACY.scores(out, y), ref) and torch.equal(ACCURACY.scores(out, y, clip=True), ref)
+    monkeypatch.setattr(metrics, "EVAL_BATCH", 4)  # several batches
+    (public,) = metrics.mean_scores(table, (idx, y), ACCURACY)
+    assert 0.0 <= public <= 1.0 and public == pytest.approx(float(ref.mean()), abs=1e-12)
+    (private,), n = metrics.score_sums(table, (idx, y), ACCURACY, clip=True)
+    assert n == b and private == pytest.approx(float(ref.sum()), abs=1e-12)
+    isolated = metrics._isolated_scores(table, idx, y, ACCURACY, table)  # each example's score from its row alone
+    assert torch.equal(isolated, ref)
+    stacked = metrics.mean_scores(lambda i: torch.stack([table(i), table(i)]), (idx, y), ACCURACY, trials=2)
+    assert stacked == [pytest.approx(public, abs=1e-12)] * 2
+
+
+def test_accuracy_refuses_outputs_that_do_not_match_the_labels() -> None:
+    """[B, T, C] logits (classes last) against [B, T] labels: argmax over dim 1 would pick positions."""
+    with pytest.raises(ConfigError, match=r"one prediction per label.*Fix: classes on dim 1"):
+        ACCURACY.scores(torch.randn(4, 6, 3), torch.zeros(4, 6, dtype=torch.long))
+
+
+def test_train_reports_single_logit_bce_accuracy_as_a_fraction() -> None:
+    """The audit's run: ``nn.Linear(5, 1)``, BCE, [n, 1] targets; old code reported 100.25."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 5, generator=g)
+    y = (x[:, :1] > 0).float()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1)
+    r = dptune.train(
+        model, (x[:200], y[:200]), "dpsgd", loss="bce", steps=6, expected_batch_size=50, noise_multiplier=1.0,
+        eval_data=(x[200:], y[200:]), eval_public=True, eval_every=3, seed=0, momentum=0.0,
+    )  # fmt: skip
+    assert r.evals[-1]["step"] == r.plan.steps
+    with torch.no_grad():
+        out = torch.func.functional_call(model, r.final_params, (x[200:],))
+    assert r.evals[-1]["accuracy"] == pytest.approx(float(((out > 0).float() == y[200:]).double().mean()), abs=1e-12)

@@ -29,7 +29,7 @@ from dptune import accounting, train
 from dptune.errors import ConfigError
 from dptune.gradients.oracle import MaterializedGrads
 from dptune.release.context import StepContext
-from dptune.release.privatizers import clip_weights
+from dptune.release.privatizers import MIN_CLIP, clip_weights
 from dptune.strategies import ADADP, OSO, STRATEGIES, make_strategy
 from dptune.updates import extrapolation_error
 
@@ -227,6 +227,25 @@ def test_oso_normalized_rule() -> None:
     cos_g = (0 * 3 + -2 * 4) / (2 * 5)  # −0.8
     assert state["clip"] == pytest.approx(c0 * (1 + rho_c * cos_q), rel=1e-12)
     assert state["lr"] == pytest.approx(lr0 * (1 + rho_r * cos_g), rel=1e-12)
+
+
+def test_clip_weights_and_every_clip_rule_stay_clear_of_float32_subnormals() -> None:
+    """The audit: a C in float32's subnormal range rounded min(1, C/N) up to w·N = 1.0000133·C; so does a huge N at the
+    floor. A subnormal weight is now 0, and OSO's exp rule and quantile's rule, driven down by a huge rate for many
+    steps, stop at MIN_CLIP (old code: C underflowed to 0)."""
+    norms = torch.tensor([0.3, 0.7, 1.0, 5.0, 123.0])
+    assert float((clip_weights(norms, 3e-41).double() * norms / 3e-41).max()) <= 1 + 1e-6  # old: 1.00006
+    big = torch.tensor([1e30, 3e33])
+    assert float((clip_weights(big, MIN_CLIP).double() * big / MIN_CLIP).max()) <= 1 + 1e-6  # old: 1.0001
+    g, q = vec(1.0, -2.0), vec(0.0, 1.0)  # g̃_tᵀq̃_{t−1} < 0 at every step: C shrinks by e^{-50} a step
+    zeros = torch.zeros(2, 2, dtype=torch.float64)
+    oso = OSO(lr=0.1, initial_clip=1.0, clip_lr=50.0, lr_lr=0.0)
+    _, _, state, metrics = inject(oso, zeros, L=1.0, script=[[g, q]] * 40, steps=40)
+    assert min(m["clip"] for m in metrics) >= MIN_CLIP and state["clip"] == MIN_CLIP
+    # Every norm under C: b̃ = 0.6 > γ, C_{t+1} = C_t·e^{-100}.
+    quantile = make_strategy("quantile", initial_clip=1.0, clip_lr=1e3)
+    _, _, state, metrics = inject(quantile, zeros, L=10.0, nu=0.5, steps=40)
+    assert min(m["clip"] for m in metrics) >= MIN_CLIP and state["clip"] == MIN_CLIP
 
 
 def test_oso_momentum_variant() -> None:
@@ -462,6 +481,9 @@ def test_dpgd_requires_full_batch() -> None:
         ("dpgd", {"average": "swa", "swa_start": -0.1}, "swa_start"),
         ("dpzo", {"perturbation": 0.0}, "perturbation"),
         ("dpzo", {"clip": -1.0}, "clip"),
+        ("dpsgd", {"clip": 3e-41}, r"clip \(C\) must be ≥ 1e-08.*Fix:"),  # old code: accepted, w·N = 1.0000133·C
+        ("quantile", {"initial_clip": 1e-30}, "initial_clip"),
+        ("oso", {"initial_clip": 1e-9}, "initial_clip"),
     ],
 )
 def test_bad_strategy_hyperparameters(name: str, hp: dict, match: str) -> None:

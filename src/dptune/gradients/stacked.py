@@ -350,13 +350,14 @@ def presum_clipped(
     clips: list[float],
 ) -> None:
     """Every trial's Σ_i min(1, C_k/N_i)·g_i at the C_k its privatizer will ask (``clipped_sum``), all K in
-    one product a layer instead of K (on a GPU, K trials' sums were K× the launches). The weights are
-    ``clip_weights``' (the same float32 operations), the padded rows' 0; each trial's sum is over its own
-    rows in float64 (``norm_bounds.wide_bmm``: the same bound). Only when every row's norm is finite (a
-    padded row's gradient is then finite too: 0·g adds nothing), else each trial sums alone."""
+    one product a layer instead of K (on a GPU, K trials' sums were K× the launches). The weights are ``clip_weights``'
+    (the same float32 operations, a subnormal one 0), the padded rows' 0; each trial's sum is over its own rows in
+    float64 (``norm_bounds.wide_bmm``: the same bound). Only when every row's norm is finite (a padded row's
+    gradient is then finite too: 0·g adds nothing), else each trial sums alone."""
     n = norms.to(weights_dtype(norms.dtype))
     C = torch.tensor(clips, dtype=n.dtype, device=n.device).unsqueeze(1)
-    W = torch.where(mask, n.clamp_min(1e-12).reciprocal_().mul_(C).clamp_(max=1.0), 0.0)
+    w = n.clamp_min(1e-12).reciprocal_().mul_(C).clamp_(max=1.0)
+    W = torch.where(mask & (w >= torch.finfo(w.dtype).tiny), w, 0.0)
     got = {name: s for f in sums for name, s in f(W.double()).items()}
     for k, (_, g) in enumerate(views):
         if isinstance(g, GhostGrads):

@@ -53,9 +53,9 @@ def hypergradient_step(
 ) -> float:
     """One OSO hyperparameter update from a hypergradient's dot product (Galli eqs. 13–21):
     ``exp``: v·exp(rate·sign(dot)); ``normalized``: v(1 + rate·cos); ``additive``: v + rate·scale·dot.
-    The last two are floored at ``floor`` so that v stays a valid C (or ρ)."""
+    Each floored at ``floor`` so that v stays a valid C (or ρ): under ``exp`` C fell into float32's subnormals."""
     if rule == "exp":
-        return value * math.exp(rate * _sign(dir_dot))
+        return max(value * math.exp(rate * _sign(dir_dot)), floor)
     if rule == "normalized":
         return max(value * (1.0 + rate * cos), floor)
     return max(value + rate * scale * dir_dot, floor)

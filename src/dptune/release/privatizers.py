@@ -25,14 +25,20 @@ from dptune.release.mechanisms import DeferredSum, NoiseSource, SumQuery, random
 from dptune.release.sampling import stream_seed
 from dptune.tree import Tensors, dot
 
-MIN_CLIP = 1e-8  # the additive rule can cross zero; C must stay a valid (positive) sensitivity
+MIN_CLIP = 1e-8  # the floor of every C, a user's (refused below) and each rule's: far above float32's subnormals
+
+
+def check_clip(name: str, value: float) -> None:
+    if check_positive(name, value) < MIN_CLIP:
+        raise ConfigError(f"{name} must be ≥ {MIN_CLIP:g}, got {value!r}. Fix: a larger C (or scale your loss up).")
 
 
 def clip_weights(norms: torch.Tensor, clip: float) -> torch.Tensor:
     """min(1, C/‖g_i‖): the per-sample weights of the clipped sum (Galli eq. 4), float32 at least."""
     # In place on the fresh clamp_min result. ``C / t`` is ``t.reciprocal() * C`` in torch
     # (Tensor.__rdiv__): the same two roundings here.
-    return norms.to(weights_dtype(norms.dtype)).clamp_min(1e-12).reciprocal_().mul_(clip).clamp_(max=1.0)
+    w = norms.to(weights_dtype(norms.dtype)).clamp_min(1e-12).reciprocal_().mul_(clip).clamp_(max=1.0)
+    return w.masked_fill_(w < torch.finfo(w.dtype).tiny, 0.0)  # subnormal: rounded by far more than 10⁻⁶·w
 
 
 def clipped_sum(grads: PerSampleGrads, clip: float) -> Tensors:
@@ -107,7 +113,7 @@ class FixedClip(Privatizer):
     hyperparameters = ("clip",)
 
     def __post_init__(self) -> None:
-        check_positive("clip (C)", self.clip)
+        check_clip("clip (C)", self.clip)
 
     def privatize(self, params, state, ctx, *, lr, label):
         (nu,) = self.multipliers(ctx.run)
@@ -138,7 +144,7 @@ class QuantileClip(Privatizer):
         if not (0 < self.target_quantile < 1):
             raise ConfigError(f"target_quantile (γ) must lie in (0, 1), got {self.target_quantile!r}.")
         check_positive("clip_lr (η_C)", self.clip_lr)
-        check_positive("initial_clip (C₀)", self.initial_clip)
+        check_clip("initial_clip (C₀)", self.initial_clip)
         if self.count_noise_std is not None:
             check_positive("count_noise_std (σ_b)", self.count_noise_std)
 
@@ -167,8 +173,8 @@ class QuantileClip(Privatizer):
             SumQuery("unclipped_count", count, 0.5, state["nu_b"]),
             label=f"{label}/gradient+count",
         )
-        L = ctx.run.expected_batch_size
-        new_clip = later(b_sum, lambda v: clip * math.exp(-self.clip_lr * (v[0] / L + 0.5 - self.target_quantile)))
+        L, gamma = ctx.run.expected_batch_size, self.target_quantile
+        new_clip = later(b_sum, lambda v: max(clip * math.exp(-self.clip_lr * (v[0] / L + 0.5 - gamma)), MIN_CLIP))
         return (
             Released(g_sum, L, clip, state["nu_g"] * clip),
             {**state, "clip": new_clip},
@@ -195,7 +201,7 @@ class OSOClip(Privatizer):
     hyperparameters = ("initial_clip", "clip_lr", "q_noise_multiplier", "relative_increase", "rule")
 
     def __post_init__(self) -> None:
-        check_positive("initial_clip (C₀)", self.initial_clip)
+        check_clip("initial_clip (C₀)", self.initial_clip)
         check_rate("clip_lr (ρ_c)", self.clip_lr)
         check_rule(self.rule)
         if self.q_noise_multiplier is not None:
@@ -262,7 +268,7 @@ class ZerothOrderClip(Privatizer):
     hyperparameters = ("clip", "perturbation")
 
     def __post_init__(self) -> None:
-        check_positive("clip (C)", self.clip)
+        check_clip("clip (C)", self.clip)
         check_positive("perturbation (μ)", self.perturbation)
 
     def init(self, run: RunPlan) -> dict[str, Any]:
@@ -284,8 +290,7 @@ class ZerothOrderClip(Privatizer):
         model with dropout draws the same masks at θ + μz and θ − μz, so d_i is the difference
         of one function (independent masks would make it mask noise / 2μ, clipped to ±C)."""
         mu = self.perturbation
-        plus = tree.add_scaled(params, mu, z)
-        minus = tree.add_scaled(params, -mu, z)
+        plus, minus = tree.add_scaled(params, mu, z), tree.add_scaled(params, -mu, z)
         device = inputs.device_of(ctx.x)
         rng = rng_state(device)
         lp = ctx.oracle.losses(plus, ctx.x, ctx.y).double()
@@ -304,8 +309,7 @@ class ZerothOrderClip(Privatizer):
         (noisy,) = ctx.publish(
             SumQuery("zo_directional_derivative", total, self.clip, nu), label=f"{label}/zo_derivative"
         )
-        s = float(noisy)
-        L = ctx.run.expected_batch_size
+        s, L = float(noisy), ctx.run.expected_batch_size
         return (
             Released(tree.scale(z, s), L, self.clip, nu * self.clip),
             {**state, "directions": src},
