@@ -32,7 +32,11 @@ transformers = pytest.importorskip("transformers")
 B, T, D, VOCAB = 5, 16, 32, 97
 
 
-DECODERS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}
+DECODERS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3", "phi": "Phi",
+            "gpt_neox": "GPTNeoX", "stablelm": "StableLm", "olmo": "Olmo"}  # fmt: skip
+# Phi-2, Pythia (parallel residual), StableLM, OLMo: LayerNorm and partial rotary; StableLM 2 12B's LayerNorm per
+# head on q and k, OLMo 7B's q/k/v clipped in place
+OPTIONS = {"stablelm": dict(qk_layernorm=True, use_qkv_bias=True), "olmo": dict(clip_qkv=0.5)}
 
 
 def _config(family: str):  # noqa: ANN202 - a transformers config
@@ -41,16 +45,25 @@ def _config(family: str):  # noqa: ANN202 - a transformers config
         return transformers.BertConfig(
             hidden_size=D, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48, **small
         )
-    if family == "roberta":  # position ids from the input ids ([B, T]), padding_idx 1
-        return transformers.RobertaConfig(
+    if family in ("roberta", "xlm_roberta"):  # position ids from the input ids ([B, T]), padding_idx 1
+        return getattr(transformers, ("XLM" if family == "xlm_roberta" else "") + "RobertaConfig")(
             hidden_size=D, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, pad_token_id=1, **small
         )
+    if family == "electra":  # embeddings narrower than the layers, projected (ELECTRA-small's)
+        return transformers.ElectraConfig(
+            embedding_size=16, hidden_size=D, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, **small
+        )
+    if family == "modernbert":  # a global layer, then a local one (window ±12: each padded row still sees a token)
+        return transformers.ModernBertConfig(
+            hidden_size=D, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48, global_attn_every_n_layers=2,
+            local_attention=24, pad_token_id=1, bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0, **small,
+        )  # fmt: skip
     if family == "distilbert":
         return transformers.DistilBertConfig(dim=D, n_layers=1, n_heads=2, hidden_dim=48, **small)
-    if family in DECODERS:  # a decoder with rotary position embeddings (no parameters) and RMSNorm
+    if family in DECODERS:  # a decoder with rotary position embeddings (no parameters) and RMSNorm or LayerNorm
         return getattr(transformers, DECODERS[family] + "Config")(
             hidden_size=D, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-            bos_token_id=0, eos_token_id=0, pad_token_id=1, **small,
+            bos_token_id=0, eos_token_id=0, pad_token_id=1, **small, **OPTIONS.get(family, {}),
         )  # fmt: skip
     return transformers.GPT2Config(  # Conv1D everywhere, position ids [1, T]
         vocab_size=VOCAB, n_embd=D, n_layer=1, n_head=2, n_positions=T, bos_token_id=0, eos_token_id=0
@@ -117,7 +130,8 @@ def _norms(grads: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     )
 
 
-FAMILIES = ["bert", "roberta", "distilbert", "gpt2", "llama", "qwen2"]  # qwen2: its own RMSNorm class
+# qwen2: its own RMSNorm class
+FAMILIES = ["bert", "roberta", "distilbert", "gpt2", "llama", "qwen2", "xlm_roberta", "electra", "modernbert"]
 
 
 def test_every_reviewed_family_is_one_tested_here() -> None:
@@ -126,7 +140,7 @@ def test_every_reviewed_family_is_one_tested_here() -> None:
     assert REVIEWED["transformers.models"] == {*FAMILIES, *DECODERS}  # a family trusted is a family tested
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("family", [*FAMILIES, *(f for f in DECODERS if f not in FAMILIES)])
 def test_ghost_norms_bound_each_example_alone(family: str) -> None:
     model = _model(family)
     x, y = _batch()
@@ -379,3 +393,26 @@ def test_gram_forms_stacked_across_layers_equal_each_layer_alone(monkeypatch: py
     for s, t, u in zip(stacked, alone, one_row, strict=True):
         torch.testing.assert_close(s, t, rtol=1e-6, atol=0)
         torch.testing.assert_close(s, u, rtol=1e-6, atol=0)
+
+
+def test_forced_ghost_refuses_a_weight_used_outside_its_layers_call() -> None:
+    """Found in review: with method='ghost', a parameter used directly (``F.linear(h, self.out.weight)``, DeBERTa's
+    ``rel_embeddings.weight``) had no ghost rule and got a zero gradient, silently; 'auto' fell back (its first
+    call compares with vmap). Forced ghost now refuses it."""
+
+    class Direct(nn.Module):
+        dptune_rowwise = True  # declared: batched, so the ghost path itself runs
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(torch.tanh(self.inp(x)), self.out.weight)  # self.out is never called
+
+    torch.manual_seed(0)
+    model, x, y = Direct(), torch.randn(8, 6), torch.randint(0, 3, (8,))
+    with pytest.raises(ConfigError, match="used outside its layer's call"):
+        GradientOracle(model, method="ghost")(_params(model), x, y)
+    g = GradientOracle(model, method="auto")(_params(model), x, y)  # auto: vmap, every weight's gradient
+    assert float(g.grads["out.weight"].abs().sum()) > 0

@@ -493,8 +493,12 @@ class GhostEngine:
         bs: list[torch.Tensor | None]
         if self.rowwise:  # the pass above gave the outputs' shapes
             losses, acts, bs = self._rowwise(params, x, y, buffers, [m for m, _, _ in used], recs)
-        else:
-            bs = list(torch.autograd.grad(losses.sum(), [r[1] for r in recs], allow_unused=True)) if recs else []
+        else:  # with the weights of layers never called: one used directly got no rule, so no gradient (review)
+            direct = [ps[k] for m, _, n in self.layers if m not in records for k in n.values() if k in ps]
+            wrt = [r[1] for r in recs] + direct
+            bs = list(torch.autograd.grad(losses.sum(), wrt, allow_unused=True)) if wrt else []
+            if any(g is not None for g in bs[len(recs) :]):
+                raise GhostFallback("a weight is used outside its layer's call")
             acts = [r[0].detach() for r in recs]
         layers: list[LayerRule] = []
         for i, (m, cls, names) in enumerate(used):

@@ -39,11 +39,11 @@ def global_module_hooks() -> tuple[tuple[Any, ...], ...]:
 TRUSTED_PACKAGES = ("torch", "transformers", "peft", "dptune")
 TRUSTED_CODE = tuple(p + "." for p in TRUSTED_PACKAGES)
 UNTRUSTED = ("torch.fx", "torch.export", "torch.jit", "torch._dynamo")  # they run a graph traced from your code
-# Of Hugging Face's model families and peft's tuners, only those reviewed and tested row by row (tests/gradients/
-# test_ghost_transformers.py); the others' code is yours: NLLB-MoE's router caps each expert's tokens over the
-# whole batch, so one example chose which of the others' tokens were computed (found in review: 1.46·C).
+# Only HF model families and peft tuners reviewed and tested row by row (tests/gradients/test_ghost_transformers.py);
+# others are yours: NLLB-MoE's router caps experts' tokens over the batch, one example choosing the others' (1.46·C).
 REVIEWED = {"transformers.models": {"bert", "roberta", "distilbert", "gpt2", "llama", "qwen2", "qwen3", "mistral",
-                                    "phi3"}, "peft.tuners": {"lora"}}  # fmt: skip
+                                    "phi3", "xlm_roberta", "electra", "modernbert", "phi", "gpt_neox", "stablelm",
+                                    "olmo"}, "peft.tuners": {"lora"}}  # fmt: skip
 
 
 def own_code(model: nn.Module) -> str | None:

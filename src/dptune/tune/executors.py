@@ -167,7 +167,8 @@ class ProcessExecutor(Executor):
         from concurrent.futures import FIRST_COMPLETED, wait
         from concurrent.futures.process import BrokenProcessPool
 
-        todo, pids, breaks = dict(tasks), {}, dict.fromkeys(dict(tasks), 0)
+        todo: dict[str, Any] = dict(tasks)  # tasks may be an iterator: read once
+        pids, breaks = {}, dict.fromkeys(todo, 0)
         starts = _Starts(todo, on_start, self.workers)
         while todo:  # one round per pool: a worker that dies breaks it, and what it did not kill goes on in a new one
             futs = {}
