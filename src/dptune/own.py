@@ -13,18 +13,21 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.data
 from torch.func import functional_call
+from torch.utils import _pytree
 
 from dptune import inputs, metrics
-from dptune.errors import OWNER, ConfigError
+from dptune.errors import OWNER, OWNER_ERROR, ConfigError
 from dptune.factories import call_factory, import_factory
 from dptune.gradients.persample import ScratchBuffers, check_model
 
 
 # ----------------------------------------------------------------------------- data
 def is_map_style(data: Any) -> bool:
-    # A dict has __len__/__getitem__ but is indexed by keys, not positions: not a dataset.
-    return hasattr(data, "__len__") and hasattr(data, "__getitem__") and not isinstance(data, str | bytes | Mapping)
+    # A dict has __len__/__getitem__ but is indexed by keys, not positions; an IterableDataset's __getitem__ raises.
+    plain = not isinstance(data, str | bytes | Mapping | torch.utils.data.IterableDataset)
+    return hasattr(data, "__len__") and hasattr(data, "__getitem__") and plain
 
 
 class MapSource:
@@ -34,7 +37,7 @@ class MapSource:
         from torch.utils.data import default_collate
 
         self.dataset, self.device = dataset, device
-        self.collate = collate_fn or default_collate
+        self.collate = collate_fn or getattr(dataset, "collate_fn", None) or default_collate  # a study's too (review)
         self.n = len(dataset)
         if self.n < 1:
             raise ConfigError("the dataset is empty. Fix: pass at least one example.")
@@ -60,7 +63,7 @@ class MapSource:
 
         if idx.numel() == 0:
             return self.empty_batch
-        items = [self.dataset[i] for i in idx.tolist()]
+        items = self._read(idx.tolist())
         # A collate_fn never sees two examples, so none can change another's row; default_collate
         # only stacks, row by row (one call, as fast as ever). Only the stacking is guarded below:
         # an error of your collate_fn itself stays yours.
@@ -88,10 +91,28 @@ class MapSource:
             )
         return inputs.to(x, self.device), y.to(self.device)
 
+    def _read(self, idx: list[int], copy: bool = False) -> list[Any]:
+        """The examples ``idx``; read again, each copied as read, where two share a buffer: a ``__getitem__`` that
+        reuses one output tensor gave every row the batch's last example (18.4·C in review)."""
+        try:
+            items = [_copied(self.dataset[i]) if copy else self.dataset[i] for i in idx]
+        except IndexError as exc:
+            raise ConfigError(f"reading an example failed ({exc!r}{OWNER_ERROR}) although len() is {self.n}. Fix: "
+                              "make len() the number of examples __getitem__ can read.") from None  # fmt: skip
+        at = [t.data_ptr() for it in items for t in _pytree.tree_leaves(it) if torch.is_tensor(t) and t.numel()]
+        at += [a.ctypes.data for it in items for a in _pytree.tree_leaves(it) if isinstance(a, np.ndarray) and a.size]
+        return items if copy or len(set(at)) == len(at) else self._read(idx, copy=True)
+
     def chunks(self, size: int | None = None):
         size = size or metrics.EVAL_BATCH
         for i in range(0, self.n, size):
             yield self.batch(torch.arange(i, min(i + size, self.n)))
+
+
+def _copied(item: Any) -> Any:
+    return _pytree.tree_map(
+        lambda v: v.clone() if torch.is_tensor(v) else np.copy(v) if isinstance(v, np.ndarray) else v, item
+    )
 
 
 def tensors_of(dataset: Any) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -121,7 +121,7 @@ class OwnTask:
         if own.is_map_style(data):
             if (fast := own.tensors_of(data)) is not None:
                 return _as_tensors(fast, device)
-            return own.MapSource(data, device, getattr(data, "collate_fn", None))
+            return own.MapSource(data, device)
         raise ConfigError(
             "data must be a pair (x, y) of tensors, a map-style dataset (__len__ and __getitem__, "
             "e.g. a torch Dataset), a DataLoader or a dptune.data.Dataset."

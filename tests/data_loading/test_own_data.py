@@ -228,3 +228,61 @@ def test_a_dict_is_not_a_dataset_and_train_many_needs_a_loss_name() -> None:
             expected_batch_size=8,
             loss=lambda o, t: (o - t).sum(1),
         )
+
+
+class _ReusedBuffer(Dataset):
+    """A ``__getitem__`` that fills one preallocated output and returns it (a common speed trick)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, numpy: bool = False) -> None:
+        self.x, self.y = x, y
+        self.buf = x[0].clone().numpy() if numpy else x[0].clone()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        self.buf[:] = self.x[i].numpy() if not torch.is_tensor(self.buf) else self.x[i]
+        return self.buf, self.y[i]
+
+
+@pytest.mark.parametrize("numpy", [False, True], ids=["tensor", "ndarray"])
+def test_a_dataset_reusing_one_output_buffer_gives_each_example_its_own_row(numpy: bool) -> None:
+    """Found in review: every item was read before any was stacked, so a reused buffer made each row of a batch
+    the batch's last example (one example moved the released sum by 18.4·C; a study's copy held one example)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(50, 4), torch.randint(0, 2, (50,))
+    ds = _ReusedBuffer(x, y, numpy)
+    bx, by = MapSource(ds, torch.device("cpu")).batch(torch.tensor([3, 7, 11, 40]))
+    assert torch.equal(bx, x[[3, 7, 11, 40]]) and torch.equal(by, y[[3, 7, 11, 40]])
+    mx, my = materialize(ds)
+    assert torch.equal(mx, x) and torch.equal(my, y)
+
+
+def test_a_study_keeps_the_dataloaders_collate_and_iterable_or_short_datasets_are_one_error() -> None:
+    """Found in review: ``materialize`` (a study's copy) dropped a DataLoader's collate_fn (features x/255 in
+    train, raw in a study); an IterableDataset with __len__ and a len() beyond the readable rows gave tracebacks."""
+    x, y = torch.rand(30, 3) * 255, torch.randint(0, 2, (30,))
+
+    def scaled(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = zip(*items, strict=True)
+        return torch.stack(xs) / 255, torch.stack(ys)
+
+    mx, _ = materialize(dptune.from_dataloader(DataLoader(TensorDataset(x, y), collate_fn=scaled)))
+    assert torch.allclose(mx, x / 255)
+
+    class Sized(torch.utils.data.IterableDataset):
+        def __len__(self) -> int:
+            return 10
+
+        def __iter__(self):
+            return iter([(torch.zeros(3), 0)] * 10)
+
+    with pytest.raises(ConfigError):
+        dptune.train(nn.Linear(3, 2), Sized(), "dpsgd", steps=1, expected_batch_size=2)
+
+    class Short(TensorDataset):
+        def __len__(self) -> int:
+            return 60  # 30 readable
+
+    with pytest.raises(ConfigError, match="make len\\(\\) the number of examples"):
+        MapSource(Short(x, y), torch.device("cpu")).batch(torch.tensor([1, 45]))
