@@ -1,7 +1,6 @@
 """``dptune`` command line: a thin layer over the Python API.
 
-Every user error is printed as one red line naming the fix (exit code 2); no traceback.
-"""
+Every user error is printed as one red line naming the fix (exit code 2); no traceback."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ def _main(
         False, "--version", callback=_print_version, is_eager=True, help="print the version and exit"
     ),
 ) -> None:
-    # Commands import torch, scipy and dp_accounting in their bodies, never here: --help and
-    # --version start in well under a second (tests/cli/test_cli_startup.py).
+    # Commands import torch etc. in their bodies: --help and --version start fast (tests/cli/test_cli_startup.py).
     # text wrapped to the terminal (COLUMNS in a log), not a source line
     warnings.formatwarning = lambda msg, *_a, **_k: wrap_to_terminal(f"warning: {msg}") + "\n"
 
@@ -338,8 +336,7 @@ def _exit_if_incomplete(study_dir: Path, outcome: Any) -> None:
         return
     from dptune.tune.results import load_study
 
-    # Failed-run counts are not covered by the guarantee: the owner's view, labelled; the first failed run's
-    # error line (a factory's exception, say) too.
+    # Failed-run counts and the first failure's error line are not covered by the guarantee: the owner's view, labelled.
     left = sum(n for s, n in outcome.counts.items() if s not in ("done", "diverged"))
     errors = [r.get("error") for r in load_study(study_dir)[2] if r.get("status") == "failed" and r.get("error")]
     why = escape(f", the first: {str(errors[0]).strip().splitlines()[-1][:200]}") if errors else ""  # a "[/x]"

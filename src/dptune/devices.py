@@ -86,14 +86,12 @@ def gpus_per_task(device: Any, gpus_per_run: float | None) -> float:
 
 
 def process_gpu_plan(device: Any, workers: int | None) -> tuple[int | None, list[str] | None]:
-    """How the process executor places CUDA runs: ``(workers, per-worker GPU masks)``.
+    """How the process executor places CUDA runs: ``(workers, per-worker GPU masks)`` (CPU: ``(workers, None)``).
 
-    ``cuda``: one worker per visible GPU unless ``workers`` is given; worker k sees only GPU
-    ``k mod n`` (``CUDA_VISIBLE_DEVICES``), so several GPUs are all used and each worker's
-    ``cuda`` is its own GPU. On one GPU the default is one worker: runs do not contend for its
-    memory and kernels (a CUDA context per extra worker costs ~0.5 GB); ``workers`` > 1 opts in
-    to sharing it. ``cuda:N`` pins every worker to that GPU (default one worker). CPU: unchanged
-    (``(workers, None)``)."""
+    ``cuda``: one worker per visible GPU unless ``workers`` is given; worker k sees only GPU ``k mod n``
+    (``CUDA_VISIBLE_DEVICES``), so several GPUs are all used and each worker's ``cuda`` is its own GPU. On one GPU the
+    default is one worker: runs do not contend for its memory and kernels (a CUDA context per extra worker: ~0.5 GB);
+    ``workers`` > 1 opts in to sharing it. ``cuda:N`` pins every worker to that GPU (default one worker)."""
     if not uses_cuda(device):
         return workers, None
     name = check_device_name(device)

@@ -1,9 +1,8 @@
-"""Fine-tune a stock Hugging Face encoder privately: ``hf_classifier`` = ``AutoModel`` + mean pooling
-over the attention mask + a linear head, called as ``model(input_ids=..., attention_mask=...)`` (the
-``representation='tokens'`` batches of ``ag_news``/``enron_spam``). Three modes choose what trains:
-``full`` (all but the embedding tables), ``last-k`` (the last ``k`` layers + head) and ``lora``
-(peft's low-rank adapters on the attention projections + head). Frozen parameters are public
-pretrained weights that never change; the clip bounds the trainable ones (docs/privacy.md)."""
+"""Fine-tune a stock Hugging Face encoder privately: ``hf_classifier`` = ``AutoModel`` + mean pooling over the attention
+mask + a linear head, called as ``model(input_ids=..., attention_mask=...)`` (the ``representation='tokens'`` batches of
+``ag_news``/``enron_spam``). Three modes choose what trains: ``full`` (all but the embedding tables), ``last-k`` (the
+last ``k`` layers + head) and ``lora`` (peft's low-rank adapters on the attention projections + head). Frozen parameters
+are public pretrained weights that never change; the clip bounds the trainable ones (docs/privacy.md)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """A model's input batch: one tensor, a tuple or a dict of tensors sharing the batch dimension.
 
-A tuple is passed to the model as positional arguments, ``model(*x)``; a dict as keyword
-arguments, ``model(**x)`` (the Hugging Face convention: ``input_ids=..., attention_mask=...``);
-a tensor as the single argument. Every tensor's first dimension is the example index, so a
-Poisson batch, an evaluation chunk or one example (``vmap``) is the same slice of each.
-"""
+A tuple is passed to the model as positional arguments, ``model(*x)``; a dict as keyword arguments, ``model(**x)`` (the
+Hugging Face convention: ``input_ids=..., attention_mask=...``); a tensor as the single argument. Every tensor's first
+dimension is the example index: a Poisson batch, an evaluation chunk or one example (``vmap``) is a slice of each."""
 
 from __future__ import annotations
 

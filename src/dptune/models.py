@@ -1,10 +1,9 @@
-"""Model constructors of the reproduced papers (no BatchNorm anywhere: DP-SGD needs per-example gradients,
-which batch statistics would make undefined): galli_cnn, galli_autoencoder, galli_bow_fc (Galli et al. 2024,
-Tables 5–7), logistic_regression and two_layer_nn (Mohapatra et al. 2022), linear_probe (Panda et al. 2024),
-mlp (benchmarks), hf_classifier (``finetune``); their parameters and the choices the papers leave open:
-docs/data_and_models.md. ``kwargs_for(name, ds)`` fills ``input_dim`` / ``classes`` from a dataset;
-``for_dataset(ds)`` builds a dataset's default model; ``for_training`` what ``dptune train`` names, checked.
-"""
+"""Model constructors of the reproduced papers (no BatchNorm anywhere: DP-SGD needs per-example gradients, which batch
+statistics would make undefined): galli_cnn, galli_autoencoder, galli_bow_fc (Galli et al. 2024, Tables 5–7),
+logistic_regression and two_layer_nn (Mohapatra et al. 2022), linear_probe (Panda et al. 2024), mlp (benchmarks),
+hf_classifier (``finetune``); their parameters and the choices the papers leave open: docs/data_and_models.md.
+``kwargs_for(name, ds)`` fills ``input_dim`` / ``classes`` from a dataset; ``for_dataset(ds)`` builds a dataset's
+default model; ``for_training`` what ``dptune train`` names, checked."""
 
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ def _positive(**values: int) -> None:
 def galli_cnn(final_relu: bool = False) -> nn.Sequential:
     """Galli et al. (2024) MNIST CNN, appendix Table 5: 551,322 parameters, input [B, 1, 28, 28].
 
-    Table 5's ReLU after the last layer is off by default (``final_relu``): the outputs are logits
-    for cross-entropy. The inferred padding: docs/data_and_models.md.
-    """
+    Table 5's ReLU after the last layer is off by default (``final_relu``): the outputs are logits for cross-entropy.
+    The inferred padding: docs/data_and_models.md."""
     layers: list[nn.Module] = [
         nn.Conv2d(1, 16, kernel_size=8, stride=1, padding=3),
         nn.ReLU(),
@@ -61,10 +59,9 @@ def galli_cnn(final_relu: bool = False) -> nn.Sequential:
 class GalliAutoencoder(nn.Module):
     """Galli et al. (2024) Fashion-MNIST convolutional autoencoder, Table 6: 48,705 params.
 
-    Four 3×3 convolutions 1→8→16→32→64 and four transposed ones back, stride 1, padding 0
-    (inferred: docs/data_and_models.md), LeakyReLU between, a Sigmoid last (outputs in [0, 1]
-    like the input). Train with MSE against the input.
-    """
+    Four 3×3 convolutions 1→8→16→32→64 and four transposed ones back, stride 1, padding 0 (inferred:
+    docs/data_and_models.md), LeakyReLU between, a Sigmoid last (outputs in [0, 1] like the input). Train with MSE
+    against the input."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,9 +84,8 @@ def galli_bow_fc(
 ) -> nn.Sequential:
     """Galli et al. (2024) AG News bag-of-words FC network, Table 7: input_dim→128→128→4, LeakyReLU.
 
-    ``input_dim=750`` reproduces the published 113,156 parameters, the text's data has 1,250
-    (docs/data_and_models.md). Table 7's LeakyReLU after the output layer is off by default (logits).
-    """
+    ``input_dim=750`` reproduces the published 113,156 parameters, the text's data has 1,250 (docs/data_and_models.md).
+    Table 7's LeakyReLU after the output layer is off by default (logits)."""
     _positive(input_dim=input_dim, hidden=hidden, classes=classes)
     layers: list[nn.Module] = [
         nn.Flatten(),

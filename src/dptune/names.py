@@ -1,7 +1,6 @@
-"""One name per concept across Python, the CLI and study files; the other spellings are aliases. The
-canonical names are the Python API's (Opacus's): ``target_epsilon``, ``expected_batch_size``,
-``secure_mode``; study files keep their stored keys (a study's fingerprint) and accept the canonical
-names. Every alias below is accepted with a note (docs/your_data.md)."""
+"""One name per concept across Python, the CLI and study files; the other spellings are aliases. The canonical names
+are the Python API's (Opacus's): ``target_epsilon``, ``expected_batch_size``, ``secure_mode``; study files keep their
+stored keys (a study's fingerprint) and accept the canonical names. Aliases work, with a note (docs/your_data.md)."""
 
 from __future__ import annotations
 

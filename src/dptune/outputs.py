@@ -30,10 +30,9 @@ NOT_DP_NOTICE = (
 RELEASE_DIR = "release"
 DIAGNOSTICS_DIR = "diagnostics"
 
-# History columns a release may show: the step and the hyperparameters C_t, ρ_t the strategy set from noisy releases
-# (post-processing). Everything else a history row holds stays in the diagnostics — a whitelist, so a new non-private
-# column never leaks by default. Known non-private columns: train_loss (mean loss on the private batch, in the clear)
-# and batch_size (the realised Poisson batch size |B_t|, a noiseless count of the private data).
+# History columns a release may show: the step and C_t, ρ_t, set by the strategy from noisy releases (post-processing).
+# The rest stays in the diagnostics — a whitelist, so a new non-private column never leaks by default: e.g. train_loss
+# (mean loss on the private batch, in the clear), batch_size (the realised |B_t|, a noiseless count of private data).
 RELEASE_HISTORY_KEYS: tuple[str, ...] = ("step", "clip", "lr")
 
 # Guarantees that cover only the selected candidate with the number of runs K hidden: the built-in kinds (Liu–Talwar,
@@ -104,8 +103,7 @@ def refuse_inside_release(out: str | os.PathLike[str], what: str) -> None:
 def diagnostics_dir(out: str | Path) -> Path:
     """``out/diagnostics`` (created), with its README.txt stating the label; never inside a release/ folder."""
     refuse_inside_release(out, "the output folder")
-    d = Path(out) / DIAGNOSTICS_DIR
-    d.mkdir(parents=True, exist_ok=True)
+    (d := Path(out) / DIAGNOSTICS_DIR).mkdir(parents=True, exist_ok=True)
     if not (d / "README.txt").is_file():
         (d / "README.txt").write_text(_README, encoding="utf-8")
     return d

@@ -63,11 +63,10 @@ def plan_run(
 ) -> RunPlan:
     """Resolve q, T and ν for one run; calibrate ν to (ε, δ) when a target is given.
 
-    ``accountant='auto'``: the tightest valid one, exact μ-GDP at full batch, else PLD
-    (``accounting.tightest_accountant``). δ ≥ 1/n is refused unless ``allow_large_delta``. No
-    ``expected_batch_size``: ``default_batch_size(n)``. Warns (``SamplingWarning``) on q > 0.5 or T < 20.
-    ``pretrained``: the model starts from pretrained weights (the fine-tuning defaults, ``updates.defaults``).
-    ``aliases``: ``epsilon``, ``batch_size`` (``dptune.names``)."""
+    ``accountant='auto'``: the tightest valid one (``accounting.tightest_accountant``): exact μ-GDP at full batch, else
+    PLD. δ ≥ 1/n is refused unless ``allow_large_delta``. No ``expected_batch_size``: ``default_batch_size(n)``. Warns
+    (``SamplingWarning``) on q > 0.5 or T < 20. ``pretrained``: the model starts from pretrained weights (the
+    fine-tuning defaults, ``updates.defaults``). ``aliases``: ``epsilon``, ``batch_size`` (``dptune.names``)."""
     target_epsilon, expected_batch_size = aliased(
         aliases, "plan_run", True, target_epsilon=target_epsilon, expected_batch_size=expected_batch_size
     )
@@ -142,18 +141,14 @@ class TrainResult:
     model: nn.Module | None = field(default=None, repr=False)
     secure_mode: bool = False  # noise and Poisson batches from the OS CSPRNG (else from the seed)
     steps_taken: int | None = None  # when fewer than planned (a user loop stopped early); None: plan.steps
-    # Was the evaluation data declared public? If not, the model is the final iterate and the
-    # evaluations are the owner's only (not DP): kept out of release outputs (outputs.train_outputs).
+    # Was the evaluation data declared public? If not, the model is the final iterate and the evaluations are the
+    # owner's only (not DP): kept out of release outputs (outputs.train_outputs).
     eval_public: bool = True
-    # Secure mode: the proven worst-case ε slack of the snapped float sampler (docs/privacy.md,
-    # item 1b; NoisyRelease.snap_slack), stated beside ε, not included in it.
+    # Secure mode: the proven worst-case ε slack of the snapped float sampler (NoisyRelease.snap_slack), beside ε.
     float_slack: float = 0.0
-    # ε per (δ, accountant, releases so far): a run's ε is accounted once, whoever asks (the summary,
-    # its JSON and table, the deliverable).
+    # ε per (δ, accountant, releases so far): accounted once, whoever asks (summary, JSON, table, deliverable).
     _epsilons: dict[tuple[float, str, int], float] = field(default_factory=dict, repr=False, compare=False)
-
-    # * train_loss is the mean loss on the private batch: a diagnostic for the user's own
-    #   eyes, NOT differentially private. dptune never selects on it.
+    # * train_loss: the mean loss on the private batch, for the owner's eyes, NOT DP; dptune never selects on it.
 
     def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
         """ε spent at δ, by ``accountant`` (default: the plan's, the one ν was calibrated with)."""
@@ -326,15 +321,13 @@ class RunLoop:
         self.ledger, self.gateway, self.sampler = open_run(
             plan, seed=seed, device=device, secure_mode=secure_mode, run_id=run_id, distributed=distributed
         )
-        self.state = strategy.init(self.params, plan)
-        self.secure_mode = secure_mode
+        self.state, self.secure_mode = strategy.init(self.params, plan), secure_mode
         self.history: list[dict[str, Any]] = []
         self.evals: list[dict[str, float]] = []
         self.best_metric: float | None = None
         self.best_step: int | None = None
         self.best_params: Tensors | None = None
-        self.diverged = False
-        self.started = time.perf_counter()
+        self.diverged, self.started = False, time.perf_counter()
 
     def drive(self, task: OwnTask, oracle: GradientOracle, delta: float | None, progress: bool = False) -> TrainResult:
         """Drive the run to its end (or its divergence) on ``task``'s Poisson batches; ``finish``."""

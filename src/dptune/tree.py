@@ -17,10 +17,9 @@ Layout = tuple[tuple[str, torch.Size], ...]
 
 
 class Flat(dict[str, torch.Tensor]):
-    """Views of one 1-D buffer ``base``, back to back in key order: an elementwise update is one kernel and
-    one allocation on ``base``, where a foreach allocates every output (a transformer's ~100 tensors: ~4 ms
-    of host time a step on a GPU). Replacing or removing a key drops ``base`` (a plain dict then);
-    pickled (checkpoints) as a plain dict."""
+    """Views of one 1-D buffer ``base``, back to back in key order: an elementwise update is one kernel and one
+    allocation on ``base``, where a foreach allocates every output (a transformer's ~100 tensors: ~4 ms of host time a
+    step on a GPU). Replacing or removing a key drops ``base`` (a plain dict then); pickled as a plain dict."""
 
     def __init__(self, base: torch.Tensor, layout: Layout):
         if torch._C._functorch.is_functorch_wrapped_tensor(base):  # vmap/grad: views by split

@@ -1,8 +1,7 @@
 """Vectorised trials: K runs of the same architecture trained at once, each exactly the run ``dptune.train`` would make
 with its own hyperparameters, seed, Poisson batches, noise stream, gateway and ledger (design: docs/performance.md,
 "Vectorised trials"). Only identical-shape work is batched (``gradients.stacked``); everything with privacy meaning
-stays per trial, in its own ``RunLoop`` (sampler, step, gateway, ledger). Out of scope: ``train`` runs it
-(``fallback``)."""
+stays per trial, in its own ``RunLoop`` (sampler, step, gateway, ledger). Else ``train`` runs it (``fallback``)."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from conftest import (
 
 import dptune
 from dptune import train
+from dptune.release.privatizers import MIN_CLIP
 from dptune.strategies import make_strategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,7 +169,7 @@ def test_quantile_gradient_and_count_noise() -> None:
         assert out.metrics[t]["clip"] == pytest.approx(clip, rel=1e-9)
         grads.append(gate.noise_of(t, 0) / clip)
         b = float(call.outputs[1]) / L + 0.5
-        clip = clip * math.exp(-eta * (b - gamma))
+        clip = max(clip * math.exp(-eta * (b - gamma)), MIN_CLIP)  # the rule's floor (docs/privacy.md, item 16)
     assert_gaussian_std(np.array(counts), sigma_b, "quantile count")
     assert_gaussian_std(torch.cat(grads), nu_g, "quantile gradient / C_t")
 

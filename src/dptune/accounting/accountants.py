@@ -21,9 +21,8 @@ logging.getLogger("absl").setLevel(logging.ERROR)
 # PLD discretisation: 1e-4 is dp_accounting's default; it is pessimistic (upper bound) by design.
 PLD_DISCRETIZATION = 1e-4
 
-# The PLD accountant's work grows as 1/ν (one step's grid) and with the releases composed: below
-# this ν or beyond this count an evaluation takes minutes and gigabytes (ν = 1e-6 asked numpy for
-# 35 PiB; 10¹² steps for 37 TiB), so calibration refuses them up front and points to RDP.
+# PLD's work grows as 1/ν (one step's grid) and with the releases composed: below this ν or beyond this count an
+# evaluation takes minutes and gigabytes (ν = 1e-6: 35 PiB; 10¹² steps: 37 TiB): refused up front, pointing to RDP.
 PLD_MIN_NOISE = 0.1
 PLD_MIN_DELTA = 1e-14
 PLD_MAX_RELEASES = 10**6  # 20 s to calibrate at 10⁶; 7·10⁶ ran > 200 s (found by the CLI fuzz)

@@ -68,10 +68,9 @@ def calibrate(
 ) -> Calibration:
     """Smallest noise multiplier ν with ε(event(ν), δ) ≤ ``target_epsilon``. Never overshoots.
 
-    The event is ``runs`` runs of ``steps`` Poisson-sampled Gaussians at ``sampling_rate`` (cached), or
-    ``make_event(ν)``. The returned ν was checked feasible by ``epsilon(event, delta, accountant)`` itself,
-    whatever the accountant's numerical noise. ``bracket``: a starting hint. ``accountant='auto'``: the
-    tightest (PLD; exact GDP at q = 1)."""
+    The event: ``runs`` runs of ``steps`` Poisson-sampled Gaussians at ``sampling_rate`` (cached), or ``make_event(ν)``.
+    The returned ν was checked feasible by ``epsilon(event, delta, accountant)`` itself, whatever the accountant's
+    numerical noise. ``bracket``: a starting hint. ``accountant='auto'``: the tightest (PLD; exact GDP at q = 1)."""
     if accountant == "auto":
         accountant = tightest_accountant(sampling_rate or 0.0, (steps or 0) * runs, delta)  # None: a sampled event
     span = _check_bracket(bracket)

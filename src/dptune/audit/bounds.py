@@ -64,9 +64,8 @@ class OneRunBound:
     tests: int  # number of tests the significance is split over (Bonferroni factor)
 
 
-# Fractions of the canaries guessed: (top, bottom). One-sided policies suit Poisson-subsampled
-# training (an included canary that was never sampled looks like an absent one, so "out"
-# guesses are less reliable); two-sided ones suit full-batch training.
+# Fractions of the canaries guessed: (top, bottom). One-sided policies suit Poisson-subsampled training (an included
+# canary never sampled looks like an absent one: "out" guesses are less reliable); two-sided ones suit full batch.
 GUESS_FRACTIONS: tuple[tuple[float, float], ...] = tuple((f, 0.0) for f in (0.02, 0.05, 0.1, 0.2, 0.4)) + tuple(
     (f, f) for f in (0.01, 0.025, 0.05, 0.1, 0.2)
 )

@@ -1,7 +1,6 @@
-"""Locating, verifying and downloading dataset files: ``<data_dir>/<name>/`` (argument, else
-``$DPTUNE_DATA_DIR``), else the cache ``<cache_dir>/<name>/``, else a download into the cache
-(``$DPTUNE_DOWNLOAD_TIMEOUT``, ``$DPTUNE_OFFLINE=1``). Every file is checked against the registry; a
-successful check is remembered in ``<cache_dir>/verified.json`` (path, size, mtime, ctime)."""
+"""Locating, verifying and downloading dataset files: ``<data_dir>/<name>/`` (argument, else ``$DPTUNE_DATA_DIR``), else
+the cache ``<cache_dir>/<name>/``, else a download into it (``$DPTUNE_DOWNLOAD_TIMEOUT``, ``$DPTUNE_OFFLINE=1``). Each
+file is checked against the registry; a passed check is kept in ``<cache_dir>/verified.json`` (path, size, mtimes)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Fixed text representations for ``ag_news`` and ``enron_spam`` (``bow_embedding``, ``minilm``, ``tokens``): each
-document's features are a function of that document and public tables/models alone (docs/data_and_models.md).
-"""
+document's features are a function of that document and public tables/models alone (docs/data_and_models.md)."""
 
 from __future__ import annotations
 
@@ -115,13 +114,12 @@ def _minilm_tokenizer() -> Any:
 
 
 def _pca_word_table(w: np.ndarray, vocab: Sequence[str], dim: int) -> np.ndarray:
-    """``w`` [V, 384] -> [V, dim]: centred, projected on the top ``dim`` principal axes of the
-    vocabulary's own rows, signs fixed, scaled to mean squared row norm 1.
+    """``w`` [V, 384] -> [V, dim]: centred, projected on the top ``dim`` principal axes of the vocabulary's own rows,
+    signs fixed, scaled to mean squared row norm 1.
 
-    The fit uses the real word pieces only: the special tokens ([PAD], [UNK], [CLS], [SEP],
-    [MASK]) and the 994 never-trained [unusedN] slots are projected but do not shape the axes.
-    Everything here is a function of the public table alone (no text of any dataset).
-    """
+    The fit uses the real word pieces only: the special tokens ([PAD], [UNK], [CLS], [SEP], [MASK]) and the 994
+    never-trained [unusedN] slots are projected but do not shape the axes. Everything here is a function of the public
+    table alone (no text of any dataset)."""
     w64 = w.astype(np.float64)
     fit = np.array([not (t.startswith("[") and t.endswith("]")) for t in vocab], dtype=bool)
     mean = w64[fit].mean(axis=0)
@@ -188,11 +186,10 @@ def _word_table_cached(cache: str, dim: int) -> np.ndarray:
 
 
 def minilm_word_table(embed_dim: int = 50, *, cache: str | os.PathLike[str] | None = None) -> np.ndarray:
-    """[30522, embed_dim] float32: all-MiniLM-L6-v2's static word-piece embeddings (the input table,
-    before any attention layer) reduced by a PCA of the public table itself (``_pca_word_table``:
-    never a dataset, so one table serves every dataset, subset and seed). Cached under
-    ``<cache>/embeddings/``, keyed by package version, recipe, ``embed_dim`` and vocabulary; the
-    returned array is shared: do not modify it."""
+    """[30522, embed_dim] float32: all-MiniLM-L6-v2's static word-piece embeddings (the input table, before any
+    attention layer) reduced by a PCA of the public table itself (``_pca_word_table``: never a dataset, so one table
+    serves every dataset, subset and seed). Cached under ``<cache>/embeddings/``, keyed by package version, recipe,
+    ``embed_dim`` and vocabulary; the returned array is shared: do not modify it."""
     if not isinstance(embed_dim, int) or isinstance(embed_dim, bool) or not 1 <= embed_dim <= MINILM_DIM:
         raise ConfigError(
             f"embed_dim={embed_dim!r} with word_vectors='minilm': MiniLM's word pieces have {MINILM_DIM} "

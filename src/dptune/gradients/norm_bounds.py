@@ -24,9 +24,8 @@ def flat_rows(g: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- norms as upper bounds
 # Every norm below is an upper bound on what is released for the example (else clipping would not bound it by C), proved
 # in the standard model of floating-point arithmetic: a sum of n products in ANY order is within γ_n·Σ|terms| of its
-# value, γ_n = n·u/(1 − n·u) (Higham 2002, Lemma 3.1); derivations and numbers: docs/privacy.md, item 1. Rows longer
-# than NORM_BLOCK are summed in blocks (torch's fused vector_norm), the block sums in float64; ``upper_norms`` applies
-# one slack to all, γ_{2056}: every float32 norm is ≈ 6.1e-5 above exact (float64: 1.1e-13).
+# value, γ_n = n·u/(1 − n·u); derivations and numbers: docs/privacy.md, item 1. Rows longer than NORM_BLOCK are summed
+# in blocks, the block sums in float64; ``upper_norms`` applies one slack to all, γ_{2056} (float32: ≈ 6.1e-5).
 NORM_BLOCK = 1024
 # Gram norms (case (c)) are formed in float32; an example whose rounding slack² exceeds this
 # fraction of its squared norm (cancellation across positions) is formed again in float64.
@@ -114,9 +113,8 @@ def upper_norms(
     out_dt = dtype if dtype is not None else like.dtype
     dt = torch.float32 if out_dt in _HALF else out_dt  # half-precision models: computed in float32
     sq: torch.Tensor | None = None
-    # One slack for every path: the largest a float sum of squares in this module can need
-    # (rows of ≤ NORM_BLOCK, or two of them multiplied: ‖a‖²‖b‖²), so that the ghost, vmap
-    # and vectorised paths give the same norms up to their own float differences (~1e-7).
+    # One slack for every path: the largest a float sum of squares here can need (rows of ≤ NORM_BLOCK, or two of them
+    # multiplied: ‖a‖²‖b‖²), so the ghost, vmap and vectorised paths give the same norms up to float noise (~1e-7).
     rho = 1.0 / (1.0 - gamma(2 * NORM_BLOCK + 8, unit_roundoff(dt))) - 1.0
     groups: dict[tuple, list[torch.Tensor]] = {}
     for s, r in parts:  # summed per dtype and shape in one reduction each (any order: the same γ)

@@ -1,9 +1,8 @@
-"""Per-example gradients as the strategies see them, shared by both paths (``grads`` for vmap,
-``ghost`` for ghost norms): the ``PerSampleGrads`` interface (norms ‖g_i‖ and weighted sums Σ_i w_i
-g_i, all a privatizer reads), the vmap path's materialised container, the model checks, the built-in
-losses, ``ParamSwap`` (functional calls without the module walk), the buffer, mode and random-stream
-guards of a private pass; the float bounds are in ``norm_bounds``. ``oracle.GradientOracle`` chooses
-the path; this module imports neither, so neither imports the other."""
+"""Per-example gradients as the strategies see them, shared by both paths (``grads`` for vmap, ``ghost`` for ghost
+norms): the ``PerSampleGrads`` interface (norms ‖g_i‖ and weighted sums Σ_i w_i g_i, all a privatizer reads), the vmap
+path's materialised container, the model checks, the built-in losses, ``ParamSwap`` (functional calls without the module
+walk), the buffer, mode and random-stream guards of a private pass; the float bounds are in ``norm_bounds``.
+``oracle.GradientOracle`` chooses the path; this module imports neither, so neither imports the other."""
 
 from __future__ import annotations
 
@@ -92,12 +91,11 @@ class PerSampleGrads(Protocol):
 
 
 class ParamSwap:
-    """``torch.func.functional_call``'s reparametrisation with the module walk done once
-    (docs/performance.md §1): the slots (each module's ``_parameters`` / ``_buffers`` entries,
-    under every name the model lists, tied ones included) are collected once; a call swaps the
-    given tensors in, runs the model and swaps the originals back. Same semantics as
-    ``functional_call(..., tie_weights=True, strict=False)``. When the model changed since, the
-    slots are rebuilt; a name still unknown is left to ``functional_call`` itself."""
+    """``torch.func.functional_call``'s reparametrisation with the module walk done once (docs/performance.md §1): the
+    slots (each module's ``_parameters`` / ``_buffers`` entries, under every name the model lists, tied ones included)
+    are collected once; a call swaps the given tensors in, runs the model and swaps the originals back. Same semantics
+    as ``functional_call(..., tie_weights=True, strict=False)``. When the model changed since, the slots are rebuilt; a
+    name still unknown is left to ``functional_call`` itself."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -163,9 +161,8 @@ def _lookup(dicts: tuple[Tensors, ...], names: tuple[str, ...]) -> torch.Tensor 
     return next((d[n] for d in dicts for n in names if d.get(n) is not None), None)
 
 
-# Incremented whenever any module registers or re-binds a buffer (a global torch hook, set once):
-# ScratchBuffers then re-reads its model's buffers, and a registration during a private forward is
-# refused. Cheap: one integer per registration.
+# Incremented whenever any module registers or re-binds a buffer (a global torch hook, set once): ScratchBuffers then
+# re-reads its model's buffers, and a registration during a private forward is refused.
 _BUFFER_GENERATION = [0]
 
 
@@ -329,9 +326,8 @@ RngState = tuple[torch.Tensor, list[torch.Tensor] | torch.Tensor | None]
 
 
 def rng_state(device: torch.device) -> RngState:
-    """torch's global CPU generator state and that of ``device``'s kind (every CUDA device: a
-    model split over several draws on each; or MPS): what random layers such as dropout draw
-    from. Host-side state only (no device sync)."""
+    """torch's global CPU generator state and that of ``device``'s kind (every CUDA device: a model split over several
+    draws on each; or MPS): what random layers such as dropout draw from. Host-side state only (no device sync)."""
     dev: list[torch.Tensor] | torch.Tensor | None = None
     if device.type == "cuda":
         dev = torch.cuda.get_rng_state_all()

@@ -287,9 +287,8 @@ class Stacked:
         K = len(params)
         sizes = [int(i.numel()) for i in idxs]
         B = max(sizes)
-        # Gather each trial's batch straight into a padded [K, B, ...] buffer kept across steps
-        # (allocating and zeroing ~K·B·d floats per step cost more than the forward pass). Rows
-        # past a trial's batch hold stale real examples: finite, masked out of the loss, unread.
+        # Each trial's batch goes straight into a padded [K, B, ...] buffer kept across steps (fresh ~K·B·d zeros a
+        # step cost more than the forward). Rows past a trial's batch: stale real examples, finite, masked out, unread.
         X, Y = buffers.padded(x, K, B), buffers.padded(y, K, B)
         mask = torch.zeros(K, B, dtype=torch.bool, device=x.device)
         xs = []
@@ -306,9 +305,8 @@ class Stacked:
             losses = torch.where(mask, losses, torch.zeros_like(losses))
             bs = torch.autograd.grad(losses.sum(), [z for _, z in recs])
         losses = losses.detach()
-        # Per-sample norms of all trials at once: Σ_layers ‖a‖²‖b‖² (+ ‖b‖² for the bias), as the
-        # upper bounds of the ghost path (ghost.rank_one_parts, grads.upper_norms); a Conv2d's kept
-        # per-example gradients by ``sq_rows_upper``, as the ghost path's kept convolutions.
+        # Per-sample norms of all trials at once, the ghost path's upper bounds: Σ_layers ‖a‖²‖b‖² (+ ‖b‖² for the bias:
+        # norm_bounds.rank_one_parts, upper_norms); a Conv2d's kept per-example gradients by ``sq_rows_upper``.
         parts: list[tuple[torch.Tensor, float]] = []
         rules: list[Callable[[int, int, Tensors], LayerRule]] = []
         sums: list[Callable[[torch.Tensor], Tensors]] = []  # each layer's K weighted sums at once

@@ -16,10 +16,9 @@ from dptune.errors import ConfigError
 from dptune.release.context import RunPlan
 from dptune.tree import dot
 
-# OSO's hyperparameter rates, horizon-aware (docs/strategies.md, "Horizon-aware rates"): under the
-# sign rule C and ρ move by a factor of at most exp(ρ_c·T); Galli et al.'s ρ_c = ρ_r = 2.5e-3 at
-# their T ≈ 1,172 steps (MNIST, 5 epochs at L = 256 of 60,000) allow exp(2.93) ≈ 19×. A rate
-# left unset gives every run that same range: ρ = OSO_LOG_RANGE / T.
+# OSO's hyperparameter rates, horizon-aware (docs/strategies.md, "Horizon-aware rates"): under the sign rule C and ρ
+# move by a factor of at most exp(ρ_c·T); Galli et al.'s ρ_c = ρ_r = 2.5e-3 at their T ≈ 1,172 steps (MNIST, 5 epochs)
+# allow exp(2.93) ≈ 19×. A rate left unset gives every run that same range: ρ = OSO_LOG_RANGE / T.
 OSO_LOG_RANGE = 2.5e-3 * 1172
 
 

@@ -178,10 +178,9 @@ class Ledger:
         }
 
     def digest(self) -> str:
-        """SHA-256 (hex) of the canonical JSON of the entries, as a multiset: each entry's
-        JSON with sorted keys, the list sorted. Composition is commutative and a study merges
-        runs in completion order, so the order of entries must not change the digest; the
-        plan is left out (it is the configuration's, stated separately in a model card)."""
+        """SHA-256 (hex) of the canonical JSON of the entries as a multiset (each entry's JSON with sorted keys, the
+        list sorted): a study merges runs in completion order, so their order must not change the digest. The plan is
+        left out (it is the configuration's, stated separately in a model card)."""
         rows = sorted(json.dumps(e.to_dict(), sort_keys=True, separators=(",", ":")) for e in self.entries)
         return hashlib.sha256(("[" + ",".join(rows) + "]").encode()).hexdigest()
 

@@ -84,9 +84,8 @@ class NoiseSource:
         return z if z.device == like.device else z.to(like.device)
 
     def scalar(self, std: float) -> float:
-        """One N(0, std²) draw as a Python float, sampled in float64 (float32 on MPS, which
-        has no float64). It goes through ``normal`` (a 0-d tensor), so secure mode uses the
-        secure sampler and anything that wraps ``normal`` sees this draw too."""
+        """One N(0, std²) draw as a Python float, in float64 (float32 on MPS). Through ``normal`` (a 0-d tensor):
+        secure mode uses the secure sampler, and whatever wraps ``normal`` sees this draw too."""
         dtype = torch.float32 if self.device.type == "mps" else torch.float64
         return float(self.normal(torch.zeros((), dtype=dtype, device=self.device), std))
 
@@ -185,10 +184,8 @@ class _NormalStream:
 
 
 _NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}
-# Bit layouts (derivation in docs/privacy.md, "Noise tails"). float32: one 62-bit word per pair,
-# ANGLE32 bits for the angle and the other 38 for the radius, refined from fresh words where they
-# are < 2^PRECISION32: above that, rounding U up to its grid moves r by less than 4e-8·r (below
-# float32's half-ulp), and the refinement (probability 2^-18 per pair) costs ~nothing per chunk.
+# Bit layouts (why these widths: docs/privacy.md, "Noise tails"). float32: one 62-bit word per pair, ANGLE32 bits
+# for the angle, the other 38 for the radius, refined from fresh words below 2^PRECISION32 (probability 2^-18 a pair).
 # float64: one 62-bit word for the radius (refined below 2^53) and 53 bits of another for the angle.
 ANGLE32, PRECISION32, PRECISION64, ANGLE64 = 24, 20, 53, 53
 
@@ -198,10 +195,9 @@ def _normal_pairs_np(
 ) -> np.ndarray:
     """2k standard normals (times ``scale``) from integer bits (Box–Muller): [r·cos θ (k), r·sin θ (k)].
 
-    The radius r = √(2E), E from ``exponentials`` (no cut-off: where the radius bits run out
-    it refines from fresh words); the layouts are above. The angle's resolution bounds no tail
-    (|z| ≤ r whatever θ); it only rounds the direction (docs/privacy.md).
-    ``_normal_pairs_torch`` is the same on a torch device."""
+    The radius r = √(2E), E from ``exponentials`` (no cut-off: where the radius bits run out it refines from fresh
+    words); the layouts are above. The angle's resolution bounds no tail (|z| ≤ r whatever θ); it only rounds the
+    direction (docs/privacy.md). ``_normal_pairs_torch`` is the same on a torch device."""
     # In-place numpy (float32: about the cost of torch.randn per draw on one CPU core).
     if dtype == np.float32:
         w = words(k)
@@ -273,12 +269,10 @@ class _Draw:
 
 @dataclass(frozen=True, eq=False)
 class DeferredSum:
-    """A released sum whose Gaussian noise Z ~ N(0, std² I) is not drawn yet.
+    """A released sum (already in the ledger) whose Gaussian noise Z ~ N(0, std² I) is not drawn yet.
 
-    Returned by ``NoisyRelease.release`` for a ``SumQuery(..., deferred=True)``; the release is
-    already in the ledger. The noisy value (value + Z)·scale is only reachable through the
-    issuing gateway: ``project`` (one scalar, at most once) or ``materialize`` (the full
-    vector). ``_value`` is the EXACT, non-private sum: nothing but the gateway may read it."""
+    (value + Z)·scale is only reachable through the issuing gateway: ``project`` (one scalar, at most once) or
+    ``materialize`` (the full vector). ``_value`` is the EXACT, non-private sum: nothing but the gateway may read it."""
 
     name: str
     _value: torch.Tensor | Tensors = field(repr=False)
@@ -326,10 +320,9 @@ def _wide_dot(a: torch.Tensor | Tensors, b: torch.Tensor | Tensors) -> torch.Ten
 def snap(value: torch.Tensor, noise: torch.Tensor, std: float) -> torch.Tensor:
     """value + noise (float64) rounded to the grid Λℤ, Λ = 2^(⌊log₂ std⌋ − 3) ∈ (std/16, std/8].
 
-    Computed as Λ·(m + round(t − m + noise/Λ)) with t = value/Λ and m = round(t): every step is
-    exact (power-of-two scalings, integers below 2⁵³, Sterbenz) except one float64 addition of
-    size ~|noise|/Λ, so the output's grid cell depends on the data only through the true sum
-    (docs/privacy.md, item 1b: what is proven and what is assumed)."""
+    Computed as Λ·(m + round(t − m + noise/Λ)) with t = value/Λ and m = round(t): every step is exact (power-of-two
+    scalings, integers below 2⁵³, Sterbenz) except one float64 addition of size ~|noise|/Λ, so the output's grid cell
+    depends on the data only through the true sum (docs/privacy.md, item 1b: what is proven and what is assumed)."""
     lam = math.ldexp(1.0, math.frexp(std)[1] - 4)
     t = value / lam
     m = t.round()
@@ -367,12 +360,11 @@ class NoisyRelease:
         self.sampling_rate = accounting.check_sampling_rate(sampling_rate)
         self.noise = noise
         self.run = run
-        # The run's planned ν (``RunPlan.noise_multiplier``, snapped so that the strategy's parts
-        # recombine to at least it: ``context.snap_noise``): a release recombining to less noise, or
-        # to a ν beyond rounding above it, is refused before anything is recorded or drawn.
+        # The planned ν (``RunPlan.noise_multiplier``, snapped by ``context.snap_noise``): a release recombining to
+        # less noise, or to a ν beyond rounding above it, is refused before anything is recorded or drawn.
         self.planned_multiplier = planned_multiplier
-        # Secure mode: Σ over released coordinates of 2·SNAP_XI, the proven bound on how far the
-        # snapped float sampler's privacy loss may be from the ideal one (docs/privacy.md, item 1b).
+        # Secure mode: Σ over released coordinates of 2·SNAP_XI, the proven bound on how far the snapped float
+        # sampler's privacy loss may be from the ideal one (docs/privacy.md, item 1b).
         self.snap_slack = 0.0
 
     SNAP_XI = 2e-11
@@ -432,9 +424,8 @@ class NoisyRelease:
         return cast(out, dtypes)
 
     def _noisy(self, v: torch.Tensor, std: float, dtype: torch.dtype) -> torch.Tensor:
-        """v + N(0, std²), rounded to ``dtype`` only after the noise is added. Seeded mode: the
-        noise of ``dtype``'s stream, as before. Secure mode: float64 noise, the result snapped to
-        the grid of ``snap`` (docs/privacy.md, item 1b)."""
+        """v + N(0, std²), rounded to ``dtype`` only after the noise is added. Seeded mode: the noise of ``dtype``'s
+        stream. Secure mode: float64 noise, the result snapped to the grid of ``snap`` (docs/privacy.md, item 1b)."""
         if self.noise.secure:
             v = v.double()
             self.snap_slack += 2 * self.SNAP_XI * v.numel()
@@ -454,10 +445,9 @@ class NoisyRelease:
     def project(self, handle: DeferredSum, direction: torch.Tensor | Tensors, host: bool = True) -> Any:
         """⟨value + Z, direction⟩·scale, drawing only the scalar ⟨Z, direction⟩ ~ N(0, std²‖direction‖²).
 
-        Exact when ``direction`` is independent of Z (the caller's argument; docs/privacy.md,
-        "Deferred noise"). Records nothing (recorded when the handle was issued). At most once per
-        handle; once materialized, plain post-processing of the drawn vector. A float, or with
-        ``host=False`` a 0-d float64 tensor on the device (no host read) outside secure mode."""
+        Exact when ``direction`` is independent of Z (docs/privacy.md, "Deferred noise"). Records nothing (recorded
+        at issue). At most once per handle; once materialized, plain post-processing of the drawn vector. A float,
+        or with ``host=False`` a 0-d float64 tensor on the device (no host read) outside secure mode."""
         draw = self._draw_of(handle)
         if draw.noisy is not None:
             got = torch.as_tensor(_dot(draw.noisy, direction), dtype=torch.float64) * handle.scale
@@ -469,9 +459,8 @@ class NoisyRelease:
             )
         draw.projected = True  # before drawing: a failed draw must not leave a retry open
         mean = _wide_dot(getattr(handle._value, "wide", handle._value), direction)
-        # ‖v‖² in float64, as the mean: in the direction's dtype it underflows to 0 for |v_i| ≲ 4e-23 (float32),
-        # and a spread of 0 released the exact ⟨S, v⟩ (found in review). In float64 no nonzero float32 or half
-        # v squares to 0 or overflows.
+        # ‖v‖² in float64, as the mean: in float32 it underflows to 0 for |v_i| ≲ 4e-23, and a spread of 0 released
+        # the exact ⟨S, v⟩ (found in review). In float64 no nonzero float32 or half v squares to 0 or overflows.
         dd = _wide_dot(direction, direction)
         if self.noise.secure:  # the snapping grid needs the spread on the host
             mean_f, dd_f = torch.stack([mean, dd]).tolist()
@@ -485,9 +474,8 @@ class NoisyRelease:
         return float(got) if host else got
 
     def materialize(self, handle: DeferredSum) -> torch.Tensor | Tensors:
-        """(value + Z)·scale with the full noise vector Z (drawn once, then kept by the handle,
-        so later calls and projections see the same draw). Refused after a projection: Z
-        would then have to be drawn conditionally on it."""
+        """(value + Z)·scale with the full noise vector Z (drawn once, then kept: later calls and projections see
+        the same draw). Refused after a projection: Z would then have to be drawn conditionally on it."""
         draw = self._draw_of(handle)
         if draw.noisy is None:
             if draw.projected:

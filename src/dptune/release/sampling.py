@@ -120,9 +120,8 @@ def forward_rng(key: bytes) -> None:
 class PoissonSampler:
     """Draws index sets with Poisson sampling at rate q from ``n`` examples.
 
-    Its randomness is ``RandomBits``: seeded from ``stream_seed(seed, "sampling")``, or, with
-    ``secure=True``, the OS CSPRNG. In seeded mode anyone who knows the seed can regenerate
-    every batch (and the privacy amplification by subsampling is lost); docs/privacy.md."""
+    Randomness: ``RandomBits`` seeded from ``stream_seed(seed, "sampling")``, or the OS CSPRNG with ``secure=True``.
+    In seeded mode whoever knows the seed can regenerate every batch, losing the amplification by subsampling."""
 
     def __init__(self, n: int, sampling_rate: float, seed: int, secure: bool = False):
         if n <= 0:

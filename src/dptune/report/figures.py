@@ -36,8 +36,7 @@ DPI = 110
 _COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
 
 
-# Built-in strategies get fixed colours so that a strategy looks the same in every figure
-# and every report, whatever subset of strategies a study ran.
+# Built-in strategies get fixed colours: a strategy looks the same in every figure and report, whatever a study ran.
 _KNOWN = ("oso", "dpsgd", "quantile", "adamwosm", "dpadam", "adadp", "dpgd", "nodp")
 
 
@@ -381,8 +380,7 @@ def _epsilon_per_run(
         if r.planned_epsilon is not None:
             plan_by_run[r.run] = max(plan_by_run.get(r.run, 0.0), float(r.planned_epsilon))
     runs = list(eps_by_run)
-    # ε = ∞ (a non-private run) cannot be drawn: an infinite bar or bin is NaN in matplotlib's
-    # transforms (its RuntimeWarning); such runs are named instead.
+    # ε = ∞ (a non-private run) cannot be drawn (an infinite bar or bin is NaN in matplotlib): named instead.
     finite = {r: e for r, e in eps_by_run.items() if math.isfinite(e)}
     if not runs:
         _empty(ax, "no per-run ε recorded")

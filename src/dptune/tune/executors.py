@@ -120,9 +120,8 @@ class Executor:
         tasks: list[Task],
         on_start: Callable[[list[str]], None] = lambda ids: None,
     ) -> Iterator[Outcome]:
-        """Execute ``fn(*args)`` for every task; call ``on_start(task_ids)`` when tasks start (pools:
-        when a worker reports that it took them, not when they are queued; always before the task's
-        outcome); yield outcomes as they finish."""
+        """Execute ``fn(*args)`` for every task; call ``on_start(task_ids)`` when tasks start (pools: when a worker
+        reports that it took them, not when queued; always before the task's outcome); yield outcomes as they finish."""
         raise NotImplementedError
 
     def close(self, interrupted: bool = False) -> None:
@@ -139,9 +138,8 @@ class LocalExecutor(Executor):
 
 
 class ProcessExecutor(Executor):
-    """A spawned process pool (CUDA needs *spawn*: a forked CUDA context is unusable). With
-    ``device`` on CUDA, ``devices.process_gpu_plan`` sets the pool size (default one worker per
-    visible GPU) and pins each worker to one GPU."""
+    """A spawned process pool (CUDA needs *spawn*: a forked CUDA context is unusable). With ``device`` on CUDA,
+    ``devices.process_gpu_plan`` sets the pool size (default one worker per visible GPU) and pins each to one GPU."""
 
     name = "process"
 

@@ -17,10 +17,9 @@ def balanced(config: Any) -> bool:
 def plan_groups(
     plan: StudyPlan, size: int, unresolved: Collection[str] | None = None, balanced: bool = False
 ) -> dict[str, tuple[str, ...]]:
-    """run_id → its group: the runs of one arm and stage (adaptive: of one procedure) in plan order, in chunks
-    of ``size`` (``balanced``: as few, of equal sizes ± 1: 25 runs by 16 are 12 + 13, not 16 + 9, whose 16 was a
-    straggler; studies planned since record it); ``unresolved``: the set planned without a configuration, so a
-    resumed study groups alike."""
+    """run_id → its group: the runs of one arm and stage (adaptive: of one procedure) in plan order, in chunks of
+    ``size`` (``balanced``: as few, of equal sizes ± 1: 25 runs by 16 are 12 + 13, not 16 + 9, whose 16 was a straggler;
+    studies planned since record it); ``unresolved``: the runs planned unconfigured, so a resumed study groups alike."""
     out: dict[str, tuple[str, ...]] = {}
     keyed: dict[tuple[Any, ...], list[str]] = {}
     for rid, r in plan.runs.items():

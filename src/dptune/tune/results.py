@@ -36,11 +36,10 @@ from dptune.tune.store import Store
 
 TERMINAL_WIDTH = 100
 
-# The columns of study_table that the guarantee covers: per tuning procedure, the selected
-# configuration and its metrics (selection score: exact on the public split or noisy in private
-# mode; test metric on the public test split), the guarantee and the ledger's totals. Left
-# out: run counts, diverged/failed counts over every candidate, selected run ids (they number
-# the candidates: under Liu–Talwar / repeat-and-select K is secret) and fits' raw data.
+# The columns of study_table that the guarantee covers: per tuning procedure, the selected configuration and its
+# metrics (selection score: exact on the public split or noisy in private mode; test metric on the public test split),
+# the guarantee and the ledger's totals. Left out: run counts, diverged/failed counts over every candidate, selected
+# run ids (they number the candidates: K is secret under Liu–Talwar / repeat-and-select) and fits' raw data.
 RELEASE_COLUMNS: tuple[str, ...] = (
     "strategy", "optimizer", "epsilon", "method", "selection", "split", "metric", "selected", "value_mean",
     "value_std", "test_mean", "test_std", "replicates", "planned_epsilon", "planned_delta", "selection_epsilon",

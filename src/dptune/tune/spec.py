@@ -136,8 +136,7 @@ class Study:
                 "seed": self.seed,
                 "seeds": list(self.seeds),
                 "threads_per_run": self.threads_per_run,
-                # written only when not the default: studies stored before the field
-                # existed keep their fingerprint and can still be resumed
+                # only when not the default: studies stored before the field keep their fingerprint (resumable)
                 **({"trials_per_group": self.trials_per_group} if self.trials_per_group != 16 else {}),
                 **({"secure": True} if self.secure else {}),
             },  # likewise
@@ -290,8 +289,7 @@ def study_from_dict(d: Mapping[str, Any], base_dir: str | os.PathLike[str] | Non
     except ConfigError:
         raise
     except (TypeError, ValueError, AttributeError, KeyError) as exc:
-        # Validation names the field wherever it can; a value of a wholly unexpected type
-        # that slipped past it still ends as one clear line, never a traceback.
+        # Validation names the field where it can; a wholly unexpected type that slipped past is still one line.
         raise ConfigError(
             f"invalid study file: {type(exc).__name__}: {exc}. Fix: compare it with "
             "the reference in docs/tuning.md (types of each key)."

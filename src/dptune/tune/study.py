@@ -157,8 +157,7 @@ class Coordinator:
             self.ledger.record(e.event, e.label, count=e.count, components=e.components, run=e.run)
         self.strategy_of = {rid: plan.arm(r.arm).strategy for rid, r in plan.runs.items()}
         self._groups: dict[str, tuple[str, ...]] | None = None
-        # The runs planned without a configuration, before ``resolve`` fills any in: the groups
-        # depend on this set, not on how far a resumed study had got.
+        # Runs planned unconfigured (before ``resolve``): the groups depend on this set, not on how far a resume got.
         self._unresolved = frozenset(rid for rid, r in plan.runs.items() if r.config is None)
 
     # -- the runner's gate
@@ -193,9 +192,8 @@ class Coordinator:
         tagged = Ledger()
         for e in run_ledger.entries:
             tagged.record(e.event, e.label, count=e.count, components=e.components, run=run_id)
-        # The run's selected checkpoint, written (atomically) BEFORE the run is committed: a
-        # committed run always has its weights; a crash in between re-executes the run on
-        # resume with the same seeds, rewriting the same weights (secure mode: a fresh draw, the one merged).
+        # The selected checkpoint is written (atomically) BEFORE the run is committed: a committed run has its weights;
+        # a crash in between reruns it on resume with the same seeds (secure mode: a fresh draw, the one merged).
         if result.get("checkpoint"):
             save_checkpoint(self.store.dir, run_id, result["checkpoint"])
         self.store.finish(run_id, result, tagged)

@@ -1,7 +1,6 @@
-"""The worker side: execute one planned run (or a group) and return it with its own ledger, created from
-the planned event (the coordinator re-checks it). Checkpoint selection scores the selection split at the
-planned steps: exactly in public mode; in private mode each clamped score sum is released through
-``NoisyRelease``, so exact validation scores never leave the worker."""
+"""The worker side: execute one planned run (or a group) and return it with its own ledger, created from the planned
+event (the coordinator re-checks it). Checkpoint selection scores the selection split at the planned steps: exactly in
+public mode; in private mode each clamped score sum is released through ``NoisyRelease`` (exact scores stay here)."""
 
 from __future__ import annotations
 
@@ -79,9 +78,8 @@ class Scorer:
             return self.total(params, self.x, self.y, None) / self.m
         s = self.total(params, self.x, self.y, self.sensitivity)
         if not math.isfinite(s):
-            # Diverged parameters (only they: the per-example rules in ``total`` keep every
-            # term finite): the released statistic is then that of a constant predictor
-            # (0 correct / maximal error) — still released, so the ledger matches the plan.
+            # Diverged parameters (only they: the per-example rules in ``total`` keep every term finite): a constant
+            # predictor's statistic (0 correct / maximal error), still released so the ledger matches the plan.
             s = 0.0 if self.measure.higher_is_better else self.sensitivity * self.m
         (noisy,) = self.gateway.release(
             SumQuery(f"validation_{self.metric}_sum", torch.tensor(s, dtype=torch.float64), self.sensitivity, self.nu),

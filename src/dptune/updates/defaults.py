@@ -8,10 +8,9 @@ from typing import Any
 
 from dptune.release.context import RunPlan
 
-# Default learning rates by Panda et al.'s linear scaling rule: what matters is r = η·T, the
-# step size times the number of steps (docs/strategies.md, "Defaults", with the measurements).
-# For SGD on clipped means, η is the effective step lr·C/(1 − μ) (the length of one update of
-# a fully clipped batch); for Adam, lr itself (Adam normalises the gradient's scale).
+# Default learning rates by Panda et al.'s linear scaling rule: what matters is r = η·T, step size times steps
+# (docs/strategies.md, "Defaults", with the measurements). SGD on clipped means: η is the effective step lr·C/(1 − μ)
+# (one update of a fully clipped batch); Adam: lr itself (Adam normalises the gradient's scale).
 SGD_STEP_BUDGET = 200.0  # r = lr·C/(1 − μ)·T
 ADAM_STEP_BUDGET = 0.8  # r = lr·T
 # Fine-tuning (``run.pretrained``): lr at most this, as r/T moves pretrained weights too far in a

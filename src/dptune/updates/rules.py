@@ -1,7 +1,6 @@
-"""Update rules: how released gradients move the parameters (pure post-processing: a rule sees
-``Released`` values only, never the batch). Optax-style: ``init(params, run) -> state``,
-``update(params, state, released) -> (params, state, metrics)``, ``rate(state)`` (public) and an optional
-``finalize`` (a free step after training). Equations and sources: docs/strategies.md."""
+"""Update rules: how released gradients move the parameters (pure post-processing: a rule sees ``Released`` values
+only, never the batch). Optax-style: ``init(params, run) -> state``, ``update(params, state, released) -> (params,
+state, metrics)``, ``rate(state)`` (public), optionally ``finalize`` (a free step at the end). docs/strategies.md."""
 
 from __future__ import annotations
 
@@ -26,10 +25,9 @@ def heavy_ball(
 ) -> tuple[Tensors, Tensors | None]:
     """θ ← θ − lr·m with m ← μ·m + s·g (PyTorch SGD convention, no dampening). μ = 0: plain SGD.
 
-    ``scale=None`` (s = 1): rounded exactly as the per-tensor expressions θ − lr·g and
-    μ·m + g. ``scale=s``: g is an unscaled sum (the noisy clipped sum, s = 1/L) and s is
-    folded into fused multiply-adds: θ + (−lr·s)·g is ONE pass over θ and g instead of
-    three (g·s, lr·(g·s), θ − ·), the same up to the last bits."""
+    ``scale=None`` (s = 1): rounded exactly as the per-tensor expressions θ − lr·g and μ·m + g. ``scale=s``: g is an
+    unscaled sum (the noisy clipped sum, s = 1/L) and s is folded into fused multiply-adds: θ + (−lr·s)·g is ONE pass
+    over θ and g instead of three (g·s, lr·(g·s), θ − ·), the same up to the last bits."""
     if scale is None:
         if momentum == 0.0:
             return tree.axpy(-lr, g, params), None
