@@ -99,14 +99,19 @@ class MapSource:
         except IndexError as exc:
             raise ConfigError(f"reading an example failed ({exc!r}{OWNER_ERROR}) although len() is {self.n}. Fix: "
                               "make len() the number of examples __getitem__ can read.") from None  # fmt: skip
-        at = [t.data_ptr() for it in items for t in _pytree.tree_leaves(it) if torch.is_tensor(t) and t.numel()]
-        at += [a.ctypes.data for it in items for a in _pytree.tree_leaves(it) if isinstance(a, np.ndarray) and a.size]
-        return items if copy or len(set(at)) == len(at) else self._read(idx, copy=True)
+        at = [{a for v in _pytree.tree_leaves(it) if (a := _address(v))} for it in items]  # one item may share
+        return items if copy or len(set().union(*at)) == sum(map(len, at)) else self._read(idx, copy=True)
 
     def chunks(self, size: int | None = None):
         size = size or metrics.EVAL_BATCH
         for i in range(0, self.n, size):
             yield self.batch(torch.arange(i, min(i + size, self.n)))
+
+
+def _address(v: Any) -> int | None:
+    if torch.is_tensor(v):
+        return v.data_ptr() if v.layout == torch.strided and v.numel() else None
+    return v.ctypes.data if isinstance(v, np.ndarray) and v.size else None
 
 
 def _copied(item: Any) -> Any:

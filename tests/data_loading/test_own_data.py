@@ -286,3 +286,34 @@ def test_a_study_keeps_the_dataloaders_collate_and_iterable_or_short_datasets_ar
 
     with pytest.raises(ConfigError, match="make len\\(\\) the number of examples"):
         MapSource(Short(x, y), torch.device("cpu")).batch(torch.tensor([1, 45]))
+
+
+def test_items_whose_x_and_y_are_one_tensor_are_read_once_and_sparse_items_work() -> None:
+    """Found in review of the buffer fix: an autoencoder's ``(X[i], X[i])`` counted as a shared buffer (every
+    batch read twice), and a sparse tensor (no data pointer) raised."""
+    x = torch.randn(10, 4)
+    reads = []
+
+    class AutoEncoding(Dataset):
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int):
+            reads.append(i)
+            return x[i], x[i]
+
+    bx, by = MapSource(AutoEncoding(), torch.device("cpu")).batch(torch.arange(10))
+    assert torch.equal(bx, x) and torch.equal(by, x) and len(reads) == 11  # one read at set-up, one per row
+
+    class Sparse(Dataset):
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int):
+            return x[i].to_sparse(), 0
+
+    def dense(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = zip(*items, strict=True)
+        return torch.stack([t.to_dense() for t in xs]), torch.tensor(ys)
+
+    assert torch.equal(MapSource(Sparse(), torch.device("cpu"), dense).batch(torch.arange(10))[0], x)

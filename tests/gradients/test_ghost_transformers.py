@@ -416,3 +416,7 @@ def test_forced_ghost_refuses_a_weight_used_outside_its_layers_call() -> None:
         GradientOracle(model, method="ghost")(_params(model), x, y)
     g = GradientOracle(model, method="auto")(_params(model), x, y)  # auto: vmap, every weight's gradient
     assert float(g.grads["out.weight"].abs().sum()) > 0
+    Direct.dptune_rowwise = False  # your forward: the ghost path runs under vmap, and falls back to vmap here
+    with pytest.warns(RuntimeWarning, match="used outside its layer's call"):
+        g = GradientOracle(model, method="ghost")(_params(model), x, y)
+    assert float(g.grads["out.weight"].abs().sum()) > 0

@@ -490,15 +490,17 @@ class GhostEngine:
             raise GhostFallback(f"your forward fails on a zeros dummy ({str(exc).splitlines()[0]})") from exc
         used = [(m, c, n) for m, c, n in self.layers if m in records]
         recs = [r for m, _, _ in used if (r := records[m]) is not None]  # all: ``recording`` refuses a None
+        # A weight of a layer never called, used directly, has no rule: no gradient, silently (found in review).
+        direct = [ps[k] for m, _, n in self.layers if m not in records for k in n.values() if k in ps]
+        if direct and any(
+            g is not None for g in torch.autograd.grad(losses.sum(), direct, retain_graph=True, allow_unused=True)
+        ):
+            raise GhostFallback("a weight is used outside its layer's call")
         bs: list[torch.Tensor | None]
         if self.rowwise:  # the pass above gave the outputs' shapes
             losses, acts, bs = self._rowwise(params, x, y, buffers, [m for m, _, _ in used], recs)
-        else:  # with the weights of layers never called: one used directly got no rule, so no gradient (review)
-            direct = [ps[k] for m, _, n in self.layers if m not in records for k in n.values() if k in ps]
-            wrt = [r[1] for r in recs] + direct
-            bs = list(torch.autograd.grad(losses.sum(), wrt, allow_unused=True)) if wrt else []
-            if any(g is not None for g in bs[len(recs) :]):
-                raise GhostFallback("a weight is used outside its layer's call")
+        else:
+            bs = list(torch.autograd.grad(losses.sum(), [r[1] for r in recs], allow_unused=True)) if recs else []
             acts = [r[0].detach() for r in recs]
         layers: list[LayerRule] = []
         for i, (m, cls, names) in enumerate(used):
