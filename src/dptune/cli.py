@@ -86,6 +86,10 @@ def _say_interrupted(msg: str) -> None:  # Ctrl-C in a study (outputs.resume_hin
 
 def _guard(fn):
     """Turn dptune's own errors (and bad values, a full disk) into one clear line."""
+    import errno
+
+    full_os, full_db = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}, ("or disk is full", "disk I/O error")
+    study = fn.__name__ in ("tune", "resume")  # a study keeps its finished runs; `train` loses its run
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -93,12 +97,14 @@ def _guard(fn):
             return fn(*args, **kwargs)
         except (DPTuneError, ValueError, KeyError, sqlite3.OperationalError, OSError) as e:
             msg = str(e) if not isinstance(e, KeyError) else f"missing key {e}"
-            if isinstance(e, sqlite3.OperationalError | OSError) and not isinstance(e, FileNotFoundError):  # disk full
-                d = (kwargs.get("study_dir") or kwargs.get("out")) if fn.__name__ in ("tune", "resume") else None
+            if isinstance(e, sqlite3.OperationalError | OSError) and not isinstance(e, FileNotFoundError):
+                if not (e.errno in full_os if isinstance(e, OSError) else any(m in msg for m in full_db)):
+                    raise  # e.g. your dataset's PermissionError, a locked store: not a full disk (found in review)
+                d = (kwargs.get("study_dir") or kwargs.get("out")) if study else None
                 again = f"`dptune resume {d}`" if d and (Path(d) / "study.sqlite").exists() else "the command again"
-                msg = f"{e}: the disk is full or not writable; nothing finished is lost. Fix: free space, then {again}."
-            # escape: a message's "[budget]" is text, not rich markup (it was swallowed); soft_wrap: one
-            # line however narrow the terminal (rich folds at 80 columns when it cannot ask).
+                kept = "; nothing finished is lost" if study else ""
+                msg = f"{e}: the disk is full or not writable{kept}. Fix: free space, then {again}."
+            # escape: "[budget]" is text, not markup; soft_wrap: one line however narrow the terminal.
             err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:  # files are written whole or not at all; a study says how to resume

@@ -1,6 +1,4 @@
-"""The deliverable: the selected model's weights and its model card (``save_trained``, used by
-``dptune train --save`` and ``tune.export``), and loading them back (``load_model``). This module never
-reads a study. What the files reveal about one example: docs/privacy.md, "Your model and data"."""
+"""The selected model's weights and card (save_trained, tune.export), load_model; see docs/privacy.md, "Your model"."""
 
 from __future__ import annotations
 
@@ -93,7 +91,6 @@ def write_model(
     weights = save_state_dict(state, d / WEIGHTS_FILE)
     weights_id = {"file": WEIGHTS_FILE, "format": "torch.save(state_dict)", "sha256": file_sha256(weights)}
     full = {"format": CARD_FORMAT, **card, "weights": weights_id}
-    # An absolute path would publish the owner's file system layout: the folder's name, or a relative path as given.
     full["load"] = reload_code(load_as or d.name, full.get("model", {}))
     save_text(d / CARD_JSON, strict_json(full, indent=2) + "\n")
     save_text(d / CARD_MD, card_markdown(full))
@@ -101,8 +98,7 @@ def write_model(
 
 
 def reload_code(folder: str, ident: Mapping[str, Any]) -> str:
-    """The card's code that loads the model back: a built-in from the card, your model via ``model=`` (never
-    ``trust_factory=True``: the card, and so the code it names, can be edited by anyone)."""
+    """The card's load code: a built-in from the card, yours via ``model=`` (never ``trust_factory``: editable)."""
     if "name" in ident:
         return f"import dptune\nmodel, card = dptune.load_model({folder!r})"
     path, args = ident.get("factory") or ident.get("builder") or ident.get("class") or "", ident.get("kwargs")
@@ -160,8 +156,7 @@ def save_trained(
     model_id: Mapping[str, Any] | None = None,
     data_id: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a ``TrainResult``'s selected checkpoint (best on public evaluation data, else final) and its card into
-    ``directory``; ``model_id``: how to rebuild the model (``{"name", "kwargs"}`` or ``{"class"}``). No release."""
+    """A ``TrainResult``'s selected checkpoint and card into ``directory`` (``model_id``: how to rebuild it)."""
     if result.model is None:
         raise ConfigError("this result carries no model to save")
     params = result.best_params if (best := result.best_params is not None) else result.final_params
@@ -211,7 +206,8 @@ def save_trained(
     }
     if not private:  # weights trained without privacy may memorise examples: the owner's only
         card = labelled_json(card)
-    return write_model(directory, state, card, load_as=None if Path(directory).is_absolute() else str(directory))
+    d = Path(directory)  # a path out of the working folder (`..`, absolute) would name the owner's folders
+    return write_model(d, state, card, load_as=None if d.is_absolute() or ".." in d.parts else str(d))
 
 
 # ----------------------------------------------------------------------------- a study's checkpoints
@@ -266,9 +262,7 @@ def model_identity(spec: Any, data: Any) -> dict[str, Any]:
 def load_model(
     path: str | Path, model: nn.Module | None = None, *, trust_factory: bool = False
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """``(module, card)`` from a saved folder (or its ``model.pt``), the weights' SHA-256 checked. Built-ins
-    are rebuilt from the card; your own module: pass ``model=`` (loaded in place). A card's ``module:factory``
-    is arbitrary code anyone can edit: rebuilt only with ``trust_factory=True``."""
+    """``(module, card)`` of a saved folder, SHA-256 checked; yours as ``model=``; a factory if ``trust_factory``."""
     d = p.parent if (p := Path(path)).is_file() else p
     weights, card_path = (p if p.is_file() else d / WEIGHTS_FILE), d / CARD_JSON
     if not weights.is_file():

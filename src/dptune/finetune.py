@@ -1,8 +1,6 @@
-"""Fine-tune a stock Hugging Face encoder privately: ``hf_classifier`` = ``AutoModel`` + mean pooling over the attention
-mask + a linear head, called as ``model(input_ids=..., attention_mask=...)`` (the ``representation='tokens'`` batches of
-``ag_news``/``enron_spam``). Three modes choose what trains: ``full`` (all but the embedding tables), ``last-k`` (the
-last ``k`` layers + head) and ``lora`` (peft's low-rank adapters on the attention projections + head). Frozen parameters
-are public pretrained weights that never change; the clip bounds the trainable ones (docs/privacy.md)."""
+"""Fine-tune a stock Hugging Face encoder privately: ``hf_classifier`` = ``AutoModel`` + masked mean pooling + a linear
+head, called as ``model(input_ids=..., attention_mask=...)``; its modes (``full``, ``last-k``, ``lora``) choose what
+trains. Frozen weights are public and never change; the clip bounds the trainable ones (docs/privacy.md)."""
 
 from __future__ import annotations
 
@@ -131,19 +129,21 @@ def hf_classifier(
     lora_alpha: float = 16,
     seed: int = 0,
 ) -> nn.Module:
-    """A pretrained encoder + mean pooling + Linear head, with only the head and the ``mode``'s parameters trainable:
-    ``full`` (all but the embedding tables, unless ``train_embeddings=True``), ``last-k`` (the last ``k`` blocks; the
-    frozen trunk gets no per-example gradient), ``lora`` (rank-``lora_rank`` peft adapters on the query and value
-    projections, scale ``lora_alpha/lora_rank``). New weights are drawn from ``seed`` alone; a ``PretrainedConfig``
-    encoder draws its own from the global RNG. BERT's pooler is dropped (unused: it would only collect noise)."""
+    """A pretrained encoder + mean pooling + Linear head, only the head and the ``mode``'s parameters trainable:
+    ``full`` (all but the embedding tables, unless ``train_embeddings=True``), ``last-k`` (the last ``k`` blocks),
+    ``lora`` (rank-``lora_rank`` peft adapters on the query and value projections, scale ``lora_alpha/lora_rank``).
+    New weights come from ``seed`` (a ``PretrainedConfig`` encoder's: the global RNG). BERT's pooler is dropped."""
     _check(mode, k, lora_rank, lora_alpha, classes)
     enc = load_encoder(encoder)
     takes = inspect.signature(enc.forward).parameters  # found in review: ViT failed mid-run, T5 in its decoder
-    if "input_ids" not in takes or "decoder_input_ids" in takes:  # not is_encoder_decoder: T5EncoderModel unsets it
+    hf = next((m for m in enc.modules() if hasattr(type(m), "main_input_name")), enc)  # a wrapper's (PeftModel's)
+    kw = any(p.kind is p.VAR_KEYWORD for p in takes.values())  # a wrapper's forward(*args, **kwargs)
+    ids = getattr(hf, "main_input_name", "input_ids") == "input_ids" and ("input_ids" in takes or kw)  # not ViT's
+    if not ids or "decoder_input_ids" in takes or getattr(getattr(hf, "config", None), "is_encoder_decoder", 0) is True:
         raise ConfigError(f"hf_classifier takes a text encoder or decoder-only model called with input_ids, not a "
                           f"{type(enc).__name__}. Fix: such a model (BERT, GPT-2, Llama); for T5, T5EncoderModel.")  # fmt: skip
-    if getattr(enc, "pooler", None) is not None:
-        setattr(enc, "pooler", None)  # noqa: B010 - a module attribute, typed as one
+    for m in [m for m in enc.modules() if m._modules.get("pooler") is not None]:  # a wrapped model's too
+        setattr(m, "pooler", None)  # noqa: B010 - a module attribute, typed as one
     with torch.random.fork_rng(devices=[]):  # the new weights (adapters, head) from seed alone
         torch.manual_seed(seed)
         enc = _add_lora(enc, lora_rank, lora_alpha) if mode == "lora" else enc

@@ -1,8 +1,5 @@
-"""A model's input batch: one tensor, a tuple or a dict of tensors sharing the batch dimension.
-
-A tuple is passed to the model as positional arguments, ``model(*x)``; a dict as keyword arguments, ``model(**x)`` (the
-Hugging Face convention: ``input_ids=..., attention_mask=...``); a tensor as the single argument. Every tensor's first
-dimension is the example index: a Poisson batch, an evaluation chunk or one example (``vmap``) is a slice of each."""
+"""A model's input batch: a tensor, a tuple (``model(*x)``) or a dict of tensors (``model(**x)``: ``input_ids=...``);
+every tensor's first dimension is the example index (a Poisson batch, a chunk, one example: a slice of each)."""
 
 from __future__ import annotations
 
@@ -73,8 +70,14 @@ def device_of(x: Inputs) -> torch.device:
     return leaves(x)[0].device
 
 
-def tmap(fn: Callable[[torch.Tensor], torch.Tensor], x: Inputs) -> Inputs:  # non-tensor leaves (a cache): None
-    return fn(x) if torch.is_tensor(x) else _pytree.tree_map(lambda t: fn(t) if torch.is_tensor(t) else None, x)
+def tmap(fn: Callable[[torch.Tensor], torch.Tensor], x: Inputs) -> Inputs:
+    return fn(x) if torch.is_tensor(x) else _pytree.tree_map(lambda t: fn(t) if torch.is_tensor(t) else _leaf(t), x)
+
+
+def _leaf(t: Any) -> None:  # a model output's cache (nothing batch-wide reaches a per-example loss): dropped
+    if t is not None and not type(t).__name__.endswith("Cache"):  # a dataclass of yours: not None (found in review)
+        raise ConfigError(f"the model's output holds a value of type {type(t).__name__}: a per-example loss takes "
+                          "tensors. Fix: return a tensor, a tuple or dict of tensors, or a ModelOutput.")  # fmt: skip
 
 
 def dummy(x: Inputs, n: int = 1, fill: float = 0) -> Inputs:

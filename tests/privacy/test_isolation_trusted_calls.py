@@ -233,3 +233,61 @@ def test_only_reviewed_hugging_face_families_and_peft_tuners_are_trusted() -> No
     )
     assert "not reviewed" in str(own_code(ia3))
     assert own_code(transformers.AutoModel.from_config(bert_cfg)) is None  # none of it sticks to later models
+
+
+def _bert() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                  vocab_size=40, max_position_embeddings=16)  # fmt: skip
+    return transformers.AutoModelForSequenceClassification.from_config(cfg)
+
+
+def test_a_lora_model_from_get_peft_model_is_trusted_and_other_tuners_are_not() -> None:
+    """Found in review (session 13): ``get_peft_model``'s LoraModel inherits its forward from peft's shared
+    ``tuners_utils`` (it only calls the wrapped model), which was not in the reviewed tuners: the model ran as
+    your code, one example at a time (10x slower). IA3 through the same wrapper is still not reviewed."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=2, target_modules=["query", "value"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert own_code(peft.get_peft_model(_bert(), lora)) is None
+        lora.task_type = "SEQ_CLS"  # PeftModelForSequenceClassification: the head kept in a ModulesToSaveWrapper
+        assert own_code(peft.get_peft_model(_bert(), lora)) is None
+        ia3 = peft.get_peft_model(_bert(), peft.IA3Config(target_modules=["query", "value"], feedforward_modules=[]))
+    assert "not reviewed" in str(own_code(ia3))
+
+
+def test_an_unreviewed_familys_own_attention_function_leaves_other_models_trusted() -> None:
+    """Found in review (session 13): importing ``modeling_doge`` (its flex attention in its own lookup table) made
+    every Hugging Face model "your own". Only Doge's models (untrusted anyway) look that table up; a function of yours
+    in it, or Doge's registered for every model, still counts."""
+    doge = pytest.importorskip("transformers.models.doge.modeling_doge")
+    from transformers import AttentionInterface
+
+    bert = _bert()
+    assert own_code(bert) is None and "doge_flex_attention" in doge.ALL_ATTENTION_FUNCTIONS._local_mapping
+    doge.ALL_ATTENTION_FUNCTIONS["dptune_test_mine"] = _batch_branch
+    try:
+        assert "your own" in str(own_code(bert))
+    finally:
+        del doge.ALL_ATTENTION_FUNCTIONS["dptune_test_mine"]
+    AttentionInterface.register("dptune_test_doge", doge.flex_attention_forward)  # any model's config may name it
+    try:
+        assert "your own" in str(own_code(bert))
+    finally:
+        del AttentionInterface._global_mapping["dptune_test_doge"]
+    assert own_code(bert) is None
+
+
+def test_a_function_from_another_installed_package_in_place_of_torchs_is_own_code() -> None:
+    """Found while fixing the above: ``typing_extensions`` is one file in site-packages, and its folder made every
+    function installed in site-packages a library's: ``F.relu = f`` with ``f`` from any installed package was trusted."""
+    version = pytest.importorskip("packaging.version")
+    model, old = _mlp(), F.relu
+    try:
+        F.relu = version.parse  # type: ignore[assignment]
+        assert "a function of yours in place of torch's" in str(own_code(model))
+    finally:
+        F.relu = old
+    assert own_code(model) is None

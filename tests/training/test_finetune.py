@@ -306,3 +306,41 @@ def test_a_stock_hf_head_model_is_one_config_error_with_a_builtin_loss_and_train
         warnings.simplefilter("ignore")
         res = dptune.train(model, (x, y), "dpsgd", loss=loss, **KW)
     assert res.ledger.releases == 2 and any(not torch.equal(p, before[k]) for k, p in model.named_parameters())
+
+
+class _Wrap(torch.nn.Module):
+    """An encoder of yours around a Hugging Face model, as users write one: ``forward(*args, **kwargs)``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        return self.model(*args, **kwargs)
+
+
+def test_a_wrapper_or_peft_model_taking_kwargs_trains_and_a_wrapped_vit_or_t5_is_refused() -> None:
+    """Found in review (session 13): a signature without ``input_ids`` was refused, so a wrapper's
+    ``forward(*args, **kwargs)`` and a ``PeftModel`` were too. ``**kwargs`` is accepted now; what the wrapped
+    model takes (ViT's pixel values) and an encoder-decoder config are still refused. The pooler inside is dropped."""
+    import peft
+    import transformers
+
+    from dptune.gradients.isolation import own_code
+
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=2, target_modules=["query", "value"])
+    for enc in (_Wrap(tiny_encoder("bert", dropout=0.0)), peft.get_peft_model(tiny_encoder("bert", dropout=0.0), lora)):
+        model = hf_classifier(enc, mode="full")
+        assert not [n for n, _ in model.named_parameters() if "pooler" in n]
+        assert (own_code(model) is None) == isinstance(enc, peft.PeftModel)  # a wrapper of yours: one at a time
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = dptune.train(model, token_batch(12, T), "dpsgd", **KW)
+        assert res.ledger.releases == 2 and res.ledger.matches(res.plan.event())
+    vit = transformers.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                 image_size=8, patch_size=4)  # fmt: skip
+    t5 = transformers.T5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0)
+    for inner in (transformers.ViTModel(vit), transformers.T5Model(t5)):
+        with pytest.raises(ConfigError, match="text encoder or decoder-only model .*not a _Wrap"):
+            hf_classifier(_Wrap(inner))

@@ -534,6 +534,19 @@ def test_a_secure_train_card_states_the_float_slack_and_loads_from_the_given_pat
     assert namespace["card"]["weights"] == card["weights"]
 
 
+@pytest.mark.parametrize("save", ["../alice_home/secret_project/model", "ABS"])
+def test_a_cards_load_path_never_names_folders_outside_the_working_one(tmp_path: Path, monkeypatch, save: str) -> None:
+    """Found in review: `--save ../alice_home/secret_project/model` published that path in the card's load code.
+    A relative path climbing out of the working folder, or an absolute one, is written as the folder's name."""
+    (work := tmp_path / "work").mkdir()
+    monkeypatch.chdir(work)
+    save = str(tmp_path / "alice_home" / "secret_project" / "model") if save == "ABS" else save
+    assert invoke_train(Path("run.json"), "--save", save).exit_code == 0
+    card = json.loads(Path(save, deliverable.CARD_JSON).read_text())
+    assert "load_model('model')" in card["load"], card["load"]
+    assert "alice_home" not in Path(save, deliverable.CARD_MD).read_text()
+
+
 def test_a_non_private_arm_is_never_published(tmp_path: Path) -> None:
     """The nodp baseline's weights are covered by no guarantee: they go to diagnostics/models/
     with the label, never to release/ (the demo has such an arm)."""

@@ -478,3 +478,40 @@ def test_a_full_disk_is_one_line_naming_resume(tmp_path: Path, monkeypatch: pyte
     monkeypatch.undo()
     res = CliRunner().invoke(app, ["resume", str(d), "--no-progress"])
     assert res.exit_code == 0, (res.output, res.exception)
+
+
+def test_only_a_full_disk_is_called_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: every OSError and sqlite3.OperationalError read "the disk is full ...; nothing finished is
+    lost": a dataset's PermissionError mid-training, a locked store. They propagate as before; `train`'s full disk
+    does not say that nothing is lost."""
+    import errno
+
+    import own_factories
+    from cli_helpers import OWN_FACTORIES, invoke_train
+
+    from dptune.tune.store import Store
+
+    real = own_factories.Points.__getitem__
+
+    def denied(self: Any, i: int) -> Any:
+        if i >= 100:
+            raise PermissionError(errno.EACCES, "Permission denied", f"/mnt/images/{i}.png")
+        return real(self, i)
+
+    def locked(*args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("database is locked")
+
+    def over_quota(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    with monkeypatch.context() as m:
+        m.setattr(own_factories.Points, "__getitem__", denied)
+        res = invoke_train(tmp_path / "r.json", data=OWN_FACTORIES)
+    assert isinstance(res.exception, PermissionError) and "disk is full" not in res.output, res.output
+    with monkeypatch.context() as m:
+        m.setattr(Store, "finish", locked)
+        res = CliRunner().invoke(app, ["tune", str(_config(tmp_path)), "-o", str(tmp_path / "s"), "--no-progress"])
+    assert isinstance(res.exception, sqlite3.OperationalError) and "disk is full" not in res.output, res.output
+    monkeypatch.setattr("dptune.cli.write_train_outputs", over_quota)
+    line = _refused(["train", "--dataset", "digits", "--epochs", "0.1", "--no-progress", "--out", str(tmp_path / "q")])
+    assert line.endswith("the disk is full or not writable. Fix: free space, then the command again."), line

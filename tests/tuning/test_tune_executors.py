@@ -82,24 +82,28 @@ def _work(name: str, exit_code: int = 0, interrupt: bool = False) -> dict:
     if interrupt:
         os.kill(os.getpid(), signal.SIGINT)  # a terminal's Ctrl-C reaches the workers too
     time.sleep(0.3)  # a run's work: its start is reported before it ends
-    if exit_code:
+    if exit_code > 0:
         os._exit(exit_code)
+    if exit_code < 0:
+        os.kill(os.getpid(), -exit_code)  # as the pool stops the workers that did not die (SIGTERM)
     return {"name": name}
 
 
-def test_a_dead_worker_fails_its_run_alone() -> None:
+@pytest.mark.parametrize(("code", "how"), [(3, "exit code 3"), (-15, "signal 15")])
+def test_a_dead_worker_fails_its_run_alone(code: int, how: str) -> None:
     """Found in an audit: a worker that died (os._exit, the out-of-memory killer) broke the pool, and 5 of 6 runs
-    failed with BrokenProcessPool; now its run alone fails, naming the exit code, and the others run in a new pool."""
+    failed with BrokenProcessPool; now its run alone fails, naming the exit code, and the others run in a new pool.
+    Found in review: a worker that SIGTERMed itself read as stopped by the pool, and 4 of 5 runs failed."""
     from dptune.tune.executors import ProcessExecutor
 
     started: list[str] = []
     ex = ProcessExecutor(workers=2)
     try:
-        tasks = [(c, (c, 3 if c == "c" else 0)) for c in "abcdef"]
+        tasks = [(c, (c, code if c == "c" else 0)) for c in "abcdef"]
         out = {rid: (res, err) for rid, res, err in ex.run(_work, tasks, on_start=started.extend)}
     finally:
         ex.close()
-    assert out.pop("c") == (None, "worker process died (exit code 3) while running this run")
+    assert out.pop("c") == (None, f"worker process died ({how}) while running this run")
     assert out == {c: ({"name": c}, None) for c in "abdef"}
     assert sorted(started) == list("abcdef")  # each start reported once, a re-run too
 

@@ -1,7 +1,6 @@
 """What a private pass may run and keep: trusted code (``own_code``: the batched paths run only on models made of
-torch's, Hugging Face's, peft's and dptune's calls; ``calls_made_of``, ``check_modes``), and your Python state kept
-from before a batch computed one example at a time (``KeptState``). Derivations and the review findings behind each
-rule: docs/privacy.md, "The unit of privacy" and items 17, 19, 21-23."""
+torch's, Hugging Face's, peft's and dptune's calls), and your Python state kept from before a batch computed one
+example at a time (``KeptState``). Why: docs/privacy.md, "The unit of privacy" and items 17, 19, 21-23."""
 
 from __future__ import annotations
 
@@ -33,31 +32,28 @@ def global_module_hooks() -> tuple[tuple[Any, ...], ...]:
     return tuple(tuple(getattr(torch_module, "_global" + h, {})) for h in MODULE_HOOKS)
 
 
-# Code whose forwards compute each row from that row alone (reviewed, tested): the batched paths (ghost,
-# DP-ZO's batched losses) run only on models made of it; your own forward runs one example at a time,
-# unless its class declares ``dptune_rowwise = True`` (your word, still probed: docs/privacy.md).
+# Code computing each row from that row alone (reviewed, tested): the batched paths run only on models made of it;
+# your forward runs one example at a time unless its class declares ``dptune_rowwise = True`` (still probed).
 TRUSTED_PACKAGES = ("torch", "transformers", "peft", "dptune")
 TRUSTED_CODE = tuple(p + "." for p in TRUSTED_PACKAGES)
 UNTRUSTED = ("torch.fx", "torch.export", "torch.jit", "torch._dynamo")  # they run a graph traced from your code
-# Only HF model families and peft tuners reviewed and tested row by row (tests/gradients/test_ghost_transformers.py);
-# others are yours: NLLB-MoE's router caps experts' tokens over the batch, one example choosing the others' (1.46·C).
+# HF families and peft tuners reviewed and tested row by row (tests/gradients/test_ghost_transformers.py; peft's shared
+# tuners_utils, _buffer_dict: read); others are yours: NLLB-MoE's router mixes rows over the batch (1.46·C).
 REVIEWED = {"transformers.models": {"bert", "roberta", "distilbert", "gpt2", "llama", "qwen2", "qwen3", "mistral",
                                     "phi3", "xlm_roberta", "electra", "modernbert", "phi", "gpt_neox", "stablelm",
-                                    "olmo"}, "peft.tuners": {"lora"}}  # fmt: skip
+                                    "olmo"}, "peft.tuners": {"lora", "tuners_utils", "_buffer_dict"}}  # fmt: skip
 
 
 def own_code(model: nn.Module) -> str | None:
-    """The first module whose call runs code of yours, named; None when every call is torch's, Hugging Face's,
-    peft's or dptune's, or declared row-wise. Code is judged by its source file (``functools.wraps`` copies a name,
-    not the code): the class's forward and call (a trusted class patched with your function is yours), an instance
-    forward or ``_call_impl``, a compiled call, hooks, the functions a layer holds (an activation, a checkpoint
-    function) and those Hugging Face looks up by name (attention, masks, experts: any registered function of yours
-    makes its models yours)."""
+    """The first module whose call runs code of yours, named; None when every call is trusted or declared row-wise.
+    Code is judged by its source file (not the name ``functools.wraps`` copies): the class's forward and call, an
+    instance's forward or ``_call_impl``, hooks, the functions a layer holds or Hugging Face looks up by name (any
+    registered function of yours makes its models yours)."""
     if any(global_module_hooks()):
         return "global module hooks"
     if patched := next((f for f in namespace_functions(model) if not trusted_code(f) and not _library(f)), None):
         return f"{getattr(patched, '__qualname__', patched)}: a function of yours in place of torch's or its layers'"
-    hf_yours = any(not trusted_code(f) for f in registered_functions())
+    hf_yours = any(not trusted_code(f) for f in registered_functions(every=False))
     for name, mod in model.named_modules():
         cls = type(mod)
         declared = getattr(cls, "dptune_rowwise", False) is True
@@ -85,31 +81,35 @@ def _trusted_module(where: str | None) -> bool:
     return where in TRUSTED_PACKAGES or where.startswith(TRUSTED_CODE) and not where.startswith(UNTRUSTED) and reviewed
 
 
+def _unreviewed(where: str | None) -> bool:  # a module of a Hugging Face family not reviewed
+    return (where or "").startswith("transformers.models.") and not _trusted_module(where)
+
+
 @functools.lru_cache(maxsize=4096)
-def _trusted_file(filename: str, packages: tuple[tuple[str, str], ...]) -> bool:
-    """A source file inside a trusted package's folder (``packages``: names and ``__file__``s), judged by its module
-    name as a class's module is."""
+def _module_of(filename: str, packages: tuple[tuple[str, str], ...]) -> str | None:  # its module in ``packages``
     where = os.path.realpath(filename)
     for name, file in packages:
         root = os.path.realpath(os.path.dirname(file))
         if where.startswith(root + os.sep):
-            return _trusted_module(".".join((name, *os.path.splitext(where[len(root) + 1 :])[0].split(os.sep))))
-    return False
+            return ".".join((name, *os.path.splitext(where[len(root) + 1 :])[0].split(os.sep)))
+    return None
+
+
+def _code_module(f: Any) -> str | None:  # a function's file's module, in the trusted packages imported so far
+    files = tuple((n, p) for n in TRUSTED_PACKAGES if (p := getattr(sys.modules.get(n), "__file__", None)))
+    return _module_of(f.__code__.co_filename, files) if hasattr(f, "__code__") else None
 
 
 def trusted_code(f: Any) -> bool:
-    """Whether a callable runs only trusted code: its function's source file in the trusted packages (a partial's
-    function, a bound method's, a callable object's ``__call__``; a wrapper's own, whatever ``functools.wraps``
-    says it wraps: found in review); a built-in function by its module; one marked ``dptune_rowwise = True``."""
+    """Whether a callable runs only trusted code: its (a partial's, a method's, ``__call__``'s) function's source
+    file in the trusted packages, not what ``functools.wraps`` names; a built-in by its module; or declared row-wise."""
     while isinstance(f, functools.partial):
         f = f.func
     f = getattr(f, "__func__", f)
     if getattr(f, "dptune_rowwise", False) is True:  # your word that it computes each row from that row alone
         return True
-    code = getattr(f, "__code__", None)
-    if code is not None:  # the packages imported so far (torch first)
-        files = tuple((n, f) for n in TRUSTED_PACKAGES if (f := getattr(sys.modules.get(n), "__file__", None)))
-        return _trusted_file(code.co_filename, files)
+    if hasattr(f, "__code__"):  # judged by its file's module name, as a class by its module
+        return _trusted_module(_code_module(f))
     if isinstance(f, type):  # a class registered or held: its own module
         return _trusted_module(f.__module__)
     if inspect.isbuiltin(f) or isinstance(f, (types.BuiltinFunctionType, types.WrapperDescriptorType)):
@@ -124,12 +124,13 @@ def _held(mod: nn.Module) -> list[Any]:
     return hooks + [v for v in vars(mod).values() if callable(v) and not isinstance(v, (nn.Module, type))]
 
 
-_REGISTRIES: list[Any] = [0]  # [len(sys.modules) when found, the mappings...]
+_REGISTRIES: list[Any] = [0]  # [len(sys.modules) when found, (mapping, held by unreviewed families only)...]
 
 
-def registered_functions() -> list[Any]:
+def registered_functions(every: bool = True) -> list[Any]:
     """Every function registered in Hugging Face's lookup tables by name (``GeneralInterface``: attention, masks,
-    experts, ...), global and per table; the tables found again when more modules are loaded."""
+    experts, ...), global and per table (found again when more modules load). ``every=False``: not an unreviewed
+    family's own function in a table only such families hold (Doge's: only its models, yours anyway, look it up)."""
     base = getattr(sys.modules.get("transformers.utils.generic"), "GeneralInterface", None)
     if base is None:
         return []
@@ -137,23 +138,23 @@ def registered_functions() -> list[Any]:
         subs, todo = [], [base]
         while todo:
             subs += (todo := [c for t in todo for c in t.__subclasses__()])
-        tables = [v for n, m in list(sys.modules.items()) if n.startswith("transformers.") for v in vars(m).values()
-                  if isinstance(v, base)]  # fmt: skip
-        _REGISTRIES[:] = [len(sys.modules), *(c._global_mapping for c in subs), *(t._local_mapping for t in tables)]
-    return [f for m in _REGISTRIES[1:] for f in list(m.values())]
+        found = [(v, n) for n, m in list(sys.modules.items()) if n.startswith("transformers.") for v in vars(m).values()
+                 if isinstance(v, base)]  # fmt: skip
+        tables = {id(v): (v._local_mapping, all(_unreviewed(k) for u, k in found if u is v)) for v, _ in found}
+        _REGISTRIES[:] = [len(sys.modules), *((c._global_mapping, False) for c in subs), *tables.values()]
+    return [f for m, theirs in _REGISTRIES[1:] for f in list(m.values())
+            if every or not (theirs and _unreviewed(_code_module(f)))]  # fmt: skip
 
 
 def namespace_functions(model: nn.Module) -> list[Any]:
-    """The Python functions a trusted layer looks up when it runs: torch's, ``torch.nn.functional``'s, Tensor's and
-    those of the modules defining the model's trusted classes (one replaced by yours, ``F.relu = f``, runs on the
-    whole batch inside a stock layer: found in review, up to 28·C)."""
+    """The Python functions a trusted layer looks up: torch's, ``F``'s, Tensor's, its own module's (one replaced by
+    yours, ``F.relu = f``, runs on the whole batch inside a stock layer: found in review, up to 28·C)."""
     names = {type(m).__module__ for m in model.modules() if _trusted_module(type(m).__module__)}
     spaces = [torch, torch.nn.functional, torch.Tensor, *(sys.modules[n] for n in sorted(names) if n in sys.modules)]
     return [v for ns in spaces for v in list(vars(ns).values()) if inspect.isfunction(v)]
 
 
-# Libraries the trusted packages import into their namespaces (a torch wrapper from typing_extensions, peft's
-# accelerate and safetensors helpers): not yours, and not called on a batch by a layer.
+# Libraries the trusted packages import into their namespaces: not yours, and not called on a batch by a layer.
 LIBRARIES = ("typing_extensions", "accelerate", "huggingface_hub", "safetensors")
 
 
@@ -164,20 +165,18 @@ def _library(f: Any) -> bool:
     where = os.path.realpath(f.__code__.co_filename)
     if where.startswith(os.path.realpath(paths["stdlib"]) + os.sep) and not where.startswith(site):
         return True
-    files = [getattr(sys.modules.get(n), "__file__", None) for n in LIBRARIES]
-    return where.startswith(tuple(os.path.realpath(os.path.dirname(x)) + os.sep for x in files if x))
+    files = [os.path.realpath(x) for n in LIBRARIES if (x := getattr(sys.modules.get(n), "__file__", None))]
+    return where in files or where.startswith(tuple(os.path.dirname(x) + os.sep for x in files if "__init__" in x))
 
 
 def calls_made_of(mod: nn.Module) -> tuple:
-    """What a module's call runs besides its class's code (for a change after ``make_private``): an instance
-    forward or ``_call_impl``, a compiled call; the functions it holds."""
+    """What a module's call runs besides its class's code: an instance's (compiled) call or forward; what it holds."""
     own = tuple(k for k in ("forward", "_call_impl", "_compiled_call_impl") if vars(mod).get(k) is not None)
     return own, tuple(id(v) for v in vars(mod).values() if callable(v) and not isinstance(v, (nn.Module, type)))
 
 
 def check_modes() -> None:
-    """Refuse a torch function or dispatch mode of yours around a private pass (it sees, and may mix, the batch),
-    and saved-tensor hooks of yours (they rewrite what the backward reads: 19.4·C in review)."""
+    """Refuse a torch mode (it sees the batch) or saved-tensor hooks (19.4·C in review) of yours around a pass."""
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -200,13 +199,11 @@ _Item = tuple[Callable[[], Any], Callable[[Any], None]]  # (read the state, put 
 
 
 class KeptState:
-    """The Python state of a model and of ``others`` (your loss, your metric), kept by one deep copy taken before a
-    batch computed one example at a time; ``again(fn)`` computes with it back in place, then puts the state of now
-    back (docs/privacy.md, items 17 and 23: the last example again, as before the batch). Kept: each model module's
-    attributes besides its parameters, buffers and submodules, as it pickles (``__getstate__``, put back by
-    ``__setstate__``: an RNN's weight list rebuilt), the model's tensors shared; your loss's and metric's modules
-    whole, buffers included; objects' attributes and slots; functions' closure cells, attributes and defaults
-    (those a layer holds too); your classes' data attributes. Not kept: module-level globals."""
+    """The Python state of a model and of ``others`` (your loss, your metric), deep-copied before a batch computed
+    one example at a time; ``again(fn)`` computes with it in place, then puts the current one back (docs/privacy.md,
+    items 17, 23). Kept: model modules' attributes but tensors and submodules, as they pickle; your loss's and
+    metric's modules whole; objects' attributes and slots; functions' cells, attributes and defaults; your classes'
+    data attributes. Not kept: module-level globals."""
 
     def __init__(self, model: nn.Module | None, tensors: Iterable[torch.Tensor] = (), others: Iterable[Any] = ()):
         self._items: list[_Item] = []
@@ -298,8 +295,7 @@ def _yours(cls: type) -> bool:
 
 
 def _module_item(m: nn.Module) -> _Item:
-    """A model module: its attributes as it pickles, put back as unpickling puts them, ``__setstate__`` (an attribute
-    made since removed; its tensors are the model's)."""
+    """A model module: its attributes as it pickles, put back by ``__setstate__`` (one made since removed)."""
 
     def read() -> dict[str, Any]:
         try:

@@ -1,7 +1,4 @@
-"""Executors: where runs execute (``local``; ``process``: a spawn-context pool, one worker per GPU on CUDA;
-``ray``). The budget is planned centrally; every executor calls the pure ``worker.execute_task`` with
-torch pinned to ``study.threads_per_run`` threads, so the same seeds give the same results anywhere
-(except secure mode). Completion order does not matter: the coordinator orders the outcome."""
+"""Where runs execute (local, process, ray): each calls the pure ``worker.execute_task`` (same seeds, same results)."""
 
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from multiprocessing import connection
 from typing import Any
 
 from dptune.devices import gpus_per_task, process_gpu_plan
@@ -30,8 +28,7 @@ def _call(fn: Fn, args: tuple[Any, ...]) -> Result:
         return None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
 
 
-# Pools report when a worker *starts* a task (not when it is queued), so the store marks runs
-# "running" only while a worker has them: the coordinator polls for these reports this often.
+# Pools report when a worker *starts* a task (not queued): runs are "running" only while a worker has them.
 START_POLL_S = 0.2
 _STARTED: Any = None  # in a pool worker: the queue its task starts are reported on
 
@@ -49,8 +46,7 @@ def _pool_init(started: Any, counter: Any = None, masks: list[str] | None = None
 
 
 def _die_with_parent() -> None:
-    """Linux: a worker gets SIGTERM when the coordinator dies (a SIGKILL left them holding memory and GPUs,
-    found in review); resume re-runs what they had. Elsewhere, as before."""
+    """Linux: a worker gets SIGTERM when the coordinator dies (a SIGKILL left them holding GPUs, found in review)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -68,8 +64,7 @@ def _ray_call(started: Any, report: Any, fn: Fn, args: tuple[Any, ...]) -> Resul
 
 
 class _Starts:
-    """Turns the workers' start reports of one batch into ``on_start`` calls: at most ``limit`` running at
-    once, a result whose start report lags started first, an earlier batch's reports ignored."""
+    """A batch's start reports as ``on_start`` calls: at most ``limit`` running, a result's lagging start first."""
 
     def __init__(self, task_ids: Iterable[str], on_start: Callable[[list[str]], None], limit: int | None):
         self.ids, self.on_start, self.limit = set(task_ids), on_start, limit
@@ -120,8 +115,7 @@ class Executor:
         tasks: list[Task],
         on_start: Callable[[list[str]], None] = lambda ids: None,
     ) -> Iterator[Outcome]:
-        """Execute ``fn(*args)`` for every task; call ``on_start(task_ids)`` when tasks start (pools: when a worker
-        reports that it took them, not when queued; always before the task's outcome); yield outcomes as they finish."""
+        """``fn(*args)`` of every task; ``on_start(task_ids)`` as workers take them (before their outcomes, yielded)."""
         raise NotImplementedError
 
     def close(self, interrupted: bool = False) -> None:
@@ -138,8 +132,7 @@ class LocalExecutor(Executor):
 
 
 class ProcessExecutor(Executor):
-    """A spawned process pool (CUDA needs *spawn*: a forked CUDA context is unusable). With ``device`` on CUDA,
-    ``devices.process_gpu_plan`` sets the pool size (default one worker per visible GPU) and pins each to one GPU."""
+    """A spawned process pool (a forked CUDA context is unusable); on CUDA, one worker per GPU (process_gpu_plan)."""
 
     name = "process"
 
@@ -153,7 +146,7 @@ class ProcessExecutor(Executor):
         self.started_queue = ctx.Queue()  # workers report the tasks they start (handed over at spawn)
         init = (self.started_queue, ctx.Value("i", 0), self.gpu_masks) if self.gpu_masks else (self.started_queue,)
         self._new_pool = lambda: ProcessPoolExecutor(n, mp_context=ctx, initializer=_pool_init, initargs=init)
-        self.pool = self._new_pool()
+        self.pool, self._dead = self._new_pool(), set[int]()
 
     def _drain(self, starts: _Starts, pids: dict[str, int]) -> None:
         """The start reports: task id → the pid of the worker that took it (one reader: get() never waits)."""
@@ -173,6 +166,7 @@ class ProcessExecutor(Executor):
             for rid, args in todo.items():
                 with contextlib.suppress(BrokenProcessPool):  # it broke (a worker died, maybe while idle): see below
                     futs[self.pool.submit(_pool_call, rid, fn, args)] = rid
+            self._watch()
             pending = set(futs)
             while pending:
                 done, pending = wait(pending, timeout=START_POLL_S, return_when=FIRST_COMPLETED)
@@ -184,15 +178,13 @@ class ProcessExecutor(Executor):
                 yield from self._broken(todo, starts, pids, breaks)
 
     def _broken(self, todo: dict[str, Any], starts: _Starts, pids: dict[str, int], breaks: dict[str, int]):
-        """A worker died: concurrent.futures failed every task of its pool and stopped the other workers (found
-        in an audit: 5 of 6 runs failed). Only the run whose worker died fails; the rest go on in a new pool,
-        unless two pools broke under them with no dead worker's run known (it died before reporting it)."""
+        """A worker died (not SIGTERMed by the pool, or noted by _watch): its run fails alone (audit: 5 of 6 did), the
+        rest go on in a new pool, unless two broke under them with no dead worker's run known (it died unreported)."""
         procs = dict(getattr(self.pool, "_processes", None) or {})
         self.pool.shutdown(wait=True)  # its workers have stopped: their exit codes are known
-        self.pool = self._new_pool()
+        self.pool, dead, self._dead = self._new_pool(), self._dead, set()
         self._drain(starts, pids)
-        stopped = -signal.SIGTERM  # how the pool stops the workers that did not die
-        codes = {pid: p.exitcode for pid, p in procs.items() if p.exitcode != stopped}
+        codes = {pid: p.exitcode for pid, p in procs.items() if pid in dead or p.exitcode != -signal.SIGTERM}
         lost = {rid: codes[pid] for rid in todo if (pid := pids.pop(rid, -1)) in codes}
         for rid in list(todo):
             breaks[rid] += not lost
@@ -205,6 +197,19 @@ class ProcessExecutor(Executor):
                 yield rid, None, f"worker process died ({how}) {why}"
                 starts.finished(rid)
 
+    def _watch(self) -> None:
+        """Note the workers dead before the pool stops the rest (review: a run's own SIGTERM read as the pool's)."""
+        for p in (getattr(self.pool, "_processes", None) or {}).values():
+            if "terminate" not in vars(p):
+
+                def terminate(p: Any = p, stop: Callable[[], None] = p.terminate) -> None:
+                    with contextlib.suppress(ValueError):  # a closed process: none to note
+                        if connection.wait([p.sentinel], 0):  # it had exited before the pool stops it
+                            self._dead.add(p.pid)
+                    stop()
+
+                p.terminate = terminate
+
     def close(self, interrupted: bool = False) -> None:
         if interrupted:  # a Ctrl-C to this process alone (kill -INT, a notebook): its runs in flight re-run on resume
             for proc in list(getattr(self.pool, "_processes", {}).values()):
@@ -215,8 +220,7 @@ class ProcessExecutor(Executor):
 
 
 def _local_pythonpath() -> dict[str, Any]:
-    """This interpreter's ``sys.path`` as the local Ray workers' PYTHONPATH, so that a study's
-    ``module:factory`` importable here is importable there (a cluster: Ray's ``runtime_env``)."""
+    """``sys.path`` as local Ray workers' PYTHONPATH: a ``module:factory`` importable here is there too."""
     paths = [p for p in sys.path if p and os.path.isdir(p)]
     extra = os.environ.get("PYTHONPATH")
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths + ([extra] if extra else []))}}
@@ -241,8 +245,7 @@ RAY_PORTS = {"ray": 10001, "": 6379}  # Ray Client (ray://host) and the GCS of `
 
 
 def check_ray_address(address: str, timeout: float = 3.0) -> None:
-    """Refuse, in at most ``timeout`` seconds, a Ray address where nothing listens: ``ray.init``
-    would retry it for minutes, printing connection warnings, before it fails."""
+    """Refuse, within ``timeout`` s, a Ray address where nothing listens (``ray.init`` retries it for minutes)."""
     if address in ("auto", "local"):  # Ray finds (or starts) the cluster itself
         return
     scheme, _, hostport = address.rpartition("://")
@@ -267,8 +270,7 @@ def check_ray_address(address: str, timeout: float = 3.0) -> None:
 
 
 def check_executor(name: str | Executor, address: str | None = None) -> None:
-    """Refuse, before a study directory is made, an executor that cannot start here: an unknown
-    name, 'ray' without Ray installed, or a Ray address where nothing answers."""
+    """Refuse, before a study directory exists, an unknown name, 'ray' not installed, or a Ray address not answering."""
     if isinstance(name, Executor):
         return
     check_executor_name(name, address)
@@ -290,9 +292,7 @@ class RayExecutor(Executor):
         device: str | None = None,
         gpus_per_run: float | None = None,
     ):
-        # On CUDA every task asks Ray for GPUs, so a cluster schedules it on a GPU node and Ray
-        # sets the task's CUDA_VISIBLE_DEVICES (its "cuda" is then the GPU Ray assigned).
-        self.num_gpus = gpus_per_task(device, gpus_per_run)
+        self.num_gpus = gpus_per_task(device, gpus_per_run)  # on CUDA: each task asks Ray for GPUs (a GPU node's)
         self.ray = ray = require_ray()
         self.started = False
         self._init: dict[str, Any] | None = None  # how this executor started Ray (restarted on reuse)
